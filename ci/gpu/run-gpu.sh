@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The emm GPU job, run from a bundle made by `cargo run -p ci -- gpu-bundle DIR` on the build
+# machine. It builds nothing. Every test binary runs with EMM_REQUIRE_GPU=1, so a missing GPU
+# fails the job instead of skipping; the full log goes to $EMM_GPU_LOG (default
+# DIR/gpu-job.log) and a short summary is printed last.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+log=${EMM_GPU_LOG:-$here/gpu-job.log}
+export EMM_REQUIRE_GPU=1
+: >"$log"
+status=0
+summary=()
+
+# run NAME CMD...: runs CMD, appends its output to the log, records its libtest result line.
+run() {
+    local name=$1; shift
+    local out; out=$(mktemp)
+    echo "=== $name: $*" >>"$log"
+    "$@" >"$out" 2>&1
+    local rc=$?
+    cat "$out" >>"$log"
+    local result; result=$(grep -E '^test result:' "$out" | tail -n 1)
+    summary+=("$(printf '%-22s %s (exit %d)' "$name" "${result:-no test result line}" "$rc")")
+    if [ "$rc" != 0 ]; then status=1; fi
+    if [ "$name" = "suite cuda" ] && ! grep -Eq '; 0 ignored;' <<<"$result"; then
+        summary+=("suite cuda: some CUDA tests were ignored; the GPU job requires all to run")
+        status=1
+    fi
+    rm -f "$out"
+}
+
+{ nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } >>"$log" 2>&1 || true
+run "suite sim" "$here/bin/suite" --test-threads 2 sim::
+run "suite cuda" "$here/bin/suite" --test-threads 1 cuda::
+for t in "$here"/bin/unit-*; do
+    [ -e "$t" ] && run "$(basename "$t")" "$t"
+done
+for ex in quickstart driver_probe; do
+    if [ -x "$here/bin/$ex" ]; then
+        echo "=== $ex" >>"$log"
+        if EMM_DRIVER=cuda "$here/bin/$ex" >>"$log" 2>&1; then
+            summary+=("$(printf '%-22s ok' "$ex")")
+        else
+            summary+=("$(printf '%-22s FAILED' "$ex")"); status=1
+        fi
+    fi
+done
+
+echo "full log: $log"
+echo "---- emm GPU job summary ----"
+printf '%s\n' "${summary[@]}"
+if [ "$status" = 0 ]; then echo "GPU job: PASS"; else echo "GPU job: FAIL"; fi
+exit "$status"

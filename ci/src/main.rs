@@ -1,0 +1,97 @@
+//! emm's CI entry points that are more than a list of cargo commands.
+//!
+//! - `cargo run -p ci -- gpu-bundle [DIR]` builds the release test binaries and examples and
+//!   assembles DIR (default `gpu-bundle/`): `bin/` with the stripped executables and
+//!   `run-gpu.sh`, the one command the GPU machine runs (it needs no Rust toolchain).
+//!
+//! The CPU job is `.ci/run` (fmt, clippy, tests, loom models).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("gpu-bundle") => {
+            gpu_bundle(Path::new(args.get(1).map_or("gpu-bundle", String::as_str)))
+        }
+        _ => Err("usage: cargo run -p ci -- gpu-bundle [DIR]".to_owned()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ci: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs a cargo build with `--message-format=json` and returns (target name, kind, executable)
+/// for every executable it produced.
+fn cargo_executables(args: &[&str]) -> Result<Vec<(String, String, PathBuf)>, String> {
+    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(args)
+        .arg("--message-format=json-render-diagnostics")
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("running cargo: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("cargo {} failed", args.join(" ")));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut found = Vec::new();
+    for line in text.lines().filter(|l| l.contains("\"reason\":\"compiler-artifact\"")) {
+        let (Some(exe), Some(name), Some(kind)) = (
+            json_str(line, "\"executable\":"),
+            json_str(line, "\"name\":"),
+            json_str(line, "\"kind\":["),
+        ) else {
+            continue;
+        };
+        found.push((name, kind, PathBuf::from(exe)));
+    }
+    Ok(found)
+}
+
+/// The string value after `key` in one line of cargo's JSON (cargo escapes nothing in the
+/// paths and names this reads).
+fn json_str(line: &str, key: &str) -> Option<String> {
+    let rest = &line[line.find(key)? + key.len()..];
+    let rest = rest.strip_prefix('"')?;
+    Some(rest[..rest.find('"')?].to_owned())
+}
+
+fn gpu_bundle(dir: &Path) -> Result<(), String> {
+    let bin = dir.join("bin");
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).map_err(|e| format!("clearing {}: {e}", dir.display()))?;
+    }
+    std::fs::create_dir_all(&bin).map_err(|e| format!("creating {}: {e}", bin.display()))?;
+    let mut exes = cargo_executables(&["test", "--release", "--workspace", "--no-run"])?;
+    exes.extend(cargo_executables(&["build", "--release", "-p", "integration", "--examples"])?);
+    let mut copied = Vec::new();
+    for (name, kind, path) in exes {
+        let file = match (kind.as_str(), name.as_str()) {
+            ("test", "suite") => "suite".to_owned(),
+            ("example", _) => name.clone(),
+            ("lib", _) => format!("unit-{name}"),
+            _ => continue,
+        };
+        if copied.iter().any(|c: &String| c.split(' ').next() == Some(file.as_str())) {
+            continue;
+        }
+        let dest = bin.join(&file);
+        std::fs::copy(&path, &dest).map_err(|e| format!("copying {}: {e}", path.display()))?;
+        let stripped = Command::new("strip").arg(&dest).status().is_ok_and(|s| s.success());
+        copied.push(format!("{file}{}", if stripped { "" } else { " (not stripped)" }));
+    }
+    let script = dir.join("run-gpu.sh");
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("gpu/run-gpu.sh"), &script)
+        .map_err(|e| format!("copying run-gpu.sh: {e}"))?;
+    if !copied.iter().any(|c| c.starts_with("suite")) {
+        return Err("the integration suite binary was not built".into());
+    }
+    println!("bundle {}: {}", dir.display(), copied.join(", "));
+    println!("on the GPU machine: bash {}/run-gpu.sh", dir.display());
+    Ok(())
+}

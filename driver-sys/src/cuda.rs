@@ -1,0 +1,303 @@
+//! [`CudaDriver`]: the real driver, over cudarc's `sys` layer (feature `cuda`).
+//!
+//! cudarc is built with `dynamic-loading`: libcuda is opened at run time, so this compiles and
+//! links on machines with no CUDA at all. cudarc panics on the first call when libcuda is
+//! missing, so [`CudaDriver::load`] asks `is_culib_present` before any other call and turns a
+//! missing library into an ordinary [`ErrorKind::DriverUnavailable`](crate::ErrorKind) error.
+//!
+//! Each method wraps one driver call (the `_v2` ABI names where CUDA has them) and links the
+//! CUDA documentation page it follows. Calls that name a context make it current for their
+//! duration with [`CtxScope`], restoring the thread's previous context afterwards, so emm never
+//! leaves a context current behind the host runtime's back.
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::mem::MaybeUninit;
+
+use cudarc::driver::sys;
+
+use crate::{
+    ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, MemInfo,
+};
+
+/// The real CUDA driver. Obtain it with [`CudaDriver::load`].
+#[derive(Debug)]
+pub struct CudaDriver {
+    _loaded: (),
+}
+
+fn check(call: &'static str, r: sys::CUresult) -> Result<(), DriverError> {
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        other => Err(DriverError::from_code(call, other as u32)),
+    }
+}
+
+fn as_cu_ctx(ctx: ContextHandle) -> sys::CUcontext {
+    ctx.0 as usize as sys::CUcontext
+}
+
+/// Makes a context current for one call and restores the thread's previous one on drop.
+struct CtxScope {
+    pushed: bool,
+}
+
+impl CtxScope {
+    fn enter(ctx: ContextHandle) -> Result<CtxScope, DriverError> {
+        let mut current = MaybeUninit::<sys::CUcontext>::uninit();
+        // SAFETY:
+        // - `current` is a valid place for one `CUcontext`; the driver writes it on success.
+        // - libcuda was found by `CudaDriver::load`, the only constructor.
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(current.as_mut_ptr()) })?;
+        // SAFETY: cuCtxGetCurrent succeeded, so it initialised `current`.
+        let current = unsafe { current.assume_init() };
+        if current == as_cu_ctx(ctx) {
+            return Ok(CtxScope { pushed: false });
+        }
+        // SAFETY: pushing a context handle the caller obtained from this driver; an invalid or
+        // destroyed handle is reported by the driver as an error, not undefined behaviour.
+        check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(as_cu_ctx(ctx)) })?;
+        Ok(CtxScope { pushed: true })
+    }
+}
+
+impl Drop for CtxScope {
+    fn drop(&mut self) {
+        if self.pushed {
+            let mut popped = MaybeUninit::<sys::CUcontext>::uninit();
+            // SAFETY: pops the context this scope pushed on this thread; `popped` is a valid
+            // place for the handle the driver returns.
+            let r = unsafe { sys::cuCtxPopCurrent_v2(popped.as_mut_ptr()) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                tracing::error!(code = r as u32, "cuCtxPopCurrent failed restoring the caller's context");
+            }
+        }
+    }
+}
+
+fn cu_device(dev: DeviceOrdinal) -> Result<sys::CUdevice, DriverError> {
+    let ordinal = i32::try_from(dev.0)
+        .map_err(|_| DriverError::from_code("cuDeviceGet", crate::code::INVALID_DEVICE))?;
+    let mut out = MaybeUninit::<sys::CUdevice>::uninit();
+    // SAFETY: `out` is a valid place for one `CUdevice`; libcuda is loaded.
+    check("cuDeviceGet", unsafe { sys::cuDeviceGet(out.as_mut_ptr(), ordinal) })?;
+    // SAFETY: cuDeviceGet succeeded and wrote `out`.
+    Ok(unsafe { out.assume_init() })
+}
+
+impl CudaDriver {
+    /// Loads libcuda and calls `cuInit(0)`.
+    ///
+    /// Fails with [`ErrorKind::DriverUnavailable`](crate::ErrorKind::DriverUnavailable) when no
+    /// libcuda can be loaded (or it is a stub), and with
+    /// [`ErrorKind::NoDevice`](crate::ErrorKind::NoDevice) when the driver sees no GPU. Never
+    /// panics.
+    pub fn load() -> Result<CudaDriver, DriverError> {
+        if !Self::library_present() {
+            return Err(DriverError::unavailable(
+                "cuInit",
+                "libcuda.so / libcuda.so.1 not found on the loader path",
+            ));
+        }
+        let driver = CudaDriver { _loaded: () };
+        driver.init()?;
+        Ok(driver)
+    }
+
+    /// Whether a CUDA driver library can be loaded. Makes no CUDA call.
+    pub fn library_present() -> bool {
+        // SAFETY: `is_culib_present` only tries to dlopen() the candidate library names; it
+        // calls no CUDA function.
+        unsafe { sys::is_culib_present() }
+    }
+}
+
+impl Driver for CudaDriver {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    /// [cuInit](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__INITIALIZE.html)
+    fn init(&self) -> Result<(), DriverError> {
+        // SAFETY: libcuda is loaded (checked in `load`); cuInit takes flags only.
+        check("cuInit", unsafe { sys::cuInit(0) })
+    }
+
+    /// [cuDeviceGetCount](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html)
+    fn device_count(&self) -> Result<u32, DriverError> {
+        let mut n = 0i32;
+        // SAFETY: `n` is a valid place for one int; libcuda is loaded.
+        check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+        Ok(u32::try_from(n).unwrap_or(0))
+    }
+
+    /// [cuDeviceTotalMem](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html)
+    fn device_total_mem(&self, dev: DeviceOrdinal) -> Result<usize, DriverError> {
+        let device = cu_device(dev)?;
+        let mut bytes = 0usize;
+        // SAFETY: `bytes` is a valid place for one size_t; `device` came from cuDeviceGet.
+        check("cuDeviceTotalMem", unsafe { sys::cuDeviceTotalMem_v2(&mut bytes, device) })?;
+        Ok(bytes)
+    }
+
+    /// [cuDeviceGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html)
+    fn device_attribute(
+        &self,
+        dev: DeviceOrdinal,
+        attr: DeviceAttribute,
+    ) -> Result<i32, DriverError> {
+        let device = cu_device(dev)?;
+        let attr = match attr {
+            DeviceAttribute::CanMapHostMemory => {
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY
+            }
+            DeviceAttribute::PciBusId => sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID,
+            DeviceAttribute::PciDeviceId => {
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID
+            }
+            DeviceAttribute::PciDomainId => {
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID
+            }
+        };
+        let mut value = 0i32;
+        // SAFETY: `value` is a valid place for one int; `attr` is a valid enum value;
+        // `device` came from cuDeviceGet.
+        check("cuDeviceGetAttribute", unsafe {
+            sys::cuDeviceGetAttribute(&mut value, attr, device)
+        })?;
+        Ok(value)
+    }
+
+    /// [cuDevicePrimaryCtxRetain](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html)
+    fn primary_ctx_retain(&self, dev: DeviceOrdinal) -> Result<ContextHandle, DriverError> {
+        let device = cu_device(dev)?;
+        let mut ctx = MaybeUninit::<sys::CUcontext>::uninit();
+        // SAFETY: `ctx` is a valid place for one CUcontext; `device` came from cuDeviceGet.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(ctx.as_mut_ptr(), device)
+        })?;
+        // SAFETY: the retain succeeded and wrote `ctx`.
+        let ctx = unsafe { ctx.assume_init() };
+        Ok(ContextHandle(ctx as usize as u64))
+    }
+
+    /// [cuDevicePrimaryCtxRelease](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html)
+    unsafe fn primary_ctx_release(&self, dev: DeviceOrdinal) -> Result<(), DriverError> {
+        let device = cu_device(dev)?;
+        // SAFETY: the caller matches this release with an earlier retain (trait contract).
+        check("cuDevicePrimaryCtxRelease", unsafe { sys::cuDevicePrimaryCtxRelease_v2(device) })
+    }
+
+    /// [cuDevicePrimaryCtxReset](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html)
+    unsafe fn primary_ctx_reset(&self, dev: DeviceOrdinal) -> Result<(), DriverError> {
+        let device = cu_device(dev)?;
+        // SAFETY: the caller guarantees nothing of the context is used again (trait contract).
+        check("cuDevicePrimaryCtxReset", unsafe { sys::cuDevicePrimaryCtxReset_v2(device) })
+    }
+
+    /// [cuMemAlloc](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    fn mem_alloc(&self, ctx: ContextHandle, bytes: usize) -> Result<DevicePtr, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut ptr = 0 as sys::CUdeviceptr;
+        // SAFETY: `ptr` is a valid place for one CUdeviceptr; the context is current.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) })?;
+        Ok(DevicePtr(ptr))
+    }
+
+    /// [cuMemFree](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    unsafe fn mem_free(&self, ctx: ContextHandle, ptr: DevicePtr) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller guarantees `ptr` is a live allocation of `ctx`, freed once and no
+        // longer used (trait contract); the driver rejects unknown pointers with an error.
+        check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr.0) })
+    }
+
+    /// [cuMemGetInfo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    fn mem_get_info(&self, ctx: ContextHandle) -> Result<MemInfo, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: both are valid places for one size_t; the context is current.
+        check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        Ok(MemInfo { free, total })
+    }
+
+    /// [cuMemGetAddressRange](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    fn mem_get_address_range(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<(DevicePtr, usize), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut base = 0 as sys::CUdeviceptr;
+        let mut size = 0usize;
+        // SAFETY: `base` and `size` are valid places; the driver only reads its own tables for
+        // `ptr` and reports an unknown pointer as an error.
+        check("cuMemGetAddressRange", unsafe {
+            sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr.0)
+        })?;
+        Ok((DevicePtr(base), size))
+    }
+
+    /// [cuMemcpyHtoD](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    unsafe fn memcpy_htod(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: &[u8],
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY:
+        // - `src` is a live slice of `src.len()` readable bytes for the whole (synchronous) call.
+        // - the caller guarantees the destination range is a live allocation nobody else
+        //   touches during the copy (trait contract).
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(dst.0, src.as_ptr().cast::<c_void>(), src.len())
+        })
+    }
+
+    /// [cuMemcpyDtoH](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    unsafe fn memcpy_dtoh(
+        &self,
+        ctx: ContextHandle,
+        dst: &mut [u8],
+        src: DevicePtr,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY:
+        // - `dst` is a live, exclusively borrowed slice of `dst.len()` writable bytes for the
+        //   whole (synchronous) call.
+        // - the caller guarantees the source range is a live allocation nobody writes during
+        //   the copy (trait contract).
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast::<c_void>(), src.0, dst.len())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a machine without libcuda, `load` is an ordinary error, not a panic.
+    #[test]
+    fn load_never_panics() {
+        match CudaDriver::load() {
+            Ok(d) => {
+                // A GPU machine: the driver answers.
+                d.device_count().expect("cuDeviceGetCount after a successful load");
+            }
+            Err(e) => {
+                let kind = e.kind();
+                assert!(
+                    matches!(
+                        kind,
+                        crate::ErrorKind::DriverUnavailable | crate::ErrorKind::NoDevice
+                    ),
+                    "unexpected error kind {kind:?}: {e}"
+                );
+                // Formatting must not call into libcuda (cudarc's own error would panic here).
+                assert!(!e.to_string().is_empty());
+            }
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! Handle newtypes. Pointers and context handles print as hex, device ordinals as decimal.
+
+use std::fmt;
+
+/// A device address (`CUdeviceptr`). Prints as hex.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct DevicePtr(pub u64);
+
+/// A host address (`void *` as handed to or by the driver). Prints as hex.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct HostPtr(pub usize);
+
+/// A CUDA context (`CUcontext`), as an opaque value. Prints as hex.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ContextHandle(pub u64);
+
+/// A device ordinal, as `cuDeviceGet` takes it (0-based).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]
+pub struct DeviceOrdinal(pub u32);
+
+impl DevicePtr {
+    /// The address as an integer.
+    pub const fn addr(self) -> u64 {
+        self.0
+    }
+
+    /// This address plus `bytes`, or `None` on overflow.
+    pub fn checked_add(self, bytes: usize) -> Option<DevicePtr> {
+        self.0.checked_add(bytes as u64).map(DevicePtr)
+    }
+
+    /// Whether this is the null device pointer.
+    pub const fn is_null(self) -> bool {
+        self.0 == 0
+    }
+}
+
+impl HostPtr {
+    /// The address as an integer.
+    pub const fn addr(self) -> usize {
+        self.0
+    }
+
+    /// Whether this is the null host pointer.
+    pub const fn is_null(self) -> bool {
+        self.0 == 0
+    }
+}
+
+macro_rules! hex_fmt {
+    ($($ty:ident),*) => {$(
+        impl fmt::Debug for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!(stringify!($ty), "({:#x})"), self.0)
+            }
+        }
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{:#x}", self.0)
+            }
+        }
+        impl fmt::LowerHex for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::LowerHex::fmt(&self.0, f)
+            }
+        }
+    )*};
+}
+hex_fmt!(DevicePtr, HostPtr, ContextHandle);
+
+impl fmt::Display for DeviceOrdinal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl From<u32> for DeviceOrdinal {
+    fn from(v: u32) -> Self {
+        DeviceOrdinal(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pointers_print_as_hex() {
+        assert_eq!(DevicePtr(0x7f00_0000_0200).to_string(), "0x7f0000000200");
+        assert_eq!(format!("{:?}", DevicePtr(255)), "DevicePtr(0xff)");
+        assert_eq!(format!("{:?}", HostPtr(16)), "HostPtr(0x10)");
+        assert_eq!(ContextHandle(0xabc).to_string(), "0xabc");
+        assert_eq!(DeviceOrdinal(3).to_string(), "3");
+    }
+
+    #[test]
+    fn checked_add_reports_overflow() {
+        assert_eq!(DevicePtr(10).checked_add(5), Some(DevicePtr(15)));
+        assert_eq!(DevicePtr(u64::MAX).checked_add(1), None);
+    }
+}

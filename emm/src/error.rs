@@ -1,0 +1,180 @@
+//! [`EmmError`]: every error emm reports. Each message says what happened and what to do.
+
+use driver_sys::{DeviceOrdinal, DriverError, ErrorKind};
+
+/// An error from emm.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum EmmError {
+    /// A driver call failed; the driver's error (with its raw code) is the source.
+    #[error("{op} on device {device}: {source}")]
+    Driver {
+        /// What emm was doing.
+        op: &'static str,
+        /// The device concerned.
+        device: DeviceOrdinal,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+
+    /// An allocation failed for lack of memory, after the one retry Numba makes.
+    #[error(
+        "out of memory on device {device}: could not allocate {requested} bytes \
+         ({free} of {total} bytes free after flushing {flushed} pending deallocation(s)); \
+         drop buffers you no longer need, or request less"
+    )]
+    OutOfMemory {
+        /// The device.
+        device: DeviceOrdinal,
+        /// Bytes requested.
+        requested: usize,
+        /// Free bytes the driver reported after the retry failed (0 if it could not say).
+        free: usize,
+        /// Total bytes of the device (0 if the driver could not say).
+        total: usize,
+        /// Pending deallocations flushed before the retry (0 inside `defer_cleanup`).
+        flushed: usize,
+        /// The driver's error from the retry.
+        #[source]
+        source: DriverError,
+    },
+
+    /// The memory manager does not offer this operation.
+    #[error(
+        "{operation} is not supported by the memory manager '{manager}'; {advice}"
+    )]
+    NotSupported {
+        /// The operation, such as `memhostalloc`.
+        operation: &'static str,
+        /// The manager's name.
+        manager: String,
+        /// What the caller can do instead.
+        advice: &'static str,
+    },
+
+    /// The memory manager was chosen after a context already existed.
+    #[error(
+        "the memory manager is already fixed: device {device} has a context using '{current}'; \
+         choose the manager before the first context is created (Runtime::builder), or reset \
+         every device first"
+    )]
+    ManagerAlreadyFixed {
+        /// A device whose context exists.
+        device: DeviceOrdinal,
+        /// The manager in use.
+        current: String,
+    },
+
+    /// A plugin implements another version of the interface (Numba's text).
+    #[error("EMM Plugin interface has version {found} - version {required} required")]
+    InterfaceVersion {
+        /// The version the plugin reports.
+        found: u32,
+        /// The version emm implements.
+        required: u32,
+    },
+
+    /// `EMM_MEMORY_MANAGER` or a requested name matches no registered manager.
+    #[error(
+        "no memory manager named '{name}' is registered; registered managers: {}; set \
+         EMM_MEMORY_MANAGER to one of them or register '{name}' with \
+         RuntimeBuilder::register_manager",
+        registered.join(", ")
+    )]
+    UnknownManager {
+        /// The name asked for.
+        name: String,
+        /// The names that exist.
+        registered: Vec<String>,
+    },
+
+    /// A configuration value (environment variable) is malformed.
+    #[error("{variable}={value:?} is invalid: {reason}")]
+    Config {
+        /// The variable.
+        variable: &'static str,
+        /// Its value.
+        value: String,
+        /// Why it is rejected and what is accepted.
+        reason: String,
+    },
+
+    /// A device ordinal that does not exist.
+    #[error(
+        "device {device} does not exist: the driver reports {count} device(s); use an ordinal \
+         below {count}"
+    )]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        device: DeviceOrdinal,
+        /// How many devices there are.
+        count: u32,
+    },
+
+    /// A view or copy reaches outside the memory it refers to.
+    #[error(
+        "{what}: range {start}..{end} is outside the {size}-byte buffer; keep offsets and \
+         lengths within the buffer"
+    )]
+    OutOfBounds {
+        /// What was attempted.
+        what: &'static str,
+        /// Start of the requested range, in bytes from the buffer's start.
+        start: usize,
+        /// End of the requested range (exclusive).
+        end: usize,
+        /// The buffer's size.
+        size: usize,
+    },
+
+    /// The memory belongs to another context (or device) than the one asked to use it.
+    #[error(
+        "{what}: the buffer belongs to device {owner}, not device {device}; use the context of \
+         the device that allocated it"
+    )]
+    WrongContext {
+        /// What was attempted.
+        what: &'static str,
+        /// The device whose context was used.
+        device: DeviceOrdinal,
+        /// The device that owns the buffer.
+        owner: DeviceOrdinal,
+    },
+
+    /// The memory or context was released by a reset.
+    #[error(
+        "{what} on device {device}: {reason}; allocate again from a current context \
+         (Runtime::context) after a reset"
+    )]
+    Stale {
+        /// What was attempted.
+        what: &'static str,
+        /// The device.
+        device: DeviceOrdinal,
+        /// What was reset.
+        reason: &'static str,
+    },
+}
+
+impl EmmError {
+    /// The driver's error kind, where the error came from the driver.
+    pub fn driver_kind(&self) -> Option<ErrorKind> {
+        match self {
+            EmmError::Driver { source, .. } | EmmError::OutOfMemory { source, .. } => {
+                Some(source.kind())
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether this is an out-of-memory error (after emm's retry).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, EmmError::OutOfMemory { .. })
+            || self.driver_kind() == Some(ErrorKind::OutOfMemory)
+    }
+
+    pub(crate) fn driver(op: &'static str, device: DeviceOrdinal, source: DriverError) -> Self {
+        EmmError::Driver { op, device, source }
+    }
+}

@@ -1,0 +1,60 @@
+//! emm: external memory management for CUDA runtimes, after Numba's NBEP 7.
+//!
+//! A host runtime (an array library, a JIT, a Python extension) embeds emm; one memory manager
+//! owns all memory of each context; frees are deferred and batched; the manager is chosen once,
+//! in code or by `EMM_MEMORY_MANAGER`.
+//!
+//! ```text
+//! host runtime ──> Context::memalloc(bytes)
+//!                    └─> MemoryManager::memalloc        (the selected manager)
+//!                          └─> Driver::mem_alloc         on out-of-memory: flush, retry once
+//!                  <── MemoryPointer (clones and views share the allocation)
+//! last clone drops ─> Free::Device queued on the manager's PendingDeallocs
+//!                       flushed when count > 10 or bytes > 0.2 × total memory,
+//!                       unless a DeferCleanup guard is alive
+//! ```
+//!
+//! | item | role |
+//! | --- | --- |
+//! | [`Runtime`] | the driver, the manager choice, one [`Context`] per device |
+//! | [`MemoryManager`] | the plugin interface (all NBEP 7 members) |
+//! | [`DefaultManager`] | emm's own manager |
+//! | [`MemoryPointer`] | device memory; freed through its owner when the last clone drops |
+//! | [`PendingDeallocs`] / [`DeferCleanup`] | deferred deallocation and its suspension |
+//!
+//! emm never names cudarc or the simulator: it talks to an `Arc<dyn Driver>`
+//! ([`driver_sys::Driver`]).
+#![deny(unsafe_code)]
+
+mod config;
+mod context;
+mod default;
+mod error;
+mod host;
+mod ipc;
+mod liveness;
+mod manager;
+mod pending;
+mod pointer;
+mod runtime;
+mod sync;
+mod tracker;
+
+pub use config::{
+    DeallocConfig, ENV_MAX_PENDING_COUNT, ENV_MAX_PENDING_RATIO, ENV_MEMORY_MANAGER,
+    manager_name_from_env, manager_name_from_lookup,
+};
+pub use context::Context;
+pub use default::{DEFAULT_MANAGER, DefaultManager};
+pub use driver_sys;
+pub use error::EmmError;
+pub use host::{HostMemory, HostOwner, HostReleaseFn, MappedMemory, PinnedMemory};
+pub use ipc::{DeviceIdentity, IpcHandle};
+pub use liveness::{ContextLiveness, LiveGuard};
+pub use manager::{
+    FnFactory, INTERFACE_VERSION, ManagerContext, ManagerFactory, MemoryManager,
+    check_interface_version,
+};
+pub use pending::{DeferCleanup, Free, PendingDeallocs};
+pub use pointer::{MemoryInfo, MemoryPointer, ReleaseFn};
+pub use runtime::{Runtime, RuntimeBuilder};

@@ -1,0 +1,186 @@
+//! The plugin interface: [`MemoryManager`] (NBEP 7's `BaseCUDAMemoryManager`), what a manager
+//! is built from ([`ManagerContext`]) and how it is built ([`ManagerFactory`]).
+//!
+//! # Life cycle
+//!
+//! 1. The host runtime picks a manager once, before any context exists: in code
+//!    ([`RuntimeBuilder::memory_manager`](crate::RuntimeBuilder::memory_manager)) or by name
+//!    (`EMM_MEMORY_MANAGER`). The factory's [`interface_version`](ManagerFactory::interface_version)
+//!    is checked then.
+//! 2. The first use of a device creates its [`Context`](crate::Context), and the factory
+//!    builds **one manager for that context**, which owns all its memory.
+//! 3. [`initialize`](MemoryManager::initialize) is called on **every** use of the context
+//!    ([`Runtime::context`](crate::Runtime::context)), always before the first allocation. It
+//!    must be idempotent and must not invalidate earlier state.
+//! 4. Allocation calls come from any thread, in any order.
+//! 5. [`reset`](MemoryManager::reset) frees everything the manager allocated in the context. It
+//!    may be called before `initialize`, and more than once.
+//! 6. When the device is reset, the context and its manager are discarded after `reset`; the
+//!    next use of the device builds a new context with a new manager.
+
+use std::fmt;
+use std::sync::Arc;
+
+use driver_sys::{ContextHandle, DeviceOrdinal, Driver, HostPtr};
+
+use crate::config::DeallocConfig;
+use crate::host::{HostMemory, HostOwner};
+use crate::ipc::IpcHandle;
+use crate::liveness::ContextLiveness;
+use crate::pending::{DeferCleanup, PendingDeallocs};
+use crate::{EmmError, MemoryInfo, MemoryPointer};
+
+/// The interface version emm implements (Numba's `_SUPPORTED_EMM_INTERFACE_VERSION`).
+pub const INTERFACE_VERSION: u32 = 1;
+
+/// A memory manager: owns all memory of one context. Object safe; emm holds `Box<dyn _>`.
+///
+/// See the [module docs](self) for who calls what, when, and how often.
+pub trait MemoryManager: Send + Sync + fmt::Debug {
+    /// Allocates `bytes` of device memory in the context; the pointer owns it.
+    fn memalloc(&self, bytes: usize) -> Result<MemoryPointer, EmmError>;
+
+    /// Allocates page-locked host memory: `mapped` maps it into the device
+    /// (`CU_MEMHOSTALLOC_DEVICEMAP`), `portable` makes it pinned for every context
+    /// (`CU_MEMHOSTALLOC_PORTABLE`), `wc` makes it write-combined
+    /// (`CU_MEMHOSTALLOC_WRITECOMBINED`).
+    fn memhostalloc(
+        &self,
+        bytes: usize,
+        mapped: bool,
+        portable: bool,
+        wc: bool,
+    ) -> Result<HostMemory, EmmError>;
+
+    /// Page-locks the existing host range `ptr .. ptr + size`, which `owner` keeps alive;
+    /// `mapped` also maps it into the device.
+    fn mempin(
+        &self,
+        owner: HostOwner,
+        ptr: HostPtr,
+        size: usize,
+        mapped: bool,
+    ) -> Result<HostMemory, EmmError>;
+
+    /// Prepares the manager for use in its context. Called on every use; idempotent.
+    fn initialize(&self) -> Result<(), EmmError>;
+
+    /// An IPC handle for `memory`, which may be a view.
+    fn get_ipc_handle(&self, memory: &MemoryPointer) -> Result<IpcHandle, EmmError>;
+
+    /// Free and total memory as the manager sees it.
+    fn get_memory_info(&self) -> Result<MemoryInfo, EmmError>;
+
+    /// Frees everything allocated in this context. May come before `initialize`.
+    fn reset(&self) -> Result<(), EmmError>;
+
+    /// Defers expensive cleanup while the returned guard lives. Guards nest.
+    fn defer_cleanup(&self) -> Result<DeferCleanup, EmmError>;
+
+    /// The interface version this manager implements; must be [`INTERFACE_VERSION`].
+    fn interface_version(&self) -> u32;
+
+    /// The manager's deferred-deallocation queue, if it has one (for inspection and tests).
+    fn deallocations(&self) -> Option<&Arc<PendingDeallocs>> {
+        None
+    }
+}
+
+/// What a manager is built from: the context it serves and the means to reach the driver.
+#[derive(Clone, Debug)]
+pub struct ManagerContext {
+    /// The driver.
+    pub driver: Arc<dyn Driver>,
+    /// The device.
+    pub device: DeviceOrdinal,
+    /// The context (the device's primary context).
+    pub context: ContextHandle,
+    /// The deferred-deallocation thresholds in force.
+    pub dealloc_config: DeallocConfig,
+    /// Whether the context may still reach the driver; a manager's driver calls on behalf of
+    /// memory that outlived a device reset must check it (see [`ContextLiveness`]).
+    pub liveness: Arc<ContextLiveness>,
+}
+
+impl ManagerContext {
+    /// A deferred-deallocation queue for this context with the thresholds in force.
+    pub fn new_pending_deallocs(&self) -> PendingDeallocs {
+        PendingDeallocs::new(
+            Arc::clone(&self.driver),
+            self.device,
+            self.context,
+            Arc::clone(&self.liveness),
+            self.dealloc_config,
+        )
+    }
+}
+
+/// Builds one manager per context.
+pub trait ManagerFactory: Send + Sync + fmt::Debug {
+    /// The manager's name, for messages and for selection by `EMM_MEMORY_MANAGER`.
+    fn name(&self) -> &str;
+
+    /// The interface version the managers this factory builds implement.
+    fn interface_version(&self) -> u32;
+
+    /// Builds the manager for one context.
+    fn create(&self, cx: &ManagerContext) -> Result<Box<dyn MemoryManager>, EmmError>;
+}
+
+type CreateFn = dyn Fn(&ManagerContext) -> Result<Box<dyn MemoryManager>, EmmError> + Send + Sync;
+
+/// A [`ManagerFactory`] from a name and a closure, for interface version 1 plugins.
+pub struct FnFactory {
+    name: String,
+    version: u32,
+    create: Box<CreateFn>,
+}
+
+impl FnFactory {
+    /// A factory named `name` that builds managers with `create`.
+    pub fn new(
+        name: impl Into<String>,
+        create: impl Fn(&ManagerContext) -> Result<Box<dyn MemoryManager>, EmmError>
+        + Send
+        + Sync
+        + 'static,
+    ) -> FnFactory {
+        FnFactory { name: name.into(), version: INTERFACE_VERSION, create: Box::new(create) }
+    }
+
+    /// Declares another interface version (to test the version check).
+    #[must_use]
+    pub fn with_interface_version(mut self, version: u32) -> FnFactory {
+        self.version = version;
+        self
+    }
+}
+
+impl fmt::Debug for FnFactory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FnFactory").field("name", &self.name).field("version", &self.version).finish()
+    }
+}
+
+impl ManagerFactory for FnFactory {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn interface_version(&self) -> u32 {
+        self.version
+    }
+
+    fn create(&self, cx: &ManagerContext) -> Result<Box<dyn MemoryManager>, EmmError> {
+        (self.create)(cx)
+    }
+}
+
+/// Checks a plugin's interface version (Numba's message on mismatch).
+pub fn check_interface_version(found: u32) -> Result<(), EmmError> {
+    if found == INTERFACE_VERSION {
+        Ok(())
+    } else {
+        Err(EmmError::InterfaceVersion { found, required: INTERFACE_VERSION })
+    }
+}

@@ -1,0 +1,339 @@
+//! Deferred deallocation (Numba's `_PendingDeallocs`).
+//!
+//! `cuMemFree` can synchronise the device, so frees are not sent to the driver when a pointer
+//! drops: they are queued here, as data, and issued in batches.
+//!
+//! # Life of a free
+//!
+//! 1. The last clone of a [`MemoryPointer`](crate::MemoryPointer) drops and pushes a [`Free`].
+//!    Nothing reaches the driver yet.
+//! 2. [`PendingDeallocs::push`] flushes when the count is **greater than** `max_count` or the
+//!    pending bytes are **greater than** `floor(capacity * max_ratio)` (Numba: strict `>`;
+//!    numba-emm-spec §2). The capacity is 0 until the manager's first `initialize` sets it, so
+//!    before that any free of a known size flushes at once.
+//! 3. [`PendingDeallocs::flush`] frees oldest first. If one free fails, that entry is dropped,
+//!    later entries **stay queued**, the byte count is not reset, and the error is returned
+//!    (Numba's code; its docs say otherwise, and the code wins).
+//! 4. While a [`DeferCleanup`] guard is alive, flushing does nothing (the queue grows without
+//!    bound). Leaving the outermost guard does **not** flush.
+//! 5. When the context is destroyed (device reset), queued frees are discarded without reaching
+//!    the driver: the context's memory went with it.
+//!
+//! A flush triggered from `Drop` cannot return its error: it is logged with `tracing::error!`,
+//! recorded, and returned by the next [`PendingDeallocs::flush`].
+//!
+//! # Locking
+//!
+//! One mutex guards the queue and is held across the driver calls of a flush, so frees are
+//! issued in queue order and never twice. Lock order: the manager's allocation table, then this
+//! queue, then the context's [`ContextLiveness`].
+#![allow(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::Arc;
+
+use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, Driver, DriverError};
+
+use crate::config::DeallocConfig;
+use crate::liveness::ContextLiveness;
+use crate::sync::{Mutex, lock};
+use crate::EmmError;
+
+/// One deferred driver call. Data, not a closure, so tests can compare queues.
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Free {
+    /// `cuMemFree` of a device allocation of `bytes` bytes.
+    Device {
+        /// The allocation's base address.
+        ptr: DevicePtr,
+        /// Its size, counted against the byte threshold.
+        bytes: usize,
+    },
+}
+
+impl Free {
+    /// Bytes this entry counts against the byte threshold.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Free::Device { bytes, .. } => *bytes,
+        }
+    }
+
+    fn execute(&self, driver: &dyn Driver, ctx: ContextHandle) -> Result<(), DriverError> {
+        match self {
+            Free::Device { ptr, .. } => {
+                // SAFETY:
+                // - a `Free::Device` is queued exactly once, by the last owner of the
+                //   allocation (or by the manager's reset, which first removes it from the
+                //   manager's table so no owner queues it again);
+                // - nothing uses the memory afterwards: every pointer into it is gone, or is
+                //   stale and refused by emm before it reaches the driver;
+                // - the caller holds a `LiveGuard`, so `ctx` is the context that allocated it.
+                unsafe { driver.mem_free(ctx, *ptr) }
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    items: VecDeque<Free>,
+    bytes: usize,
+    disabled: usize,
+    capacity: usize,
+    recorded: Option<EmmError>,
+}
+
+/// A context's queue of deferred frees. See the [module docs](self).
+pub struct PendingDeallocs {
+    driver: Arc<dyn Driver>,
+    device: DeviceOrdinal,
+    ctx: ContextHandle,
+    liveness: Arc<ContextLiveness>,
+    config: DeallocConfig,
+    inner: Mutex<Inner>,
+}
+
+impl fmt::Debug for PendingDeallocs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inner = lock(&self.inner);
+        f.debug_struct("PendingDeallocs")
+            .field("device", &self.device)
+            .field("len", &inner.items.len())
+            .field("bytes", &inner.bytes)
+            .field("disabled", &inner.disabled)
+            .field("capacity", &inner.capacity)
+            .finish()
+    }
+}
+
+impl PendingDeallocs {
+    /// An empty queue for the context `ctx` of `device`, capacity unset.
+    pub fn new(
+        driver: Arc<dyn Driver>,
+        device: DeviceOrdinal,
+        ctx: ContextHandle,
+        liveness: Arc<ContextLiveness>,
+        config: DeallocConfig,
+    ) -> PendingDeallocs {
+        PendingDeallocs {
+            driver,
+            device,
+            ctx,
+            liveness,
+            config,
+            inner: Mutex::new(Inner {
+                items: VecDeque::new(),
+                bytes: 0,
+                disabled: 0,
+                capacity: 0,
+                recorded: None,
+            }),
+        }
+    }
+
+    /// Number of pending frees (Numba's `len(deallocations)`).
+    pub fn len(&self) -> usize {
+        lock(&self.inner).items.len()
+    }
+
+    /// Whether nothing is pending.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes pending (sizes of the queued frees since the last complete flush).
+    pub fn pending_bytes(&self) -> usize {
+        lock(&self.inner).bytes
+    }
+
+    /// The queued frees, oldest first.
+    pub fn snapshot(&self) -> Vec<Free> {
+        lock(&self.inner).items.iter().cloned().collect()
+    }
+
+    /// Whether a [`DeferCleanup`] guard of this queue is alive.
+    pub fn is_disabled(&self) -> bool {
+        lock(&self.inner).disabled > 0
+    }
+
+    /// The capacity the byte threshold is a share of (0 while unset).
+    pub fn capacity(&self) -> usize {
+        lock(&self.inner).capacity
+    }
+
+    /// Sets the capacity if it is still unset; returns whether it was set now.
+    pub fn set_capacity_once(&self, bytes: usize) -> bool {
+        let mut inner = lock(&self.inner);
+        if inner.capacity == 0 {
+            inner.capacity = bytes;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The byte threshold: pending bytes above this flush (Numba's `_max_pending_bytes`).
+    pub fn max_pending_bytes(&self) -> usize {
+        self.config.max_pending_bytes(lock(&self.inner).capacity)
+    }
+
+    /// The thresholds this queue applies.
+    pub fn config(&self) -> DeallocConfig {
+        self.config
+    }
+
+    /// Queues a free and flushes if a threshold is crossed (Numba's `add_item`).
+    pub fn push(&self, item: Free) -> Result<(), EmmError> {
+        self.push_all(std::iter::once(item))
+    }
+
+    /// Queues several frees, then applies the thresholds once.
+    pub fn push_all(&self, items: impl IntoIterator<Item = Free>) -> Result<(), EmmError> {
+        let mut inner = lock(&self.inner);
+        if !self.enqueue(&mut inner, items) {
+            return Ok(());
+        }
+        let max_bytes = self.config.max_pending_bytes(inner.capacity);
+        if inner.items.len() > self.config.max_count || inner.bytes > max_bytes {
+            self.flush_locked(&mut inner)?;
+        }
+        Ok(())
+    }
+
+    /// Queues frees without applying the thresholds (a reset queues everything, then flushes
+    /// once).
+    pub(crate) fn push_all_without_flush(&self, items: impl IntoIterator<Item = Free>) {
+        let mut inner = lock(&self.inner);
+        self.enqueue(&mut inner, items);
+    }
+
+    /// Appends `items`; returns false (dropping them) when the context is already destroyed.
+    fn enqueue(&self, inner: &mut Inner, items: impl IntoIterator<Item = Free>) -> bool {
+        if !self.liveness.is_alive() {
+            let dropped = items.into_iter().count();
+            tracing::debug!(device = %self.device, dropped, "context destroyed; its memory went with it, nothing to free");
+            return false;
+        }
+        for item in items {
+            tracing::trace!(device = %self.device, ?item, "deallocation deferred");
+            inner.bytes = inner.bytes.saturating_add(item.bytes());
+            inner.items.push_back(item);
+        }
+        true
+    }
+
+    /// [`push`](Self::push) from a destructor: an error cannot be returned, so it is logged and
+    /// kept for the next [`flush`](Self::flush).
+    pub(crate) fn push_from_drop(&self, item: Free) {
+        if let Err(e) = self.push(item) {
+            tracing::error!(device = %self.device, error = %e, "deferred deallocation failed; the error is returned by the next flush");
+            lock(&self.inner).recorded = Some(e);
+        }
+    }
+
+    /// Frees everything pending, oldest first, unless a [`DeferCleanup`] guard is alive
+    /// (Numba's `clear`). Returns how many frees were issued, or the first error: the failing
+    /// entry is dropped and later ones stay queued. An error recorded by an earlier flush in a
+    /// destructor is returned here if this flush itself succeeds.
+    pub fn flush(&self) -> Result<usize, EmmError> {
+        let mut inner = lock(&self.inner);
+        let freed = self.flush_locked(&mut inner)?;
+        match inner.recorded.take() {
+            Some(e) => Err(e),
+            None => Ok(freed),
+        }
+    }
+
+    fn flush_locked(&self, inner: &mut Inner) -> Result<usize, EmmError> {
+        if inner.disabled > 0 {
+            return Ok(0);
+        }
+        let Some(_live) = self.liveness.enter() else {
+            let dropped = inner.items.len();
+            inner.items.clear();
+            inner.bytes = 0;
+            tracing::debug!(device = %self.device, dropped, "context destroyed; pending frees discarded");
+            return Ok(0);
+        };
+        let mut freed = 0;
+        while let Some(item) = inner.items.pop_front() {
+            item.execute(&*self.driver, self.ctx)
+                .map_err(|e| EmmError::driver("deferred deallocation", self.device, e))?;
+            freed += 1;
+        }
+        inner.bytes = 0;
+        if freed > 0 {
+            tracing::debug!(device = %self.device, freed, "flushed pending deallocations");
+        }
+        Ok(freed)
+    }
+
+    /// Suspends flushing until the returned guard drops (Numba's `disable()`). Nests.
+    pub fn defer_cleanup(self: &Arc<Self>) -> DeferCleanup {
+        lock(&self.inner).disabled += 1;
+        DeferCleanup { parts: vec![GuardPart::Queue(Arc::clone(self))] }
+    }
+
+    fn enable(&self) {
+        let mut inner = lock(&self.inner);
+        debug_assert!(inner.disabled > 0, "DeferCleanup guard released twice");
+        inner.disabled = inner.disabled.saturating_sub(1);
+    }
+}
+
+enum GuardPart {
+    Queue(Arc<PendingDeallocs>),
+    /// Held only to be dropped with the guard.
+    Plugin(#[allow(dead_code)] Box<dyn Send>),
+}
+
+/// While alive, deferred cleanup is suspended (Numba's `defer_cleanup()` context manager).
+///
+/// Guards nest: cleanup resumes when the last one drops, and resuming does not flush. A guard
+/// may hold several parts (the manager's queue, the context's queue, a plugin's own state);
+/// they are released together.
+#[must_use = "cleanup is deferred only while the guard is alive"]
+pub struct DeferCleanup {
+    parts: Vec<GuardPart>,
+}
+
+impl DeferCleanup {
+    /// A guard that defers nothing (for managers that have no deferred cleanup).
+    pub fn nothing() -> DeferCleanup {
+        DeferCleanup { parts: Vec::new() }
+    }
+
+    /// A guard holding a plugin's own value, dropped when the guard drops.
+    pub fn plugin(state: Box<dyn Send>) -> DeferCleanup {
+        DeferCleanup { parts: vec![GuardPart::Plugin(state)] }
+    }
+
+    /// One guard that holds both.
+    pub fn join(mut self, mut other: DeferCleanup) -> DeferCleanup {
+        self.parts.append(&mut other.parts);
+        self
+    }
+}
+
+impl Drop for DeferCleanup {
+    fn drop(&mut self) {
+        for part in self.parts.drain(..).rev() {
+            if let GuardPart::Queue(q) = part {
+                q.enable();
+            }
+        }
+    }
+}
+
+impl fmt::Debug for DeferCleanup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let queues = self.parts.iter().filter(|p| matches!(p, GuardPart::Queue(_))).count();
+        f.debug_struct("DeferCleanup")
+            .field("queues", &queues)
+            .field("plugin_parts", &(self.parts.len() - queues))
+            .finish()
+    }
+}

@@ -1,0 +1,194 @@
+//! Memory objects: [`MemoryPointer`] (device memory) and [`MemoryInfo`].
+//!
+//! A `MemoryPointer` is a cheap handle: clones and views share one allocation record, and the
+//! allocation is released when the last of them drops (Numba's `OwnedPointer` reference count,
+//! with Rust's `Arc` doing the counting). How it is released is data chosen by whoever made it:
+//!
+//! - the built-in managers queue a [`Free`](crate::Free) on their deferred-deallocation queue;
+//! - a plugin passes its own release action ([`MemoryPointer::with_release`]);
+//! - memory owned elsewhere is wrapped with [`MemoryPointer::unowned`] and never released.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr};
+
+use crate::EmmError;
+use crate::tracker::DeviceTracker;
+
+/// Free and total device memory in bytes (Numba's `MemoryInfo(free, total)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct MemoryInfo {
+    /// Bytes free.
+    pub free: usize,
+    /// Bytes in all.
+    pub total: usize,
+}
+
+/// A plugin's release action: called once, with the allocation's base and size, when the last
+/// pointer to it drops.
+pub type ReleaseFn = Box<dyn FnOnce(DevicePtr, usize) + Send>;
+
+pub(crate) enum Release {
+    /// Owned by a built-in manager's table; `generation` is the table's generation when the
+    /// allocation was made (a reset bumps it and frees everything itself).
+    Tracked { tracker: Arc<DeviceTracker>, generation: u64 },
+    /// A plugin's own action.
+    Custom(Mutex<Option<ReleaseFn>>),
+    /// Not owned: nothing to do.
+    Unowned,
+}
+
+pub(crate) struct Allocation {
+    device: DeviceOrdinal,
+    ctx: ContextHandle,
+    base: DevicePtr,
+    size: usize,
+    release: Release,
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        match &mut self.release {
+            Release::Tracked { tracker, generation } => {
+                tracker.release(self.base, self.size, *generation);
+            }
+            Release::Custom(action) => {
+                let action = action.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some(action) = action {
+                    action(self.base, self.size);
+                }
+            }
+            Release::Unowned => {}
+        }
+    }
+}
+
+/// Device memory: an allocation, or a view of part of one.
+///
+/// Cloning is cheap and shares the allocation; the memory is released when the last clone or
+/// view drops. The handle never frees memory itself: see the [module docs](self).
+#[derive(Clone)]
+pub struct MemoryPointer {
+    alloc: Arc<Allocation>,
+    offset: usize,
+    size: usize,
+}
+
+impl MemoryPointer {
+    pub(crate) fn from_release(
+        device: DeviceOrdinal,
+        ctx: ContextHandle,
+        base: DevicePtr,
+        size: usize,
+        release: Release,
+    ) -> MemoryPointer {
+        MemoryPointer {
+            alloc: Arc::new(Allocation { device, ctx, base, size, release }),
+            offset: 0,
+            size,
+        }
+    }
+
+    /// Device memory a plugin allocated, released by `release` when the last pointer to it
+    /// drops (Numba's `MemoryPointer(context, pointer, size, finalizer=...)`).
+    pub fn with_release(
+        device: DeviceOrdinal,
+        ctx: ContextHandle,
+        base: DevicePtr,
+        size: usize,
+        release: impl FnOnce(DevicePtr, usize) + Send + 'static,
+    ) -> MemoryPointer {
+        Self::from_release(device, ctx, base, size, Release::Custom(Mutex::new(Some(Box::new(release)))))
+    }
+
+    /// Device memory owned by someone else; emm never releases it.
+    pub fn unowned(
+        device: DeviceOrdinal,
+        ctx: ContextHandle,
+        base: DevicePtr,
+        size: usize,
+    ) -> MemoryPointer {
+        Self::from_release(device, ctx, base, size, Release::Unowned)
+    }
+
+    /// The device address this pointer starts at (the allocation's base plus the view offset).
+    pub fn device_ptr(&self) -> DevicePtr {
+        DevicePtr(self.alloc.base.0 + self.offset as u64)
+    }
+
+    /// Bytes this pointer covers.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The base address of the whole allocation.
+    pub fn allocation_base(&self) -> DevicePtr {
+        self.alloc.base
+    }
+
+    /// The size of the whole allocation.
+    pub fn allocation_size(&self) -> usize {
+        self.alloc.size
+    }
+
+    /// Offset of this pointer from the allocation's base.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The device the memory is on.
+    pub fn device(&self) -> DeviceOrdinal {
+        self.alloc.device
+    }
+
+    /// The context the memory belongs to.
+    pub fn context(&self) -> ContextHandle {
+        self.alloc.ctx
+    }
+
+    /// How many pointers (clones and views) share the allocation (Numba's `refct`).
+    pub fn refct(&self) -> usize {
+        Arc::strong_count(&self.alloc)
+    }
+
+    /// Whether `self` and `other` share one allocation.
+    pub fn same_allocation(&self, other: &MemoryPointer) -> bool {
+        Arc::ptr_eq(&self.alloc, &other.alloc)
+    }
+
+    /// A view of bytes `start..stop` of this pointer (`stop` defaults to the end), sharing the
+    /// allocation. Unlike Numba, the range is checked: a view never reaches past the memory.
+    pub fn view(&self, start: usize, stop: Option<usize>) -> Result<MemoryPointer, EmmError> {
+        let stop = stop.unwrap_or(self.size);
+        if start > stop || stop > self.size {
+            return Err(EmmError::OutOfBounds { what: "view", start, end: stop, size: self.size });
+        }
+        Ok(MemoryPointer {
+            alloc: Arc::clone(&self.alloc),
+            offset: self.offset + start,
+            size: stop - start,
+        })
+    }
+
+    /// Whether the memory is still valid as far as its owner knows: false once the built-in
+    /// manager that made it was reset. Plugin and unowned memory always answer true.
+    pub fn is_live(&self) -> bool {
+        match &self.alloc.release {
+            Release::Tracked { tracker, generation } => tracker.generation() == *generation,
+            Release::Custom(_) | Release::Unowned => true,
+        }
+    }
+}
+
+impl fmt::Debug for MemoryPointer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryPointer")
+            .field("device", &self.alloc.device)
+            .field("ptr", &self.device_ptr())
+            .field("size", &self.size)
+            .field("allocation", &self.alloc.base)
+            .field("refct", &self.refct())
+            .finish()
+    }
+}

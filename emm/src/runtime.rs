@@ -1,0 +1,339 @@
+//! [`Runtime`]: the driver, the manager choice, and one [`Context`] per device.
+#![allow(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use driver_sys::{DeviceOrdinal, Driver};
+
+use crate::config::{DeallocConfig, manager_name_from_env};
+use crate::context::{Context, ContextInner};
+use crate::default::{DEFAULT_MANAGER, DefaultManager};
+use crate::liveness::ContextLiveness;
+use crate::manager::{ManagerContext, ManagerFactory, check_interface_version};
+use crate::sync::{Mutex, lock};
+use crate::EmmError;
+
+/// Configures a [`Runtime`]. Obtain one with [`Runtime::builder`].
+pub struct RuntimeBuilder {
+    driver: Arc<dyn Driver>,
+    registry: BTreeMap<String, Arc<dyn ManagerFactory>>,
+    selected: Option<Selection>,
+    dealloc_config: Option<DeallocConfig>,
+    read_env: bool,
+}
+
+enum Selection {
+    Name(String),
+    Factory(Arc<dyn ManagerFactory>),
+}
+
+impl fmt::Debug for RuntimeBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RuntimeBuilder")
+            .field("driver", &self.driver.name())
+            .field("registered", &self.registry.keys().collect::<Vec<_>>())
+            .field("dealloc_config", &self.dealloc_config)
+            .field("read_env", &self.read_env)
+            .finish()
+    }
+}
+
+impl RuntimeBuilder {
+    /// Registers a manager under its [`name`](ManagerFactory::name), so that
+    /// `EMM_MEMORY_MANAGER` or [`memory_manager_name`](Self::memory_manager_name) can pick it.
+    #[must_use]
+    pub fn register_manager(mut self, factory: impl ManagerFactory + 'static) -> Self {
+        self.registry.insert(factory.name().to_owned(), Arc::new(factory));
+        self
+    }
+
+    /// Uses this manager for every context (Numba's `set_memory_manager`); it takes precedence
+    /// over `EMM_MEMORY_MANAGER`.
+    #[must_use]
+    pub fn memory_manager(mut self, factory: impl ManagerFactory + 'static) -> Self {
+        self.selected = Some(Selection::Factory(Arc::new(factory)));
+        self
+    }
+
+    /// Uses the registered manager `name`; it takes precedence over `EMM_MEMORY_MANAGER`.
+    #[must_use]
+    pub fn memory_manager_name(mut self, name: impl Into<String>) -> Self {
+        self.selected = Some(Selection::Name(name.into()));
+        self
+    }
+
+    /// Uses these deallocation thresholds instead of reading them from the environment.
+    #[must_use]
+    pub fn dealloc_config(mut self, config: DeallocConfig) -> Self {
+        self.dealloc_config = Some(config);
+        self
+    }
+
+    /// Ignores the `EMM_*` environment variables: defaults apply where nothing is set in code.
+    #[must_use]
+    pub fn ignore_env(mut self) -> Self {
+        self.read_env = false;
+        self
+    }
+
+    /// Initialises the driver, resolves the manager and checks its interface version.
+    pub fn build(self) -> Result<Runtime, EmmError> {
+        let dealloc_config = match self.dealloc_config {
+            Some(c) => c,
+            None if self.read_env => DeallocConfig::from_env()?,
+            None => DeallocConfig::default(),
+        };
+        let selection = match self.selected {
+            Some(s) => s,
+            None => {
+                let from_env = if self.read_env { manager_name_from_env()? } else { None };
+                Selection::Name(from_env.unwrap_or_else(|| DEFAULT_MANAGER.to_owned()))
+            }
+        };
+        let factory = match selection {
+            Selection::Factory(f) => f,
+            Selection::Name(name) => resolve(&self.registry, &name)?,
+        };
+        check_interface_version(factory.interface_version())?;
+        self.driver
+            .init()
+            .map_err(|e| EmmError::driver("driver initialisation", DeviceOrdinal(0), e))?;
+        tracing::info!(driver = self.driver.name(), manager = factory.name(), ?dealloc_config, "emm runtime created");
+        Ok(Runtime {
+            driver: self.driver,
+            registry: self.registry,
+            dealloc_config,
+            state: Mutex::new(State { factory, contexts: BTreeMap::new() }),
+        })
+    }
+}
+
+fn resolve(
+    registry: &BTreeMap<String, Arc<dyn ManagerFactory>>,
+    name: &str,
+) -> Result<Arc<dyn ManagerFactory>, EmmError> {
+    registry.get(name).cloned().ok_or_else(|| EmmError::UnknownManager {
+        name: name.to_owned(),
+        registered: registry.keys().cloned().collect(),
+    })
+}
+
+struct State {
+    factory: Arc<dyn ManagerFactory>,
+    contexts: BTreeMap<DeviceOrdinal, Context>,
+}
+
+/// emm's entry point: owns the driver, the memory-manager choice and the contexts.
+///
+/// A value, not a process global, so several runtimes (say, one on the simulator and one on
+/// the GPU) can live in one process. Dropping it resets every context it created and releases
+/// their primary contexts; pointers that outlive it free nothing.
+pub struct Runtime {
+    driver: Arc<dyn Driver>,
+    registry: BTreeMap<String, Arc<dyn ManagerFactory>>,
+    dealloc_config: DeallocConfig,
+    state: Mutex<State>,
+}
+
+impl fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = lock(&self.state);
+        f.debug_struct("Runtime")
+            .field("driver", &self.driver.name())
+            .field("manager", &state.factory.name())
+            .field("devices_in_use", &state.contexts.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Runtime {
+    /// A builder over `driver` with the `default` manager registered.
+    pub fn builder(driver: Arc<dyn Driver>) -> RuntimeBuilder {
+        RuntimeBuilder {
+            driver,
+            registry: BTreeMap::new(),
+            selected: None,
+            dealloc_config: None,
+            read_env: true,
+        }
+        .register_manager(DefaultManager::factory())
+    }
+
+    /// A runtime over `driver`, configured from the environment.
+    pub fn new(driver: Arc<dyn Driver>) -> Result<Runtime, EmmError> {
+        Runtime::builder(driver).build()
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    /// The deallocation thresholds in force.
+    pub fn dealloc_config(&self) -> DeallocConfig {
+        self.dealloc_config
+    }
+
+    /// The names of the registered managers.
+    pub fn registered_managers(&self) -> Vec<String> {
+        self.registry.keys().cloned().collect()
+    }
+
+    /// The name of the manager new contexts get.
+    pub fn memory_manager_name(&self) -> String {
+        lock(&self.state).factory.name().to_owned()
+    }
+
+    /// Chooses the manager after the runtime was built but before any context exists
+    /// (Numba's `set_memory_manager`); afterwards it is an error, not a silent no-op.
+    pub fn set_memory_manager(&self, factory: impl ManagerFactory + 'static) -> Result<(), EmmError> {
+        self.replace_factory(Arc::new(factory))
+    }
+
+    /// [`set_memory_manager`](Self::set_memory_manager) by registered name.
+    pub fn select_memory_manager(&self, name: &str) -> Result<(), EmmError> {
+        self.replace_factory(resolve(&self.registry, name)?)
+    }
+
+    fn replace_factory(&self, factory: Arc<dyn ManagerFactory>) -> Result<(), EmmError> {
+        check_interface_version(factory.interface_version())?;
+        let mut state = lock(&self.state);
+        if let Some((device, ctx)) = state.contexts.iter().next() {
+            return Err(EmmError::ManagerAlreadyFixed {
+                device: *device,
+                current: ctx.memory_manager_name().to_owned(),
+            });
+        }
+        tracing::info!(manager = factory.name(), "memory manager selected");
+        state.factory = factory;
+        Ok(())
+    }
+
+    /// The number of devices.
+    pub fn device_count(&self) -> Result<u32, EmmError> {
+        self.driver
+            .device_count()
+            .map_err(|e| EmmError::driver("device count", DeviceOrdinal(0), e))
+    }
+
+    /// The context of `device`, created on first use; the manager's `initialize` runs on every
+    /// call (Numba: on every context push).
+    pub fn context(&self, device: impl Into<DeviceOrdinal>) -> Result<Context, EmmError> {
+        let device = device.into();
+        let ctx = {
+            let mut state = lock(&self.state);
+            match state.contexts.get(&device) {
+                Some(ctx) => ctx.clone(),
+                None => {
+                    let ctx = self.create_context(device, &state.factory)?;
+                    state.contexts.insert(device, ctx.clone());
+                    ctx
+                }
+            }
+        };
+        ctx.inner.manager.initialize()?;
+        Ok(ctx)
+    }
+
+    fn create_context(
+        &self,
+        device: DeviceOrdinal,
+        factory: &Arc<dyn ManagerFactory>,
+    ) -> Result<Context, EmmError> {
+        let count = self.device_count()?;
+        if device.0 >= count {
+            return Err(EmmError::NoSuchDevice { device, count });
+        }
+        let handle = self
+            .driver
+            .primary_ctx_retain(device)
+            .map_err(|e| EmmError::driver("primary context retain", device, e))?;
+        let cx = ManagerContext {
+            driver: Arc::clone(&self.driver),
+            device,
+            context: handle,
+            dealloc_config: self.dealloc_config,
+            liveness: Arc::new(ContextLiveness::new()),
+        };
+        let manager = factory.create(&cx).and_then(|m| {
+            check_interface_version(m.interface_version())?;
+            Ok(m)
+        });
+        let manager = match manager {
+            Ok(m) => m,
+            Err(e) => {
+                // SAFETY: matches the retain just above; nothing was allocated in it by us.
+                if let Err(release) = unsafe { self.driver.primary_ctx_release(device) } {
+                    tracing::error!(%device, error = %release, "releasing the primary context after a failed manager creation");
+                }
+                return Err(e);
+            }
+        };
+        tracing::info!(%device, context = %handle, manager = factory.name(), "context created");
+        Ok(Context {
+            inner: Arc::new(ContextInner {
+                device,
+                handle,
+                driver: Arc::clone(&self.driver),
+                manager,
+                manager_name: factory.name().to_owned(),
+                liveness: cx.liveness,
+            }),
+        })
+    }
+
+    /// The contexts that exist now, by device.
+    pub fn contexts(&self) -> Vec<Context> {
+        lock(&self.state).contexts.values().cloned().collect()
+    }
+
+    /// Resets a device, in Numba's order (`Device.reset`):
+    ///
+    /// 1. the context's manager is reset (it frees everything it allocated);
+    /// 2. the context is marked dead, so memory that outlives it never reaches the driver;
+    /// 3. the primary context is released, and then reset **whatever happened before**.
+    ///
+    /// The next [`context`](Self::context) call for the device builds a new context with a new
+    /// manager. The first error is returned after all steps ran.
+    pub fn reset_device(&self, device: impl Into<DeviceOrdinal>) -> Result<(), EmmError> {
+        let device = device.into();
+        let mut state = lock(&self.state);
+        tracing::info!(%device, "device reset");
+        let before = match state.contexts.remove(&device) {
+            Some(ctx) => self.retire(&ctx),
+            None => Ok(()),
+        };
+        // SAFETY: the context (if any) was retired: its manager freed everything and it is
+        // marked dead, so nothing emm holds reaches the destroyed context afterwards. Holding
+        // the state lock keeps a new context from being created meanwhile.
+        let reset = unsafe { self.driver.primary_ctx_reset(device) }
+            .map_err(|e| EmmError::driver("primary context reset", device, e));
+        drop(state);
+        before.and(reset)
+    }
+
+    /// Resets the manager, kills the context and releases its primary context.
+    fn retire(&self, ctx: &Context) -> Result<(), EmmError> {
+        let inner = &ctx.inner;
+        let reset = inner.manager.reset();
+        inner.liveness.kill();
+        // SAFETY: matches the retain made when the context was created; the context is dead, so
+        // nothing emm holds uses its memory again.
+        let release = unsafe { self.driver.primary_ctx_release(inner.device) }
+            .map_err(|e| EmmError::driver("primary context release", inner.device, e));
+        reset.and(release)
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        let contexts = std::mem::take(&mut lock(&self.state).contexts);
+        for ctx in contexts.values() {
+            if let Err(e) = self.retire(ctx) {
+                tracing::error!(device = %ctx.device(), error = %e, "tearing down a context while dropping the runtime");
+            }
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! Prints what the driver does where emm's simulator must match it: allocation alignment and
+//! placement, `cuMemGetInfo` accounting, address ranges, and the error of each misuse.
+//!
+//! `cargo run --example driver_probe` (uses `EMM_DRIVER`, so it runs on the simulator where no
+//! GPU is present). The GPU job runs it and keeps its output beside the suite's log.
+#![allow(unsafe_code)]
+
+use driver_sys::{DeviceOrdinal, DevicePtr, Driver};
+
+fn show<T: std::fmt::Debug>(what: &str, r: Result<T, driver_sys::DriverError>) {
+    match r {
+        Ok(v) => println!("{what:<48} Ok({v:?})"),
+        Err(e) => println!("{what:<48} Err({:?}, {})", e.kind(), e.code_name()),
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let choice = integration::driver_from_env()?;
+    let d = choice.driver;
+    println!("driver: {} ({})", d.name(), choice.reason);
+    d.init()?;
+    let dev = DeviceOrdinal(0);
+    println!("devices: {}", d.device_count()?);
+    println!("total mem: {}", d.device_total_mem(dev)?);
+    let ctx = d.primary_ctx_retain(dev)?;
+    println!("context: {ctx}");
+    let info0 = d.mem_get_info(ctx)?;
+    println!("mem info at start: {info0:?}");
+
+    println!("\n-- placement of small allocations (size -> address, delta, trailing zeros)");
+    let mut prev: Option<DevicePtr> = None;
+    let mut held = Vec::new();
+    for bytes in [1usize, 1, 3, 100, 255, 256, 257, 511, 512, 513, 1000, 1024, 4096, 4097, 65536, 1 << 20, (1 << 20) + 1, 2 << 20, (2 << 20) + 1] {
+        let p = d.mem_alloc(ctx, bytes)?;
+        let delta = prev.map(|q| p.0 as i128 - q.0 as i128);
+        println!("{bytes:>9} -> {p} delta {delta:?} tz {}", p.0.trailing_zeros());
+        let (base, size) = d.mem_get_address_range(ctx, p)?;
+        if base != p || size != bytes {
+            println!("          address range: base {base} size {size}");
+        }
+        prev = Some(p);
+        held.push(p);
+    }
+    let info1 = d.mem_get_info(ctx)?;
+    println!("free fell by {} bytes for those", info0.free as i128 - info1.free as i128);
+    for p in held.drain(..) {
+        // SAFETY: allocated above, freed once.
+        unsafe { d.mem_free(ctx, p)? };
+    }
+    let info2 = d.mem_get_info(ctx)?;
+    println!("free after freeing them: {} (start {})", info2.free, info0.free);
+
+    println!("\n-- accounting of single allocations (size -> fall in free)");
+    for bytes in [1usize, 512, 4096, 1 << 20, 2 << 20, (2 << 20) + 1, 64 << 20, (64 << 20) + 1] {
+        let before = d.mem_get_info(ctx)?.free;
+        let p = d.mem_get_info(ctx).and_then(|_| d.mem_alloc(ctx, bytes))?;
+        let during = d.mem_get_info(ctx)?.free;
+        // SAFETY: allocated just above.
+        unsafe { d.mem_free(ctx, p)? };
+        let after = d.mem_get_info(ctx)?.free;
+        println!("{bytes:>10}: fell {} back {}", before as i128 - during as i128, after as i128 - during as i128);
+    }
+
+    println!("\n-- misuse");
+    let total = info0.total;
+    show("cuMemAlloc(0)", d.mem_alloc(ctx, 0));
+    show("cuMemAlloc(total + 1)", d.mem_alloc(ctx, total + 1));
+    show("cuMemAlloc(usize::MAX / 2)", d.mem_alloc(ctx, usize::MAX / 2));
+    show("cuMemAlloc(usize::MAX)", d.mem_alloc(ctx, usize::MAX));
+    let p = d.mem_alloc(ctx, 4096)?;
+    // SAFETY (all below): deliberate misuse the driver must reject; no memory is used after.
+    show("cuMemFree(base + 256)", unsafe { d.mem_free(ctx, DevicePtr(p.0 + 256)) });
+    show("cuMemGetAddressRange(base + 4095)", d.mem_get_address_range(ctx, DevicePtr(p.0 + 4095)));
+    show("cuMemGetAddressRange(base + 4096)", d.mem_get_address_range(ctx, DevicePtr(p.0 + 4096)));
+    show("cuMemcpyHtoD 8 bytes at base + 4092 (past end)", unsafe { d.memcpy_htod(ctx, DevicePtr(p.0 + 4092), &[0u8; 8]) });
+    show("cuMemcpyHtoD 8 bytes at 0x10", unsafe { d.memcpy_htod(ctx, DevicePtr(0x10), &[0u8; 8]) });
+    let mut buf = [0u8; 8];
+    show("cuMemcpyDtoH 8 bytes from 0x10", unsafe { d.memcpy_dtoh(ctx, &mut buf, DevicePtr(0x10)) });
+    show("cuMemcpyHtoD 0 bytes at 0x10", unsafe { d.memcpy_htod(ctx, DevicePtr(0x10), &[]) });
+    show("cuMemFree(base)", unsafe { d.mem_free(ctx, p) });
+    show("cuMemFree(base) again", unsafe { d.mem_free(ctx, p) });
+    show("cuMemFree(0x10)", unsafe { d.mem_free(ctx, DevicePtr(0x10)) });
+    show("cuMemFree(0)", unsafe { d.mem_free(ctx, DevicePtr(0)) });
+    show("cuMemGetAddressRange(freed)", d.mem_get_address_range(ctx, p));
+    show("cuDeviceTotalMem(device 99)", d.device_total_mem(DeviceOrdinal(99)));
+    show("cuDevicePrimaryCtxRetain(device 99)", d.primary_ctx_retain(DeviceOrdinal(99)));
+
+    println!("\n-- primary context life");
+    let q = d.mem_alloc(ctx, 4096)?;
+    show("release (count 1 -> 0)", unsafe { d.primary_ctx_release(dev) });
+    show("cuMemGetInfo on released context", d.mem_get_info(ctx));
+    show("cuMemAlloc on released context", d.mem_alloc(ctx, 16));
+    show("cuMemFree(old) on released context", unsafe { d.mem_free(ctx, q) });
+    show("release again (count 0)", unsafe { d.primary_ctx_release(dev) });
+    let ctx2 = d.primary_ctx_retain(dev)?;
+    println!("retained again: {ctx2} (same handle: {})", ctx2 == ctx);
+    show("cuMemFree(old) in the new context", unsafe { d.mem_free(ctx2, q) });
+    let r = d.mem_alloc(ctx2, 4096)?;
+    show("cuDevicePrimaryCtxReset", unsafe { d.primary_ctx_reset(dev) });
+    show("cuMemGetInfo after reset (count still 1)", d.mem_get_info(ctx2));
+    show("cuMemFree(from before reset)", unsafe { d.mem_free(ctx2, r) });
+    let ctx3 = d.primary_ctx_retain(dev)?;
+    println!("retained after reset: {ctx3} (same handle: {})", ctx3 == ctx);
+    show("cuMemAlloc after reset + retain", d.mem_alloc(ctx3, 16));
+    show("release", unsafe { d.primary_ctx_release(dev) });
+    show("release", unsafe { d.primary_ctx_release(dev) });
+    Ok(())
+}

@@ -1,0 +1,166 @@
+//! Allocation, copies, views, memory info (Numba's `test_cuda_memory`, `test_context_stack`).
+
+use emm::{EmmError, MemoryPointer};
+use integration::{Target, TestCtx};
+use libtest_mimic::Failed;
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+/// Allocate, write, read back, free: the walking skeleton end to end.
+pub fn alloc_write_read_free(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let data = pattern(4096 + 3, 7);
+    let mem = ctx.memalloc(data.len())?;
+    ensure_eq!(mem.size(), data.len());
+    ctx.copy_to_device(&mem, &data)?;
+    let mut back = vec![0u8; data.len()];
+    ctx.copy_to_host(&mut back, &mem)?;
+    ensure!(back == data, "the bytes read back differ from the bytes written");
+    let queue = ctx.deallocations().expect("the default manager has a queue");
+    queue.flush()?;
+    drop(mem);
+    ensure_eq!(queue.len(), 1, "the free is deferred");
+    ensure_eq!(queue.flush()?, 1, "the flush frees it");
+    if let Some(sim) = t.sim() {
+        ensure!(sim.leak_report().no_memory_leaked(), "{}", sim.leak_report());
+    }
+    Ok(())
+}
+
+/// Numba `TestCudaMemoryFunctions.test_memcpy`: a host → device → host round trip of 100 u32.
+pub fn test_memcpy(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let host: Vec<u8> = (0u32..100).flat_map(|v| v.to_le_bytes()).collect();
+    let dev = ctx.to_device(&host)?;
+    let mut back = vec![0u8; host.len()];
+    ctx.copy_to_host(&mut back, &dev)?;
+    ensure!(back == host, "round trip changed the data");
+    Ok(())
+}
+
+/// `get_memory_info` reports free memory falling by at least an allocation's size, and rising
+/// back once the free is flushed.
+pub fn mem_get_info_reflects_allocations(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let queue = ctx.deallocations().expect("queue");
+    let before = ctx.get_memory_info()?;
+    ensure!(before.free <= before.total, "{before:?}");
+    let bytes = 64 << 20;
+    let mem = ctx.memalloc(bytes)?;
+    let during = ctx.get_memory_info()?;
+    ensure_eq!(during.total, before.total);
+    ensure!(
+        before.free - during.free >= bytes,
+        "free fell by {} bytes for a {bytes}-byte allocation",
+        before.free - during.free
+    );
+    drop(mem);
+    queue.flush()?;
+    let after = ctx.get_memory_info()?;
+    ensure_eq!(after.free, before.free, "all memory is back after the flush");
+    Ok(())
+}
+
+/// Numba `TestCudaMemory.test_derived_pointer`: views share the allocation and count as
+/// references; a view's address is the owner's plus the offset.
+pub fn test_derived_pointer(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    for offset in [0usize, 1] {
+        let m = ctx.memalloc(1024)?;
+        ensure_eq!(m.refct(), 1);
+        let v1 = m.view(offset, None)?;
+        ensure_eq!(m.refct(), 2);
+        let v2 = v1.view(offset, None)?;
+        ensure_eq!(m.refct(), 3);
+        ensure!(v2.same_allocation(&m), "a view of a view shares the allocation");
+        ensure_eq!(v1.device_ptr().0, m.device_ptr().0 + offset as u64);
+        ensure_eq!(v2.device_ptr().0, m.device_ptr().0 + 2 * offset as u64);
+        ensure_eq!(v2.size(), 1024 - 2 * offset);
+        drop(v2);
+        ensure_eq!(m.refct(), 2);
+        drop(v1);
+        ensure_eq!(m.refct(), 1);
+    }
+    // The allocation outlives its first handle while a view holds it.
+    let queue = ctx.deallocations().expect("queue");
+    queue.flush()?;
+    let m = ctx.memalloc(256)?;
+    let tail = m.view(128, None)?;
+    drop(m);
+    ensure_eq!(queue.len(), 0, "a live view keeps the allocation");
+    ctx.copy_to_device(&tail, &[9u8; 128])?;
+    drop(tail);
+    ensure_eq!(queue.len(), 1, "the last view's drop queues the free");
+    Ok(())
+}
+
+/// Views and copies never reach past the memory they refer to.
+pub fn copies_are_bounds_checked(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let m = ctx.memalloc(100)?;
+    let past_end = m.view(50, Some(101));
+    ensure!(matches!(past_end, Err(EmmError::OutOfBounds { .. })), "{past_end:?}");
+    let reversed = m.view(60, Some(50));
+    ensure!(matches!(reversed, Err(EmmError::OutOfBounds { .. })), "{reversed:?}");
+    let v: MemoryPointer = m.view(90, None)?;
+    let too_long = ctx.copy_to_device(&v, &[0u8; 11]);
+    ensure!(matches!(too_long, Err(EmmError::OutOfBounds { .. })), "{too_long:?}");
+    let mut buf = [0u8; 11];
+    let too_long = ctx.copy_to_host(&mut buf, &v);
+    ensure!(matches!(too_long, Err(EmmError::OutOfBounds { .. })), "{too_long:?}");
+    let msg = too_long.unwrap_err().to_string();
+    ensure!(msg.contains("outside the 10-byte buffer"), "{msg}");
+    ctx.copy_to_device(&v, &[1u8; 10])?;
+    Ok(())
+}
+
+/// Numba `test_initialized_in_context` for the default manager: every `Runtime::context` call
+/// runs `initialize`, which captures the device's total memory once.
+pub fn initialize_runs_on_every_use(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let total = ctx.get_memory_info()?.total;
+    let queue = ctx.deallocations().expect("queue");
+    ensure_eq!(queue.capacity(), total, "initialize captured the total memory");
+    let again = t.context()?;
+    ensure_eq!(again.handle(), ctx.handle(), "one context per device");
+    ensure_eq!(queue.capacity(), total, "initialize is idempotent");
+    ensure_eq!(queue.max_pending_bytes(), (total as f64 * 0.2).floor() as usize);
+    Ok(())
+}
+
+/// Numba `TestContextAPI.test_context_memory`: free and total are consistent.
+pub fn test_context_memory(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let info = ctx.get_memory_info()?;
+    ensure!(info.total > 0 && info.free <= info.total, "{info:?}");
+    Ok(())
+}
+
+/// NBEP 7 members the default manager does not provide yet answer "not supported", never
+/// panic.
+pub fn not_yet_built_members_say_not_supported(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let mm = ctx.memory_manager();
+    ensure_eq!(mm.interface_version(), 1);
+    let host = mm.memhostalloc(32, false, false, false);
+    ensure!(matches!(host, Err(EmmError::NotSupported { operation: "memhostalloc", .. })), "{host:?}");
+    let owner: emm::HostOwner = std::sync::Arc::new(vec![0u8; 8]);
+    let pin = mm.mempin(owner, emm::driver_sys::HostPtr(0x1000), 8, false);
+    ensure!(matches!(pin, Err(EmmError::NotSupported { operation: "mempin", .. })), "{pin:?}");
+    let mem = ctx.memalloc(8)?;
+    let ipc = mm.get_ipc_handle(&mem);
+    ensure!(matches!(ipc, Err(EmmError::NotSupported { operation: "get_ipc_handle", .. })), "{ipc:?}");
+    let text = ipc.unwrap_err().to_string();
+    ensure!(text.contains("'default'"), "{text}");
+    Ok(())
+}

@@ -1,0 +1,190 @@
+//! Deferred deallocation (Numba's `test_deallocations.py`) and the out-of-memory retry.
+
+use driver_mock::Op;
+use emm::{DeallocConfig, EmmError, MemoryPointer};
+use integration::{Target, TestCtx};
+use libtest_mimic::Failed;
+
+/// Numba `test_max_pending_count`: ten discarded allocations stay pending; the eleventh flushes.
+pub fn test_max_pending_count(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let queue = ctx.deallocations().expect("queue");
+    queue.flush()?;
+    ensure_eq!(queue.len(), 0);
+    let max = queue.config().max_count;
+    ensure_eq!(max, 10);
+    let frees_before = t.sim().map(|s| s.count(Op::MemFree));
+    for i in 0..max {
+        drop(ctx.to_device(&7u64.to_le_bytes())?);
+        ensure_eq!(queue.len(), i + 1);
+    }
+    drop(ctx.to_device(&7u64.to_le_bytes())?);
+    ensure_eq!(queue.len(), 0, "the 11th pending free flushes the queue");
+    if let (Some(sim), Some(before)) = (t.sim(), frees_before) {
+        ensure_eq!(sim.count(Op::MemFree) - before, 11, "one cuMemFree per allocation");
+    }
+    Ok(())
+}
+
+/// Numba `test_max_pending_bytes`: with the ratio set so the budget is 10^6 bytes, pending
+/// bytes equal to the budget do not flush; one byte more does.
+pub fn test_max_pending_bytes(target: Target) -> Result<(), Failed> {
+    let total = {
+        let probe = TestCtx::new(target)?;
+        probe.context()?.get_memory_info()?.total
+    };
+    let ratio = 1e6 / total as f64;
+    let t = TestCtx::with(target, |b| {
+        b.dealloc_config(DeallocConfig { max_ratio: ratio, ..DeallocConfig::default() })
+    })?;
+    let ctx = t.context()?;
+    let queue = ctx.deallocations().expect("queue");
+    queue.flush()?;
+    let max = queue.max_pending_bytes();
+    ensure!(max.abs_diff(1_000_000) <= 1, "max pending bytes {max}");
+    drop(ctx.memalloc(500_000)?);
+    ensure_eq!(queue.len(), 1);
+    drop(ctx.memalloc(max - 500_000)?);
+    ensure_eq!(queue.len(), 2, "pending bytes equal to the budget do not flush");
+    drop(ctx.memalloc(1)?);
+    ensure_eq!(queue.len(), 0, "one byte over the budget flushes");
+    Ok(())
+}
+
+/// Numba `test_defer_cleanup`: inside the guard nothing is freed, even by an explicit flush;
+/// leaving it does not flush; a flush afterwards does.
+pub fn test_defer_cleanup(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let queue = ctx.deallocations().expect("queue");
+    queue.flush()?;
+    {
+        let _guard = ctx.defer_cleanup()?;
+        drop(ctx.memalloc(64)?);
+        drop(ctx.memalloc(64)?);
+        ensure_eq!(queue.len(), 2);
+        ensure_eq!(queue.flush()?, 0);
+        ensure_eq!(queue.len(), 2, "flush inside defer_cleanup does nothing");
+    }
+    ensure_eq!(queue.len(), 2, "leaving defer_cleanup does not flush");
+    queue.flush()?;
+    ensure_eq!(queue.len(), 0);
+    Ok(())
+}
+
+/// Numba `test_nested_defer_cleanup`: nested guards; cleanup resumes after the outer one.
+pub fn test_nested_defer_cleanup(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let queue = ctx.deallocations().expect("queue");
+    queue.flush()?;
+    {
+        let _outer = ctx.defer_cleanup()?;
+        {
+            let _inner = ctx.defer_cleanup()?;
+            drop(ctx.memalloc(64)?);
+            drop(ctx.memalloc(64)?);
+            queue.flush()?;
+            ensure_eq!(queue.len(), 2);
+        }
+        queue.flush()?;
+        ensure_eq!(queue.len(), 2, "the outer guard still defers");
+    }
+    queue.flush()?;
+    ensure_eq!(queue.len(), 0);
+    Ok(())
+}
+
+/// Numba `test_exception`: a panic inside `defer_cleanup` unwinds through the guard and
+/// restores normal cleanup.
+pub fn test_exception(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let queue = ctx.deallocations().expect("queue");
+    queue.flush()?;
+    let darr1 = ctx.memalloc(64)?;
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _guard = ctx.defer_cleanup().expect("guard");
+        panic!("CustomError");
+    }));
+    ensure!(caught.is_err(), "the panic propagated out of the block");
+    ensure!(!queue.is_disabled(), "the guard was released by unwinding");
+    queue.flush()?;
+    ensure_eq!(queue.len(), 0);
+    drop(darr1);
+    ensure_eq!(queue.len(), 1);
+    queue.flush()?;
+    ensure_eq!(queue.len(), 0);
+    Ok(())
+}
+
+/// Fills the device in chunks until the driver says out of memory; returns the chunks.
+fn fill(ctx: &emm::Context, chunk: usize) -> Result<Vec<MemoryPointer>, Failed> {
+    let mut held = Vec::new();
+    loop {
+        match ctx.memalloc(chunk) {
+            Ok(m) => held.push(m),
+            Err(e) if e.is_out_of_memory() => return Ok(held),
+            Err(e) => return Err(format!("filling the device: {e}").into()),
+        }
+        ensure!(held.len() < 4096, "the device never ran out of memory");
+    }
+}
+
+/// On out-of-memory the manager flushes its pending frees and retries once; with nothing to
+/// flush the error is clear and typed.
+pub fn oom_flushes_and_retries_once(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let queue = ctx.deallocations().expect("queue");
+    let total = ctx.get_memory_info()?.total;
+    let chunk = (total / 32).next_multiple_of(2 << 20);
+    let mut held = fill(&ctx, chunk)?;
+    ensure!(held.len() >= 8, "only {} chunks fitted", held.len());
+    queue.flush()?;
+    drop(held.pop());
+    ensure_eq!(queue.len(), 1, "the chunk's free is pending, not done");
+    let allocs_before = t.sim().map(|s| s.count(Op::MemAlloc));
+    let again = ctx.memalloc(chunk)?;
+    ensure_eq!(queue.len(), 0, "the out-of-memory retry flushed the queue");
+    if let (Some(sim), Some(before)) = (t.sim(), allocs_before) {
+        ensure_eq!(sim.count(Op::MemAlloc) - before, 2, "exactly one retry");
+    }
+    held.push(again);
+    // Nothing pending: the retry fails too, and the error says so.
+    let err = ctx.memalloc(chunk).expect_err("the device is full");
+    ensure!(matches!(err, EmmError::OutOfMemory { flushed: 0, .. }), "{err:?}");
+    let text = err.to_string();
+    ensure!(text.contains(&format!("could not allocate {chunk} bytes")), "{text}");
+    ensure!(text.contains("drop buffers you no longer need"), "{text}");
+    drop(held);
+    queue.flush()?;
+    ensure!(ctx.memalloc(chunk).is_ok(), "memory is usable again after the flush");
+    Ok(())
+}
+
+/// Inside `defer_cleanup` the retry flushes nothing, so it fails; the error says 0 flushed.
+pub fn oom_inside_defer_cleanup_reports_clear_error(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let queue = ctx.deallocations().expect("queue");
+    let total = ctx.get_memory_info()?.total;
+    let chunk = (total / 32).next_multiple_of(2 << 20);
+    let mut held = fill(&ctx, chunk)?;
+    queue.flush()?;
+    let guard = ctx.defer_cleanup()?;
+    drop(held.pop());
+    let allocs_before = t.sim().map(|s| s.count(Op::MemAlloc));
+    let err = ctx.memalloc(chunk).expect_err("deferred cleanup keeps the memory held");
+    ensure!(matches!(err, EmmError::OutOfMemory { flushed: 0, .. }), "{err:?}");
+    if let (Some(sim), Some(before)) = (t.sim(), allocs_before) {
+        ensure_eq!(sim.count(Op::MemAlloc) - before, 2, "the retry still happens");
+    }
+    ensure_eq!(queue.len(), 1);
+    drop(guard);
+    let again = ctx.memalloc(chunk)?;
+    ensure_eq!(queue.len(), 0, "after the guard, the retry's flush frees the chunk");
+    drop((again, held));
+    Ok(())
+}

@@ -1,0 +1,122 @@
+//! The integration suite: every test runs on each available target.
+//!
+//! Run it with `cargo test -p integration --test suite` (or `cargo test` at the top). With no
+//! GPU the CUDA instances are reported as ignored, with the reason printed once; with
+//! `EMM_REQUIRE_GPU=1` a missing GPU fails the run instead.
+
+use std::sync::Mutex;
+
+use integration::{Target, cuda_availability, gpu_required, requested_targets};
+use libtest_mimic::{Arguments, Failed, Trial};
+
+/// Fails the test with a message unless the condition holds.
+macro_rules! ensure {
+    ($cond:expr, $($msg:tt)+) => {
+        if !$cond {
+            return Err(libtest_mimic::Failed::from(format!("{} (at {}:{}): {}", stringify!($cond), file!(), line!(), format!($($msg)+))));
+        }
+    };
+}
+
+/// Fails the test unless both sides are equal.
+macro_rules! ensure_eq {
+    ($left:expr, $right:expr) => {
+        ensure_eq!($left, $right, "")
+    };
+    ($left:expr, $right:expr, $($msg:tt)+) => {{
+        let (l, r) = (&$left, &$right);
+        if l != r {
+            return Err(libtest_mimic::Failed::from(format!(
+                "{} == {} failed (at {}:{}): left {:?}, right {:?}. {}",
+                stringify!($left), stringify!($right), file!(), line!(), l, r, format!($($msg)+)
+            )));
+        }
+    }};
+}
+
+mod basics;
+mod deallocations;
+mod driver_conformance;
+mod reset;
+
+/// A suite test: runs against one target.
+pub type SuiteFn = fn(Target) -> Result<(), Failed>;
+
+/// Every suite test, by name.
+const TESTS: &[(&str, SuiteFn)] = &[
+    ("alloc_write_read_free", basics::alloc_write_read_free),
+    ("test_memcpy", basics::test_memcpy),
+    ("mem_get_info_reflects_allocations", basics::mem_get_info_reflects_allocations),
+    ("test_derived_pointer", basics::test_derived_pointer),
+    ("copies_are_bounds_checked", basics::copies_are_bounds_checked),
+    ("initialize_runs_on_every_use", basics::initialize_runs_on_every_use),
+    ("test_context_memory", basics::test_context_memory),
+    ("not_yet_built_members_say_not_supported", basics::not_yet_built_members_say_not_supported),
+    ("test_max_pending_count", deallocations::test_max_pending_count),
+    ("test_max_pending_bytes", deallocations::test_max_pending_bytes),
+    ("test_defer_cleanup", deallocations::test_defer_cleanup),
+    ("test_nested_defer_cleanup", deallocations::test_nested_defer_cleanup),
+    ("test_exception", deallocations::test_exception),
+    ("oom_flushes_and_retries_once", deallocations::oom_flushes_and_retries_once),
+    ("oom_inside_defer_cleanup_reports_clear_error", deallocations::oom_inside_defer_cleanup_reports_clear_error),
+    ("reset_frees_everything", reset::reset_frees_everything),
+    ("reset_before_initialize", reset::reset_before_initialize),
+    ("reset_device_makes_old_memory_stale", reset::reset_device_makes_old_memory_stale),
+    ("test_reset_device", reset::test_reset_device),
+    ("runtime_drop_releases_everything", reset::runtime_drop_releases_everything),
+    ("alignment_of_allocations", driver_conformance::alignment_of_allocations),
+    ("zero_byte_alloc_is_invalid_value", driver_conformance::zero_byte_alloc_is_invalid_value),
+    ("oversized_alloc_is_out_of_memory", driver_conformance::oversized_alloc_is_out_of_memory),
+    ("double_free_is_invalid_value", driver_conformance::double_free_is_invalid_value),
+    ("interior_pointer_free_is_invalid_value", driver_conformance::interior_pointer_free_is_invalid_value),
+    ("address_range_of_interior_pointer", driver_conformance::address_range_of_interior_pointer),
+    ("out_of_range_copy_is_invalid_value", driver_conformance::out_of_range_copy_is_invalid_value),
+    ("mem_get_info_accounts_large_allocations", driver_conformance::mem_get_info_accounts_large_allocations),
+];
+
+/// The GPU is one shared device: CUDA tests run one at a time (some fill its memory).
+static GPU: Mutex<()> = Mutex::new(());
+
+fn main() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("EMM_LOG"))
+        .with_test_writer()
+        .try_init();
+    let args = Arguments::from_args();
+    let targets = match requested_targets() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let required = gpu_required() || targets == [Target::Cuda];
+    let mut trials = Vec::new();
+    for &target in &targets {
+        let cuda_missing = match target {
+            Target::Sim => None,
+            Target::Cuda => cuda_availability().err(),
+        };
+        if let Some(why) = &cuda_missing {
+            if required {
+                let why = why.clone();
+                trials.push(Trial::test("cuda::gpu_available", move || {
+                    Err(format!("a GPU is required (EMM_REQUIRE_GPU=1 or EMM_TEST_TARGET=cuda) but none is usable: {why}").into())
+                }));
+            } else if !args.list {
+                eprintln!(
+                    "note: the {} CUDA tests are skipped: {why}. Set EMM_REQUIRE_GPU=1 to fail instead.",
+                    TESTS.len()
+                );
+            }
+        }
+        for &(name, test) in TESTS {
+            let trial = Trial::test(format!("{target}::{name}"), move || {
+                let _gpu = (target == Target::Cuda).then(|| GPU.lock().unwrap_or_else(|p| p.into_inner()));
+                test(target)
+            });
+            trials.push(trial.with_ignored_flag(cuda_missing.is_some()));
+        }
+    }
+    libtest_mimic::run(&args, trials).exit();
+}

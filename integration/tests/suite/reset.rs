@@ -1,0 +1,138 @@
+//! Context and device reset (Numba's `Context.reset`, `Device.reset`, `test_reset_device`).
+
+use driver_mock::Op;
+use emm::EmmError;
+use integration::{Target, TestCtx};
+use libtest_mimic::Failed;
+
+/// `Context::reset` frees every live and pending allocation; pointers that outlive it free
+/// nothing twice when they drop.
+pub fn reset_frees_everything(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let queue = ctx.deallocations().expect("queue");
+    queue.flush()?;
+    let baseline = ctx.get_memory_info()?.free;
+    let a = ctx.memalloc(8 << 20)?;
+    let b = ctx.memalloc(8 << 20)?;
+    let view = b.view(4096, None)?;
+    drop(ctx.memalloc(8 << 20)?);
+    ensure_eq!(queue.len(), 1);
+    ctx.reset()?;
+    ensure_eq!(queue.len(), 0);
+    ensure_eq!(ctx.get_memory_info()?.free, baseline, "reset returned every byte");
+    ensure!(!a.is_live() && !view.is_live(), "old pointers are stale");
+    let stale = ctx.copy_to_device(&a, &[1, 2, 3]);
+    ensure!(matches!(stale, Err(EmmError::Stale { .. })), "{stale:?}");
+    drop((a, b, view));
+    ensure_eq!(queue.len(), 0, "stale pointers queue nothing");
+    if let Some(sim) = t.sim() {
+        ensure!(sim.rejected_frees().is_empty(), "a free was issued twice: {:?}", sim.rejected_frees());
+        ensure!(sim.leak_report().no_memory_leaked(), "{}", sim.leak_report());
+    }
+    let fresh = ctx.to_device(&[5u8; 16])?;
+    let mut back = [0u8; 16];
+    ctx.copy_to_host(&mut back, &fresh)?;
+    ensure_eq!(back, [5u8; 16]);
+    Ok(())
+}
+
+/// NBEP 7: `reset` may come before `initialize`.
+pub fn reset_before_initialize(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let mcx = emm::ManagerContext {
+        driver: t.driver.clone(),
+        device: 0.into(),
+        context: t.driver.primary_ctx_retain(0.into())?,
+        dealloc_config: emm::DeallocConfig::default(),
+        liveness: std::sync::Arc::new(emm::ContextLiveness::new()),
+    };
+    let mm = emm::DefaultManager::new(&mcx);
+    use emm::MemoryManager;
+    mm.reset()?;
+    mm.initialize()?;
+    let mem = mm.memalloc(128)?;
+    drop(mem);
+    mm.reset()?;
+    ensure_eq!(mm.live_allocations(), 0);
+    ensure_eq!(mm.deallocations().expect("queue").len(), 0);
+    // SAFETY: matches the retain above; the manager freed everything it allocated.
+    #[allow(unsafe_code)]
+    unsafe { t.driver.primary_ctx_release(0.into())? };
+    Ok(())
+}
+
+/// A device reset retires the context: old memory and old contexts refuse work, dropping old
+/// pointers reaches no driver, and the next use builds a new context that works.
+pub fn reset_device_makes_old_memory_stale(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let old = ctx.to_device(&[1u8; 64])?;
+    let pending = ctx.memalloc(64)?;
+    let guard = ctx.defer_cleanup()?;
+    drop(pending);
+    t.runtime.reset_device(0)?;
+    drop(guard);
+    ensure!(!ctx.is_alive(), "the old context is retired");
+    let refused = ctx.memalloc(16);
+    ensure!(matches!(refused, Err(EmmError::Stale { .. })), "{refused:?}");
+    let mut buf = [0u8; 64];
+    let refused = ctx.copy_to_host(&mut buf, &old);
+    ensure!(matches!(refused, Err(EmmError::Stale { .. })), "{refused:?}");
+    let text = refused.unwrap_err().to_string();
+    ensure!(text.contains("after a reset"), "{text}");
+    let frees_before = t.sim().map(|s| s.count(Op::MemFree));
+    drop(old);
+    if let (Some(sim), Some(before)) = (t.sim(), frees_before) {
+        ensure_eq!(sim.count(Op::MemFree), before, "a pointer from before the reset freed nothing");
+    }
+    let fresh_ctx = t.context()?;
+    ensure!(fresh_ctx.is_alive(), "a new context");
+    let fresh = fresh_ctx.to_device(&[2u8; 64])?;
+    fresh_ctx.copy_to_host(&mut buf, &fresh)?;
+    ensure_eq!(buf, [2u8; 64]);
+    Ok(())
+}
+
+/// Numba `test_reset_device`: in a thread other than the main one, two rounds of using and
+/// resetting every device raise nothing.
+pub fn test_reset_device(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let result = std::thread::scope(|s| {
+        s.spawn(|| -> Result<(), String> {
+            let count = t.runtime.device_count().map_err(|e| e.to_string())?;
+            for _ in 0..2 {
+                for d in 0..count {
+                    let ctx = t.runtime.context(d).map_err(|e| e.to_string())?;
+                    drop(ctx.memalloc(1024).map_err(|e| e.to_string())?);
+                    t.runtime.reset_device(d).map_err(|e| e.to_string())?;
+                }
+            }
+            Ok(())
+        })
+        .join()
+    });
+    match result {
+        Ok(r) => r.map_err(Failed::from),
+        Err(_) => Err("the thread panicked".into()),
+    }
+}
+
+/// Dropping the runtime resets its contexts and releases their primary contexts; pointers that
+/// outlive it free nothing.
+pub fn runtime_drop_releases_everything(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let kept = ctx.memalloc(4096)?;
+    drop(ctx.memalloc(4096)?);
+    let TestCtx { runtime, sim, .. } = t;
+    drop(runtime);
+    ensure!(!ctx.is_alive(), "contexts are retired with their runtime");
+    drop(kept);
+    if let Some(sim) = sim {
+        let report = sim.leak_report();
+        ensure!(report.is_clean(), "{report}");
+        ensure!(sim.rejected_frees().is_empty(), "{:?}", sim.rejected_frees());
+    }
+    Ok(())
+}
