@@ -5,7 +5,7 @@
 //! GPU is present). The GPU job runs it and keeps its output beside the suite's log.
 #![allow(unsafe_code)]
 
-use driver_sys::{DeviceOrdinal, DevicePtr, Driver};
+use driver_sys::{DeviceOrdinal, DevicePtr};
 
 fn show<T: std::fmt::Debug>(what: &str, r: Result<T, driver_sys::DriverError>) {
     match r {
