@@ -40,7 +40,10 @@ fn cargo_executables(args: &[&str]) -> Result<Vec<(String, String, PathBuf)>, St
     }
     let text = String::from_utf8_lossy(&out.stdout);
     let mut found = Vec::new();
-    for line in text.lines().filter(|l| l.contains("\"reason\":\"compiler-artifact\"")) {
+    for line in text
+        .lines()
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\""))
+    {
         let (Some(exe), Some(name), Some(kind)) = (
             json_str(line, "\"executable\":"),
             json_str(line, "\"name\":"),
@@ -68,7 +71,13 @@ fn gpu_bundle(dir: &Path) -> Result<(), String> {
     }
     std::fs::create_dir_all(&bin).map_err(|e| format!("creating {}: {e}", bin.display()))?;
     let mut exes = cargo_executables(&["test", "--release", "--workspace", "--no-run"])?;
-    exes.extend(cargo_executables(&["build", "--release", "-p", "integration", "--examples"])?);
+    exes.extend(cargo_executables(&[
+        "build",
+        "--release",
+        "-p",
+        "integration",
+        "--examples",
+    ])?);
     let mut copied = Vec::new();
     for (name, kind, path) in exes {
         let file = match (kind.as_str(), name.as_str()) {
@@ -77,17 +86,29 @@ fn gpu_bundle(dir: &Path) -> Result<(), String> {
             ("lib", _) => format!("unit-{name}"),
             _ => continue,
         };
-        if copied.iter().any(|c: &String| c.split(' ').next() == Some(file.as_str())) {
+        if copied
+            .iter()
+            .any(|c: &String| c.split(' ').next() == Some(file.as_str()))
+        {
             continue;
         }
         let dest = bin.join(&file);
         std::fs::copy(&path, &dest).map_err(|e| format!("copying {}: {e}", path.display()))?;
-        let stripped = Command::new("strip").arg(&dest).status().is_ok_and(|s| s.success());
-        copied.push(format!("{file}{}", if stripped { "" } else { " (not stripped)" }));
+        let stripped = Command::new("strip")
+            .arg(&dest)
+            .status()
+            .is_ok_and(|s| s.success());
+        copied.push(format!(
+            "{file}{}",
+            if stripped { "" } else { " (not stripped)" }
+        ));
     }
     let script = dir.join("run-gpu.sh");
-    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("gpu/run-gpu.sh"), &script)
-        .map_err(|e| format!("copying run-gpu.sh: {e}"))?;
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("gpu/run-gpu.sh"),
+        &script,
+    )
+    .map_err(|e| format!("copying run-gpu.sh: {e}"))?;
     if !copied.iter().any(|c| c.starts_with("suite")) {
         return Err("the integration suite binary was not built".into());
     }

@@ -15,5 +15,6 @@ mod sim;
 
 pub use mock::MockDriver;
 pub use sim::{
-    CallRecord, DEFAULT_ALIGNMENT, Fault, LeakReport, Op, SimConfig, SimDeviceConfig, SimDriver,
+    CallRecord, DEFAULT_ALIGNMENT, Fault, LeakReport, Op, PAGE_SIZE, SMALL_MAX, SimConfig,
+    SimDeviceConfig, SimDriver,
 };

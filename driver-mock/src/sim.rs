@@ -1,25 +1,4 @@
 //! [`SimDriver`]: a deterministic simulated CUDA system.
-//!
-//! # Model
-//!
-//! - **Devices** are configured up front ([`SimConfig`]). Each has a primary context with a
-//!   reference count, total memory, `CAN_MAP_HOST_MEMORY` and PCI ids.
-//! - **Address space.** Device `d` owns the range starting at
-//!   `0x7000_0000_0000 + d * 2^40`. Allocations are placed first-fit from the bottom of that
-//!   range at the device's alignment, so addresses are reused after a free, as on the real
-//!   driver, and every run gives the same addresses.
-//! - **Capacity.** Every allocation consumes its size rounded up to the alignment; `free` in
-//!   [`Driver::mem_get_info`] is `total - consumed`. A request that does not fit fails with
-//!   `CUDA_ERROR_OUT_OF_MEMORY`.
-//! - **Real bytes.** Each allocation has zero-initialised backing bytes; copies move data.
-//! - **Contract checking** with the real driver's codes: zero-byte allocations, unknown or
-//!   interior pointers, double frees and out-of-range copies give `CUDA_ERROR_INVALID_VALUE`;
-//!   a context whose reference count dropped to zero gives `CUDA_ERROR_INVALID_CONTEXT`.
-//!   Releasing the last reference, or resetting the primary context, destroys its memory.
-//! - **Observability.** Every call is appended to a log ([`SimDriver::calls`]) with its
-//!   arguments and outcome; [`SimDriver::leak_report`] lists what is still allocated.
-//! - **Scripted faults.** [`SimDriver::inject`] makes the Nth call of one operation (or of any
-//!   operation) fail with a chosen error kind, once.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -30,8 +9,12 @@ use driver_sys::{
     MemInfo, code,
 };
 
-/// The allocation alignment of the simulated devices unless configured otherwise.
+/// The granularity of allocations of up to [`SMALL_MAX`] bytes (measured: 512 bytes).
 pub const DEFAULT_ALIGNMENT: usize = 512;
+/// The unit device memory is handed out and accounted in (measured: 2 MiB).
+pub const PAGE_SIZE: usize = 2 << 20;
+/// Allocations up to this size share pages; larger ones get pages of their own.
+pub const SMALL_MAX: usize = 1 << 20;
 
 const DEVICE_SPACE_BASE: u64 = 0x7000_0000_0000;
 const DEVICE_SPACE_STRIDE: u64 = 1 << 40;
@@ -44,8 +27,11 @@ pub struct SimDeviceConfig {
     pub total_mem: usize,
     /// `CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY`.
     pub can_map_host_memory: bool,
-    /// Allocation alignment in bytes (a power of two); also the unit capacity is consumed in.
+    /// Granularity of small allocations in bytes (a power of two dividing [`PAGE_SIZE`]).
     pub alignment: usize,
+    /// Bytes a live context takes before anything is allocated (the real driver's context
+    /// state: about 552 MB on an H200); counted against `free`.
+    pub context_overhead: usize,
     /// `CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID`.
     pub pci_domain_id: i32,
     /// `CU_DEVICE_ATTRIBUTE_PCI_BUS_ID`.
@@ -61,6 +47,7 @@ impl SimDeviceConfig {
             total_mem,
             can_map_host_memory: true,
             alignment: DEFAULT_ALIGNMENT,
+            context_overhead: 0,
             pci_domain_id: 0,
             pci_bus_id: 0,
             pci_device_id: 0,
@@ -74,11 +61,21 @@ impl SimDeviceConfig {
         self
     }
 
-    /// Sets the allocation alignment (a power of two).
+    /// Sets the granularity of small allocations (a power of two dividing [`PAGE_SIZE`]).
     #[must_use]
     pub fn alignment(mut self, alignment: usize) -> SimDeviceConfig {
-        assert!(alignment.is_power_of_two(), "alignment must be a power of two, got {alignment}");
+        assert!(
+            alignment.is_power_of_two() && alignment <= PAGE_SIZE,
+            "alignment must be a power of two of at most {PAGE_SIZE}, got {alignment}"
+        );
         self.alignment = alignment;
+        self
+    }
+
+    /// Sets the bytes a live context takes before anything is allocated.
+    #[must_use]
+    pub fn context_overhead(mut self, bytes: usize) -> SimDeviceConfig {
+        self.context_overhead = bytes;
         self
     }
 }
@@ -93,7 +90,9 @@ pub struct SimConfig {
 impl SimConfig {
     /// One device with `total_mem` bytes.
     pub fn single(total_mem: usize) -> SimConfig {
-        SimConfig { devices: vec![SimDeviceConfig::new(total_mem)] }
+        SimConfig {
+            devices: vec![SimDeviceConfig::new(total_mem)],
+        }
     }
 
     /// The given devices; PCI bus ids are numbered from 1 where left at 0.
@@ -181,12 +180,20 @@ pub struct Fault {
 impl Fault {
     /// The `nth` call of `op` fails with `kind`.
     pub fn nth(op: Op, nth: u64, kind: ErrorKind) -> Fault {
-        Fault { op: Some(op), nth, kind }
+        Fault {
+            op: Some(op),
+            nth,
+            kind,
+        }
     }
 
     /// The `nth` driver call of any operation fails with `kind`.
     pub fn nth_call(nth: u64, kind: ErrorKind) -> Fault {
-        Fault { op: None, nth, kind }
+        Fault {
+            op: None,
+            nth,
+            kind,
+        }
     }
 }
 
@@ -229,16 +236,29 @@ impl fmt::Display for LeakReport {
 #[derive(Debug)]
 struct SimAlloc {
     size: usize,
-    consumed: usize,
+    /// Bytes of address space it occupies: `size` rounded to the alignment (small) or to
+    /// whole pages (large).
+    span: usize,
     bytes: Vec<u8>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Page {
+    /// Shared by this many small allocations.
+    Small(usize),
+    /// Part of one large allocation.
+    Large,
 }
 
 #[derive(Debug)]
 struct SimDevice {
     config: SimDeviceConfig,
     ctx_refcount: u32,
+    /// Whether the primary context exists (retained, not reset since).
+    ctx_live: bool,
     allocs: BTreeMap<u64, SimAlloc>,
-    consumed: usize,
+    /// Pages in use, by index from the device's base address.
+    pages: BTreeMap<u64, Page>,
 }
 
 impl SimDevice {
@@ -246,16 +266,53 @@ impl SimDevice {
         DEVICE_SPACE_BASE + ordinal as u64 * DEVICE_SPACE_STRIDE
     }
 
-    /// The lowest aligned address in this device's range where `consumed` bytes fit.
-    fn first_fit(&self, ordinal: usize, consumed: usize) -> u64 {
-        let mut cursor = Self::base(ordinal);
-        for (&start, alloc) in &self.allocs {
-            if start - cursor >= consumed as u64 {
+    fn page_addr(&self, ordinal: usize, page: u64) -> u64 {
+        Self::base(ordinal) + page * PAGE_SIZE as u64
+    }
+
+    fn free_bytes(&self) -> usize {
+        let used = self.pages.len() * PAGE_SIZE + self.config.context_overhead;
+        self.config.total_mem.saturating_sub(used)
+    }
+
+    /// The lowest run of `n` unused page indices.
+    fn free_pages(&self, n: u64) -> u64 {
+        let mut cursor = 0;
+        for &used in self.pages.keys() {
+            if used - cursor >= n {
                 break;
             }
-            cursor = start + alloc.consumed as u64;
+            cursor = used + 1;
         }
         cursor
+    }
+
+    /// Places a small allocation of `span` bytes: the lowest aligned gap in a shared page, or a
+    /// new page. Returns the address and whether a new page is needed.
+    fn place_small(&self, ordinal: usize, span: usize) -> (u64, Option<u64>) {
+        for (&page, kind) in &self.pages {
+            if !matches!(kind, Page::Small(_)) {
+                continue;
+            }
+            let start = self.page_addr(ordinal, page);
+            let end = start + PAGE_SIZE as u64;
+            let mut cursor = start;
+            for (&addr, a) in self.allocs.range(start..end) {
+                if addr - cursor >= span as u64 {
+                    break;
+                }
+                cursor = addr + a.span as u64;
+            }
+            if end - cursor >= span as u64 {
+                return (cursor, None);
+            }
+        }
+        let page = self.free_pages(1);
+        (self.page_addr(ordinal, page), Some(page))
+    }
+
+    fn page_of(&self, ordinal: usize, addr: u64) -> u64 {
+        (addr - Self::base(ordinal)) / PAGE_SIZE as u64
     }
 
     /// The allocation containing `addr`, as (base, allocation).
@@ -264,10 +321,12 @@ impl SimDevice {
         (addr < base + alloc.size.max(1) as u64).then_some((base, alloc))
     }
 
-    fn destroy_memory(&mut self) -> usize {
+    /// Destroys the context and everything it owned.
+    fn destroy_context(&mut self) -> usize {
         let n = self.allocs.len();
         self.allocs.clear();
-        self.consumed = 0;
+        self.pages.clear();
+        self.ctx_live = false;
         n
     }
 }
@@ -280,10 +339,37 @@ struct SimState {
     faults: Vec<(Fault, u64)>,
 }
 
-/// A deterministic simulated CUDA system. See the [module docs](self) for the model.
+/// A deterministic simulated CUDA system.
 ///
 /// Shareable across threads (`Arc<SimDriver>` coerces to `Arc<dyn Driver>`); one lock guards
 /// the whole state, so the call log has one total order.
+///
+/// # Model
+///
+/// - **Devices** are configured up front ([`SimConfig`]). Each has a primary context with a
+///   reference count, total memory, `CAN_MAP_HOST_MEMORY` and PCI ids.
+/// - **Address space and accounting**, as measured on an H200 (driver 580, CUDA 13.0; see
+///   `ci/hardware-runs.md`). Device memory is handed out in 2 MiB pages. Allocations of up to
+///   1 MiB are packed into shared pages at 512-byte granularity (first fit, lowest address);
+///   larger ones get whole 2 MiB-aligned pages of their own. A page is returned as soon as its
+///   last allocation is freed. `free` in [`Driver::mem_get_info`] is
+///   `total - context overhead - pages in use × 2 MiB`, so a 1-byte allocation that opens a
+///   page costs 2 MiB, and one that fits an open page costs nothing, exactly as on the GPU.
+///   Device `d`'s addresses start at `0x7000_0000_0000 + d * 2^40`.
+/// - **Real bytes.** Each allocation has zero-initialised backing bytes; copies move data.
+/// - **Contract checking** with the real driver's codes: zero-byte allocations, unknown or
+///   interior pointers, double frees and out-of-range copies give `CUDA_ERROR_INVALID_VALUE`
+///   (freeing the null pointer succeeds); a request larger than what is free gives
+///   `CUDA_ERROR_OUT_OF_MEMORY`.
+/// - **Primary contexts.** Releasing the last reference destroys the context and its memory;
+///   `cuDevicePrimaryCtxReset` destroys them even while references remain. A destroyed
+///   context answers `CUDA_ERROR_CONTEXT_IS_DESTROYED` until the next retain re-creates it
+///   (with the same handle, as on the GPU); releasing at count zero is
+///   `CUDA_ERROR_INVALID_CONTEXT`.
+/// - **Observability.** Every call is appended to a log ([`SimDriver::calls`]) with its
+///   arguments and outcome; [`SimDriver::leak_report`] lists what is still allocated.
+/// - **Scripted faults.** [`SimDriver::inject`] makes the Nth call of one operation (or of any
+///   operation) fail with a chosen error kind, once.
 #[derive(Debug)]
 pub struct SimDriver {
     state: Mutex<SimState>,
@@ -309,7 +395,13 @@ impl SimDriver {
                 if c.pci_bus_id == 0 {
                     c.pci_bus_id = i as i32 + 1;
                 }
-                SimDevice { config: c, ctx_refcount: 0, allocs: BTreeMap::new(), consumed: 0 }
+                SimDevice {
+                    config: c,
+                    ctx_refcount: 0,
+                    ctx_live: false,
+                    allocs: BTreeMap::new(),
+                    pages: BTreeMap::new(),
+                }
             })
             .collect();
         SimDriver {
@@ -363,13 +455,21 @@ impl SimDriver {
         let st = self.lock();
         st.devices
             .get(dev.0 as usize)
-            .map(|d| d.allocs.iter().map(|(&a, s)| (DevicePtr(a), s.size)).collect())
+            .map(|d| {
+                d.allocs
+                    .iter()
+                    .map(|(&a, s)| (DevicePtr(a), s.size))
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
     /// The primary context's reference count on `dev`.
     pub fn context_refcount(&self, dev: DeviceOrdinal) -> u32 {
-        self.lock().devices.get(dev.0 as usize).map_or(0, |d| d.ctx_refcount)
+        self.lock()
+            .devices
+            .get(dev.0 as usize)
+            .map_or(0, |d| d.ctx_refcount)
     }
 
     /// Frees that failed because the pointer was unknown (never allocated, or freed already).
@@ -418,7 +518,10 @@ impl SimDriver {
                 }
             }
         };
-        let outcome = result.as_ref().map(|_| ()).map_err(|&c| ErrorKind::from_code(c));
+        let outcome = result
+            .as_ref()
+            .map(|_| ())
+            .map_err(|&c| ErrorKind::from_code(c));
         st.log.push(CallRecord {
             seq,
             op,
@@ -430,7 +533,11 @@ impl SimDriver {
         drop(st);
         result.map_err(|c| {
             let e = DriverError::from_code(op.call_name(), c);
-            if faulted.is_some() { e.with_detail("injected by SimDriver") } else { e }
+            if faulted.is_some() {
+                e.with_detail("injected by SimDriver")
+            } else {
+                e
+            }
         })
     }
 
@@ -448,8 +555,10 @@ impl SimDriver {
         fired
     }
 
-    fn device<'s>(st: &'s mut SimState, dev: DeviceOrdinal) -> Result<&'s mut SimDevice, u32> {
-        st.devices.get_mut(dev.0 as usize).ok_or(code::INVALID_DEVICE)
+    fn device(st: &mut SimState, dev: DeviceOrdinal) -> Result<&mut SimDevice, u32> {
+        st.devices
+            .get_mut(dev.0 as usize)
+            .ok_or(code::INVALID_DEVICE)
     }
 
     /// The device behind a context handle whose primary context is retained.
@@ -467,8 +576,8 @@ impl SimDriver {
             .ok_or(code::INVALID_CONTEXT)?;
         note.device = Some(DeviceOrdinal(index as u32));
         let d = &mut st.devices[index];
-        if d.ctx_refcount == 0 {
-            return Err(code::INVALID_CONTEXT);
+        if !d.ctx_live {
+            return Err(code::CONTEXT_IS_DESTROYED);
         }
         Ok((index, d))
     }
@@ -529,7 +638,10 @@ impl Driver for SimDriver {
             note.device = Some(dev);
             let d = Self::device(st, dev)?;
             d.ctx_refcount += 1;
-            Ok(ContextHandle(CONTEXT_HANDLE_BASE + u64::from(dev.0) * 0x100))
+            d.ctx_live = true;
+            Ok(ContextHandle(
+                CONTEXT_HANDLE_BASE + u64::from(dev.0) * 0x100,
+            ))
         })
     }
 
@@ -542,7 +654,7 @@ impl Driver for SimDriver {
             }
             d.ctx_refcount -= 1;
             if d.ctx_refcount == 0 {
-                let n = d.destroy_memory();
+                let n = d.destroy_context();
                 if n > 0 {
                     tracing::debug!(%dev, allocations = n, "sim: last primary-context reference released; its memory is destroyed");
                 }
@@ -554,7 +666,7 @@ impl Driver for SimDriver {
     unsafe fn primary_ctx_reset(&self, dev: DeviceOrdinal) -> Result<(), DriverError> {
         self.call(Op::PrimaryCtxReset, |st, note| {
             note.device = Some(dev);
-            Self::device(st, dev)?.destroy_memory();
+            Self::device(st, dev)?.destroy_context();
             Ok(())
         })
     }
@@ -566,17 +678,47 @@ impl Driver for SimDriver {
             if bytes == 0 {
                 return Err(code::INVALID_VALUE);
             }
-            let align = d.config.alignment;
-            let consumed = bytes.checked_next_multiple_of(align).ok_or(code::OUT_OF_MEMORY)?;
-            if consumed > d.config.total_mem - d.consumed {
+            let (addr, span, new_pages) = if bytes <= SMALL_MAX {
+                let span = bytes.next_multiple_of(d.config.alignment);
+                let (addr, new_page) = d.place_small(index, span);
+                (addr, span, new_page.map(|p| (p, 1)))
+            } else {
+                let span = bytes
+                    .checked_next_multiple_of(PAGE_SIZE)
+                    .ok_or(code::OUT_OF_MEMORY)?;
+                let n = (span / PAGE_SIZE) as u64;
+                let first = d.free_pages(n);
+                (d.page_addr(index, first), span, Some((first, n)))
+            };
+            let needed = new_pages.map_or(0, |(_, n)| n as usize * PAGE_SIZE);
+            if needed > d.free_bytes() {
                 return Err(code::OUT_OF_MEMORY);
             }
-            let addr = d.first_fit(index, consumed);
-            let mut backing = Vec::new();
-            backing.try_reserve_exact(bytes).map_err(|_| code::OUT_OF_MEMORY)?;
-            backing.resize(bytes, 0);
-            d.allocs.insert(addr, SimAlloc { size: bytes, consumed, bytes: backing });
-            d.consumed += consumed;
+            match new_pages {
+                Some((first, 1)) if bytes <= SMALL_MAX => {
+                    d.pages.insert(first, Page::Small(0));
+                }
+                Some((first, n)) => {
+                    for p in first..first + n {
+                        d.pages.insert(p, Page::Large);
+                    }
+                }
+                None => {}
+            }
+            if bytes <= SMALL_MAX {
+                let page = d.page_of(index, addr);
+                if let Some(Page::Small(count)) = d.pages.get_mut(&page) {
+                    *count += 1;
+                }
+            }
+            d.allocs.insert(
+                addr,
+                SimAlloc {
+                    size: bytes,
+                    span,
+                    bytes: vec![0; bytes],
+                },
+            );
             note.ptr = Some(DevicePtr(addr));
             Ok(DevicePtr(addr))
         })
@@ -585,10 +727,25 @@ impl Driver for SimDriver {
     unsafe fn mem_free(&self, ctx: ContextHandle, ptr: DevicePtr) -> Result<(), DriverError> {
         self.call(Op::MemFree, |st, note| {
             note.ptr = Some(ptr);
-            let (_, d) = Self::context(st, ctx, note)?;
+            let (index, d) = Self::context(st, ctx, note)?;
+            if ptr.is_null() {
+                return Ok(());
+            }
             let alloc = d.allocs.remove(&ptr.0).ok_or(code::INVALID_VALUE)?;
             note.bytes = Some(alloc.size);
-            d.consumed -= alloc.consumed;
+            let first = d.page_of(index, ptr.0);
+            if alloc.size <= SMALL_MAX {
+                if let Some(Page::Small(count)) = d.pages.get_mut(&first) {
+                    *count -= 1;
+                    if *count == 0 {
+                        d.pages.remove(&first);
+                    }
+                }
+            } else {
+                for p in first..first + (alloc.span / PAGE_SIZE) as u64 {
+                    d.pages.remove(&p);
+                }
+            }
             Ok(())
         })
     }
@@ -596,7 +753,10 @@ impl Driver for SimDriver {
     fn mem_get_info(&self, ctx: ContextHandle) -> Result<MemInfo, DriverError> {
         self.call(Op::MemGetInfo, |st, note| {
             let (_, d) = Self::context(st, ctx, note)?;
-            Ok(MemInfo { free: d.config.total_mem - d.consumed, total: d.config.total_mem })
+            Ok(MemInfo {
+                free: d.free_bytes(),
+                total: d.config.total_mem,
+            })
         })
     }
 
@@ -627,7 +787,10 @@ impl Driver for SimDriver {
                 return Ok(());
             }
             let (base, offset) = Self::range(d, dst.0, src.len())?;
-            let alloc = d.allocs.get_mut(&base).expect("range() found this allocation");
+            let alloc = d
+                .allocs
+                .get_mut(&base)
+                .expect("range() found this allocation");
             alloc.bytes[offset..offset + src.len()].copy_from_slice(src);
             Ok(())
         })

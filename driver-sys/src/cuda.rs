@@ -48,7 +48,9 @@ impl CtxScope {
         // SAFETY:
         // - `current` is a valid place for one `CUcontext`; the driver writes it on success.
         // - libcuda was found by `CudaDriver::load`, the only constructor.
-        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(current.as_mut_ptr()) })?;
+        check("cuCtxGetCurrent", unsafe {
+            sys::cuCtxGetCurrent(current.as_mut_ptr())
+        })?;
         // SAFETY: cuCtxGetCurrent succeeded, so it initialised `current`.
         let current = unsafe { current.assume_init() };
         if current == as_cu_ctx(ctx) {
@@ -56,7 +58,9 @@ impl CtxScope {
         }
         // SAFETY: pushing a context handle the caller obtained from this driver; an invalid or
         // destroyed handle is reported by the driver as an error, not undefined behaviour.
-        check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(as_cu_ctx(ctx)) })?;
+        check("cuCtxPushCurrent", unsafe {
+            sys::cuCtxPushCurrent_v2(as_cu_ctx(ctx))
+        })?;
         Ok(CtxScope { pushed: true })
     }
 }
@@ -69,7 +73,10 @@ impl Drop for CtxScope {
             // place for the handle the driver returns.
             let r = unsafe { sys::cuCtxPopCurrent_v2(popped.as_mut_ptr()) };
             if r != sys::CUresult::CUDA_SUCCESS {
-                tracing::error!(code = r as u32, "cuCtxPopCurrent failed restoring the caller's context");
+                tracing::error!(
+                    code = r as u32,
+                    "cuCtxPopCurrent failed restoring the caller's context"
+                );
             }
         }
     }
@@ -80,7 +87,9 @@ fn cu_device(dev: DeviceOrdinal) -> Result<sys::CUdevice, DriverError> {
         .map_err(|_| DriverError::from_code("cuDeviceGet", crate::code::INVALID_DEVICE))?;
     let mut out = MaybeUninit::<sys::CUdevice>::uninit();
     // SAFETY: `out` is a valid place for one `CUdevice`; libcuda is loaded.
-    check("cuDeviceGet", unsafe { sys::cuDeviceGet(out.as_mut_ptr(), ordinal) })?;
+    check("cuDeviceGet", unsafe {
+        sys::cuDeviceGet(out.as_mut_ptr(), ordinal)
+    })?;
     // SAFETY: cuDeviceGet succeeded and wrote `out`.
     Ok(unsafe { out.assume_init() })
 }
@@ -136,7 +145,9 @@ impl Driver for CudaDriver {
         let device = cu_device(dev)?;
         let mut bytes = 0usize;
         // SAFETY: `bytes` is a valid place for one size_t; `device` came from cuDeviceGet.
-        check("cuDeviceTotalMem", unsafe { sys::cuDeviceTotalMem_v2(&mut bytes, device) })?;
+        check("cuDeviceTotalMem", unsafe {
+            sys::cuDeviceTotalMem_v2(&mut bytes, device)
+        })?;
         Ok(bytes)
     }
 
@@ -185,14 +196,18 @@ impl Driver for CudaDriver {
     unsafe fn primary_ctx_release(&self, dev: DeviceOrdinal) -> Result<(), DriverError> {
         let device = cu_device(dev)?;
         // SAFETY: the caller matches this release with an earlier retain (trait contract).
-        check("cuDevicePrimaryCtxRelease", unsafe { sys::cuDevicePrimaryCtxRelease_v2(device) })
+        check("cuDevicePrimaryCtxRelease", unsafe {
+            sys::cuDevicePrimaryCtxRelease_v2(device)
+        })
     }
 
     /// [cuDevicePrimaryCtxReset](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html)
     unsafe fn primary_ctx_reset(&self, dev: DeviceOrdinal) -> Result<(), DriverError> {
         let device = cu_device(dev)?;
         // SAFETY: the caller guarantees nothing of the context is used again (trait contract).
-        check("cuDevicePrimaryCtxReset", unsafe { sys::cuDevicePrimaryCtxReset_v2(device) })
+        check("cuDevicePrimaryCtxReset", unsafe {
+            sys::cuDevicePrimaryCtxReset_v2(device)
+        })
     }
 
     /// [cuMemAlloc](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
@@ -217,7 +232,9 @@ impl Driver for CudaDriver {
         let _scope = CtxScope::enter(ctx)?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: both are valid places for one size_t; the context is current.
-        check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        check("cuMemGetInfo", unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
         Ok(MemInfo { free, total })
     }
 
@@ -284,7 +301,8 @@ mod tests {
         match CudaDriver::load() {
             Ok(d) => {
                 // A GPU machine: the driver answers.
-                d.device_count().expect("cuDeviceGetCount after a successful load");
+                d.device_count()
+                    .expect("cuDeviceGetCount after a successful load");
             }
             Err(e) => {
                 let kind = e.kind();

@@ -59,8 +59,11 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn device_total_mem(&self, dev: DeviceOrdinal) -> Result<usize, DriverError>;
 
     /// `cuDeviceGetAttribute`.
-    fn device_attribute(&self, dev: DeviceOrdinal, attr: DeviceAttribute)
-    -> Result<i32, DriverError>;
+    fn device_attribute(
+        &self,
+        dev: DeviceOrdinal,
+        attr: DeviceAttribute,
+    ) -> Result<i32, DriverError>;
 
     /// `cuDevicePrimaryCtxRetain`: the device's primary context, its reference count raised.
     fn primary_ctx_retain(&self, dev: DeviceOrdinal) -> Result<ContextHandle, DriverError>;

@@ -176,9 +176,7 @@ impl ErrorKind {
                 "an IPC handle may be opened once, and only in a process other than the \
                  exporter"
             }
-            ErrorKind::HostMemoryAlreadyRegistered => {
-                "unpin the range before pinning it again"
-            }
+            ErrorKind::HostMemoryAlreadyRegistered => "unpin the range before pinning it again",
             ErrorKind::HostMemoryNotRegistered => "only pinned ranges can be unpinned",
             ErrorKind::PeerAccess => "use the staged path for devices that are not peers",
             ErrorKind::NotFound => "check the name or handle",
@@ -223,10 +221,7 @@ pub fn describe_code(raw: u32) -> (&'static str, &'static str) {
             "CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE",
             "primary context active",
         ),
-        code::CONTEXT_IS_DESTROYED => (
-            "CUDA_ERROR_CONTEXT_IS_DESTROYED",
-            "context is destroyed",
-        ),
+        code::CONTEXT_IS_DESTROYED => ("CUDA_ERROR_CONTEXT_IS_DESTROYED", "context is destroyed"),
         code::HOST_MEMORY_ALREADY_REGISTERED => (
             "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
             "part or all of the requested memory range is already mapped",
@@ -257,12 +252,22 @@ pub struct DriverError {
 impl DriverError {
     /// An error for the raw `CUresult` `raw` returned by the driver call `call`.
     pub fn from_code(call: &'static str, raw: u32) -> DriverError {
-        DriverError { kind: ErrorKind::from_code(raw), raw: Some(raw), call, detail: None }
+        DriverError {
+            kind: ErrorKind::from_code(raw),
+            raw: Some(raw),
+            call,
+            detail: None,
+        }
     }
 
     /// An error of `kind` with that kind's representative raw code (for scripted faults).
     pub fn from_kind(call: &'static str, kind: ErrorKind) -> DriverError {
-        DriverError { kind, raw: Some(kind.representative_code()), call, detail: None }
+        DriverError {
+            kind,
+            raw: Some(kind.representative_code()),
+            call,
+            detail: None,
+        }
     }
 
     /// No driver library could be loaded: there is no raw code.
@@ -313,7 +318,11 @@ impl fmt::Display for DriverError {
                 let (name, text) = describe_code(raw);
                 write!(f, "{} failed with {name} ({raw}): {text}", self.call)?;
             }
-            None => write!(f, "{} failed: no CUDA driver library could be loaded", self.call)?,
+            None => write!(
+                f,
+                "{} failed: no CUDA driver library could be loaded",
+                self.call
+            )?,
         }
         if let Some(detail) = &self.detail {
             write!(f, " ({detail})")?;
@@ -374,7 +383,11 @@ mod tests {
             NotFound,
             Other,
         ] {
-            assert_eq!(ErrorKind::from_code(kind.representative_code()), kind, "{kind:?}");
+            assert_eq!(
+                ErrorKind::from_code(kind.representative_code()),
+                kind,
+                "{kind:?}"
+            );
         }
     }
 

@@ -31,7 +31,10 @@ pub struct DeallocConfig {
 impl Default for DeallocConfig {
     /// Numba's defaults: 10 and 0.2.
     fn default() -> Self {
-        DeallocConfig { max_count: 10, max_ratio: 0.2 }
+        DeallocConfig {
+            max_count: 10,
+            max_ratio: 0.2,
+        }
     }
 }
 
@@ -42,9 +45,7 @@ impl DeallocConfig {
     }
 
     /// Reads both thresholds through `lookup` (a variable's value, or `None` when unset).
-    pub fn from_lookup(
-        lookup: impl Fn(&str) -> Option<String>,
-    ) -> Result<DeallocConfig, EmmError> {
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<DeallocConfig, EmmError> {
         let mut config = DeallocConfig::default();
         if let Some(value) = lookup(ENV_MAX_PENDING_COUNT) {
             config.max_count = parse_count(&value)?;
@@ -58,7 +59,11 @@ impl DeallocConfig {
     /// `floor(capacity * max_ratio)`, saturating; 0 when the capacity is unknown (0).
     pub fn max_pending_bytes(&self, capacity: usize) -> usize {
         let bytes = (capacity as f64 * self.max_ratio).floor();
-        if bytes >= usize::MAX as f64 { usize::MAX } else { bytes as usize }
+        if bytes >= usize::MAX as f64 {
+            usize::MAX
+        } else {
+            bytes as usize
+        }
     }
 }
 
@@ -82,7 +87,10 @@ fn parse_ratio(value: &str) -> Result<f64, EmmError> {
              memory, default 0.2), or unset it"
         ),
     };
-    let ratio = value.trim().parse::<f64>().map_err(|e| bad(e.to_string()))?;
+    let ratio = value
+        .trim()
+        .parse::<f64>()
+        .map_err(|e| bad(e.to_string()))?;
     if !ratio.is_finite() {
         return Err(bad("not a finite number".into()));
     }
@@ -119,15 +127,28 @@ mod tests {
     use super::*;
 
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let pairs: Vec<(String, String)> =
-            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        move |name| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+        let pairs: Vec<(String, String)> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name| {
+            pairs
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        }
     }
 
     #[test]
     fn defaults_are_numbas() {
         let c = DeallocConfig::from_lookup(env(&[])).unwrap();
-        assert_eq!(c, DeallocConfig { max_count: 10, max_ratio: 0.2 });
+        assert_eq!(
+            c,
+            DeallocConfig {
+                max_count: 10,
+                max_ratio: 0.2
+            }
+        );
     }
 
     #[test]
@@ -137,7 +158,13 @@ mod tests {
             (ENV_MAX_PENDING_RATIO, " 0.5 "),
         ]))
         .unwrap();
-        assert_eq!(c, DeallocConfig { max_count: 3, max_ratio: 0.5 });
+        assert_eq!(
+            c,
+            DeallocConfig {
+                max_count: 3,
+                max_ratio: 0.5
+            }
+        );
     }
 
     #[test]
@@ -161,11 +188,17 @@ mod tests {
 
     #[test]
     fn max_pending_bytes_floors_and_saturates() {
-        let c = DeallocConfig { max_count: 10, max_ratio: 0.2 };
+        let c = DeallocConfig {
+            max_count: 10,
+            max_ratio: 0.2,
+        };
         assert_eq!(c.max_pending_bytes(0), 0);
         assert_eq!(c.max_pending_bytes(1000), 200);
         assert_eq!(c.max_pending_bytes(1001), 200);
-        let huge = DeallocConfig { max_count: 10, max_ratio: 1e300 };
+        let huge = DeallocConfig {
+            max_count: 10,
+            max_ratio: 1e300,
+        };
         assert_eq!(huge.max_pending_bytes(10), usize::MAX);
     }
 

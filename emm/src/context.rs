@@ -70,11 +70,19 @@ impl Context {
     }
 
     fn stale(&self, what: &'static str) -> EmmError {
-        EmmError::Stale { what, device: self.inner.device, reason: "the device was reset" }
+        EmmError::Stale {
+            what,
+            device: self.inner.device,
+            reason: "the device was reset",
+        }
     }
 
     fn ensure_alive(&self, what: &'static str) -> Result<(), EmmError> {
-        if self.is_alive() { Ok(()) } else { Err(self.stale(what)) }
+        if self.is_alive() {
+            Ok(())
+        } else {
+            Err(self.stale(what))
+        }
     }
 
     /// Allocates `bytes` of device memory through the manager.
@@ -108,9 +116,16 @@ impl Context {
 
     /// Base and end address of the whole allocation that `memory` lies in, as the driver
     /// reports them (Numba's `device_extents`).
-    pub fn device_extents(&self, memory: &MemoryPointer) -> Result<(DevicePtr, DevicePtr), EmmError> {
+    pub fn device_extents(
+        &self,
+        memory: &MemoryPointer,
+    ) -> Result<(DevicePtr, DevicePtr), EmmError> {
         self.check_usable("device_extents", memory)?;
-        let _live = self.inner.liveness.enter().ok_or_else(|| self.stale("device_extents"))?;
+        let _live = self
+            .inner
+            .liveness
+            .enter()
+            .ok_or_else(|| self.stale("device_extents"))?;
         let (base, size) = self
             .inner
             .driver
@@ -130,30 +145,46 @@ impl Context {
     pub fn copy_to_device(&self, dst: &MemoryPointer, src: &[u8]) -> Result<(), EmmError> {
         self.check_usable("copy to device", dst)?;
         check_len("copy to device", src.len(), dst.size())?;
-        let _live = self.inner.liveness.enter().ok_or_else(|| self.stale("copy to device"))?;
+        let _live = self
+            .inner
+            .liveness
+            .enter()
+            .ok_or_else(|| self.stale("copy to device"))?;
         // SAFETY:
         // - `dst` is a live pointer of this context (checked above: same device and context,
         //   not stale) and keeps its allocation alive while borrowed here;
         // - `dst.device_ptr() .. + src.len()` lies inside it (length checked above, and a
         //   `MemoryPointer`'s offset and size are checked when the view is made);
         // - `_live` keeps the context from being destroyed during the call.
-        unsafe { self.inner.driver.memcpy_htod(self.inner.handle, dst.device_ptr(), src) }
-            .map_err(|e| EmmError::driver("copy to device", self.inner.device, e))
+        unsafe {
+            self.inner
+                .driver
+                .memcpy_htod(self.inner.handle, dst.device_ptr(), src)
+        }
+        .map_err(|e| EmmError::driver("copy to device", self.inner.device, e))
     }
 
     /// Copies the first `dst.len()` bytes of `src` into `dst`, synchronously.
     pub fn copy_to_host(&self, dst: &mut [u8], src: &MemoryPointer) -> Result<(), EmmError> {
         self.check_usable("copy to host", src)?;
         check_len("copy to host", dst.len(), src.size())?;
-        let _live = self.inner.liveness.enter().ok_or_else(|| self.stale("copy to host"))?;
+        let _live = self
+            .inner
+            .liveness
+            .enter()
+            .ok_or_else(|| self.stale("copy to host"))?;
         // SAFETY:
         // - `src` is a live pointer of this context (checked above) and `dst.len()` bytes of it
         //   lie inside its allocation (checked above);
         // - `dst` is an exclusive borrow of host memory, so nothing else reads it during the
         //   copy;
         // - `_live` keeps the context from being destroyed during the call.
-        unsafe { self.inner.driver.memcpy_dtoh(self.inner.handle, dst, src.device_ptr()) }
-            .map_err(|e| EmmError::driver("copy to host", self.inner.device, e))
+        unsafe {
+            self.inner
+                .driver
+                .memcpy_dtoh(self.inner.handle, dst, src.device_ptr())
+        }
+        .map_err(|e| EmmError::driver("copy to host", self.inner.device, e))
     }
 
     fn check_usable(&self, what: &'static str, memory: &MemoryPointer) -> Result<(), EmmError> {
@@ -178,7 +209,12 @@ impl Context {
 
 fn check_len(what: &'static str, len: usize, size: usize) -> Result<(), EmmError> {
     if len > size {
-        return Err(EmmError::OutOfBounds { what, start: 0, end: len, size });
+        return Err(EmmError::OutOfBounds {
+            what,
+            start: 0,
+            end: len,
+            size,
+        });
     }
     Ok(())
 }

@@ -1,11 +1,4 @@
 //! [`DefaultManager`]: emm's own manager (Numba's `NumbaCUDAMemoryManager`), device path.
-//!
-//! - `memalloc` calls `cuMemAlloc`; on out-of-memory it flushes its pending frees and retries
-//!   **once** (Numba's `_attempt_allocation`); inside `defer_cleanup` the flush does nothing and
-//!   the retry happens anyway.
-//! - Frees are deferred through its [`PendingDeallocs`] queue, whose byte threshold is a share
-//!   of the device's total memory, captured at the first `initialize`.
-//! - `reset` frees every live allocation, then flushes.
 
 use std::sync::Arc;
 
@@ -22,7 +15,14 @@ use crate::{EmmError, MemoryInfo, MemoryPointer};
 /// The name the default manager is registered under.
 pub const DEFAULT_MANAGER: &str = "default";
 
-/// emm's default memory manager. See the [module docs](self).
+/// emm's default memory manager.
+///
+/// - `memalloc` calls `cuMemAlloc`; on out-of-memory it flushes its pending frees and retries
+///   **once** (Numba's `_attempt_allocation`); inside `defer_cleanup` the flush does nothing and
+///   the retry happens anyway.
+/// - Frees are deferred through its [`PendingDeallocs`] queue, whose byte threshold is a share
+///   of the device's total memory, captured at the first `initialize`.
+/// - `reset` frees every live allocation, then flushes.
 #[derive(Debug)]
 pub struct DefaultManager {
     cx: ManagerContext,
@@ -33,7 +33,10 @@ impl DefaultManager {
     /// The default manager for one context.
     pub fn new(cx: &ManagerContext) -> DefaultManager {
         let queue = Arc::new(cx.new_pending_deallocs());
-        DefaultManager { cx: cx.clone(), tracker: Arc::new(DeviceTracker::new(queue)) }
+        DefaultManager {
+            cx: cx.clone(),
+            tracker: Arc::new(DeviceTracker::new(queue)),
+        }
     }
 
     /// The factory registered as `"default"`.
@@ -47,7 +50,11 @@ impl DefaultManager {
     }
 
     fn stale(&self, what: &'static str) -> EmmError {
-        EmmError::Stale { what, device: self.cx.device, reason: "the device was reset" }
+        EmmError::Stale {
+            what,
+            device: self.cx.device,
+            reason: "the device was reset",
+        }
     }
 
     fn not_built(&self, operation: &'static str) -> EmmError {
@@ -102,7 +109,10 @@ impl MemoryManager for DefaultManager {
             cx.context,
             base,
             bytes,
-            Release::Tracked { tracker: Arc::clone(&self.tracker), generation },
+            Release::Tracked {
+                tracker: Arc::clone(&self.tracker),
+                generation,
+            },
         ))
     }
 
@@ -143,12 +153,18 @@ impl MemoryManager for DefaultManager {
 
     fn get_memory_info(&self) -> Result<MemoryInfo, EmmError> {
         let cx = &self.cx;
-        let _live = cx.liveness.enter().ok_or_else(|| self.stale("get_memory_info"))?;
+        let _live = cx
+            .liveness
+            .enter()
+            .ok_or_else(|| self.stale("get_memory_info"))?;
         let info = cx
             .driver
             .mem_get_info(cx.context)
             .map_err(|e| EmmError::driver("get_memory_info", cx.device, e))?;
-        Ok(MemoryInfo { free: info.free, total: info.total })
+        Ok(MemoryInfo {
+            free: info.free,
+            total: info.total,
+        })
     }
 
     fn reset(&self) -> Result<(), EmmError> {

@@ -41,9 +41,7 @@ pub enum EmmError {
     },
 
     /// The memory manager does not offer this operation.
-    #[error(
-        "{operation} is not supported by the memory manager '{manager}'; {advice}"
-    )]
+    #[error("{operation} is not supported by the memory manager '{manager}'; {advice}")]
     NotSupported {
         /// The operation, such as `memhostalloc`.
         operation: &'static str,

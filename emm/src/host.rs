@@ -33,7 +33,12 @@ impl PinnedMemory {
         owner: Option<HostOwner>,
         release: impl FnOnce(HostPtr, usize) + Send + Sync + 'static,
     ) -> PinnedMemory {
-        PinnedMemory { host, size, owner, release: Some(Box::new(release)) }
+        PinnedMemory {
+            host,
+            size,
+            owner,
+            release: Some(Box::new(release)),
+        }
     }
 
     /// The host address.

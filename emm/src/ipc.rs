@@ -26,7 +26,12 @@ pub struct IpcHandle {
 impl IpcHandle {
     /// A handle for `size` bytes at `offset` from the base of the allocation `handle` names.
     pub fn new(handle: [u8; 64], size: usize, offset: usize, source: DeviceIdentity) -> IpcHandle {
-        IpcHandle { handle, size, offset, source }
+        IpcHandle {
+            handle,
+            size,
+            offset,
+            source,
+        }
     }
 
     /// The driver's 64 bytes.

@@ -10,13 +10,19 @@
 //! Entering is re-entrant on one thread (an allocation that flushes after out-of-memory enters
 //! twice), which a read-write lock would not allow.
 
-use crate::sync::{AtomicBool, AtomicUsize, Ordering, yield_now};
+use crate::sync::{AtomicUsize, Ordering, yield_now};
+
+/// The high bit of the state word: the context is dead.
+const DEAD: usize = 1 << (usize::BITS - 1);
 
 /// Whether a context is alive, plus a count of driver calls in flight on its behalf.
+///
+/// Both live in one atomic word (`DEAD` bit | count), so whether an `enter` came before or
+/// after a `kill` is decided by that word's modification order alone: no reasoning about
+/// orderings across two locations is needed (and loom can check it exhaustively).
 #[derive(Debug)]
 pub struct ContextLiveness {
-    alive: AtomicBool,
-    in_flight: AtomicUsize,
+    state: AtomicUsize,
 }
 
 /// Proof that a context was alive when the call began; it stays usable until dropped.
@@ -28,33 +34,34 @@ pub struct LiveGuard<'a> {
 impl ContextLiveness {
     /// A live context.
     pub fn new() -> ContextLiveness {
-        ContextLiveness { alive: AtomicBool::new(true), in_flight: AtomicUsize::new(0) }
+        ContextLiveness {
+            state: AtomicUsize::new(0),
+        }
     }
 
     /// Enters a driver call on this context, or `None` if the context is dead.
     pub fn enter(&self) -> Option<LiveGuard<'_>> {
-        // SeqCst on both sides: if this load sees `alive`, the increment is ordered before
-        // `kill`'s store, so `kill`'s wait sees it (a store-buffering pattern).
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
-        if self.alive.load(Ordering::SeqCst) {
+        let before = self.state.fetch_add(1, Ordering::Acquire);
+        if before & DEAD == 0 {
             Some(LiveGuard { owner: self })
         } else {
-            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            self.state.fetch_sub(1, Ordering::Relaxed);
             None
         }
     }
 
     /// Whether the context is alive now.
     pub fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::SeqCst)
+        self.state.load(Ordering::Acquire) & DEAD == 0
     }
 
     /// Marks the context dead and waits until no call entered before is still in flight.
+    /// Everything those calls did happens-before this returns.
     ///
     /// Must not be called by a thread that holds a [`LiveGuard`] of this context.
     pub fn kill(&self) {
-        self.alive.store(false, Ordering::SeqCst);
-        while self.in_flight.load(Ordering::SeqCst) != 0 {
+        self.state.fetch_or(DEAD, Ordering::AcqRel);
+        while self.state.load(Ordering::Acquire) & !DEAD != 0 {
             yield_now();
         }
     }
@@ -68,7 +75,7 @@ impl Default for ContextLiveness {
 
 impl Drop for LiveGuard<'_> {
     fn drop(&mut self) {
-        self.owner.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.owner.state.fetch_sub(1, Ordering::Release);
     }
 }
 

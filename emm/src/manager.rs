@@ -1,22 +1,5 @@
 //! The plugin interface: [`MemoryManager`] (NBEP 7's `BaseCUDAMemoryManager`), what a manager
 //! is built from ([`ManagerContext`]) and how it is built ([`ManagerFactory`]).
-//!
-//! # Life cycle
-//!
-//! 1. The host runtime picks a manager once, before any context exists: in code
-//!    ([`RuntimeBuilder::memory_manager`](crate::RuntimeBuilder::memory_manager)) or by name
-//!    (`EMM_MEMORY_MANAGER`). The factory's [`interface_version`](ManagerFactory::interface_version)
-//!    is checked then.
-//! 2. The first use of a device creates its [`Context`](crate::Context), and the factory
-//!    builds **one manager for that context**, which owns all its memory.
-//! 3. [`initialize`](MemoryManager::initialize) is called on **every** use of the context
-//!    ([`Runtime::context`](crate::Runtime::context)), always before the first allocation. It
-//!    must be idempotent and must not invalidate earlier state.
-//! 4. Allocation calls come from any thread, in any order.
-//! 5. [`reset`](MemoryManager::reset) frees everything the manager allocated in the context. It
-//!    may be called before `initialize`, and more than once.
-//! 6. When the device is reset, the context and its manager are discarded after `reset`; the
-//!    next use of the device builds a new context with a new manager.
 
 use std::fmt;
 use std::sync::Arc;
@@ -35,7 +18,22 @@ pub const INTERFACE_VERSION: u32 = 1;
 
 /// A memory manager: owns all memory of one context. Object safe; emm holds `Box<dyn _>`.
 ///
-/// See the [module docs](self) for who calls what, when, and how often.
+/// # Life cycle
+///
+/// 1. The host runtime picks a manager once, before any context exists: in code
+///    ([`RuntimeBuilder::memory_manager`](crate::RuntimeBuilder::memory_manager)) or by name
+///    (`EMM_MEMORY_MANAGER`). The factory's [`interface_version`](ManagerFactory::interface_version)
+///    is checked then.
+/// 2. The first use of a device creates its [`Context`](crate::Context), and the factory
+///    builds **one manager for that context**, which owns all its memory.
+/// 3. [`initialize`](MemoryManager::initialize) is called on **every** use of the context
+///    ([`Runtime::context`](crate::Runtime::context)), always before the first allocation. It
+///    must be idempotent and must not invalidate earlier state.
+/// 4. Allocation calls come from any thread, in any order.
+/// 5. [`reset`](MemoryManager::reset) frees everything the manager allocated in the context. It
+///    may be called before `initialize`, and more than once.
+/// 6. When the device is reset, the context and its manager are discarded after `reset`; the
+///    next use of the device builds a new context with a new manager.
 pub trait MemoryManager: Send + Sync + fmt::Debug {
     /// Allocates `bytes` of device memory in the context; the pointer owns it.
     fn memalloc(&self, bytes: usize) -> Result<MemoryPointer, EmmError>;
@@ -145,7 +143,11 @@ impl FnFactory {
         + Sync
         + 'static,
     ) -> FnFactory {
-        FnFactory { name: name.into(), version: INTERFACE_VERSION, create: Box::new(create) }
+        FnFactory {
+            name: name.into(),
+            version: INTERFACE_VERSION,
+            create: Box::new(create),
+        }
     }
 
     /// Declares another interface version (to test the version check).
@@ -158,7 +160,10 @@ impl FnFactory {
 
 impl fmt::Debug for FnFactory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FnFactory").field("name", &self.name).field("version", &self.version).finish()
+        f.debug_struct("FnFactory")
+            .field("name", &self.name)
+            .field("version", &self.version)
+            .finish()
     }
 }
 
@@ -181,6 +186,9 @@ pub fn check_interface_version(found: u32) -> Result<(), EmmError> {
     if found == INTERFACE_VERSION {
         Ok(())
     } else {
-        Err(EmmError::InterfaceVersion { found, required: INTERFACE_VERSION })
+        Err(EmmError::InterfaceVersion {
+            found,
+            required: INTERFACE_VERSION,
+        })
     }
 }

@@ -1,32 +1,4 @@
 //! Deferred deallocation (Numba's `_PendingDeallocs`).
-//!
-//! `cuMemFree` can synchronise the device, so frees are not sent to the driver when a pointer
-//! drops: they are queued here, as data, and issued in batches.
-//!
-//! # Life of a free
-//!
-//! 1. The last clone of a [`MemoryPointer`](crate::MemoryPointer) drops and pushes a [`Free`].
-//!    Nothing reaches the driver yet.
-//! 2. [`PendingDeallocs::push`] flushes when the count is **greater than** `max_count` or the
-//!    pending bytes are **greater than** `floor(capacity * max_ratio)` (Numba: strict `>`;
-//!    numba-emm-spec §2). The capacity is 0 until the manager's first `initialize` sets it, so
-//!    before that any free of a known size flushes at once.
-//! 3. [`PendingDeallocs::flush`] frees oldest first. If one free fails, that entry is dropped,
-//!    later entries **stay queued**, the byte count is not reset, and the error is returned
-//!    (Numba's code; its docs say otherwise, and the code wins).
-//! 4. While a [`DeferCleanup`] guard is alive, flushing does nothing (the queue grows without
-//!    bound). Leaving the outermost guard does **not** flush.
-//! 5. When the context is destroyed (device reset), queued frees are discarded without reaching
-//!    the driver: the context's memory went with it.
-//!
-//! A flush triggered from `Drop` cannot return its error: it is logged with `tracing::error!`,
-//! recorded, and returned by the next [`PendingDeallocs::flush`].
-//!
-//! # Locking
-//!
-//! One mutex guards the queue and is held across the driver calls of a flush, so frees are
-//! issued in queue order and never twice. Lock order: the manager's allocation table, then this
-//! queue, then the context's [`ContextLiveness`].
 #![allow(unsafe_code)]
 
 use std::collections::VecDeque;
@@ -35,10 +7,10 @@ use std::sync::Arc;
 
 use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, Driver, DriverError};
 
+use crate::EmmError;
 use crate::config::DeallocConfig;
 use crate::liveness::ContextLiveness;
 use crate::sync::{Mutex, lock};
-use crate::EmmError;
 
 /// One deferred driver call. Data, not a closure, so tests can compare queues.
 #[non_exhaustive]
@@ -86,7 +58,35 @@ struct Inner {
     recorded: Option<EmmError>,
 }
 
-/// A context's queue of deferred frees. See the [module docs](self).
+/// A context's queue of deferred frees.
+///
+/// `cuMemFree` can synchronise the device, so frees are not sent to the driver when a pointer
+/// drops: they are queued here, as data, and issued in batches.
+///
+/// # Life of a free
+///
+/// 1. The last clone of a [`MemoryPointer`](crate::MemoryPointer) drops and pushes a [`Free`].
+///    Nothing reaches the driver yet.
+/// 2. [`PendingDeallocs::push`] flushes when the count is **greater than** `max_count` or the
+///    pending bytes are **greater than** `floor(capacity * max_ratio)` (Numba: strict `>`;
+///    numba-emm-spec §2). The capacity is 0 until the manager's first `initialize` sets it, so
+///    before that any free of a known size flushes at once.
+/// 3. [`PendingDeallocs::flush`] frees oldest first. If one free fails, that entry is dropped,
+///    later entries **stay queued**, the byte count is not reset, and the error is returned
+///    (Numba's code; its docs say otherwise, and the code wins).
+/// 4. While a [`DeferCleanup`] guard is alive, flushing does nothing (the queue grows without
+///    bound). Leaving the outermost guard does **not** flush.
+/// 5. When the context is destroyed (device reset), queued frees are discarded without reaching
+///    the driver: the context's memory went with it.
+///
+/// A flush triggered from `Drop` cannot return its error: it is logged with `tracing::error!`,
+/// recorded, and returned by the next [`PendingDeallocs::flush`].
+///
+/// # Locking
+///
+/// One mutex guards the queue and is held across the driver calls of a flush, so frees are
+/// issued in queue order and never twice. Lock order: the manager's allocation table, then this
+/// queue, then the context's [`ContextLiveness`].
 pub struct PendingDeallocs {
     driver: Arc<dyn Driver>,
     device: DeviceOrdinal,
@@ -274,7 +274,9 @@ impl PendingDeallocs {
     /// Suspends flushing until the returned guard drops (Numba's `disable()`). Nests.
     pub fn defer_cleanup(self: &Arc<Self>) -> DeferCleanup {
         lock(&self.inner).disabled += 1;
-        DeferCleanup { parts: vec![GuardPart::Queue(Arc::clone(self))] }
+        DeferCleanup {
+            parts: vec![GuardPart::Queue(Arc::clone(self))],
+        }
     }
 
     fn enable(&self) {
@@ -308,7 +310,9 @@ impl DeferCleanup {
 
     /// A guard holding a plugin's own value, dropped when the guard drops.
     pub fn plugin(state: Box<dyn Send>) -> DeferCleanup {
-        DeferCleanup { parts: vec![GuardPart::Plugin(state)] }
+        DeferCleanup {
+            parts: vec![GuardPart::Plugin(state)],
+        }
     }
 
     /// One guard that holds both.
@@ -330,7 +334,11 @@ impl Drop for DeferCleanup {
 
 impl fmt::Debug for DeferCleanup {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let queues = self.parts.iter().filter(|p| matches!(p, GuardPart::Queue(_))).count();
+        let queues = self
+            .parts
+            .iter()
+            .filter(|p| matches!(p, GuardPart::Queue(_)))
+            .count();
         f.debug_struct("DeferCleanup")
             .field("queues", &queues)
             .field("plugin_parts", &(self.parts.len() - queues))

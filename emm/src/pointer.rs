@@ -1,12 +1,4 @@
 //! Memory objects: [`MemoryPointer`] (device memory) and [`MemoryInfo`].
-//!
-//! A `MemoryPointer` is a cheap handle: clones and views share one allocation record, and the
-//! allocation is released when the last of them drops (Numba's `OwnedPointer` reference count,
-//! with Rust's `Arc` doing the counting). How it is released is data chosen by whoever made it:
-//!
-//! - the built-in managers queue a [`Free`](crate::Free) on their deferred-deallocation queue;
-//! - a plugin passes its own release action ([`MemoryPointer::with_release`]);
-//! - memory owned elsewhere is wrapped with [`MemoryPointer::unowned`] and never released.
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -32,7 +24,10 @@ pub type ReleaseFn = Box<dyn FnOnce(DevicePtr, usize) + Send>;
 pub(crate) enum Release {
     /// Owned by a built-in manager's table; `generation` is the table's generation when the
     /// allocation was made (a reset bumps it and frees everything itself).
-    Tracked { tracker: Arc<DeviceTracker>, generation: u64 },
+    Tracked {
+        tracker: Arc<DeviceTracker>,
+        generation: u64,
+    },
     /// A plugin's own action.
     Custom(Mutex<Option<ReleaseFn>>),
     /// Not owned: nothing to do.
@@ -50,7 +45,10 @@ pub(crate) struct Allocation {
 impl Drop for Allocation {
     fn drop(&mut self) {
         match &mut self.release {
-            Release::Tracked { tracker, generation } => {
+            Release::Tracked {
+                tracker,
+                generation,
+            } => {
                 tracker.release(self.base, self.size, *generation);
             }
             Release::Custom(action) => {
@@ -67,7 +65,15 @@ impl Drop for Allocation {
 /// Device memory: an allocation, or a view of part of one.
 ///
 /// Cloning is cheap and shares the allocation; the memory is released when the last clone or
-/// view drops. The handle never frees memory itself: see the [module docs](self).
+/// view drops. The handle never frees memory itself.
+///
+/// A `MemoryPointer` is a cheap handle: clones and views share one allocation record, and the
+/// allocation is released when the last of them drops (Numba's `OwnedPointer` reference count,
+/// with Rust's `Arc` doing the counting). How it is released is data chosen by whoever made it:
+///
+/// - the built-in managers queue a [`Free`](crate::Free) on their deferred-deallocation queue;
+/// - a plugin passes its own release action ([`MemoryPointer::with_release`]);
+/// - memory owned elsewhere is wrapped with [`MemoryPointer::unowned`] and never released.
 #[derive(Clone)]
 pub struct MemoryPointer {
     alloc: Arc<Allocation>,
@@ -84,7 +90,13 @@ impl MemoryPointer {
         release: Release,
     ) -> MemoryPointer {
         MemoryPointer {
-            alloc: Arc::new(Allocation { device, ctx, base, size, release }),
+            alloc: Arc::new(Allocation {
+                device,
+                ctx,
+                base,
+                size,
+                release,
+            }),
             offset: 0,
             size,
         }
@@ -99,7 +111,13 @@ impl MemoryPointer {
         size: usize,
         release: impl FnOnce(DevicePtr, usize) + Send + 'static,
     ) -> MemoryPointer {
-        Self::from_release(device, ctx, base, size, Release::Custom(Mutex::new(Some(Box::new(release)))))
+        Self::from_release(
+            device,
+            ctx,
+            base,
+            size,
+            Release::Custom(Mutex::new(Some(Box::new(release)))),
+        )
     }
 
     /// Device memory owned by someone else; emm never releases it.
@@ -162,7 +180,12 @@ impl MemoryPointer {
     pub fn view(&self, start: usize, stop: Option<usize>) -> Result<MemoryPointer, EmmError> {
         let stop = stop.unwrap_or(self.size);
         if start > stop || stop > self.size {
-            return Err(EmmError::OutOfBounds { what: "view", start, end: stop, size: self.size });
+            return Err(EmmError::OutOfBounds {
+                what: "view",
+                start,
+                end: stop,
+                size: self.size,
+            });
         }
         Ok(MemoryPointer {
             alloc: Arc::clone(&self.alloc),
@@ -175,7 +198,10 @@ impl MemoryPointer {
     /// manager that made it was reset. Plugin and unowned memory always answer true.
     pub fn is_live(&self) -> bool {
         match &self.alloc.release {
-            Release::Tracked { tracker, generation } => tracker.generation() == *generation,
+            Release::Tracked {
+                tracker,
+                generation,
+            } => tracker.generation() == *generation,
             Release::Custom(_) | Release::Unowned => true,
         }
     }

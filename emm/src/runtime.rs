@@ -7,13 +7,13 @@ use std::sync::Arc;
 
 use driver_sys::{DeviceOrdinal, Driver};
 
+use crate::EmmError;
 use crate::config::{DeallocConfig, manager_name_from_env};
 use crate::context::{Context, ContextInner};
 use crate::default::{DEFAULT_MANAGER, DefaultManager};
 use crate::liveness::ContextLiveness;
 use crate::manager::{ManagerContext, ManagerFactory, check_interface_version};
 use crate::sync::{Mutex, lock};
-use crate::EmmError;
 
 /// Configures a [`Runtime`]. Obtain one with [`Runtime::builder`].
 pub struct RuntimeBuilder {
@@ -45,7 +45,8 @@ impl RuntimeBuilder {
     /// `EMM_MEMORY_MANAGER` or [`memory_manager_name`](Self::memory_manager_name) can pick it.
     #[must_use]
     pub fn register_manager(mut self, factory: impl ManagerFactory + 'static) -> Self {
-        self.registry.insert(factory.name().to_owned(), Arc::new(factory));
+        self.registry
+            .insert(factory.name().to_owned(), Arc::new(factory));
         self
     }
 
@@ -88,7 +89,11 @@ impl RuntimeBuilder {
         let selection = match self.selected {
             Some(s) => s,
             None => {
-                let from_env = if self.read_env { manager_name_from_env()? } else { None };
+                let from_env = if self.read_env {
+                    manager_name_from_env()?
+                } else {
+                    None
+                };
                 Selection::Name(from_env.unwrap_or_else(|| DEFAULT_MANAGER.to_owned()))
             }
         };
@@ -100,12 +105,20 @@ impl RuntimeBuilder {
         self.driver
             .init()
             .map_err(|e| EmmError::driver("driver initialisation", DeviceOrdinal(0), e))?;
-        tracing::info!(driver = self.driver.name(), manager = factory.name(), ?dealloc_config, "emm runtime created");
+        tracing::info!(
+            driver = self.driver.name(),
+            manager = factory.name(),
+            ?dealloc_config,
+            "emm runtime created"
+        );
         Ok(Runtime {
             driver: self.driver,
             registry: self.registry,
             dealloc_config,
-            state: Mutex::new(State { factory, contexts: BTreeMap::new() }),
+            state: Mutex::new(State {
+                factory,
+                contexts: BTreeMap::new(),
+            }),
         })
     }
 }
@@ -114,10 +127,13 @@ fn resolve(
     registry: &BTreeMap<String, Arc<dyn ManagerFactory>>,
     name: &str,
 ) -> Result<Arc<dyn ManagerFactory>, EmmError> {
-    registry.get(name).cloned().ok_or_else(|| EmmError::UnknownManager {
-        name: name.to_owned(),
-        registered: registry.keys().cloned().collect(),
-    })
+    registry
+        .get(name)
+        .cloned()
+        .ok_or_else(|| EmmError::UnknownManager {
+            name: name.to_owned(),
+            registered: registry.keys().cloned().collect(),
+        })
 }
 
 struct State {
@@ -188,7 +204,10 @@ impl Runtime {
 
     /// Chooses the manager after the runtime was built but before any context exists
     /// (Numba's `set_memory_manager`); afterwards it is an error, not a silent no-op.
-    pub fn set_memory_manager(&self, factory: impl ManagerFactory + 'static) -> Result<(), EmmError> {
+    pub fn set_memory_manager(
+        &self,
+        factory: impl ManagerFactory + 'static,
+    ) -> Result<(), EmmError> {
         self.replace_factory(Arc::new(factory))
     }
 

@@ -16,9 +16,9 @@ use std::sync::Arc;
 
 use driver_sys::DevicePtr;
 
+use crate::EmmError;
 use crate::pending::{Free, PendingDeallocs};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
-use crate::EmmError;
 
 /// Live allocations of one manager, and the queue their frees go to.
 #[derive(Debug)]
@@ -49,7 +49,10 @@ impl DeviceTracker {
     pub(crate) fn record(&self, base: DevicePtr, size: usize) -> u64 {
         let mut table = lock(&self.allocations);
         let previous = table.insert(base, size);
-        debug_assert!(previous.is_none(), "the driver returned {base} twice without a free");
+        debug_assert!(
+            previous.is_none(),
+            "the driver returned {base} twice without a free"
+        );
         self.generation()
     }
 
@@ -68,7 +71,10 @@ impl DeviceTracker {
             }
             table.remove(&base);
         }
-        self.queue.push_from_drop(Free::Device { ptr: base, bytes: size });
+        self.queue.push_from_drop(Free::Device {
+            ptr: base,
+            bytes: size,
+        });
     }
 
     /// Forgets every allocation and queues its free, then flushes (Numba: `allocations.clear()`

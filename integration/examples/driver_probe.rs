@@ -3,9 +3,43 @@
 //!
 //! `cargo run --example driver_probe` (uses `EMM_DRIVER`, so it runs on the simulator where no
 //! GPU is present). The GPU job runs it and keeps its output beside the suite's log.
-#![allow(unsafe_code)]
 
-use driver_sys::{DeviceOrdinal, DevicePtr};
+use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, Driver, DriverError};
+
+// The probe misuses the driver on purpose; these wrappers hold its one safety argument.
+
+fn free(d: &dyn Driver, ctx: ContextHandle, p: DevicePtr) -> Result<(), DriverError> {
+    // SAFETY: only device memory is named; the probe never uses memory it frees again, and
+    // bad pointers are answered by the driver with errors.
+    unsafe { d.mem_free(ctx, p) }
+}
+
+fn htod(d: &dyn Driver, ctx: ContextHandle, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError> {
+    // SAFETY: the destination is device memory the probe owns or no allocation at all (which the
+    // driver refuses); `src` is a live slice.
+    unsafe { d.memcpy_htod(ctx, dst, src) }
+}
+
+fn dtoh(
+    d: &dyn Driver,
+    ctx: ContextHandle,
+    dst: &mut [u8],
+    src: DevicePtr,
+) -> Result<(), DriverError> {
+    // SAFETY: `dst` is an exclusive host buffer; the source is device memory or nothing.
+    unsafe { d.memcpy_dtoh(ctx, dst, src) }
+}
+
+fn release(d: &dyn Driver, dev: DeviceOrdinal) -> Result<(), DriverError> {
+    // SAFETY: the probe uses no memory of the context after releasing it, except to show the
+    // driver refusing it.
+    unsafe { d.primary_ctx_release(dev) }
+}
+
+fn reset(d: &dyn Driver, dev: DeviceOrdinal) -> Result<(), DriverError> {
+    // SAFETY: as for `release`.
+    unsafe { d.primary_ctx_reset(dev) }
+}
 
 fn show<T: std::fmt::Debug>(what: &str, r: Result<T, driver_sys::DriverError>) {
     match r {
@@ -30,10 +64,33 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("\n-- placement of small allocations (size -> address, delta, trailing zeros)");
     let mut prev: Option<DevicePtr> = None;
     let mut held = Vec::new();
-    for bytes in [1usize, 1, 3, 100, 255, 256, 257, 511, 512, 513, 1000, 1024, 4096, 4097, 65536, 1 << 20, (1 << 20) + 1, 2 << 20, (2 << 20) + 1] {
+    for bytes in [
+        1usize,
+        1,
+        3,
+        100,
+        255,
+        256,
+        257,
+        511,
+        512,
+        513,
+        1000,
+        1024,
+        4096,
+        4097,
+        65536,
+        1 << 20,
+        (1 << 20) + 1,
+        2 << 20,
+        (2 << 20) + 1,
+    ] {
         let p = d.mem_alloc(ctx, bytes)?;
         let delta = prev.map(|q| p.0 as i128 - q.0 as i128);
-        println!("{bytes:>9} -> {p} delta {delta:?} tz {}", p.0.trailing_zeros());
+        println!(
+            "{bytes:>9} -> {p} delta {delta:?} tz {}",
+            p.0.trailing_zeros()
+        );
         let (base, size) = d.mem_get_address_range(ctx, p)?;
         if base != p || size != bytes {
             println!("          address range: base {base} size {size}");
@@ -42,67 +99,122 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         held.push(p);
     }
     let info1 = d.mem_get_info(ctx)?;
-    println!("free fell by {} bytes for those", info0.free as i128 - info1.free as i128);
+    println!(
+        "free fell by {} bytes for those",
+        info0.free as i128 - info1.free as i128
+    );
     for p in held.drain(..) {
-        // SAFETY: allocated above, freed once.
-        unsafe { d.mem_free(ctx, p)? };
+        free(&*d, ctx, p)?;
     }
     let info2 = d.mem_get_info(ctx)?;
-    println!("free after freeing them: {} (start {})", info2.free, info0.free);
+    println!(
+        "free after freeing them: {} (start {})",
+        info2.free, info0.free
+    );
 
     println!("\n-- accounting of single allocations (size -> fall in free)");
-    for bytes in [1usize, 512, 4096, 1 << 20, 2 << 20, (2 << 20) + 1, 64 << 20, (64 << 20) + 1] {
+    for bytes in [
+        1usize,
+        512,
+        4096,
+        1 << 20,
+        2 << 20,
+        (2 << 20) + 1,
+        64 << 20,
+        (64 << 20) + 1,
+    ] {
         let before = d.mem_get_info(ctx)?.free;
         let p = d.mem_get_info(ctx).and_then(|_| d.mem_alloc(ctx, bytes))?;
         let during = d.mem_get_info(ctx)?.free;
-        // SAFETY: allocated just above.
-        unsafe { d.mem_free(ctx, p)? };
+        free(&*d, ctx, p)?;
         let after = d.mem_get_info(ctx)?.free;
-        println!("{bytes:>10}: fell {} back {}", before as i128 - during as i128, after as i128 - during as i128);
+        println!(
+            "{bytes:>10}: fell {} back {}",
+            before as i128 - during as i128,
+            after as i128 - during as i128
+        );
     }
 
     println!("\n-- misuse");
     let total = info0.total;
     show("cuMemAlloc(0)", d.mem_alloc(ctx, 0));
     show("cuMemAlloc(total + 1)", d.mem_alloc(ctx, total + 1));
-    show("cuMemAlloc(usize::MAX / 2)", d.mem_alloc(ctx, usize::MAX / 2));
+    show(
+        "cuMemAlloc(usize::MAX / 2)",
+        d.mem_alloc(ctx, usize::MAX / 2),
+    );
     show("cuMemAlloc(usize::MAX)", d.mem_alloc(ctx, usize::MAX));
     let p = d.mem_alloc(ctx, 4096)?;
-    // SAFETY (all below): deliberate misuse the driver must reject; no memory is used after.
-    show("cuMemFree(base + 256)", unsafe { d.mem_free(ctx, DevicePtr(p.0 + 256)) });
-    show("cuMemGetAddressRange(base + 4095)", d.mem_get_address_range(ctx, DevicePtr(p.0 + 4095)));
-    show("cuMemGetAddressRange(base + 4096)", d.mem_get_address_range(ctx, DevicePtr(p.0 + 4096)));
-    show("cuMemcpyHtoD 8 bytes at base + 4092 (past end)", unsafe { d.memcpy_htod(ctx, DevicePtr(p.0 + 4092), &[0u8; 8]) });
-    show("cuMemcpyHtoD 8 bytes at 0x10", unsafe { d.memcpy_htod(ctx, DevicePtr(0x10), &[0u8; 8]) });
+    show(
+        "cuMemFree(base + 256)",
+        free(&*d, ctx, DevicePtr(p.0 + 256)),
+    );
+    show(
+        "cuMemGetAddressRange(base + 4095)",
+        d.mem_get_address_range(ctx, DevicePtr(p.0 + 4095)),
+    );
+    show(
+        "cuMemGetAddressRange(base + 4096)",
+        d.mem_get_address_range(ctx, DevicePtr(p.0 + 4096)),
+    );
+    show(
+        "cuMemcpyHtoD 8 bytes at base + 4092 (past end)",
+        htod(&*d, ctx, DevicePtr(p.0 + 4092), &[0u8; 8]),
+    );
+    show(
+        "cuMemcpyHtoD 8 bytes at 0x10",
+        htod(&*d, ctx, DevicePtr(0x10), &[0u8; 8]),
+    );
     let mut buf = [0u8; 8];
-    show("cuMemcpyDtoH 8 bytes from 0x10", unsafe { d.memcpy_dtoh(ctx, &mut buf, DevicePtr(0x10)) });
-    show("cuMemcpyHtoD 0 bytes at 0x10", unsafe { d.memcpy_htod(ctx, DevicePtr(0x10), &[]) });
-    show("cuMemFree(base)", unsafe { d.mem_free(ctx, p) });
-    show("cuMemFree(base) again", unsafe { d.mem_free(ctx, p) });
-    show("cuMemFree(0x10)", unsafe { d.mem_free(ctx, DevicePtr(0x10)) });
-    show("cuMemFree(0)", unsafe { d.mem_free(ctx, DevicePtr(0)) });
-    show("cuMemGetAddressRange(freed)", d.mem_get_address_range(ctx, p));
-    show("cuDeviceTotalMem(device 99)", d.device_total_mem(DeviceOrdinal(99)));
-    show("cuDevicePrimaryCtxRetain(device 99)", d.primary_ctx_retain(DeviceOrdinal(99)));
+    show(
+        "cuMemcpyDtoH 8 bytes from 0x10",
+        dtoh(&*d, ctx, &mut buf, DevicePtr(0x10)),
+    );
+    show(
+        "cuMemcpyHtoD 0 bytes at 0x10",
+        htod(&*d, ctx, DevicePtr(0x10), &[]),
+    );
+    show("cuMemFree(base)", free(&*d, ctx, p));
+    show("cuMemFree(base) again", free(&*d, ctx, p));
+    show("cuMemFree(0x10)", free(&*d, ctx, DevicePtr(0x10)));
+    show("cuMemFree(0)", free(&*d, ctx, DevicePtr(0)));
+    show(
+        "cuMemGetAddressRange(freed)",
+        d.mem_get_address_range(ctx, p),
+    );
+    show(
+        "cuDeviceTotalMem(device 99)",
+        d.device_total_mem(DeviceOrdinal(99)),
+    );
+    show(
+        "cuDevicePrimaryCtxRetain(device 99)",
+        d.primary_ctx_retain(DeviceOrdinal(99)),
+    );
 
     println!("\n-- primary context life");
     let q = d.mem_alloc(ctx, 4096)?;
-    show("release (count 1 -> 0)", unsafe { d.primary_ctx_release(dev) });
+    show("release (count 1 -> 0)", release(&*d, dev));
     show("cuMemGetInfo on released context", d.mem_get_info(ctx));
     show("cuMemAlloc on released context", d.mem_alloc(ctx, 16));
-    show("cuMemFree(old) on released context", unsafe { d.mem_free(ctx, q) });
-    show("release again (count 0)", unsafe { d.primary_ctx_release(dev) });
+    show("cuMemFree(old) on released context", free(&*d, ctx, q));
+    show("release again (count 0)", release(&*d, dev));
     let ctx2 = d.primary_ctx_retain(dev)?;
     println!("retained again: {ctx2} (same handle: {})", ctx2 == ctx);
-    show("cuMemFree(old) in the new context", unsafe { d.mem_free(ctx2, q) });
+    show("cuMemFree(old) in the new context", free(&*d, ctx2, q));
     let r = d.mem_alloc(ctx2, 4096)?;
-    show("cuDevicePrimaryCtxReset", unsafe { d.primary_ctx_reset(dev) });
-    show("cuMemGetInfo after reset (count still 1)", d.mem_get_info(ctx2));
-    show("cuMemFree(from before reset)", unsafe { d.mem_free(ctx2, r) });
+    show("cuDevicePrimaryCtxReset", reset(&*d, dev));
+    show(
+        "cuMemGetInfo after reset (count still 1)",
+        d.mem_get_info(ctx2),
+    );
+    show("cuMemFree(from before reset)", free(&*d, ctx2, r));
     let ctx3 = d.primary_ctx_retain(dev)?;
-    println!("retained after reset: {ctx3} (same handle: {})", ctx3 == ctx);
+    println!(
+        "retained after reset: {ctx3} (same handle: {})",
+        ctx3 == ctx
+    );
     show("cuMemAlloc after reset + retain", d.mem_alloc(ctx3, 16));
-    show("release", unsafe { d.primary_ctx_release(dev) });
-    show("release", unsafe { d.primary_ctx_release(dev) });
+    show("release", release(&*d, dev));
+    show("release", release(&*d, dev));
     Ok(())
 }

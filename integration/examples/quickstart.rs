@@ -27,7 +27,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Ten zeros (f64), to the device and back.
     let zeros = vec![0u8; 10 * size_of::<f64>()];
     let d_ary = ctx.to_device(&zeros)?;
-    println!("Allocated {} bytes at {}.", d_ary.size(), d_ary.device_ptr());
+    println!(
+        "Allocated {} bytes at {}.",
+        d_ary.size(),
+        d_ary.device_ptr()
+    );
     let mut back = vec![0xffu8; zeros.len()];
     ctx.copy_to_host(&mut back, &d_ary)?;
     let values: Vec<f64> = back
@@ -37,7 +41,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("Read back: {values:?}");
 
     // Dropping the buffer defers its free.
-    let pending = ctx.deallocations().expect("the default manager defers frees");
+    let pending = ctx
+        .deallocations()
+        .expect("the default manager defers frees");
     let before = ctx.get_memory_info()?;
     drop(d_ary);
     println!(

@@ -13,7 +13,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use driver_mock::{SimConfig, SimDriver};
+use driver_mock::{SimConfig, SimDeviceConfig, SimDriver};
 use driver_sys::{DeviceOrdinal, Driver, DriverError};
 use emm::{DeallocConfig, Runtime, RuntimeBuilder};
 
@@ -42,9 +42,13 @@ impl fmt::Display for Target {
     }
 }
 
-/// The simulated system the suite uses: one device of 256 MiB that can map host memory.
+/// The simulated system the suite uses: one device of 256 MiB that can map host memory, whose
+/// context takes 6 MiB before anything is allocated (as a real context does), so that `free`
+/// starts below `total` as on the GPU.
 pub fn suite_sim_config() -> SimConfig {
-    SimConfig::single(256 << 20)
+    SimConfig::with_devices(vec![
+        SimDeviceConfig::new(256 << 20).context_overhead(6 << 20),
+    ])
 }
 
 /// Whether a real GPU can be used, and why not.
@@ -97,12 +101,17 @@ pub struct TestCtx {
 
 impl fmt::Debug for TestCtx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TestCtx").field("target", &self.target).finish()
+        f.debug_struct("TestCtx")
+            .field("target", &self.target)
+            .finish()
     }
 }
 
+/// A fresh driver, and the simulator behind it when it is one.
+pub type TargetDriver = (Arc<dyn Driver>, Option<Arc<SimDriver>>);
+
 /// The driver for `target`, fresh.
-pub fn make_driver(target: Target) -> Result<(Arc<dyn Driver>, Option<Arc<SimDriver>>), DriverError> {
+pub fn make_driver(target: Target) -> Result<TargetDriver, DriverError> {
     match target {
         Target::Sim => {
             let sim = Arc::new(SimDriver::new(suite_sim_config()));
@@ -111,11 +120,17 @@ pub fn make_driver(target: Target) -> Result<(Arc<dyn Driver>, Option<Arc<SimDri
         Target::Cuda => {
             #[cfg(feature = "cuda")]
             {
-                Ok((Arc::new(driver_sys::CudaDriver::load()?) as Arc<dyn Driver>, None))
+                Ok((
+                    Arc::new(driver_sys::CudaDriver::load()?) as Arc<dyn Driver>,
+                    None,
+                ))
             }
             #[cfg(not(feature = "cuda"))]
             {
-                Err(DriverError::unavailable("cuInit", "integration was built without `cuda`"))
+                Err(DriverError::unavailable(
+                    "cuInit",
+                    "integration was built without `cuda`",
+                ))
             }
         }
     }
@@ -138,7 +153,12 @@ impl TestCtx {
             .ignore_env()
             .dealloc_config(DeallocConfig::default());
         let runtime = configure(builder).build().map_err(|e| e.to_string())?;
-        Ok(TestCtx { target, driver, sim, runtime })
+        Ok(TestCtx {
+            target,
+            driver,
+            sim,
+            runtime,
+        })
     }
 
     /// Device 0's context.
@@ -173,18 +193,27 @@ pub fn driver_from_env() -> Result<DriverChoice, String> {
         reason: String::new(),
     };
     match mode.trim() {
-        "sim" => Ok(DriverChoice { reason: "EMM_DRIVER=sim".into(), ..sim() }),
+        "sim" => Ok(DriverChoice {
+            reason: "EMM_DRIVER=sim".into(),
+            ..sim()
+        }),
         "cuda" => cuda_driver().map_err(|e| format!("EMM_DRIVER=cuda, but {e}")),
         "auto" | "" => Ok(cuda_driver().unwrap_or_else(|why| DriverChoice {
             reason: format!("no usable GPU ({why})"),
             ..sim()
         })),
-        other => Err(format!("EMM_DRIVER={other:?} is invalid: use auto, sim or cuda (or unset it)")),
+        other => Err(format!(
+            "EMM_DRIVER={other:?} is invalid: use auto, sim or cuda (or unset it)"
+        )),
     }
 }
 
 fn cuda_driver() -> Result<DriverChoice, String> {
     cuda_availability()?;
     let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
-    Ok(DriverChoice { driver, simulated: false, reason: "a CUDA GPU is present".into() })
+    Ok(DriverChoice {
+        driver,
+        simulated: false,
+        reason: "a CUDA GPU is present".into(),
+    })
 }

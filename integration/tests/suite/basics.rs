@@ -5,7 +5,9 @@ use integration::{Target, TestCtx};
 use libtest_mimic::Failed;
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 /// Allocate, write, read back, free: the walking skeleton end to end.
@@ -18,14 +20,23 @@ pub fn alloc_write_read_free(target: Target) -> Result<(), Failed> {
     ctx.copy_to_device(&mem, &data)?;
     let mut back = vec![0u8; data.len()];
     ctx.copy_to_host(&mut back, &mem)?;
-    ensure!(back == data, "the bytes read back differ from the bytes written");
-    let queue = ctx.deallocations().expect("the default manager has a queue");
+    ensure!(
+        back == data,
+        "the bytes read back differ from the bytes written"
+    );
+    let queue = ctx
+        .deallocations()
+        .expect("the default manager has a queue");
     queue.flush()?;
     drop(mem);
     ensure_eq!(queue.len(), 1, "the free is deferred");
     ensure_eq!(queue.flush()?, 1, "the flush frees it");
     if let Some(sim) = t.sim() {
-        ensure!(sim.leak_report().no_memory_leaked(), "{}", sim.leak_report());
+        ensure!(
+            sim.leak_report().no_memory_leaked(),
+            "{}",
+            sim.leak_report()
+        );
     }
     Ok(())
 }
@@ -62,7 +73,11 @@ pub fn mem_get_info_reflects_allocations(target: Target) -> Result<(), Failed> {
     drop(mem);
     queue.flush()?;
     let after = ctx.get_memory_info()?;
-    ensure_eq!(after.free, before.free, "all memory is back after the flush");
+    ensure_eq!(
+        after.free,
+        before.free,
+        "all memory is back after the flush"
+    );
     Ok(())
 }
 
@@ -78,7 +93,10 @@ pub fn test_derived_pointer(target: Target) -> Result<(), Failed> {
         ensure_eq!(m.refct(), 2);
         let v2 = v1.view(offset, None)?;
         ensure_eq!(m.refct(), 3);
-        ensure!(v2.same_allocation(&m), "a view of a view shares the allocation");
+        ensure!(
+            v2.same_allocation(&m),
+            "a view of a view shares the allocation"
+        );
         ensure_eq!(v1.device_ptr().0, m.device_ptr().0 + offset as u64);
         ensure_eq!(v2.device_ptr().0, m.device_ptr().0 + 2 * offset as u64);
         ensure_eq!(v2.size(), 1024 - 2 * offset);
@@ -106,15 +124,27 @@ pub fn copies_are_bounds_checked(target: Target) -> Result<(), Failed> {
     let ctx = t.context()?;
     let m = ctx.memalloc(100)?;
     let past_end = m.view(50, Some(101));
-    ensure!(matches!(past_end, Err(EmmError::OutOfBounds { .. })), "{past_end:?}");
+    ensure!(
+        matches!(past_end, Err(EmmError::OutOfBounds { .. })),
+        "{past_end:?}"
+    );
     let reversed = m.view(60, Some(50));
-    ensure!(matches!(reversed, Err(EmmError::OutOfBounds { .. })), "{reversed:?}");
+    ensure!(
+        matches!(reversed, Err(EmmError::OutOfBounds { .. })),
+        "{reversed:?}"
+    );
     let v: MemoryPointer = m.view(90, None)?;
     let too_long = ctx.copy_to_device(&v, &[0u8; 11]);
-    ensure!(matches!(too_long, Err(EmmError::OutOfBounds { .. })), "{too_long:?}");
+    ensure!(
+        matches!(too_long, Err(EmmError::OutOfBounds { .. })),
+        "{too_long:?}"
+    );
     let mut buf = [0u8; 11];
     let too_long = ctx.copy_to_host(&mut buf, &v);
-    ensure!(matches!(too_long, Err(EmmError::OutOfBounds { .. })), "{too_long:?}");
+    ensure!(
+        matches!(too_long, Err(EmmError::OutOfBounds { .. })),
+        "{too_long:?}"
+    );
     let msg = too_long.unwrap_err().to_string();
     ensure!(msg.contains("outside the 10-byte buffer"), "{msg}");
     ctx.copy_to_device(&v, &[1u8; 10])?;
@@ -128,11 +158,18 @@ pub fn initialize_runs_on_every_use(target: Target) -> Result<(), Failed> {
     let ctx = t.context()?;
     let total = ctx.get_memory_info()?.total;
     let queue = ctx.deallocations().expect("queue");
-    ensure_eq!(queue.capacity(), total, "initialize captured the total memory");
+    ensure_eq!(
+        queue.capacity(),
+        total,
+        "initialize captured the total memory"
+    );
     let again = t.context()?;
     ensure_eq!(again.handle(), ctx.handle(), "one context per device");
     ensure_eq!(queue.capacity(), total, "initialize is idempotent");
-    ensure_eq!(queue.max_pending_bytes(), (total as f64 * 0.2).floor() as usize);
+    ensure_eq!(
+        queue.max_pending_bytes(),
+        (total as f64 * 0.2).floor() as usize
+    );
     Ok(())
 }
 
@@ -153,13 +190,40 @@ pub fn not_yet_built_members_say_not_supported(target: Target) -> Result<(), Fai
     let mm = ctx.memory_manager();
     ensure_eq!(mm.interface_version(), 1);
     let host = mm.memhostalloc(32, false, false, false);
-    ensure!(matches!(host, Err(EmmError::NotSupported { operation: "memhostalloc", .. })), "{host:?}");
+    ensure!(
+        matches!(
+            host,
+            Err(EmmError::NotSupported {
+                operation: "memhostalloc",
+                ..
+            })
+        ),
+        "{host:?}"
+    );
     let owner: emm::HostOwner = std::sync::Arc::new(vec![0u8; 8]);
     let pin = mm.mempin(owner, emm::driver_sys::HostPtr(0x1000), 8, false);
-    ensure!(matches!(pin, Err(EmmError::NotSupported { operation: "mempin", .. })), "{pin:?}");
+    ensure!(
+        matches!(
+            pin,
+            Err(EmmError::NotSupported {
+                operation: "mempin",
+                ..
+            })
+        ),
+        "{pin:?}"
+    );
     let mem = ctx.memalloc(8)?;
     let ipc = mm.get_ipc_handle(&mem);
-    ensure!(matches!(ipc, Err(EmmError::NotSupported { operation: "get_ipc_handle", .. })), "{ipc:?}");
+    ensure!(
+        matches!(
+            ipc,
+            Err(EmmError::NotSupported {
+                operation: "get_ipc_handle",
+                ..
+            })
+        ),
+        "{ipc:?}"
+    );
     let text = ipc.unwrap_err().to_string();
     ensure!(text.contains("'default'"), "{text}");
     Ok(())

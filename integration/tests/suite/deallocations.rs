@@ -22,7 +22,11 @@ pub fn test_max_pending_count(target: Target) -> Result<(), Failed> {
     drop(ctx.to_device(&7u64.to_le_bytes())?);
     ensure_eq!(queue.len(), 0, "the 11th pending free flushes the queue");
     if let (Some(sim), Some(before)) = (t.sim(), frees_before) {
-        ensure_eq!(sim.count(Op::MemFree) - before, 11, "one cuMemFree per allocation");
+        ensure_eq!(
+            sim.count(Op::MemFree) - before,
+            11,
+            "one cuMemFree per allocation"
+        );
     }
     Ok(())
 }
@@ -36,7 +40,10 @@ pub fn test_max_pending_bytes(target: Target) -> Result<(), Failed> {
     };
     let ratio = 1e6 / total as f64;
     let t = TestCtx::with(target, |b| {
-        b.dealloc_config(DeallocConfig { max_ratio: ratio, ..DeallocConfig::default() })
+        b.dealloc_config(DeallocConfig {
+            max_ratio: ratio,
+            ..DeallocConfig::default()
+        })
     })?;
     let ctx = t.context()?;
     let queue = ctx.deallocations().expect("queue");
@@ -46,7 +53,11 @@ pub fn test_max_pending_bytes(target: Target) -> Result<(), Failed> {
     drop(ctx.memalloc(500_000)?);
     ensure_eq!(queue.len(), 1);
     drop(ctx.memalloc(max - 500_000)?);
-    ensure_eq!(queue.len(), 2, "pending bytes equal to the budget do not flush");
+    ensure_eq!(
+        queue.len(),
+        2,
+        "pending bytes equal to the budget do not flush"
+    );
     drop(ctx.memalloc(1)?);
     ensure_eq!(queue.len(), 0, "one byte over the budget flushes");
     Ok(())
@@ -106,7 +117,7 @@ pub fn test_exception(target: Target) -> Result<(), Failed> {
     let darr1 = ctx.memalloc(64)?;
     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let _guard = ctx.defer_cleanup().expect("guard");
-        panic!("CustomError");
+        std::panic::panic_any(crate::EXPECTED_PANIC);
     }));
     ensure!(caught.is_err(), "the panic propagated out of the block");
     ensure!(!queue.is_disabled(), "the guard was released by unwinding");
@@ -154,13 +165,22 @@ pub fn oom_flushes_and_retries_once(target: Target) -> Result<(), Failed> {
     held.push(again);
     // Nothing pending: the retry fails too, and the error says so.
     let err = ctx.memalloc(chunk).expect_err("the device is full");
-    ensure!(matches!(err, EmmError::OutOfMemory { flushed: 0, .. }), "{err:?}");
+    ensure!(
+        matches!(err, EmmError::OutOfMemory { flushed: 0, .. }),
+        "{err:?}"
+    );
     let text = err.to_string();
-    ensure!(text.contains(&format!("could not allocate {chunk} bytes")), "{text}");
+    ensure!(
+        text.contains(&format!("could not allocate {chunk} bytes")),
+        "{text}"
+    );
     ensure!(text.contains("drop buffers you no longer need"), "{text}");
     drop(held);
     queue.flush()?;
-    ensure!(ctx.memalloc(chunk).is_ok(), "memory is usable again after the flush");
+    ensure!(
+        ctx.memalloc(chunk).is_ok(),
+        "memory is usable again after the flush"
+    );
     Ok(())
 }
 
@@ -176,15 +196,28 @@ pub fn oom_inside_defer_cleanup_reports_clear_error(target: Target) -> Result<()
     let guard = ctx.defer_cleanup()?;
     drop(held.pop());
     let allocs_before = t.sim().map(|s| s.count(Op::MemAlloc));
-    let err = ctx.memalloc(chunk).expect_err("deferred cleanup keeps the memory held");
-    ensure!(matches!(err, EmmError::OutOfMemory { flushed: 0, .. }), "{err:?}");
+    let err = ctx
+        .memalloc(chunk)
+        .expect_err("deferred cleanup keeps the memory held");
+    ensure!(
+        matches!(err, EmmError::OutOfMemory { flushed: 0, .. }),
+        "{err:?}"
+    );
     if let (Some(sim), Some(before)) = (t.sim(), allocs_before) {
-        ensure_eq!(sim.count(Op::MemAlloc) - before, 2, "the retry still happens");
+        ensure_eq!(
+            sim.count(Op::MemAlloc) - before,
+            2,
+            "the retry still happens"
+        );
     }
     ensure_eq!(queue.len(), 1);
     drop(guard);
     let again = ctx.memalloc(chunk)?;
-    ensure_eq!(queue.len(), 0, "after the guard, the retry's flush frees the chunk");
+    ensure_eq!(
+        queue.len(),
+        0,
+        "after the guard, the retry's flush frees the chunk"
+    );
     drop((again, held));
     Ok(())
 }

@@ -42,37 +42,53 @@ mod reset;
 /// A suite test: runs against one target.
 pub type SuiteFn = fn(Target) -> Result<(), Failed>;
 
-/// Every suite test, by name.
-const TESTS: &[(&str, SuiteFn)] = &[
-    ("alloc_write_read_free", basics::alloc_write_read_free),
-    ("test_memcpy", basics::test_memcpy),
-    ("mem_get_info_reflects_allocations", basics::mem_get_info_reflects_allocations),
-    ("test_derived_pointer", basics::test_derived_pointer),
-    ("copies_are_bounds_checked", basics::copies_are_bounds_checked),
-    ("initialize_runs_on_every_use", basics::initialize_runs_on_every_use),
-    ("test_context_memory", basics::test_context_memory),
-    ("not_yet_built_members_say_not_supported", basics::not_yet_built_members_say_not_supported),
-    ("test_max_pending_count", deallocations::test_max_pending_count),
-    ("test_max_pending_bytes", deallocations::test_max_pending_bytes),
-    ("test_defer_cleanup", deallocations::test_defer_cleanup),
-    ("test_nested_defer_cleanup", deallocations::test_nested_defer_cleanup),
-    ("test_exception", deallocations::test_exception),
-    ("oom_flushes_and_retries_once", deallocations::oom_flushes_and_retries_once),
-    ("oom_inside_defer_cleanup_reports_clear_error", deallocations::oom_inside_defer_cleanup_reports_clear_error),
-    ("reset_frees_everything", reset::reset_frees_everything),
-    ("reset_before_initialize", reset::reset_before_initialize),
-    ("reset_device_makes_old_memory_stale", reset::reset_device_makes_old_memory_stale),
-    ("test_reset_device", reset::test_reset_device),
-    ("runtime_drop_releases_everything", reset::runtime_drop_releases_everything),
-    ("alignment_of_allocations", driver_conformance::alignment_of_allocations),
-    ("zero_byte_alloc_is_invalid_value", driver_conformance::zero_byte_alloc_is_invalid_value),
-    ("oversized_alloc_is_out_of_memory", driver_conformance::oversized_alloc_is_out_of_memory),
-    ("double_free_is_invalid_value", driver_conformance::double_free_is_invalid_value),
-    ("interior_pointer_free_is_invalid_value", driver_conformance::interior_pointer_free_is_invalid_value),
-    ("address_range_of_interior_pointer", driver_conformance::address_range_of_interior_pointer),
-    ("out_of_range_copy_is_invalid_value", driver_conformance::out_of_range_copy_is_invalid_value),
-    ("mem_get_info_accounts_large_allocations", driver_conformance::mem_get_info_accounts_large_allocations),
+/// Lists suite tests as (name, function) pairs; the name is the function's.
+macro_rules! suite_tests {
+    ($($module:ident::$name:ident),* $(,)?) => {
+        &[$((stringify!($name), $module::$name as SuiteFn)),*]
+    };
+}
+
+/// Every suite test. Tests that mirror a Numba test carry its name.
+const TESTS: &[(&str, SuiteFn)] = suite_tests![
+    basics::alloc_write_read_free,
+    basics::test_memcpy,
+    basics::mem_get_info_reflects_allocations,
+    basics::test_derived_pointer,
+    basics::copies_are_bounds_checked,
+    basics::initialize_runs_on_every_use,
+    basics::test_context_memory,
+    basics::not_yet_built_members_say_not_supported,
+    deallocations::test_max_pending_count,
+    deallocations::test_max_pending_bytes,
+    deallocations::test_defer_cleanup,
+    deallocations::test_nested_defer_cleanup,
+    deallocations::test_exception,
+    deallocations::oom_flushes_and_retries_once,
+    deallocations::oom_inside_defer_cleanup_reports_clear_error,
+    reset::reset_frees_everything,
+    reset::reset_before_initialize,
+    reset::reset_device_makes_old_memory_stale,
+    reset::test_reset_device,
+    reset::runtime_drop_releases_everything,
+    driver_conformance::alignment_of_allocations,
+    driver_conformance::zero_byte_alloc_is_invalid_value,
+    driver_conformance::oversized_alloc_is_out_of_memory,
+    driver_conformance::double_free_is_invalid_value,
+    driver_conformance::interior_pointer_free_is_invalid_value,
+    driver_conformance::address_range_of_interior_pointer,
+    driver_conformance::out_of_range_copy_is_invalid_value,
+    driver_conformance::mem_get_info_accounts_large_allocations,
+    driver_conformance::small_allocations_are_packed,
+    driver_conformance::mem_get_info_counts_pages,
+    driver_conformance::free_of_null_is_a_no_op,
+    driver_conformance::released_context_is_destroyed,
+    driver_conformance::reset_destroys_context_until_retained,
 ];
+
+/// The payload of the panic `test_exception` raises on purpose; the panic hook stays quiet
+/// for it and only for it.
+pub const EXPECTED_PANIC: &str = "emm suite: the panic test_exception raises on purpose";
 
 /// The GPU is one shared device: CUDA tests run one at a time (some fill its memory).
 static GPU: Mutex<()> = Mutex::new(());
@@ -82,6 +98,12 @@ fn main() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("EMM_LOG"))
         .with_test_writer()
         .try_init();
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.payload().downcast_ref::<&str>() != Some(&EXPECTED_PANIC) {
+            default_hook(info);
+        }
+    }));
     let args = Arguments::from_args();
     let targets = match requested_targets() {
         Ok(t) => t,
@@ -112,7 +134,8 @@ fn main() {
         }
         for &(name, test) in TESTS {
             let trial = Trial::test(format!("{target}::{name}"), move || {
-                let _gpu = (target == Target::Cuda).then(|| GPU.lock().unwrap_or_else(|p| p.into_inner()));
+                let _gpu =
+                    (target == Target::Cuda).then(|| GPU.lock().unwrap_or_else(|p| p.into_inner()));
                 test(target)
             });
             trials.push(trial.with_ignored_flag(cuda_missing.is_some()));

@@ -20,15 +20,27 @@ pub fn reset_frees_everything(target: Target) -> Result<(), Failed> {
     ensure_eq!(queue.len(), 1);
     ctx.reset()?;
     ensure_eq!(queue.len(), 0);
-    ensure_eq!(ctx.get_memory_info()?.free, baseline, "reset returned every byte");
+    ensure_eq!(
+        ctx.get_memory_info()?.free,
+        baseline,
+        "reset returned every byte"
+    );
     ensure!(!a.is_live() && !view.is_live(), "old pointers are stale");
     let stale = ctx.copy_to_device(&a, &[1, 2, 3]);
     ensure!(matches!(stale, Err(EmmError::Stale { .. })), "{stale:?}");
     drop((a, b, view));
     ensure_eq!(queue.len(), 0, "stale pointers queue nothing");
     if let Some(sim) = t.sim() {
-        ensure!(sim.rejected_frees().is_empty(), "a free was issued twice: {:?}", sim.rejected_frees());
-        ensure!(sim.leak_report().no_memory_leaked(), "{}", sim.leak_report());
+        ensure!(
+            sim.rejected_frees().is_empty(),
+            "a free was issued twice: {:?}",
+            sim.rejected_frees()
+        );
+        ensure!(
+            sim.leak_report().no_memory_leaked(),
+            "{}",
+            sim.leak_report()
+        );
     }
     let fresh = ctx.to_device(&[5u8; 16])?;
     let mut back = [0u8; 16];
@@ -58,7 +70,9 @@ pub fn reset_before_initialize(target: Target) -> Result<(), Failed> {
     ensure_eq!(mm.deallocations().expect("queue").len(), 0);
     // SAFETY: matches the retain above; the manager freed everything it allocated.
     #[allow(unsafe_code)]
-    unsafe { t.driver.primary_ctx_release(0.into())? };
+    unsafe {
+        t.driver.primary_ctx_release(0.into())?
+    };
     Ok(())
 }
 
@@ -75,16 +89,26 @@ pub fn reset_device_makes_old_memory_stale(target: Target) -> Result<(), Failed>
     drop(guard);
     ensure!(!ctx.is_alive(), "the old context is retired");
     let refused = ctx.memalloc(16);
-    ensure!(matches!(refused, Err(EmmError::Stale { .. })), "{refused:?}");
+    ensure!(
+        matches!(refused, Err(EmmError::Stale { .. })),
+        "{refused:?}"
+    );
     let mut buf = [0u8; 64];
     let refused = ctx.copy_to_host(&mut buf, &old);
-    ensure!(matches!(refused, Err(EmmError::Stale { .. })), "{refused:?}");
+    ensure!(
+        matches!(refused, Err(EmmError::Stale { .. })),
+        "{refused:?}"
+    );
     let text = refused.unwrap_err().to_string();
     ensure!(text.contains("after a reset"), "{text}");
     let frees_before = t.sim().map(|s| s.count(Op::MemFree));
     drop(old);
     if let (Some(sim), Some(before)) = (t.sim(), frees_before) {
-        ensure_eq!(sim.count(Op::MemFree), before, "a pointer from before the reset freed nothing");
+        ensure_eq!(
+            sim.count(Op::MemFree),
+            before,
+            "a pointer from before the reset freed nothing"
+        );
     }
     let fresh_ctx = t.context()?;
     ensure!(fresh_ctx.is_alive(), "a new context");
@@ -132,7 +156,11 @@ pub fn runtime_drop_releases_everything(target: Target) -> Result<(), Failed> {
     if let Some(sim) = sim {
         let report = sim.leak_report();
         ensure!(report.is_clean(), "{report}");
-        ensure!(sim.rejected_frees().is_empty(), "{:?}", sim.rejected_frees());
+        ensure!(
+            sim.rejected_frees().is_empty(),
+            "{:?}",
+            sim.rejected_frees()
+        );
     }
     Ok(())
 }

@@ -1,0 +1,253 @@
+//! The simulator's own contract: determinism, scripted faults, the leak report, and the page
+//! model's invariants under random workloads (proptest).
+#![allow(unsafe_code)]
+
+use driver_mock::{Fault, Op, PAGE_SIZE, SMALL_MAX, SimConfig, SimDeviceConfig, SimDriver};
+use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, Driver, ErrorKind};
+use proptest::prelude::*;
+
+const DEV: DeviceOrdinal = DeviceOrdinal(0);
+
+fn started(config: SimConfig) -> (SimDriver, ContextHandle) {
+    let sim = SimDriver::new(config);
+    sim.init().unwrap();
+    let ctx = sim.primary_ctx_retain(DEV).unwrap();
+    (sim, ctx)
+}
+
+fn free(sim: &SimDriver, ctx: ContextHandle, p: DevicePtr) -> Result<(), driver_sys::DriverError> {
+    // SAFETY: the simulator's memory is simulated; misuse is answered with errors.
+    unsafe { sim.mem_free(ctx, p) }
+}
+
+fn script(sim: &SimDriver, ctx: ContextHandle) -> Vec<DevicePtr> {
+    let mut out = Vec::new();
+    for bytes in [1, 700, 3 << 20, 64, 5 << 19] {
+        out.push(sim.mem_alloc(ctx, bytes).unwrap());
+    }
+    free(sim, ctx, out[1]).unwrap();
+    out.push(sim.mem_alloc(ctx, 100).unwrap());
+    out
+}
+
+#[test]
+fn same_calls_same_addresses_same_log() {
+    let (a, actx) = started(SimConfig::default());
+    let (b, bctx) = started(SimConfig::default());
+    assert_eq!(script(&a, actx), script(&b, bctx));
+    assert_eq!(a.calls(), b.calls());
+}
+
+#[test]
+fn freed_space_is_reused_first_fit() {
+    let (sim, ctx) = started(SimConfig::default());
+    let p = script(&sim, ctx);
+    // The 700-byte allocation (1024 bytes of span) was freed; 100 bytes fit in its place.
+    assert_eq!(p[5], p[1]);
+}
+
+#[test]
+fn calls_before_init_fail_as_not_initialized() {
+    let sim = SimDriver::new(SimConfig::default());
+    let e = sim.device_count().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotInitialized);
+}
+
+#[test]
+fn nth_call_of_an_operation_fails_once() {
+    let (sim, ctx) = started(SimConfig::default());
+    sim.inject(Fault::nth(Op::MemAlloc, 2, ErrorKind::OutOfMemory));
+    let first = sim.mem_alloc(ctx, 16).unwrap();
+    let err = sim.mem_alloc(ctx, 16).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory);
+    assert!(err.to_string().contains("injected by SimDriver"), "{err}");
+    let third = sim.mem_alloc(ctx, 16).unwrap();
+    assert_ne!(first, third);
+    let outcomes: Vec<_> = sim
+        .calls()
+        .iter()
+        .filter(|c| c.op == Op::MemAlloc)
+        .map(|c| c.outcome)
+        .collect();
+    assert_eq!(outcomes, vec![Ok(()), Err(ErrorKind::OutOfMemory), Ok(())]);
+}
+
+#[test]
+fn nth_call_of_any_operation_fails_once() {
+    let (sim, ctx) = started(SimConfig::default());
+    sim.inject(Fault::nth_call(3, ErrorKind::ContextDestroyed));
+    sim.mem_get_info(ctx).unwrap();
+    let p = sim.mem_alloc(ctx, 16).unwrap();
+    let err = free(&sim, ctx, p).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ContextDestroyed);
+    assert_eq!(err.raw_code(), Some(709));
+    // The faulted free did nothing: the allocation is still there and can be freed.
+    free(&sim, ctx, p).unwrap();
+}
+
+#[test]
+fn cleared_faults_do_not_fire() {
+    let (sim, ctx) = started(SimConfig::default());
+    sim.inject(Fault::nth(Op::MemAlloc, 1, ErrorKind::InvalidValue));
+    sim.clear_faults();
+    sim.mem_alloc(ctx, 8).unwrap();
+}
+
+#[test]
+fn leak_report_lists_memory_and_contexts() {
+    let (sim, ctx) = started(SimConfig::default());
+    let p = sim.mem_alloc(ctx, 10).unwrap();
+    let report = sim.leak_report();
+    assert_eq!(report.allocations, vec![(DEV, p, 10)]);
+    assert_eq!(report.retained_contexts, vec![(DEV, 1)]);
+    assert!(
+        report
+            .to_string()
+            .contains("10 bytes at 0x700000000000 still allocated"),
+        "{report}"
+    );
+    free(&sim, ctx, p).unwrap();
+    assert!(sim.leak_report().no_memory_leaked());
+    // SAFETY: matches the retain in `started`.
+    unsafe { sim.primary_ctx_release(DEV).unwrap() };
+    assert!(sim.leak_report().is_clean());
+}
+
+#[test]
+fn rejected_frees_are_visible() {
+    let (sim, ctx) = started(SimConfig::default());
+    let p = sim.mem_alloc(ctx, 10).unwrap();
+    free(&sim, ctx, p).unwrap();
+    assert_eq!(
+        free(&sim, ctx, p).unwrap_err().kind(),
+        ErrorKind::InvalidValue
+    );
+    assert_eq!(sim.rejected_frees().len(), 1);
+}
+
+#[test]
+fn devices_are_separate_and_attributes_configurable() {
+    let config = SimConfig::with_devices(vec![
+        SimDeviceConfig::new(64 << 20),
+        SimDeviceConfig::new(32 << 20).can_map_host_memory(false),
+    ]);
+    let sim = SimDriver::new(config);
+    sim.init().unwrap();
+    assert_eq!(sim.device_count().unwrap(), 2);
+    use driver_sys::DeviceAttribute::*;
+    assert_eq!(
+        sim.device_attribute(DeviceOrdinal(1), CanMapHostMemory)
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        sim.device_attribute(DeviceOrdinal(0), CanMapHostMemory)
+            .unwrap(),
+        1
+    );
+    assert_ne!(
+        sim.device_attribute(DeviceOrdinal(0), PciBusId).unwrap(),
+        sim.device_attribute(DeviceOrdinal(1), PciBusId).unwrap()
+    );
+    let c0 = sim.primary_ctx_retain(DeviceOrdinal(0)).unwrap();
+    let c1 = sim.primary_ctx_retain(DeviceOrdinal(1)).unwrap();
+    assert_ne!(c0, c1);
+    let a = sim.mem_alloc(c0, 8).unwrap();
+    let b = sim.mem_alloc(c1, 8).unwrap();
+    assert_ne!(a, b, "unified addressing: devices never share addresses");
+    assert_eq!(sim.mem_get_info(c1).unwrap().total, 32 << 20);
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    Alloc(usize),
+    Free(prop::sample::Index),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => prop_oneof![1usize..=4096, 4097usize..=SMALL_MAX, SMALL_MAX + 1..=(6 << 20)].prop_map(Step::Alloc),
+        3 => any::<prop::sample::Index>().prop_map(Step::Free),
+    ]
+}
+
+/// Where the property test writes its tag: the whole of a small allocation, or 64 bytes at
+/// each end of a large one (enough to catch overlap, cheap enough for many cases).
+fn stamps(bytes: usize) -> Vec<(u64, usize)> {
+    if bytes <= 4096 {
+        vec![(0, bytes)]
+    } else {
+        vec![(0, 64), ((bytes - 64) as u64, 64)]
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// After every step: live allocations never overlap, small ones are 512-aligned inside one
+    /// page, large ones page-aligned; `free` equals total minus the pages that the live
+    /// allocations touch; out-of-memory happens only when the pages needed are not free; every
+    /// allocation still holds the bytes written to it.
+    #[test]
+    fn page_model_invariants(steps in prop::collection::vec(step(), 1..60)) {
+        let total = 24 << 20;
+        let (sim, ctx) = started(SimConfig::single(total));
+        let mut live: Vec<(DevicePtr, usize, u8)> = Vec::new();
+        for (i, s) in steps.iter().enumerate() {
+            match s {
+                Step::Alloc(bytes) => {
+                    let free_before = sim.mem_get_info(ctx).unwrap().free;
+                    match sim.mem_alloc(ctx, *bytes) {
+                        Ok(p) => {
+                            let tag = i as u8;
+                            for (at, len) in stamps(*bytes) {
+                                // SAFETY: inside simulated memory just allocated.
+                                unsafe { sim.memcpy_htod(ctx, DevicePtr(p.0 + at), &vec![tag; len]).unwrap() };
+                            }
+                            live.push((p, *bytes, tag));
+                        }
+                        Err(e) => {
+                            prop_assert_eq!(e.kind(), ErrorKind::OutOfMemory);
+                            let needed = if *bytes <= SMALL_MAX { PAGE_SIZE } else { bytes.next_multiple_of(PAGE_SIZE) };
+                            prop_assert!(needed > free_before, "OOM with {free_before} free for {bytes}");
+                        }
+                    }
+                }
+                Step::Free(ix) => {
+                    if !live.is_empty() {
+                        let (p, _, _) = live.remove(ix.index(live.len()));
+                        free(&sim, ctx, p).unwrap();
+                    }
+                }
+            }
+            let mut spans: Vec<(u64, u64)> = Vec::new();
+            let mut pages = std::collections::BTreeSet::new();
+            let page = PAGE_SIZE as u64;
+            for &(p, bytes, tag) in &live {
+                let span = if bytes <= SMALL_MAX { bytes.next_multiple_of(512) } else { bytes.next_multiple_of(PAGE_SIZE) } as u64;
+                if bytes <= SMALL_MAX {
+                    prop_assert_eq!(p.0 % 512, 0);
+                    prop_assert_eq!(p.0 / page, (p.0 + span - 1) / page, "a small allocation stays in one page");
+                } else {
+                    prop_assert_eq!(p.0 % page, 0);
+                }
+                for q in p.0 / page..(p.0 + span).div_ceil(page) {
+                    pages.insert(q);
+                }
+                spans.push((p.0, p.0 + span));
+                for (at, len) in stamps(bytes) {
+                    let mut back = vec![0u8; len];
+                    // SAFETY: inside a live simulated allocation.
+                    unsafe { sim.memcpy_dtoh(ctx, &mut back, DevicePtr(p.0 + at)).unwrap() };
+                    prop_assert!(back.iter().all(|&b| b == tag), "allocation {p} lost its bytes");
+                }
+            }
+            spans.sort();
+            for w in spans.windows(2) {
+                prop_assert!(w[0].1 <= w[1].0, "overlap: {:?}", w);
+            }
+            let info = sim.mem_get_info(ctx).unwrap();
+            prop_assert_eq!(info.free, total - pages.len() * PAGE_SIZE);
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! loom models of emm's concurrency: the deferred-free queue, `defer_cleanup`, manager reset and
+//! device reset, each racing pointer drops on other threads. No free may be lost, none may be
+//! issued twice, and none may reach a destroyed context.
+//!
+//! Run: `RUSTFLAGS="--cfg emm_loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
+//!       cargo test -p emm --release --test loom` (`.ci/run` does). Raise the preemption bound
+//! for a deeper search (3 is still minutes; unbounded does not finish).
+#![cfg(emm_loom)]
+
+use std::sync::Arc;
+
+use driver_mock::{Op, SimConfig, SimDriver};
+use emm::{ContextLiveness, DeallocConfig, Runtime};
+use loom::sync::atomic::{AtomicBool, Ordering};
+use loom::thread;
+
+fn runtime(max_count: usize) -> (Arc<SimDriver>, Runtime) {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = Runtime::builder(sim.clone())
+        .ignore_env()
+        .dealloc_config(DeallocConfig {
+            max_count,
+            ..DeallocConfig::default()
+        })
+        .build()
+        .expect("runtime");
+    (sim, rt)
+}
+
+/// Every free the simulator saw succeeded, and there were exactly `n` of them.
+fn exactly_once(sim: &SimDriver, n: usize) {
+    let frees: Vec<_> = sim
+        .calls()
+        .into_iter()
+        .filter(|c| c.op == Op::MemFree)
+        .collect();
+    assert!(
+        frees.iter().all(|c| c.outcome.is_ok()),
+        "a free failed: {frees:?}"
+    );
+    assert_eq!(frees.len(), n, "{frees:?}");
+}
+
+/// Once `kill` returns, no call that entered before is still inside, and none can enter.
+#[test]
+fn kill_waits_for_calls_in_flight() {
+    loom::model(|| {
+        let live = Arc::new(ContextLiveness::new());
+        let inside = Arc::new(AtomicBool::new(false));
+        let t = {
+            let (live, inside) = (live.clone(), inside.clone());
+            thread::spawn(move || {
+                if let Some(_guard) = live.enter() {
+                    inside.store(true, Ordering::SeqCst);
+                    inside.store(false, Ordering::SeqCst);
+                }
+            })
+        };
+        live.kill();
+        assert!(
+            !inside.load(Ordering::SeqCst),
+            "a call was in flight after kill returned"
+        );
+        assert!(live.enter().is_none());
+        t.join().unwrap();
+    });
+}
+
+/// Two pointers dropped on two threads while the main thread flushes: both freed, once each.
+#[test]
+fn drops_race_a_flush() {
+    loom::model(|| {
+        let (sim, rt) = runtime(10);
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.memalloc(8).unwrap();
+        let b = ctx.memalloc(8).unwrap();
+        let t1 = thread::spawn(move || drop(a));
+        let t2 = thread::spawn(move || drop(b));
+        ctx.deallocations().unwrap().flush().unwrap();
+        t1.join().unwrap();
+        t2.join().unwrap();
+        ctx.deallocations().unwrap().flush().unwrap();
+        exactly_once(&sim, 2);
+        assert!(sim.leak_report().no_memory_leaked());
+    });
+}
+
+/// A guard entered and left on one thread while two others drop pointers with a threshold of
+/// zero: whether a drop's flush ran before, during or after the guard, after a final flush
+/// both are freed, once each.
+#[test]
+fn defer_cleanup_races_drops() {
+    loom::model(|| {
+        let (sim, rt) = runtime(0);
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.memalloc(8).unwrap();
+        let b = ctx.memalloc(8).unwrap();
+        let guarded = {
+            let ctx = ctx.clone();
+            thread::spawn(move || {
+                let queue = ctx.deallocations().unwrap().clone();
+                let guard = ctx.defer_cleanup().unwrap();
+                let entered = queue.len();
+                thread::yield_now();
+                assert!(
+                    queue.len() >= entered,
+                    "the queue was flushed under defer_cleanup"
+                );
+                drop(guard);
+            })
+        };
+        let dropper = thread::spawn(move || drop(a));
+        drop(b);
+        guarded.join().unwrap();
+        dropper.join().unwrap();
+        ctx.deallocations().unwrap().flush().unwrap();
+        exactly_once(&sim, 2);
+    });
+}
+
+/// A manager reset racing a drop: the allocation is freed exactly once, by whichever wins.
+#[test]
+fn reset_races_a_drop() {
+    loom::model(|| {
+        let (sim, rt) = runtime(10);
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.memalloc(8).unwrap();
+        let b = ctx.memalloc(8).unwrap();
+        let t = thread::spawn(move || drop(a));
+        ctx.reset().unwrap();
+        t.join().unwrap();
+        drop(b);
+        ctx.deallocations().unwrap().flush().unwrap();
+        exactly_once(&sim, 2);
+    });
+}
+
+/// A device reset racing a drop: the free either happens before the context dies or never;
+/// nothing reaches the destroyed context.
+#[test]
+fn device_reset_races_a_drop() {
+    loom::model(|| {
+        let (sim, rt) = runtime(0);
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.memalloc(8).unwrap();
+        let t = thread::spawn(move || drop(a));
+        rt.reset_device(0).unwrap();
+        t.join().unwrap();
+        let frees: Vec<_> = sim
+            .calls()
+            .into_iter()
+            .filter(|c| c.op == Op::MemFree)
+            .collect();
+        assert!(
+            frees.iter().all(|c| c.outcome.is_ok()),
+            "a free reached a dead context: {frees:?}"
+        );
+        assert!(frees.len() <= 1);
+        assert!(sim.leak_report().no_memory_leaked());
+    });
+}
