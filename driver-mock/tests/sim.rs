@@ -171,6 +171,14 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
+/// `PROPTEST_CASES` if set, else `default`.
+fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// Where the property test writes its tag: the whole of a small allocation, or 64 bytes at
 /// each end of a large one (enough to catch overlap, cheap enough for many cases).
 fn stamps(bytes: usize) -> Vec<(u64, usize)> {
@@ -182,7 +190,8 @@ fn stamps(bytes: usize) -> Vec<(u64, usize)> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
+    // 64 cases in CI; PROPTEST_CASES=N runs more.
+    #![proptest_config(ProptestConfig { cases: cases(64), failure_persistence: None, ..ProptestConfig::default() })]
 
     /// After every step: live allocations never overlap, small ones are 512-aligned inside one
     /// page, large ones page-aligned; `free` equals total minus the pages that the live
