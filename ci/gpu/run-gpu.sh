@@ -32,7 +32,7 @@ run() {
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } >>"$log" 2>&1 || true
 run "suite sim" "$here/bin/suite" --test-threads 2 sim::
 run "suite cuda" "$here/bin/suite" --test-threads 1 cuda::
-for t in "$here"/bin/unit-*; do
+for t in "$here"/bin/unit-* "$here"/bin/test-*; do
     [ -e "$t" ] && run "$(basename "$t")" "$t"
 done
 for ex in quickstart driver_probe; do

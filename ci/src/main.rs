@@ -84,6 +84,7 @@ fn gpu_bundle(dir: &Path) -> Result<(), String> {
             ("test", "suite") => "suite".to_owned(),
             ("example", _) => name.clone(),
             ("lib", _) => format!("unit-{name}"),
+            ("test", _) => format!("test-{name}"),
             _ => continue,
         };
         if copied
