@@ -1,4 +1,6 @@
-//! [`CudaDriver`]: the real driver, over cudarc's `sys` layer (feature `cuda`).
+//! [`CudaDriver`]: the real driver, over cudarc's `result` layer, dropping to `sys` where
+//! cudarc has no wrapper (context push and pop, `cuDevicePrimaryCtxReset`,
+//! `cuMemGetAddressRange`) (feature `cuda`).
 //!
 //! cudarc is built with `dynamic-loading`: libcuda is opened at run time, so this compiles and
 //! links on machines with no CUDA at all. cudarc panics on the first call when libcuda is
@@ -11,10 +13,9 @@
 //! leaves a context current behind the host runtime's back.
 #![allow(unsafe_code)]
 
-use std::ffi::c_void;
 use std::mem::MaybeUninit;
 
-use cudarc::driver::sys;
+use cudarc::driver::{result, sys};
 
 use crate::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, MemInfo,
@@ -33,6 +34,11 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), DriverError> {
     }
 }
 
+/// Maps cudarc's error (whose formatting would call into libcuda) to ours, keeping the code.
+fn err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> DriverError {
+    move |e| DriverError::from_code(call, e.0 as u32)
+}
+
 fn as_cu_ctx(ctx: ContextHandle) -> sys::CUcontext {
     ctx.0 as usize as sys::CUcontext
 }
@@ -44,16 +50,8 @@ struct CtxScope {
 
 impl CtxScope {
     fn enter(ctx: ContextHandle) -> Result<CtxScope, DriverError> {
-        let mut current = MaybeUninit::<sys::CUcontext>::uninit();
-        // SAFETY:
-        // - `current` is a valid place for one `CUcontext`; the driver writes it on success.
-        // - libcuda was found by `CudaDriver::load`, the only constructor.
-        check("cuCtxGetCurrent", unsafe {
-            sys::cuCtxGetCurrent(current.as_mut_ptr())
-        })?;
-        // SAFETY: cuCtxGetCurrent succeeded, so it initialised `current`.
-        let current = unsafe { current.assume_init() };
-        if current == as_cu_ctx(ctx) {
+        let current = result::ctx::get_current().map_err(err("cuCtxGetCurrent"))?;
+        if current == Some(as_cu_ctx(ctx)) {
             return Ok(CtxScope { pushed: false });
         }
         // SAFETY: pushing a context handle the caller obtained from this driver; an invalid or
@@ -85,13 +83,7 @@ impl Drop for CtxScope {
 fn cu_device(dev: DeviceOrdinal) -> Result<sys::CUdevice, DriverError> {
     let ordinal = i32::try_from(dev.0)
         .map_err(|_| DriverError::from_code("cuDeviceGet", crate::code::INVALID_DEVICE))?;
-    let mut out = MaybeUninit::<sys::CUdevice>::uninit();
-    // SAFETY: `out` is a valid place for one `CUdevice`; libcuda is loaded.
-    check("cuDeviceGet", unsafe {
-        sys::cuDeviceGet(out.as_mut_ptr(), ordinal)
-    })?;
-    // SAFETY: cuDeviceGet succeeded and wrote `out`.
-    Ok(unsafe { out.assume_init() })
+    result::device::get(ordinal).map_err(err("cuDeviceGet"))
 }
 
 impl CudaDriver {
@@ -113,6 +105,35 @@ impl CudaDriver {
         Ok(driver)
     }
 
+    /// The context current on the calling thread, if any (`cuCtxGetCurrent`). emm's calls leave
+    /// it as they found it.
+    pub fn current_context(&self) -> Result<Option<ContextHandle>, DriverError> {
+        let current = result::ctx::get_current().map_err(err("cuCtxGetCurrent"))?;
+        Ok(current.map(|c| ContextHandle(c as usize as u64)))
+    }
+
+    /// Pushes `ctx` onto the calling thread's context stack (`cuCtxPushCurrent`), as a host
+    /// runtime does to make a context current. Pair it with [`pop_current`](Self::pop_current).
+    pub fn push_current(&self, ctx: ContextHandle) -> Result<(), DriverError> {
+        // SAFETY: an invalid or destroyed handle is reported by the driver as an error.
+        check("cuCtxPushCurrent", unsafe {
+            sys::cuCtxPushCurrent_v2(as_cu_ctx(ctx))
+        })
+    }
+
+    /// Pops the calling thread's current context (`cuCtxPopCurrent`) and returns it.
+    pub fn pop_current(&self) -> Result<Option<ContextHandle>, DriverError> {
+        let mut popped = MaybeUninit::<sys::CUcontext>::uninit();
+        // SAFETY: `popped` is a valid place for one handle; with no current context the driver
+        // answers with an error.
+        check("cuCtxPopCurrent", unsafe {
+            sys::cuCtxPopCurrent_v2(popped.as_mut_ptr())
+        })?;
+        // SAFETY: the pop succeeded and wrote `popped`.
+        let popped = unsafe { popped.assume_init() };
+        Ok((!popped.is_null()).then_some(ContextHandle(popped as usize as u64)))
+    }
+
     /// Whether a CUDA driver library can be loaded. Makes no CUDA call.
     pub fn library_present() -> bool {
         // SAFETY: `is_culib_present` only tries to dlopen() the candidate library names; it
@@ -128,27 +149,20 @@ impl Driver for CudaDriver {
 
     /// [cuInit](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__INITIALIZE.html)
     fn init(&self) -> Result<(), DriverError> {
-        // SAFETY: libcuda is loaded (checked in `load`); cuInit takes flags only.
-        check("cuInit", unsafe { sys::cuInit(0) })
+        result::init().map_err(err("cuInit"))
     }
 
     /// [cuDeviceGetCount](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html)
     fn device_count(&self) -> Result<u32, DriverError> {
-        let mut n = 0i32;
-        // SAFETY: `n` is a valid place for one int; libcuda is loaded.
-        check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+        let n = result::device::get_count().map_err(err("cuDeviceGetCount"))?;
         Ok(u32::try_from(n).unwrap_or(0))
     }
 
     /// [cuDeviceTotalMem](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html)
     fn device_total_mem(&self, dev: DeviceOrdinal) -> Result<usize, DriverError> {
         let device = cu_device(dev)?;
-        let mut bytes = 0usize;
-        // SAFETY: `bytes` is a valid place for one size_t; `device` came from cuDeviceGet.
-        check("cuDeviceTotalMem", unsafe {
-            sys::cuDeviceTotalMem_v2(&mut bytes, device)
-        })?;
-        Ok(bytes)
+        // SAFETY: `device` came from cuDeviceGet.
+        unsafe { result::device::total_mem(device) }.map_err(err("cuDeviceTotalMem"))
     }
 
     /// [cuDeviceGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html)
@@ -157,38 +171,24 @@ impl Driver for CudaDriver {
         dev: DeviceOrdinal,
         attr: DeviceAttribute,
     ) -> Result<i32, DriverError> {
+        use sys::CUdevice_attribute as A;
         let device = cu_device(dev)?;
         let attr = match attr {
-            DeviceAttribute::CanMapHostMemory => {
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY
-            }
-            DeviceAttribute::PciBusId => sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID,
-            DeviceAttribute::PciDeviceId => {
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID
-            }
-            DeviceAttribute::PciDomainId => {
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID
-            }
+            DeviceAttribute::CanMapHostMemory => A::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY,
+            DeviceAttribute::PciBusId => A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID,
+            DeviceAttribute::PciDeviceId => A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID,
+            DeviceAttribute::PciDomainId => A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID,
         };
-        let mut value = 0i32;
-        // SAFETY: `value` is a valid place for one int; `attr` is a valid enum value;
-        // `device` came from cuDeviceGet.
-        check("cuDeviceGetAttribute", unsafe {
-            sys::cuDeviceGetAttribute(&mut value, attr, device)
-        })?;
-        Ok(value)
+        // SAFETY: `attr` is a valid enum value; `device` came from cuDeviceGet.
+        unsafe { result::device::get_attribute(device, attr) }.map_err(err("cuDeviceGetAttribute"))
     }
 
     /// [cuDevicePrimaryCtxRetain](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html)
     fn primary_ctx_retain(&self, dev: DeviceOrdinal) -> Result<ContextHandle, DriverError> {
         let device = cu_device(dev)?;
-        let mut ctx = MaybeUninit::<sys::CUcontext>::uninit();
-        // SAFETY: `ctx` is a valid place for one CUcontext; `device` came from cuDeviceGet.
-        check("cuDevicePrimaryCtxRetain", unsafe {
-            sys::cuDevicePrimaryCtxRetain(ctx.as_mut_ptr(), device)
-        })?;
-        // SAFETY: the retain succeeded and wrote `ctx`.
-        let ctx = unsafe { ctx.assume_init() };
+        // SAFETY: `device` came from cuDeviceGet; the caller releases what it retains.
+        let ctx = unsafe { result::primary_ctx::retain(device) }
+            .map_err(err("cuDevicePrimaryCtxRetain"))?;
         Ok(ContextHandle(ctx as usize as u64))
     }
 
@@ -196,12 +196,11 @@ impl Driver for CudaDriver {
     unsafe fn primary_ctx_release(&self, dev: DeviceOrdinal) -> Result<(), DriverError> {
         let device = cu_device(dev)?;
         // SAFETY: the caller matches this release with an earlier retain (trait contract).
-        check("cuDevicePrimaryCtxRelease", unsafe {
-            sys::cuDevicePrimaryCtxRelease_v2(device)
-        })
+        unsafe { result::primary_ctx::release(device) }.map_err(err("cuDevicePrimaryCtxRelease"))
     }
 
     /// [cuDevicePrimaryCtxReset](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html)
+    /// (no `result` wrapper in cudarc).
     unsafe fn primary_ctx_reset(&self, dev: DeviceOrdinal) -> Result<(), DriverError> {
         let device = cu_device(dev)?;
         // SAFETY: the caller guarantees nothing of the context is used again (trait contract).
@@ -213,9 +212,8 @@ impl Driver for CudaDriver {
     /// [cuMemAlloc](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
     fn mem_alloc(&self, ctx: ContextHandle, bytes: usize) -> Result<DevicePtr, DriverError> {
         let _scope = CtxScope::enter(ctx)?;
-        let mut ptr = 0 as sys::CUdeviceptr;
-        // SAFETY: `ptr` is a valid place for one CUdeviceptr; the context is current.
-        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) })?;
+        // SAFETY: the context is current; the new allocation is owned by the caller.
+        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(err("cuMemAlloc"))?;
         Ok(DevicePtr(ptr))
     }
 
@@ -224,21 +222,18 @@ impl Driver for CudaDriver {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: the caller guarantees `ptr` is a live allocation of `ctx`, freed once and no
         // longer used (trait contract); the driver rejects unknown pointers with an error.
-        check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr.0) })
+        unsafe { result::free_sync(ptr.0) }.map_err(err("cuMemFree"))
     }
 
     /// [cuMemGetInfo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
     fn mem_get_info(&self, ctx: ContextHandle) -> Result<MemInfo, DriverError> {
         let _scope = CtxScope::enter(ctx)?;
-        let (mut free, mut total) = (0usize, 0usize);
-        // SAFETY: both are valid places for one size_t; the context is current.
-        check("cuMemGetInfo", unsafe {
-            sys::cuMemGetInfo_v2(&mut free, &mut total)
-        })?;
+        let (free, total) = result::mem_get_info().map_err(err("cuMemGetInfo"))?;
         Ok(MemInfo { free, total })
     }
 
     /// [cuMemGetAddressRange](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    /// (no `result` wrapper in cudarc).
     fn mem_get_address_range(
         &self,
         ctx: ContextHandle,
@@ -267,9 +262,7 @@ impl Driver for CudaDriver {
         // - `src` is a live slice of `src.len()` readable bytes for the whole (synchronous) call.
         // - the caller guarantees the destination range is a live allocation nobody else
         //   touches during the copy (trait contract).
-        check("cuMemcpyHtoD", unsafe {
-            sys::cuMemcpyHtoD_v2(dst.0, src.as_ptr().cast::<c_void>(), src.len())
-        })
+        unsafe { result::memcpy_htod_sync(dst.0, src) }.map_err(err("cuMemcpyHtoD"))
     }
 
     /// [cuMemcpyDtoH](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
@@ -285,9 +278,7 @@ impl Driver for CudaDriver {
         //   whole (synchronous) call.
         // - the caller guarantees the source range is a live allocation nobody writes during
         //   the copy (trait contract).
-        check("cuMemcpyDtoH", unsafe {
-            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast::<c_void>(), src.0, dst.len())
-        })
+        unsafe { result::memcpy_dtoh_sync(dst, src.0) }.map_err(err("cuMemcpyDtoH"))
     }
 }
 

@@ -35,6 +35,7 @@ macro_rules! ensure_eq {
 }
 
 mod basics;
+mod cuda_only;
 mod deallocations;
 mod driver_conformance;
 mod reset;
@@ -90,6 +91,11 @@ const TESTS: &[(&str, SuiteFn)] = suite_tests![
 /// for it and only for it.
 pub const EXPECTED_PANIC: &str = "emm suite: the panic test_exception raises on purpose";
 
+/// Tests that only make sense on the real driver; without a GPU they are ignored like the CUDA
+/// instances of the suite, and with `EMM_REQUIRE_GPU=1` they must run.
+const CUDA_ONLY: &[(&str, SuiteFn)] =
+    suite_tests![cuda_only::calls_leave_the_current_context_alone,];
+
 /// The GPU is one shared device: CUDA tests run one at a time (some fill its memory).
 static GPU: Mutex<()> = Mutex::new(());
 
@@ -128,11 +134,16 @@ fn main() {
             } else if !args.list {
                 eprintln!(
                     "note: the {} CUDA tests are skipped: {why}. Set EMM_REQUIRE_GPU=1 to fail instead.",
-                    TESTS.len()
+                    TESTS.len() + CUDA_ONLY.len()
                 );
             }
         }
-        for &(name, test) in TESTS {
+        let only_here: &[(&str, SuiteFn)] = if target == Target::Cuda {
+            CUDA_ONLY
+        } else {
+            &[]
+        };
+        for &(name, test) in TESTS.iter().chain(only_here) {
             let trial = Trial::test(format!("{target}::{name}"), move || {
                 let _gpu =
                     (target == Target::Cuda).then(|| GPU.lock().unwrap_or_else(|p| p.into_inner()));
