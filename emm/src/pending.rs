@@ -76,8 +76,9 @@ struct Inner {
 ///    (Numba's code; its docs say otherwise, and the code wins).
 /// 4. While a [`DeferCleanup`] guard is alive, flushing does nothing (the queue grows without
 ///    bound). Leaving the outermost guard does **not** flush.
-/// 5. When the context is destroyed (device reset), queued frees are discarded without reaching
-///    the driver: the context's memory went with it.
+/// 5. When the runtime destroys the context (device reset, runtime drop), it first issues every
+///    queued free, guard or no guard; frees that arrive after that are discarded without
+///    reaching the driver, since the context's memory went with it.
 ///
 /// A flush triggered from `Drop` cannot return its error: it is logged with `tracing::error!`,
 /// recorded, and returned by the next [`PendingDeallocs::flush`].
@@ -245,6 +246,21 @@ impl PendingDeallocs {
             Some(e) => Err(e),
             None => Ok(freed),
         }
+    }
+
+    /// Frees everything pending even while a [`DeferCleanup`] guard is alive: the context is
+    /// about to be destroyed, so deferring no longer saves anything, and an explicit free keeps
+    /// every allocation accounted for (leak checkers see it freed, not dropped with the
+    /// context).
+    pub(crate) fn flush_for_teardown(&self) -> Result<usize, EmmError> {
+        let mut inner = lock(&self.inner);
+        if inner.disabled > 0 && !inner.items.is_empty() {
+            tracing::info!(device = %self.device, pending = inner.items.len(), "context torn down inside defer_cleanup; issuing the deferred frees first");
+        }
+        let disabled = std::mem::replace(&mut inner.disabled, 0);
+        let freed = self.flush_locked(&mut inner);
+        inner.disabled = disabled;
+        freed
     }
 
     fn flush_locked(&self, inner: &mut Inner) -> Result<usize, EmmError> {

@@ -310,7 +310,8 @@ impl Runtime {
 
     /// Resets a device, in Numba's order (`Device.reset`):
     ///
-    /// 1. the context's manager is reset (it frees everything it allocated);
+    /// 1. the context's manager is reset (it frees everything it allocated), and frees it
+    ///    still defers (inside `defer_cleanup`) are issued: the context is going away;
     /// 2. the context is marked dead, so memory that outlives it never reaches the driver;
     /// 3. the primary context is released, and then reset **whatever happened before**.
     ///
@@ -333,10 +334,14 @@ impl Runtime {
         before.and(reset)
     }
 
-    /// Resets the manager, kills the context and releases its primary context.
+    /// Resets the manager, issues what it still defers, kills the context and releases its
+    /// primary context.
     fn retire(&self, ctx: &Context) -> Result<(), EmmError> {
         let inner = &ctx.inner;
-        let reset = inner.manager.reset();
+        let mut reset = inner.manager.reset();
+        if let Some(queue) = inner.manager.deallocations() {
+            reset = reset.and(queue.flush_for_teardown().map(|_| ()));
+        }
         inner.liveness.kill();
         // SAFETY: matches the retain made when the context was created; the context is dead, so
         // nothing emm holds uses its memory again.

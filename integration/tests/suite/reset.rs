@@ -85,7 +85,19 @@ pub fn reset_device_makes_old_memory_stale(target: Target) -> Result<(), Failed>
     let pending = ctx.memalloc(64)?;
     let guard = ctx.defer_cleanup()?;
     drop(pending);
+    let frees_before_reset = t.sim().map(|s| s.count(Op::MemFree));
     t.runtime.reset_device(0)?;
+    if let (Some(sim), Some(before)) = (t.sim(), frees_before_reset) {
+        ensure_eq!(
+            sim.count(Op::MemFree) - before,
+            2,
+            "the live and the deferred allocation are freed before the context goes"
+        );
+        ensure!(
+            sim.calls().iter().all(|c| c.outcome.is_ok()),
+            "every call succeeded"
+        );
+    }
     drop(guard);
     ensure!(!ctx.is_alive(), "the old context is retired");
     let refused = ctx.memalloc(16);
