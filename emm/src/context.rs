@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, Driver};
 
-use crate::liveness::ContextLiveness;
+use crate::liveness::{ContextLiveness, LiveGuard};
 use crate::manager::MemoryManager;
 use crate::pending::{DeferCleanup, PendingDeallocs};
 use crate::{EmmError, MemoryInfo, MemoryPointer};
@@ -143,48 +143,56 @@ impl Context {
 
     /// Copies `src` to the start of `dst`, synchronously. `src` may be shorter than `dst`.
     pub fn copy_to_device(&self, dst: &MemoryPointer, src: &[u8]) -> Result<(), EmmError> {
-        self.check_usable("copy to device", dst)?;
-        check_len("copy to device", src.len(), dst.size())?;
-        let _live = self
-            .inner
-            .liveness
-            .enter()
-            .ok_or_else(|| self.stale("copy to device"))?;
+        const WHAT: &str = "copy to device";
+        let _live = self.enter_copy(WHAT, dst, src.len())?;
         // SAFETY:
-        // - `dst` is a live pointer of this context (checked above: same device and context,
-        //   not stale) and keeps its allocation alive while borrowed here;
-        // - `dst.device_ptr() .. + src.len()` lies inside it (length checked above, and a
-        //   `MemoryPointer`'s offset and size are checked when the view is made);
+        // - `enter_copy` checked that `dst` is a live pointer of this context whose first
+        //   `src.len()` bytes lie inside its allocation; `dst` keeps the allocation alive while
+        //   borrowed here;
         // - `_live` keeps the context from being destroyed during the call.
         unsafe {
             self.inner
                 .driver
                 .memcpy_htod(self.inner.handle, dst.device_ptr(), src)
         }
-        .map_err(|e| EmmError::driver("copy to device", self.inner.device, e))
+        .map_err(|e| EmmError::driver(WHAT, self.inner.device, e))
     }
 
     /// Copies the first `dst.len()` bytes of `src` into `dst`, synchronously.
     pub fn copy_to_host(&self, dst: &mut [u8], src: &MemoryPointer) -> Result<(), EmmError> {
-        self.check_usable("copy to host", src)?;
-        check_len("copy to host", dst.len(), src.size())?;
-        let _live = self
-            .inner
-            .liveness
-            .enter()
-            .ok_or_else(|| self.stale("copy to host"))?;
+        const WHAT: &str = "copy to host";
+        let _live = self.enter_copy(WHAT, src, dst.len())?;
         // SAFETY:
-        // - `src` is a live pointer of this context (checked above) and `dst.len()` bytes of it
-        //   lie inside its allocation (checked above);
-        // - `dst` is an exclusive borrow of host memory, so nothing else reads it during the
-        //   copy;
+        // - `enter_copy` checked that `src` is a live pointer of this context whose first
+        //   `dst.len()` bytes lie inside its allocation;
+        // - `dst` is an exclusive borrow of host memory, so nothing else touches it;
         // - `_live` keeps the context from being destroyed during the call.
         unsafe {
             self.inner
                 .driver
                 .memcpy_dtoh(self.inner.handle, dst, src.device_ptr())
         }
-        .map_err(|e| EmmError::driver("copy to host", self.inner.device, e))
+        .map_err(|e| EmmError::driver(WHAT, self.inner.device, e))
+    }
+
+    /// Checks that a copy of `len` bytes at the start of `memory` is allowed, and enters the
+    /// context for it.
+    fn enter_copy(
+        &self,
+        what: &'static str,
+        memory: &MemoryPointer,
+        len: usize,
+    ) -> Result<LiveGuard<'_>, EmmError> {
+        self.check_usable(what, memory)?;
+        if len > memory.size() {
+            return Err(EmmError::OutOfBounds {
+                what,
+                start: 0,
+                end: len,
+                size: memory.size(),
+            });
+        }
+        self.inner.liveness.enter().ok_or_else(|| self.stale(what))
     }
 
     fn check_usable(&self, what: &'static str, memory: &MemoryPointer) -> Result<(), EmmError> {
@@ -205,16 +213,4 @@ impl Context {
         }
         Ok(())
     }
-}
-
-fn check_len(what: &'static str, len: usize, size: usize) -> Result<(), EmmError> {
-    if len > size {
-        return Err(EmmError::OutOfBounds {
-            what,
-            start: 0,
-            end: len,
-            size,
-        });
-    }
-    Ok(())
 }
