@@ -194,11 +194,7 @@ impl PendingDeallocs {
     /// Queues several frees, then applies the thresholds once.
     pub fn push_all(&self, items: impl IntoIterator<Item = Free>) -> Result<(), EmmError> {
         let mut inner = lock(&self.inner);
-        if !self.enqueue(&mut inner, items) {
-            return Ok(());
-        }
-        let max_bytes = self.config.max_pending_bytes(inner.capacity);
-        if inner.items.len() > self.config.max_count || inner.bytes > max_bytes {
+        if self.enqueue(&mut inner, items) && self.over_threshold(&inner) {
             self.flush_locked(&mut inner)?;
         }
         Ok(())
@@ -209,6 +205,12 @@ impl PendingDeallocs {
     pub(crate) fn push_all_without_flush(&self, items: impl IntoIterator<Item = Free>) {
         let mut inner = lock(&self.inner);
         self.enqueue(&mut inner, items);
+    }
+
+    /// Numba's rule: more than `max_count` frees, or more than the byte budget, pending.
+    fn over_threshold(&self, inner: &Inner) -> bool {
+        inner.items.len() > self.config.max_count
+            || inner.bytes > self.config.max_pending_bytes(inner.capacity)
     }
 
     /// Appends `items`; returns false (dropping them) when the context is already destroyed.
@@ -226,12 +228,16 @@ impl PendingDeallocs {
         true
     }
 
-    /// [`push`](Self::push) from a destructor: an error cannot be returned, so it is logged and
-    /// kept for the next [`flush`](Self::flush).
-    pub(crate) fn push_from_drop(&self, item: Free) {
-        if let Err(e) = self.push(item) {
+    /// Applies the thresholds after frees were queued from a destructor, flushing if one is
+    /// crossed. An error cannot be returned from a destructor, so it is logged and kept for
+    /// the next [`flush`](Self::flush).
+    pub(crate) fn apply_thresholds_from_drop(&self) {
+        let mut inner = lock(&self.inner);
+        if self.over_threshold(&inner)
+            && let Err(e) = self.flush_locked(&mut inner)
+        {
             tracing::error!(device = %self.device, error = %e, "deferred deallocation failed; the error is returned by the next flush");
-            lock(&self.inner).recorded = Some(e);
+            inner.recorded = Some(e);
         }
     }
 

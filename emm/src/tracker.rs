@@ -62,6 +62,10 @@ impl DeviceTracker {
     }
 
     /// The last pointer to `base` dropped.
+    ///
+    /// The free is queued while the table is still locked, so a concurrent `reset` finds the
+    /// allocation either in the table or in the queue, never in neither; the thresholds (and
+    /// any flush they trigger) are applied after the table is unlocked.
     pub(crate) fn release(&self, base: DevicePtr, size: usize, generation: u64) {
         {
             let mut table = lock(&self.allocations);
@@ -70,11 +74,12 @@ impl DeviceTracker {
                 return;
             }
             table.remove(&base);
+            self.queue.push_all_without_flush([Free::Device {
+                ptr: base,
+                bytes: size,
+            }]);
         }
-        self.queue.push_from_drop(Free::Device {
-            ptr: base,
-            bytes: size,
-        });
+        self.queue.apply_thresholds_from_drop();
     }
 
     /// Forgets every allocation and queues its free, then flushes (Numba: `allocations.clear()`
