@@ -1,7 +1,8 @@
 //! [`MockDriver`]: the mockall mock of [`Driver`].
 
 use driver_sys::{
-    ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, MemInfo,
+    ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
+    HostPtr, IpcMemHandle, MemInfo, ModuleHandle, StreamHandle,
 };
 
 mockall::mock! {
@@ -23,6 +24,22 @@ mockall::mock! {
         fn mem_get_info(&self, ctx: ContextHandle) -> Result<MemInfo, DriverError>;
         fn mem_get_address_range(&self, ctx: ContextHandle, ptr: DevicePtr) -> Result<(DevicePtr, usize), DriverError>;
         unsafe fn memcpy_htod(&self, ctx: ContextHandle, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError>;
+        unsafe fn memcpy_dtod(&self, ctx: ContextHandle, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DriverError>;
+        fn mem_host_alloc(&self, ctx: ContextHandle, bytes: usize, flags: u32) -> Result<HostPtr, DriverError>;
+        unsafe fn mem_free_host(&self, ctx: ContextHandle, ptr: HostPtr) -> Result<(), DriverError>;
+        unsafe fn mem_host_register(&self, ctx: ContextHandle, ptr: HostPtr, bytes: usize, flags: u32) -> Result<(), DriverError>;
+        unsafe fn mem_host_unregister(&self, ctx: ContextHandle, ptr: HostPtr) -> Result<(), DriverError>;
+        fn mem_host_get_device_pointer(&self, ctx: ContextHandle, ptr: HostPtr) -> Result<DevicePtr, DriverError>;
+        fn stream_create(&self, ctx: ContextHandle, flags: u32) -> Result<StreamHandle, DriverError>;
+        unsafe fn stream_destroy(&self, ctx: ContextHandle, stream: StreamHandle) -> Result<(), DriverError>;
+        fn event_create(&self, ctx: ContextHandle, flags: u32) -> Result<EventHandle, DriverError>;
+        unsafe fn event_destroy(&self, ctx: ContextHandle, event: EventHandle) -> Result<(), DriverError>;
+        fn module_load_data(&self, ctx: ContextHandle, image: &[u8]) -> Result<ModuleHandle, DriverError>;
+        unsafe fn module_unload(&self, ctx: ContextHandle, module: ModuleHandle) -> Result<(), DriverError>;
+        fn ipc_get_mem_handle(&self, ctx: ContextHandle, ptr: DevicePtr) -> Result<IpcMemHandle, DriverError>;
+        fn ipc_open_mem_handle(&self, ctx: ContextHandle, handle: &IpcMemHandle) -> Result<DevicePtr, DriverError>;
+        unsafe fn ipc_close_mem_handle(&self, ctx: ContextHandle, ptr: DevicePtr) -> Result<(), DriverError>;
+        fn device_can_access_peer(&self, dev: DeviceOrdinal, peer: DeviceOrdinal) -> Result<bool, DriverError>;
         unsafe fn memcpy_dtoh(&self, ctx: ContextHandle, dst: &mut [u8], src: DevicePtr) -> Result<(), DriverError>;
     }
 }

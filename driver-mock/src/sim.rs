@@ -1,12 +1,17 @@
 //! [`SimDriver`]: a deterministic simulated CUDA system.
+//!
+//! Unsafe code here is confined to copies into and out of host memory that the caller mapped
+//! into the simulated device (the [`Driver`] contract makes the caller vouch for it).
+#![allow(unsafe_code)]
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use driver_sys::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, ErrorKind,
-    MemInfo, code,
+    EventHandle, HostPtr, IpcMemHandle, MemInfo, ModuleHandle, StreamHandle, code, host_alloc,
+    host_register,
 };
 
 /// The granularity of allocations of up to [`SMALL_MAX`] bytes (measured: 512 bytes).
@@ -18,7 +23,13 @@ pub const SMALL_MAX: usize = 1 << 20;
 
 const DEVICE_SPACE_BASE: u64 = 0x7000_0000_0000;
 const DEVICE_SPACE_STRIDE: u64 = 1 << 40;
+/// IPC mappings of a device live in the upper half of its range.
+const IPC_SPACE_OFFSET: u64 = 1 << 39;
 const CONTEXT_HANDLE_BASE: u64 = 0x5c00_0000_0000;
+const HANDLE_BASE: u64 = 0x5d00_0000_0000;
+const IPC_MAGIC: &[u8; 8] = b"EMMSIMIP";
+/// `CUDA_ERROR_INVALID_IMAGE`.
+const INVALID_IMAGE: u32 = 200;
 
 /// One simulated device.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -80,24 +91,49 @@ impl SimDeviceConfig {
     }
 }
 
-/// The simulated system: its devices, in ordinal order.
+/// The simulated machine: its devices, in ordinal order, whether they are peers, and how much
+/// host memory may be page-locked.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SimConfig {
     /// The devices; device `i` has ordinal `i`.
     pub devices: Vec<SimDeviceConfig>,
+    /// Whether every pair of distinct devices can access each other's memory
+    /// (`cuDeviceCanAccessPeer`), as over NVLink. Without it, opening an IPC handle of one
+    /// device in a context of another fails, and emm takes the staged path.
+    pub peer_access: bool,
+    /// Bytes of host memory that may be page-locked at once (`cuMemHostAlloc` and
+    /// `cuMemHostRegister` together) before out-of-memory.
+    pub pinned_host_limit: usize,
 }
 
 impl SimConfig {
     /// One device with `total_mem` bytes.
     pub fn single(total_mem: usize) -> SimConfig {
+        SimConfig::with_devices(vec![SimDeviceConfig::new(total_mem)])
+    }
+
+    /// The given devices, all peers of each other; PCI bus ids are numbered from 1 where left
+    /// at 0.
+    pub fn with_devices(devices: Vec<SimDeviceConfig>) -> SimConfig {
         SimConfig {
-            devices: vec![SimDeviceConfig::new(total_mem)],
+            devices,
+            peer_access: true,
+            pinned_host_limit: 1 << 30,
         }
     }
 
-    /// The given devices; PCI bus ids are numbered from 1 where left at 0.
-    pub fn with_devices(devices: Vec<SimDeviceConfig>) -> SimConfig {
-        SimConfig { devices }
+    /// Sets whether distinct devices are peers.
+    #[must_use]
+    pub fn peer_access(mut self, yes: bool) -> SimConfig {
+        self.peer_access = yes;
+        self
+    }
+
+    /// Sets how many bytes of host memory may be page-locked at once.
+    #[must_use]
+    pub fn pinned_host_limit(mut self, bytes: usize) -> SimConfig {
+        self.pinned_host_limit = bytes;
+        self
     }
 }
 
@@ -116,6 +152,7 @@ pub enum Op {
     DeviceCount,
     DeviceTotalMem,
     DeviceAttribute,
+    DeviceCanAccessPeer,
     PrimaryCtxRetain,
     PrimaryCtxRelease,
     PrimaryCtxReset,
@@ -125,9 +162,57 @@ pub enum Op {
     MemGetAddressRange,
     MemcpyHtoD,
     MemcpyDtoH,
+    MemcpyDtoD,
+    MemHostAlloc,
+    MemFreeHost,
+    MemHostRegister,
+    MemHostUnregister,
+    MemHostGetDevicePointer,
+    StreamCreate,
+    StreamDestroy,
+    EventCreate,
+    EventDestroy,
+    ModuleLoadData,
+    ModuleUnload,
+    IpcGetMemHandle,
+    IpcOpenMemHandle,
+    IpcCloseMemHandle,
 }
 
 impl Op {
+    /// Every operation, in declaration order (for fault sweeps).
+    pub const ALL: [Op; 29] = [
+        Op::Init,
+        Op::DeviceCount,
+        Op::DeviceTotalMem,
+        Op::DeviceAttribute,
+        Op::DeviceCanAccessPeer,
+        Op::PrimaryCtxRetain,
+        Op::PrimaryCtxRelease,
+        Op::PrimaryCtxReset,
+        Op::MemAlloc,
+        Op::MemFree,
+        Op::MemGetInfo,
+        Op::MemGetAddressRange,
+        Op::MemcpyHtoD,
+        Op::MemcpyDtoH,
+        Op::MemcpyDtoD,
+        Op::MemHostAlloc,
+        Op::MemFreeHost,
+        Op::MemHostRegister,
+        Op::MemHostUnregister,
+        Op::MemHostGetDevicePointer,
+        Op::StreamCreate,
+        Op::StreamDestroy,
+        Op::EventCreate,
+        Op::EventDestroy,
+        Op::ModuleLoadData,
+        Op::ModuleUnload,
+        Op::IpcGetMemHandle,
+        Op::IpcOpenMemHandle,
+        Op::IpcCloseMemHandle,
+    ];
+
     /// The CUDA driver call this operation stands for.
     pub fn call_name(self) -> &'static str {
         match self {
@@ -135,6 +220,7 @@ impl Op {
             Op::DeviceCount => "cuDeviceGetCount",
             Op::DeviceTotalMem => "cuDeviceTotalMem",
             Op::DeviceAttribute => "cuDeviceGetAttribute",
+            Op::DeviceCanAccessPeer => "cuDeviceCanAccessPeer",
             Op::PrimaryCtxRetain => "cuDevicePrimaryCtxRetain",
             Op::PrimaryCtxRelease => "cuDevicePrimaryCtxRelease",
             Op::PrimaryCtxReset => "cuDevicePrimaryCtxReset",
@@ -144,6 +230,21 @@ impl Op {
             Op::MemGetAddressRange => "cuMemGetAddressRange",
             Op::MemcpyHtoD => "cuMemcpyHtoD",
             Op::MemcpyDtoH => "cuMemcpyDtoH",
+            Op::MemcpyDtoD => "cuMemcpyDtoD",
+            Op::MemHostAlloc => "cuMemHostAlloc",
+            Op::MemFreeHost => "cuMemFreeHost",
+            Op::MemHostRegister => "cuMemHostRegister",
+            Op::MemHostUnregister => "cuMemHostUnregister",
+            Op::MemHostGetDevicePointer => "cuMemHostGetDevicePointer",
+            Op::StreamCreate => "cuStreamCreate",
+            Op::StreamDestroy => "cuStreamDestroy",
+            Op::EventCreate => "cuEventCreate",
+            Op::EventDestroy => "cuEventDestroy",
+            Op::ModuleLoadData => "cuModuleLoadData",
+            Op::ModuleUnload => "cuModuleUnload",
+            Op::IpcGetMemHandle => "cuIpcGetMemHandle",
+            Op::IpcOpenMemHandle => "cuIpcOpenMemHandle",
+            Op::IpcCloseMemHandle => "cuIpcCloseMemHandle",
         }
     }
 }
@@ -151,14 +252,16 @@ impl Op {
 /// One entry of the call log.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CallRecord {
-    /// Position in the log, from 0.
+    /// Position in this process's log, from 0.
     pub seq: u64,
     /// The operation.
     pub op: Op,
     /// The device the call concerned, where it names one (directly or through a context).
     pub device: Option<DeviceOrdinal>,
-    /// The pointer argument or result, where there is one.
+    /// The device pointer argument or result, where there is one.
     pub ptr: Option<DevicePtr>,
+    /// The host pointer argument or result, where there is one.
+    pub host: Option<HostPtr>,
     /// The byte count argument, where there is one.
     pub bytes: Option<usize>,
     /// `Ok(())`, or the kind of error returned.
@@ -197,24 +300,43 @@ impl Fault {
     }
 }
 
-/// What a simulated system still holds: allocations and retained contexts.
+/// What one simulated process still holds.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LeakReport {
-    /// Live allocations: device, address, requested size.
+    /// Live device allocations: device, address, requested size.
     pub allocations: Vec<(DeviceOrdinal, DevicePtr, usize)>,
+    /// Live `cuMemHostAlloc` allocations: address, size.
+    pub host_allocations: Vec<(HostPtr, usize)>,
+    /// Live `cuMemHostRegister` registrations: address, size.
+    pub host_registrations: Vec<(HostPtr, usize)>,
+    /// Open IPC mappings: device, mapped address, size.
+    pub ipc_mappings: Vec<(DeviceOrdinal, DevicePtr, usize)>,
+    /// Streams, events and modules not destroyed: how many of each.
+    pub streams: usize,
+    /// See `streams`.
+    pub events: usize,
+    /// See `streams`.
+    pub modules: usize,
     /// Primary contexts with a non-zero reference count: device, count.
     pub retained_contexts: Vec<(DeviceOrdinal, u32)>,
 }
 
 impl LeakReport {
-    /// Whether nothing is allocated (retained contexts do not count as leaked memory).
+    /// Whether no memory (device, host, registered or mapped) is held.
     pub fn no_memory_leaked(&self) -> bool {
         self.allocations.is_empty()
+            && self.host_allocations.is_empty()
+            && self.host_registrations.is_empty()
+            && self.ipc_mappings.is_empty()
     }
 
-    /// Whether nothing is allocated and no context is retained.
+    /// Whether nothing at all is held, contexts included.
     pub fn is_clean(&self) -> bool {
-        self.allocations.is_empty() && self.retained_contexts.is_empty()
+        self.no_memory_leaked()
+            && self.streams == 0
+            && self.events == 0
+            && self.modules == 0
+            && self.retained_contexts.is_empty()
     }
 }
 
@@ -226,6 +348,30 @@ impl fmt::Display for LeakReport {
         for (dev, ptr, size) in &self.allocations {
             writeln!(f, "device {dev}: {size} bytes at {ptr} still allocated")?;
         }
+        for (ptr, size) in &self.host_allocations {
+            writeln!(
+                f,
+                "pinned host memory: {size} bytes at {ptr} still allocated"
+            )?;
+        }
+        for (ptr, size) in &self.host_registrations {
+            writeln!(f, "host range: {size} bytes at {ptr} still registered")?;
+        }
+        for (dev, ptr, size) in &self.ipc_mappings {
+            writeln!(
+                f,
+                "device {dev}: IPC mapping of {size} bytes at {ptr} still open"
+            )?;
+        }
+        for (what, n) in [
+            ("stream", self.streams),
+            ("event", self.events),
+            ("module", self.modules),
+        ] {
+            if n > 0 {
+                writeln!(f, "{n} {what}(s) not destroyed")?;
+            }
+        }
         for (dev, count) in &self.retained_contexts {
             writeln!(f, "device {dev}: primary context retained {count} time(s)")?;
         }
@@ -233,13 +379,18 @@ impl fmt::Display for LeakReport {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The model. One `World` per simulated machine, behind one lock; every `SimDriver` is a process
+// on it.
+
 #[derive(Debug)]
 struct SimAlloc {
     size: usize,
-    /// Bytes of address space it occupies: `size` rounded to the alignment (small) or to
-    /// whole pages (large).
+    /// Bytes of address space it occupies: `size` rounded to the alignment (small) or to whole
+    /// pages (large).
     span: usize,
-    bytes: Vec<u8>,
+    store: u64,
+    owner: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -250,29 +401,26 @@ enum Page {
     Large,
 }
 
+/// One device's physical memory.
 #[derive(Debug)]
-struct SimDevice {
+struct DeviceMem {
     config: SimDeviceConfig,
-    ctx_refcount: u32,
-    /// Whether the primary context exists (retained, not reset since).
-    ctx_live: bool,
     allocs: BTreeMap<u64, SimAlloc>,
     /// Pages in use, by index from the device's base address.
     pages: BTreeMap<u64, Page>,
 }
 
-impl SimDevice {
+impl DeviceMem {
     fn base(ordinal: usize) -> u64 {
         DEVICE_SPACE_BASE + ordinal as u64 * DEVICE_SPACE_STRIDE
     }
 
-    fn page_addr(&self, ordinal: usize, page: u64) -> u64 {
+    fn page_addr(ordinal: usize, page: u64) -> u64 {
         Self::base(ordinal) + page * PAGE_SIZE as u64
     }
 
-    fn free_bytes(&self) -> usize {
-        let used = self.pages.len() * PAGE_SIZE + self.config.context_overhead;
-        self.config.total_mem.saturating_sub(used)
+    fn page_of(ordinal: usize, addr: u64) -> u64 {
+        (addr - Self::base(ordinal)) / PAGE_SIZE as u64
     }
 
     /// The lowest run of `n` unused page indices.
@@ -288,13 +436,13 @@ impl SimDevice {
     }
 
     /// Places a small allocation of `span` bytes: the lowest aligned gap in a shared page, or a
-    /// new page. Returns the address and whether a new page is needed.
+    /// new page. Returns the address and the new page, if one is needed.
     fn place_small(&self, ordinal: usize, span: usize) -> (u64, Option<u64>) {
         for (&page, kind) in &self.pages {
             if !matches!(kind, Page::Small(_)) {
                 continue;
             }
-            let start = self.page_addr(ordinal, page);
+            let start = Self::page_addr(ordinal, page);
             let end = start + PAGE_SIZE as u64;
             let mut cursor = start;
             for (&addr, a) in self.allocs.range(start..end) {
@@ -308,11 +456,7 @@ impl SimDevice {
             }
         }
         let page = self.free_pages(1);
-        (self.page_addr(ordinal, page), Some(page))
-    }
-
-    fn page_of(&self, ordinal: usize, addr: u64) -> u64 {
-        (addr - Self::base(ordinal)) / PAGE_SIZE as u64
+        (Self::page_addr(ordinal, page), Some(page))
     }
 
     /// The allocation containing `addr`, as (base, allocation).
@@ -321,58 +465,271 @@ impl SimDevice {
         (addr < base + alloc.size.max(1) as u64).then_some((base, alloc))
     }
 
-    /// Destroys the context and everything it owned.
-    fn destroy_context(&mut self) -> usize {
-        let n = self.allocs.len();
-        self.allocs.clear();
-        self.pages.clear();
-        self.ctx_live = false;
-        n
+    /// Removes the allocation at `base` and returns its pages; the caller drops its store.
+    fn remove(&mut self, ordinal: usize, base: u64) -> Option<SimAlloc> {
+        let alloc = self.allocs.remove(&base)?;
+        let first = Self::page_of(ordinal, base);
+        if alloc.size <= SMALL_MAX {
+            if let Some(Page::Small(count)) = self.pages.get_mut(&first) {
+                *count -= 1;
+                if *count == 0 {
+                    self.pages.remove(&first);
+                }
+            }
+        } else {
+            for p in first..first + (alloc.span / PAGE_SIZE) as u64 {
+                self.pages.remove(&p);
+            }
+        }
+        Some(alloc)
+    }
+}
+
+/// Backing bytes of a device allocation, shared with the IPC mappings of other processes.
+#[derive(Debug)]
+struct Store {
+    bytes: Vec<u8>,
+    refs: usize,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Ctx {
+    refcount: u32,
+    /// Whether the primary context exists (retained, not reset since).
+    live: bool,
+}
+
+#[derive(Debug)]
+enum HostKind {
+    /// `cuMemHostAlloc` memory, owned by the simulator.
+    Alloc(#[allow(dead_code)] Box<[u8]>),
+    /// A caller's range, `cuMemHostRegister`ed.
+    Registered,
+}
+
+#[derive(Debug)]
+struct HostRange {
+    size: usize,
+    device: usize,
+    mapped: bool,
+    portable: bool,
+    kind: HostKind,
+}
+
+#[derive(Debug)]
+struct IpcMap {
+    device: usize,
+    store: u64,
+    size: usize,
+    span: usize,
+}
+
+#[derive(Debug)]
+struct Process {
+    initialized: bool,
+    contexts: Vec<Ctx>,
+    log: Vec<CallRecord>,
+    faults: Vec<(Fault, u64)>,
+    host: BTreeMap<usize, HostRange>,
+    streams: BTreeMap<u64, usize>,
+    events: BTreeMap<u64, usize>,
+    modules: BTreeMap<u64, usize>,
+    ipc: BTreeMap<u64, IpcMap>,
+}
+
+impl Process {
+    fn new(devices: usize) -> Process {
+        Process {
+            initialized: false,
+            contexts: vec![Ctx::default(); devices],
+            log: Vec::new(),
+            faults: Vec::new(),
+            host: BTreeMap::new(),
+            streams: BTreeMap::new(),
+            events: BTreeMap::new(),
+            modules: BTreeMap::new(),
+            ipc: BTreeMap::new(),
+        }
     }
 }
 
 #[derive(Debug)]
-struct SimState {
-    initialized: bool,
-    devices: Vec<SimDevice>,
-    log: Vec<CallRecord>,
-    faults: Vec<(Fault, u64)>,
+struct World {
+    devices: Vec<DeviceMem>,
+    stores: BTreeMap<u64, Store>,
+    processes: Vec<Process>,
+    peer_access: bool,
+    pinned_limit: usize,
+    pinned: usize,
+    next_handle: u64,
 }
 
-/// A deterministic simulated CUDA system.
-///
-/// Shareable across threads (`Arc<SimDriver>` coerces to `Arc<dyn Driver>`); one lock guards
-/// the whole state, so the call log has one total order.
+/// Where a device address leads.
+enum Loc {
+    Store(u64, usize),
+    Host(usize),
+}
+
+impl World {
+    fn new_handle(&mut self) -> u64 {
+        self.next_handle += 0x10;
+        HANDLE_BASE + self.next_handle
+    }
+
+    fn drop_store(&mut self, id: u64) {
+        if let Some(s) = self.stores.get_mut(&id) {
+            s.refs -= 1;
+            if s.refs == 0 {
+                self.stores.remove(&id);
+            }
+        }
+    }
+
+    fn live_contexts(&self, device: usize) -> usize {
+        self.processes
+            .iter()
+            .filter(|p| p.contexts[device].live)
+            .count()
+    }
+
+    fn free_bytes(&self, device: usize) -> usize {
+        let d = &self.devices[device];
+        let used =
+            d.pages.len() * PAGE_SIZE + d.config.context_overhead * self.live_contexts(device);
+        d.config.total_mem.saturating_sub(used)
+    }
+
+    /// Destroys process `pid`'s context on `device` and everything it owned there.
+    fn destroy_context(&mut self, pid: usize, device: usize) {
+        let bases: Vec<u64> = self.devices[device]
+            .allocs
+            .iter()
+            .filter(|(_, a)| a.owner == pid)
+            .map(|(&b, _)| b)
+            .collect();
+        for base in bases {
+            if let Some(a) = self.devices[device].remove(device, base) {
+                self.drop_store(a.store);
+            }
+        }
+        let p = &mut self.processes[pid];
+        p.contexts[device].live = false;
+        p.streams.retain(|_, d| *d != device);
+        p.events.retain(|_, d| *d != device);
+        p.modules.retain(|_, d| *d != device);
+        let mut freed_pinned = 0;
+        p.host.retain(|_, h| {
+            let keep = h.device != device || h.portable;
+            if !keep {
+                freed_pinned += h.size;
+            }
+            keep
+        });
+        let mappings: Vec<u64> = p
+            .ipc
+            .iter()
+            .filter(|(_, m)| m.device == device)
+            .map(|(&a, _)| a)
+            .collect();
+        let stores: Vec<u64> = mappings
+            .iter()
+            .filter_map(|a| p.ipc.remove(a))
+            .map(|m| m.store)
+            .collect();
+        self.pinned -= freed_pinned;
+        for s in stores {
+            self.drop_store(s);
+        }
+    }
+
+    /// Resolves `len` bytes at `addr` as seen by process `pid` (unified addressing: any device's
+    /// memory of this process, its IPC mappings, and its mapped host memory).
+    fn resolve(&self, pid: usize, addr: u64, len: usize) -> Result<Loc, u32> {
+        let in_range = |start: u64, size: usize| {
+            addr.checked_sub(start)
+                .and_then(|off| {
+                    (off as usize)
+                        .checked_add(len)
+                        .map(|end| (off as usize, end))
+                })
+                .filter(|&(_, end)| end <= size)
+                .map(|(off, _)| off)
+        };
+        for (i, d) in self.devices.iter().enumerate() {
+            let base = DeviceMem::base(i);
+            if addr >= base && addr < base + IPC_SPACE_OFFSET {
+                let (start, a) = d.containing(addr).ok_or(code::INVALID_VALUE)?;
+                if a.owner != pid {
+                    return Err(code::INVALID_VALUE);
+                }
+                let off = in_range(start, a.size).ok_or(code::INVALID_VALUE)?;
+                return Ok(Loc::Store(a.store, off));
+            }
+        }
+        let p = &self.processes[pid];
+        if let Some((&start, m)) = p.ipc.range(..=addr).next_back()
+            && let Some(off) = in_range(start, m.size)
+        {
+            return Ok(Loc::Store(m.store, off));
+        }
+        if let Some((&start, h)) = p.host.range(..=(addr as usize)).next_back()
+            && h.mapped
+            && let Some(off) = in_range(start as u64, h.size)
+        {
+            return Ok(Loc::Host(start + off));
+        }
+        Err(code::INVALID_VALUE)
+    }
+}
+
+/// A deterministic simulated CUDA system, as seen by one process.
 ///
 /// # Model
 ///
-/// - **Devices** are configured up front ([`SimConfig`]). Each has a primary context with a
-///   reference count, total memory, `CAN_MAP_HOST_MEMORY` and PCI ids.
+/// - **Devices** are configured up front ([`SimConfig`]). Each process has a primary context
+///   per device with a reference count; devices may or may not be peers.
 /// - **Address space and accounting**, as measured on an H200 (driver 580, CUDA 13.0; see
 ///   `ci/hardware-runs.md`). Device memory is handed out in 2 MiB pages. Allocations of up to
 ///   1 MiB are packed into shared pages at 512-byte granularity (first fit, lowest address);
 ///   larger ones get whole 2 MiB-aligned pages of their own. A page is returned as soon as its
 ///   last allocation is freed. `free` in [`Driver::mem_get_info`] is
-///   `total - context overhead - pages in use × 2 MiB`, so a 1-byte allocation that opens a
-///   page costs 2 MiB, and one that fits an open page costs nothing, exactly as on the GPU.
-///   Device `d`'s addresses start at `0x7000_0000_0000 + d * 2^40`.
-/// - **Real bytes.** Each allocation has zero-initialised backing bytes; copies move data.
+///   `total - live contexts × context overhead - pages in use × 2 MiB`, so a 1-byte allocation
+///   that opens a page costs 2 MiB and one that fits an open page costs nothing, exactly as on
+///   the GPU. Device `d`'s addresses start at `0x7000_0000_0000 + d * 2^40`; addresses are
+///   unified, so copies find any memory of the process whatever the context.
+/// - **Real bytes.** Device allocations have zero-initialised backing bytes; copies move data.
+///   `cuMemHostAlloc` returns real, zeroed host memory, and mapped host memory (allocated or
+///   registered) is reached from the device at the same address (unified addressing), so a
+///   copy to its device address lands in the host bytes.
+/// - **Processes and IPC.** [`SimDriver::spawn_process`] gives another process on the same
+///   machine. An IPC handle names an allocation; another process opens it at an address of its
+///   own and sees the same bytes. Opening in the exporting process, twice in one process, or on
+///   a device that is not a peer of the allocation's fails as on the GPU. The memory lives while
+///   any process maps it.
 /// - **Contract checking** with the real driver's codes: zero-byte allocations, unknown or
 ///   interior pointers, double frees and out-of-range copies give `CUDA_ERROR_INVALID_VALUE`
 ///   (freeing the null pointer succeeds); a request larger than what is free gives
-///   `CUDA_ERROR_OUT_OF_MEMORY`.
-/// - **Primary contexts.** Releasing the last reference destroys the context and its memory;
-///   `cuDevicePrimaryCtxReset` destroys them even while references remain. A destroyed
-///   context answers `CUDA_ERROR_CONTEXT_IS_DESTROYED` until the next retain re-creates it
-///   (with the same handle, as on the GPU); releasing at count zero is
-///   `CUDA_ERROR_INVALID_CONTEXT`.
-/// - **Observability.** Every call is appended to a log ([`SimDriver::calls`]) with its
-///   arguments and outcome; [`SimDriver::leak_report`] lists what is still allocated.
+///   `CUDA_ERROR_OUT_OF_MEMORY`; registering a range twice gives
+///   `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`, unregistering an unknown one
+///   `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`.
+/// - **Primary contexts.** Releasing the last reference destroys the context and everything it
+///   owns (device memory, non-portable pinned memory, streams, events, modules, IPC mappings);
+///   `cuDevicePrimaryCtxReset` does so even while references remain. A destroyed context
+///   answers `CUDA_ERROR_CONTEXT_IS_DESTROYED` until the next retain re-creates it (with the
+///   same handle, as on the GPU); releasing at count zero is `CUDA_ERROR_INVALID_CONTEXT`.
+/// - **Observability.** Every call is appended to the process's log ([`SimDriver::calls`]) with
+///   its arguments and outcome; [`SimDriver::leak_report`] lists what the process still holds.
 /// - **Scripted faults.** [`SimDriver::inject`] makes the Nth call of one operation (or of any
 ///   operation) fail with a chosen error kind, once.
+/// - **Determinism.** The same calls give the same device addresses, handles, errors and log,
+///   every run. Host addresses are real heap addresses and are the one exception.
+///
+/// Shareable across threads (`Arc<SimDriver>` coerces to `Arc<dyn Driver>`); one lock guards
+/// the whole machine, so each log has one total order.
 #[derive(Debug)]
 pub struct SimDriver {
-    state: Mutex<SimState>,
+    world: Arc<Mutex<World>>,
+    pid: usize,
 }
 
 /// What a single call observed, for the log.
@@ -380,13 +737,17 @@ pub struct SimDriver {
 struct Note {
     device: Option<DeviceOrdinal>,
     ptr: Option<DevicePtr>,
+    host: Option<HostPtr>,
     bytes: Option<usize>,
 }
 
+type Body<'a, T> = Box<dyn FnOnce(&mut World, usize, &mut Note) -> Result<T, u32> + 'a>;
+
 impl SimDriver {
-    /// A simulated system with the given devices. The driver starts uninitialised, as libcuda
-    /// does: call [`Driver::init`] first.
+    /// A simulated machine with the given devices, seen by its first process. The driver
+    /// starts uninitialised, as libcuda does: call [`Driver::init`] first.
     pub fn new(config: SimConfig) -> SimDriver {
+        let n = config.devices.len();
         let devices = config
             .devices
             .into_iter()
@@ -395,142 +756,188 @@ impl SimDriver {
                 if c.pci_bus_id == 0 {
                     c.pci_bus_id = i as i32 + 1;
                 }
-                SimDevice {
+                DeviceMem {
                     config: c,
-                    ctx_refcount: 0,
-                    ctx_live: false,
                     allocs: BTreeMap::new(),
                     pages: BTreeMap::new(),
                 }
             })
             .collect();
+        let world = World {
+            devices,
+            stores: BTreeMap::new(),
+            processes: vec![Process::new(n)],
+            peer_access: config.peer_access,
+            pinned_limit: config.pinned_host_limit,
+            pinned: 0,
+            next_handle: 0,
+        };
         SimDriver {
-            state: Mutex::new(SimState {
-                initialized: false,
-                devices,
-                log: Vec::new(),
-                faults: Vec::new(),
-            }),
+            world: Arc::new(Mutex::new(world)),
+            pid: 0,
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, SimState> {
-        // A panic in a test thread must not hide every later call.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    /// Another process on the same simulated machine: it shares the devices and their memory
+    /// (for IPC), and has its own contexts, host memory, log and faults. Uninitialised.
+    pub fn spawn_process(&self) -> SimDriver {
+        let mut w = self.lock();
+        let n = w.devices.len();
+        w.processes.push(Process::new(n));
+        SimDriver {
+            world: Arc::clone(&self.world),
+            pid: w.processes.len() - 1,
+        }
     }
 
-    /// Scripts a fault; see [`Fault`].
+    /// This process's number on the machine (0 for the first).
+    pub fn process_id(&self) -> usize {
+        self.pid
+    }
+
+    fn lock(&self) -> MutexGuard<'_, World> {
+        // A panic in a test thread must not hide every later call.
+        self.world.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn with_process<T>(&self, f: impl FnOnce(&Process) -> T) -> T {
+        f(&self.lock().processes[self.pid])
+    }
+
+    /// Scripts a fault for this process; see [`Fault`].
     pub fn inject(&self, fault: Fault) {
         assert!(fault.nth >= 1, "Fault::nth is 1-based");
-        self.lock().faults.push((fault, 0));
+        self.lock().processes[self.pid].faults.push((fault, 0));
     }
 
-    /// Removes every scripted fault that has not fired yet.
+    /// Removes every scripted fault of this process that has not fired yet.
     pub fn clear_faults(&self) {
-        self.lock().faults.clear();
+        self.lock().processes[self.pid].faults.clear();
     }
 
-    /// A copy of the call log.
+    /// A copy of this process's call log.
     pub fn calls(&self) -> Vec<CallRecord> {
-        self.lock().log.clone()
+        self.with_process(|p| p.log.clone())
     }
 
-    /// How many calls of `op` were made (successful or not).
+    /// How many calls of `op` this process made (successful or not).
     pub fn count(&self, op: Op) -> usize {
-        self.lock().log.iter().filter(|c| c.op == op).count()
+        self.with_process(|p| p.log.iter().filter(|c| c.op == op).count())
     }
 
-    /// How many driver calls were made in all.
+    /// How many driver calls this process made in all.
     pub fn total_calls(&self) -> usize {
-        self.lock().log.len()
+        self.with_process(|p| p.log.len())
     }
 
     /// The operations of the log, in order (for ordering assertions).
     pub fn ops(&self) -> Vec<Op> {
-        self.lock().log.iter().map(|c| c.op).collect()
+        self.with_process(|p| p.log.iter().map(|c| c.op).collect())
     }
 
-    /// Live allocations of `dev`: address and requested size, in address order.
+    /// This process's live allocations on `dev`: address and requested size, in address order.
     pub fn live_allocations(&self, dev: DeviceOrdinal) -> Vec<(DevicePtr, usize)> {
-        let st = self.lock();
-        st.devices
+        let w = self.lock();
+        w.devices
             .get(dev.0 as usize)
             .map(|d| {
                 d.allocs
                     .iter()
-                    .map(|(&a, s)| (DevicePtr(a), s.size))
+                    .filter(|(_, a)| a.owner == self.pid)
+                    .map(|(&b, a)| (DevicePtr(b), a.size))
                     .collect()
             })
             .unwrap_or_default()
     }
 
-    /// The primary context's reference count on `dev`.
+    /// This process's primary-context reference count on `dev`.
     pub fn context_refcount(&self, dev: DeviceOrdinal) -> u32 {
-        self.lock()
-            .devices
-            .get(dev.0 as usize)
-            .map_or(0, |d| d.ctx_refcount)
+        self.with_process(|p| p.contexts.get(dev.0 as usize).map_or(0, |c| c.refcount))
     }
 
-    /// Frees that failed because the pointer was unknown (never allocated, or freed already).
+    /// Page-locked host bytes on the whole machine.
+    pub fn pinned_bytes(&self) -> usize {
+        self.lock().pinned
+    }
+
+    /// Frees this process made that failed because the pointer was unknown (never allocated,
+    /// or freed already).
     pub fn rejected_frees(&self) -> Vec<CallRecord> {
-        self.lock()
-            .log
-            .iter()
-            .filter(|c| c.op == Op::MemFree && c.outcome == Err(ErrorKind::InvalidValue))
-            .cloned()
-            .collect()
+        self.with_process(|p| {
+            p.log
+                .iter()
+                .filter(|c| {
+                    matches!(c.op, Op::MemFree | Op::MemFreeHost | Op::MemHostUnregister)
+                        && matches!(
+                            c.outcome,
+                            Err(ErrorKind::InvalidValue | ErrorKind::HostMemoryNotRegistered)
+                        )
+                })
+                .cloned()
+                .collect()
+        })
     }
 
-    /// What is still allocated and retained.
+    /// What this process still holds.
     pub fn leak_report(&self) -> LeakReport {
-        let st = self.lock();
+        let w = self.lock();
+        let p = &w.processes[self.pid];
         let mut report = LeakReport::default();
-        for (i, d) in st.devices.iter().enumerate() {
-            let dev = DeviceOrdinal(i as u32);
-            for (&addr, a) in &d.allocs {
-                report.allocations.push((dev, DevicePtr(addr), a.size));
+        for (i, d) in w.devices.iter().enumerate() {
+            for (&addr, a) in d.allocs.iter().filter(|(_, a)| a.owner == self.pid) {
+                report
+                    .allocations
+                    .push((DeviceOrdinal(i as u32), DevicePtr(addr), a.size));
             }
-            if d.ctx_refcount > 0 {
-                report.retained_contexts.push((dev, d.ctx_refcount));
+            if p.contexts[i].refcount > 0 {
+                report
+                    .retained_contexts
+                    .push((DeviceOrdinal(i as u32), p.contexts[i].refcount));
             }
         }
+        for (&addr, h) in &p.host {
+            match h.kind {
+                HostKind::Alloc(_) => report.host_allocations.push((HostPtr(addr), h.size)),
+                HostKind::Registered => report.host_registrations.push((HostPtr(addr), h.size)),
+            }
+        }
+        for (&addr, m) in &p.ipc {
+            report
+                .ipc_mappings
+                .push((DeviceOrdinal(m.device as u32), DevicePtr(addr), m.size));
+        }
+        report.streams = p.streams.len();
+        report.events = p.events.len();
+        report.modules = p.modules.len();
         report
     }
 
     /// Runs one driver call: checks scripted faults, runs `body`, logs the outcome.
-    fn call<T>(
-        &self,
-        op: Op,
-        body: impl FnOnce(&mut SimState, &mut Note) -> Result<T, u32>,
-    ) -> Result<T, DriverError> {
-        let mut st = self.lock();
+    fn call<T>(&self, op: Op, body: Body<'_, T>) -> Result<T, DriverError> {
+        let mut w = self.lock();
+        let pid = self.pid;
         let mut note = Note::default();
-        let seq = st.log.len() as u64;
-        let faulted = Self::take_fault(&mut st, op);
+        let seq = w.processes[pid].log.len() as u64;
+        let faulted = Self::take_fault(&mut w.processes[pid], op);
         let result = match faulted {
             Some(kind) => Err(kind.representative_code()),
-            None => {
-                if op != Op::Init && !st.initialized {
-                    Err(code::NOT_INITIALIZED)
-                } else {
-                    body(&mut st, &mut note)
-                }
-            }
+            None if op != Op::Init && !w.processes[pid].initialized => Err(code::NOT_INITIALIZED),
+            None => body(&mut w, pid, &mut note),
         };
         let outcome = result
             .as_ref()
             .map(|_| ())
             .map_err(|&c| ErrorKind::from_code(c));
-        st.log.push(CallRecord {
+        w.processes[pid].log.push(CallRecord {
             seq,
             op,
             device: note.device,
             ptr: note.ptr,
+            host: note.host,
             bytes: note.bytes,
             outcome,
         });
-        drop(st);
+        drop(w);
         result.map_err(|c| {
             let e = DriverError::from_code(op.call_name(), c);
             if faulted.is_some() {
@@ -541,9 +948,9 @@ impl SimDriver {
         })
     }
 
-    fn take_fault(st: &mut SimState, op: Op) -> Option<ErrorKind> {
+    fn take_fault(p: &mut Process, op: Op) -> Option<ErrorKind> {
         let mut fired = None;
-        for (fault, seen) in st.faults.iter_mut() {
+        for (fault, seen) in p.faults.iter_mut() {
             if fault.op.is_none_or(|o| o == op) {
                 *seen += 1;
                 if *seen == fault.nth && fired.is_none() {
@@ -551,46 +958,66 @@ impl SimDriver {
                 }
             }
         }
-        st.faults.retain(|(f, seen)| *seen < f.nth);
+        p.faults.retain(|(f, seen)| *seen < f.nth);
         fired
     }
+}
 
-    fn device(st: &mut SimState, dev: DeviceOrdinal) -> Result<&mut SimDevice, u32> {
-        st.devices
-            .get_mut(dev.0 as usize)
-            .ok_or(code::INVALID_DEVICE)
+fn device_index(w: &World, dev: DeviceOrdinal) -> Result<usize, u32> {
+    let i = dev.0 as usize;
+    if i < w.devices.len() {
+        Ok(i)
+    } else {
+        Err(code::INVALID_DEVICE)
     }
+}
 
-    /// The device behind a context handle whose primary context is retained.
-    fn context<'s>(
-        st: &'s mut SimState,
-        ctx: ContextHandle,
-        note: &mut Note,
-    ) -> Result<(usize, &'s mut SimDevice), u32> {
-        let index = ctx
-            .0
-            .checked_sub(CONTEXT_HANDLE_BASE)
-            .filter(|off| off % 0x100 == 0)
-            .map(|off| (off / 0x100) as usize)
-            .filter(|&i| i < st.devices.len())
-            .ok_or(code::INVALID_CONTEXT)?;
-        note.device = Some(DeviceOrdinal(index as u32));
-        let d = &mut st.devices[index];
-        if !d.ctx_live {
-            return Err(code::CONTEXT_IS_DESTROYED);
-        }
-        Ok((index, d))
+/// The device behind a context handle of process `pid`, if its context exists.
+fn context(w: &World, pid: usize, ctx: ContextHandle, note: &mut Note) -> Result<usize, u32> {
+    let index = ctx
+        .0
+        .checked_sub(CONTEXT_HANDLE_BASE)
+        .filter(|off| off % 0x100 == 0)
+        .map(|off| (off / 0x100) as usize)
+        .filter(|&i| i < w.devices.len())
+        .ok_or(code::INVALID_CONTEXT)?;
+    note.device = Some(DeviceOrdinal(index as u32));
+    if !w.processes[pid].contexts[index].live {
+        return Err(code::CONTEXT_IS_DESTROYED);
     }
+    Ok(index)
+}
 
-    /// Checks that `[addr, addr + len)` lies inside one allocation; returns (base, offset).
-    fn range(d: &SimDevice, addr: u64, len: usize) -> Result<(u64, usize), u32> {
-        let (base, alloc) = d.containing(addr).ok_or(code::INVALID_VALUE)?;
-        let offset = (addr - base) as usize;
-        if offset.checked_add(len).is_none_or(|end| end > alloc.size) {
-            return Err(code::INVALID_VALUE);
-        }
-        Ok((base, offset))
+fn encode_ipc(pid: usize, device: usize, store: u64, base: u64, size: usize) -> IpcMemHandle {
+    let mut h = [0u8; 64];
+    h[..8].copy_from_slice(IPC_MAGIC);
+    h[8..12].copy_from_slice(&(pid as u32).to_le_bytes());
+    h[12..16].copy_from_slice(&(device as u32).to_le_bytes());
+    h[16..24].copy_from_slice(&store.to_le_bytes());
+    h[24..32].copy_from_slice(&base.to_le_bytes());
+    h[32..40].copy_from_slice(&(size as u64).to_le_bytes());
+    IpcMemHandle(h)
+}
+
+/// (exporting process, device, store, size) of a handle made by [`encode_ipc`].
+fn decode_ipc(h: &IpcMemHandle) -> Option<(usize, usize, u64, usize)> {
+    let b = &h.0;
+    if &b[..8] != IPC_MAGIC || b[40..].iter().any(|&x| x != 0) {
+        return None;
     }
+    let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+    let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+    Some((
+        u32_at(8) as usize,
+        u32_at(12) as usize,
+        u64_at(16),
+        u64_at(32) as usize,
+    ))
+}
+
+/// Whether `image` looks like something `cuModuleLoadData` accepts: PTX text or an ELF cubin.
+fn plausible_image(image: &[u8]) -> bool {
+    image.starts_with(b"\x7fELF") || image.windows(8).any(|w| w == b".version")
 }
 
 impl Driver for SimDriver {
@@ -599,21 +1026,30 @@ impl Driver for SimDriver {
     }
 
     fn init(&self) -> Result<(), DriverError> {
-        self.call(Op::Init, |st, _| {
-            st.initialized = true;
-            Ok(())
-        })
+        self.call(
+            Op::Init,
+            Box::new(|w, pid, _| {
+                w.processes[pid].initialized = true;
+                Ok(())
+            }),
+        )
     }
 
     fn device_count(&self) -> Result<u32, DriverError> {
-        self.call(Op::DeviceCount, |st, _| Ok(st.devices.len() as u32))
+        self.call(
+            Op::DeviceCount,
+            Box::new(|w, _, _| Ok(w.devices.len() as u32)),
+        )
     }
 
     fn device_total_mem(&self, dev: DeviceOrdinal) -> Result<usize, DriverError> {
-        self.call(Op::DeviceTotalMem, |st, note| {
-            note.device = Some(dev);
-            Ok(Self::device(st, dev)?.config.total_mem)
-        })
+        self.call(
+            Op::DeviceTotalMem,
+            Box::new(move |w, _, note| {
+                note.device = Some(dev);
+                Ok(w.devices[device_index(w, dev)?].config.total_mem)
+            }),
+        )
     }
 
     fn device_attribute(
@@ -621,143 +1057,187 @@ impl Driver for SimDriver {
         dev: DeviceOrdinal,
         attr: DeviceAttribute,
     ) -> Result<i32, DriverError> {
-        self.call(Op::DeviceAttribute, |st, note| {
-            note.device = Some(dev);
-            let c = &Self::device(st, dev)?.config;
-            Ok(match attr {
-                DeviceAttribute::CanMapHostMemory => i32::from(c.can_map_host_memory),
-                DeviceAttribute::PciBusId => c.pci_bus_id,
-                DeviceAttribute::PciDeviceId => c.pci_device_id,
-                DeviceAttribute::PciDomainId => c.pci_domain_id,
-            })
-        })
+        self.call(
+            Op::DeviceAttribute,
+            Box::new(move |w, _, note| {
+                note.device = Some(dev);
+                let c = &w.devices[device_index(w, dev)?].config;
+                Ok(match attr {
+                    DeviceAttribute::CanMapHostMemory => i32::from(c.can_map_host_memory),
+                    DeviceAttribute::PciBusId => c.pci_bus_id,
+                    DeviceAttribute::PciDeviceId => c.pci_device_id,
+                    DeviceAttribute::PciDomainId => c.pci_domain_id,
+                })
+            }),
+        )
+    }
+
+    fn device_can_access_peer(
+        &self,
+        dev: DeviceOrdinal,
+        peer: DeviceOrdinal,
+    ) -> Result<bool, DriverError> {
+        self.call(
+            Op::DeviceCanAccessPeer,
+            Box::new(move |w, _, note| {
+                note.device = Some(dev);
+                let (a, b) = (device_index(w, dev)?, device_index(w, peer)?);
+                if a == b {
+                    return Err(code::INVALID_DEVICE);
+                }
+                Ok(w.peer_access)
+            }),
+        )
     }
 
     fn primary_ctx_retain(&self, dev: DeviceOrdinal) -> Result<ContextHandle, DriverError> {
-        self.call(Op::PrimaryCtxRetain, |st, note| {
-            note.device = Some(dev);
-            let d = Self::device(st, dev)?;
-            d.ctx_refcount += 1;
-            d.ctx_live = true;
-            Ok(ContextHandle(
-                CONTEXT_HANDLE_BASE + u64::from(dev.0) * 0x100,
-            ))
-        })
+        self.call(
+            Op::PrimaryCtxRetain,
+            Box::new(move |w, pid, note| {
+                note.device = Some(dev);
+                let i = device_index(w, dev)?;
+                let c = &mut w.processes[pid].contexts[i];
+                c.refcount += 1;
+                c.live = true;
+                Ok(ContextHandle(CONTEXT_HANDLE_BASE + i as u64 * 0x100))
+            }),
+        )
     }
 
     unsafe fn primary_ctx_release(&self, dev: DeviceOrdinal) -> Result<(), DriverError> {
-        self.call(Op::PrimaryCtxRelease, |st, note| {
-            note.device = Some(dev);
-            let d = Self::device(st, dev)?;
-            if d.ctx_refcount == 0 {
-                return Err(code::INVALID_CONTEXT);
-            }
-            d.ctx_refcount -= 1;
-            if d.ctx_refcount == 0 {
-                let n = d.destroy_context();
-                if n > 0 {
-                    tracing::debug!(%dev, allocations = n, "sim: last primary-context reference released; its memory is destroyed");
+        self.call(
+            Op::PrimaryCtxRelease,
+            Box::new(move |w, pid, note| {
+                note.device = Some(dev);
+                let i = device_index(w, dev)?;
+                let c = &mut w.processes[pid].contexts[i];
+                if c.refcount == 0 {
+                    return Err(code::INVALID_CONTEXT);
                 }
-            }
-            Ok(())
-        })
+                c.refcount -= 1;
+                if c.refcount == 0 {
+                    w.destroy_context(pid, i);
+                }
+                Ok(())
+            }),
+        )
     }
 
     unsafe fn primary_ctx_reset(&self, dev: DeviceOrdinal) -> Result<(), DriverError> {
-        self.call(Op::PrimaryCtxReset, |st, note| {
-            note.device = Some(dev);
-            Self::device(st, dev)?.destroy_context();
-            Ok(())
-        })
+        self.call(
+            Op::PrimaryCtxReset,
+            Box::new(move |w, pid, note| {
+                note.device = Some(dev);
+                let i = device_index(w, dev)?;
+                w.destroy_context(pid, i);
+                Ok(())
+            }),
+        )
     }
 
     fn mem_alloc(&self, ctx: ContextHandle, bytes: usize) -> Result<DevicePtr, DriverError> {
-        self.call(Op::MemAlloc, |st, note| {
-            note.bytes = Some(bytes);
-            let (index, d) = Self::context(st, ctx, note)?;
-            if bytes == 0 {
-                return Err(code::INVALID_VALUE);
-            }
-            let (addr, span, new_pages) = if bytes <= SMALL_MAX {
-                let span = bytes.next_multiple_of(d.config.alignment);
-                let (addr, new_page) = d.place_small(index, span);
-                (addr, span, new_page.map(|p| (p, 1)))
-            } else {
-                let span = bytes
-                    .checked_next_multiple_of(PAGE_SIZE)
-                    .ok_or(code::OUT_OF_MEMORY)?;
-                let n = (span / PAGE_SIZE) as u64;
-                let first = d.free_pages(n);
-                (d.page_addr(index, first), span, Some((first, n)))
-            };
-            let needed = new_pages.map_or(0, |(_, n)| n as usize * PAGE_SIZE);
-            if needed > d.free_bytes() {
-                return Err(code::OUT_OF_MEMORY);
-            }
-            match new_pages {
-                Some((first, 1)) if bytes <= SMALL_MAX => {
-                    d.pages.insert(first, Page::Small(0));
+        self.call(
+            Op::MemAlloc,
+            Box::new(move |w, pid, note| {
+                note.bytes = Some(bytes);
+                let i = context(w, pid, ctx, note)?;
+                if bytes == 0 {
+                    return Err(code::INVALID_VALUE);
                 }
-                Some((first, n)) => {
-                    for p in first..first + n {
-                        d.pages.insert(p, Page::Large);
+                let free = w.free_bytes(i);
+                let d = &w.devices[i];
+                let (addr, span, new_pages) = if bytes <= SMALL_MAX {
+                    let span = bytes.next_multiple_of(d.config.alignment);
+                    let (addr, page) = d.place_small(i, span);
+                    (addr, span, page.map(|p| (p, 1)))
+                } else {
+                    let span = bytes
+                        .checked_next_multiple_of(PAGE_SIZE)
+                        .ok_or(code::OUT_OF_MEMORY)?;
+                    let n = (span / PAGE_SIZE) as u64;
+                    let first = d.free_pages(n);
+                    (DeviceMem::page_addr(i, first), span, Some((first, n)))
+                };
+                if new_pages.map_or(0, |(_, n)| n as usize * PAGE_SIZE) > free {
+                    return Err(code::OUT_OF_MEMORY);
+                }
+                let store = w.new_handle();
+                w.stores.insert(
+                    store,
+                    Store {
+                        bytes: vec![0; bytes],
+                        refs: 1,
+                    },
+                );
+                let d = &mut w.devices[i];
+                match new_pages {
+                    Some((first, 1)) if bytes <= SMALL_MAX => {
+                        d.pages.insert(first, Page::Small(0));
                     }
+                    Some((first, n)) => {
+                        for p in first..first + n {
+                            d.pages.insert(p, Page::Large);
+                        }
+                    }
+                    None => {}
                 }
-                None => {}
-            }
-            if bytes <= SMALL_MAX {
-                let page = d.page_of(index, addr);
-                if let Some(Page::Small(count)) = d.pages.get_mut(&page) {
+                if bytes <= SMALL_MAX
+                    && let Some(Page::Small(count)) = d.pages.get_mut(&DeviceMem::page_of(i, addr))
+                {
                     *count += 1;
                 }
-            }
-            d.allocs.insert(
-                addr,
-                SimAlloc {
-                    size: bytes,
-                    span,
-                    bytes: vec![0; bytes],
-                },
-            );
-            note.ptr = Some(DevicePtr(addr));
-            Ok(DevicePtr(addr))
-        })
+                d.allocs.insert(
+                    addr,
+                    SimAlloc {
+                        size: bytes,
+                        span,
+                        store,
+                        owner: pid,
+                    },
+                );
+                note.ptr = Some(DevicePtr(addr));
+                Ok(DevicePtr(addr))
+            }),
+        )
     }
 
     unsafe fn mem_free(&self, ctx: ContextHandle, ptr: DevicePtr) -> Result<(), DriverError> {
-        self.call(Op::MemFree, |st, note| {
-            note.ptr = Some(ptr);
-            let (index, d) = Self::context(st, ctx, note)?;
-            if ptr.is_null() {
-                return Ok(());
-            }
-            let alloc = d.allocs.remove(&ptr.0).ok_or(code::INVALID_VALUE)?;
-            note.bytes = Some(alloc.size);
-            let first = d.page_of(index, ptr.0);
-            if alloc.size <= SMALL_MAX {
-                if let Some(Page::Small(count)) = d.pages.get_mut(&first) {
-                    *count -= 1;
-                    if *count == 0 {
-                        d.pages.remove(&first);
-                    }
+        self.call(
+            Op::MemFree,
+            Box::new(move |w, pid, note| {
+                note.ptr = Some(ptr);
+                context(w, pid, ctx, note)?;
+                if ptr.is_null() {
+                    return Ok(());
                 }
-            } else {
-                for p in first..first + (alloc.span / PAGE_SIZE) as u64 {
-                    d.pages.remove(&p);
-                }
-            }
-            Ok(())
-        })
+                // Unified addressing: the allocation may be on any device of this process.
+                let i = (0..w.devices.len())
+                    .find(|&i| {
+                        w.devices[i]
+                            .allocs
+                            .get(&ptr.0)
+                            .is_some_and(|a| a.owner == pid)
+                    })
+                    .ok_or(code::INVALID_VALUE)?;
+                let a = w.devices[i].remove(i, ptr.0).expect("found above");
+                note.bytes = Some(a.size);
+                w.drop_store(a.store);
+                Ok(())
+            }),
+        )
     }
 
     fn mem_get_info(&self, ctx: ContextHandle) -> Result<MemInfo, DriverError> {
-        self.call(Op::MemGetInfo, |st, note| {
-            let (_, d) = Self::context(st, ctx, note)?;
-            Ok(MemInfo {
-                free: d.free_bytes(),
-                total: d.config.total_mem,
-            })
-        })
+        self.call(
+            Op::MemGetInfo,
+            Box::new(move |w, pid, note| {
+                let i = context(w, pid, ctx, note)?;
+                Ok(MemInfo {
+                    free: w.free_bytes(i),
+                    total: w.devices[i].config.total_mem,
+                })
+            }),
+        )
     }
 
     fn mem_get_address_range(
@@ -765,12 +1245,27 @@ impl Driver for SimDriver {
         ctx: ContextHandle,
         ptr: DevicePtr,
     ) -> Result<(DevicePtr, usize), DriverError> {
-        self.call(Op::MemGetAddressRange, |st, note| {
-            note.ptr = Some(ptr);
-            let (_, d) = Self::context(st, ctx, note)?;
-            let (base, alloc) = d.containing(ptr.0).ok_or(code::NOT_FOUND)?;
-            Ok((DevicePtr(base), alloc.size))
-        })
+        self.call(
+            Op::MemGetAddressRange,
+            Box::new(move |w, pid, note| {
+                note.ptr = Some(ptr);
+                context(w, pid, ctx, note)?;
+                for d in &w.devices {
+                    if let Some((base, a)) = d.containing(ptr.0)
+                        && a.owner == pid
+                    {
+                        return Ok((DevicePtr(base), a.size));
+                    }
+                }
+                let p = &w.processes[pid];
+                if let Some((&base, m)) = p.ipc.range(..=ptr.0).next_back()
+                    && ptr.0 < base + m.size as u64
+                {
+                    return Ok((DevicePtr(base), m.size));
+                }
+                Err(code::NOT_FOUND)
+            }),
+        )
     }
 
     unsafe fn memcpy_htod(
@@ -779,21 +1274,30 @@ impl Driver for SimDriver {
         dst: DevicePtr,
         src: &[u8],
     ) -> Result<(), DriverError> {
-        self.call(Op::MemcpyHtoD, |st, note| {
-            note.ptr = Some(dst);
-            note.bytes = Some(src.len());
-            let (_, d) = Self::context(st, ctx, note)?;
-            if src.is_empty() {
-                return Ok(());
-            }
-            let (base, offset) = Self::range(d, dst.0, src.len())?;
-            let alloc = d
-                .allocs
-                .get_mut(&base)
-                .expect("range() found this allocation");
-            alloc.bytes[offset..offset + src.len()].copy_from_slice(src);
-            Ok(())
-        })
+        self.call(
+            Op::MemcpyHtoD,
+            Box::new(move |w, pid, note| {
+                note.ptr = Some(dst);
+                note.bytes = Some(src.len());
+                context(w, pid, ctx, note)?;
+                if src.is_empty() {
+                    return Ok(());
+                }
+                match w.resolve(pid, dst.0, src.len())? {
+                    Loc::Store(id, off) => {
+                        w.stores.get_mut(&id).expect("live store").bytes[off..off + src.len()]
+                            .copy_from_slice(src);
+                    }
+                    // SAFETY: the destination is host memory the caller mapped and vouched for
+                    // (`Driver::memcpy_htod`'s contract); `resolve` checked it lies in the mapped
+                    // range, which is live while registered or allocated.
+                    Loc::Host(at) => unsafe {
+                        std::ptr::copy(src.as_ptr(), at as *mut u8, src.len());
+                    },
+                }
+                Ok(())
+            }),
+        )
     }
 
     unsafe fn memcpy_dtoh(
@@ -802,17 +1306,444 @@ impl Driver for SimDriver {
         dst: &mut [u8],
         src: DevicePtr,
     ) -> Result<(), DriverError> {
-        self.call(Op::MemcpyDtoH, |st, note| {
-            note.ptr = Some(src);
-            note.bytes = Some(dst.len());
-            let (_, d) = Self::context(st, ctx, note)?;
-            if dst.is_empty() {
-                return Ok(());
-            }
-            let (base, offset) = Self::range(d, src.0, dst.len())?;
-            let alloc = &d.allocs[&base];
-            dst.copy_from_slice(&alloc.bytes[offset..offset + dst.len()]);
-            Ok(())
-        })
+        self.call(
+            Op::MemcpyDtoH,
+            Box::new(move |w, pid, note| {
+                note.ptr = Some(src);
+                note.bytes = Some(dst.len());
+                context(w, pid, ctx, note)?;
+                if dst.is_empty() {
+                    return Ok(());
+                }
+                match w.resolve(pid, src.0, dst.len())? {
+                    Loc::Store(id, off) => {
+                        dst.copy_from_slice(&w.stores[&id].bytes[off..off + dst.len()]);
+                    }
+                    // SAFETY: the source is mapped host memory the caller vouched for; `resolve`
+                    // checked the range; `dst` is an exclusive borrow.
+                    Loc::Host(at) => unsafe {
+                        std::ptr::copy(at as *const u8, dst.as_mut_ptr(), dst.len());
+                    },
+                }
+                Ok(())
+            }),
+        )
+    }
+
+    unsafe fn memcpy_dtod(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::MemcpyDtoD,
+            Box::new(move |w, pid, note| {
+                note.ptr = Some(dst);
+                note.bytes = Some(bytes);
+                context(w, pid, ctx, note)?;
+                if bytes == 0 {
+                    return Ok(());
+                }
+                let mut staging = vec![0u8; bytes];
+                match w.resolve(pid, src.0, bytes)? {
+                    Loc::Store(id, off) => {
+                        staging.copy_from_slice(&w.stores[&id].bytes[off..off + bytes])
+                    }
+                    // SAFETY: mapped host memory the caller vouched for; range checked.
+                    Loc::Host(at) => unsafe {
+                        std::ptr::copy(at as *const u8, staging.as_mut_ptr(), bytes);
+                    },
+                }
+                match w.resolve(pid, dst.0, bytes)? {
+                    Loc::Store(id, off) => {
+                        w.stores.get_mut(&id).expect("live store").bytes[off..off + bytes]
+                            .copy_from_slice(&staging);
+                    }
+                    // SAFETY: mapped host memory the caller vouched for; range checked.
+                    Loc::Host(at) => unsafe {
+                        std::ptr::copy(staging.as_ptr(), at as *mut u8, bytes);
+                    },
+                }
+                Ok(())
+            }),
+        )
+    }
+
+    fn mem_host_alloc(
+        &self,
+        ctx: ContextHandle,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<HostPtr, DriverError> {
+        self.call(
+            Op::MemHostAlloc,
+            Box::new(move |w, pid, note| {
+                note.bytes = Some(bytes);
+                let i = context(w, pid, ctx, note)?;
+                let known =
+                    host_alloc::PORTABLE | host_alloc::DEVICEMAP | host_alloc::WRITECOMBINED;
+                if bytes == 0 || flags & !known != 0 {
+                    return Err(code::INVALID_VALUE);
+                }
+                let mapped = flags & host_alloc::DEVICEMAP != 0;
+                if mapped && !w.devices[i].config.can_map_host_memory {
+                    return Err(code::NOT_SUPPORTED);
+                }
+                if bytes > w.pinned_limit - w.pinned {
+                    return Err(code::OUT_OF_MEMORY);
+                }
+                let storage = vec![0u8; bytes].into_boxed_slice();
+                let addr = storage.as_ptr() as usize;
+                w.pinned += bytes;
+                w.processes[pid].host.insert(
+                    addr,
+                    HostRange {
+                        size: bytes,
+                        device: i,
+                        // Unified addressing: pinned memory is mapped whatever the flag says, as long as
+                        // the device can map host memory.
+                        mapped: w.devices[i].config.can_map_host_memory,
+                        portable: flags & host_alloc::PORTABLE != 0,
+                        kind: HostKind::Alloc(storage),
+                    },
+                );
+                note.host = Some(HostPtr(addr));
+                Ok(HostPtr(addr))
+            }),
+        )
+    }
+
+    unsafe fn mem_free_host(&self, ctx: ContextHandle, ptr: HostPtr) -> Result<(), DriverError> {
+        self.call(
+            Op::MemFreeHost,
+            Box::new(move |w, pid, note| {
+                note.host = Some(ptr);
+                context(w, pid, ctx, note)?;
+                let p = &mut w.processes[pid];
+                match p.host.get(&ptr.0) {
+                    Some(HostRange {
+                        kind: HostKind::Alloc(_),
+                        size,
+                        ..
+                    }) => {
+                        let size = *size;
+                        p.host.remove(&ptr.0);
+                        w.pinned -= size;
+                        note.bytes = Some(size);
+                        Ok(())
+                    }
+                    _ => Err(code::INVALID_VALUE),
+                }
+            }),
+        )
+    }
+
+    unsafe fn mem_host_register(
+        &self,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::MemHostRegister,
+            Box::new(move |w, pid, note| {
+                note.host = Some(ptr);
+                note.bytes = Some(bytes);
+                let i = context(w, pid, ctx, note)?;
+                let known = host_register::PORTABLE | host_register::DEVICEMAP;
+                if bytes == 0 || ptr.is_null() || flags & !known != 0 {
+                    return Err(code::INVALID_VALUE);
+                }
+                let mapped = flags & host_register::DEVICEMAP != 0;
+                if mapped && !w.devices[i].config.can_map_host_memory {
+                    return Err(code::NOT_SUPPORTED);
+                }
+                let end = ptr.0.checked_add(bytes).ok_or(code::INVALID_VALUE)?;
+                let p = &w.processes[pid];
+                let overlaps = p
+                    .host
+                    .range(..end)
+                    .next_back()
+                    .is_some_and(|(&start, h)| start + h.size > ptr.0);
+                if overlaps {
+                    return Err(code::HOST_MEMORY_ALREADY_REGISTERED);
+                }
+                if bytes > w.pinned_limit - w.pinned {
+                    return Err(code::OUT_OF_MEMORY);
+                }
+                w.pinned += bytes;
+                w.processes[pid].host.insert(
+                    ptr.0,
+                    HostRange {
+                        size: bytes,
+                        device: i,
+                        mapped: mapped && w.devices[i].config.can_map_host_memory,
+                        portable: flags & host_register::PORTABLE != 0,
+                        kind: HostKind::Registered,
+                    },
+                );
+                Ok(())
+            }),
+        )
+    }
+
+    unsafe fn mem_host_unregister(
+        &self,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::MemHostUnregister,
+            Box::new(move |w, pid, note| {
+                note.host = Some(ptr);
+                context(w, pid, ctx, note)?;
+                let p = &mut w.processes[pid];
+                match p.host.get(&ptr.0) {
+                    Some(HostRange {
+                        kind: HostKind::Registered,
+                        size,
+                        ..
+                    }) => {
+                        let size = *size;
+                        p.host.remove(&ptr.0);
+                        w.pinned -= size;
+                        note.bytes = Some(size);
+                        Ok(())
+                    }
+                    _ => Err(code::HOST_MEMORY_NOT_REGISTERED),
+                }
+            }),
+        )
+    }
+
+    fn mem_host_get_device_pointer(
+        &self,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+    ) -> Result<DevicePtr, DriverError> {
+        self.call(
+            Op::MemHostGetDevicePointer,
+            Box::new(move |w, pid, note| {
+                note.host = Some(ptr);
+                context(w, pid, ctx, note)?;
+                let p = &w.processes[pid];
+                match p.host.range(..=ptr.0).next_back() {
+                    Some((&start, h)) if h.mapped && ptr.0 < start + h.size => {
+                        note.ptr = Some(DevicePtr(ptr.0 as u64));
+                        Ok(DevicePtr(ptr.0 as u64))
+                    }
+                    _ => Err(code::INVALID_VALUE),
+                }
+            }),
+        )
+    }
+
+    fn stream_create(&self, ctx: ContextHandle, flags: u32) -> Result<StreamHandle, DriverError> {
+        self.call(
+            Op::StreamCreate,
+            Box::new(move |w, pid, note| {
+                let i = context(w, pid, ctx, note)?;
+                if flags > 1 {
+                    return Err(code::INVALID_VALUE);
+                }
+                let h = w.new_handle();
+                w.processes[pid].streams.insert(h, i);
+                Ok(StreamHandle(h))
+            }),
+        )
+    }
+
+    unsafe fn stream_destroy(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::StreamDestroy,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                w.processes[pid]
+                    .streams
+                    .remove(&stream.0)
+                    .map(|_| ())
+                    .ok_or(code::INVALID_HANDLE)
+            }),
+        )
+    }
+
+    fn event_create(&self, ctx: ContextHandle, flags: u32) -> Result<EventHandle, DriverError> {
+        self.call(
+            Op::EventCreate,
+            Box::new(move |w, pid, note| {
+                let i = context(w, pid, ctx, note)?;
+                if flags & !0xf != 0 {
+                    return Err(code::INVALID_VALUE);
+                }
+                let h = w.new_handle();
+                w.processes[pid].events.insert(h, i);
+                Ok(EventHandle(h))
+            }),
+        )
+    }
+
+    unsafe fn event_destroy(
+        &self,
+        ctx: ContextHandle,
+        event: EventHandle,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::EventDestroy,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                w.processes[pid]
+                    .events
+                    .remove(&event.0)
+                    .map(|_| ())
+                    .ok_or(code::INVALID_HANDLE)
+            }),
+        )
+    }
+
+    fn module_load_data(
+        &self,
+        ctx: ContextHandle,
+        image: &[u8],
+    ) -> Result<ModuleHandle, DriverError> {
+        self.call(
+            Op::ModuleLoadData,
+            Box::new(move |w, pid, note| {
+                note.bytes = Some(image.len());
+                let i = context(w, pid, ctx, note)?;
+                if !plausible_image(image) {
+                    return Err(INVALID_IMAGE);
+                }
+                let h = w.new_handle();
+                w.processes[pid].modules.insert(h, i);
+                Ok(ModuleHandle(h))
+            }),
+        )
+    }
+
+    unsafe fn module_unload(
+        &self,
+        ctx: ContextHandle,
+        module: ModuleHandle,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::ModuleUnload,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                w.processes[pid]
+                    .modules
+                    .remove(&module.0)
+                    .map(|_| ())
+                    .ok_or(code::INVALID_HANDLE)
+            }),
+        )
+    }
+
+    fn ipc_get_mem_handle(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<IpcMemHandle, DriverError> {
+        self.call(
+            Op::IpcGetMemHandle,
+            Box::new(move |w, pid, note| {
+                note.ptr = Some(ptr);
+                context(w, pid, ctx, note)?;
+                for (i, d) in w.devices.iter().enumerate() {
+                    if let Some(a) = d.allocs.get(&ptr.0)
+                        && a.owner == pid
+                    {
+                        note.bytes = Some(a.size);
+                        return Ok(encode_ipc(pid, i, a.store, ptr.0, a.size));
+                    }
+                }
+                Err(code::INVALID_VALUE)
+            }),
+        )
+    }
+
+    fn ipc_open_mem_handle(
+        &self,
+        ctx: ContextHandle,
+        handle: &IpcMemHandle,
+    ) -> Result<DevicePtr, DriverError> {
+        let handle = *handle;
+        self.call(
+            Op::IpcOpenMemHandle,
+            Box::new(move |w, pid, note| {
+                let i = context(w, pid, ctx, note)?;
+                let (exporter, device, store, size) =
+                    decode_ipc(&handle).ok_or(code::INVALID_VALUE)?;
+                if device >= w.devices.len() || exporter >= w.processes.len() {
+                    return Err(code::INVALID_VALUE);
+                }
+                if exporter == pid {
+                    return Err(code::INVALID_CONTEXT);
+                }
+                if device != i && !w.peer_access {
+                    return Err(code::PEER_ACCESS_UNSUPPORTED);
+                }
+                let exported = w.devices[device]
+                    .allocs
+                    .values()
+                    .any(|a| a.store == store && a.owner == exporter);
+                if !exported {
+                    // Freed by the exporter before the open.
+                    return Err(code::INVALID_VALUE);
+                }
+                if w.processes[pid].ipc.values().any(|m| m.store == store) {
+                    return Err(code::ALREADY_MAPPED);
+                }
+                let span = size.next_multiple_of(PAGE_SIZE);
+                let region = DeviceMem::base(i) + IPC_SPACE_OFFSET;
+                let p = &w.processes[pid];
+                let mut addr = region;
+                for (&start, m) in p.ipc.range(region..region + IPC_SPACE_OFFSET) {
+                    if start - addr >= span as u64 {
+                        break;
+                    }
+                    addr = start + m.span as u64;
+                }
+                w.stores.get_mut(&store).expect("exported store").refs += 1;
+                w.processes[pid].ipc.insert(
+                    addr,
+                    IpcMap {
+                        device: i,
+                        store,
+                        size,
+                        span,
+                    },
+                );
+                note.ptr = Some(DevicePtr(addr));
+                note.bytes = Some(size);
+                Ok(DevicePtr(addr))
+            }),
+        )
+    }
+
+    unsafe fn ipc_close_mem_handle(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::IpcCloseMemHandle,
+            Box::new(move |w, pid, note| {
+                note.ptr = Some(ptr);
+                context(w, pid, ctx, note)?;
+                let m = w.processes[pid]
+                    .ipc
+                    .remove(&ptr.0)
+                    .ok_or(code::INVALID_VALUE)?;
+                w.drop_store(m.store);
+                Ok(())
+            }),
+        )
     }
 }

@@ -13,12 +13,14 @@
 //! leaves a context current behind the host runtime's back.
 #![allow(unsafe_code)]
 
+use std::ffi::c_void;
 use std::mem::MaybeUninit;
 
 use cudarc::driver::{result, sys};
 
 use crate::{
-    ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, MemInfo,
+    ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
+    HostPtr, IpcMemHandle, MemInfo, ModuleHandle, StreamHandle,
 };
 
 /// The real CUDA driver. Obtain it with [`CudaDriver::load`].
@@ -263,6 +265,239 @@ impl Driver for CudaDriver {
         // - the caller guarantees the destination range is a live allocation nobody else
         //   touches during the copy (trait contract).
         unsafe { result::memcpy_htod_sync(dst.0, src) }.map_err(err("cuMemcpyHtoD"))
+    }
+
+    /// [cuMemcpyDtoD](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    unsafe fn memcpy_dtod(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller guarantees both ranges are live device memory nobody else writes
+        // during the (synchronous) copy (trait contract).
+        unsafe { result::memcpy_dtod_sync(dst.0, src.0, bytes) }.map_err(err("cuMemcpyDtoD"))
+    }
+
+    /// [cuMemHostAlloc](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    fn mem_host_alloc(
+        &self,
+        ctx: ContextHandle,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<HostPtr, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the driver allocates new host memory owned by the caller; `flags` are plain
+        // bits the driver validates.
+        let ptr = unsafe { result::malloc_host(bytes, flags) }.map_err(err("cuMemHostAlloc"))?;
+        Ok(HostPtr(ptr as usize))
+    }
+
+    /// [cuMemFreeHost](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    unsafe fn mem_free_host(&self, ctx: ContextHandle, ptr: HostPtr) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller guarantees `ptr` came from cuMemHostAlloc, is freed once and is not
+        // used afterwards (trait contract).
+        unsafe { result::free_host(ptr.0 as *mut c_void) }.map_err(err("cuMemFreeHost"))
+    }
+
+    /// [cuMemHostRegister](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    /// (no `result` wrapper in cudarc).
+    unsafe fn mem_host_register(
+        &self,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller keeps the range alive until it is unregistered and holds no Rust
+        // reference to it while a mapping is used (trait contract).
+        check("cuMemHostRegister", unsafe {
+            sys::cuMemHostRegister_v2(ptr.0 as *mut c_void, bytes, flags)
+        })
+    }
+
+    /// [cuMemHostUnregister](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    /// (no `result` wrapper in cudarc).
+    unsafe fn mem_host_unregister(
+        &self,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller guarantees the range was registered and its mapping is unused
+        // afterwards (trait contract); an unregistered pointer is an error, not UB.
+        check("cuMemHostUnregister", unsafe {
+            sys::cuMemHostUnregister(ptr.0 as *mut c_void)
+        })
+    }
+
+    /// [cuMemHostGetDevicePointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    /// (no `result` wrapper in cudarc).
+    fn mem_host_get_device_pointer(
+        &self,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+    ) -> Result<DevicePtr, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut dptr = 0 as sys::CUdeviceptr;
+        // SAFETY: `dptr` is a valid place; the driver only looks the host address up in its own
+        // tables and reports an unmapped one as an error.
+        check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut dptr, ptr.0 as *mut c_void, 0)
+        })?;
+        Ok(DevicePtr(dptr))
+    }
+
+    /// [cuStreamCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    fn stream_create(&self, ctx: ContextHandle, flags: u32) -> Result<StreamHandle, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut stream = MaybeUninit::<sys::CUstream>::uninit();
+        // SAFETY: `stream` is a valid place for one handle; the driver validates `flags`.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(stream.as_mut_ptr(), flags)
+        })?;
+        // SAFETY: the call succeeded and wrote `stream`.
+        Ok(StreamHandle(unsafe { stream.assume_init() } as usize as u64))
+    }
+
+    /// [cuStreamDestroy](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    unsafe fn stream_destroy(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller destroys a stream of `ctx` once (trait contract).
+        unsafe { result::stream::destroy(stream.0 as usize as sys::CUstream) }
+            .map_err(err("cuStreamDestroy"))
+    }
+
+    /// [cuEventCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
+    fn event_create(&self, ctx: ContextHandle, flags: u32) -> Result<EventHandle, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut event = MaybeUninit::<sys::CUevent>::uninit();
+        // SAFETY: `event` is a valid place for one handle; the driver validates `flags`.
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(event.as_mut_ptr(), flags)
+        })?;
+        // SAFETY: the call succeeded and wrote `event`.
+        Ok(EventHandle(unsafe { event.assume_init() } as usize as u64))
+    }
+
+    /// [cuEventDestroy](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
+    unsafe fn event_destroy(
+        &self,
+        ctx: ContextHandle,
+        event: EventHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller destroys an event of `ctx` once (trait contract).
+        check("cuEventDestroy", unsafe {
+            sys::cuEventDestroy_v2(event.0 as usize as sys::CUevent)
+        })
+    }
+
+    /// [cuModuleLoadData](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html)
+    fn module_load_data(
+        &self,
+        ctx: ContextHandle,
+        image: &[u8],
+    ) -> Result<ModuleHandle, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // PTX is read as a C string: make sure it ends.
+        let mut owned = image.to_vec();
+        if owned.last() != Some(&0) {
+            owned.push(0);
+        }
+        // SAFETY: `owned` is a live, NUL-terminated image for the whole call; the driver copies
+        // what it needs and validates the image.
+        let module = unsafe { result::module::load_data(owned.as_ptr().cast()) }
+            .map_err(err("cuModuleLoadData"))?;
+        Ok(ModuleHandle(module as usize as u64))
+    }
+
+    /// [cuModuleUnload](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html)
+    unsafe fn module_unload(
+        &self,
+        ctx: ContextHandle,
+        module: ModuleHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller unloads a module of `ctx` once, with nothing of it in use.
+        unsafe { result::module::unload(module.0 as usize as sys::CUmodule) }
+            .map_err(err("cuModuleUnload"))
+    }
+
+    /// [cuIpcGetMemHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    /// (no `result` wrapper in cudarc).
+    fn ipc_get_mem_handle(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<IpcMemHandle, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut handle = MaybeUninit::<sys::CUipcMemHandle>::uninit();
+        // SAFETY: `handle` is a valid place for one handle; the driver validates `ptr`.
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(handle.as_mut_ptr(), ptr.0)
+        })?;
+        // SAFETY: the call succeeded and wrote `handle`.
+        let handle = unsafe { handle.assume_init() };
+        Ok(IpcMemHandle(handle.reserved.map(|b| b as u8)))
+    }
+
+    /// [cuIpcOpenMemHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    /// (no `result` wrapper in cudarc).
+    fn ipc_open_mem_handle(
+        &self,
+        ctx: ContextHandle,
+        handle: &IpcMemHandle,
+    ) -> Result<DevicePtr, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let raw = sys::CUipcMemHandle {
+            reserved: handle.0.map(|b| b as _),
+        };
+        let mut ptr = 0 as sys::CUdeviceptr;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: `ptr` is a valid place; the handle is plain bytes the driver validates.
+        check("cuIpcOpenMemHandle", unsafe {
+            sys::cuIpcOpenMemHandle_v2(&mut ptr, raw, flags)
+        })?;
+        Ok(DevicePtr(ptr))
+    }
+
+    /// [cuIpcCloseMemHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    /// (no `result` wrapper in cudarc).
+    unsafe fn ipc_close_mem_handle(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller closes a mapping it opened, once, and does not use it afterwards.
+        check("cuIpcCloseMemHandle", unsafe {
+            sys::cuIpcCloseMemHandle(ptr.0)
+        })
+    }
+
+    /// [cuDeviceCanAccessPeer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PEER__ACCESS.html)
+    /// (no `result` wrapper in cudarc).
+    fn device_can_access_peer(
+        &self,
+        dev: DeviceOrdinal,
+        peer: DeviceOrdinal,
+    ) -> Result<bool, DriverError> {
+        let (a, b) = (cu_device(dev)?, cu_device(peer)?);
+        let mut can = 0i32;
+        // SAFETY: `can` is a valid place for one int; both devices came from cuDeviceGet.
+        check("cuDeviceCanAccessPeer", unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, a, b)
+        })?;
+        Ok(can != 0)
     }
 
     /// [cuMemcpyDtoH](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)

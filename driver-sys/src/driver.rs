@@ -4,7 +4,37 @@
 
 use std::fmt;
 
-use crate::{ContextHandle, DeviceOrdinal, DevicePtr, DriverError};
+use crate::{
+    ContextHandle, DeviceOrdinal, DevicePtr, DriverError, EventHandle, HostPtr, IpcMemHandle,
+    ModuleHandle, StreamHandle,
+};
+
+/// `cuMemHostAlloc` flags.
+pub mod host_alloc {
+    /// `CU_MEMHOSTALLOC_PORTABLE`: pinned for every context, not only the allocating one.
+    pub const PORTABLE: u32 = 0x01;
+    /// `CU_MEMHOSTALLOC_DEVICEMAP`: mapped into the device address space.
+    pub const DEVICEMAP: u32 = 0x02;
+    /// `CU_MEMHOSTALLOC_WRITECOMBINED`: write-combined (fast to write from the host, slow to
+    /// read).
+    pub const WRITECOMBINED: u32 = 0x04;
+}
+
+/// `cuMemHostRegister` flags.
+pub mod host_register {
+    /// `CU_MEMHOSTREGISTER_PORTABLE`.
+    pub const PORTABLE: u32 = 0x01;
+    /// `CU_MEMHOSTREGISTER_DEVICEMAP`: also mapped into the device address space.
+    pub const DEVICEMAP: u32 = 0x02;
+}
+
+/// `cuEventCreate` flags.
+pub mod event_flags {
+    /// `CU_EVENT_DEFAULT`.
+    pub const DEFAULT: u32 = 0x0;
+    /// `CU_EVENT_DISABLE_TIMING`.
+    pub const DISABLE_TIMING: u32 = 0x2;
+}
 
 /// Device attributes emm reads (`CUdevice_attribute`). The discriminants are the driver's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -120,6 +150,153 @@ pub trait Driver: Send + Sync + fmt::Debug {
         dst: DevicePtr,
         src: &[u8],
     ) -> Result<(), DriverError>;
+
+    /// `cuMemcpyDtoD`: copies `bytes` between device addresses, synchronously.
+    ///
+    /// # Safety
+    ///
+    /// - Both ranges lie inside live allocations (or mappings) usable from `ctx`.
+    /// - Nothing else writes either range during the copy, and they do not overlap.
+    unsafe fn memcpy_dtod(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemHostAlloc`: `bytes` of page-locked host memory with `flags` ([`host_alloc`]).
+    fn mem_host_alloc(
+        &self,
+        ctx: ContextHandle,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<HostPtr, DriverError>;
+
+    /// `cuMemFreeHost`.
+    ///
+    /// # Safety
+    ///
+    /// - `ptr` came from [`mem_host_alloc`](Driver::mem_host_alloc) and is freed once.
+    /// - Nothing (host code or device work through a mapping) uses the memory afterwards.
+    unsafe fn mem_free_host(&self, ctx: ContextHandle, ptr: HostPtr) -> Result<(), DriverError>;
+
+    /// `cuMemHostRegister`: page-locks the existing host range `ptr .. ptr + bytes` with
+    /// `flags` ([`host_register`]).
+    ///
+    /// # Safety
+    ///
+    /// - The range is host memory the caller keeps alive until it is unregistered.
+    /// - With `DEVICEMAP`, device work may read and write it: the caller holds no Rust
+    ///   reference to it while device work or driver copies use the mapping.
+    unsafe fn mem_host_register(
+        &self,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemHostUnregister`.
+    ///
+    /// # Safety
+    ///
+    /// - `ptr` is the start of a range registered with
+    ///   [`mem_host_register`](Driver::mem_host_register); its mapping is not used afterwards.
+    unsafe fn mem_host_unregister(
+        &self,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemHostGetDevicePointer`: the device address of mapped host memory.
+    fn mem_host_get_device_pointer(
+        &self,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+    ) -> Result<DevicePtr, DriverError>;
+
+    /// `cuStreamCreate` with `flags` (0: default).
+    fn stream_create(&self, ctx: ContextHandle, flags: u32) -> Result<StreamHandle, DriverError>;
+
+    /// `cuStreamDestroy`.
+    ///
+    /// # Safety
+    ///
+    /// - `stream` was created in `ctx` and is destroyed once; no later work names it.
+    unsafe fn stream_destroy(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuEventCreate` with `flags` ([`event_flags`]).
+    fn event_create(&self, ctx: ContextHandle, flags: u32) -> Result<EventHandle, DriverError>;
+
+    /// `cuEventDestroy`.
+    ///
+    /// # Safety
+    ///
+    /// - `event` was created in `ctx` and is destroyed once; no later work names it.
+    unsafe fn event_destroy(
+        &self,
+        ctx: ContextHandle,
+        event: EventHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuModuleLoadData`: loads a module from a cubin, fatbin or PTX image.
+    fn module_load_data(
+        &self,
+        ctx: ContextHandle,
+        image: &[u8],
+    ) -> Result<ModuleHandle, DriverError>;
+
+    /// `cuModuleUnload`.
+    ///
+    /// # Safety
+    ///
+    /// - `module` was loaded in `ctx` and is unloaded once; none of its functions runs or is
+    ///   launched afterwards.
+    unsafe fn module_unload(
+        &self,
+        ctx: ContextHandle,
+        module: ModuleHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuIpcGetMemHandle`: a handle another process can open, for the allocation whose base
+    /// is `ptr`.
+    fn ipc_get_mem_handle(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<IpcMemHandle, DriverError>;
+
+    /// `cuIpcOpenMemHandle` with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`: maps another process's
+    /// allocation into `ctx`; returns the base of the mapping.
+    fn ipc_open_mem_handle(
+        &self,
+        ctx: ContextHandle,
+        handle: &IpcMemHandle,
+    ) -> Result<DevicePtr, DriverError>;
+
+    /// `cuIpcCloseMemHandle`: unmaps what [`ipc_open_mem_handle`](Driver::ipc_open_mem_handle)
+    /// mapped.
+    ///
+    /// # Safety
+    ///
+    /// - `ptr` is the base returned by the open, closed once; the mapping is not used after.
+    unsafe fn ipc_close_mem_handle(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<(), DriverError>;
+
+    /// `cuDeviceCanAccessPeer`: whether `dev` can access memory of `peer` directly.
+    fn device_can_access_peer(
+        &self,
+        dev: DeviceOrdinal,
+        peer: DeviceOrdinal,
+    ) -> Result<bool, DriverError>;
 
     /// `cuMemcpyDtoH`: copies `dst.len()` bytes from device address `src`, synchronously.
     ///

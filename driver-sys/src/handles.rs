@@ -14,6 +14,33 @@ pub struct HostPtr(pub usize);
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ContextHandle(pub u64);
 
+/// A stream (`CUstream`), as an opaque value. Prints as hex.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StreamHandle(pub u64);
+
+/// An event (`CUevent`), as an opaque value. Prints as hex.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct EventHandle(pub u64);
+
+/// A loaded module (`CUmodule`), as an opaque value. Prints as hex.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ModuleHandle(pub u64);
+
+/// The driver's 64-byte IPC handle of a device allocation (`CUipcMemHandle`): plain bytes that
+/// another process passes to `cuIpcOpenMemHandle`. Prints as hex.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IpcMemHandle(pub [u8; 64]);
+
+impl fmt::Debug for IpcMemHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("IpcMemHandle(")?;
+        for b in self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        f.write_str(")")
+    }
+}
+
 /// A device ordinal, as `cuDeviceGet` takes it (0-based).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]
 pub struct DeviceOrdinal(pub u32);
@@ -66,7 +93,14 @@ macro_rules! hex_fmt {
         }
     )*};
 }
-hex_fmt!(DevicePtr, HostPtr, ContextHandle);
+hex_fmt!(
+    DevicePtr,
+    HostPtr,
+    ContextHandle,
+    StreamHandle,
+    EventHandle,
+    ModuleHandle
+);
 
 impl fmt::Display for DeviceOrdinal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

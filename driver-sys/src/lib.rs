@@ -32,6 +32,9 @@ mod cuda;
 
 #[cfg(feature = "cuda")]
 pub use cuda::CudaDriver;
-pub use driver::{DeviceAttribute, Driver, MemInfo};
+pub use driver::{DeviceAttribute, Driver, MemInfo, event_flags, host_alloc, host_register};
 pub use error::{DriverError, ErrorKind, code};
-pub use handles::{ContextHandle, DeviceOrdinal, DevicePtr, HostPtr};
+pub use handles::{
+    ContextHandle, DeviceOrdinal, DevicePtr, EventHandle, HostPtr, IpcMemHandle, ModuleHandle,
+    StreamHandle,
+};
