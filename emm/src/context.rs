@@ -4,10 +4,15 @@
 use std::fmt;
 use std::sync::Arc;
 
-use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, Driver};
+use driver_sys::{
+    ContextHandle, DeviceOrdinal, DevicePtr, Driver, HostPtr, IpcMemHandle, event_flags,
+};
 
+use crate::host::{HostMemory, HostOwner, PinnableBuffer};
+use crate::ipc::{DeviceIdentity, IpcHandle};
 use crate::liveness::{ContextLiveness, LiveGuard};
-use crate::manager::MemoryManager;
+use crate::manager::{ManagerContext, MemoryManager};
+use crate::objects::{Event, Module, ModuleRegistry, Stream};
 use crate::pending::{DeferCleanup, PendingDeallocs};
 use crate::{EmmError, MemoryInfo, MemoryPointer};
 
@@ -18,6 +23,11 @@ pub(crate) struct ContextInner {
     pub(crate) manager: Box<dyn MemoryManager>,
     pub(crate) manager_name: String,
     pub(crate) liveness: Arc<ContextLiveness>,
+    /// The context's own queue: streams, events and modules (never memory).
+    pub(crate) own: Arc<PendingDeallocs>,
+    pub(crate) modules: Arc<ModuleRegistry>,
+    pub(crate) can_map_host_memory: bool,
+    pub(crate) cx: ManagerContext,
 }
 
 /// A device's context: its primary CUDA context plus the one memory manager that owns all its
@@ -97,9 +107,20 @@ impl Context {
         self.inner.manager.get_memory_info()
     }
 
-    /// Defers cleanup while the returned guard lives (the manager's guard).
+    /// Defers cleanup while the returned guard lives: the manager's deferral joined with the
+    /// context's own queue's (Numba's `Context.defer_cleanup`). Guards nest; leaving the
+    /// outermost does not flush.
     pub fn defer_cleanup(&self) -> Result<DeferCleanup, EmmError> {
-        self.inner.manager.defer_cleanup()
+        Ok(self
+            .inner
+            .manager
+            .defer_cleanup()?
+            .join(self.inner.own.defer_cleanup()))
+    }
+
+    /// The context's own queue (streams, events, modules).
+    pub fn own_deallocations(&self) -> &Arc<PendingDeallocs> {
+        &self.inner.own
     }
 
     /// The manager's deferred-deallocation queue, if it has one.
@@ -107,11 +128,193 @@ impl Context {
         self.inner.manager.deallocations()
     }
 
-    /// Frees everything the manager allocated in this context (Numba's `Context.reset`).
-    /// Pointers that outlive it become stale; dropping them frees nothing twice.
+    /// Resets the context in Numba's order (`Context.reset`): the manager frees everything it
+    /// allocated, the loaded modules are unloaded, the context's own queue is flushed. Every
+    /// step runs; the first error is returned. Pointers and modules that outlive it become
+    /// stale; dropping them frees nothing twice.
     pub fn reset(&self) -> Result<(), EmmError> {
-        tracing::info!(device = %self.inner.device, "context reset");
-        self.inner.manager.reset()
+        tracing::info!(device = %self.inner.device, modules = self.inner.modules.len(), "context reset");
+        let manager = self.inner.manager.reset();
+        self.inner.modules.clear();
+        let own = self.inner.own.flush().map(|_| ());
+        manager.and(own)
+    }
+
+    /// Allocates page-locked host memory through the manager (Numba's `memhostalloc`); no
+    /// map-capability check, as in Numba.
+    pub fn memhostalloc(
+        &self,
+        bytes: usize,
+        mapped: bool,
+        portable: bool,
+        wc: bool,
+    ) -> Result<HostMemory, EmmError> {
+        self.ensure_alive("memhostalloc")?;
+        self.inner.manager.memhostalloc(bytes, mapped, portable, wc)
+    }
+
+    /// Page-locks an existing host range through the manager (Numba's `Context.mempin`);
+    /// `mapped` on a device that cannot map host memory is refused first.
+    ///
+    /// # Safety
+    ///
+    /// As [`MemoryManager::mempin`]: `owner` keeps the range alive, and no Rust reference to it
+    /// is used while the device or a driver copy may write it.
+    pub unsafe fn mempin(
+        &self,
+        owner: HostOwner,
+        ptr: HostPtr,
+        size: usize,
+        mapped: bool,
+    ) -> Result<HostMemory, EmmError> {
+        self.ensure_alive("mempin")?;
+        if mapped && !self.inner.can_map_host_memory {
+            return Err(EmmError::CannotMapHostMemory {
+                device: self.inner.device,
+            });
+        }
+        // SAFETY: forwarded with this method's own contract.
+        unsafe { self.inner.manager.mempin(owner, ptr, size, mapped) }
+    }
+
+    /// Pins a [`PinnableBuffer`] (safe: the buffer's bytes are never referenced, only copied),
+    /// keeping it alive until the pin is released.
+    pub fn pin(&self, buffer: Arc<PinnableBuffer>, mapped: bool) -> Result<HostMemory, EmmError> {
+        let (ptr, size) = (buffer.host_ptr(), buffer.len());
+        // SAFETY: `buffer` is the owner and keeps the range alive; a `PinnableBuffer` hands out
+        // no references to its bytes, so device writes alias nothing.
+        unsafe { self.mempin(buffer, ptr, size, mapped) }
+    }
+
+    /// An IPC handle for `memory` from the manager (Numba's `Context.get_ipc_handle`); IPC
+    /// needs Linux.
+    pub fn get_ipc_handle(&self, memory: &MemoryPointer) -> Result<IpcHandle, EmmError> {
+        self.check_usable("get_ipc_handle", memory)?;
+        if !cfg!(target_os = "linux") {
+            return Err(EmmError::NotSupported {
+                operation: "get_ipc_handle",
+                manager: self.inner.manager_name.clone(),
+                advice: "OS does not support CUDA IPC (it needs Linux)",
+            });
+        }
+        self.inner.manager.get_ipc_handle(memory)
+    }
+
+    /// Creates a stream (`cuStreamCreate`, default flags); it is destroyed through the
+    /// context's own queue when dropped.
+    pub fn create_stream(&self) -> Result<Stream, EmmError> {
+        let _live = self.enter("create_stream")?;
+        let s = self
+            .inner
+            .driver
+            .stream_create(self.inner.handle, 0)
+            .map_err(|e| EmmError::driver("create_stream", self.inner.device, e))?;
+        Ok(Stream::new(
+            s,
+            self.inner.device,
+            Arc::clone(&self.inner.own),
+        ))
+    }
+
+    /// Creates an event (`cuEventCreate`; timing disabled unless `timing`); destroyed through
+    /// the context's own queue when dropped.
+    pub fn create_event(&self, timing: bool) -> Result<Event, EmmError> {
+        let _live = self.enter("create_event")?;
+        let flags = if timing {
+            event_flags::DEFAULT
+        } else {
+            event_flags::DISABLE_TIMING
+        };
+        let e = self
+            .inner
+            .driver
+            .event_create(self.inner.handle, flags)
+            .map_err(|e| EmmError::driver("create_event", self.inner.device, e))?;
+        Ok(Event::new(
+            e,
+            self.inner.device,
+            Arc::clone(&self.inner.own),
+        ))
+    }
+
+    /// Loads a module from a PTX, cubin or fatbin image (`cuModuleLoadData`); it is unloaded
+    /// through the context's own queue when dropped or when the context is reset.
+    pub fn load_module(&self, image: &[u8]) -> Result<Module, EmmError> {
+        let _live = self.enter("load_module")?;
+        let m = self
+            .inner
+            .driver
+            .module_load_data(self.inner.handle, image)
+            .map_err(|e| EmmError::driver("load_module", self.inner.device, e))?;
+        Ok(self.inner.modules.register(m, self.inner.device))
+    }
+
+    /// The PCI identity of this context's device.
+    pub fn device_identity(&self) -> Result<DeviceIdentity, EmmError> {
+        crate::host::device_identity(&self.inner.cx)
+    }
+
+    /// Whether this context's device can access memory of `peer` directly
+    /// (`cuDeviceCanAccessPeer`; a device can always access its own).
+    pub fn can_access_peer(&self, peer: DeviceOrdinal) -> Result<bool, EmmError> {
+        if peer == self.inner.device {
+            return Ok(true);
+        }
+        self.inner
+            .driver
+            .device_can_access_peer(self.inner.device, peer)
+            .map_err(|e| EmmError::driver("peer access query", self.inner.device, e))
+    }
+
+    fn enter(&self, what: &'static str) -> Result<LiveGuard<'_>, EmmError> {
+        self.inner.liveness.enter().ok_or_else(|| self.stale(what))
+    }
+
+    pub(crate) fn ipc_open(&self, handle: &IpcMemHandle) -> Result<DevicePtr, EmmError> {
+        let _live = self.enter("open IPC handle")?;
+        self.inner
+            .driver
+            .ipc_open_mem_handle(self.inner.handle, handle)
+            .map_err(|e| EmmError::driver("open IPC handle", self.inner.device, e))
+    }
+
+    pub(crate) fn ipc_close(&self, base: DevicePtr) -> Result<(), EmmError> {
+        let Some(_live) = self.inner.liveness.enter() else {
+            // The context is gone, and its mappings with it.
+            return Ok(());
+        };
+        // SAFETY: `base` is a mapping this context opened, closed once by its `IpcHandle`, whose
+        // pointers turned stale before this call; `_live` keeps the context alive.
+        unsafe {
+            self.inner
+                .driver
+                .ipc_close_mem_handle(self.inner.handle, base)
+        }
+        .map_err(|e| EmmError::driver("close IPC handle", self.inner.device, e))
+    }
+
+    /// Copies `bytes` from `src` (any device memory this process can reach, such as an IPC
+    /// mapping on another device) to `dst`, which lies at the start of `dst_mem`.
+    pub(crate) fn copy_device_to_device(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+        dst_mem: &MemoryPointer,
+    ) -> Result<(), EmmError> {
+        const WHAT: &str = "device to device copy";
+        let _live = self.enter_copy(WHAT, dst_mem, bytes)?;
+        // SAFETY:
+        // - `enter_copy` checked that `dst_mem` (at `dst`) is live memory of this context with
+        //   room for `bytes`;
+        // - `src .. src + bytes` is a live mapping the caller holds open for the call;
+        // - the ranges belong to different allocations, so they do not overlap.
+        unsafe {
+            self.inner
+                .driver
+                .memcpy_dtod(self.inner.handle, dst, src, bytes)
+        }
+        .map_err(|e| EmmError::driver(WHAT, self.inner.device, e))
     }
 
     /// Base and end address of the whole allocation that `memory` lies in, as the driver

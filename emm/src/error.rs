@@ -40,6 +40,63 @@ pub enum EmmError {
         source: DriverError,
     },
 
+    /// Page-locked host memory ran out, after the one retry Numba makes for mapped memory.
+    #[error(
+        "out of page-locked host memory (device {device}'s context): could not pin {requested} \
+         bytes after flushing {flushed} pending deallocation(s); drop pinned buffers you no \
+         longer need, pin less, or use pageable memory"
+    )]
+    OutOfHostMemory {
+        /// The device whose context allocated.
+        device: DeviceOrdinal,
+        /// Bytes requested.
+        requested: usize,
+        /// Pending deallocations flushed before the retry.
+        flushed: usize,
+        /// The driver's error from the last try.
+        #[source]
+        source: DriverError,
+    },
+
+    /// `mempin(mapped = true)` on a device that cannot map host memory (Numba's text).
+    #[error(
+        "device {device} cannot map host memory; pin without mapping (mapped = false) and copy \
+         explicitly"
+    )]
+    CannotMapHostMemory {
+        /// The device.
+        device: DeviceOrdinal,
+    },
+
+    /// An IPC handle used against its rules (Numba's texts: "IpcHandle is already opened",
+    /// "IpcHandle not opened", "opening IpcHandle from original process").
+    #[error("{message}; {advice}")]
+    Ipc {
+        /// Numba's message.
+        message: &'static str,
+        /// What to do.
+        advice: &'static str,
+    },
+
+    /// Bytes that do not decode as an emm IPC handle.
+    #[error(
+        "invalid IPC handle bytes: {reason}; pass the exact bytes IpcHandle::to_bytes produced in the exporting process"
+    )]
+    InvalidIpcHandle {
+        /// What is wrong with them.
+        reason: String,
+    },
+
+    /// No visible device has the identity an IPC handle names (Numba's text).
+    #[error(
+        "No device of {identity} is found. Target device may not be visible in this process \
+         (check CUDA_VISIBLE_DEVICES)"
+    )]
+    NoDeviceWithIdentity {
+        /// The identity, printed.
+        identity: String,
+    },
+
     /// The memory manager does not offer this operation.
     #[error("{operation} is not supported by the memory manager '{manager}'; {advice}")]
     NotSupported {
@@ -159,17 +216,19 @@ impl EmmError {
     /// The driver's error kind, where the error came from the driver.
     pub fn driver_kind(&self) -> Option<ErrorKind> {
         match self {
-            EmmError::Driver { source, .. } | EmmError::OutOfMemory { source, .. } => {
-                Some(source.kind())
-            }
+            EmmError::Driver { source, .. }
+            | EmmError::OutOfMemory { source, .. }
+            | EmmError::OutOfHostMemory { source, .. } => Some(source.kind()),
             _ => None,
         }
     }
 
     /// Whether this is an out-of-memory error (after emm's retry).
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(self, EmmError::OutOfMemory { .. })
-            || self.driver_kind() == Some(ErrorKind::OutOfMemory)
+        matches!(
+            self,
+            EmmError::OutOfMemory { .. } | EmmError::OutOfHostMemory { .. }
+        ) || self.driver_kind() == Some(ErrorKind::OutOfMemory)
     }
 
     pub(crate) fn driver(op: &'static str, device: DeviceOrdinal, source: DriverError) -> Self {

@@ -1,7 +1,33 @@
-//! IPC handle data: [`IpcHandle`] and the [`DeviceIdentity`] of the exporting device.
+//! IPC: [`IpcHandle`], and the [`DeviceIdentity`] that names the exporting device.
+//!
+//! # Life of a handle
+//!
+//! 1. The exporting process calls [`Context::get_ipc_handle`](crate::Context::get_ipc_handle)
+//!    on some memory (a view is fine). The handle keeps that memory alive, and knows it is the
+//!    exporter's: opening it there is an error, as in Numba.
+//! 2. [`IpcHandle::to_bytes`] gives bytes to send to another process (over a socket, a pipe, a
+//!    file); [`IpcHandle::from_bytes`] rebuilds the handle there, without the memory.
+//! 3. [`IpcHandle::open`] maps the memory into a context: **directly** when the context's
+//!    device is the exporting device or a peer of it, otherwise **staged**: the handle is
+//!    opened on the exporting device, the bytes are copied into new memory allocated through
+//!    the destination context's own manager, and the mapping is closed again. The staged copy
+//!    belongs to that manager, not to the handle (NBEP 7: staged IPC takes no ownership).
+//! 4. [`IpcHandle::close`] unmaps a direct open; pointers into the mapping become stale. A
+//!    staged copy lives on as ordinary memory. A handle dropped while open is closed then.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use driver_sys::{DevicePtr, IpcMemHandle};
+
+use crate::context::Context;
+use crate::pointer::Release;
+use crate::sync::{Mutex, lock};
+use crate::{EmmError, MemoryPointer, Runtime};
 
 /// A device's PCI identity (Numba's `get_device_identity()`), which names the exporting device
-/// in an [`IpcHandle`] across processes.
+/// across processes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DeviceIdentity {
     /// `CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID`.
@@ -12,30 +38,82 @@ pub struct DeviceIdentity {
     pub pci_device_id: i32,
 }
 
-/// An exportable handle to device memory (Numba's `IpcHandle`): the driver's 64-byte handle of
-/// the whole allocation, the size of the exported range, its offset from the allocation's
-/// base, and the exporting device.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct IpcHandle {
-    handle: [u8; 64],
-    size: usize,
-    offset: usize,
-    source: DeviceIdentity,
+impl fmt::Display for DeviceIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{{'pci_domain_id': {}, 'pci_bus_id': {}, 'pci_device_id': {}}}",
+            self.pci_domain_id, self.pci_bus_id, self.pci_device_id
+        )
+    }
 }
 
+enum Opened {
+    /// Mapped into `ctx` at `base`; `open` turns false at the close.
+    Direct {
+        ctx: Context,
+        base: DevicePtr,
+        open: Arc<AtomicBool>,
+    },
+    /// Copied into memory of the destination's manager; nothing to close.
+    Staged,
+}
+
+/// An exportable handle to device memory (Numba's `IpcHandle`). See the [module docs](self).
+pub struct IpcHandle {
+    handle: IpcMemHandle,
+    size: usize,
+    offset: usize,
+    source: Option<DeviceIdentity>,
+    /// In the exporting process: the exported memory, kept alive.
+    base: Option<MemoryPointer>,
+    opened: Mutex<Option<Opened>>,
+}
+
+/// `to_bytes` format: magic, version, handle, size, offset, whether the source is known, and
+/// the source's three PCI ids; little-endian.
+const MAGIC: &[u8; 6] = b"EMMIPC";
+const FORMAT_VERSION: u16 = 1;
+const ENCODED_LEN: usize = 6 + 2 + 64 + 8 + 8 + 1 + 12;
+
 impl IpcHandle {
-    /// A handle for `size` bytes at `offset` from the base of the allocation `handle` names.
-    pub fn new(handle: [u8; 64], size: usize, offset: usize, source: DeviceIdentity) -> IpcHandle {
+    pub(crate) fn exported(
+        base: MemoryPointer,
+        handle: IpcMemHandle,
+        size: usize,
+        offset: usize,
+        source: DeviceIdentity,
+    ) -> IpcHandle {
+        IpcHandle {
+            handle,
+            size,
+            offset,
+            source: Some(source),
+            base: Some(base),
+            opened: Mutex::new(None),
+        }
+    }
+
+    /// A handle from its parts, as another process receives them; without a source it always
+    /// opens directly (Numba's `open_ipc_array`).
+    pub fn new(
+        handle: IpcMemHandle,
+        size: usize,
+        offset: usize,
+        source: Option<DeviceIdentity>,
+    ) -> IpcHandle {
         IpcHandle {
             handle,
             size,
             offset,
             source,
+            base: None,
+            opened: Mutex::new(None),
         }
     }
 
-    /// The driver's 64 bytes.
-    pub fn handle_bytes(&self) -> &[u8; 64] {
+    /// The driver's 64 bytes (they name the whole allocation).
+    pub fn handle(&self) -> &IpcMemHandle {
         &self.handle
     }
 
@@ -49,8 +127,216 @@ impl IpcHandle {
         self.offset
     }
 
-    /// The exporting device.
-    pub fn source(&self) -> DeviceIdentity {
+    /// The exporting device, if known.
+    pub fn source(&self) -> Option<DeviceIdentity> {
         self.source
+    }
+
+    /// Whether this is the exporting process's handle (it holds the memory).
+    pub fn is_exporter(&self) -> bool {
+        self.base.is_some()
+    }
+
+    /// Whether the handle is open.
+    pub fn is_open(&self) -> bool {
+        lock(&self.opened).is_some()
+    }
+
+    /// The handle as bytes for another process (the exported memory is not part of them).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(ENCODED_LEN);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out.extend_from_slice(&self.handle.0);
+        out.extend_from_slice(&(self.size as u64).to_le_bytes());
+        out.extend_from_slice(&(self.offset as u64).to_le_bytes());
+        let id = self.source.unwrap_or(DeviceIdentity {
+            pci_domain_id: 0,
+            pci_bus_id: 0,
+            pci_device_id: 0,
+        });
+        out.push(u8::from(self.source.is_some()));
+        for v in [id.pci_domain_id, id.pci_bus_id, id.pci_device_id] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out
+    }
+
+    /// Rebuilds a handle from [`to_bytes`](Self::to_bytes)'s output. Truncated, garbled or
+    /// foreign bytes, and bytes of another format version, are an error that says which.
+    pub fn from_bytes(bytes: &[u8]) -> Result<IpcHandle, EmmError> {
+        let bad = |reason: String| EmmError::InvalidIpcHandle { reason };
+        if bytes.len() < MAGIC.len() + 2 || &bytes[..MAGIC.len()] != MAGIC {
+            return Err(bad(
+                "they do not start with an emm IPC handle's marker".into()
+            ));
+        }
+        let version = u16::from_le_bytes([bytes[6], bytes[7]]);
+        if version != FORMAT_VERSION {
+            return Err(bad(format!(
+                "they are of handle format version {version}, and this emm reads version {FORMAT_VERSION} (export and import with the same emm release)"
+            )));
+        }
+        if bytes.len() != ENCODED_LEN {
+            return Err(bad(format!(
+                "{} bytes instead of {ENCODED_LEN}",
+                bytes.len()
+            )));
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
+        let i32_at = |i: usize| i32::from_le_bytes(bytes[i..i + 4].try_into().expect("4 bytes"));
+        let handle = IpcMemHandle(bytes[8..72].try_into().expect("64 bytes"));
+        let (size, offset) = (u64_at(72), u64_at(80));
+        let (Ok(size), Ok(offset)) = (usize::try_from(size), usize::try_from(offset)) else {
+            return Err(bad(
+                "size or offset does not fit this machine's address space".into(),
+            ));
+        };
+        if offset.checked_add(size).is_none() {
+            return Err(bad(format!("offset {offset} plus size {size} overflows")));
+        }
+        let source = match bytes[88] {
+            0 if bytes[89..].iter().all(|&b| b == 0) => None,
+            0 => return Err(bad("a source identity is present but marked absent".into())),
+            1 => Some(DeviceIdentity {
+                pci_domain_id: i32_at(89),
+                pci_bus_id: i32_at(93),
+                pci_device_id: i32_at(97),
+            }),
+            other => return Err(bad(format!("source marker {other} is neither 0 nor 1"))),
+        };
+        Ok(IpcHandle::new(handle, size, offset, source))
+    }
+
+    /// Opens the handle in `ctx`: directly when its device is the source or a peer of it (or
+    /// the source is unknown), staged otherwise (Numba's `IpcHandle.open`).
+    pub fn open(&self, runtime: &Runtime, ctx: &Context) -> Result<MemoryPointer, EmmError> {
+        let direct = match self.source {
+            None => true,
+            Some(id) => {
+                let src = runtime.device_with_identity(&id)?;
+                src == ctx.device() || ctx.can_access_peer(src)?
+            }
+        };
+        if direct {
+            self.open_direct(ctx)
+        } else {
+            self.open_staged(runtime, ctx)
+        }
+    }
+
+    fn check_openable(&self, opened: &Option<Opened>) -> Result<(), EmmError> {
+        if self.base.is_some() {
+            return Err(EmmError::Ipc {
+                message: "opening IpcHandle from original process",
+                advice: "open it in another process; here, use the exported memory itself",
+            });
+        }
+        if opened.is_some() {
+            return Err(EmmError::Ipc {
+                message: "IpcHandle is already opened",
+                advice: "close it (IpcHandle::close) before opening it again",
+            });
+        }
+        Ok(())
+    }
+
+    /// Maps the memory into `ctx` and returns a pointer to the exported range (Numba's
+    /// `open_direct`). The mapping covers `offset + size` bytes from the allocation's base.
+    pub fn open_direct(&self, ctx: &Context) -> Result<MemoryPointer, EmmError> {
+        let mut opened = lock(&self.opened);
+        self.check_openable(&opened)?;
+        let base = ctx.ipc_open(&self.handle)?;
+        let open = Arc::new(AtomicBool::new(true));
+        let mapping = MemoryPointer::from_release(
+            ctx.device(),
+            ctx.handle(),
+            base,
+            self.offset + self.size,
+            Release::Mapping {
+                open: Arc::clone(&open),
+            },
+            None,
+        );
+        let view = mapping.view(self.offset, None)?;
+        tracing::debug!(device = %ctx.device(), %base, size = self.size, offset = self.offset, "IPC handle opened directly");
+        *opened = Some(Opened::Direct {
+            ctx: ctx.clone(),
+            base,
+            open,
+        });
+        Ok(view)
+    }
+
+    /// Copies the memory into new memory of `ctx`'s manager by way of the source device
+    /// (Numba's `open_staged`); the copy belongs to that manager. Use it to force the staged
+    /// path between peers.
+    pub fn open_staged(&self, runtime: &Runtime, ctx: &Context) -> Result<MemoryPointer, EmmError> {
+        let Some(source) = self.source else {
+            return Err(EmmError::Ipc {
+                message: "IPC handle doesn't have source info",
+                advice: "a staged open needs the exporting device; send the handle with \
+                         IpcHandle::to_bytes from the handle get_ipc_handle returned",
+            });
+        };
+        let mut opened = lock(&self.opened);
+        self.check_openable(&opened)?;
+        let src_ctx = runtime.context(runtime.device_with_identity(&source)?)?;
+        let mapping = src_ctx.ipc_open(&self.handle)?;
+        let copied = ctx.memalloc(self.size).and_then(|new| {
+            ctx.copy_device_to_device(
+                new.device_ptr(),
+                DevicePtr(mapping.0 + self.offset as u64),
+                self.size,
+                &new,
+            )?;
+            Ok(new)
+        });
+        let closed = src_ctx.ipc_close(mapping);
+        let new = copied?;
+        closed?;
+        tracing::debug!(from = %src_ctx.device(), to = %ctx.device(), size = self.size, "IPC handle opened through staging");
+        *opened = Some(Opened::Staged);
+        Ok(new)
+    }
+
+    /// Closes the handle (Numba's `close`): a direct mapping is unmapped and pointers into it
+    /// become stale; a staged copy stays.
+    pub fn close(&self) -> Result<(), EmmError> {
+        let mut opened = lock(&self.opened);
+        match opened.take() {
+            None => Err(EmmError::Ipc {
+                message: "IpcHandle not opened",
+                advice: "open it before closing it",
+            }),
+            Some(Opened::Staged) => Ok(()),
+            Some(Opened::Direct { ctx, base, open }) => {
+                open.store(false, Ordering::Release);
+                ctx.ipc_close(base)
+            }
+        }
+    }
+}
+
+impl Drop for IpcHandle {
+    fn drop(&mut self) {
+        if self.is_open()
+            && let Err(e) = self.close()
+        {
+            tracing::error!(error = %e, "closing an IPC handle dropped while open");
+        }
+    }
+}
+
+impl fmt::Debug for IpcHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IpcHandle")
+            .field("handle", &self.handle)
+            .field("size", &self.size)
+            .field("offset", &self.offset)
+            .field("source", &self.source)
+            .field("exporter", &self.is_exporter())
+            .field("open", &self.is_open())
+            .finish()
     }
 }

@@ -34,6 +34,7 @@ mod host;
 mod ipc;
 mod liveness;
 mod manager;
+mod objects;
 mod pending;
 mod pointer;
 mod runtime;
@@ -45,16 +46,20 @@ pub use config::{
     manager_name_from_env, manager_name_from_lookup,
 };
 pub use context::Context;
-pub use default::{DEFAULT_MANAGER, DefaultManager};
+pub use default::{DEFAULT_MANAGER, DefaultManager, DriverAllocator};
 pub use driver_sys;
 pub use error::EmmError;
-pub use host::{HostMemory, HostOwner, HostReleaseFn, MappedMemory, PinnedMemory};
+pub use host::{
+    AllocationKind, DeviceAllocator, HostLayer, HostMemory, HostOnly, HostOwner, HostReleaseFn,
+    MappedMemory, PinnableBuffer, PinnedMemory,
+};
 pub use ipc::{DeviceIdentity, IpcHandle};
 pub use liveness::{ContextLiveness, LiveGuard};
 pub use manager::{
     FnFactory, INTERFACE_VERSION, ManagerContext, ManagerFactory, MemoryManager,
     check_interface_version,
 };
+pub use objects::{Event, Module, Stream};
 pub use pending::{DeferCleanup, Free, PendingDeallocs};
 pub use pointer::{MemoryInfo, MemoryPointer, ReleaseFn};
 pub use runtime::{Runtime, RuntimeBuilder};

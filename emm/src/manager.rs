@@ -1,6 +1,7 @@
 //! The plugin interface: [`MemoryManager`] (NBEP 7's `BaseCUDAMemoryManager`), what a manager
 //! is built from ([`ManagerContext`]) and how it is built ([`ManagerFactory`]).
 
+#![allow(unsafe_code)]
 use std::fmt;
 use std::sync::Arc;
 
@@ -52,7 +53,13 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
 
     /// Page-locks the existing host range `ptr .. ptr + size`, which `owner` keeps alive;
     /// `mapped` also maps it into the device.
-    fn mempin(
+    ///
+    /// # Safety
+    ///
+    /// - `ptr .. ptr + size` is host memory that `owner` keeps alive.
+    /// - While the pin lives, no Rust reference to that memory is used while the device or a
+    ///   driver copy may write it.
+    unsafe fn mempin(
         &self,
         owner: HostOwner,
         ptr: HostPtr,

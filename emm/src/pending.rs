@@ -5,7 +5,10 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::sync::Arc;
 
-use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, Driver, DriverError};
+use driver_sys::{
+    ContextHandle, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle, HostPtr,
+    ModuleHandle, StreamHandle,
+};
 
 use crate::EmmError;
 use crate::config::DeallocConfig;
@@ -23,27 +26,46 @@ pub enum Free {
         /// Its size, counted against the byte threshold.
         bytes: usize,
     },
+    /// `cuMemFreeHost` of pinned host memory. Numba counts mapped memory by its size and
+    /// unmapped pinned memory as 0 bytes.
+    Host {
+        /// The allocation's host address.
+        ptr: HostPtr,
+        /// Bytes counted against the byte threshold.
+        bytes: usize,
+    },
+    /// `cuStreamDestroy` (the context's own queue).
+    Stream(StreamHandle),
+    /// `cuEventDestroy` (the context's own queue).
+    Event(EventHandle),
+    /// `cuModuleUnload` (the context's own queue).
+    Module(ModuleHandle),
 }
 
 impl Free {
     /// Bytes this entry counts against the byte threshold.
     pub fn bytes(&self) -> usize {
         match self {
-            Free::Device { bytes, .. } => *bytes,
+            Free::Device { bytes, .. } | Free::Host { bytes, .. } => *bytes,
+            Free::Stream(_) | Free::Event(_) | Free::Module(_) => 0,
         }
     }
 
     fn execute(&self, driver: &dyn Driver, ctx: ContextHandle) -> Result<(), DriverError> {
-        match self {
-            Free::Device { ptr, .. } => {
-                // SAFETY:
-                // - a `Free::Device` is queued exactly once, by the last owner of the
-                //   allocation (or by the manager's reset, which first removes it from the
-                //   manager's table so no owner queues it again);
-                // - nothing uses the memory afterwards: every pointer into it is gone, or is
-                //   stale and refused by emm before it reaches the driver;
-                // - the caller holds a `LiveGuard`, so `ctx` is the context that allocated it.
-                unsafe { driver.mem_free(ctx, *ptr) }
+        // SAFETY: for every arm of the match:
+        // - an entry is queued exactly once, by the last owner of the resource (or by the
+        //   manager's reset, which first removes it from the manager's table so no owner queues
+        //   it again);
+        // - nothing uses the resource afterwards: every handle to it is gone, or is stale and
+        //   refused by emm before it reaches the driver;
+        // - the caller holds a `LiveGuard`, so `ctx` is the context that created it.
+        unsafe {
+            match self {
+                Free::Device { ptr, .. } => driver.mem_free(ctx, *ptr),
+                Free::Host { ptr, .. } => driver.mem_free_host(ctx, *ptr),
+                Free::Stream(s) => driver.stream_destroy(ctx, *s),
+                Free::Event(e) => driver.event_destroy(ctx, *e),
+                Free::Module(m) => driver.module_unload(ctx, *m),
             }
         }
     }
@@ -226,6 +248,19 @@ impl PendingDeallocs {
             inner.items.push_back(item);
         }
         true
+    }
+
+    /// Keeps an error from a destructor (an immediate unpin, say) to be returned by the next
+    /// [`flush`](Self::flush).
+    pub(crate) fn record_error(&self, e: EmmError) {
+        lock(&self.inner).recorded = Some(e);
+    }
+
+    /// Queues a free from a destructor (a stream, event or pinned buffer that dropped) and
+    /// applies the thresholds; errors are recorded for the next flush.
+    pub(crate) fn push_from_drop(&self, item: Free) {
+        self.push_all_without_flush([item]);
+        self.apply_thresholds_from_drop();
     }
 
     /// Applies the thresholds after frees were queued from a destructor, flushing if one is

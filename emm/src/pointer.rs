@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr};
 
 use crate::EmmError;
-use crate::tracker::DeviceTracker;
+use crate::host::HostOwner;
+use crate::tracker::Tracker;
 
 /// Free and total device memory in bytes (Numba's `MemoryInfo(free, total)`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -22,11 +23,17 @@ pub struct MemoryInfo {
 pub type ReleaseFn = Box<dyn FnOnce(DevicePtr, usize) + Send>;
 
 pub(crate) enum Release {
-    /// Owned by a built-in manager's table; `generation` is the table's generation when the
-    /// allocation was made (a reset bumps it and frees everything itself).
+    /// Owned by a built-in manager's table under `key`; `generation` is the table's generation
+    /// when the allocation was made (a reset bumps it and releases everything itself).
     Tracked {
-        tracker: Arc<DeviceTracker>,
+        tracker: Arc<Tracker>,
+        key: u64,
         generation: u64,
+    },
+    /// An opened IPC mapping: released by `IpcHandle::close`, never by the pointer; `open`
+    /// turns false at the close, which makes every pointer into it stale.
+    Mapping {
+        open: Arc<std::sync::atomic::AtomicBool>,
     },
     /// A plugin's own action.
     Custom(Mutex<Option<ReleaseFn>>),
@@ -40,6 +47,9 @@ pub(crate) struct Allocation {
     base: DevicePtr,
     size: usize,
     release: Release,
+    /// Kept alive as long as the memory (the host buffer behind a mapped pin). Dropped after
+    /// `release` ran, since fields drop after `Drop::drop`.
+    _owner: Option<HostOwner>,
 }
 
 impl Drop for Allocation {
@@ -47,9 +57,10 @@ impl Drop for Allocation {
         match &mut self.release {
             Release::Tracked {
                 tracker,
+                key,
                 generation,
             } => {
-                tracker.release(self.base, self.size, *generation);
+                tracker.release(*key, *generation);
             }
             Release::Custom(action) => {
                 let action = action.get_mut().unwrap_or_else(|p| p.into_inner()).take();
@@ -57,7 +68,7 @@ impl Drop for Allocation {
                     action(self.base, self.size);
                 }
             }
-            Release::Unowned => {}
+            Release::Mapping { .. } | Release::Unowned => {}
         }
     }
 }
@@ -88,6 +99,7 @@ impl MemoryPointer {
         base: DevicePtr,
         size: usize,
         release: Release,
+        owner: Option<HostOwner>,
     ) -> MemoryPointer {
         MemoryPointer {
             alloc: Arc::new(Allocation {
@@ -96,6 +108,7 @@ impl MemoryPointer {
                 base,
                 size,
                 release,
+                _owner: owner,
             }),
             offset: 0,
             size,
@@ -117,6 +130,7 @@ impl MemoryPointer {
             base,
             size,
             Release::Custom(Mutex::new(Some(Box::new(release)))),
+            None,
         )
     }
 
@@ -127,7 +141,7 @@ impl MemoryPointer {
         base: DevicePtr,
         size: usize,
     ) -> MemoryPointer {
-        Self::from_release(device, ctx, base, size, Release::Unowned)
+        Self::from_release(device, ctx, base, size, Release::Unowned, None)
     }
 
     /// The device address this pointer starts at (the allocation's base plus the view offset).
@@ -201,7 +215,9 @@ impl MemoryPointer {
             Release::Tracked {
                 tracker,
                 generation,
+                ..
             } => tracker.generation() == *generation,
+            Release::Mapping { open } => open.load(std::sync::atomic::Ordering::Acquire),
             Release::Custom(_) | Release::Unowned => true,
         }
     }

@@ -11,8 +11,10 @@ use crate::EmmError;
 use crate::config::{DeallocConfig, manager_name_from_env};
 use crate::context::{Context, ContextInner};
 use crate::default::{DEFAULT_MANAGER, DefaultManager};
+use crate::ipc::DeviceIdentity;
 use crate::liveness::ContextLiveness;
 use crate::manager::{ManagerContext, ManagerFactory, check_interface_version};
+use crate::objects::ModuleRegistry;
 use crate::sync::{Mutex, lock};
 
 /// Configures a [`Runtime`]. Obtain one with [`Runtime::builder`].
@@ -280,7 +282,14 @@ impl Runtime {
             check_interface_version(m.interface_version())?;
             Ok(m)
         });
-        let manager = match manager {
+        let manager = manager.and_then(|m| {
+            let can_map = self
+                .driver
+                .device_attribute(device, driver_sys::DeviceAttribute::CanMapHostMemory)
+                .map_err(|e| EmmError::driver("device attributes", device, e))?;
+            Ok((m, can_map != 0))
+        });
+        let (manager, can_map_host_memory) = match manager {
             Ok(m) => m,
             Err(e) => {
                 // SAFETY: matches the retain just above; nothing was allocated in it by us.
@@ -291,6 +300,8 @@ impl Runtime {
             }
         };
         tracing::info!(%device, context = %handle, manager = factory.name(), "context created");
+        // The context's own queue: its items have no size, so only the count threshold applies.
+        let own = Arc::new(cx.new_pending_deallocs());
         Ok(Context {
             inner: Arc::new(ContextInner {
                 device,
@@ -298,8 +309,39 @@ impl Runtime {
                 driver: Arc::clone(&self.driver),
                 manager,
                 manager_name: factory.name().to_owned(),
-                liveness: cx.liveness,
+                liveness: Arc::clone(&cx.liveness),
+                modules: Arc::new(ModuleRegistry::new(Arc::clone(&own))),
+                own,
+                can_map_host_memory,
+                cx,
             }),
+        })
+    }
+
+    /// The device whose PCI identity is `identity` (Numba's `Device.from_identity`).
+    pub fn device_with_identity(
+        &self,
+        identity: &DeviceIdentity,
+    ) -> Result<DeviceOrdinal, EmmError> {
+        use driver_sys::DeviceAttribute as A;
+        for d in 0..self.device_count()? {
+            let dev = DeviceOrdinal(d);
+            let attr = |a| {
+                self.driver
+                    .device_attribute(dev, a)
+                    .map_err(|e| EmmError::driver("device identity", dev, e))
+            };
+            let id = DeviceIdentity {
+                pci_domain_id: attr(A::PciDomainId)?,
+                pci_bus_id: attr(A::PciBusId)?,
+                pci_device_id: attr(A::PciDeviceId)?,
+            };
+            if id == *identity {
+                return Ok(dev);
+            }
+        }
+        Err(EmmError::NoDeviceWithIdentity {
+            identity: identity.to_string(),
         })
     }
 
@@ -334,12 +376,17 @@ impl Runtime {
         before.and(reset)
     }
 
-    /// Resets the manager, issues what it still defers, kills the context and releases its
-    /// primary context.
+    /// Resets the context (Numba's order), issues what it still defers, kills the context and
+    /// releases its primary context.
     fn retire(&self, ctx: &Context) -> Result<(), EmmError> {
         let inner = &ctx.inner;
-        let mut reset = inner.manager.reset();
-        if let Some(queue) = inner.manager.deallocations() {
+        let mut reset = ctx.reset();
+        for queue in inner
+            .manager
+            .deallocations()
+            .into_iter()
+            .chain([&inner.own])
+        {
             reset = reset.and(queue.flush_for_teardown().map(|_| ()));
         }
         inner.liveness.kill();

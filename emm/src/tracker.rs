@@ -1,39 +1,54 @@
-//! [`DeviceTracker`]: a built-in manager's table of live device allocations.
+//! [`Tracker`]: a manager's table of live allocations (Numba's `allocations`).
 //!
-//! Numba's managers keep `allocations`, a dict of every live allocation, so that `reset` can
-//! free them all. Here the table maps base address to size, and a generation number makes
-//! pointers that outlive a reset harmless:
+//! The table holds every allocation a reset must free: device memory, mapped host memory and
+//! mapped pinned ranges (unmapped pinned memory is not tracked, as in Numba). Each entry knows
+//! how it is released, and a generation number makes pointers that outlive a reset harmless:
 //!
-//! 1. `memalloc` records the allocation and stamps the pointer with the current generation.
-//! 2. When the last pointer drops, its allocation is removed from the table and a
-//!    [`Free::Device`] is queued, if the generation still matches.
-//! 3. `reset` bumps the generation and queues a free for everything in the table, then flushes.
-//!    Pointers stamped with the old generation release nothing when they drop later, so nothing
-//!    is freed twice.
+//! 1. An allocation is recorded, and its pointer stamped with the current generation.
+//! 2. When the last pointer drops, the entry is removed and released, if the generation still
+//!    matches: device and host frees are queued (the queue is appended under the table's lock,
+//!    so a racing reset finds the entry in one place or the other, never in neither); an unpin
+//!    is done at once (Numba: pinning the same memory again must work right away).
+//! 3. `reset` bumps the generation, releases every entry, then flushes. Pointers stamped with
+//!    the old generation release nothing when they drop later, so nothing is freed twice.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use driver_sys::DevicePtr;
+use driver_sys::{DevicePtr, HostPtr};
 
 use crate::EmmError;
+use crate::manager::ManagerContext;
 use crate::pending::{Free, PendingDeallocs};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
+/// How a tracked allocation is released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Entry {
+    /// `cuMemFree`, deferred.
+    Device { ptr: DevicePtr, bytes: usize },
+    /// `cuMemFreeHost` of mapped pinned memory, deferred.
+    Host { ptr: HostPtr, bytes: usize },
+    /// `cuMemHostUnregister` of a mapped pinned range, at once.
+    Unpin { ptr: HostPtr },
+}
+
 /// Live allocations of one manager, and the queue their frees go to.
 #[derive(Debug)]
-pub(crate) struct DeviceTracker {
-    allocations: Mutex<BTreeMap<DevicePtr, usize>>,
+pub(crate) struct Tracker {
+    cx: ManagerContext,
+    table: Mutex<BTreeMap<u64, Entry>>,
     generation: AtomicU64,
     queue: Arc<PendingDeallocs>,
 }
 
-impl DeviceTracker {
-    pub(crate) fn new(queue: Arc<PendingDeallocs>) -> DeviceTracker {
-        DeviceTracker {
-            allocations: Mutex::new(BTreeMap::new()),
+impl Tracker {
+    pub(crate) fn new(cx: &ManagerContext) -> Tracker {
+        Tracker {
+            cx: cx.clone(),
+            table: Mutex::new(BTreeMap::new()),
             generation: AtomicU64::new(0),
-            queue,
+            queue: Arc::new(cx.new_pending_deallocs()),
         }
     }
 
@@ -41,63 +56,117 @@ impl DeviceTracker {
         &self.queue
     }
 
+    pub(crate) fn context(&self) -> &ManagerContext {
+        &self.cx
+    }
+
     pub(crate) fn generation(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
     }
 
-    /// Records a new allocation; returns the generation to stamp its pointer with.
-    pub(crate) fn record(&self, base: DevicePtr, size: usize) -> u64 {
-        let mut table = lock(&self.allocations);
-        let previous = table.insert(base, size);
+    /// Records a new allocation under `key`; returns the generation to stamp its pointer with.
+    pub(crate) fn record(&self, key: u64, entry: Entry) -> u64 {
+        let mut table = lock(&self.table);
+        let previous = table.insert(key, entry);
         debug_assert!(
             previous.is_none(),
-            "the driver returned {base} twice without a free"
+            "the driver returned {key:#x} twice without a free"
         );
         self.generation()
     }
 
-    /// Number of live allocations.
+    /// Number of live tracked allocations.
     pub(crate) fn live(&self) -> usize {
-        lock(&self.allocations).len()
+        lock(&self.table).len()
     }
 
-    /// The last pointer to `base` dropped.
-    ///
-    /// The free is queued while the table is still locked, so a concurrent `reset` finds the
-    /// allocation either in the table or in the queue, never in neither; the thresholds (and
-    /// any flush they trigger) are applied after the table is unlocked.
-    pub(crate) fn release(&self, base: DevicePtr, size: usize, generation: u64) {
-        {
-            let mut table = lock(&self.allocations);
+    /// The last pointer to the allocation under `key` dropped.
+    pub(crate) fn release(&self, key: u64, generation: u64) {
+        let unpin = {
+            let mut table = lock(&self.table);
             if self.generation() != generation {
-                // A reset already freed it.
+                // A reset already released it.
                 return;
             }
-            table.remove(&base);
-            self.queue.push_all_without_flush([Free::Device {
-                ptr: base,
-                bytes: size,
-            }]);
+            match table.remove(&key) {
+                Some(Entry::Device { ptr, bytes }) => {
+                    self.queue
+                        .push_all_without_flush([Free::Device { ptr, bytes }]);
+                    None
+                }
+                Some(Entry::Host { ptr, bytes }) => {
+                    self.queue
+                        .push_all_without_flush([Free::Host { ptr, bytes }]);
+                    None
+                }
+                Some(Entry::Unpin { ptr }) => Some(ptr),
+                None => None,
+            }
+        };
+        match unpin {
+            Some(ptr) => unpin_now(&self.cx, &self.queue, ptr),
+            None => self.queue.apply_thresholds_from_drop(),
         }
-        self.queue.apply_thresholds_from_drop();
     }
 
-    /// Forgets every allocation and queues its free, then flushes (Numba: `allocations.clear()`
-    /// then `deallocations.clear()`). Inside `defer_cleanup` the frees stay queued.
+    /// Forgets every allocation and releases it, then flushes (Numba: `allocations.clear()`
+    /// then `deallocations.clear()`). Inside `defer_cleanup` the frees stay queued (unpins
+    /// happen at once regardless, as in Numba).
     pub(crate) fn reset(&self) -> Result<usize, EmmError> {
-        let drained: Vec<Free> = {
-            let mut table = lock(&self.allocations);
+        let mut unpins = Vec::new();
+        let n = {
+            let mut table = lock(&self.table);
             self.generation.fetch_add(1, Ordering::AcqRel);
-            std::mem::take(&mut *table)
-                .into_iter()
-                .map(|(ptr, bytes)| Free::Device { ptr, bytes })
-                .collect()
+            let entries = std::mem::take(&mut *table);
+            let n = entries.len();
+            let frees = entries.into_values().filter_map(|e| match e {
+                Entry::Device { ptr, bytes } => Some(Free::Device { ptr, bytes }),
+                Entry::Host { ptr, bytes } => Some(Free::Host { ptr, bytes }),
+                Entry::Unpin { ptr } => {
+                    unpins.push(ptr);
+                    None
+                }
+            });
+            // Queue everything first, then flush once: a threshold crossed half way must not
+            // flush a partial list and leave the rest to a later caller.
+            self.queue.push_all_without_flush(frees);
+            n
         };
-        let n = drained.len();
-        // Queue everything first, then flush once: a threshold crossed half way must not flush
-        // a partial list and leave the rest to a later caller.
-        self.queue.push_all_without_flush(drained);
-        self.queue.flush()?;
-        Ok(n)
+        let mut first_error = None;
+        for ptr in unpins {
+            if let Err(e) = unpin(&self.cx, ptr) {
+                first_error.get_or_insert(e);
+            }
+        }
+        let flushed = self.queue.flush();
+        match first_error {
+            Some(e) => Err(e),
+            None => flushed.map(|_| n),
+        }
     }
+}
+
+/// `cuMemHostUnregister` now, for a pin whose last owner dropped; an error cannot be returned
+/// from a destructor, so it is recorded on the queue and returned by its next flush.
+pub(crate) fn unpin_now(cx: &ManagerContext, queue: &PendingDeallocs, ptr: HostPtr) {
+    if let Err(e) = unpin(cx, ptr) {
+        tracing::error!(device = %cx.device, error = %e, "unpinning host memory failed; the error is returned by the next flush");
+        queue.record_error(e);
+    }
+}
+
+#[allow(unsafe_code)]
+fn unpin(cx: &ManagerContext, ptr: HostPtr) -> Result<(), EmmError> {
+    let Some(_live) = cx.liveness.enter() else {
+        // The context is gone, and its registrations with it.
+        return Ok(());
+    };
+    tracing::debug!(device = %cx.device, host = %ptr, "host memory unpinned");
+    // SAFETY:
+    // - `ptr` was registered by this manager and is unregistered once: its entry (or its
+    //   `PinnedMemory`) is gone, so no other owner does it again;
+    // - the last handle to the range dropped, so nothing uses the mapping afterwards;
+    // - `_live` keeps the context alive during the call.
+    unsafe { cx.driver.mem_host_unregister(cx.context, ptr) }
+        .map_err(|e| EmmError::driver("unpin host memory", cx.device, e))
 }

@@ -19,6 +19,7 @@ fn started() -> MockDriver {
     m.expect_name().return_const("mock");
     m.expect_init().times(1).returning(|| Ok(()));
     m.expect_device_count().returning(|| Ok(1));
+    m.expect_device_attribute().returning(|_, _| Ok(1));
     m.expect_primary_ctx_retain()
         .with(eq(DeviceOrdinal(0)))
         .times(1)

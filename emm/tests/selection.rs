@@ -24,7 +24,7 @@ fn an_unknown_name_lists_the_registered_ones() {
     let err = Runtime::builder(sim())
         .ignore_env()
         .register_manager(FnFactory::new("mine", |cx| {
-            Ok(Box::new(DefaultManager::new(cx)))
+            Ok(Box::new(DefaultManager::default_manager(cx)))
         }))
         .memory_manager_name("pool")
         .build()
@@ -44,7 +44,7 @@ fn a_registered_manager_is_used_by_every_context() {
     let rt = Runtime::builder(sim())
         .ignore_env()
         .register_manager(FnFactory::new("mine", |cx| {
-            Ok(Box::new(DefaultManager::new(cx)))
+            Ok(Box::new(DefaultManager::default_manager(cx)))
         }))
         .memory_manager_name("mine")
         .build()
@@ -55,8 +55,10 @@ fn a_registered_manager_is_used_by_every_context() {
 /// Numba `test_bad_plugin_version`.
 #[test]
 fn test_bad_plugin_version() {
-    let bad =
-        FnFactory::new("bad", |cx| Ok(Box::new(DefaultManager::new(cx)))).with_interface_version(2);
+    let bad = FnFactory::new("bad", |cx| {
+        Ok(Box::new(DefaultManager::default_manager(cx)))
+    })
+    .with_interface_version(2);
     let err = Runtime::builder(sim())
         .ignore_env()
         .memory_manager(bad)
@@ -67,8 +69,10 @@ fn test_bad_plugin_version() {
         "EMM Plugin interface has version 2 - version 1 required"
     );
     let rt = Runtime::builder(sim()).ignore_env().build().unwrap();
-    let bad =
-        FnFactory::new("bad", |cx| Ok(Box::new(DefaultManager::new(cx)))).with_interface_version(2);
+    let bad = FnFactory::new("bad", |cx| {
+        Ok(Box::new(DefaultManager::default_manager(cx)))
+    })
+    .with_interface_version(2);
     let err = rt.set_memory_manager(bad).unwrap_err();
     assert!(err.to_string().contains("version 1 required"), "{err}");
 }
@@ -76,7 +80,11 @@ fn test_bad_plugin_version() {
 #[test]
 fn the_choice_is_fixed_once_a_context_exists() {
     let rt = Runtime::builder(sim()).ignore_env().build().unwrap();
-    let mine = || FnFactory::new("mine", |cx| Ok(Box::new(DefaultManager::new(cx))));
+    let mine = || {
+        FnFactory::new("mine", |cx| {
+            Ok(Box::new(DefaultManager::default_manager(cx)))
+        })
+    };
     rt.set_memory_manager(mine()).unwrap();
     assert_eq!(rt.memory_manager_name(), "mine");
     let ctx = rt.context(0).unwrap();

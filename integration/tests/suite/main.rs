@@ -59,7 +59,6 @@ const TESTS: &[(&str, SuiteFn)] = suite_tests![
     basics::copies_are_bounds_checked,
     basics::initialize_runs_on_every_use,
     basics::test_context_memory,
-    basics::not_yet_built_members_say_not_supported,
     deallocations::test_max_pending_count,
     deallocations::test_max_pending_bytes,
     deallocations::test_defer_cleanup,

@@ -59,7 +59,7 @@ pub fn reset_before_initialize(target: Target) -> Result<(), Failed> {
         dealloc_config: emm::DeallocConfig::default(),
         liveness: std::sync::Arc::new(emm::ContextLiveness::new()),
     };
-    let mm = emm::DefaultManager::new(&mcx);
+    let mm = emm::DefaultManager::default_manager(&mcx);
     use emm::MemoryManager;
     mm.reset()?;
     mm.initialize()?;
