@@ -1,29 +1,5 @@
 //! The host side of every NBEP 7 manager (Numba's `HostOnlyCUDAMemoryManager`), and how a
-//! device-only plugin gets it by composition.
-//!
-//! - [`HostLayer`]: pinned and mapped host allocation (`cuMemHostAlloc`), pinning of existing
-//!   host memory (`cuMemHostRegister`), the allocation table and the deferred-deallocation
-//!   queue, `reset` and `defer_cleanup` for all of it, Numba's out-of-memory retry
-//!   ([`HostLayer::attempt_allocation`]) and IPC handles of `cuMemAlloc` memory
-//!   ([`HostLayer::ipc_handle`], Numba's `GetIpcHandleMixin`).
-//! - [`DeviceAllocator`]: what a plugin that manages device memory only implements.
-//! - [`HostOnly`]: a [`MemoryManager`] made of a [`HostLayer`] and a [`DeviceAllocator`]. It
-//!   calls the host layer's `reset` and `defer_cleanup` itself, so a plugin cannot forget them
-//!   (NBEP 7 asks subclasses to remember to call `super()`).
-//!
-//! Which kinds retry after out-of-memory and which bypass the queue, as in Numba:
-//!
-//! | allocation | retry after a flush | release |
-//! | --- | --- | --- |
-//! | device memory (`cuMemAlloc`) | yes | `cuMemFree`, deferred, counted by size |
-//! | mapped pinned memory (`memhostalloc(mapped)`) | yes | `cuMemFreeHost`, deferred, counted by size |
-//! | unmapped pinned memory | no | `cuMemFreeHost`, deferred, counted as 0 bytes |
-//! | mapped pin (`mempin(mapped)`) | yes | `cuMemHostUnregister` at once (not deferred) |
-//! | unmapped pin | no | `cuMemHostUnregister` at once (not deferred) |
-//!
-//! Unpins bypass the queue and `defer_cleanup` so that pinning the same memory again works at
-//! once. A `reset` frees what the table holds (device memory, mapped memory and mapped pins);
-//! unmapped pinned memory is not tracked and is released only when its handle drops.
+//! device-only plugin gets it by composition; see [`HostLayer`].
 #![allow(unsafe_code)]
 
 use std::any::Any;
@@ -368,8 +344,32 @@ pub enum AllocationKind {
 }
 
 /// The host side every NBEP 7 manager has (Numba's `HostOnlyCUDAMemoryManager`): pinned and
-/// mapped host memory, the allocation table, the deferred-deallocation queue. See the
-/// [module docs](crate::host) for which kinds retry and which bypass the queue.
+/// mapped host memory, the allocation table, the deferred-deallocation queue. A device-only
+/// plugin gets it by composition:
+///
+/// - [`HostLayer`]: pinned and mapped host allocation (`cuMemHostAlloc`), pinning of existing
+///   host memory (`cuMemHostRegister`), the allocation table and the deferred-deallocation
+///   queue, `reset` and `defer_cleanup` for all of it, Numba's out-of-memory retry
+///   ([`HostLayer::attempt_allocation`]) and IPC handles of `cuMemAlloc` memory
+///   ([`HostLayer::ipc_handle`], Numba's `GetIpcHandleMixin`).
+/// - [`DeviceAllocator`]: what a plugin that manages device memory only implements.
+/// - [`HostOnly`]: a [`MemoryManager`] made of a [`HostLayer`] and a [`DeviceAllocator`]. It
+///   calls the host layer's `reset` and `defer_cleanup` itself, so a plugin cannot forget them
+///   (NBEP 7 asks subclasses to remember to call `super()`).
+///
+/// Which kinds retry after out-of-memory and which bypass the queue, as in Numba:
+///
+/// | allocation | retry after a flush | release |
+/// | --- | --- | --- |
+/// | device memory (`cuMemAlloc`) | yes | `cuMemFree`, deferred, counted by size |
+/// | mapped pinned memory (`memhostalloc(mapped)`) | yes | `cuMemFreeHost`, deferred, counted by size |
+/// | unmapped pinned memory | no | `cuMemFreeHost`, deferred, counted as 0 bytes |
+/// | mapped pin (`mempin(mapped)`) | yes | `cuMemHostUnregister` at once (not deferred) |
+/// | unmapped pin | no | `cuMemHostUnregister` at once (not deferred) |
+///
+/// Unpins bypass the queue and `defer_cleanup` so that pinning the same memory again works at
+/// once. A `reset` frees what the table holds (device memory, mapped memory and mapped pins);
+/// unmapped pinned memory is not tracked and is released only when its handle drops.
 #[derive(Debug)]
 pub struct HostLayer {
     tracker: Arc<Tracker>,

@@ -1,19 +1,4 @@
 //! IPC: [`IpcHandle`], and the [`DeviceIdentity`] that names the exporting device.
-//!
-//! # Life of a handle
-//!
-//! 1. The exporting process calls [`Context::get_ipc_handle`](crate::Context::get_ipc_handle)
-//!    on some memory (a view is fine). The handle keeps that memory alive, and knows it is the
-//!    exporter's: opening it there is an error, as in Numba.
-//! 2. [`IpcHandle::to_bytes`] gives bytes to send to another process (over a socket, a pipe, a
-//!    file); [`IpcHandle::from_bytes`] rebuilds the handle there, without the memory.
-//! 3. [`IpcHandle::open`] maps the memory into a context: **directly** when the context's
-//!    device is the exporting device or a peer of it, otherwise **staged**: the handle is
-//!    opened on the exporting device, the bytes are copied into new memory allocated through
-//!    the destination context's own manager, and the mapping is closed again. The staged copy
-//!    belongs to that manager, not to the handle (NBEP 7: staged IPC takes no ownership).
-//! 4. [`IpcHandle::close`] unmaps a direct open; pointers into the mapping become stale. A
-//!    staged copy lives on as ordinary memory. A handle dropped while open is closed then.
 
 use std::fmt;
 use std::sync::Arc;
@@ -59,7 +44,22 @@ enum Opened {
     Staged,
 }
 
-/// An exportable handle to device memory (Numba's `IpcHandle`). See the [module docs](self).
+/// An exportable handle to device memory (Numba's `IpcHandle`).
+///
+/// # Life of a handle
+///
+/// 1. The exporting process calls [`Context::get_ipc_handle`](crate::Context::get_ipc_handle)
+///    on some memory (a view is fine). The handle keeps that memory alive, and knows it is the
+///    exporter's: opening it there is an error, as in Numba.
+/// 2. [`IpcHandle::to_bytes`] gives bytes to send to another process (over a socket, a pipe, a
+///    file); [`IpcHandle::from_bytes`] rebuilds the handle there, without the memory.
+/// 3. [`IpcHandle::open`] maps the memory into a context: **directly** when the context's
+///    device is the exporting device or a peer of it, otherwise **staged**: the handle is
+///    opened on the exporting device, the bytes are copied into new memory allocated through
+///    the destination context's own manager, and the mapping is closed again. The staged copy
+///    belongs to that manager, not to the handle (NBEP 7: staged IPC takes no ownership).
+/// 4. [`IpcHandle::close`] unmaps a direct open; pointers into the mapping become stale. A
+///    staged copy lives on as ordinary memory. A handle dropped while open is closed then.
 pub struct IpcHandle {
     handle: IpcMemHandle,
     size: usize,
