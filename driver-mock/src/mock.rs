@@ -25,6 +25,7 @@ mockall::mock! {
         fn mem_get_address_range(&self, ctx: ContextHandle, ptr: DevicePtr) -> Result<(DevicePtr, usize), DriverError>;
         unsafe fn memcpy_htod(&self, ctx: ContextHandle, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError>;
         unsafe fn memcpy_dtod(&self, ctx: ContextHandle, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DriverError>;
+        unsafe fn memset_d8(&self, ctx: ContextHandle, dst: DevicePtr, value: u8, bytes: usize) -> Result<(), DriverError>;
         fn mem_host_alloc(&self, ctx: ContextHandle, bytes: usize, flags: u32) -> Result<HostPtr, DriverError>;
         unsafe fn mem_free_host(&self, ctx: ContextHandle, ptr: HostPtr) -> Result<(), DriverError>;
         unsafe fn mem_host_register(&self, ctx: ContextHandle, ptr: HostPtr, bytes: usize, flags: u32) -> Result<(), DriverError>;

@@ -163,6 +163,7 @@ pub enum Op {
     MemcpyHtoD,
     MemcpyDtoH,
     MemcpyDtoD,
+    MemsetD8,
     MemHostAlloc,
     MemFreeHost,
     MemHostRegister,
@@ -181,7 +182,7 @@ pub enum Op {
 
 impl Op {
     /// Every operation, in declaration order (for fault sweeps).
-    pub const ALL: [Op; 29] = [
+    pub const ALL: [Op; 30] = [
         Op::Init,
         Op::DeviceCount,
         Op::DeviceTotalMem,
@@ -197,6 +198,7 @@ impl Op {
         Op::MemcpyHtoD,
         Op::MemcpyDtoH,
         Op::MemcpyDtoD,
+        Op::MemsetD8,
         Op::MemHostAlloc,
         Op::MemFreeHost,
         Op::MemHostRegister,
@@ -231,6 +233,7 @@ impl Op {
             Op::MemcpyHtoD => "cuMemcpyHtoD",
             Op::MemcpyDtoH => "cuMemcpyDtoH",
             Op::MemcpyDtoD => "cuMemcpyDtoD",
+            Op::MemsetD8 => "cuMemsetD8",
             Op::MemHostAlloc => "cuMemHostAlloc",
             Op::MemFreeHost => "cuMemFreeHost",
             Op::MemHostRegister => "cuMemHostRegister",
@@ -1364,6 +1367,37 @@ impl Driver for SimDriver {
                     // SAFETY: mapped host memory the caller vouched for; range checked.
                     Loc::Host(at) => unsafe {
                         std::ptr::copy(staging.as_ptr(), at as *mut u8, bytes);
+                    },
+                }
+                Ok(())
+            }),
+        )
+    }
+
+    unsafe fn memset_d8(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        value: u8,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::MemsetD8,
+            Box::new(move |w, pid, note| {
+                note.ptr = Some(dst);
+                note.bytes = Some(bytes);
+                context(w, pid, ctx, note)?;
+                if bytes == 0 {
+                    return Ok(());
+                }
+                match w.resolve(pid, dst.0, bytes)? {
+                    Loc::Store(id, off) => {
+                        w.stores.get_mut(&id).expect("live store").bytes[off..off + bytes]
+                            .fill(value);
+                    }
+                    // SAFETY: mapped host memory the caller vouched for; `resolve` checked the range.
+                    Loc::Host(at) => unsafe {
+                        std::ptr::write_bytes(at as *mut u8, value, bytes);
                     },
                 }
                 Ok(())

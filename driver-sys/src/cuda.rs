@@ -281,6 +281,20 @@ impl Driver for CudaDriver {
         unsafe { result::memcpy_dtod_sync(dst.0, src.0, bytes) }.map_err(err("cuMemcpyDtoD"))
     }
 
+    /// [cuMemsetD8](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    unsafe fn memset_d8(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        value: u8,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller guarantees the range is live memory nobody else uses during the
+        // (synchronous) call (trait contract).
+        unsafe { result::memset_d8_sync(dst.0, value, bytes) }.map_err(err("cuMemsetD8"))
+    }
+
     /// [cuMemHostAlloc](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
     fn mem_host_alloc(
         &self,

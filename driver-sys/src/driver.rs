@@ -165,6 +165,21 @@ pub trait Driver: Send + Sync + fmt::Debug {
         bytes: usize,
     ) -> Result<(), DriverError>;
 
+    /// `cuMemsetD8`: sets `bytes` bytes at `dst` to `value`, synchronously.
+    ///
+    /// # Safety
+    ///
+    /// - `dst .. dst + bytes` lies inside live memory usable from `ctx` (device memory, a
+    ///   mapping, or mapped host memory no Rust reference covers); nothing else uses it during
+    ///   the call.
+    unsafe fn memset_d8(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        value: u8,
+        bytes: usize,
+    ) -> Result<(), DriverError>;
+
     /// `cuMemHostAlloc`: `bytes` of page-locked host memory with `flags` ([`host_alloc`]).
     fn mem_host_alloc(
         &self,

@@ -293,6 +293,82 @@ impl Context {
         .map_err(|e| EmmError::driver("close IPC handle", self.inner.device, e))
     }
 
+    /// Copies the first `bytes` bytes of page-locked host memory `src` to `dst` (a true pinned
+    /// transfer: the driver reads the pinned pages directly).
+    pub fn copy_pinned_to_device(
+        &self,
+        dst: &MemoryPointer,
+        src: &HostMemory,
+        bytes: usize,
+    ) -> Result<(), EmmError> {
+        if bytes > src.size() {
+            return Err(EmmError::OutOfBounds {
+                what: "copy from pinned memory",
+                start: 0,
+                end: bytes,
+                size: src.size(),
+            });
+        }
+        // SAFETY: `src` is live page-locked memory of at least `bytes` bytes (checked above) to
+        // which emm hands out no references; the slice lives only for this synchronous copy.
+        let host = unsafe { std::slice::from_raw_parts(src.host_ptr().0 as *const u8, bytes) };
+        self.copy_to_device(dst, host)
+    }
+
+    /// Copies the first `bytes` bytes of `src` into page-locked host memory `dst`.
+    pub fn copy_device_to_pinned(
+        &self,
+        dst: &HostMemory,
+        src: &MemoryPointer,
+        bytes: usize,
+    ) -> Result<(), EmmError> {
+        if bytes > dst.size() {
+            return Err(EmmError::OutOfBounds {
+                what: "copy into pinned memory",
+                start: 0,
+                end: bytes,
+                size: dst.size(),
+            });
+        }
+        // SAFETY: `dst` is live page-locked memory of at least `bytes` bytes (checked above) to
+        // which emm hands out no references; the slice lives only for this synchronous copy.
+        let host = unsafe { std::slice::from_raw_parts_mut(dst.host_ptr().0 as *mut u8, bytes) };
+        self.copy_to_host(host, src)
+    }
+
+    /// Sets the first `bytes` bytes of `dst` to `value` (`cuMemsetD8`, synchronous; Numba's
+    /// `device_memset`). Works on device memory and on the device side of mapped memory.
+    pub fn memset(&self, dst: &MemoryPointer, value: u8, bytes: usize) -> Result<(), EmmError> {
+        const WHAT: &str = "memset";
+        let _live = self.enter_copy(WHAT, dst, bytes)?;
+        // SAFETY: `enter_copy` checked that `dst` is live memory of this context with room for
+        // `bytes`; `_live` keeps the context alive; emm hands out no references to device or
+        // mapped memory.
+        unsafe {
+            self.inner
+                .driver
+                .memset_d8(self.inner.handle, dst.device_ptr(), value, bytes)
+        }
+        .map_err(|e| EmmError::driver(WHAT, self.inner.device, e))
+    }
+
+    /// Copies the first `bytes` bytes of `src` to the start of `dst`, synchronously
+    /// (`cuMemcpyDtoD`; Numba's `device_to_device`). The ranges must not overlap.
+    pub fn copy_device(
+        &self,
+        dst: &MemoryPointer,
+        src: &MemoryPointer,
+        bytes: usize,
+    ) -> Result<(), EmmError> {
+        const WHAT: &str = "device to device copy";
+        let (d, s) = (dst.device_ptr().0, src.device_ptr().0);
+        if bytes > 0 && d < s + bytes as u64 && s < d + bytes as u64 {
+            return Err(EmmError::OverlappingCopy { bytes });
+        }
+        let _live = self.enter_copy(WHAT, src, bytes)?;
+        self.copy_device_to_device(dst.device_ptr(), src.device_ptr(), bytes, dst)
+    }
+
     /// Copies `bytes` from `src` (any device memory this process can reach, such as an IPC
     /// mapping on another device) to `dst`, which lies at the start of `dst_mem`.
     pub(crate) fn copy_device_to_device(

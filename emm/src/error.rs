@@ -183,6 +183,16 @@ pub enum EmmError {
         size: usize,
     },
 
+    /// A device-to-device copy whose source and destination overlap.
+    #[error(
+        "device to device copy of {bytes} bytes: source and destination overlap; copy through a \
+         separate buffer"
+    )]
+    OverlappingCopy {
+        /// Bytes requested.
+        bytes: usize,
+    },
+
     /// The memory belongs to another context (or device) than the one asked to use it.
     #[error(
         "{what}: the buffer belongs to device {owner}, not device {device}; use the context of \

@@ -217,3 +217,179 @@ fn cuda_driver() -> Result<DriverChoice, String> {
         reason: "a CUDA GPU is present".into(),
     })
 }
+
+/// How the other process opens an IPC handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IpcMode {
+    /// `IpcHandle::open`: direct or staged, as peer access decides.
+    Auto,
+    /// `IpcHandle::open_staged`: forced through the source device.
+    Staged,
+}
+
+impl IpcMode {
+    fn name(self) -> &'static str {
+        match self {
+            IpcMode::Auto => "auto",
+            IpcMode::Staged => "staged",
+        }
+    }
+}
+
+/// What the other process does with an IPC handle: builds its own runtime on `driver`, opens
+/// the handle in device `device`'s context, reads the exported bytes, checks that opening again
+/// is refused with Numba's text, closes it, and checks that a direct mapping is stale after the
+/// close. Returns the bytes read.
+pub fn ipc_child(
+    driver: Arc<dyn Driver>,
+    bytes: &[u8],
+    mode: IpcMode,
+    device: u32,
+) -> Result<Vec<u8>, String> {
+    let rt = Runtime::builder(driver)
+        .ignore_env()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let ctx = rt.context(device).map_err(|e| e.to_string())?;
+    let handle = emm::IpcHandle::from_bytes(bytes).map_err(|e| e.to_string())?;
+    if handle.is_exporter() {
+        return Err("a handle rebuilt from bytes must not be the exporter's".into());
+    }
+    let mem = match mode {
+        IpcMode::Auto => handle.open(&rt, &ctx),
+        IpcMode::Staged => handle.open_staged(&rt, &ctx),
+    }
+    .map_err(|e| format!("open ({}): {e}", mode.name()))?;
+    if mem.size() != handle.size() {
+        return Err(format!(
+            "opened {} bytes, the handle says {}",
+            mem.size(),
+            handle.size()
+        ));
+    }
+    let mut data = vec![0u8; mem.size()];
+    ctx.copy_to_host(&mut data, &mem)
+        .map_err(|e| format!("reading the opened memory: {e}"))?;
+    match handle.open(&rt, &ctx) {
+        Err(e) if e.to_string().contains("IpcHandle is already opened") => {}
+        Err(e) => return Err(format!("reopening gave the wrong error: {e}")),
+        Ok(_) => return Err("reopening an open handle succeeded".into()),
+    }
+    let staged = mode == IpcMode::Staged || !mem.is_live();
+    handle.close().map_err(|e| format!("close: {e}"))?;
+    let mut again = vec![0u8; data.len()];
+    let after = ctx.copy_to_host(&mut again, &mem);
+    match (staged, after) {
+        (false, Err(emm::EmmError::Stale { .. })) => {}
+        (false, other) => {
+            return Err(format!(
+                "a closed direct mapping must be stale, got {other:?}"
+            ));
+        }
+        (true, Ok(())) if again == data => {}
+        (true, other) => {
+            return Err(format!(
+                "a staged copy must outlive the close, got {other:?}"
+            ));
+        }
+    }
+    match handle.close() {
+        Err(e) if e.to_string().contains("IpcHandle not opened") => {}
+        other => {
+            return Err(format!(
+                "closing twice: expected 'IpcHandle not opened', got {other:?}"
+            ));
+        }
+    }
+    Ok(data)
+}
+
+/// The variable that makes the suite binary act as the other process of an IPC test.
+pub const IPC_CHILD_ENV: &str = "EMM_IPC_CHILD";
+
+/// Runs [`ipc_child`] on `target`'s other process: a process spawned on the simulated machine,
+/// or on the GPU a real child process (this executable, re-run with [`IPC_CHILD_ENV`] set; its
+/// `main` must call [`run_ipc_child_if_requested`] first).
+pub fn open_in_other_process(
+    t: &TestCtx,
+    bytes: &[u8],
+    mode: IpcMode,
+    device: u32,
+) -> Result<Vec<u8>, String> {
+    match &t.sim {
+        Some(sim) => {
+            let other = Arc::new(sim.spawn_process());
+            let data = ipc_child(other.clone(), bytes, mode, device)?;
+            let leaks = other.leak_report();
+            if !leaks.is_clean() {
+                return Err(format!("the other process leaked: {leaks}"));
+            }
+            Ok(data)
+        }
+        None => {
+            let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+            let out = std::process::Command::new(exe)
+                .env(IPC_CHILD_ENV, hex(bytes))
+                .env("EMM_IPC_MODE", mode.name())
+                .env("EMM_IPC_DEVICE", device.to_string())
+                .output()
+                .map_err(|e| format!("starting the child process: {e}"))?;
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let line = stdout
+                .lines()
+                .find_map(|l| l.strip_prefix("EMM_IPC_RESULT "))
+                .ok_or_else(|| {
+                    format!(
+                        "the child printed no result (exit {:?}); stderr: {}",
+                        out.status.code(),
+                        String::from_utf8_lossy(&out.stderr)
+                    )
+                })?;
+            match line.split_once(' ') {
+                Some(("ok", data)) => unhex(data),
+                Some(("err", msg)) => Err(format!("in the child process: {msg}")),
+                _ => Err(format!("unreadable child result {line:?}")),
+            }
+        }
+    }
+}
+
+/// If this process was started as the other process of an IPC test, does that job, prints its
+/// result and exits; otherwise returns.
+pub fn run_ipc_child_if_requested() {
+    let Ok(bytes) = std::env::var(IPC_CHILD_ENV) else {
+        return;
+    };
+    let mode = match std::env::var("EMM_IPC_MODE").as_deref() {
+        Ok("staged") => IpcMode::Staged,
+        _ => IpcMode::Auto,
+    };
+    let device = std::env::var("EMM_IPC_DEVICE")
+        .ok()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or(0);
+    let result = unhex(&bytes).and_then(|bytes| {
+        let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
+        ipc_child(driver, &bytes, mode, device)
+    });
+    match result {
+        Ok(data) => println!("EMM_IPC_RESULT ok {}", hex(&data)),
+        Err(e) => println!("EMM_IPC_RESULT err {}", e.replace('\n', " ")),
+    }
+    std::process::exit(0);
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Result<Vec<u8>, String> {
+    let s = s.trim();
+    if !s.len().is_multiple_of(2) {
+        return Err("odd-length hex".into());
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(|e| format!("bad hex: {e}")))
+        .collect()
+}

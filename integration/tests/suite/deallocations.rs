@@ -221,3 +221,142 @@ pub fn oom_inside_defer_cleanup_reports_clear_error(target: Target) -> Result<()
     drop((again, held));
     Ok(())
 }
+
+/// The context's queue and the manager's queue flush without error (Numba's `test_del_*`:
+/// "nothing printed to stderr").
+fn flush_all(ctx: &emm::Context) -> Result<(), Failed> {
+    ctx.deallocations().expect("queue").flush()?;
+    ctx.own_deallocations().flush()?;
+    Ok(())
+}
+
+/// Every driver call of the simulator succeeded.
+fn no_failed_calls(t: &TestCtx) -> Result<(), Failed> {
+    if let Some(sim) = t.sim() {
+        let failed: Vec<_> = sim
+            .calls()
+            .into_iter()
+            .filter(|c| c.outcome.is_err())
+            .collect();
+        ensure!(failed.is_empty(), "failed driver calls: {failed:?}");
+    }
+    Ok(())
+}
+
+/// Numba `test_del_stream`.
+pub fn test_del_stream(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let s = ctx.create_stream()?;
+    drop(s);
+    ensure_eq!(
+        ctx.own_deallocations().len(),
+        1,
+        "the destroy goes to the context's own queue"
+    );
+    ensure_eq!(
+        ctx.deallocations().expect("queue").len(),
+        0,
+        "never to the manager's"
+    );
+    flush_all(&ctx)?;
+    if let Some(sim) = t.sim() {
+        ensure_eq!(sim.count(Op::StreamDestroy), 1);
+    }
+    no_failed_calls(&t)
+}
+
+/// Numba `test_del_event`.
+pub fn test_del_event(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    drop(ctx.create_event(false)?);
+    drop(ctx.create_event(true)?);
+    ensure_eq!(ctx.own_deallocations().len(), 2);
+    flush_all(&ctx)?;
+    if let Some(sim) = t.sim() {
+        ensure_eq!(sim.count(Op::EventDestroy), 2);
+    }
+    no_failed_calls(&t)
+}
+
+/// Numba `test_del_pinned_memory`: unmapped pinned memory's free is deferred, counted as 0 bytes.
+pub fn test_del_pinned_memory(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let queue = ctx.deallocations().expect("queue");
+    queue.flush()?;
+    drop(ctx.memhostalloc(32, false, false, false)?);
+    ensure_eq!(queue.len(), 1);
+    ensure_eq!(
+        queue.pending_bytes(),
+        0,
+        "unmapped pinned memory counts as 0 bytes (Numba)"
+    );
+    flush_all(&ctx)?;
+    no_failed_calls(&t)
+}
+
+/// Numba `test_del_mapped_memory`: mapped memory's free is deferred, counted by size.
+pub fn test_del_mapped_memory(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let queue = ctx.deallocations().expect("queue");
+    queue.flush()?;
+    drop(ctx.memhostalloc(32, true, false, false)?);
+    ensure_eq!(queue.len(), 1);
+    ensure_eq!(queue.pending_bytes(), 32);
+    flush_all(&ctx)?;
+    no_failed_calls(&t)
+}
+
+/// Numba `test_del_device_memory`.
+pub fn test_del_device_memory(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    drop(ctx.memalloc(32)?);
+    flush_all(&ctx)?;
+    no_failed_calls(&t)
+}
+
+fn pin_again_and_again(target: Target, mapped: bool) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let buffer = std::sync::Arc::new(emm::PinnableBuffer::zeroed(8));
+    for _ in 0..2 {
+        drop(ctx.pin(buffer.clone(), mapped)?);
+    }
+    {
+        let _guard = ctx.defer_cleanup()?;
+        for _ in 0..2 {
+            drop(ctx.pin(buffer.clone(), mapped)?);
+        }
+    }
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _pinned = ctx.pin(buffer.clone(), mapped).expect("pin");
+        std::panic::panic_any(crate::EXPECTED_PANIC);
+    }));
+    ensure!(caught.is_err());
+    drop(ctx.pin(buffer.clone(), mapped)?);
+    flush_all(&ctx)?;
+    if let Some(sim) = t.sim() {
+        ensure_eq!(sim.count(Op::MemHostRegister), 6);
+        ensure_eq!(
+            sim.count(Op::MemHostUnregister),
+            6,
+            "every unpin happened at once"
+        );
+    }
+    no_failed_calls(&t)
+}
+
+/// Numba `test_del_pinned_contextmanager`: the same memory can be pinned again at once, inside
+/// `defer_cleanup` too, and after a panic left the scope of an earlier pin.
+pub fn test_del_pinned_contextmanager(target: Target) -> Result<(), Failed> {
+    pin_again_and_again(target, false)
+}
+
+/// Numba `test_del_mapped_contextmanager`: as above, mapped.
+pub fn test_del_mapped_contextmanager(target: Target) -> Result<(), Failed> {
+    pin_again_and_again(target, true)
+}

@@ -11,6 +11,9 @@ use libtest_mimic::{Arguments, Failed, Trial};
 
 /// Fails the test with a message unless the condition holds.
 macro_rules! ensure {
+    ($cond:expr) => {
+        ensure!($cond, "")
+    };
     ($cond:expr, $($msg:tt)+) => {
         if !$cond {
             return Err(libtest_mimic::Failed::from(format!("{} (at {}:{}): {}", stringify!($cond), file!(), line!(), format!($($msg)+))));
@@ -35,9 +38,14 @@ macro_rules! ensure_eq {
 }
 
 mod basics;
+mod context_stack;
+mod cuda_memory;
 mod cuda_only;
 mod deallocations;
 mod driver_conformance;
+mod emm_plugins;
+mod host_alloc;
+mod ipc;
 mod reset;
 
 /// A suite test: runs against one target.
@@ -71,6 +79,41 @@ const TESTS: &[(&str, SuiteFn)] = suite_tests![
     reset::reset_device_makes_old_memory_stale,
     reset::test_reset_device,
     reset::runtime_drop_releases_everything,
+    emm_plugins::test_memalloc,
+    emm_plugins::test_initialized_in_context,
+    emm_plugins::test_reset,
+    emm_plugins::test_get_memory_info,
+    emm_plugins::test_get_ipc_handle,
+    emm_plugins::test_bad_plugin_version,
+    deallocations::test_del_stream,
+    deallocations::test_del_event,
+    deallocations::test_del_pinned_memory,
+    deallocations::test_del_mapped_memory,
+    deallocations::test_del_device_memory,
+    deallocations::test_del_pinned_contextmanager,
+    deallocations::test_del_mapped_contextmanager,
+    cuda_memory::test_device_memory,
+    cuda_memory::test_device_view,
+    cuda_memory::test_host_alloc,
+    cuda_memory::test_pinned_memory,
+    cuda_memory::test_user_extension,
+    cuda_memory::test_memset,
+    cuda_memory::test_d2d,
+    cuda_memory::test_ownership,
+    host_alloc::test_host_alloc_driver,
+    host_alloc::test_host_alloc_pinned,
+    host_alloc::test_host_alloc_mapped,
+    host_alloc::test_pinned,
+    host_alloc::test_unpinned,
+    host_alloc::reset_frees_tracked_host_memory,
+    context_stack::test_attached_primary,
+    context_stack::test_select_device,
+    context_stack::modules_unload_on_drop_and_reset,
+    ipc::test_ipc_handle,
+    ipc::test_ipc_handle_serialization,
+    ipc::test_ipc_array,
+    ipc::test_staged,
+    ipc::ipc_handle_errors,
     driver_conformance::alignment_of_allocations,
     driver_conformance::zero_byte_alloc_is_invalid_value,
     driver_conformance::oversized_alloc_is_out_of_memory,
@@ -99,6 +142,8 @@ const CUDA_ONLY: &[(&str, SuiteFn)] =
 static GPU: Mutex<()> = Mutex::new(());
 
 fn main() {
+    // On the GPU, IPC tests re-run this binary as the other process.
+    integration::run_ipc_child_if_requested();
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("EMM_LOG"))
         .with_test_writer()

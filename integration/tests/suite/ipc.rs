@@ -1,0 +1,137 @@
+//! Numba's `test_ipc.py`: handles exported here, opened in another process (a simulated one, or
+//! a real child process on the GPU), directly and staged.
+
+use emm::{EmmError, IpcHandle};
+use integration::{IpcMode, Target, TestCtx, open_in_other_process};
+use libtest_mimic::Failed;
+
+fn arange(n: i64) -> Vec<u8> {
+    (0..n).flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Numba `test_ipc_handle`: the raw handle bytes and the size go to the other process, which
+/// sees the same data.
+pub fn test_ipc_handle(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let data = arange(10);
+    let mem = ctx.to_device(&data)?;
+    let handle = ctx.get_ipc_handle(&mem)?;
+    ensure_eq!(handle.size(), 80);
+    ensure_eq!(handle.offset(), 0);
+    // Numba's child builds the handle from the 64 bytes and the size alone, without a source.
+    let bare = IpcHandle::new(*handle.handle(), handle.size(), 0, None);
+    let seen = open_in_other_process(&t, &bare.to_bytes(), IpcMode::Auto, 0)?;
+    ensure_eq!(seen, data);
+    Ok(())
+}
+
+/// Numba `test_ipc_handle_serialization`: for four slices, the handle survives the trip to
+/// bytes and back (size, offset and handle equal; the memory stays behind), and the other
+/// process sees exactly the slice.
+pub fn test_ipc_handle_serialization(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let data = arange(10);
+    let mem = ctx.to_device(&data)?;
+    for (start, stop) in [(0, 10), (3, 10), (3, 8), (0, 8)] {
+        let view = mem.view(start * 8, Some(stop * 8))?;
+        let handle = ctx.get_ipc_handle(&view)?;
+        ensure_eq!(
+            handle.offset(),
+            start * 8,
+            "the offset is the view's start from the base"
+        );
+        let back = IpcHandle::from_bytes(&handle.to_bytes())?;
+        ensure!(!back.is_exporter(), "the memory does not travel");
+        ensure_eq!(back.size(), handle.size());
+        ensure_eq!(back.offset(), handle.offset());
+        ensure_eq!(back.handle(), handle.handle());
+        ensure_eq!(back.source(), handle.source());
+        let seen = open_in_other_process(&t, &handle.to_bytes(), IpcMode::Auto, 0)?;
+        ensure_eq!(
+            seen,
+            data[start * 8..stop * 8].to_vec(),
+            "slice {start}..{stop}"
+        );
+    }
+    Ok(())
+}
+
+/// Numba `test_ipc_array`: in the exporting process opening is refused, and closing what is not
+/// open is refused; in the other process the data arrives and a second open is refused with
+/// "IpcHandle is already opened" (checked by the other process).
+pub fn test_ipc_array(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let data = arange(10);
+    let mem = ctx.to_device(&data)?;
+    let handle = ctx.get_ipc_handle(&mem)?;
+    ensure!(handle.is_exporter());
+    match handle.open(&t.runtime, &ctx) {
+        Err(e @ EmmError::Ipc { .. }) => {
+            ensure!(
+                e.to_string()
+                    .starts_with("opening IpcHandle from original process"),
+                "{e}"
+            )
+        }
+        other => return Err(format!("opening in the exporting process: {other:?}").into()),
+    }
+    match handle.close() {
+        Err(e) => ensure!(e.to_string().starts_with("IpcHandle not opened"), "{e}"),
+        Ok(()) => return Err("closing an unopened handle succeeded".into()),
+    }
+    let seen = open_in_other_process(&t, &handle.to_bytes(), IpcMode::Auto, 0)?;
+    ensure_eq!(seen, data);
+    Ok(())
+}
+
+/// Numba `TestIpcStaged.test_staged`: for every device, the other process opens through the
+/// staged path (forced, since the devices may be peers) and gets the data; the staged copy is
+/// its own memory.
+pub fn test_staged(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let data = arange(10);
+    let mem = ctx.to_device(&data)?;
+    let view = mem.view(16, Some(64))?;
+    let handle = ctx.get_ipc_handle(&view)?;
+    let bytes = handle.to_bytes();
+    for device in 0..t.runtime.device_count()? {
+        let seen = open_in_other_process(&t, &bytes, IpcMode::Staged, device)?;
+        ensure_eq!(
+            seen,
+            data[16..64].to_vec(),
+            "staged through device {device}"
+        );
+    }
+    Ok(())
+}
+
+/// A staged open without a source device is refused with Numba's text; garbled bytes are a
+/// clear error.
+pub fn ipc_handle_errors(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let mem = ctx.to_device(&[1u8; 8])?;
+    let handle = ctx.get_ipc_handle(&mem)?;
+    let bare = IpcHandle::new(*handle.handle(), 8, 0, None);
+    match bare.open_staged(&t.runtime, &ctx) {
+        Err(e) => ensure!(
+            e.to_string()
+                .starts_with("IPC handle doesn't have source info"),
+            "{e}"
+        ),
+        Ok(_) => return Err("a staged open without a source succeeded".into()),
+    }
+    let mut bytes = handle.to_bytes();
+    bytes.truncate(50);
+    let e = IpcHandle::from_bytes(&bytes).expect_err("truncated");
+    ensure!(e.to_string().contains("50 bytes instead of 101"), "{e}");
+    let mut bytes = handle.to_bytes();
+    bytes[6] = 9;
+    let e = IpcHandle::from_bytes(&bytes).expect_err("other version");
+    ensure!(e.to_string().contains("format version 9"), "{e}");
+    Ok(())
+}
