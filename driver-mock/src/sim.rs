@@ -28,8 +28,6 @@ const IPC_SPACE_OFFSET: u64 = 1 << 39;
 const CONTEXT_HANDLE_BASE: u64 = 0x5c00_0000_0000;
 const HANDLE_BASE: u64 = 0x5d00_0000_0000;
 const IPC_MAGIC: &[u8; 8] = b"EMMSIMIP";
-/// `CUDA_ERROR_INVALID_IMAGE`.
-const INVALID_IMAGE: u32 = 200;
 
 /// One simulated device.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -1652,7 +1650,7 @@ impl Driver for SimDriver {
                 note.bytes = Some(image.len());
                 let i = context(w, pid, ctx, note)?;
                 if !plausible_image(image) {
-                    return Err(INVALID_IMAGE);
+                    return Err(code::INVALID_IMAGE);
                 }
                 let h = w.new_handle();
                 w.processes[pid].modules.insert(h, i);

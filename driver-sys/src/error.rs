@@ -25,6 +25,8 @@ pub mod code {
     pub const NO_DEVICE: u32 = 100;
     /// `CUDA_ERROR_INVALID_DEVICE`.
     pub const INVALID_DEVICE: u32 = 101;
+    /// `CUDA_ERROR_INVALID_IMAGE`.
+    pub const INVALID_IMAGE: u32 = 200;
     /// `CUDA_ERROR_INVALID_CONTEXT`.
     pub const INVALID_CONTEXT: u32 = 201;
     /// `CUDA_ERROR_MAP_FAILED`.
@@ -200,6 +202,7 @@ pub fn describe_code(raw: u32) -> (&'static str, &'static str) {
         ),
         code::NO_DEVICE => ("CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"),
         code::INVALID_DEVICE => ("CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"),
+        code::INVALID_IMAGE => ("CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"),
         code::INVALID_CONTEXT => ("CUDA_ERROR_INVALID_CONTEXT", "invalid device context"),
         code::MAP_FAILED => ("CUDA_ERROR_MAP_FAILED", "mapping of buffer object failed"),
         code::ALREADY_MAPPED => ("CUDA_ERROR_ALREADY_MAPPED", "resource already mapped"),

@@ -41,6 +41,67 @@ fn reset(d: &dyn Driver, dev: DeviceOrdinal) -> Result<(), DriverError> {
     unsafe { d.primary_ctx_reset(dev) }
 }
 
+fn free_host(
+    d: &dyn Driver,
+    ctx: ContextHandle,
+    p: driver_sys::HostPtr,
+) -> Result<(), DriverError> {
+    // SAFETY: frees what the probe allocated, or shows the refusal of a second free.
+    unsafe { d.mem_free_host(ctx, p) }
+}
+
+fn register(
+    d: &dyn Driver,
+    ctx: ContextHandle,
+    p: driver_sys::HostPtr,
+    n: usize,
+    flags: u32,
+) -> Result<(), DriverError> {
+    // SAFETY: `p` is the probe's own live buffer, untouched by references while registered.
+    unsafe { d.mem_host_register(ctx, p, n, flags) }
+}
+
+fn unregister(
+    d: &dyn Driver,
+    ctx: ContextHandle,
+    p: driver_sys::HostPtr,
+) -> Result<(), DriverError> {
+    // SAFETY: unregisters the probe's own buffer, or shows the refusal.
+    unsafe { d.mem_host_unregister(ctx, p) }
+}
+
+fn close_ipc(d: &dyn Driver, ctx: ContextHandle, p: DevicePtr) -> Result<(), DriverError> {
+    // SAFETY: `p` was never opened; the driver must refuse.
+    unsafe { d.ipc_close_mem_handle(ctx, p) }
+}
+
+fn destroy_stream(
+    d: &dyn Driver,
+    ctx: ContextHandle,
+    s: driver_sys::StreamHandle,
+) -> Result<(), DriverError> {
+    // SAFETY: the probe's own stream, destroyed once.
+    unsafe { d.stream_destroy(ctx, s) }
+}
+
+fn destroy_event(
+    d: &dyn Driver,
+    ctx: ContextHandle,
+    e: driver_sys::EventHandle,
+) -> Result<(), DriverError> {
+    // SAFETY: the probe's own event, destroyed once.
+    unsafe { d.event_destroy(ctx, e) }
+}
+
+fn unload(
+    d: &dyn Driver,
+    ctx: ContextHandle,
+    m: driver_sys::ModuleHandle,
+) -> Result<(), DriverError> {
+    // SAFETY: the probe's own module, unloaded once, never launched.
+    unsafe { d.module_unload(ctx, m) }
+}
+
 fn show<T: std::fmt::Debug>(what: &str, r: Result<T, driver_sys::DriverError>) {
     match r {
         Ok(v) => println!("{what:<48} Ok({v:?})"),
@@ -189,6 +250,88 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     show(
         "cuDevicePrimaryCtxRetain(device 99)",
         d.primary_ctx_retain(DeviceOrdinal(99)),
+    );
+
+    println!("\n-- host memory, IPC, streams, modules");
+    use driver_sys::{host_alloc, host_register};
+    show("cuMemHostAlloc(0)", d.mem_host_alloc(ctx, 0, 0));
+    let h = d.mem_host_alloc(ctx, 4096, 0)?;
+    show(
+        "device pointer of unmapped cuMemHostAlloc memory",
+        d.mem_host_get_device_pointer(ctx, h),
+    );
+    show("cuMemFreeHost", free_host(&*d, ctx, h));
+    show("cuMemFreeHost again", free_host(&*d, ctx, h));
+    let hm = d.mem_host_alloc(ctx, 4096, host_alloc::DEVICEMAP)?;
+    show(
+        "device pointer of mapped memory (same as host?)",
+        d.mem_host_get_device_pointer(ctx, hm)
+            .map(|p| (p, p.0 == hm.0 as u64)),
+    );
+    show("cuMemFreeHost(mapped)", free_host(&*d, ctx, hm));
+    let mut buf = vec![0u8; 8192];
+    let hp = driver_sys::HostPtr(buf.as_mut_ptr() as usize);
+    show(
+        "cuMemHostRegister(0 flags)",
+        register(&*d, ctx, hp, 8192, 0),
+    );
+    show(
+        "device pointer of registered, unmapped range",
+        d.mem_host_get_device_pointer(ctx, hp),
+    );
+    show("cuMemHostRegister again", register(&*d, ctx, hp, 8192, 0));
+    show("cuMemHostUnregister", unregister(&*d, ctx, hp));
+    show("cuMemHostUnregister again", unregister(&*d, ctx, hp));
+    show(
+        "cuMemHostRegister(DEVICEMAP)",
+        register(&*d, ctx, hp, 8192, host_register::DEVICEMAP),
+    );
+    show(
+        "device pointer of registered, mapped range",
+        d.mem_host_get_device_pointer(ctx, hp)
+            .map(|p| (p, p.0 == hp.0 as u64)),
+    );
+    show("cuMemHostUnregister", unregister(&*d, ctx, hp));
+    show("cuMemHostRegister(0 bytes)", register(&*d, ctx, hp, 0, 0));
+    drop(buf);
+    let a = d.mem_alloc(ctx, 1 << 20)?;
+    show(
+        "cuIpcGetMemHandle(base)",
+        d.ipc_get_mem_handle(ctx, a).map(|_| "ok"),
+    );
+    show(
+        "cuIpcGetMemHandle(base + 4096)",
+        d.ipc_get_mem_handle(ctx, DevicePtr(a.0 + 4096))
+            .map(|_| "ok"),
+    );
+    let ih = d.ipc_get_mem_handle(ctx, a)?;
+    show(
+        "cuIpcOpenMemHandle in the exporting process",
+        d.ipc_open_mem_handle(ctx, &ih),
+    );
+    show(
+        "cuIpcOpenMemHandle of garbage",
+        d.ipc_open_mem_handle(ctx, &driver_sys::IpcMemHandle([7; 64])),
+    );
+    show("cuIpcCloseMemHandle(never opened)", close_ipc(&*d, ctx, a));
+    free(&*d, ctx, a)?;
+    let s = d.stream_create(ctx, 0)?;
+    show("cuStreamDestroy", destroy_stream(&*d, ctx, s));
+    let e = d.event_create(ctx, 2)?;
+    show("cuEventDestroy", destroy_event(&*d, ctx, e));
+    show(
+        "cuModuleLoadData(garbage)",
+        d.module_load_data(ctx, b"not an image"),
+    );
+    let ptx = ".version 8.0\n.target sm_90\n.address_size 64\n\n.visible .entry emm_noop()\n{\n\tret;\n}\n";
+    let m = d.module_load_data(ctx, ptx.as_bytes());
+    show("cuModuleLoadData(PTX)", m.clone());
+    if let Ok(m) = m {
+        show("cuModuleUnload", unload(&*d, ctx, m));
+    }
+    show(
+        "cuDeviceCanAccessPeer(0, 0)",
+        d.device_can_access_peer(dev, dev),
     );
 
     println!("\n-- primary context life");
