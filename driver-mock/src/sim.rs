@@ -707,6 +707,10 @@ impl World {
 ///   own and sees the same bytes. Opening in the exporting process, twice in one process, or on
 ///   a device that is not a peer of the allocation's fails as on the GPU. The memory lives while
 ///   any process maps it.
+/// - **Host memory** as measured: `cuMemHostAlloc(0)` succeeds with the null pointer; pinned
+///   and registered memory has a device address (the host address) whatever the flags.
+/// - **Host memory** as measured: `cuMemHostAlloc(0)` succeeds with the null pointer; pinned
+///   and registered memory has a device address (the host address) whatever the flags.
 /// - **Contract checking** with the real driver's codes: zero-byte allocations, unknown or
 ///   interior pointers, double frees and out-of-range copies give `CUDA_ERROR_INVALID_VALUE`
 ///   (freeing the null pointer succeeds); a request larger than what is free gives
@@ -1083,10 +1087,8 @@ impl Driver for SimDriver {
             Box::new(move |w, _, note| {
                 note.device = Some(dev);
                 let (a, b) = (device_index(w, dev)?, device_index(w, peer)?);
-                if a == b {
-                    return Err(code::INVALID_DEVICE);
-                }
-                Ok(w.peer_access)
+                // Measured on the GPU: a device is not its own peer.
+                Ok(a != b && w.peer_access)
             }),
         )
     }
@@ -1416,8 +1418,12 @@ impl Driver for SimDriver {
                 let i = context(w, pid, ctx, note)?;
                 let known =
                     host_alloc::PORTABLE | host_alloc::DEVICEMAP | host_alloc::WRITECOMBINED;
-                if bytes == 0 || flags & !known != 0 {
+                if flags & !known != 0 {
                     return Err(code::INVALID_VALUE);
+                }
+                if bytes == 0 {
+                    // Measured on the GPU: success, with the null pointer.
+                    return Ok(HostPtr(0));
                 }
                 let mapped = flags & host_alloc::DEVICEMAP != 0;
                 if mapped && !w.devices[i].config.can_map_host_memory {
@@ -1453,6 +1459,9 @@ impl Driver for SimDriver {
             Box::new(move |w, pid, note| {
                 note.host = Some(ptr);
                 context(w, pid, ctx, note)?;
+                if ptr.is_null() {
+                    return Ok(());
+                }
                 let p = &mut w.processes[pid];
                 match p.host.get(&ptr.0) {
                     Some(HostRange {
@@ -1512,7 +1521,9 @@ impl Driver for SimDriver {
                     HostRange {
                         size: bytes,
                         device: i,
-                        mapped: mapped && w.devices[i].config.can_map_host_memory,
+                        // Measured on the GPU: with unified addressing a registered range has a device
+                        // address whether or not DEVICEMAP was asked for.
+                        mapped: w.devices[i].config.can_map_host_memory,
                         portable: flags & host_register::PORTABLE != 0,
                         kind: HostKind::Registered,
                     },
@@ -1688,11 +1699,12 @@ impl Driver for SimDriver {
                 note.ptr = Some(ptr);
                 context(w, pid, ctx, note)?;
                 for (i, d) in w.devices.iter().enumerate() {
-                    if let Some(a) = d.allocs.get(&ptr.0)
+                    // Measured on the GPU: an address inside the allocation names it too.
+                    if let Some((base, a)) = d.containing(ptr.0)
                         && a.owner == pid
                     {
                         note.bytes = Some(a.size);
-                        return Ok(encode_ipc(pid, i, a.store, ptr.0, a.size));
+                        return Ok(encode_ipc(pid, i, a.store, base, a.size));
                     }
                 }
                 Err(code::INVALID_VALUE)

@@ -320,3 +320,95 @@ pub fn mem_get_info_accounts_large_allocations(target: Target) -> Result<(), Fai
     ensure_eq!(after.free, before.free);
     Ok(())
 }
+
+/// Measured on the H200: `cuMemHostAlloc(0)` succeeds with the null pointer, which
+/// `cuMemFreeHost` accepts; any pinned memory (mapped or not) and any registered range has a
+/// device address equal to its host address (unified addressing); registering twice and
+/// unregistering twice give the dedicated codes.
+pub fn host_memory_conformance(target: Target) -> Result<(), Failed> {
+    use driver_sys::{HostPtr, host_register};
+    let raw = Raw::new(target)?;
+    let (d, ctx) = (&raw.driver, raw.ctx);
+    let null = d.mem_host_alloc(ctx, 0, 0)?;
+    ensure_eq!(null, HostPtr(0));
+    // SAFETY: freeing the null pointer the driver returned.
+    unsafe { d.mem_free_host(ctx, null)? };
+    let h = d.mem_host_alloc(ctx, 4096, 0)?;
+    ensure_eq!(
+        d.mem_host_get_device_pointer(ctx, h)?.0,
+        h.0 as u64,
+        "unmapped pinned memory"
+    );
+    // SAFETY: allocated just above, freed once.
+    unsafe { d.mem_free_host(ctx, h)? };
+    // SAFETY: freed already; the driver must refuse.
+    let r = unsafe { d.mem_free_host(ctx, h) };
+    expect_kind("cuMemFreeHost twice", r, ErrorKind::InvalidValue)?;
+    let buf = std::sync::Arc::new(emm::PinnableBuffer::zeroed(8192));
+    let p = buf.host_ptr();
+    for flags in [0, host_register::DEVICEMAP] {
+        // SAFETY: `buf` is alive for the whole test and only reached through copies.
+        unsafe { d.mem_host_register(ctx, p, 8192, flags)? };
+        ensure_eq!(
+            d.mem_host_get_device_pointer(ctx, p)?.0,
+            p.0 as u64,
+            "registered with flags {flags}"
+        );
+        // SAFETY: as above; registering the same range again must be refused.
+        let again = unsafe { d.mem_host_register(ctx, p, 8192, flags) };
+        expect_kind(
+            "register twice",
+            again,
+            ErrorKind::HostMemoryAlreadyRegistered,
+        )?;
+        // SAFETY: registered above; nothing uses the mapping afterwards.
+        unsafe { d.mem_host_unregister(ctx, p)? };
+        // SAFETY: not registered any more; the driver must refuse.
+        let again = unsafe { d.mem_host_unregister(ctx, p) };
+        expect_kind(
+            "unregister twice",
+            again,
+            ErrorKind::HostMemoryNotRegistered,
+        )?;
+    }
+    // SAFETY: a zero-byte registration must be refused.
+    let zero = unsafe { d.mem_host_register(ctx, p, 0, 0) };
+    expect_kind("register 0 bytes", zero, ErrorKind::InvalidValue)?;
+    Ok(())
+}
+
+/// Measured on the H200: an IPC handle may be taken at an address inside an allocation (it names
+/// the allocation); opening a handle in the exporting process is `CUDA_ERROR_INVALID_CONTEXT`,
+/// garbage handles and closing what was never opened `CUDA_ERROR_INVALID_VALUE`; a device is
+/// not its own peer.
+pub fn ipc_and_peer_conformance(target: Target) -> Result<(), Failed> {
+    let raw = Raw::new(target)?;
+    let (d, ctx) = (&raw.driver, raw.ctx);
+    let a = d.mem_alloc(ctx, 1 << 20)?;
+    let whole = d.ipc_get_mem_handle(ctx, a)?;
+    d.ipc_get_mem_handle(ctx, DevicePtr(a.0 + 4096))?;
+    expect_kind(
+        "open in the exporting process",
+        d.ipc_open_mem_handle(ctx, &whole),
+        ErrorKind::InvalidContext,
+    )?;
+    let garbage = driver_sys::IpcMemHandle([7; 64]);
+    expect_kind(
+        "open garbage",
+        d.ipc_open_mem_handle(ctx, &garbage),
+        ErrorKind::InvalidValue,
+    )?;
+    // SAFETY: never opened; the driver must refuse.
+    let close = unsafe { d.ipc_close_mem_handle(ctx, a) };
+    expect_kind("close unopened", close, ErrorKind::InvalidValue)?;
+    raw.free(a)?;
+    ensure_eq!(
+        d.device_can_access_peer(DeviceOrdinal(0), DeviceOrdinal(0))?,
+        false
+    );
+    let bad = d.module_load_data(ctx, b"not an image");
+    match bad {
+        Err(e) if e.raw_code() == Some(driver_sys::code::INVALID_IMAGE) => Ok(()),
+        other => Err(format!("garbage module image: {other:?}").into()),
+    }
+}

@@ -127,6 +127,8 @@ const TESTS: &[(&str, SuiteFn)] = suite_tests![
     driver_conformance::free_of_null_is_a_no_op,
     driver_conformance::released_context_is_destroyed,
     driver_conformance::reset_destroys_context_until_retained,
+    driver_conformance::host_memory_conformance,
+    driver_conformance::ipc_and_peer_conformance,
 ];
 
 /// The payload of the panic `test_exception` raises on purpose; the panic hook stays quiet
