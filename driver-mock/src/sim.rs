@@ -523,6 +523,8 @@ struct IpcMap {
     store: u64,
     size: usize,
     span: usize,
+    /// Opens not yet closed: the driver reference-counts repeated opens in one context.
+    opens: usize,
 }
 
 #[derive(Debug)]
@@ -704,8 +706,10 @@ impl World {
 ///   copy to its device address lands in the host bytes.
 /// - **Processes and IPC.** [`SimDriver::spawn_process`] gives another process on the same
 ///   machine. An IPC handle names an allocation; another process opens it at an address of its
-///   own and sees the same bytes. Opening in the exporting process, twice in one process, or on
-///   a device that is not a peer of the allocation's fails as on the GPU. The memory lives while
+///   own and sees the same bytes; opening it again in the same context returns the same address
+///   and counts the opens (the driver's documented behaviour), and each close undoes one. Opening
+///   in the exporting process, or on a device that is not a peer of the allocation's, fails as
+///   on the GPU. The memory lives while
 ///   any process maps it.
 /// - **Host memory** as measured: `cuMemHostAlloc(0)` succeeds with the null pointer; pinned
 ///   and registered memory has a device address (the host address) whatever the flags.
@@ -1741,8 +1745,16 @@ impl Driver for SimDriver {
                     // Freed by the exporter before the open.
                     return Err(code::INVALID_VALUE);
                 }
-                if w.processes[pid].ipc.values().any(|m| m.store == store) {
-                    return Err(code::ALREADY_MAPPED);
+                // The driver's documentation: a handle opened again by the same context gets the
+                // existing pointer, its reference count raised.
+                if let Some((&addr, m)) = w.processes[pid]
+                    .ipc
+                    .iter_mut()
+                    .find(|(_, m)| m.store == store && m.device == i)
+                {
+                    m.opens += 1;
+                    note.ptr = Some(DevicePtr(addr));
+                    return Ok(DevicePtr(addr));
                 }
                 let span = size.next_multiple_of(PAGE_SIZE);
                 let region = DeviceMem::base(i) + IPC_SPACE_OFFSET;
@@ -1762,6 +1774,7 @@ impl Driver for SimDriver {
                         store,
                         size,
                         span,
+                        opens: 1,
                     },
                 );
                 note.ptr = Some(DevicePtr(addr));
@@ -1783,9 +1796,13 @@ impl Driver for SimDriver {
                 context(w, pid, ctx, note)?;
                 let m = w.processes[pid]
                     .ipc
-                    .remove(&ptr.0)
+                    .get_mut(&ptr.0)
                     .ok_or(code::INVALID_VALUE)?;
-                w.drop_store(m.store);
+                m.opens -= 1;
+                if m.opens == 0 {
+                    let m = w.processes[pid].ipc.remove(&ptr.0).expect("present");
+                    w.drop_store(m.store);
+                }
                 Ok(())
             }),
         )

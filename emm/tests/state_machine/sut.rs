@@ -1,0 +1,236 @@
+//! The system under test: a runtime over the simulator, plus a second simulated process that
+//! opens the exported IPC handles.
+
+use std::sync::Arc;
+
+use driver_mock::{SimConfig, SimDriver};
+use driver_sys::DeviceOrdinal;
+use emm::{
+    Context, DeallocConfig, DeferCleanup, HostMemory, IpcHandle, MemoryPointer, PinnableBuffer,
+    Runtime,
+};
+use proptest_state_machine::StateMachineTest;
+
+use crate::reference::{Kind, MAX_PENDING_BYTES, MAX_PENDING_COUNT, Model, Transition};
+
+const TOTAL: usize = 1 << 30;
+
+pub enum Handle {
+    Mem(MemoryPointer),
+    Host(HostMemory),
+}
+
+pub struct Export {
+    handle: IpcHandle,
+    imported: Option<(IpcHandle, MemoryPointer)>,
+}
+
+pub struct Sut {
+    sim: Arc<SimDriver>,
+    ctx: Context,
+    other: Arc<SimDriver>,
+    other_rt: Runtime,
+    other_ctx: Context,
+    handles: Vec<Handle>,
+    guards: Vec<DeferCleanup>,
+    exports: Vec<Export>,
+    // Dropped last: the runtimes own the contexts' teardown.
+    _rt: Runtime,
+}
+
+pub struct ContextSut;
+
+fn runtime(driver: Arc<SimDriver>) -> Runtime {
+    let config = DeallocConfig {
+        max_count: MAX_PENDING_COUNT,
+        max_ratio: MAX_PENDING_BYTES as f64 / TOTAL as f64,
+    };
+    Runtime::builder(driver)
+        .ignore_env()
+        .dealloc_config(config)
+        .build()
+        .expect("runtime")
+}
+
+impl StateMachineTest for ContextSut {
+    type SystemUnderTest = Sut;
+    type Reference = Model;
+
+    fn init_test(_: &Model) -> Sut {
+        let sim = Arc::new(SimDriver::new(SimConfig::single(TOTAL)));
+        let other = Arc::new(sim.spawn_process());
+        let rt = runtime(sim.clone());
+        let other_rt = runtime(other.clone());
+        let ctx = rt.context(0).expect("context");
+        let other_ctx = other_rt.context(0).expect("other context");
+        assert_eq!(
+            ctx.deallocations().unwrap().max_pending_bytes(),
+            MAX_PENDING_BYTES
+        );
+        Sut {
+            sim,
+            ctx,
+            other,
+            other_rt,
+            other_ctx,
+            handles: Vec::new(),
+            guards: Vec::new(),
+            exports: Vec::new(),
+            _rt: rt,
+        }
+    }
+
+    fn apply(mut s: Sut, model: &Model, t: Transition) -> Sut {
+        match t {
+            Transition::Alloc(kind, bytes) => {
+                let h = match kind {
+                    Kind::Device => Handle::Mem(s.ctx.memalloc(bytes).expect("memalloc")),
+                    Kind::Mapped | Kind::Pinned => Handle::Host(
+                        s.ctx
+                            .memhostalloc(bytes, kind == Kind::Mapped, false, false)
+                            .expect("memhostalloc"),
+                    ),
+                    Kind::MappedPin | Kind::Pin => Handle::Host(
+                        s.ctx
+                            .pin(
+                                Arc::new(PinnableBuffer::zeroed(bytes)),
+                                kind == Kind::MappedPin,
+                            )
+                            .expect("pin"),
+                    ),
+                };
+                s.handles.push(h);
+            }
+            Transition::Clone(i) => {
+                let h = match &s.handles[i.index(s.handles.len())] {
+                    Handle::Mem(m) => Handle::Mem(m.clone()),
+                    Handle::Host(HostMemory::Mapped(m)) => {
+                        Handle::Host(HostMemory::Mapped(m.clone()))
+                    }
+                    Handle::Host(HostMemory::Pinned(_)) => unreachable!("precondition: shareable"),
+                };
+                s.handles.push(h);
+            }
+            Transition::View(i) => {
+                let Handle::Mem(m) = &s.handles[i.index(s.handles.len())] else {
+                    unreachable!("precondition: device memory")
+                };
+                let v = m.view(m.size() / 2, None).expect("view");
+                s.handles.push(Handle::Mem(v));
+            }
+            Transition::Drop(i) => {
+                let n = s.handles.len();
+                drop(s.handles.swap_remove(i.index(n)));
+            }
+            Transition::EnterDefer => s.guards.push(s.ctx.defer_cleanup().expect("guard")),
+            Transition::LeaveDefer => drop(s.guards.pop()),
+            Transition::Flush => {
+                s.ctx.deallocations().unwrap().flush().expect("flush");
+            }
+            Transition::Initialize => {
+                let again = s._rt.context(0).expect("context");
+                assert_eq!(again.handle(), s.ctx.handle());
+            }
+            Transition::Reset => s.ctx.reset().expect("reset"),
+            Transition::IpcExport(i) => {
+                let Handle::Mem(m) = &s.handles[i.index(s.handles.len())] else {
+                    unreachable!("precondition: device memory")
+                };
+                let handle = s.ctx.get_ipc_handle(m).expect("export");
+                s.exports.push(Export {
+                    handle,
+                    imported: None,
+                });
+            }
+            Transition::IpcOpen(i) => {
+                let n = s.exports.len();
+                let e = &mut s.exports[i.index(n)];
+                let imported = IpcHandle::from_bytes(&e.handle.to_bytes()).expect("bytes");
+                let mem = imported
+                    .open(&s.other_rt, &s.other_ctx)
+                    .expect("open in the other process");
+                e.imported = Some((imported, mem));
+            }
+            Transition::IpcClose(i) => {
+                let n = s.exports.len();
+                let (imported, mem) = s.exports[i.index(n)].imported.take().expect("open");
+                imported.close().expect("close");
+                assert!(!mem.is_live(), "pointers of a closed handle are stale");
+            }
+            Transition::DropExport(i) => {
+                let n = s.exports.len();
+                drop(s.exports.swap_remove(i.index(n)));
+            }
+        }
+        let _ = model;
+        s
+    }
+
+    fn check_invariants(s: &Sut, model: &Model) {
+        let queue = s.ctx.deallocations().unwrap();
+        assert_eq!(queue.len(), model.pending.len(), "pending frees");
+        assert_eq!(queue.pending_bytes(), model.pending_bytes, "pending bytes");
+        assert_eq!(queue.is_disabled(), model.defer > 0, "defer_cleanup");
+        let leaks = s.sim.leak_report();
+        assert_eq!(
+            s.sim.live_allocations(DeviceOrdinal(0)).len(),
+            model.device_live,
+            "device allocations the driver holds"
+        );
+        assert_eq!(
+            leaks.host_allocations.len(),
+            model.host_live,
+            "pinned host allocations the driver holds"
+        );
+        assert_eq!(
+            leaks.host_registrations.len(),
+            model.pins_live,
+            "registered host ranges"
+        );
+        let failed: Vec<_> = s
+            .sim
+            .calls()
+            .into_iter()
+            .filter(|c| c.outcome.is_err())
+            .collect();
+        assert!(
+            failed.is_empty(),
+            "failed driver calls (a double free?): {failed:?}"
+        );
+        assert_eq!(
+            s.other.leak_report().ipc_mappings.len(),
+            model.mapped_allocations(),
+            "mappings in the other process"
+        );
+    }
+
+    fn teardown(s: Sut, _model: Model) {
+        let Sut {
+            sim,
+            ctx,
+            other,
+            other_rt,
+            other_ctx,
+            handles,
+            guards,
+            exports,
+            _rt,
+        } = s;
+        drop(exports);
+        drop(handles);
+        drop(guards);
+        ctx.reset().expect("final reset");
+        ctx.deallocations().unwrap().flush().expect("final flush");
+        let leaks = sim.leak_report();
+        assert!(leaks.no_memory_leaked(), "after the final reset: {leaks}");
+        assert!(
+            sim.rejected_frees().is_empty(),
+            "{:?}",
+            sim.rejected_frees()
+        );
+        drop((other_ctx, other_rt));
+        assert!(other.leak_report().is_clean(), "{}", other.leak_report());
+        drop((ctx, _rt));
+        assert!(sim.leak_report().is_clean(), "{}", sim.leak_report());
+    }
+}
