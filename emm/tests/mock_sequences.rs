@@ -189,3 +189,61 @@ fn a_failing_release_still_resets_and_reports_the_first_error() {
     let err = rt.reset_device(0).unwrap_err();
     assert_eq!(err.driver_kind(), Some(ErrorKind::InvalidContext));
 }
+
+#[derive(Debug)]
+struct CountingPlugin;
+
+impl emm::DeviceAllocator for CountingPlugin {
+    fn memalloc(
+        &self,
+        host: &emm::HostLayer,
+        bytes: usize,
+    ) -> Result<emm::MemoryPointer, EmmError> {
+        let cx = host.context();
+        Ok(emm::MemoryPointer::with_release(
+            cx.device,
+            cx.context,
+            DevicePtr(0x4000),
+            bytes,
+            |_, _| {},
+        ))
+    }
+    fn initialize(&self, _: &emm::HostLayer) -> Result<(), EmmError> {
+        Ok(())
+    }
+    fn get_memory_info(&self, _: &emm::HostLayer) -> Result<emm::MemoryInfo, EmmError> {
+        Ok(emm::MemoryInfo { free: 1, total: 2 })
+    }
+    fn get_ipc_handle(
+        &self,
+        h: &emm::HostLayer,
+        m: &emm::MemoryPointer,
+    ) -> Result<emm::IpcHandle, EmmError> {
+        h.ipc_handle(m)
+    }
+}
+
+#[test]
+fn no_mem_alloc_while_a_plugin_owns_device_memory() {
+    let mut m = started();
+    // No `expect_mem_alloc`: any cuMemAlloc would fail the test.
+    m.expect_primary_ctx_release()
+        .times(1)
+        .returning(|_| Ok(()));
+    let plugin = emm::FnFactory::new("plugin", |cx| {
+        Ok(Box::new(emm::HostOnly::new(cx, CountingPlugin)))
+    });
+    let rt = Runtime::builder(Arc::new(m))
+        .ignore_env()
+        .memory_manager(plugin)
+        .build()
+        .unwrap();
+    let ctx = rt.context(0).unwrap();
+    for _ in 0..5 {
+        drop(ctx.memalloc(1 << 20).unwrap());
+    }
+    assert_eq!(
+        ctx.get_memory_info().unwrap(),
+        emm::MemoryInfo { free: 1, total: 2 }
+    );
+}

@@ -1,0 +1,250 @@
+//! Host-side rules and multi-device IPC on the simulator: what the shared suite cannot show on a
+//! single GPU (devices that cannot map, that are not peers) or without fault injection.
+#![cfg(not(emm_loom))]
+
+use std::sync::Arc;
+
+use driver_mock::{Fault, Op, SimConfig, SimDeviceConfig, SimDriver};
+use driver_sys::{DeviceOrdinal, ErrorKind};
+use emm::{EmmError, HostMemory, IpcHandle, PinnableBuffer, Runtime};
+
+fn runtime(sim: &Arc<SimDriver>) -> Runtime {
+    Runtime::builder(sim.clone()).ignore_env().build().unwrap()
+}
+
+/// Numba's `Context.mempin`: mapping on a device that cannot map host memory is refused before
+/// the manager is asked; unmapped pinning still works.
+#[test]
+fn mempin_mapped_is_refused_on_a_device_that_cannot_map() {
+    let sim = Arc::new(SimDriver::new(SimConfig::with_devices(vec![
+        SimDeviceConfig::new(64 << 20).can_map_host_memory(false),
+    ])));
+    let rt = runtime(&sim);
+    let ctx = rt.context(0).unwrap();
+    let buffer = Arc::new(PinnableBuffer::zeroed(64));
+    let err = ctx.pin(buffer.clone(), true).unwrap_err();
+    assert!(
+        matches!(err, EmmError::CannotMapHostMemory { .. }),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string()
+            .starts_with("device 0 cannot map host memory"),
+        "{err}"
+    );
+    assert_eq!(
+        sim.count(Op::MemHostRegister),
+        0,
+        "refused before any driver call"
+    );
+    let pinned = ctx.pin(buffer, false).unwrap();
+    assert!(matches!(pinned, HostMemory::Pinned(_)));
+}
+
+fn oom_once(sim: &SimDriver, op: Op) {
+    sim.inject(Fault::nth(op, 1, ErrorKind::OutOfMemory));
+}
+
+/// Numba's `_attempt_allocation`: device memory, mapped host memory and mapped pins retry once
+/// after out-of-memory; unmapped pinned memory and unmapped pins do not.
+#[test]
+fn which_allocations_retry_after_out_of_memory() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime(&sim);
+    let ctx = rt.context(0).unwrap();
+
+    oom_once(&sim, Op::MemAlloc);
+    ctx.memalloc(64).expect("device memory retries");
+    assert_eq!(sim.count(Op::MemAlloc), 2);
+
+    oom_once(&sim, Op::MemHostAlloc);
+    ctx.memhostalloc(64, true, false, false)
+        .expect("mapped host memory retries");
+    assert_eq!(sim.count(Op::MemHostAlloc), 2);
+
+    oom_once(&sim, Op::MemHostAlloc);
+    let err = ctx.memhostalloc(64, false, false, false).unwrap_err();
+    assert_eq!(err.driver_kind(), Some(ErrorKind::OutOfMemory), "{err}");
+    assert_eq!(
+        sim.count(Op::MemHostAlloc),
+        3,
+        "unmapped pinned memory is not retried"
+    );
+
+    oom_once(&sim, Op::MemHostRegister);
+    ctx.pin(Arc::new(PinnableBuffer::zeroed(64)), true)
+        .expect("mapped pins retry");
+    assert_eq!(sim.count(Op::MemHostRegister), 2);
+
+    oom_once(&sim, Op::MemHostRegister);
+    let err = ctx
+        .pin(Arc::new(PinnableBuffer::zeroed(64)), false)
+        .unwrap_err();
+    assert_eq!(err.driver_kind(), Some(ErrorKind::OutOfMemory), "{err}");
+    assert_eq!(
+        sim.count(Op::MemHostRegister),
+        3,
+        "unmapped pins are not retried"
+    );
+}
+
+/// A second out-of-memory on pinned memory is a typed, clear error.
+#[test]
+fn pinned_out_of_memory_after_the_retry_is_clear() {
+    let sim = Arc::new(SimDriver::new(
+        SimConfig::default().pinned_host_limit(1 << 20),
+    ));
+    let rt = runtime(&sim);
+    let ctx = rt.context(0).unwrap();
+    let err = ctx.memhostalloc(2 << 20, true, false, false).unwrap_err();
+    assert!(
+        matches!(err, EmmError::OutOfHostMemory { requested, .. } if requested == 2 << 20),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("out of page-locked host memory"),
+        "{err}"
+    );
+    assert_eq!(sim.count(Op::MemHostAlloc), 2, "one retry");
+}
+
+/// `Context::defer_cleanup` suspends both queues (Numba: the manager's and the context's own).
+#[test]
+fn context_defer_cleanup_covers_both_queues() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = Runtime::builder(sim.clone())
+        .ignore_env()
+        .dealloc_config(emm::DeallocConfig {
+            max_count: 0,
+            max_ratio: 0.2,
+        })
+        .build()
+        .unwrap();
+    let ctx = rt.context(0).unwrap();
+    {
+        let _guard = ctx.defer_cleanup().unwrap();
+        drop(ctx.create_stream().unwrap());
+        drop(ctx.memalloc(8).unwrap());
+        assert_eq!(ctx.own_deallocations().len(), 1);
+        assert_eq!(ctx.deallocations().unwrap().len(), 1);
+        assert_eq!(sim.count(Op::StreamDestroy) + sim.count(Op::MemFree), 0);
+    }
+    drop(ctx.create_event(false).unwrap());
+    assert_eq!(
+        ctx.own_deallocations().len(),
+        0,
+        "the next push over the threshold flushes"
+    );
+    assert_eq!(sim.count(Op::StreamDestroy), 1);
+}
+
+fn two_devices(peers: bool) -> Arc<SimDriver> {
+    let config = SimConfig::with_devices(vec![
+        SimDeviceConfig::new(64 << 20),
+        SimDeviceConfig::new(64 << 20),
+    ])
+    .peer_access(peers);
+    Arc::new(SimDriver::new(config))
+}
+
+/// Exports from device 0, opens in another process on device 1: directly between peers,
+/// staged otherwise; the data arrives either way; a staged copy belongs to the destination's
+/// manager and is released through it.
+#[test]
+fn ipc_across_devices_is_direct_between_peers_and_staged_otherwise() {
+    for peers in [true, false] {
+        let sim = two_devices(peers);
+        let rt = runtime(&sim);
+        let src = rt.context(0).unwrap();
+        let data: Vec<u8> = (0..200).collect();
+        let mem = src.to_device(&data).unwrap();
+        let view = mem.view(50, Some(150)).unwrap();
+        let bytes = src.get_ipc_handle(&view).unwrap().to_bytes();
+
+        let other = Arc::new(sim.spawn_process());
+        let other_rt = runtime(&other);
+        let dst = other_rt.context(1).unwrap();
+        assert_eq!(dst.can_access_peer(DeviceOrdinal(0)).unwrap(), peers);
+        let handle = IpcHandle::from_bytes(&bytes).unwrap();
+        let opened = handle.open(&other_rt, &dst).unwrap();
+        let mut back = vec![0u8; 100];
+        dst.copy_to_host(&mut back, &opened).unwrap();
+        assert_eq!(back, data[50..150].to_vec(), "peers: {peers}");
+        let staged = other.count(Op::MemcpyDtoD) == 1;
+        assert_eq!(
+            staged, !peers,
+            "staged exactly when the devices are not peers"
+        );
+        assert_eq!(other.count(Op::IpcOpenMemHandle), 1);
+        if staged {
+            assert_eq!(
+                other.leak_report().ipc_mappings,
+                vec![],
+                "the staging mapping was closed"
+            );
+            assert_eq!(
+                other.live_allocations(DeviceOrdinal(1)).len(),
+                1,
+                "the copy is device 1 memory"
+            );
+        }
+        handle.close().unwrap();
+        drop(opened);
+        dst.deallocations().unwrap().flush().unwrap();
+        assert!(
+            other.leak_report().no_memory_leaked(),
+            "{}",
+            other.leak_report()
+        );
+        drop((dst, other_rt));
+        assert!(other.leak_report().is_clean(), "{}", other.leak_report());
+    }
+}
+
+/// Forcing the staged path between peers works too (what the GPU job does on NVLink pairs).
+#[test]
+fn staged_path_can_be_forced_between_peers() {
+    let sim = two_devices(true);
+    let rt = runtime(&sim);
+    let src = rt.context(0).unwrap();
+    let mem = src.to_device(&[9u8; 64]).unwrap();
+    let bytes = src.get_ipc_handle(&mem).unwrap().to_bytes();
+    let other = Arc::new(sim.spawn_process());
+    let other_rt = runtime(&other);
+    let dst = other_rt.context(1).unwrap();
+    let handle = IpcHandle::from_bytes(&bytes).unwrap();
+    let copy = handle.open_staged(&other_rt, &dst).unwrap();
+    let mut back = [0u8; 64];
+    dst.copy_to_host(&mut back, &copy).unwrap();
+    assert_eq!(back, [9u8; 64]);
+    handle.close().unwrap();
+    dst.copy_to_host(&mut back, &copy)
+        .expect("a staged copy outlives the close");
+}
+
+/// A handle whose source device is not visible gets Numba's message.
+#[test]
+fn a_handle_from_an_unknown_device_is_a_clear_error() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime(&sim);
+    let ctx = rt.context(0).unwrap();
+    let mem = ctx.to_device(&[1u8; 8]).unwrap();
+    let exported = ctx.get_ipc_handle(&mem).unwrap();
+    let mut bytes = exported.to_bytes();
+    bytes[93] = 0x77; // the PCI bus id
+    let handle = IpcHandle::from_bytes(&bytes).unwrap();
+    let other = Arc::new(sim.spawn_process());
+    let other_rt = runtime(&other);
+    let other_ctx = other_rt.context(0).unwrap();
+    let err = handle.open(&other_rt, &other_ctx).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("No device of {'pci_domain_id': 0, 'pci_bus_id': 119"),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("Target device may not be visible in this process"),
+        "{err}"
+    );
+}
