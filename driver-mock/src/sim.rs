@@ -534,10 +534,17 @@ struct Process {
     log: Vec<CallRecord>,
     faults: Vec<(Fault, u64)>,
     host: BTreeMap<usize, HostRange>,
-    streams: BTreeMap<u64, usize>,
-    events: BTreeMap<u64, usize>,
-    modules: BTreeMap<u64, usize>,
+    /// Streams, events and modules: handle → (kind, device).
+    objects: BTreeMap<u64, (Object, usize)>,
     ipc: BTreeMap<u64, IpcMap>,
+}
+
+/// A context object the simulator hands out handles for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Object {
+    Stream,
+    Event,
+    Module,
 }
 
 impl Process {
@@ -548,9 +555,7 @@ impl Process {
             log: Vec::new(),
             faults: Vec::new(),
             host: BTreeMap::new(),
-            streams: BTreeMap::new(),
-            events: BTreeMap::new(),
-            modules: BTreeMap::new(),
+            objects: BTreeMap::new(),
             ipc: BTreeMap::new(),
         }
     }
@@ -617,9 +622,7 @@ impl World {
         }
         let p = &mut self.processes[pid];
         p.contexts[device].live = false;
-        p.streams.retain(|_, d| *d != device);
-        p.events.retain(|_, d| *d != device);
-        p.modules.retain(|_, d| *d != device);
+        p.objects.retain(|_, (_, d)| *d != device);
         let mut freed_pinned = 0;
         p.host.retain(|_, h| {
             let keep = h.device != device || h.portable;
@@ -915,9 +918,10 @@ impl SimDriver {
                 .ipc_mappings
                 .push((DeviceOrdinal(m.device as u32), DevicePtr(addr), m.size));
         }
-        report.streams = p.streams.len();
-        report.events = p.events.len();
-        report.modules = p.modules.len();
+        let count = |kind| p.objects.values().filter(|(k, _)| *k == kind).count();
+        report.streams = count(Object::Stream);
+        report.events = count(Object::Event);
+        report.modules = count(Object::Module);
         report
     }
 
@@ -955,6 +959,57 @@ impl SimDriver {
                 e
             }
         })
+    }
+
+    /// Creates a stream, event or module; `valid` says whether the arguments (flags, image) are
+    /// acceptable.
+    fn create_object(
+        &self,
+        op: Op,
+        ctx: ContextHandle,
+        kind: Object,
+        valid: bool,
+    ) -> Result<u64, DriverError> {
+        self.call(
+            op,
+            Box::new(move |w, pid, note| {
+                let i = context(w, pid, ctx, note)?;
+                if !valid {
+                    return Err(if kind == Object::Module {
+                        code::INVALID_IMAGE
+                    } else {
+                        code::INVALID_VALUE
+                    });
+                }
+                let h = w.new_handle();
+                w.processes[pid].objects.insert(h, (kind, i));
+                Ok(h)
+            }),
+        )
+    }
+
+    /// Destroys a stream, event or module of this process.
+    fn destroy_object(
+        &self,
+        op: Op,
+        ctx: ContextHandle,
+        kind: Object,
+        handle: u64,
+    ) -> Result<(), DriverError> {
+        self.call(
+            op,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                let objects = &mut w.processes[pid].objects;
+                match objects.get(&handle) {
+                    Some((k, _)) if *k == kind => {
+                        objects.remove(&handle);
+                        Ok(())
+                    }
+                    _ => Err(code::INVALID_HANDLE),
+                }
+            }),
+        )
     }
 
     fn take_fault(p: &mut Process, op: Op) -> Option<ErrorKind> {
@@ -1589,18 +1644,8 @@ impl Driver for SimDriver {
     }
 
     fn stream_create(&self, ctx: ContextHandle, flags: u32) -> Result<StreamHandle, DriverError> {
-        self.call(
-            Op::StreamCreate,
-            Box::new(move |w, pid, note| {
-                let i = context(w, pid, ctx, note)?;
-                if flags > 1 {
-                    return Err(code::INVALID_VALUE);
-                }
-                let h = w.new_handle();
-                w.processes[pid].streams.insert(h, i);
-                Ok(StreamHandle(h))
-            }),
-        )
+        self.create_object(Op::StreamCreate, ctx, Object::Stream, flags <= 1)
+            .map(StreamHandle)
     }
 
     unsafe fn stream_destroy(
@@ -1608,32 +1653,12 @@ impl Driver for SimDriver {
         ctx: ContextHandle,
         stream: StreamHandle,
     ) -> Result<(), DriverError> {
-        self.call(
-            Op::StreamDestroy,
-            Box::new(move |w, pid, note| {
-                context(w, pid, ctx, note)?;
-                w.processes[pid]
-                    .streams
-                    .remove(&stream.0)
-                    .map(|_| ())
-                    .ok_or(code::INVALID_HANDLE)
-            }),
-        )
+        self.destroy_object(Op::StreamDestroy, ctx, Object::Stream, stream.0)
     }
 
     fn event_create(&self, ctx: ContextHandle, flags: u32) -> Result<EventHandle, DriverError> {
-        self.call(
-            Op::EventCreate,
-            Box::new(move |w, pid, note| {
-                let i = context(w, pid, ctx, note)?;
-                if flags & !0xf != 0 {
-                    return Err(code::INVALID_VALUE);
-                }
-                let h = w.new_handle();
-                w.processes[pid].events.insert(h, i);
-                Ok(EventHandle(h))
-            }),
-        )
+        self.create_object(Op::EventCreate, ctx, Object::Event, flags & !0xf == 0)
+            .map(EventHandle)
     }
 
     unsafe fn event_destroy(
@@ -1641,17 +1666,7 @@ impl Driver for SimDriver {
         ctx: ContextHandle,
         event: EventHandle,
     ) -> Result<(), DriverError> {
-        self.call(
-            Op::EventDestroy,
-            Box::new(move |w, pid, note| {
-                context(w, pid, ctx, note)?;
-                w.processes[pid]
-                    .events
-                    .remove(&event.0)
-                    .map(|_| ())
-                    .ok_or(code::INVALID_HANDLE)
-            }),
-        )
+        self.destroy_object(Op::EventDestroy, ctx, Object::Event, event.0)
     }
 
     fn module_load_data(
@@ -1659,19 +1674,13 @@ impl Driver for SimDriver {
         ctx: ContextHandle,
         image: &[u8],
     ) -> Result<ModuleHandle, DriverError> {
-        self.call(
+        self.create_object(
             Op::ModuleLoadData,
-            Box::new(move |w, pid, note| {
-                note.bytes = Some(image.len());
-                let i = context(w, pid, ctx, note)?;
-                if !plausible_image(image) {
-                    return Err(code::INVALID_IMAGE);
-                }
-                let h = w.new_handle();
-                w.processes[pid].modules.insert(h, i);
-                Ok(ModuleHandle(h))
-            }),
+            ctx,
+            Object::Module,
+            plausible_image(image),
         )
+        .map(ModuleHandle)
     }
 
     unsafe fn module_unload(
@@ -1679,17 +1688,7 @@ impl Driver for SimDriver {
         ctx: ContextHandle,
         module: ModuleHandle,
     ) -> Result<(), DriverError> {
-        self.call(
-            Op::ModuleUnload,
-            Box::new(move |w, pid, note| {
-                context(w, pid, ctx, note)?;
-                w.processes[pid]
-                    .modules
-                    .remove(&module.0)
-                    .map(|_| ())
-                    .ok_or(code::INVALID_HANDLE)
-            }),
-        )
+        self.destroy_object(Op::ModuleUnload, ctx, Object::Module, module.0)
     }
 
     fn ipc_get_mem_handle(
