@@ -267,6 +267,8 @@ pub struct CallRecord {
     pub bytes: Option<usize>,
     /// `Ok(())`, or the kind of error returned.
     pub outcome: Result<(), ErrorKind>,
+    /// Whether the error was scripted with [`SimDriver::inject`] (the call did nothing).
+    pub injected: bool,
 }
 
 /// A scripted failure: the `nth` call (1-based, counted from when it is injected) of `op`, or of
@@ -872,14 +874,15 @@ impl SimDriver {
         self.lock().pinned
     }
 
-    /// Frees this process made that failed because the pointer was unknown (never allocated,
-    /// or freed already).
+    /// Frees this process made that the driver itself refused because the pointer was unknown
+    /// (never allocated, or freed already); scripted faults are not counted.
     pub fn rejected_frees(&self) -> Vec<CallRecord> {
         self.with_process(|p| {
             p.log
                 .iter()
                 .filter(|c| {
-                    matches!(c.op, Op::MemFree | Op::MemFreeHost | Op::MemHostUnregister)
+                    !c.injected
+                        && matches!(c.op, Op::MemFree | Op::MemFreeHost | Op::MemHostUnregister)
                         && matches!(
                             c.outcome,
                             Err(ErrorKind::InvalidValue | ErrorKind::HostMemoryNotRegistered)
@@ -949,6 +952,7 @@ impl SimDriver {
             host: note.host,
             bytes: note.bytes,
             outcome,
+            injected: faulted.is_some(),
         });
         drop(w);
         result.map_err(|c| {

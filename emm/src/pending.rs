@@ -78,6 +78,9 @@ struct Inner {
     disabled: usize,
     capacity: usize,
     recorded: Option<EmmError>,
+    /// Frees the driver refused: out of the queue (Numba drops them), retried once when the
+    /// context is torn down.
+    failed: Vec<Free>,
 }
 
 /// A context's queue of deferred frees.
@@ -93,9 +96,12 @@ struct Inner {
 ///    pending bytes are **greater than** `floor(capacity * max_ratio)` (Numba: strict `>`;
 ///    numba-emm-spec §2). The capacity is 0 until the manager's first `initialize` sets it, so
 ///    before that any free of a known size flushes at once.
-/// 3. [`PendingDeallocs::flush`] frees oldest first. If one free fails, that entry is dropped,
-///    later entries **stay queued**, the byte count is not reset, and the error is returned
-///    (Numba's code; its docs say otherwise, and the code wins).
+/// 3. [`PendingDeallocs::flush`] frees oldest first. If one free fails, that entry leaves the
+///    queue, later entries **stay queued**, the byte count is not reset, and the error is
+///    returned (Numba's code; its docs say otherwise, and the code wins). Unlike Numba, the
+///    failed entry is not forgotten: it is set aside ([`PendingDeallocs::failed`]) and tried
+///    once more when the context is torn down, so nothing that outlives a context (portable
+///    pinned memory) is lost to one transient failure.
 /// 4. While a [`DeferCleanup`] guard is alive, flushing does nothing (the queue grows without
 ///    bound). Leaving the outermost guard does **not** flush.
 /// 5. When the runtime destroys the context (device reset, runtime drop), it first issues every
@@ -153,6 +159,7 @@ impl PendingDeallocs {
                 disabled: 0,
                 capacity: 0,
                 recorded: None,
+                failed: Vec::new(),
             }),
         }
     }
@@ -298,10 +305,40 @@ impl PendingDeallocs {
         if inner.disabled > 0 && !inner.items.is_empty() {
             tracing::info!(device = %self.device, pending = inner.items.len(), "context torn down inside defer_cleanup; issuing the deferred frees first");
         }
-        let disabled = std::mem::replace(&mut inner.disabled, 0);
-        let freed = self.flush_locked(&mut inner);
-        inner.disabled = disabled;
-        freed
+        let Some(_live) = self.liveness.enter() else {
+            inner.items.clear();
+            inner.failed.clear();
+            inner.bytes = 0;
+            return Ok(0);
+        };
+        // Everything goes, whatever fails: earlier failures once more, then the queue.
+        let mut work: Vec<Free> = std::mem::take(&mut inner.failed);
+        work.extend(inner.items.drain(..));
+        inner.bytes = 0;
+        let mut first_error = inner.recorded.take();
+        let mut freed = 0;
+        for item in work {
+            match item.execute(&*self.driver, self.ctx) {
+                Ok(()) => freed += 1,
+                Err(e) => {
+                    tracing::error!(device = %self.device, ?item, error = %e, "a free failed while tearing the context down");
+                    first_error.get_or_insert(EmmError::driver(
+                        "deferred deallocation",
+                        self.device,
+                        e,
+                    ));
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(freed),
+        }
+    }
+
+    /// Frees the driver refused so far (set aside, retried once at teardown).
+    pub fn failed(&self) -> Vec<Free> {
+        lock(&self.inner).failed.clone()
     }
 
     fn flush_locked(&self, inner: &mut Inner) -> Result<usize, EmmError> {
@@ -317,8 +354,10 @@ impl PendingDeallocs {
         };
         let mut freed = 0;
         while let Some(item) = inner.items.pop_front() {
-            item.execute(&*self.driver, self.ctx)
-                .map_err(|e| EmmError::driver("deferred deallocation", self.device, e))?;
+            if let Err(e) = item.execute(&*self.driver, self.ctx) {
+                inner.failed.push(item);
+                return Err(EmmError::driver("deferred deallocation", self.device, e));
+            }
             freed += 1;
         }
         inner.bytes = 0;

@@ -390,10 +390,20 @@ impl Runtime {
             reset = reset.and(queue.flush_for_teardown().map(|_| ()));
         }
         inner.liveness.kill();
-        // SAFETY: matches the retain made when the context was created; the context is dead, so
-        // nothing emm holds uses its memory again.
-        let release = unsafe { self.driver.primary_ctx_release(inner.device) }
+        // A failed release changed nothing (the driver's contract), and no one else will ever
+        // release this reference: try once more before reporting it.
+        let release = || {
+            // SAFETY: matches the retain made when the context was created (a failed attempt
+            // released nothing); the context is dead, so nothing emm holds uses its memory again.
+            unsafe { self.driver.primary_ctx_release(inner.device) }
+        };
+        let release = release()
+            .or_else(|e| {
+                tracing::warn!(device = %inner.device, error = %e, "releasing the primary context failed; trying once more");
+                release()
+            })
             .map_err(|e| EmmError::driver("primary context release", inner.device, e));
+
         reset.and(release)
     }
 }

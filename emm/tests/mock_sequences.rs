@@ -168,11 +168,11 @@ fn device_reset_frees_then_releases_then_resets() {
 }
 
 #[test]
-fn a_failing_release_still_resets_and_reports_the_first_error() {
+fn a_failing_release_is_retried_once_then_reset_anyway_and_reported() {
     let mut m = started();
     let mut seq = Sequence::new();
     m.expect_primary_ctx_release()
-        .times(1)
+        .times(2)
         .in_sequence(&mut seq)
         .returning(|_| {
             Err(DriverError::from_kind(
@@ -188,6 +188,32 @@ fn a_failing_release_still_resets_and_reports_the_first_error() {
     rt.context(0).unwrap();
     let err = rt.reset_device(0).unwrap_err();
     assert_eq!(err.driver_kind(), Some(ErrorKind::InvalidContext));
+}
+
+#[test]
+fn a_release_that_fails_once_succeeds_on_the_retry() {
+    let mut m = started();
+    let mut seq = Sequence::new();
+    m.expect_primary_ctx_release()
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|_| {
+            Err(DriverError::from_kind(
+                "cuDevicePrimaryCtxRelease",
+                ErrorKind::Other,
+            ))
+        });
+    m.expect_primary_ctx_release()
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|_| Ok(()));
+    m.expect_primary_ctx_reset()
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|_| Ok(()));
+    let rt = Runtime::builder(Arc::new(m)).ignore_env().build().unwrap();
+    rt.context(0).unwrap();
+    rt.reset_device(0).expect("the retry released the context");
 }
 
 #[derive(Debug)]

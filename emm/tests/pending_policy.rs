@@ -107,7 +107,7 @@ fn disabled_queue_grows_without_flushing_and_resuming_does_not_flush() {
 }
 
 #[test]
-fn a_failed_free_is_dropped_later_ones_stay_and_bytes_are_kept() {
+fn a_failed_free_leaves_the_queue_later_ones_stay_and_bytes_are_kept() {
     let s = setup(DeallocConfig::default(), 1 << 30);
     let guard = s.queue.defer_cleanup();
     for _ in 0..4 {
