@@ -589,7 +589,15 @@ impl HostLayer {
         tracing::debug!(device = %cx.device, bytes = size, host = %ptr, mapped, "host memory pinned");
         if mapped {
             return self
-                .mapped(ptr, size, Entry::Unpin { ptr }, Some(owner))
+                .mapped(
+                    ptr,
+                    size,
+                    Entry::Unpin {
+                        ptr,
+                        owner: Arc::clone(&owner),
+                    },
+                    Some(owner),
+                )
                 .inspect_err(|_| {
                     // SAFETY: registered just above and handed to no one.
                     let _ = unsafe { cx.driver.mem_host_unregister(cx.context, ptr) };

@@ -18,19 +18,32 @@ use std::sync::Arc;
 use driver_sys::{DevicePtr, HostPtr};
 
 use crate::EmmError;
+use crate::host::HostOwner;
 use crate::manager::ManagerContext;
 use crate::pending::{Free, PendingDeallocs};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
 /// How a tracked allocation is released.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone)]
 pub(crate) enum Entry {
     /// `cuMemFree`, deferred.
     Device { ptr: DevicePtr, bytes: usize },
     /// `cuMemFreeHost` of mapped pinned memory, deferred.
     Host { ptr: HostPtr, bytes: usize },
-    /// `cuMemHostUnregister` of a mapped pinned range, at once.
-    Unpin { ptr: HostPtr },
+    /// `cuMemHostUnregister` of a mapped pinned range, at once. The entry keeps the range's
+    /// owner alive until the unpin is done: were the buffer freed first, a new one could be
+    /// allocated at the same address and fail to pin while the old registration lingers.
+    Unpin { ptr: HostPtr, owner: HostOwner },
+}
+
+impl std::fmt::Debug for Entry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Entry::Device { ptr, bytes } => write!(f, "Device({ptr}, {bytes})"),
+            Entry::Host { ptr, bytes } => write!(f, "Host({ptr}, {bytes})"),
+            Entry::Unpin { ptr, .. } => write!(f, "Unpin({ptr})"),
+        }
+    }
 }
 
 /// Live allocations of one manager, and the queue their frees go to.
@@ -99,12 +112,13 @@ impl Tracker {
                         .push_all_without_flush([Free::Host { ptr, bytes }]);
                     None
                 }
-                Some(Entry::Unpin { ptr }) => Some(ptr),
+                Some(Entry::Unpin { ptr, owner }) => Some((ptr, owner)),
                 None => None,
             }
         };
         match unpin {
-            Some(ptr) => unpin_now(&self.cx, &self.queue, ptr),
+            // The owner drops after the unpin.
+            Some((ptr, _owner)) => unpin_now(&self.cx, &self.queue, ptr),
             None => self.queue.apply_thresholds_from_drop(),
         }
     }
@@ -122,8 +136,8 @@ impl Tracker {
             let frees = entries.into_values().filter_map(|e| match e {
                 Entry::Device { ptr, bytes } => Some(Free::Device { ptr, bytes }),
                 Entry::Host { ptr, bytes } => Some(Free::Host { ptr, bytes }),
-                Entry::Unpin { ptr } => {
-                    unpins.push(ptr);
+                Entry::Unpin { ptr, owner } => {
+                    unpins.push((ptr, owner));
                     None
                 }
             });
@@ -133,7 +147,8 @@ impl Tracker {
             n
         };
         let mut first_error = None;
-        for ptr in unpins {
+        // Each owner drops only after its range is unpinned.
+        for (ptr, _owner) in unpins {
             if let Err(e) = unpin(&self.cx, ptr) {
                 first_error.get_or_insert(e);
             }

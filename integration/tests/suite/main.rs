@@ -47,6 +47,7 @@ mod emm_plugins;
 mod host_alloc;
 mod ipc;
 mod reset;
+mod stress;
 
 /// A suite test: runs against one target.
 pub type SuiteFn = fn(Target) -> Result<(), Failed>;
@@ -114,6 +115,7 @@ const TESTS: &[(&str, SuiteFn)] = suite_tests![
     ipc::test_ipc_array,
     ipc::test_staged,
     ipc::ipc_handle_errors,
+    stress::stress_mixed_operations,
     driver_conformance::alignment_of_allocations,
     driver_conformance::zero_byte_alloc_is_invalid_value,
     driver_conformance::oversized_alloc_is_out_of_memory,
