@@ -151,3 +151,52 @@ fn device_reset_races_a_drop() {
         assert!(sim.leak_report().no_memory_leaked());
     });
 }
+
+/// The host-only queue: mapped host memory dropped on one thread while another resets the
+/// manager; it is freed exactly once (`cuMemFreeHost`), by whichever wins.
+#[test]
+fn host_memory_drop_races_a_reset() {
+    loom::model(|| {
+        let (sim, rt) = runtime(0);
+        let ctx = rt.context(0).unwrap();
+        let mapped = ctx.memhostalloc(64, true, false, false).unwrap();
+        let t = thread::spawn(move || drop(mapped));
+        ctx.reset().unwrap();
+        t.join().unwrap();
+        ctx.deallocations().unwrap().flush().unwrap();
+        let frees: Vec<_> = sim
+            .calls()
+            .into_iter()
+            .filter(|c| c.op == Op::MemFreeHost)
+            .collect();
+        assert!(frees.iter().all(|c| c.outcome.is_ok()), "{frees:?}");
+        assert_eq!(frees.len(), 1, "{frees:?}");
+        assert!(sim.leak_report().host_allocations.is_empty());
+    });
+}
+
+/// A mapped pin dropped on one thread while another resets: unpinned exactly once, and the
+/// buffer stays alive until the unpin is done, so pinning it again afterwards works.
+#[test]
+fn pin_drop_races_a_reset() {
+    loom::model(|| {
+        let (sim, rt) = runtime(10);
+        let ctx = rt.context(0).unwrap();
+        let buffer = std::sync::Arc::new(emm::PinnableBuffer::zeroed(64));
+        let pinned = ctx.pin(buffer.clone(), true).unwrap();
+        let t = thread::spawn(move || drop(pinned));
+        ctx.reset().unwrap();
+        t.join().unwrap();
+        let unpins: Vec<_> = sim
+            .calls()
+            .into_iter()
+            .filter(|c| c.op == Op::MemHostUnregister)
+            .collect();
+        assert!(unpins.iter().all(|c| c.outcome.is_ok()), "{unpins:?}");
+        assert_eq!(unpins.len(), 1, "{unpins:?}");
+        drop(
+            ctx.pin(buffer, true)
+                .expect("the range can be pinned again"),
+        );
+    });
+}
