@@ -1,0 +1,174 @@
+//! Hostile and bad input, as property tests (the same inputs the fuzz targets in `fuzz/` take):
+//! IPC handle bytes from another process, allocation and pin sizes, view offsets and copy
+//! lengths, and environment configuration. Nothing may panic; every refusal is a clear error.
+//! 256 cases each; `PROPTEST_CASES=N` for more.
+#![cfg(not(emm_loom))]
+
+use std::sync::Arc;
+
+use driver_mock::{SimConfig, SimDriver};
+use driver_sys::IpcMemHandle;
+use emm::{DeallocConfig, DeviceIdentity, EmmError, IpcHandle, PinnableBuffer, Runtime};
+use proptest::prelude::*;
+
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256)
+}
+
+fn identity() -> impl Strategy<Value = Option<DeviceIdentity>> {
+    proptest::option::of(
+        (any::<i32>(), any::<i32>(), any::<i32>()).prop_map(|(a, b, c)| DeviceIdentity {
+            pci_domain_id: a,
+            pci_bus_id: b,
+            pci_device_id: c,
+        }),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Any bytes: a handle or a clear error, never a panic.
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+        match IpcHandle::from_bytes(&bytes) {
+            Ok(h) => prop_assert_eq!(h.to_bytes(), bytes, "what decodes re-encodes to the same bytes"),
+            Err(e) => {
+                let invalid = matches!(e, EmmError::InvalidIpcHandle { .. });
+                prop_assert!(invalid, "{}", e);
+                prop_assert!(e.to_string().contains("IpcHandle::to_bytes"), "{}", e);
+            }
+        }
+    }
+
+    /// Every well-formed handle round-trips; every truncation of it is refused.
+    #[test]
+    fn handles_round_trip_and_truncations_are_refused(
+        raw in prop::array::uniform32(any::<u8>()),
+        size in 0usize..(1 << 40),
+        offset in 0usize..(1 << 40),
+        source in identity(),
+        cut in 0usize..101,
+    ) {
+        let mut handle = [0u8; 64];
+        handle[..32].copy_from_slice(&raw);
+        let h = IpcHandle::new(IpcMemHandle(handle), size, offset, source);
+        let bytes = h.to_bytes();
+        let back = IpcHandle::from_bytes(&bytes).unwrap();
+        prop_assert_eq!(back.size(), size);
+        prop_assert_eq!(back.offset(), offset);
+        prop_assert_eq!(back.source(), source);
+        prop_assert_eq!(back.handle(), h.handle());
+        prop_assert!(!back.is_exporter());
+        prop_assert!(IpcHandle::from_bytes(&bytes[..cut]).is_err());
+    }
+
+    /// One garbled byte anywhere: a handle (the byte was inside the payload) or a clear error.
+    #[test]
+    fn a_garbled_byte_is_survived(at in 0usize..101, value in any::<u8>(), size in 0usize..4096) {
+        let h = IpcHandle::new(IpcMemHandle([3; 64]), size, 0, None);
+        let mut bytes = h.to_bytes();
+        bytes[at] = value;
+        let _ = IpcHandle::from_bytes(&bytes);
+    }
+
+    /// Environment values: parsed exactly when they are what the variable accepts.
+    #[test]
+    fn environment_values_never_panic(count in ".{0,24}", ratio in ".{0,24}", name in ".{0,24}") {
+        let lookup = |var: &str| match var {
+            "EMM_MAX_PENDING_DEALLOCS_COUNT" => Some(count.clone()),
+            "EMM_MAX_PENDING_DEALLOCS_RATIO" => Some(ratio.clone()),
+            "EMM_MEMORY_MANAGER" => Some(name.clone()),
+            _ => None,
+        };
+        match DeallocConfig::from_lookup(lookup) {
+            Ok(c) => {
+                prop_assert_eq!(Some(c.max_count), count.trim().parse::<usize>().ok());
+                prop_assert!(c.max_ratio.is_finite() && c.max_ratio >= 0.0);
+            }
+            Err(e) => prop_assert!(e.to_string().contains("or unset it"), "{}", e),
+        }
+        match emm::manager_name_from_lookup(lookup) {
+            Ok(n) => prop_assert_eq!(n, Some(name.trim().to_owned())),
+            Err(e) => prop_assert!(name.trim().is_empty(), "{}", e),
+        }
+    }
+
+    /// Sizes, views and copy lengths at the edges (0, 1, huge, past the end): typed errors, and
+    /// nothing outside the allocation is touched.
+    #[test]
+    fn sizes_views_and_copies_at_the_edges(
+        size in prop_oneof![Just(0usize), Just(1), Just(usize::MAX), Just(usize::MAX / 2), 1usize..(64 << 10)],
+        start in prop_oneof![Just(0usize), Just(usize::MAX), 0usize..(80 << 10)],
+        stop in proptest::option::of(prop_oneof![Just(0usize), Just(usize::MAX), 0usize..(80 << 10)]),
+        copy in prop_oneof![Just(0usize), 0usize..(80 << 10)],
+    ) {
+        let sim = Arc::new(SimDriver::new(SimConfig::single(256 << 20)));
+        let rt = Runtime::builder(sim.clone()).ignore_env().build().unwrap();
+        let ctx = rt.context(0).unwrap();
+        match ctx.memalloc(size) {
+            Err(e) => prop_assert!(size == 0 || e.is_out_of_memory(), "size {}: {}", size, e),
+            Ok(m) => {
+                prop_assert!(size > 0 && size < (256 << 20));
+                let end = stop.unwrap_or(m.size());
+                match m.view(start, stop) {
+                    Ok(v) => {
+                        prop_assert!(start <= end && end <= m.size());
+                        prop_assert_eq!(v.size(), end - start);
+                        let data = vec![0xA5u8; copy];
+                        match ctx.copy_to_device(&v, &data) {
+                            Ok(()) => prop_assert!(copy <= v.size()),
+                            Err(e) => {
+                                let refused = matches!(e, EmmError::OutOfBounds { .. });
+                                prop_assert!(refused && copy > v.size(), "{}", e);
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        let refused = matches!(e, EmmError::OutOfBounds { .. });
+                        prop_assert!(refused && (start > end || end > m.size()), "{}", e);
+                    }
+                }
+            }
+        }
+        // Pins of edge sizes: refused cleanly when empty.
+        let buffer = Arc::new(PinnableBuffer::zeroed(size.min(64 << 10)));
+        match ctx.pin(buffer, start % 2 == 0) {
+            Ok(p) => prop_assert!(p.size() > 0),
+            Err(e) => prop_assert!(!e.to_string().is_empty()),
+        }
+        let failed: Vec<_> = sim.calls().into_iter().filter(|c| c.outcome.is_err() && !matches!(c.op, driver_mock::Op::MemAlloc | driver_mock::Op::MemHostRegister)).collect();
+        prop_assert!(failed.is_empty(), "{:?}", failed);
+    }
+}
+
+/// Handle bytes that point at memory which no longer exists: a clear error in the other
+/// process, not a crash or a mapping of whatever is there now.
+#[test]
+fn a_handle_to_freed_memory_is_refused() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = Runtime::builder(sim.clone()).ignore_env().build().unwrap();
+    let ctx = rt.context(0).unwrap();
+    let mem = ctx.memalloc(4096).unwrap();
+    let bytes = ctx.get_ipc_handle(&mem).unwrap().to_bytes();
+    drop(mem);
+    ctx.deallocations().unwrap().flush().unwrap();
+    let other = Arc::new(sim.spawn_process());
+    let other_rt = Runtime::builder(other.clone())
+        .ignore_env()
+        .build()
+        .unwrap();
+    let other_ctx = other_rt.context(0).unwrap();
+    let handle = IpcHandle::from_bytes(&bytes).unwrap();
+    let err = handle.open(&other_rt, &other_ctx).unwrap_err();
+    assert_eq!(
+        err.driver_kind(),
+        Some(driver_sys::ErrorKind::InvalidValue),
+        "{err}"
+    );
+    assert!(!handle.is_open());
+    assert!(other.leak_report().ipc_mappings.is_empty());
+}
