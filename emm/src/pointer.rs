@@ -208,6 +208,12 @@ impl MemoryPointer {
         })
     }
 
+    /// Whether this points into an opened IPC mapping (released by the handle's `close`), rather
+    /// than into memory of its own (a staged IPC copy is memory of its own).
+    pub fn is_ipc_mapping(&self) -> bool {
+        matches!(self.alloc.release, Release::Mapping { .. })
+    }
+
     /// Whether the memory is still valid as far as its owner knows: false once the built-in
     /// manager that made it was reset. Plugin and unowned memory always answer true.
     pub fn is_live(&self) -> bool {

@@ -68,6 +68,21 @@ pub fn cuda_availability() -> Result<(), String> {
     }
 }
 
+/// How many GPUs `EMM_REQUIRE_GPUS` demands (0 when unset).
+pub fn gpus_required() -> u32 {
+    std::env::var("EMM_REQUIRE_GPUS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The number of CUDA devices, or why there are none.
+pub fn cuda_device_count() -> Result<u32, String> {
+    cuda_availability()?;
+    let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
+    driver.device_count().map_err(|e| e.to_string())
+}
+
 /// Whether `EMM_REQUIRE_GPU` asks for a GPU (`1`, `true` or `yes`).
 pub fn gpu_required() -> bool {
     std::env::var("EMM_REQUIRE_GPU")
@@ -148,7 +163,22 @@ impl TestCtx {
         target: Target,
         configure: impl FnOnce(RuntimeBuilder) -> RuntimeBuilder,
     ) -> Result<TestCtx, String> {
-        let (driver, sim) = make_driver(target).map_err(|e| e.to_string())?;
+        Self::with_sim_config(target, suite_sim_config(), configure)
+    }
+
+    /// As [`with`](Self::with), with `sim` as the simulated machine (ignored on the GPU).
+    pub fn with_sim_config(
+        target: Target,
+        sim: SimConfig,
+        configure: impl FnOnce(RuntimeBuilder) -> RuntimeBuilder,
+    ) -> Result<TestCtx, String> {
+        let (driver, sim) = match target {
+            Target::Sim => {
+                let sim = Arc::new(SimDriver::new(sim));
+                (sim.clone() as Arc<dyn Driver>, Some(sim))
+            }
+            Target::Cuda => make_driver(target).map_err(|e| e.to_string())?,
+        };
         let builder = Runtime::builder(Arc::clone(&driver))
             .ignore_env()
             .dealloc_config(DeallocConfig::default());
@@ -275,7 +305,10 @@ pub fn ipc_child(
         Err(e) => return Err(format!("reopening gave the wrong error: {e}")),
         Ok(_) => return Err("reopening an open handle succeeded".into()),
     }
-    let staged = mode == IpcMode::Staged || !mem.is_live();
+    let staged = !mem.is_ipc_mapping();
+    if mode == IpcMode::Staged && !staged {
+        return Err("a forced staged open returned a mapping".into());
+    }
     handle.close().map_err(|e| format!("close: {e}"))?;
     let mut again = vec![0u8; data.len()];
     let after = ctx.copy_to_host(&mut again, &mem);

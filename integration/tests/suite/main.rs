@@ -46,6 +46,7 @@ mod driver_conformance;
 mod emm_plugins;
 mod host_alloc;
 mod ipc;
+mod multi_device;
 mod reset;
 mod stress;
 
@@ -142,6 +143,13 @@ pub const EXPECTED_PANIC: &str = "emm suite: the panic test_exception raises on 
 const CUDA_ONLY: &[(&str, SuiteFn)] =
     suite_tests![cuda_only::calls_leave_the_current_context_alone,];
 
+/// Tests that need two devices: on the simulator a two-device machine; on the GPU they run
+/// where two GPUs are visible, and are ignored (with the reason printed) on one.
+const MULTI_DEVICE: &[(&str, SuiteFn)] = suite_tests![
+    multi_device::contexts_on_every_device,
+    multi_device::ipc_between_processes_on_different_devices,
+];
+
 /// The GPU is one shared device: CUDA tests run one at a time (some fill its memory).
 static GPU: Mutex<()> = Mutex::new(());
 
@@ -191,6 +199,38 @@ fn main() {
         } else {
             &[]
         };
+        // Fewer than two GPUs: the multi-device tests cannot run (an error if EMM_REQUIRE_GPUS
+        // asks for two).
+        let few_gpus = match target {
+            Target::Sim => None,
+            Target::Cuda if cuda_missing.is_some() => None,
+            Target::Cuda => match integration::cuda_device_count() {
+                Ok(n) if n >= 2 => None,
+                Ok(n) => Some(format!("{n} GPU(s) visible, the multi-device tests need 2")),
+                Err(e) => Some(e),
+            },
+        };
+        if let Some(why) = &few_gpus {
+            if integration::gpus_required() >= 2 {
+                let why = why.clone();
+                trials.push(Trial::test("cuda::two_gpus_available", move || {
+                    Err(format!("EMM_REQUIRE_GPUS=2 but {why}").into())
+                }));
+            } else if !args.list {
+                eprintln!(
+                    "note: the {} multi-device CUDA tests are skipped: {why}. Set EMM_REQUIRE_GPUS=2 to fail instead.",
+                    MULTI_DEVICE.len()
+                );
+            }
+        }
+        for &(name, test) in MULTI_DEVICE {
+            let trial = Trial::test(format!("{target}::{name}"), move || {
+                let _gpu =
+                    (target == Target::Cuda).then(|| GPU.lock().unwrap_or_else(|p| p.into_inner()));
+                test(target)
+            });
+            trials.push(trial.with_ignored_flag(cuda_missing.is_some() || few_gpus.is_some()));
+        }
         for &(name, test) in TESTS.iter().chain(only_here) {
             let trial = Trial::test(format!("{target}::{name}"), move || {
                 let _gpu =

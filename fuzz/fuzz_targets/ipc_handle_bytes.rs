@@ -1,0 +1,63 @@
+//! IPC handle bytes from another process: arbitrary, truncated, garbled, of another version, or
+//! naming memory that no longer exists. Decoding never panics; a decoded handle re-encodes to
+//! the same bytes; opening it in another (simulated) process either maps live memory of the
+//! exporter or fails with a typed error, and leaves nothing mapped after close.
+#![no_main]
+
+use std::sync::{Arc, OnceLock};
+
+use driver_mock::{SimConfig, SimDriver};
+use emm::{IpcHandle, Runtime};
+use libfuzzer_sys::fuzz_target;
+
+struct World {
+    importer: Runtime,
+    sim: Arc<SimDriver>,
+    /// Bytes of a handle to live memory and of one to freed memory, to splice inputs into.
+    live: Vec<u8>,
+    freed: Vec<u8>,
+    _exporter: Runtime,
+    _keep: emm::MemoryPointer,
+}
+
+fn world() -> &'static std::sync::Mutex<World> {
+    static W: OnceLock<std::sync::Mutex<World>> = OnceLock::new();
+    W.get_or_init(|| {
+        let sim = Arc::new(SimDriver::new(SimConfig::default()));
+        let exporter = Runtime::builder(sim.clone()).ignore_env().build().unwrap();
+        let ctx = exporter.context(0).unwrap();
+        let keep = ctx.to_device(&[7u8; 4096]).unwrap();
+        let live = ctx.get_ipc_handle(&keep).unwrap().to_bytes();
+        let gone = ctx.memalloc(4096).unwrap();
+        let freed = ctx.get_ipc_handle(&gone).unwrap().to_bytes();
+        drop(gone);
+        ctx.deallocations().unwrap().flush().unwrap();
+        let other = Arc::new(sim.spawn_process());
+        let importer = Runtime::builder(other.clone()).ignore_env().build().unwrap();
+        std::sync::Mutex::new(World { importer, sim: other, live, freed, _exporter: exporter, _keep: keep })
+    })
+}
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(h) = IpcHandle::from_bytes(data) {
+        assert_eq!(h.to_bytes(), data);
+    }
+    let w = world().lock().unwrap();
+    // Splice the input over a real handle's bytes, so that opens reach the driver.
+    for base in [&w.live, &w.freed] {
+        let mut bytes = base.clone();
+        let skip = data.first().map_or(0, |b| *b as usize % bytes.len());
+        for (i, b) in data.iter().skip(1).enumerate() {
+            let at = (skip + i) % bytes.len();
+            bytes[at] = *b;
+        }
+        let Ok(h) = IpcHandle::from_bytes(&bytes) else { continue };
+        let ctx = w.importer.context(0).unwrap();
+        if let Ok(mem) = h.open(&w.importer, &ctx) {
+            let mut back = vec![0u8; mem.size().min(64)];
+            let _ = ctx.copy_to_host(&mut back, &mem);
+            h.close().unwrap();
+        }
+        assert!(w.sim.leak_report().ipc_mappings.is_empty(), "a mapping outlived its close");
+    }
+});

@@ -1,0 +1,99 @@
+//! Several devices: contexts on each, IPC between processes on different devices, directly
+//! between peers and through the staged path (forced, and chosen when the devices are not
+//! peers). On the simulator both with and without peer access; on the GPU where there are two.
+
+use driver_mock::{SimConfig, SimDeviceConfig};
+use integration::{IpcMode, Target, TestCtx, open_in_other_process};
+use libtest_mimic::Failed;
+
+fn machine(target: Target, peers: bool) -> Result<TestCtx, Failed> {
+    let devices = vec![
+        SimDeviceConfig::new(128 << 20),
+        SimDeviceConfig::new(128 << 20),
+    ];
+    Ok(TestCtx::with_sim_config(
+        target,
+        SimConfig::with_devices(devices).peer_access(peers),
+        |b| b,
+    )?)
+}
+
+/// The peer settings to try: both on the simulator; what the hardware has on the GPU.
+fn peer_settings(target: Target) -> Vec<bool> {
+    match target {
+        Target::Sim => vec![true, false],
+        Target::Cuda => vec![true],
+    }
+}
+
+/// Every device gets its own context and memory; resetting one device leaves the other alone.
+pub fn contexts_on_every_device(target: Target) -> Result<(), Failed> {
+    let t = machine(target, true)?;
+    let n = t.runtime.device_count()?;
+    ensure!(n >= 2, "needs two devices, has {n}");
+    let mut held = Vec::new();
+    for d in 0..n {
+        let ctx = t.runtime.context(d)?;
+        let data = vec![d as u8 + 1; 4096];
+        let mem = ctx.to_device(&data)?;
+        held.push((ctx, mem, data));
+    }
+    ensure!(
+        held[0].0.handle() != held[1].0.handle(),
+        "distinct contexts"
+    );
+    ensure!(
+        held[0].1.device_ptr() != held[1].1.device_ptr(),
+        "distinct memory"
+    );
+    t.runtime.reset_device(0)?;
+    let (ctx1, mem1, data1) = &held[1];
+    let mut back = vec![0u8; 4096];
+    ctx1.copy_to_host(&mut back, mem1)?;
+    ensure!(
+        &back == data1,
+        "device 1's memory survived device 0's reset"
+    );
+    ensure!(!held[0].0.is_alive() && ctx1.is_alive());
+    Ok(())
+}
+
+/// Export on device 0, open in another process on device 1: directly (peers) or staged (not
+/// peers, or forced); the data arrives intact every way, and the exporter's memory is freed once.
+pub fn ipc_between_processes_on_different_devices(target: Target) -> Result<(), Failed> {
+    for peers in peer_settings(target) {
+        let t = machine(target, peers)?;
+        let n = t.runtime.device_count()?;
+        ensure!(n >= 2, "needs two devices, has {n}");
+        let ctx = t.runtime.context(0)?;
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+        let mem = ctx.to_device(&data)?;
+        let view = mem.view(1000, Some(3000))?;
+        let bytes = ctx.get_ipc_handle(&view)?.to_bytes();
+        for mode in [IpcMode::Auto, IpcMode::Staged] {
+            let seen = open_in_other_process(&t, &bytes, mode, 1)?;
+            ensure!(
+                seen == data[1000..3000],
+                "peers {peers}, {mode:?}: the data differs"
+            );
+        }
+        let mut back = vec![0u8; 4096];
+        ctx.copy_to_host(&mut back, &mem)?;
+        ensure!(back == data, "the exporter's memory is untouched");
+        drop((view, mem));
+        ctx.deallocations().expect("queue").flush()?;
+        if let Some(sim) = t.sim() {
+            ensure!(
+                sim.rejected_frees().is_empty(),
+                "{:?}",
+                sim.rejected_frees()
+            );
+            ensure!(
+                sim.leak_report().no_memory_leaked(),
+                "{}",
+                sim.leak_report()
+            );
+        }
+    }
+    Ok(())
+}
