@@ -1067,20 +1067,16 @@ fn encode_ipc(pid: usize, device: usize, store: u64, base: u64, size: usize) -> 
     IpcMemHandle(h)
 }
 
-/// (exporting process, device, store, size) of a handle made by [`encode_ipc`].
-fn decode_ipc(h: &IpcMemHandle) -> Option<(usize, usize, u64, usize)> {
+/// (exporting process, device, store) of a handle made by [`encode_ipc`]; the size it carries
+/// is informative only.
+fn decode_ipc(h: &IpcMemHandle) -> Option<(usize, usize, u64)> {
     let b = &h.0;
     if &b[..8] != IPC_MAGIC || b[40..].iter().any(|&x| x != 0) {
         return None;
     }
     let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
     let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-    Some((
-        u32_at(8) as usize,
-        u32_at(12) as usize,
-        u64_at(16),
-        u64_at(32) as usize,
-    ))
+    Some((u32_at(8) as usize, u32_at(12) as usize, u64_at(16)))
 }
 
 /// Whether `image` looks like something `cuModuleLoadData` accepts: PTX text or an ELF cubin.
@@ -1729,8 +1725,7 @@ impl Driver for SimDriver {
             Op::IpcOpenMemHandle,
             Box::new(move |w, pid, note| {
                 let i = context(w, pid, ctx, note)?;
-                let (exporter, device, store, size) =
-                    decode_ipc(&handle).ok_or(code::INVALID_VALUE)?;
+                let (exporter, device, store) = decode_ipc(&handle).ok_or(code::INVALID_VALUE)?;
                 if device >= w.devices.len() || exporter >= w.processes.len() {
                     return Err(code::INVALID_VALUE);
                 }
@@ -1740,14 +1735,17 @@ impl Driver for SimDriver {
                 if device != i && !w.peer_access {
                     return Err(code::PEER_ACCESS_UNSUPPORTED);
                 }
-                let exported = w.devices[device]
+                // The driver's own record of the allocation decides the size, never the bytes
+                // of the handle (which another process may have garbled).
+                let Some(size) = w.devices[device]
                     .allocs
                     .values()
-                    .any(|a| a.store == store && a.owner == exporter);
-                if !exported {
-                    // Freed by the exporter before the open.
+                    .find(|a| a.store == store && a.owner == exporter)
+                    .map(|a| a.size)
+                else {
+                    // Freed by the exporter before the open, or never exported.
                     return Err(code::INVALID_VALUE);
-                }
+                };
                 // The driver's documentation: a handle opened again by the same context gets the
                 // existing pointer, its reference count raised.
                 if let Some((&addr, m)) = w.processes[pid]

@@ -45,6 +45,9 @@ impl HostOnly<DriverAllocator> {
 
 impl DeviceAllocator for DriverAllocator {
     fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        if bytes == 0 {
+            return Err(EmmError::ZeroSize { what: "memalloc" });
+        }
         let cx = host.context();
         let base = host.attempt_allocation("memalloc", AllocationKind::Device, bytes, || {
             cx.driver.mem_alloc(cx.context, bytes)

@@ -97,6 +97,13 @@ pub enum EmmError {
         identity: String,
     },
 
+    /// A request for zero bytes.
+    #[error("{what} of 0 bytes: there is nothing to allocate or pin; request at least one byte")]
+    ZeroSize {
+        /// The operation.
+        what: &'static str,
+    },
+
     /// The memory manager does not offer this operation.
     #[error("{operation} is not supported by the memory manager '{manager}'; {advice}")]
     NotSupported {

@@ -519,6 +519,12 @@ impl HostLayer {
         portable: bool,
         wc: bool,
     ) -> Result<HostMemory, EmmError> {
+        if bytes == 0 {
+            // The driver would hand back a null pointer, which cannot be mapped or freed usefully.
+            return Err(EmmError::ZeroSize {
+                what: "memhostalloc",
+            });
+        }
         let cx = self.context().clone();
         let mut flags = 0;
         if mapped {
@@ -576,6 +582,9 @@ impl HostLayer {
         size: usize,
         mapped: bool,
     ) -> Result<HostMemory, EmmError> {
+        if size == 0 {
+            return Err(EmmError::ZeroSize { what: "mempin" });
+        }
         let cx = self.context().clone();
         let flags = if mapped { host_register::DEVICEMAP } else { 0 };
         // SAFETY: the caller vouches for the range and its use (this function's contract).

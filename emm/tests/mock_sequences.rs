@@ -130,7 +130,7 @@ fn other_errors_are_not_retried() {
         .times(1)
         .returning(|_| Ok(()));
     let rt = Runtime::builder(Arc::new(m)).ignore_env().build().unwrap();
-    let err = rt.context(0).unwrap().memalloc(0).unwrap_err();
+    let err = rt.context(0).unwrap().memalloc(64).unwrap_err();
     assert_eq!(err.driver_kind(), Some(ErrorKind::InvalidValue));
     assert!(
         err.to_string()
