@@ -31,7 +31,36 @@ run() {
 
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } >>"$log" 2>&1 || true
 run "suite sim" "$here/bin/suite" --test-threads 2 sim::
-run "suite cuda" "$here/bin/suite" --test-threads 1 cuda::
+# The stress test at full size on the GPU: a million operations on 16 threads.
+EMM_STRESS_OPS=${EMM_GPU_STRESS_OPS:-1000000} run "suite cuda" "$here/bin/suite" --test-threads 1 cuda::
+
+# The suite again under compute-sanitizer's memcheck with full leak checking: no memory error,
+# no leak. API errors are not reported (the suite provokes them on purpose: out-of-memory,
+# double frees). Two conformance tests let a context destroy live memory on purpose, which the
+# leak checker reports by design; they are skipped here. No kernels are launched, so racecheck
+# has nothing to check. EMM_SKIP_SANITIZER=1 skips the step (and says so).
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if [ "${EMM_SKIP_SANITIZER:-0}" = 1 ]; then
+    summary+=("memcheck               SKIPPED (EMM_SKIP_SANITIZER=1)")
+elif [ ! -x "$sanitizer" ]; then
+    summary+=("memcheck               FAILED: compute-sanitizer not found (set EMM_SKIP_SANITIZER=1 to skip)")
+    status=1
+else
+    out=$(mktemp)
+    echo "=== memcheck" >>"$log"
+    "$sanitizer" --tool memcheck --leak-check full --report-api-errors no --error-exitcode 99 \
+        "$here/bin/suite" --test-threads 1 cuda:: \
+        --skip released_context_is_destroyed --skip reset_destroys_context_until_retained \
+        >"$out" 2>&1
+    rc=$?
+    cat "$out" >>"$log"
+    errors=$(grep -E '^========= ERROR SUMMARY' "$out" | tail -n 1)
+    leaks=$(grep -E '^========= LEAK SUMMARY' "$out" | tail -n 1)
+    result=$(grep -E '^test result:' "$out" | tail -n 1)
+    summary+=("$(printf '%-22s %s; %s; %s (exit %d)' memcheck "${result:-no test result line}" "${errors#========= }" "${leaks:-no leaks reported}" "$rc")")
+    [ "$rc" = 0 ] || status=1
+    rm -f "$out"
+fi
 for t in "$here"/bin/unit-* "$here"/bin/test-*; do
     [ -e "$t" ] && run "$(basename "$t")" "$t"
 done
