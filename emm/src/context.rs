@@ -278,6 +278,16 @@ impl Context {
             .map_err(|e| EmmError::driver("open IPC handle", self.inner.device, e))
     }
 
+    /// The size of the mapping (or allocation) at `base`, as the driver knows it.
+    pub(crate) fn mapping_size(&self, base: DevicePtr) -> Result<usize, EmmError> {
+        let _live = self.enter("open IPC handle")?;
+        self.inner
+            .driver
+            .mem_get_address_range(self.inner.handle, base)
+            .map(|(_, size)| size)
+            .map_err(|e| EmmError::driver("open IPC handle", self.inner.device, e))
+    }
+
     pub(crate) fn ipc_close(&self, base: DevicePtr) -> Result<(), EmmError> {
         let Some(_live) = self.inner.liveness.enter() else {
             // The context is gone, and its mappings with it.

@@ -241,12 +241,33 @@ impl IpcHandle {
         Ok(())
     }
 
+    /// Opens the mapping in `ctx` and checks that the exported range lies inside what was
+    /// mapped: the offset and size travelled as bytes and may have been garbled or forged, and
+    /// a view past the mapping would reach memory the exporter never shared.
+    fn map_checked(&self, ctx: &Context) -> Result<DevicePtr, EmmError> {
+        let base = ctx.ipc_open(&self.handle)?;
+        let mapped = ctx.mapping_size(base);
+        let fits = matches!(&mapped, Ok(n) if self.offset.checked_add(self.size).is_some_and(|end| end <= *n));
+        if !fits {
+            let closed = ctx.ipc_close(base);
+            let mapped = mapped?;
+            closed?;
+            return Err(EmmError::InvalidIpcHandle {
+                reason: format!(
+                    "the handle claims {} bytes at offset {}, but the allocation it names has {mapped} bytes",
+                    self.size, self.offset
+                ),
+            });
+        }
+        Ok(base)
+    }
+
     /// Maps the memory into `ctx` and returns a pointer to the exported range (Numba's
     /// `open_direct`). The mapping covers `offset + size` bytes from the allocation's base.
     pub fn open_direct(&self, ctx: &Context) -> Result<MemoryPointer, EmmError> {
         let mut opened = lock(&self.opened);
         self.check_openable(&opened)?;
-        let base = ctx.ipc_open(&self.handle)?;
+        let base = self.map_checked(ctx)?;
         let open = Arc::new(AtomicBool::new(true));
         let mapping = MemoryPointer::from_release(
             ctx.device(),
@@ -282,7 +303,7 @@ impl IpcHandle {
         let mut opened = lock(&self.opened);
         self.check_openable(&opened)?;
         let src_ctx = runtime.context(runtime.device_with_identity(&source)?)?;
-        let mapping = src_ctx.ipc_open(&self.handle)?;
+        let mapping = self.map_checked(&src_ctx)?;
         let copied = ctx.memalloc(self.size).and_then(|new| {
             ctx.copy_device_to_device(
                 new.device_ptr(),

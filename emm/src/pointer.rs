@@ -146,7 +146,8 @@ impl MemoryPointer {
 
     /// The device address this pointer starts at (the allocation's base plus the view offset).
     pub fn device_ptr(&self) -> DevicePtr {
-        DevicePtr(self.alloc.base.0 + self.offset as u64)
+        // Wrapping: a plugin may hand any base; the driver refuses an address that wrapped.
+        DevicePtr(self.alloc.base.0.wrapping_add(self.offset as u64))
     }
 
     /// Bytes this pointer covers.

@@ -172,3 +172,35 @@ fn a_handle_to_freed_memory_is_refused() {
     assert!(!handle.is_open());
     assert!(other.leak_report().ipc_mappings.is_empty());
 }
+
+/// A forged handle that claims more than the allocation it names (offset or size garbled in
+/// transit) is refused, and the mapping it opened is closed again.
+#[test]
+fn a_handle_claiming_more_than_its_allocation_is_refused() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = Runtime::builder(sim.clone()).ignore_env().build().unwrap();
+    let ctx = rt.context(0).unwrap();
+    let mem = ctx.memalloc(4096).unwrap();
+    let real = ctx.get_ipc_handle(&mem).unwrap();
+    let other = Arc::new(sim.spawn_process());
+    let other_rt = Runtime::builder(other.clone())
+        .ignore_env()
+        .build()
+        .unwrap();
+    let other_ctx = other_rt.context(0).unwrap();
+    for (size, offset) in [(4097, 0), (16, 4090), (1, usize::MAX / 2)] {
+        let forged = IpcHandle::new(*real.handle(), size, offset, None);
+        let forged = IpcHandle::from_bytes(&forged.to_bytes()).unwrap();
+        let err = forged.open_direct(&other_ctx).unwrap_err();
+        assert!(matches!(err, EmmError::InvalidIpcHandle { .. }), "{err:?}");
+        assert!(
+            err.to_string()
+                .contains("the allocation it names has 4096 bytes"),
+            "{err}"
+        );
+        assert!(
+            other.leak_report().ipc_mappings.is_empty(),
+            "the mapping was closed again"
+        );
+    }
+}
