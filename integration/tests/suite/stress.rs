@@ -165,11 +165,10 @@ pub fn stress_mixed_operations(target: Target) -> Result<(), Failed> {
             "failed driver calls (a double free?): {:?}",
             &failed[..failed.len().min(5)]
         );
-        println!(
-            "stress: {} operations on {THREADS} threads, {resets} resets, {} driver calls",
-            total_ops(),
-            sim.total_calls()
-        );
     }
+    println!(
+        "stress ({target}): {} operations on {THREADS} threads, {resets} concurrent resets, memory back to the byte",
+        per_thread * THREADS
+    );
     Ok(())
 }
