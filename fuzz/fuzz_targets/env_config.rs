@@ -33,6 +33,8 @@ fuzz_target!(|data: &[u8]| {
     match emm::manager_name_from_lookup(lookup) {
         Ok(Some(n)) => assert_eq!(n, name.trim()),
         Ok(None) => unreachable!("the variable is set"),
-        Err(e) => assert!(name.trim().is_empty() && e.to_string().starts_with("EMM_MEMORY_MANAGER")),
+        Err(e) => {
+            assert!(name.trim().is_empty() && e.to_string().starts_with("EMM_MEMORY_MANAGER"))
+        }
     }
 });

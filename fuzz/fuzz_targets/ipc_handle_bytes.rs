@@ -33,8 +33,18 @@ fn world() -> &'static std::sync::Mutex<World> {
         drop(gone);
         ctx.deallocations().unwrap().flush().unwrap();
         let other = Arc::new(sim.spawn_process());
-        let importer = Runtime::builder(other.clone()).ignore_env().build().unwrap();
-        std::sync::Mutex::new(World { importer, sim: other, live, freed, _exporter: exporter, _keep: keep })
+        let importer = Runtime::builder(other.clone())
+            .ignore_env()
+            .build()
+            .unwrap();
+        std::sync::Mutex::new(World {
+            importer,
+            sim: other,
+            live,
+            freed,
+            _exporter: exporter,
+            _keep: keep,
+        })
     })
 }
 
@@ -51,13 +61,18 @@ fuzz_target!(|data: &[u8]| {
             let at = (skip + i) % bytes.len();
             bytes[at] = *b;
         }
-        let Ok(h) = IpcHandle::from_bytes(&bytes) else { continue };
+        let Ok(h) = IpcHandle::from_bytes(&bytes) else {
+            continue;
+        };
         let ctx = w.importer.context(0).unwrap();
         if let Ok(mem) = h.open(&w.importer, &ctx) {
             let mut back = vec![0u8; mem.size().min(64)];
             let _ = ctx.copy_to_host(&mut back, &mem);
             h.close().unwrap();
         }
-        assert!(w.sim.leak_report().ipc_mappings.is_empty(), "a mapping outlived its close");
+        assert!(
+            w.sim.leak_report().ipc_mappings.is_empty(),
+            "a mapping outlived its close"
+        );
     }
 });

@@ -32,10 +32,18 @@ fuzz_target!(|data: &[u8]| {
     let sim = Arc::new(SimDriver::new(SimConfig::single(64 << 20)));
     let rt = Runtime::builder(sim.clone()).ignore_env().build().unwrap();
     let ctx = rt.context(0).unwrap();
-    let (size, start, stop, copy) =
-        (shape(word(data, 0)), shape(word(data, 1)), shape(word(data, 2)), shape(word(data, 3)));
+    let (size, start, stop, copy) = (
+        shape(word(data, 0)),
+        shape(word(data, 1)),
+        shape(word(data, 2)),
+        shape(word(data, 3)),
+    );
     if let Ok(m) = ctx.memalloc(size) {
-        let stop = if word(data, 4) % 2 == 0 { None } else { Some(stop) };
+        let stop = if word(data, 4) % 2 == 0 {
+            None
+        } else {
+            Some(stop)
+        };
         if let Ok(v) = m.view(start, stop) {
             let buf = vec![1u8; copy.min(1 << 20)];
             match ctx.copy_to_device(&v, &buf) {
@@ -55,8 +63,16 @@ fuzz_target!(|data: &[u8]| {
         .into_iter()
         .filter(|c| {
             c.outcome.is_err()
-                && !matches!(c.op, driver_mock::Op::MemAlloc | driver_mock::Op::MemHostRegister | driver_mock::Op::MemHostAlloc)
+                && !matches!(
+                    c.op,
+                    driver_mock::Op::MemAlloc
+                        | driver_mock::Op::MemHostRegister
+                        | driver_mock::Op::MemHostAlloc
+                )
         })
         .collect();
-    assert!(refused.is_empty(), "emm let a bad request reach the driver: {refused:?}");
+    assert!(
+        refused.is_empty(),
+        "emm let a bad request reach the driver: {refused:?}"
+    );
 });
