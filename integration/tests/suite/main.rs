@@ -148,6 +148,7 @@ const CUDA_ONLY: &[(&str, SuiteFn)] =
 const MULTI_DEVICE: &[(&str, SuiteFn)] = suite_tests![
     multi_device::contexts_on_every_device,
     multi_device::ipc_between_processes_on_different_devices,
+    multi_device::wrong_context_conformance,
 ];
 
 /// The GPU is one shared device: CUDA tests run one at a time (some fill its memory).

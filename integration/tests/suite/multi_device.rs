@@ -97,3 +97,51 @@ pub fn ipc_between_processes_on_different_devices(target: Target) -> Result<(), 
     }
     Ok(())
 }
+
+/// Memory of device 0 used through device 1's context. The driver, with unified addressing,
+/// finds the allocation by its address whatever the context (pinned on both targets); emm
+/// refuses the same misuse itself with `WrongContext`, before any driver call.
+pub fn wrong_context_conformance(target: Target) -> Result<(), Failed> {
+    #![allow(unsafe_code)]
+    use driver_sys::{DeviceOrdinal, Driver};
+    let t = machine(target, true)?;
+    let d: &dyn Driver = &*t.driver;
+    let (c0, c1) = (
+        d.primary_ctx_retain(DeviceOrdinal(0))?,
+        d.primary_ctx_retain(DeviceOrdinal(1))?,
+    );
+    let a = d.mem_alloc(c0, 4096)?;
+    let range = d.mem_get_address_range(c1, a);
+    // SAFETY: `a` is a live 4096-byte allocation of this test, used by no one else.
+    let copy = unsafe { d.memcpy_htod(c1, a, &[1u8; 64]) };
+    // SAFETY: frees `a` once (through the other device's context: the misuse under test).
+    let free = unsafe { d.mem_free(c1, a) };
+    let outcome = format!("address range {range:?}, copy {copy:?}, free {free:?}");
+    if free.is_err() {
+        // SAFETY: the misuse did not free it; free it properly, once.
+        unsafe { d.mem_free(c0, a)? };
+    }
+    // SAFETY: match the two retains above.
+    unsafe {
+        d.primary_ctx_release(DeviceOrdinal(1))?;
+        d.primary_ctx_release(DeviceOrdinal(0))?;
+    }
+    ensure!(
+        range.as_ref().is_ok_and(|(b, s)| *b == a && *s == 4096),
+        "{outcome}"
+    );
+    ensure!(copy.is_ok() && free.is_ok(), "{outcome}");
+
+    let ctx0 = t.runtime.context(0)?;
+    let ctx1 = t.runtime.context(1)?;
+    let mem = ctx0.to_device(&[2u8; 64])?;
+    let mut back = [0u8; 64];
+    let refused = ctx1.copy_to_host(&mut back, &mem);
+    ensure!(
+        matches!(refused, Err(emm::EmmError::WrongContext { .. })),
+        "{refused:?}"
+    );
+    let text = refused.unwrap_err().to_string();
+    ensure!(text.contains("belongs to device 0, not device 1"), "{text}");
+    Ok(())
+}
