@@ -98,9 +98,10 @@ pub fn ipc_between_processes_on_different_devices(target: Target) -> Result<(), 
     Ok(())
 }
 
-/// Memory of device 0 used through device 1's context. The driver, with unified addressing,
-/// finds the allocation by its address whatever the context (pinned on both targets); emm
-/// refuses the same misuse itself with `WrongContext`, before any driver call.
+/// Memory of device 0 used through device 1's context, as measured on two H200s: with unified
+/// addressing a copy or a free reaches it, but `cuMemGetAddressRange` (a per-context lookup)
+/// answers `CUDA_ERROR_NOT_FOUND`. emm refuses the misuse itself with `WrongContext`, before
+/// any driver call.
 pub fn wrong_context_conformance(target: Target) -> Result<(), Failed> {
     #![allow(unsafe_code)]
     use driver_sys::{DeviceOrdinal, Driver};
