@@ -198,7 +198,6 @@ proptest! {
     /// allocations touch; out-of-memory happens only when the pages needed are not free; every
     /// allocation still holds the bytes written to it.
     #[test]
-    #[cfg_attr(miri, ignore = "zeroes megabytes per step: many minutes under Miri; the other simulator tests reach the same unsafe code")]
     fn page_model_invariants(steps in prop::collection::vec(step(), 1..60)) {
         let total = 24 << 20;
         let (sim, ctx) = started(SimConfig::single(total));
