@@ -16,11 +16,14 @@
 //!
 //! | item | role |
 //! | --- | --- |
-//! | [`Runtime`] | the driver, the manager choice, one [`Context`] per device |
+//! | [`Runtime`] | the driver, the manager choice (in code or `EMM_MEMORY_MANAGER`), one [`Context`] per device, device reset |
+//! | [`Context`] | a device's primary context: memory through its manager, copies, streams, events, modules, IPC, `defer_cleanup`, reset in Numba's order |
 //! | [`MemoryManager`] | the plugin interface (all NBEP 7 members) |
-//! | [`DefaultManager`] | emm's own manager |
-//! | [`MemoryPointer`] | device memory; freed through its owner when the last clone drops |
+//! | [`DeviceAllocator`] + [`HostOnly`] | a device-only plugin, completed by the [`HostLayer`] (pinned and mapped memory, its queue, reset, `defer_cleanup`) |
+//! | [`DefaultManager`] | emm's own manager, `HostOnly<DriverAllocator>` |
+//! | [`MemoryPointer`], [`MappedMemory`], [`PinnedMemory`] | memory; released through its owner when the last handle drops |
 //! | [`PendingDeallocs`] / [`DeferCleanup`] | deferred deallocation and its suspension |
+//! | [`IpcHandle`] | export, transport as bytes, open directly or staged, close |
 //!
 //! emm never names cudarc or the simulator: it talks to an `Arc<dyn Driver>`
 //! ([`driver_sys::Driver`]).

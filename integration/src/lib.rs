@@ -8,6 +8,8 @@
 //! | --- | --- | --- |
 //! | `EMM_TEST_TARGET` | `all` (default), `sim`, `cuda` | which targets the suite runs on |
 //! | `EMM_REQUIRE_GPU` | `1` | a missing GPU fails the run instead of skipping the CUDA tests |
+//! | `EMM_REQUIRE_GPUS` | `2` | fewer than two GPUs fails the run instead of skipping the multi-device tests |
+//! | `EMM_STRESS_OPS` | a number (default 32 000) | operations of the stress test |
 //! | `EMM_DRIVER` | `auto` (default), `sim`, `cuda` | which driver [`driver_from_env`] picks (examples) |
 
 use std::fmt;
