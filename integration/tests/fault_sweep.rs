@@ -69,19 +69,7 @@ impl DeviceAllocator for ImmediateFree {
     }
 
     fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError> {
-        let cx = host.context();
-        let info = cx
-            .driver
-            .mem_get_info(cx.context)
-            .map_err(|e| EmmError::Driver {
-                op: "get_memory_info",
-                device: cx.device,
-                source: e,
-            })?;
-        Ok(MemoryInfo {
-            free: info.free,
-            total: info.total,
-        })
+        emm::DriverAllocator.get_memory_info(host)
     }
 
     fn get_ipc_handle(
