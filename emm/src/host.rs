@@ -552,7 +552,9 @@ impl HostLayer {
                 .mapped(host, bytes, Entry::Host { ptr: host, bytes }, None)
                 .inspect_err(|_| {
                     // SAFETY: allocated just above and handed to no one.
-                    let _ = unsafe { cx.driver.mem_free_host(cx.context, host) };
+                    if let Err(e) = unsafe { cx.driver.mem_free_host(cx.context, host) } {
+                        tracing::error!(device = %cx.device, error = %e, "freeing pinned memory whose mapping failed");
+                    }
                 });
         }
         let queue = Arc::clone(self.deallocations());
@@ -609,7 +611,9 @@ impl HostLayer {
                 )
                 .inspect_err(|_| {
                     // SAFETY: registered just above and handed to no one.
-                    let _ = unsafe { cx.driver.mem_host_unregister(cx.context, ptr) };
+                    if let Err(e) = unsafe { cx.driver.mem_host_unregister(cx.context, ptr) } {
+                        tracing::error!(device = %cx.device, error = %e, "unpinning a range whose mapping failed");
+                    }
                 });
         }
         let queue = Arc::clone(self.deallocations());
