@@ -650,6 +650,43 @@ impl World {
         }
     }
 
+    /// Copies `dst.len()` bytes from `addr`, as process `pid` sees it, into `dst`.
+    ///
+    /// # Safety
+    ///
+    /// If `addr` is mapped host memory, it is live and nothing writes it during the call (the
+    /// `Driver` copy contracts).
+    unsafe fn read(&self, pid: usize, addr: u64, dst: &mut [u8]) -> Result<(), u32> {
+        match self.resolve(pid, addr, dst.len())? {
+            Loc::Store(id, off) => {
+                dst.copy_from_slice(&self.stores[&id].bytes[off..off + dst.len()])
+            }
+            // SAFETY: `resolve` checked the range lies in a mapped host range; the caller vouches
+            // that it is live and unwritten; `dst` is an exclusive borrow.
+            Loc::Host(at) => unsafe {
+                std::ptr::copy(at as *const u8, dst.as_mut_ptr(), dst.len())
+            },
+        }
+        Ok(())
+    }
+
+    /// Copies `src` to `addr`, as process `pid` sees it.
+    ///
+    /// # Safety
+    ///
+    /// If `addr` is mapped host memory, it is live and nothing else touches it during the call.
+    unsafe fn write(&mut self, pid: usize, addr: u64, src: &[u8]) -> Result<(), u32> {
+        match self.resolve(pid, addr, src.len())? {
+            Loc::Store(id, off) => self.stores.get_mut(&id).expect("live store").bytes
+                [off..off + src.len()]
+                .copy_from_slice(src),
+            // SAFETY: `resolve` checked the range lies in a mapped host range; the caller vouches
+            // that it is live and untouched by anyone else.
+            Loc::Host(at) => unsafe { std::ptr::copy(src.as_ptr(), at as *mut u8, src.len()) },
+        }
+        Ok(())
+    }
+
     /// Resolves `len` bytes at `addr` as seen by process `pid` (unified addressing: any device's
     /// memory of this process, its IPC mappings, and its mapped host memory).
     fn resolve(&self, pid: usize, addr: u64, len: usize) -> Result<Loc, u32> {
@@ -966,6 +1003,27 @@ impl SimDriver {
                 e
             }
         })
+    }
+
+    /// Runs a copy or memset of `bytes` at `ptr` in context `ctx`: logs it, checks the context,
+    /// and treats zero bytes as done.
+    fn copy_call(
+        &self,
+        op: Op,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        bytes: usize,
+        body: impl FnOnce(&mut World, usize) -> Result<(), u32>,
+    ) -> Result<(), DriverError> {
+        self.call(
+            op,
+            Box::new(move |w, pid, note| {
+                note.ptr = Some(ptr);
+                note.bytes = Some(bytes);
+                context(w, pid, ctx, note)?;
+                if bytes == 0 { Ok(()) } else { body(w, pid) }
+            }),
+        )
     }
 
     /// Creates a stream, event or module; `valid` says whether the arguments (flags, image) are
@@ -1340,30 +1398,11 @@ impl Driver for SimDriver {
         dst: DevicePtr,
         src: &[u8],
     ) -> Result<(), DriverError> {
-        self.call(
-            Op::MemcpyHtoD,
-            Box::new(move |w, pid, note| {
-                note.ptr = Some(dst);
-                note.bytes = Some(src.len());
-                context(w, pid, ctx, note)?;
-                if src.is_empty() {
-                    return Ok(());
-                }
-                match w.resolve(pid, dst.0, src.len())? {
-                    Loc::Store(id, off) => {
-                        w.stores.get_mut(&id).expect("live store").bytes[off..off + src.len()]
-                            .copy_from_slice(src);
-                    }
-                    // SAFETY: the destination is host memory the caller mapped and vouched for
-                    // (`Driver::memcpy_htod`'s contract); `resolve` checked it lies in the mapped
-                    // range, which is live while registered or allocated.
-                    Loc::Host(at) => unsafe {
-                        std::ptr::copy(src.as_ptr(), at as *mut u8, src.len());
-                    },
-                }
-                Ok(())
-            }),
-        )
+        self.copy_call(Op::MemcpyHtoD, ctx, dst, src.len(), |w, pid| {
+            // SAFETY: `Driver::memcpy_htod`'s contract: the destination is live memory of the
+            // caller's that nothing else touches during the call.
+            unsafe { w.write(pid, dst.0, src) }
+        })
     }
 
     unsafe fn memcpy_dtoh(
@@ -1372,28 +1411,12 @@ impl Driver for SimDriver {
         dst: &mut [u8],
         src: DevicePtr,
     ) -> Result<(), DriverError> {
-        self.call(
-            Op::MemcpyDtoH,
-            Box::new(move |w, pid, note| {
-                note.ptr = Some(src);
-                note.bytes = Some(dst.len());
-                context(w, pid, ctx, note)?;
-                if dst.is_empty() {
-                    return Ok(());
-                }
-                match w.resolve(pid, src.0, dst.len())? {
-                    Loc::Store(id, off) => {
-                        dst.copy_from_slice(&w.stores[&id].bytes[off..off + dst.len()]);
-                    }
-                    // SAFETY: the source is mapped host memory the caller vouched for; `resolve`
-                    // checked the range; `dst` is an exclusive borrow.
-                    Loc::Host(at) => unsafe {
-                        std::ptr::copy(at as *const u8, dst.as_mut_ptr(), dst.len());
-                    },
-                }
-                Ok(())
-            }),
-        )
+        let len = dst.len();
+        self.copy_call(Op::MemcpyDtoH, ctx, src, len, |w, pid| {
+            // SAFETY: `Driver::memcpy_dtoh`'s contract: the source is live memory of the caller's
+            // that nothing writes during the call.
+            unsafe { w.read(pid, src.0, dst) }
+        })
     }
 
     unsafe fn memcpy_dtod(
@@ -1403,38 +1426,15 @@ impl Driver for SimDriver {
         src: DevicePtr,
         bytes: usize,
     ) -> Result<(), DriverError> {
-        self.call(
-            Op::MemcpyDtoD,
-            Box::new(move |w, pid, note| {
-                note.ptr = Some(dst);
-                note.bytes = Some(bytes);
-                context(w, pid, ctx, note)?;
-                if bytes == 0 {
-                    return Ok(());
-                }
-                let mut staging = vec![0u8; bytes];
-                match w.resolve(pid, src.0, bytes)? {
-                    Loc::Store(id, off) => {
-                        staging.copy_from_slice(&w.stores[&id].bytes[off..off + bytes])
-                    }
-                    // SAFETY: mapped host memory the caller vouched for; range checked.
-                    Loc::Host(at) => unsafe {
-                        std::ptr::copy(at as *const u8, staging.as_mut_ptr(), bytes);
-                    },
-                }
-                match w.resolve(pid, dst.0, bytes)? {
-                    Loc::Store(id, off) => {
-                        w.stores.get_mut(&id).expect("live store").bytes[off..off + bytes]
-                            .copy_from_slice(&staging);
-                    }
-                    // SAFETY: mapped host memory the caller vouched for; range checked.
-                    Loc::Host(at) => unsafe {
-                        std::ptr::copy(staging.as_ptr(), at as *mut u8, bytes);
-                    },
-                }
-                Ok(())
-            }),
-        )
+        self.copy_call(Op::MemcpyDtoD, ctx, dst, bytes, |w, pid| {
+            let mut staging = vec![0u8; bytes];
+            // SAFETY: `Driver::memcpy_dtod`'s contract: both ranges are live memory of the
+            // caller's that nothing else writes during the call.
+            unsafe {
+                w.read(pid, src.0, &mut staging)?;
+                w.write(pid, dst.0, &staging)
+            }
+        })
     }
 
     unsafe fn memset_d8(
@@ -1444,28 +1444,11 @@ impl Driver for SimDriver {
         value: u8,
         bytes: usize,
     ) -> Result<(), DriverError> {
-        self.call(
-            Op::MemsetD8,
-            Box::new(move |w, pid, note| {
-                note.ptr = Some(dst);
-                note.bytes = Some(bytes);
-                context(w, pid, ctx, note)?;
-                if bytes == 0 {
-                    return Ok(());
-                }
-                match w.resolve(pid, dst.0, bytes)? {
-                    Loc::Store(id, off) => {
-                        w.stores.get_mut(&id).expect("live store").bytes[off..off + bytes]
-                            .fill(value);
-                    }
-                    // SAFETY: mapped host memory the caller vouched for; `resolve` checked the range.
-                    Loc::Host(at) => unsafe {
-                        std::ptr::write_bytes(at as *mut u8, value, bytes);
-                    },
-                }
-                Ok(())
-            }),
-        )
+        self.copy_call(Op::MemsetD8, ctx, dst, bytes, |w, pid| {
+            // SAFETY: `Driver::memset_d8`'s contract: the range is live memory of the caller's
+            // that nothing else uses during the call.
+            unsafe { w.write(pid, dst.0, &vec![value; bytes]) }
+        })
     }
 
     fn mem_host_alloc(

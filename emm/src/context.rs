@@ -4,30 +4,25 @@
 use std::fmt;
 use std::sync::Arc;
 
-use driver_sys::{
-    ContextHandle, DeviceOrdinal, DevicePtr, Driver, HostPtr, IpcMemHandle, event_flags,
-};
+use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, HostPtr, IpcMemHandle, event_flags};
 
 use crate::host::{HostMemory, HostOwner, PinnableBuffer};
 use crate::ipc::{DeviceIdentity, IpcHandle};
-use crate::liveness::{ContextLiveness, LiveGuard};
+use crate::liveness::LiveGuard;
 use crate::manager::{ManagerContext, MemoryManager};
 use crate::objects::{Event, Module, ModuleRegistry, Stream};
 use crate::pending::{DeferCleanup, PendingDeallocs};
 use crate::{EmmError, MemoryInfo, MemoryPointer};
 
 pub(crate) struct ContextInner {
-    pub(crate) device: DeviceOrdinal,
-    pub(crate) handle: ContextHandle,
-    pub(crate) driver: Arc<dyn Driver>,
+    /// The driver, device, context handle and liveness, as the manager got them.
+    pub(crate) cx: ManagerContext,
     pub(crate) manager: Box<dyn MemoryManager>,
     pub(crate) manager_name: String,
-    pub(crate) liveness: Arc<ContextLiveness>,
     /// The context's own queue: streams, events and modules (never memory).
     pub(crate) own: Arc<PendingDeallocs>,
     pub(crate) modules: Arc<ModuleRegistry>,
     pub(crate) can_map_host_memory: bool,
-    pub(crate) cx: ManagerContext,
 }
 
 /// A device's context: its primary CUDA context plus the one memory manager that owns all its
@@ -44,11 +39,11 @@ pub struct Context {
 impl fmt::Debug for Context {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Context")
-            .field("device", &self.inner.device)
-            .field("handle", &self.inner.handle)
-            .field("driver", &self.inner.driver.name())
+            .field("device", &self.inner.cx.device)
+            .field("handle", &self.inner.cx.context)
+            .field("driver", &self.inner.cx.driver.name())
             .field("manager", &self.inner.manager_name)
-            .field("alive", &self.inner.liveness.is_alive())
+            .field("alive", &self.inner.cx.liveness.is_alive())
             .finish()
     }
 }
@@ -56,12 +51,12 @@ impl fmt::Debug for Context {
 impl Context {
     /// The device.
     pub fn device(&self) -> DeviceOrdinal {
-        self.inner.device
+        self.inner.cx.device
     }
 
     /// The CUDA context handle.
     pub fn handle(&self) -> ContextHandle {
-        self.inner.handle
+        self.inner.cx.context
     }
 
     /// The memory manager that owns this context's memory.
@@ -76,13 +71,13 @@ impl Context {
 
     /// Whether the context is still usable (false after its device was reset).
     pub fn is_alive(&self) -> bool {
-        self.inner.liveness.is_alive()
+        self.inner.cx.liveness.is_alive()
     }
 
     fn stale(&self, what: &'static str) -> EmmError {
         EmmError::Stale {
             what,
-            device: self.inner.device,
+            device: self.inner.cx.device,
             reason: "the device was reset",
         }
     }
@@ -133,7 +128,7 @@ impl Context {
     /// step runs; the first error is returned. Pointers and modules that outlive it become
     /// stale; dropping them frees nothing twice.
     pub fn reset(&self) -> Result<(), EmmError> {
-        tracing::info!(device = %self.inner.device, modules = self.inner.modules.len(), "context reset");
+        tracing::info!(device = %self.inner.cx.device, modules = self.inner.modules.len(), "context reset");
         let manager = self.inner.manager.reset();
         self.inner.modules.clear();
         let own = self.inner.own.flush().map(|_| ());
@@ -170,7 +165,7 @@ impl Context {
         self.ensure_alive("mempin")?;
         if mapped && !self.inner.can_map_host_memory {
             return Err(EmmError::CannotMapHostMemory {
-                device: self.inner.device,
+                device: self.inner.cx.device,
             });
         }
         // SAFETY: forwarded with this method's own contract.
@@ -206,12 +201,13 @@ impl Context {
         let _live = self.enter("create_stream")?;
         let s = self
             .inner
+            .cx
             .driver
-            .stream_create(self.inner.handle, 0)
-            .map_err(|e| EmmError::driver("create_stream", self.inner.device, e))?;
+            .stream_create(self.inner.cx.context, 0)
+            .map_err(|e| EmmError::driver("create_stream", self.inner.cx.device, e))?;
         Ok(Stream::new(
             s,
-            self.inner.device,
+            self.inner.cx.device,
             Arc::clone(&self.inner.own),
         ))
     }
@@ -227,12 +223,13 @@ impl Context {
         };
         let e = self
             .inner
+            .cx
             .driver
-            .event_create(self.inner.handle, flags)
-            .map_err(|e| EmmError::driver("create_event", self.inner.device, e))?;
+            .event_create(self.inner.cx.context, flags)
+            .map_err(|e| EmmError::driver("create_event", self.inner.cx.device, e))?;
         Ok(Event::new(
             e,
-            self.inner.device,
+            self.inner.cx.device,
             Arc::clone(&self.inner.own),
         ))
     }
@@ -243,53 +240,61 @@ impl Context {
         let _live = self.enter("load_module")?;
         let m = self
             .inner
+            .cx
             .driver
-            .module_load_data(self.inner.handle, image)
-            .map_err(|e| EmmError::driver("load_module", self.inner.device, e))?;
-        Ok(self.inner.modules.register(m, self.inner.device))
+            .module_load_data(self.inner.cx.context, image)
+            .map_err(|e| EmmError::driver("load_module", self.inner.cx.device, e))?;
+        Ok(self.inner.modules.register(m, self.inner.cx.device))
     }
 
     /// The PCI identity of this context's device.
     pub fn device_identity(&self) -> Result<DeviceIdentity, EmmError> {
-        crate::host::device_identity(&self.inner.cx)
+        crate::ipc::identity_of(&*self.inner.cx.driver, self.inner.cx.device)
     }
 
     /// Whether this context's device can access memory of `peer` directly
     /// (`cuDeviceCanAccessPeer`; a device can always access its own).
     pub fn can_access_peer(&self, peer: DeviceOrdinal) -> Result<bool, EmmError> {
-        if peer == self.inner.device {
+        if peer == self.inner.cx.device {
             return Ok(true);
         }
         self.inner
+            .cx
             .driver
-            .device_can_access_peer(self.inner.device, peer)
-            .map_err(|e| EmmError::driver("peer access query", self.inner.device, e))
+            .device_can_access_peer(self.inner.cx.device, peer)
+            .map_err(|e| EmmError::driver("peer access query", self.inner.cx.device, e))
     }
 
     fn enter(&self, what: &'static str) -> Result<LiveGuard<'_>, EmmError> {
-        self.inner.liveness.enter().ok_or_else(|| self.stale(what))
+        self.inner
+            .cx
+            .liveness
+            .enter()
+            .ok_or_else(|| self.stale(what))
     }
 
     pub(crate) fn ipc_open(&self, handle: &IpcMemHandle) -> Result<DevicePtr, EmmError> {
         let _live = self.enter("open IPC handle")?;
         self.inner
+            .cx
             .driver
-            .ipc_open_mem_handle(self.inner.handle, handle)
-            .map_err(|e| EmmError::driver("open IPC handle", self.inner.device, e))
+            .ipc_open_mem_handle(self.inner.cx.context, handle)
+            .map_err(|e| EmmError::driver("open IPC handle", self.inner.cx.device, e))
     }
 
     /// The size of the mapping (or allocation) at `base`, as the driver knows it.
     pub(crate) fn mapping_size(&self, base: DevicePtr) -> Result<usize, EmmError> {
         let _live = self.enter("open IPC handle")?;
         self.inner
+            .cx
             .driver
-            .mem_get_address_range(self.inner.handle, base)
+            .mem_get_address_range(self.inner.cx.context, base)
             .map(|(_, size)| size)
-            .map_err(|e| EmmError::driver("open IPC handle", self.inner.device, e))
+            .map_err(|e| EmmError::driver("open IPC handle", self.inner.cx.device, e))
     }
 
     pub(crate) fn ipc_close(&self, base: DevicePtr) -> Result<(), EmmError> {
-        let Some(_live) = self.inner.liveness.enter() else {
+        let Some(_live) = self.inner.cx.liveness.enter() else {
             // The context is gone, and its mappings with it.
             return Ok(());
         };
@@ -297,10 +302,11 @@ impl Context {
         // pointers turned stale before this call; `_live` keeps the context alive.
         unsafe {
             self.inner
+                .cx
                 .driver
-                .ipc_close_mem_handle(self.inner.handle, base)
+                .ipc_close_mem_handle(self.inner.cx.context, base)
         }
-        .map_err(|e| EmmError::driver("close IPC handle", self.inner.device, e))
+        .map_err(|e| EmmError::driver("close IPC handle", self.inner.cx.device, e))
     }
 
     /// Copies the first `bytes` bytes of page-locked host memory `src` to `dst` (a true pinned
@@ -356,10 +362,11 @@ impl Context {
         // mapped memory.
         unsafe {
             self.inner
+                .cx
                 .driver
-                .memset_d8(self.inner.handle, dst.device_ptr(), value, bytes)
+                .memset_d8(self.inner.cx.context, dst.device_ptr(), value, bytes)
         }
-        .map_err(|e| EmmError::driver(WHAT, self.inner.device, e))
+        .map_err(|e| EmmError::driver(WHAT, self.inner.cx.device, e))
     }
 
     /// Copies the first `bytes` bytes of `src` to the start of `dst`, synchronously
@@ -397,10 +404,11 @@ impl Context {
         // - the ranges belong to different allocations, so they do not overlap.
         unsafe {
             self.inner
+                .cx
                 .driver
-                .memcpy_dtod(self.inner.handle, dst, src, bytes)
+                .memcpy_dtod(self.inner.cx.context, dst, src, bytes)
         }
-        .map_err(|e| EmmError::driver(WHAT, self.inner.device, e))
+        .map_err(|e| EmmError::driver(WHAT, self.inner.cx.device, e))
     }
 
     /// Base and end address of the whole allocation that `memory` lies in, as the driver
@@ -412,14 +420,16 @@ impl Context {
         self.check_usable("device_extents", memory)?;
         let _live = self
             .inner
+            .cx
             .liveness
             .enter()
             .ok_or_else(|| self.stale("device_extents"))?;
         let (base, size) = self
             .inner
+            .cx
             .driver
-            .mem_get_address_range(self.inner.handle, memory.device_ptr())
-            .map_err(|e| EmmError::driver("device_extents", self.inner.device, e))?;
+            .mem_get_address_range(self.inner.cx.context, memory.device_ptr())
+            .map_err(|e| EmmError::driver("device_extents", self.inner.cx.device, e))?;
         Ok((base, DevicePtr(base.0 + size as u64)))
     }
 
@@ -441,10 +451,11 @@ impl Context {
         // - `_live` keeps the context from being destroyed during the call.
         unsafe {
             self.inner
+                .cx
                 .driver
-                .memcpy_htod(self.inner.handle, dst.device_ptr(), src)
+                .memcpy_htod(self.inner.cx.context, dst.device_ptr(), src)
         }
-        .map_err(|e| EmmError::driver(WHAT, self.inner.device, e))
+        .map_err(|e| EmmError::driver(WHAT, self.inner.cx.device, e))
     }
 
     /// Copies the first `dst.len()` bytes of `src` into `dst`, synchronously.
@@ -458,10 +469,11 @@ impl Context {
         // - `_live` keeps the context from being destroyed during the call.
         unsafe {
             self.inner
+                .cx
                 .driver
-                .memcpy_dtoh(self.inner.handle, dst, src.device_ptr())
+                .memcpy_dtoh(self.inner.cx.context, dst, src.device_ptr())
         }
-        .map_err(|e| EmmError::driver(WHAT, self.inner.device, e))
+        .map_err(|e| EmmError::driver(WHAT, self.inner.cx.device, e))
     }
 
     /// Checks that a copy of `len` bytes at the start of `memory` is allowed, and enters the
@@ -481,22 +493,26 @@ impl Context {
                 size: memory.size(),
             });
         }
-        self.inner.liveness.enter().ok_or_else(|| self.stale(what))
+        self.inner
+            .cx
+            .liveness
+            .enter()
+            .ok_or_else(|| self.stale(what))
     }
 
     fn check_usable(&self, what: &'static str, memory: &MemoryPointer) -> Result<(), EmmError> {
         self.ensure_alive(what)?;
-        if memory.device() != self.inner.device || memory.context() != self.inner.handle {
+        if memory.device() != self.inner.cx.device || memory.context() != self.inner.cx.context {
             return Err(EmmError::WrongContext {
                 what,
-                device: self.inner.device,
+                device: self.inner.cx.device,
                 owner: memory.device(),
             });
         }
         if !memory.is_live() {
             return Err(EmmError::Stale {
                 what,
-                device: self.inner.device,
+                device: self.inner.cx.device,
                 reason: "the memory was freed by a reset of its manager",
             });
         }

@@ -7,11 +7,9 @@ use std::cell::UnsafeCell;
 use std::fmt;
 use std::sync::Arc;
 
-use driver_sys::{
-    DeviceAttribute, DevicePtr, DriverError, ErrorKind, HostPtr, host_alloc, host_register,
-};
+use driver_sys::{DevicePtr, DriverError, ErrorKind, HostPtr, host_alloc, host_register};
 
-use crate::ipc::{DeviceIdentity, IpcHandle};
+use crate::ipc::IpcHandle;
 use crate::manager::{INTERFACE_VERSION, ManagerContext, MemoryManager};
 use crate::pending::{DeferCleanup, Free, PendingDeallocs};
 use crate::pointer::Release;
@@ -658,7 +656,7 @@ impl HostLayer {
             .driver
             .ipc_get_mem_handle(cx.context, base)
             .map_err(err("get_ipc_handle"))?;
-        let source = device_identity(cx)?;
+        let source = crate::ipc::identity_of(&*cx.driver, cx.device)?;
         let offset = (memory.device_ptr().0 - base.0) as usize;
         Ok(IpcHandle::exported(
             memory.clone(),
@@ -668,20 +666,6 @@ impl HostLayer {
             source,
         ))
     }
-}
-
-/// The PCI identity of the context's device.
-pub(crate) fn device_identity(cx: &ManagerContext) -> Result<DeviceIdentity, EmmError> {
-    let attr = |a| {
-        cx.driver
-            .device_attribute(cx.device, a)
-            .map_err(|e| EmmError::driver("device identity", cx.device, e))
-    };
-    Ok(DeviceIdentity {
-        pci_domain_id: attr(DeviceAttribute::PciDomainId)?,
-        pci_bus_id: attr(DeviceAttribute::PciBusId)?,
-        pci_device_id: attr(DeviceAttribute::PciDeviceId)?,
-    })
 }
 
 /// The device half of a manager: what a plugin that manages device memory (a host runtime's

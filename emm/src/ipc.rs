@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use driver_sys::{DevicePtr, IpcMemHandle};
+use driver_sys::{DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, IpcMemHandle};
 
 use crate::context::Context;
 use crate::pointer::Release;
@@ -31,6 +31,23 @@ impl fmt::Display for DeviceIdentity {
             self.pci_domain_id, self.pci_bus_id, self.pci_device_id
         )
     }
+}
+
+/// The PCI identity of `device` (Numba's `get_device_identity`).
+pub(crate) fn identity_of(
+    driver: &dyn Driver,
+    device: DeviceOrdinal,
+) -> Result<DeviceIdentity, EmmError> {
+    let attr = |a| {
+        driver
+            .device_attribute(device, a)
+            .map_err(|e| EmmError::driver("device identity", device, e))
+    };
+    Ok(DeviceIdentity {
+        pci_domain_id: attr(DeviceAttribute::PciDomainId)?,
+        pci_bus_id: attr(DeviceAttribute::PciBusId)?,
+        pci_device_id: attr(DeviceAttribute::PciDeviceId)?,
+    })
 }
 
 enum Opened {

@@ -129,14 +129,16 @@ impl ModuleRegistry {
     }
 
     fn release(&self, handle: ModuleHandle, generation: u64) {
-        {
+        let flush = {
             let mut loaded = lock(&self.loaded);
             if self.generation.load(Ordering::Acquire) != generation || !loaded.remove(&handle) {
                 return;
             }
-            self.queue.push_all_without_flush([Free::Module(handle)]);
+            self.queue.push_all_without_flush([Free::Module(handle)])
+        };
+        if flush {
+            self.queue.apply_thresholds_from_drop();
         }
-        self.queue.apply_thresholds_from_drop();
     }
 }
 

@@ -230,10 +230,12 @@ impl PendingDeallocs {
     }
 
     /// Queues frees without applying the thresholds (a reset queues everything, then flushes
-    /// once).
-    pub(crate) fn push_all_without_flush(&self, items: impl IntoIterator<Item = Free>) {
+    /// once); returns whether a threshold is now crossed, so that a caller that must not flush
+    /// here (it holds another lock) knows whether to call
+    /// [`apply_thresholds_from_drop`](Self::apply_thresholds_from_drop) afterwards.
+    pub(crate) fn push_all_without_flush(&self, items: impl IntoIterator<Item = Free>) -> bool {
         let mut inner = lock(&self.inner);
-        self.enqueue(&mut inner, items);
+        self.enqueue(&mut inner, items) && self.over_threshold(&inner)
     }
 
     /// Numba's rule: more than `max_count` frees, or more than the byte budget, pending.
@@ -266,8 +268,9 @@ impl PendingDeallocs {
     /// Queues a free from a destructor (a stream, event or pinned buffer that dropped) and
     /// applies the thresholds; errors are recorded for the next flush.
     pub(crate) fn push_from_drop(&self, item: Free) {
-        self.push_all_without_flush([item]);
-        self.apply_thresholds_from_drop();
+        if self.push_all_without_flush([item]) {
+            self.apply_thresholds_from_drop();
+        }
     }
 
     /// Applies the thresholds after frees were queued from a destructor, flushing if one is

@@ -304,12 +304,8 @@ impl Runtime {
         let own = Arc::new(cx.new_pending_deallocs());
         Ok(Context {
             inner: Arc::new(ContextInner {
-                device,
-                handle,
-                driver: Arc::clone(&self.driver),
                 manager,
                 manager_name: factory.name().to_owned(),
-                liveness: Arc::clone(&cx.liveness),
                 modules: Arc::new(ModuleRegistry::new(Arc::clone(&own))),
                 own,
                 can_map_host_memory,
@@ -323,19 +319,9 @@ impl Runtime {
         &self,
         identity: &DeviceIdentity,
     ) -> Result<DeviceOrdinal, EmmError> {
-        use driver_sys::DeviceAttribute as A;
         for d in 0..self.device_count()? {
             let dev = DeviceOrdinal(d);
-            let attr = |a| {
-                self.driver
-                    .device_attribute(dev, a)
-                    .map_err(|e| EmmError::driver("device identity", dev, e))
-            };
-            let id = DeviceIdentity {
-                pci_domain_id: attr(A::PciDomainId)?,
-                pci_bus_id: attr(A::PciBusId)?,
-                pci_device_id: attr(A::PciDeviceId)?,
-            };
+            let id = crate::ipc::identity_of(&*self.driver, dev)?;
             if id == *identity {
                 return Ok(dev);
             }
@@ -389,20 +375,20 @@ impl Runtime {
         {
             reset = reset.and(queue.flush_for_teardown().map(|_| ()));
         }
-        inner.liveness.kill();
+        inner.cx.liveness.kill();
         // A failed release changed nothing (the driver's contract), and no one else will ever
         // release this reference: try once more before reporting it.
         let release = || {
             // SAFETY: matches the retain made when the context was created (a failed attempt
             // released nothing); the context is dead, so nothing emm holds uses its memory again.
-            unsafe { self.driver.primary_ctx_release(inner.device) }
+            unsafe { self.driver.primary_ctx_release(inner.cx.device) }
         };
         let release = release()
             .or_else(|e| {
-                tracing::warn!(device = %inner.device, error = %e, "releasing the primary context failed; trying once more");
+                tracing::warn!(device = %inner.cx.device, error = %e, "releasing the primary context failed; trying once more");
                 release()
             })
-            .map_err(|e| EmmError::driver("primary context release", inner.device, e));
+            .map_err(|e| EmmError::driver("primary context release", inner.cx.device, e));
 
         reset.and(release)
     }

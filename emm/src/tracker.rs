@@ -95,31 +95,34 @@ impl Tracker {
 
     /// The last pointer to the allocation under `key` dropped.
     pub(crate) fn release(&self, key: u64, generation: u64) {
-        let unpin = {
+        let (unpin, flush) = {
             let mut table = lock(&self.table);
             if self.generation() != generation {
                 // A reset already released it.
                 return;
             }
             match table.remove(&key) {
-                Some(Entry::Device { ptr, bytes }) => {
+                Some(Entry::Device { ptr, bytes }) => (
+                    None,
                     self.queue
-                        .push_all_without_flush([Free::Device { ptr, bytes }]);
-                    None
-                }
-                Some(Entry::Host { ptr, bytes }) => {
+                        .push_all_without_flush([Free::Device { ptr, bytes }]),
+                ),
+                Some(Entry::Host { ptr, bytes }) => (
+                    None,
                     self.queue
-                        .push_all_without_flush([Free::Host { ptr, bytes }]);
-                    None
-                }
-                Some(Entry::Unpin { ptr, owner }) => Some((ptr, owner)),
-                None => None,
+                        .push_all_without_flush([Free::Host { ptr, bytes }]),
+                ),
+                Some(Entry::Unpin { ptr, owner }) => (Some((ptr, owner)), false),
+                None => (None, false),
             }
         };
-        match unpin {
+        if let Some((ptr, _owner)) = unpin {
             // The owner drops after the unpin.
-            Some((ptr, _owner)) => unpin_now(&self.cx, &self.queue, ptr),
-            None => self.queue.apply_thresholds_from_drop(),
+            unpin_now(&self.cx, &self.queue, ptr);
+        }
+        // The queue lock is taken again only when a flush is due.
+        if flush {
+            self.queue.apply_thresholds_from_drop();
         }
     }
 
