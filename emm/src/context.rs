@@ -96,6 +96,23 @@ impl Context {
         self.inner.manager.memalloc(bytes)
     }
 
+    /// Releases what the manager holds back (pool chunks, cached pinned blocks) to the driver;
+    /// returns the bytes released. Inside `defer_cleanup` the frees wait for the guard.
+    pub fn trim(&self) -> Result<usize, EmmError> {
+        self.ensure_alive("trim")?;
+        self.inner.manager.trim()
+    }
+
+    /// What the manager's pools hold now.
+    pub fn pool_stats(&self) -> crate::PoolReport {
+        self.inner.manager.pool_stats()
+    }
+
+    /// What a `stats` adaptor counted, if the manager has one.
+    pub fn usage(&self) -> Option<crate::Usage> {
+        self.inner.manager.usage()
+    }
+
     /// Free and total memory, as the manager reports them.
     pub fn get_memory_info(&self) -> Result<MemoryInfo, EmmError> {
         self.ensure_alive("get_memory_info")?;

@@ -151,6 +151,31 @@ pub enum EmmError {
         registered: Vec<String>,
     },
 
+    /// A value given in code (a pool's configuration, say) is refused.
+    #[error("{what} is invalid: {reason}")]
+    InvalidArgument {
+        /// What was given.
+        what: &'static str,
+        /// Why it is refused, and what to give instead.
+        reason: String,
+    },
+
+    /// An allocation would exceed the cap of a limit adaptor.
+    #[error(
+        "allocating {requested} bytes would bring the memory in use on device {device} to {would_be} bytes, over the limit of {limit} bytes; \
+         free memory you no longer need, or raise the limit (EMM_MEMORY_ADAPTORS=limit=...)"
+    )]
+    OverLimit {
+        /// The device.
+        device: DeviceOrdinal,
+        /// Bytes requested.
+        requested: usize,
+        /// Bytes in use had it been granted.
+        would_be: usize,
+        /// The cap.
+        limit: usize,
+    },
+
     /// A configuration value (environment variable) is malformed.
     #[error("{variable}={value:?} is invalid: {reason}")]
     Config {
@@ -244,7 +269,9 @@ impl EmmError {
     pub fn is_out_of_memory(&self) -> bool {
         matches!(
             self,
-            EmmError::OutOfMemory { .. } | EmmError::OutOfHostMemory { .. }
+            EmmError::OutOfMemory { .. }
+                | EmmError::OutOfHostMemory { .. }
+                | EmmError::OverLimit { .. }
         ) || self.driver_kind() == Some(ErrorKind::OutOfMemory)
     }
 

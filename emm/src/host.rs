@@ -12,7 +12,9 @@ use driver_sys::{DevicePtr, DriverError, ErrorKind, HostPtr, host_alloc, host_re
 use crate::ipc::IpcHandle;
 use crate::manager::{INTERFACE_VERSION, ManagerContext, MemoryManager};
 use crate::pending::{DeferCleanup, Free, PendingDeallocs};
+use crate::pinned_pool::{PinnedBlock, PinnedPool};
 use crate::pointer::Release;
+use crate::pool::{PoolReport, PoolStats};
 use crate::tracker::{Entry, Tracker, unpin_now};
 use crate::{EmmError, MemoryInfo, MemoryPointer};
 
@@ -371,6 +373,7 @@ pub enum AllocationKind {
 #[derive(Debug)]
 pub struct HostLayer {
     tracker: Arc<Tracker>,
+    pinned: Option<Arc<PinnedPool>>,
 }
 
 impl HostLayer {
@@ -379,7 +382,26 @@ impl HostLayer {
     pub fn new(cx: &ManagerContext) -> HostLayer {
         HostLayer {
             tracker: Arc::new(Tracker::new(cx)),
+            pinned: cx.pinned_pool.map(|c| Arc::new(PinnedPool::new(c))),
         }
+    }
+
+    /// What the pinned host pool holds, if the layer has one.
+    pub fn pinned_pool_stats(&self) -> Option<PoolStats> {
+        self.pinned.as_ref().map(|p| p.stats())
+    }
+
+    /// Frees every cached block of the pinned host pool; returns the bytes released (queued,
+    /// inside `defer_cleanup`).
+    pub fn trim(&self) -> Result<usize, EmmError> {
+        let Some(pool) = &self.pinned else {
+            return Ok(0);
+        };
+        let (frees, bytes) = pool.drain(false);
+        let queue = self.deallocations();
+        queue.push_all_without_flush(frees);
+        queue.flush()?;
+        Ok(bytes)
     }
 
     /// The context the layer serves.
@@ -479,6 +501,13 @@ impl HostLayer {
         )
     }
 
+    fn device_pointer_of(&self, host: HostPtr) -> Result<DevicePtr, EmmError> {
+        let cx = self.context();
+        cx.driver
+            .mem_host_get_device_pointer(cx.context, host)
+            .map_err(|e| EmmError::driver("mapping host memory", cx.device, e))
+    }
+
     fn mapped(
         &self,
         host: HostPtr,
@@ -486,11 +515,19 @@ impl HostLayer {
         entry: Entry,
         owner: Option<HostOwner>,
     ) -> Result<HostMemory, EmmError> {
+        let device_ptr = self.device_pointer_of(host)?;
+        Ok(self.mapped_at(host, device_ptr, bytes, entry, owner))
+    }
+
+    fn mapped_at(
+        &self,
+        host: HostPtr,
+        device_ptr: DevicePtr,
+        bytes: usize,
+        entry: Entry,
+        owner: Option<HostOwner>,
+    ) -> HostMemory {
         let cx = self.context();
-        let device_ptr = cx
-            .driver
-            .mem_host_get_device_pointer(cx.context, host)
-            .map_err(|e| EmmError::driver("mapping host memory", cx.device, e))?;
         let generation = self.tracker.record(host.0 as u64, entry);
         let device = MemoryPointer::from_release(
             cx.device,
@@ -504,7 +541,74 @@ impl HostLayer {
             },
             owner,
         );
-        Ok(HostMemory::Mapped(MappedMemory::new(host, device)))
+        HostMemory::Mapped(MappedMemory::new(host, device))
+    }
+
+    /// `memhostalloc` through the pinned host pool: a cached block of the request's size
+    /// class, or a new one from the driver.
+    fn pooled_host_alloc(
+        &self,
+        pool: &Arc<PinnedPool>,
+        bytes: usize,
+        size: usize,
+        mapped: bool,
+        flags: u32,
+    ) -> Result<HostMemory, EmmError> {
+        let (cached, mut generation) = pool.take(flags, size);
+        let block = match cached {
+            Some(block) => block,
+            None => {
+                let cx = self.context().clone();
+                let allocate = || cx.driver.mem_host_alloc(cx.context, size, flags);
+                let host = if mapped {
+                    self.attempt_allocation("memhostalloc", AllocationKind::Host, size, allocate)?
+                } else {
+                    let _live = cx
+                        .liveness
+                        .enter()
+                        .ok_or_else(|| self.stale("memhostalloc"))?;
+                    allocate().map_err(|e| EmmError::driver("memhostalloc", cx.device, e))?
+                };
+                let device = if mapped {
+                    match self.device_pointer_of(host) {
+                        Ok(d) => Some(d),
+                        Err(e) => {
+                            // SAFETY: allocated just above and handed to no one.
+                            if let Err(e) = unsafe { cx.driver.mem_free_host(cx.context, host) } {
+                                tracing::error!(device = %cx.device, error = %e, "freeing pinned memory whose mapping failed");
+                            }
+                            return Err(e);
+                        }
+                    }
+                } else {
+                    None
+                };
+                generation = pool.grew(size);
+                tracing::debug!(device = %cx.device, bytes = size, host = %host, mapped, "pinned host pool grew");
+                PinnedBlock {
+                    host,
+                    device,
+                    size,
+                    flags,
+                }
+            }
+        };
+        if let Some(device_ptr) = block.device {
+            let entry = Entry::Pooled {
+                block,
+                generation,
+                pool: Arc::clone(pool),
+            };
+            return Ok(self.mapped_at(block.host, device_ptr, bytes, entry, None));
+        }
+        let queue = Arc::clone(self.deallocations());
+        let pool = Arc::clone(pool);
+        Ok(HostMemory::Pinned(PinnedMemory::with_release(
+            block.host,
+            bytes,
+            None,
+            move |_, _| pool.give_back(block, generation, &queue),
+        )))
     }
 
     /// Numba's `memhostalloc`: `cuMemHostAlloc` with `DEVICEMAP` if `mapped`, `PORTABLE` if
@@ -533,6 +637,11 @@ impl HostLayer {
         }
         if wc {
             flags |= host_alloc::WRITECOMBINED;
+        }
+        if let Some(pool) = &self.pinned
+            && let Some(size) = pool.class(bytes)
+        {
+            return self.pooled_host_alloc(pool, bytes, size, mapped, flags);
         }
         let allocate = || cx.driver.mem_host_alloc(cx.context, bytes, flags);
         let host = if mapped {
@@ -630,6 +739,11 @@ impl HostLayer {
     /// queued; unpins happen at once.
     pub fn reset(&self) -> Result<(), EmmError> {
         tracing::info!(device = %self.context().device, live = self.tracker.live(), pending = self.deallocations().len(), "resetting the host layer");
+        if let Some(pool) = &self.pinned {
+            // The tracker's reset flushes these with its own frees.
+            self.deallocations()
+                .push_all_without_flush(pool.drain(true).0);
+        }
         self.tracker.reset().map(|_| ())
     }
 
@@ -707,6 +821,18 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
     fn interface_version(&self) -> u32 {
         INTERFACE_VERSION
     }
+
+    /// Releases memory the allocator holds but does not use; returns the bytes released (or
+    /// queued for release, inside `defer_cleanup`). Allocators that hold nothing back return 0.
+    fn trim(&self, host: &HostLayer) -> Result<usize, EmmError> {
+        let _ = host;
+        Ok(0)
+    }
+
+    /// What a pooling allocator holds, if it pools.
+    fn pool_stats(&self) -> Option<PoolStats> {
+        None
+    }
 }
 
 /// A [`MemoryManager`] made of the [`HostLayer`] and a [`DeviceAllocator`] (Numba: a subclass of
@@ -724,6 +850,12 @@ impl<D: DeviceAllocator> HostOnly<D> {
             host: HostLayer::new(cx),
             device,
         }
+    }
+
+    /// A manager from a host layer and the device allocator built for it (an allocator that
+    /// needs the host layer's queue is built after the layer).
+    pub fn from_parts(host: HostLayer, device: D) -> HostOnly<D> {
+        HostOnly { host, device }
     }
 
     /// The host layer.
@@ -792,5 +924,17 @@ impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
 
     fn deallocations(&self) -> Option<&Arc<PendingDeallocs>> {
         Some(self.host.deallocations())
+    }
+
+    fn trim(&self) -> Result<usize, EmmError> {
+        let device = self.device.trim(&self.host)?;
+        Ok(device + self.host.trim()?)
+    }
+
+    fn pool_stats(&self) -> PoolReport {
+        PoolReport {
+            device: self.device.pool_stats(),
+            pinned_host: self.host.pinned_pool_stats(),
+        }
     }
 }

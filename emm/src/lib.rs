@@ -29,6 +29,7 @@
 //! ([`driver_sys::Driver`]).
 #![deny(unsafe_code)]
 
+mod adaptors;
 mod config;
 mod context;
 mod default;
@@ -39,14 +40,19 @@ mod liveness;
 mod manager;
 mod objects;
 mod pending;
+mod pinned_pool;
 mod pointer;
+mod pool;
+pub mod replay;
 mod runtime;
 mod sync;
 mod tracker;
 
+pub use adaptors::{Adapted, Adaptor, KindUsage, LOG_HEADER, MemoryKind, Usage};
 pub use config::{
-    DeallocConfig, ENV_MAX_PENDING_COUNT, ENV_MAX_PENDING_RATIO, ENV_MEMORY_MANAGER,
-    manager_name_from_env, manager_name_from_lookup,
+    DeallocConfig, ENV_MAX_PENDING_COUNT, ENV_MAX_PENDING_RATIO, ENV_MEMORY_ADAPTORS,
+    ENV_MEMORY_MANAGER, ENV_PINNED_HOST_POOL, adaptors_from_lookup, manager_name_from_env,
+    manager_name_from_lookup, parse_bytes, pinned_pool_from_lookup,
 };
 pub use context::Context;
 pub use default::{DEFAULT_MANAGER, DefaultManager, DriverAllocator};
@@ -64,5 +70,10 @@ pub use manager::{
 };
 pub use objects::{Event, Module, Stream};
 pub use pending::{DeferCleanup, Free, PendingDeallocs};
-pub use pointer::{MemoryInfo, MemoryPointer, ReleaseFn};
+pub use pinned_pool::PinnedPoolConfig;
+pub use pointer::{MemoryInfo, MemoryPointer, ReleaseFn, ReleaseHook};
+pub use pool::{
+    MAX_SMALL, POOL_ALIGNMENT, POOL_MANAGER, PoolAllocator, PoolConfig, PoolManager, PoolReport,
+    PoolStats,
+};
 pub use runtime::{Runtime, RuntimeBuilder};

@@ -7,11 +7,14 @@ use std::sync::Arc;
 
 use driver_sys::{ContextHandle, DeviceOrdinal, Driver, HostPtr};
 
+use crate::adaptors::Usage;
 use crate::config::DeallocConfig;
 use crate::host::{HostMemory, HostOwner};
 use crate::ipc::IpcHandle;
 use crate::liveness::ContextLiveness;
 use crate::pending::{DeferCleanup, PendingDeallocs};
+use crate::pinned_pool::PinnedPoolConfig;
+use crate::pool::PoolReport;
 use crate::{EmmError, MemoryInfo, MemoryPointer};
 
 /// The interface version emm implements (Numba's `_SUPPORTED_EMM_INTERFACE_VERSION`).
@@ -89,6 +92,23 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
     fn deallocations(&self) -> Option<&Arc<PendingDeallocs>> {
         None
     }
+
+    /// Releases memory the manager holds back (pool chunks with nothing in use, cached pinned
+    /// host blocks) to the driver; returns the bytes released. Inside `defer_cleanup` the frees
+    /// are queued until the guard is gone. Managers that hold nothing back return 0.
+    fn trim(&self) -> Result<usize, EmmError> {
+        Ok(0)
+    }
+
+    /// What the manager's pools hold (nothing, for a manager without pools).
+    fn pool_stats(&self) -> PoolReport {
+        PoolReport::default()
+    }
+
+    /// What a `stats` adaptor around the manager counted (`None` without one).
+    fn usage(&self) -> Option<Usage> {
+        None
+    }
 }
 
 /// What a manager is built from: the context it serves and the means to reach the driver.
@@ -105,6 +125,8 @@ pub struct ManagerContext {
     /// Whether the context may still reach the driver; a manager's driver calls on behalf of
     /// memory that outlived a device reset must check it (see [`ContextLiveness`]).
     pub liveness: Arc<ContextLiveness>,
+    /// The pinned host pool the host layer is to keep, if the runtime asks for one.
+    pub pinned_pool: Option<PinnedPoolConfig>,
 }
 
 impl ManagerContext {

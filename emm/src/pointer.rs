@@ -22,6 +22,17 @@ pub struct MemoryInfo {
 /// pointer to it drops.
 pub type ReleaseFn = Box<dyn FnOnce(DevicePtr, usize) + Send>;
 
+/// How a plugin that hands out many allocations releases them without a closure per
+/// allocation; see [`MemoryPointer::with_hook`].
+pub trait ReleaseHook: Send + Sync {
+    /// The last pointer to the allocation at `base` (of `size` bytes, stamped with `tag`)
+    /// dropped. Runs on the dropping thread; must not panic.
+    fn release(&self, base: DevicePtr, size: usize, tag: u64);
+
+    /// Whether memory stamped with `tag` is still valid (false once the plugin was reset).
+    fn is_live(&self, tag: u64) -> bool;
+}
+
 pub(crate) enum Release {
     /// Owned by a built-in manager's table under `key`; `generation` is the table's generation
     /// when the allocation was made (a reset bumps it and releases everything itself).
@@ -37,6 +48,18 @@ pub(crate) enum Release {
     },
     /// A plugin's own action.
     Custom(Mutex<Option<ReleaseFn>>),
+    /// A shared release hook with a per-allocation tag (no allocation of its own per pointer).
+    Hook {
+        hook: Arc<dyn ReleaseHook>,
+        tag: u64,
+    },
+    /// An adaptor's wrapper around another manager's pointer: the hook is told, then the inner
+    /// pointer drops (and releases the memory its own way).
+    Wrapped {
+        inner: MemoryPointer,
+        hook: Arc<dyn ReleaseHook>,
+        tag: u64,
+    },
     /// Not owned: nothing to do.
     Unowned,
 }
@@ -67,6 +90,9 @@ impl Drop for Allocation {
                 if let Some(action) = action {
                     action(self.base, self.size);
                 }
+            }
+            Release::Hook { hook, tag } | Release::Wrapped { hook, tag, .. } => {
+                hook.release(self.base, self.size, *tag);
             }
             Release::Mapping { .. } | Release::Unowned => {}
         }
@@ -130,6 +156,41 @@ impl MemoryPointer {
             base,
             size,
             Release::Custom(Mutex::new(Some(Box::new(release)))),
+            None,
+        )
+    }
+
+    /// Device memory a plugin allocated and releases through a shared `hook`: when the last
+    /// pointer drops, `hook.release(base, size, tag)` runs. Unlike
+    /// [`with_release`](Self::with_release) this allocates nothing besides the pointer itself,
+    /// which is what a pool's hot path wants; `tag` is the plugin's (a generation number, say).
+    pub fn with_hook(
+        device: DeviceOrdinal,
+        ctx: ContextHandle,
+        base: DevicePtr,
+        size: usize,
+        hook: Arc<dyn ReleaseHook>,
+        tag: u64,
+    ) -> MemoryPointer {
+        Self::from_release(device, ctx, base, size, Release::Hook { hook, tag }, None)
+    }
+
+    /// Wraps another manager's pointer (an adaptor's view of it): same address and size; when
+    /// the last clone of the wrapper drops, `hook.release(address, size, tag)` runs and then
+    /// `inner` drops. Liveness is `inner`'s.
+    pub fn wrapping(inner: MemoryPointer, hook: Arc<dyn ReleaseHook>, tag: u64) -> MemoryPointer {
+        let (device, ctx, base, size) = (
+            inner.device(),
+            inner.context(),
+            inner.device_ptr(),
+            inner.size(),
+        );
+        Self::from_release(
+            device,
+            ctx,
+            base,
+            size,
+            Release::Wrapped { inner, hook, tag },
             None,
         )
     }
@@ -212,7 +273,11 @@ impl MemoryPointer {
     /// Whether this points into an opened IPC mapping (released by the handle's `close`), rather
     /// than into memory of its own (a staged IPC copy is memory of its own).
     pub fn is_ipc_mapping(&self) -> bool {
-        matches!(self.alloc.release, Release::Mapping { .. })
+        match &self.alloc.release {
+            Release::Mapping { .. } => true,
+            Release::Wrapped { inner, .. } => inner.is_ipc_mapping(),
+            _ => false,
+        }
     }
 
     /// Whether the memory is still valid as far as its owner knows: false once the built-in
@@ -225,6 +290,8 @@ impl MemoryPointer {
                 ..
             } => tracker.generation() == *generation,
             Release::Mapping { open } => open.load(std::sync::atomic::Ordering::Acquire),
+            Release::Hook { hook, tag } => hook.is_live(*tag),
+            Release::Wrapped { inner, .. } => inner.is_live(),
             Release::Custom(_) | Release::Unowned => true,
         }
     }

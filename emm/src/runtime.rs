@@ -8,13 +8,17 @@ use std::sync::Arc;
 use driver_sys::{DeviceOrdinal, Driver};
 
 use crate::EmmError;
-use crate::config::{DeallocConfig, manager_name_from_env};
+use crate::adaptors::{AdaptedFactory, Adaptor};
+use crate::config::{
+    DeallocConfig, adaptors_from_lookup, manager_name_from_env, pinned_pool_from_lookup,
+};
 use crate::context::{Context, ContextInner};
 use crate::default::{DEFAULT_MANAGER, DefaultManager};
 use crate::ipc::DeviceIdentity;
 use crate::liveness::ContextLiveness;
 use crate::manager::{ManagerContext, ManagerFactory, check_interface_version};
 use crate::objects::ModuleRegistry;
+use crate::pinned_pool::PinnedPoolConfig;
 use crate::sync::{Mutex, lock};
 
 /// Configures a [`Runtime`]. Obtain one with [`Runtime::builder`].
@@ -23,6 +27,8 @@ pub struct RuntimeBuilder {
     registry: BTreeMap<String, Arc<dyn ManagerFactory>>,
     selected: Option<Selection>,
     dealloc_config: Option<DeallocConfig>,
+    pinned_pool: Option<Option<PinnedPoolConfig>>,
+    adaptors: Option<Vec<Adaptor>>,
     read_env: bool,
 }
 
@@ -74,6 +80,23 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Gives every context's host layer a pinned host pool (`Some`), or none (`None`); this
+    /// takes precedence over `EMM_PINNED_HOST_POOL`.
+    #[must_use]
+    pub fn pinned_host_pool(mut self, config: Option<PinnedPoolConfig>) -> Self {
+        self.pinned_pool = Some(config);
+        self
+    }
+
+    /// Wraps every context's manager in `adaptors`, innermost first; this takes precedence
+    /// over `EMM_MEMORY_ADAPTORS`. `[Adaptor::Limit(1 << 30), Adaptor::Stats]` gives
+    /// `stats(limit(manager))`.
+    #[must_use]
+    pub fn adaptors(mut self, adaptors: Vec<Adaptor>) -> Self {
+        self.adaptors = Some(adaptors);
+        self
+    }
+
     /// Ignores the `EMM_*` environment variables: defaults apply where nothing is set in code.
     #[must_use]
     pub fn ignore_env(mut self) -> Self {
@@ -99,10 +122,28 @@ impl RuntimeBuilder {
                 Selection::Name(from_env.unwrap_or_else(|| DEFAULT_MANAGER.to_owned()))
             }
         };
-        let factory = match selection {
+        let env = |name: &str| {
+            if self.read_env {
+                std::env::var(name).ok()
+            } else {
+                None
+            }
+        };
+        let pinned_pool = match self.pinned_pool {
+            Some(p) => p,
+            None => pinned_pool_from_lookup(env)?,
+        };
+        let adaptors = match self.adaptors {
+            Some(a) => a,
+            None => adaptors_from_lookup(env)?,
+        };
+        let mut factory = match selection {
             Selection::Factory(f) => f,
             Selection::Name(name) => resolve(&self.registry, &name)?,
         };
+        if !adaptors.is_empty() {
+            factory = Arc::new(AdaptedFactory::new(factory, adaptors));
+        }
         check_interface_version(factory.interface_version())?;
         self.driver
             .init()
@@ -117,6 +158,7 @@ impl RuntimeBuilder {
             driver: self.driver,
             registry: self.registry,
             dealloc_config,
+            pinned_pool,
             state: Mutex::new(State {
                 factory,
                 contexts: BTreeMap::new(),
@@ -152,6 +194,7 @@ pub struct Runtime {
     driver: Arc<dyn Driver>,
     registry: BTreeMap<String, Arc<dyn ManagerFactory>>,
     dealloc_config: DeallocConfig,
+    pinned_pool: Option<PinnedPoolConfig>,
     state: Mutex<State>,
 }
 
@@ -167,16 +210,19 @@ impl fmt::Debug for Runtime {
 }
 
 impl Runtime {
-    /// A builder over `driver` with the `default` manager registered.
+    /// A builder over `driver` with emm's managers registered: `default` and `pool`.
     pub fn builder(driver: Arc<dyn Driver>) -> RuntimeBuilder {
         RuntimeBuilder {
             driver,
             registry: BTreeMap::new(),
             selected: None,
             dealloc_config: None,
+            pinned_pool: None,
+            adaptors: None,
             read_env: true,
         }
         .register_manager(DefaultManager::factory())
+        .register_manager(crate::pool::PoolAllocator::factory())
     }
 
     /// A runtime over `driver`, configured from the environment.
@@ -277,6 +323,7 @@ impl Runtime {
             context: handle,
             dealloc_config: self.dealloc_config,
             liveness: Arc::new(ContextLiveness::new()),
+            pinned_pool: self.pinned_pool,
         };
         let manager = factory.create(&cx).and_then(|m| {
             check_interface_version(m.interface_version())?;

@@ -21,6 +21,7 @@ use crate::EmmError;
 use crate::host::HostOwner;
 use crate::manager::ManagerContext;
 use crate::pending::{Free, PendingDeallocs};
+use crate::pinned_pool::{PinnedBlock, PinnedPool};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
 /// How a tracked allocation is released.
@@ -34,6 +35,13 @@ pub(crate) enum Entry {
     /// owner alive until the unpin is done: were the buffer freed first, a new one could be
     /// allocated at the same address and fail to pin while the old registration lingers.
     Unpin { ptr: HostPtr, owner: HostOwner },
+    /// Mapped memory from the pinned host pool: returned to the pool when released, freed
+    /// (`cuMemFreeHost`, deferred) by a reset.
+    Pooled {
+        block: PinnedBlock,
+        generation: u64,
+        pool: Arc<PinnedPool>,
+    },
 }
 
 impl std::fmt::Debug for Entry {
@@ -42,6 +50,7 @@ impl std::fmt::Debug for Entry {
             Entry::Device { ptr, bytes } => write!(f, "Device({ptr}, {bytes})"),
             Entry::Host { ptr, bytes } => write!(f, "Host({ptr}, {bytes})"),
             Entry::Unpin { ptr, .. } => write!(f, "Unpin({ptr})"),
+            Entry::Pooled { block, .. } => write!(f, "Pooled({}, {})", block.host, block.size),
         }
     }
 }
@@ -113,6 +122,14 @@ impl Tracker {
                         .push_all_without_flush([Free::Host { ptr, bytes }]),
                 ),
                 Some(Entry::Unpin { ptr, owner }) => (Some((ptr, owner)), false),
+                Some(Entry::Pooled {
+                    block,
+                    generation,
+                    pool,
+                }) => {
+                    pool.give_back(block, generation, &self.queue);
+                    (None, false)
+                }
                 None => (None, false),
             }
         };
@@ -139,6 +156,10 @@ impl Tracker {
             let frees = entries.into_values().filter_map(|e| match e {
                 Entry::Device { ptr, bytes } => Some(Free::Device { ptr, bytes }),
                 Entry::Host { ptr, bytes } => Some(Free::Host { ptr, bytes }),
+                Entry::Pooled { block, .. } => Some(Free::Host {
+                    ptr: block.host,
+                    bytes: block.size,
+                }),
                 Entry::Unpin { ptr, owner } => {
                     unpins.push((ptr, owner));
                     None

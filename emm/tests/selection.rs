@@ -16,7 +16,10 @@ fn default_is_chosen_unless_told_otherwise() {
     let rt = Runtime::builder(sim()).ignore_env().build().unwrap();
     assert_eq!(rt.memory_manager_name(), "default");
     assert_eq!(rt.context(0).unwrap().memory_manager_name(), "default");
-    assert_eq!(rt.registered_managers(), vec!["default".to_owned()]);
+    assert_eq!(
+        rt.registered_managers(),
+        vec!["default".to_owned(), "pool".to_owned()]
+    );
 }
 
 #[test]
@@ -26,14 +29,14 @@ fn an_unknown_name_lists_the_registered_ones() {
         .register_manager(FnFactory::new("mine", |cx| {
             Ok(Box::new(DefaultManager::default_manager(cx)))
         }))
-        .memory_manager_name("pool")
+        .memory_manager_name("slab")
         .build()
         .unwrap_err();
     assert!(matches!(err, EmmError::UnknownManager { .. }), "{err:?}");
     let text = err.to_string();
-    assert!(text.contains("no memory manager named 'pool'"), "{text}");
+    assert!(text.contains("no memory manager named 'slab'"), "{text}");
     assert!(
-        text.contains("registered managers: default, mine"),
+        text.contains("registered managers: default, mine, pool"),
         "{text}"
     );
     assert!(text.contains("EMM_MEMORY_MANAGER"), "{text}");

@@ -104,6 +104,68 @@ pub fn requested_targets() -> Result<Vec<Target>, String> {
     }
 }
 
+/// The manager configuration the suite runs under, from the environment: `EMM_MEMORY_MANAGER`
+/// (default `default`), `EMM_MEMORY_ADAPTORS` and `EMM_PINNED_HOST_POOL`. The deallocation
+/// thresholds are always Numba's defaults, whatever the shell exports.
+#[derive(Clone, Debug)]
+pub struct SuiteSetup {
+    /// The manager's name.
+    pub manager: String,
+    /// The adaptors around it.
+    pub adaptors: Vec<emm::Adaptor>,
+    /// The pinned host pool.
+    pub pinned_pool: Option<emm::PinnedPoolConfig>,
+}
+
+impl SuiteSetup {
+    /// Whether the suite runs emm's default manager with no adaptor and no pinned pool: the
+    /// configuration whose driver calls the Numba tests count.
+    pub fn is_plain_default(&self) -> bool {
+        self.manager == emm::DEFAULT_MANAGER
+            && self.adaptors.is_empty()
+            && self.pinned_pool.is_none()
+    }
+
+    /// A one-line description, for the suite's notes.
+    pub fn describe(&self) -> String {
+        let mut s = self.manager.clone();
+        for a in &self.adaptors {
+            s = format!("{a:?}({s})");
+        }
+        if let Some(p) = &self.pinned_pool {
+            s.push_str(&format!(
+                " + pinned host pool ({} bytes cached at most)",
+                p.max_cached
+            ));
+        }
+        s
+    }
+}
+
+/// Whether the suite's manager frees device memory through the deferred queue, one
+/// `cuMemFree` per allocation (emm's `default` manager, adaptors or not): the behaviour Numba's
+/// deallocation tests count. A pool returns blocks to itself instead.
+pub fn defers_device_frees() -> bool {
+    suite_setup().is_ok_and(|s| s.manager == emm::DEFAULT_MANAGER)
+}
+
+/// Whether host allocations reach the driver one call each (no pinned host pool).
+pub fn host_calls_direct() -> bool {
+    suite_setup().is_ok_and(|s| s.pinned_pool.is_none())
+}
+
+/// The suite's manager configuration (see [`SuiteSetup`]).
+pub fn suite_setup() -> Result<SuiteSetup, String> {
+    let env = |n: &str| std::env::var(n).ok();
+    Ok(SuiteSetup {
+        manager: emm::manager_name_from_lookup(env)
+            .map_err(|e| e.to_string())?
+            .unwrap_or_else(|| emm::DEFAULT_MANAGER.to_owned()),
+        adaptors: emm::adaptors_from_lookup(env).map_err(|e| e.to_string())?,
+        pinned_pool: emm::pinned_pool_from_lookup(env).map_err(|e| e.to_string())?,
+    })
+}
+
 /// What a suite test gets: a fresh runtime over a fresh driver of its target.
 pub struct TestCtx {
     /// The target.
@@ -181,9 +243,13 @@ impl TestCtx {
             }
             Target::Cuda => make_driver(target).map_err(|e| e.to_string())?,
         };
+        let setup = suite_setup()?;
         let builder = Runtime::builder(Arc::clone(&driver))
             .ignore_env()
-            .dealloc_config(DeallocConfig::default());
+            .dealloc_config(DeallocConfig::default())
+            .memory_manager_name(setup.manager)
+            .adaptors(setup.adaptors)
+            .pinned_host_pool(setup.pinned_pool);
         let runtime = configure(builder).build().map_err(|e| e.to_string())?;
         Ok(TestCtx {
             target,

@@ -136,6 +136,8 @@ pub fn test_ownership(target: Target) -> Result<(), Failed> {
     ctx.copy_to_host(&mut back, &cvted)?;
     ensure_eq!(back, [7u8; 64]);
     drop(cvted);
-    ensure_eq!(queue.len(), 1);
+    if integration::defers_device_frees() {
+        ensure_eq!(queue.len(), 1);
+    }
     Ok(())
 }

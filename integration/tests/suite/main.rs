@@ -151,6 +151,20 @@ const MULTI_DEVICE: &[(&str, SuiteFn)] = suite_tests![
     multi_device::wrong_context_conformance,
 ];
 
+/// Tests of the deferred queue of device frees: Numba's deallocation tests count one
+/// `cuMemFree` per allocation, queued until a threshold or a flush. A manager that returns
+/// device memory to a pool of its own has no such frees; under it these tests are ignored and
+/// the reason is printed. Every other test runs under every manager.
+const DEFAULT_ONLY: &[&str] = &[
+    "test_max_pending_count",
+    "test_max_pending_bytes",
+    "test_defer_cleanup",
+    "test_nested_defer_cleanup",
+    "test_exception",
+    "oom_flushes_and_retries_once",
+    "oom_inside_defer_cleanup_reports_clear_error",
+];
+
 /// The GPU is one shared device: CUDA tests run one at a time (some fill its memory).
 static GPU: Mutex<()> = Mutex::new(());
 
@@ -176,6 +190,28 @@ fn main() {
         }
     };
     let required = gpu_required() || targets == [Target::Cuda];
+    let setup = match integration::suite_setup() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let default_only_ignored = !integration::defers_device_frees();
+    if !args.list {
+        eprintln!(
+            "note: the suite runs under the memory manager {}",
+            setup.describe()
+        );
+        if default_only_ignored {
+            eprintln!(
+                "note: {} tests per target are ignored: they count the default manager's deferred cuMemFree calls, which '{}' does not make ({})",
+                DEFAULT_ONLY.len(),
+                setup.manager,
+                DEFAULT_ONLY.join(", ")
+            );
+        }
+    }
     let mut trials = Vec::new();
     for &target in &targets {
         let cuda_missing = match target {
@@ -238,7 +274,8 @@ fn main() {
                     (target == Target::Cuda).then(|| GPU.lock().unwrap_or_else(|p| p.into_inner()));
                 test(target)
             });
-            trials.push(trial.with_ignored_flag(cuda_missing.is_some()));
+            let not_this_manager = default_only_ignored && DEFAULT_ONLY.contains(&name);
+            trials.push(trial.with_ignored_flag(cuda_missing.is_some() || not_this_manager));
         }
     }
     libtest_mimic::run(&args, trials).exit();

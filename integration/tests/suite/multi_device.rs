@@ -82,6 +82,7 @@ pub fn ipc_between_processes_on_different_devices(target: Target) -> Result<(), 
         ensure!(back == data, "the exporter's memory is untouched");
         drop((view, mem));
         ctx.deallocations().expect("queue").flush()?;
+        ctx.trim()?;
         if let Some(sim) = t.sim() {
             ensure!(
                 sim.rejected_frees().is_empty(),

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use driver_mock::Op;
 use emm::{HostMemory, MemoryPointer, PinnableBuffer};
 use integration::{Target, TestCtx};
 use libtest_mimic::Failed;
@@ -158,7 +159,13 @@ pub fn stress_mixed_operations(target: Target) -> Result<(), Failed> {
         let failed: Vec<_> = sim
             .calls()
             .into_iter()
-            .filter(|c| c.outcome.is_err())
+            // A pool's growth may meet out-of-memory and fall back; that is no double free.
+            .filter(|c| {
+                c.outcome.is_err()
+                    && !(c.op == Op::MemAlloc
+                        && c.outcome == Err(driver_sys::ErrorKind::OutOfMemory)
+                        && !integration::defers_device_frees())
+            })
             .collect();
         ensure!(
             failed.is_empty(),

@@ -1,0 +1,226 @@
+//! The pinned host pool: reuses page-locked host memory (`cuMemHostAlloc` costs hundreds of
+//! microseconds), in the manner of cuda.core's `PinnedMemoryResource`. It lives in the
+//! [`HostLayer`](crate::HostLayer), so every manager built on it (the default manager, the
+//! pool, a plugin's `HostOnly<_>`) gets it when the runtime asks for it
+//! ([`RuntimeBuilder::pinned_host_pool`](crate::RuntimeBuilder::pinned_host_pool) or
+//! `EMM_PINNED_HOST_POOL`).
+//!
+//! - Requests up to [`PinnedPoolConfig::max_block`] are rounded to a size class (4 per
+//!   doubling) and served from a free list per (flags, size); larger ones bypass the pool.
+//! - A returned block goes back to its list, unless the lists already hold
+//!   [`PinnedPoolConfig::max_cached`] bytes; then it is freed (through the deferred queue).
+//! - Mapped blocks keep their device pointer, so a cached mapped allocation makes no driver
+//!   call.
+//! - `trim` frees every cached block; `reset` frees every cached block and forgets the rest:
+//!   mapped blocks in use are freed by the host layer's table (as without the pool), unmapped
+//!   ones are freed when their handle drops (as without the pool).
+
+use std::collections::HashMap;
+use std::fmt;
+
+use driver_sys::{DevicePtr, HostPtr};
+
+use crate::pending::{Free, PendingDeallocs};
+use crate::pool::{POOL_ALIGNMENT, PoolStats};
+use crate::sync::{AtomicU64, Mutex, Ordering, lock};
+
+/// The pinned host pool's tuning.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PinnedPoolConfig {
+    /// Larger requests bypass the pool. Default 64 MiB.
+    pub max_block: usize,
+    /// Bytes of free blocks the pool keeps at most; a block returned past it is freed.
+    /// Default 256 MiB.
+    pub max_cached: usize,
+}
+
+impl Default for PinnedPoolConfig {
+    fn default() -> PinnedPoolConfig {
+        PinnedPoolConfig {
+            max_block: 64 << 20,
+            max_cached: 256 << 20,
+        }
+    }
+}
+
+/// A request rounded up to its size class: a multiple of 256 bytes, 4 classes per doubling.
+pub(crate) fn round_to_class(bytes: usize) -> usize {
+    let units = bytes.div_ceil(POOL_ALIGNMENT).max(1);
+    if units <= 4 {
+        return units * POOL_ALIGNMENT;
+    }
+    let e = (usize::BITS - 1 - (units - 1).leading_zeros()) as usize;
+    let step = 1usize << (e - 2);
+    units.div_ceil(step) * step * POOL_ALIGNMENT
+}
+
+/// A cached block: host address and, for mapped blocks, the device address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PinnedBlock {
+    pub(crate) host: HostPtr,
+    pub(crate) device: Option<DevicePtr>,
+    pub(crate) size: usize,
+    pub(crate) flags: u32,
+}
+
+#[derive(Debug, Default)]
+struct Lists {
+    free: HashMap<(u32, usize), Vec<PinnedBlock>>,
+    cached: usize,
+    held: usize,
+    peak_held: usize,
+    in_use: usize,
+    in_use_blocks: usize,
+    grows: u64,
+    trimmed: u64,
+}
+
+/// The pool of one host layer.
+pub(crate) struct PinnedPool {
+    config: PinnedPoolConfig,
+    generation: AtomicU64,
+    lists: Mutex<Lists>,
+}
+
+impl fmt::Debug for PinnedPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedPool")
+            .field("config", &self.config)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl PinnedPool {
+    pub(crate) fn new(config: PinnedPoolConfig) -> PinnedPool {
+        PinnedPool {
+            config,
+            generation: AtomicU64::new(0),
+            lists: Mutex::new(Lists::default()),
+        }
+    }
+
+    /// The size a request is served with, or `None` if it bypasses the pool.
+    pub(crate) fn class(&self, bytes: usize) -> Option<usize> {
+        (bytes <= self.config.max_block).then(|| round_to_class(bytes))
+    }
+
+    /// A cached block of `size` bytes with `flags`, and the generation to stamp it with.
+    pub(crate) fn take(&self, flags: u32, size: usize) -> (Option<PinnedBlock>, u64) {
+        let mut lists = lock(&self.lists);
+        let generation = self.generation.load(Ordering::Acquire);
+        let block = lists.free.get_mut(&(flags, size)).and_then(Vec::pop);
+        if block.is_some() {
+            lists.cached -= size;
+            lists.in_use += size;
+            lists.in_use_blocks += 1;
+        }
+        (block, generation)
+    }
+
+    /// Counts a block the caller has just allocated from the driver as held and in use;
+    /// returns the generation to stamp it with.
+    pub(crate) fn grew(&self, size: usize) -> u64 {
+        let mut lists = lock(&self.lists);
+        lists.held += size;
+        lists.peak_held = lists.peak_held.max(lists.held);
+        lists.in_use += size;
+        lists.in_use_blocks += 1;
+        lists.grows += 1;
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// A block stamped `generation` is no longer used: cache it, or free it through `queue`
+    /// (when the pool is full, or when the block is from before a reset).
+    pub(crate) fn give_back(&self, block: PinnedBlock, generation: u64, queue: &PendingDeallocs) {
+        {
+            let mut lists = lock(&self.lists);
+            if self.generation.load(Ordering::Acquire) == generation {
+                lists.in_use -= block.size;
+                lists.in_use_blocks -= 1;
+                if lists.cached + block.size <= self.config.max_cached {
+                    lists.cached += block.size;
+                    lists
+                        .free
+                        .entry((block.flags, block.size))
+                        .or_default()
+                        .push(block);
+                    return;
+                }
+                lists.held -= block.size;
+                lists.trimmed += block.size as u64;
+            }
+        }
+        queue.push_from_drop(Free::Host {
+            ptr: block.host,
+            bytes: Self::counted(&block),
+        });
+    }
+
+    /// Numba counts mapped memory by its size and unmapped pinned memory as 0 bytes.
+    fn counted(block: &PinnedBlock) -> usize {
+        if block.device.is_some() {
+            block.size
+        } else {
+            0
+        }
+    }
+
+    /// Takes every cached block out of the pool (their frees are the caller's); with `reset`,
+    /// also forgets the blocks in use and starts a new generation. Returns the frees and the
+    /// bytes they release.
+    pub(crate) fn drain(&self, reset: bool) -> (Vec<Free>, usize) {
+        let mut lists = lock(&self.lists);
+        let blocks: Vec<PinnedBlock> = lists.free.drain().flat_map(|(_, v)| v).collect();
+        let bytes: usize = blocks.iter().map(|b| b.size).sum();
+        lists.cached = 0;
+        lists.held -= bytes;
+        if reset {
+            self.generation.fetch_add(1, Ordering::AcqRel);
+            lists.held = 0;
+            lists.in_use = 0;
+            lists.in_use_blocks = 0;
+        } else {
+            lists.trimmed += bytes as u64;
+        }
+        let frees = blocks
+            .iter()
+            .map(|b| Free::Host {
+                ptr: b.host,
+                bytes: Self::counted(b),
+            })
+            .collect();
+        (frees, bytes)
+    }
+
+    pub(crate) fn stats(&self) -> PoolStats {
+        let lists = lock(&self.lists);
+        PoolStats {
+            held_bytes: lists.held,
+            in_use_bytes: lists.in_use,
+            in_use_blocks: lists.in_use_blocks,
+            cached_bytes: lists.cached,
+            peak_held_bytes: lists.peak_held,
+            chunks: lists.free.values().map(Vec::len).sum::<usize>() + lists.in_use_blocks,
+            grows: lists.grows,
+            trimmed_bytes: lists.trimmed,
+        }
+    }
+}
+
+#[cfg(all(test, not(emm_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_round_up_by_at_most_a_quarter() {
+        for bytes in (1..1 << 22).step_by(977) {
+            let c = round_to_class(bytes);
+            assert!(
+                c >= bytes && c.is_multiple_of(POOL_ALIGNMENT),
+                "{bytes} -> {c}"
+            );
+            assert!(c - bytes <= bytes / 4 + POOL_ALIGNMENT, "{bytes} -> {c}");
+        }
+    }
+}

@@ -1,0 +1,733 @@
+//! The `pool` manager: a device memory pool in the manner of RMM's pool resource, as a
+//! [`DeviceAllocator`] under the [`HostOnly`] layer.
+//!
+//! # Design
+//!
+//! - **Chunks.** The pool grows by large driver allocations (`cuMemAlloc` of
+//!   [`PoolConfig::chunk_size`], or of the request rounded up to 2 MiB when that is larger) and
+//!   serves requests from them. Every block is a multiple of 256 bytes and 256-byte aligned,
+//!   as `cuMemAlloc`'s are.
+//! - **The arena** holds the free space of all chunks in two ordered maps (by size, for best
+//!   fit, and by address, for coalescing): finding a block, splitting it and merging a freed
+//!   block with its free neighbours are `O(log n)`, never a scan. Requests above
+//!   [`PoolConfig::small_max`] go to the arena directly.
+//! - **Size classes and shards.** Requests up to `small_max` (at most 1 MiB) are rounded to one
+//!   of 44 size classes (4 per doubling, so at most 25 % rounding) and served from a per-thread
+//!   shard: a cache-line-aligned mutex holding a free list per class. A thread always uses the
+//!   same shard, so threads do not share a hot lock; an empty list is refilled from the arena
+//!   in batches, and a list past its share ([`PoolConfig::cache_bytes_per_class`]) hands half
+//!   of its blocks back to the arena, where they coalesce.
+//! - **Release.** A pointer's last drop returns its block to the shard it came from, with no
+//!   driver call; its pointer carries a shared [`ReleaseHook`], so an allocation costs one
+//!   heap allocation (the pointer's own).
+//! - **Memory held back** is reported by [`PoolAllocator::stats`] at all times. [`trim`]
+//!   returns every cached block to the arena and frees every chunk with nothing in use;
+//!   `reset` frees every chunk. Both free through the host layer's deferred-deallocation
+//!   queue, so inside `defer_cleanup` the chunks stay allocated until the guard is gone.
+//! - **Out of memory.** When the driver refuses to grow the pool, the pool trims itself and
+//!   retries; then the host layer flushes its queue and retries once more (Numba's rule).
+//! - **Reset** bumps a generation number while holding every lock; pointers stamped with an
+//!   older generation release nothing when they drop later.
+//!
+//! [`trim`]: PoolAllocator::trim
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::Arc;
+
+use driver_sys::{DevicePtr, DriverError, ErrorKind};
+
+use crate::default::DriverAllocator;
+use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
+use crate::ipc::IpcHandle;
+use crate::manager::{FnFactory, ManagerContext};
+use crate::pending::Free;
+use crate::pointer::ReleaseHook;
+use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
+use crate::{EmmError, MemoryInfo, MemoryPointer};
+
+/// The name the pool manager is registered under.
+pub const POOL_MANAGER: &str = "pool";
+
+/// Alignment and granularity of every block.
+pub const POOL_ALIGNMENT: usize = 256;
+
+/// The largest size served from size classes.
+pub const MAX_SMALL: usize = 1 << 20;
+
+const CLASSES: usize = 44;
+const GROW_GRANULARITY: usize = 2 << 20;
+
+/// The pool's tuning.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Bytes requested from the driver each time the pool grows; a larger request grows the
+    /// pool by itself, rounded up to 2 MiB. Default 64 MiB.
+    pub chunk_size: usize,
+    /// Requests up to this many bytes are served from size classes through per-thread
+    /// shards; larger ones from the arena. At most [`MAX_SMALL`]; default 1 MiB.
+    pub small_max: usize,
+    /// Bytes of free blocks one shard keeps per size class before it hands half of them back
+    /// to the arena (at least 8 blocks are always kept). Default 4 MiB.
+    pub cache_bytes_per_class: usize,
+}
+
+impl Default for PoolConfig {
+    fn default() -> PoolConfig {
+        PoolConfig {
+            chunk_size: 64 << 20,
+            small_max: MAX_SMALL,
+            cache_bytes_per_class: 4 << 20,
+        }
+    }
+}
+
+/// What a pool holds, at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Bytes held from the driver (all chunks).
+    pub held_bytes: usize,
+    /// Bytes in blocks handed out and not returned (block sizes, after rounding).
+    pub in_use_bytes: usize,
+    /// Blocks handed out and not returned.
+    pub in_use_blocks: usize,
+    /// Bytes of free blocks cached in per-thread shards (part of `held - in_use`).
+    pub cached_bytes: usize,
+    /// The most bytes ever held at once.
+    pub peak_held_bytes: usize,
+    /// Chunks held.
+    pub chunks: usize,
+    /// Times the pool grew (driver allocations).
+    pub grows: u64,
+    /// Bytes released to the driver by trims and out-of-memory retries (not by resets).
+    pub trimmed_bytes: u64,
+}
+
+/// What a manager's pools hold: its device pool and its pinned host pool, where it has them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolReport {
+    /// The device memory pool.
+    pub device: Option<PoolStats>,
+    /// The pinned host memory pool.
+    pub pinned_host: Option<PoolStats>,
+}
+
+impl PoolReport {
+    /// Bytes held from the driver by all pools.
+    pub fn held_bytes(&self) -> usize {
+        self.device.map_or(0, |s| s.held_bytes) + self.pinned_host.map_or(0, |s| s.held_bytes)
+    }
+}
+
+impl PoolStats {
+    /// Bytes held but not in use: what a trim could give back at best.
+    pub fn unused_bytes(&self) -> usize {
+        self.held_bytes.saturating_sub(self.in_use_bytes)
+    }
+}
+
+/// The size class of a request of `bytes` (1 ..= [`MAX_SMALL`]).
+pub(crate) fn class_of(bytes: usize) -> usize {
+    debug_assert!((1..=MAX_SMALL).contains(&bytes));
+    let units = bytes.div_ceil(POOL_ALIGNMENT);
+    if units <= 4 {
+        return units - 1;
+    }
+    let e = (usize::BITS - 1 - (units - 1).leading_zeros()) as usize;
+    let step = 1usize << (e - 2);
+    4 + (e - 2) * 4 + (units.div_ceil(step) - 5)
+}
+
+/// The block size of class `class`.
+pub(crate) fn class_size(class: usize) -> usize {
+    if class < 4 {
+        return (class + 1) * POOL_ALIGNMENT;
+    }
+    let e = (class - 4) / 4 + 2;
+    let m = (class - 4) % 4 + 5;
+    (m << (e - 2)) * POOL_ALIGNMENT
+}
+
+/// The block size a request of `bytes` gets.
+pub(crate) fn block_size(bytes: usize, small_max: usize) -> usize {
+    if bytes <= small_max {
+        class_size(class_of(bytes))
+    } else {
+        bytes.div_ceil(POOL_ALIGNMENT) * POOL_ALIGNMENT
+    }
+}
+
+/// Free space of all chunks: ordered by size (best fit) and by address (coalescing).
+#[derive(Debug, Default)]
+struct Arena {
+    generation: u64,
+    /// Chunk base -> size.
+    chunks: BTreeMap<u64, usize>,
+    /// Free block address -> (size, chunk base).
+    by_addr: BTreeMap<u64, (usize, u64)>,
+    /// (size, address) of every free block.
+    by_size: BTreeSet<(usize, u64)>,
+    held: usize,
+    peak_held: usize,
+    /// Blocks above `small_max` in use, and their bytes.
+    large_blocks: usize,
+    large_bytes: usize,
+    grows: u64,
+    trimmed: u64,
+}
+
+impl Arena {
+    fn chunk_of(&self, addr: u64) -> u64 {
+        let (&base, &size) = self
+            .chunks
+            .range(..=addr)
+            .next_back()
+            .expect("a pool block lies in a chunk");
+        debug_assert!(addr < base + size as u64);
+        base
+    }
+
+    fn insert_free(&mut self, addr: u64, size: usize, chunk: u64) {
+        self.by_addr.insert(addr, (size, chunk));
+        self.by_size.insert((size, addr));
+    }
+
+    fn remove_free(&mut self, addr: u64, size: usize) {
+        self.by_addr.remove(&addr);
+        self.by_size.remove(&(size, addr));
+    }
+
+    /// Best fit: the smallest free block of at least `size` bytes, split.
+    fn take(&mut self, size: usize) -> Option<u64> {
+        let &(found, addr) = self.by_size.range((size, 0)..).next()?;
+        let (_, chunk) = self.by_addr[&addr];
+        self.remove_free(addr, found);
+        if found > size {
+            self.insert_free(addr + size as u64, found - size, chunk);
+        }
+        Some(addr)
+    }
+
+    /// [`take`](Self::take), counting a large block as in use; returns the address and the
+    /// generation.
+    fn take_counted(&mut self, size: usize, large: bool) -> Option<(u64, u64)> {
+        let addr = self.take(size)?;
+        if large {
+            self.large_blocks += 1;
+            self.large_bytes += size;
+        }
+        Some((addr, self.generation))
+    }
+
+    /// Returns a block, merging it with free neighbours in the same chunk.
+    fn give(&mut self, mut addr: u64, mut size: usize) {
+        let chunk = self.chunk_of(addr);
+        if let Some((&prev, &(psize, pchunk))) = self.by_addr.range(..addr).next_back()
+            && pchunk == chunk
+            && prev + psize as u64 == addr
+        {
+            self.remove_free(prev, psize);
+            addr = prev;
+            size += psize;
+        }
+        let end = addr + size as u64;
+        if let Some(&(nsize, nchunk)) = self.by_addr.get(&end)
+            && nchunk == chunk
+        {
+            self.remove_free(end, nsize);
+            size += nsize;
+        }
+        self.insert_free(addr, size, chunk);
+    }
+
+    fn add_chunk(&mut self, base: u64, size: usize) {
+        self.chunks.insert(base, size);
+        self.held += size;
+        self.peak_held = self.peak_held.max(self.held);
+        self.grows += 1;
+        self.insert_free(base, size, base);
+    }
+
+    /// Removes every chunk that is wholly free.
+    fn remove_free_chunks(&mut self) -> Vec<(u64, usize)> {
+        let free: Vec<(u64, usize)> = self
+            .chunks
+            .iter()
+            .filter(|&(base, size)| self.by_addr.get(base) == Some(&(*size, *base)))
+            .map(|(&b, &s)| (b, s))
+            .collect();
+        for &(base, size) in &free {
+            self.remove_free(base, size);
+            self.chunks.remove(&base);
+            self.held -= size;
+            self.trimmed += size as u64;
+        }
+        free
+    }
+}
+
+/// One shard's free lists, on its own cache lines.
+#[repr(align(128))]
+struct Shard {
+    inner: Mutex<ShardLists>,
+}
+
+#[derive(Default)]
+struct ShardLists {
+    free: Vec<Vec<u64>>,
+    cached_bytes: usize,
+    /// Blocks and bytes handed out from or returned to this shard; a block allocated on one
+    /// shard and returned to another makes both drift, their sums stay right.
+    in_use_blocks: i64,
+    in_use_bytes: i64,
+}
+
+impl ShardLists {
+    fn new() -> ShardLists {
+        ShardLists {
+            free: (0..CLASSES).map(|_| Vec::new()).collect(),
+            ..ShardLists::default()
+        }
+    }
+}
+
+/// The pool's state, shared with the hooks its pointers hold.
+struct PoolShared {
+    cx: ManagerContext,
+    config: PoolConfig,
+    /// Bumped by `reset` while every lock is held; read under any one of them.
+    generation: AtomicU64,
+    arena: Mutex<Arena>,
+    shards: Box<[Shard]>,
+    /// The deferred-deallocation queue of the host layer: chunk frees go through it.
+    queue: Arc<crate::PendingDeallocs>,
+}
+
+impl fmt::Debug for PoolShared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PoolShared")
+            .field("device", &self.cx.device)
+            .field("config", &self.config)
+            .field("shards", &self.shards.len())
+            .finish()
+    }
+}
+
+/// A shard's release hook: pointers allocated on shard `shard` return their blocks to it.
+struct ShardHook {
+    pool: Arc<PoolShared>,
+    shard: usize,
+}
+
+impl ReleaseHook for ShardHook {
+    fn release(&self, base: DevicePtr, size: usize, tag: u64) {
+        self.pool.release(self.shard, base.0, size, tag);
+    }
+
+    fn is_live(&self, tag: u64) -> bool {
+        self.pool.generation.load(Ordering::Acquire) == tag
+    }
+}
+
+static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    static THREAD_INDEX: usize = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+}
+
+fn shard_count() -> usize {
+    let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+    (cores * 2).next_power_of_two().clamp(4, 64)
+}
+
+impl PoolShared {
+    fn shard_index(&self) -> usize {
+        THREAD_INDEX.with(|i| *i) & (self.shards.len() - 1)
+    }
+
+    fn cache_limit(&self, class: usize) -> usize {
+        (self.config.cache_bytes_per_class / class_size(class)).max(8)
+    }
+
+    fn batch(class: usize) -> usize {
+        ((256 << 10) / class_size(class)).clamp(1, 16)
+    }
+
+    fn release(&self, shard: usize, addr: u64, bytes: usize, tag: u64) {
+        let size = block_size(bytes, self.config.small_max);
+        if bytes > self.config.small_max {
+            let mut arena = lock(&self.arena);
+            if arena.generation == tag {
+                arena.give(addr, size);
+                arena.large_blocks -= 1;
+                arena.large_bytes -= size;
+            }
+            return;
+        }
+        let class = class_of(bytes);
+        let spill = {
+            let mut lists = lock(&self.shards[shard].inner);
+            if self.generation.load(Ordering::Acquire) != tag {
+                return;
+            }
+            lists.in_use_blocks -= 1;
+            lists.in_use_bytes -= size as i64;
+            lists.cached_bytes += size;
+            let list = &mut lists.free[class];
+            list.push(addr);
+            if list.len() <= self.cache_limit(class) {
+                return;
+            }
+            let keep = list.len() / 2;
+            let spill = list.split_off(keep);
+            lists.cached_bytes -= spill.len() * size;
+            spill
+        };
+        let mut arena = lock(&self.arena);
+        if arena.generation == tag {
+            for a in spill {
+                arena.give(a, size);
+            }
+        }
+    }
+
+    /// Moves every cached block back to the arena.
+    fn drain_shards(&self) {
+        for shard in self.shards.iter() {
+            let (lists, generation) = {
+                let mut lists = lock(&shard.inner);
+                let taken: Vec<(usize, Vec<u64>)> = lists
+                    .free
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(_, l)| !l.is_empty())
+                    .map(|(c, l)| (c, std::mem::take(l)))
+                    .collect();
+                lists.cached_bytes = 0;
+                (taken, self.generation.load(Ordering::Acquire))
+            };
+            if lists.is_empty() {
+                continue;
+            }
+            let mut arena = lock(&self.arena);
+            if arena.generation == generation {
+                for (class, blocks) in lists {
+                    for a in blocks {
+                        arena.give(a, class_size(class));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Returns cached blocks to the arena and queues the free of every unused chunk; returns
+    /// the bytes queued. The caller flushes.
+    fn trim_to_queue(&self) -> usize {
+        self.drain_shards();
+        let chunks = lock(&self.arena).remove_free_chunks();
+        let bytes = chunks.iter().map(|&(_, s)| s).sum();
+        if !chunks.is_empty() {
+            tracing::debug!(device = %self.cx.device, chunks = chunks.len(), bytes, "pool trimmed");
+            self.queue
+                .push_all_without_flush(chunks.into_iter().map(|(b, s)| Free::Device {
+                    ptr: DevicePtr(b),
+                    bytes: s,
+                }));
+        }
+        bytes
+    }
+
+    /// Grows the pool by at least `size` bytes and takes a block of `size` from it; on
+    /// out-of-memory trims the pool and tries once more.
+    fn grow_and_take(&self, size: usize, large: bool) -> Result<(u64, u64), DriverError> {
+        let need = size.div_ceil(GROW_GRANULARITY) * GROW_GRANULARITY;
+        let want = need.max(self.config.chunk_size);
+        let alloc = |bytes| self.cx.driver.mem_alloc(self.cx.context, bytes);
+        let (base, got) = match alloc(want) {
+            Ok(b) => (b, want),
+            Err(e) if e.kind() == ErrorKind::OutOfMemory => {
+                let fallback = if want > need { alloc(need) } else { Err(e) };
+                match fallback {
+                    Ok(b) => (b, need),
+                    Err(e) if e.kind() == ErrorKind::OutOfMemory => {
+                        let queued = self.trim_to_queue();
+                        tracing::warn!(device = %self.cx.device, requested = size, released = queued, "pool out of memory; trimmed, retrying");
+                        if queued > 0 {
+                            // Inside defer_cleanup this frees nothing, and the retry fails.
+                            let _ = self.queue.flush();
+                        }
+                        (alloc(need)?, need)
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        tracing::debug!(device = %self.cx.device, bytes = got, ptr = %base, "pool grew");
+        let mut arena = lock(&self.arena);
+        arena.add_chunk(base.0, got);
+        Ok(arena
+            .take_counted(size, large)
+            .expect("a new chunk fits the request"))
+    }
+
+    /// A block of `size` bytes from the arena (growing the pool if needed), and the generation
+    /// it belongs to.
+    fn take_from_arena(
+        &self,
+        host: &HostLayer,
+        size: usize,
+        large: bool,
+    ) -> Result<(u64, u64), EmmError> {
+        if let Some(found) = lock(&self.arena).take_counted(size, large) {
+            return Ok(found);
+        }
+        host.attempt_allocation("memalloc", AllocationKind::Device, size, || {
+            // Another thread may have grown the pool meanwhile.
+            if let Some(found) = lock(&self.arena).take_counted(size, large) {
+                return Ok(found);
+            }
+            self.grow_and_take(size, large)
+        })
+    }
+
+    fn stats(&self) -> PoolStats {
+        let (mut blocks, mut bytes, mut cached) = (0i64, 0i64, 0usize);
+        for shard in self.shards.iter() {
+            let lists = lock(&shard.inner);
+            blocks += lists.in_use_blocks;
+            bytes += lists.in_use_bytes;
+            cached += lists.cached_bytes;
+        }
+        let arena = lock(&self.arena);
+        PoolStats {
+            held_bytes: arena.held,
+            in_use_bytes: bytes.max(0) as usize + arena.large_bytes,
+            in_use_blocks: blocks.max(0) as usize + arena.large_blocks,
+            cached_bytes: cached,
+            peak_held_bytes: arena.peak_held,
+            chunks: arena.chunks.len(),
+            grows: arena.grows,
+            trimmed_bytes: arena.trimmed,
+        }
+    }
+}
+
+/// The pool's device half; the `pool` manager is [`PoolManager`] = `HostOnly<PoolAllocator>`.
+pub struct PoolAllocator {
+    shared: Arc<PoolShared>,
+    hooks: Box<[Arc<dyn ReleaseHook>]>,
+}
+
+impl fmt::Debug for PoolAllocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PoolAllocator")
+            .field("shared", &self.shared)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// emm's pool manager: the [`HostLayer`] over a [`PoolAllocator`].
+pub type PoolManager = HostOnly<PoolAllocator>;
+
+impl PoolAllocator {
+    /// A pool for the manager whose host layer is `host`.
+    pub fn new(host: &HostLayer, config: PoolConfig) -> Result<PoolAllocator, EmmError> {
+        if config.small_max > MAX_SMALL {
+            return Err(EmmError::InvalidArgument {
+                what: "PoolConfig::small_max",
+                reason: format!(
+                    "{} bytes is above the largest size class ({MAX_SMALL} bytes); lower it",
+                    config.small_max
+                ),
+            });
+        }
+        if config.chunk_size == 0 {
+            return Err(EmmError::InvalidArgument {
+                what: "PoolConfig::chunk_size",
+                reason: "0 bytes; give the pool a growth size (the default is 64 MiB)".into(),
+            });
+        }
+        let shared = Arc::new(PoolShared {
+            cx: host.context().clone(),
+            config,
+            generation: AtomicU64::new(0),
+            arena: Mutex::new(Arena::default()),
+            shards: (0..shard_count())
+                .map(|_| Shard {
+                    inner: Mutex::new(ShardLists::new()),
+                })
+                .collect(),
+            queue: Arc::clone(host.deallocations()),
+        });
+        let hooks = (0..shared.shards.len())
+            .map(|shard| {
+                Arc::new(ShardHook {
+                    pool: Arc::clone(&shared),
+                    shard,
+                }) as Arc<dyn ReleaseHook>
+            })
+            .collect();
+        Ok(PoolAllocator { shared, hooks })
+    }
+
+    /// What the pool holds now.
+    pub fn stats(&self) -> PoolStats {
+        self.shared.stats()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> PoolConfig {
+        self.shared.config
+    }
+
+    fn pointer(&self, shard: usize, addr: u64, bytes: usize, generation: u64) -> MemoryPointer {
+        let cx = &self.shared.cx;
+        MemoryPointer::with_hook(
+            cx.device,
+            cx.context,
+            DevicePtr(addr),
+            bytes,
+            Arc::clone(&self.hooks[shard]),
+            generation,
+        )
+    }
+
+    fn alloc_small(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        let pool = &*self.shared;
+        let shard = pool.shard_index();
+        let class = class_of(bytes);
+        let size = class_size(class);
+        {
+            let mut lists = lock(&pool.shards[shard].inner);
+            if let Some(addr) = lists.free[class].pop() {
+                lists.cached_bytes -= size;
+                lists.in_use_blocks += 1;
+                lists.in_use_bytes += size as i64;
+                let generation = pool.generation.load(Ordering::Acquire);
+                drop(lists);
+                return Ok(self.pointer(shard, addr, bytes, generation));
+            }
+        }
+        // Refill: one arena block split into a batch of this class.
+        let batch = PoolShared::batch(class);
+        let (addr, generation, got) = match pool.take_from_arena(host, size * batch, false) {
+            Ok((a, g)) => (a, g, batch),
+            Err(e) if batch > 1 && e.is_out_of_memory() => {
+                let (a, g) = pool.take_from_arena(host, size, false)?;
+                (a, g, 1)
+            }
+            Err(e) => return Err(e),
+        };
+        let mut lists = lock(&pool.shards[shard].inner);
+        if pool.generation.load(Ordering::Acquire) == generation {
+            lists.in_use_blocks += 1;
+            lists.in_use_bytes += size as i64;
+            let list = &mut lists.free[class];
+            list.extend((1..got).map(|i| addr + (i * size) as u64));
+            lists.cached_bytes += (got - 1) * size;
+        }
+        drop(lists);
+        Ok(self.pointer(shard, addr, bytes, generation))
+    }
+
+    fn alloc_large(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        let size = block_size(bytes, self.shared.config.small_max);
+        let (addr, generation) = self.shared.take_from_arena(host, size, true)?;
+        Ok(self.pointer(0, addr, bytes, generation))
+    }
+
+    /// Frees every chunk with nothing in use, after returning cached blocks to the arena;
+    /// returns the bytes released. Inside `defer_cleanup` the frees stay queued until the
+    /// guard is gone.
+    pub fn trim(&self) -> Result<usize, EmmError> {
+        let bytes = self.shared.trim_to_queue();
+        self.shared.queue.flush()?;
+        Ok(bytes)
+    }
+
+    /// The factory registered as `"pool"`, with the default configuration.
+    pub fn factory() -> FnFactory {
+        Self::factory_with(POOL_MANAGER, PoolConfig::default())
+    }
+
+    /// A factory named `name` for pools configured with `config`.
+    pub fn factory_with(name: &str, config: PoolConfig) -> FnFactory {
+        FnFactory::new(name, move |cx: &ManagerContext| {
+            let host = HostLayer::new(cx);
+            let pool = PoolAllocator::new(&host, config)?;
+            Ok(Box::new(HostOnly::from_parts(host, pool)))
+        })
+    }
+}
+
+impl DeviceAllocator for PoolAllocator {
+    fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        if bytes == 0 {
+            return Err(EmmError::ZeroSize { what: "memalloc" });
+        }
+        if bytes <= self.shared.config.small_max {
+            self.alloc_small(host, bytes)
+        } else {
+            self.alloc_large(host, bytes)
+        }
+    }
+
+    fn initialize(&self, host: &HostLayer) -> Result<(), EmmError> {
+        DriverAllocator.initialize(host)
+    }
+
+    fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError> {
+        DriverAllocator.get_memory_info(host)
+    }
+
+    fn get_ipc_handle(
+        &self,
+        host: &HostLayer,
+        memory: &MemoryPointer,
+    ) -> Result<IpcHandle, EmmError> {
+        // The handle names the chunk; its offset is the block's distance from the chunk base.
+        host.ipc_handle(memory)
+    }
+
+    fn reset(&self, host: &HostLayer) -> Result<(), EmmError> {
+        let pool = &*self.shared;
+        let chunks = {
+            let mut arena = lock(&pool.arena);
+            let mut shards: Vec<_> = pool.shards.iter().map(|s| lock(&s.inner)).collect();
+            pool.generation.fetch_add(1, Ordering::AcqRel);
+            arena.generation += 1;
+            for lists in &mut shards {
+                for l in &mut lists.free {
+                    l.clear();
+                }
+                lists.cached_bytes = 0;
+                lists.in_use_blocks = 0;
+                lists.in_use_bytes = 0;
+            }
+            let chunks = std::mem::take(&mut arena.chunks);
+            arena.by_addr.clear();
+            arena.by_size.clear();
+            arena.held = 0;
+            arena.large_blocks = 0;
+            arena.large_bytes = 0;
+            chunks
+        };
+        tracing::info!(device = %pool.cx.device, chunks = chunks.len(), bytes = chunks.values().sum::<usize>(), "pool reset");
+        let queue = host.deallocations();
+        queue.push_all_without_flush(chunks.into_iter().map(|(b, s)| Free::Device {
+            ptr: DevicePtr(b),
+            bytes: s,
+        }));
+        queue.flush().map(|_| ())
+    }
+
+    fn trim(&self, _host: &HostLayer) -> Result<usize, EmmError> {
+        PoolAllocator::trim(self)
+    }
+
+    fn pool_stats(&self) -> Option<PoolStats> {
+        Some(self.stats())
+    }
+}
