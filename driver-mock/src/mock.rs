@@ -2,7 +2,7 @@
 
 use driver_sys::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
-    HostPtr, IpcMemHandle, MemInfo, ModuleHandle, StreamHandle,
+    HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle, StreamHandle,
 };
 
 mockall::mock! {
@@ -42,6 +42,15 @@ mockall::mock! {
         unsafe fn ipc_close_mem_handle(&self, ctx: ContextHandle, ptr: DevicePtr) -> Result<(), DriverError>;
         fn device_can_access_peer(&self, dev: DeviceOrdinal, peer: DeviceOrdinal) -> Result<bool, DriverError>;
         unsafe fn memcpy_dtoh(&self, ctx: ContextHandle, dst: &mut [u8], src: DevicePtr) -> Result<(), DriverError>;
+        fn stream_synchronize(&self, ctx: ContextHandle, stream: StreamHandle) -> Result<(), DriverError>;
+        fn device_default_mem_pool(&self, dev: DeviceOrdinal) -> Result<MemPoolHandle, DriverError>;
+        fn mem_pool_create(&self, ctx: ContextHandle, dev: DeviceOrdinal, ipc: bool) -> Result<MemPoolHandle, DriverError>;
+        unsafe fn mem_pool_destroy(&self, ctx: ContextHandle, pool: MemPoolHandle) -> Result<(), DriverError>;
+        fn mem_pool_set_release_threshold(&self, ctx: ContextHandle, pool: MemPoolHandle, bytes: u64) -> Result<(), DriverError>;
+        fn mem_pool_trim_to(&self, ctx: ContextHandle, pool: MemPoolHandle, keep: usize) -> Result<(), DriverError>;
+        fn mem_pool_usage(&self, ctx: ContextHandle, pool: MemPoolHandle) -> Result<MemPoolUsage, DriverError>;
+        fn mem_alloc_from_pool_async(&self, ctx: ContextHandle, pool: MemPoolHandle, bytes: usize, stream: StreamHandle) -> Result<DevicePtr, DriverError>;
+        unsafe fn mem_free_async(&self, ctx: ContextHandle, ptr: DevicePtr, stream: StreamHandle) -> Result<(), DriverError>;
     }
 }
 

@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use driver_sys::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, ErrorKind,
-    EventHandle, HostPtr, IpcMemHandle, MemInfo, ModuleHandle, StreamHandle, code, host_alloc,
-    host_register,
+    EventHandle, HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle,
+    StreamHandle, code, host_alloc, host_register,
 };
 
 /// The granularity of allocations of up to [`SMALL_MAX`] bytes (measured: 512 bytes).
@@ -176,11 +176,20 @@ pub enum Op {
     IpcGetMemHandle,
     IpcOpenMemHandle,
     IpcCloseMemHandle,
+    StreamSynchronize,
+    DeviceGetDefaultMemPool,
+    MemPoolCreate,
+    MemPoolDestroy,
+    MemPoolSetAttribute,
+    MemPoolTrimTo,
+    MemPoolGetAttribute,
+    MemAllocFromPoolAsync,
+    MemFreeAsync,
 }
 
 impl Op {
     /// Every operation, in declaration order (for fault sweeps).
-    pub const ALL: [Op; 30] = [
+    pub const ALL: [Op; 39] = [
         Op::Init,
         Op::DeviceCount,
         Op::DeviceTotalMem,
@@ -211,6 +220,15 @@ impl Op {
         Op::IpcGetMemHandle,
         Op::IpcOpenMemHandle,
         Op::IpcCloseMemHandle,
+        Op::StreamSynchronize,
+        Op::DeviceGetDefaultMemPool,
+        Op::MemPoolCreate,
+        Op::MemPoolDestroy,
+        Op::MemPoolSetAttribute,
+        Op::MemPoolTrimTo,
+        Op::MemPoolGetAttribute,
+        Op::MemAllocFromPoolAsync,
+        Op::MemFreeAsync,
     ];
 
     /// The CUDA driver call this operation stands for.
@@ -246,6 +264,15 @@ impl Op {
             Op::IpcGetMemHandle => "cuIpcGetMemHandle",
             Op::IpcOpenMemHandle => "cuIpcOpenMemHandle",
             Op::IpcCloseMemHandle => "cuIpcCloseMemHandle",
+            Op::StreamSynchronize => "cuStreamSynchronize",
+            Op::DeviceGetDefaultMemPool => "cuDeviceGetDefaultMemPool",
+            Op::MemPoolCreate => "cuMemPoolCreate",
+            Op::MemPoolDestroy => "cuMemPoolDestroy",
+            Op::MemPoolSetAttribute => "cuMemPoolSetAttribute",
+            Op::MemPoolTrimTo => "cuMemPoolTrimTo",
+            Op::MemPoolGetAttribute => "cuMemPoolGetAttribute",
+            Op::MemAllocFromPoolAsync => "cuMemAllocFromPoolAsync",
+            Op::MemFreeAsync => "cuMemFreeAsync",
         }
     }
 }
@@ -539,6 +566,44 @@ struct Process {
     /// Streams, events and modules: handle → (kind, device).
     objects: BTreeMap<u64, (Object, usize)>,
     ipc: BTreeMap<u64, IpcMap>,
+    /// Stream-ordered pools: handle → pool (the default pools included).
+    pools: BTreeMap<u64, SimPool>,
+}
+
+/// A block freed to a stream-ordered pool: reusable at once on the stream it was freed on,
+/// on other streams once that stream was synchronised.
+#[derive(Clone, Copy, Debug)]
+struct FreeBlock {
+    addr: u64,
+    size: usize,
+    stream: u64,
+    ready: bool,
+}
+
+/// A stream-ordered pool (`cuMemPoolCreate`, or a device's default pool).
+#[derive(Debug)]
+struct SimPool {
+    device: usize,
+    is_default: bool,
+    threshold: u64,
+    reserved: usize,
+    used: usize,
+    live: BTreeMap<u64, usize>,
+    free: Vec<FreeBlock>,
+}
+
+impl SimPool {
+    fn new(device: usize, is_default: bool) -> SimPool {
+        SimPool {
+            device,
+            is_default,
+            threshold: 0,
+            reserved: 0,
+            used: 0,
+            live: BTreeMap::new(),
+            free: Vec::new(),
+        }
+    }
 }
 
 /// A context object the simulator hands out handles for.
@@ -559,6 +624,7 @@ impl Process {
             host: BTreeMap::new(),
             objects: BTreeMap::new(),
             ipc: BTreeMap::new(),
+            pools: BTreeMap::new(),
         }
     }
 }
@@ -584,6 +650,114 @@ impl World {
     fn new_handle(&mut self) -> u64 {
         self.next_handle += 0x10;
         HANDLE_BASE + self.next_handle
+    }
+
+    /// Allocates `bytes` on device `i` for process `pid` (`cuMemAlloc`'s model: 2 MiB pages,
+    /// small allocations packed).
+    fn alloc_device(&mut self, i: usize, pid: usize, bytes: usize) -> Result<u64, u32> {
+        let w = self;
+        if bytes == 0 {
+            return Err(code::INVALID_VALUE);
+        }
+        let free = w.free_bytes(i);
+        let d = &w.devices[i];
+        let (addr, span, new_pages) = if bytes <= SMALL_MAX {
+            let span = bytes.next_multiple_of(d.config.alignment);
+            let (addr, page) = d.place_small(i, span);
+            (addr, span, page.map(|p| (p, 1)))
+        } else {
+            let span = bytes
+                .checked_next_multiple_of(PAGE_SIZE)
+                .ok_or(code::OUT_OF_MEMORY)?;
+            let n = (span / PAGE_SIZE) as u64;
+            let first = d.free_pages(n);
+            (DeviceMem::page_addr(i, first), span, Some((first, n)))
+        };
+        if new_pages.map_or(0, |(_, n)| n as usize * PAGE_SIZE) > free {
+            return Err(code::OUT_OF_MEMORY);
+        }
+        let store = w.new_handle();
+        w.stores.insert(
+            store,
+            Store {
+                bytes: vec![0; bytes],
+                refs: 1,
+            },
+        );
+        let d = &mut w.devices[i];
+        match new_pages {
+            Some((first, 1)) if bytes <= SMALL_MAX => {
+                d.pages.insert(first, Page::Small(0));
+            }
+            Some((first, n)) => {
+                for p in first..first + n {
+                    d.pages.insert(p, Page::Large);
+                }
+            }
+            None => {}
+        }
+        if bytes <= SMALL_MAX
+            && let Some(Page::Small(count)) = d.pages.get_mut(&DeviceMem::page_of(i, addr))
+        {
+            *count += 1;
+        }
+        d.allocs.insert(
+            addr,
+            SimAlloc {
+                size: bytes,
+                span,
+                store,
+                owner: pid,
+            },
+        );
+        Ok(addr)
+    }
+
+    /// Releases free blocks of pool `h` of process `pid` that are ready until the pool
+    /// reserves at most `keep` bytes.
+    fn pool_release(&mut self, pid: usize, h: u64, keep: usize) {
+        let Some(pool) = self.processes[pid].pools.get_mut(&h) else {
+            return;
+        };
+        let mut release = Vec::new();
+        pool.free.retain(|b| {
+            if b.ready && pool.reserved > keep {
+                pool.reserved -= b.size;
+                release.push(b.addr);
+                false
+            } else {
+                true
+            }
+        });
+        for addr in release {
+            let _ = self.free_device(pid, addr);
+        }
+    }
+
+    /// Checks that `stream` is 0 (the legacy default stream) or a live stream of process `pid`.
+    fn check_stream(&self, pid: usize, stream: u64) -> Result<(), u32> {
+        match self.processes[pid].objects.get(&stream) {
+            _ if stream == 0 => Ok(()),
+            Some((Object::Stream, _)) => Ok(()),
+            _ => Err(code::INVALID_HANDLE),
+        }
+    }
+
+    /// Frees process `pid`'s allocation at `ptr` on any device; returns its size.
+    fn free_device(&mut self, pid: usize, ptr: u64) -> Result<usize, u32> {
+        let w = self;
+        // Unified addressing: the allocation may be on any device of this process.
+        let i = (0..w.devices.len())
+            .find(|&i| {
+                w.devices[i]
+                    .allocs
+                    .get(&ptr)
+                    .is_some_and(|a| a.owner == pid)
+            })
+            .ok_or(code::INVALID_VALUE)?;
+        let a = w.devices[i].remove(i, ptr).expect("found above");
+        w.drop_store(a.store);
+        Ok(a.size)
     }
 
     fn drop_store(&mut self, id: u64) {
@@ -625,6 +799,8 @@ impl World {
         let p = &mut self.processes[pid];
         p.contexts[device].live = false;
         p.objects.retain(|_, (_, d)| *d != device);
+        // The pools' memory went with the allocations above.
+        p.pools.retain(|_, pool| pool.device != device);
         let mut freed_pinned = 0;
         p.host.retain(|_, h| {
             let keep = h.device != device || h.portable;
@@ -1264,60 +1440,7 @@ impl Driver for SimDriver {
             Box::new(move |w, pid, note| {
                 note.bytes = Some(bytes);
                 let i = context(w, pid, ctx, note)?;
-                if bytes == 0 {
-                    return Err(code::INVALID_VALUE);
-                }
-                let free = w.free_bytes(i);
-                let d = &w.devices[i];
-                let (addr, span, new_pages) = if bytes <= SMALL_MAX {
-                    let span = bytes.next_multiple_of(d.config.alignment);
-                    let (addr, page) = d.place_small(i, span);
-                    (addr, span, page.map(|p| (p, 1)))
-                } else {
-                    let span = bytes
-                        .checked_next_multiple_of(PAGE_SIZE)
-                        .ok_or(code::OUT_OF_MEMORY)?;
-                    let n = (span / PAGE_SIZE) as u64;
-                    let first = d.free_pages(n);
-                    (DeviceMem::page_addr(i, first), span, Some((first, n)))
-                };
-                if new_pages.map_or(0, |(_, n)| n as usize * PAGE_SIZE) > free {
-                    return Err(code::OUT_OF_MEMORY);
-                }
-                let store = w.new_handle();
-                w.stores.insert(
-                    store,
-                    Store {
-                        bytes: vec![0; bytes],
-                        refs: 1,
-                    },
-                );
-                let d = &mut w.devices[i];
-                match new_pages {
-                    Some((first, 1)) if bytes <= SMALL_MAX => {
-                        d.pages.insert(first, Page::Small(0));
-                    }
-                    Some((first, n)) => {
-                        for p in first..first + n {
-                            d.pages.insert(p, Page::Large);
-                        }
-                    }
-                    None => {}
-                }
-                if bytes <= SMALL_MAX
-                    && let Some(Page::Small(count)) = d.pages.get_mut(&DeviceMem::page_of(i, addr))
-                {
-                    *count += 1;
-                }
-                d.allocs.insert(
-                    addr,
-                    SimAlloc {
-                        size: bytes,
-                        span,
-                        store,
-                        owner: pid,
-                    },
-                );
+                let addr = w.alloc_device(i, pid, bytes)?;
                 note.ptr = Some(DevicePtr(addr));
                 Ok(DevicePtr(addr))
             }),
@@ -1333,18 +1456,7 @@ impl Driver for SimDriver {
                 if ptr.is_null() {
                     return Ok(());
                 }
-                // Unified addressing: the allocation may be on any device of this process.
-                let i = (0..w.devices.len())
-                    .find(|&i| {
-                        w.devices[i]
-                            .allocs
-                            .get(&ptr.0)
-                            .is_some_and(|a| a.owner == pid)
-                    })
-                    .ok_or(code::INVALID_VALUE)?;
-                let a = w.devices[i].remove(i, ptr.0).expect("found above");
-                note.bytes = Some(a.size);
-                w.drop_store(a.store);
+                note.bytes = Some(w.free_device(pid, ptr.0)?);
                 Ok(())
             }),
         )
@@ -1417,6 +1529,247 @@ impl Driver for SimDriver {
             // that nothing writes during the call.
             unsafe { w.read(pid, src.0, dst) }
         })
+    }
+
+    fn stream_synchronize(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::StreamSynchronize,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                w.check_stream(pid, stream.0)?;
+                // Work is done when it is issued here; what synchronising changes is that
+                // blocks freed on the stream become reusable on every stream, and pools
+                // release what they reserve above their threshold.
+                let handles: Vec<u64> = w.processes[pid].pools.keys().copied().collect();
+                for h in handles {
+                    let pool = w.processes[pid].pools.get_mut(&h).expect("listed");
+                    for b in &mut pool.free {
+                        if b.stream == stream.0 || stream.0 == 0 {
+                            b.ready = true;
+                        }
+                    }
+                    let keep = usize::try_from(pool.threshold).unwrap_or(usize::MAX);
+                    w.pool_release(pid, h, keep);
+                }
+                Ok(())
+            }),
+        )
+    }
+
+    fn device_default_mem_pool(&self, dev: DeviceOrdinal) -> Result<MemPoolHandle, DriverError> {
+        self.call(
+            Op::DeviceGetDefaultMemPool,
+            Box::new(move |w, pid, note| {
+                note.device = Some(dev);
+                let i = dev.0 as usize;
+                if !w.processes[pid].initialized {
+                    return Err(code::NOT_INITIALIZED);
+                }
+                if i >= w.devices.len() {
+                    return Err(code::INVALID_DEVICE);
+                }
+                let p = &w.processes[pid];
+                if let Some((&h, _)) = p.pools.iter().find(|(_, q)| q.is_default && q.device == i) {
+                    return Ok(MemPoolHandle(h));
+                }
+                let h = w.new_handle();
+                w.processes[pid].pools.insert(h, SimPool::new(i, true));
+                Ok(MemPoolHandle(h))
+            }),
+        )
+    }
+
+    fn mem_pool_create(
+        &self,
+        ctx: ContextHandle,
+        dev: DeviceOrdinal,
+        _ipc: bool,
+    ) -> Result<MemPoolHandle, DriverError> {
+        self.call(
+            Op::MemPoolCreate,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                let i = dev.0 as usize;
+                if i >= w.devices.len() {
+                    return Err(code::INVALID_DEVICE);
+                }
+                let h = w.new_handle();
+                w.processes[pid].pools.insert(h, SimPool::new(i, false));
+                Ok(MemPoolHandle(h))
+            }),
+        )
+    }
+
+    unsafe fn mem_pool_destroy(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::MemPoolDestroy,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                match w.processes[pid].pools.get(&pool.0) {
+                    Some(p) if !p.is_default => {}
+                    _ => return Err(code::INVALID_VALUE),
+                }
+                let p = w.processes[pid].pools.remove(&pool.0).expect("checked");
+                // The driver releases a destroyed pool's memory once nothing uses it; the
+                // simulator releases it at once.
+                for addr in p.live.keys().chain(p.free.iter().map(|b| &b.addr)) {
+                    let _ = w.free_device(pid, *addr);
+                }
+                Ok(())
+            }),
+        )
+    }
+
+    fn mem_pool_set_release_threshold(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::MemPoolSetAttribute,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                let p = w.processes[pid]
+                    .pools
+                    .get_mut(&pool.0)
+                    .ok_or(code::INVALID_VALUE)?;
+                p.threshold = bytes;
+                Ok(())
+            }),
+        )
+    }
+
+    fn mem_pool_trim_to(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        keep: usize,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::MemPoolTrimTo,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                if !w.processes[pid].pools.contains_key(&pool.0) {
+                    return Err(code::INVALID_VALUE);
+                }
+                w.pool_release(pid, pool.0, keep);
+                Ok(())
+            }),
+        )
+    }
+
+    fn mem_pool_usage(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<MemPoolUsage, DriverError> {
+        self.call(
+            Op::MemPoolGetAttribute,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                let p = w.processes[pid]
+                    .pools
+                    .get(&pool.0)
+                    .ok_or(code::INVALID_VALUE)?;
+                Ok(MemPoolUsage {
+                    reserved: p.reserved as u64,
+                    used: p.used as u64,
+                })
+            }),
+        )
+    }
+
+    fn mem_alloc_from_pool_async(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr, DriverError> {
+        self.call(
+            Op::MemAllocFromPoolAsync,
+            Box::new(move |w, pid, note| {
+                note.bytes = Some(bytes);
+                let i = context(w, pid, ctx, note)?;
+                w.check_stream(pid, stream.0)?;
+                let p = w.processes[pid]
+                    .pools
+                    .get_mut(&pool.0)
+                    .ok_or(code::INVALID_VALUE)?;
+                if bytes == 0 || p.device != i {
+                    return Err(code::INVALID_VALUE);
+                }
+                // Best fit among the blocks this stream may reuse.
+                let found = p
+                    .free
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, b)| b.size >= bytes && (b.ready || b.stream == stream.0))
+                    .min_by_key(|(_, b)| b.size)
+                    .map(|(k, _)| k);
+                if let Some(k) = found {
+                    let b = p.free.swap_remove(k);
+                    p.used += b.size;
+                    p.live.insert(b.addr, b.size);
+                    note.ptr = Some(DevicePtr(b.addr));
+                    return Ok(DevicePtr(b.addr));
+                }
+                let addr = match w.alloc_device(i, pid, bytes) {
+                    Err(code::OUT_OF_MEMORY) => {
+                        // Release what the pool holds unused, then try once more.
+                        w.pool_release(pid, pool.0, 0);
+                        w.alloc_device(i, pid, bytes)?
+                    }
+                    other => other?,
+                };
+                let p = w.processes[pid].pools.get_mut(&pool.0).expect("checked");
+                p.reserved += bytes;
+                p.used += bytes;
+                p.live.insert(addr, bytes);
+                note.ptr = Some(DevicePtr(addr));
+                Ok(DevicePtr(addr))
+            }),
+        )
+    }
+
+    unsafe fn mem_free_async(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::MemFreeAsync,
+            Box::new(move |w, pid, note| {
+                note.ptr = Some(ptr);
+                context(w, pid, ctx, note)?;
+                w.check_stream(pid, stream.0)?;
+                let p = w.processes[pid]
+                    .pools
+                    .values_mut()
+                    .find(|p| p.live.contains_key(&ptr.0))
+                    .ok_or(code::INVALID_VALUE)?;
+                let size = p.live.remove(&ptr.0).expect("found");
+                note.bytes = Some(size);
+                p.used -= size;
+                p.free.push(FreeBlock {
+                    addr: ptr.0,
+                    size,
+                    stream: stream.0,
+                    ready: false,
+                });
+                Ok(())
+            }),
+        )
     }
 
     unsafe fn memcpy_dtod(
@@ -1693,6 +2046,15 @@ impl Driver for SimDriver {
                     if let Some((base, a)) = d.containing(ptr.0)
                         && a.owner == pid
                     {
+                        // Stream-ordered pool memory cannot be exported this way (the driver
+                        // documents it; pools export through shareable handles).
+                        if w.processes[pid]
+                            .pools
+                            .values()
+                            .any(|p| p.live.contains_key(&base))
+                        {
+                            return Err(code::INVALID_VALUE);
+                        }
                         note.bytes = Some(a.size);
                         return Ok(encode_ipc(pid, i, a.store, base, a.size));
                     }

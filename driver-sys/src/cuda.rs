@@ -20,7 +20,7 @@ use cudarc::driver::{result, sys};
 
 use crate::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
-    HostPtr, IpcMemHandle, MemInfo, ModuleHandle, StreamHandle,
+    HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle, StreamHandle,
 };
 
 /// The real CUDA driver. Obtain it with [`CudaDriver::load`].
@@ -528,6 +528,168 @@ impl Driver for CudaDriver {
         // - the caller guarantees the source range is a live allocation nobody writes during
         //   the copy (trait contract).
         unsafe { result::memcpy_dtoh_sync(dst, src.0) }.map_err(err("cuMemcpyDtoH"))
+    }
+
+    /// [cuStreamSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    fn stream_synchronize(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the driver validates the stream handle (0 is the legacy default stream).
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(stream.0 as usize as sys::CUstream)
+        })
+    }
+
+    /// [cuDeviceGetDefaultMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    fn device_default_mem_pool(&self, dev: DeviceOrdinal) -> Result<MemPoolHandle, DriverError> {
+        let device = cu_device(dev)?;
+        let mut pool = MaybeUninit::<sys::CUmemoryPool>::uninit();
+        // SAFETY: `pool` is a valid place for one handle; `device` came from cuDeviceGet.
+        check("cuDeviceGetDefaultMemPool", unsafe {
+            sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), device)
+        })?;
+        // SAFETY: the call succeeded and wrote `pool`.
+        Ok(MemPoolHandle(unsafe { pool.assume_init() } as usize as u64))
+    }
+
+    /// [cuMemPoolCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    fn mem_pool_create(
+        &self,
+        ctx: ContextHandle,
+        dev: DeviceOrdinal,
+        ipc: bool,
+    ) -> Result<MemPoolHandle, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: an all-zero `CUmemPoolProps` is valid (null pointers, zero sizes); the
+        // fields that matter are set below.
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.handleTypes = if ipc {
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        } else {
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
+        };
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = dev.0 as i32;
+        let mut pool = MaybeUninit::<sys::CUmemoryPool>::uninit();
+        // SAFETY: `props` is initialised and outlives the call; `pool` is a valid place.
+        check("cuMemPoolCreate", unsafe {
+            sys::cuMemPoolCreate(pool.as_mut_ptr(), &props)
+        })?;
+        // SAFETY: the call succeeded and wrote `pool`.
+        Ok(MemPoolHandle(unsafe { pool.assume_init() } as usize as u64))
+    }
+
+    /// [cuMemPoolDestroy](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    unsafe fn mem_pool_destroy(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller destroys a pool it created, once (trait contract).
+        check("cuMemPoolDestroy", unsafe {
+            sys::cuMemPoolDestroy(pool.0 as usize as sys::CUmemoryPool)
+        })
+    }
+
+    /// [cuMemPoolSetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    fn mem_pool_set_release_threshold(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut value: u64 = bytes;
+        // SAFETY: the release threshold is a cuuint64_t, which `value` is; the driver
+        // validates the pool handle.
+        check("cuMemPoolSetAttribute", unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool.0 as usize as sys::CUmemoryPool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&raw mut value).cast::<c_void>(),
+            )
+        })
+    }
+
+    /// [cuMemPoolTrimTo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    fn mem_pool_trim_to(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        keep: usize,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the driver validates the pool handle.
+        check("cuMemPoolTrimTo", unsafe {
+            sys::cuMemPoolTrimTo(pool.0 as usize as sys::CUmemoryPool, keep)
+        })
+    }
+
+    /// [cuMemPoolGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    fn mem_pool_usage(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<MemPoolUsage, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let read = |attr| {
+            let mut value: u64 = 0;
+            // SAFETY: both attributes read are cuuint64_t, which `value` is.
+            check("cuMemPoolGetAttribute", unsafe {
+                sys::cuMemPoolGetAttribute(
+                    pool.0 as usize as sys::CUmemoryPool,
+                    attr,
+                    (&raw mut value).cast::<c_void>(),
+                )
+            })
+            .map(|()| value)
+        };
+        use sys::CUmemPool_attribute as A;
+        Ok(MemPoolUsage {
+            reserved: read(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            used: read(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+        })
+    }
+
+    /// [cuMemAllocFromPoolAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    fn mem_alloc_from_pool_async(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a valid place; the driver validates the pool and stream handles.
+        check("cuMemAllocFromPoolAsync", unsafe {
+            sys::cuMemAllocFromPoolAsync(
+                &raw mut ptr,
+                bytes,
+                pool.0 as usize as sys::CUmemoryPool,
+                stream.0 as usize as sys::CUstream,
+            )
+        })?;
+        Ok(DevicePtr(ptr))
+    }
+
+    /// [cuMemFreeAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    unsafe fn mem_free_async(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller frees a pool allocation once, ordered on `stream` (trait contract).
+        check("cuMemFreeAsync", unsafe {
+            sys::cuMemFreeAsync(ptr.0, stream.0 as usize as sys::CUstream)
+        })
     }
 }
 

@@ -6,7 +6,7 @@ use std::fmt;
 
 use crate::{
     ContextHandle, DeviceOrdinal, DevicePtr, DriverError, EventHandle, HostPtr, IpcMemHandle,
-    ModuleHandle, StreamHandle,
+    MemPoolHandle, ModuleHandle, StreamHandle,
 };
 
 /// `cuMemHostAlloc` flags.
@@ -325,4 +325,91 @@ pub trait Driver: Send + Sync + fmt::Debug {
         dst: &mut [u8],
         src: DevicePtr,
     ) -> Result<(), DriverError>;
+
+    /// `cuStreamSynchronize`: waits for all work on `stream` (0 is the legacy default stream).
+    fn stream_synchronize(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuDeviceGetDefaultMemPool`: the device's default stream-ordered pool (the one
+    /// `cuMemAllocAsync` uses). It lives as long as the device; never destroy it.
+    fn device_default_mem_pool(&self, dev: DeviceOrdinal) -> Result<MemPoolHandle, DriverError>;
+
+    /// `cuMemPoolCreate`: a pool of pinned device memory on `dev`; with `ipc`, its memory can
+    /// be exported to other processes (POSIX file descriptor handles).
+    fn mem_pool_create(
+        &self,
+        ctx: ContextHandle,
+        dev: DeviceOrdinal,
+        ipc: bool,
+    ) -> Result<MemPoolHandle, DriverError>;
+
+    /// `cuMemPoolDestroy`.
+    ///
+    /// # Safety
+    ///
+    /// - `pool` was created by [`mem_pool_create`](Self::mem_pool_create) and is destroyed
+    ///   once; nothing allocates from it afterwards, and its memory is not used afterwards.
+    unsafe fn mem_pool_destroy(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemPoolSetAttribute(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)`: bytes the pool keeps
+    /// reserved at a synchronisation instead of releasing them to the system.
+    fn mem_pool_set_release_threshold(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        bytes: u64,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemPoolTrimTo`: releases unused memory until the pool reserves at most `keep` bytes.
+    fn mem_pool_trim_to(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        keep: usize,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemPoolGetAttribute(RESERVED_MEM_CURRENT, USED_MEM_CURRENT)`.
+    fn mem_pool_usage(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<MemPoolUsage, DriverError>;
+
+    /// `cuMemAllocFromPoolAsync`: `bytes` from `pool`, ordered on `stream`.
+    fn mem_alloc_from_pool_async(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr, DriverError>;
+
+    /// `cuMemFreeAsync`: returns `ptr` to its pool, ordered on `stream`.
+    ///
+    /// # Safety
+    ///
+    /// - `ptr` came from [`mem_alloc_from_pool_async`](Self::mem_alloc_from_pool_async) and
+    ///   is freed once; no work ordered after the free on other streams uses it.
+    unsafe fn mem_free_async(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+}
+
+/// What a stream-ordered pool holds (`cuMemPoolGetAttribute`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemPoolUsage {
+    /// Bytes reserved from the system (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`).
+    pub reserved: u64,
+    /// Bytes handed out and not freed (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`).
+    pub used: u64,
 }

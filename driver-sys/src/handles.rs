@@ -22,6 +22,10 @@ pub struct StreamHandle(pub u64);
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct EventHandle(pub u64);
 
+/// A stream-ordered memory pool (`CUmemoryPool`), as an opaque value. Prints as hex.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct MemPoolHandle(pub u64);
+
 /// A loaded module (`CUmodule`), as an opaque value. Prints as hex.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ModuleHandle(pub u64);
@@ -99,7 +103,8 @@ hex_fmt!(
     ContextHandle,
     StreamHandle,
     EventHandle,
-    ModuleHandle
+    ModuleHandle,
+    MemPoolHandle
 );
 
 impl fmt::Display for DeviceOrdinal {

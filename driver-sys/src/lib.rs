@@ -32,9 +32,11 @@ mod cuda;
 
 #[cfg(feature = "cuda")]
 pub use cuda::CudaDriver;
-pub use driver::{DeviceAttribute, Driver, MemInfo, event_flags, host_alloc, host_register};
+pub use driver::{
+    DeviceAttribute, Driver, MemInfo, MemPoolUsage, event_flags, host_alloc, host_register,
+};
 pub use error::{DriverError, ErrorKind, code};
 pub use handles::{
-    ContextHandle, DeviceOrdinal, DevicePtr, EventHandle, HostPtr, IpcMemHandle, ModuleHandle,
-    StreamHandle,
+    ContextHandle, DeviceOrdinal, DevicePtr, EventHandle, HostPtr, IpcMemHandle, MemPoolHandle,
+    ModuleHandle, StreamHandle,
 };

@@ -30,6 +30,7 @@
 #![deny(unsafe_code)]
 
 mod adaptors;
+mod async_pool;
 mod config;
 mod context;
 mod default;
@@ -49,6 +50,7 @@ mod sync;
 mod tracker;
 
 pub use adaptors::{Adapted, Adaptor, KindUsage, LOG_HEADER, MemoryKind, Usage};
+pub use async_pool::{ASYNC_POOL_MANAGER, AsyncPoolAllocator, AsyncPoolManager};
 pub use config::{
     DeallocConfig, ENV_MAX_PENDING_COUNT, ENV_MAX_PENDING_RATIO, ENV_MEMORY_ADAPTORS,
     ENV_MEMORY_MANAGER, ENV_PINNED_HOST_POOL, adaptors_from_lookup, manager_name_from_env,

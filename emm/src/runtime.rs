@@ -210,7 +210,8 @@ impl fmt::Debug for Runtime {
 }
 
 impl Runtime {
-    /// A builder over `driver` with emm's managers registered: `default` and `pool`.
+    /// A builder over `driver` with emm's managers registered: `default`, `pool` and
+    /// `async-pool`.
     pub fn builder(driver: Arc<dyn Driver>) -> RuntimeBuilder {
         RuntimeBuilder {
             driver,
@@ -223,6 +224,7 @@ impl Runtime {
         }
         .register_manager(DefaultManager::factory())
         .register_manager(crate::pool::PoolAllocator::factory())
+        .register_manager(crate::async_pool::AsyncPoolAllocator::factory())
     }
 
     /// A runtime over `driver`, configured from the environment.

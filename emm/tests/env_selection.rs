@@ -50,7 +50,8 @@ fn the_environment_picks_the_manager_and_the_thresholds() {
     let err = Runtime::builder(sim()).build().unwrap_err();
     assert!(matches!(err, EmmError::UnknownManager { .. }), "{err:?}");
     assert!(
-        err.to_string().contains("registered managers: default"),
+        err.to_string()
+            .contains("registered managers: async-pool, default, pool"),
         "{err}"
     );
 
@@ -80,6 +81,57 @@ fn the_environment_picks_the_manager_and_the_thresholds() {
     );
     set("EMM_MAX_PENDING_DEALLOCS_COUNT", None);
     set("EMM_MAX_PENDING_DEALLOCS_RATIO", None);
+
+    // Adaptors and the pinned host pool compose with any manager.
+    set("EMM_MEMORY_MANAGER", Some("pool"));
+    set("EMM_MEMORY_ADAPTORS", Some("stats, limit=1MiB"));
+    set("EMM_PINNED_HOST_POOL", Some("64MiB"));
+    let rt = Runtime::new(sim()).unwrap();
+    assert_eq!(rt.memory_manager_name(), "limit(stats(pool))");
+    let ctx = rt.context(0).unwrap();
+    let err = ctx.memalloc(2 << 20).unwrap_err();
+    assert!(matches!(err, EmmError::OverLimit { .. }), "{err:?}");
+    assert!(err.is_out_of_memory());
+    assert!(
+        err.to_string().contains("over the limit of 1048576 bytes"),
+        "{err}"
+    );
+    let mem = ctx.memalloc(1000).unwrap();
+    let host = ctx.memhostalloc(4096, false, false, false).unwrap();
+    let usage = ctx.usage().expect("the stats adaptor");
+    assert_eq!(
+        (usage.device.current_count, usage.device.current_bytes),
+        (1, 1000)
+    );
+    assert_eq!(usage.pinned.current_count, 1);
+    let pools = ctx.pool_stats();
+    assert!(
+        pools.device.is_some() && pools.pinned_host.is_some(),
+        "{pools:?}"
+    );
+    drop((mem, host));
+    assert_eq!(ctx.usage().unwrap().device.current_count, 0);
+    assert_eq!(ctx.usage().unwrap().device.total_count, 1);
+
+    set("EMM_MEMORY_ADAPTORS", Some("limit=lots"));
+    let err = Runtime::new(sim()).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("EMM_MEMORY_ADAPTORS=\"limit=lots\" is invalid"),
+        "{err}"
+    );
+    set("EMM_MEMORY_ADAPTORS", Some("cache"));
+    let err = Runtime::new(sim()).unwrap_err();
+    assert!(err.to_string().contains("unknown adaptor 'cache'"), "{err}");
+    set("EMM_PINNED_HOST_POOL", Some("sometimes"));
+    set("EMM_MEMORY_ADAPTORS", None);
+    let err = Runtime::new(sim()).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("EMM_PINNED_HOST_POOL=\"sometimes\" is invalid"),
+        "{err}"
+    );
+    set("EMM_PINNED_HOST_POOL", None);
 
     // `ignore_env` builds the defaults whatever is set.
     set("EMM_MEMORY_MANAGER", Some("nonsense"));

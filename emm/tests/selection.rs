@@ -18,7 +18,11 @@ fn default_is_chosen_unless_told_otherwise() {
     assert_eq!(rt.context(0).unwrap().memory_manager_name(), "default");
     assert_eq!(
         rt.registered_managers(),
-        vec!["default".to_owned(), "pool".to_owned()]
+        vec![
+            "async-pool".to_owned(),
+            "default".to_owned(),
+            "pool".to_owned()
+        ]
     );
 }
 
@@ -36,7 +40,7 @@ fn an_unknown_name_lists_the_registered_ones() {
     let text = err.to_string();
     assert!(text.contains("no memory manager named 'slab'"), "{text}");
     assert!(
-        text.contains("registered managers: default, mine, pool"),
+        text.contains("registered managers: async-pool, default, mine, pool"),
         "{text}"
     );
     assert!(text.contains("EMM_MEMORY_MANAGER"), "{text}");

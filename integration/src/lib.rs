@@ -149,6 +149,12 @@ pub fn defers_device_frees() -> bool {
     suite_setup().is_ok_and(|s| s.manager == emm::DEFAULT_MANAGER)
 }
 
+/// Whether the suite's manager exports device memory with `cuIpcGetMemHandle` (all but
+/// `async-pool`, whose stream-ordered pool memory the driver does not export that way).
+pub fn exports_ipc_handles() -> bool {
+    suite_setup().is_ok_and(|s| s.manager != emm::ASYNC_POOL_MANAGER)
+}
+
 /// Whether host allocations reach the driver one call each (no pinned host pool).
 pub fn host_calls_direct() -> bool {
     suite_setup().is_ok_and(|s| s.pinned_pool.is_none())

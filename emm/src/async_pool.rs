@@ -1,0 +1,291 @@
+//! The `async-pool` manager: device memory from a stream-ordered driver pool
+//! (`cuMemPoolCreate`, `cuMemAllocFromPoolAsync`, `cuMemFreeAsync`), in the manner of
+//! cuda.core's `DeviceMemoryResource`, under the [`HostOnly`] layer.
+//!
+//! - The manager creates its own pool for the context at the first `initialize` (or
+//!   allocation), with the release threshold at its maximum, so freed memory stays cached in
+//!   the pool instead of going back to the system at every synchronisation.
+//! - Allocations and frees are ordered on the legacy default stream (0): emm's copies are
+//!   synchronous, so work on that stream is complete when a copy returns, and a block freed
+//!   there is safe to reuse by the next allocation.
+//! - A pointer's last drop calls `cuMemFreeAsync` at once (it is cheap and does not
+//!   synchronise), so nothing goes through the deferred queue.
+//! - `trim` synchronises the stream and calls `cuMemPoolTrimTo(0)`; `reset` destroys the pool
+//!   (which frees everything in it) and the next use creates a new one.
+//! - Out of memory: the pool is trimmed and the allocation retried; then the host layer
+//!   flushes its queue and retries once more.
+//! - IPC: the driver does not export pool memory with `cuIpcGetMemHandle`; `get_ipc_handle`
+//!   refuses with [`EmmError::NotSupported`], naming the managers that can.
+
+#![allow(unsafe_code)]
+
+use std::fmt;
+use std::sync::Arc;
+
+use driver_sys::{DevicePtr, DriverError, ErrorKind, MemPoolHandle, StreamHandle};
+
+use crate::default::DriverAllocator;
+use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
+use crate::ipc::IpcHandle;
+use crate::manager::{FnFactory, ManagerContext};
+use crate::pointer::ReleaseHook;
+use crate::pool::PoolStats;
+use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
+use crate::{EmmError, MemoryInfo, MemoryPointer, PendingDeallocs};
+
+/// The name the stream-ordered pool manager is registered under.
+pub const ASYNC_POOL_MANAGER: &str = "async-pool";
+
+const STREAM: StreamHandle = StreamHandle(0);
+
+/// The pool and the generation it belongs to.
+struct PoolState {
+    pool: Option<MemPoolHandle>,
+}
+
+struct Shared {
+    cx: ManagerContext,
+    state: Mutex<PoolState>,
+    /// Bumped by `reset` (with the state locked); pointers of older generations free nothing.
+    generation: AtomicU64,
+    blocks: AtomicUsize,
+    queue: Arc<PendingDeallocs>,
+}
+
+impl ReleaseHook for Shared {
+    fn release(&self, base: DevicePtr, _size: usize, tag: u64) {
+        let state = lock(&self.state);
+        if self.generation.load(Ordering::Acquire) != tag {
+            return;
+        }
+        let Some(_live) = self.cx.liveness.enter() else {
+            return;
+        };
+        self.blocks.fetch_sub(1, Ordering::Relaxed);
+        // SAFETY: `base` came from `cuMemAllocFromPoolAsync` of the current pool (the
+        // generation matches, and the state lock keeps a reset from destroying the pool
+        // meanwhile); its last pointer dropped, so it is freed once and not used after; the
+        // context is alive (`_live`).
+        if let Err(e) = unsafe { self.cx.driver.mem_free_async(self.cx.context, base, STREAM) } {
+            tracing::error!(device = %self.cx.device, error = %e, ptr = %base, "cuMemFreeAsync failed; the error is returned by the next flush");
+            self.queue
+                .record_error(EmmError::driver("cuMemFreeAsync", self.cx.device, e));
+        }
+        drop(state);
+    }
+
+    fn is_live(&self, tag: u64) -> bool {
+        self.generation.load(Ordering::Acquire) == tag
+    }
+}
+
+/// The device half of the `async-pool` manager ([`AsyncPoolManager`]).
+pub struct AsyncPoolAllocator {
+    shared: Arc<Shared>,
+}
+
+/// The stream-ordered pool manager: the [`HostLayer`] over an [`AsyncPoolAllocator`].
+pub type AsyncPoolManager = HostOnly<AsyncPoolAllocator>;
+
+impl fmt::Debug for AsyncPoolAllocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AsyncPoolAllocator")
+            .field("device", &self.shared.cx.device)
+            .field("pool", &lock(&self.shared.state).pool)
+            .finish()
+    }
+}
+
+impl AsyncPoolAllocator {
+    /// The allocator for the manager whose host layer is `host`; the pool is created at the
+    /// first use.
+    pub fn new(host: &HostLayer) -> AsyncPoolAllocator {
+        AsyncPoolAllocator {
+            shared: Arc::new(Shared {
+                cx: host.context().clone(),
+                state: Mutex::new(PoolState { pool: None }),
+                generation: AtomicU64::new(0),
+                blocks: AtomicUsize::new(0),
+                queue: Arc::clone(host.deallocations()),
+            }),
+        }
+    }
+
+    /// The factory registered as `"async-pool"`.
+    pub fn factory() -> FnFactory {
+        FnFactory::new(ASYNC_POOL_MANAGER, |cx: &ManagerContext| {
+            let host = HostLayer::new(cx);
+            let device = AsyncPoolAllocator::new(&host);
+            Ok(Box::new(HostOnly::from_parts(host, device)))
+        })
+    }
+
+    fn err(&self, op: &'static str) -> impl Fn(DriverError) -> EmmError + '_ {
+        move |e| EmmError::driver(op, self.shared.cx.device, e)
+    }
+
+    /// The pool, created on first use with the release threshold at its maximum.
+    fn pool(&self, state: &mut PoolState) -> Result<MemPoolHandle, DriverError> {
+        if let Some(p) = state.pool {
+            return Ok(p);
+        }
+        let cx = &self.shared.cx;
+        let pool = cx.driver.mem_pool_create(cx.context, cx.device, false)?;
+        if let Err(e) = cx
+            .driver
+            .mem_pool_set_release_threshold(cx.context, pool, u64::MAX)
+        {
+            // SAFETY: created just above, handed to no one.
+            let _ = unsafe { cx.driver.mem_pool_destroy(cx.context, pool) };
+            return Err(e);
+        }
+        tracing::debug!(device = %cx.device, ?pool, "stream-ordered pool created");
+        state.pool = Some(pool);
+        Ok(pool)
+    }
+
+    fn stale(&self, what: &'static str) -> EmmError {
+        EmmError::Stale {
+            what,
+            device: self.shared.cx.device,
+            reason: "the device was reset",
+        }
+    }
+
+    /// Returns what the pool holds unused to the system; the bytes released.
+    pub fn trim(&self) -> Result<usize, EmmError> {
+        let cx = &self.shared.cx;
+        let _live = cx.liveness.enter().ok_or_else(|| self.stale("trim"))?;
+        let state = lock(&self.shared.state);
+        let Some(pool) = state.pool else {
+            return Ok(0);
+        };
+        let before = cx
+            .driver
+            .mem_pool_usage(cx.context, pool)
+            .map_err(self.err("trim"))?;
+        cx.driver
+            .stream_synchronize(cx.context, STREAM)
+            .map_err(self.err("trim"))?;
+        cx.driver
+            .mem_pool_trim_to(cx.context, pool, 0)
+            .map_err(self.err("trim"))?;
+        let after = cx
+            .driver
+            .mem_pool_usage(cx.context, pool)
+            .map_err(self.err("trim"))?;
+        Ok(before.reserved.saturating_sub(after.reserved) as usize)
+    }
+
+    /// What the pool holds (`None` before the first use or after the device was reset).
+    pub fn stats(&self) -> Option<PoolStats> {
+        let cx = &self.shared.cx;
+        let _live = cx.liveness.enter()?;
+        let pool = lock(&self.shared.state).pool?;
+        let usage = cx.driver.mem_pool_usage(cx.context, pool).ok()?;
+        Some(PoolStats {
+            held_bytes: usage.reserved as usize,
+            in_use_bytes: usage.used as usize,
+            in_use_blocks: self.shared.blocks.load(Ordering::Relaxed),
+            cached_bytes: usage.reserved.saturating_sub(usage.used) as usize,
+            ..PoolStats::default()
+        })
+    }
+}
+
+impl DeviceAllocator for AsyncPoolAllocator {
+    fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        if bytes == 0 {
+            return Err(EmmError::ZeroSize { what: "memalloc" });
+        }
+        let shared = &self.shared;
+        let cx = &shared.cx;
+        let (ptr, generation) =
+            host.attempt_allocation("memalloc", AllocationKind::Device, bytes, || {
+                let mut state = lock(&shared.state);
+                let pool = self.pool(&mut state)?;
+                let alloc = || {
+                    cx.driver
+                        .mem_alloc_from_pool_async(cx.context, pool, bytes, STREAM)
+                };
+                let ptr = match alloc() {
+                    Err(e) if e.kind() == ErrorKind::OutOfMemory => {
+                        tracing::warn!(device = %cx.device, bytes, "stream-ordered pool out of memory; trimming it and retrying");
+                        cx.driver.stream_synchronize(cx.context, STREAM)?;
+                        cx.driver.mem_pool_trim_to(cx.context, pool, 0)?;
+                        alloc()?
+                    }
+                    other => other?,
+                };
+                Ok((ptr, shared.generation.load(Ordering::Acquire)))
+            })?;
+        shared.blocks.fetch_add(1, Ordering::Relaxed);
+        Ok(MemoryPointer::with_hook(
+            cx.device,
+            cx.context,
+            ptr,
+            bytes,
+            Arc::clone(shared) as Arc<dyn ReleaseHook>,
+            generation,
+        ))
+    }
+
+    fn initialize(&self, host: &HostLayer) -> Result<(), EmmError> {
+        DriverAllocator.initialize(host)?;
+        let _live = self
+            .shared
+            .cx
+            .liveness
+            .enter()
+            .ok_or_else(|| self.stale("initialize"))?;
+        let mut state = lock(&self.shared.state);
+        self.pool(&mut state)
+            .map(|_| ())
+            .map_err(self.err("initialize"))
+    }
+
+    fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError> {
+        DriverAllocator.get_memory_info(host)
+    }
+
+    fn get_ipc_handle(
+        &self,
+        _host: &HostLayer,
+        _memory: &MemoryPointer,
+    ) -> Result<IpcHandle, EmmError> {
+        Err(EmmError::NotSupported {
+            operation: "get_ipc_handle",
+            manager: ASYNC_POOL_MANAGER.into(),
+            advice: "the driver does not export stream-ordered pool memory with \
+                     cuIpcGetMemHandle; use the 'default' or 'pool' manager for memory you share \
+                     between processes",
+        })
+    }
+
+    fn reset(&self, _host: &HostLayer) -> Result<(), EmmError> {
+        let cx = &self.shared.cx;
+        let mut state = lock(&self.shared.state);
+        self.shared.generation.fetch_add(1, Ordering::AcqRel);
+        self.shared.blocks.store(0, Ordering::Relaxed);
+        let Some(pool) = state.pool.take() else {
+            return Ok(());
+        };
+        let Some(_live) = cx.liveness.enter() else {
+            // The context is gone, and its pools with it.
+            return Ok(());
+        };
+        tracing::info!(device = %cx.device, ?pool, "stream-ordered pool destroyed by reset");
+        // SAFETY: the pool is this manager's, destroyed once (taken out of the state); pointers
+        // into it are stale from the generation bump on, so nothing frees or uses its memory
+        // through emm afterwards; the context is alive (`_live`).
+        unsafe { cx.driver.mem_pool_destroy(cx.context, pool) }.map_err(self.err("reset"))
+    }
+
+    fn trim(&self, _host: &HostLayer) -> Result<usize, EmmError> {
+        AsyncPoolAllocator::trim(self)
+    }
+
+    fn pool_stats(&self) -> Option<PoolStats> {
+        self.stats()
+    }
+}

@@ -1,0 +1,399 @@
+//! The pool managers, the pinned host pool and the adaptors, on the simulator.
+//!
+//! `PROPTEST_CASES` sets the number of cases of the property tests (CI: the default below).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use driver_mock::{Op, SimConfig, SimDriver};
+use emm::driver_sys::Driver;
+use emm::{
+    Adaptor, Context, EmmError, MemoryKind, MemoryPointer, PinnedPoolConfig, PoolConfig, Runtime,
+    replay,
+};
+use proptest::prelude::*;
+
+fn runtime(sim: &Arc<SimDriver>, manager: &str) -> Runtime {
+    Runtime::builder(sim.clone())
+        .ignore_env()
+        .memory_manager_name(manager)
+        .build()
+        .unwrap()
+}
+
+fn small_pool_runtime(sim: &Arc<SimDriver>, config: PoolConfig) -> Runtime {
+    Runtime::builder(sim.clone())
+        .ignore_env()
+        .memory_manager(emm::PoolAllocator::factory_with("pool", config))
+        .build()
+        .unwrap()
+}
+
+/// Every live block is disjoint from every other one, and holds what was written to it.
+fn check_disjoint_and_intact(ctx: &Context, live: &BTreeMap<u64, (MemoryPointer, u8)>) {
+    let mut end = 0u64;
+    for (&addr, (mem, fill)) in live {
+        assert!(
+            addr >= end,
+            "block at {addr:#x} overlaps the one before (ends {end:#x})"
+        );
+        assert_eq!(addr % 256, 0, "block at {addr:#x} is not 256-byte aligned");
+        end = addr + mem.size() as u64;
+        let mut back = vec![0u8; mem.size()];
+        ctx.copy_to_host(&mut back, mem).unwrap();
+        assert!(
+            back.iter().all(|b| b == fill),
+            "block at {addr:#x} was overwritten"
+        );
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    Alloc(usize),
+    Free(usize),
+    Trim,
+}
+
+fn steps() -> impl Strategy<Value = Vec<Step>> {
+    let size = prop_oneof![
+        4 => 1usize..4096,
+        2 => 4096usize..(1 << 20),
+        1 => (1usize << 20)..(6 << 20),
+    ];
+    prop::collection::vec(
+        prop_oneof![
+            6 => size.prop_map(Step::Alloc),
+            4 => any::<usize>().prop_map(Step::Free),
+            1 => Just(Step::Trim),
+        ],
+        1..80,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(
+        std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(48)
+    ))]
+
+    /// Random allocations, frees and trims: blocks never overlap, keep their bytes, the
+    /// statistics add up, and after everything is freed and trimmed the driver has it all back.
+    #[test]
+    fn pool_blocks_are_disjoint_and_memory_comes_back(steps in steps()) {
+        let sim = Arc::new(SimDriver::new(SimConfig::single(128 << 20)));
+        let config = PoolConfig { chunk_size: 8 << 20, ..PoolConfig::default() };
+        let rt = small_pool_runtime(&sim, config);
+        let ctx = rt.context(0).unwrap();
+        let baseline = ctx.get_memory_info().unwrap().free;
+        let mut live: BTreeMap<u64, (MemoryPointer, u8)> = BTreeMap::new();
+        for (n, step) in steps.iter().enumerate() {
+            match *step {
+                Step::Alloc(bytes) => match ctx.memalloc(bytes) {
+                    Ok(mem) => {
+                        let fill = n as u8;
+                        ctx.memset(&mem, fill, mem.size()).unwrap();
+                        live.insert(mem.device_ptr().0, (mem, fill));
+                    }
+                    Err(e) => prop_assert!(e.is_out_of_memory(), "{e}"),
+                },
+                Step::Free(k) if !live.is_empty() => {
+                    let key = *live.keys().nth(k % live.len()).unwrap();
+                    live.remove(&key);
+                }
+                Step::Free(_) => {}
+                Step::Trim => {
+                    ctx.trim().unwrap();
+                }
+            }
+            let stats = ctx.pool_stats().device.unwrap();
+            prop_assert_eq!(stats.in_use_blocks, live.len());
+            prop_assert!(stats.in_use_bytes <= stats.held_bytes, "{:?}", stats);
+            prop_assert!(
+                stats.in_use_bytes >= live.values().map(|(m, _)| m.size()).sum::<usize>(),
+                "{:?}", stats
+            );
+        }
+        check_disjoint_and_intact(&ctx, &live);
+        live.clear();
+        ctx.trim().unwrap();
+        let stats = ctx.pool_stats().device.unwrap();
+        prop_assert_eq!(stats.held_bytes, 0, "{:?}", stats);
+        prop_assert_eq!(ctx.get_memory_info().unwrap().free, baseline);
+        prop_assert!(sim.calls().iter().all(|c| c.op != Op::MemFree || c.outcome.is_ok()));
+    }
+}
+
+#[test]
+fn pool_reuses_blocks_without_driver_calls() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime(&sim, "pool");
+    let ctx = rt.context(0).unwrap();
+    drop(ctx.memalloc(1000).unwrap());
+    let calls = sim.calls().len();
+    for _ in 0..1000 {
+        let a = ctx.memalloc(1000).unwrap();
+        let b = ctx.memalloc(3 << 20).unwrap();
+        drop((a, b));
+    }
+    let allocs = sim.calls()[calls..]
+        .iter()
+        .filter(|c| c.op == Op::MemAlloc)
+        .count();
+    assert!(
+        allocs <= 1,
+        "{allocs} driver allocations for 2000 cached requests"
+    );
+    assert_eq!(
+        sim.calls()[calls..]
+            .iter()
+            .filter(|c| c.op == Op::MemFree)
+            .count(),
+        0
+    );
+}
+
+/// Out of memory: the pool gives back its unused chunks and retries.
+#[test]
+fn pool_trims_itself_when_the_driver_runs_out() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(64 << 20)));
+    let config = PoolConfig {
+        chunk_size: 16 << 20,
+        ..PoolConfig::default()
+    };
+    let rt = small_pool_runtime(&sim, config);
+    let ctx = rt.context(0).unwrap();
+    // Fill the device with small blocks in 16 MiB chunks, then free them all (cached).
+    let blocks: Vec<_> = (0..200).map(|_| ctx.memalloc(256 << 10).unwrap()).collect();
+    drop(blocks);
+    let held = ctx.pool_stats().device.unwrap().held_bytes;
+    assert!(held >= 48 << 20, "held {held}");
+    // A large request needs those chunks back.
+    let big = ctx.memalloc(40 << 20).unwrap();
+    let stats = ctx.pool_stats().device.unwrap();
+    assert!(stats.trimmed_bytes > 0, "{stats:?}");
+    drop(big);
+    // Beyond the device, a clear out-of-memory error.
+    let err = ctx.memalloc(100 << 20).unwrap_err();
+    assert!(matches!(err, EmmError::OutOfMemory { .. }), "{err:?}");
+}
+
+/// An IPC handle of a pool block names the chunk, with the block's offset.
+#[test]
+fn pool_ipc_handles_carry_the_offset_in_the_chunk() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime(&sim, "pool");
+    let ctx = rt.context(0).unwrap();
+    let _first = ctx.memalloc(5000).unwrap();
+    let mem = ctx.to_device(&[7u8; 3000]).unwrap();
+    let (base, size) = sim
+        .mem_get_address_range(ctx.handle(), mem.device_ptr())
+        .unwrap();
+    let base = base.0;
+    assert!(base < mem.device_ptr().0, "the block is inside a chunk");
+    let handle = ctx.get_ipc_handle(&mem).unwrap();
+    assert_eq!(handle.offset() as u64, mem.device_ptr().0 - base);
+    assert_eq!(handle.size(), 3000);
+    assert!(size >= 64 << 20);
+    // Another process maps the chunk and sees the block's bytes.
+    let other = Arc::new(sim.spawn_process());
+    let rt2 = Runtime::builder(other.clone())
+        .ignore_env()
+        .build()
+        .unwrap();
+    let ctx2 = rt2.context(0).unwrap();
+    let opened = emm::IpcHandle::from_bytes(&handle.to_bytes()).unwrap();
+    let mapped = opened.open(&rt2, &ctx2).unwrap();
+    let mut back = vec![0u8; 3000];
+    ctx2.copy_to_host(&mut back, &mapped).unwrap();
+    assert!(back.iter().all(|&b| b == 7));
+    opened.close().unwrap();
+}
+
+#[test]
+fn pool_reset_frees_every_chunk_and_old_pointers_stay_stale() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime(&sim, "pool");
+    let ctx = rt.context(0).unwrap();
+    let baseline = ctx.get_memory_info().unwrap().free;
+    let a = ctx.memalloc(100).unwrap();
+    let b = ctx.memalloc(8 << 20).unwrap();
+    ctx.reset().unwrap();
+    assert!(!a.is_live() && !b.is_live());
+    assert_eq!(ctx.get_memory_info().unwrap().free, baseline);
+    assert_eq!(ctx.pool_stats().device.unwrap().held_bytes, 0);
+    drop((a, b));
+    let c = ctx.memalloc(100).unwrap();
+    assert!(c.is_live());
+    assert_eq!(ctx.pool_stats().device.unwrap().in_use_blocks, 1);
+}
+
+/// Threads allocate and free at once; no block is handed out twice.
+#[test]
+fn pool_is_safe_across_threads() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime(&sim, "pool");
+    let ctx = rt.context(0).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..8u8 {
+            let ctx = ctx.clone();
+            s.spawn(move || {
+                let mut mine = Vec::new();
+                for i in 0..300usize {
+                    let mem = ctx
+                        .memalloc(256 + (i * 97 + t as usize * 13) % 8000)
+                        .unwrap();
+                    ctx.memset(&mem, t, mem.size()).unwrap();
+                    mine.push(mem);
+                    if i % 3 == 0 {
+                        mine.swap_remove(i % mine.len());
+                    }
+                }
+                for mem in &mine {
+                    let mut back = vec![0u8; mem.size()];
+                    ctx.copy_to_host(&mut back, mem).unwrap();
+                    assert!(
+                        back.iter().all(|&b| b == t),
+                        "thread {t}: a block was shared"
+                    );
+                }
+            });
+        }
+    });
+    assert_eq!(ctx.pool_stats().device.unwrap().in_use_blocks, 0);
+    ctx.trim().unwrap();
+    assert_eq!(ctx.pool_stats().device.unwrap().held_bytes, 0);
+    assert!(sim.leak_report().no_memory_leaked() || rt.contexts().len() == 1);
+}
+
+#[test]
+fn async_pool_caches_frees_and_trims_on_request() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime(&sim, "async-pool");
+    let ctx = rt.context(0).unwrap();
+    let baseline = ctx.get_memory_info().unwrap().free;
+    let mem = ctx.to_device(&[3u8; 1 << 20]).unwrap();
+    let first = mem.device_ptr();
+    drop(mem);
+    assert_eq!(sim.count(Op::MemFreeAsync), 1);
+    let again = ctx.memalloc(1 << 20).unwrap();
+    assert_eq!(again.device_ptr(), first, "the freed block is reused");
+    drop(again);
+    let stats = ctx.pool_stats().device.unwrap();
+    assert_eq!(stats.in_use_bytes, 0);
+    assert!(stats.held_bytes >= 1 << 20, "{stats:?}");
+    assert!(ctx.trim().unwrap() >= 1 << 20);
+    assert_eq!(ctx.get_memory_info().unwrap().free, baseline);
+    let err = ctx.get_ipc_handle(&ctx.memalloc(64).unwrap()).unwrap_err();
+    assert!(matches!(err, EmmError::NotSupported { .. }), "{err:?}");
+    assert!(err.to_string().contains("cuIpcGetMemHandle"), "{err}");
+    let live = ctx.memalloc(4096).unwrap();
+    ctx.reset().unwrap();
+    assert!(!live.is_live());
+    assert_eq!(sim.count(Op::MemPoolDestroy), 1);
+    drop(live);
+    assert_eq!(ctx.get_memory_info().unwrap().free, baseline);
+}
+
+#[test]
+fn pinned_host_pool_reuses_blocks_and_trims() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = Runtime::builder(sim.clone())
+        .ignore_env()
+        .pinned_host_pool(Some(PinnedPoolConfig::default()))
+        .build()
+        .unwrap();
+    let ctx = rt.context(0).unwrap();
+    drop(ctx.memhostalloc(4000, false, false, false).unwrap());
+    drop(ctx.memhostalloc(4000, true, false, false).unwrap());
+    let host_allocs = sim.count(Op::MemHostAlloc);
+    for _ in 0..100 {
+        let p = ctx.memhostalloc(3900, false, false, false).unwrap();
+        p.write(0, &[1, 2, 3]).unwrap();
+        let m = ctx.memhostalloc(4000, true, false, false).unwrap();
+        drop((p, m));
+    }
+    assert_eq!(
+        sim.count(Op::MemHostAlloc),
+        host_allocs,
+        "cached blocks are reused"
+    );
+    let stats = ctx.pool_stats().pinned_host.unwrap();
+    assert_eq!(stats.in_use_blocks, 0);
+    assert!(ctx.trim().unwrap() >= 8000);
+    assert_eq!(ctx.pool_stats().pinned_host.unwrap().held_bytes, 0);
+    assert_eq!(sim.count(Op::MemFreeHost), 2);
+}
+
+/// The log adaptor writes RMM's columns; the log replays on a fresh simulator under another
+/// manager, with the same allocations.
+#[test]
+fn a_logged_run_replays() {
+    let dir = std::env::temp_dir().join(format!("emm-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("run.csv");
+    {
+        let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+        let rt = Runtime::builder(sim.clone())
+            .ignore_env()
+            .adaptors(vec![Adaptor::Log(path.clone()), Adaptor::Stats])
+            .build()
+            .unwrap();
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.memalloc(1000).unwrap();
+        let b = ctx.memalloc(5 << 20).unwrap();
+        let h = ctx.memhostalloc(4096, true, false, false).unwrap();
+        drop(a);
+        let c = ctx.memalloc(2000).unwrap();
+        drop((b, c, h));
+        let usage = ctx.usage().unwrap();
+        assert_eq!(usage.device.total_count, 3);
+        assert_eq!(usage.device.peak_count, 2);
+        assert_eq!(usage.of(MemoryKind::Mapped).total_count, 1);
+        assert_eq!(usage.device.current_bytes, 0);
+    }
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some(emm::LOG_HEADER));
+    assert_eq!(text.lines().count(), 1 + 8, "{text}");
+    let events = replay::parse_log(&text).unwrap();
+    assert_eq!(events.len(), 8);
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime(&sim, "pool");
+    let report = replay::replay(&rt.context(0).unwrap(), &events);
+    assert_eq!(
+        (report.allocations, report.frees, report.failures),
+        (4, 4, 0),
+        "{report:?}"
+    );
+    assert_eq!(report.peak_live, 3);
+    // RMM's own six columns replay too.
+    let rmm = "Thread,Time,Action,Pointer,Size,Stream\n1,0.1,allocate,0x10,256,0\n1,0.2,free,0x10,256,0\n";
+    let events = replay::parse_log(rmm).unwrap();
+    assert_eq!(events.len(), 2);
+    let bad = replay::parse_log("1,0.1,reserve,0x10,256,0").unwrap_err();
+    assert!(bad.to_string().contains("unknown action"), "{bad}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A refused allocation does not count against the limit; a freed one gives its bytes back.
+#[test]
+fn the_limit_adaptor_caps_device_bytes() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = Runtime::builder(sim.clone())
+        .ignore_env()
+        .memory_manager_name("pool")
+        .adaptors(vec![Adaptor::Limit(10 << 20), Adaptor::Trace])
+        .build()
+        .unwrap();
+    let ctx = rt.context(0).unwrap();
+    let a = ctx.memalloc(6 << 20).unwrap();
+    let err = ctx.memalloc(6 << 20).unwrap_err();
+    assert!(
+        matches!(err, EmmError::OverLimit { would_be, limit, .. } if would_be == 12 << 20 && limit == 10 << 20),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("raise the limit"), "{err}");
+    drop(a);
+    let b = ctx.memalloc(10 << 20).unwrap();
+    assert!(b.is_live());
+}
