@@ -104,12 +104,15 @@ fn gpu_bundle(dir: &Path) -> Result<(), String> {
             if stripped { "" } else { " (not stripped)" }
         ));
     }
-    let script = dir.join("run-gpu.sh");
-    std::fs::copy(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("gpu/run-gpu.sh"),
-        &script,
-    )
-    .map_err(|e| format!("copying run-gpu.sh: {e}"))?;
+    for script in ["run-gpu.sh", "bench-gpu.sh", "bench_peers.py"] {
+        std::fs::copy(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("gpu")
+                .join(script),
+            dir.join(script),
+        )
+        .map_err(|e| format!("copying {script}: {e}"))?;
+    }
     if !copied.iter().any(|c| c.starts_with("suite")) {
         return Err("the integration suite binary was not built".into());
     }

@@ -1708,12 +1708,14 @@ impl Driver for SimDriver {
                 if bytes == 0 || p.device != i {
                     return Err(code::INVALID_VALUE);
                 }
-                // Best fit among the blocks this stream may reuse.
+                // Best fit among the blocks this stream may reuse. The driver splits blocks; the
+                // simulator reuses whole ones, so it takes none much larger than the request.
+                let fits = |size: usize| size >= bytes && size <= (2 * bytes).max(PAGE_SIZE);
                 let found = p
                     .free
                     .iter()
                     .enumerate()
-                    .filter(|(_, b)| b.size >= bytes && (b.ready || b.stream == stream.0))
+                    .filter(|(_, b)| fits(b.size) && (b.ready || b.stream == stream.0))
                     .min_by_key(|(_, b)| b.size)
                     .map(|(k, _)| k);
                 if let Some(k) = found {

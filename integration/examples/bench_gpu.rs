@@ -1,0 +1,439 @@
+//! The GPU benchmark: in one process, times the raw driver (`cuMemAlloc`, the driver's default
+//! stream-ordered pool, `cuMemHostAlloc`, copies) and every emm manager on the same sizes and
+//! workloads, and prints one CSV line per measurement (`section,subject,param,threads,value,unit`)
+//! followed by nothing else; `BENCHMARKS.md` is made from that output.
+//!
+//! ```text
+//! cargo run --release -p integration --example bench_gpu            # GPU (or the simulator)
+//! EMM_DRIVER=sim cargo run --release -p integration --example bench_gpu
+//! EMM_BENCH_QUICK=1 ...                                             # fewer iterations
+//! ```
+//!
+//! Figures are medians of 5 batches; each batch times many operations and divides. On the
+//! simulator the numbers are bookkeeping plus the simulator's own cost, not GPU figures.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use emm::driver_sys::{Driver, StreamHandle};
+use emm::{Adaptor, Context, PinnedPoolConfig, Runtime, replay};
+
+const MANAGERS: [&str; 3] = ["default", "pool", "async-pool"];
+
+fn quick() -> bool {
+    std::env::var("EMM_BENCH_QUICK").is_ok_and(|v| v == "1")
+}
+
+fn out(
+    section: &str,
+    subject: &str,
+    param: impl std::fmt::Display,
+    threads: usize,
+    value: f64,
+    unit: &str,
+) {
+    println!("{section},{subject},{param},{threads},{value:.3},{unit}");
+}
+
+/// Median over 5 batches of the time per operation, in nanoseconds.
+fn per_op(iters: usize, mut batch: impl FnMut(usize)) -> f64 {
+    batch(iters.div_ceil(10).max(1)); // warm up
+    let mut samples: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            batch(iters);
+            t.elapsed().as_nanos() as f64 / iters as f64
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    samples[2]
+}
+
+fn runtime(
+    driver: &Arc<dyn Driver>,
+    manager: &str,
+    pinned: bool,
+    adaptors: Vec<Adaptor>,
+) -> Runtime {
+    Runtime::builder(Arc::clone(driver))
+        .ignore_env()
+        .memory_manager_name(manager)
+        .pinned_host_pool(pinned.then(PinnedPoolConfig::default))
+        .adaptors(adaptors)
+        .build()
+        .expect("runtime")
+}
+
+fn iters_for(size: usize, cheap: bool) -> usize {
+    let base = if cheap { 20_000 } else { 200 };
+    let scaled = if size >= 256 << 20 { base / 20 } else { base };
+    if quick() {
+        (scaled / 10).max(2)
+    } else {
+        scaled.max(4)
+    }
+}
+
+/// The device's total memory, read once by `main` (sizes and caps stay within it, so the
+/// same binary runs on the simulator's small devices).
+static TOTAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+fn sizes() -> Vec<usize> {
+    let total = *TOTAL.get().expect("set by main");
+    [
+        256,
+        4 << 10,
+        64 << 10,
+        1 << 20,
+        16 << 20,
+        256 << 20,
+        1 << 30,
+    ]
+    .into_iter()
+    .filter(|&s| s <= total / 4)
+    .collect()
+}
+
+/// Alloc + free pairs per size: raw driver, driver pool, every manager.
+fn alloc_free_pairs(driver: &Arc<dyn Driver>) {
+    let probe = runtime(driver, "default", false, vec![]);
+    let ctx = probe.context(0).expect("context");
+    let h = ctx.handle();
+    let pool = driver
+        .device_default_mem_pool(0.into())
+        .expect("default pool");
+    driver
+        .mem_pool_set_release_threshold(h, pool, u64::MAX)
+        .expect("release threshold");
+    let stream = StreamHandle(0);
+    for size in sizes() {
+        let ns = per_op(iters_for(size, false), |n| {
+            for _ in 0..n {
+                let p = driver.mem_alloc(h, size).expect("cuMemAlloc");
+                // SAFETY: allocated just above, unused, freed once.
+                unsafe { driver.mem_free(h, p) }.expect("cuMemFree");
+            }
+        });
+        out("pair", "cuMemAlloc", size, 1, ns, "ns");
+        let ns = per_op(iters_for(size, true), |n| {
+            for _ in 0..n {
+                let p = driver
+                    .mem_alloc_from_pool_async(h, pool, size, stream)
+                    .expect("cuMemAllocAsync");
+                // SAFETY: allocated just above on the same stream, unused, freed once.
+                unsafe { driver.mem_free_async(h, p, stream) }.expect("cuMemFreeAsync");
+            }
+        });
+        out("pair", "driver-pool", size, 1, ns, "ns");
+    }
+    driver.stream_synchronize(h, stream).expect("sync");
+    driver.mem_pool_trim_to(h, pool, 0).expect("trim");
+    drop(ctx);
+    drop(probe);
+    for manager in MANAGERS {
+        let rt = runtime(driver, manager, false, vec![]);
+        let ctx = rt.context(0).expect("context");
+        for size in sizes() {
+            let cheap = manager != "default";
+            let ns = per_op(iters_for(size, cheap), |n| {
+                for _ in 0..n {
+                    drop(ctx.memalloc(size).expect("memalloc"));
+                }
+            });
+            out("pair", manager, size, 1, ns, "ns");
+        }
+        ctx.trim().expect("trim");
+    }
+}
+
+/// Aggregate throughput of small alloc + free pairs on 1 to 16 threads.
+fn scaling(driver: &Arc<dyn Driver>) {
+    for manager in ["pool", "async-pool"] {
+        let rt = runtime(driver, manager, false, vec![]);
+        let ctx = rt.context(0).expect("context");
+        let per_thread = if quick() { 20_000 } else { 200_000 };
+        for threads in [1usize, 2, 4, 8, 16] {
+            let mut best = 0f64;
+            for _ in 0..3 {
+                let start = Instant::now();
+                std::thread::scope(|s| {
+                    for t in 0..threads {
+                        let ctx = ctx.clone();
+                        s.spawn(move || {
+                            let mut held = Vec::with_capacity(8);
+                            for i in 0..per_thread {
+                                let size = 256 << ((i + t) % 8);
+                                held.push(ctx.memalloc(size).expect("memalloc"));
+                                if held.len() == 8 {
+                                    held.clear();
+                                }
+                            }
+                        });
+                    }
+                });
+                let ops = (threads * per_thread) as f64 / start.elapsed().as_secs_f64();
+                best = best.max(ops);
+            }
+            out(
+                "threads",
+                manager,
+                "256B-32KiB",
+                threads,
+                best / 1e6,
+                "Mpairs/s",
+            );
+        }
+        ctx.trim().expect("trim");
+    }
+}
+
+/// RMM's random allocations: each step allocates with probability 0.73 (a size uniform in
+/// 1 ..= max), otherwise frees a random live block; a cap on live bytes turns an allocation
+/// into a free.
+fn random_workload(driver: &Arc<dyn Driver>, log_dir: Option<&std::path::Path>) {
+    let cap: usize = (16_000usize << 20).min(*TOTAL.get().expect("set by main") / 2);
+    let counts: &[usize] = if quick() {
+        &[1_000, 10_000]
+    } else {
+        &[10_000, 100_000]
+    };
+    for max_mib in [1usize, 64, 256]
+        .into_iter()
+        .filter(|m| (m << 20) <= cap / 8)
+    {
+        for &n in counts {
+            for manager in MANAGERS {
+                if manager == "default" && n > 10_000 {
+                    continue; // a driver call per op; the 10 000 case shows its cost.
+                }
+                let log = (manager == "pool" && n == counts[0] && max_mib == 1)
+                    .then(|| log_dir.map(|d| d.join("random.csv")))
+                    .flatten();
+                let adaptors = log.iter().map(|p| Adaptor::Log(p.clone())).collect();
+                let rt = runtime(driver, manager, false, adaptors);
+                let ctx = rt.context(0).expect("context");
+                let (ns, peak) = run_random(&ctx, n, max_mib << 20, cap);
+                let subject = if log.is_some() { "pool+log" } else { manager };
+                out(
+                    "random",
+                    subject,
+                    format!("n={n} max={max_mib}MiB"),
+                    1,
+                    ns,
+                    "ns/op",
+                );
+                out(
+                    "random-peak-live",
+                    subject,
+                    format!("n={n} max={max_mib}MiB"),
+                    1,
+                    peak as f64,
+                    "blocks",
+                );
+                ctx.trim().expect("trim");
+            }
+        }
+    }
+}
+
+fn run_random(ctx: &Context, n: usize, max: usize, cap: usize) -> (f64, usize) {
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut live: Vec<emm::MemoryPointer> = Vec::new();
+    let mut bytes = 0usize;
+    let mut peak = 0;
+    let start = Instant::now();
+    let mut ops = 0usize;
+    let mut allocs = 0usize;
+    while allocs < n {
+        let alloc = (next() % 100) < 73 || live.is_empty();
+        let size = (next() as usize % max) + 1;
+        if alloc && bytes + size <= cap {
+            match ctx.memalloc(size) {
+                Ok(m) => {
+                    bytes += size;
+                    live.push(m);
+                    peak = peak.max(live.len());
+                }
+                Err(e) => panic!("random workload: {e}"),
+            }
+            allocs += 1;
+        } else if !live.is_empty() {
+            let k = next() as usize % live.len();
+            bytes -= live.swap_remove(k).size();
+        }
+        ops += 1;
+    }
+    ops += live.len();
+    drop(live);
+    (start.elapsed().as_nanos() as f64 / ops as f64, peak)
+}
+
+/// Replays the log recorded by the random workload under every manager.
+fn replays(driver: &Arc<dyn Driver>, log_dir: &std::path::Path) {
+    let Ok(text) = std::fs::read_to_string(log_dir.join("random.csv")) else {
+        return;
+    };
+    let events = replay::parse_log(&text).expect("the recorded log parses");
+    for manager in MANAGERS {
+        let rt = runtime(driver, manager, false, vec![]);
+        let ctx = rt.context(0).expect("context");
+        let report = replay::replay(&ctx, &events);
+        assert_eq!(report.failures, 0, "{manager}: {report:?}");
+        let ns = report.elapsed.as_nanos() as f64 / events.len() as f64;
+        out(
+            "replay",
+            manager,
+            format!("{} events", events.len()),
+            1,
+            ns,
+            "ns/event",
+        );
+        ctx.trim().expect("trim");
+    }
+}
+
+/// Pinned host memory: raw `cuMemHostAlloc` + `cuMemFreeHost` against the pinned host pool.
+fn pinned(driver: &Arc<dyn Driver>) {
+    let rt = runtime(driver, "default", true, vec![]);
+    let ctx = rt.context(0).expect("context");
+    let h = ctx.handle();
+    for size in [4usize << 10, 1 << 20, 64 << 20]
+        .into_iter()
+        .filter(|&s| quick() || s <= 64 << 20)
+    {
+        let iters = if size >= 64 << 20 { 4 } else { 40 };
+        let ns = per_op(if quick() { 4 } else { iters }, |n| {
+            for _ in 0..n {
+                let p = driver.mem_host_alloc(h, size, 0).expect("cuMemHostAlloc");
+                // SAFETY: allocated just above, unused, freed once.
+                unsafe { driver.mem_free_host(h, p) }.expect("cuMemFreeHost");
+            }
+        });
+        out("pinned", "cuMemHostAlloc", size, 1, ns, "ns");
+        let ns = per_op(if quick() { 10_000 } else { 200_000 }, |n| {
+            for _ in 0..n {
+                drop(
+                    ctx.memhostalloc(size, false, false, false)
+                        .expect("memhostalloc"),
+                );
+            }
+        });
+        out("pinned", "pinned-pool", size, 1, ns, "ns");
+    }
+    ctx.trim().expect("trim");
+}
+
+/// Copy bandwidth, host to device: pinned (the pinned pool's memory) against pageable, through
+/// emm and through the raw driver; device to device likewise.
+fn copies(driver: &Arc<dyn Driver>) {
+    let rt = runtime(driver, "pool", true, vec![]);
+    let ctx = rt.context(0).expect("context");
+    let h = ctx.handle();
+    let max = if quick() { 64 << 20 } else { 1 << 30 }.min(*TOTAL.get().expect("set by main") / 8);
+    let mut size = 1usize << 10;
+    while size <= max {
+        let dev = ctx.memalloc(size).expect("memalloc");
+        let dev2 = ctx.memalloc(size).expect("memalloc");
+        let pinned = ctx.memhostalloc(size, false, false, false).expect("pinned");
+        let pageable = vec![1u8; size];
+        let iters = ((1usize << 30) / size).clamp(3, 2000) / if quick() { 10 } else { 1 };
+        let iters = iters.max(3);
+        let gbs = |ns: f64| size as f64 / ns;
+        let ns = per_op(iters, |n| {
+            for _ in 0..n {
+                ctx.copy_pinned_to_device(&dev, &pinned, size)
+                    .expect("copy");
+            }
+        });
+        out("copy-htod", "emm pinned", size, 1, gbs(ns), "GB/s");
+        let ns = per_op(iters, |n| {
+            for _ in 0..n {
+                // SAFETY: `pinned` is live host memory of `size` bytes; `dev` is live device
+                // memory of `size` bytes; nothing else uses either during the copy.
+                unsafe {
+                    driver.memcpy_htod(
+                        h,
+                        dev.device_ptr(),
+                        std::slice::from_raw_parts(pinned.host_ptr().0 as *const u8, size),
+                    )
+                }
+                .expect("cuMemcpyHtoD");
+            }
+        });
+        out("copy-htod", "raw pinned", size, 1, gbs(ns), "GB/s");
+        let ns = per_op(iters, |n| {
+            for _ in 0..n {
+                ctx.copy_to_device(&dev, &pageable).expect("copy");
+            }
+        });
+        out("copy-htod", "emm pageable", size, 1, gbs(ns), "GB/s");
+        let ns = per_op(iters, |n| {
+            for _ in 0..n {
+                ctx.copy_device(&dev2, &dev, size).expect("copy");
+            }
+        });
+        out("copy-dtod", "emm", size, 1, gbs(ns), "GB/s");
+        let ns = per_op(iters, |n| {
+            for _ in 0..n {
+                // SAFETY: both are live device allocations of `size` bytes that do not overlap.
+                unsafe { driver.memcpy_dtod(h, dev2.device_ptr(), dev.device_ptr(), size) }
+                    .expect("cuMemcpyDtoD");
+            }
+        });
+        out("copy-dtod", "raw", size, 1, gbs(ns), "GB/s");
+        size *= 8;
+    }
+    ctx.trim().expect("trim");
+}
+
+fn main() {
+    let choice = match integration::driver_from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    eprintln!(
+        "bench_gpu: driver {} ({})",
+        choice.driver.name(),
+        choice.reason
+    );
+    let driver = choice.driver;
+    let probe = runtime(&driver, "default", false, vec![]);
+    let total = probe
+        .context(0)
+        .and_then(|c| c.get_memory_info())
+        .expect("device memory info")
+        .total;
+    drop(probe);
+    TOTAL.set(total).expect("set once");
+    let log_dir = std::env::var_os("EMM_BENCH_DIR").map(std::path::PathBuf::from);
+    println!("section,subject,param,threads,value,unit");
+    let only = std::env::var("EMM_BENCH_ONLY").unwrap_or_default();
+    let want = |s: &str| only.is_empty() || only.split(',').any(|o| o == s);
+    if want("pair") {
+        alloc_free_pairs(&driver);
+    }
+    if want("threads") {
+        scaling(&driver);
+    }
+    if want("random") {
+        random_workload(&driver, log_dir.as_deref());
+        if let Some(dir) = &log_dir {
+            replays(&driver, dir);
+        }
+    }
+    if want("pinned") {
+        pinned(&driver);
+    }
+    if want("copy") {
+        copies(&driver);
+    }
+}
