@@ -585,6 +585,9 @@ struct FreeBlock {
 struct SimPool {
     device: usize,
     is_default: bool,
+    /// Destroyed while allocations were outstanding: measured on the H200, the driver
+    /// releases the pool's memory only once they are freed.
+    destroyed: bool,
     threshold: u64,
     reserved: usize,
     used: usize,
@@ -597,6 +600,7 @@ impl SimPool {
         SimPool {
             device,
             is_default,
+            destroyed: false,
             threshold: 0,
             reserved: 0,
             used: 0,
@@ -1614,14 +1618,18 @@ impl Driver for SimDriver {
             Box::new(move |w, pid, note| {
                 context(w, pid, ctx, note)?;
                 match w.processes[pid].pools.get(&pool.0) {
-                    Some(p) if !p.is_default => {}
+                    Some(p) if !p.is_default && !p.destroyed => {}
                     _ => return Err(code::INVALID_VALUE),
                 }
-                let p = w.processes[pid].pools.remove(&pool.0).expect("checked");
-                // The driver releases a destroyed pool's memory once nothing uses it; the
-                // simulator releases it at once.
-                for addr in p.live.keys().chain(p.free.iter().map(|b| &b.addr)) {
-                    let _ = w.free_device(pid, *addr);
+                let mut p = w.processes[pid].pools.remove(&pool.0).expect("checked");
+                for b in std::mem::take(&mut p.free) {
+                    let _ = w.free_device(pid, b.addr);
+                }
+                // The driver releases the memory of allocations still outstanding only when
+                // they are freed (cuMemFreeAsync); until then the pool lingers, destroyed.
+                if !p.live.is_empty() {
+                    p.destroyed = true;
+                    w.processes[pid].pools.insert(pool.0, p);
                 }
                 Ok(())
             }),
@@ -1763,6 +1771,16 @@ impl Driver for SimDriver {
                 let size = p.live.remove(&ptr.0).expect("found");
                 note.bytes = Some(size);
                 p.used -= size;
+                if p.destroyed {
+                    let gone = p.live.is_empty();
+                    w.free_device(pid, ptr.0)?;
+                    if gone {
+                        w.processes[pid]
+                            .pools
+                            .retain(|_, p| !(p.destroyed && p.live.is_empty()));
+                    }
+                    return Ok(());
+                }
                 p.free.push(FreeBlock {
                     addr: ptr.0,
                     size,

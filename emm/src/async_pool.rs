@@ -41,6 +41,9 @@ const STREAM: StreamHandle = StreamHandle(0);
 /// The pool and the generation it belongs to.
 struct PoolState {
     pool: Option<MemPoolHandle>,
+    /// Allocations not freed yet: a reset frees them before it destroys the pool, because the
+    /// driver releases a destroyed pool's memory only once its allocations are freed.
+    live: std::collections::HashSet<u64>,
 }
 
 struct Shared {
@@ -54,8 +57,8 @@ struct Shared {
 
 impl ReleaseHook for Shared {
     fn release(&self, base: DevicePtr, _size: usize, tag: u64) {
-        let state = lock(&self.state);
-        if self.generation.load(Ordering::Acquire) != tag {
+        let mut state = lock(&self.state);
+        if self.generation.load(Ordering::Acquire) != tag || !state.live.remove(&base.0) {
             return;
         }
         let Some(_live) = self.cx.liveness.enter() else {
@@ -103,7 +106,10 @@ impl AsyncPoolAllocator {
         AsyncPoolAllocator {
             shared: Arc::new(Shared {
                 cx: host.context().clone(),
-                state: Mutex::new(PoolState { pool: None }),
+                state: Mutex::new(PoolState {
+                    pool: None,
+                    live: std::collections::HashSet::new(),
+                }),
                 generation: AtomicU64::new(0),
                 blocks: AtomicUsize::new(0),
                 queue: Arc::clone(host.deallocations()),
@@ -217,6 +223,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
                     }
                     other => other?,
                 };
+                state.live.insert(ptr.0);
                 Ok((ptr, shared.generation.load(Ordering::Acquire)))
             })?;
         shared.blocks.fetch_add(1, Ordering::Relaxed);
@@ -267,6 +274,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
         let mut state = lock(&self.shared.state);
         self.shared.generation.fetch_add(1, Ordering::AcqRel);
         self.shared.blocks.store(0, Ordering::Relaxed);
+        let live = std::mem::take(&mut state.live);
         let Some(pool) = state.pool.take() else {
             return Ok(());
         };
@@ -274,11 +282,24 @@ impl DeviceAllocator for AsyncPoolAllocator {
             // The context is gone, and its pools with it.
             return Ok(());
         };
-        tracing::info!(device = %cx.device, ?pool, "stream-ordered pool destroyed by reset");
-        // SAFETY: the pool is this manager's, destroyed once (taken out of the state); pointers
-        // into it are stale from the generation bump on, so nothing frees or uses its memory
-        // through emm afterwards; the context is alive (`_live`).
-        unsafe { cx.driver.mem_pool_destroy(cx.context, pool) }.map_err(self.err("reset"))
+        tracing::info!(device = %cx.device, ?pool, outstanding = live.len(), "stream-ordered pool destroyed by reset");
+        let mut first_error = None;
+        for ptr in live {
+            // SAFETY: `ptr` came from this pool and was not freed (it was in `live`); pointers
+            // to it are stale from the generation bump on, so emm neither uses nor frees it
+            // again; the context is alive (`_live`).
+            if let Err(e) = unsafe { cx.driver.mem_free_async(cx.context, DevicePtr(ptr), STREAM) }
+            {
+                first_error.get_or_insert(e);
+            }
+        }
+        // SAFETY: the pool is this manager's, destroyed once (taken out of the state); its
+        // allocations were all freed above; the context is alive (`_live`).
+        let destroyed = unsafe { cx.driver.mem_pool_destroy(cx.context, pool) };
+        match first_error {
+            Some(e) => Err(EmmError::driver("reset", cx.device, e)),
+            None => destroyed.map_err(self.err("reset")),
+        }
     }
 
     fn trim(&self, _host: &HostLayer) -> Result<usize, EmmError> {

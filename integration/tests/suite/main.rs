@@ -218,7 +218,7 @@ fn main() {
         );
         if default_only_ignored {
             eprintln!(
-                "note: {} tests per target are ignored: they count the default manager's deferred cuMemFree calls, which '{}' does not make ({})",
+                "note: {} tests per target are not applicable: they count the default manager's deferred cuMemFree calls, which '{}' does not make ({})",
                 DEFAULT_ONLY.len(),
                 setup.manager,
                 DEFAULT_ONLY.join(", ")
@@ -226,7 +226,7 @@ fn main() {
         }
         if ipc_ignored {
             eprintln!(
-                "note: {} tests per target are ignored: '{}' does not export memory with cuIpcGetMemHandle ({})",
+                "note: {} tests per target are not applicable: '{}' does not export memory with cuIpcGetMemHandle ({})",
                 IPC_EXPORT.len(),
                 setup.manager,
                 IPC_EXPORT.join(", ")
@@ -234,6 +234,7 @@ fn main() {
         }
     }
     let mut trials = Vec::new();
+    let mut manager_ignored = 0usize;
     for &target in &targets {
         let cuda_missing = match target {
             Target::Sim => None,
@@ -288,6 +289,9 @@ fn main() {
                 test(target)
             });
             let not_this_manager = ipc_ignored && IPC_EXPORT.contains(&name);
+            if not_this_manager && cuda_missing.is_none() && few_gpus.is_none() {
+                manager_ignored += 1;
+            }
             trials.push(trial.with_ignored_flag(
                 cuda_missing.is_some() || few_gpus.is_some() || not_this_manager,
             ));
@@ -300,8 +304,19 @@ fn main() {
             });
             let not_this_manager = (default_only_ignored && DEFAULT_ONLY.contains(&name))
                 || (ipc_ignored && IPC_EXPORT.contains(&name));
+            if not_this_manager && cuda_missing.is_none() {
+                manager_ignored += 1;
+            }
             trials.push(trial.with_ignored_flag(cuda_missing.is_some() || not_this_manager));
         }
+    }
+    if manager_ignored > 0 && !args.list {
+        // The GPU job reads this line: these are the only ignored tests it allows besides
+        // the announced multi-device skips.
+        eprintln!(
+            "note: {manager_ignored} tests are ignored under the memory manager {} (the reasons are above)",
+            setup.describe()
+        );
     }
     libtest_mimic::run(&args, trials).exit();
 }
