@@ -28,7 +28,7 @@ run() {
         # turns the first into a failure).
         ignored=$(sed -nE 's/.*; ([0-9]+) ignored;.*/\1/p' <<<"$result")
         allowed=0
-        for n in $(grep -oE 'the [0-9]+ multi-device CUDA tests are skipped|^note: [0-9]+ tests are ignored under the memory manager' "$out" | grep -oE '[0-9]+'); do
+        for n in $(grep -oE 'the [0-9]+ multi-device CUDA tests are skipped|^note: [0-9]+ cuda tests are ignored under the memory manager' "$out" | grep -oE '[0-9]+'); do
             allowed=$((allowed + n))
         done
         if [ "${ignored:-1}" != "${allowed:-0}" ]; then

@@ -314,6 +314,9 @@ impl fmt::Debug for PoolShared {
 }
 
 /// A shard's release hook: pointers allocated on shard `shard` return their blocks to it.
+/// Aligned so that the reference counts of neighbouring shards' hooks do not share a cache
+/// line (every allocation clones its shard's hook).
+#[repr(align(128))]
 struct ShardHook {
     pool: Arc<PoolShared>,
     shard: usize,

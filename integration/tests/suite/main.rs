@@ -234,8 +234,10 @@ fn main() {
         }
     }
     let mut trials = Vec::new();
-    let mut manager_ignored = 0usize;
+    let mut manager_ignored: Vec<(Target, usize)> = Vec::new();
     for &target in &targets {
+        manager_ignored.push((target, 0));
+        let count = &mut manager_ignored.last_mut().expect("pushed").1;
         let cuda_missing = match target {
             Target::Sim => None,
             Target::Cuda => cuda_availability().err(),
@@ -290,7 +292,7 @@ fn main() {
             });
             let not_this_manager = ipc_ignored && IPC_EXPORT.contains(&name);
             if not_this_manager && cuda_missing.is_none() && few_gpus.is_none() {
-                manager_ignored += 1;
+                *count += 1;
             }
             trials.push(trial.with_ignored_flag(
                 cuda_missing.is_some() || few_gpus.is_some() || not_this_manager,
@@ -305,18 +307,20 @@ fn main() {
             let not_this_manager = (default_only_ignored && DEFAULT_ONLY.contains(&name))
                 || (ipc_ignored && IPC_EXPORT.contains(&name));
             if not_this_manager && cuda_missing.is_none() {
-                manager_ignored += 1;
+                *count += 1;
             }
             trials.push(trial.with_ignored_flag(cuda_missing.is_some() || not_this_manager));
         }
     }
-    if manager_ignored > 0 && !args.list {
-        // The GPU job reads this line: these are the only ignored tests it allows besides
-        // the announced multi-device skips.
-        eprintln!(
-            "note: {manager_ignored} tests are ignored under the memory manager {} (the reasons are above)",
-            setup.describe()
-        );
+    for (target, n) in manager_ignored {
+        if n > 0 && !args.list {
+            // The GPU job reads this line: these are the only ignored tests it allows besides
+            // the announced multi-device skips.
+            eprintln!(
+                "note: {n} {target} tests are ignored under the memory manager {} (the reasons are above)",
+                setup.describe()
+            );
+        }
     }
     libtest_mimic::run(&args, trials).exit();
 }
