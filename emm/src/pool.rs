@@ -43,7 +43,7 @@ use crate::ipc::IpcHandle;
 use crate::manager::{FnFactory, ManagerContext};
 use crate::pending::Free;
 use crate::pointer::ReleaseHook;
-use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 use crate::{EmmError, MemoryInfo, MemoryPointer};
 
 /// The name the pool manager is registered under.
@@ -332,10 +332,11 @@ impl ReleaseHook for ShardHook {
     }
 }
 
-static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
+// Only spreads threads over shards; not a synchronisation point, so std even under loom.
+static NEXT_THREAD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 thread_local! {
-    static THREAD_INDEX: usize = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+    static THREAD_INDEX: usize = NEXT_THREAD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
 fn shard_count() -> usize {
