@@ -738,6 +738,14 @@ impl World {
         }
     }
 
+    /// Pool `h` of process `pid` (`CUDA_ERROR_INVALID_VALUE` when it has none such).
+    fn pool_mut(&mut self, pid: usize, h: MemPoolHandle) -> Result<&mut SimPool, u32> {
+        self.processes[pid]
+            .pools
+            .get_mut(&h.0)
+            .ok_or(code::INVALID_VALUE)
+    }
+
     /// Checks that `stream` is 0 (the legacy default stream) or a live stream of process `pid`.
     fn check_stream(&self, pid: usize, stream: u64) -> Result<(), u32> {
         match self.processes[pid].objects.get(&stream) {
@@ -1646,10 +1654,7 @@ impl Driver for SimDriver {
             Op::MemPoolSetAttribute,
             Box::new(move |w, pid, note| {
                 context(w, pid, ctx, note)?;
-                let p = w.processes[pid]
-                    .pools
-                    .get_mut(&pool.0)
-                    .ok_or(code::INVALID_VALUE)?;
+                let p = w.pool_mut(pid, pool)?;
                 p.threshold = bytes;
                 Ok(())
             }),
@@ -1666,9 +1671,7 @@ impl Driver for SimDriver {
             Op::MemPoolTrimTo,
             Box::new(move |w, pid, note| {
                 context(w, pid, ctx, note)?;
-                if !w.processes[pid].pools.contains_key(&pool.0) {
-                    return Err(code::INVALID_VALUE);
-                }
+                w.pool_mut(pid, pool)?;
                 w.pool_release(pid, pool.0, keep);
                 Ok(())
             }),
@@ -1684,10 +1687,7 @@ impl Driver for SimDriver {
             Op::MemPoolGetAttribute,
             Box::new(move |w, pid, note| {
                 context(w, pid, ctx, note)?;
-                let p = w.processes[pid]
-                    .pools
-                    .get(&pool.0)
-                    .ok_or(code::INVALID_VALUE)?;
+                let p = w.pool_mut(pid, pool)?;
                 Ok(MemPoolUsage {
                     reserved: p.reserved as u64,
                     used: p.used as u64,
@@ -1709,10 +1709,7 @@ impl Driver for SimDriver {
                 note.bytes = Some(bytes);
                 let i = context(w, pid, ctx, note)?;
                 w.check_stream(pid, stream.0)?;
-                let p = w.processes[pid]
-                    .pools
-                    .get_mut(&pool.0)
-                    .ok_or(code::INVALID_VALUE)?;
+                let p = w.pool_mut(pid, pool)?;
                 if bytes == 0 || p.device != i {
                     return Err(code::INVALID_VALUE);
                 }

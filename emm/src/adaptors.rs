@@ -795,74 +795,22 @@ impl ManagerFactory for AdaptedFactory {
     }
 
     fn create(&self, cx: &ManagerContext) -> Result<Box<dyn MemoryManager>, EmmError> {
-        let mut manager: Arc<dyn MemoryManager> = Arc::from(self.inner.create(cx)?);
-        for adaptor in &self.adaptors {
+        let adapted = |inner, adaptor: &Adaptor| -> Result<Adapted, EmmError> {
             let log = match adaptor {
                 Adaptor::Log(path) => Some(self.log(path)?),
                 _ => None,
             };
-            manager = Arc::new(Adapted::new(manager, adaptor, cx.device, log));
+            Ok(Adapted::new(inner, adaptor, cx.device, log))
+        };
+        let (outermost, inner_adaptors) = self
+            .adaptors
+            .split_last()
+            .expect("the runtime wraps only with at least one adaptor");
+        let mut inner: Arc<dyn MemoryManager> = Arc::from(self.inner.create(cx)?);
+        for adaptor in inner_adaptors {
+            inner = Arc::new(adapted(inner, adaptor)?);
         }
-        Ok(Box::new(Shared(manager)))
-    }
-}
-
-/// An `Arc`'d manager as a `Box<dyn MemoryManager>`.
-#[derive(Debug)]
-struct Shared(Arc<dyn MemoryManager>);
-
-impl MemoryManager for Shared {
-    fn memalloc(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
-        self.0.memalloc(bytes)
-    }
-    fn memhostalloc(
-        &self,
-        bytes: usize,
-        mapped: bool,
-        portable: bool,
-        wc: bool,
-    ) -> Result<HostMemory, EmmError> {
-        self.0.memhostalloc(bytes, mapped, portable, wc)
-    }
-    unsafe fn mempin(
-        &self,
-        owner: HostOwner,
-        ptr: HostPtr,
-        size: usize,
-        mapped: bool,
-    ) -> Result<HostMemory, EmmError> {
-        // SAFETY: forwarded with this method's own contract.
-        unsafe { self.0.mempin(owner, ptr, size, mapped) }
-    }
-    fn initialize(&self) -> Result<(), EmmError> {
-        self.0.initialize()
-    }
-    fn get_ipc_handle(&self, memory: &MemoryPointer) -> Result<IpcHandle, EmmError> {
-        self.0.get_ipc_handle(memory)
-    }
-    fn get_memory_info(&self) -> Result<MemoryInfo, EmmError> {
-        self.0.get_memory_info()
-    }
-    fn reset(&self) -> Result<(), EmmError> {
-        self.0.reset()
-    }
-    fn defer_cleanup(&self) -> Result<DeferCleanup, EmmError> {
-        self.0.defer_cleanup()
-    }
-    fn interface_version(&self) -> u32 {
-        self.0.interface_version()
-    }
-    fn deallocations(&self) -> Option<&Arc<PendingDeallocs>> {
-        self.0.deallocations()
-    }
-    fn trim(&self) -> Result<usize, EmmError> {
-        self.0.trim()
-    }
-    fn pool_stats(&self) -> PoolReport {
-        self.0.pool_stats()
-    }
-    fn usage(&self) -> Option<Usage> {
-        self.0.usage()
+        Ok(Box::new(adapted(inner, outermost)?))
     }
 }
 

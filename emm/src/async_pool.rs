@@ -30,7 +30,7 @@ use crate::ipc::IpcHandle;
 use crate::manager::{FnFactory, ManagerContext};
 use crate::pointer::ReleaseHook;
 use crate::pool::PoolStats;
-use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 use crate::{EmmError, MemoryInfo, MemoryPointer, PendingDeallocs};
 
 /// The name the stream-ordered pool manager is registered under.
@@ -51,7 +51,6 @@ struct Shared {
     state: Mutex<PoolState>,
     /// Bumped by `reset` (with the state locked); pointers of older generations free nothing.
     generation: AtomicU64,
-    blocks: AtomicUsize,
     queue: Arc<PendingDeallocs>,
 }
 
@@ -64,7 +63,6 @@ impl ReleaseHook for Shared {
         let Some(_live) = self.cx.liveness.enter() else {
             return;
         };
-        self.blocks.fetch_sub(1, Ordering::Relaxed);
         // SAFETY: `base` came from `cuMemAllocFromPoolAsync` of the current pool (the
         // generation matches, and the state lock keeps a reset from destroying the pool
         // meanwhile); its last pointer dropped, so it is freed once and not used after; the
@@ -111,7 +109,6 @@ impl AsyncPoolAllocator {
                     live: std::collections::HashSet::new(),
                 }),
                 generation: AtomicU64::new(0),
-                blocks: AtomicUsize::new(0),
                 queue: Arc::clone(host.deallocations()),
             }),
         }
@@ -187,12 +184,15 @@ impl AsyncPoolAllocator {
     pub fn stats(&self) -> Option<PoolStats> {
         let cx = &self.shared.cx;
         let _live = cx.liveness.enter()?;
-        let pool = lock(&self.shared.state).pool?;
+        let (pool, blocks) = {
+            let state = lock(&self.shared.state);
+            (state.pool?, state.live.len())
+        };
         let usage = cx.driver.mem_pool_usage(cx.context, pool).ok()?;
         Some(PoolStats {
             held_bytes: usage.reserved as usize,
             in_use_bytes: usage.used as usize,
-            in_use_blocks: self.shared.blocks.load(Ordering::Relaxed),
+            in_use_blocks: blocks,
             cached_bytes: usage.reserved.saturating_sub(usage.used) as usize,
             ..PoolStats::default()
         })
@@ -226,7 +226,6 @@ impl DeviceAllocator for AsyncPoolAllocator {
                 state.live.insert(ptr.0);
                 Ok((ptr, shared.generation.load(Ordering::Acquire)))
             })?;
-        shared.blocks.fetch_add(1, Ordering::Relaxed);
         Ok(MemoryPointer::with_hook(
             cx.device,
             cx.context,
@@ -273,7 +272,6 @@ impl DeviceAllocator for AsyncPoolAllocator {
         let cx = &self.shared.cx;
         let mut state = lock(&self.shared.state);
         self.shared.generation.fetch_add(1, Ordering::AcqRel);
-        self.shared.blocks.store(0, Ordering::Relaxed);
         let live = std::mem::take(&mut state.live);
         let Some(pool) = state.pool.take() else {
             return Ok(());

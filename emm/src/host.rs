@@ -544,6 +544,41 @@ impl HostLayer {
         HostMemory::Mapped(MappedMemory::new(host, device))
     }
 
+    /// `cuMemHostAlloc` of `bytes` with `flags`, under Numba's rules (mapped memory retries
+    /// after out-of-memory, unmapped does not), and the device pointer of mapped memory. A
+    /// mapping that fails frees the allocation again.
+    fn host_alloc_from_driver(
+        &self,
+        bytes: usize,
+        mapped: bool,
+        flags: u32,
+    ) -> Result<(HostPtr, Option<DevicePtr>), EmmError> {
+        let cx = self.context();
+        let allocate = || cx.driver.mem_host_alloc(cx.context, bytes, flags);
+        let host = if mapped {
+            self.attempt_allocation("memhostalloc", AllocationKind::Host, bytes, allocate)?
+        } else {
+            let _live = cx
+                .liveness
+                .enter()
+                .ok_or_else(|| self.stale("memhostalloc"))?;
+            allocate().map_err(|e| EmmError::driver("memhostalloc", cx.device, e))?
+        };
+        if !mapped {
+            return Ok((host, None));
+        }
+        match self.device_pointer_of(host) {
+            Ok(device) => Ok((host, Some(device))),
+            Err(e) => {
+                // SAFETY: allocated just above and handed to no one.
+                if let Err(e) = unsafe { cx.driver.mem_free_host(cx.context, host) } {
+                    tracing::error!(device = %cx.device, error = %e, "freeing pinned memory whose mapping failed");
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// `memhostalloc` through the pinned host pool: a cached block of the request's size
     /// class, or a new one from the driver.
     fn pooled_host_alloc(
@@ -558,33 +593,9 @@ impl HostLayer {
         let block = match cached {
             Some(block) => block,
             None => {
-                let cx = self.context().clone();
-                let allocate = || cx.driver.mem_host_alloc(cx.context, size, flags);
-                let host = if mapped {
-                    self.attempt_allocation("memhostalloc", AllocationKind::Host, size, allocate)?
-                } else {
-                    let _live = cx
-                        .liveness
-                        .enter()
-                        .ok_or_else(|| self.stale("memhostalloc"))?;
-                    allocate().map_err(|e| EmmError::driver("memhostalloc", cx.device, e))?
-                };
-                let device = if mapped {
-                    match self.device_pointer_of(host) {
-                        Ok(d) => Some(d),
-                        Err(e) => {
-                            // SAFETY: allocated just above and handed to no one.
-                            if let Err(e) = unsafe { cx.driver.mem_free_host(cx.context, host) } {
-                                tracing::error!(device = %cx.device, error = %e, "freeing pinned memory whose mapping failed");
-                            }
-                            return Err(e);
-                        }
-                    }
-                } else {
-                    None
-                };
+                let (host, device) = self.host_alloc_from_driver(size, mapped, flags)?;
                 generation = pool.grew(size);
-                tracing::debug!(device = %cx.device, bytes = size, host = %host, mapped, "pinned host pool grew");
+                tracing::debug!(device = %self.context().device, bytes = size, host = %host, mapped, "pinned host pool grew");
                 PinnedBlock {
                     host,
                     device,
@@ -607,7 +618,11 @@ impl HostLayer {
             block.host,
             bytes,
             None,
-            move |_, _| pool.give_back(block, generation, &queue),
+            move |_, _| {
+                if let Some(free) = pool.give_back(block, generation) {
+                    queue.push_from_drop(free);
+                }
+            },
         )))
     }
 
@@ -643,26 +658,11 @@ impl HostLayer {
         {
             return self.pooled_host_alloc(pool, bytes, size, mapped, flags);
         }
-        let allocate = || cx.driver.mem_host_alloc(cx.context, bytes, flags);
-        let host = if mapped {
-            self.attempt_allocation("memhostalloc", AllocationKind::Host, bytes, allocate)?
-        } else {
-            let _live = cx
-                .liveness
-                .enter()
-                .ok_or_else(|| self.stale("memhostalloc"))?;
-            allocate().map_err(|e| EmmError::driver("memhostalloc", cx.device, e))?
-        };
+        let (host, device) = self.host_alloc_from_driver(bytes, mapped, flags)?;
         tracing::debug!(device = %cx.device, bytes, host = %host, mapped, portable, wc, "pinned host memory allocated");
-        if mapped {
-            return self
-                .mapped(host, bytes, Entry::Host { ptr: host, bytes }, None)
-                .inspect_err(|_| {
-                    // SAFETY: allocated just above and handed to no one.
-                    if let Err(e) = unsafe { cx.driver.mem_free_host(cx.context, host) } {
-                        tracing::error!(device = %cx.device, error = %e, "freeing pinned memory whose mapping failed");
-                    }
-                });
+        if let Some(device_ptr) = device {
+            let entry = Entry::Host { ptr: host, bytes };
+            return Ok(self.mapped_at(host, device_ptr, bytes, entry, None));
         }
         let queue = Arc::clone(self.deallocations());
         Ok(HostMemory::Pinned(PinnedMemory::with_release(

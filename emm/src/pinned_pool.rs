@@ -20,7 +20,7 @@ use std::fmt;
 
 use driver_sys::{DevicePtr, HostPtr};
 
-use crate::pending::{Free, PendingDeallocs};
+use crate::pending::Free;
 use crate::pool::{POOL_ALIGNMENT, PoolStats};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
@@ -130,31 +130,30 @@ impl PinnedPool {
         self.generation.load(Ordering::Acquire)
     }
 
-    /// A block stamped `generation` is no longer used: cache it, or free it through `queue`
-    /// (when the pool is full, or when the block is from before a reset).
-    pub(crate) fn give_back(&self, block: PinnedBlock, generation: u64, queue: &PendingDeallocs) {
-        {
-            let mut lists = lock(&self.lists);
-            if self.generation.load(Ordering::Acquire) == generation {
-                lists.in_use -= block.size;
-                lists.in_use_blocks -= 1;
-                if lists.cached + block.size <= self.config.max_cached {
-                    lists.cached += block.size;
-                    lists
-                        .free
-                        .entry((block.flags, block.size))
-                        .or_default()
-                        .push(block);
-                    return;
-                }
-                lists.held -= block.size;
-                lists.trimmed += block.size as u64;
+    /// A block stamped `generation` is no longer used: cache it, or return the free the
+    /// caller must queue (when the pool is full, or when the block is from before a reset).
+    #[must_use = "a block the pool does not keep must be freed"]
+    pub(crate) fn give_back(&self, block: PinnedBlock, generation: u64) -> Option<Free> {
+        let mut lists = lock(&self.lists);
+        if self.generation.load(Ordering::Acquire) == generation {
+            lists.in_use -= block.size;
+            lists.in_use_blocks -= 1;
+            if lists.cached + block.size <= self.config.max_cached {
+                lists.cached += block.size;
+                lists
+                    .free
+                    .entry((block.flags, block.size))
+                    .or_default()
+                    .push(block);
+                return None;
             }
+            lists.held -= block.size;
+            lists.trimmed += block.size as u64;
         }
-        queue.push_from_drop(Free::Host {
+        Some(Free::Host {
             ptr: block.host,
             bytes: Self::counted(&block),
-        });
+        })
     }
 
     /// Numba counts mapped memory by its size and unmapped pinned memory as 0 bytes.

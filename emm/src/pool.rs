@@ -358,8 +358,8 @@ impl PoolShared {
     }
 
     fn release(&self, shard: usize, addr: u64, bytes: usize, tag: u64) {
-        let size = block_size(bytes, self.config.small_max);
         if bytes > self.config.small_max {
+            let size = block_size(bytes, self.config.small_max);
             let mut arena = lock(&self.arena);
             if arena.generation == tag {
                 arena.give(addr, size);
@@ -369,6 +369,7 @@ impl PoolShared {
             return;
         }
         let class = class_of(bytes);
+        let size = class_size(class);
         let spill = {
             let mut lists = lock(&self.shards[shard].inner);
             if self.generation.load(Ordering::Acquire) != tag {

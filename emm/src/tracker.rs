@@ -126,10 +126,11 @@ impl Tracker {
                     block,
                     generation,
                     pool,
-                }) => {
-                    pool.give_back(block, generation, &self.queue);
-                    (None, false)
-                }
+                }) => (
+                    None,
+                    self.queue
+                        .push_all_without_flush(pool.give_back(block, generation)),
+                ),
                 None => (None, false),
             }
         };
