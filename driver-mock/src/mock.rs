@@ -1,8 +1,11 @@
 //! [`MockDriver`]: the mockall mock of [`Driver`].
 
+use std::os::fd::{BorrowedFd, OwnedFd};
+
 use driver_sys::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
-    HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle, StreamHandle,
+    HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle, PoolPtrExportData,
+    StreamHandle,
 };
 
 mockall::mock! {
@@ -51,6 +54,12 @@ mockall::mock! {
         fn mem_pool_usage(&self, ctx: ContextHandle, pool: MemPoolHandle) -> Result<MemPoolUsage, DriverError>;
         fn mem_alloc_from_pool_async(&self, ctx: ContextHandle, pool: MemPoolHandle, bytes: usize, stream: StreamHandle) -> Result<DevicePtr, DriverError>;
         unsafe fn mem_free_async(&self, ctx: ContextHandle, ptr: DevicePtr, stream: StreamHandle) -> Result<(), DriverError>;
+        fn mem_pool_export_fd(&self, ctx: ContextHandle, pool: MemPoolHandle) -> Result<OwnedFd, DriverError>;
+        fn mem_pool_import_fd<'a>(&self, ctx: ContextHandle, fd: BorrowedFd<'a>) -> Result<MemPoolHandle, DriverError>;
+        fn mem_pool_export_pointer(&self, ctx: ContextHandle, ptr: DevicePtr) -> Result<PoolPtrExportData, DriverError>;
+        fn mem_pool_import_pointer(&self, ctx: ContextHandle, pool: MemPoolHandle, data: &PoolPtrExportData) -> Result<DevicePtr, DriverError>;
+        fn mem_pool_can_access(&self, ctx: ContextHandle, pool: MemPoolHandle, dev: DeviceOrdinal) -> Result<bool, DriverError>;
+        fn mem_pool_grant_access(&self, ctx: ContextHandle, pool: MemPoolHandle, dev: DeviceOrdinal) -> Result<(), DriverError>;
     }
 }
 

@@ -4,14 +4,16 @@
 //! into the simulated device (the [`Driver`] contract makes the caller vouch for it).
 #![allow(unsafe_code)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use driver_sys::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, ErrorKind,
     EventHandle, HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle,
-    StreamHandle, code, host_alloc, host_register,
+    PoolPtrExportData, StreamHandle, code, host_alloc, host_register,
 };
 
 /// The granularity of allocations of up to [`SMALL_MAX`] bytes (measured: 512 bytes).
@@ -185,11 +187,17 @@ pub enum Op {
     MemPoolGetAttribute,
     MemAllocFromPoolAsync,
     MemFreeAsync,
+    MemPoolExportToShareableHandle,
+    MemPoolImportFromShareableHandle,
+    MemPoolExportPointer,
+    MemPoolImportPointer,
+    MemPoolGetAccess,
+    MemPoolSetAccess,
 }
 
 impl Op {
     /// Every operation, in declaration order (for fault sweeps).
-    pub const ALL: [Op; 39] = [
+    pub const ALL: [Op; 45] = [
         Op::Init,
         Op::DeviceCount,
         Op::DeviceTotalMem,
@@ -229,6 +237,12 @@ impl Op {
         Op::MemPoolGetAttribute,
         Op::MemAllocFromPoolAsync,
         Op::MemFreeAsync,
+        Op::MemPoolExportToShareableHandle,
+        Op::MemPoolImportFromShareableHandle,
+        Op::MemPoolExportPointer,
+        Op::MemPoolImportPointer,
+        Op::MemPoolGetAccess,
+        Op::MemPoolSetAccess,
     ];
 
     /// The CUDA driver call this operation stands for.
@@ -272,6 +286,12 @@ impl Op {
             Op::MemPoolTrimTo => "cuMemPoolTrimTo",
             Op::MemPoolGetAttribute => "cuMemPoolGetAttribute",
             Op::MemAllocFromPoolAsync => "cuMemAllocFromPoolAsync",
+            Op::MemPoolExportToShareableHandle => "cuMemPoolExportToShareableHandle",
+            Op::MemPoolImportFromShareableHandle => "cuMemPoolImportFromShareableHandle",
+            Op::MemPoolExportPointer => "cuMemPoolExportPointer",
+            Op::MemPoolImportPointer => "cuMemPoolImportPointer",
+            Op::MemPoolGetAccess => "cuMemPoolGetAccess",
+            Op::MemPoolSetAccess => "cuMemPoolSetAccess",
             Op::MemFreeAsync => "cuMemFreeAsync",
         }
     }
@@ -347,6 +367,8 @@ pub struct LeakReport {
     pub events: usize,
     /// See `streams`.
     pub modules: usize,
+    /// Stream-ordered pools created or imported and not destroyed (default pools excluded).
+    pub pools: usize,
     /// Primary contexts with a non-zero reference count: device, count.
     pub retained_contexts: Vec<(DeviceOrdinal, u32)>,
 }
@@ -366,6 +388,7 @@ impl LeakReport {
             && self.streams == 0
             && self.events == 0
             && self.modules == 0
+            && self.pools == 0
             && self.retained_contexts.is_empty()
     }
 }
@@ -397,6 +420,7 @@ impl fmt::Display for LeakReport {
             ("stream", self.streams),
             ("event", self.events),
             ("module", self.modules),
+            ("stream-ordered pool", self.pools),
         ] {
             if n > 0 {
                 writeln!(f, "{n} {what}(s) not destroyed")?;
@@ -554,6 +578,9 @@ struct IpcMap {
     span: usize,
     /// Opens not yet closed: the driver reference-counts repeated opens in one context.
     opens: usize,
+    /// For a pointer imported from a stream-ordered pool: the imported pool it came through.
+    /// It is freed with `cuMemFreeAsync`, not closed.
+    pool: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -593,6 +620,13 @@ struct SimPool {
     used: usize,
     live: BTreeMap<u64, usize>,
     free: Vec<FreeBlock>,
+    /// Created with a shareable handle type (POSIX file descriptors): it can be exported.
+    ipc: bool,
+    /// Imported from another process: (that process, its pool handle). Such a pool only
+    /// imports pointers.
+    imported_from: Option<(usize, u64)>,
+    /// Devices other than its own granted read-write access (`cuMemPoolSetAccess`).
+    access: BTreeSet<usize>,
 }
 
 impl SimPool {
@@ -600,6 +634,9 @@ impl SimPool {
         SimPool {
             device,
             is_default,
+            ipc: false,
+            imported_from: None,
+            access: BTreeSet::new(),
             destroyed: false,
             threshold: 0,
             reserved: 0,
@@ -642,6 +679,9 @@ struct World {
     pinned_limit: usize,
     pinned: usize,
     next_handle: u64,
+    /// Pools exported as file descriptors: the descriptor's inode → (process, pool handle).
+    /// The descriptors are real (pipes), so they can be passed like the driver's.
+    pool_exports: BTreeMap<u64, (usize, u64)>,
 }
 
 /// Where a device address leads.
@@ -1013,6 +1053,7 @@ impl SimDriver {
             pinned_limit: config.pinned_host_limit,
             pinned: 0,
             next_handle: 0,
+            pool_exports: BTreeMap::new(),
         };
         SimDriver {
             world: Arc::new(Mutex::new(world)),
@@ -1153,6 +1194,11 @@ impl SimDriver {
         report.streams = count(Object::Stream);
         report.events = count(Object::Event);
         report.modules = count(Object::Module);
+        report.pools = p
+            .pools
+            .values()
+            .filter(|q| !q.is_default && !q.destroyed)
+            .count();
         report
     }
 
@@ -1599,7 +1645,7 @@ impl Driver for SimDriver {
         &self,
         ctx: ContextHandle,
         dev: DeviceOrdinal,
-        _ipc: bool,
+        ipc: bool,
     ) -> Result<MemPoolHandle, DriverError> {
         self.call(
             Op::MemPoolCreate,
@@ -1610,7 +1656,9 @@ impl Driver for SimDriver {
                     return Err(code::INVALID_DEVICE);
                 }
                 let h = w.new_handle();
-                w.processes[pid].pools.insert(h, SimPool::new(i, false));
+                let mut pool = SimPool::new(i, false);
+                pool.ipc = ipc;
+                w.processes[pid].pools.insert(h, pool);
                 Ok(MemPoolHandle(h))
             }),
         )
@@ -1710,7 +1758,8 @@ impl Driver for SimDriver {
                 let i = context(w, pid, ctx, note)?;
                 w.check_stream(pid, stream.0)?;
                 let p = w.pool_mut(pid, pool)?;
-                if bytes == 0 || p.device != i {
+                // An imported pool makes no allocations (the driver documents it).
+                if bytes == 0 || p.device != i || p.imported_from.is_some() {
                     return Err(code::INVALID_VALUE);
                 }
                 // Best fit among the blocks this stream may reuse. The driver splits blocks; the
@@ -1760,6 +1809,17 @@ impl Driver for SimDriver {
                 note.ptr = Some(ptr);
                 context(w, pid, ctx, note)?;
                 w.check_stream(pid, stream.0)?;
+                // A pointer imported from another process's pool: the mapping goes.
+                if w.processes[pid]
+                    .ipc
+                    .get(&ptr.0)
+                    .is_some_and(|m| m.pool.is_some())
+                {
+                    let m = w.processes[pid].ipc.remove(&ptr.0).expect("present");
+                    note.bytes = Some(m.size);
+                    w.drop_store(m.store);
+                    return Ok(());
+                }
                 let p = w.processes[pid]
                     .pools
                     .values_mut()
@@ -2117,7 +2177,7 @@ impl Driver for SimDriver {
                 if let Some((&addr, m)) = w.processes[pid]
                     .ipc
                     .iter_mut()
-                    .find(|(_, m)| m.store == store && m.device == i)
+                    .find(|(_, m)| m.store == store && m.device == i && m.pool.is_none())
                 {
                     m.opens += 1;
                     note.ptr = Some(DevicePtr(addr));
@@ -2142,6 +2202,7 @@ impl Driver for SimDriver {
                         size,
                         span,
                         opens: 1,
+                        pool: None,
                     },
                 );
                 note.ptr = Some(DevicePtr(addr));
@@ -2164,6 +2225,7 @@ impl Driver for SimDriver {
                 let m = w.processes[pid]
                     .ipc
                     .get_mut(&ptr.0)
+                    .filter(|m| m.pool.is_none())
                     .ok_or(code::INVALID_VALUE)?;
                 m.opens -= 1;
                 if m.opens == 0 {
@@ -2174,4 +2236,213 @@ impl Driver for SimDriver {
             }),
         )
     }
+
+    fn mem_pool_export_fd(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<OwnedFd, DriverError> {
+        self.call(
+            Op::MemPoolExportToShareableHandle,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                let p = w.pool_mut(pid, pool)?;
+                // Only a pool created with a shareable handle type exports, and not one that
+                // was itself imported or destroyed.
+                if !p.ipc || p.destroyed || p.imported_from.is_some() {
+                    return Err(code::INVALID_VALUE);
+                }
+                // A real descriptor, so it travels like the driver's: one end of a pipe, known
+                // by its inode.
+                let (reader, _writer) = std::io::pipe().map_err(|_| code::OUT_OF_MEMORY)?;
+                let fd = OwnedFd::from(reader);
+                let ino = inode(fd.as_fd()).ok_or(code::OUT_OF_MEMORY)?;
+                w.pool_exports.insert(ino, (pid, pool.0));
+                Ok(fd)
+            }),
+        )
+    }
+
+    fn mem_pool_import_fd(
+        &self,
+        ctx: ContextHandle,
+        fd: BorrowedFd<'_>,
+    ) -> Result<MemPoolHandle, DriverError> {
+        let ino = inode(fd);
+        self.call(
+            Op::MemPoolImportFromShareableHandle,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                let &(exporter, h) = ino
+                    .and_then(|ino| w.pool_exports.get(&ino))
+                    .ok_or(code::INVALID_VALUE)?;
+                // The exporter's own process does not import its pool (a modelling choice:
+                // emm never does it).
+                if exporter == pid {
+                    return Err(code::INVALID_VALUE);
+                }
+                let device = match w.processes[exporter].pools.get(&h) {
+                    Some(p) if !p.destroyed => p.device,
+                    _ => return Err(code::INVALID_VALUE),
+                };
+                let mut imported = SimPool::new(device, false);
+                imported.imported_from = Some((exporter, h));
+                let handle = w.new_handle();
+                w.processes[pid].pools.insert(handle, imported);
+                Ok(MemPoolHandle(handle))
+            }),
+        )
+    }
+
+    fn mem_pool_export_pointer(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<PoolPtrExportData, DriverError> {
+        self.call(
+            Op::MemPoolExportPointer,
+            Box::new(move |w, pid, note| {
+                note.ptr = Some(ptr);
+                context(w, pid, ctx, note)?;
+                let (&h, _) = w.processes[pid]
+                    .pools
+                    .iter()
+                    .find(|(_, p)| p.ipc && !p.destroyed && p.live.contains_key(&ptr.0))
+                    .ok_or(code::INVALID_VALUE)?;
+                Ok(encode_pool_ptr(pid, h, ptr.0))
+            }),
+        )
+    }
+
+    fn mem_pool_import_pointer(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        data: &PoolPtrExportData,
+    ) -> Result<DevicePtr, DriverError> {
+        let data = *data;
+        self.call(
+            Op::MemPoolImportPointer,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                let (exporter, h, addr) = decode_pool_ptr(&data).ok_or(code::INVALID_VALUE)?;
+                let p = w.pool_mut(pid, pool)?;
+                if p.imported_from != Some((exporter, h)) {
+                    return Err(code::INVALID_VALUE);
+                }
+                let device = p.device;
+                // The exporter's allocation must still be live in its pool.
+                let live = w.processes[exporter]
+                    .pools
+                    .get(&h)
+                    .is_some_and(|p| p.live.contains_key(&addr));
+                let alloc = w.devices[device]
+                    .allocs
+                    .get(&addr)
+                    .filter(|a| live && a.owner == exporter)
+                    .ok_or(code::INVALID_VALUE)?;
+                let (store, size) = (alloc.store, alloc.size);
+                let span = size.next_multiple_of(PAGE_SIZE);
+                let region = DeviceMem::base(device) + IPC_SPACE_OFFSET;
+                let mut at = region;
+                for (&start, m) in w.processes[pid]
+                    .ipc
+                    .range(region..region + IPC_SPACE_OFFSET)
+                {
+                    if start - at >= span as u64 {
+                        break;
+                    }
+                    at = start + m.span as u64;
+                }
+                w.stores
+                    .get_mut(&store)
+                    .expect("live allocation's store")
+                    .refs += 1;
+                w.processes[pid].ipc.insert(
+                    at,
+                    IpcMap {
+                        device,
+                        store,
+                        size,
+                        span,
+                        opens: 1,
+                        pool: Some(pool.0),
+                    },
+                );
+                note.ptr = Some(DevicePtr(at));
+                note.bytes = Some(size);
+                Ok(DevicePtr(at))
+            }),
+        )
+    }
+
+    fn mem_pool_can_access(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        dev: DeviceOrdinal,
+    ) -> Result<bool, DriverError> {
+        self.call(
+            Op::MemPoolGetAccess,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                note.device = Some(dev);
+                let d = device_index(w, dev)?;
+                let p = w.pool_mut(pid, pool)?;
+                Ok(p.device == d || p.access.contains(&d))
+            }),
+        )
+    }
+
+    fn mem_pool_grant_access(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        dev: DeviceOrdinal,
+    ) -> Result<(), DriverError> {
+        self.call(
+            Op::MemPoolSetAccess,
+            Box::new(move |w, pid, note| {
+                context(w, pid, ctx, note)?;
+                note.device = Some(dev);
+                let d = device_index(w, dev)?;
+                let peers = w.peer_access;
+                let p = w.pool_mut(pid, pool)?;
+                if d != p.device {
+                    if !peers {
+                        return Err(code::PEER_ACCESS_UNSUPPORTED);
+                    }
+                    p.access.insert(d);
+                }
+                Ok(())
+            }),
+        )
+    }
+}
+
+/// The inode of the file `fd` names (a pipe's is unique while it is open).
+fn inode(fd: BorrowedFd<'_>) -> Option<u64> {
+    let file = std::fs::File::from(fd.try_clone_to_owned().ok()?);
+    file.metadata().ok().map(|m| m.ino())
+}
+
+const POOL_PTR_MAGIC: &[u8; 8] = b"SIMPOOLP";
+
+/// The simulator's export data of a pool allocation: magic, process, pool handle, address.
+fn encode_pool_ptr(pid: usize, pool: u64, addr: u64) -> PoolPtrExportData {
+    let mut b = [0u8; 64];
+    b[..8].copy_from_slice(POOL_PTR_MAGIC);
+    b[8..16].copy_from_slice(&(pid as u64).to_le_bytes());
+    b[16..24].copy_from_slice(&pool.to_le_bytes());
+    b[24..32].copy_from_slice(&addr.to_le_bytes());
+    PoolPtrExportData(b)
+}
+
+fn decode_pool_ptr(d: &PoolPtrExportData) -> Option<(usize, u64, u64)> {
+    let b = &d.0;
+    if &b[..8] != POOL_PTR_MAGIC || b[32..].iter().any(|&x| x != 0) {
+        return None;
+    }
+    let u = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+    Some((usize::try_from(u(8)).ok()?, u(16), u(24)))
 }

@@ -18,9 +18,12 @@ use std::mem::MaybeUninit;
 
 use cudarc::driver::{result, sys};
 
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+
 use crate::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
-    HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle, StreamHandle,
+    HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle, PoolPtrExportData,
+    StreamHandle,
 };
 
 /// The real CUDA driver. Obtain it with [`CudaDriver::load`].
@@ -691,6 +694,144 @@ impl Driver for CudaDriver {
             sys::cuMemFreeAsync(ptr.0, stream.0 as usize as sys::CUstream)
         })
     }
+
+    /// [cuMemPoolExportToShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    fn mem_pool_export_fd(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<OwnedFd, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut fd: i32 = -1;
+        // SAFETY: for POSIX file descriptors the driver writes one int through the handle
+        // pointer, and `fd` is that int; the driver validates the pool handle.
+        check("cuMemPoolExportToShareableHandle", unsafe {
+            sys::cuMemPoolExportToShareableHandle(
+                (&raw mut fd).cast::<c_void>(),
+                pool.0 as usize as sys::CUmemoryPool,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        if fd < 0 {
+            return Err(DriverError::from_code(
+                "cuMemPoolExportToShareableHandle",
+                crate::code::INVALID_VALUE,
+            ));
+        }
+        // SAFETY: the call succeeded and opened `fd` for the caller; nothing else owns it.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// [cuMemPoolImportFromShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    fn mem_pool_import_fd(
+        &self,
+        ctx: ContextHandle,
+        fd: BorrowedFd<'_>,
+    ) -> Result<MemPoolHandle, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut pool = MaybeUninit::<sys::CUmemoryPool>::uninit();
+        // SAFETY: for POSIX file descriptors the handle argument is the descriptor's value
+        // itself; `fd` is open for the whole call; `pool` is a valid place for one handle.
+        check("cuMemPoolImportFromShareableHandle", unsafe {
+            sys::cuMemPoolImportFromShareableHandle(
+                pool.as_mut_ptr(),
+                fd.as_raw_fd() as usize as *mut c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        // SAFETY: the call succeeded and wrote `pool`.
+        Ok(MemPoolHandle(unsafe { pool.assume_init() } as usize as u64))
+    }
+
+    /// [cuMemPoolExportPointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    fn mem_pool_export_pointer(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<PoolPtrExportData, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut data = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
+        // SAFETY: `data` is a valid place for the 64 bytes; the driver validates `ptr`.
+        check("cuMemPoolExportPointer", unsafe {
+            sys::cuMemPoolExportPointer(&raw mut data, ptr.0)
+        })?;
+        Ok(PoolPtrExportData(data.reserved))
+    }
+
+    /// [cuMemPoolImportPointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    fn mem_pool_import_pointer(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        data: &PoolPtrExportData,
+    ) -> Result<DevicePtr, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut raw = sys::CUmemPoolPtrExportData { reserved: data.0 };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` and `raw` are valid for the call; the export data is plain bytes the
+        // driver validates, as it does the pool handle.
+        check("cuMemPoolImportPointer", unsafe {
+            sys::cuMemPoolImportPointer(
+                &raw mut ptr,
+                pool.0 as usize as sys::CUmemoryPool,
+                &raw mut raw,
+            )
+        })?;
+        Ok(DevicePtr(ptr))
+    }
+
+    /// [cuMemPoolGetAccess](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    fn mem_pool_can_access(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        dev: DeviceOrdinal,
+    ) -> Result<bool, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut location = device_location(dev);
+        // Read as a plain integer: the driver may answer a value the enum does not list.
+        let mut flags: u32 = 0;
+        // SAFETY: `CUmemAccess_flags` is a 32-bit C enum, so `flags` is a valid place for it;
+        // `location` is initialised; the driver validates the pool handle.
+        check("cuMemPoolGetAccess", unsafe {
+            sys::cuMemPoolGetAccess(
+                (&raw mut flags).cast::<sys::CUmemAccess_flags>(),
+                pool.0 as usize as sys::CUmemoryPool,
+                &raw mut location,
+            )
+        })?;
+        Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u32)
+    }
+
+    /// [cuMemPoolSetAccess](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    fn mem_pool_grant_access(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        dev: DeviceOrdinal,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let desc = sys::CUmemAccessDesc {
+            location: device_location(dev),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: one initialised descriptor, alive for the call; the driver validates the
+        // pool handle and the device.
+        check("cuMemPoolSetAccess", unsafe {
+            sys::cuMemPoolSetAccess(pool.0 as usize as sys::CUmemoryPool, &raw const desc, 1)
+        })
+    }
+}
+
+/// The location of device `dev`'s memory, for the pool access calls.
+fn device_location(dev: DeviceOrdinal) -> sys::CUmemLocation {
+    // SAFETY: an all-zero `CUmemLocation` is valid (plain integers); both fields are set.
+    let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    location.id = dev.0 as i32;
+    location
 }
 
 #[cfg(test)]

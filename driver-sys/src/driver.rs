@@ -3,10 +3,11 @@
 #![allow(unsafe_code)]
 
 use std::fmt;
+use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::{
     ContextHandle, DeviceOrdinal, DevicePtr, DriverError, EventHandle, HostPtr, IpcMemHandle,
-    MemPoolHandle, ModuleHandle, StreamHandle,
+    MemPoolHandle, ModuleHandle, PoolPtrExportData, StreamHandle,
 };
 
 /// `cuMemHostAlloc` flags.
@@ -402,6 +403,59 @@ pub trait Driver: Send + Sync + fmt::Debug {
         ctx: ContextHandle,
         ptr: DevicePtr,
         stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemPoolExportToShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)`: a new file
+    /// descriptor naming `pool` (created with `ipc`), for another process to import. The
+    /// caller owns it; closing it does not affect the pool.
+    fn mem_pool_export_fd(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<OwnedFd, DriverError>;
+
+    /// `cuMemPoolImportFromShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)`: the pool
+    /// another process exported as `fd`. An imported pool makes no allocations; it only
+    /// imports pointers. The caller may close `fd` afterwards.
+    fn mem_pool_import_fd(
+        &self,
+        ctx: ContextHandle,
+        fd: BorrowedFd<'_>,
+    ) -> Result<MemPoolHandle, DriverError>;
+
+    /// `cuMemPoolExportPointer`: the export data of `ptr`, an allocation of an IPC-enabled
+    /// pool, for a process that imported the pool.
+    fn mem_pool_export_pointer(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<PoolPtrExportData, DriverError>;
+
+    /// `cuMemPoolImportPointer`: maps the exporter's allocation that `data` names, from the
+    /// imported `pool`, into this process. Free it with
+    /// [`mem_free_async`](Self::mem_free_async) before the exporter frees it.
+    fn mem_pool_import_pointer(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        data: &PoolPtrExportData,
+    ) -> Result<DevicePtr, DriverError>;
+
+    /// `cuMemPoolGetAccess` for device `dev`: whether its kernels and copies may read and
+    /// write the pool's memory.
+    fn mem_pool_can_access(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        dev: DeviceOrdinal,
+    ) -> Result<bool, DriverError>;
+
+    /// `cuMemPoolSetAccess` with `CU_MEM_ACCESS_FLAGS_PROT_READWRITE` for device `dev`.
+    fn mem_pool_grant_access(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        dev: DeviceOrdinal,
     ) -> Result<(), DriverError>;
 }
 

@@ -35,15 +35,25 @@ pub struct ModuleHandle(pub u64);
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct IpcMemHandle(pub [u8; 64]);
 
-impl fmt::Debug for IpcMemHandle {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("IpcMemHandle(")?;
-        for b in self.0 {
-            write!(f, "{b:02x}")?;
+/// The driver's 64-byte export data of one allocation of an IPC-enabled stream-ordered pool
+/// (`CUmemPoolPtrExportData`, from `cuMemPoolExportPointer`): plain bytes that a process which
+/// imported the pool passes to `cuMemPoolImportPointer`. Prints as hex.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PoolPtrExportData(pub [u8; 64]);
+
+/// The driver's opaque byte handles print as their name and hex bytes.
+macro_rules! hex_bytes_debug {
+    ($($ty:ident),*) => {$(
+        impl fmt::Debug for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(concat!(stringify!($ty), "("))?;
+                self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))?;
+                f.write_str(")")
+            }
         }
-        f.write_str(")")
-    }
+    )*};
 }
+hex_bytes_debug!(IpcMemHandle, PoolPtrExportData);
 
 /// A device ordinal, as `cuDeviceGet` takes it (0-based).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]

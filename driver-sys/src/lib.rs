@@ -38,5 +38,5 @@ pub use driver::{
 pub use error::{DriverError, ErrorKind, code};
 pub use handles::{
     ContextHandle, DeviceOrdinal, DevicePtr, EventHandle, HostPtr, IpcMemHandle, MemPoolHandle,
-    ModuleHandle, StreamHandle,
+    ModuleHandle, PoolPtrExportData, StreamHandle,
 };

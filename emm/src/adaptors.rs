@@ -741,6 +741,10 @@ impl MemoryManager for Adapted {
     fn usage(&self) -> Option<Usage> {
         self.observer.usage().or_else(|| self.inner.usage())
     }
+
+    fn export_pool(&self) -> Result<crate::PoolExport, EmmError> {
+        self.inner.export_pool()
+    }
 }
 
 /// A factory whose managers are the inner factory's, wrapped in adaptors (innermost first).

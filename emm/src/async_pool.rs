@@ -14,8 +14,24 @@
 //!   (which frees everything in it) and the next use creates a new one.
 //! - Out of memory: the pool is trimmed and the allocation retried; then the host layer
 //!   flushes its queue and retries once more.
-//! - IPC: the driver does not export pool memory with `cuIpcGetMemHandle`; `get_ipc_handle`
-//!   refuses with [`EmmError::NotSupported`], naming the managers that can.
+//! - IPC: the driver does not export pool memory with `cuIpcGetMemHandle`; under `async-pool`
+//!   `get_ipc_handle` refuses with [`EmmError::NotSupported`], naming the managers that can.
+//!
+//! # `async-pool-ipc`
+//!
+//! The same manager over a pool created for export (POSIX file descriptor handles). Its memory
+//! crosses processes the driver's way, in the manner of cuda.core's IPC-enabled
+//! `DeviceMemoryResource`:
+//!
+//! - [`Context::export_pool`](crate::Context::export_pool) exports the pool
+//!   (`cuMemPoolExportToShareableHandle`) as a [`PoolExport`], which
+//!   [`PoolExport::send`] passes over a Unix socket; the other process imports it with
+//!   [`Runtime::import_pool`](crate::Runtime::import_pool).
+//! - `get_ipc_handle` waits for the allocating stream (the importer must not touch memory
+//!   before its allocation completed) and exports the allocation (`cuMemPoolExportPointer`);
+//!   the handle's bytes name the pool by its [`PoolId`] and open like any handle's.
+//! - A reset destroys the pool; the next pool has a new id, so handles and exports of the old
+//!   one are refused by importers instead of reaching the wrong memory.
 
 #![allow(unsafe_code)]
 
@@ -26,21 +42,27 @@ use driver_sys::{DevicePtr, DriverError, ErrorKind, MemPoolHandle, StreamHandle}
 
 use crate::default::DriverAllocator;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
-use crate::ipc::IpcHandle;
+use crate::ipc::{IpcHandle, IpcMemory};
 use crate::manager::{FnFactory, ManagerContext};
 use crate::pointer::ReleaseHook;
 use crate::pool::PoolStats;
+use crate::pool_ipc::{PoolExport, PoolId};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 use crate::{EmmError, MemoryInfo, MemoryPointer, PendingDeallocs};
 
 /// The name the stream-ordered pool manager is registered under.
 pub const ASYNC_POOL_MANAGER: &str = "async-pool";
 
+/// The name of the stream-ordered pool manager whose pool can be exported to other processes.
+pub const ASYNC_POOL_IPC_MANAGER: &str = "async-pool-ipc";
+
 const STREAM: StreamHandle = StreamHandle(0);
 
 /// The pool and the generation it belongs to.
 struct PoolState {
     pool: Option<MemPoolHandle>,
+    /// The pool's name across processes (IPC-enabled pools only; new with every pool).
+    id: Option<PoolId>,
     /// Allocations not freed yet: a reset frees them before it destroys the pool, because the
     /// driver releases a destroyed pool's memory only once its allocations are freed.
     live: std::collections::HashSet<u64>,
@@ -48,6 +70,8 @@ struct PoolState {
 
 struct Shared {
     cx: ManagerContext,
+    /// Whether the pool is created for export (`async-pool-ipc`).
+    ipc: bool,
     state: Mutex<PoolState>,
     /// Bumped by `reset` (with the state locked); pointers of older generations free nothing.
     generation: AtomicU64,
@@ -101,11 +125,19 @@ impl AsyncPoolAllocator {
     /// The allocator for the manager whose host layer is `host`; the pool is created at the
     /// first use.
     pub fn new(host: &HostLayer) -> AsyncPoolAllocator {
+        Self::with_ipc(host, false)
+    }
+
+    /// As [`new`](Self::new), with a pool that can be exported to other processes when `ipc`
+    /// (the `async-pool-ipc` manager).
+    pub fn with_ipc(host: &HostLayer, ipc: bool) -> AsyncPoolAllocator {
         AsyncPoolAllocator {
             shared: Arc::new(Shared {
                 cx: host.context().clone(),
+                ipc,
                 state: Mutex::new(PoolState {
                     pool: None,
+                    id: None,
                     live: std::collections::HashSet::new(),
                 }),
                 generation: AtomicU64::new(0),
@@ -123,6 +155,23 @@ impl AsyncPoolAllocator {
         })
     }
 
+    /// The factory registered as `"async-pool-ipc"`: the pool is created for export.
+    pub fn ipc_factory() -> FnFactory {
+        FnFactory::new(ASYNC_POOL_IPC_MANAGER, |cx: &ManagerContext| {
+            let host = HostLayer::new(cx);
+            let device = AsyncPoolAllocator::with_ipc(&host, true);
+            Ok(Box::new(HostOnly::from_parts(host, device)))
+        })
+    }
+
+    fn name(&self) -> &'static str {
+        if self.shared.ipc {
+            ASYNC_POOL_IPC_MANAGER
+        } else {
+            ASYNC_POOL_MANAGER
+        }
+    }
+
     fn err(&self, op: &'static str) -> impl Fn(DriverError) -> EmmError + '_ {
         move |e| EmmError::driver(op, self.shared.cx.device, e)
     }
@@ -133,7 +182,9 @@ impl AsyncPoolAllocator {
             return Ok(p);
         }
         let cx = &self.shared.cx;
-        let pool = cx.driver.mem_pool_create(cx.context, cx.device, false)?;
+        let pool = cx
+            .driver
+            .mem_pool_create(cx.context, cx.device, self.shared.ipc)?;
         if let Err(e) = cx
             .driver
             .mem_pool_set_release_threshold(cx.context, pool, u64::MAX)
@@ -142,7 +193,8 @@ impl AsyncPoolAllocator {
             let _ = unsafe { cx.driver.mem_pool_destroy(cx.context, pool) };
             return Err(e);
         }
-        tracing::debug!(device = %cx.device, ?pool, "stream-ordered pool created");
+        state.id = self.shared.ipc.then(PoolId::fresh);
+        tracing::debug!(device = %cx.device, ?pool, id = ?state.id, "stream-ordered pool created");
         state.pool = Some(pool);
         Ok(pool)
     }
@@ -257,15 +309,80 @@ impl DeviceAllocator for AsyncPoolAllocator {
     fn get_ipc_handle(
         &self,
         _host: &HostLayer,
-        _memory: &MemoryPointer,
+        memory: &MemoryPointer,
     ) -> Result<IpcHandle, EmmError> {
-        Err(EmmError::NotSupported {
-            operation: "get_ipc_handle",
-            manager: ASYNC_POOL_MANAGER.into(),
-            advice: "the driver does not export stream-ordered pool memory with \
-                     cuIpcGetMemHandle; use the 'default' or 'pool' manager for memory you share \
-                     between processes",
-        })
+        if !self.shared.ipc {
+            return Err(EmmError::NotSupported {
+                operation: "get_ipc_handle",
+                manager: ASYNC_POOL_MANAGER.into(),
+                advice: "its pool is not created for export, and the driver does not export \
+                         stream-ordered pool memory with cuIpcGetMemHandle; select \
+                         'async-pool-ipc' (or 'default' or 'pool') for memory you share between \
+                         processes",
+            });
+        }
+        let cx = &self.shared.cx;
+        let _live = cx
+            .liveness
+            .enter()
+            .ok_or_else(|| self.stale("get_ipc_handle"))?;
+        let base = memory.allocation_base();
+        let state = lock(&self.shared.state);
+        let (Some(id), true) = (state.id, state.live.contains(&base.0)) else {
+            return Err(EmmError::InvalidArgument {
+                what: "memory passed to get_ipc_handle",
+                reason: format!(
+                    "{base} is not a live allocation of this context's '{}' pool; export memory \
+                     this context's manager allocated, before the device is reset",
+                    self.name()
+                ),
+            });
+        };
+        // The importer must not touch the memory before its allocation completed.
+        cx.driver
+            .stream_synchronize(cx.context, STREAM)
+            .map_err(self.err("get_ipc_handle"))?;
+        let data = cx
+            .driver
+            .mem_pool_export_pointer(cx.context, base)
+            .map_err(self.err("get_ipc_handle"))?;
+        drop(state);
+        let source = crate::ipc::identity_of(&*cx.driver, cx.device)?;
+        Ok(IpcHandle::exported(
+            memory.clone(),
+            IpcMemory::PoolAllocation { pool: id, data },
+            memory.size(),
+            (memory.device_ptr().0 - base.0) as usize,
+            source,
+        ))
+    }
+
+    fn export_pool(&self, _host: &HostLayer) -> Result<PoolExport, EmmError> {
+        let cx = &self.shared.cx;
+        if !self.shared.ipc {
+            return Err(EmmError::NotSupported {
+                operation: "export_pool",
+                manager: ASYNC_POOL_MANAGER.into(),
+                advice: "its pool is not created for export; select 'async-pool-ipc' \
+                         (EMM_MEMORY_MANAGER=async-pool-ipc)",
+            });
+        }
+        let _live = cx
+            .liveness
+            .enter()
+            .ok_or_else(|| self.stale("export_pool"))?;
+        let (pool, id) = {
+            let mut state = lock(&self.shared.state);
+            let pool = self.pool(&mut state).map_err(self.err("export_pool"))?;
+            (pool, state.id.expect("an IPC-enabled pool has an id"))
+        };
+        let fd = cx
+            .driver
+            .mem_pool_export_fd(cx.context, pool)
+            .map_err(self.err("export_pool"))?;
+        let source = crate::ipc::identity_of(&*cx.driver, cx.device)?;
+        tracing::info!(device = %cx.device, pool = %id, "stream-ordered pool exported");
+        Ok(PoolExport::new(id, source, fd))
     }
 
     fn reset(&self, _host: &HostLayer) -> Result<(), EmmError> {
@@ -273,6 +390,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
         let mut state = lock(&self.shared.state);
         self.shared.generation.fetch_add(1, Ordering::AcqRel);
         let live = std::mem::take(&mut state.live);
+        state.id = None;
         let Some(pool) = state.pool.take() else {
             return Ok(());
         };

@@ -12,6 +12,7 @@ use crate::liveness::LiveGuard;
 use crate::manager::{ManagerContext, MemoryManager};
 use crate::objects::{Event, Module, ModuleRegistry, Stream};
 use crate::pending::{DeferCleanup, PendingDeallocs};
+use crate::pool_ipc::{PoolExport, PoolImports};
 use crate::{EmmError, MemoryInfo, MemoryPointer};
 
 pub(crate) struct ContextInner {
@@ -23,6 +24,8 @@ pub(crate) struct ContextInner {
     pub(crate) own: Arc<PendingDeallocs>,
     pub(crate) modules: Arc<ModuleRegistry>,
     pub(crate) can_map_host_memory: bool,
+    /// The runtime's table of imported stream-ordered pools (shared by its contexts).
+    pub(crate) imports: Arc<PoolImports>,
 }
 
 /// A device's context: its primary CUDA context plus the one memory manager that owns all its
@@ -210,6 +213,23 @@ impl Context {
             });
         }
         self.inner.manager.get_ipc_handle(memory)
+    }
+
+    /// Exports the manager's stream-ordered pool for other processes (`async-pool-ipc`; other
+    /// managers refuse with [`EmmError::NotSupported`]). Send the export with
+    /// [`PoolExport::send`]; the other process imports it with
+    /// [`Runtime::import_pool`](crate::Runtime::import_pool) and can then open the
+    /// [`IpcHandle`]s of the pool's memory.
+    pub fn export_pool(&self) -> Result<PoolExport, EmmError> {
+        self.ensure_alive("export_pool")?;
+        if !cfg!(target_os = "linux") {
+            return Err(EmmError::NotSupported {
+                operation: "export_pool",
+                manager: self.inner.manager_name.clone(),
+                advice: "pools are exported as POSIX file descriptors, which needs Linux",
+            });
+        }
+        self.inner.manager.export_pool()
     }
 
     /// Creates a stream (`cuStreamCreate`, default flags); it is destroyed through the

@@ -87,6 +87,33 @@ pub enum EmmError {
         reason: String,
     },
 
+    /// An IPC handle names an allocation of a stream-ordered pool that this process has not
+    /// imported (or whose import a device reset ended).
+    #[error(
+        "the IPC handle names an allocation of stream-ordered pool {pool}, which this process has not imported{detail}; \
+         receive the pool's PoolExport from the exporting process (Context::export_pool, then PoolExport::send) \
+         and pass it to Runtime::import_pool before opening the handle"
+    )]
+    PoolNotImported {
+        /// The pool's id, printed.
+        pool: String,
+        /// Why, where more is known (a reset since the import).
+        detail: &'static str,
+    },
+
+    /// Sending or receiving a [`PoolExport`](crate::PoolExport) over a socket failed.
+    #[error(
+        "{what}: {source}; both ends must use PoolExport::send and PoolExport::receive on a \
+         connected Unix stream socket, one export per message"
+    )]
+    PoolTransfer {
+        /// What emm was doing.
+        what: &'static str,
+        /// The operating system's error (or a description of the malformed message).
+        #[source]
+        source: std::io::Error,
+    },
+
     /// No visible device has the identity an IPC handle names (Numba's text).
     #[error(
         "No device of {identity} is found. Target device may not be visible in this process \

@@ -769,7 +769,8 @@ impl HostLayer {
         let handle = cx
             .driver
             .ipc_get_mem_handle(cx.context, base)
-            .map_err(err("get_ipc_handle"))?;
+            .map_err(err("get_ipc_handle"))?
+            .into();
         let source = crate::ipc::identity_of(&*cx.driver, cx.device)?;
         let offset = (memory.device_ptr().0 - base.0) as usize;
         Ok(IpcHandle::exported(
@@ -832,6 +833,18 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
     /// What a pooling allocator holds, if it pools.
     fn pool_stats(&self) -> Option<PoolStats> {
         None
+    }
+
+    /// Exports the allocator's IPC-enabled stream-ordered pool; allocators without one refuse
+    /// (the default).
+    fn export_pool(&self, host: &HostLayer) -> Result<crate::PoolExport, EmmError> {
+        let _ = host;
+        Err(EmmError::NotSupported {
+            operation: "export_pool",
+            manager: format!("{self:?}"),
+            advice: "only a manager over an IPC-enabled stream-ordered pool exports one; select \
+                     'async-pool-ipc' (EMM_MEMORY_MANAGER=async-pool-ipc)",
+        })
     }
 }
 
@@ -936,5 +949,9 @@ impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
             device: self.device.pool_stats(),
             pinned_host: self.host.pinned_pool_stats(),
         }
+    }
+
+    fn export_pool(&self) -> Result<crate::PoolExport, EmmError> {
+        self.device.export_pool(&self.host)
     }
 }

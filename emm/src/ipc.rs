@@ -1,13 +1,17 @@
-//! IPC: [`IpcHandle`], and the [`DeviceIdentity`] that names the exporting device.
+//! IPC: [`IpcHandle`], [`IpcMemory`] (what a handle names), and the [`DeviceIdentity`] that
+//! names the exporting device.
 
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use driver_sys::{DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, IpcMemHandle};
+use driver_sys::{
+    DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, IpcMemHandle, PoolPtrExportData,
+};
 
 use crate::context::Context;
 use crate::pointer::Release;
+use crate::pool_ipc::PoolId;
 use crate::sync::{Mutex, lock};
 use crate::{EmmError, MemoryPointer, Runtime};
 
@@ -50,11 +54,50 @@ pub(crate) fn identity_of(
     })
 }
 
+/// What an [`IpcHandle`] names: an allocation exported with `cuIpcGetMemHandle`, or an
+/// allocation of an IPC-enabled stream-ordered pool (the `async-pool-ipc` manager).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IpcMemory {
+    /// `cuIpcGetMemHandle`'s 64 bytes; they name the whole allocation.
+    Allocation(IpcMemHandle),
+    /// An allocation of pool `pool`: `cuMemPoolExportPointer`'s 64 bytes. The process that
+    /// opens it must have imported the pool first
+    /// ([`Runtime::import_pool`](crate::Runtime::import_pool)).
+    PoolAllocation {
+        /// The pool, as its exporter named it.
+        pool: PoolId,
+        /// The driver's export data of the allocation.
+        data: PoolPtrExportData,
+    },
+}
+
+impl From<IpcMemHandle> for IpcMemory {
+    fn from(h: IpcMemHandle) -> IpcMemory {
+        IpcMemory::Allocation(h)
+    }
+}
+
+/// A mapping opened for a handle, and how it is undone: a `cuIpcOpenMemHandle` mapping in
+/// `ctx`, or a pointer imported through pool `pool` (whose context `ctx` is).
+struct Mapping {
+    ctx: Context,
+    base: DevicePtr,
+    pool: Option<PoolId>,
+}
+
+impl Mapping {
+    fn close(&self) -> Result<(), EmmError> {
+        match self.pool {
+            None => self.ctx.ipc_close(self.base),
+            Some(id) => self.ctx.inner.imports.free_pointer(id, self.base),
+        }
+    }
+}
+
 enum Opened {
-    /// Mapped into `ctx` at `base`; `open` turns false at the close.
+    /// Mapped for use in a context; `open` turns false at the close.
     Direct {
-        ctx: Context,
-        base: DevicePtr,
+        mapping: Mapping,
         open: Arc<AtomicBool>,
     },
     /// Copied into memory of the destination's manager; nothing to close.
@@ -78,7 +121,7 @@ enum Opened {
 /// 4. [`IpcHandle::close`] unmaps a direct open; pointers into the mapping become stale. A
 ///    staged copy lives on as ordinary memory. A handle dropped while open is closed then.
 pub struct IpcHandle {
-    handle: IpcMemHandle,
+    memory: IpcMemory,
     size: usize,
     offset: usize,
     source: Option<DeviceIdentity>,
@@ -87,22 +130,23 @@ pub struct IpcHandle {
     opened: Mutex<Option<Opened>>,
 }
 
-/// `to_bytes` format: magic, version, handle, size, offset, whether the source is known, and
-/// the source's three PCI ids; little-endian.
+/// `to_bytes` format: magic, version, kind (0: `cuIpcGetMemHandle`, 1: pool allocation), the
+/// driver's 64 bytes, the pool id (zeros for kind 0), size, offset, whether the source is
+/// known, and the source's three PCI ids; little-endian.
 const MAGIC: &[u8; 6] = b"EMMIPC";
-const FORMAT_VERSION: u16 = 1;
-const ENCODED_LEN: usize = 6 + 2 + 64 + 8 + 8 + 1 + 12;
+const FORMAT_VERSION: u16 = 2;
+const ENCODED_LEN: usize = 6 + 2 + 1 + 64 + 16 + 8 + 8 + 1 + 12;
 
 impl IpcHandle {
     pub(crate) fn exported(
         base: MemoryPointer,
-        handle: IpcMemHandle,
+        memory: IpcMemory,
         size: usize,
         offset: usize,
         source: DeviceIdentity,
     ) -> IpcHandle {
         IpcHandle {
-            handle,
+            memory,
             size,
             offset,
             source: Some(source),
@@ -114,13 +158,13 @@ impl IpcHandle {
     /// A handle from its parts, as another process receives them; without a source it always
     /// opens directly (Numba's `open_ipc_array`).
     pub fn new(
-        handle: IpcMemHandle,
+        memory: impl Into<IpcMemory>,
         size: usize,
         offset: usize,
         source: Option<DeviceIdentity>,
     ) -> IpcHandle {
         IpcHandle {
-            handle,
+            memory: memory.into(),
             size,
             offset,
             source,
@@ -129,9 +173,9 @@ impl IpcHandle {
         }
     }
 
-    /// The driver's 64 bytes (they name the whole allocation).
-    pub fn handle(&self) -> &IpcMemHandle {
-        &self.handle
+    /// What the handle names: the driver's bytes for the whole allocation.
+    pub fn handle(&self) -> &IpcMemory {
+        &self.memory
     }
 
     /// Bytes of the exported range.
@@ -164,7 +208,18 @@ impl IpcHandle {
         let mut out = Vec::with_capacity(ENCODED_LEN);
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        out.extend_from_slice(&self.handle.0);
+        match &self.memory {
+            IpcMemory::Allocation(h) => {
+                out.push(0);
+                out.extend_from_slice(&h.0);
+                out.extend_from_slice(&[0; 16]);
+            }
+            IpcMemory::PoolAllocation { pool, data } => {
+                out.push(1);
+                out.extend_from_slice(&data.0);
+                out.extend_from_slice(&pool.0);
+            }
+        }
         out.extend_from_slice(&(self.size as u64).to_le_bytes());
         out.extend_from_slice(&(self.offset as u64).to_le_bytes());
         let id = self.source.unwrap_or(DeviceIdentity {
@@ -202,8 +257,22 @@ impl IpcHandle {
         }
         let u64_at = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
         let i32_at = |i: usize| i32::from_le_bytes(bytes[i..i + 4].try_into().expect("4 bytes"));
-        let handle = IpcMemHandle(bytes[8..72].try_into().expect("64 bytes"));
-        let (size, offset) = (u64_at(72), u64_at(80));
+        let driver_bytes: [u8; 64] = bytes[9..73].try_into().expect("64 bytes");
+        let pool: [u8; 16] = bytes[73..89].try_into().expect("16 bytes");
+        let memory = match bytes[8] {
+            0 if pool == [0; 16] => IpcMemory::Allocation(IpcMemHandle(driver_bytes)),
+            0 => {
+                return Err(bad(
+                    "a pool id is present in a cuIpcGetMemHandle handle".into()
+                ));
+            }
+            1 => IpcMemory::PoolAllocation {
+                pool: PoolId(pool),
+                data: PoolPtrExportData(driver_bytes),
+            },
+            other => return Err(bad(format!("handle kind {other} is neither 0 nor 1"))),
+        };
+        let (size, offset) = (u64_at(89), u64_at(97));
         let (Ok(size), Ok(offset)) = (usize::try_from(size), usize::try_from(offset)) else {
             return Err(bad(
                 "size or offset does not fit this machine's address space".into(),
@@ -212,17 +281,17 @@ impl IpcHandle {
         if offset.checked_add(size).is_none() {
             return Err(bad(format!("offset {offset} plus size {size} overflows")));
         }
-        let source = match bytes[88] {
-            0 if bytes[89..].iter().all(|&b| b == 0) => None,
+        let source = match bytes[105] {
+            0 if bytes[106..].iter().all(|&b| b == 0) => None,
             0 => return Err(bad("a source identity is present but marked absent".into())),
             1 => Some(DeviceIdentity {
-                pci_domain_id: i32_at(89),
-                pci_bus_id: i32_at(93),
-                pci_device_id: i32_at(97),
+                pci_domain_id: i32_at(106),
+                pci_bus_id: i32_at(110),
+                pci_device_id: i32_at(114),
             }),
             other => return Err(bad(format!("source marker {other} is neither 0 nor 1"))),
         };
-        Ok(IpcHandle::new(handle, size, offset, source))
+        Ok(IpcHandle::new(memory, size, offset, source))
     }
 
     /// Opens the handle in `ctx`: directly when its device is the source or a peer of it (or
@@ -258,15 +327,32 @@ impl IpcHandle {
         Ok(())
     }
 
-    /// Opens the mapping in `ctx` and checks that the exported range lies inside what was
-    /// mapped: the offset and size travelled as bytes and may have been garbled or forged, and
-    /// a view past the mapping would reach memory the exporter never shared.
-    fn map_checked(&self, ctx: &Context) -> Result<DevicePtr, EmmError> {
-        let base = ctx.ipc_open(&self.handle)?;
-        let mapped = ctx.mapping_size(base);
+    /// Opens the mapping for use in `ctx` and checks that the exported range lies inside what
+    /// was mapped: the offset and size travelled as bytes and may have been garbled or forged,
+    /// and a view past the mapping would reach memory the exporter never shared.
+    fn map_checked(&self, ctx: &Context) -> Result<Mapping, EmmError> {
+        let mapping = match &self.memory {
+            IpcMemory::Allocation(h) => Mapping {
+                base: ctx.ipc_open(h)?,
+                ctx: ctx.clone(),
+                pool: None,
+            },
+            IpcMemory::PoolAllocation { pool, data } => {
+                let (pool_ctx, base) =
+                    ctx.inner
+                        .imports
+                        .import_pointer(*pool, data, ctx.device())?;
+                Mapping {
+                    ctx: pool_ctx,
+                    base,
+                    pool: Some(*pool),
+                }
+            }
+        };
+        let mapped = mapping.ctx.mapping_size(mapping.base);
         let fits = matches!(&mapped, Ok(n) if self.offset.checked_add(self.size).is_some_and(|end| end <= *n));
         if !fits {
-            let closed = ctx.ipc_close(base);
+            let closed = mapping.close();
             let mapped = mapped?;
             closed?;
             return Err(EmmError::InvalidIpcHandle {
@@ -276,7 +362,7 @@ impl IpcHandle {
                 ),
             });
         }
-        Ok(base)
+        Ok(mapping)
     }
 
     /// Maps the memory into `ctx` and returns a pointer to the exported range (Numba's
@@ -284,9 +370,10 @@ impl IpcHandle {
     pub fn open_direct(&self, ctx: &Context) -> Result<MemoryPointer, EmmError> {
         let mut opened = lock(&self.opened);
         self.check_openable(&opened)?;
-        let base = self.map_checked(ctx)?;
+        let mapping = self.map_checked(ctx)?;
+        let base = mapping.base;
         let open = Arc::new(AtomicBool::new(true));
-        let mapping = MemoryPointer::from_release(
+        let whole = MemoryPointer::from_release(
             ctx.device(),
             ctx.handle(),
             base,
@@ -296,13 +383,9 @@ impl IpcHandle {
             },
             None,
         );
-        let view = mapping.view(self.offset, None)?;
+        let view = whole.view(self.offset, None)?;
         tracing::debug!(device = %ctx.device(), %base, size = self.size, offset = self.offset, "IPC handle opened directly");
-        *opened = Some(Opened::Direct {
-            ctx: ctx.clone(),
-            base,
-            open,
-        });
+        *opened = Some(Opened::Direct { mapping, open });
         Ok(view)
     }
 
@@ -324,13 +407,13 @@ impl IpcHandle {
         let copied = ctx.memalloc(self.size).and_then(|new| {
             ctx.copy_device_to_device(
                 new.device_ptr(),
-                DevicePtr(mapping.0 + self.offset as u64),
+                DevicePtr(mapping.base.0 + self.offset as u64),
                 self.size,
                 &new,
             )?;
             Ok(new)
         });
-        let closed = src_ctx.ipc_close(mapping);
+        let closed = mapping.close();
         let new = copied?;
         closed?;
         tracing::debug!(from = %src_ctx.device(), to = %ctx.device(), size = self.size, "IPC handle opened through staging");
@@ -348,9 +431,9 @@ impl IpcHandle {
                 advice: "open it before closing it",
             }),
             Some(Opened::Staged) => Ok(()),
-            Some(Opened::Direct { ctx, base, open }) => {
+            Some(Opened::Direct { mapping, open }) => {
                 open.store(false, Ordering::Release);
-                ctx.ipc_close(base)
+                mapping.close()
             }
         }
     }
@@ -369,7 +452,7 @@ impl Drop for IpcHandle {
 impl fmt::Debug for IpcHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IpcHandle")
-            .field("handle", &self.handle)
+            .field("memory", &self.memory)
             .field("size", &self.size)
             .field("offset", &self.offset)
             .field("source", &self.source)

@@ -24,6 +24,7 @@
 //! | [`MemoryPointer`], [`MappedMemory`], [`PinnedMemory`] | memory; released through its owner when the last handle drops |
 //! | [`PendingDeallocs`] / [`DeferCleanup`] | deferred deallocation and its suspension |
 //! | [`IpcHandle`] | export, transport as bytes, open directly or staged, close |
+//! | [`PoolExport`] | an IPC-enabled stream-ordered pool (`async-pool-ipc`) on its way to another process, which imports it with [`Runtime::import_pool`] |
 //!
 //! emm never names cudarc or the simulator: it talks to an `Arc<dyn Driver>`
 //! ([`driver_sys::Driver`]).
@@ -44,13 +45,16 @@ mod pending;
 mod pinned_pool;
 mod pointer;
 mod pool;
+mod pool_ipc;
 pub mod replay;
 mod runtime;
 mod sync;
 mod tracker;
 
 pub use adaptors::{Adapted, Adaptor, KindUsage, LOG_HEADER, MemoryKind, Usage};
-pub use async_pool::{ASYNC_POOL_MANAGER, AsyncPoolAllocator, AsyncPoolManager};
+pub use async_pool::{
+    ASYNC_POOL_IPC_MANAGER, ASYNC_POOL_MANAGER, AsyncPoolAllocator, AsyncPoolManager,
+};
 pub use config::{
     DeallocConfig, ENV_MAX_PENDING_COUNT, ENV_MAX_PENDING_RATIO, ENV_MEMORY_ADAPTORS,
     ENV_MEMORY_MANAGER, ENV_PINNED_HOST_POOL, adaptors_from_lookup, manager_name_from_env,
@@ -64,7 +68,7 @@ pub use host::{
     AllocationKind, DeviceAllocator, HostLayer, HostMemory, HostOnly, HostOwner, HostReleaseFn,
     MappedMemory, PinnableBuffer, PinnedMemory,
 };
-pub use ipc::{DeviceIdentity, IpcHandle};
+pub use ipc::{DeviceIdentity, IpcHandle, IpcMemory};
 pub use liveness::{ContextLiveness, LiveGuard};
 pub use manager::{
     FnFactory, INTERFACE_VERSION, ManagerContext, ManagerFactory, MemoryManager,
@@ -78,4 +82,5 @@ pub use pool::{
     MAX_SMALL, POOL_ALIGNMENT, POOL_MANAGER, PoolAllocator, PoolConfig, PoolManager, PoolReport,
     PoolStats,
 };
+pub use pool_ipc::{POOL_DESCRIPTOR_LEN, PoolExport, PoolId};
 pub use runtime::{Runtime, RuntimeBuilder};

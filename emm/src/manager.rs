@@ -109,6 +109,18 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
     fn usage(&self) -> Option<Usage> {
         None
     }
+
+    /// Exports the manager's stream-ordered pool to other processes (only a manager whose
+    /// memory comes from an IPC-enabled pool can; the others refuse with
+    /// [`EmmError::NotSupported`]).
+    fn export_pool(&self) -> Result<crate::PoolExport, EmmError> {
+        Err(EmmError::NotSupported {
+            operation: "export_pool",
+            manager: format!("{self:?}"),
+            advice: "only a manager over an IPC-enabled stream-ordered pool exports one; select \
+                     'async-pool-ipc' (EMM_MEMORY_MANAGER=async-pool-ipc)",
+        })
+    }
 }
 
 /// What a manager is built from: the context it serves and the means to reach the driver.

@@ -19,6 +19,7 @@ use crate::liveness::ContextLiveness;
 use crate::manager::{ManagerContext, ManagerFactory, check_interface_version};
 use crate::objects::ModuleRegistry;
 use crate::pinned_pool::PinnedPoolConfig;
+use crate::pool_ipc::{PoolExport, PoolImports};
 use crate::sync::{Mutex, lock};
 
 /// Configures a [`Runtime`]. Obtain one with [`Runtime::builder`].
@@ -163,6 +164,7 @@ impl RuntimeBuilder {
                 factory,
                 contexts: BTreeMap::new(),
             }),
+            imports: Arc::new(PoolImports::default()),
         })
     }
 }
@@ -196,6 +198,7 @@ pub struct Runtime {
     dealloc_config: DeallocConfig,
     pinned_pool: Option<PinnedPoolConfig>,
     state: Mutex<State>,
+    imports: Arc<PoolImports>,
 }
 
 impl fmt::Debug for Runtime {
@@ -210,8 +213,8 @@ impl fmt::Debug for Runtime {
 }
 
 impl Runtime {
-    /// A builder over `driver` with emm's managers registered: `default`, `pool` and
-    /// `async-pool`.
+    /// A builder over `driver` with emm's managers registered: `default`, `pool`,
+    /// `async-pool` and `async-pool-ipc`.
     pub fn builder(driver: Arc<dyn Driver>) -> RuntimeBuilder {
         RuntimeBuilder {
             driver,
@@ -225,6 +228,7 @@ impl Runtime {
         .register_manager(DefaultManager::factory())
         .register_manager(crate::pool::PoolAllocator::factory())
         .register_manager(crate::async_pool::AsyncPoolAllocator::factory())
+        .register_manager(crate::async_pool::AsyncPoolAllocator::ipc_factory())
     }
 
     /// A runtime over `driver`, configured from the environment.
@@ -358,9 +362,21 @@ impl Runtime {
                 modules: Arc::new(ModuleRegistry::new(Arc::clone(&own))),
                 own,
                 can_map_host_memory,
+                imports: Arc::clone(&self.imports),
                 cx,
             }),
         })
+    }
+
+    /// Imports a stream-ordered pool another process exported
+    /// ([`Context::export_pool`](crate::Context::export_pool), received with
+    /// [`PoolExport::receive`]) into the context of its device here, which gets read-write
+    /// access to it. [`IpcHandle`](crate::IpcHandle)s of the pool's memory open from then on.
+    /// Importing a pool again does nothing; a device reset ends the import (import it again).
+    pub fn import_pool(&self, export: PoolExport) -> Result<(), EmmError> {
+        let device = self.device_with_identity(&export.source())?;
+        let ctx = self.context(device)?;
+        self.imports.import(&ctx, export)
     }
 
     /// The device whose PCI identity is `identity` (Numba's `Device.from_identity`).
@@ -416,6 +432,8 @@ impl Runtime {
     fn retire(&self, ctx: &Context) -> Result<(), EmmError> {
         let inner = &ctx.inner;
         let mut reset = ctx.reset();
+        // Pointers imported from other processes' pools go before the context does.
+        reset = reset.and(self.imports.release_device(inner.cx.device));
         for queue in inner
             .manager
             .deallocations()

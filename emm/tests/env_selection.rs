@@ -51,7 +51,7 @@ fn the_environment_picks_the_manager_and_the_thresholds() {
     assert!(matches!(err, EmmError::UnknownManager { .. }), "{err:?}");
     assert!(
         err.to_string()
-            .contains("registered managers: async-pool, default, pool"),
+            .contains("registered managers: async-pool, async-pool-ipc, default, pool"),
         "{err}"
     );
 

@@ -231,7 +231,7 @@ fn a_handle_from_an_unknown_device_is_a_clear_error() {
     let mem = ctx.to_device(&[1u8; 8]).unwrap();
     let exported = ctx.get_ipc_handle(&mem).unwrap();
     let mut bytes = exported.to_bytes();
-    bytes[93] = 0x77; // the PCI bus id
+    bytes[110] = 0x77; // the PCI bus id
     let handle = IpcHandle::from_bytes(&bytes).unwrap();
     let other = Arc::new(sim.spawn_process());
     let other_rt = runtime(&other);

@@ -7,8 +7,11 @@
 use std::sync::Arc;
 
 use driver_mock::{SimConfig, SimDriver};
-use driver_sys::IpcMemHandle;
-use emm::{DeallocConfig, DeviceIdentity, EmmError, IpcHandle, PinnableBuffer, Runtime};
+use driver_sys::{IpcMemHandle, PoolPtrExportData};
+use emm::{
+    DeallocConfig, DeviceIdentity, EmmError, IpcHandle, IpcMemory, POOL_DESCRIPTOR_LEN,
+    PinnableBuffer, PoolExport, PoolId, Runtime,
+};
 use proptest::prelude::*;
 
 fn cases() -> u32 {
@@ -16,6 +19,32 @@ fn cases() -> u32 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(256)
+}
+
+/// What a handle names: a `cuIpcGetMemHandle` allocation or a pool allocation.
+fn memory() -> impl Strategy<Value = IpcMemory> {
+    let driver_bytes = prop::array::uniform32(any::<u8>()).prop_map(|raw| {
+        let mut b = [0u8; 64];
+        b[..32].copy_from_slice(&raw);
+        b
+    });
+    (
+        driver_bytes,
+        proptest::option::of(prop::array::uniform16(any::<u8>())),
+    )
+        .prop_map(|(b, pool)| match pool {
+            None => IpcMemory::Allocation(IpcMemHandle(b)),
+            Some(p) => IpcMemory::PoolAllocation {
+                pool: PoolId(p),
+                data: PoolPtrExportData(b),
+            },
+        })
+}
+
+/// A file descriptor to hand to `PoolExport::from_descriptor` (one end of a pipe).
+fn some_fd() -> std::os::fd::OwnedFd {
+    let (reader, _writer) = std::io::pipe().unwrap();
+    reader.into()
 }
 
 fn identity() -> impl Strategy<Value = Option<DeviceIdentity>> {
@@ -47,15 +76,13 @@ proptest! {
     /// Every well-formed handle round-trips; every truncation of it is refused.
     #[test]
     fn handles_round_trip_and_truncations_are_refused(
-        raw in prop::array::uniform32(any::<u8>()),
+        memory in memory(),
         size in 0usize..(1 << 40),
         offset in 0usize..(1 << 40),
         source in identity(),
-        cut in 0usize..101,
+        cut in 0usize..118,
     ) {
-        let mut handle = [0u8; 64];
-        handle[..32].copy_from_slice(&raw);
-        let h = IpcHandle::new(IpcMemHandle(handle), size, offset, source);
+        let h = IpcHandle::new(memory, size, offset, source);
         let bytes = h.to_bytes();
         let back = IpcHandle::from_bytes(&bytes).unwrap();
         prop_assert_eq!(back.size(), size);
@@ -68,11 +95,39 @@ proptest! {
 
     /// One garbled byte anywhere: a handle (the byte was inside the payload) or a clear error.
     #[test]
-    fn a_garbled_byte_is_survived(at in 0usize..101, value in any::<u8>(), size in 0usize..4096) {
-        let h = IpcHandle::new(IpcMemHandle([3; 64]), size, 0, None);
+    fn a_garbled_byte_is_survived(at in 0usize..118, value in any::<u8>(), size in 0usize..4096, memory in memory()) {
+        let h = IpcHandle::new(memory, size, 0, None);
         let mut bytes = h.to_bytes();
         bytes[at] = value;
-        let _ = IpcHandle::from_bytes(&bytes);
+        if let Ok(back) = IpcHandle::from_bytes(&bytes) {
+            prop_assert_eq!(back.to_bytes(), bytes);
+        }
+    }
+
+    /// A pool export's descriptor bytes: any bytes decode or are refused with a clear error;
+    /// a real descriptor round-trips, and each truncation of it is refused.
+    #[test]
+    fn pool_descriptors_round_trip_or_are_refused(
+        bytes in prop::collection::vec(any::<u8>(), 0..64),
+        id in prop::array::uniform16(any::<u8>()),
+        source in identity(),
+        cut in 0usize..POOL_DESCRIPTOR_LEN,
+    ) {
+        match PoolExport::from_descriptor(&bytes, some_fd()) {
+            Ok(e) => prop_assert_eq!(e.descriptor().to_vec(), bytes),
+            Err(e) => prop_assert!(e.to_string().contains("pool export descriptor is invalid"), "{}", e),
+        }
+        let source = source.unwrap_or(DeviceIdentity { pci_domain_id: 0, pci_bus_id: 1, pci_device_id: 2 });
+        let mut real = Vec::from(&b"EMMPOOL\x01\x00"[..]);
+        real.extend_from_slice(&id);
+        for v in [source.pci_domain_id, source.pci_bus_id, source.pci_device_id] {
+            real.extend_from_slice(&v.to_le_bytes());
+        }
+        let e = PoolExport::from_descriptor(&real, some_fd()).unwrap();
+        prop_assert_eq!(e.id(), PoolId(id));
+        prop_assert_eq!(e.source(), source);
+        prop_assert_eq!(e.descriptor().to_vec(), real.clone());
+        prop_assert!(PoolExport::from_descriptor(&real[..cut], some_fd()).is_err());
     }
 
     /// Environment values: parsed exactly when they are what the variable accepts.

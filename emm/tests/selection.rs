@@ -20,6 +20,7 @@ fn default_is_chosen_unless_told_otherwise() {
         rt.registered_managers(),
         vec![
             "async-pool".to_owned(),
+            "async-pool-ipc".to_owned(),
             "default".to_owned(),
             "pool".to_owned()
         ]
@@ -40,7 +41,7 @@ fn an_unknown_name_lists_the_registered_ones() {
     let text = err.to_string();
     assert!(text.contains("no memory manager named 'slab'"), "{text}");
     assert!(
-        text.contains("registered managers: async-pool, default, mine, pool"),
+        text.contains("registered managers: async-pool, async-pool-ipc, default, mine, pool"),
         "{text}"
     );
     assert!(text.contains("EMM_MEMORY_MANAGER"), "{text}");

@@ -149,8 +149,9 @@ pub fn defers_device_frees() -> bool {
     suite_setup().is_ok_and(|s| s.manager == emm::DEFAULT_MANAGER)
 }
 
-/// Whether the suite's manager exports device memory with `cuIpcGetMemHandle` (all but
-/// `async-pool`, whose stream-ordered pool memory the driver does not export that way).
+/// Whether the suite's manager exports device memory to other processes: all but
+/// `async-pool`, whose pool is not created for export (the driver exports stream-ordered pool
+/// memory only from such a pool, and not with `cuIpcGetMemHandle`; `async-pool-ipc` does).
 pub fn exports_ipc_handles() -> bool {
     suite_setup().is_ok_and(|s| s.manager != emm::ASYNC_POOL_MANAGER)
 }
@@ -340,20 +341,26 @@ impl IpcMode {
     }
 }
 
-/// What the other process does with an IPC handle: builds its own runtime on `driver`, opens
-/// the handle in device `device`'s context, reads the exported bytes, checks that opening again
-/// is refused with Numba's text, closes it, and checks that a direct mapping is stale after the
-/// close. Returns the bytes read.
+/// What the other process does with an IPC handle: builds its own runtime on `driver`,
+/// imports the handle's stream-ordered pool if one came (`pool`), opens the handle in device
+/// `device`'s context, reads the exported bytes, checks that opening again is refused with
+/// Numba's text, closes it, and checks that a direct mapping is stale after the close. Returns
+/// the bytes read.
 pub fn ipc_child(
     driver: Arc<dyn Driver>,
     bytes: &[u8],
     mode: IpcMode,
     device: u32,
+    pool: Option<emm::PoolExport>,
 ) -> Result<Vec<u8>, String> {
     let rt = Runtime::builder(driver)
         .ignore_env()
         .build()
         .map_err(|e| e.to_string())?;
+    if let Some(export) = pool {
+        rt.import_pool(export)
+            .map_err(|e| format!("import_pool: {e}"))?;
+    }
     let ctx = rt.context(device).map_err(|e| e.to_string())?;
     let handle = emm::IpcHandle::from_bytes(bytes).map_err(|e| e.to_string())?;
     if handle.is_exporter() {
@@ -414,33 +421,96 @@ pub fn ipc_child(
 /// The variable that makes the suite binary act as the other process of an IPC test.
 pub const IPC_CHILD_ENV: &str = "EMM_IPC_CHILD";
 
+/// The variable that tells the IPC child where to receive a pool export (a Unix socket path).
+const IPC_POOL_SOCKET_ENV: &str = "EMM_IPC_POOL_SOCKET";
+
 /// Runs [`ipc_child`] on `target`'s other process: a process spawned on the simulated machine,
 /// or on the GPU a real child process (this executable, re-run with [`IPC_CHILD_ENV`] set; its
-/// `main` must call [`run_ipc_child_if_requested`] first).
+/// `main` must call [`run_ipc_child_if_requested`] first). A handle of stream-ordered pool
+/// memory takes its pool along: the exporting context exports it, and a real child receives
+/// it over a Unix socket ([`emm::PoolExport::send`]).
 pub fn open_in_other_process(
     t: &TestCtx,
     bytes: &[u8],
     mode: IpcMode,
     device: u32,
 ) -> Result<Vec<u8>, String> {
+    let handle = emm::IpcHandle::from_bytes(bytes).map_err(|e| e.to_string())?;
+    let pool = match handle.handle() {
+        emm::IpcMemory::PoolAllocation { .. } => Some(export_pool_of(t, &handle)?),
+        emm::IpcMemory::Allocation(_) => None,
+    };
+    open_in_other_process_with(t, bytes, mode, device, pool)
+}
+
+/// The pool export for a pool handle: from the context of the handle's source device (device
+/// 0 for a handle without one).
+pub fn export_pool_of(t: &TestCtx, handle: &emm::IpcHandle) -> Result<emm::PoolExport, String> {
+    let device = match handle.source() {
+        Some(id) => t
+            .runtime
+            .device_with_identity(&id)
+            .map_err(|e| e.to_string())?,
+        None => DeviceOrdinal(0),
+    };
+    t.runtime
+        .context(device)
+        .and_then(|ctx| ctx.export_pool())
+        .map_err(|e| format!("export_pool: {e}"))
+}
+
+/// [`open_in_other_process`] with the pool export to send given explicitly (`None`: the
+/// child imports no pool).
+pub fn open_in_other_process_with(
+    t: &TestCtx,
+    bytes: &[u8],
+    mode: IpcMode,
+    device: u32,
+    pool: Option<emm::PoolExport>,
+) -> Result<Vec<u8>, String> {
     match &t.sim {
         Some(sim) => {
             let other = Arc::new(sim.spawn_process());
-            let data = ipc_child(other.clone(), bytes, mode, device)?;
+            let data = ipc_child(other.clone(), bytes, mode, device, pool);
+            // Whatever the outcome, the other process must end holding nothing.
             let leaks = other.leak_report();
             if !leaks.is_clean() {
                 return Err(format!("the other process leaked: {leaks}"));
             }
-            Ok(data)
+            data
         }
         None => {
             let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-            let out = std::process::Command::new(exe)
-                .env(IPC_CHILD_ENV, hex(bytes))
+            let mut cmd = std::process::Command::new(exe);
+            cmd.env(IPC_CHILD_ENV, hex(bytes))
                 .env("EMM_IPC_MODE", mode.name())
                 .env("EMM_IPC_DEVICE", device.to_string())
-                .output()
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            let listener = match &pool {
+                Some(_) => {
+                    let path = socket_path();
+                    let listener = std::os::unix::net::UnixListener::bind(&path)
+                        .map_err(|e| format!("binding {}: {e}", path.display()))?;
+                    cmd.env(IPC_POOL_SOCKET_ENV, &path);
+                    Some((listener, path))
+                }
+                None => None,
+            };
+            let mut child = cmd
+                .spawn()
                 .map_err(|e| format!("starting the child process: {e}"))?;
+            let sent = match (&pool, &listener) {
+                (Some(export), Some((listener, _))) => send_to_child(listener, &mut child, export),
+                _ => Ok(()),
+            };
+            if let Some((_, path)) = &listener {
+                let _ = std::fs::remove_file(path);
+            }
+            let out = child
+                .wait_with_output()
+                .map_err(|e| format!("waiting for the child process: {e}"))?;
+            sent?;
             let stdout = String::from_utf8_lossy(&out.stdout);
             let line = stdout
                 .lines()
@@ -461,6 +531,48 @@ pub fn open_in_other_process(
     }
 }
 
+/// A fresh socket path for one pool export.
+fn socket_path() -> std::path::PathBuf {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    std::env::temp_dir().join(format!("emm-ipc-{}-{n}.sock", std::process::id()))
+}
+
+/// Waits (up to a minute) for the child to connect, then sends it the pool export. Gives up
+/// early if the child exits first.
+fn send_to_child(
+    listener: &std::os::unix::net::UnixListener,
+    child: &mut std::process::Child,
+    export: &emm::PoolExport,
+) -> Result<(), String> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| format!("socket: {e}"))?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                stream
+                    .set_nonblocking(false)
+                    .map_err(|e| format!("socket: {e}"))?;
+                return export.send(&stream).map_err(|e| e.to_string());
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if let Ok(Some(status)) = child.try_wait() {
+                    return Err(format!(
+                        "the child exited ({status}) before taking the pool export"
+                    ));
+                }
+                if std::time::Instant::now() > deadline {
+                    return Err("the child did not connect for the pool export in 60 s".into());
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Err(e) => return Err(format!("accepting the child's connection: {e}")),
+        }
+    }
+}
+
 /// If this process was started as the other process of an IPC test, does that job, prints its
 /// result and exits; otherwise returns.
 pub fn run_ipc_child_if_requested() {
@@ -475,9 +587,16 @@ pub fn run_ipc_child_if_requested() {
         .ok()
         .and_then(|d| d.parse().ok())
         .unwrap_or(0);
+    let pool = match std::env::var(IPC_POOL_SOCKET_ENV) {
+        Ok(path) => std::os::unix::net::UnixStream::connect(&path)
+            .map_err(|e| format!("connecting to {path}: {e}"))
+            .and_then(|s| emm::PoolExport::receive(&s).map_err(|e| e.to_string()))
+            .map(Some),
+        Err(_) => Ok(None),
+    };
     let result = unhex(&bytes).and_then(|bytes| {
         let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
-        ipc_child(driver, &bytes, mode, device)
+        ipc_child(driver, &bytes, mode, device, pool?)
     });
     match result {
         Ok(data) => println!("EMM_IPC_RESULT ok {}", hex(&data)),

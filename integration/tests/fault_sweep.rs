@@ -92,7 +92,12 @@ fn runtime(sim: &Arc<SimDriver>, manager: &str) -> Result<Runtime, EmmError> {
 }
 
 /// Every public operation once. Returns at the first error, dropping what it holds.
-fn workload(sim: &Arc<SimDriver>, rt: &Runtime) -> Result<(), EmmError> {
+fn workload(
+    sim: &Arc<SimDriver>,
+    rt: &Runtime,
+    others: &mut Vec<Arc<SimDriver>>,
+    other_fault: Option<Fault>,
+) -> Result<(), EmmError> {
     let ctx = rt.context(0)?;
     let a = ctx.to_device(&[1u8; 100])?;
     let view = a.view(10, None)?;
@@ -120,8 +125,16 @@ fn workload(sim: &Arc<SimDriver>, rt: &Runtime) -> Result<(), EmmError> {
     // IPC: exported here, opened in another process, directly and staged.
     let handle = ctx.get_ipc_handle(&b.view(64, None)?)?;
     let other = Arc::new(sim.spawn_process());
+    others.push(other.clone());
+    if let Some(f) = other_fault {
+        other.inject(f);
+    }
     {
         let other_rt = Runtime::builder(other.clone()).ignore_env().build()?;
+        if ctx.memory_manager_name() == emm::ASYNC_POOL_IPC_MANAGER {
+            // Pool memory opens once the other process imported the pool.
+            other_rt.import_pool(ctx.export_pool()?)?;
+        }
         let other_ctx = other_rt.context(0)?;
         for staged in [false, true] {
             let imported = IpcHandle::from_bytes(&handle.to_bytes())?;
@@ -152,17 +165,29 @@ struct Outcome {
 
 /// Runs the workload with `fault` (if any), then checks the runtime still works and that
 /// nothing is left once it is dropped.
-fn run(manager: &str, fault: Option<Fault>) -> Result<Outcome, String> {
+fn run(manager: &str, fault: Option<Fault>, in_other: bool) -> Result<Outcome, String> {
     let sim = Arc::new(SimDriver::new(SimConfig::single(256 << 20)));
     let rt = runtime(&sim, manager).map_err(|e| format!("runtime: {e}"))?;
-    if let Some(f) = fault {
+    if let (Some(f), false) = (fault, in_other) {
         sim.inject(f);
     }
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| workload(&sim, &rt)))
-        .map_err(|_| "the workload panicked".to_string())?;
-    let calls = sim.total_calls();
-    let faulted = sim.calls().iter().find(|c| c.injected).map(|c| c.op);
-    sim.clear_faults();
+    let mut others = Vec::new();
+    let other_fault = fault.filter(|_| in_other);
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        workload(&sim, &rt, &mut others, other_fault)
+    }))
+    .map_err(|_| "the workload panicked".to_string())?;
+    let faulty = if in_other {
+        others
+            .first()
+            .cloned()
+            .ok_or("the workload never reached its IPC step")?
+    } else {
+        sim.clone()
+    };
+    let calls = faulty.total_calls();
+    let faulted = faulty.calls().iter().find(|c| c.injected).map(|c| c.op);
+    faulty.clear_faults();
     if let Err(e) = &result {
         let text = e.to_string();
         if text.is_empty() || text.len() < 20 {
@@ -190,6 +215,14 @@ fn run(manager: &str, fault: Option<Fault>) -> Result<Outcome, String> {
             "left behind after the runtime was dropped: {leaks}"
         ));
     }
+    for other in others {
+        let leaks = other.leak_report();
+        if !leaks.is_clean() {
+            return Err(format!(
+                "left behind by the other process of the IPC step: {leaks}"
+            ));
+        }
+    }
     if !sim.rejected_frees().is_empty() {
         return Err(format!(
             "a free the driver refused (double free?): {:?}",
@@ -207,37 +240,48 @@ fn run(manager: &str, fault: Option<Fault>) -> Result<Outcome, String> {
 fn every_driver_call_fails_once_and_emm_survives() {
     let mut survived = 0usize;
     let mut failures = Vec::new();
-    for manager in ["default", "immediate"] {
-        let clean =
-            run(manager, None).unwrap_or_else(|e| panic!("{manager}: the clean run failed: {e}"));
+    // Faults in the exporting process, then in the process that opens its IPC handles.
+    for (manager, in_other) in [
+        ("default", false),
+        ("immediate", false),
+        ("async-pool-ipc", false),
+        ("default", true),
+        ("async-pool-ipc", true),
+    ] {
+        let clean = run(manager, None, in_other)
+            .unwrap_or_else(|e| panic!("{manager}: the clean run failed: {e}"));
         assert!(clean.error.is_none(), "{manager}: {:?}", clean.error);
         let n = clean.calls as u64;
-        assert!(n > 30, "{manager}: the workload made only {n} driver calls");
+        assert!(n > 20, "{manager}: the workload made only {n} driver calls");
+        let (manager, process) = (manager, if in_other { "importer" } else { "exporter" });
         for nth in 1..=n {
             for kind in KINDS {
                 let fault = Fault::nth_call(nth, kind);
-                match run(manager, Some(fault)) {
+                match run(manager, Some(fault), in_other) {
                     Ok(outcome) => {
                         survived += 1;
                         // Out-of-memory on an allocation is retried after a flush (Numba), so
                         // the workload goes on; any other injected failure must surface.
                         if let Some(e) = &outcome.error
                             && kind == ErrorKind::OutOfMemory
-                            && outcome.faulted == Some(Op::MemAlloc)
+                            && matches!(
+                                outcome.faulted,
+                                Some(Op::MemAlloc | Op::MemAllocFromPoolAsync)
+                            )
                         {
                             failures.push(format!(
-                                "{manager} call {nth}: out-of-memory was not retried: {e}"
+                                "{manager} ({process}) call {nth}: out-of-memory was not retried: {e}"
                             ));
                         }
                     }
-                    Err(e) => {
-                        failures.push(format!("{manager}, call {nth} failing with {kind:?}: {e}"))
-                    }
+                    Err(e) => failures.push(format!(
+                        "{manager} ({process}), call {nth} failing with {kind:?}: {e}"
+                    )),
                 }
             }
         }
         println!(
-            "fault sweep: manager '{manager}': {n} driver calls x {} error kinds",
+            "fault sweep: manager '{manager}', faults in the {process}: {n} driver calls x {} error kinds",
             KINDS.len()
         );
     }
@@ -260,5 +304,5 @@ fn out_of_memory_on_an_allocation_is_retried() {
     let sim = Arc::new(SimDriver::new(SimConfig::single(256 << 20)));
     let rt = runtime(&sim, "default").unwrap();
     sim.inject(Fault::nth(Op::MemAlloc, 1, ErrorKind::OutOfMemory));
-    workload(&sim, &rt).expect("the retry hides the fault");
+    workload(&sim, &rt, &mut Vec::new(), None).expect("the retry hides the fault");
 }

@@ -181,7 +181,10 @@ pub fn test_get_ipc_handle(target: Target) -> Result<(), Failed> {
     let ctx = t.context()?;
     let mem = ctx.memalloc(16)?;
     let handle = ctx.get_ipc_handle(&mem)?;
-    let text = String::from_utf8_lossy(&handle.handle().0);
+    let emm::IpcMemory::Allocation(raw) = handle.handle() else {
+        return Err(format!("the plugin's handle came back as {:?}", handle.handle()).into());
+    };
+    let text = String::from_utf8_lossy(&raw.0);
     ensure!(text.contains("Dummy IPC handle for alloc 1"), "{text:?}");
     Ok(())
 }

@@ -2,7 +2,9 @@
 //! a real child process on the GPU), directly and staged.
 
 use emm::{EmmError, IpcHandle};
-use integration::{IpcMode, Target, TestCtx, open_in_other_process};
+use integration::{
+    IpcMode, Target, TestCtx, export_pool_of, open_in_other_process, open_in_other_process_with,
+};
 use libtest_mimic::Failed;
 
 fn arange(n: i64) -> Vec<u8> {
@@ -128,10 +130,75 @@ pub fn ipc_handle_errors(target: Target) -> Result<(), Failed> {
     let mut bytes = handle.to_bytes();
     bytes.truncate(50);
     let e = IpcHandle::from_bytes(&bytes).expect_err("truncated");
-    ensure!(e.to_string().contains("50 bytes instead of 101"), "{e}");
+    ensure!(e.to_string().contains("50 bytes instead of 118"), "{e}");
     let mut bytes = handle.to_bytes();
     bytes[6] = 9;
     let e = IpcHandle::from_bytes(&bytes).expect_err("other version");
     ensure!(e.to_string().contains("format version 9"), "{e}");
+    Ok(())
+}
+
+/// Pool export under every manager. `async-pool-ipc`: the export names this device; a handle
+/// opens in a process that imported the pool and in no other (a clear error naming
+/// `Runtime::import_pool`); after a reset the pool is new, so a handle of the old pool is
+/// refused even by a process that imported the new one, and handles of the new pool open.
+/// Every other manager refuses `export_pool` with advice naming `async-pool-ipc`, and
+/// `async-pool` refuses `get_ipc_handle` the same way.
+pub fn pool_export_per_manager(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let data = arange(64);
+    let mem = ctx.to_device(&data)?;
+    if ctx.memory_manager_name() != emm::ASYNC_POOL_IPC_MANAGER {
+        let e = ctx
+            .export_pool()
+            .expect_err("only async-pool-ipc exports a pool");
+        ensure!(matches!(e, EmmError::NotSupported { .. }), "{e:?}");
+        ensure!(e.to_string().contains("async-pool-ipc"), "{e}");
+        if ctx.memory_manager_name() == emm::ASYNC_POOL_MANAGER {
+            let e = ctx
+                .get_ipc_handle(&mem)
+                .expect_err("async-pool exports no memory");
+            ensure!(matches!(e, EmmError::NotSupported { .. }), "{e:?}");
+            ensure!(e.to_string().contains("async-pool-ipc"), "{e}");
+        }
+        return Ok(());
+    }
+    let export = ctx.export_pool()?;
+    ensure_eq!(export.source(), ctx.device_identity()?);
+    let view = mem.view(8, Some(200))?;
+    let handle = ctx.get_ipc_handle(&view)?;
+    ensure!(
+        matches!(handle.handle(), emm::IpcMemory::PoolAllocation { pool, .. } if *pool == export.id()),
+        "the handle names the exported pool: {handle:?}"
+    );
+    ensure_eq!(handle.offset(), 8);
+    let bytes = handle.to_bytes();
+    // Not imported: refused, with what to do.
+    match open_in_other_process_with(&t, &bytes, IpcMode::Auto, 0, None) {
+        Err(e) => ensure!(
+            e.contains("has not imported") && e.contains("Runtime::import_pool"),
+            "{e}"
+        ),
+        Ok(_) => return Err("a pool handle opened without its pool".into()),
+    }
+    let seen = open_in_other_process_with(&t, &bytes, IpcMode::Auto, 0, Some(export))?;
+    ensure_eq!(seen, data[8..200].to_vec());
+    // A reset makes a new pool: the old handle is refused by a process that imported it.
+    drop(handle);
+    drop((view, mem));
+    ctx.reset()?;
+    let ctx = t.context()?;
+    let fresh = ctx.export_pool()?;
+    match open_in_other_process_with(&t, &bytes, IpcMode::Auto, 0, Some(fresh)) {
+        Err(e) => ensure!(e.contains("has not imported"), "{e}"),
+        Ok(_) => return Err("a handle of the pool before the reset opened".into()),
+    }
+    let mem = ctx.to_device(&data)?;
+    let handle = ctx.get_ipc_handle(&mem)?;
+    let export = export_pool_of(&t, &handle)?;
+    let seen =
+        open_in_other_process_with(&t, &handle.to_bytes(), IpcMode::Staged, 0, Some(export))?;
+    ensure_eq!(seen, data);
     Ok(())
 }

@@ -116,6 +116,7 @@ const TESTS: &[(&str, SuiteFn)] = suite_tests![
     ipc::test_ipc_array,
     ipc::test_staged,
     ipc::ipc_handle_errors,
+    ipc::pool_export_per_manager,
     stress::stress_mixed_operations,
     driver_conformance::alignment_of_allocations,
     driver_conformance::zero_byte_alloc_is_invalid_value,
@@ -165,9 +166,9 @@ const DEFAULT_ONLY: &[&str] = &[
     "oom_inside_defer_cleanup_reports_clear_error",
 ];
 
-/// Tests that export device memory with `cuIpcGetMemHandle`: ignored, with the reason
-/// printed, under a manager whose memory the driver does not export that way (`async-pool`,
-/// which refuses `get_ipc_handle` with a clear error; `ipc_refused_by_async_pool` checks it).
+/// Tests that export device memory to another process: ignored, with the reason printed,
+/// under `async-pool`, whose pool is not created for export (it refuses `get_ipc_handle` with
+/// a clear error; `pool_export_per_manager` checks it). `async-pool-ipc` runs them all.
 const IPC_EXPORT: &[&str] = &[
     "test_ipc_handle",
     "test_ipc_handle_serialization",
@@ -226,7 +227,7 @@ fn main() {
         }
         if ipc_ignored {
             eprintln!(
-                "note: {} tests per target are not applicable: '{}' does not export memory with cuIpcGetMemHandle ({})",
+                "note: {} tests per target are not applicable: '{}' does not export memory to other processes (its pool is not created for export; 'async-pool-ipc' does that) ({})",
                 IPC_EXPORT.len(),
                 setup.manager,
                 IPC_EXPORT.join(", ")

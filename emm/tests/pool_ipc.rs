@@ -1,0 +1,337 @@
+//! IPC of stream-ordered pools (`async-pool-ipc`) between simulated processes: the pool export
+//! over a real Unix socket, imports, direct and staged opens, peers, resets, and a property
+//! test of random exports, opens and closes.
+//!
+//! `PROPTEST_CASES` sets the number of cases of the property test (CI: 256, about 0.2 s; 3000 take 2 s).
+#![cfg(not(emm_loom))]
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+
+use driver_mock::{Op, SimConfig, SimDeviceConfig, SimDriver};
+use emm::{EmmError, IpcHandle, IpcMemory, MemoryPointer, PoolExport, Runtime};
+use proptest::prelude::*;
+
+fn runtime(sim: &Arc<SimDriver>, manager: &str) -> Runtime {
+    Runtime::builder(sim.clone())
+        .ignore_env()
+        .memory_manager_name(manager)
+        .build()
+        .unwrap()
+}
+
+fn two_devices(peers: bool) -> Arc<SimDriver> {
+    Arc::new(SimDriver::new(
+        SimConfig::with_devices(vec![
+            SimDeviceConfig::new(256 << 20),
+            SimDeviceConfig::new(256 << 20),
+        ])
+        .peer_access(peers),
+    ))
+}
+
+/// The export crosses a socket pair as a file descriptor; the other process imports it, opens
+/// a view directly, sees the exporter's bytes, writes into the shared memory (the exporter
+/// sees the write), closes, and ends holding nothing.
+#[test]
+fn an_export_sent_over_a_socket_opens_in_the_other_process() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime(&sim, "async-pool-ipc");
+    let ctx = rt.context(0).unwrap();
+    let mem = ctx.to_device(&[5u8; 4096]).unwrap();
+    let handle = ctx
+        .get_ipc_handle(&mem.view(1024, Some(2048)).unwrap())
+        .unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    let export = ctx.export_pool().unwrap();
+    export.send(&a).unwrap();
+    let received = PoolExport::receive(&b).unwrap();
+    assert_eq!(received.id(), export.id());
+    assert_eq!(received.source(), export.source());
+    drop(export);
+
+    let other = Arc::new(sim.spawn_process());
+    {
+        let ort = runtime(&other, "default");
+        ort.import_pool(received).unwrap();
+        let octx = ort.context(0).unwrap();
+        let theirs = IpcHandle::from_bytes(&handle.to_bytes()).unwrap();
+        let view = theirs.open(&ort, &octx).unwrap();
+        assert!(view.is_ipc_mapping());
+        let mut seen = vec![0u8; 1024];
+        octx.copy_to_host(&mut seen, &view).unwrap();
+        assert_eq!(seen, vec![5u8; 1024]);
+        octx.copy_to_device(&view, &[9u8; 16]).unwrap();
+        theirs.close().unwrap();
+        assert!(!view.is_live());
+        assert!(octx.copy_to_host(&mut seen, &view).is_err());
+    }
+    assert!(other.leak_report().is_clean(), "{}", other.leak_report());
+    let mut back = vec![0u8; 4096];
+    ctx.copy_to_host(&mut back, &mem).unwrap();
+    assert_eq!(&back[1024..1040], &[9u8; 16], "the importer's write landed");
+    assert_eq!(&back[1040..], &vec![5u8; 4096 - 1040][..]);
+    assert_eq!(sim.count(Op::MemPoolExportPointer), 1);
+    assert_eq!(other.count(Op::MemPoolImportPointer), 1);
+}
+
+/// Importing twice is harmless; the export's descriptor is the driver's (the import reads
+/// it), and the import grants nothing on the pool's own device it already has.
+#[test]
+fn importing_again_does_nothing() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime(&sim, "async-pool-ipc");
+    let ctx = rt.context(0).unwrap();
+    let other = Arc::new(sim.spawn_process());
+    let ort = runtime(&other, "default");
+    ort.import_pool(ctx.export_pool().unwrap()).unwrap();
+    ort.import_pool(ctx.export_pool().unwrap()).unwrap();
+    assert_eq!(other.count(Op::MemPoolImportFromShareableHandle), 1);
+    assert_eq!(other.count(Op::MemPoolSetAccess), 0);
+    drop(ort);
+    assert!(other.leak_report().is_clean(), "{}", other.leak_report());
+}
+
+/// Between peers, a direct open from the other device grants that device access to the
+/// imported pool; without peers, `open` stages through the source device.
+#[test]
+fn peers_open_directly_with_access_and_others_stage() {
+    for peers in [true, false] {
+        let sim = two_devices(peers);
+        let rt = runtime(&sim, "async-pool-ipc");
+        let ctx = rt.context(0).unwrap();
+        let mem = ctx.to_device(&[7u8; 512]).unwrap();
+        let handle = ctx.get_ipc_handle(&mem).unwrap();
+        let other = Arc::new(sim.spawn_process());
+        {
+            let ort = runtime(&other, "default");
+            ort.import_pool(ctx.export_pool().unwrap()).unwrap();
+            let on1 = ort.context(1).unwrap();
+            let theirs = IpcHandle::from_bytes(&handle.to_bytes()).unwrap();
+            let got = theirs.open(&ort, &on1).unwrap();
+            assert_eq!(got.is_ipc_mapping(), peers);
+            assert_eq!(got.device().0, 1);
+            let mut seen = vec![0u8; 512];
+            on1.copy_to_host(&mut seen, &got).unwrap();
+            assert_eq!(seen, vec![7u8; 512]);
+            assert_eq!(other.count(Op::MemPoolSetAccess), usize::from(peers));
+            theirs.close().unwrap();
+        }
+        assert!(other.leak_report().is_clean(), "{}", other.leak_report());
+    }
+}
+
+/// A device reset in the importing process ends its imports: open pointers turn stale, the
+/// imported pool and pointers are released, and a handle opens again after a new import.
+#[test]
+fn an_importer_reset_ends_the_import() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime(&sim, "async-pool-ipc");
+    let ctx = rt.context(0).unwrap();
+    let mem = ctx.to_device(&[1u8; 256]).unwrap();
+    let bytes = ctx.get_ipc_handle(&mem).unwrap().to_bytes();
+    let other = Arc::new(sim.spawn_process());
+    let ort = runtime(&other, "default");
+    ort.import_pool(ctx.export_pool().unwrap()).unwrap();
+    let first = IpcHandle::from_bytes(&bytes).unwrap();
+    let view = first.open(&ort, &ort.context(0).unwrap()).unwrap();
+    ort.reset_device(0).unwrap();
+    let mut seen = vec![0u8; 256];
+    assert!(
+        ort.context(0)
+            .unwrap()
+            .copy_to_host(&mut seen, &view)
+            .is_err()
+    );
+    first.close().unwrap();
+    assert!(other.leak_report().ipc_mappings.is_empty());
+    let again = IpcHandle::from_bytes(&bytes).unwrap();
+    let e = again.open(&ort, &ort.context(0).unwrap()).unwrap_err();
+    assert!(matches!(e, EmmError::PoolNotImported { .. }), "{e:?}");
+    ort.import_pool(ctx.export_pool().unwrap()).unwrap();
+    let octx = ort.context(0).unwrap();
+    let view = again.open(&ort, &octx).unwrap();
+    octx.copy_to_host(&mut seen, &view).unwrap();
+    assert_eq!(seen, vec![1u8; 256]);
+    drop(again);
+    drop(ort);
+    assert!(other.leak_report().is_clean(), "{}", other.leak_report());
+}
+
+/// The exporter's handle refuses memory that is not its pool's, and the exporter cannot open
+/// its own handle (Numba's text).
+#[test]
+fn the_exporter_refuses_foreign_memory_and_its_own_open() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime(&sim, "async-pool-ipc");
+    let ctx = rt.context(0).unwrap();
+    let foreign = MemoryPointer::unowned(
+        ctx.device(),
+        ctx.handle(),
+        emm::driver_sys::DevicePtr(0x1000),
+        64,
+    );
+    let e = ctx.get_ipc_handle(&foreign).unwrap_err();
+    assert!(matches!(e, EmmError::InvalidArgument { .. }), "{e:?}");
+    assert!(e.to_string().contains("not a live allocation"), "{e}");
+    let mem = ctx.memalloc(64).unwrap();
+    let handle = ctx.get_ipc_handle(&mem).unwrap();
+    assert!(matches!(handle.handle(), IpcMemory::PoolAllocation { .. }));
+    let e = handle.open(&rt, &ctx).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("opening IpcHandle from original process"),
+        "{e}"
+    );
+}
+
+/// Malformed transfers are clear errors: no descriptor, a closed peer, foreign bytes.
+#[test]
+fn malformed_transfers_are_refused() {
+    let (mut a, b) = UnixStream::pair().unwrap();
+    a.write_all(&[0u8; emm::POOL_DESCRIPTOR_LEN]).unwrap();
+    let e = PoolExport::receive(&b).unwrap_err();
+    assert!(e.to_string().contains("exactly one file descriptor"), "{e}");
+    drop(a);
+    let e = PoolExport::receive(&b).unwrap_err();
+    assert!(matches!(e, EmmError::PoolTransfer { .. }), "{e:?}");
+    assert!(e.to_string().contains("PoolExport::send"), "{e}");
+    let (reader, _writer) = std::io::pipe().unwrap();
+    let e = PoolExport::from_descriptor(b"EMMPOOL\x07\x00", reader.into()).unwrap_err();
+    assert!(e.to_string().contains("format version 7"), "{e}");
+    // A descriptor that is not the driver's: the import is refused by the driver.
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime(&sim, "async-pool-ipc");
+    let ctx = rt.context(0).unwrap();
+    let real = ctx.export_pool().unwrap();
+    let (reader, _writer) = std::io::pipe().unwrap();
+    let forged = PoolExport::from_descriptor(&real.descriptor(), reader.into()).unwrap();
+    let other = Arc::new(sim.spawn_process());
+    let ort = runtime(&other, "default");
+    let e = ort.import_pool(forged).unwrap_err();
+    assert!(e.to_string().contains("import_pool"), "{e}");
+}
+
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256)
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    /// Allocate this many bytes, filled with a byte of its own.
+    Alloc(usize),
+    /// Export a view of live block `i % n` (start and length in 1/8ths of it).
+    Export(usize, u8, u8),
+    /// Open exported handle `i % n` in the other process, directly or staged.
+    Open(usize, bool),
+    /// Close opened handle `i % n`.
+    Close(usize),
+    /// Drop live block `i % n` once nothing of the other process maps it.
+    Free(usize),
+}
+
+fn steps() -> impl Strategy<Value = Vec<Step>> {
+    prop::collection::vec(
+        prop_oneof![
+            2 => (1usize..(64 << 10)).prop_map(Step::Alloc),
+            3 => (any::<usize>(), 0u8..8, 1u8..9).prop_map(|(i, a, b)| Step::Export(i, a, b)),
+            3 => (any::<usize>(), any::<bool>()).prop_map(|(i, s)| Step::Open(i, s)),
+            2 => any::<usize>().prop_map(Step::Close),
+            1 => any::<usize>().prop_map(Step::Free),
+        ],
+        1..40,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Random allocations, exports of views, opens (direct or staged) and closes in another
+    /// process: every open sees exactly the exported bytes, a closed direct mapping is stale, a
+    /// staged copy outlives its close, and both processes end holding nothing.
+    #[test]
+    fn exports_opens_and_closes_in_any_order(steps in steps()) {
+        let sim = Arc::new(SimDriver::new(SimConfig::default()));
+        let other = Arc::new(sim.spawn_process());
+        {
+            let rt = runtime(&sim, "async-pool-ipc");
+            let ctx = rt.context(0).unwrap();
+            let ort = runtime(&other, "default");
+            ort.import_pool(ctx.export_pool().unwrap()).unwrap();
+            let octx = ort.context(0).unwrap();
+            // (block, fill), (exporter's handle, bytes expected, block index), opened.
+            let mut blocks: Vec<(MemoryPointer, u8)> = Vec::new();
+            let mut exported: Vec<(IpcHandle, Vec<u8>, usize)> = Vec::new();
+            let mut opened: Vec<(IpcHandle, MemoryPointer, bool, Vec<u8>, usize)> = Vec::new();
+            for step in steps {
+                match step {
+                    Step::Alloc(n) => {
+                        let fill = (blocks.len() % 250) as u8 + 1;
+                        blocks.push((ctx.to_device(&vec![fill; n]).unwrap(), fill));
+                    }
+                    Step::Export(i, a, b) if !blocks.is_empty() => {
+                        let k = i % blocks.len();
+                        let (mem, fill) = &blocks[k];
+                        let n = mem.size();
+                        let (start, stop) = (n * a as usize / 8, (n * b as usize / 8).max(n * a as usize / 8 + 1).min(n));
+                        prop_assume!(start < stop);
+                        let h = ctx.get_ipc_handle(&mem.view(start, Some(stop)).unwrap()).unwrap();
+                        exported.push((h, vec![*fill; stop - start], k));
+                    }
+                    Step::Open(i, staged) if !exported.is_empty() => {
+                        let (h, want, k) = &exported[i % exported.len()];
+                        let theirs = IpcHandle::from_bytes(&h.to_bytes()).unwrap();
+                        let got = if staged { theirs.open_staged(&ort, &octx) } else { theirs.open(&ort, &octx) }.unwrap();
+                        let mut seen = vec![0u8; got.size()];
+                        octx.copy_to_host(&mut seen, &got).unwrap();
+                        prop_assert_eq!(&seen, want);
+                        opened.push((theirs, got, staged, want.clone(), *k));
+                    }
+                    Step::Close(i) if !opened.is_empty() => {
+                        let (h, got, staged, want, _) = opened.swap_remove(i % opened.len());
+                        h.close().unwrap();
+                        let mut seen = vec![0u8; got.size()];
+                        let after = octx.copy_to_host(&mut seen, &got);
+                        if staged {
+                            prop_assert!(after.is_ok() && seen == want);
+                        } else {
+                            prop_assert!(matches!(after, Err(EmmError::Stale { .. })), "{:?}", after);
+                        }
+                    }
+                    Step::Free(i) if !blocks.is_empty() => {
+                        // The driver's rule: importers free first. Only blocks nobody maps.
+                        let k = i % blocks.len();
+                        if opened.iter().any(|o| o.4 == k && !o.2) {
+                            continue;
+                        }
+                        exported.retain(|e| e.2 != k);
+                        for e in &mut exported {
+                            if e.2 > k {
+                                e.2 -= 1;
+                            }
+                        }
+                        // Staged copies of the block stay; they name no block any more.
+                        for o in &mut opened {
+                            if o.4 == k {
+                                o.4 = usize::MAX;
+                            } else if o.4 > k && o.4 != usize::MAX {
+                                o.4 -= 1;
+                            }
+                        }
+                        blocks.remove(k);
+                    }
+                    _ => {}
+                }
+            }
+            for (h, _, _, _, _) in opened {
+                h.close().unwrap();
+            }
+        }
+        prop_assert!(other.leak_report().is_clean(), "{}", other.leak_report());
+        prop_assert!(sim.leak_report().is_clean(), "{}", sim.leak_report());
+    }
+}
