@@ -622,6 +622,9 @@ struct SimPool {
     free: Vec<FreeBlock>,
     /// Created with a shareable handle type (POSIX file descriptors): it can be exported.
     ipc: bool,
+    /// Exported to a shareable handle at least once. Measured on the H200: until then
+    /// `cuMemPoolExportPointer` refuses the pool's allocations (`CUDA_ERROR_INVALID_VALUE`).
+    exported: bool,
     /// Imported from another process: (that process, its pool handle). Such a pool only
     /// imports pointers.
     imported_from: Option<(usize, u64)>,
@@ -635,6 +638,7 @@ impl SimPool {
             device,
             is_default,
             ipc: false,
+            exported: false,
             imported_from: None,
             access: BTreeSet::new(),
             destroyed: false,
@@ -2252,6 +2256,7 @@ impl Driver for SimDriver {
                 if !p.ipc || p.destroyed || p.imported_from.is_some() {
                     return Err(code::INVALID_VALUE);
                 }
+                p.exported = true;
                 // A real descriptor, so it travels like the driver's: one end of a pipe, known
                 // by its inode.
                 let (reader, _writer) = std::io::pipe().map_err(|_| code::OUT_OF_MEMORY)?;
@@ -2307,7 +2312,7 @@ impl Driver for SimDriver {
                 let (&h, _) = w.processes[pid]
                     .pools
                     .iter()
-                    .find(|(_, p)| p.ipc && !p.destroyed && p.live.contains_key(&ptr.0))
+                    .find(|(_, p)| p.exported && !p.destroyed && p.live.contains_key(&ptr.0))
                     .ok_or(code::INVALID_VALUE)?;
                 Ok(encode_pool_ptr(pid, h, ptr.0))
             }),

@@ -63,6 +63,9 @@ struct PoolState {
     pool: Option<MemPoolHandle>,
     /// The pool's name across processes (IPC-enabled pools only; new with every pool).
     id: Option<PoolId>,
+    /// Whether the pool was exported to a file descriptor yet: measured on the H200, the
+    /// driver refuses to export its allocations (`cuMemPoolExportPointer`) until it was.
+    exported: bool,
     /// Allocations not freed yet: a reset frees them before it destroys the pool, because the
     /// driver releases a destroyed pool's memory only once its allocations are freed.
     live: std::collections::HashSet<u64>,
@@ -138,6 +141,7 @@ impl AsyncPoolAllocator {
                 state: Mutex::new(PoolState {
                     pool: None,
                     id: None,
+                    exported: false,
                     live: std::collections::HashSet::new(),
                 }),
                 generation: AtomicU64::new(0),
@@ -194,6 +198,7 @@ impl AsyncPoolAllocator {
             return Err(e);
         }
         state.id = self.shared.ipc.then(PoolId::fresh);
+        state.exported = false;
         tracing::debug!(device = %cx.device, ?pool, id = ?state.id, "stream-ordered pool created");
         state.pool = Some(pool);
         Ok(pool)
@@ -327,7 +332,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
             .enter()
             .ok_or_else(|| self.stale("get_ipc_handle"))?;
         let base = memory.allocation_base();
-        let state = lock(&self.shared.state);
+        let mut state = lock(&self.shared.state);
         let (Some(id), true) = (state.id, state.live.contains(&base.0)) else {
             return Err(EmmError::InvalidArgument {
                 what: "memory passed to get_ipc_handle",
@@ -338,6 +343,17 @@ impl DeviceAllocator for AsyncPoolAllocator {
                 ),
             });
         };
+        if !state.exported {
+            // The driver exports no allocation of a pool never exported itself; the handle
+            // opened here is closed at once (the export stays valid).
+            let pool = state.pool.expect("a pool with live allocations exists");
+            drop(
+                cx.driver
+                    .mem_pool_export_fd(cx.context, pool)
+                    .map_err(self.err("get_ipc_handle"))?,
+            );
+            state.exported = true;
+        }
         // The importer must not touch the memory before its allocation completed.
         cx.driver
             .stream_synchronize(cx.context, STREAM)
@@ -371,15 +387,16 @@ impl DeviceAllocator for AsyncPoolAllocator {
             .liveness
             .enter()
             .ok_or_else(|| self.stale("export_pool"))?;
-        let (pool, id) = {
+        let (fd, id) = {
             let mut state = lock(&self.shared.state);
             let pool = self.pool(&mut state).map_err(self.err("export_pool"))?;
-            (pool, state.id.expect("an IPC-enabled pool has an id"))
+            let fd = cx
+                .driver
+                .mem_pool_export_fd(cx.context, pool)
+                .map_err(self.err("export_pool"))?;
+            state.exported = true;
+            (fd, state.id.expect("an IPC-enabled pool has an id"))
         };
-        let fd = cx
-            .driver
-            .mem_pool_export_fd(cx.context, pool)
-            .map_err(self.err("export_pool"))?;
         let source = crate::ipc::identity_of(&*cx.driver, cx.device)?;
         tracing::info!(device = %cx.device, pool = %id, "stream-ordered pool exported");
         Ok(PoolExport::new(id, source, fd))

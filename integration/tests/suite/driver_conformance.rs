@@ -412,3 +412,47 @@ pub fn ipc_and_peer_conformance(target: Target) -> Result<(), Failed> {
         other => Err(format!("garbage module image: {other:?}").into()),
     }
 }
+
+/// Pool export, as measured on the H200: a pool created without a shareable handle type does
+/// not export; an IPC-enabled pool's allocation is refused by `cuMemPoolExportPointer`
+/// (`CUDA_ERROR_INVALID_VALUE`) until the pool itself was exported once, and exports after
+/// that, also once the pool's descriptor was closed; the pool's own device has read-write
+/// access to it.
+pub fn pool_export_conformance(target: Target) -> Result<(), Failed> {
+    let raw = Raw::new(target)?;
+    let (d, ctx, dev) = (&raw.driver, raw.ctx, DeviceOrdinal(0));
+    let stream = driver_sys::StreamHandle(0);
+    let plain = d.mem_pool_create(ctx, dev, false)?;
+    expect_kind(
+        "exporting a pool created without a handle type",
+        d.mem_pool_export_fd(ctx, plain).map(|_| ()),
+        ErrorKind::InvalidValue,
+    )?;
+    let pool = d.mem_pool_create(ctx, dev, true)?;
+    ensure!(
+        d.mem_pool_can_access(ctx, pool, dev)?,
+        "the pool's own device has read-write access"
+    );
+    let ptr = d.mem_alloc_from_pool_async(ctx, pool, 4096, stream)?;
+    d.stream_synchronize(ctx, stream)?;
+    expect_kind(
+        "exporting an allocation before the pool",
+        d.mem_pool_export_pointer(ctx, ptr),
+        ErrorKind::InvalidValue,
+    )?;
+    drop(d.mem_pool_export_fd(ctx, pool)?);
+    let data = d.mem_pool_export_pointer(ctx, ptr)?;
+    ensure!(
+        data.0 != [0; 64],
+        "the export data is not all zeros: {data:?}"
+    );
+    // SAFETY: `ptr` came from the pool above and is freed once; then both pools, created
+    // above with nothing else allocated from them, are destroyed once.
+    unsafe {
+        d.mem_free_async(ctx, ptr, stream)?;
+        d.stream_synchronize(ctx, stream)?;
+        d.mem_pool_destroy(ctx, pool)?;
+        d.mem_pool_destroy(ctx, plain)?;
+    }
+    Ok(())
+}

@@ -119,6 +119,7 @@ const TESTS: &[(&str, SuiteFn)] = suite_tests![
     ipc::pool_export_per_manager,
     stress::stress_mixed_operations,
     driver_conformance::alignment_of_allocations,
+    driver_conformance::pool_export_conformance,
     driver_conformance::zero_byte_alloc_is_invalid_value,
     driver_conformance::oversized_alloc_is_out_of_memory,
     driver_conformance::double_free_is_invalid_value,
