@@ -688,6 +688,13 @@ struct World {
     pool_exports: BTreeMap<u64, (usize, u64)>,
 }
 
+/// Who reaches memory: a process, through a context of a device.
+#[derive(Clone, Copy)]
+struct Accessor {
+    pid: usize,
+    device: usize,
+}
+
 /// Where a device address leads.
 enum Loc {
     Store(u64, usize),
@@ -888,8 +895,8 @@ impl World {
     ///
     /// If `addr` is mapped host memory, it is live and nothing writes it during the call (the
     /// `Driver` copy contracts).
-    unsafe fn read(&self, pid: usize, addr: u64, dst: &mut [u8]) -> Result<(), u32> {
-        match self.resolve(pid, addr, dst.len())? {
+    unsafe fn read(&self, by: Accessor, addr: u64, dst: &mut [u8]) -> Result<(), u32> {
+        match self.resolve(by, addr, dst.len())? {
             Loc::Store(id, off) => {
                 dst.copy_from_slice(&self.stores[&id].bytes[off..off + dst.len()])
             }
@@ -907,8 +914,8 @@ impl World {
     /// # Safety
     ///
     /// If `addr` is mapped host memory, it is live and nothing else touches it during the call.
-    unsafe fn write(&mut self, pid: usize, addr: u64, src: &[u8]) -> Result<(), u32> {
-        match self.resolve(pid, addr, src.len())? {
+    unsafe fn write(&mut self, by: Accessor, addr: u64, src: &[u8]) -> Result<(), u32> {
+        match self.resolve(by, addr, src.len())? {
             Loc::Store(id, off) => self.stores.get_mut(&id).expect("live store").bytes
                 [off..off + src.len()]
                 .copy_from_slice(src),
@@ -921,7 +928,12 @@ impl World {
 
     /// Resolves `len` bytes at `addr` as seen by process `pid` (unified addressing: any device's
     /// memory of this process, its IPC mappings, and its mapped host memory).
-    fn resolve(&self, pid: usize, addr: u64, len: usize) -> Result<Loc, u32> {
+    ///
+    /// Memory imported from another process's pool is reached only from a device the imported
+    /// pool grants access to (measured on two H200s: a copy in another device's context is
+    /// `CUDA_ERROR_INVALID_VALUE`).
+    fn resolve(&self, by: Accessor, addr: u64, len: usize) -> Result<Loc, u32> {
+        let pid = by.pid;
         let in_range = |start: u64, size: usize| {
             addr.checked_sub(start)
                 .and_then(|off| {
@@ -947,6 +959,12 @@ impl World {
         if let Some((&start, m)) = p.ipc.range(..=addr).next_back()
             && let Some(off) = in_range(start, m.size)
         {
+            if let Some(pool) = m.pool.and_then(|h| p.pools.get(&h))
+                && pool.device != by.device
+                && !pool.access.contains(&by.device)
+            {
+                return Err(code::INVALID_VALUE);
+            }
             return Ok(Loc::Store(m.store, off));
         }
         if let Some((&start, h)) = p.host.range(..=(addr as usize)).next_back()
@@ -1251,15 +1269,19 @@ impl SimDriver {
         ctx: ContextHandle,
         ptr: DevicePtr,
         bytes: usize,
-        body: impl FnOnce(&mut World, usize) -> Result<(), u32>,
+        body: impl FnOnce(&mut World, Accessor) -> Result<(), u32>,
     ) -> Result<(), DriverError> {
         self.call(
             op,
             Box::new(move |w, pid, note| {
                 note.ptr = Some(ptr);
                 note.bytes = Some(bytes);
-                context(w, pid, ctx, note)?;
-                if bytes == 0 { Ok(()) } else { body(w, pid) }
+                let device = context(w, pid, ctx, note)?;
+                if bytes == 0 {
+                    Ok(())
+                } else {
+                    body(w, Accessor { pid, device })
+                }
             }),
         )
     }
@@ -1572,10 +1594,10 @@ impl Driver for SimDriver {
         dst: DevicePtr,
         src: &[u8],
     ) -> Result<(), DriverError> {
-        self.copy_call(Op::MemcpyHtoD, ctx, dst, src.len(), |w, pid| {
+        self.copy_call(Op::MemcpyHtoD, ctx, dst, src.len(), |w, by| {
             // SAFETY: `Driver::memcpy_htod`'s contract: the destination is live memory of the
             // caller's that nothing else touches during the call.
-            unsafe { w.write(pid, dst.0, src) }
+            unsafe { w.write(by, dst.0, src) }
         })
     }
 
@@ -1586,10 +1608,10 @@ impl Driver for SimDriver {
         src: DevicePtr,
     ) -> Result<(), DriverError> {
         let len = dst.len();
-        self.copy_call(Op::MemcpyDtoH, ctx, src, len, |w, pid| {
+        self.copy_call(Op::MemcpyDtoH, ctx, src, len, |w, by| {
             // SAFETY: `Driver::memcpy_dtoh`'s contract: the source is live memory of the caller's
             // that nothing writes during the call.
-            unsafe { w.read(pid, src.0, dst) }
+            unsafe { w.read(by, src.0, dst) }
         })
     }
 
@@ -1860,13 +1882,13 @@ impl Driver for SimDriver {
         src: DevicePtr,
         bytes: usize,
     ) -> Result<(), DriverError> {
-        self.copy_call(Op::MemcpyDtoD, ctx, dst, bytes, |w, pid| {
+        self.copy_call(Op::MemcpyDtoD, ctx, dst, bytes, |w, by| {
             let mut staging = vec![0u8; bytes];
             // SAFETY: `Driver::memcpy_dtod`'s contract: both ranges are live memory of the
             // caller's that nothing else writes during the call.
             unsafe {
-                w.read(pid, src.0, &mut staging)?;
-                w.write(pid, dst.0, &staging)
+                w.read(by, src.0, &mut staging)?;
+                w.write(by, dst.0, &staging)
             }
         })
     }
@@ -1878,10 +1900,10 @@ impl Driver for SimDriver {
         value: u8,
         bytes: usize,
     ) -> Result<(), DriverError> {
-        self.copy_call(Op::MemsetD8, ctx, dst, bytes, |w, pid| {
+        self.copy_call(Op::MemsetD8, ctx, dst, bytes, |w, by| {
             // SAFETY: `Driver::memset_d8`'s contract: the range is live memory of the caller's
             // that nothing else uses during the call.
-            unsafe { w.write(pid, dst.0, &vec![value; bytes]) }
+            unsafe { w.write(by, dst.0, &vec![value; bytes]) }
         })
     }
 

@@ -448,6 +448,22 @@ impl Context {
         .map_err(|e| EmmError::driver(WHAT, self.inner.cx.device, e))
     }
 
+    /// Copies `dst.len()` bytes at `src`, a mapping the caller holds open for the call, to the
+    /// host.
+    pub(crate) fn read_mapping(&self, dst: &mut [u8], src: DevicePtr) -> Result<(), EmmError> {
+        const WHAT: &str = "device to host copy";
+        let _live = self.enter(WHAT)?;
+        // SAFETY: `dst` is an exclusive borrow of `dst.len()` writable bytes; the caller holds
+        // the mapping `src .. src + dst.len()` open for the call, and nothing writes it here.
+        unsafe {
+            self.inner
+                .cx
+                .driver
+                .memcpy_dtoh(self.inner.cx.context, dst, src)
+        }
+        .map_err(|e| EmmError::driver(WHAT, self.inner.cx.device, e))
+    }
+
     /// Base and end address of the whole allocation that `memory` lies in, as the driver
     /// reports them (Numba's `device_extents`).
     pub fn device_extents(

@@ -137,6 +137,9 @@ const MAGIC: &[u8; 6] = b"EMMIPC";
 const FORMAT_VERSION: u16 = 2;
 const ENCODED_LEN: usize = 6 + 2 + 1 + 64 + 16 + 8 + 8 + 1 + 12;
 
+/// Bytes per host round trip when a staged open of pool memory goes through the host.
+const STAGING_CHUNK: usize = 16 << 20;
+
 impl IpcHandle {
     pub(crate) fn exported(
         base: MemoryPointer,
@@ -391,7 +394,9 @@ impl IpcHandle {
 
     /// Copies the memory into new memory of `ctx`'s manager by way of the source device
     /// (Numba's `open_staged`); the copy belongs to that manager. Use it to force the staged
-    /// path between peers.
+    /// path between peers. Memory of an imported stream-ordered pool is copied through host
+    /// memory (16 MiB at a time) when `ctx` is on another device: only devices the pool grants
+    /// access reach it, and one that is not a peer cannot be granted.
     pub fn open_staged(&self, runtime: &Runtime, ctx: &Context) -> Result<MemoryPointer, EmmError> {
         let Some(source) = self.source else {
             return Err(EmmError::Ipc {
@@ -404,13 +409,21 @@ impl IpcHandle {
         self.check_openable(&opened)?;
         let src_ctx = runtime.context(runtime.device_with_identity(&source)?)?;
         let mapping = self.map_checked(&src_ctx)?;
+        let src = DevicePtr(mapping.base.0 + self.offset as u64);
         let copied = ctx.memalloc(self.size).and_then(|new| {
-            ctx.copy_device_to_device(
-                new.device_ptr(),
-                DevicePtr(mapping.base.0 + self.offset as u64),
-                self.size,
-                &new,
-            )?;
+            if mapping.pool.is_some() && src_ctx.device() != ctx.device() {
+                // Imported pool memory is reached only from devices its pool grants access,
+                // and a device that is not a peer cannot be granted (measured on two H200s):
+                // the bytes go through host memory.
+                let mut chunk = vec![0u8; self.size.min(STAGING_CHUNK)];
+                for start in (0..self.size).step_by(STAGING_CHUNK) {
+                    let n = (self.size - start).min(STAGING_CHUNK);
+                    src_ctx.read_mapping(&mut chunk[..n], DevicePtr(src.0 + start as u64))?;
+                    ctx.copy_to_device(&new.view(start, Some(start + n))?, &chunk[..n])?;
+                }
+            } else {
+                ctx.copy_device_to_device(new.device_ptr(), src, self.size, &new)?;
+            }
             Ok(new)
         });
         let closed = mapping.close();

@@ -335,3 +335,42 @@ proptest! {
         prop_assert!(sim.leak_report().is_clean(), "{}", sim.leak_report());
     }
 }
+
+/// A staged open on another device goes through the host, in chunks, since that device has
+/// no access to the imported pool (on two H200s a device-to-device copy in its context was
+/// refused): the copy has every byte of a block larger than one chunk, and no access was
+/// granted. A direct open from the peer is granted access and reads the memory itself.
+#[test]
+fn staged_opens_on_another_device_go_through_the_host() {
+    let sim = two_devices(true);
+    let rt = runtime(&sim, "async-pool-ipc");
+    let ctx = rt.context(0).unwrap();
+    let n = 40 << 20;
+    let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+    let mem = ctx.to_device(&data).unwrap();
+    let handle = ctx.get_ipc_handle(&mem.view(3, None).unwrap()).unwrap();
+    let other = Arc::new(sim.spawn_process());
+    {
+        let ort = runtime(&other, "default");
+        ort.import_pool(ctx.export_pool().unwrap()).unwrap();
+        let on1 = ort.context(1).unwrap();
+        let theirs = IpcHandle::from_bytes(&handle.to_bytes()).unwrap();
+        let copy = theirs.open_staged(&ort, &on1).unwrap();
+        assert!(!copy.is_ipc_mapping());
+        let mut seen = vec![0u8; n - 3];
+        on1.copy_to_host(&mut seen, &copy).unwrap();
+        assert!(seen == data[3..], "the staged copy differs");
+        assert_eq!(other.count(Op::MemPoolSetAccess), 0);
+        assert!(other.count(Op::MemcpyDtoH) >= 3, "40 MiB in 16 MiB chunks");
+        theirs.close().unwrap();
+        // Direct: device 1 is granted access, so its context reaches the imported memory.
+        let direct = IpcHandle::from_bytes(&handle.to_bytes()).unwrap();
+        let view = direct.open(&ort, &on1).unwrap();
+        let mut head = [0u8; 8];
+        on1.copy_to_host(&mut head, &view.view(0, Some(8)).unwrap())
+            .unwrap();
+        assert_eq!(&head[..], &data[3..11]);
+        direct.close().unwrap();
+    }
+    assert!(other.leak_report().is_clean(), "{}", other.leak_report());
+}
