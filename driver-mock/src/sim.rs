@@ -1003,6 +1003,13 @@ impl World {
 ///   in the exporting process, or on a device that is not a peer of the allocation's, fails as
 ///   on the GPU. The memory lives while
 ///   any process maps it.
+/// - **Stream-ordered pools and their IPC.** Pools, the release threshold and stream order (a
+///   freed block is reusable on its stream at once, on others after a synchronisation). A pool
+///   created for export exports as a real file descriptor (one end of a pipe, known by its
+///   inode), so it can travel over a Unix socket; another process imports it and then imports
+///   allocations through it. As measured on the H200: allocations export only once their pool
+///   was exported; an imported pointer is reached only from devices the imported pool grants
+///   access to.
 /// - **Host memory** as measured: `cuMemHostAlloc(0)` succeeds with the null pointer; pinned
 ///   and registered memory has a device address (the host address) whatever the flags.
 /// - **Host memory** as measured: `cuMemHostAlloc(0)` succeeds with the null pointer; pinned
