@@ -789,6 +789,44 @@ impl World {
         }
     }
 
+    /// Maps `size` bytes of `store` into process `pid`'s IPC space of `device`, at the lowest
+    /// free run of whole pages, opened once (`pool`: imported through that pool); returns
+    /// the address.
+    fn map_store(
+        &mut self,
+        pid: usize,
+        device: usize,
+        store: u64,
+        size: usize,
+        pool: Option<u64>,
+    ) -> u64 {
+        let span = size.next_multiple_of(PAGE_SIZE);
+        let region = DeviceMem::base(device) + IPC_SPACE_OFFSET;
+        let mut addr = region;
+        for (&start, m) in self.processes[pid]
+            .ipc
+            .range(region..region + IPC_SPACE_OFFSET)
+        {
+            if start - addr >= span as u64 {
+                break;
+            }
+            addr = start + m.span as u64;
+        }
+        self.stores.get_mut(&store).expect("a live store").refs += 1;
+        self.processes[pid].ipc.insert(
+            addr,
+            IpcMap {
+                device,
+                store,
+                size,
+                span,
+                opens: 1,
+                pool,
+            },
+        );
+        addr
+    }
+
     /// Pool `h` of process `pid` (`CUDA_ERROR_INVALID_VALUE` when it has none such).
     fn pool_mut(&mut self, pid: usize, h: MemPoolHandle) -> Result<&mut SimPool, u32> {
         self.processes[pid]
@@ -2216,28 +2254,7 @@ impl Driver for SimDriver {
                     note.ptr = Some(DevicePtr(addr));
                     return Ok(DevicePtr(addr));
                 }
-                let span = size.next_multiple_of(PAGE_SIZE);
-                let region = DeviceMem::base(i) + IPC_SPACE_OFFSET;
-                let p = &w.processes[pid];
-                let mut addr = region;
-                for (&start, m) in p.ipc.range(region..region + IPC_SPACE_OFFSET) {
-                    if start - addr >= span as u64 {
-                        break;
-                    }
-                    addr = start + m.span as u64;
-                }
-                w.stores.get_mut(&store).expect("exported store").refs += 1;
-                w.processes[pid].ipc.insert(
-                    addr,
-                    IpcMap {
-                        device: i,
-                        store,
-                        size,
-                        span,
-                        opens: 1,
-                        pool: None,
-                    },
-                );
+                let addr = w.map_store(pid, i, store, size, None);
                 note.ptr = Some(DevicePtr(addr));
                 note.bytes = Some(size);
                 Ok(DevicePtr(addr))
@@ -2376,33 +2393,7 @@ impl Driver for SimDriver {
                     .filter(|a| live && a.owner == exporter)
                     .ok_or(code::INVALID_VALUE)?;
                 let (store, size) = (alloc.store, alloc.size);
-                let span = size.next_multiple_of(PAGE_SIZE);
-                let region = DeviceMem::base(device) + IPC_SPACE_OFFSET;
-                let mut at = region;
-                for (&start, m) in w.processes[pid]
-                    .ipc
-                    .range(region..region + IPC_SPACE_OFFSET)
-                {
-                    if start - at >= span as u64 {
-                        break;
-                    }
-                    at = start + m.span as u64;
-                }
-                w.stores
-                    .get_mut(&store)
-                    .expect("live allocation's store")
-                    .refs += 1;
-                w.processes[pid].ipc.insert(
-                    at,
-                    IpcMap {
-                        device,
-                        store,
-                        size,
-                        span,
-                        opens: 1,
-                        pool: Some(pool.0),
-                    },
-                );
+                let at = w.map_store(pid, device, store, size, Some(pool.0));
                 note.ptr = Some(DevicePtr(at));
                 note.bytes = Some(size);
                 Ok(DevicePtr(at))

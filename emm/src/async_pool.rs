@@ -204,6 +204,16 @@ impl AsyncPoolAllocator {
         Ok(pool)
     }
 
+    /// Exports the pool (created if need be) as a new file descriptor, and records that it
+    /// was exported.
+    fn export_fd(&self, state: &mut PoolState) -> Result<std::os::fd::OwnedFd, DriverError> {
+        let cx = &self.shared.cx;
+        let pool = self.pool(state)?;
+        let fd = cx.driver.mem_pool_export_fd(cx.context, pool)?;
+        state.exported = true;
+        Ok(fd)
+    }
+
     fn stale(&self, what: &'static str) -> EmmError {
         EmmError::Stale {
             what,
@@ -344,15 +354,12 @@ impl DeviceAllocator for AsyncPoolAllocator {
             });
         };
         if !state.exported {
-            // The driver exports no allocation of a pool never exported itself; the handle
+            // The driver exports no allocation of a pool never exported itself; the descriptor
             // opened here is closed at once (the export stays valid).
-            let pool = state.pool.expect("a pool with live allocations exists");
             drop(
-                cx.driver
-                    .mem_pool_export_fd(cx.context, pool)
+                self.export_fd(&mut state)
                     .map_err(self.err("get_ipc_handle"))?,
             );
-            state.exported = true;
         }
         // The importer must not touch the memory before its allocation completed.
         cx.driver
@@ -376,12 +383,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
     fn export_pool(&self, _host: &HostLayer) -> Result<PoolExport, EmmError> {
         let cx = &self.shared.cx;
         if !self.shared.ipc {
-            return Err(EmmError::NotSupported {
-                operation: "export_pool",
-                manager: ASYNC_POOL_MANAGER.into(),
-                advice: "its pool is not created for export; select 'async-pool-ipc' \
-                         (EMM_MEMORY_MANAGER=async-pool-ipc)",
-            });
+            return Err(EmmError::no_pool_export(ASYNC_POOL_MANAGER));
         }
         let _live = cx
             .liveness
@@ -389,12 +391,9 @@ impl DeviceAllocator for AsyncPoolAllocator {
             .ok_or_else(|| self.stale("export_pool"))?;
         let (fd, id) = {
             let mut state = lock(&self.shared.state);
-            let pool = self.pool(&mut state).map_err(self.err("export_pool"))?;
-            let fd = cx
-                .driver
-                .mem_pool_export_fd(cx.context, pool)
+            let fd = self
+                .export_fd(&mut state)
                 .map_err(self.err("export_pool"))?;
-            state.exported = true;
             (fd, state.id.expect("an IPC-enabled pool has an id"))
         };
         let source = crate::ipc::identity_of(&*cx.driver, cx.device)?;

@@ -305,4 +305,14 @@ impl EmmError {
     pub(crate) fn driver(op: &'static str, device: DeviceOrdinal, source: DriverError) -> Self {
         EmmError::Driver { op, device, source }
     }
+
+    /// `export_pool` asked of a manager without a pool created for export.
+    pub(crate) fn no_pool_export(manager: impl Into<String>) -> Self {
+        EmmError::NotSupported {
+            operation: "export_pool",
+            manager: manager.into(),
+            advice: "only a manager over a stream-ordered pool created for export can export \
+                     it; select 'async-pool-ipc' (EMM_MEMORY_MANAGER=async-pool-ipc)",
+        }
+    }
 }

@@ -839,12 +839,7 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
     /// (the default).
     fn export_pool(&self, host: &HostLayer) -> Result<crate::PoolExport, EmmError> {
         let _ = host;
-        Err(EmmError::NotSupported {
-            operation: "export_pool",
-            manager: format!("{self:?}"),
-            advice: "only a manager over an IPC-enabled stream-ordered pool exports one; select \
-                     'async-pool-ipc' (EMM_MEMORY_MANAGER=async-pool-ipc)",
-        })
+        Err(EmmError::no_pool_export(std::any::type_name_of_val(self)))
     }
 }
 

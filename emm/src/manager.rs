@@ -114,12 +114,7 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
     /// memory comes from an IPC-enabled pool can; the others refuse with
     /// [`EmmError::NotSupported`]).
     fn export_pool(&self) -> Result<crate::PoolExport, EmmError> {
-        Err(EmmError::NotSupported {
-            operation: "export_pool",
-            manager: format!("{self:?}"),
-            advice: "only a manager over an IPC-enabled stream-ordered pool exports one; select \
-                     'async-pool-ipc' (EMM_MEMORY_MANAGER=async-pool-ipc)",
-        })
+        Err(EmmError::no_pool_export(std::any::type_name_of_val(self)))
     }
 }
 

@@ -370,12 +370,7 @@ impl PoolImports {
             .driver
             .mem_pool_import_fd(cx.context, export.fd())
             .map_err(err)?;
-        let granted = match cx.driver.mem_pool_can_access(cx.context, pool, cx.device) {
-            Ok(true) => Ok(()),
-            Ok(false) => cx.driver.mem_pool_grant_access(cx.context, pool, cx.device),
-            Err(e) => Err(e),
-        };
-        if let Err(e) = granted {
+        if let Err(e) = grant_access(ctx, pool, cx.device) {
             // SAFETY: imported just above; no pointer was imported through it.
             let _ = unsafe { cx.driver.mem_pool_destroy(cx.context, pool) };
             return Err(err(e));
@@ -417,15 +412,8 @@ impl PoolImports {
             });
         };
         let err = |e| EmmError::driver("open IPC handle", cx.device, e);
-        if user != cx.device
-            && !cx
-                .driver
-                .mem_pool_can_access(cx.context, p.pool, user)
-                .map_err(err)?
-        {
-            cx.driver
-                .mem_pool_grant_access(cx.context, p.pool, user)
-                .map_err(err)?;
+        if user != cx.device {
+            grant_access(&p.ctx, p.pool, user).map_err(err)?;
         }
         let ptr = cx
             .driver
@@ -482,6 +470,19 @@ impl PoolImports {
         }
         result
     }
+}
+
+/// Gives device `dev` read-write access to the imported `pool`, unless it has it already.
+fn grant_access(
+    ctx: &Context,
+    pool: MemPoolHandle,
+    dev: DeviceOrdinal,
+) -> Result<(), driver_sys::DriverError> {
+    let cx = &ctx.inner.cx;
+    if cx.driver.mem_pool_can_access(cx.context, pool, dev)? {
+        return Ok(());
+    }
+    cx.driver.mem_pool_grant_access(cx.context, pool, dev)
 }
 
 /// Frees an imported pointer and waits for the free: the driver wants it complete in the
