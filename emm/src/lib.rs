@@ -28,59 +28,70 @@
 //!
 //! emm never names cudarc or the simulator: it talks to an `Arc<dyn Driver>`
 //! ([`driver_sys::Driver`]).
+//!
+//! # Layers
+//!
+//! Each module is a layer; a layer imports only the layers below it (a test,
+//! `emm/tests/layers.rs`, keeps it so). `ARCHITECTURE.md` at the repository root has the
+//! picture and the life of one allocation.
+//!
+//! | layer | module | what it holds |
+//! | --- | --- | --- |
+//! | 0 | `error`, `sync`, `size_class` | [`EmmError`]; the loom shim; the size classes both pools use |
+//! | 1 | [`memory`] | memory objects and deallocation: pointers, host memory, the pending queue and its policy, `defer_cleanup`, liveness |
+//! | 2 | [`contract`] | the plugin interface: [`MemoryManager`], its factory and [`ManagerContext`], the data it returns |
+//! | 3 | [`host`] | the host layer: [`HostLayer`], [`DeviceAllocator`] + [`HostOnly`], Numba's allocation table, the pinned host pool |
+//! | 4 | [`managers`], [`adaptors`] | `default`, `pool`, `async-pool`; `stats`, `limit`, `log`, `trace` |
+//! | 5 | [`ipc`], `objects` | opening IPC handles, imported pools, pool transfer; streams, events, modules |
+//! | 6 | [`runtime`] | [`Runtime`], [`Context`], configuration from the environment |
+//! | 7 | [`replay`] | replaying an allocation log against a context |
+//!
+//! The items of every layer are also re-exported here, at the crate root.
 #![deny(unsafe_code)]
 
-mod adaptors;
-mod async_pool;
-mod config;
-mod context;
-mod default;
+// Layer 0: foundations.
 mod error;
-mod host;
-mod ipc;
-mod liveness;
-mod manager;
-mod objects;
-mod pending;
-mod pinned_pool;
-mod pointer;
-mod pool;
-mod pool_ipc;
-pub mod replay;
-mod runtime;
+mod size_class;
 mod sync;
-mod tracker;
+mod units;
 
-pub use adaptors::{Adapted, Adaptor, KindUsage, LOG_HEADER, MemoryKind, Usage};
-pub use async_pool::{
-    ASYNC_POOL_IPC_MANAGER, ASYNC_POOL_MANAGER, AsyncPoolAllocator, AsyncPoolManager,
-};
-pub use config::{
-    DeallocConfig, ENV_MAX_PENDING_COUNT, ENV_MAX_PENDING_RATIO, ENV_MEMORY_ADAPTORS,
-    ENV_MEMORY_MANAGER, ENV_PINNED_HOST_POOL, adaptors_from_lookup, manager_name_from_env,
-    manager_name_from_lookup, parse_bytes, pinned_pool_from_lookup,
-};
-pub use context::Context;
-pub use default::{DEFAULT_MANAGER, DefaultManager, DriverAllocator};
+// Layer 1.
+pub mod memory;
+// Layer 2.
+pub mod contract;
+// Layer 3.
+pub mod host;
+// Layer 4.
+pub mod adaptors;
+pub mod managers;
+// Layer 5.
+pub mod ipc;
+mod objects;
+// Layer 6.
+pub mod runtime;
+// Layer 7.
+pub mod replay;
+
 pub use driver_sys;
 pub use error::EmmError;
-pub use host::{
-    AllocationKind, DeviceAllocator, HostLayer, HostMemory, HostOnly, HostOwner, HostReleaseFn,
-    MappedMemory, PinnableBuffer, PinnedMemory,
+
+pub use adaptors::{Adapted, Adaptor, LOG_HEADER};
+pub use contract::{
+    DeviceIdentity, FnFactory, INTERFACE_VERSION, IpcHandle, IpcMemory, KindUsage, ManagerContext,
+    ManagerFactory, MemoryInfo, MemoryKind, MemoryManager, POOL_DESCRIPTOR_LEN, PinnedPoolConfig,
+    PoolExport, PoolId, PoolReport, PoolStats, Usage, check_interface_version,
 };
-pub use ipc::{DeviceIdentity, IpcHandle, IpcMemory};
-pub use liveness::{ContextLiveness, LiveGuard};
-pub use manager::{
-    FnFactory, INTERFACE_VERSION, ManagerContext, ManagerFactory, MemoryManager,
-    check_interface_version,
+pub use host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
+pub use managers::{
+    ASYNC_POOL_IPC_MANAGER, ASYNC_POOL_MANAGER, AsyncPoolAllocator, AsyncPoolManager,
+    DEFAULT_MANAGER, DefaultManager, DriverAllocator, MAX_SMALL, POOL_ALIGNMENT, POOL_MANAGER,
+    PoolAllocator, PoolConfig, PoolManager,
+};
+pub use memory::{
+    ContextLiveness, DeallocConfig, DeferCleanup, Free, HostMemory, HostOwner, HostReleaseFn,
+    LiveGuard, MappedMemory, MemoryPointer, PendingDeallocs, PinnableBuffer, PinnedMemory,
+    ReleaseFn, ReleaseHook,
 };
 pub use objects::{Event, Module, Stream};
-pub use pending::{DeferCleanup, Free, PendingDeallocs};
-pub use pinned_pool::PinnedPoolConfig;
-pub use pointer::{MemoryInfo, MemoryPointer, ReleaseFn, ReleaseHook};
-pub use pool::{
-    MAX_SMALL, POOL_ALIGNMENT, POOL_MANAGER, PoolAllocator, PoolConfig, PoolManager, PoolReport,
-    PoolStats,
-};
-pub use pool_ipc::{POOL_DESCRIPTOR_LEN, PoolExport, PoolId};
+pub use runtime::context::Context;
 pub use runtime::{Runtime, RuntimeBuilder};

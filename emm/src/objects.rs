@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use driver_sys::{DeviceOrdinal, EventHandle, ModuleHandle, StreamHandle};
 
-use crate::pending::{Free, PendingDeallocs};
+use crate::memory::pending::{Free, PendingDeallocs};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
 /// A stream (`cuStreamCreate`); destroyed through the context's queue when dropped.

@@ -1,13 +1,16 @@
-//! Replays an allocation log against a context: the `log` adaptor's CSV ([`crate::LOG_HEADER`])
+//! Replays an allocation log against a context: the `log` adaptor's CSV ([`LOG_HEADER`](crate::adaptors::LOG_HEADER))
 //! or RMM's replay format (`Thread,Time,Action,Pointer,Size,Stream`). A log recorded from a
 //! real program on the GPU can be replayed on the simulator, under any manager.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::adaptors::{MemoryKind, parse_log_line};
-use crate::host::HostMemory;
-use crate::{Context, EmmError, MemoryPointer};
+use crate::adaptors::log::parse_log_line;
+use crate::contract::info::MemoryKind;
+use crate::error::EmmError;
+use crate::memory::host::HostMemory;
+use crate::memory::pointer::MemoryPointer;
+use crate::runtime::context::Context;
 
 /// What one log line asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

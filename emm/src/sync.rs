@@ -4,14 +4,14 @@
 //! switch every dependency that checks `cfg(loom)`.
 
 #[cfg(emm_loom)]
-pub(crate) use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 #[cfg(emm_loom)]
 pub(crate) use loom::sync::{Mutex, MutexGuard};
 #[cfg(emm_loom)]
 pub(crate) use loom::thread::yield_now;
 
 #[cfg(not(emm_loom))]
-pub(crate) use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 #[cfg(not(emm_loom))]
 pub(crate) use std::sync::{Mutex, MutexGuard};
 #[cfg(not(emm_loom))]

@@ -165,11 +165,12 @@ pub fn host_calls_direct() -> bool {
 pub fn suite_setup() -> Result<SuiteSetup, String> {
     let env = |n: &str| std::env::var(n).ok();
     Ok(SuiteSetup {
-        manager: emm::manager_name_from_lookup(env)
+        manager: emm::runtime::config::manager_name_from_lookup(env)
             .map_err(|e| e.to_string())?
             .unwrap_or_else(|| emm::DEFAULT_MANAGER.to_owned()),
-        adaptors: emm::adaptors_from_lookup(env).map_err(|e| e.to_string())?,
-        pinned_pool: emm::pinned_pool_from_lookup(env).map_err(|e| e.to_string())?,
+        adaptors: emm::runtime::config::adaptors_from_lookup(env).map_err(|e| e.to_string())?,
+        pinned_pool: emm::runtime::config::pinned_pool_from_lookup(env)
+            .map_err(|e| e.to_string())?,
     })
 }
 

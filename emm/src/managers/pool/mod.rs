@@ -31,31 +31,44 @@
 //!
 //! [`trim`]: PoolAllocator::trim
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::Arc;
 
 use driver_sys::{DevicePtr, DriverError, ErrorKind};
 
-use crate::default::DriverAllocator;
+use crate::contract::factory::{FnFactory, ManagerContext};
+use crate::contract::info::{MemoryInfo, PoolStats};
+use crate::contract::ipc::IpcHandle;
+use crate::error::EmmError;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
-use crate::ipc::IpcHandle;
-use crate::manager::{FnFactory, ManagerContext};
-use crate::pending::Free;
-use crate::pointer::ReleaseHook;
+use crate::managers::default::DriverAllocator;
+use crate::memory::pending::{Free, PendingDeallocs};
+use crate::memory::pointer::{MemoryPointer, ReleaseHook};
+use crate::size_class::{class_of, class_size};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
-use crate::{EmmError, MemoryInfo, MemoryPointer};
+
+mod arena;
+use arena::Arena;
 
 /// The name the pool manager is registered under.
 pub const POOL_MANAGER: &str = "pool";
 
 /// Alignment and granularity of every block.
-pub const POOL_ALIGNMENT: usize = 256;
+pub const POOL_ALIGNMENT: usize = crate::size_class::ALIGNMENT;
 
 /// The largest size served from size classes.
 pub const MAX_SMALL: usize = 1 << 20;
 
 const CLASSES: usize = 44;
+
+/// The block size a request of `bytes` gets.
+fn block_size(bytes: usize, small_max: usize) -> usize {
+    if bytes <= small_max {
+        class_size(class_of(bytes))
+    } else {
+        bytes.div_ceil(POOL_ALIGNMENT) * POOL_ALIGNMENT
+    }
+}
 const GROW_GRANULARITY: usize = 2 << 20;
 
 /// The pool's tuning.
@@ -79,190 +92,6 @@ impl Default for PoolConfig {
             small_max: MAX_SMALL,
             cache_bytes_per_class: 4 << 20,
         }
-    }
-}
-
-/// What a pool holds, at one moment.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PoolStats {
-    /// Bytes held from the driver (all chunks).
-    pub held_bytes: usize,
-    /// Bytes in blocks handed out and not returned (block sizes, after rounding).
-    pub in_use_bytes: usize,
-    /// Blocks handed out and not returned.
-    pub in_use_blocks: usize,
-    /// Bytes of free blocks cached in per-thread shards (part of `held - in_use`).
-    pub cached_bytes: usize,
-    /// The most bytes ever held at once.
-    pub peak_held_bytes: usize,
-    /// Chunks held.
-    pub chunks: usize,
-    /// Times the pool grew (driver allocations).
-    pub grows: u64,
-    /// Bytes released to the driver by trims and out-of-memory retries (not by resets).
-    pub trimmed_bytes: u64,
-}
-
-/// What a manager's pools hold: its device pool and its pinned host pool, where it has them.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PoolReport {
-    /// The device memory pool.
-    pub device: Option<PoolStats>,
-    /// The pinned host memory pool.
-    pub pinned_host: Option<PoolStats>,
-}
-
-impl PoolReport {
-    /// Bytes held from the driver by all pools.
-    pub fn held_bytes(&self) -> usize {
-        self.device.map_or(0, |s| s.held_bytes) + self.pinned_host.map_or(0, |s| s.held_bytes)
-    }
-}
-
-impl PoolStats {
-    /// Bytes held but not in use: what a trim could give back at best.
-    pub fn unused_bytes(&self) -> usize {
-        self.held_bytes.saturating_sub(self.in_use_bytes)
-    }
-}
-
-/// The size class of a request of `bytes` (1 ..= [`MAX_SMALL`]).
-pub(crate) fn class_of(bytes: usize) -> usize {
-    debug_assert!((1..=MAX_SMALL).contains(&bytes));
-    let units = bytes.div_ceil(POOL_ALIGNMENT);
-    if units <= 4 {
-        return units - 1;
-    }
-    let e = (usize::BITS - 1 - (units - 1).leading_zeros()) as usize;
-    let step = 1usize << (e - 2);
-    4 + (e - 2) * 4 + (units.div_ceil(step) - 5)
-}
-
-/// The block size of class `class`.
-pub(crate) fn class_size(class: usize) -> usize {
-    if class < 4 {
-        return (class + 1) * POOL_ALIGNMENT;
-    }
-    let e = (class - 4) / 4 + 2;
-    let m = (class - 4) % 4 + 5;
-    (m << (e - 2)) * POOL_ALIGNMENT
-}
-
-/// The block size a request of `bytes` gets.
-pub(crate) fn block_size(bytes: usize, small_max: usize) -> usize {
-    if bytes <= small_max {
-        class_size(class_of(bytes))
-    } else {
-        bytes.div_ceil(POOL_ALIGNMENT) * POOL_ALIGNMENT
-    }
-}
-
-/// Free space of all chunks: ordered by size (best fit) and by address (coalescing).
-#[derive(Debug, Default)]
-struct Arena {
-    generation: u64,
-    /// Chunk base -> size.
-    chunks: BTreeMap<u64, usize>,
-    /// Free block address -> (size, chunk base).
-    by_addr: BTreeMap<u64, (usize, u64)>,
-    /// (size, address) of every free block.
-    by_size: BTreeSet<(usize, u64)>,
-    held: usize,
-    peak_held: usize,
-    /// Blocks above `small_max` in use, and their bytes.
-    large_blocks: usize,
-    large_bytes: usize,
-    grows: u64,
-    trimmed: u64,
-}
-
-impl Arena {
-    fn chunk_of(&self, addr: u64) -> u64 {
-        let (&base, &size) = self
-            .chunks
-            .range(..=addr)
-            .next_back()
-            .expect("a pool block lies in a chunk");
-        debug_assert!(addr < base + size as u64);
-        base
-    }
-
-    fn insert_free(&mut self, addr: u64, size: usize, chunk: u64) {
-        self.by_addr.insert(addr, (size, chunk));
-        self.by_size.insert((size, addr));
-    }
-
-    fn remove_free(&mut self, addr: u64, size: usize) {
-        self.by_addr.remove(&addr);
-        self.by_size.remove(&(size, addr));
-    }
-
-    /// Best fit: the smallest free block of at least `size` bytes, split.
-    fn take(&mut self, size: usize) -> Option<u64> {
-        let &(found, addr) = self.by_size.range((size, 0)..).next()?;
-        let (_, chunk) = self.by_addr[&addr];
-        self.remove_free(addr, found);
-        if found > size {
-            self.insert_free(addr + size as u64, found - size, chunk);
-        }
-        Some(addr)
-    }
-
-    /// [`take`](Self::take), counting a large block as in use; returns the address and the
-    /// generation.
-    fn take_counted(&mut self, size: usize, large: bool) -> Option<(u64, u64)> {
-        let addr = self.take(size)?;
-        if large {
-            self.large_blocks += 1;
-            self.large_bytes += size;
-        }
-        Some((addr, self.generation))
-    }
-
-    /// Returns a block, merging it with free neighbours in the same chunk.
-    fn give(&mut self, mut addr: u64, mut size: usize) {
-        let chunk = self.chunk_of(addr);
-        if let Some((&prev, &(psize, pchunk))) = self.by_addr.range(..addr).next_back()
-            && pchunk == chunk
-            && prev + psize as u64 == addr
-        {
-            self.remove_free(prev, psize);
-            addr = prev;
-            size += psize;
-        }
-        let end = addr + size as u64;
-        if let Some(&(nsize, nchunk)) = self.by_addr.get(&end)
-            && nchunk == chunk
-        {
-            self.remove_free(end, nsize);
-            size += nsize;
-        }
-        self.insert_free(addr, size, chunk);
-    }
-
-    fn add_chunk(&mut self, base: u64, size: usize) {
-        self.chunks.insert(base, size);
-        self.held += size;
-        self.peak_held = self.peak_held.max(self.held);
-        self.grows += 1;
-        self.insert_free(base, size, base);
-    }
-
-    /// Removes every chunk that is wholly free.
-    fn remove_free_chunks(&mut self) -> Vec<(u64, usize)> {
-        let free: Vec<(u64, usize)> = self
-            .chunks
-            .iter()
-            .filter(|&(base, size)| self.by_addr.get(base) == Some(&(*size, *base)))
-            .map(|(&b, &s)| (b, s))
-            .collect();
-        for &(base, size) in &free {
-            self.remove_free(base, size);
-            self.chunks.remove(&base);
-            self.held -= size;
-            self.trimmed += size as u64;
-        }
-        free
     }
 }
 
@@ -300,7 +129,7 @@ struct PoolShared {
     arena: Mutex<Arena>,
     shards: Box<[Shard]>,
     /// The deferred-deallocation queue of the host layer: chunk frees go through it.
-    queue: Arc<crate::PendingDeallocs>,
+    queue: Arc<PendingDeallocs>,
 }
 
 impl fmt::Debug for PoolShared {

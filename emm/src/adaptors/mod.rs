@@ -23,22 +23,35 @@
 #![allow(unsafe_code)]
 
 use std::fmt;
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use driver_sys::{DevicePtr, HostPtr};
 
-use crate::host::{HostMemory, HostOwner, MappedMemory, PinnedMemory};
-use crate::ipc::IpcHandle;
-use crate::manager::{ManagerContext, ManagerFactory, MemoryManager};
-use crate::pending::{DeferCleanup, PendingDeallocs};
-use crate::pointer::ReleaseHook;
-use crate::pool::PoolReport;
-use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
-use crate::{EmmError, MemoryInfo, MemoryPointer};
 use driver_sys::DeviceOrdinal;
+
+use crate::contract::factory::{ManagerContext, ManagerFactory};
+use crate::contract::info::{MemoryInfo, MemoryKind, PoolReport, Usage};
+use crate::contract::ipc::IpcHandle;
+use crate::contract::manager::MemoryManager;
+use crate::contract::pool_export::PoolExport;
+use crate::error::EmmError;
+use crate::memory::host::{HostMemory, HostOwner, MappedMemory, PinnedMemory};
+use crate::memory::pending::{DeferCleanup, PendingDeallocs};
+use crate::memory::pointer::{MemoryPointer, ReleaseHook};
+use crate::sync::{AtomicUsize, Mutex, lock};
+
+mod limit;
+pub(crate) mod log;
+mod stats;
+mod trace;
+
+use limit::Limit;
+pub use log::LOG_HEADER;
+use log::{Log, LogObserver};
+use stats::Stats;
+use trace::Trace;
 
 /// One adaptor, as named in `EMM_MEMORY_ADAPTORS`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,7 +77,7 @@ impl Adaptor {
         match (name, arg) {
             ("stats", None) => Ok(Adaptor::Stats),
             ("trace", None) => Ok(Adaptor::Trace),
-            ("limit", Some(bytes)) => crate::config::parse_bytes(bytes)
+            ("limit", Some(bytes)) => crate::units::parse_bytes(bytes)
                 .map(Adaptor::Limit)
                 .map_err(|e| format!("limit: {e}")),
             ("log", Some(path)) if !path.is_empty() => Ok(Adaptor::Log(PathBuf::from(path))),
@@ -87,90 +100,8 @@ impl Adaptor {
     }
 }
 
-/// Which memory an event is about.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum MemoryKind {
-    /// Device memory (`memalloc`).
-    Device,
-    /// Pinned host memory, not mapped (`memhostalloc`).
-    Pinned,
-    /// Mapped pinned host memory (`memhostalloc(mapped)`).
-    Mapped,
-    /// Pinned existing host memory (`mempin`).
-    Pin,
-}
-
-impl MemoryKind {
-    const ALL: [MemoryKind; 4] = [
-        MemoryKind::Device,
-        MemoryKind::Pinned,
-        MemoryKind::Mapped,
-        MemoryKind::Pin,
-    ];
-
-    fn index(self) -> usize {
-        self as usize
-    }
-
-    /// The name used in logs.
-    pub fn name(self) -> &'static str {
-        match self {
-            MemoryKind::Device => "device",
-            MemoryKind::Pinned => "pinned",
-            MemoryKind::Mapped => "mapped",
-            MemoryKind::Pin => "pin",
-        }
-    }
-
-    fn parse(s: &str) -> Option<MemoryKind> {
-        MemoryKind::ALL.into_iter().find(|k| k.name() == s)
-    }
-}
-
-/// Statistics of one kind of memory.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct KindUsage {
-    /// Bytes allocated and not freed.
-    pub current_bytes: usize,
-    /// The most `current_bytes` ever was.
-    pub peak_bytes: usize,
-    /// Bytes allocated in all.
-    pub total_bytes: u64,
-    /// Allocations not freed.
-    pub current_count: usize,
-    /// The most `current_count` ever was.
-    pub peak_count: usize,
-    /// Allocations in all.
-    pub total_count: u64,
-}
-
-/// What a `stats` adaptor counted, per kind.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Usage {
-    /// Device memory.
-    pub device: KindUsage,
-    /// Pinned host memory, not mapped.
-    pub pinned: KindUsage,
-    /// Mapped pinned host memory.
-    pub mapped: KindUsage,
-    /// Pinned existing host memory.
-    pub pin: KindUsage,
-}
-
-impl Usage {
-    /// The statistics of `kind`.
-    pub fn of(&self, kind: MemoryKind) -> &KindUsage {
-        match kind {
-            MemoryKind::Device => &self.device,
-            MemoryKind::Pinned => &self.pinned,
-            MemoryKind::Mapped => &self.mapped,
-            MemoryKind::Pin => &self.pin,
-        }
-    }
-}
-
 /// What an adaptor is told. Every method has a default that does nothing.
-trait Observer: Send + Sync + fmt::Debug {
+pub(crate) trait Observer: Send + Sync + fmt::Debug {
     /// Before the inner manager is asked; an error refuses the allocation.
     fn admit(
         &self,
@@ -207,298 +138,13 @@ trait Observer: Send + Sync + fmt::Debug {
 
 /// One allocation or free, as adaptors see it.
 #[derive(Clone, Copy, Debug)]
-struct Event {
+pub(crate) struct Event {
     device: DeviceOrdinal,
     kind: MemoryKind,
     addr: Option<u64>,
     bytes: usize,
     start: Option<Instant>,
     end: Option<Instant>,
-}
-
-#[derive(Debug, Default)]
-struct KindCounters {
-    current_bytes: AtomicUsize,
-    peak_bytes: AtomicUsize,
-    total_bytes: AtomicU64,
-    current_count: AtomicUsize,
-    peak_count: AtomicUsize,
-    total_count: AtomicU64,
-}
-
-#[derive(Debug, Default)]
-struct Stats {
-    kinds: [KindCounters; 4],
-}
-
-impl Observer for Stats {
-    fn allocated(&self, e: &Event) {
-        if e.addr.is_none() {
-            return;
-        }
-        let k = &self.kinds[e.kind.index()];
-        let bytes = k.current_bytes.fetch_add(e.bytes, Ordering::Relaxed) + e.bytes;
-        k.peak_bytes.fetch_max(bytes, Ordering::Relaxed);
-        k.total_bytes.fetch_add(e.bytes as u64, Ordering::Relaxed);
-        let count = k.current_count.fetch_add(1, Ordering::Relaxed) + 1;
-        k.peak_count.fetch_max(count, Ordering::Relaxed);
-        k.total_count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn freed(&self, e: &Event) {
-        let k = &self.kinds[e.kind.index()];
-        k.current_bytes.fetch_sub(e.bytes, Ordering::Relaxed);
-        k.current_count.fetch_sub(1, Ordering::Relaxed);
-    }
-
-    fn usage(&self) -> Option<Usage> {
-        let read = |k: &KindCounters| KindUsage {
-            current_bytes: k.current_bytes.load(Ordering::Relaxed),
-            peak_bytes: k.peak_bytes.load(Ordering::Relaxed),
-            total_bytes: k.total_bytes.load(Ordering::Relaxed),
-            current_count: k.current_count.load(Ordering::Relaxed),
-            peak_count: k.peak_count.load(Ordering::Relaxed),
-            total_count: k.total_count.load(Ordering::Relaxed),
-        };
-        Some(Usage {
-            device: read(&self.kinds[0]),
-            pinned: read(&self.kinds[1]),
-            mapped: read(&self.kinds[2]),
-            pin: read(&self.kinds[3]),
-        })
-    }
-}
-
-#[derive(Debug)]
-struct Limit {
-    limit: usize,
-    in_use: AtomicUsize,
-}
-
-impl Observer for Limit {
-    fn admit(&self, device: DeviceOrdinal, kind: MemoryKind, bytes: usize) -> Result<(), EmmError> {
-        if kind != MemoryKind::Device {
-            return Ok(());
-        }
-        let before = self.in_use.fetch_add(bytes, Ordering::AcqRel);
-        let would_be = before.saturating_add(bytes);
-        if would_be > self.limit {
-            self.in_use.fetch_sub(bytes, Ordering::AcqRel);
-            tracing::warn!(%device, requested = bytes, in_use = before, limit = self.limit, "allocation refused by the limit adaptor");
-            return Err(EmmError::OverLimit {
-                device,
-                requested: bytes,
-                would_be,
-                limit: self.limit,
-            });
-        }
-        Ok(())
-    }
-
-    fn allocated(&self, e: &Event) {
-        if e.addr.is_none() && e.kind == MemoryKind::Device {
-            // Admitted, then refused by the manager: give the bytes back.
-            self.in_use.fetch_sub(e.bytes, Ordering::AcqRel);
-        }
-    }
-
-    fn freed(&self, e: &Event) {
-        if e.kind == MemoryKind::Device {
-            self.in_use.fetch_sub(e.bytes, Ordering::AcqRel);
-        }
-    }
-}
-
-#[derive(Debug)]
-struct Trace;
-
-impl Observer for Trace {
-    fn span(
-        &self,
-        op: &'static str,
-        device: DeviceOrdinal,
-        bytes: usize,
-    ) -> Option<tracing::span::EnteredSpan> {
-        Some(tracing::debug_span!("emm.call", op, %device, bytes).entered())
-    }
-
-    fn allocated(&self, e: &Event) {
-        match e.addr {
-            Some(addr) => {
-                tracing::debug!(device = %e.device, kind = e.kind.name(), bytes = e.bytes, addr = format_args!("{addr:#x}"), "allocated")
-            }
-            None => {
-                tracing::debug!(device = %e.device, kind = e.kind.name(), bytes = e.bytes, "allocation failed")
-            }
-        }
-    }
-
-    fn freed(&self, e: &Event) {
-        tracing::debug!(device = %e.device, kind = e.kind.name(), bytes = e.bytes, addr = format_args!("{:#x}", e.addr.unwrap_or(0)), "freed");
-    }
-}
-
-/// The header of the CSV log: RMM's replay columns (`Thread,Time,Action,Pointer,Size,Stream`)
-/// followed by the device, the manager's free and total memory, the allocations live after
-/// the event, its start and end (nanoseconds since the log opened), its duration, and the
-/// kind of memory.
-pub const LOG_HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream,Device,Free,Total,Current allocations,Start,End,Elapsed,Kind";
-
-struct LogFile {
-    out: std::io::BufWriter<std::fs::File>,
-    path: PathBuf,
-    live: usize,
-    /// Free and total memory, sampled at most once a millisecond.
-    info: Option<(Instant, MemoryInfo)>,
-    failed: Option<std::io::Error>,
-}
-
-/// The log's writer, shared by every context of a runtime.
-struct Log {
-    opened: Instant,
-    file: Mutex<LogFile>,
-}
-
-impl fmt::Debug for Log {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Log")
-            .field("path", &lock(&self.file).path)
-            .finish()
-    }
-}
-
-thread_local! {
-    static LOG_THREAD: u64 = {
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    };
-}
-
-impl Log {
-    fn create(path: &PathBuf) -> Result<Log, EmmError> {
-        let file = std::fs::File::create(path).map_err(|e| EmmError::InvalidArgument {
-            what: "the log adaptor's path",
-            reason: format!(
-                "cannot create {}: {e}; give a writable path (log=<path>)",
-                path.display()
-            ),
-        })?;
-        let mut out = std::io::BufWriter::new(file);
-        writeln!(out, "{LOG_HEADER}").map_err(|e| EmmError::InvalidArgument {
-            what: "the log adaptor's path",
-            reason: format!("cannot write {}: {e}", path.display()),
-        })?;
-        Ok(Log {
-            opened: Instant::now(),
-            file: Mutex::new(LogFile {
-                out,
-                path: path.clone(),
-                live: 0,
-                info: None,
-                failed: None,
-            }),
-        })
-    }
-
-    fn write(
-        &self,
-        action: &str,
-        e: &Event,
-        info: impl FnOnce() -> Option<MemoryInfo>,
-        delta: isize,
-    ) {
-        let ns =
-            |t: Option<Instant>| t.map_or(0, |t| t.duration_since(self.opened).as_nanos() as u64);
-        let (start, end) = (ns(e.start), ns(e.end));
-        let thread = LOG_THREAD.with(|t| *t);
-        let mut f = lock(&self.file);
-        let now = Instant::now();
-        let stale = f
-            .info
-            .is_none_or(|(t, _)| now.duration_since(t).as_micros() >= 1000);
-        if stale && let Some(i) = info() {
-            f.info = Some((now, i));
-        }
-        let mi = f.info.map(|(_, i)| i).unwrap_or_default();
-        f.live = f.live.saturating_add_signed(delta);
-        let live = f.live;
-        let line = format!(
-            "{thread},{:.9},{action},{:#x},{},0,{},{},{},{live},{start},{end},{},{}\n",
-            start as f64 / 1e9,
-            e.addr.unwrap_or(0),
-            e.bytes,
-            e.device.0,
-            mi.free,
-            mi.total,
-            end.saturating_sub(start),
-            e.kind.name(),
-        );
-        if f.failed.is_none()
-            && let Err(err) = f.out.write_all(line.as_bytes())
-        {
-            tracing::error!(path = %f.path.display(), error = %err, "the log adaptor cannot write its file; later events are dropped");
-            f.failed = Some(err);
-        }
-    }
-
-    fn flush(&self) {
-        let mut f = lock(&self.file);
-        if let Err(e) = f.out.flush() {
-            tracing::error!(path = %f.path.display(), error = %e, "the log adaptor cannot flush its file");
-        }
-    }
-}
-
-type InfoFn = dyn Fn() -> Option<MemoryInfo> + Send + Sync;
-
-/// The log observer of one context: the shared file plus the manager, for free and total.
-struct LogObserver {
-    log: Arc<Log>,
-    /// Reads the inner manager's memory info.
-    info: Box<InfoFn>,
-}
-
-impl fmt::Debug for LogObserver {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LogObserver")
-            .field("log", &self.log)
-            .finish()
-    }
-}
-
-impl LogObserver {
-    fn info(&self) -> Option<MemoryInfo> {
-        (self.info)()
-    }
-}
-
-impl Observer for LogObserver {
-    fn allocated(&self, e: &Event) {
-        let (action, delta) = if e.addr.is_some() {
-            ("allocate", 1)
-        } else {
-            ("allocate failure", 0)
-        };
-        self.log.write(action, e, || self.info(), delta);
-    }
-
-    fn freed(&self, e: &Event) {
-        self.log.write("free", e, || self.info(), -1);
-    }
-
-    fn timed(&self) -> bool {
-        true
-    }
-
-    fn reset(&self) {
-        self.log.flush();
-    }
-}
-
-impl Drop for LogObserver {
-    fn drop(&mut self) {
-        self.log.flush();
-    }
 }
 
 /// A manager wrapped in one adaptor.
@@ -742,7 +388,7 @@ impl MemoryManager for Adapted {
         self.observer.usage().or_else(|| self.inner.usage())
     }
 
-    fn export_pool(&self) -> Result<crate::PoolExport, EmmError> {
+    fn export_pool(&self) -> Result<PoolExport, EmmError> {
         self.inner.export_pool()
     }
 }
@@ -816,37 +462,4 @@ impl ManagerFactory for AdaptedFactory {
         }
         Ok(Box::new(adapted(inner, outermost)?))
     }
-}
-
-/// Parses a CSV log written by the `log` adaptor, or RMM's replay format (its first six
-/// columns), into events for [`crate::replay::replay`].
-pub(crate) fn parse_log_line(
-    line: &str,
-) -> Result<Option<(String, u64, usize, MemoryKind)>, String> {
-    let cols: Vec<&str> = line.split(',').map(str::trim).collect();
-    if cols.len() < 6 {
-        return Err(format!(
-            "{} columns; a log line has at least 6 ({})",
-            cols.len(),
-            &LOG_HEADER[..36]
-        ));
-    }
-    if cols[0] == "Thread" {
-        return Ok(None);
-    }
-    let action = cols[2].to_ascii_lowercase();
-    let ptr = cols[3];
-    let ptr = ptr
-        .strip_prefix("0x")
-        .map_or_else(|| ptr.parse::<u64>(), |h| u64::from_str_radix(h, 16))
-        .map_err(|e| format!("pointer {:?}: {e}", cols[3]))?;
-    let size: usize = cols[4]
-        .parse()
-        .map_err(|e| format!("size {:?}: {e}", cols[4]))?;
-    let kind = cols
-        .get(13)
-        .map(|k| MemoryKind::parse(k).ok_or_else(|| format!("unknown kind {k:?}")))
-        .transpose()?
-        .unwrap_or(MemoryKind::Device);
-    Ok(Some((action, ptr, size, kind)))
 }

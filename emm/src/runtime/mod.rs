@@ -7,20 +7,26 @@ use std::sync::Arc;
 
 use driver_sys::{DeviceOrdinal, Driver};
 
-use crate::EmmError;
 use crate::adaptors::{AdaptedFactory, Adaptor};
-use crate::config::{
-    DeallocConfig, adaptors_from_lookup, manager_name_from_env, pinned_pool_from_lookup,
-};
-use crate::context::{Context, ContextInner};
-use crate::default::{DEFAULT_MANAGER, DefaultManager};
-use crate::ipc::DeviceIdentity;
-use crate::liveness::ContextLiveness;
-use crate::manager::{ManagerContext, ManagerFactory, check_interface_version};
+use crate::contract::factory::{ManagerContext, ManagerFactory};
+use crate::contract::info::PinnedPoolConfig;
+use crate::contract::ipc::{DeviceIdentity, identity_of};
+use crate::contract::manager::check_interface_version;
+use crate::contract::pool_export::PoolExport;
+use crate::error::EmmError;
+use crate::ipc::imports::PoolImports;
+use crate::managers::default::{DEFAULT_MANAGER, DefaultManager};
+use crate::memory::liveness::ContextLiveness;
+use crate::memory::policy::DeallocConfig;
 use crate::objects::ModuleRegistry;
-use crate::pinned_pool::PinnedPoolConfig;
-use crate::pool_ipc::{PoolExport, PoolImports};
 use crate::sync::{Mutex, lock};
+
+pub mod config;
+pub mod context;
+mod ipc;
+
+use config::{adaptors_from_lookup, manager_name_from_env, pinned_pool_from_lookup};
+use context::{Context, ContextInner};
 
 /// Configures a [`Runtime`]. Obtain one with [`Runtime::builder`].
 pub struct RuntimeBuilder {
@@ -226,9 +232,9 @@ impl Runtime {
             read_env: true,
         }
         .register_manager(DefaultManager::factory())
-        .register_manager(crate::pool::PoolAllocator::factory())
-        .register_manager(crate::async_pool::AsyncPoolAllocator::factory())
-        .register_manager(crate::async_pool::AsyncPoolAllocator::ipc_factory())
+        .register_manager(crate::managers::pool::PoolAllocator::factory())
+        .register_manager(crate::managers::async_pool::AsyncPoolAllocator::factory())
+        .register_manager(crate::managers::async_pool::AsyncPoolAllocator::ipc_factory())
     }
 
     /// A runtime over `driver`, configured from the environment.
@@ -376,7 +382,7 @@ impl Runtime {
     pub fn import_pool(&self, export: PoolExport) -> Result<(), EmmError> {
         let device = self.device_with_identity(&export.source())?;
         let ctx = self.context(device)?;
-        self.imports.import(&ctx, export)
+        self.imports.import(&ctx.inner.cx, export)
     }
 
     /// The device whose PCI identity is `identity` (Numba's `Device.from_identity`).
@@ -386,7 +392,7 @@ impl Runtime {
     ) -> Result<DeviceOrdinal, EmmError> {
         for d in 0..self.device_count()? {
             let dev = DeviceOrdinal(d);
-            let id = crate::ipc::identity_of(&*self.driver, dev)?;
+            let id = identity_of(&*self.driver, dev)?;
             if id == *identity {
                 return Ok(dev);
             }

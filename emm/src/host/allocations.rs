@@ -1,4 +1,4 @@
-//! [`Tracker`]: a manager's table of live allocations (Numba's `allocations`).
+//! [`AllocationTable`]: a manager's table of live allocations (Numba's `allocations`).
 //!
 //! The table holds every allocation a reset must free: device memory, mapped host memory and
 //! mapped pinned ranges (unmapped pinned memory is not tracked, as in Numba). Each entry knows
@@ -17,11 +17,12 @@ use std::sync::Arc;
 
 use driver_sys::{DevicePtr, HostPtr};
 
-use crate::EmmError;
-use crate::host::HostOwner;
-use crate::manager::ManagerContext;
-use crate::pending::{Free, PendingDeallocs};
-use crate::pinned_pool::{PinnedBlock, PinnedPool};
+use crate::contract::factory::ManagerContext;
+use crate::error::EmmError;
+use crate::host::pinned_pool::{PinnedBlock, PinnedPool};
+use crate::memory::host::HostOwner;
+use crate::memory::pending::{Free, PendingDeallocs};
+use crate::memory::pointer::AllocationOwner;
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
 /// How a tracked allocation is released.
@@ -57,16 +58,16 @@ impl std::fmt::Debug for Entry {
 
 /// Live allocations of one manager, and the queue their frees go to.
 #[derive(Debug)]
-pub(crate) struct Tracker {
+pub(crate) struct AllocationTable {
     cx: ManagerContext,
     table: Mutex<BTreeMap<u64, Entry>>,
     generation: AtomicU64,
     queue: Arc<PendingDeallocs>,
 }
 
-impl Tracker {
-    pub(crate) fn new(cx: &ManagerContext) -> Tracker {
-        Tracker {
+impl AllocationTable {
+    pub(crate) fn new(cx: &ManagerContext) -> AllocationTable {
+        AllocationTable {
             cx: cx.clone(),
             table: Mutex::new(BTreeMap::new()),
             generation: AtomicU64::new(0),
@@ -209,4 +210,14 @@ fn unpin(cx: &ManagerContext, ptr: HostPtr) -> Result<(), EmmError> {
     // - `_live` keeps the context alive during the call.
     unsafe { cx.driver.mem_host_unregister(cx.context, ptr) }
         .map_err(|e| EmmError::driver("unpin host memory", cx.device, e))
+}
+
+impl AllocationOwner for AllocationTable {
+    fn release(&self, key: u64, generation: u64) {
+        AllocationTable::release(self, key, generation);
+    }
+
+    fn generation(&self) -> u64 {
+        AllocationTable::generation(self)
+    }
 }

@@ -10,9 +10,9 @@ use driver_sys::{
     ModuleHandle, StreamHandle,
 };
 
-use crate::EmmError;
-use crate::config::DeallocConfig;
-use crate::liveness::ContextLiveness;
+use crate::error::EmmError;
+use crate::memory::liveness::ContextLiveness;
+use crate::memory::policy::DeallocConfig;
 use crate::sync::{Mutex, lock};
 
 /// One deferred driver call. Data, not a closure, so tests can compare queues.
@@ -90,7 +90,7 @@ struct Inner {
 ///
 /// # Life of a free
 ///
-/// 1. The last clone of a [`MemoryPointer`](crate::MemoryPointer) drops and pushes a [`Free`].
+/// 1. The last clone of a [`MemoryPointer`](crate::memory::pointer::MemoryPointer) drops and pushes a [`Free`].
 ///    Nothing reaches the driver yet.
 /// 2. [`PendingDeallocs::push`] flushes when the count is **greater than** `max_count` or the
 ///    pending bytes are **greater than** `floor(capacity * max_ratio)` (Numba: strict `>`;

@@ -4,16 +4,21 @@
 use std::fmt;
 use std::sync::Arc;
 
-use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, HostPtr, IpcMemHandle, event_flags};
+use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, HostPtr, event_flags};
 
-use crate::host::{HostMemory, HostOwner, PinnableBuffer};
-use crate::ipc::{DeviceIdentity, IpcHandle};
-use crate::liveness::LiveGuard;
-use crate::manager::{ManagerContext, MemoryManager};
+use crate::contract::factory::ManagerContext;
+use crate::contract::info::{MemoryInfo, PoolReport, Usage};
+use crate::contract::ipc::{DeviceIdentity, IpcHandle};
+use crate::contract::manager::MemoryManager;
+use crate::contract::pool_export::PoolExport;
+use crate::error::EmmError;
+use crate::ipc::imports::PoolImports;
+use crate::ipc::open::Endpoint;
+use crate::memory::host::{HostMemory, HostOwner, PinnableBuffer};
+use crate::memory::liveness::LiveGuard;
+use crate::memory::pending::{DeferCleanup, PendingDeallocs};
+use crate::memory::pointer::MemoryPointer;
 use crate::objects::{Event, Module, ModuleRegistry, Stream};
-use crate::pending::{DeferCleanup, PendingDeallocs};
-use crate::pool_ipc::{PoolExport, PoolImports};
-use crate::{EmmError, MemoryInfo, MemoryPointer};
 
 pub(crate) struct ContextInner {
     /// The driver, device, context handle and liveness, as the manager got them.
@@ -77,20 +82,8 @@ impl Context {
         self.inner.cx.liveness.is_alive()
     }
 
-    fn stale(&self, what: &'static str) -> EmmError {
-        EmmError::Stale {
-            what,
-            device: self.inner.cx.device,
-            reason: "the device was reset",
-        }
-    }
-
     fn ensure_alive(&self, what: &'static str) -> Result<(), EmmError> {
-        if self.is_alive() {
-            Ok(())
-        } else {
-            Err(self.stale(what))
-        }
+        self.inner.cx.ensure_alive(what)
     }
 
     /// Allocates `bytes` of device memory through the manager.
@@ -107,12 +100,12 @@ impl Context {
     }
 
     /// What the manager's pools hold now.
-    pub fn pool_stats(&self) -> crate::PoolReport {
+    pub fn pool_stats(&self) -> PoolReport {
         self.inner.manager.pool_stats()
     }
 
     /// What a `stats` adaptor counted, if the manager has one.
-    pub fn usage(&self) -> Option<crate::Usage> {
+    pub fn usage(&self) -> Option<Usage> {
         self.inner.manager.usage()
     }
 
@@ -286,7 +279,7 @@ impl Context {
 
     /// The PCI identity of this context's device.
     pub fn device_identity(&self) -> Result<DeviceIdentity, EmmError> {
-        crate::ipc::identity_of(&*self.inner.cx.driver, self.inner.cx.device)
+        self.inner.cx.device_identity()
     }
 
     /// Whether this context's device can access memory of `peer` directly
@@ -303,47 +296,7 @@ impl Context {
     }
 
     fn enter(&self, what: &'static str) -> Result<LiveGuard<'_>, EmmError> {
-        self.inner
-            .cx
-            .liveness
-            .enter()
-            .ok_or_else(|| self.stale(what))
-    }
-
-    pub(crate) fn ipc_open(&self, handle: &IpcMemHandle) -> Result<DevicePtr, EmmError> {
-        let _live = self.enter("open IPC handle")?;
-        self.inner
-            .cx
-            .driver
-            .ipc_open_mem_handle(self.inner.cx.context, handle)
-            .map_err(|e| EmmError::driver("open IPC handle", self.inner.cx.device, e))
-    }
-
-    /// The size of the mapping (or allocation) at `base`, as the driver knows it.
-    pub(crate) fn mapping_size(&self, base: DevicePtr) -> Result<usize, EmmError> {
-        let _live = self.enter("open IPC handle")?;
-        self.inner
-            .cx
-            .driver
-            .mem_get_address_range(self.inner.cx.context, base)
-            .map(|(_, size)| size)
-            .map_err(|e| EmmError::driver("open IPC handle", self.inner.cx.device, e))
-    }
-
-    pub(crate) fn ipc_close(&self, base: DevicePtr) -> Result<(), EmmError> {
-        let Some(_live) = self.inner.cx.liveness.enter() else {
-            // The context is gone, and its mappings with it.
-            return Ok(());
-        };
-        // SAFETY: `base` is a mapping this context opened, closed once by its `IpcHandle`, whose
-        // pointers turned stale before this call; `_live` keeps the context alive.
-        unsafe {
-            self.inner
-                .cx
-                .driver
-                .ipc_close_mem_handle(self.inner.cx.context, base)
-        }
-        .map_err(|e| EmmError::driver("close IPC handle", self.inner.cx.device, e))
+        self.inner.cx.enter(what)
     }
 
     /// Copies the first `bytes` bytes of page-locked host memory `src` to `dst` (a true pinned
@@ -393,7 +346,7 @@ impl Context {
     /// `device_memset`). Works on device memory and on the device side of mapped memory.
     pub fn memset(&self, dst: &MemoryPointer, value: u8, bytes: usize) -> Result<(), EmmError> {
         const WHAT: &str = "memset";
-        let _live = self.enter_copy(WHAT, dst, bytes)?;
+        let _live = self.inner.cx.enter_copy(WHAT, dst, bytes)?;
         // SAFETY: `enter_copy` checked that `dst` is live memory of this context with room for
         // `bytes`; `_live` keeps the context alive; emm hands out no references to device or
         // mapped memory.
@@ -419,49 +372,10 @@ impl Context {
         if bytes > 0 && d < s + bytes as u64 && s < d + bytes as u64 {
             return Err(EmmError::OverlappingCopy { bytes });
         }
-        let _live = self.enter_copy(WHAT, src, bytes)?;
-        self.copy_device_to_device(dst.device_ptr(), src.device_ptr(), bytes, dst)
-    }
-
-    /// Copies `bytes` from `src` (any device memory this process can reach, such as an IPC
-    /// mapping on another device) to `dst`, which lies at the start of `dst_mem`.
-    pub(crate) fn copy_device_to_device(
-        &self,
-        dst: DevicePtr,
-        src: DevicePtr,
-        bytes: usize,
-        dst_mem: &MemoryPointer,
-    ) -> Result<(), EmmError> {
-        const WHAT: &str = "device to device copy";
-        let _live = self.enter_copy(WHAT, dst_mem, bytes)?;
-        // SAFETY:
-        // - `enter_copy` checked that `dst_mem` (at `dst`) is live memory of this context with
-        //   room for `bytes`;
-        // - `src .. src + bytes` is a live mapping the caller holds open for the call;
-        // - the ranges belong to different allocations, so they do not overlap.
-        unsafe {
-            self.inner
-                .cx
-                .driver
-                .memcpy_dtod(self.inner.cx.context, dst, src, bytes)
-        }
-        .map_err(|e| EmmError::driver(WHAT, self.inner.cx.device, e))
-    }
-
-    /// Copies `dst.len()` bytes at `src`, a mapping the caller holds open for the call, to the
-    /// host.
-    pub(crate) fn read_mapping(&self, dst: &mut [u8], src: DevicePtr) -> Result<(), EmmError> {
-        const WHAT: &str = "device to host copy";
-        let _live = self.enter(WHAT)?;
-        // SAFETY: `dst` is an exclusive borrow of `dst.len()` writable bytes; the caller holds
-        // the mapping `src .. src + dst.len()` open for the call, and nothing writes it here.
-        unsafe {
-            self.inner
-                .cx
-                .driver
-                .memcpy_dtoh(self.inner.cx.context, dst, src)
-        }
-        .map_err(|e| EmmError::driver(WHAT, self.inner.cx.device, e))
+        let _live = self.inner.cx.enter_copy(WHAT, src, bytes)?;
+        self.inner
+            .cx
+            .copy_device_to_device(dst.device_ptr(), src.device_ptr(), bytes, dst)
     }
 
     /// Base and end address of the whole allocation that `memory` lies in, as the driver
@@ -471,12 +385,7 @@ impl Context {
         memory: &MemoryPointer,
     ) -> Result<(DevicePtr, DevicePtr), EmmError> {
         self.check_usable("device_extents", memory)?;
-        let _live = self
-            .inner
-            .cx
-            .liveness
-            .enter()
-            .ok_or_else(|| self.stale("device_extents"))?;
+        let _live = self.enter("device_extents")?;
         let (base, size) = self
             .inner
             .cx
@@ -495,80 +404,36 @@ impl Context {
 
     /// Copies `src` to the start of `dst`, synchronously. `src` may be shorter than `dst`.
     pub fn copy_to_device(&self, dst: &MemoryPointer, src: &[u8]) -> Result<(), EmmError> {
-        const WHAT: &str = "copy to device";
-        let _live = self.enter_copy(WHAT, dst, src.len())?;
-        // SAFETY:
-        // - `enter_copy` checked that `dst` is a live pointer of this context whose first
-        //   `src.len()` bytes lie inside its allocation; `dst` keeps the allocation alive while
-        //   borrowed here;
-        // - `_live` keeps the context from being destroyed during the call.
-        unsafe {
-            self.inner
-                .cx
-                .driver
-                .memcpy_htod(self.inner.cx.context, dst.device_ptr(), src)
-        }
-        .map_err(|e| EmmError::driver(WHAT, self.inner.cx.device, e))
+        self.inner.cx.copy_to_device(dst, src)
     }
 
     /// Copies the first `dst.len()` bytes of `src` into `dst`, synchronously.
     pub fn copy_to_host(&self, dst: &mut [u8], src: &MemoryPointer) -> Result<(), EmmError> {
-        const WHAT: &str = "copy to host";
-        let _live = self.enter_copy(WHAT, src, dst.len())?;
-        // SAFETY:
-        // - `enter_copy` checked that `src` is a live pointer of this context whose first
-        //   `dst.len()` bytes lie inside its allocation;
-        // - `dst` is an exclusive borrow of host memory, so nothing else touches it;
-        // - `_live` keeps the context from being destroyed during the call.
-        unsafe {
-            self.inner
-                .cx
-                .driver
-                .memcpy_dtoh(self.inner.cx.context, dst, src.device_ptr())
-        }
-        .map_err(|e| EmmError::driver(WHAT, self.inner.cx.device, e))
-    }
-
-    /// Checks that a copy of `len` bytes at the start of `memory` is allowed, and enters the
-    /// context for it.
-    fn enter_copy(
-        &self,
-        what: &'static str,
-        memory: &MemoryPointer,
-        len: usize,
-    ) -> Result<LiveGuard<'_>, EmmError> {
-        self.check_usable(what, memory)?;
-        if len > memory.size() {
-            return Err(EmmError::OutOfBounds {
-                what,
-                start: 0,
-                end: len,
-                size: memory.size(),
-            });
-        }
-        self.inner
-            .cx
-            .liveness
-            .enter()
-            .ok_or_else(|| self.stale(what))
+        self.inner.cx.copy_to_host(dst, src)
     }
 
     fn check_usable(&self, what: &'static str, memory: &MemoryPointer) -> Result<(), EmmError> {
-        self.ensure_alive(what)?;
-        if memory.device() != self.inner.cx.device || memory.context() != self.inner.cx.context {
-            return Err(EmmError::WrongContext {
-                what,
-                device: self.inner.cx.device,
-                owner: memory.device(),
-            });
+        self.inner.cx.check_usable(what, memory)
+    }
+}
+
+impl Context {
+    /// The context as the IPC layer sees it.
+    pub(crate) fn endpoint(&self) -> Endpoint<'_> {
+        Endpoint {
+            cx: &self.inner.cx,
+            manager: &*self.inner.manager,
+            imports: &self.inner.imports,
         }
-        if !memory.is_live() {
-            return Err(EmmError::Stale {
-                what,
-                device: self.inner.cx.device,
-                reason: "the memory was freed by a reset of its manager",
-            });
+    }
+
+    /// Issues the frees the manager's queue holds now (Numba's `deallocations.clear()`);
+    /// returns how many were issued. Inside `defer_cleanup` nothing is issued. A manager
+    /// without a queue has nothing to issue.
+    pub fn flush_deallocations(&self) -> Result<usize, EmmError> {
+        match self.inner.manager.deallocations() {
+            Some(queue) => queue.flush(),
+            None => Ok(0),
         }
-        Ok(())
     }
 }

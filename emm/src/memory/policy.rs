@@ -1,110 +1,12 @@
-//! Configuration from the environment, with Numba's names under an `EMM_` prefix.
-//!
-//! | variable | meaning | default |
-//! | --- | --- | --- |
-//! | `EMM_MEMORY_MANAGER` | the registered manager every context uses | `default` |
-//! | `EMM_MAX_PENDING_DEALLOCS_COUNT` | flush when more than this many frees are pending | `10` |
-//! | `EMM_MAX_PENDING_DEALLOCS_RATIO` | flush when pending bytes exceed this share of the device's total memory | `0.2` |
-//! | `EMM_MEMORY_ADAPTORS` | adaptors wrapped around the manager, innermost first: `stats`, `limit=<bytes>`, `log=<path>`, `trace`, comma-separated | none |
-//! | `EMM_PINNED_HOST_POOL` | `on`, `off`, or the most bytes of free pinned blocks to keep (`256MiB`) | `off` |
-//!
-//! Byte sizes are a number with an optional unit: `B`, `KiB`, `MiB`, `GiB`, `TiB` (or `K`,
-//! `M`, `G`, `T`, the same powers of 1024).
-//!
-//! A malformed value is an error at start-up ([`EmmError::Config`]), never a silent fallback
-//! to the default (Numba warns and falls back; emm refuses).
+//! When the deferred-deallocation queue flushes: Numba's two thresholds
+//! (`CUDA_DEALLOCS_COUNT`, `CUDA_DEALLOCS_RATIO`), in code or from the environment.
 
-use crate::EmmError;
+use crate::error::EmmError;
 
-/// `EMM_MEMORY_MANAGER`.
-pub const ENV_MEMORY_MANAGER: &str = "EMM_MEMORY_MANAGER";
 /// `EMM_MAX_PENDING_DEALLOCS_COUNT`.
 pub const ENV_MAX_PENDING_COUNT: &str = "EMM_MAX_PENDING_DEALLOCS_COUNT";
 /// `EMM_MAX_PENDING_DEALLOCS_RATIO`.
 pub const ENV_MAX_PENDING_RATIO: &str = "EMM_MAX_PENDING_DEALLOCS_RATIO";
-
-/// `EMM_MEMORY_ADAPTORS`.
-pub const ENV_MEMORY_ADAPTORS: &str = "EMM_MEMORY_ADAPTORS";
-/// `EMM_PINNED_HOST_POOL`.
-pub const ENV_PINNED_HOST_POOL: &str = "EMM_PINNED_HOST_POOL";
-
-/// Parses a byte size: a number with an optional unit (`B`, `KiB`, `MiB`, `GiB`, `TiB`, or
-/// `K`, `M`, `G`, `T`; powers of 1024).
-pub fn parse_bytes(value: &str) -> Result<usize, String> {
-    let v = value.trim();
-    let split = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
-    let (digits, unit) = v.split_at(split);
-    if digits.is_empty() {
-        return Err(format!("{value:?} does not start with a number of bytes"));
-    }
-    let n: usize = digits
-        .parse()
-        .map_err(|e| format!("{digits:?} is not a byte count: {e}"))?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kib" => 10,
-        "m" | "mib" => 20,
-        "g" | "gib" => 30,
-        "t" | "tib" => 40,
-        other => {
-            return Err(format!(
-                "unknown unit {other:?}; use B, KiB, MiB, GiB or TiB"
-            ));
-        }
-    };
-    n.checked_mul(1usize << shift)
-        .ok_or_else(|| format!("{value:?} does not fit in {} bits", usize::BITS))
-}
-
-/// Reads `EMM_PINNED_HOST_POOL` through `lookup`: `None` when unset or `off`.
-pub fn pinned_pool_from_lookup(
-    lookup: impl Fn(&str) -> Option<String>,
-) -> Result<Option<crate::PinnedPoolConfig>, EmmError> {
-    let Some(value) = lookup(ENV_PINNED_HOST_POOL) else {
-        return Ok(None);
-    };
-    let bad = |reason: String| EmmError::Config {
-        variable: ENV_PINNED_HOST_POOL,
-        value: value.clone(),
-        reason,
-    };
-    match value.trim().to_ascii_lowercase().as_str() {
-        "off" | "0" | "no" | "false" => Ok(None),
-        "on" | "1" | "yes" | "true" => Ok(Some(crate::PinnedPoolConfig::default())),
-        _ => {
-            let max_cached = parse_bytes(&value).map_err(|e| {
-                bad(format!(
-                    "{e}; use on, off, or the bytes to keep cached (256MiB)"
-                ))
-            })?;
-            Ok(Some(crate::PinnedPoolConfig {
-                max_cached,
-                ..crate::PinnedPoolConfig::default()
-            }))
-        }
-    }
-}
-
-/// Reads `EMM_MEMORY_ADAPTORS` through `lookup`: the adaptors, innermost first.
-pub fn adaptors_from_lookup(
-    lookup: impl Fn(&str) -> Option<String>,
-) -> Result<Vec<crate::Adaptor>, EmmError> {
-    let Some(value) = lookup(ENV_MEMORY_ADAPTORS) else {
-        return Ok(Vec::new());
-    };
-    value
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|item| {
-            crate::Adaptor::parse(item).map_err(|reason| EmmError::Config {
-                variable: ENV_MEMORY_ADAPTORS,
-                value: value.clone(),
-                reason,
-            })
-        })
-        .collect()
-}
 
 /// The deferred-deallocation thresholds (Numba's `CUDA_DEALLOCS_COUNT` / `_RATIO`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -188,28 +90,6 @@ fn parse_ratio(value: &str) -> Result<f64, EmmError> {
     Ok(ratio)
 }
 
-/// Reads `EMM_MEMORY_MANAGER`: `Ok(None)` when unset; an empty value is an error.
-pub fn manager_name_from_env() -> Result<Option<String>, EmmError> {
-    manager_name_from_lookup(|name| std::env::var(name).ok())
-}
-
-/// [`manager_name_from_env`] through `lookup`.
-pub fn manager_name_from_lookup(
-    lookup: impl Fn(&str) -> Option<String>,
-) -> Result<Option<String>, EmmError> {
-    match lookup(ENV_MEMORY_MANAGER) {
-        None => Ok(None),
-        Some(v) if v.trim().is_empty() => Err(EmmError::Config {
-            variable: ENV_MEMORY_MANAGER,
-            value: v,
-            reason: "empty; set it to a registered manager's name (such as 'default') or \
-                     unset it"
-                .into(),
-        }),
-        Some(v) => Ok(Some(v.trim().to_owned())),
-    }
-}
-
 #[cfg(all(test, not(emm_loom)))]
 mod tests {
     use super::*;
@@ -288,15 +168,5 @@ mod tests {
             max_ratio: 1e300,
         };
         assert_eq!(huge.max_pending_bytes(10), usize::MAX);
-    }
-
-    #[test]
-    fn manager_name() {
-        assert_eq!(manager_name_from_lookup(env(&[])).unwrap(), None);
-        assert_eq!(
-            manager_name_from_lookup(env(&[(ENV_MEMORY_MANAGER, "pool")])).unwrap(),
-            Some("pool".into())
-        );
-        assert!(manager_name_from_lookup(env(&[(ENV_MEMORY_MANAGER, " ")])).is_err());
     }
 }

@@ -1,19 +1,17 @@
-//! IPC: [`IpcHandle`], [`IpcMemory`] (what a handle names), and the [`DeviceIdentity`] that
-//! names the exporting device.
+//! IPC as the contract speaks it: [`IpcHandle`] (what `get_ipc_handle` returns: what it names,
+//! its bytes, whether it is open), [`IpcMemory`] (what a handle names), and the
+//! [`DeviceIdentity`] that names the exporting device. Opening a handle is the IPC layer's
+//! work (`crate::ipc`); the handle only keeps what an open left to undo.
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
-use driver_sys::{
-    DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, IpcMemHandle, PoolPtrExportData,
-};
+use driver_sys::{DeviceAttribute, DeviceOrdinal, Driver, IpcMemHandle, PoolPtrExportData};
 
-use crate::context::Context;
-use crate::pointer::Release;
-use crate::pool_ipc::PoolId;
-use crate::sync::{Mutex, lock};
-use crate::{EmmError, MemoryPointer, Runtime};
+use crate::contract::pool_export::PoolId;
+use crate::error::EmmError;
+use crate::memory::pointer::MemoryPointer;
+use crate::sync::{AtomicBool, Mutex, Ordering, lock};
 
 /// A device's PCI identity (Numba's `get_device_identity()`), which names the exporting device
 /// across processes.
@@ -77,27 +75,18 @@ impl From<IpcMemHandle> for IpcMemory {
     }
 }
 
-/// A mapping opened for a handle, and how it is undone: a `cuIpcOpenMemHandle` mapping in
-/// `ctx`, or a pointer imported through pool `pool` (whose context `ctx` is).
-struct Mapping {
-    ctx: Context,
-    base: DevicePtr,
-    pool: Option<PoolId>,
+/// How an opened direct mapping is undone (the IPC layer's business: a `cuIpcOpenMemHandle`
+/// mapping, or a pointer imported through a pool). The handle only keeps it until `close`.
+pub(crate) trait IpcMapping: Send {
+    /// Unmaps (or frees the imported pointer).
+    fn close(&self) -> Result<(), EmmError>;
 }
 
-impl Mapping {
-    fn close(&self) -> Result<(), EmmError> {
-        match self.pool {
-            None => self.ctx.ipc_close(self.base),
-            Some(id) => self.ctx.inner.imports.free_pointer(id, self.base),
-        }
-    }
-}
-
-enum Opened {
+/// What an open handle holds.
+pub(crate) enum Opened {
     /// Mapped for use in a context; `open` turns false at the close.
     Direct {
-        mapping: Mapping,
+        mapping: Box<dyn IpcMapping>,
         open: Arc<AtomicBool>,
     },
     /// Copied into memory of the destination's manager; nothing to close.
@@ -127,7 +116,7 @@ pub struct IpcHandle {
     source: Option<DeviceIdentity>,
     /// In the exporting process: the exported memory, kept alive.
     base: Option<MemoryPointer>,
-    opened: Mutex<Option<Opened>>,
+    pub(crate) opened: Mutex<Option<Opened>>,
 }
 
 /// `to_bytes` format: magic, version, kind (0: `cuIpcGetMemHandle`, 1: pool allocation), the
@@ -136,9 +125,6 @@ pub struct IpcHandle {
 const MAGIC: &[u8; 6] = b"EMMIPC";
 const FORMAT_VERSION: u16 = 2;
 const ENCODED_LEN: usize = 6 + 2 + 1 + 64 + 16 + 8 + 8 + 1 + 12;
-
-/// Bytes per host round trip when a staged open of pool memory goes through the host.
-const STAGING_CHUNK: usize = 16 << 20;
 
 impl IpcHandle {
     pub(crate) fn exported(
@@ -295,143 +281,6 @@ impl IpcHandle {
             other => return Err(bad(format!("source marker {other} is neither 0 nor 1"))),
         };
         Ok(IpcHandle::new(memory, size, offset, source))
-    }
-
-    /// Opens the handle in `ctx`: directly when its device is the source or a peer of it (or
-    /// the source is unknown), staged otherwise (Numba's `IpcHandle.open`).
-    pub fn open(&self, runtime: &Runtime, ctx: &Context) -> Result<MemoryPointer, EmmError> {
-        let direct = match self.source {
-            None => true,
-            Some(id) => {
-                let src = runtime.device_with_identity(&id)?;
-                src == ctx.device() || ctx.can_access_peer(src)?
-            }
-        };
-        if direct {
-            self.open_direct(ctx)
-        } else {
-            self.open_staged(runtime, ctx)
-        }
-    }
-
-    fn check_openable(&self, opened: &Option<Opened>) -> Result<(), EmmError> {
-        if self.base.is_some() {
-            return Err(EmmError::Ipc {
-                message: "opening IpcHandle from original process",
-                advice: "open it in another process; here, use the exported memory itself",
-            });
-        }
-        if opened.is_some() {
-            return Err(EmmError::Ipc {
-                message: "IpcHandle is already opened",
-                advice: "close it (IpcHandle::close) before opening it again",
-            });
-        }
-        Ok(())
-    }
-
-    /// Opens the mapping for use in `ctx` and checks that the exported range lies inside what
-    /// was mapped: the offset and size travelled as bytes and may have been garbled or forged,
-    /// and a view past the mapping would reach memory the exporter never shared.
-    fn map_checked(&self, ctx: &Context) -> Result<Mapping, EmmError> {
-        let mapping = match &self.memory {
-            IpcMemory::Allocation(h) => Mapping {
-                base: ctx.ipc_open(h)?,
-                ctx: ctx.clone(),
-                pool: None,
-            },
-            IpcMemory::PoolAllocation { pool, data } => {
-                let (pool_ctx, base) =
-                    ctx.inner
-                        .imports
-                        .import_pointer(*pool, data, ctx.device())?;
-                Mapping {
-                    ctx: pool_ctx,
-                    base,
-                    pool: Some(*pool),
-                }
-            }
-        };
-        let mapped = mapping.ctx.mapping_size(mapping.base);
-        let fits = matches!(&mapped, Ok(n) if self.offset.checked_add(self.size).is_some_and(|end| end <= *n));
-        if !fits {
-            let closed = mapping.close();
-            let mapped = mapped?;
-            closed?;
-            return Err(EmmError::InvalidIpcHandle {
-                reason: format!(
-                    "the handle claims {} bytes at offset {}, but the allocation it names has {mapped} bytes",
-                    self.size, self.offset
-                ),
-            });
-        }
-        Ok(mapping)
-    }
-
-    /// Maps the memory into `ctx` and returns a pointer to the exported range (Numba's
-    /// `open_direct`). The mapping covers `offset + size` bytes from the allocation's base.
-    pub fn open_direct(&self, ctx: &Context) -> Result<MemoryPointer, EmmError> {
-        let mut opened = lock(&self.opened);
-        self.check_openable(&opened)?;
-        let mapping = self.map_checked(ctx)?;
-        let base = mapping.base;
-        let open = Arc::new(AtomicBool::new(true));
-        let whole = MemoryPointer::from_release(
-            ctx.device(),
-            ctx.handle(),
-            base,
-            self.offset + self.size,
-            Release::Mapping {
-                open: Arc::clone(&open),
-            },
-            None,
-        );
-        let view = whole.view(self.offset, None)?;
-        tracing::debug!(device = %ctx.device(), %base, size = self.size, offset = self.offset, "IPC handle opened directly");
-        *opened = Some(Opened::Direct { mapping, open });
-        Ok(view)
-    }
-
-    /// Copies the memory into new memory of `ctx`'s manager by way of the source device
-    /// (Numba's `open_staged`); the copy belongs to that manager. Use it to force the staged
-    /// path between peers. Memory of an imported stream-ordered pool is copied through host
-    /// memory (16 MiB at a time) when `ctx` is on another device: only devices the pool grants
-    /// access reach it, and one that is not a peer cannot be granted.
-    pub fn open_staged(&self, runtime: &Runtime, ctx: &Context) -> Result<MemoryPointer, EmmError> {
-        let Some(source) = self.source else {
-            return Err(EmmError::Ipc {
-                message: "IPC handle doesn't have source info",
-                advice: "a staged open needs the exporting device; send the handle with \
-                         IpcHandle::to_bytes from the handle get_ipc_handle returned",
-            });
-        };
-        let mut opened = lock(&self.opened);
-        self.check_openable(&opened)?;
-        let src_ctx = runtime.context(runtime.device_with_identity(&source)?)?;
-        let mapping = self.map_checked(&src_ctx)?;
-        let src = DevicePtr(mapping.base.0 + self.offset as u64);
-        let copied = ctx.memalloc(self.size).and_then(|new| {
-            if mapping.pool.is_some() && src_ctx.device() != ctx.device() {
-                // Imported pool memory is reached only from devices its pool grants access,
-                // and a device that is not a peer cannot be granted (measured on two H200s):
-                // the bytes go through host memory.
-                let mut chunk = vec![0u8; self.size.min(STAGING_CHUNK)];
-                for start in (0..self.size).step_by(STAGING_CHUNK) {
-                    let n = (self.size - start).min(STAGING_CHUNK);
-                    src_ctx.read_mapping(&mut chunk[..n], DevicePtr(src.0 + start as u64))?;
-                    ctx.copy_to_device(&new.view(start, Some(start + n))?, &chunk[..n])?;
-                }
-            } else {
-                ctx.copy_device_to_device(new.device_ptr(), src, self.size, &new)?;
-            }
-            Ok(new)
-        });
-        let closed = mapping.close();
-        let new = copied?;
-        closed?;
-        tracing::debug!(from = %src_ctx.device(), to = %ctx.device(), size = self.size, "IPC handle opened through staging");
-        *opened = Some(Opened::Staged);
-        Ok(new)
     }
 
     /// Closes the handle (Numba's `close`): a direct mapping is unmapped and pointers into it

@@ -8,10 +8,12 @@
 //! - Pinned and mapped host memory, pinning, IPC handles: from the [`HostLayer`].
 //! - `reset` frees every live allocation, then flushes; `defer_cleanup` suspends the queue.
 
+use crate::contract::factory::{FnFactory, ManagerContext};
+use crate::contract::info::MemoryInfo;
+use crate::contract::ipc::IpcHandle;
+use crate::error::EmmError;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
-use crate::ipc::IpcHandle;
-use crate::manager::FnFactory;
-use crate::{EmmError, MemoryInfo, MemoryPointer};
+use crate::memory::pointer::MemoryPointer;
 
 /// The name the default manager is registered under.
 pub const DEFAULT_MANAGER: &str = "default";
@@ -26,7 +28,7 @@ pub type DefaultManager = HostOnly<DriverAllocator>;
 
 impl HostOnly<DriverAllocator> {
     /// The default manager of context `cx`.
-    pub fn default_manager(cx: &crate::ManagerContext) -> DefaultManager {
+    pub fn default_manager(cx: &ManagerContext) -> DefaultManager {
         HostOnly::new(cx, DriverAllocator)
     }
 

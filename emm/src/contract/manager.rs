@@ -1,21 +1,19 @@
-//! The plugin interface: [`MemoryManager`] (NBEP 7's `BaseCUDAMemoryManager`), what a manager
-//! is built from ([`ManagerContext`]) and how it is built ([`ManagerFactory`]).
+//! The plugin interface: [`MemoryManager`] (NBEP 7's `BaseCUDAMemoryManager`) and the
+//! interface version Numba checks.
 
 #![allow(unsafe_code)]
 use std::fmt;
 use std::sync::Arc;
 
-use driver_sys::{ContextHandle, DeviceOrdinal, Driver, HostPtr};
+use driver_sys::HostPtr;
 
-use crate::adaptors::Usage;
-use crate::config::DeallocConfig;
-use crate::host::{HostMemory, HostOwner};
-use crate::ipc::IpcHandle;
-use crate::liveness::ContextLiveness;
-use crate::pending::{DeferCleanup, PendingDeallocs};
-use crate::pinned_pool::PinnedPoolConfig;
-use crate::pool::PoolReport;
-use crate::{EmmError, MemoryInfo, MemoryPointer};
+use crate::contract::info::{MemoryInfo, PoolReport, Usage};
+use crate::contract::ipc::IpcHandle;
+use crate::contract::pool_export::PoolExport;
+use crate::error::EmmError;
+use crate::memory::host::{HostMemory, HostOwner};
+use crate::memory::pending::{DeferCleanup, PendingDeallocs};
+use crate::memory::pointer::MemoryPointer;
 
 /// The interface version emm implements (Numba's `_SUPPORTED_EMM_INTERFACE_VERSION`).
 pub const INTERFACE_VERSION: u32 = 1;
@@ -26,7 +24,7 @@ pub const INTERFACE_VERSION: u32 = 1;
 ///
 /// 1. The host runtime picks a manager once, before any context exists: in code
 ///    ([`RuntimeBuilder::memory_manager`](crate::RuntimeBuilder::memory_manager)) or by name
-///    (`EMM_MEMORY_MANAGER`). The factory's [`interface_version`](ManagerFactory::interface_version)
+///    (`EMM_MEMORY_MANAGER`). The factory's [`interface_version`](crate::contract::ManagerFactory::interface_version)
 ///    is checked then.
 /// 2. The first use of a device creates its [`Context`](crate::Context), and the factory
 ///    builds **one manager for that context**, which owns all its memory.
@@ -113,107 +111,8 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
     /// Exports the manager's stream-ordered pool to other processes (only a manager whose
     /// memory comes from an IPC-enabled pool can; the others refuse with
     /// [`EmmError::NotSupported`]).
-    fn export_pool(&self) -> Result<crate::PoolExport, EmmError> {
+    fn export_pool(&self) -> Result<PoolExport, EmmError> {
         Err(EmmError::no_pool_export(std::any::type_name_of_val(self)))
-    }
-}
-
-/// What a manager is built from: the context it serves and the means to reach the driver.
-#[derive(Clone, Debug)]
-pub struct ManagerContext {
-    /// The driver.
-    pub driver: Arc<dyn Driver>,
-    /// The device.
-    pub device: DeviceOrdinal,
-    /// The context (the device's primary context).
-    pub context: ContextHandle,
-    /// The deferred-deallocation thresholds in force.
-    pub dealloc_config: DeallocConfig,
-    /// Whether the context may still reach the driver; a manager's driver calls on behalf of
-    /// memory that outlived a device reset must check it (see [`ContextLiveness`]).
-    pub liveness: Arc<ContextLiveness>,
-    /// The pinned host pool the host layer is to keep, if the runtime asks for one.
-    pub pinned_pool: Option<PinnedPoolConfig>,
-}
-
-impl ManagerContext {
-    /// A deferred-deallocation queue for this context with the thresholds in force.
-    pub fn new_pending_deallocs(&self) -> PendingDeallocs {
-        PendingDeallocs::new(
-            Arc::clone(&self.driver),
-            self.device,
-            self.context,
-            Arc::clone(&self.liveness),
-            self.dealloc_config,
-        )
-    }
-}
-
-/// Builds one manager per context.
-pub trait ManagerFactory: Send + Sync + fmt::Debug {
-    /// The manager's name, for messages and for selection by `EMM_MEMORY_MANAGER`.
-    fn name(&self) -> &str;
-
-    /// The interface version the managers this factory builds implement.
-    fn interface_version(&self) -> u32;
-
-    /// Builds the manager for one context.
-    fn create(&self, cx: &ManagerContext) -> Result<Box<dyn MemoryManager>, EmmError>;
-}
-
-type CreateFn = dyn Fn(&ManagerContext) -> Result<Box<dyn MemoryManager>, EmmError> + Send + Sync;
-
-/// A [`ManagerFactory`] from a name and a closure, for interface version 1 plugins.
-pub struct FnFactory {
-    name: String,
-    version: u32,
-    create: Box<CreateFn>,
-}
-
-impl FnFactory {
-    /// A factory named `name` that builds managers with `create`.
-    pub fn new(
-        name: impl Into<String>,
-        create: impl Fn(&ManagerContext) -> Result<Box<dyn MemoryManager>, EmmError>
-        + Send
-        + Sync
-        + 'static,
-    ) -> FnFactory {
-        FnFactory {
-            name: name.into(),
-            version: INTERFACE_VERSION,
-            create: Box::new(create),
-        }
-    }
-
-    /// Declares another interface version (to test the version check).
-    #[must_use]
-    pub fn with_interface_version(mut self, version: u32) -> FnFactory {
-        self.version = version;
-        self
-    }
-}
-
-impl fmt::Debug for FnFactory {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FnFactory")
-            .field("name", &self.name)
-            .field("version", &self.version)
-            .finish()
-    }
-}
-
-impl ManagerFactory for FnFactory {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn interface_version(&self) -> u32 {
-        self.version
-    }
-
-    fn create(&self, cx: &ManagerContext) -> Result<Box<dyn MemoryManager>, EmmError> {
-        (self.create)(cx)
     }
 }
 

@@ -1,22 +1,14 @@
-//! Memory objects: [`MemoryPointer`] (device memory) and [`MemoryInfo`].
+//! Device memory as a handle: [`MemoryPointer`], and how an allocation is released when its
+//! last pointer drops ([`ReleaseFn`], [`ReleaseHook`], an allocation table).
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr};
 
-use crate::EmmError;
-use crate::host::HostOwner;
-use crate::tracker::Tracker;
-
-/// Free and total device memory in bytes (Numba's `MemoryInfo(free, total)`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub struct MemoryInfo {
-    /// Bytes free.
-    pub free: usize,
-    /// Bytes in all.
-    pub total: usize,
-}
+use crate::error::EmmError;
+use crate::memory::host::HostOwner;
+use crate::sync::{AtomicBool, Ordering};
 
 /// A plugin's release action: called once, with the allocation's base and size, when the last
 /// pointer to it drops.
@@ -33,19 +25,27 @@ pub trait ReleaseHook: Send + Sync {
     fn is_live(&self, tag: u64) -> bool;
 }
 
+/// A table that owns allocations by key (the host layer's allocation table, Numba's
+/// `allocations`): what a pointer it made calls when its last clone drops.
+pub(crate) trait AllocationOwner: Send + Sync {
+    /// The allocation recorded under `key` at `generation` is no longer used.
+    fn release(&self, key: u64, generation: u64);
+
+    /// The table's current generation (a reset bumps it).
+    fn generation(&self) -> u64;
+}
+
 pub(crate) enum Release {
     /// Owned by a built-in manager's table under `key`; `generation` is the table's generation
     /// when the allocation was made (a reset bumps it and releases everything itself).
     Tracked {
-        tracker: Arc<Tracker>,
+        table: Arc<dyn AllocationOwner>,
         key: u64,
         generation: u64,
     },
     /// An opened IPC mapping: released by `IpcHandle::close`, never by the pointer; `open`
     /// turns false at the close, which makes every pointer into it stale.
-    Mapping {
-        open: Arc<std::sync::atomic::AtomicBool>,
-    },
+    Mapping { open: Arc<AtomicBool> },
     /// A plugin's own action.
     Custom(Mutex<Option<ReleaseFn>>),
     /// A shared release hook with a per-allocation tag (no allocation of its own per pointer).
@@ -79,11 +79,11 @@ impl Drop for Allocation {
     fn drop(&mut self) {
         match &mut self.release {
             Release::Tracked {
-                tracker,
+                table,
                 key,
                 generation,
             } => {
-                tracker.release(*key, *generation);
+                table.release(*key, *generation);
             }
             Release::Custom(action) => {
                 let action = action.get_mut().unwrap_or_else(|p| p.into_inner()).take();
@@ -108,7 +108,7 @@ impl Drop for Allocation {
 /// allocation is released when the last of them drops (Numba's `OwnedPointer` reference count,
 /// with Rust's `Arc` doing the counting). How it is released is data chosen by whoever made it:
 ///
-/// - the built-in managers queue a [`Free`](crate::Free) on their deferred-deallocation queue;
+/// - the built-in managers queue a [`Free`](crate::memory::pending::Free) on their deferred-deallocation queue;
 /// - a plugin passes its own release action ([`MemoryPointer::with_release`]);
 /// - memory owned elsewhere is wrapped with [`MemoryPointer::unowned`] and never released.
 #[derive(Clone)]
@@ -285,11 +285,9 @@ impl MemoryPointer {
     pub fn is_live(&self) -> bool {
         match &self.alloc.release {
             Release::Tracked {
-                tracker,
-                generation,
-                ..
-            } => tracker.generation() == *generation,
-            Release::Mapping { open } => open.load(std::sync::atomic::Ordering::Acquire),
+                table, generation, ..
+            } => table.generation() == *generation,
+            Release::Mapping { open } => open.load(Ordering::Acquire),
             Release::Hook { hook, tag } => hook.is_live(*tag),
             Release::Wrapped { inner, .. } => inner.is_live(),
             Release::Custom(_) | Release::Unowned => true,

@@ -40,15 +40,16 @@ use std::sync::Arc;
 
 use driver_sys::{DevicePtr, DriverError, ErrorKind, MemPoolHandle, StreamHandle};
 
-use crate::default::DriverAllocator;
+use crate::contract::factory::{FnFactory, ManagerContext};
+use crate::contract::info::{MemoryInfo, PoolStats};
+use crate::contract::ipc::{IpcHandle, IpcMemory, identity_of};
+use crate::contract::pool_export::{PoolExport, PoolId};
+use crate::error::EmmError;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
-use crate::ipc::{IpcHandle, IpcMemory};
-use crate::manager::{FnFactory, ManagerContext};
-use crate::pointer::ReleaseHook;
-use crate::pool::PoolStats;
-use crate::pool_ipc::{PoolExport, PoolId};
+use crate::managers::default::DriverAllocator;
+use crate::memory::pending::PendingDeallocs;
+use crate::memory::pointer::{MemoryPointer, ReleaseHook};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
-use crate::{EmmError, MemoryInfo, MemoryPointer, PendingDeallocs};
 
 /// The name the stream-ordered pool manager is registered under.
 pub const ASYNC_POOL_MANAGER: &str = "async-pool";
@@ -370,7 +371,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
             .mem_pool_export_pointer(cx.context, base)
             .map_err(self.err("get_ipc_handle"))?;
         drop(state);
-        let source = crate::ipc::identity_of(&*cx.driver, cx.device)?;
+        let source = identity_of(&*cx.driver, cx.device)?;
         Ok(IpcHandle::exported(
             memory.clone(),
             IpcMemory::PoolAllocation { pool: id, data },
@@ -396,7 +397,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
                 .map_err(self.err("export_pool"))?;
             (fd, state.id.expect("an IPC-enabled pool has an id"))
         };
-        let source = crate::ipc::identity_of(&*cx.driver, cx.device)?;
+        let source = identity_of(&*cx.driver, cx.device)?;
         tracing::info!(device = %cx.device, pool = %id, "stream-ordered pool exported");
         Ok(PoolExport::new(id, source, fd))
     }

@@ -20,39 +20,10 @@ use std::fmt;
 
 use driver_sys::{DevicePtr, HostPtr};
 
-use crate::pending::Free;
-use crate::pool::{POOL_ALIGNMENT, PoolStats};
+use crate::contract::info::{PinnedPoolConfig, PoolStats};
+use crate::memory::pending::Free;
+use crate::size_class;
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
-
-/// The pinned host pool's tuning.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PinnedPoolConfig {
-    /// Larger requests bypass the pool. Default 64 MiB.
-    pub max_block: usize,
-    /// Bytes of free blocks the pool keeps at most; a block returned past it is freed.
-    /// Default 256 MiB.
-    pub max_cached: usize,
-}
-
-impl Default for PinnedPoolConfig {
-    fn default() -> PinnedPoolConfig {
-        PinnedPoolConfig {
-            max_block: 64 << 20,
-            max_cached: 256 << 20,
-        }
-    }
-}
-
-/// A request rounded up to its size class: a multiple of 256 bytes, 4 classes per doubling.
-pub(crate) fn round_to_class(bytes: usize) -> usize {
-    let units = bytes.div_ceil(POOL_ALIGNMENT).max(1);
-    if units <= 4 {
-        return units * POOL_ALIGNMENT;
-    }
-    let e = (usize::BITS - 1 - (units - 1).leading_zeros()) as usize;
-    let step = 1usize << (e - 2);
-    units.div_ceil(step) * step * POOL_ALIGNMENT
-}
 
 /// A cached block: host address and, for mapped blocks, the device address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,7 +73,7 @@ impl PinnedPool {
 
     /// The size a request is served with, or `None` if it bypasses the pool.
     pub(crate) fn class(&self, bytes: usize) -> Option<usize> {
-        (bytes <= self.config.max_block).then(|| round_to_class(bytes))
+        (bytes <= self.config.max_block).then(|| size_class::round_up(bytes))
     }
 
     /// A cached block of `size` bytes with `flags`, and the generation to stamp it with.
@@ -203,23 +174,6 @@ impl PinnedPool {
             chunks: lists.free.values().map(Vec::len).sum::<usize>() + lists.in_use_blocks,
             grows: lists.grows,
             trimmed_bytes: lists.trimmed,
-        }
-    }
-}
-
-#[cfg(all(test, not(emm_loom)))]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn classes_round_up_by_at_most_a_quarter() {
-        for bytes in (1..1 << 22).step_by(977) {
-            let c = round_to_class(bytes);
-            assert!(
-                c >= bytes && c.is_multiple_of(POOL_ALIGNMENT),
-                "{bytes} -> {c}"
-            );
-            assert!(c - bytes <= bytes / 4 + POOL_ALIGNMENT, "{bytes} -> {c}");
         }
     }
 }

@@ -1,0 +1,209 @@
+//! The `log` adaptor: one CSV line per allocation and free, in RMM's replay columns and more,
+//! and the parser [`crate::replay`] reads such logs (and RMM's) with.
+
+use std::fmt;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::adaptors::{Event, Observer};
+use crate::contract::info::{MemoryInfo, MemoryKind};
+use crate::error::EmmError;
+use crate::sync::{Mutex, lock};
+
+/// The header of the CSV log: RMM's replay columns (`Thread,Time,Action,Pointer,Size,Stream`)
+/// followed by the device, the manager's free and total memory, the allocations live after
+/// the event, its start and end (nanoseconds since the log opened), its duration, and the
+/// kind of memory.
+pub const LOG_HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream,Device,Free,Total,Current allocations,Start,End,Elapsed,Kind";
+
+pub(super) struct LogFile {
+    pub(super) out: std::io::BufWriter<std::fs::File>,
+    pub(super) path: PathBuf,
+    pub(super) live: usize,
+    /// Free and total memory, sampled at most once a millisecond.
+    pub(super) info: Option<(Instant, MemoryInfo)>,
+    pub(super) failed: Option<std::io::Error>,
+}
+
+/// The log's writer, shared by every context of a runtime.
+pub(super) struct Log {
+    pub(super) opened: Instant,
+    pub(super) file: Mutex<LogFile>,
+}
+
+impl fmt::Debug for Log {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Log")
+            .field("path", &lock(&self.file).path)
+            .finish()
+    }
+}
+
+thread_local! {
+    static LOG_THREAD: u64 = {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    };
+}
+
+impl Log {
+    pub(super) fn create(path: &PathBuf) -> Result<Log, EmmError> {
+        let file = std::fs::File::create(path).map_err(|e| EmmError::InvalidArgument {
+            what: "the log adaptor's path",
+            reason: format!(
+                "cannot create {}: {e}; give a writable path (log=<path>)",
+                path.display()
+            ),
+        })?;
+        let mut out = std::io::BufWriter::new(file);
+        writeln!(out, "{LOG_HEADER}").map_err(|e| EmmError::InvalidArgument {
+            what: "the log adaptor's path",
+            reason: format!("cannot write {}: {e}", path.display()),
+        })?;
+        Ok(Log {
+            opened: Instant::now(),
+            file: Mutex::new(LogFile {
+                out,
+                path: path.clone(),
+                live: 0,
+                info: None,
+                failed: None,
+            }),
+        })
+    }
+
+    fn write(
+        &self,
+        action: &str,
+        e: &Event,
+        info: impl FnOnce() -> Option<MemoryInfo>,
+        delta: isize,
+    ) {
+        let ns =
+            |t: Option<Instant>| t.map_or(0, |t| t.duration_since(self.opened).as_nanos() as u64);
+        let (start, end) = (ns(e.start), ns(e.end));
+        let thread = LOG_THREAD.with(|t| *t);
+        let mut f = lock(&self.file);
+        let now = Instant::now();
+        let stale = f
+            .info
+            .is_none_or(|(t, _)| now.duration_since(t).as_micros() >= 1000);
+        if stale && let Some(i) = info() {
+            f.info = Some((now, i));
+        }
+        let mi = f.info.map(|(_, i)| i).unwrap_or_default();
+        f.live = f.live.saturating_add_signed(delta);
+        let live = f.live;
+        let line = format!(
+            "{thread},{:.9},{action},{:#x},{},0,{},{},{},{live},{start},{end},{},{}\n",
+            start as f64 / 1e9,
+            e.addr.unwrap_or(0),
+            e.bytes,
+            e.device.0,
+            mi.free,
+            mi.total,
+            end.saturating_sub(start),
+            e.kind.name(),
+        );
+        if f.failed.is_none()
+            && let Err(err) = f.out.write_all(line.as_bytes())
+        {
+            tracing::error!(path = %f.path.display(), error = %err, "the log adaptor cannot write its file; later events are dropped");
+            f.failed = Some(err);
+        }
+    }
+
+    fn flush(&self) {
+        let mut f = lock(&self.file);
+        if let Err(e) = f.out.flush() {
+            tracing::error!(path = %f.path.display(), error = %e, "the log adaptor cannot flush its file");
+        }
+    }
+}
+
+pub(super) type InfoFn = dyn Fn() -> Option<MemoryInfo> + Send + Sync;
+
+/// The log observer of one context: the shared file plus the manager, for free and total.
+pub(super) struct LogObserver {
+    pub(super) log: Arc<Log>,
+    /// Reads the inner manager's memory info.
+    pub(super) info: Box<InfoFn>,
+}
+
+impl fmt::Debug for LogObserver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LogObserver")
+            .field("log", &self.log)
+            .finish()
+    }
+}
+
+impl LogObserver {
+    fn info(&self) -> Option<MemoryInfo> {
+        (self.info)()
+    }
+}
+
+impl Observer for LogObserver {
+    fn allocated(&self, e: &Event) {
+        let (action, delta) = if e.addr.is_some() {
+            ("allocate", 1)
+        } else {
+            ("allocate failure", 0)
+        };
+        self.log.write(action, e, || self.info(), delta);
+    }
+
+    fn freed(&self, e: &Event) {
+        self.log.write("free", e, || self.info(), -1);
+    }
+
+    fn timed(&self) -> bool {
+        true
+    }
+
+    fn reset(&self) {
+        self.log.flush();
+    }
+}
+
+impl Drop for LogObserver {
+    fn drop(&mut self) {
+        self.log.flush();
+    }
+}
+
+/// Parses a CSV log written by the `log` adaptor, or RMM's replay format (its first six
+/// columns), into events for [`crate::replay::replay`].
+pub(crate) fn parse_log_line(
+    line: &str,
+) -> Result<Option<(String, u64, usize, MemoryKind)>, String> {
+    let cols: Vec<&str> = line.split(',').map(str::trim).collect();
+    if cols.len() < 6 {
+        return Err(format!(
+            "{} columns; a log line has at least 6 ({})",
+            cols.len(),
+            &LOG_HEADER[..36]
+        ));
+    }
+    if cols[0] == "Thread" {
+        return Ok(None);
+    }
+    let action = cols[2].to_ascii_lowercase();
+    let ptr = cols[3];
+    let ptr = ptr
+        .strip_prefix("0x")
+        .map_or_else(|| ptr.parse::<u64>(), |h| u64::from_str_radix(h, 16))
+        .map_err(|e| format!("pointer {:?}: {e}", cols[3]))?;
+    let size: usize = cols[4]
+        .parse()
+        .map_err(|e| format!("size {:?}: {e}", cols[4]))?;
+    let kind = cols
+        .get(13)
+        .map(|k| MemoryKind::parse(k).ok_or_else(|| format!("unknown kind {k:?}")))
+        .transpose()?
+        .unwrap_or(MemoryKind::Device);
+    Ok(Some((action, ptr, size, kind)))
+}

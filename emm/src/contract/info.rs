@@ -1,0 +1,156 @@
+//! The plain data the contract's methods return: memory info, what pools hold, what a `stats`
+//! adaptor counted, and the pinned host pool's tuning that a manager is built with.
+
+/// Free and total device memory in bytes (Numba's `MemoryInfo(free, total)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct MemoryInfo {
+    /// Bytes free.
+    pub free: usize,
+    /// Bytes in all.
+    pub total: usize,
+}
+
+/// What a pool holds, at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Bytes held from the driver (all chunks).
+    pub held_bytes: usize,
+    /// Bytes in blocks handed out and not returned (block sizes, after rounding).
+    pub in_use_bytes: usize,
+    /// Blocks handed out and not returned.
+    pub in_use_blocks: usize,
+    /// Bytes of free blocks cached in per-thread shards (part of `held - in_use`).
+    pub cached_bytes: usize,
+    /// The most bytes ever held at once.
+    pub peak_held_bytes: usize,
+    /// Chunks held.
+    pub chunks: usize,
+    /// Times the pool grew (driver allocations).
+    pub grows: u64,
+    /// Bytes released to the driver by trims and out-of-memory retries (not by resets).
+    pub trimmed_bytes: u64,
+}
+
+/// What a manager's pools hold: its device pool and its pinned host pool, where it has them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolReport {
+    /// The device memory pool.
+    pub device: Option<PoolStats>,
+    /// The pinned host memory pool.
+    pub pinned_host: Option<PoolStats>,
+}
+
+impl PoolReport {
+    /// Bytes held from the driver by all pools.
+    pub fn held_bytes(&self) -> usize {
+        self.device.map_or(0, |s| s.held_bytes) + self.pinned_host.map_or(0, |s| s.held_bytes)
+    }
+}
+
+impl PoolStats {
+    /// Bytes held but not in use: what a trim could give back at best.
+    pub fn unused_bytes(&self) -> usize {
+        self.held_bytes.saturating_sub(self.in_use_bytes)
+    }
+}
+
+/// Which memory an event is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Device memory (`memalloc`).
+    Device,
+    /// Pinned host memory, not mapped (`memhostalloc`).
+    Pinned,
+    /// Mapped pinned host memory (`memhostalloc(mapped)`).
+    Mapped,
+    /// Pinned existing host memory (`mempin`).
+    Pin,
+}
+
+impl MemoryKind {
+    pub(crate) const ALL: [MemoryKind; 4] = [
+        MemoryKind::Device,
+        MemoryKind::Pinned,
+        MemoryKind::Mapped,
+        MemoryKind::Pin,
+    ];
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The name used in logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryKind::Device => "device",
+            MemoryKind::Pinned => "pinned",
+            MemoryKind::Mapped => "mapped",
+            MemoryKind::Pin => "pin",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Option<MemoryKind> {
+        MemoryKind::ALL.into_iter().find(|k| k.name() == s)
+    }
+}
+
+/// Statistics of one kind of memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KindUsage {
+    /// Bytes allocated and not freed.
+    pub current_bytes: usize,
+    /// The most `current_bytes` ever was.
+    pub peak_bytes: usize,
+    /// Bytes allocated in all.
+    pub total_bytes: u64,
+    /// Allocations not freed.
+    pub current_count: usize,
+    /// The most `current_count` ever was.
+    pub peak_count: usize,
+    /// Allocations in all.
+    pub total_count: u64,
+}
+
+/// What a `stats` adaptor counted, per kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Device memory.
+    pub device: KindUsage,
+    /// Pinned host memory, not mapped.
+    pub pinned: KindUsage,
+    /// Mapped pinned host memory.
+    pub mapped: KindUsage,
+    /// Pinned existing host memory.
+    pub pin: KindUsage,
+}
+
+impl Usage {
+    /// The statistics of `kind`.
+    pub fn of(&self, kind: MemoryKind) -> &KindUsage {
+        match kind {
+            MemoryKind::Device => &self.device,
+            MemoryKind::Pinned => &self.pinned,
+            MemoryKind::Mapped => &self.mapped,
+            MemoryKind::Pin => &self.pin,
+        }
+    }
+}
+
+/// The pinned host pool's tuning.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PinnedPoolConfig {
+    /// Larger requests bypass the pool. Default 64 MiB.
+    pub max_block: usize,
+    /// Bytes of free blocks the pool keeps at most; a block returned past it is freed.
+    /// Default 256 MiB.
+    pub max_cached: usize,
+}
+
+impl Default for PinnedPoolConfig {
+    fn default() -> PinnedPoolConfig {
+        PinnedPoolConfig {
+            max_block: 64 << 20,
+            max_cached: 256 << 20,
+        }
+    }
+}

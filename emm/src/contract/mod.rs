@@ -1,0 +1,25 @@
+//! Layer 2, the contract: the plugin interface every manager implements, how a manager is
+//! built, and the plain data its methods return. Everything above (the host layer, the
+//! managers, the adaptors, IPC, `Context` and `Runtime`) is written against this module.
+//!
+//! | file | holds |
+//! | --- | --- |
+//! | `manager` | [`MemoryManager`] (NBEP 7's `BaseCUDAMemoryManager`), [`INTERFACE_VERSION`], [`check_interface_version`] |
+//! | `factory` | [`ManagerContext`] (what a manager is built from), [`ManagerFactory`], [`FnFactory`] |
+//! | `access` | [`ManagerContext`]'s guarded driver calls: liveness, the stale-context error, copies, mappings |
+//! | `info` | [`MemoryInfo`], [`PoolStats`], [`PoolReport`], [`Usage`] / [`KindUsage`] / [`MemoryKind`], [`PinnedPoolConfig`] |
+//! | `ipc` | [`IpcHandle`] (what `get_ipc_handle` returns), [`IpcMemory`], [`DeviceIdentity`] |
+//! | `pool_export` | [`PoolExport`] (what `export_pool` returns) and [`PoolId`] |
+
+pub(crate) mod access;
+pub(crate) mod factory;
+pub(crate) mod info;
+pub(crate) mod ipc;
+pub(crate) mod manager;
+pub(crate) mod pool_export;
+
+pub use factory::{FnFactory, ManagerContext, ManagerFactory};
+pub use info::{KindUsage, MemoryInfo, MemoryKind, PinnedPoolConfig, PoolReport, PoolStats, Usage};
+pub use ipc::{DeviceIdentity, IpcHandle, IpcMemory};
+pub use manager::{INTERFACE_VERSION, MemoryManager, check_interface_version};
+pub use pool_export::{POOL_DESCRIPTOR_LEN, PoolExport, PoolId};

@@ -1,0 +1,168 @@
+//! IPC of stream-ordered pools as the contract speaks it: [`PoolId`] and [`PoolExport`] (a
+//! pool's file descriptor and what names it). Sending it is `crate::ipc::transfer`'s work.
+//!
+//! # How memory of an IPC-enabled pool crosses processes
+//!
+//! The driver shares such memory in two steps, and emm keeps them apart:
+//!
+//! 1. **The pool, once.** The exporter calls [`Context::export_pool`](crate::Context::export_pool)
+//!    and sends the [`PoolExport`] (a file descriptor plus the pool's [`PoolId`] and device) to
+//!    the other process with [`PoolExport::send`]; that process calls
+//!    [`PoolExport::receive`] and [`Runtime::import_pool`](crate::Runtime::import_pool).
+//! 2. **Each allocation.** [`Context::get_ipc_handle`](crate::Context::get_ipc_handle) gives an
+//!    [`IpcHandle`](crate::IpcHandle) whose bytes name the pool by its id and carry the
+//!    driver's export data; they travel like any handle's bytes, and open like any handle
+//!    (directly, or staged through the source device).
+//!
+//! The driver's rule, which emm's handles follow: an importing process frees (closes) its
+//! imported pointer before the exporter frees the allocation. The exporter's handle keeps the
+//! allocation alive; drop it only once the other processes have closed theirs.
+
+use std::fmt;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::contract::ipc::DeviceIdentity;
+use crate::error::EmmError;
+
+/// The name of an IPC-enabled stream-ordered pool across processes: chosen by the exporting
+/// manager when it creates the pool (a new one after every reset), carried in the bytes of each
+/// [`IpcHandle`](crate::IpcHandle) of the pool's memory and in the pool's [`PoolExport`].
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PoolId(pub [u8; 16]);
+
+impl PoolId {
+    /// A new id: this process's id, a per-process counter and the time, so ids of different
+    /// processes and of successive pools of one process differ.
+    pub(crate) fn fresh() -> PoolId {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let count = NEXT.fetch_add(1, Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let mut b = [0u8; 16];
+        b[..4].copy_from_slice(&std::process::id().to_le_bytes());
+        b[4..8].copy_from_slice(&(count as u32).to_le_bytes());
+        b[8..].copy_from_slice(&nanos.to_le_bytes());
+        PoolId(b)
+    }
+}
+
+impl fmt::Display for PoolId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+impl fmt::Debug for PoolId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PoolId({self})")
+    }
+}
+
+/// An exported stream-ordered pool, ready to go to another process: the driver's file
+/// descriptor for it (`cuMemPoolExportToShareableHandle`), the pool's [`PoolId`] and the
+/// exporting device. Get one from [`Context::export_pool`](crate::Context::export_pool).
+///
+/// A file descriptor does not travel as bytes: send the export with [`send`](Self::send) over
+/// a connected Unix stream socket (the descriptor goes as `SCM_RIGHTS`), or pass the
+/// descriptor some other way (inherited by a child, `pidfd_getfd`) together with
+/// [`descriptor`](Self::descriptor)'s bytes and rebuild it with
+/// [`from_descriptor`](Self::from_descriptor). Dropping an export closes the descriptor; the
+/// pool is unaffected.
+pub struct PoolExport {
+    id: PoolId,
+    source: DeviceIdentity,
+    fd: OwnedFd,
+}
+
+const EXPORT_MAGIC: &[u8; 7] = b"EMMPOOL";
+const EXPORT_VERSION: u16 = 1;
+/// Length of [`PoolExport::descriptor`]: magic, version, id, three PCI ids.
+pub const POOL_DESCRIPTOR_LEN: usize = 7 + 2 + 16 + 12;
+
+impl PoolExport {
+    pub(crate) fn new(id: PoolId, source: DeviceIdentity, fd: OwnedFd) -> PoolExport {
+        PoolExport { id, source, fd }
+    }
+
+    /// The pool's id.
+    pub fn id(&self) -> PoolId {
+        self.id
+    }
+
+    /// The exporting device.
+    pub fn source(&self) -> DeviceIdentity {
+        self.source
+    }
+
+    /// The driver's file descriptor for the pool.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// What names the pool, as bytes (the descriptor itself is not part of them).
+    pub fn descriptor(&self) -> [u8; POOL_DESCRIPTOR_LEN] {
+        let mut b = [0u8; POOL_DESCRIPTOR_LEN];
+        b[..7].copy_from_slice(EXPORT_MAGIC);
+        b[7..9].copy_from_slice(&EXPORT_VERSION.to_le_bytes());
+        b[9..25].copy_from_slice(&self.id.0);
+        let s = self.source;
+        for (i, v) in [s.pci_domain_id, s.pci_bus_id, s.pci_device_id]
+            .into_iter()
+            .enumerate()
+        {
+            b[25 + 4 * i..29 + 4 * i].copy_from_slice(&v.to_le_bytes());
+        }
+        b
+    }
+
+    /// Rebuilds an export from [`descriptor`](Self::descriptor)'s bytes and the file
+    /// descriptor that came with them (passed by other means than [`send`](Self::send)).
+    pub fn from_descriptor(bytes: &[u8], fd: OwnedFd) -> Result<PoolExport, EmmError> {
+        let bad = |reason: String| EmmError::InvalidArgument {
+            what: "pool export descriptor",
+            reason,
+        };
+        if bytes.len() < 9 || &bytes[..7] != EXPORT_MAGIC {
+            return Err(bad(
+                "the bytes do not start with an emm pool export's marker; pass the bytes \
+                 PoolExport::descriptor produced"
+                    .into(),
+            ));
+        }
+        let version = u16::from_le_bytes([bytes[7], bytes[8]]);
+        if version != EXPORT_VERSION {
+            return Err(bad(format!(
+                "format version {version}, and this emm reads version {EXPORT_VERSION}; export \
+                 and import with the same emm release"
+            )));
+        }
+        if bytes.len() != POOL_DESCRIPTOR_LEN {
+            return Err(bad(format!(
+                "{} bytes instead of {POOL_DESCRIPTOR_LEN}",
+                bytes.len()
+            )));
+        }
+        let i32_at = |i: usize| i32::from_le_bytes(bytes[i..i + 4].try_into().expect("4 bytes"));
+        Ok(PoolExport {
+            id: PoolId(bytes[9..25].try_into().expect("16 bytes")),
+            source: DeviceIdentity {
+                pci_domain_id: i32_at(25),
+                pci_bus_id: i32_at(29),
+                pci_device_id: i32_at(33),
+            },
+            fd,
+        })
+    }
+}
+
+impl fmt::Debug for PoolExport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PoolExport")
+            .field("id", &self.id)
+            .field("source", &self.source)
+            .field("fd", &self.fd.as_raw_fd())
+            .finish()
+    }
+}

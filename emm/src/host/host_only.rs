@@ -1,0 +1,185 @@
+//! A device-only plugin made complete: [`DeviceAllocator`] and [`HostOnly`].
+
+use std::fmt;
+use std::sync::Arc;
+
+use driver_sys::HostPtr;
+
+use crate::contract::factory::ManagerContext;
+use crate::contract::info::{MemoryInfo, PoolReport, PoolStats};
+use crate::contract::ipc::IpcHandle;
+use crate::contract::manager::{INTERFACE_VERSION, MemoryManager};
+use crate::contract::pool_export::PoolExport;
+use crate::error::EmmError;
+use crate::host::HostLayer;
+use crate::memory::host::{HostMemory, HostOwner};
+use crate::memory::pending::{DeferCleanup, PendingDeallocs};
+use crate::memory::pointer::MemoryPointer;
+
+/// The device half of a manager: what a plugin that manages device memory (a host runtime's
+/// own allocator) implements. Wrapped in [`HostOnly`], it becomes a complete
+/// [`MemoryManager`]: the host layer adds pinned and mapped memory and runs its own `reset` and
+/// `defer_cleanup` steps, which the plugin therefore cannot forget.
+///
+/// Each method gets the [`HostLayer`] for the context, its driver and its queue.
+pub trait DeviceAllocator: Send + Sync + fmt::Debug {
+    /// Allocates `bytes` of device memory.
+    fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError>;
+
+    /// Prepares for use; called on every use of the context, idempotent.
+    fn initialize(&self, host: &HostLayer) -> Result<(), EmmError>;
+
+    /// Free and total memory as the allocator sees it.
+    fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError>;
+
+    /// An IPC handle for `memory`. [`HostLayer::ipc_handle`] does it for `cuMemAlloc` memory.
+    fn get_ipc_handle(
+        &self,
+        host: &HostLayer,
+        memory: &MemoryPointer,
+    ) -> Result<IpcHandle, EmmError>;
+
+    /// Frees the allocator's own memory. Runs after the host layer's reset.
+    fn reset(&self, host: &HostLayer) -> Result<(), EmmError> {
+        let _ = host;
+        Ok(())
+    }
+
+    /// The allocator's own deferral, joined to the host layer's guard.
+    fn defer_cleanup(&self, host: &HostLayer) -> Result<DeferCleanup, EmmError> {
+        let _ = host;
+        Ok(DeferCleanup::nothing())
+    }
+
+    /// The interface version the allocator implements.
+    fn interface_version(&self) -> u32 {
+        INTERFACE_VERSION
+    }
+
+    /// Releases memory the allocator holds but does not use; returns the bytes released (or
+    /// queued for release, inside `defer_cleanup`). Allocators that hold nothing back return 0.
+    fn trim(&self, host: &HostLayer) -> Result<usize, EmmError> {
+        let _ = host;
+        Ok(0)
+    }
+
+    /// What a pooling allocator holds, if it pools.
+    fn pool_stats(&self) -> Option<PoolStats> {
+        None
+    }
+
+    /// Exports the allocator's IPC-enabled stream-ordered pool; allocators without one refuse
+    /// (the default).
+    fn export_pool(&self, host: &HostLayer) -> Result<PoolExport, EmmError> {
+        let _ = host;
+        Err(EmmError::no_pool_export(std::any::type_name_of_val(self)))
+    }
+}
+
+/// A [`MemoryManager`] made of the [`HostLayer`] and a [`DeviceAllocator`] (Numba: a subclass of
+/// `HostOnlyCUDAMemoryManager`, with the `super()` calls made for it).
+#[derive(Debug)]
+pub struct HostOnly<D> {
+    host: HostLayer,
+    device: D,
+}
+
+impl<D: DeviceAllocator> HostOnly<D> {
+    /// The manager of context `cx`, with `device` managing its device memory.
+    pub fn new(cx: &ManagerContext, device: D) -> HostOnly<D> {
+        HostOnly {
+            host: HostLayer::new(cx),
+            device,
+        }
+    }
+
+    /// A manager from a host layer and the device allocator built for it (an allocator that
+    /// needs the host layer's queue is built after the layer).
+    pub fn from_parts(host: HostLayer, device: D) -> HostOnly<D> {
+        HostOnly { host, device }
+    }
+
+    /// The host layer.
+    pub fn host(&self) -> &HostLayer {
+        &self.host
+    }
+
+    /// The device allocator.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+}
+
+impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
+    fn memalloc(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        self.device.memalloc(&self.host, bytes)
+    }
+
+    fn memhostalloc(
+        &self,
+        bytes: usize,
+        mapped: bool,
+        portable: bool,
+        wc: bool,
+    ) -> Result<HostMemory, EmmError> {
+        self.host.memhostalloc(bytes, mapped, portable, wc)
+    }
+
+    unsafe fn mempin(
+        &self,
+        owner: HostOwner,
+        ptr: HostPtr,
+        size: usize,
+        mapped: bool,
+    ) -> Result<HostMemory, EmmError> {
+        // SAFETY: forwarded with this method's own contract.
+        unsafe { self.host.mempin(owner, ptr, size, mapped) }
+    }
+
+    fn initialize(&self) -> Result<(), EmmError> {
+        self.device.initialize(&self.host)
+    }
+
+    fn get_ipc_handle(&self, memory: &MemoryPointer) -> Result<IpcHandle, EmmError> {
+        self.device.get_ipc_handle(&self.host, memory)
+    }
+
+    fn get_memory_info(&self) -> Result<MemoryInfo, EmmError> {
+        self.device.get_memory_info(&self.host)
+    }
+
+    fn reset(&self) -> Result<(), EmmError> {
+        let host = self.host.reset();
+        let device = self.device.reset(&self.host);
+        host.and(device)
+    }
+
+    fn defer_cleanup(&self) -> Result<DeferCleanup, EmmError> {
+        let host = self.host.defer_cleanup();
+        Ok(host.join(self.device.defer_cleanup(&self.host)?))
+    }
+
+    fn interface_version(&self) -> u32 {
+        self.device.interface_version()
+    }
+
+    fn deallocations(&self) -> Option<&Arc<PendingDeallocs>> {
+        Some(self.host.deallocations())
+    }
+
+    fn trim(&self) -> Result<usize, EmmError> {
+        let device = self.device.trim(&self.host)?;
+        Ok(device + self.host.trim()?)
+    }
+
+    fn pool_stats(&self) -> PoolReport {
+        PoolReport {
+            device: self.device.pool_stats(),
+            pinned_host: self.host.pinned_pool_stats(),
+        }
+    }
+
+    fn export_pool(&self) -> Result<PoolExport, EmmError> {
+        self.device.export_pool(&self.host)
+    }
+}

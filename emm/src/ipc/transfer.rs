@@ -1,0 +1,159 @@
+//! A [`PoolExport`] between processes: its bytes and its file descriptor over a Unix stream
+//! socket (`SCM_RIGHTS`).
+#![allow(unsafe_code)]
+
+use std::io::{self, Read};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+
+use crate::contract::pool_export::{POOL_DESCRIPTOR_LEN, PoolExport};
+use crate::error::EmmError;
+
+impl PoolExport {
+    /// Sends the export over a connected Unix stream socket: the descriptor's bytes as data,
+    /// the file descriptor as `SCM_RIGHTS`. The receiving process calls
+    /// [`receive`](Self::receive). This export keeps its own descriptor (the receiver gets a
+    /// duplicate).
+    pub fn send(&self, socket: &UnixStream) -> Result<(), EmmError> {
+        let payload = self.descriptor();
+        let fail = |source| EmmError::PoolTransfer {
+            what: "sending a pool export",
+            source,
+        };
+        let fd: libc::c_int = self.fd().as_raw_fd();
+        let mut control = ControlBuffer::new();
+        let mut iov = libc::iovec {
+            iov_base: payload.as_ptr() as *mut libc::c_void,
+            iov_len: payload.len(),
+        };
+        let msg = control.message(&mut iov);
+        // SAFETY: `msg` points at `control`, which has room for one header with one int (its
+        // length is CMSG_SPACE of one int, and it is aligned for cmsghdr), so CMSG_FIRSTHDR
+        // returns a valid, writable header and CMSG_DATA room for the int.
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(&raw const msg);
+            if cmsg.is_null() {
+                return Err(fail(io::Error::other("no room for the control message")));
+            }
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<libc::c_int>() as u32) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), fd);
+        }
+        // SAFETY: `msg` and everything it points at (`iov`, `payload`, `control`) are alive
+        // and initialised for the call; the socket is open (borrowed from `socket`).
+        let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &raw const msg, libc::MSG_NOSIGNAL) };
+        if sent < 0 {
+            return Err(fail(io::Error::last_os_error()));
+        }
+        if sent as usize != payload.len() {
+            return Err(fail(io::Error::other(format!(
+                "sent {sent} of {} bytes",
+                payload.len()
+            ))));
+        }
+        tracing::debug!(pool = %self.id(), fd, "pool export sent");
+        Ok(())
+    }
+
+    /// Receives one export that [`send`](Self::send) sent over `socket`. Blocks until it
+    /// arrives (or the socket's read timeout passes).
+    pub fn receive(socket: &UnixStream) -> Result<PoolExport, EmmError> {
+        let fail = |source| EmmError::PoolTransfer {
+            what: "receiving a pool export",
+            source,
+        };
+        let mut payload = [0u8; POOL_DESCRIPTOR_LEN];
+        let mut control = ControlBuffer::new();
+        let mut iov = libc::iovec {
+            iov_base: payload.as_mut_ptr().cast(),
+            iov_len: payload.len(),
+        };
+        let mut msg = control.message(&mut iov);
+        let received = loop {
+            // SAFETY: `msg` points at `payload` and `control`, both writable for their stated
+            // lengths for the call; the socket is open (borrowed from `socket`).
+            let n =
+                unsafe { libc::recvmsg(socket.as_raw_fd(), &raw mut msg, libc::MSG_CMSG_CLOEXEC) };
+            if n >= 0 {
+                break n as usize;
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(fail(e));
+            }
+        };
+        // Take ownership of every descriptor that arrived first, so none leaks on an error.
+        let mut fds = Vec::new();
+        // SAFETY: `msg` was filled by recvmsg; CMSG_FIRSTHDR / CMSG_NXTHDR walk only within
+        // `msg_controllen` bytes of `control`; each SCM_RIGHTS header's data holds
+        // (cmsg_len - CMSG_LEN(0)) / size_of::<c_int>() descriptors, now owned by this process.
+        unsafe {
+            let mut cmsg = libc::CMSG_FIRSTHDR(&raw const msg);
+            while !cmsg.is_null() {
+                if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
+                    let bytes = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                    for k in 0..bytes / size_of::<libc::c_int>() {
+                        let raw = std::ptr::read_unaligned(data.add(k));
+                        fds.push(OwnedFd::from_raw_fd(raw));
+                    }
+                }
+                cmsg = libc::CMSG_NXTHDR(&raw const msg, cmsg);
+            }
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(fail(io::Error::other(
+                "the control message was truncated (more than one descriptor was sent)",
+            )));
+        }
+        if received == 0 {
+            return Err(fail(io::ErrorKind::UnexpectedEof.into()));
+        }
+        // A stream socket may deliver the data in pieces; the descriptor came with the first.
+        if received < payload.len() {
+            let mut rest = socket;
+            rest.read_exact(&mut payload[received..]).map_err(fail)?;
+        }
+        let mut fds = fds.into_iter();
+        let (Some(fd), None) = (fds.next(), fds.next()) else {
+            return Err(fail(io::Error::other(
+                "the message did not carry exactly one file descriptor",
+            )));
+        };
+        let export = PoolExport::from_descriptor(&payload, fd)?;
+        tracing::debug!(pool = %export.id(), "pool export received");
+        Ok(export)
+    }
+}
+
+/// Room for one control message with one file descriptor, aligned for `cmsghdr`.
+struct ControlBuffer {
+    words: [u64; 8],
+}
+
+impl ControlBuffer {
+    fn new() -> ControlBuffer {
+        ControlBuffer { words: [0; 8] }
+    }
+
+    fn len(&self) -> usize {
+        // SAFETY: CMSG_SPACE is pure arithmetic.
+        let space = unsafe { libc::CMSG_SPACE(size_of::<libc::c_int>() as u32) } as usize;
+        debug_assert!(space <= size_of::<[u64; 8]>());
+        space
+    }
+
+    /// A message header over one data buffer (`iov`) and this control buffer; both must
+    /// outlive its use.
+    fn message(&mut self, iov: &mut libc::iovec) -> libc::msghdr {
+        // SAFETY: an all-zero msghdr is valid (null pointers, zero lengths); the fields used
+        // are set below.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov;
+        msg.msg_iovlen = 1;
+        msg.msg_controllen = self.len() as _;
+        msg.msg_control = self.words.as_mut_ptr().cast();
+        msg
+    }
+}

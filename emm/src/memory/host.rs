@@ -1,0 +1,328 @@
+//! Host memory objects: pinned and mapped memory, pins of existing buffers.
+#![allow(unsafe_code)]
+
+use std::any::Any;
+use std::cell::UnsafeCell;
+use std::fmt;
+use std::sync::Arc;
+
+use driver_sys::HostPtr;
+
+use crate::error::EmmError;
+use crate::memory::pointer::MemoryPointer;
+
+/// Whatever keeps pinned host memory alive (Numba's `owner`): the buffer a caller pinned.
+pub type HostOwner = Arc<dyn Any + Send + Sync>;
+
+/// A release action for host memory: called once, with the host address and size.
+pub type HostReleaseFn = Box<dyn FnOnce(HostPtr, usize) + Send + Sync>;
+
+fn host_range_check(
+    what: &'static str,
+    offset: usize,
+    len: usize,
+    size: usize,
+) -> Result<(), EmmError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(EmmError::OutOfBounds {
+            what,
+            start: offset,
+            end: offset.saturating_add(len),
+            size,
+        }),
+    }
+}
+
+/// Copies `src` into host memory at `host + offset`.
+///
+/// # Safety
+///
+/// `host .. host + size` is live host memory that no Rust reference covers, and
+/// `offset + src.len() <= size` (checked by the caller).
+unsafe fn host_write(host: HostPtr, offset: usize, src: &[u8]) {
+    // SAFETY: the caller guarantees the range is live, unaliased by references, and in bounds;
+    // `src` is a live slice; the two cannot overlap since no reference covers the destination.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), (host.0 + offset) as *mut u8, src.len()) }
+}
+
+/// Copies host memory at `host + offset` into `dst`.
+///
+/// # Safety
+///
+/// As for [`host_write`], with `offset + dst.len() <= size`.
+unsafe fn host_read(host: HostPtr, offset: usize, dst: &mut [u8]) {
+    // SAFETY: as for `host_write`; `dst` is an exclusive borrow.
+    unsafe {
+        std::ptr::copy_nonoverlapping((host.0 + offset) as *const u8, dst.as_mut_ptr(), dst.len())
+    }
+}
+
+/// A heap buffer meant to be pinned with [`Context::pin`](crate::Context::pin): a stable
+/// address, bytes reached only through copies (never through references), so the device may
+/// read and write it through a mapping while the host holds the buffer.
+pub struct PinnableBuffer {
+    bytes: Box<[UnsafeCell<u8>]>,
+}
+
+// SAFETY: the bytes are only ever reached through raw-pointer copies (`read`, `write`, the
+// driver), never through references, so sharing the buffer between threads creates no aliasing
+// references; concurrent copies to the same bytes race as device and host memory always may.
+unsafe impl Sync for PinnableBuffer {}
+
+impl PinnableBuffer {
+    /// A zeroed buffer of `len` bytes.
+    pub fn zeroed(len: usize) -> PinnableBuffer {
+        PinnableBuffer {
+            bytes: (0..len).map(|_| UnsafeCell::new(0)).collect(),
+        }
+    }
+
+    /// A buffer holding a copy of `data`.
+    pub fn from_slice(data: &[u8]) -> PinnableBuffer {
+        PinnableBuffer {
+            bytes: data.iter().map(|&b| UnsafeCell::new(b)).collect(),
+        }
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// The address of the first byte.
+    pub fn host_ptr(&self) -> HostPtr {
+        HostPtr(self.bytes.as_ptr() as usize)
+    }
+
+    /// Copies `src` into the buffer at `offset`.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), EmmError> {
+        host_range_check("write to a pinnable buffer", offset, src.len(), self.len())?;
+        // SAFETY: the buffer is live (borrowed), its bytes are never referenced, and the range
+        // was checked.
+        unsafe { host_write(self.host_ptr(), offset, src) };
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), EmmError> {
+        host_range_check("read from a pinnable buffer", offset, dst.len(), self.len())?;
+        // SAFETY: as for `write`.
+        unsafe { host_read(self.host_ptr(), offset, dst) };
+        Ok(())
+    }
+
+    /// A copy of all bytes.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0; self.len()];
+        self.read(0, &mut v).expect("in bounds");
+        v
+    }
+}
+
+impl fmt::Debug for PinnableBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnableBuffer")
+            .field("host", &self.host_ptr())
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+/// Page-locked host memory that is not mapped into the device (Numba's `PinnedMemory`).
+/// Released when this value drops: a deferred `cuMemFreeHost`, or an immediate unpin.
+pub struct PinnedMemory {
+    host: HostPtr,
+    size: usize,
+    owner: Option<HostOwner>,
+    release: Option<HostReleaseFn>,
+}
+
+impl PinnedMemory {
+    /// Pinned memory at `host`, released by `release` when this value drops; `owner` (if any)
+    /// is kept alive until then.
+    pub fn with_release(
+        host: HostPtr,
+        size: usize,
+        owner: Option<HostOwner>,
+        release: impl FnOnce(HostPtr, usize) + Send + Sync + 'static,
+    ) -> PinnedMemory {
+        PinnedMemory {
+            host,
+            size,
+            owner,
+            release: Some(Box::new(release)),
+        }
+    }
+
+    /// The host address.
+    pub fn host_ptr(&self) -> HostPtr {
+        self.host
+    }
+
+    /// Bytes.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The owner kept alive, if any.
+    pub fn owner(&self) -> Option<&HostOwner> {
+        self.owner.as_ref()
+    }
+
+    /// Copies `src` into the memory at `offset`.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), EmmError> {
+        host_range_check("write to pinned memory", offset, src.len(), self.size)?;
+        // SAFETY: the memory is live while `self` is, emm hands out no references to it, and
+        // the range was checked.
+        unsafe { host_write(self.host, offset, src) };
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), EmmError> {
+        host_range_check("read from pinned memory", offset, dst.len(), self.size)?;
+        // SAFETY: as for `write`.
+        unsafe { host_read(self.host, offset, dst) };
+        Ok(())
+    }
+}
+
+impl Drop for PinnedMemory {
+    fn drop(&mut self) {
+        if let Some(release) = self.release.take() {
+            release(self.host, self.size);
+        }
+    }
+}
+
+impl fmt::Debug for PinnedMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedMemory")
+            .field("host", &self.host)
+            .field("size", &self.size)
+            .field("has_owner", &self.owner.is_some())
+            .finish()
+    }
+}
+
+/// Page-locked host memory mapped into the device (Numba's `MappedMemory`): a host address and
+/// a device pointer to the same bytes. Cheap to clone; released when the last clone of it (or
+/// of its device pointer) drops.
+#[derive(Clone, Debug)]
+pub struct MappedMemory {
+    host: HostPtr,
+    device: MemoryPointer,
+}
+
+impl MappedMemory {
+    /// Mapped memory whose device side is `device` (which carries the release action and keeps
+    /// any owner alive).
+    pub fn new(host: HostPtr, device: MemoryPointer) -> MappedMemory {
+        MappedMemory { host, device }
+    }
+
+    /// The host address.
+    pub fn host_ptr(&self) -> HostPtr {
+        self.host
+    }
+
+    /// The device side.
+    pub fn device(&self) -> &MemoryPointer {
+        &self.device
+    }
+
+    /// Bytes.
+    pub fn size(&self) -> usize {
+        self.device.size()
+    }
+
+    /// Copies `src` into the memory at `offset`, from the host side.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), EmmError> {
+        self.check_live("write to mapped memory")?;
+        host_range_check("write to mapped memory", offset, src.len(), self.size())?;
+        // SAFETY: the memory is live (the device pointer keeps the allocation, and the check
+        // above refuses memory a reset released), emm hands out no references to it, and the
+        // range was checked.
+        unsafe { host_write(self.host, offset, src) };
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` into `dst`, from the host side.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), EmmError> {
+        self.check_live("read from mapped memory")?;
+        host_range_check("read from mapped memory", offset, dst.len(), self.size())?;
+        // SAFETY: as for `write`.
+        unsafe { host_read(self.host, offset, dst) };
+        Ok(())
+    }
+
+    fn check_live(&self, what: &'static str) -> Result<(), EmmError> {
+        if self.device.is_live() {
+            Ok(())
+        } else {
+            Err(EmmError::Stale {
+                what,
+                device: self.device.device(),
+                reason: "the memory was freed by a reset of its manager",
+            })
+        }
+    }
+}
+
+/// What `memhostalloc` and `mempin` return: Numba returns `MappedMemory` when mapped and
+/// `PinnedMemory` otherwise.
+#[derive(Debug)]
+pub enum HostMemory {
+    /// Pinned, not mapped.
+    Pinned(PinnedMemory),
+    /// Pinned and mapped into the device.
+    Mapped(MappedMemory),
+}
+
+impl HostMemory {
+    /// The host address.
+    pub fn host_ptr(&self) -> HostPtr {
+        match self {
+            HostMemory::Pinned(p) => p.host_ptr(),
+            HostMemory::Mapped(m) => m.host_ptr(),
+        }
+    }
+
+    /// Bytes.
+    pub fn size(&self) -> usize {
+        match self {
+            HostMemory::Pinned(p) => p.size(),
+            HostMemory::Mapped(m) => m.size(),
+        }
+    }
+
+    /// The mapped memory, if it is mapped.
+    pub fn mapped(&self) -> Option<&MappedMemory> {
+        match self {
+            HostMemory::Mapped(m) => Some(m),
+            HostMemory::Pinned(_) => None,
+        }
+    }
+
+    /// Copies `src` in at `offset`.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), EmmError> {
+        match self {
+            HostMemory::Pinned(p) => p.write(offset, src),
+            HostMemory::Mapped(m) => m.write(offset, src),
+        }
+    }
+
+    /// Copies bytes at `offset` out into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), EmmError> {
+        match self {
+            HostMemory::Pinned(p) => p.read(offset, dst),
+            HostMemory::Mapped(m) => m.read(offset, dst),
+        }
+    }
+}

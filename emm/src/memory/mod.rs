@@ -1,0 +1,21 @@
+//! Layer 1, memory objects and deallocation: what the contract hands out and how it goes back.
+//!
+//! | file | holds |
+//! | --- | --- |
+//! | `pointer` | [`MemoryPointer`] (device memory; clones and views share one allocation) and how an allocation is released ([`ReleaseFn`], [`ReleaseHook`], an allocation table) |
+//! | `host` | [`HostMemory`]: [`PinnedMemory`], [`MappedMemory`], and [`PinnableBuffer`] to pin safely |
+//! | `pending` | [`PendingDeallocs`] (Numba's `_PendingDeallocs`), the [`Free`] items it holds, [`DeferCleanup`] |
+//! | `policy` | [`DeallocConfig`]: when the queue flushes (Numba's count and ratio thresholds) |
+//! | `liveness` | [`ContextLiveness`]: whether a context may still reach the driver |
+
+pub(crate) mod host;
+pub(crate) mod liveness;
+pub(crate) mod pending;
+pub(crate) mod pointer;
+pub(crate) mod policy;
+
+pub use host::{HostMemory, HostOwner, HostReleaseFn, MappedMemory, PinnableBuffer, PinnedMemory};
+pub use liveness::{ContextLiveness, LiveGuard};
+pub use pending::{DeferCleanup, Free, PendingDeallocs};
+pub use pointer::{MemoryPointer, ReleaseFn, ReleaseHook};
+pub use policy::{DeallocConfig, ENV_MAX_PENDING_COUNT, ENV_MAX_PENDING_RATIO};

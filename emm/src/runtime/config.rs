@@ -1,0 +1,129 @@
+//! Configuration from the environment, with Numba's names under an `EMM_` prefix.
+//!
+//! | variable | meaning | default |
+//! | --- | --- | --- |
+//! | `EMM_MEMORY_MANAGER` | the registered manager every context uses | `default` |
+//! | `EMM_MAX_PENDING_DEALLOCS_COUNT` | flush when more than this many frees are pending | `10` |
+//! | `EMM_MAX_PENDING_DEALLOCS_RATIO` | flush when pending bytes exceed this share of the device's total memory | `0.2` |
+//! | `EMM_MEMORY_ADAPTORS` | adaptors wrapped around the manager, innermost first: `stats`, `limit=<bytes>`, `log=<path>`, `trace`, comma-separated | none |
+//! | `EMM_PINNED_HOST_POOL` | `on`, `off`, or the most bytes of free pinned blocks to keep (`256MiB`) | `off` |
+//!
+//! Byte sizes are a number with an optional unit: `B`, `KiB`, `MiB`, `GiB`, `TiB` (or `K`,
+//! `M`, `G`, `T`, the same powers of 1024).
+//!
+//! A malformed value is an error at start-up ([`EmmError::Config`]), never a silent fallback
+//! to the default (Numba warns and falls back; emm refuses).
+
+use crate::adaptors::Adaptor;
+use crate::contract::info::PinnedPoolConfig;
+use crate::error::EmmError;
+pub use crate::memory::policy::{DeallocConfig, ENV_MAX_PENDING_COUNT, ENV_MAX_PENDING_RATIO};
+pub use crate::units::parse_bytes;
+
+/// `EMM_MEMORY_MANAGER`.
+pub const ENV_MEMORY_MANAGER: &str = "EMM_MEMORY_MANAGER";
+
+/// `EMM_MEMORY_ADAPTORS`.
+pub const ENV_MEMORY_ADAPTORS: &str = "EMM_MEMORY_ADAPTORS";
+/// `EMM_PINNED_HOST_POOL`.
+pub const ENV_PINNED_HOST_POOL: &str = "EMM_PINNED_HOST_POOL";
+
+/// Reads `EMM_PINNED_HOST_POOL` through `lookup`: `None` when unset or `off`.
+pub fn pinned_pool_from_lookup(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<Option<PinnedPoolConfig>, EmmError> {
+    let Some(value) = lookup(ENV_PINNED_HOST_POOL) else {
+        return Ok(None);
+    };
+    let bad = |reason: String| EmmError::Config {
+        variable: ENV_PINNED_HOST_POOL,
+        value: value.clone(),
+        reason,
+    };
+    match value.trim().to_ascii_lowercase().as_str() {
+        "off" | "0" | "no" | "false" => Ok(None),
+        "on" | "1" | "yes" | "true" => Ok(Some(PinnedPoolConfig::default())),
+        _ => {
+            let max_cached = parse_bytes(&value).map_err(|e| {
+                bad(format!(
+                    "{e}; use on, off, or the bytes to keep cached (256MiB)"
+                ))
+            })?;
+            Ok(Some(PinnedPoolConfig {
+                max_cached,
+                ..PinnedPoolConfig::default()
+            }))
+        }
+    }
+}
+
+/// Reads `EMM_MEMORY_ADAPTORS` through `lookup`: the adaptors, innermost first.
+pub fn adaptors_from_lookup(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<Vec<Adaptor>, EmmError> {
+    let Some(value) = lookup(ENV_MEMORY_ADAPTORS) else {
+        return Ok(Vec::new());
+    };
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|item| {
+            Adaptor::parse(item).map_err(|reason| EmmError::Config {
+                variable: ENV_MEMORY_ADAPTORS,
+                value: value.clone(),
+                reason,
+            })
+        })
+        .collect()
+}
+
+/// Reads `EMM_MEMORY_MANAGER`: `Ok(None)` when unset; an empty value is an error.
+pub fn manager_name_from_env() -> Result<Option<String>, EmmError> {
+    manager_name_from_lookup(|name| std::env::var(name).ok())
+}
+
+/// [`manager_name_from_env`] through `lookup`.
+pub fn manager_name_from_lookup(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<Option<String>, EmmError> {
+    match lookup(ENV_MEMORY_MANAGER) {
+        None => Ok(None),
+        Some(v) if v.trim().is_empty() => Err(EmmError::Config {
+            variable: ENV_MEMORY_MANAGER,
+            value: v,
+            reason: "empty; set it to a registered manager's name (such as 'default') or \
+                     unset it"
+                .into(),
+        }),
+        Some(v) => Ok(Some(v.trim().to_owned())),
+    }
+}
+
+#[cfg(all(test, not(emm_loom)))]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let pairs: Vec<(String, String)> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name| {
+            pairs
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        }
+    }
+
+    #[test]
+    fn manager_name() {
+        assert_eq!(manager_name_from_lookup(env(&[])).unwrap(), None);
+        assert_eq!(
+            manager_name_from_lookup(env(&[(ENV_MEMORY_MANAGER, "pool")])).unwrap(),
+            Some("pool".into())
+        );
+        assert!(manager_name_from_lookup(env(&[(ENV_MEMORY_MANAGER, " ")])).is_err());
+    }
+}
