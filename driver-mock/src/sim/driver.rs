@@ -1,0 +1,440 @@
+//! [`SimDriver`]'s `Driver` impl: each call is logged, may be faulted, and runs one rule of
+//! the model (`World`'s methods, one file per part of the model).
+#![allow(unsafe_code)]
+
+use std::os::fd::{BorrowedFd, OwnedFd};
+
+use driver_sys::{
+    ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
+    HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle, PoolPtrExportData,
+    StreamHandle,
+};
+
+use super::SimDriver;
+use super::log::Op;
+use super::world::{Object, plausible_image};
+
+impl Driver for SimDriver {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn init(&self) -> Result<(), DriverError> {
+        self.call(Op::Init, |w, pid, note| w.init(pid, note))
+    }
+
+    fn device_count(&self) -> Result<u32, DriverError> {
+        self.call(Op::DeviceCount, |w, pid, note| w.device_count(pid, note))
+    }
+
+    fn device_total_mem(&self, dev: DeviceOrdinal) -> Result<usize, DriverError> {
+        self.call(Op::DeviceTotalMem, |w, pid, note| {
+            w.device_total_mem(pid, note, dev)
+        })
+    }
+
+    fn device_attribute(
+        &self,
+        dev: DeviceOrdinal,
+        attr: DeviceAttribute,
+    ) -> Result<i32, DriverError> {
+        self.call(Op::DeviceAttribute, |w, pid, note| {
+            w.device_attribute(pid, note, dev, attr)
+        })
+    }
+
+    fn device_can_access_peer(
+        &self,
+        dev: DeviceOrdinal,
+        peer: DeviceOrdinal,
+    ) -> Result<bool, DriverError> {
+        self.call(Op::DeviceCanAccessPeer, |w, pid, note| {
+            w.device_can_access_peer(pid, note, dev, peer)
+        })
+    }
+
+    fn primary_ctx_retain(&self, dev: DeviceOrdinal) -> Result<ContextHandle, DriverError> {
+        self.call(Op::PrimaryCtxRetain, |w, pid, note| {
+            w.primary_ctx_retain(pid, note, dev)
+        })
+    }
+
+    unsafe fn primary_ctx_release(&self, dev: DeviceOrdinal) -> Result<(), DriverError> {
+        self.call(Op::PrimaryCtxRelease, |w, pid, note| {
+            w.primary_ctx_release(pid, note, dev)
+        })
+    }
+
+    unsafe fn primary_ctx_reset(&self, dev: DeviceOrdinal) -> Result<(), DriverError> {
+        self.call(Op::PrimaryCtxReset, |w, pid, note| {
+            w.primary_ctx_reset(pid, note, dev)
+        })
+    }
+
+    fn mem_alloc(&self, ctx: ContextHandle, bytes: usize) -> Result<DevicePtr, DriverError> {
+        self.call(Op::MemAlloc, |w, pid, note| {
+            w.mem_alloc(pid, note, ctx, bytes)
+        })
+    }
+
+    unsafe fn mem_free(&self, ctx: ContextHandle, ptr: DevicePtr) -> Result<(), DriverError> {
+        self.call(Op::MemFree, |w, pid, note| w.mem_free(pid, note, ctx, ptr))
+    }
+
+    fn mem_get_info(&self, ctx: ContextHandle) -> Result<MemInfo, DriverError> {
+        self.call(Op::MemGetInfo, |w, pid, note| {
+            w.mem_get_info(pid, note, ctx)
+        })
+    }
+
+    fn mem_get_address_range(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<(DevicePtr, usize), DriverError> {
+        self.call(Op::MemGetAddressRange, |w, pid, note| {
+            w.mem_get_address_range(pid, note, ctx, ptr)
+        })
+    }
+
+    unsafe fn memcpy_htod(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: &[u8],
+    ) -> Result<(), DriverError> {
+        self.copy_call(Op::MemcpyHtoD, ctx, dst, src.len(), |w, by| {
+            // SAFETY: `Driver::memcpy_htod`'s contract: the destination is live memory of the
+            // caller's that nothing else touches during the call.
+            unsafe { w.write(by, dst.0, src) }
+        })
+    }
+
+    unsafe fn memcpy_dtoh(
+        &self,
+        ctx: ContextHandle,
+        dst: &mut [u8],
+        src: DevicePtr,
+    ) -> Result<(), DriverError> {
+        let len = dst.len();
+        self.copy_call(Op::MemcpyDtoH, ctx, src, len, |w, by| {
+            // SAFETY: `Driver::memcpy_dtoh`'s contract: the source is live memory of the caller's
+            // that nothing writes during the call.
+            unsafe { w.read(by, src.0, dst) }
+        })
+    }
+
+    fn stream_synchronize(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::StreamSynchronize, |w, pid, note| {
+            w.stream_synchronize(pid, note, ctx, stream)
+        })
+    }
+
+    fn device_default_mem_pool(&self, dev: DeviceOrdinal) -> Result<MemPoolHandle, DriverError> {
+        self.call(Op::DeviceGetDefaultMemPool, |w, pid, note| {
+            w.device_default_mem_pool(pid, note, dev)
+        })
+    }
+
+    fn mem_pool_create(
+        &self,
+        ctx: ContextHandle,
+        dev: DeviceOrdinal,
+        ipc: bool,
+    ) -> Result<MemPoolHandle, DriverError> {
+        self.call(Op::MemPoolCreate, |w, pid, note| {
+            w.mem_pool_create(pid, note, ctx, dev, ipc)
+        })
+    }
+
+    unsafe fn mem_pool_destroy(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemPoolDestroy, |w, pid, note| {
+            w.mem_pool_destroy(pid, note, ctx, pool)
+        })
+    }
+
+    fn mem_pool_set_release_threshold(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemPoolSetAttribute, |w, pid, note| {
+            w.mem_pool_set_release_threshold(pid, note, ctx, pool, bytes)
+        })
+    }
+
+    fn mem_pool_trim_to(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        keep: usize,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemPoolTrimTo, |w, pid, note| {
+            w.mem_pool_trim_to(pid, note, ctx, pool, keep)
+        })
+    }
+
+    fn mem_pool_usage(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<MemPoolUsage, DriverError> {
+        self.call(Op::MemPoolGetAttribute, |w, pid, note| {
+            w.mem_pool_usage(pid, note, ctx, pool)
+        })
+    }
+
+    fn mem_alloc_from_pool_async(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr, DriverError> {
+        self.call(Op::MemAllocFromPoolAsync, |w, pid, note| {
+            w.mem_alloc_from_pool_async(pid, note, ctx, pool, bytes, stream)
+        })
+    }
+
+    unsafe fn mem_free_async(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemFreeAsync, |w, pid, note| {
+            w.mem_free_async(pid, note, ctx, ptr, stream)
+        })
+    }
+
+    unsafe fn memcpy_dtod(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        self.copy_call(Op::MemcpyDtoD, ctx, dst, bytes, |w, by| {
+            let mut staging = vec![0u8; bytes];
+            // SAFETY: `Driver::memcpy_dtod`'s contract: both ranges are live memory of the
+            // caller's that nothing else writes during the call.
+            unsafe {
+                w.read(by, src.0, &mut staging)?;
+                w.write(by, dst.0, &staging)
+            }
+        })
+    }
+
+    unsafe fn memset_d8(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        value: u8,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        self.copy_call(Op::MemsetD8, ctx, dst, bytes, |w, by| {
+            // SAFETY: `Driver::memset_d8`'s contract: the range is live memory of the caller's
+            // that nothing else uses during the call.
+            unsafe { w.write(by, dst.0, &vec![value; bytes]) }
+        })
+    }
+
+    fn mem_host_alloc(
+        &self,
+        ctx: ContextHandle,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<HostPtr, DriverError> {
+        self.call(Op::MemHostAlloc, |w, pid, note| {
+            w.mem_host_alloc(pid, note, ctx, bytes, flags)
+        })
+    }
+
+    unsafe fn mem_free_host(&self, ctx: ContextHandle, ptr: HostPtr) -> Result<(), DriverError> {
+        self.call(Op::MemFreeHost, |w, pid, note| {
+            w.mem_free_host(pid, note, ctx, ptr)
+        })
+    }
+
+    unsafe fn mem_host_register(
+        &self,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemHostRegister, |w, pid, note| {
+            w.mem_host_register(pid, note, ctx, ptr, bytes, flags)
+        })
+    }
+
+    unsafe fn mem_host_unregister(
+        &self,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemHostUnregister, |w, pid, note| {
+            w.mem_host_unregister(pid, note, ctx, ptr)
+        })
+    }
+
+    fn mem_host_get_device_pointer(
+        &self,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+    ) -> Result<DevicePtr, DriverError> {
+        self.call(Op::MemHostGetDevicePointer, |w, pid, note| {
+            w.mem_host_get_device_pointer(pid, note, ctx, ptr)
+        })
+    }
+
+    fn stream_create(&self, ctx: ContextHandle, flags: u32) -> Result<StreamHandle, DriverError> {
+        self.create_object(Op::StreamCreate, ctx, Object::Stream, flags <= 1)
+            .map(StreamHandle)
+    }
+
+    unsafe fn stream_destroy(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.destroy_object(Op::StreamDestroy, ctx, Object::Stream, stream.0)
+    }
+
+    fn event_create(&self, ctx: ContextHandle, flags: u32) -> Result<EventHandle, DriverError> {
+        self.create_object(Op::EventCreate, ctx, Object::Event, flags & !0xf == 0)
+            .map(EventHandle)
+    }
+
+    unsafe fn event_destroy(
+        &self,
+        ctx: ContextHandle,
+        event: EventHandle,
+    ) -> Result<(), DriverError> {
+        self.destroy_object(Op::EventDestroy, ctx, Object::Event, event.0)
+    }
+
+    fn module_load_data(
+        &self,
+        ctx: ContextHandle,
+        image: &[u8],
+    ) -> Result<ModuleHandle, DriverError> {
+        self.create_object(
+            Op::ModuleLoadData,
+            ctx,
+            Object::Module,
+            plausible_image(image),
+        )
+        .map(ModuleHandle)
+    }
+
+    unsafe fn module_unload(
+        &self,
+        ctx: ContextHandle,
+        module: ModuleHandle,
+    ) -> Result<(), DriverError> {
+        self.destroy_object(Op::ModuleUnload, ctx, Object::Module, module.0)
+    }
+
+    fn ipc_get_mem_handle(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<IpcMemHandle, DriverError> {
+        self.call(Op::IpcGetMemHandle, |w, pid, note| {
+            w.ipc_get_mem_handle(pid, note, ctx, ptr)
+        })
+    }
+
+    fn ipc_open_mem_handle(
+        &self,
+        ctx: ContextHandle,
+        handle: &IpcMemHandle,
+    ) -> Result<DevicePtr, DriverError> {
+        self.call(Op::IpcOpenMemHandle, |w, pid, note| {
+            w.ipc_open_mem_handle(pid, note, ctx, handle)
+        })
+    }
+
+    unsafe fn ipc_close_mem_handle(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<(), DriverError> {
+        self.call(Op::IpcCloseMemHandle, |w, pid, note| {
+            w.ipc_close_mem_handle(pid, note, ctx, ptr)
+        })
+    }
+
+    fn mem_pool_export_fd(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<OwnedFd, DriverError> {
+        self.call(Op::MemPoolExportToShareableHandle, |w, pid, note| {
+            w.mem_pool_export_fd(pid, note, ctx, pool)
+        })
+    }
+
+    fn mem_pool_import_fd(
+        &self,
+        ctx: ContextHandle,
+        fd: BorrowedFd<'_>,
+    ) -> Result<MemPoolHandle, DriverError> {
+        self.call(Op::MemPoolImportFromShareableHandle, |w, pid, note| {
+            w.mem_pool_import_fd(pid, note, ctx, fd)
+        })
+    }
+
+    fn mem_pool_export_pointer(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<PoolPtrExportData, DriverError> {
+        self.call(Op::MemPoolExportPointer, |w, pid, note| {
+            w.mem_pool_export_pointer(pid, note, ctx, ptr)
+        })
+    }
+
+    fn mem_pool_import_pointer(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        data: &PoolPtrExportData,
+    ) -> Result<DevicePtr, DriverError> {
+        self.call(Op::MemPoolImportPointer, |w, pid, note| {
+            w.mem_pool_import_pointer(pid, note, ctx, pool, data)
+        })
+    }
+
+    fn mem_pool_can_access(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        dev: DeviceOrdinal,
+    ) -> Result<bool, DriverError> {
+        self.call(Op::MemPoolGetAccess, |w, pid, note| {
+            w.mem_pool_can_access(pid, note, ctx, pool, dev)
+        })
+    }
+
+    fn mem_pool_grant_access(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        dev: DeviceOrdinal,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemPoolSetAccess, |w, pid, note| {
+            w.mem_pool_grant_access(pid, note, ctx, pool, dev)
+        })
+    }
+}

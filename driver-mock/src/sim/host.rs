@@ -1,0 +1,197 @@
+//! Page-locked host memory: `cuMemHostAlloc`, `cuMemHostRegister` and their device mappings.
+
+use driver_sys::{ContextHandle, DevicePtr, HostPtr, code, host_alloc, host_register};
+
+use super::Note;
+use super::world::{World, context};
+
+#[derive(Debug)]
+pub(super) enum HostKind {
+    /// `cuMemHostAlloc` memory, owned by the simulator.
+    Alloc(#[allow(dead_code)] Box<[u8]>),
+    /// A caller's range, `cuMemHostRegister`ed.
+    Registered,
+}
+
+#[derive(Debug)]
+pub(super) struct HostRange {
+    pub(super) size: usize,
+    pub(super) device: usize,
+    pub(super) mapped: bool,
+    pub(super) portable: bool,
+    pub(super) kind: HostKind,
+}
+
+impl World {
+    /// `cuMemHostAlloc`: [`Driver::mem_host_alloc`](driver_sys::Driver::mem_host_alloc) in the model.
+    pub(super) fn mem_host_alloc(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<HostPtr, u32> {
+        note.bytes = Some(bytes);
+        let i = context(self, pid, ctx, note)?;
+        let known = host_alloc::PORTABLE | host_alloc::DEVICEMAP | host_alloc::WRITECOMBINED;
+        if flags & !known != 0 {
+            return Err(code::INVALID_VALUE);
+        }
+        if bytes == 0 {
+            // Measured on the GPU: success, with the null pointer.
+            return Ok(HostPtr(0));
+        }
+        let mapped = flags & host_alloc::DEVICEMAP != 0;
+        if mapped && !self.devices[i].config.can_map_host_memory {
+            return Err(code::NOT_SUPPORTED);
+        }
+        if bytes > self.pinned_limit - self.pinned {
+            return Err(code::OUT_OF_MEMORY);
+        }
+        let storage = vec![0u8; bytes].into_boxed_slice();
+        let addr = storage.as_ptr() as usize;
+        self.pinned += bytes;
+        self.processes[pid].host.insert(
+            addr,
+            HostRange {
+                size: bytes,
+                device: i,
+                // Unified addressing: pinned memory is mapped whatever the flag says, as long as
+                // the device can map host memory.
+                mapped: self.devices[i].config.can_map_host_memory,
+                portable: flags & host_alloc::PORTABLE != 0,
+                kind: HostKind::Alloc(storage),
+            },
+        );
+        note.host = Some(HostPtr(addr));
+        Ok(HostPtr(addr))
+    }
+
+    /// `cuMemFreeHost`: [`Driver::mem_free_host`](driver_sys::Driver::mem_free_host) in the model.
+    pub(super) fn mem_free_host(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+    ) -> Result<(), u32> {
+        note.host = Some(ptr);
+        context(self, pid, ctx, note)?;
+        if ptr.is_null() {
+            return Ok(());
+        }
+        let p = &mut self.processes[pid];
+        match p.host.get(&ptr.0) {
+            Some(HostRange {
+                kind: HostKind::Alloc(_),
+                size,
+                ..
+            }) => {
+                let size = *size;
+                p.host.remove(&ptr.0);
+                self.pinned -= size;
+                note.bytes = Some(size);
+                Ok(())
+            }
+            _ => Err(code::INVALID_VALUE),
+        }
+    }
+
+    /// `cuMemHostRegister`: [`Driver::mem_host_register`](driver_sys::Driver::mem_host_register) in the model.
+    pub(super) fn mem_host_register(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<(), u32> {
+        note.host = Some(ptr);
+        note.bytes = Some(bytes);
+        let i = context(self, pid, ctx, note)?;
+        let known = host_register::PORTABLE | host_register::DEVICEMAP;
+        if bytes == 0 || ptr.is_null() || flags & !known != 0 {
+            return Err(code::INVALID_VALUE);
+        }
+        let mapped = flags & host_register::DEVICEMAP != 0;
+        if mapped && !self.devices[i].config.can_map_host_memory {
+            return Err(code::NOT_SUPPORTED);
+        }
+        let end = ptr.0.checked_add(bytes).ok_or(code::INVALID_VALUE)?;
+        let p = &self.processes[pid];
+        let overlaps = p
+            .host
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&start, h)| start + h.size > ptr.0);
+        if overlaps {
+            return Err(code::HOST_MEMORY_ALREADY_REGISTERED);
+        }
+        if bytes > self.pinned_limit - self.pinned {
+            return Err(code::OUT_OF_MEMORY);
+        }
+        self.pinned += bytes;
+        self.processes[pid].host.insert(
+            ptr.0,
+            HostRange {
+                size: bytes,
+                device: i,
+                // Measured on the GPU: with unified addressing a registered range has a device
+                // address whether or not DEVICEMAP was asked for.
+                mapped: self.devices[i].config.can_map_host_memory,
+                portable: flags & host_register::PORTABLE != 0,
+                kind: HostKind::Registered,
+            },
+        );
+        Ok(())
+    }
+
+    /// `cuMemHostUnregister`: [`Driver::mem_host_unregister`](driver_sys::Driver::mem_host_unregister) in the model.
+    pub(super) fn mem_host_unregister(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+    ) -> Result<(), u32> {
+        note.host = Some(ptr);
+        context(self, pid, ctx, note)?;
+        let p = &mut self.processes[pid];
+        match p.host.get(&ptr.0) {
+            Some(HostRange {
+                kind: HostKind::Registered,
+                size,
+                ..
+            }) => {
+                let size = *size;
+                p.host.remove(&ptr.0);
+                self.pinned -= size;
+                note.bytes = Some(size);
+                Ok(())
+            }
+            _ => Err(code::HOST_MEMORY_NOT_REGISTERED),
+        }
+    }
+
+    /// `cuMemHostGetDevicePointer`: [`Driver::mem_host_get_device_pointer`](driver_sys::Driver::mem_host_get_device_pointer) in the model.
+    pub(super) fn mem_host_get_device_pointer(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        ptr: HostPtr,
+    ) -> Result<DevicePtr, u32> {
+        note.host = Some(ptr);
+        context(self, pid, ctx, note)?;
+        let p = &self.processes[pid];
+        match p.host.range(..=ptr.0).next_back() {
+            Some((&start, h)) if h.mapped && ptr.0 < start + h.size => {
+                note.ptr = Some(DevicePtr(ptr.0 as u64));
+                Ok(DevicePtr(ptr.0 as u64))
+            }
+            _ => Err(code::INVALID_VALUE),
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! What the simulator lets a test observe and script: the operations ([`Op`]), the call log
+//! ([`CallRecord`]), scripted faults ([`Fault`]) and the leak report ([`LeakReport`]).
+
+use std::fmt;
+
+use driver_sys::{DeviceOrdinal, DevicePtr, ErrorKind, HostPtr};
+
+/// A driver operation, as logged and as named by [`Fault`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[allow(missing_docs)] // each variant is the driver call of the same name
+pub enum Op {
+    Init,
+    DeviceCount,
+    DeviceTotalMem,
+    DeviceAttribute,
+    DeviceCanAccessPeer,
+    PrimaryCtxRetain,
+    PrimaryCtxRelease,
+    PrimaryCtxReset,
+    MemAlloc,
+    MemFree,
+    MemGetInfo,
+    MemGetAddressRange,
+    MemcpyHtoD,
+    MemcpyDtoH,
+    MemcpyDtoD,
+    MemsetD8,
+    MemHostAlloc,
+    MemFreeHost,
+    MemHostRegister,
+    MemHostUnregister,
+    MemHostGetDevicePointer,
+    StreamCreate,
+    StreamDestroy,
+    EventCreate,
+    EventDestroy,
+    ModuleLoadData,
+    ModuleUnload,
+    IpcGetMemHandle,
+    IpcOpenMemHandle,
+    IpcCloseMemHandle,
+    StreamSynchronize,
+    DeviceGetDefaultMemPool,
+    MemPoolCreate,
+    MemPoolDestroy,
+    MemPoolSetAttribute,
+    MemPoolTrimTo,
+    MemPoolGetAttribute,
+    MemAllocFromPoolAsync,
+    MemFreeAsync,
+    MemPoolExportToShareableHandle,
+    MemPoolImportFromShareableHandle,
+    MemPoolExportPointer,
+    MemPoolImportPointer,
+    MemPoolGetAccess,
+    MemPoolSetAccess,
+}
+
+impl Op {
+    /// Every operation, in declaration order (for fault sweeps).
+    pub const ALL: [Op; 45] = [
+        Op::Init,
+        Op::DeviceCount,
+        Op::DeviceTotalMem,
+        Op::DeviceAttribute,
+        Op::DeviceCanAccessPeer,
+        Op::PrimaryCtxRetain,
+        Op::PrimaryCtxRelease,
+        Op::PrimaryCtxReset,
+        Op::MemAlloc,
+        Op::MemFree,
+        Op::MemGetInfo,
+        Op::MemGetAddressRange,
+        Op::MemcpyHtoD,
+        Op::MemcpyDtoH,
+        Op::MemcpyDtoD,
+        Op::MemsetD8,
+        Op::MemHostAlloc,
+        Op::MemFreeHost,
+        Op::MemHostRegister,
+        Op::MemHostUnregister,
+        Op::MemHostGetDevicePointer,
+        Op::StreamCreate,
+        Op::StreamDestroy,
+        Op::EventCreate,
+        Op::EventDestroy,
+        Op::ModuleLoadData,
+        Op::ModuleUnload,
+        Op::IpcGetMemHandle,
+        Op::IpcOpenMemHandle,
+        Op::IpcCloseMemHandle,
+        Op::StreamSynchronize,
+        Op::DeviceGetDefaultMemPool,
+        Op::MemPoolCreate,
+        Op::MemPoolDestroy,
+        Op::MemPoolSetAttribute,
+        Op::MemPoolTrimTo,
+        Op::MemPoolGetAttribute,
+        Op::MemAllocFromPoolAsync,
+        Op::MemFreeAsync,
+        Op::MemPoolExportToShareableHandle,
+        Op::MemPoolImportFromShareableHandle,
+        Op::MemPoolExportPointer,
+        Op::MemPoolImportPointer,
+        Op::MemPoolGetAccess,
+        Op::MemPoolSetAccess,
+    ];
+
+    /// The CUDA driver call this operation stands for.
+    pub fn call_name(self) -> &'static str {
+        match self {
+            Op::Init => "cuInit",
+            Op::DeviceCount => "cuDeviceGetCount",
+            Op::DeviceTotalMem => "cuDeviceTotalMem",
+            Op::DeviceAttribute => "cuDeviceGetAttribute",
+            Op::DeviceCanAccessPeer => "cuDeviceCanAccessPeer",
+            Op::PrimaryCtxRetain => "cuDevicePrimaryCtxRetain",
+            Op::PrimaryCtxRelease => "cuDevicePrimaryCtxRelease",
+            Op::PrimaryCtxReset => "cuDevicePrimaryCtxReset",
+            Op::MemAlloc => "cuMemAlloc",
+            Op::MemFree => "cuMemFree",
+            Op::MemGetInfo => "cuMemGetInfo",
+            Op::MemGetAddressRange => "cuMemGetAddressRange",
+            Op::MemcpyHtoD => "cuMemcpyHtoD",
+            Op::MemcpyDtoH => "cuMemcpyDtoH",
+            Op::MemcpyDtoD => "cuMemcpyDtoD",
+            Op::MemsetD8 => "cuMemsetD8",
+            Op::MemHostAlloc => "cuMemHostAlloc",
+            Op::MemFreeHost => "cuMemFreeHost",
+            Op::MemHostRegister => "cuMemHostRegister",
+            Op::MemHostUnregister => "cuMemHostUnregister",
+            Op::MemHostGetDevicePointer => "cuMemHostGetDevicePointer",
+            Op::StreamCreate => "cuStreamCreate",
+            Op::StreamDestroy => "cuStreamDestroy",
+            Op::EventCreate => "cuEventCreate",
+            Op::EventDestroy => "cuEventDestroy",
+            Op::ModuleLoadData => "cuModuleLoadData",
+            Op::ModuleUnload => "cuModuleUnload",
+            Op::IpcGetMemHandle => "cuIpcGetMemHandle",
+            Op::IpcOpenMemHandle => "cuIpcOpenMemHandle",
+            Op::IpcCloseMemHandle => "cuIpcCloseMemHandle",
+            Op::StreamSynchronize => "cuStreamSynchronize",
+            Op::DeviceGetDefaultMemPool => "cuDeviceGetDefaultMemPool",
+            Op::MemPoolCreate => "cuMemPoolCreate",
+            Op::MemPoolDestroy => "cuMemPoolDestroy",
+            Op::MemPoolSetAttribute => "cuMemPoolSetAttribute",
+            Op::MemPoolTrimTo => "cuMemPoolTrimTo",
+            Op::MemPoolGetAttribute => "cuMemPoolGetAttribute",
+            Op::MemAllocFromPoolAsync => "cuMemAllocFromPoolAsync",
+            Op::MemPoolExportToShareableHandle => "cuMemPoolExportToShareableHandle",
+            Op::MemPoolImportFromShareableHandle => "cuMemPoolImportFromShareableHandle",
+            Op::MemPoolExportPointer => "cuMemPoolExportPointer",
+            Op::MemPoolImportPointer => "cuMemPoolImportPointer",
+            Op::MemPoolGetAccess => "cuMemPoolGetAccess",
+            Op::MemPoolSetAccess => "cuMemPoolSetAccess",
+            Op::MemFreeAsync => "cuMemFreeAsync",
+        }
+    }
+}
+
+/// One entry of the call log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallRecord {
+    /// Position in this process's log, from 0.
+    pub seq: u64,
+    /// The operation.
+    pub op: Op,
+    /// The device the call concerned, where it names one (directly or through a context).
+    pub device: Option<DeviceOrdinal>,
+    /// The device pointer argument or result, where there is one.
+    pub ptr: Option<DevicePtr>,
+    /// The host pointer argument or result, where there is one.
+    pub host: Option<HostPtr>,
+    /// The byte count argument, where there is one.
+    pub bytes: Option<usize>,
+    /// `Ok(())`, or the kind of error returned.
+    pub outcome: Result<(), ErrorKind>,
+    /// Whether the error was scripted with [`SimDriver::inject`](crate::SimDriver::inject) (the call did nothing).
+    pub injected: bool,
+}
+
+/// A scripted failure: the `nth` call (1-based, counted from when it is injected) of `op`, or of
+/// any operation when `op` is `None`, fails with `kind` instead of running. It fires once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fault {
+    /// Which operation to count; `None` counts every call.
+    pub op: Option<Op>,
+    /// Which call fails, 1-based.
+    pub nth: u64,
+    /// The error returned.
+    pub kind: ErrorKind,
+}
+
+impl Fault {
+    /// The `nth` call of `op` fails with `kind`.
+    pub fn nth(op: Op, nth: u64, kind: ErrorKind) -> Fault {
+        Fault {
+            op: Some(op),
+            nth,
+            kind,
+        }
+    }
+
+    /// The `nth` driver call of any operation fails with `kind`.
+    pub fn nth_call(nth: u64, kind: ErrorKind) -> Fault {
+        Fault {
+            op: None,
+            nth,
+            kind,
+        }
+    }
+}
+
+/// What one simulated process still holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LeakReport {
+    /// Live device allocations: device, address, requested size.
+    pub allocations: Vec<(DeviceOrdinal, DevicePtr, usize)>,
+    /// Live `cuMemHostAlloc` allocations: address, size.
+    pub host_allocations: Vec<(HostPtr, usize)>,
+    /// Live `cuMemHostRegister` registrations: address, size.
+    pub host_registrations: Vec<(HostPtr, usize)>,
+    /// Open IPC mappings: device, mapped address, size.
+    pub ipc_mappings: Vec<(DeviceOrdinal, DevicePtr, usize)>,
+    /// Streams, events and modules not destroyed: how many of each.
+    pub streams: usize,
+    /// See `streams`.
+    pub events: usize,
+    /// See `streams`.
+    pub modules: usize,
+    /// Stream-ordered pools created or imported and not destroyed (default pools excluded).
+    pub pools: usize,
+    /// Primary contexts with a non-zero reference count: device, count.
+    pub retained_contexts: Vec<(DeviceOrdinal, u32)>,
+}
+
+impl LeakReport {
+    /// Whether no memory (device, host, registered or mapped) is held.
+    pub fn no_memory_leaked(&self) -> bool {
+        self.allocations.is_empty()
+            && self.host_allocations.is_empty()
+            && self.host_registrations.is_empty()
+            && self.ipc_mappings.is_empty()
+    }
+
+    /// Whether nothing at all is held, contexts included.
+    pub fn is_clean(&self) -> bool {
+        self.no_memory_leaked()
+            && self.streams == 0
+            && self.events == 0
+            && self.modules == 0
+            && self.pools == 0
+            && self.retained_contexts.is_empty()
+    }
+}
+
+impl fmt::Display for LeakReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_clean() {
+            return write!(f, "no leaks");
+        }
+        for (dev, ptr, size) in &self.allocations {
+            writeln!(f, "device {dev}: {size} bytes at {ptr} still allocated")?;
+        }
+        for (ptr, size) in &self.host_allocations {
+            writeln!(
+                f,
+                "pinned host memory: {size} bytes at {ptr} still allocated"
+            )?;
+        }
+        for (ptr, size) in &self.host_registrations {
+            writeln!(f, "host range: {size} bytes at {ptr} still registered")?;
+        }
+        for (dev, ptr, size) in &self.ipc_mappings {
+            writeln!(
+                f,
+                "device {dev}: IPC mapping of {size} bytes at {ptr} still open"
+            )?;
+        }
+        for (what, n) in [
+            ("stream", self.streams),
+            ("event", self.events),
+            ("module", self.modules),
+            ("stream-ordered pool", self.pools),
+        ] {
+            if n > 0 {
+                writeln!(f, "{n} {what}(s) not destroyed")?;
+            }
+        }
+        for (dev, count) in &self.retained_contexts {
+            writeln!(f, "device {dev}: primary context retained {count} time(s)")?;
+        }
+        Ok(())
+    }
+}

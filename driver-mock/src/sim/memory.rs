@@ -1,0 +1,389 @@
+//! Device memory: allocations in 2 MiB pages with small ones packed at 512 bytes, the backing
+//! bytes, and how an address resolves for a process (unified addressing).
+#![allow(unsafe_code)]
+
+use std::collections::BTreeMap;
+
+use driver_sys::{ContextHandle, DevicePtr, MemInfo, code};
+
+use super::Note;
+use super::config::{
+    DEVICE_SPACE_BASE, DEVICE_SPACE_STRIDE, IPC_SPACE_OFFSET, PAGE_SIZE, SMALL_MAX, SimDeviceConfig,
+};
+use super::world::{World, context};
+
+#[derive(Debug)]
+pub(super) struct SimAlloc {
+    pub(super) size: usize,
+    /// Bytes of address space it occupies: `size` rounded to the alignment (small) or to whole
+    /// pages (large).
+    pub(super) span: usize,
+    pub(super) store: u64,
+    pub(super) owner: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Page {
+    /// Shared by this many small allocations.
+    Small(usize),
+    /// Part of one large allocation.
+    Large,
+}
+
+/// One device's physical memory.
+#[derive(Debug)]
+pub(super) struct DeviceMem {
+    pub(super) config: SimDeviceConfig,
+    pub(super) allocs: BTreeMap<u64, SimAlloc>,
+    /// Pages in use, by index from the device's base address.
+    pub(super) pages: BTreeMap<u64, Page>,
+}
+
+impl DeviceMem {
+    pub(super) fn base(ordinal: usize) -> u64 {
+        DEVICE_SPACE_BASE + ordinal as u64 * DEVICE_SPACE_STRIDE
+    }
+
+    pub(super) fn page_addr(ordinal: usize, page: u64) -> u64 {
+        Self::base(ordinal) + page * PAGE_SIZE as u64
+    }
+
+    pub(super) fn page_of(ordinal: usize, addr: u64) -> u64 {
+        (addr - Self::base(ordinal)) / PAGE_SIZE as u64
+    }
+
+    /// The lowest run of `n` unused page indices.
+    pub(super) fn free_pages(&self, n: u64) -> u64 {
+        let mut cursor = 0;
+        for &used in self.pages.keys() {
+            if used - cursor >= n {
+                break;
+            }
+            cursor = used + 1;
+        }
+        cursor
+    }
+
+    /// Places a small allocation of `span` bytes: the lowest aligned gap in a shared page, or a
+    /// new page. Returns the address and the new page, if one is needed.
+    pub(super) fn place_small(&self, ordinal: usize, span: usize) -> (u64, Option<u64>) {
+        for (&page, kind) in &self.pages {
+            if !matches!(kind, Page::Small(_)) {
+                continue;
+            }
+            let start = Self::page_addr(ordinal, page);
+            let end = start + PAGE_SIZE as u64;
+            let mut cursor = start;
+            for (&addr, a) in self.allocs.range(start..end) {
+                if addr - cursor >= span as u64 {
+                    break;
+                }
+                cursor = addr + a.span as u64;
+            }
+            if end - cursor >= span as u64 {
+                return (cursor, None);
+            }
+        }
+        let page = self.free_pages(1);
+        (Self::page_addr(ordinal, page), Some(page))
+    }
+
+    /// The allocation containing `addr`, as (base, allocation).
+    pub(super) fn containing(&self, addr: u64) -> Option<(u64, &SimAlloc)> {
+        let (&base, alloc) = self.allocs.range(..=addr).next_back()?;
+        (addr < base + alloc.size.max(1) as u64).then_some((base, alloc))
+    }
+
+    /// Removes the allocation at `base` and returns its pages; the caller drops its store.
+    pub(super) fn remove(&mut self, ordinal: usize, base: u64) -> Option<SimAlloc> {
+        let alloc = self.allocs.remove(&base)?;
+        let first = Self::page_of(ordinal, base);
+        if alloc.size <= SMALL_MAX {
+            if let Some(Page::Small(count)) = self.pages.get_mut(&first) {
+                *count -= 1;
+                if *count == 0 {
+                    self.pages.remove(&first);
+                }
+            }
+        } else {
+            for p in first..first + (alloc.span / PAGE_SIZE) as u64 {
+                self.pages.remove(&p);
+            }
+        }
+        Some(alloc)
+    }
+}
+
+/// Backing bytes of a device allocation, shared with the IPC mappings of other processes.
+#[derive(Debug)]
+pub(super) struct Store {
+    pub(super) bytes: Vec<u8>,
+    pub(super) refs: usize,
+}
+
+/// Who reaches memory: a process, through a context of a device.
+#[derive(Clone, Copy)]
+pub(super) struct Accessor {
+    pub(super) pid: usize,
+    pub(super) device: usize,
+}
+
+/// Where a device address leads.
+pub(super) enum Loc {
+    Store(u64, usize),
+    Host(usize),
+}
+
+impl World {
+    /// Allocates `bytes` on device `i` for process `pid` (`cuMemAlloc`'s model: 2 MiB pages,
+    /// small allocations packed).
+    pub(super) fn alloc_device(&mut self, i: usize, pid: usize, bytes: usize) -> Result<u64, u32> {
+        if bytes == 0 {
+            return Err(code::INVALID_VALUE);
+        }
+        let free = self.free_bytes(i);
+        let d = &self.devices[i];
+        let (addr, span, new_pages) = if bytes <= SMALL_MAX {
+            let span = bytes.next_multiple_of(d.config.alignment);
+            let (addr, page) = d.place_small(i, span);
+            (addr, span, page.map(|p| (p, 1)))
+        } else {
+            let span = bytes
+                .checked_next_multiple_of(PAGE_SIZE)
+                .ok_or(code::OUT_OF_MEMORY)?;
+            let n = (span / PAGE_SIZE) as u64;
+            let first = d.free_pages(n);
+            (DeviceMem::page_addr(i, first), span, Some((first, n)))
+        };
+        if new_pages.map_or(0, |(_, n)| n as usize * PAGE_SIZE) > free {
+            return Err(code::OUT_OF_MEMORY);
+        }
+        let store = self.new_handle();
+        self.stores.insert(
+            store,
+            Store {
+                bytes: vec![0; bytes],
+                refs: 1,
+            },
+        );
+        let d = &mut self.devices[i];
+        match new_pages {
+            Some((first, 1)) if bytes <= SMALL_MAX => {
+                d.pages.insert(first, Page::Small(0));
+            }
+            Some((first, n)) => {
+                for p in first..first + n {
+                    d.pages.insert(p, Page::Large);
+                }
+            }
+            None => {}
+        }
+        if bytes <= SMALL_MAX
+            && let Some(Page::Small(count)) = d.pages.get_mut(&DeviceMem::page_of(i, addr))
+        {
+            *count += 1;
+        }
+        d.allocs.insert(
+            addr,
+            SimAlloc {
+                size: bytes,
+                span,
+                store,
+                owner: pid,
+            },
+        );
+        Ok(addr)
+    }
+
+    /// Frees process `pid`'s allocation at `ptr` on any device; returns its size.
+    pub(super) fn free_device(&mut self, pid: usize, ptr: u64) -> Result<usize, u32> {
+        // Unified addressing: the allocation may be on any device of this process.
+        let i = (0..self.devices.len())
+            .find(|&i| {
+                self.devices[i]
+                    .allocs
+                    .get(&ptr)
+                    .is_some_and(|a| a.owner == pid)
+            })
+            .ok_or(code::INVALID_VALUE)?;
+        let a = self.devices[i].remove(i, ptr).expect("found above");
+        self.drop_store(a.store);
+        Ok(a.size)
+    }
+
+    pub(super) fn drop_store(&mut self, id: u64) {
+        if let Some(s) = self.stores.get_mut(&id) {
+            s.refs -= 1;
+            if s.refs == 0 {
+                self.stores.remove(&id);
+            }
+        }
+    }
+
+    pub(super) fn free_bytes(&self, device: usize) -> usize {
+        let d = &self.devices[device];
+        let used =
+            d.pages.len() * PAGE_SIZE + d.config.context_overhead * self.live_contexts(device);
+        d.config.total_mem.saturating_sub(used)
+    }
+
+    /// Copies `dst.len()` bytes from `addr`, as process `pid` sees it, into `dst`.
+    ///
+    /// # Safety
+    ///
+    /// If `addr` is mapped host memory, it is live and nothing writes it during the call (the
+    /// `Driver` copy contracts).
+    pub(super) unsafe fn read(&self, by: Accessor, addr: u64, dst: &mut [u8]) -> Result<(), u32> {
+        match self.resolve(by, addr, dst.len())? {
+            Loc::Store(id, off) => {
+                dst.copy_from_slice(&self.stores[&id].bytes[off..off + dst.len()])
+            }
+            // SAFETY: `resolve` checked the range lies in a mapped host range; the caller vouches
+            // that it is live and unwritten; `dst` is an exclusive borrow.
+            Loc::Host(at) => unsafe {
+                std::ptr::copy(at as *const u8, dst.as_mut_ptr(), dst.len())
+            },
+        }
+        Ok(())
+    }
+
+    /// Copies `src` to `addr`, as process `pid` sees it.
+    ///
+    /// # Safety
+    ///
+    /// If `addr` is mapped host memory, it is live and nothing else touches it during the call.
+    pub(super) unsafe fn write(&mut self, by: Accessor, addr: u64, src: &[u8]) -> Result<(), u32> {
+        match self.resolve(by, addr, src.len())? {
+            Loc::Store(id, off) => self.stores.get_mut(&id).expect("live store").bytes
+                [off..off + src.len()]
+                .copy_from_slice(src),
+            // SAFETY: `resolve` checked the range lies in a mapped host range; the caller vouches
+            // that it is live and untouched by anyone else.
+            Loc::Host(at) => unsafe { std::ptr::copy(src.as_ptr(), at as *mut u8, src.len()) },
+        }
+        Ok(())
+    }
+
+    /// Resolves `len` bytes at `addr` as seen by process `pid` (unified addressing: any device's
+    /// memory of this process, its IPC mappings, and its mapped host memory).
+    ///
+    /// Memory imported from another process's pool is reached only from a device the imported
+    /// pool grants access to (measured on two H200s: a copy in another device's context is
+    /// `CUDA_ERROR_INVALID_VALUE`).
+    pub(super) fn resolve(&self, by: Accessor, addr: u64, len: usize) -> Result<Loc, u32> {
+        let pid = by.pid;
+        let in_range = |start: u64, size: usize| {
+            addr.checked_sub(start)
+                .and_then(|off| {
+                    (off as usize)
+                        .checked_add(len)
+                        .map(|end| (off as usize, end))
+                })
+                .filter(|&(_, end)| end <= size)
+                .map(|(off, _)| off)
+        };
+        for (i, d) in self.devices.iter().enumerate() {
+            let base = DeviceMem::base(i);
+            if addr >= base && addr < base + IPC_SPACE_OFFSET {
+                let (start, a) = d.containing(addr).ok_or(code::INVALID_VALUE)?;
+                if a.owner != pid {
+                    return Err(code::INVALID_VALUE);
+                }
+                let off = in_range(start, a.size).ok_or(code::INVALID_VALUE)?;
+                return Ok(Loc::Store(a.store, off));
+            }
+        }
+        let p = &self.processes[pid];
+        if let Some((&start, m)) = p.ipc.range(..=addr).next_back()
+            && let Some(off) = in_range(start, m.size)
+        {
+            if let Some(pool) = m.pool.and_then(|h| p.pools.get(&h))
+                && pool.device != by.device
+                && !pool.access.contains(&by.device)
+            {
+                return Err(code::INVALID_VALUE);
+            }
+            return Ok(Loc::Store(m.store, off));
+        }
+        if let Some((&start, h)) = p.host.range(..=(addr as usize)).next_back()
+            && h.mapped
+            && let Some(off) = in_range(start as u64, h.size)
+        {
+            return Ok(Loc::Host(start + off));
+        }
+        Err(code::INVALID_VALUE)
+    }
+
+    /// `cuMemAlloc`: [`Driver::mem_alloc`](driver_sys::Driver::mem_alloc) in the model.
+    pub(super) fn mem_alloc(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        bytes: usize,
+    ) -> Result<DevicePtr, u32> {
+        note.bytes = Some(bytes);
+        let i = context(self, pid, ctx, note)?;
+        let addr = self.alloc_device(i, pid, bytes)?;
+        note.ptr = Some(DevicePtr(addr));
+        Ok(DevicePtr(addr))
+    }
+
+    /// `cuMemFree`: [`Driver::mem_free`](driver_sys::Driver::mem_free) in the model.
+    pub(super) fn mem_free(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<(), u32> {
+        note.ptr = Some(ptr);
+        context(self, pid, ctx, note)?;
+        if ptr.is_null() {
+            return Ok(());
+        }
+        note.bytes = Some(self.free_device(pid, ptr.0)?);
+        Ok(())
+    }
+
+    /// `cuMemGetInfo`: [`Driver::mem_get_info`](driver_sys::Driver::mem_get_info) in the model.
+    pub(super) fn mem_get_info(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+    ) -> Result<MemInfo, u32> {
+        let i = context(self, pid, ctx, note)?;
+        Ok(MemInfo {
+            free: self.free_bytes(i),
+            total: self.devices[i].config.total_mem,
+        })
+    }
+
+    /// `cuMemGetAddressRange`: [`Driver::mem_get_address_range`](driver_sys::Driver::mem_get_address_range) in the model.
+    pub(super) fn mem_get_address_range(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<(DevicePtr, usize), u32> {
+        note.ptr = Some(ptr);
+        // Measured on two H200s: the lookup is per context. Memory of another device is
+        // not found through this context, although copies and frees reach it.
+        let i = context(self, pid, ctx, note)?;
+        if let Some((base, a)) = self.devices[i].containing(ptr.0)
+            && a.owner == pid
+        {
+            return Ok((DevicePtr(base), a.size));
+        }
+        let p = &self.processes[pid];
+        if let Some((&base, m)) = p.ipc.range(..=ptr.0).next_back()
+            && m.device == i
+            && ptr.0 < base + m.size as u64
+        {
+            return Ok((DevicePtr(base), m.size));
+        }
+        Err(code::NOT_FOUND)
+    }
+}

@@ -1,0 +1,526 @@
+//! Stream-ordered pools: allocation and free on streams, the release threshold, trimming, and
+//! pools exported to other processes as file descriptors.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+
+use driver_sys::{
+    ContextHandle, DeviceOrdinal, DevicePtr, MemPoolHandle, MemPoolUsage, PoolPtrExportData,
+    StreamHandle, code,
+};
+
+use super::Note;
+use super::config::PAGE_SIZE;
+use super::world::{Object, World, context, device_index};
+
+/// A block freed to a stream-ordered pool: reusable at once on the stream it was freed on,
+/// on other streams once that stream was synchronised.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct FreeBlock {
+    pub(super) addr: u64,
+    pub(super) size: usize,
+    pub(super) stream: u64,
+    pub(super) ready: bool,
+}
+
+/// A stream-ordered pool (`cuMemPoolCreate`, or a device's default pool).
+#[derive(Debug)]
+pub(super) struct SimPool {
+    pub(super) device: usize,
+    pub(super) is_default: bool,
+    /// Destroyed while allocations were outstanding: measured on the H200, the driver
+    /// releases the pool's memory only once they are freed.
+    pub(super) destroyed: bool,
+    pub(super) threshold: u64,
+    pub(super) reserved: usize,
+    pub(super) used: usize,
+    pub(super) live: BTreeMap<u64, usize>,
+    pub(super) free: Vec<FreeBlock>,
+    /// Created with a shareable handle type (POSIX file descriptors): it can be exported.
+    pub(super) ipc: bool,
+    /// Exported to a shareable handle at least once. Measured on the H200: until then
+    /// `cuMemPoolExportPointer` refuses the pool's allocations (`CUDA_ERROR_INVALID_VALUE`).
+    pub(super) exported: bool,
+    /// Imported from another process: (that process, its pool handle). Such a pool only
+    /// imports pointers.
+    pub(super) imported_from: Option<(usize, u64)>,
+    /// Devices other than its own granted read-write access (`cuMemPoolSetAccess`).
+    pub(super) access: BTreeSet<usize>,
+}
+
+impl SimPool {
+    pub(super) fn new(device: usize, is_default: bool) -> SimPool {
+        SimPool {
+            device,
+            is_default,
+            ipc: false,
+            exported: false,
+            imported_from: None,
+            access: BTreeSet::new(),
+            destroyed: false,
+            threshold: 0,
+            reserved: 0,
+            used: 0,
+            live: BTreeMap::new(),
+            free: Vec::new(),
+        }
+    }
+}
+
+/// The inode of the file `fd` names (a pipe's is unique while it is open).
+pub(super) fn inode(fd: BorrowedFd<'_>) -> Option<u64> {
+    let file = std::fs::File::from(fd.try_clone_to_owned().ok()?);
+    file.metadata().ok().map(|m| m.ino())
+}
+
+pub(super) const POOL_PTR_MAGIC: &[u8; 8] = b"SIMPOOLP";
+
+/// The simulator's export data of a pool allocation: magic, process, pool handle, address.
+pub(super) fn encode_pool_ptr(pid: usize, pool: u64, addr: u64) -> PoolPtrExportData {
+    let mut b = [0u8; 64];
+    b[..8].copy_from_slice(POOL_PTR_MAGIC);
+    b[8..16].copy_from_slice(&(pid as u64).to_le_bytes());
+    b[16..24].copy_from_slice(&pool.to_le_bytes());
+    b[24..32].copy_from_slice(&addr.to_le_bytes());
+    PoolPtrExportData(b)
+}
+
+pub(super) fn decode_pool_ptr(d: &PoolPtrExportData) -> Option<(usize, u64, u64)> {
+    let b = &d.0;
+    if &b[..8] != POOL_PTR_MAGIC || b[32..].iter().any(|&x| x != 0) {
+        return None;
+    }
+    let u = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+    Some((usize::try_from(u(8)).ok()?, u(16), u(24)))
+}
+
+impl World {
+    /// Releases free blocks of pool `h` of process `pid` that are ready until the pool
+    /// reserves at most `keep` bytes.
+    pub(super) fn pool_release(&mut self, pid: usize, h: u64, keep: usize) {
+        let Some(pool) = self.processes[pid].pools.get_mut(&h) else {
+            return;
+        };
+        let mut release = Vec::new();
+        pool.free.retain(|b| {
+            if b.ready && pool.reserved > keep {
+                pool.reserved -= b.size;
+                release.push(b.addr);
+                false
+            } else {
+                true
+            }
+        });
+        for addr in release {
+            let _ = self.free_device(pid, addr);
+        }
+    }
+
+    /// Pool `h` of process `pid` (`CUDA_ERROR_INVALID_VALUE` when it has none such).
+    pub(super) fn pool_mut(&mut self, pid: usize, h: MemPoolHandle) -> Result<&mut SimPool, u32> {
+        self.processes[pid]
+            .pools
+            .get_mut(&h.0)
+            .ok_or(code::INVALID_VALUE)
+    }
+
+    /// Checks that `stream` is 0 (the legacy default stream) or a live stream of process `pid`.
+    pub(super) fn check_stream(&self, pid: usize, stream: u64) -> Result<(), u32> {
+        match self.processes[pid].objects.get(&stream) {
+            _ if stream == 0 => Ok(()),
+            Some((Object::Stream, _)) => Ok(()),
+            _ => Err(code::INVALID_HANDLE),
+        }
+    }
+
+    /// `cuStreamSynchronize`: [`Driver::stream_synchronize`](driver_sys::Driver::stream_synchronize) in the model.
+    pub(super) fn stream_synchronize(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<(), u32> {
+        context(self, pid, ctx, note)?;
+        self.check_stream(pid, stream.0)?;
+        // Work is done when it is issued here; what synchronising changes is that
+        // blocks freed on the stream become reusable on every stream, and pools
+        // release what they reserve above their threshold.
+        let handles: Vec<u64> = self.processes[pid].pools.keys().copied().collect();
+        for h in handles {
+            let pool = self.processes[pid].pools.get_mut(&h).expect("listed");
+            for b in &mut pool.free {
+                if b.stream == stream.0 || stream.0 == 0 {
+                    b.ready = true;
+                }
+            }
+            let keep = usize::try_from(pool.threshold).unwrap_or(usize::MAX);
+            self.pool_release(pid, h, keep);
+        }
+        Ok(())
+    }
+
+    /// `cuDeviceGetDefaultMemPool`: [`Driver::device_default_mem_pool`](driver_sys::Driver::device_default_mem_pool) in the model.
+    pub(super) fn device_default_mem_pool(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        dev: DeviceOrdinal,
+    ) -> Result<MemPoolHandle, u32> {
+        note.device = Some(dev);
+        let i = dev.0 as usize;
+        if !self.processes[pid].initialized {
+            return Err(code::NOT_INITIALIZED);
+        }
+        if i >= self.devices.len() {
+            return Err(code::INVALID_DEVICE);
+        }
+        let p = &self.processes[pid];
+        if let Some((&h, _)) = p.pools.iter().find(|(_, q)| q.is_default && q.device == i) {
+            return Ok(MemPoolHandle(h));
+        }
+        let h = self.new_handle();
+        self.processes[pid].pools.insert(h, SimPool::new(i, true));
+        Ok(MemPoolHandle(h))
+    }
+
+    /// `cuMemPoolCreate`: [`Driver::mem_pool_create`](driver_sys::Driver::mem_pool_create) in the model.
+    pub(super) fn mem_pool_create(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        dev: DeviceOrdinal,
+        ipc: bool,
+    ) -> Result<MemPoolHandle, u32> {
+        context(self, pid, ctx, note)?;
+        let i = dev.0 as usize;
+        if i >= self.devices.len() {
+            return Err(code::INVALID_DEVICE);
+        }
+        let h = self.new_handle();
+        let mut pool = SimPool::new(i, false);
+        pool.ipc = ipc;
+        self.processes[pid].pools.insert(h, pool);
+        Ok(MemPoolHandle(h))
+    }
+
+    /// `cuMemPoolDestroy`: [`Driver::mem_pool_destroy`](driver_sys::Driver::mem_pool_destroy) in the model.
+    pub(super) fn mem_pool_destroy(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<(), u32> {
+        context(self, pid, ctx, note)?;
+        match self.processes[pid].pools.get(&pool.0) {
+            Some(p) if !p.is_default && !p.destroyed => {}
+            _ => return Err(code::INVALID_VALUE),
+        }
+        let mut p = self.processes[pid].pools.remove(&pool.0).expect("checked");
+        for b in std::mem::take(&mut p.free) {
+            let _ = self.free_device(pid, b.addr);
+        }
+        // The driver releases the memory of allocations still outstanding only when
+        // they are freed (cuMemFreeAsync); until then the pool lingers, destroyed.
+        if !p.live.is_empty() {
+            p.destroyed = true;
+            self.processes[pid].pools.insert(pool.0, p);
+        }
+        Ok(())
+    }
+
+    /// `cuMemPoolSetAttribute`: [`Driver::mem_pool_set_release_threshold`](driver_sys::Driver::mem_pool_set_release_threshold) in the model.
+    pub(super) fn mem_pool_set_release_threshold(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        bytes: u64,
+    ) -> Result<(), u32> {
+        context(self, pid, ctx, note)?;
+        let p = self.pool_mut(pid, pool)?;
+        p.threshold = bytes;
+        Ok(())
+    }
+
+    /// `cuMemPoolTrimTo`: [`Driver::mem_pool_trim_to`](driver_sys::Driver::mem_pool_trim_to) in the model.
+    pub(super) fn mem_pool_trim_to(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        keep: usize,
+    ) -> Result<(), u32> {
+        context(self, pid, ctx, note)?;
+        self.pool_mut(pid, pool)?;
+        self.pool_release(pid, pool.0, keep);
+        Ok(())
+    }
+
+    /// `cuMemPoolGetAttribute`: [`Driver::mem_pool_usage`](driver_sys::Driver::mem_pool_usage) in the model.
+    pub(super) fn mem_pool_usage(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<MemPoolUsage, u32> {
+        context(self, pid, ctx, note)?;
+        let p = self.pool_mut(pid, pool)?;
+        Ok(MemPoolUsage {
+            reserved: p.reserved as u64,
+            used: p.used as u64,
+        })
+    }
+
+    /// `cuMemAllocFromPoolAsync`: [`Driver::mem_alloc_from_pool_async`](driver_sys::Driver::mem_alloc_from_pool_async) in the model.
+    pub(super) fn mem_alloc_from_pool_async(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr, u32> {
+        note.bytes = Some(bytes);
+        let i = context(self, pid, ctx, note)?;
+        self.check_stream(pid, stream.0)?;
+        let p = self.pool_mut(pid, pool)?;
+        // An imported pool makes no allocations (the driver documents it).
+        if bytes == 0 || p.device != i || p.imported_from.is_some() {
+            return Err(code::INVALID_VALUE);
+        }
+        // Best fit among the blocks this stream may reuse. The driver splits blocks; the
+        // simulator reuses whole ones, so it takes none much larger than the request.
+        let fits = |size: usize| size >= bytes && size <= (2 * bytes).max(PAGE_SIZE);
+        let found = p
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| fits(b.size) && (b.ready || b.stream == stream.0))
+            .min_by_key(|(_, b)| b.size)
+            .map(|(k, _)| k);
+        if let Some(k) = found {
+            let b = p.free.swap_remove(k);
+            p.used += b.size;
+            p.live.insert(b.addr, b.size);
+            note.ptr = Some(DevicePtr(b.addr));
+            return Ok(DevicePtr(b.addr));
+        }
+        let addr = match self.alloc_device(i, pid, bytes) {
+            Err(code::OUT_OF_MEMORY) => {
+                // Release what the pool holds unused, then try once more.
+                self.pool_release(pid, pool.0, 0);
+                self.alloc_device(i, pid, bytes)?
+            }
+            other => other?,
+        };
+        let p = self.processes[pid].pools.get_mut(&pool.0).expect("checked");
+        p.reserved += bytes;
+        p.used += bytes;
+        p.live.insert(addr, bytes);
+        note.ptr = Some(DevicePtr(addr));
+        Ok(DevicePtr(addr))
+    }
+
+    /// `cuMemFreeAsync`: [`Driver::mem_free_async`](driver_sys::Driver::mem_free_async) in the model.
+    pub(super) fn mem_free_async(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        stream: StreamHandle,
+    ) -> Result<(), u32> {
+        note.ptr = Some(ptr);
+        context(self, pid, ctx, note)?;
+        self.check_stream(pid, stream.0)?;
+        // A pointer imported from another process's pool: the mapping goes.
+        if self.processes[pid]
+            .ipc
+            .get(&ptr.0)
+            .is_some_and(|m| m.pool.is_some())
+        {
+            let m = self.processes[pid].ipc.remove(&ptr.0).expect("present");
+            note.bytes = Some(m.size);
+            self.drop_store(m.store);
+            return Ok(());
+        }
+        let p = self.processes[pid]
+            .pools
+            .values_mut()
+            .find(|p| p.live.contains_key(&ptr.0))
+            .ok_or(code::INVALID_VALUE)?;
+        let size = p.live.remove(&ptr.0).expect("found");
+        note.bytes = Some(size);
+        p.used -= size;
+        if p.destroyed {
+            let gone = p.live.is_empty();
+            self.free_device(pid, ptr.0)?;
+            if gone {
+                self.processes[pid]
+                    .pools
+                    .retain(|_, p| !(p.destroyed && p.live.is_empty()));
+            }
+            return Ok(());
+        }
+        p.free.push(FreeBlock {
+            addr: ptr.0,
+            size,
+            stream: stream.0,
+            ready: false,
+        });
+        Ok(())
+    }
+
+    /// `cuMemPoolExportToShareableHandle`: [`Driver::mem_pool_export_fd`](driver_sys::Driver::mem_pool_export_fd) in the model.
+    pub(super) fn mem_pool_export_fd(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<OwnedFd, u32> {
+        context(self, pid, ctx, note)?;
+        let p = self.pool_mut(pid, pool)?;
+        // Only a pool created with a shareable handle type exports, and not one that
+        // was itself imported or destroyed.
+        if !p.ipc || p.destroyed || p.imported_from.is_some() {
+            return Err(code::INVALID_VALUE);
+        }
+        p.exported = true;
+        // A real descriptor, so it travels like the driver's: one end of a pipe, known
+        // by its inode.
+        let (reader, _writer) = std::io::pipe().map_err(|_| code::OUT_OF_MEMORY)?;
+        let fd = OwnedFd::from(reader);
+        let ino = inode(fd.as_fd()).ok_or(code::OUT_OF_MEMORY)?;
+        self.pool_exports.insert(ino, (pid, pool.0));
+        Ok(fd)
+    }
+
+    /// `cuMemPoolImportFromShareableHandle`: [`Driver::mem_pool_import_fd`](driver_sys::Driver::mem_pool_import_fd) in the model.
+    pub(super) fn mem_pool_import_fd(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        fd: BorrowedFd<'_>,
+    ) -> Result<MemPoolHandle, u32> {
+        let ino = inode(fd);
+        context(self, pid, ctx, note)?;
+        let &(exporter, h) = ino
+            .and_then(|ino| self.pool_exports.get(&ino))
+            .ok_or(code::INVALID_VALUE)?;
+        // The exporter's own process does not import its pool (a modelling choice:
+        // emm never does it).
+        if exporter == pid {
+            return Err(code::INVALID_VALUE);
+        }
+        let device = match self.processes[exporter].pools.get(&h) {
+            Some(p) if !p.destroyed => p.device,
+            _ => return Err(code::INVALID_VALUE),
+        };
+        let mut imported = SimPool::new(device, false);
+        imported.imported_from = Some((exporter, h));
+        let handle = self.new_handle();
+        self.processes[pid].pools.insert(handle, imported);
+        Ok(MemPoolHandle(handle))
+    }
+
+    /// `cuMemPoolExportPointer`: [`Driver::mem_pool_export_pointer`](driver_sys::Driver::mem_pool_export_pointer) in the model.
+    pub(super) fn mem_pool_export_pointer(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+    ) -> Result<PoolPtrExportData, u32> {
+        note.ptr = Some(ptr);
+        context(self, pid, ctx, note)?;
+        let (&h, _) = self.processes[pid]
+            .pools
+            .iter()
+            .find(|(_, p)| p.exported && !p.destroyed && p.live.contains_key(&ptr.0))
+            .ok_or(code::INVALID_VALUE)?;
+        Ok(encode_pool_ptr(pid, h, ptr.0))
+    }
+
+    /// `cuMemPoolImportPointer`: [`Driver::mem_pool_import_pointer`](driver_sys::Driver::mem_pool_import_pointer) in the model.
+    pub(super) fn mem_pool_import_pointer(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        data: &PoolPtrExportData,
+    ) -> Result<DevicePtr, u32> {
+        let data = *data;
+        context(self, pid, ctx, note)?;
+        let (exporter, h, addr) = decode_pool_ptr(&data).ok_or(code::INVALID_VALUE)?;
+        let p = self.pool_mut(pid, pool)?;
+        if p.imported_from != Some((exporter, h)) {
+            return Err(code::INVALID_VALUE);
+        }
+        let device = p.device;
+        // The exporter's allocation must still be live in its pool.
+        let live = self.processes[exporter]
+            .pools
+            .get(&h)
+            .is_some_and(|p| p.live.contains_key(&addr));
+        let alloc = self.devices[device]
+            .allocs
+            .get(&addr)
+            .filter(|a| live && a.owner == exporter)
+            .ok_or(code::INVALID_VALUE)?;
+        let (store, size) = (alloc.store, alloc.size);
+        let at = self.map_store(pid, device, store, size, Some(pool.0));
+        note.ptr = Some(DevicePtr(at));
+        note.bytes = Some(size);
+        Ok(DevicePtr(at))
+    }
+
+    /// `cuMemPoolGetAccess`: [`Driver::mem_pool_can_access`](driver_sys::Driver::mem_pool_can_access) in the model.
+    pub(super) fn mem_pool_can_access(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        dev: DeviceOrdinal,
+    ) -> Result<bool, u32> {
+        context(self, pid, ctx, note)?;
+        note.device = Some(dev);
+        let d = device_index(self, dev)?;
+        let p = self.pool_mut(pid, pool)?;
+        Ok(p.device == d || p.access.contains(&d))
+    }
+
+    /// `cuMemPoolSetAccess`: [`Driver::mem_pool_grant_access`](driver_sys::Driver::mem_pool_grant_access) in the model.
+    pub(super) fn mem_pool_grant_access(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+        dev: DeviceOrdinal,
+    ) -> Result<(), u32> {
+        context(self, pid, ctx, note)?;
+        note.device = Some(dev);
+        let d = device_index(self, dev)?;
+        let peers = self.peer_access;
+        let p = self.pool_mut(pid, pool)?;
+        if d != p.device {
+            if !peers {
+                return Err(code::PEER_ACCESS_UNSUPPORTED);
+            }
+            p.access.insert(d);
+        }
+        Ok(())
+    }
+}

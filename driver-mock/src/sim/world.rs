@@ -1,0 +1,266 @@
+//! The machine and its processes: devices, primary contexts and their reference counts,
+//! streams, events and modules, and what destroying a context takes with it.
+
+use std::collections::BTreeMap;
+
+use driver_sys::{ContextHandle, DeviceAttribute, DeviceOrdinal, code};
+
+use super::Note;
+use super::config::{CONTEXT_HANDLE_BASE, HANDLE_BASE};
+use super::host::HostRange;
+use super::ipc::IpcMap;
+use super::log::{CallRecord, Fault};
+use super::memory::{DeviceMem, Store};
+use super::pools::SimPool;
+
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Ctx {
+    pub(super) refcount: u32,
+    /// Whether the primary context exists (retained, not reset since).
+    pub(super) live: bool,
+}
+
+#[derive(Debug)]
+pub(super) struct Process {
+    pub(super) initialized: bool,
+    pub(super) contexts: Vec<Ctx>,
+    pub(super) log: Vec<CallRecord>,
+    pub(super) faults: Vec<(Fault, u64)>,
+    pub(super) host: BTreeMap<usize, HostRange>,
+    /// Streams, events and modules: handle → (kind, device).
+    pub(super) objects: BTreeMap<u64, (Object, usize)>,
+    pub(super) ipc: BTreeMap<u64, IpcMap>,
+    /// Stream-ordered pools: handle → pool (the default pools included).
+    pub(super) pools: BTreeMap<u64, SimPool>,
+}
+
+impl Process {
+    pub(super) fn new(devices: usize) -> Process {
+        Process {
+            initialized: false,
+            contexts: vec![Ctx::default(); devices],
+            log: Vec::new(),
+            faults: Vec::new(),
+            host: BTreeMap::new(),
+            objects: BTreeMap::new(),
+            ipc: BTreeMap::new(),
+            pools: BTreeMap::new(),
+        }
+    }
+}
+
+/// A context object the simulator hands out handles for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Object {
+    Stream,
+    Event,
+    Module,
+}
+
+#[derive(Debug)]
+pub(super) struct World {
+    pub(super) devices: Vec<DeviceMem>,
+    pub(super) stores: BTreeMap<u64, Store>,
+    pub(super) processes: Vec<Process>,
+    pub(super) peer_access: bool,
+    pub(super) pinned_limit: usize,
+    pub(super) pinned: usize,
+    pub(super) next_handle: u64,
+    /// Pools exported as file descriptors: the descriptor's inode → (process, pool handle).
+    /// The descriptors are real (pipes), so they can be passed like the driver's.
+    pub(super) pool_exports: BTreeMap<u64, (usize, u64)>,
+}
+
+pub(super) fn device_index(w: &World, dev: DeviceOrdinal) -> Result<usize, u32> {
+    let i = dev.0 as usize;
+    if i < w.devices.len() {
+        Ok(i)
+    } else {
+        Err(code::INVALID_DEVICE)
+    }
+}
+
+/// The device behind a context handle of process `pid`, if its context exists.
+pub(super) fn context(
+    w: &World,
+    pid: usize,
+    ctx: ContextHandle,
+    note: &mut Note,
+) -> Result<usize, u32> {
+    let index = ctx
+        .0
+        .checked_sub(CONTEXT_HANDLE_BASE)
+        .filter(|off| off % 0x100 == 0)
+        .map(|off| (off / 0x100) as usize)
+        .filter(|&i| i < w.devices.len())
+        .ok_or(code::INVALID_CONTEXT)?;
+    note.device = Some(DeviceOrdinal(index as u32));
+    if !w.processes[pid].contexts[index].live {
+        return Err(code::CONTEXT_IS_DESTROYED);
+    }
+    Ok(index)
+}
+
+/// Whether `image` looks like something `cuModuleLoadData` accepts: PTX text or an ELF cubin.
+pub(super) fn plausible_image(image: &[u8]) -> bool {
+    image.starts_with(b"\x7fELF") || image.windows(8).any(|w| w == b".version")
+}
+
+impl World {
+    pub(super) fn new_handle(&mut self) -> u64 {
+        self.next_handle += 0x10;
+        HANDLE_BASE + self.next_handle
+    }
+
+    pub(super) fn live_contexts(&self, device: usize) -> usize {
+        self.processes
+            .iter()
+            .filter(|p| p.contexts[device].live)
+            .count()
+    }
+
+    /// Destroys process `pid`'s context on `device` and everything it owned there.
+    pub(super) fn destroy_context(&mut self, pid: usize, device: usize) {
+        let bases: Vec<u64> = self.devices[device]
+            .allocs
+            .iter()
+            .filter(|(_, a)| a.owner == pid)
+            .map(|(&b, _)| b)
+            .collect();
+        for base in bases {
+            if let Some(a) = self.devices[device].remove(device, base) {
+                self.drop_store(a.store);
+            }
+        }
+        let p = &mut self.processes[pid];
+        p.contexts[device].live = false;
+        p.objects.retain(|_, (_, d)| *d != device);
+        // The pools' memory went with the allocations above.
+        p.pools.retain(|_, pool| pool.device != device);
+        let mut freed_pinned = 0;
+        p.host.retain(|_, h| {
+            let keep = h.device != device || h.portable;
+            if !keep {
+                freed_pinned += h.size;
+            }
+            keep
+        });
+        let mappings: Vec<u64> = p
+            .ipc
+            .iter()
+            .filter(|(_, m)| m.device == device)
+            .map(|(&a, _)| a)
+            .collect();
+        let stores: Vec<u64> = mappings
+            .iter()
+            .filter_map(|a| p.ipc.remove(a))
+            .map(|m| m.store)
+            .collect();
+        self.pinned -= freed_pinned;
+        for s in stores {
+            self.drop_store(s);
+        }
+    }
+
+    /// `cuInit`: [`Driver::init`](driver_sys::Driver::init) in the model.
+    pub(super) fn init(&mut self, pid: usize, _note: &mut Note) -> Result<(), u32> {
+        self.processes[pid].initialized = true;
+        Ok(())
+    }
+
+    /// `cuDeviceGetCount`: [`Driver::device_count`](driver_sys::Driver::device_count) in the model.
+    pub(super) fn device_count(&mut self, _pid: usize, _note: &mut Note) -> Result<u32, u32> {
+        Ok(self.devices.len() as u32)
+    }
+
+    /// `cuDeviceTotalMem`: [`Driver::device_total_mem`](driver_sys::Driver::device_total_mem) in the model.
+    pub(super) fn device_total_mem(
+        &mut self,
+        _pid: usize,
+        note: &mut Note,
+        dev: DeviceOrdinal,
+    ) -> Result<usize, u32> {
+        note.device = Some(dev);
+        Ok(self.devices[device_index(self, dev)?].config.total_mem)
+    }
+
+    /// `cuDeviceGetAttribute`: [`Driver::device_attribute`](driver_sys::Driver::device_attribute) in the model.
+    pub(super) fn device_attribute(
+        &mut self,
+        _pid: usize,
+        note: &mut Note,
+        dev: DeviceOrdinal,
+        attr: DeviceAttribute,
+    ) -> Result<i32, u32> {
+        note.device = Some(dev);
+        let c = &self.devices[device_index(self, dev)?].config;
+        Ok(match attr {
+            DeviceAttribute::CanMapHostMemory => i32::from(c.can_map_host_memory),
+            DeviceAttribute::PciBusId => c.pci_bus_id,
+            DeviceAttribute::PciDeviceId => c.pci_device_id,
+            DeviceAttribute::PciDomainId => c.pci_domain_id,
+        })
+    }
+
+    /// `cuDeviceCanAccessPeer`: [`Driver::device_can_access_peer`](driver_sys::Driver::device_can_access_peer) in the model.
+    pub(super) fn device_can_access_peer(
+        &mut self,
+        _pid: usize,
+        note: &mut Note,
+        dev: DeviceOrdinal,
+        peer: DeviceOrdinal,
+    ) -> Result<bool, u32> {
+        note.device = Some(dev);
+        let (a, b) = (device_index(self, dev)?, device_index(self, peer)?);
+        // Measured on the GPU: a device is not its own peer.
+        Ok(a != b && self.peer_access)
+    }
+
+    /// `cuDevicePrimaryCtxRetain`: [`Driver::primary_ctx_retain`](driver_sys::Driver::primary_ctx_retain) in the model.
+    pub(super) fn primary_ctx_retain(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        dev: DeviceOrdinal,
+    ) -> Result<ContextHandle, u32> {
+        note.device = Some(dev);
+        let i = device_index(self, dev)?;
+        let c = &mut self.processes[pid].contexts[i];
+        c.refcount += 1;
+        c.live = true;
+        Ok(ContextHandle(CONTEXT_HANDLE_BASE + i as u64 * 0x100))
+    }
+
+    /// `cuDevicePrimaryCtxRelease`: [`Driver::primary_ctx_release`](driver_sys::Driver::primary_ctx_release) in the model.
+    pub(super) fn primary_ctx_release(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        dev: DeviceOrdinal,
+    ) -> Result<(), u32> {
+        note.device = Some(dev);
+        let i = device_index(self, dev)?;
+        let c = &mut self.processes[pid].contexts[i];
+        if c.refcount == 0 {
+            return Err(code::INVALID_CONTEXT);
+        }
+        c.refcount -= 1;
+        if c.refcount == 0 {
+            self.destroy_context(pid, i);
+        }
+        Ok(())
+    }
+
+    /// `cuDevicePrimaryCtxReset`: [`Driver::primary_ctx_reset`](driver_sys::Driver::primary_ctx_reset) in the model.
+    pub(super) fn primary_ctx_reset(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        dev: DeviceOrdinal,
+    ) -> Result<(), u32> {
+        note.device = Some(dev);
+        let i = device_index(self, dev)?;
+        self.destroy_context(pid, i);
+        Ok(())
+    }
+}
