@@ -302,7 +302,10 @@ impl EmmError {
         ) || self.driver_kind() == Some(ErrorKind::OutOfMemory)
     }
 
-    pub(crate) fn driver(op: &'static str, device: DeviceOrdinal, source: DriverError) -> Self {
+    /// A driver call of `op` on `device` failed with `source`. A plugin turns its driver
+    /// errors into `EmmError`s with this (or [`ManagerContext::driver_error`](crate::contract::ManagerContext::driver_error)),
+    /// so `?` works inside its methods.
+    pub fn driver(op: &'static str, device: DeviceOrdinal, source: DriverError) -> Self {
         EmmError::Driver { op, device, source }
     }
 

@@ -88,9 +88,9 @@ pub use managers::{
     PoolAllocator, PoolConfig, PoolManager,
 };
 pub use memory::{
-    ContextLiveness, DeallocConfig, DeferCleanup, Free, HostMemory, HostOwner, HostReleaseFn,
-    LiveGuard, MappedMemory, MemoryPointer, PendingDeallocs, PinnableBuffer, PinnedMemory,
-    ReleaseFn, ReleaseHook,
+    ContextLiveness, DeallocConfig, DeferCleanup, Free, HostAllocFlags, HostMemory, HostOwner,
+    HostReleaseFn, LiveGuard, MappedMemory, MemoryPointer, PendingDeallocs, PinnableBuffer,
+    PinnedMemory, ReleaseFn, ReleaseHook,
 };
 pub use objects::{Event, Module, Stream};
 pub use runtime::context::Context;

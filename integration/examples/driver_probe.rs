@@ -109,7 +109,11 @@ fn show<T: std::fmt::Debug>(what: &str, r: Result<T, driver_sys::DriverError>) {
     }
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    integration::exit_with(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let choice = integration::driver_from_env()?;
     let d = choice.driver;
     println!("driver: {} ({})", d.name(), choice.reason);

@@ -7,7 +7,11 @@
 
 use emm::Runtime;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    integration::exit_with(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("EMM_LOG"))
         .init();

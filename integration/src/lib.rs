@@ -278,6 +278,31 @@ impl TestCtx {
     }
 }
 
+/// Ends an example: on an error, prints its message (what happened and what to do) and every
+/// cause not already in it, as a person should read it (not `Debug`), and exits with 1.
+pub fn exit_with(result: Result<(), Box<dyn std::error::Error>>) -> std::process::ExitCode {
+    let Err(e) = result else {
+        return std::process::ExitCode::SUCCESS;
+    };
+    eprintln!("{}", error_report(&*e));
+    std::process::ExitCode::FAILURE
+}
+
+/// `error: <message>` and one `caused by:` line per source whose text the message does not
+/// already contain.
+pub fn error_report(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = format!("error: {e}");
+    let mut source = e.source();
+    while let Some(s) = source {
+        let line = s.to_string();
+        if !text.contains(&line) {
+            text.push_str(&format!("\n  caused by: {line}"));
+        }
+        source = s.source();
+    }
+    text
+}
+
 /// Which driver `EMM_DRIVER` picks, and why.
 #[derive(Debug)]
 pub struct DriverChoice {
@@ -619,4 +644,29 @@ fn unhex(s: &str) -> Result<Vec<u8>, String> {
         .step_by(2)
         .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(|e| format!("bad hex: {e}")))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_report;
+
+    #[test]
+    fn error_report_prints_each_cause_once() {
+        let driver = driver_sys::DriverError::from_code("cuMemAlloc", 2);
+        let e = emm::EmmError::driver("memalloc", driver_sys::DeviceOrdinal(0), driver.clone());
+        let text = error_report(&e);
+        assert!(text.starts_with("error: memalloc on device 0"), "{text}");
+        assert_eq!(
+            text.matches("CUDA_ERROR_OUT_OF_MEMORY").count(),
+            1,
+            "the driver's error is printed once: {text}"
+        );
+        let io = std::io::Error::other("disk full");
+        let wrapped = emm::EmmError::PoolTransfer {
+            what: "sending a pool export",
+            source: io,
+        };
+        let text = error_report(&wrapped);
+        assert!(text.contains("disk full"), "{text}");
+    }
 }

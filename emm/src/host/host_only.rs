@@ -21,7 +21,60 @@ use crate::memory::pointer::MemoryPointer;
 /// [`MemoryManager`]: the host layer adds pinned and mapped memory and runs its own `reset` and
 /// `defer_cleanup` steps, which the plugin therefore cannot forget.
 ///
-/// Each method gets the [`HostLayer`] for the context, its driver and its queue.
+/// Each method gets the [`HostLayer`] for the context, its driver and its queue. Driver errors
+/// become [`EmmError`]s with [`ManagerContext::driver_error`], so `?` works:
+///
+/// ```
+/// use emm::{DeviceAllocator, EmmError, HostLayer, IpcHandle, MemoryInfo, MemoryPointer};
+///
+/// /// Device memory straight from `cuMemAlloc`, tracked by the host layer.
+/// #[derive(Debug)]
+/// struct Plain;
+///
+/// impl DeviceAllocator for Plain {
+///     fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+///         let cx = host.context();
+///         let _live = cx.enter("memalloc")?; // refused once the device was reset
+///         let base = cx
+///             .driver
+///             .mem_alloc(cx.context, bytes)
+///             .map_err(|e| cx.driver_error("memalloc", e))?;
+///         Ok(host.track_device_allocation(base, bytes))
+///     }
+///
+///     fn initialize(&self, _host: &HostLayer) -> Result<(), EmmError> {
+///         Ok(())
+///     }
+///
+///     fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError> {
+///         let cx = host.context();
+///         let info = cx
+///             .driver
+///             .mem_get_info(cx.context)
+///             .map_err(|e| cx.driver_error("get_memory_info", e))?;
+///         Ok(MemoryInfo { free: info.free, total: info.total })
+///     }
+///
+///     fn get_ipc_handle(&self, host: &HostLayer, memory: &MemoryPointer) -> Result<IpcHandle, EmmError> {
+///         host.ipc_handle(memory)
+///     }
+/// }
+///
+/// // Selected like any manager: `emm::HostOnly::new(cx, Plain)` in a factory.
+/// let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+/// let runtime = emm::Runtime::builder(sim)
+///     .ignore_env()
+///     .memory_manager(emm::FnFactory::new("plain", |cx| {
+///         Ok(Box::new(emm::HostOnly::new(cx, Plain)))
+///     }))
+///     .build()?;
+/// let ctx = runtime.context(0)?;
+/// let mem = ctx.to_device(&[7u8; 64])?;
+/// let mut back = [0u8; 64];
+/// ctx.copy_to_host(&mut back, &mem)?;
+/// assert_eq!(back, [7u8; 64]);
+/// # Ok::<(), EmmError>(())
+/// ```
 pub trait DeviceAllocator: Send + Sync + fmt::Debug {
     /// Allocates `bytes` of device memory.
     fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError>;

@@ -107,14 +107,6 @@ impl HostLayer {
         self.table.live()
     }
 
-    fn stale(&self, what: &'static str) -> EmmError {
-        EmmError::Stale {
-            what,
-            device: self.context().device,
-            reason: "the device was reset",
-        }
-    }
-
     /// Numba's `_attempt_allocation`: runs `allocate`; on out-of-memory flushes the queue and
     /// runs it once more (inside `defer_cleanup` the flush frees nothing). Any other error, or
     /// a second out-of-memory, is returned.
@@ -126,7 +118,7 @@ impl HostLayer {
         mut allocate: impl FnMut() -> Result<T, DriverError>,
     ) -> Result<T, EmmError> {
         let cx = self.context();
-        let _live = cx.liveness.enter().ok_or_else(|| self.stale(what))?;
+        let _live = cx.enter(what)?;
         match allocate() {
             Ok(v) => return Ok(v),
             Err(e) if e.kind() == ErrorKind::OutOfMemory => {}
@@ -246,10 +238,7 @@ impl HostLayer {
         let host = if mapped {
             self.attempt_allocation("memhostalloc", AllocationKind::Host, bytes, allocate)?
         } else {
-            let _live = cx
-                .liveness
-                .enter()
-                .ok_or_else(|| self.stale("memhostalloc"))?;
+            let _live = cx.enter("memhostalloc")?;
             allocate().map_err(|e| EmmError::driver("memhostalloc", cx.device, e))?
         };
         if !mapped {
@@ -389,7 +378,7 @@ impl HostLayer {
         if mapped {
             self.attempt_allocation("mempin", AllocationKind::Host, size, register)?;
         } else {
-            let _live = cx.liveness.enter().ok_or_else(|| self.stale("mempin"))?;
+            let _live = cx.enter("mempin")?;
             register().map_err(|e| EmmError::driver("mempin", cx.device, e))?;
         }
         tracing::debug!(device = %cx.device, bytes = size, host = %ptr, mapped, "host memory pinned");
@@ -445,10 +434,7 @@ impl HostLayer {
     /// view's start from the allocation's base, the size is the view's.
     pub fn ipc_handle(&self, memory: &MemoryPointer) -> Result<IpcHandle, EmmError> {
         let cx = self.context();
-        let _live = cx
-            .liveness
-            .enter()
-            .ok_or_else(|| self.stale("get_ipc_handle"))?;
+        let _live = cx.enter("get_ipc_handle")?;
         let err = |op| move |e| EmmError::driver(op, cx.device, e);
         let (base, _) = cx
             .driver

@@ -70,15 +70,11 @@ impl DeviceAllocator for DriverAllocator {
 
     fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError> {
         let cx = host.context();
-        let _live = cx.liveness.enter().ok_or(EmmError::Stale {
-            what: "get_memory_info",
-            device: cx.device,
-            reason: "the device was reset",
-        })?;
+        let _live = cx.enter("get_memory_info")?;
         let info = cx
             .driver
             .mem_get_info(cx.context)
-            .map_err(|e| EmmError::driver("get_memory_info", cx.device, e))?;
+            .map_err(|e| cx.driver_error("get_memory_info", e))?;
         Ok(MemoryInfo {
             free: info.free,
             total: info.total,

@@ -11,6 +11,55 @@ use driver_sys::HostPtr;
 use crate::error::EmmError;
 use crate::memory::pointer::MemoryPointer;
 
+/// How `memhostalloc` allocates page-locked host memory, as named flags rather than Numba's
+/// three booleans ([`Context::host_alloc`](crate::Context::host_alloc)).
+///
+/// ```
+/// use emm::memory::HostAllocFlags;
+/// let flags = HostAllocFlags::MAPPED.portable();
+/// assert!(flags.mapped && flags.portable && !flags.write_combined);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct HostAllocFlags {
+    /// Mapped into the device's address space (`CU_MEMHOSTALLOC_DEVICEMAP`).
+    pub mapped: bool,
+    /// Page-locked for every context, not only the allocating one (`CU_MEMHOSTALLOC_PORTABLE`).
+    pub portable: bool,
+    /// Write-combined: fast for the device to read, slow for the host to read
+    /// (`CU_MEMHOSTALLOC_WRITECOMBINED`).
+    pub write_combined: bool,
+}
+
+impl HostAllocFlags {
+    /// Pinned only.
+    pub const PINNED: HostAllocFlags = HostAllocFlags {
+        mapped: false,
+        portable: false,
+        write_combined: false,
+    };
+
+    /// Pinned and mapped into the device.
+    pub const MAPPED: HostAllocFlags = HostAllocFlags {
+        mapped: true,
+        portable: false,
+        write_combined: false,
+    };
+
+    /// These flags, and portable.
+    #[must_use]
+    pub const fn portable(mut self) -> HostAllocFlags {
+        self.portable = true;
+        self
+    }
+
+    /// These flags, and write-combined.
+    #[must_use]
+    pub const fn write_combined(mut self) -> HostAllocFlags {
+        self.write_combined = true;
+        self
+    }
+}
+
 /// Whatever keeps pinned host memory alive (Numba's `owner`): the buffer a caller pinned.
 pub type HostOwner = Arc<dyn Any + Send + Sync>;
 

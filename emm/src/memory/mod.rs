@@ -14,7 +14,10 @@ pub(crate) mod pending;
 pub(crate) mod pointer;
 pub(crate) mod policy;
 
-pub use host::{HostMemory, HostOwner, HostReleaseFn, MappedMemory, PinnableBuffer, PinnedMemory};
+pub use host::{
+    HostAllocFlags, HostMemory, HostOwner, HostReleaseFn, MappedMemory, PinnableBuffer,
+    PinnedMemory,
+};
 pub use liveness::{ContextLiveness, LiveGuard};
 pub use pending::{DeferCleanup, Free, PendingDeallocs};
 pub use pointer::{MemoryPointer, ReleaseFn, ReleaseHook};

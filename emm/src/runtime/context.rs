@@ -14,7 +14,7 @@ use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
 use crate::ipc::imports::PoolImports;
 use crate::ipc::open::Endpoint;
-use crate::memory::host::{HostMemory, HostOwner, PinnableBuffer};
+use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, PinnableBuffer};
 use crate::memory::liveness::LiveGuard;
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::MemoryPointer;
@@ -159,6 +159,12 @@ impl Context {
     ) -> Result<HostMemory, EmmError> {
         self.ensure_alive("memhostalloc")?;
         self.inner.manager.memhostalloc(bytes, mapped, portable, wc)
+    }
+
+    /// Allocates page-locked host memory with named flags: [`memhostalloc`](Self::memhostalloc)
+    /// without three booleans in a row.
+    pub fn host_alloc(&self, bytes: usize, flags: HostAllocFlags) -> Result<HostMemory, EmmError> {
+        self.memhostalloc(bytes, flags.mapped, flags.portable, flags.write_combined)
     }
 
     /// Page-locks an existing host range through the manager (Numba's `Context.mempin`);

@@ -53,15 +53,41 @@ mod stress;
 /// A suite test: runs against one target.
 pub type SuiteFn = fn(Target) -> Result<(), Failed>;
 
-/// Lists suite tests as (name, function) pairs; the name is the function's.
+/// What a test needs of the memory manager under test, beyond its target. A test whose need
+/// the manager does not meet is reported as ignored, with the reason printed once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Need {
+    /// It counts the default manager's deferred `cuMemFree` calls (Numba's deallocation tests
+    /// count one per allocation, queued until a threshold or a flush). A manager that returns
+    /// device memory to a pool of its own makes no such frees.
+    DeferredDeviceFrees,
+    /// It exports device memory to another process; `async-pool`'s pool is not created for
+    /// export (it refuses `get_ipc_handle` with a clear error, which `pool_export_per_manager`
+    /// checks), `async-pool-ipc` runs them all.
+    IpcExport,
+}
+
+/// One registered suite test: its name (the function's), the function, what it needs.
+struct SuiteTest {
+    name: &'static str,
+    run: SuiteFn,
+    needs: &'static [Need],
+}
+
+/// Registers suite tests: `module::name`, followed by `[Need, ..]` where the test needs
+/// something of the manager. The name is the function's, so a rename cannot detach a need.
 macro_rules! suite_tests {
-    ($($module:ident::$name:ident),* $(,)?) => {
-        &[$((stringify!($name), $module::$name as SuiteFn)),*]
+    ($($module:ident::$name:ident $([$($need:ident),* $(,)?])?),* $(,)?) => {
+        &[$(SuiteTest {
+            name: stringify!($name),
+            run: $module::$name as SuiteFn,
+            needs: &[$($(Need::$need),*)?],
+        }),*]
     };
 }
 
 /// Every suite test. Tests that mirror a Numba test carry its name.
-const TESTS: &[(&str, SuiteFn)] = suite_tests![
+const TESTS: &[SuiteTest] = suite_tests![
     basics::alloc_write_read_free,
     basics::test_memcpy,
     basics::mem_get_info_reflects_allocations,
@@ -69,13 +95,13 @@ const TESTS: &[(&str, SuiteFn)] = suite_tests![
     basics::copies_are_bounds_checked,
     basics::initialize_runs_on_every_use,
     basics::test_context_memory,
-    deallocations::test_max_pending_count,
-    deallocations::test_max_pending_bytes,
-    deallocations::test_defer_cleanup,
-    deallocations::test_nested_defer_cleanup,
-    deallocations::test_exception,
-    deallocations::oom_flushes_and_retries_once,
-    deallocations::oom_inside_defer_cleanup_reports_clear_error,
+    deallocations::test_max_pending_count[DeferredDeviceFrees],
+    deallocations::test_max_pending_bytes[DeferredDeviceFrees],
+    deallocations::test_defer_cleanup[DeferredDeviceFrees],
+    deallocations::test_nested_defer_cleanup[DeferredDeviceFrees],
+    deallocations::test_exception[DeferredDeviceFrees],
+    deallocations::oom_flushes_and_retries_once[DeferredDeviceFrees],
+    deallocations::oom_inside_defer_cleanup_reports_clear_error[DeferredDeviceFrees],
     reset::reset_frees_everything,
     reset::reset_before_initialize,
     reset::reset_device_makes_old_memory_stale,
@@ -111,11 +137,11 @@ const TESTS: &[(&str, SuiteFn)] = suite_tests![
     context_stack::test_attached_primary,
     context_stack::test_select_device,
     context_stack::modules_unload_on_drop_and_reset,
-    ipc::test_ipc_handle,
-    ipc::test_ipc_handle_serialization,
-    ipc::test_ipc_array,
-    ipc::test_staged,
-    ipc::ipc_handle_errors,
+    ipc::test_ipc_handle[IpcExport],
+    ipc::test_ipc_handle_serialization[IpcExport],
+    ipc::test_ipc_array[IpcExport],
+    ipc::test_staged[IpcExport],
+    ipc::ipc_handle_errors[IpcExport],
     ipc::pool_export_per_manager,
     stress::stress_mixed_operations,
     driver_conformance::alignment_of_allocations,
@@ -142,45 +168,27 @@ pub const EXPECTED_PANIC: &str = "emm suite: the panic test_exception raises on 
 
 /// Tests that only make sense on the real driver; without a GPU they are ignored like the CUDA
 /// instances of the suite, and with `EMM_REQUIRE_GPU=1` they must run.
-const CUDA_ONLY: &[(&str, SuiteFn)] =
-    suite_tests![cuda_only::calls_leave_the_current_context_alone,];
+const CUDA_ONLY: &[SuiteTest] = suite_tests![cuda_only::calls_leave_the_current_context_alone,];
 
 /// Tests that need two devices: on the simulator a two-device machine; on the GPU they run
 /// where two GPUs are visible, and are ignored (with the reason printed) on one.
-const MULTI_DEVICE: &[(&str, SuiteFn)] = suite_tests![
+const MULTI_DEVICE: &[SuiteTest] = suite_tests![
     multi_device::contexts_on_every_device,
-    multi_device::ipc_between_processes_on_different_devices,
+    multi_device::ipc_between_processes_on_different_devices[IpcExport],
     multi_device::wrong_context_conformance,
-];
-
-/// Tests of the deferred queue of device frees: Numba's deallocation tests count one
-/// `cuMemFree` per allocation, queued until a threshold or a flush. A manager that returns
-/// device memory to a pool of its own has no such frees; under it these tests are ignored and
-/// the reason is printed. Every other test runs under every manager.
-const DEFAULT_ONLY: &[&str] = &[
-    "test_max_pending_count",
-    "test_max_pending_bytes",
-    "test_defer_cleanup",
-    "test_nested_defer_cleanup",
-    "test_exception",
-    "oom_flushes_and_retries_once",
-    "oom_inside_defer_cleanup_reports_clear_error",
-];
-
-/// Tests that export device memory to another process: ignored, with the reason printed,
-/// under `async-pool`, whose pool is not created for export (it refuses `get_ipc_handle` with
-/// a clear error; `pool_export_per_manager` checks it). `async-pool-ipc` runs them all.
-const IPC_EXPORT: &[&str] = &[
-    "test_ipc_handle",
-    "test_ipc_handle_serialization",
-    "test_ipc_array",
-    "test_staged",
-    "ipc_handle_errors",
-    "ipc_between_processes_on_different_devices",
 ];
 
 /// The GPU is one shared device: CUDA tests run one at a time (some fill its memory).
 static GPU: Mutex<()> = Mutex::new(());
+
+/// The trial of test `t` on `target`; CUDA trials take the GPU for themselves.
+fn trial(target: Target, t: &SuiteTest) -> Trial {
+    let run = t.run;
+    Trial::test(format!("{target}::{}", t.name), move || {
+        let _gpu = (target == Target::Cuda).then(|| GPU.lock().unwrap_or_else(|p| p.into_inner()));
+        run(target)
+    })
+}
 
 fn main() {
     // On the GPU, IPC tests re-run this binary as the other process.
@@ -211,27 +219,40 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let default_only_ignored = !integration::defers_device_frees();
-    let ipc_ignored = !integration::exports_ipc_handles();
+    let unmet = |need: Need| match need {
+        Need::DeferredDeviceFrees => !integration::defers_device_frees(),
+        Need::IpcExport => !integration::exports_ipc_handles(),
+    };
+    let not_this_manager = |t: &SuiteTest| t.needs.iter().any(|&n| unmet(n));
     if !args.list {
         eprintln!(
             "note: the suite runs under the memory manager {}",
             setup.describe()
         );
-        if default_only_ignored {
+        for (need, why) in [
+            (
+                Need::DeferredDeviceFrees,
+                "they count the default manager's deferred cuMemFree calls, which it does not make",
+            ),
+            (
+                Need::IpcExport,
+                "it does not export memory to other processes (its pool is not created for export; 'async-pool-ipc' does that)",
+            ),
+        ] {
+            if !unmet(need) {
+                continue;
+            }
+            let names: Vec<&str> = TESTS
+                .iter()
+                .chain(MULTI_DEVICE)
+                .filter(|t| t.needs.contains(&need))
+                .map(|t| t.name)
+                .collect();
             eprintln!(
-                "note: {} tests per target are not applicable: they count the default manager's deferred cuMemFree calls, which '{}' does not make ({})",
-                DEFAULT_ONLY.len(),
+                "note: {} tests per target are not applicable under '{}': {why} ({})",
+                names.len(),
                 setup.manager,
-                DEFAULT_ONLY.join(", ")
-            );
-        }
-        if ipc_ignored {
-            eprintln!(
-                "note: {} tests per target are not applicable: '{}' does not export memory to other processes (its pool is not created for export; 'async-pool-ipc' does that) ({})",
-                IPC_EXPORT.len(),
-                setup.manager,
-                IPC_EXPORT.join(", ")
+                names.join(", ")
             );
         }
     }
@@ -257,7 +278,7 @@ fn main() {
                 );
             }
         }
-        let only_here: &[(&str, SuiteFn)] = if target == Target::Cuda {
+        let only_here: &[SuiteTest] = if target == Target::Cuda {
             CUDA_ONLY
         } else {
             &[]
@@ -286,32 +307,22 @@ fn main() {
                 );
             }
         }
-        for &(name, test) in MULTI_DEVICE {
-            let trial = Trial::test(format!("{target}::{name}"), move || {
-                let _gpu =
-                    (target == Target::Cuda).then(|| GPU.lock().unwrap_or_else(|p| p.into_inner()));
-                test(target)
-            });
-            let not_this_manager = ipc_ignored && IPC_EXPORT.contains(&name);
-            if not_this_manager && cuda_missing.is_none() && few_gpus.is_none() {
+        for t in MULTI_DEVICE {
+            let skipped = not_this_manager(t);
+            if skipped && cuda_missing.is_none() && few_gpus.is_none() {
                 *count += 1;
             }
-            trials.push(trial.with_ignored_flag(
-                cuda_missing.is_some() || few_gpus.is_some() || not_this_manager,
-            ));
+            trials.push(
+                trial(target, t)
+                    .with_ignored_flag(cuda_missing.is_some() || few_gpus.is_some() || skipped),
+            );
         }
-        for &(name, test) in TESTS.iter().chain(only_here) {
-            let trial = Trial::test(format!("{target}::{name}"), move || {
-                let _gpu =
-                    (target == Target::Cuda).then(|| GPU.lock().unwrap_or_else(|p| p.into_inner()));
-                test(target)
-            });
-            let not_this_manager = (default_only_ignored && DEFAULT_ONLY.contains(&name))
-                || (ipc_ignored && IPC_EXPORT.contains(&name));
-            if not_this_manager && cuda_missing.is_none() {
+        for t in TESTS.iter().chain(only_here) {
+            let skipped = not_this_manager(t);
+            if skipped && cuda_missing.is_none() {
                 *count += 1;
             }
-            trials.push(trial.with_ignored_flag(cuda_missing.is_some() || not_this_manager));
+            trials.push(trial(target, t).with_ignored_flag(cuda_missing.is_some() || skipped));
         }
     }
     for (target, n) in manager_ignored {

@@ -215,18 +215,10 @@ impl AsyncPoolAllocator {
         Ok(fd)
     }
 
-    fn stale(&self, what: &'static str) -> EmmError {
-        EmmError::Stale {
-            what,
-            device: self.shared.cx.device,
-            reason: "the device was reset",
-        }
-    }
-
     /// Returns what the pool holds unused to the system; the bytes released.
     pub fn trim(&self) -> Result<usize, EmmError> {
         let cx = &self.shared.cx;
-        let _live = cx.liveness.enter().ok_or_else(|| self.stale("trim"))?;
+        let _live = cx.enter("trim")?;
         let state = lock(&self.shared.state);
         let Some(pool) = state.pool else {
             return Ok(0);
@@ -306,12 +298,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
 
     fn initialize(&self, host: &HostLayer) -> Result<(), EmmError> {
         DriverAllocator.initialize(host)?;
-        let _live = self
-            .shared
-            .cx
-            .liveness
-            .enter()
-            .ok_or_else(|| self.stale("initialize"))?;
+        let _live = self.shared.cx.enter("initialize")?;
         let mut state = lock(&self.shared.state);
         self.pool(&mut state)
             .map(|_| ())
@@ -338,10 +325,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
             });
         }
         let cx = &self.shared.cx;
-        let _live = cx
-            .liveness
-            .enter()
-            .ok_or_else(|| self.stale("get_ipc_handle"))?;
+        let _live = cx.enter("get_ipc_handle")?;
         let base = memory.allocation_base();
         let mut state = lock(&self.shared.state);
         let (Some(id), true) = (state.id, state.live.contains(&base.0)) else {
@@ -386,10 +370,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
         if !self.shared.ipc {
             return Err(EmmError::no_pool_export(ASYNC_POOL_MANAGER));
         }
-        let _live = cx
-            .liveness
-            .enter()
-            .ok_or_else(|| self.stale("export_pool"))?;
+        let _live = cx.enter("export_pool")?;
         let (fd, id) = {
             let mut state = lock(&self.shared.state);
             let fd = self

@@ -3,23 +3,16 @@
 //! test of random exports, opens and closes.
 //!
 //! `PROPTEST_CASES` sets the number of cases of the property test (CI: 256, about 0.2 s; 3000 take 2 s).
-#![cfg(not(emm_loom))]
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
 use driver_mock::{Op, SimConfig, SimDeviceConfig, SimDriver};
-use emm::{EmmError, IpcHandle, IpcMemory, MemoryPointer, PoolExport, Runtime};
+use emm::{EmmError, IpcHandle, IpcMemory, MemoryPointer, PoolExport};
 use proptest::prelude::*;
 
-fn runtime(sim: &Arc<SimDriver>, manager: &str) -> Runtime {
-    Runtime::builder(sim.clone())
-        .ignore_env()
-        .memory_manager_name(manager)
-        .build()
-        .unwrap()
-}
+use crate::common::runtime_with;
 
 fn two_devices(peers: bool) -> Arc<SimDriver> {
     Arc::new(SimDriver::new(
@@ -37,7 +30,7 @@ fn two_devices(peers: bool) -> Arc<SimDriver> {
 #[test]
 fn an_export_sent_over_a_socket_opens_in_the_other_process() {
     let sim = Arc::new(SimDriver::new(SimConfig::default()));
-    let rt = runtime(&sim, "async-pool-ipc");
+    let rt = runtime_with(&sim, "async-pool-ipc");
     let ctx = rt.context(0).unwrap();
     let mem = ctx.to_device(&[5u8; 4096]).unwrap();
     let handle = ctx
@@ -53,7 +46,7 @@ fn an_export_sent_over_a_socket_opens_in_the_other_process() {
 
     let other = Arc::new(sim.spawn_process());
     {
-        let ort = runtime(&other, "default");
+        let ort = runtime_with(&other, "default");
         ort.import_pool(received).unwrap();
         let octx = ort.context(0).unwrap();
         let theirs = IpcHandle::from_bytes(&handle.to_bytes()).unwrap();
@@ -81,10 +74,10 @@ fn an_export_sent_over_a_socket_opens_in_the_other_process() {
 #[test]
 fn importing_again_does_nothing() {
     let sim = Arc::new(SimDriver::new(SimConfig::default()));
-    let rt = runtime(&sim, "async-pool-ipc");
+    let rt = runtime_with(&sim, "async-pool-ipc");
     let ctx = rt.context(0).unwrap();
     let other = Arc::new(sim.spawn_process());
-    let ort = runtime(&other, "default");
+    let ort = runtime_with(&other, "default");
     ort.import_pool(ctx.export_pool().unwrap()).unwrap();
     ort.import_pool(ctx.export_pool().unwrap()).unwrap();
     assert_eq!(other.count(Op::MemPoolImportFromShareableHandle), 1);
@@ -99,13 +92,13 @@ fn importing_again_does_nothing() {
 fn peers_open_directly_with_access_and_others_stage() {
     for peers in [true, false] {
         let sim = two_devices(peers);
-        let rt = runtime(&sim, "async-pool-ipc");
+        let rt = runtime_with(&sim, "async-pool-ipc");
         let ctx = rt.context(0).unwrap();
         let mem = ctx.to_device(&[7u8; 512]).unwrap();
         let handle = ctx.get_ipc_handle(&mem).unwrap();
         let other = Arc::new(sim.spawn_process());
         {
-            let ort = runtime(&other, "default");
+            let ort = runtime_with(&other, "default");
             ort.import_pool(ctx.export_pool().unwrap()).unwrap();
             let on1 = ort.context(1).unwrap();
             let theirs = IpcHandle::from_bytes(&handle.to_bytes()).unwrap();
@@ -127,12 +120,12 @@ fn peers_open_directly_with_access_and_others_stage() {
 #[test]
 fn an_importer_reset_ends_the_import() {
     let sim = Arc::new(SimDriver::new(SimConfig::default()));
-    let rt = runtime(&sim, "async-pool-ipc");
+    let rt = runtime_with(&sim, "async-pool-ipc");
     let ctx = rt.context(0).unwrap();
     let mem = ctx.to_device(&[1u8; 256]).unwrap();
     let bytes = ctx.get_ipc_handle(&mem).unwrap().to_bytes();
     let other = Arc::new(sim.spawn_process());
-    let ort = runtime(&other, "default");
+    let ort = runtime_with(&other, "default");
     ort.import_pool(ctx.export_pool().unwrap()).unwrap();
     let first = IpcHandle::from_bytes(&bytes).unwrap();
     let view = first.open(&ort, &ort.context(0).unwrap()).unwrap();
@@ -164,7 +157,7 @@ fn an_importer_reset_ends_the_import() {
 #[test]
 fn the_exporter_refuses_foreign_memory_and_its_own_open() {
     let sim = Arc::new(SimDriver::new(SimConfig::default()));
-    let rt = runtime(&sim, "async-pool-ipc");
+    let rt = runtime_with(&sim, "async-pool-ipc");
     let ctx = rt.context(0).unwrap();
     let foreign = MemoryPointer::unowned(
         ctx.device(),
@@ -202,13 +195,13 @@ fn malformed_transfers_are_refused() {
     assert!(e.to_string().contains("format version 7"), "{e}");
     // A descriptor that is not the driver's: the import is refused by the driver.
     let sim = Arc::new(SimDriver::new(SimConfig::default()));
-    let rt = runtime(&sim, "async-pool-ipc");
+    let rt = runtime_with(&sim, "async-pool-ipc");
     let ctx = rt.context(0).unwrap();
     let real = ctx.export_pool().unwrap();
     let (reader, _writer) = std::io::pipe().unwrap();
     let forged = PoolExport::from_descriptor(&real.descriptor(), reader.into()).unwrap();
     let other = Arc::new(sim.spawn_process());
-    let ort = runtime(&other, "default");
+    let ort = runtime_with(&other, "default");
     let e = ort.import_pool(forged).unwrap_err();
     assert!(e.to_string().contains("import_pool"), "{e}");
 }
@@ -258,9 +251,9 @@ proptest! {
         let sim = Arc::new(SimDriver::new(SimConfig::default()));
         let other = Arc::new(sim.spawn_process());
         {
-            let rt = runtime(&sim, "async-pool-ipc");
+            let rt = runtime_with(&sim, "async-pool-ipc");
             let ctx = rt.context(0).unwrap();
-            let ort = runtime(&other, "default");
+            let ort = runtime_with(&other, "default");
             ort.import_pool(ctx.export_pool().unwrap()).unwrap();
             let octx = ort.context(0).unwrap();
             // (block, fill), (exporter's handle, bytes expected, block index), opened.
@@ -343,7 +336,7 @@ proptest! {
 #[test]
 fn staged_opens_on_another_device_go_through_the_host() {
     let sim = two_devices(true);
-    let rt = runtime(&sim, "async-pool-ipc");
+    let rt = runtime_with(&sim, "async-pool-ipc");
     let ctx = rt.context(0).unwrap();
     let n = 40 << 20;
     let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
@@ -351,7 +344,7 @@ fn staged_opens_on_another_device_go_through_the_host() {
     let handle = ctx.get_ipc_handle(&mem.view(3, None).unwrap()).unwrap();
     let other = Arc::new(sim.spawn_process());
     {
-        let ort = runtime(&other, "default");
+        let ort = runtime_with(&other, "default");
         ort.import_pool(ctx.export_pool().unwrap()).unwrap();
         let on1 = ort.context(1).unwrap();
         let theirs = IpcHandle::from_bytes(&handle.to_bytes()).unwrap();

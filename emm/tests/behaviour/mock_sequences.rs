@@ -1,6 +1,5 @@
 //! Call sequences, checked with the mockall mock of the driver: exactly the driver calls NBEP 7
 //! implies, in the order it implies.
-#![cfg(not(emm_loom))]
 #![allow(unsafe_code)]
 
 use std::sync::Arc;

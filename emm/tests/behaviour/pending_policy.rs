@@ -1,5 +1,4 @@
 //! The deferred-deallocation policy, one sentence of the rule per test (numba-emm-spec §2).
-#![cfg(not(emm_loom))]
 #![allow(unsafe_code)]
 
 use std::sync::Arc;

@@ -7,7 +7,6 @@
 //!
 //! 48 cases of up to 48 steps in CI; `PROPTEST_CASES=2000 cargo test -p emm --test
 //! state_machine` for a longer run.
-#![cfg(not(emm_loom))]
 
 mod reference;
 mod sut;

@@ -11,7 +11,7 @@ use emm::{
 };
 use proptest_state_machine::StateMachineTest;
 
-use crate::reference::{Kind, MAX_PENDING_BYTES, MAX_PENDING_COUNT, Model, Transition};
+use super::reference::{Kind, MAX_PENDING_BYTES, MAX_PENDING_COUNT, Model, Transition};
 
 const TOTAL: usize = 1 << 30;
 

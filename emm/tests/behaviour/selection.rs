@@ -1,15 +1,8 @@
 //! Choosing the memory manager: by name, in code, the interface-version check (Numba's text),
 //! and the rule that the choice is fixed once a context exists.
-#![cfg(not(emm_loom))]
 
-use std::sync::Arc;
-
-use driver_mock::{SimConfig, SimDriver};
+use crate::common::sim;
 use emm::{DefaultManager, EmmError, FnFactory, Runtime};
-
-fn sim() -> Arc<SimDriver> {
-    Arc::new(SimDriver::new(SimConfig::default()))
-}
 
 #[test]
 fn default_is_chosen_unless_told_otherwise() {

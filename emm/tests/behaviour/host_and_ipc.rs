@@ -1,16 +1,12 @@
 //! Host-side rules and multi-device IPC on the simulator: what the shared suite cannot show on a
 //! single GPU (devices that cannot map, that are not peers) or without fault injection.
-#![cfg(not(emm_loom))]
 
 use std::sync::Arc;
 
+use crate::common::runtime;
 use driver_mock::{Fault, Op, SimConfig, SimDeviceConfig, SimDriver};
 use driver_sys::{DeviceOrdinal, ErrorKind};
-use emm::{EmmError, HostMemory, IpcHandle, PinnableBuffer, Runtime};
-
-fn runtime(sim: &Arc<SimDriver>) -> Runtime {
-    Runtime::builder(sim.clone()).ignore_env().build().unwrap()
-}
+use emm::{EmmError, HostAllocFlags, HostMemory, IpcHandle, PinnableBuffer, Runtime};
 
 /// Numba's `Context.mempin`: mapping on a device that cannot map host memory is refused before
 /// the manager is asked; unmapped pinning still works.
@@ -247,4 +243,43 @@ fn a_handle_from_an_unknown_device_is_a_clear_error() {
             .contains("Target device may not be visible in this process"),
         "{err}"
     );
+}
+
+/// `Context::host_alloc` with named flags is `memhostalloc` with Numba's three booleans.
+#[test]
+fn host_alloc_with_named_flags() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime(&sim);
+    let ctx = rt.context(0).unwrap();
+    let pinned = ctx.host_alloc(64, HostAllocFlags::PINNED).unwrap();
+    assert!(matches!(pinned, HostMemory::Pinned(_)), "{pinned:?}");
+    let mapped = ctx
+        .host_alloc(64, HostAllocFlags::MAPPED.portable().write_combined())
+        .unwrap();
+    let device = mapped.mapped().expect("mapped memory").device().clone();
+    ctx.copy_to_device(&device, &[5u8; 64]).unwrap();
+    let mut back = [0u8; 64];
+    mapped.read(0, &mut back).unwrap();
+    assert_eq!(back, [5u8; 64], "the device writes land in the host bytes");
+    assert_eq!(sim.count(Op::MemHostAlloc), 2);
+}
+
+/// `Context::flush_deallocations` issues what the manager's queue holds, and nothing inside
+/// `defer_cleanup`.
+#[test]
+fn flush_deallocations_issues_the_queue() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime(&sim);
+    let ctx = rt.context(0).unwrap();
+    drop(ctx.memalloc(256).unwrap());
+    drop(ctx.memalloc(256).unwrap());
+    assert_eq!(sim.count(Op::MemFree), 0, "queued, below the thresholds");
+    {
+        let _guard = ctx.defer_cleanup().unwrap();
+        assert_eq!(ctx.flush_deallocations().unwrap(), 0);
+        assert_eq!(sim.count(Op::MemFree), 0);
+    }
+    assert_eq!(ctx.flush_deallocations().unwrap(), 2);
+    assert_eq!(sim.count(Op::MemFree), 2);
+    assert_eq!(ctx.flush_deallocations().unwrap(), 0, "nothing left");
 }

@@ -2,7 +2,6 @@
 //! IPC handle bytes from another process, allocation and pin sizes, view offsets and copy
 //! lengths, and environment configuration. Nothing may panic; every refusal is a clear error.
 //! 256 cases each; `PROPTEST_CASES=N` for more.
-#![cfg(not(emm_loom))]
 
 use std::sync::Arc;
 

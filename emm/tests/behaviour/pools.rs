@@ -13,13 +13,7 @@ use emm::{
 };
 use proptest::prelude::*;
 
-fn runtime(sim: &Arc<SimDriver>, manager: &str) -> Runtime {
-    Runtime::builder(sim.clone())
-        .ignore_env()
-        .memory_manager_name(manager)
-        .build()
-        .unwrap()
-}
+use crate::common::runtime_with;
 
 fn small_pool_runtime(sim: &Arc<SimDriver>, config: PoolConfig) -> Runtime {
     Runtime::builder(sim.clone())
@@ -126,7 +120,7 @@ proptest! {
 #[test]
 fn pool_reuses_blocks_without_driver_calls() {
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime(&sim, "pool");
+    let rt = runtime_with(&sim, "pool");
     let ctx = rt.context(0).unwrap();
     drop(ctx.memalloc(1000).unwrap());
     let calls = sim.calls().len();
@@ -181,7 +175,7 @@ fn pool_trims_itself_when_the_driver_runs_out() {
 #[test]
 fn pool_ipc_handles_carry_the_offset_in_the_chunk() {
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime(&sim, "pool");
+    let rt = runtime_with(&sim, "pool");
     let ctx = rt.context(0).unwrap();
     let _first = ctx.memalloc(5000).unwrap();
     let mem = ctx.to_device(&[7u8; 3000]).unwrap();
@@ -212,7 +206,7 @@ fn pool_ipc_handles_carry_the_offset_in_the_chunk() {
 #[test]
 fn pool_reset_frees_every_chunk_and_old_pointers_stay_stale() {
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime(&sim, "pool");
+    let rt = runtime_with(&sim, "pool");
     let ctx = rt.context(0).unwrap();
     let baseline = ctx.get_memory_info().unwrap().free;
     let a = ctx.memalloc(100).unwrap();
@@ -231,7 +225,7 @@ fn pool_reset_frees_every_chunk_and_old_pointers_stay_stale() {
 #[test]
 fn pool_is_safe_across_threads() {
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime(&sim, "pool");
+    let rt = runtime_with(&sim, "pool");
     let ctx = rt.context(0).unwrap();
     std::thread::scope(|s| {
         for t in 0..8u8 {
@@ -268,7 +262,7 @@ fn pool_is_safe_across_threads() {
 #[test]
 fn async_pool_caches_frees_and_trims_on_request() {
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime(&sim, "async-pool");
+    let rt = runtime_with(&sim, "async-pool");
     let ctx = rt.context(0).unwrap();
     let baseline = ctx.get_memory_info().unwrap().free;
     let mem = ctx.to_device(&[3u8; 1 << 20]).unwrap();
@@ -358,7 +352,7 @@ fn a_logged_run_replays() {
     let events = replay::parse_log(&text).unwrap();
     assert_eq!(events.len(), 8);
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime(&sim, "pool");
+    let rt = runtime_with(&sim, "pool");
     let report = replay::replay(&rt.context(0).unwrap(), &events);
     assert_eq!(
         (report.allocations, report.frees, report.failures),

@@ -1,0 +1,26 @@
+//! What the test modules share: simulated machines and runtimes over them that ignore the
+//! process environment (each test says what it wants).
+
+use std::sync::Arc;
+
+use driver_mock::{SimConfig, SimDriver};
+use emm::Runtime;
+
+/// A simulated machine with one device.
+pub fn sim() -> Arc<SimDriver> {
+    Arc::new(SimDriver::new(SimConfig::default()))
+}
+
+/// A runtime over `sim` with the default manager, whatever the environment says.
+pub fn runtime(sim: &Arc<SimDriver>) -> Runtime {
+    Runtime::builder(sim.clone()).ignore_env().build().unwrap()
+}
+
+/// A runtime over `sim` with the manager registered as `manager`.
+pub fn runtime_with(sim: &Arc<SimDriver>, manager: &str) -> Runtime {
+    Runtime::builder(sim.clone())
+        .ignore_env()
+        .memory_manager_name(manager)
+        .build()
+        .unwrap()
+}

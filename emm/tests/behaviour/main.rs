@@ -1,0 +1,28 @@
+//! emm's own tests on the simulator and the mock, in one binary (the loom models and the
+//! test of selection from the process environment run apart: `loom.rs`, `env_selection.rs`).
+//!
+//! Run one group with a filter: `cargo test -p emm --test behaviour pools::`.
+//!
+//! | module | what it proves |
+//! | --- | --- |
+//! | `pending_policy` | the deferred-deallocation policy, one test per rule |
+//! | `mock_sequences` | call sequences against the mockall mock: one `cuMemAlloc` per `memalloc`, one retry after out-of-memory, reset frees before it releases |
+//! | `host_and_ipc` | host-side rules and multi-device IPC that one GPU cannot show |
+//! | `selection` | choosing the manager in code, the interface-version check |
+//! | `hostile_input` | garbled IPC handles, pool descriptors and configuration are refused |
+//! | `pools` | the pool, the pinned host pool and the adaptors, with a property test of the pool |
+//! | `pool_ipc` | IPC of stream-ordered pools between simulated processes, with a property test |
+//! | `state_machine` | a context against a reference model (proptest state machine) |
+//! | `layers` | no module of emm imports a higher layer |
+#![cfg(not(emm_loom))]
+
+mod common;
+mod host_and_ipc;
+mod hostile_input;
+mod layers;
+mod mock_sequences;
+mod pending_policy;
+mod pool_ipc;
+mod pools;
+mod selection;
+mod state_machine;
