@@ -76,6 +76,7 @@ pub struct MemInfo {
 /// 4. [`primary_ctx_release`](Driver::primary_ctx_release) once per retain; optionally
 ///    [`primary_ctx_reset`](Driver::primary_ctx_reset), which destroys everything the context
 ///    still owns.
+#[cfg_attr(feature = "mock", mockall::automock)]
 pub trait Driver: Send + Sync + fmt::Debug {
     /// A short name for messages: `"cuda"` or `"sim"`.
     fn name(&self) -> &'static str;
@@ -417,10 +418,12 @@ pub trait Driver: Send + Sync + fmt::Debug {
     /// `cuMemPoolImportFromShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)`: the pool
     /// another process exported as `fd`. An imported pool makes no allocations; it only
     /// imports pointers. The caller may close `fd` afterwards.
-    fn mem_pool_import_fd(
+    // The named lifetime is for mockall's `automock`, which does not take `'_` here.
+    #[allow(clippy::needless_lifetimes)]
+    fn mem_pool_import_fd<'a>(
         &self,
         ctx: ContextHandle,
-        fd: BorrowedFd<'_>,
+        fd: BorrowedFd<'a>,
     ) -> Result<MemPoolHandle, DriverError>;
 
     /// `cuMemPoolExportPointer`: the export data of `ptr`, an allocation of an IPC-enabled

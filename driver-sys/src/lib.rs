@@ -32,6 +32,8 @@ mod cuda;
 
 #[cfg(feature = "cuda")]
 pub use cuda::CudaDriver;
+#[cfg(feature = "mock")]
+pub use driver::MockDriver;
 pub use driver::{
     DeviceAttribute, Driver, MemInfo, MemPoolUsage, event_flags, host_alloc, host_register,
 };
