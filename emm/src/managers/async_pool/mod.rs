@@ -42,7 +42,7 @@ use driver_sys::{DevicePtr, DriverError, ErrorKind, MemPoolHandle, StreamHandle}
 
 use crate::contract::factory::{FnFactory, ManagerContext};
 use crate::contract::info::{MemoryInfo, PoolStats};
-use crate::contract::ipc::{IpcHandle, IpcMemory, identity_of};
+use crate::contract::ipc::IpcHandle;
 use crate::contract::pool_export::{PoolExport, PoolId};
 use crate::error::EmmError;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
@@ -50,6 +50,8 @@ use crate::managers::default::DriverAllocator;
 use crate::memory::pending::PendingDeallocs;
 use crate::memory::pointer::{MemoryPointer, ReleaseHook};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
+
+mod export;
 
 /// The name the stream-ordered pool manager is registered under.
 pub const ASYNC_POOL_MANAGER: &str = "async-pool";
@@ -205,16 +207,6 @@ impl AsyncPoolAllocator {
         Ok(pool)
     }
 
-    /// Exports the pool (created if need be) as a new file descriptor, and records that it
-    /// was exported.
-    fn export_fd(&self, state: &mut PoolState) -> Result<std::os::fd::OwnedFd, DriverError> {
-        let cx = &self.shared.cx;
-        let pool = self.pool(state)?;
-        let fd = cx.driver.mem_pool_export_fd(cx.context, pool)?;
-        state.exported = true;
-        Ok(fd)
-    }
-
     /// Returns what the pool holds unused to the system; the bytes released.
     pub fn trim(&self) -> Result<usize, EmmError> {
         let cx = &self.shared.cx;
@@ -314,73 +306,11 @@ impl DeviceAllocator for AsyncPoolAllocator {
         _host: &HostLayer,
         memory: &MemoryPointer,
     ) -> Result<IpcHandle, EmmError> {
-        if !self.shared.ipc {
-            return Err(EmmError::NotSupported {
-                operation: "get_ipc_handle",
-                manager: ASYNC_POOL_MANAGER.into(),
-                advice: "its pool is not created for export, and the driver does not export \
-                         stream-ordered pool memory with cuIpcGetMemHandle; select \
-                         'async-pool-ipc' (or 'default' or 'pool') for memory you share between \
-                         processes",
-            });
-        }
-        let cx = &self.shared.cx;
-        let _live = cx.enter("get_ipc_handle")?;
-        let base = memory.allocation_base();
-        let mut state = lock(&self.shared.state);
-        let (Some(id), true) = (state.id, state.live.contains(&base.0)) else {
-            return Err(EmmError::InvalidArgument {
-                what: "memory passed to get_ipc_handle",
-                reason: format!(
-                    "{base} is not a live allocation of this context's '{}' pool; export memory \
-                     this context's manager allocated, before the device is reset",
-                    self.name()
-                ),
-            });
-        };
-        if !state.exported {
-            // The driver exports no allocation of a pool never exported itself; the descriptor
-            // opened here is closed at once (the export stays valid).
-            drop(
-                self.export_fd(&mut state)
-                    .map_err(self.err("get_ipc_handle"))?,
-            );
-        }
-        // The importer must not touch the memory before its allocation completed.
-        cx.driver
-            .stream_synchronize(cx.context, STREAM)
-            .map_err(self.err("get_ipc_handle"))?;
-        let data = cx
-            .driver
-            .mem_pool_export_pointer(cx.context, base)
-            .map_err(self.err("get_ipc_handle"))?;
-        drop(state);
-        let source = identity_of(&*cx.driver, cx.device)?;
-        Ok(IpcHandle::exported(
-            memory.clone(),
-            IpcMemory::PoolAllocation { pool: id, data },
-            memory.size(),
-            (memory.device_ptr().0 - base.0) as usize,
-            source,
-        ))
+        self.export_allocation(memory)
     }
 
     fn export_pool(&self, _host: &HostLayer) -> Result<PoolExport, EmmError> {
-        let cx = &self.shared.cx;
-        if !self.shared.ipc {
-            return Err(EmmError::no_pool_export(ASYNC_POOL_MANAGER));
-        }
-        let _live = cx.enter("export_pool")?;
-        let (fd, id) = {
-            let mut state = lock(&self.shared.state);
-            let fd = self
-                .export_fd(&mut state)
-                .map_err(self.err("export_pool"))?;
-            (fd, state.id.expect("an IPC-enabled pool has an id"))
-        };
-        let source = identity_of(&*cx.driver, cx.device)?;
-        tracing::info!(device = %cx.device, pool = %id, "stream-ordered pool exported");
-        Ok(PoolExport::new(id, source, fd))
+        self.export()
     }
 
     fn reset(&self, _host: &HostLayer) -> Result<(), EmmError> {

@@ -48,7 +48,10 @@ use crate::size_class::{class_of, class_size};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
 mod arena;
+mod shards;
+
 use arena::Arena;
+use shards::{Shard, ShardHook, ShardLists, THREAD_INDEX, shard_count};
 
 /// The name the pool manager is registered under.
 pub const POOL_MANAGER: &str = "pool";
@@ -95,31 +98,6 @@ impl Default for PoolConfig {
     }
 }
 
-/// One shard's free lists, on its own cache lines.
-#[repr(align(128))]
-struct Shard {
-    inner: Mutex<ShardLists>,
-}
-
-#[derive(Default)]
-struct ShardLists {
-    free: Vec<Vec<u64>>,
-    cached_bytes: usize,
-    /// Blocks and bytes handed out from or returned to this shard; a block allocated on one
-    /// shard and returned to another makes both drift, their sums stay right.
-    in_use_blocks: i64,
-    in_use_bytes: i64,
-}
-
-impl ShardLists {
-    fn new() -> ShardLists {
-        ShardLists {
-            free: (0..CLASSES).map(|_| Vec::new()).collect(),
-            ..ShardLists::default()
-        }
-    }
-}
-
 /// The pool's state, shared with the hooks its pointers hold.
 struct PoolShared {
     cx: ManagerContext,
@@ -140,37 +118,6 @@ impl fmt::Debug for PoolShared {
             .field("shards", &self.shards.len())
             .finish()
     }
-}
-
-/// A shard's release hook: pointers allocated on shard `shard` return their blocks to it.
-/// Aligned so that the reference counts of neighbouring shards' hooks do not share a cache
-/// line (every allocation clones its shard's hook).
-#[repr(align(128))]
-struct ShardHook {
-    pool: Arc<PoolShared>,
-    shard: usize,
-}
-
-impl ReleaseHook for ShardHook {
-    fn release(&self, base: DevicePtr, size: usize, tag: u64) {
-        self.pool.release(self.shard, base.0, size, tag);
-    }
-
-    fn is_live(&self, tag: u64) -> bool {
-        self.pool.generation.load(Ordering::Acquire) == tag
-    }
-}
-
-// Only spreads threads over shards; not a synchronisation point, so std even under loom.
-static NEXT_THREAD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-thread_local! {
-    static THREAD_INDEX: usize = NEXT_THREAD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-}
-
-fn shard_count() -> usize {
-    let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-    (cores * 2).next_power_of_two().clamp(4, 64)
 }
 
 impl PoolShared {

@@ -1,0 +1,100 @@
+//! `async-pool-ipc`: the pool and its allocations exported to other processes
+//! (`cuMemPoolExportToShareableHandle`, `cuMemPoolExportPointer`).
+
+use driver_sys::DriverError;
+
+use super::{ASYNC_POOL_MANAGER, AsyncPoolAllocator, PoolState, STREAM};
+use crate::contract::ipc::{IpcHandle, IpcMemory, identity_of};
+use crate::contract::pool_export::PoolExport;
+use crate::error::EmmError;
+use crate::memory::pointer::MemoryPointer;
+use crate::sync::lock;
+
+impl AsyncPoolAllocator {
+    /// Exports the pool (created if need be) as a new file descriptor, and records that it
+    /// was exported.
+    pub(super) fn export_fd(
+        &self,
+        state: &mut PoolState,
+    ) -> Result<std::os::fd::OwnedFd, DriverError> {
+        let cx = &self.shared.cx;
+        let pool = self.pool(state)?;
+        let fd = cx.driver.mem_pool_export_fd(cx.context, pool)?;
+        state.exported = true;
+        Ok(fd)
+    }
+
+    /// An IPC handle for `memory` (`cuMemPoolExportPointer`), after the pool itself was
+    /// exported once and the allocating stream completed; refused under `async-pool`.
+    pub(super) fn export_allocation(&self, memory: &MemoryPointer) -> Result<IpcHandle, EmmError> {
+        if !self.shared.ipc {
+            return Err(EmmError::NotSupported {
+                operation: "get_ipc_handle",
+                manager: ASYNC_POOL_MANAGER.into(),
+                advice: "its pool is not created for export, and the driver does not export \
+                         stream-ordered pool memory with cuIpcGetMemHandle; select \
+                         'async-pool-ipc' (or 'default' or 'pool') for memory you share between \
+                         processes",
+            });
+        }
+        let cx = &self.shared.cx;
+        let _live = cx.enter("get_ipc_handle")?;
+        let base = memory.allocation_base();
+        let mut state = lock(&self.shared.state);
+        let (Some(id), true) = (state.id, state.live.contains(&base.0)) else {
+            return Err(EmmError::InvalidArgument {
+                what: "memory passed to get_ipc_handle",
+                reason: format!(
+                    "{base} is not a live allocation of this context's '{}' pool; export memory \
+                     this context's manager allocated, before the device is reset",
+                    self.name()
+                ),
+            });
+        };
+        if !state.exported {
+            // The driver exports no allocation of a pool never exported itself; the descriptor
+            // opened here is closed at once (the export stays valid).
+            drop(
+                self.export_fd(&mut state)
+                    .map_err(self.err("get_ipc_handle"))?,
+            );
+        }
+        // The importer must not touch the memory before its allocation completed.
+        cx.driver
+            .stream_synchronize(cx.context, STREAM)
+            .map_err(self.err("get_ipc_handle"))?;
+        let data = cx
+            .driver
+            .mem_pool_export_pointer(cx.context, base)
+            .map_err(self.err("get_ipc_handle"))?;
+        drop(state);
+        let source = identity_of(&*cx.driver, cx.device)?;
+        Ok(IpcHandle::exported(
+            memory.clone(),
+            IpcMemory::PoolAllocation { pool: id, data },
+            memory.size(),
+            (memory.device_ptr().0 - base.0) as usize,
+            source,
+        ))
+    }
+
+    /// The pool as a [`PoolExport`] for other processes (`cuMemPoolExportToShareableHandle`);
+    /// refused under `async-pool`.
+    pub(super) fn export(&self) -> Result<PoolExport, EmmError> {
+        let cx = &self.shared.cx;
+        if !self.shared.ipc {
+            return Err(EmmError::no_pool_export(ASYNC_POOL_MANAGER));
+        }
+        let _live = cx.enter("export_pool")?;
+        let (fd, id) = {
+            let mut state = lock(&self.shared.state);
+            let fd = self
+                .export_fd(&mut state)
+                .map_err(self.err("export_pool"))?;
+            (fd, state.id.expect("an IPC-enabled pool has an id"))
+        };
+        let source = identity_of(&*cx.driver, cx.device)?;
+        tracing::info!(device = %cx.device, pool = %id, "stream-ordered pool exported");
+        Ok(PoolExport::new(id, source, fd))
+    }
+}
