@@ -5,58 +5,150 @@
 
 use std::fmt;
 
-/// Raw `CUresult` values that emm or the simulator name. The numbers are the CUDA driver's.
-pub mod code {
-    /// `CUDA_SUCCESS`.
-    pub const SUCCESS: u32 = 0;
-    /// `CUDA_ERROR_INVALID_VALUE`.
-    pub const INVALID_VALUE: u32 = 1;
-    /// `CUDA_ERROR_OUT_OF_MEMORY`.
-    pub const OUT_OF_MEMORY: u32 = 2;
-    /// `CUDA_ERROR_NOT_INITIALIZED`.
-    pub const NOT_INITIALIZED: u32 = 3;
-    /// `CUDA_ERROR_DEINITIALIZED`.
-    pub const DEINITIALIZED: u32 = 4;
-    /// `CUDA_ERROR_STUB_LIBRARY`.
-    pub const STUB_LIBRARY: u32 = 34;
-    /// `CUDA_ERROR_INSUFFICIENT_DRIVER`.
-    pub const INSUFFICIENT_DRIVER: u32 = 35;
-    /// `CUDA_ERROR_NO_DEVICE`.
-    pub const NO_DEVICE: u32 = 100;
-    /// `CUDA_ERROR_INVALID_DEVICE`.
-    pub const INVALID_DEVICE: u32 = 101;
-    /// `CUDA_ERROR_INVALID_IMAGE`.
-    pub const INVALID_IMAGE: u32 = 200;
-    /// `CUDA_ERROR_INVALID_CONTEXT`.
-    pub const INVALID_CONTEXT: u32 = 201;
-    /// `CUDA_ERROR_MAP_FAILED`.
-    pub const MAP_FAILED: u32 = 205;
-    /// `CUDA_ERROR_ALREADY_MAPPED`.
-    pub const ALREADY_MAPPED: u32 = 208;
-    /// `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`.
-    pub const PEER_ACCESS_UNSUPPORTED: u32 = 217;
-    /// `CUDA_ERROR_INVALID_HANDLE`.
-    pub const INVALID_HANDLE: u32 = 400;
-    /// `CUDA_ERROR_NOT_FOUND`.
-    pub const NOT_FOUND: u32 = 500;
-    /// `CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`.
-    pub const PEER_ACCESS_ALREADY_ENABLED: u32 = 704;
-    /// `CUDA_ERROR_PEER_ACCESS_NOT_ENABLED`.
-    pub const PEER_ACCESS_NOT_ENABLED: u32 = 705;
-    /// `CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE`.
-    pub const PRIMARY_CONTEXT_ACTIVE: u32 = 708;
-    /// `CUDA_ERROR_CONTEXT_IS_DESTROYED`.
-    pub const CONTEXT_IS_DESTROYED: u32 = 709;
-    /// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
-    pub const HOST_MEMORY_ALREADY_REGISTERED: u32 = 712;
-    /// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`.
-    pub const HOST_MEMORY_NOT_REGISTERED: u32 = 713;
-    /// `CUDA_ERROR_NOT_PERMITTED`.
-    pub const NOT_PERMITTED: u32 = 800;
-    /// `CUDA_ERROR_NOT_SUPPORTED`.
-    pub const NOT_SUPPORTED: u32 = 801;
-    /// `CUDA_ERROR_UNKNOWN`.
-    pub const UNKNOWN: u32 = 999;
+/// One row of the code table: a raw `CUresult`, its CUDA name, what it means, and its kind.
+#[derive(Clone, Copy, Debug)]
+struct CodeInfo {
+    raw: u32,
+    name: &'static str,
+    kind: ErrorKind,
+    text: &'static str,
+}
+
+/// The code table: every `CUresult` of the CUDA driver API that cudarc 0.19's bindings name
+/// (CUDA 11.4 to 13.x), each written once. It makes the [`code`] constants, the kind of each
+/// code ([`ErrorKind::from_code`]) and the name and description [`DriverError`] prints.
+macro_rules! cuda_codes {
+    ($($konst:ident = $raw:literal, $kind:ident, $text:literal;)*) => {
+        /// Raw `CUresult` values, by their CUDA names (`OUT_OF_MEMORY` is
+        /// `CUDA_ERROR_OUT_OF_MEMORY`). The numbers are the CUDA driver's.
+        pub mod code {
+            /// `CUDA_SUCCESS`.
+            pub const SUCCESS: u32 = 0;
+            $(
+                #[doc = concat!("`CUDA_ERROR_", stringify!($konst), "`: ", $text, ".")]
+                pub const $konst: u32 = $raw;
+            )*
+        }
+
+        const CODES: &[CodeInfo] = &[
+            CodeInfo { raw: 0, name: "CUDA_SUCCESS", kind: ErrorKind::Other, text: "no error" },
+            $(CodeInfo {
+                raw: $raw,
+                name: concat!("CUDA_ERROR_", stringify!($konst)),
+                kind: ErrorKind::$kind,
+                text: $text,
+            },)*
+        ];
+    };
+}
+
+cuda_codes! {
+    INVALID_VALUE = 1, InvalidValue, "an argument is invalid";
+    OUT_OF_MEMORY = 2, OutOfMemory, "out of memory";
+    NOT_INITIALIZED = 3, NotInitialized, "the driver is not initialised";
+    DEINITIALIZED = 4, NotInitialized, "the driver is shutting down";
+    PROFILER_DISABLED = 5, Other, "the profiler is disabled for this run";
+    PROFILER_NOT_INITIALIZED = 6, Other, "the profiler is not initialised";
+    PROFILER_ALREADY_STARTED = 7, Other, "the profiler is already started";
+    PROFILER_ALREADY_STOPPED = 8, Other, "the profiler is already stopped";
+    STUB_LIBRARY = 34, DriverUnavailable, "the CUDA driver found is a stub library, not a real driver";
+    INSUFFICIENT_DRIVER = 35, DriverUnavailable, "the CUDA driver is older than the CUDA version used";
+    CALL_REQUIRES_NEWER_DRIVER = 36, DriverUnavailable, "the call needs a newer CUDA driver";
+    DEVICE_UNAVAILABLE = 46, DeviceUnavailable, "the device is busy or unavailable";
+    MULTICAST_RESOURCE_FULL = 47, Other, "no multicast resource is left";
+    NO_DEVICE = 100, NoDevice, "no CUDA-capable device is detected";
+    INVALID_DEVICE = 101, InvalidDevice, "the device ordinal is invalid";
+    DEVICE_NOT_LICENSED = 102, DeviceUnavailable, "the device is not licensed for this use";
+    INVALID_IMAGE = 200, InvalidValue, "the kernel image is invalid";
+    INVALID_CONTEXT = 201, InvalidContext, "the context is invalid";
+    CONTEXT_ALREADY_CURRENT = 202, Other, "the context is already current";
+    MAP_FAILED = 205, MapFailed, "mapping failed";
+    UNMAP_FAILED = 206, MapFailed, "unmapping failed";
+    ARRAY_IS_MAPPED = 207, AlreadyMapped, "the array is mapped";
+    ALREADY_MAPPED = 208, AlreadyMapped, "the resource is already mapped";
+    NO_BINARY_FOR_GPU = 209, NotSupported, "the image has no code for this GPU";
+    ALREADY_ACQUIRED = 210, Other, "the resource is already acquired";
+    NOT_MAPPED = 211, MapFailed, "the resource is not mapped";
+    NOT_MAPPED_AS_ARRAY = 212, MapFailed, "the resource is not mapped as an array";
+    NOT_MAPPED_AS_POINTER = 213, MapFailed, "the resource is not mapped as a pointer";
+    ECC_UNCORRECTABLE = 214, KernelFault, "an uncorrectable ECC error was detected";
+    UNSUPPORTED_LIMIT = 215, NotSupported, "the limit is not supported by the device";
+    CONTEXT_ALREADY_IN_USE = 216, Other, "the context is already in use by another thread";
+    PEER_ACCESS_UNSUPPORTED = 217, PeerAccess, "peer access is not supported between these two devices";
+    INVALID_PTX = 218, InvalidValue, "the PTX failed to compile";
+    INVALID_GRAPHICS_CONTEXT = 219, InvalidContext, "the graphics context is invalid";
+    NVLINK_UNCORRECTABLE = 220, KernelFault, "an uncorrectable NVLink error was detected";
+    JIT_COMPILER_NOT_FOUND = 221, NotSupported, "the PTX JIT compiler library was not found";
+    UNSUPPORTED_PTX_VERSION = 222, NotSupported, "the PTX was compiled for a newer toolchain than this driver";
+    JIT_COMPILATION_DISABLED = 223, NotSupported, "PTX JIT compilation is disabled";
+    UNSUPPORTED_EXEC_AFFINITY = 224, NotSupported, "the execution affinity is not supported";
+    UNSUPPORTED_DEVSIDE_SYNC = 225, NotSupported, "device-side synchronisation is not supported here";
+    CONTAINED = 226, KernelFault, "a fatal error was contained to this context";
+    INSUFFICIENT_LOADER_VERSION = 227, DriverUnavailable, "the loader is older than the driver needs";
+    INVALID_SOURCE = 300, InvalidValue, "the kernel source is invalid";
+    FILE_NOT_FOUND = 301, NotFound, "the file was not found";
+    SHARED_OBJECT_SYMBOL_NOT_FOUND = 302, NotFound, "a shared-object symbol was not found";
+    SHARED_OBJECT_INIT_FAILED = 303, Other, "a shared object failed to initialise";
+    OPERATING_SYSTEM = 304, Other, "an operating-system call failed";
+    INVALID_HANDLE = 400, InvalidHandle, "the resource handle is invalid";
+    ILLEGAL_STATE = 401, Other, "the resource is in a state that does not allow this";
+    LOSSY_QUERY = 402, Other, "the query would lose information";
+    NOT_FOUND = 500, NotFound, "the named symbol or object was not found";
+    NOT_READY = 600, Other, "the work is not complete yet";
+    ILLEGAL_ADDRESS = 700, KernelFault, "a kernel accessed an illegal memory address";
+    LAUNCH_OUT_OF_RESOURCES = 701, Other, "the launch needs more resources than the device has";
+    LAUNCH_TIMEOUT = 702, KernelFault, "a kernel ran past the watchdog's time limit";
+    LAUNCH_INCOMPATIBLE_TEXTURING = 703, Other, "the launch uses incompatible texturing";
+    PEER_ACCESS_ALREADY_ENABLED = 704, PeerAccess, "peer access is already enabled";
+    PEER_ACCESS_NOT_ENABLED = 705, PeerAccess, "peer access has not been enabled";
+    PRIMARY_CONTEXT_ACTIVE = 708, Other, "the primary context is already active";
+    CONTEXT_IS_DESTROYED = 709, ContextDestroyed, "the context is destroyed";
+    ASSERT = 710, KernelFault, "a device-side assertion failed";
+    TOO_MANY_PEERS = 711, PeerAccess, "too many peers are enabled";
+    HOST_MEMORY_ALREADY_REGISTERED = 712, HostMemoryAlreadyRegistered, "part or all of the host range is already registered";
+    HOST_MEMORY_NOT_REGISTERED = 713, HostMemoryNotRegistered, "the pointer is not in a registered host range";
+    HARDWARE_STACK_ERROR = 714, KernelFault, "a kernel's hardware stack failed (overflow or corruption)";
+    ILLEGAL_INSTRUCTION = 715, KernelFault, "a kernel executed an illegal instruction";
+    MISALIGNED_ADDRESS = 716, KernelFault, "a kernel accessed a misaligned address";
+    INVALID_ADDRESS_SPACE = 717, KernelFault, "a kernel used an address in the wrong address space";
+    INVALID_PC = 718, KernelFault, "a kernel jumped to an invalid program counter";
+    LAUNCH_FAILED = 719, KernelFault, "a kernel failed while it ran";
+    COOPERATIVE_LAUNCH_TOO_LARGE = 720, Other, "the cooperative launch has more blocks than can run at once";
+    TENSOR_MEMORY_LEAK = 721, KernelFault, "a kernel exited with tensor memory still allocated";
+    NOT_PERMITTED = 800, NotSupported, "the operation is not permitted";
+    NOT_SUPPORTED = 801, NotSupported, "the operation is not supported";
+    SYSTEM_NOT_READY = 802, DeviceUnavailable, "the system is not ready (a driver component is not running)";
+    SYSTEM_DRIVER_MISMATCH = 803, DriverUnavailable, "the display driver and the CUDA driver versions differ";
+    COMPAT_NOT_SUPPORTED_ON_DEVICE = 804, DriverUnavailable, "forward compatibility is not supported on this device";
+    MPS_CONNECTION_FAILED = 805, DeviceUnavailable, "the MPS client could not connect to the server";
+    MPS_RPC_FAILURE = 806, DeviceUnavailable, "a remote call to the MPS server failed";
+    MPS_SERVER_NOT_READY = 807, DeviceUnavailable, "the MPS server is not ready";
+    MPS_MAX_CLIENTS_REACHED = 808, DeviceUnavailable, "the MPS server has its most clients";
+    MPS_MAX_CONNECTIONS_REACHED = 809, DeviceUnavailable, "the MPS server has its most connections";
+    MPS_CLIENT_TERMINATED = 810, DeviceUnavailable, "the MPS server terminated this client";
+    CDP_NOT_SUPPORTED = 811, NotSupported, "dynamic parallelism is not supported here";
+    CDP_VERSION_MISMATCH = 812, NotSupported, "the dynamic-parallelism versions differ";
+    STREAM_CAPTURE_UNSUPPORTED = 900, NotSupported, "the operation is not allowed while the stream is captured";
+    STREAM_CAPTURE_INVALIDATED = 901, Other, "the stream capture was invalidated by an earlier error";
+    STREAM_CAPTURE_MERGE = 902, Other, "the operation would merge two separate captures";
+    STREAM_CAPTURE_UNMATCHED = 903, Other, "the capture was not started in this stream";
+    STREAM_CAPTURE_UNJOINED = 904, Other, "the capture forked a stream that was not joined back";
+    STREAM_CAPTURE_ISOLATION = 905, Other, "the operation would cross a capture's isolation";
+    STREAM_CAPTURE_IMPLICIT = 906, Other, "the operation would wait on the legacy stream during a capture";
+    CAPTURED_EVENT = 907, Other, "the event was recorded during a capture and cannot be used like this";
+    STREAM_CAPTURE_WRONG_THREAD = 908, Other, "the capture was ended from another thread";
+    TIMEOUT = 909, Other, "the wait timed out";
+    GRAPH_EXEC_UPDATE_FAILURE = 910, Other, "the graph update broke its rules";
+    EXTERNAL_DEVICE = 911, KernelFault, "an external device's async error reached this context";
+    INVALID_CLUSTER_SIZE = 912, InvalidValue, "the cluster size is invalid";
+    FUNCTION_NOT_LOADED = 913, NotFound, "the function is not loaded";
+    INVALID_RESOURCE_TYPE = 914, InvalidValue, "the resource type is invalid";
+    INVALID_RESOURCE_CONFIGURATION = 915, InvalidValue, "the resource configuration is invalid";
+    KEY_ROTATION = 916, Other, "a key rotation error occurred";
+    STREAM_DETACHED = 917, InvalidHandle, "the stream is detached";
+    GRAPH_RECAPTURE_FAILURE = 918, Other, "recapturing the graph failed";
+    FABRIC_NOT_READY = 919, DeviceUnavailable, "the fabric is not ready";
+    UNKNOWN = 999, Other, "an unknown internal error";
 }
 
 /// What kind of failure a [`DriverError`] is, independent of the raw code.
@@ -95,148 +187,161 @@ pub enum ErrorKind {
     PeerAccess,
     /// A named symbol or object was not found.
     NotFound,
+    /// A kernel faulted (an illegal address, a failed assertion, an uncorrectable hardware
+    /// error): the error is sticky, and every later call in the process's context fails too.
+    KernelFault,
+    /// The device or a driver service cannot be used now (exclusive mode, MPS, a component
+    /// not running).
+    DeviceUnavailable,
     /// Any other driver error; the raw code says which.
     Other,
 }
 
+/// For each kind: the raw code that stands for it when a kind is scripted (fault injection),
+/// and what a user can do about it. One row per kind.
+const KINDS: &[(ErrorKind, u32, &str)] = &[
+    (
+        ErrorKind::OutOfMemory,
+        code::OUT_OF_MEMORY,
+        "free memory (drop buffers, flush pending deallocations) or request less",
+    ),
+    (
+        ErrorKind::DriverUnavailable,
+        code::STUB_LIBRARY,
+        "install the NVIDIA driver (libcuda.so.1 must be on the loader path, e.g. \
+         LD_LIBRARY_PATH; the driver must be at least as new as the CUDA version used), or run \
+         without a GPU on a simulated driver (driver_mock::SimDriver)",
+    ),
+    (
+        ErrorKind::NoDevice,
+        code::NO_DEVICE,
+        "check that a GPU is visible (nvidia-smi, CUDA_VISIBLE_DEVICES), or run without a GPU \
+         on a simulated driver (driver_mock::SimDriver)",
+    ),
+    (
+        ErrorKind::InvalidDevice,
+        code::INVALID_DEVICE,
+        "use a device ordinal below the device count",
+    ),
+    (
+        ErrorKind::NotInitialized,
+        code::NOT_INITIALIZED,
+        "initialise the driver (Driver::init) before this call",
+    ),
+    (
+        ErrorKind::InvalidValue,
+        code::INVALID_VALUE,
+        "check the arguments: a zero or oversized size, or a pointer that was never allocated \
+         here or was already freed",
+    ),
+    (
+        ErrorKind::InvalidContext,
+        code::INVALID_CONTEXT,
+        "the context was released or reset; get a fresh context and allocate again",
+    ),
+    (
+        ErrorKind::ContextDestroyed,
+        code::CONTEXT_IS_DESTROYED,
+        "the context was released or reset; get a fresh context and allocate again",
+    ),
+    (
+        ErrorKind::InvalidHandle,
+        code::INVALID_HANDLE,
+        "the handle is stale or from another process",
+    ),
+    (
+        ErrorKind::NotSupported,
+        code::NOT_SUPPORTED,
+        "this device, driver or platform does not offer it",
+    ),
+    (
+        ErrorKind::MapFailed,
+        code::MAP_FAILED,
+        "an IPC handle may be opened once, and only in a process other than the exporter",
+    ),
+    (
+        ErrorKind::AlreadyMapped,
+        code::ALREADY_MAPPED,
+        "an IPC handle may be opened once, and only in a process other than the exporter",
+    ),
+    (
+        ErrorKind::HostMemoryAlreadyRegistered,
+        code::HOST_MEMORY_ALREADY_REGISTERED,
+        "unpin the range before pinning it again",
+    ),
+    (
+        ErrorKind::HostMemoryNotRegistered,
+        code::HOST_MEMORY_NOT_REGISTERED,
+        "only pinned ranges can be unpinned",
+    ),
+    (
+        ErrorKind::PeerAccess,
+        code::PEER_ACCESS_UNSUPPORTED,
+        "use the staged path for devices that are not peers",
+    ),
+    (
+        ErrorKind::NotFound,
+        code::NOT_FOUND,
+        "check the name or handle",
+    ),
+    (
+        ErrorKind::KernelFault,
+        code::ILLEGAL_ADDRESS,
+        "a kernel faulted and the context is unusable; every later call in it fails: end the \
+         process (or reset the device) and find the faulting kernel, e.g. with \
+         compute-sanitizer",
+    ),
+    (
+        ErrorKind::DeviceUnavailable,
+        code::DEVICE_UNAVAILABLE,
+        "check the device's compute mode and MPS (nvidia-smi) and that no other process holds \
+         it exclusively, then try again",
+    ),
+    (
+        ErrorKind::Other,
+        code::UNKNOWN,
+        "see the CUDA driver documentation for this code",
+    ),
+];
+
 impl ErrorKind {
-    /// The kind a raw `CUresult` belongs to.
+    /// The kind a raw `CUresult` belongs to (`Other` for a code the table does not name).
     pub fn from_code(raw: u32) -> ErrorKind {
-        match raw {
-            code::OUT_OF_MEMORY => ErrorKind::OutOfMemory,
-            code::STUB_LIBRARY | code::INSUFFICIENT_DRIVER => ErrorKind::DriverUnavailable,
-            code::NO_DEVICE => ErrorKind::NoDevice,
-            code::INVALID_DEVICE => ErrorKind::InvalidDevice,
-            code::NOT_INITIALIZED | code::DEINITIALIZED => ErrorKind::NotInitialized,
-            code::INVALID_VALUE => ErrorKind::InvalidValue,
-            code::INVALID_CONTEXT => ErrorKind::InvalidContext,
-            code::CONTEXT_IS_DESTROYED => ErrorKind::ContextDestroyed,
-            code::INVALID_HANDLE => ErrorKind::InvalidHandle,
-            code::NOT_SUPPORTED | code::NOT_PERMITTED => ErrorKind::NotSupported,
-            code::MAP_FAILED => ErrorKind::MapFailed,
-            code::ALREADY_MAPPED => ErrorKind::AlreadyMapped,
-            code::HOST_MEMORY_ALREADY_REGISTERED => ErrorKind::HostMemoryAlreadyRegistered,
-            code::HOST_MEMORY_NOT_REGISTERED => ErrorKind::HostMemoryNotRegistered,
-            code::PEER_ACCESS_UNSUPPORTED
-            | code::PEER_ACCESS_ALREADY_ENABLED
-            | code::PEER_ACCESS_NOT_ENABLED => ErrorKind::PeerAccess,
-            code::NOT_FOUND => ErrorKind::NotFound,
-            _ => ErrorKind::Other,
-        }
+        CODES
+            .iter()
+            .find(|c| c.raw == raw)
+            .map_or(ErrorKind::Other, |c| c.kind)
+    }
+
+    fn row(self) -> (u32, &'static str) {
+        KINDS
+            .iter()
+            .find(|(k, _, _)| *k == self)
+            .map(|&(_, raw, advice)| (raw, advice))
+            .expect("every kind has a row in KINDS (checked by a test)")
     }
 
     /// A representative raw code for this kind, used when a kind is scripted (fault injection)
     /// rather than returned by a driver.
     pub fn representative_code(self) -> u32 {
-        match self {
-            ErrorKind::OutOfMemory => code::OUT_OF_MEMORY,
-            ErrorKind::DriverUnavailable => code::STUB_LIBRARY,
-            ErrorKind::NoDevice => code::NO_DEVICE,
-            ErrorKind::InvalidDevice => code::INVALID_DEVICE,
-            ErrorKind::NotInitialized => code::NOT_INITIALIZED,
-            ErrorKind::InvalidValue => code::INVALID_VALUE,
-            ErrorKind::InvalidContext => code::INVALID_CONTEXT,
-            ErrorKind::ContextDestroyed => code::CONTEXT_IS_DESTROYED,
-            ErrorKind::InvalidHandle => code::INVALID_HANDLE,
-            ErrorKind::NotSupported => code::NOT_SUPPORTED,
-            ErrorKind::MapFailed => code::MAP_FAILED,
-            ErrorKind::AlreadyMapped => code::ALREADY_MAPPED,
-            ErrorKind::HostMemoryAlreadyRegistered => code::HOST_MEMORY_ALREADY_REGISTERED,
-            ErrorKind::HostMemoryNotRegistered => code::HOST_MEMORY_NOT_REGISTERED,
-            ErrorKind::PeerAccess => code::PEER_ACCESS_UNSUPPORTED,
-            ErrorKind::NotFound => code::NOT_FOUND,
-            ErrorKind::Other => code::UNKNOWN,
-        }
+        self.row().0
     }
 
     /// What a user can do about an error of this kind.
-    fn advice(self) -> &'static str {
-        match self {
-            ErrorKind::OutOfMemory => {
-                "free memory (drop buffers, flush pending deallocations) or request less"
-            }
-            ErrorKind::DriverUnavailable => {
-                "install the NVIDIA driver (libcuda.so.1 must be on the loader path, e.g. \
-                 LD_LIBRARY_PATH), or run on the simulator with EMM_DRIVER=sim"
-            }
-            ErrorKind::NoDevice => {
-                "check that a GPU is visible (nvidia-smi, CUDA_VISIBLE_DEVICES), or run on \
-                 the simulator with EMM_DRIVER=sim"
-            }
-            ErrorKind::InvalidDevice => "use a device ordinal below the device count",
-            ErrorKind::NotInitialized => "initialise the driver (Driver::init) before this call",
-            ErrorKind::InvalidValue => {
-                "check the arguments: a zero or oversized size, or a pointer that was never \
-                 allocated here or was already freed"
-            }
-            ErrorKind::InvalidContext | ErrorKind::ContextDestroyed => {
-                "the context was released or reset; get a fresh context and allocate again"
-            }
-            ErrorKind::InvalidHandle => "the handle is stale or from another process",
-            ErrorKind::NotSupported => "this device, driver or platform does not offer it",
-            ErrorKind::MapFailed | ErrorKind::AlreadyMapped => {
-                "an IPC handle may be opened once, and only in a process other than the \
-                 exporter"
-            }
-            ErrorKind::HostMemoryAlreadyRegistered => "unpin the range before pinning it again",
-            ErrorKind::HostMemoryNotRegistered => "only pinned ranges can be unpinned",
-            ErrorKind::PeerAccess => "use the staged path for devices that are not peers",
-            ErrorKind::NotFound => "check the name or handle",
-            ErrorKind::Other => "see the CUDA driver documentation for this code",
-        }
+    pub fn advice(self) -> &'static str {
+        self.row().1
     }
 }
 
-/// The CUDA name and description of a raw code, for the codes emm meets.
+/// The CUDA name and description of a raw code; a code the table does not name (a driver newer
+/// than emm) prints as `CUDA_ERROR_<number>`.
 pub fn describe_code(raw: u32) -> (&'static str, &'static str) {
-    match raw {
-        code::SUCCESS => ("CUDA_SUCCESS", "no error"),
-        code::INVALID_VALUE => ("CUDA_ERROR_INVALID_VALUE", "invalid argument"),
-        code::OUT_OF_MEMORY => ("CUDA_ERROR_OUT_OF_MEMORY", "out of memory"),
-        code::NOT_INITIALIZED => ("CUDA_ERROR_NOT_INITIALIZED", "initialization error"),
-        code::DEINITIALIZED => ("CUDA_ERROR_DEINITIALIZED", "driver shutting down"),
-        code::STUB_LIBRARY => ("CUDA_ERROR_STUB_LIBRARY", "CUDA driver is a stub library"),
-        code::INSUFFICIENT_DRIVER => (
-            "CUDA_ERROR_INSUFFICIENT_DRIVER",
-            "CUDA driver version is insufficient",
+    match CODES.iter().find(|c| c.raw == raw) {
+        Some(c) => (c.name, c.text),
+        None => (
+            "CUDA_ERROR_(not in emm's table)",
+            "a code newer than this emm; see the CUDA driver documentation",
         ),
-        code::NO_DEVICE => ("CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"),
-        code::INVALID_DEVICE => ("CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"),
-        code::INVALID_IMAGE => ("CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"),
-        code::INVALID_CONTEXT => ("CUDA_ERROR_INVALID_CONTEXT", "invalid device context"),
-        code::MAP_FAILED => ("CUDA_ERROR_MAP_FAILED", "mapping of buffer object failed"),
-        code::ALREADY_MAPPED => ("CUDA_ERROR_ALREADY_MAPPED", "resource already mapped"),
-        code::PEER_ACCESS_UNSUPPORTED => (
-            "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
-            "peer access is not supported between these two devices",
-        ),
-        code::INVALID_HANDLE => ("CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"),
-        code::NOT_FOUND => ("CUDA_ERROR_NOT_FOUND", "named symbol not found"),
-        code::PEER_ACCESS_ALREADY_ENABLED => (
-            "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED",
-            "peer access is already enabled",
-        ),
-        code::PEER_ACCESS_NOT_ENABLED => (
-            "CUDA_ERROR_PEER_ACCESS_NOT_ENABLED",
-            "peer access has not been enabled",
-        ),
-        code::PRIMARY_CONTEXT_ACTIVE => (
-            "CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE",
-            "primary context active",
-        ),
-        code::CONTEXT_IS_DESTROYED => ("CUDA_ERROR_CONTEXT_IS_DESTROYED", "context is destroyed"),
-        code::HOST_MEMORY_ALREADY_REGISTERED => (
-            "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
-            "part or all of the requested memory range is already mapped",
-        ),
-        code::HOST_MEMORY_NOT_REGISTERED => (
-            "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
-            "pointer does not correspond to a registered memory region",
-        ),
-        code::NOT_PERMITTED => ("CUDA_ERROR_NOT_PERMITTED", "operation not permitted"),
-        code::NOT_SUPPORTED => ("CUDA_ERROR_NOT_SUPPORTED", "operation not supported"),
-        code::UNKNOWN => ("CUDA_ERROR_UNKNOWN", "unknown error"),
-        _ => ("CUDA_ERROR_(unlisted)", "an error code emm does not name"),
     }
 }
 
@@ -384,6 +489,8 @@ mod tests {
             HostMemoryNotRegistered,
             PeerAccess,
             NotFound,
+            KernelFault,
+            DeviceUnavailable,
             Other,
         ] {
             assert_eq!(
@@ -392,6 +499,55 @@ mod tests {
                 "{kind:?}"
             );
         }
+    }
+
+    #[test]
+    fn the_tables_have_one_row_each() {
+        for (i, a) in CODES.iter().enumerate() {
+            for b in &CODES[i + 1..] {
+                assert_ne!(a.raw, b.raw, "{} and {}", a.name, b.name);
+                assert_ne!(a.name, b.name);
+            }
+        }
+        for (i, (kind, raw, advice)) in KINDS.iter().enumerate() {
+            assert!(
+                KINDS[i + 1..].iter().all(|(k, _, _)| k != kind),
+                "{kind:?} twice"
+            );
+            assert_eq!(ErrorKind::from_code(*raw), *kind, "{kind:?}");
+            assert!(!advice.is_empty());
+        }
+        assert_eq!(
+            KINDS.len(),
+            19,
+            "a kind without a row would panic in advice()"
+        );
+        assert!(
+            CODES.len() >= 106,
+            "cudarc 0.19 names 106 driver results, success included"
+        );
+    }
+
+    /// The sticky errors after a kernel fault are what an embedder meets first: they are named,
+    /// and the message says the context is gone.
+    #[test]
+    fn kernel_faults_are_named() {
+        for (raw, name) in [
+            (700, "CUDA_ERROR_ILLEGAL_ADDRESS"),
+            (710, "CUDA_ERROR_ASSERT"),
+            (719, "CUDA_ERROR_LAUNCH_FAILED"),
+        ] {
+            assert_eq!(describe_code(raw).0, name);
+            assert_eq!(ErrorKind::from_code(raw), ErrorKind::KernelFault);
+        }
+        let text = DriverError::from_code("cuMemcpyDtoH", 700).to_string();
+        assert!(
+            text.starts_with("cuMemcpyDtoH failed with CUDA_ERROR_ILLEGAL_ADDRESS (700)"),
+            "{text}"
+        );
+        assert!(text.contains("compute-sanitizer"), "{text}");
+        let (name, _) = describe_code(12345);
+        assert!(name.contains("not in emm's table"), "{name}");
     }
 
     #[test]
@@ -413,7 +569,7 @@ mod tests {
         let e = DriverError::unavailable("cuInit", "libcuda.so.1 not found");
         assert_eq!(e.raw_code(), None);
         assert_eq!(e.kind(), ErrorKind::DriverUnavailable);
-        assert!(e.to_string().contains("EMM_DRIVER=sim"), "{e}");
+        assert!(e.to_string().contains("driver_mock::SimDriver"), "{e}");
         assert!(e.to_string().contains("LD_LIBRARY_PATH"), "{e}");
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::adaptors::log::parse_log_line;
+use crate::adaptors::log::{LogColumns, parse_log_line};
 use crate::contract::info::MemoryKind;
 use crate::error::EmmError;
 use crate::memory::host::HostMemory;
@@ -34,9 +34,13 @@ pub struct ReplayEvent {
     pub kind: MemoryKind,
 }
 
-/// Parses a log; header lines, `allocate failure` lines and empty lines are skipped.
+/// Parses a log. A header line says where the columns stand (by name: `Action`, `Pointer`,
+/// `Size`, and `Kind` where there is one); without a header, RMM's order is assumed. Pointers
+/// are hexadecimal, with or without `0x`. `allocate failure` lines and empty lines are
+/// skipped.
 pub fn parse_log(text: &str) -> Result<Vec<ReplayEvent>, EmmError> {
     let mut events = Vec::new();
+    let mut cols = LogColumns::RMM;
     for (n, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
@@ -45,12 +49,14 @@ pub fn parse_log(text: &str) -> Result<Vec<ReplayEvent>, EmmError> {
             what: "an allocation log",
             reason: format!("line {}: {reason}", n + 1),
         };
-        let Some((action, ptr, size, kind)) = parse_log_line(line).map_err(bad)? else {
+        if let Some(header) = LogColumns::from_header(line) {
+            cols = header.map_err(bad)?;
             continue;
-        };
+        }
+        let (action, ptr, size, kind) = parse_log_line(line, &cols).map_err(bad)?;
         let action = match action.as_str() {
             "allocate" | "alloc" => Action::Allocate,
-            "free" => Action::Free,
+            "free" | "deallocate" => Action::Free,
             "allocate failure" => continue,
             other => {
                 return Err(bad(format!(

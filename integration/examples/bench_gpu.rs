@@ -20,9 +20,15 @@ use emm::{Adaptor, Context, PinnedPoolConfig, Runtime, replay};
 
 const MANAGERS: [&str; 3] = ["default", "pool", "async-pool"];
 
+/// `EMM_BENCH_QUICK`, read once at start-up (a malformed value stops the run there).
+static QUICK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
 fn quick() -> bool {
-    std::env::var("EMM_BENCH_QUICK").is_ok_and(|v| v == "1")
+    *QUICK.get().expect("read at start-up")
 }
+
+/// The sections `EMM_BENCH_ONLY` may name.
+const SECTIONS: [&str; 5] = ["pair", "threads", "random", "pinned", "copy"];
 
 fn out(
     section: &str,
@@ -401,6 +407,29 @@ fn copies(driver: &Arc<dyn Driver>) {
 }
 
 fn main() {
+    let quick = integration::parse_flag(
+        "EMM_BENCH_QUICK",
+        std::env::var("EMM_BENCH_QUICK").ok().as_deref(),
+    );
+    let only = std::env::var("EMM_BENCH_ONLY").unwrap_or_default();
+    let unknown: Vec<&str> = only
+        .split(',')
+        .filter(|s| !s.is_empty() && !SECTIONS.contains(s))
+        .collect();
+    match quick {
+        Ok(q) => QUICK.set(q).expect("set once"),
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    }
+    if !unknown.is_empty() {
+        eprintln!(
+            "EMM_BENCH_ONLY={only:?} names unknown sections {unknown:?}: use a comma-separated list of {}, or unset it",
+            SECTIONS.join(", ")
+        );
+        std::process::exit(2);
+    }
     let choice = match integration::driver_from_env() {
         Ok(c) => c,
         Err(e) => {
@@ -424,7 +453,6 @@ fn main() {
     TOTAL.set(total).expect("set once");
     let log_dir = std::env::var_os("EMM_BENCH_DIR").map(std::path::PathBuf::from);
     println!("section,subject,param,threads,value,unit");
-    let only = std::env::var("EMM_BENCH_ONLY").unwrap_or_default();
     let want = |s: &str| only.is_empty() || only.split(',').any(|o| o == s);
     if want("pair") {
         alloc_free_pairs(&driver);

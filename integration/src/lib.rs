@@ -70,12 +70,56 @@ pub fn cuda_availability() -> Result<(), String> {
     }
 }
 
-/// How many GPUs `EMM_REQUIRE_GPUS` demands (0 when unset).
-pub fn gpus_required() -> u32 {
-    std::env::var("EMM_REQUIRE_GPUS")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
+/// A yes-or-no variable's value: `1`, `true`, `yes` or `0`, `false`, `no` (any case); unset is
+/// `false`. Anything else is an error that names the variable, never a silent default.
+pub fn parse_flag(name: &str, value: Option<&str>) -> Result<bool, String> {
+    match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        None => Ok(false),
+        Some("1" | "true" | "yes") => Ok(true),
+        Some("0" | "false" | "no") => Ok(false),
+        Some(other) => Err(format!(
+            "{name}={other:?} is invalid: set it to 1 (or true, yes) or 0 (or false, no), or unset it"
+        )),
+    }
+}
+
+/// A whole-number variable's value at least `min`: `default` when unset. Anything else (a
+/// negative number, a fraction, an empty string) is an error that names the variable.
+pub fn parse_count(name: &str, value: Option<&str>, default: u64, min: u64) -> Result<u64, String> {
+    let Some(v) = value else {
+        return Ok(default);
+    };
+    match v.trim().replace('_', "").parse::<u64>() {
+        Ok(n) if n >= min => Ok(n),
+        Ok(n) => Err(format!(
+            "{name}={n} is too small: set it to {min} or more (default {default}), or unset it"
+        )),
+        Err(e) => Err(format!(
+            "{name}={v:?} is invalid ({e}): set it to a whole number of {min} or more (default {default}), or unset it"
+        )),
+    }
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// How many GPUs `EMM_REQUIRE_GPUS` demands (0 when unset); a malformed value is an error.
+pub fn gpus_required() -> Result<u32, String> {
+    let n = parse_count("EMM_REQUIRE_GPUS", env("EMM_REQUIRE_GPUS").as_deref(), 0, 0)?;
+    u32::try_from(n).map_err(|_| format!("EMM_REQUIRE_GPUS={n} is more GPUs than a machine has"))
+}
+
+/// The operations of the stress test: `EMM_STRESS_OPS`, 32 000 when unset (the CI size; the
+/// GPU job runs a million); a malformed value is an error.
+pub fn stress_ops() -> Result<usize, String> {
+    let n = parse_count(
+        "EMM_STRESS_OPS",
+        env("EMM_STRESS_OPS").as_deref(),
+        32_000,
+        1,
+    )?;
+    usize::try_from(n).map_err(|_| format!("EMM_STRESS_OPS={n} does not fit this machine"))
 }
 
 /// The number of CUDA devices, or why there are none.
@@ -85,11 +129,10 @@ pub fn cuda_device_count() -> Result<u32, String> {
     driver.device_count().map_err(|e| e.to_string())
 }
 
-/// Whether `EMM_REQUIRE_GPU` asks for a GPU (`1`, `true` or `yes`).
-pub fn gpu_required() -> bool {
-    std::env::var("EMM_REQUIRE_GPU")
-        .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
-        .unwrap_or(false)
+/// Whether `EMM_REQUIRE_GPU` asks for a GPU (`1`, `true` or `yes`); a malformed value is an
+/// error.
+pub fn gpu_required() -> Result<bool, String> {
+    parse_flag("EMM_REQUIRE_GPU", env("EMM_REQUIRE_GPU").as_deref())
 }
 
 /// The targets `EMM_TEST_TARGET` asks for.
@@ -328,7 +371,9 @@ pub fn driver_from_env() -> Result<DriverChoice, String> {
             reason: "EMM_DRIVER=sim".into(),
             ..sim()
         }),
-        "cuda" => cuda_driver().map_err(|e| format!("EMM_DRIVER=cuda, but {e}")),
+        "cuda" => cuda_driver().map_err(|e| {
+            format!("EMM_DRIVER=cuda, but {e} (EMM_DRIVER=sim runs the examples on the simulator)")
+        }),
         "auto" | "" => Ok(cuda_driver().unwrap_or_else(|why| DriverChoice {
             reason: format!("no usable GPU ({why})"),
             ..sim()
@@ -648,7 +693,29 @@ fn unhex(s: &str) -> Result<Vec<u8>, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::error_report;
+    use super::{error_report, parse_count, parse_flag};
+
+    #[test]
+    fn malformed_test_variables_are_refused_by_name() {
+        assert_eq!(parse_flag("EMM_X", None), Ok(false));
+        assert_eq!(parse_flag("EMM_X", Some(" YES ")), Ok(true));
+        assert_eq!(parse_flag("EMM_X", Some("0")), Ok(false));
+        for bad in ["", "2", "maybe", "on"] {
+            let e = parse_flag("EMM_X", Some(bad)).unwrap_err();
+            assert!(e.starts_with("EMM_X="), "{e}");
+            assert!(e.contains("unset it"), "{e}");
+        }
+        assert_eq!(parse_count("EMM_N", None, 32_000, 1), Ok(32_000));
+        assert_eq!(
+            parse_count("EMM_N", Some("1_000_000"), 32_000, 1),
+            Ok(1_000_000)
+        );
+        for bad in ["", "-1", "1.5", "lots", "0"] {
+            let e = parse_count("EMM_N", Some(bad), 32_000, 1).unwrap_err();
+            assert!(e.starts_with("EMM_N="), "{e}");
+        }
+        assert_eq!(parse_count("EMM_N", Some("0"), 0, 0), Ok(0));
+    }
 
     #[test]
     fn error_report_prints_each_cause_once() {

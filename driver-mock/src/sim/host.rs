@@ -5,10 +5,41 @@ use driver_sys::{ContextHandle, DevicePtr, HostPtr, code, host_alloc, host_regis
 use super::Note;
 use super::world::{World, context};
 
+/// `cuMemHostAlloc` memory: zeroed bytes the simulator owns and everyone else reaches by
+/// address (the caller through the host pointer, copies through the device mapping). No `Box`
+/// may claim the bytes while they are in use, or writes through the address would alias it:
+/// the block holds a raw pointer, and its address is exposed for those writes.
+#[derive(Debug)]
+pub(super) struct HostBlock {
+    bytes: *mut [u8],
+}
+
+// SAFETY: the block is plain bytes that this value alone frees; the simulator reaches it only
+// under the machine's lock, and callers only through the driver contract's copies.
+unsafe impl Send for HostBlock {}
+
+impl HostBlock {
+    /// `len` zeroed bytes, and their address.
+    fn zeroed(len: usize) -> (HostBlock, usize) {
+        let bytes = Box::into_raw(vec![0u8; len].into_boxed_slice());
+        let addr = bytes.cast::<u8>().expose_provenance();
+        (HostBlock { bytes }, addr)
+    }
+}
+
+impl Drop for HostBlock {
+    fn drop(&mut self) {
+        // SAFETY: `bytes` came from `Box::into_raw` in `zeroed` and is turned back into its box
+        // once, here; the range was removed from the process's table before the block dropped,
+        // so no copy reaches it any more.
+        drop(unsafe { Box::from_raw(self.bytes) });
+    }
+}
+
 #[derive(Debug)]
 pub(super) enum HostKind {
     /// `cuMemHostAlloc` memory, owned by the simulator.
-    Alloc(#[allow(dead_code)] Box<[u8]>),
+    Alloc(#[allow(dead_code)] HostBlock),
     /// A caller's range, `cuMemHostRegister`ed.
     Registered,
 }
@@ -49,8 +80,7 @@ impl World {
         if bytes > self.pinned_limit - self.pinned {
             return Err(code::OUT_OF_MEMORY);
         }
-        let storage = vec![0u8; bytes].into_boxed_slice();
-        let addr = storage.as_ptr() as usize;
+        let (storage, addr) = HostBlock::zeroed(bytes);
         self.pinned += bytes;
         self.processes[pid].host.insert(
             addr,

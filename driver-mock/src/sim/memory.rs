@@ -241,7 +241,11 @@ impl World {
             // SAFETY: `resolve` checked the range lies in a mapped host range; the caller vouches
             // that it is live and unwritten; `dst` is an exclusive borrow.
             Loc::Host(at) => unsafe {
-                std::ptr::copy(at as *const u8, dst.as_mut_ptr(), dst.len())
+                std::ptr::copy(
+                    std::ptr::with_exposed_provenance::<u8>(at),
+                    dst.as_mut_ptr(),
+                    dst.len(),
+                )
             },
         }
         Ok(())
@@ -259,7 +263,13 @@ impl World {
                 .copy_from_slice(src),
             // SAFETY: `resolve` checked the range lies in a mapped host range; the caller vouches
             // that it is live and untouched by anyone else.
-            Loc::Host(at) => unsafe { std::ptr::copy(src.as_ptr(), at as *mut u8, src.len()) },
+            Loc::Host(at) => unsafe {
+                std::ptr::copy(
+                    src.as_ptr(),
+                    std::ptr::with_exposed_provenance_mut::<u8>(at),
+                    src.len(),
+                )
+            },
         }
         Ok(())
     }

@@ -175,35 +175,96 @@ impl Drop for LogObserver {
     }
 }
 
-/// Parses a CSV log written by the `log` adaptor, or RMM's replay format (its first six
-/// columns), into events for [`crate::replay::replay`].
+/// Where the columns a replay reads stand in a log: read from its header by name, so a log
+/// with RMM's six columns, the `log` adaptor's fourteen, or the columns in another order reads
+/// the same.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LogColumns {
+    action: usize,
+    pointer: usize,
+    size: usize,
+    kind: Option<usize>,
+}
+
+impl LogColumns {
+    /// RMM's order (`Thread,Time,Action,Pointer,Size,Stream`), for a log without a header.
+    pub(crate) const RMM: LogColumns = LogColumns {
+        action: 2,
+        pointer: 3,
+        size: 4,
+        kind: None,
+    };
+
+    /// The columns a header line names, or `None` when `line` is not a header (its first field
+    /// is not `Thread` and no field is `Action`). A header without `Action`, `Pointer` or
+    /// `Size` is an error.
+    pub(crate) fn from_header(line: &str) -> Option<Result<LogColumns, String>> {
+        let names: Vec<String> = line
+            .split(',')
+            .map(|c| c.trim().to_ascii_lowercase())
+            .collect();
+        let is_header =
+            names.first().is_some_and(|n| n == "thread") || names.iter().any(|n| n == "action");
+        if !is_header {
+            return None;
+        }
+        let find = |name: &str| names.iter().position(|n| n == name);
+        let need = |name: &str| {
+            find(name).ok_or_else(|| {
+                format!(
+                    "the header {line:?} has no {name:?} column; a log needs Action, Pointer and Size"
+                )
+            })
+        };
+        Some((|| {
+            Ok(LogColumns {
+                action: need("action")?,
+                pointer: need("pointer")?,
+                size: need("size")?,
+                kind: find("kind"),
+            })
+        })())
+    }
+}
+
+/// Parses one data line of a log (RMM's, or the `log` adaptor's) with the columns `cols`:
+/// the action, the pointer (hexadecimal, with or without `0x`, as RMM and the `log` adaptor
+/// write it), the size and the kind (device memory when the log has no kind column).
 pub(crate) fn parse_log_line(
     line: &str,
-) -> Result<Option<(String, u64, usize, MemoryKind)>, String> {
-    let cols: Vec<&str> = line.split(',').map(str::trim).collect();
-    if cols.len() < 6 {
-        return Err(format!(
-            "{} columns; a log line has at least 6 ({})",
-            cols.len(),
-            &LOG_HEADER[..36]
-        ));
-    }
-    if cols[0] == "Thread" {
-        return Ok(None);
-    }
-    let action = cols[2].to_ascii_lowercase();
-    let ptr = cols[3];
-    let ptr = ptr
+    cols: &LogColumns,
+) -> Result<(String, u64, usize, MemoryKind), String> {
+    let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+    let at = |i: usize, name: &str| {
+        fields.get(i).copied().ok_or_else(|| {
+            format!(
+                "{} columns, and the {name} column is number {} (the header, or RMM's order \
+                 Thread,Time,Action,Pointer,Size,Stream, says where each stands)",
+                fields.len(),
+                i + 1
+            )
+        })
+    };
+    let action = at(cols.action, "Action")?.to_ascii_lowercase();
+    let ptr_text = at(cols.pointer, "Pointer")?;
+    let digits = ptr_text
         .strip_prefix("0x")
-        .map_or_else(|| ptr.parse::<u64>(), |h| u64::from_str_radix(h, 16))
-        .map_err(|e| format!("pointer {:?}: {e}", cols[3]))?;
-    let size: usize = cols[4]
+        .or_else(|| ptr_text.strip_prefix("0X"))
+        .unwrap_or(ptr_text);
+    let ptr = u64::from_str_radix(digits, 16)
+        .map_err(|e| format!("pointer {ptr_text:?} is not a hexadecimal address ({e})"))?;
+    let size_text = at(cols.size, "Size")?;
+    let size: usize = size_text
         .parse()
-        .map_err(|e| format!("size {:?}: {e}", cols[4]))?;
-    let kind = cols
-        .get(13)
-        .map(|k| MemoryKind::parse(k).ok_or_else(|| format!("unknown kind {k:?}")))
-        .transpose()?
-        .unwrap_or(MemoryKind::Device);
-    Ok(Some((action, ptr, size, kind)))
+        .map_err(|e| format!("size {size_text:?}: {e}"))?;
+    let kind = match cols.kind {
+        Some(i) => {
+            let k = at(i, "Kind")?;
+            MemoryKind::parse(k).ok_or_else(|| {
+                format!("unknown kind {k:?}; a log names device, pinned, mapped or pin")
+            })?
+        }
+        None => MemoryKind::Device,
+    };
+    Ok((action, ptr, size, kind))
 }

@@ -369,6 +369,57 @@ fn a_logged_run_replays() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A log in RMM's exact format (`logging_resource_adaptor`: pointers as bare hexadecimal,
+/// `%llx`, actions `allocate`, `free` and `allocate failure` with a null pointer) replays;
+/// so does one whose header puts the columns in another order, and one without a header
+/// (RMM's order). Pointers with letters in them name the same allocation at its free.
+#[test]
+fn an_rmm_log_replays() {
+    let rmm = "Thread,Time,Action,Pointer,Size,Stream
+140573312345856,10:42:07.101372,allocate,7f8a40000000,1024,7f8a38001020
+140573312345856,10:42:07.101390,allocate,7f8a40000400,2048,7f8a38001020
+140573312345856,10:42:07.101401,allocate failure,0,1099511627776,7f8a38001020
+140573312345856,10:42:07.101420,free,7f8a40000000,1024,7f8a38001020
+140573312345856,10:42:07.101431,free,7f8a40000400,2048,7f8a38001020
+";
+    let events = replay::parse_log(rmm).unwrap();
+    assert_eq!(events.len(), 4, "the failure is skipped: {events:?}");
+    assert_eq!(events[0].ptr, 0x7f8a_4000_0000);
+    assert_eq!(events[1].ptr, 0x7f8a_4000_0400);
+    assert_eq!(
+        events[3].ptr, events[1].ptr,
+        "the free names the allocation"
+    );
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime_with(&sim, "pool");
+    let report = replay::replay(&rt.context(0).unwrap(), &events);
+    assert_eq!(
+        (report.allocations, report.frees, report.unmatched_frees),
+        (2, 2, 0),
+        "{report:?}"
+    );
+    // The same events with the columns in another order, and with no header at all.
+    let reordered = "Size,Pointer,Action,Stream\n1024,7f8a40000000,allocate,0\n1024,0x7f8a40000000,deallocate,0\n";
+    let events = replay::parse_log(reordered).unwrap();
+    assert_eq!(
+        events
+            .iter()
+            .map(|e| (e.action, e.ptr, e.size))
+            .collect::<Vec<_>>(),
+        [
+            (replay::Action::Allocate, 0x7f8a_4000_0000, 1024),
+            (replay::Action::Free, 0x7f8a_4000_0000, 1024),
+        ]
+    );
+    let bare = "1,0.1,allocate,abc0,256,0\n1,0.2,free,abc0,256,0\n";
+    assert_eq!(replay::parse_log(bare).unwrap().len(), 2);
+    // A header without a size column, and a pointer that is not hexadecimal, are refused.
+    let no_size = replay::parse_log("Thread,Time,Action,Pointer\n").unwrap_err();
+    assert!(no_size.to_string().contains("\"size\""), "{no_size}");
+    let not_hex = replay::parse_log("1,0.1,allocate,0xzz,256,0").unwrap_err();
+    assert!(not_hex.to_string().contains("hexadecimal"), "{not_hex}");
+}
+
 /// A refused allocation does not count against the limit; a freed one gives its bytes back.
 #[test]
 fn the_limit_adaptor_caps_device_bytes() {

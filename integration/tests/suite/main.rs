@@ -211,7 +211,20 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let required = gpu_required() || targets == [Target::Cuda];
+    // Every variable the suite reads is checked before anything runs: a malformed one is an
+    // error that names it, never a silent default.
+    let (gpu_required, gpus_required) = match (
+        gpu_required(),
+        integration::gpus_required(),
+        integration::stress_ops(),
+    ) {
+        (Ok(one), Ok(two), Ok(_)) => (one, two),
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let required = gpu_required || targets == [Target::Cuda];
     let setup = match integration::suite_setup() {
         Ok(s) => s,
         Err(e) => {
@@ -295,7 +308,7 @@ fn main() {
             },
         };
         if let Some(why) = &few_gpus {
-            if integration::gpus_required() >= 2 {
+            if gpus_required >= 2 {
                 let why = why.clone();
                 trials.push(Trial::test("cuda::two_gpus_available", move || {
                     Err(format!("EMM_REQUIRE_GPUS=2 but {why}").into())

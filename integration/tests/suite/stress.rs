@@ -12,11 +12,9 @@ use libtest_mimic::Failed;
 const THREADS: usize = 16;
 
 /// Total operations: `EMM_STRESS_OPS`, or 32 000 (the CI size; the GPU job runs a million).
+/// The suite refuses a malformed value before any test runs.
 fn total_ops() -> usize {
-    std::env::var("EMM_STRESS_OPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(32_000)
+    integration::stress_ops().expect("checked when the suite started")
 }
 
 /// A small deterministic generator per thread (xorshift64*).
