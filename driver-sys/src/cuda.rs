@@ -2,10 +2,12 @@
 //! cudarc has no wrapper (context push and pop, `cuDevicePrimaryCtxReset`,
 //! `cuMemGetAddressRange`) (feature `cuda`).
 //!
-//! cudarc is built with `dynamic-loading`: libcuda is opened at run time, so this compiles and
-//! links on machines with no CUDA at all. cudarc panics on the first call when libcuda is
-//! missing, so [`CudaDriver::load`] asks `is_culib_present` before any other call and turns a
-//! missing library into an ordinary [`ErrorKind::DriverUnavailable`](crate::ErrorKind) error.
+//! Unless the program picks cudarc's linking mode itself, cudarc opens libcuda at run time
+//! (`fallback-dynamic-loading`), so this compiles and links on machines with no CUDA at all.
+//! cudarc panics on the first call when libcuda is missing, so [`CudaDriver::load`] first tries
+//! to open the library itself and turns a missing one into an ordinary
+//! [`ErrorKind::DriverUnavailable`](crate::ErrorKind) error. The check works in every linking
+//! mode (with `dynamic-linking` the library is already loaded, or the program would not run).
 //!
 //! Each method wraps one driver call (the `_v2` ABI names where CUDA has them) and links the
 //! CUDA documentation page it follows. Calls that name a context make it current for their
@@ -18,6 +20,7 @@ use std::mem::MaybeUninit;
 
 use cudarc::driver::{result, sys};
 
+#[cfg(unix)]
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use crate::{
@@ -91,6 +94,13 @@ fn cu_device(dev: DeviceOrdinal) -> Result<sys::CUdevice, DriverError> {
     result::device::get(ordinal).map_err(err("cuDeviceGet"))
 }
 
+/// The names the CUDA driver library goes by: the versioned soname first (what the driver
+/// package installs), then the development link.
+#[cfg(unix)]
+const DRIVER_LIBRARIES: &[&str] = &["libcuda.so.1", "libcuda.so"];
+#[cfg(windows)]
+const DRIVER_LIBRARIES: &[&str] = &["nvcuda.dll"];
+
 impl CudaDriver {
     /// Loads libcuda and calls `cuInit(0)`.
     ///
@@ -141,9 +151,12 @@ impl CudaDriver {
 
     /// Whether a CUDA driver library can be loaded. Makes no CUDA call.
     pub fn library_present() -> bool {
-        // SAFETY: `is_culib_present` only tries to dlopen() the candidate library names; it
-        // calls no CUDA function.
-        unsafe { sys::is_culib_present() }
+        DRIVER_LIBRARIES.iter().any(|name| {
+            // SAFETY: opening the CUDA driver library runs only its initialisers, which the
+            // driver documents as safe to run at any time; the handle is closed at once (cudarc
+            // opens the library again for its own calls), and no symbol is called here.
+            unsafe { libloading::Library::new(*name) }.is_ok()
+        })
     }
 }
 
@@ -696,6 +709,7 @@ impl Driver for CudaDriver {
     }
 
     /// [cuMemPoolExportToShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    #[cfg(unix)]
     fn mem_pool_export_fd(
         &self,
         ctx: ContextHandle,
@@ -724,6 +738,7 @@ impl Driver for CudaDriver {
     }
 
     /// [cuMemPoolImportFromShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    #[cfg(unix)]
     fn mem_pool_import_fd(
         &self,
         ctx: ContextHandle,

@@ -3,6 +3,7 @@
 #![allow(unsafe_code)]
 
 use std::fmt;
+#[cfg(unix)]
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::{
@@ -409,6 +410,7 @@ pub trait Driver: Send + Sync + fmt::Debug {
     /// `cuMemPoolExportToShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)`: a new file
     /// descriptor naming `pool` (created with `ipc`), for another process to import. The
     /// caller owns it; closing it does not affect the pool.
+    #[cfg(unix)]
     fn mem_pool_export_fd(
         &self,
         ctx: ContextHandle,
@@ -418,6 +420,7 @@ pub trait Driver: Send + Sync + fmt::Debug {
     /// `cuMemPoolImportFromShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)`: the pool
     /// another process exported as `fd`. An imported pool makes no allocations; it only
     /// imports pointers. The caller may close `fd` afterwards.
+    #[cfg(unix)]
     // The named lifetime is for mockall's `automock`, which does not take `'_` here.
     #[allow(clippy::needless_lifetimes)]
     fn mem_pool_import_fd<'a>(

@@ -6,16 +6,17 @@ use driver_sys::{DeviceOrdinal, DriverError, ErrorKind};
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum EmmError {
-    /// A driver call failed; the driver's error (with its raw code) is the source.
-    #[error("{op} on device {device}: {source}")]
+    /// A driver call failed. The message includes the driver's (its call, raw code and
+    /// advice), so the driver's error is not also returned as `source()`: a reporter that
+    /// prints the chain prints it once.
+    #[error("{op} on device {device}: {error}")]
     Driver {
         /// What emm was doing.
         op: &'static str,
         /// The device concerned.
         device: DeviceOrdinal,
         /// The driver's error.
-        #[source]
-        source: DriverError,
+        error: DriverError,
     },
 
     /// An allocation failed for lack of memory, after the one retry Numba makes.
@@ -102,16 +103,16 @@ pub enum EmmError {
     },
 
     /// Sending or receiving a [`PoolExport`](crate::PoolExport) over a socket failed.
+    /// (The operating system's error is in the message, and not also `source()`.)
     #[error(
-        "{what}: {source}; both ends must use PoolExport::send and PoolExport::receive on a \
+        "{what}: {error}; both ends must use PoolExport::send and PoolExport::receive on a \
          connected Unix stream socket, one export per message"
     )]
     PoolTransfer {
         /// What emm was doing.
         what: &'static str,
         /// The operating system's error (or a description of the malformed message).
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
 
     /// No visible device has the identity an IPC handle names (Numba's text).
@@ -285,7 +286,7 @@ impl EmmError {
     /// The driver's error kind, where the error came from the driver.
     pub fn driver_kind(&self) -> Option<ErrorKind> {
         match self {
-            EmmError::Driver { source, .. }
+            EmmError::Driver { error: source, .. }
             | EmmError::OutOfMemory { source, .. }
             | EmmError::OutOfHostMemory { source, .. } => Some(source.kind()),
             _ => None,
@@ -306,7 +307,11 @@ impl EmmError {
     /// errors into `EmmError`s with this (or [`ManagerContext::driver_error`](crate::contract::ManagerContext::driver_error)),
     /// so `?` works inside its methods.
     pub fn driver(op: &'static str, device: DeviceOrdinal, source: DriverError) -> Self {
-        EmmError::Driver { op, device, source }
+        EmmError::Driver {
+            op,
+            device,
+            error: source,
+        }
     }
 
     /// `export_pool` asked of a manager without a pool created for export.
@@ -317,5 +322,46 @@ impl EmmError {
             advice: "only a manager over a stream-ordered pool created for export can export \
                      it; select 'async-pool-ipc' (EMM_MEMORY_MANAGER=async-pool-ipc)",
         }
+    }
+}
+
+#[cfg(all(test, not(emm_loom)))]
+mod tests {
+    use std::error::Error as _;
+
+    use driver_sys::{DeviceOrdinal, DriverError};
+
+    use super::EmmError;
+
+    /// A reporter that prints the message and then each `source()` prints every cause once:
+    /// where the message already holds the cause, it is not also the source.
+    #[test]
+    fn each_cause_is_printed_once() {
+        let driver = DriverError::from_code("cuMemAlloc", 1);
+        let e = EmmError::driver("memalloc", DeviceOrdinal(0), driver.clone());
+        assert!(e.to_string().contains(&driver.to_string()), "{e}");
+        assert!(
+            e.source().is_none(),
+            "the driver's error is in the message already"
+        );
+
+        let e = EmmError::PoolTransfer {
+            what: "receiving a pool export",
+            error: std::io::Error::other("connection reset"),
+        };
+        assert!(e.to_string().contains("connection reset"), "{e}");
+        assert!(e.source().is_none());
+
+        let e = EmmError::OutOfMemory {
+            device: DeviceOrdinal(0),
+            requested: 1 << 40,
+            free: 0,
+            total: 1 << 30,
+            flushed: 0,
+            source: DriverError::from_code("cuMemAlloc", 2),
+        };
+        assert!(!e.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY"), "{e}");
+        let source = e.source().expect("the driver's error, not in the message");
+        assert!(source.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY"));
     }
 }

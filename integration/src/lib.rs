@@ -731,7 +731,7 @@ mod tests {
         let io = std::io::Error::other("disk full");
         let wrapped = emm::EmmError::PoolTransfer {
             what: "sending a pool export",
-            source: io,
+            error: io,
         };
         let text = error_report(&wrapped);
         assert!(text.contains("disk full"), "{text}");

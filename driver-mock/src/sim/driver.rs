@@ -2,6 +2,7 @@
 //! the model (`World`'s methods, one file per part of the model).
 #![allow(unsafe_code)]
 
+#[cfg(unix)]
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 use driver_sys::{
@@ -375,6 +376,7 @@ impl Driver for SimDriver {
         })
     }
 
+    #[cfg(unix)]
     fn mem_pool_export_fd(
         &self,
         ctx: ContextHandle,
@@ -385,6 +387,7 @@ impl Driver for SimDriver {
         })
     }
 
+    #[cfg(unix)]
     fn mem_pool_import_fd(
         &self,
         ctx: ContextHandle,

@@ -2,7 +2,9 @@
 //! pools exported to other processes as file descriptors.
 
 use std::collections::{BTreeMap, BTreeSet};
+#[cfg(unix)]
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+#[cfg(unix)]
 use std::os::unix::fs::MetadataExt;
 
 use driver_sys::{
@@ -69,6 +71,7 @@ impl SimPool {
 }
 
 /// The inode of the file `fd` names (a pipe's is unique while it is open).
+#[cfg(unix)]
 pub(super) fn inode(fd: BorrowedFd<'_>) -> Option<u64> {
     let file = std::fs::File::from(fd.try_clone_to_owned().ok()?);
     file.metadata().ok().map(|m| m.ino())
@@ -380,6 +383,7 @@ impl World {
     }
 
     /// `cuMemPoolExportToShareableHandle`: [`Driver::mem_pool_export_fd`](driver_sys::Driver::mem_pool_export_fd) in the model.
+    #[cfg(unix)]
     pub(super) fn mem_pool_export_fd(
         &mut self,
         pid: usize,
@@ -405,6 +409,7 @@ impl World {
     }
 
     /// `cuMemPoolImportFromShareableHandle`: [`Driver::mem_pool_import_fd`](driver_sys::Driver::mem_pool_import_fd) in the model.
+    #[cfg(unix)]
     pub(super) fn mem_pool_import_fd(
         &mut self,
         pid: usize,

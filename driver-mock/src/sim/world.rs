@@ -68,6 +68,7 @@ pub(super) struct World {
     pub(super) next_handle: u64,
     /// Pools exported as file descriptors: the descriptor's inode → (process, pool handle).
     /// The descriptors are real (pipes), so they can be passed like the driver's.
+    #[cfg_attr(not(unix), allow(dead_code))]
     pub(super) pool_exports: BTreeMap<u64, (usize, u64)>,
 }
 

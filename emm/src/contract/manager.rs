@@ -38,6 +38,11 @@ pub const INTERFACE_VERSION: u32 = 1;
 ///    next use of the device builds a new context with a new manager.
 pub trait MemoryManager: Send + Sync + fmt::Debug {
     /// Allocates `bytes` of device memory in the context; the pointer owns it.
+    ///
+    /// Zero bytes is an error ([`EmmError::ZeroSize`]) in every shipped manager, as
+    /// `cuMemAlloc(0)` is for the driver: a pointer must name memory. Array libraries that
+    /// hand out empty buffers (PyTorch, CuPy) give them a null pointer without calling the
+    /// manager; an adapter over emm does the same.
     fn memalloc(&self, bytes: usize) -> Result<MemoryPointer, EmmError>;
 
     /// Allocates page-locked host memory: `mapped` maps it into the device

@@ -19,10 +19,12 @@
 //! allocation alive; drop it only once the other processes have closed theirs.
 
 use std::fmt;
+#[cfg(unix)]
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::contract::ipc::DeviceIdentity;
+#[cfg(unix)]
 use crate::error::EmmError;
 
 /// The name of an IPC-enabled stream-ordered pool across processes: chosen by the exporting
@@ -70,9 +72,13 @@ impl fmt::Debug for PoolId {
 /// [`descriptor`](Self::descriptor)'s bytes and rebuild it with
 /// [`from_descriptor`](Self::from_descriptor). Dropping an export closes the descriptor; the
 /// pool is unaffected.
+///
+/// Pools travel as POSIX file descriptors: off Unix there is no way to make one, and
+/// [`Context::export_pool`](crate::Context::export_pool) refuses.
 pub struct PoolExport {
     id: PoolId,
     source: DeviceIdentity,
+    #[cfg(unix)]
     fd: OwnedFd,
 }
 
@@ -82,6 +88,7 @@ const EXPORT_VERSION: u16 = 1;
 pub const POOL_DESCRIPTOR_LEN: usize = 7 + 2 + 16 + 12;
 
 impl PoolExport {
+    #[cfg(unix)]
     pub(crate) fn new(id: PoolId, source: DeviceIdentity, fd: OwnedFd) -> PoolExport {
         PoolExport { id, source, fd }
     }
@@ -97,6 +104,7 @@ impl PoolExport {
     }
 
     /// The driver's file descriptor for the pool.
+    #[cfg(unix)]
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
@@ -119,6 +127,7 @@ impl PoolExport {
 
     /// Rebuilds an export from [`descriptor`](Self::descriptor)'s bytes and the file
     /// descriptor that came with them (passed by other means than [`send`](Self::send)).
+    #[cfg(unix)]
     pub fn from_descriptor(bytes: &[u8], fd: OwnedFd) -> Result<PoolExport, EmmError> {
         let bad = |reason: String| EmmError::InvalidArgument {
             what: "pool export descriptor",
@@ -157,12 +166,22 @@ impl PoolExport {
     }
 }
 
+impl PoolExport {
+    /// The descriptor's number, for `Debug` (none off Unix).
+    fn fd_number(&self) -> Option<i32> {
+        #[cfg(unix)]
+        return Some(self.fd.as_raw_fd());
+        #[cfg(not(unix))]
+        return None;
+    }
+}
+
 impl fmt::Debug for PoolExport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PoolExport")
             .field("id", &self.id)
             .field("source", &self.source)
-            .field("fd", &self.fd.as_raw_fd())
+            .field("fd", &self.fd_number())
             .finish()
     }
 }

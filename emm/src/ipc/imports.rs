@@ -9,7 +9,9 @@ use std::fmt;
 use driver_sys::{DeviceOrdinal, DevicePtr, MemPoolHandle, PoolPtrExportData, StreamHandle};
 
 use crate::contract::factory::ManagerContext;
-use crate::contract::pool_export::{PoolExport, PoolId};
+#[cfg(unix)]
+use crate::contract::pool_export::PoolExport;
+use crate::contract::pool_export::PoolId;
 use crate::error::EmmError;
 use crate::sync::{Mutex, lock};
 /// One imported pool: the context it was imported in and the pointers imported through it
@@ -40,6 +42,7 @@ const STREAM: StreamHandle = StreamHandle(0);
 impl PoolImports {
     /// Imports `export` in `cx` (its source device's context) and grants that device access;
     /// importing a pool already imported there does nothing.
+    #[cfg(unix)]
     pub(crate) fn import(&self, cx: &ManagerContext, export: PoolExport) -> Result<(), EmmError> {
         let mut pools = lock(&self.pools);
         if let Some(p) = pools.get(&export.id()) {

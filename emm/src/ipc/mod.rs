@@ -5,4 +5,5 @@
 
 pub(crate) mod imports;
 pub(crate) mod open;
+#[cfg(unix)]
 mod transfer;

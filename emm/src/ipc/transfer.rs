@@ -7,6 +7,20 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
 use crate::contract::pool_export::{POOL_DESCRIPTOR_LEN, PoolExport};
+
+/// `sendmsg` flags: on Linux, a closed peer is an error rather than a SIGPIPE. Elsewhere the
+/// flag does not exist; a closed peer raises SIGPIPE, which most programs ignore.
+#[cfg(target_os = "linux")]
+const SEND_FLAGS: libc::c_int = libc::MSG_NOSIGNAL;
+#[cfg(not(target_os = "linux"))]
+const SEND_FLAGS: libc::c_int = 0;
+
+/// `recvmsg` flags: on Linux, received descriptors are close-on-exec from the start; elsewhere
+/// [`PoolExport::receive`] sets the flag right after.
+#[cfg(target_os = "linux")]
+const RECV_FLAGS: libc::c_int = libc::MSG_CMSG_CLOEXEC;
+#[cfg(not(target_os = "linux"))]
+const RECV_FLAGS: libc::c_int = 0;
 use crate::error::EmmError;
 
 impl PoolExport {
@@ -16,9 +30,9 @@ impl PoolExport {
     /// duplicate).
     pub fn send(&self, socket: &UnixStream) -> Result<(), EmmError> {
         let payload = self.descriptor();
-        let fail = |source| EmmError::PoolTransfer {
+        let fail = |error| EmmError::PoolTransfer {
             what: "sending a pool export",
-            source,
+            error,
         };
         let fd: libc::c_int = self.fd().as_raw_fd();
         let mut control = ControlBuffer::new();
@@ -42,7 +56,7 @@ impl PoolExport {
         }
         // SAFETY: `msg` and everything it points at (`iov`, `payload`, `control`) are alive
         // and initialised for the call; the socket is open (borrowed from `socket`).
-        let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &raw const msg, libc::MSG_NOSIGNAL) };
+        let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &raw const msg, SEND_FLAGS) };
         if sent < 0 {
             return Err(fail(io::Error::last_os_error()));
         }
@@ -59,9 +73,9 @@ impl PoolExport {
     /// Receives one export that [`send`](Self::send) sent over `socket`. Blocks until it
     /// arrives (or the socket's read timeout passes).
     pub fn receive(socket: &UnixStream) -> Result<PoolExport, EmmError> {
-        let fail = |source| EmmError::PoolTransfer {
+        let fail = |error| EmmError::PoolTransfer {
             what: "receiving a pool export",
-            source,
+            error,
         };
         let mut payload = [0u8; POOL_DESCRIPTOR_LEN];
         let mut control = ControlBuffer::new();
@@ -73,8 +87,7 @@ impl PoolExport {
         let received = loop {
             // SAFETY: `msg` points at `payload` and `control`, both writable for their stated
             // lengths for the call; the socket is open (borrowed from `socket`).
-            let n =
-                unsafe { libc::recvmsg(socket.as_raw_fd(), &raw mut msg, libc::MSG_CMSG_CLOEXEC) };
+            let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &raw mut msg, RECV_FLAGS) };
             if n >= 0 {
                 break n as usize;
             }
@@ -101,6 +114,11 @@ impl PoolExport {
                 }
                 cmsg = libc::CMSG_NXTHDR(&raw const msg, cmsg);
             }
+        }
+        #[cfg(not(target_os = "linux"))]
+        for fd in &fds {
+            // SAFETY: `fd` is an open descriptor this process owns (received just above).
+            unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
         }
         if msg.msg_flags & libc::MSG_CTRUNC != 0 {
             return Err(fail(io::Error::other(

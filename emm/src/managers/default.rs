@@ -7,6 +7,8 @@
 //!   total memory, captured at the first `initialize`.
 //! - Pinned and mapped host memory, pinning, IPC handles: from the [`HostLayer`].
 //! - `reset` frees every live allocation, then flushes; `defer_cleanup` suspends the queue.
+//! - **Streams.** `cuMemFree` synchronises the device before it frees, so memory is never
+//!   reused under running work; the deferral only batches these synchronising frees.
 
 use crate::contract::factory::{FnFactory, ManagerContext};
 use crate::contract::info::MemoryInfo;

@@ -12,6 +12,7 @@ use crate::contract::factory::{ManagerContext, ManagerFactory};
 use crate::contract::info::PinnedPoolConfig;
 use crate::contract::ipc::{DeviceIdentity, identity_of};
 use crate::contract::manager::check_interface_version;
+#[cfg(unix)]
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
 use crate::ipc::imports::PoolImports;
@@ -379,6 +380,7 @@ impl Runtime {
     /// [`PoolExport::receive`]) into the context of its device here, which gets read-write
     /// access to it. [`IpcHandle`](crate::IpcHandle)s of the pool's memory open from then on.
     /// Importing a pool again does nothing; a device reset ends the import (import it again).
+    #[cfg(unix)]
     pub fn import_pool(&self, export: PoolExport) -> Result<(), EmmError> {
         let device = self.device_with_identity(&export.source())?;
         let ctx = self.context(device)?;

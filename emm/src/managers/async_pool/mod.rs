@@ -7,7 +7,9 @@
 //!   the pool instead of going back to the system at every synchronisation.
 //! - Allocations and frees are ordered on the legacy default stream (0): emm's copies are
 //!   synchronous, so work on that stream is complete when a copy returns, and a block freed
-//!   there is safe to reuse by the next allocation.
+//!   there is safe to reuse by the next allocation. **Streams** other than the legacy default
+//!   stream are not known to the manager: work on them that uses the memory must be complete
+//!   (synchronised) before the pointer is dropped.
 //! - A pointer's last drop calls `cuMemFreeAsync` at once (it is cheap and does not
 //!   synchronise), so nothing goes through the deferred queue.
 //! - `trim` synchronises the stream and calls `cuMemPoolTrimTo(0)`; `reset` destroys the pool
@@ -51,6 +53,7 @@ use crate::memory::pending::PendingDeallocs;
 use crate::memory::pointer::{MemoryPointer, ReleaseHook};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
+#[cfg(unix)]
 mod export;
 
 /// The name the stream-ordered pool manager is registered under.
@@ -248,6 +251,28 @@ impl AsyncPoolAllocator {
             cached_bytes: usage.reserved.saturating_sub(usage.used) as usize,
             ..PoolStats::default()
         })
+    }
+}
+
+/// Off Unix: pools travel as POSIX file descriptors, which the platform does not have.
+#[cfg(not(unix))]
+impl AsyncPoolAllocator {
+    fn no_ipc(&self, operation: &'static str) -> EmmError {
+        EmmError::NotSupported {
+            operation,
+            manager: self.name().into(),
+            advice: "stream-ordered pools are shared as POSIX file descriptors, which this \
+                     platform does not have; use 'default' or 'pool' for memory you share \
+                     between processes",
+        }
+    }
+
+    fn export_allocation(&self, _memory: &MemoryPointer) -> Result<IpcHandle, EmmError> {
+        Err(self.no_ipc("get_ipc_handle"))
+    }
+
+    fn export(&self) -> Result<PoolExport, EmmError> {
+        Err(self.no_ipc("export_pool"))
     }
 }
 

@@ -1,6 +1,10 @@
 //! The `pool` manager: a device memory pool in the manner of RMM's pool resource, as a
 //! [`DeviceAllocator`] under the [`HostOnly`] layer.
 //!
+//! **Streams.** The pool does not know streams: a block goes back to the pool when its last
+//! pointer drops, and the next allocation may hand it out at once. Work that another stream
+//! still runs on the memory must be complete (synchronised) before the pointer is dropped.
+//!
 //! # Design
 //!
 //! - **Chunks.** The pool grows by large driver allocations (`cuMemAlloc` of
