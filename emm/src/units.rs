@@ -27,3 +27,20 @@ pub fn parse_bytes(value: &str) -> Result<usize, String> {
     n.checked_mul(1usize << shift)
         .ok_or_else(|| format!("{value:?} does not fit in {} bits", usize::BITS))
 }
+
+#[cfg(all(test, not(emm_loom)))]
+pub(crate) mod tests {
+    /// An environment of `pairs`, as the configuration readers' `lookup` takes it.
+    pub(crate) fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
+        let pairs: Vec<(String, String)> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name| {
+            pairs
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        }
+    }
+}

@@ -93,19 +93,8 @@ fn parse_ratio(value: &str) -> Result<f64, EmmError> {
 #[cfg(all(test, not(emm_loom)))]
 mod tests {
     use super::*;
+    use crate::units::tests::env;
 
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let pairs: Vec<(String, String)> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |name| {
-            pairs
-                .iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.clone())
-        }
-    }
 
     #[test]
     fn defaults_are_numbas() {

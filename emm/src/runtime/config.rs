@@ -103,19 +103,8 @@ pub fn manager_name_from_lookup(
 #[cfg(all(test, not(emm_loom)))]
 mod tests {
     use super::*;
+    use crate::units::tests::env;
 
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let pairs: Vec<(String, String)> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |name| {
-            pairs
-                .iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.clone())
-        }
-    }
 
     #[test]
     fn manager_name() {
