@@ -95,7 +95,6 @@ mod tests {
     use super::*;
     use crate::units::tests::env;
 
-
     #[test]
     fn defaults_are_numbas() {
         let c = DeallocConfig::from_lookup(env(&[])).unwrap();

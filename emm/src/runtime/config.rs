@@ -105,7 +105,6 @@ mod tests {
     use super::*;
     use crate::units::tests::env;
 
-
     #[test]
     fn manager_name() {
         assert_eq!(manager_name_from_lookup(env(&[])).unwrap(), None);

@@ -63,65 +63,110 @@ pub fn test_max_pending_bytes(target: Target) -> Result<(), Failed> {
     Ok(())
 }
 
-/// Numba `test_defer_cleanup`: inside the guard nothing is freed, even by an explicit flush;
-/// leaving it does not flush; a flush afterwards does.
+/// Numba `test_defer_cleanup`: memory allocated before the guard and freed inside it, and
+/// memory allocated and freed inside it, both stay queued, even through an explicit flush;
+/// leaving the guard does not flush; a flush afterwards issues both.
 pub fn test_defer_cleanup(target: Target) -> Result<(), Failed> {
     let t = TestCtx::new(target)?;
     let ctx = t.context()?;
     let queue = ctx.deallocations().expect("queue");
+    let darr1 = ctx.to_device(&[1u8; 40])?;
     queue.flush()?;
+    ensure_eq!(queue.len(), 0);
+    let frees = t.sim().map(|s| s.count(Op::MemFree));
     {
         let _guard = ctx.defer_cleanup()?;
-        drop(ctx.memalloc(64)?);
-        drop(ctx.memalloc(64)?);
+        let darr2 = ctx.to_device(&[1u8; 40])?;
+        drop(darr1);
+        ensure_eq!(queue.len(), 1, "the free from before the guard is queued");
+        drop(darr2);
         ensure_eq!(queue.len(), 2);
         ensure_eq!(queue.flush()?, 0);
         ensure_eq!(queue.len(), 2, "flush inside defer_cleanup does nothing");
     }
     ensure_eq!(queue.len(), 2, "leaving defer_cleanup does not flush");
-    queue.flush()?;
+    if let (Some(sim), Some(before)) = (t.sim(), frees) {
+        ensure_eq!(sim.count(Op::MemFree), before, "nothing was freed yet");
+    }
+    ensure_eq!(queue.flush()?, 2);
     ensure_eq!(queue.len(), 0);
+    if let (Some(sim), Some(before)) = (t.sim(), frees) {
+        ensure_eq!(
+            sim.count(Op::MemFree),
+            before + 2,
+            "both frees issued after the guard"
+        );
+    }
     Ok(())
 }
 
-/// Numba `test_nested_defer_cleanup`: nested guards; cleanup resumes after the outer one.
+/// Numba `test_nested_defer_cleanup`: as `test_defer_cleanup` with two guards; cleanup
+/// resumes only after the outer one.
 pub fn test_nested_defer_cleanup(target: Target) -> Result<(), Failed> {
     let t = TestCtx::new(target)?;
     let ctx = t.context()?;
     let queue = ctx.deallocations().expect("queue");
+    let darr1 = ctx.to_device(&[1u8; 40])?;
     queue.flush()?;
+    ensure_eq!(queue.len(), 0);
     {
         let _outer = ctx.defer_cleanup()?;
         {
             let _inner = ctx.defer_cleanup()?;
-            drop(ctx.memalloc(64)?);
-            drop(ctx.memalloc(64)?);
+            let darr2 = ctx.to_device(&[1u8; 40])?;
+            drop(darr1);
+            ensure_eq!(queue.len(), 1, "the free from before the guards is queued");
+            drop(darr2);
+            ensure_eq!(queue.len(), 2);
             queue.flush()?;
             ensure_eq!(queue.len(), 2);
         }
         queue.flush()?;
         ensure_eq!(queue.len(), 2, "the outer guard still defers");
     }
-    queue.flush()?;
+    ensure_eq!(queue.flush()?, 2);
     ensure_eq!(queue.len(), 0);
     Ok(())
 }
 
-/// Numba `test_exception`: a panic inside `defer_cleanup` unwinds through the guard and
-/// restores normal cleanup.
+/// Numba `test_exception`: a free queued inside `defer_cleanup` survives a flush there; a
+/// panic unwinds through the guard, which restores normal cleanup, and the free is issued by
+/// the next flush; memory from before the guard is freed normally afterwards.
 pub fn test_exception(target: Target) -> Result<(), Failed> {
     let t = TestCtx::new(target)?;
     let ctx = t.context()?;
     let queue = ctx.deallocations().expect("queue");
+    let darr1 = ctx.to_device(&[1u8; 40])?;
     queue.flush()?;
-    let darr1 = ctx.memalloc(64)?;
-    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+    ensure_eq!(queue.len(), 0);
+    let inside = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let _guard = ctx.defer_cleanup().expect("guard");
-        std::panic::panic_any(crate::EXPECTED_PANIC);
+        let darr2 = ctx.to_device(&[1u8; 40]).expect("allocation");
+        drop(darr2);
+        let queued = queue.len();
+        let flushed = queue.flush().expect("flush");
+        let after = queue.len();
+        if (queued, flushed, after) == (1, 0, 1) {
+            std::panic::panic_any(crate::EXPECTED_PANIC);
+        }
+        (queued, flushed, after)
     }));
-    ensure!(caught.is_err(), "the panic propagated out of the block");
+    match inside {
+        Err(_) => {}
+        Ok(seen) => {
+            return Err(format!(
+                "inside the guard (queued, flushed, left) was {seen:?}, not (1, 0, 1)"
+            )
+            .into());
+        }
+    }
     ensure!(!queue.is_disabled(), "the guard was released by unwinding");
-    queue.flush()?;
+    ensure_eq!(
+        queue.len(),
+        1,
+        "the free queued inside the guard survived the panic"
+    );
+    ensure_eq!(queue.flush()?, 1, "and is issued after it");
     ensure_eq!(queue.len(), 0);
     drop(darr1);
     ensure_eq!(queue.len(), 1);

@@ -189,7 +189,48 @@ pub fn test_get_ipc_handle(target: Target) -> Result<(), Failed> {
     Ok(())
 }
 
-/// Numba `test_bad_plugin_version`, through the runtime's selection.
+/// Numba's `BadVersionEMMPlugin`: the plugin itself declares interface version 2.
+#[derive(Debug, Default)]
+struct BadVersionEmmPlugin(DeviceOnlyEmmPlugin);
+
+impl DeviceAllocator for BadVersionEmmPlugin {
+    fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        self.0.memalloc(host, bytes)
+    }
+
+    fn initialize(&self, host: &HostLayer) -> Result<(), EmmError> {
+        self.0.initialize(host)
+    }
+
+    fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError> {
+        self.0.get_memory_info(host)
+    }
+
+    fn get_ipc_handle(
+        &self,
+        host: &HostLayer,
+        memory: &MemoryPointer,
+    ) -> Result<IpcHandle, EmmError> {
+        self.0.get_ipc_handle(host, memory)
+    }
+
+    fn interface_version(&self) -> u32 {
+        2
+    }
+}
+
+fn version_error(e: &str) -> Result<(), Failed> {
+    ensure!(
+        e.contains("EMM Plugin interface has version 2 - version 1 required"),
+        "{e}"
+    );
+    Ok(())
+}
+
+/// Numba `test_bad_plugin_version`: a plugin of interface version 2 is refused with Numba's
+/// message, whether its factory declares the version (refused when the manager is selected) or
+/// the plugin itself does, as Numba's `BadVersionEMMPlugin` (refused when the manager is built
+/// for a context, which leaves no primary context retained).
 pub fn test_bad_plugin_version(target: Target) -> Result<(), Failed> {
     let result = TestCtx::with(target, |b| {
         b.memory_manager(
@@ -200,14 +241,24 @@ pub fn test_bad_plugin_version(target: Target) -> Result<(), Failed> {
         )
     });
     match result {
-        Err(e) => {
-            ensure!(e.contains("version 1 required"), "{e}");
-            ensure!(
-                e.contains("EMM Plugin interface has version 2 - version 1 required"),
-                "{e}"
-            );
-            Ok(())
-        }
-        Ok(_) => Err("a version 2 plugin was accepted".into()),
+        Err(e) => version_error(&e)?,
+        Ok(_) => return Err("a factory of version 2 was accepted".into()),
     }
+    let t = TestCtx::with(target, |b| {
+        b.memory_manager(FnFactory::new("BadVersionEMMPlugin", |cx| {
+            Ok(Box::new(HostOnly::new(cx, BadVersionEmmPlugin::default())))
+        }))
+    })?;
+    match t.context() {
+        Err(e) => version_error(&e.to_string())?,
+        Ok(_) => return Err("a plugin declaring version 2 was used".into()),
+    }
+    if let Some(sim) = t.sim() {
+        ensure_eq!(
+            sim.context_refcount(0.into()),
+            0,
+            "the refused manager's context was released"
+        );
+    }
+    Ok(())
 }

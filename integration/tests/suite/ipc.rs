@@ -28,6 +28,10 @@ pub fn test_ipc_handle(target: Target) -> Result<(), Failed> {
     Ok(())
 }
 
+/// The four slices Numba's IPC tests export (`variants()`), in elements of 8 bytes: the whole
+/// array, `[3:]`, `[3:8]` and `[:8]`.
+const SLICES: [(usize, usize); 4] = [(0, 10), (3, 10), (3, 8), (0, 8)];
+
 /// Numba `test_ipc_handle_serialization`: for four slices, the handle survives the trip to
 /// bytes and back (size, offset and handle equal; the memory stays behind), and the other
 /// process sees exactly the slice.
@@ -36,7 +40,7 @@ pub fn test_ipc_handle_serialization(target: Target) -> Result<(), Failed> {
     let ctx = t.context()?;
     let data = arange(10);
     let mem = ctx.to_device(&data)?;
-    for (start, stop) in [(0, 10), (3, 10), (3, 8), (0, 8)] {
+    for (start, stop) in SLICES {
         let view = mem.view(start * 8, Some(stop * 8))?;
         let handle = ctx.get_ipc_handle(&view)?;
         ensure_eq!(
@@ -60,17 +64,39 @@ pub fn test_ipc_handle_serialization(target: Target) -> Result<(), Failed> {
     Ok(())
 }
 
-/// Numba `test_ipc_array`: in the exporting process opening is refused, and closing what is not
-/// open is refused; in the other process the data arrives and a second open is refused with
-/// "IpcHandle is already opened" (checked by the other process).
+/// Numba `test_ipc_array`, for each of its four slices: in the exporting process opening is
+/// refused, and closing what is not open is refused; in the other process exactly the slice
+/// arrives and a second open is refused with "IpcHandle is already opened" (checked by the
+/// other process).
 pub fn test_ipc_array(target: Target) -> Result<(), Failed> {
     let t = TestCtx::new(target)?;
     let ctx = t.context()?;
     let data = arange(10);
     let mem = ctx.to_device(&data)?;
-    let handle = ctx.get_ipc_handle(&mem)?;
+    for (start, stop) in SLICES {
+        let view = mem.view(start * 8, Some(stop * 8))?;
+        let mut expect = vec![0u8; view.size()];
+        ctx.copy_to_host(&mut expect, &view)?;
+        ensure_eq!(expect, data[start * 8..stop * 8].to_vec());
+        check_ipc_array(&t, &ctx, &view, &expect).map_err(|e| {
+            Failed::from(format!(
+                "slice {start}..{stop}: {}",
+                e.message().unwrap_or("failed")
+            ))
+        })?;
+    }
+    Ok(())
+}
+
+fn check_ipc_array(
+    t: &TestCtx,
+    ctx: &emm::Context,
+    mem: &emm::MemoryPointer,
+    data: &[u8],
+) -> Result<(), Failed> {
+    let handle = ctx.get_ipc_handle(mem)?;
     ensure!(handle.is_exporter());
-    match handle.open(&t.runtime, &ctx) {
+    match handle.open(&t.runtime, ctx) {
         Err(e @ EmmError::Ipc { .. }) => {
             ensure!(
                 e.to_string()
@@ -84,8 +110,8 @@ pub fn test_ipc_array(target: Target) -> Result<(), Failed> {
         Err(e) => ensure!(e.to_string().starts_with("IpcHandle not opened"), "{e}"),
         Ok(()) => return Err("closing an unopened handle succeeded".into()),
     }
-    let seen = open_in_other_process(&t, &handle.to_bytes(), IpcMode::Auto, 0)?;
-    ensure_eq!(seen, data);
+    let seen = open_in_other_process(t, &handle.to_bytes(), IpcMode::Auto, 0)?;
+    ensure_eq!(seen, data.to_vec());
     Ok(())
 }
 
@@ -107,6 +133,25 @@ pub fn test_staged(target: Target) -> Result<(), Failed> {
             data[16..64].to_vec(),
             "staged through device {device}"
         );
+    }
+    Ok(())
+}
+
+/// Numba `TestIpcStaged.test_ipc_array`: for every device, a new array is exported whole and
+/// the other process opens it through the staged path on that device (forced, since the
+/// devices may be peers), and gets exactly its data.
+pub fn test_ipc_array_staged(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    for device in 0..t.runtime.device_count()? {
+        // Numba's array is `np.random.random(10)`: ten f64 values that differ per device.
+        let data: Vec<u8> = (0..10u32)
+            .flat_map(|i| (f64::from(i) * 0.37 + f64::from(device) * 11.0).to_le_bytes())
+            .collect();
+        let mem = ctx.to_device(&data)?;
+        let handle = ctx.get_ipc_handle(&mem)?;
+        let seen = open_in_other_process(&t, &handle.to_bytes(), IpcMode::Staged, device)?;
+        ensure_eq!(seen, data, "staged through device {device}");
     }
     Ok(())
 }

@@ -141,6 +141,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     ipc::test_ipc_handle_serialization[IpcExport],
     ipc::test_ipc_array[IpcExport],
     ipc::test_staged[IpcExport],
+    ipc::test_ipc_array_staged[IpcExport],
     ipc::ipc_handle_errors[IpcExport],
     ipc::pool_export_per_manager,
     stress::stress_mixed_operations,

@@ -176,7 +176,17 @@ pub fn runtime_drop_releases_everything(target: Target) -> Result<(), Failed> {
     let TestCtx { runtime, sim, .. } = t;
     drop(runtime);
     ensure!(!ctx.is_alive(), "contexts are retired with their runtime");
+    // Counted, not read off the leak report: the destroyed context took its memory with it, so
+    // a free issued now would leave the report clean all the same.
+    let releases_before = sim.as_deref().map(release_calls);
     drop(kept);
+    if let (Some(sim), Some(before)) = (sim.as_deref(), releases_before) {
+        ensure_eq!(
+            release_calls(sim),
+            before,
+            "a pointer that outlived its runtime released nothing"
+        );
+    }
     if let Some(sim) = sim {
         let report = sim.leak_report();
         ensure!(report.is_clean(), "{report}");
@@ -187,4 +197,18 @@ pub fn runtime_drop_releases_everything(target: Target) -> Result<(), Failed> {
         );
     }
     Ok(())
+}
+
+/// Calls that give memory back to the driver, of any kind.
+fn release_calls(sim: &driver_mock::SimDriver) -> usize {
+    [
+        Op::MemFree,
+        Op::MemFreeHost,
+        Op::MemHostUnregister,
+        Op::MemFreeAsync,
+        Op::IpcCloseMemHandle,
+    ]
+    .into_iter()
+    .map(|op| sim.count(op))
+    .sum()
 }

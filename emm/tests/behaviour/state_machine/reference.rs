@@ -41,10 +41,11 @@ pub struct Alloc {
     pub released: bool,
 }
 
+/// A free the queue holds: which allocation, and the bytes it counts for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Pending {
-    Device(usize),
-    Host(usize),
+    Device { alloc: usize, bytes: usize },
+    Host { alloc: usize, bytes: usize },
 }
 
 #[derive(Clone, Debug)]
@@ -86,14 +87,30 @@ pub enum Transition {
 }
 
 impl Model {
+    /// The allocations whose memory the driver still holds: not released, or released with
+    /// their free still queued. Each with its kind.
+    pub fn held(&self) -> Vec<(usize, Kind)> {
+        self.allocs
+            .iter()
+            .enumerate()
+            .filter(|(i, a)| {
+                !a.released
+                    || self.pending.iter().any(|p| match p {
+                        Pending::Device { alloc, .. } | Pending::Host { alloc, .. } => alloc == i,
+                    })
+            })
+            .map(|(i, a)| (i, a.kind))
+            .collect()
+    }
+
     fn flush(&mut self) {
         if self.defer > 0 {
             return;
         }
         for p in self.pending.drain(..) {
             match p {
-                Pending::Device(_) => self.device_live -= 1,
-                Pending::Host(_) => self.host_live -= 1,
+                Pending::Device { .. } => self.device_live -= 1,
+                Pending::Host { .. } => self.host_live -= 1,
             }
         }
         self.pending_bytes = 0;
@@ -101,7 +118,7 @@ impl Model {
 
     fn queue(&mut self, p: Pending) {
         self.pending_bytes += match p {
-            Pending::Device(b) | Pending::Host(b) => b,
+            Pending::Device { bytes, .. } | Pending::Host { bytes, .. } => bytes,
         };
         self.pending.push(p);
     }
@@ -122,10 +139,13 @@ impl Model {
         a.released = true;
         let (kind, bytes) = (a.kind, a.bytes);
         match kind {
-            Kind::Device => self.push(Pending::Device(bytes)),
-            Kind::Mapped => self.push(Pending::Host(bytes)),
+            Kind::Device => self.push(Pending::Device { alloc: id, bytes }),
+            Kind::Mapped => self.push(Pending::Host { alloc: id, bytes }),
             // Numba counts unmapped pinned memory as 0 bytes.
-            Kind::Pinned => self.push(Pending::Host(0)),
+            Kind::Pinned => self.push(Pending::Host {
+                alloc: id,
+                bytes: 0,
+            }),
             // Unpins happen at once.
             Kind::MappedPin | Kind::Pin => self.pins_live -= 1,
         }
@@ -255,8 +275,8 @@ impl ReferenceStateMachine for Model {
                         let (kind, bytes) = (a.kind, a.bytes);
                         s.allocs[id].released = true;
                         match kind {
-                            Kind::Device => s.queue(Pending::Device(bytes)),
-                            Kind::Mapped => s.queue(Pending::Host(bytes)),
+                            Kind::Device => s.queue(Pending::Device { alloc: id, bytes }),
+                            Kind::Mapped => s.queue(Pending::Host { alloc: id, bytes }),
                             _ => s.pins_live -= 1,
                         }
                     }

@@ -25,8 +25,17 @@ pub struct Export {
     imported: Option<(IpcHandle, MemoryPointer)>,
 }
 
+/// What one allocation was made as: its address (device memory's base, or host memory's host
+/// address) and the byte it was filled with.
+struct Made {
+    addr: u64,
+    fill: u8,
+}
+
 pub struct Sut {
     sim: Arc<SimDriver>,
+    /// One entry per allocation, in the model's order.
+    made: Vec<Made>,
     ctx: Context,
     other: Arc<SimDriver>,
     other_rt: Runtime,
@@ -69,6 +78,7 @@ impl StateMachineTest for ContextSut {
         );
         Sut {
             sim,
+            made: Vec::new(),
             ctx,
             other,
             other_rt,
@@ -99,6 +109,21 @@ impl StateMachineTest for ContextSut {
                             .expect("pin"),
                     ),
                 };
+                // Each allocation gets bytes of its own, read back after every step.
+                let fill = (s.made.len() % 251) as u8 + 1;
+                let addr = match &h {
+                    Handle::Mem(m) => {
+                        s.ctx
+                            .copy_to_device(m, &vec![fill; bytes])
+                            .expect("fill device memory");
+                        m.device_ptr().0
+                    }
+                    Handle::Host(hm) => {
+                        hm.write(0, &vec![fill; bytes]).expect("fill host memory");
+                        hm.host_ptr().0 as u64
+                    }
+                };
+                s.made.push(Made { addr, fill });
                 s.handles.push(h);
             }
             Transition::Clone(i) => {
@@ -202,11 +227,80 @@ impl StateMachineTest for ContextSut {
             model.mapped_allocations(),
             "mappings in the other process"
         );
+        // Identities, not only counts: the driver holds exactly the allocations the model
+        // says it holds, at the addresses they were made at.
+        let held = model.held();
+        let mut expect_device: Vec<u64> = held
+            .iter()
+            .filter(|(_, k)| *k == Kind::Device)
+            .map(|(i, _)| s.made[*i].addr)
+            .collect();
+        expect_device.sort_unstable();
+        let device: Vec<u64> = s
+            .sim
+            .live_allocations(DeviceOrdinal(0))
+            .into_iter()
+            .map(|(p, _)| p.0)
+            .collect();
+        assert_eq!(device, expect_device, "device allocations, by address");
+        let mut expect_host: Vec<u64> = held
+            .iter()
+            .filter(|(_, k)| matches!(k, Kind::Mapped | Kind::Pinned))
+            .map(|(i, _)| s.made[*i].addr)
+            .collect();
+        expect_host.sort_unstable();
+        let mut host: Vec<u64> = leaks
+            .host_allocations
+            .iter()
+            .map(|(p, _)| p.0 as u64)
+            .collect();
+        host.sort_unstable();
+        assert_eq!(host, expect_host, "pinned host allocations, by address");
+        // And the bytes: every handle still reads what its allocation was filled with.
+        for (h, &id) in s.handles.iter().zip(&model.handles) {
+            if model.allocs[id].released {
+                continue;
+            }
+            let fill = s.made[id].fill;
+            let mut seen = vec![
+                0u8;
+                match h {
+                    Handle::Mem(m) => m.size(),
+                    Handle::Host(hm) => hm.size(),
+                }
+            ];
+            match h {
+                Handle::Mem(m) => s.ctx.copy_to_host(&mut seen, m).expect("read back"),
+                Handle::Host(hm) => hm.read(0, &mut seen).expect("read back"),
+            }
+            assert!(
+                seen.iter().all(|&b| b == fill),
+                "allocation {id} no longer holds its bytes ({fill})"
+            );
+        }
+        // The other process reads what the exporter filled, through its mapping.
+        for (e, m) in s.exports.iter().zip(&model.exports) {
+            if let Some((_, mem)) = &e.imported
+                && !model.allocs[m.alloc].released
+            {
+                let fill = s.made[m.alloc].fill;
+                let mut seen = vec![0u8; mem.size()];
+                s.other_ctx
+                    .copy_to_host(&mut seen, mem)
+                    .expect("read in the other process");
+                assert!(
+                    seen.iter().all(|&b| b == fill),
+                    "the other process reads allocation {}'s bytes ({fill})",
+                    m.alloc
+                );
+            }
+        }
     }
 
     fn teardown(s: Sut, _model: Model) {
         let Sut {
             sim,
+            made: _,
             ctx,
             other,
             other_rt,
