@@ -17,6 +17,7 @@
 
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{result, sys};
 
@@ -101,7 +102,28 @@ const DRIVER_LIBRARIES: &[&str] = &["libcuda.so.1", "libcuda.so"];
 #[cfg(windows)]
 const DRIVER_LIBRARIES: &[&str] = &["nvcuda.dll"];
 
+/// Release calls (frees, unpins, closes, destroys) the driver refused, in this process.
+static FAILED_RELEASES: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a release call the driver refused.
+fn counted(result: Result<(), DriverError>) -> Result<(), DriverError> {
+    if result.is_err() {
+        FAILED_RELEASES.fetch_add(1, Ordering::Relaxed);
+    }
+    result
+}
+
 impl CudaDriver {
+    /// How many release calls (`cuMemFree`, `cuMemFreeHost`, `cuMemHostUnregister`,
+    /// `cuMemFreeAsync`, `cuIpcCloseMemHandle`, `cuStreamDestroy`, `cuEventDestroy`,
+    /// `cuModuleUnload`, `cuMemPoolDestroy`) the driver refused in this process, through any
+    /// `CudaDriver`. In correct use emm never makes one (a refused free is a double free or a
+    /// free of memory that is not the caller's), so a test that does not provoke one on purpose
+    /// can check that this count stays put.
+    pub fn failed_releases() -> u64 {
+        FAILED_RELEASES.load(Ordering::Relaxed)
+    }
+
     /// Loads libcuda and calls `cuInit(0)`.
     ///
     /// Fails with [`ErrorKind::DriverUnavailable`](crate::ErrorKind::DriverUnavailable) when no
@@ -240,7 +262,7 @@ impl Driver for CudaDriver {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: the caller guarantees `ptr` is a live allocation of `ctx`, freed once and no
         // longer used (trait contract); the driver rejects unknown pointers with an error.
-        unsafe { result::free_sync(ptr.0) }.map_err(err("cuMemFree"))
+        counted(unsafe { result::free_sync(ptr.0) }.map_err(err("cuMemFree")))
     }
 
     /// [cuMemGetInfo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
@@ -330,7 +352,7 @@ impl Driver for CudaDriver {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: the caller guarantees `ptr` came from cuMemHostAlloc, is freed once and is not
         // used afterwards (trait contract).
-        unsafe { result::free_host(ptr.0 as *mut c_void) }.map_err(err("cuMemFreeHost"))
+        counted(unsafe { result::free_host(ptr.0 as *mut c_void) }.map_err(err("cuMemFreeHost")))
     }
 
     /// [cuMemHostRegister](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
@@ -360,9 +382,9 @@ impl Driver for CudaDriver {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: the caller guarantees the range was registered and its mapping is unused
         // afterwards (trait contract); an unregistered pointer is an error, not UB.
-        check("cuMemHostUnregister", unsafe {
+        counted(check("cuMemHostUnregister", unsafe {
             sys::cuMemHostUnregister(ptr.0 as *mut c_void)
-        })
+        }))
     }
 
     /// [cuMemHostGetDevicePointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
@@ -402,8 +424,10 @@ impl Driver for CudaDriver {
     ) -> Result<(), DriverError> {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: the caller destroys a stream of `ctx` once (trait contract).
-        unsafe { result::stream::destroy(stream.0 as usize as sys::CUstream) }
-            .map_err(err("cuStreamDestroy"))
+        counted(
+            unsafe { result::stream::destroy(stream.0 as usize as sys::CUstream) }
+                .map_err(err("cuStreamDestroy")),
+        )
     }
 
     /// [cuEventCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
@@ -426,9 +450,9 @@ impl Driver for CudaDriver {
     ) -> Result<(), DriverError> {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: the caller destroys an event of `ctx` once (trait contract).
-        check("cuEventDestroy", unsafe {
+        counted(check("cuEventDestroy", unsafe {
             sys::cuEventDestroy_v2(event.0 as usize as sys::CUevent)
-        })
+        }))
     }
 
     /// [cuModuleLoadData](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html)
@@ -458,8 +482,10 @@ impl Driver for CudaDriver {
     ) -> Result<(), DriverError> {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: the caller unloads a module of `ctx` once, with nothing of it in use.
-        unsafe { result::module::unload(module.0 as usize as sys::CUmodule) }
-            .map_err(err("cuModuleUnload"))
+        counted(
+            unsafe { result::module::unload(module.0 as usize as sys::CUmodule) }
+                .map_err(err("cuModuleUnload")),
+        )
     }
 
     /// [cuIpcGetMemHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
@@ -509,9 +535,9 @@ impl Driver for CudaDriver {
     ) -> Result<(), DriverError> {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: the caller closes a mapping it opened, once, and does not use it afterwards.
-        check("cuIpcCloseMemHandle", unsafe {
+        counted(check("cuIpcCloseMemHandle", unsafe {
             sys::cuIpcCloseMemHandle(ptr.0)
-        })
+        }))
     }
 
     /// [cuDeviceCanAccessPeer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PEER__ACCESS.html)
@@ -607,9 +633,9 @@ impl Driver for CudaDriver {
     ) -> Result<(), DriverError> {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: the caller destroys a pool it created, once (trait contract).
-        check("cuMemPoolDestroy", unsafe {
+        counted(check("cuMemPoolDestroy", unsafe {
             sys::cuMemPoolDestroy(pool.0 as usize as sys::CUmemoryPool)
-        })
+        }))
     }
 
     /// [cuMemPoolSetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
@@ -703,9 +729,9 @@ impl Driver for CudaDriver {
     ) -> Result<(), DriverError> {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: the caller frees a pool allocation once, ordered on `stream` (trait contract).
-        check("cuMemFreeAsync", unsafe {
+        counted(check("cuMemFreeAsync", unsafe {
             sys::cuMemFreeAsync(ptr.0, stream.0 as usize as sys::CUstream)
-        })
+        }))
     }
 
     /// [cuMemPoolExportToShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)

@@ -106,6 +106,23 @@ impl Op {
         Op::MemPoolSetAccess,
     ];
 
+    /// Whether the call gives something back to the driver: a free, an unpin, an IPC close, a
+    /// destroy or an unload.
+    pub fn is_release(self) -> bool {
+        matches!(
+            self,
+            Op::MemFree
+                | Op::MemFreeHost
+                | Op::MemHostUnregister
+                | Op::MemFreeAsync
+                | Op::IpcCloseMemHandle
+                | Op::StreamDestroy
+                | Op::EventDestroy
+                | Op::ModuleUnload
+                | Op::MemPoolDestroy
+        )
+    }
+
     /// The CUDA driver call this operation stands for.
     pub fn call_name(self) -> &'static str {
         match self {

@@ -40,6 +40,19 @@ use host::HostKind;
 use memory::{Accessor, DeviceMem};
 use world::{Object, Process, World, context};
 
+thread_local! {
+    /// Release calls the simulated driver refused on this thread, in any process.
+    static FAILED_RELEASES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many release calls (frees, unpins, closes, destroys) any simulated driver refused on
+/// the calling thread, scripted faults not counted: the simulator's side of
+/// `CudaDriver::failed_releases`. A test harness reads it before and after a test that runs on
+/// one thread; in correct use emm makes none.
+pub fn failed_releases_on_this_thread() -> u64 {
+    FAILED_RELEASES.with(std::cell::Cell::get)
+}
+
 /// A deterministic simulated CUDA system, as seen by one process.
 ///
 /// # Model
@@ -252,6 +265,21 @@ impl SimDriver {
         })
     }
 
+    /// Release calls (frees, unpins, closes, destroys) this process made that the driver
+    /// refused, scripted faults not counted: what [`CudaDriver::failed_releases`] counts on the
+    /// GPU. In correct use emm makes none.
+    ///
+    /// [`CudaDriver::failed_releases`]: driver_sys
+    pub fn failed_releases(&self) -> Vec<CallRecord> {
+        self.with_process(|p| {
+            p.log
+                .iter()
+                .filter(|c| !c.injected && c.op.is_release() && c.outcome.is_err())
+                .cloned()
+                .collect()
+        })
+    }
+
     /// What this process still holds.
     pub fn leak_report(&self) -> LeakReport {
         let w = self.lock();
@@ -312,6 +340,9 @@ impl SimDriver {
             .as_ref()
             .map(|_| ())
             .map_err(|&c| ErrorKind::from_code(c));
+        if faulted.is_none() && op.is_release() && outcome.is_err() {
+            FAILED_RELEASES.with(|n| n.set(n.get() + 1));
+        }
         w.processes[pid].log.push(CallRecord {
             seq,
             op,

@@ -65,6 +65,10 @@ enum Need {
     /// export (it refuses `get_ipc_handle` with a clear error, which `pool_export_per_manager`
     /// checks), `async-pool-ipc` runs them all.
     IpcExport,
+    /// Not a need but a licence: the test makes the driver refuse release calls on purpose
+    /// (double frees, unknown pointers, frees in a destroyed context), which otherwise fail a
+    /// test, on the GPU as on the simulator. Every manager meets it.
+    ProvokesFailedReleases,
 }
 
 /// One registered suite test: its name (the function's), the function, what it needs.
@@ -149,18 +153,18 @@ const TESTS: &[SuiteTest] = suite_tests![
     driver_conformance::pool_export_conformance,
     driver_conformance::zero_byte_alloc_is_invalid_value,
     driver_conformance::oversized_alloc_is_out_of_memory,
-    driver_conformance::double_free_is_invalid_value,
-    driver_conformance::interior_pointer_free_is_invalid_value,
+    driver_conformance::double_free_is_invalid_value[ProvokesFailedReleases],
+    driver_conformance::interior_pointer_free_is_invalid_value[ProvokesFailedReleases],
     driver_conformance::address_range_of_interior_pointer,
     driver_conformance::out_of_range_copy_is_invalid_value,
     driver_conformance::mem_get_info_accounts_large_allocations,
     driver_conformance::small_allocations_are_packed,
     driver_conformance::mem_get_info_counts_pages,
     driver_conformance::free_of_null_is_a_no_op,
-    driver_conformance::released_context_is_destroyed,
-    driver_conformance::reset_destroys_context_until_retained,
-    driver_conformance::host_memory_conformance,
-    driver_conformance::ipc_and_peer_conformance,
+    driver_conformance::released_context_is_destroyed[ProvokesFailedReleases],
+    driver_conformance::reset_destroys_context_until_retained[ProvokesFailedReleases],
+    driver_conformance::host_memory_conformance[ProvokesFailedReleases],
+    driver_conformance::ipc_and_peer_conformance[ProvokesFailedReleases],
 ];
 
 /// The payload of the panic `test_exception` raises on purpose; the panic hook stays quiet
@@ -182,12 +186,35 @@ const MULTI_DEVICE: &[SuiteTest] = suite_tests![
 /// The GPU is one shared device: CUDA tests run one at a time (some fill its memory).
 static GPU: Mutex<()> = Mutex::new(());
 
-/// The trial of test `t` on `target`; CUDA trials take the GPU for themselves.
+/// Release calls the driver refused so far: on the GPU in this process (the CUDA tests run one
+/// at a time), on the simulator on this thread (each test runs on one).
+fn failed_releases(target: Target) -> u64 {
+    match target {
+        Target::Cuda => emm::driver_sys::CudaDriver::failed_releases(),
+        Target::Sim => driver_mock::failed_releases_on_this_thread(),
+    }
+}
+
+/// The trial of test `t` on `target`; CUDA trials take the GPU for themselves. A release call
+/// the driver refuses during the test fails it, unless the test provokes them on purpose.
 fn trial(target: Target, t: &SuiteTest) -> Trial {
     let run = t.run;
-    Trial::test(format!("{target}::{}", t.name), move || {
+    let name = t.name;
+    let provokes = t.needs.contains(&Need::ProvokesFailedReleases);
+    Trial::test(format!("{target}::{name}"), move || {
         let _gpu = (target == Target::Cuda).then(|| GPU.lock().unwrap_or_else(|p| p.into_inner()));
-        run(target)
+        let before = failed_releases(target);
+        run(target)?;
+        let refused = failed_releases(target) - before;
+        if refused > 0 && !provokes {
+            return Err(format!(
+                "the driver refused {refused} release call(s) during {name} (a double free, or a \
+                 free of memory that is not this process's); a test that does so on purpose \
+                 says [ProvokesFailedReleases] where it is registered"
+            )
+            .into());
+        }
+        Ok(())
     })
 }
 
@@ -236,6 +263,7 @@ fn main() {
     let unmet = |need: Need| match need {
         Need::DeferredDeviceFrees => !integration::defers_device_frees(),
         Need::IpcExport => !integration::exports_ipc_handles(),
+        Need::ProvokesFailedReleases => false,
     };
     let not_this_manager = |t: &SuiteTest| t.needs.iter().any(|&n| unmet(n));
     if !args.list {
