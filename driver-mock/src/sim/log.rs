@@ -252,6 +252,19 @@ pub struct LeakReport {
 }
 
 impl LeakReport {
+    /// Adds what `other` lists to this report.
+    pub fn absorb(&mut self, other: LeakReport) {
+        self.allocations.extend(other.allocations);
+        self.host_allocations.extend(other.host_allocations);
+        self.host_registrations.extend(other.host_registrations);
+        self.ipc_mappings.extend(other.ipc_mappings);
+        self.streams += other.streams;
+        self.events += other.events;
+        self.modules += other.modules;
+        self.pools += other.pools;
+        self.retained_contexts.extend(other.retained_contexts);
+    }
+
     /// Whether no memory (device, host, registered or mapped) is held.
     pub fn no_memory_leaked(&self) -> bool {
         self.allocations.is_empty()

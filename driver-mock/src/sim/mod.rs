@@ -280,6 +280,17 @@ impl SimDriver {
         })
     }
 
+    /// What destroying this process's contexts (a release of the last reference, or
+    /// `cuDevicePrimaryCtxReset`) took with it while it was still held: memory, mappings,
+    /// streams, events, modules, pools. The driver reclaims all of it, so [`leak_report`]
+    /// cannot show it; a manager that frees everything before its context goes leaves this
+    /// empty.
+    ///
+    /// [`leak_report`]: Self::leak_report
+    pub fn reclaimed_by_destroy(&self) -> LeakReport {
+        self.with_process(|p| p.reclaimed.clone())
+    }
+
     /// What this process still holds.
     pub fn leak_report(&self) -> LeakReport {
         let w = self.lock();

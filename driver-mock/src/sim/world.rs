@@ -3,13 +3,14 @@
 
 use std::collections::BTreeMap;
 
-use driver_sys::{ContextHandle, DeviceAttribute, DeviceOrdinal, code};
+use driver_sys::{ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, HostPtr, code};
 
 use super::Note;
 use super::config::{CONTEXT_HANDLE_BASE, HANDLE_BASE};
+use super::host::HostKind;
 use super::host::HostRange;
 use super::ipc::IpcMap;
-use super::log::{CallRecord, Fault};
+use super::log::{CallRecord, Fault, LeakReport};
 use super::memory::{DeviceMem, Store};
 use super::pools::SimPool;
 
@@ -32,6 +33,8 @@ pub(super) struct Process {
     pub(super) ipc: BTreeMap<u64, IpcMap>,
     /// Stream-ordered pools: handle → pool (the default pools included).
     pub(super) pools: BTreeMap<u64, SimPool>,
+    /// What destroying this process's contexts took with it while it was still held.
+    pub(super) reclaimed: LeakReport,
 }
 
 impl Process {
@@ -45,6 +48,7 @@ impl Process {
             objects: BTreeMap::new(),
             ipc: BTreeMap::new(),
             pools: BTreeMap::new(),
+            reclaimed: LeakReport::default(),
         }
     }
 }
@@ -122,6 +126,8 @@ impl World {
 
     /// Destroys process `pid`'s context on `device` and everything it owned there.
     pub(super) fn destroy_context(&mut self, pid: usize, device: usize) {
+        let held = self.held_on(pid, device);
+        self.processes[pid].reclaimed.absorb(held);
         let bases: Vec<u64> = self.devices[device]
             .allocs
             .iter()
@@ -161,6 +167,49 @@ impl World {
         for s in stores {
             self.drop_store(s);
         }
+    }
+
+    /// What process `pid` holds in its context on `device`: what destroying that context
+    /// would reclaim (portable pinned memory survives it, so it is not listed).
+    fn held_on(&self, pid: usize, device: usize) -> LeakReport {
+        let p = &self.processes[pid];
+        let dev = DeviceOrdinal(device as u32);
+        let mut r = LeakReport::default();
+        for (&addr, a) in self.devices[device]
+            .allocs
+            .iter()
+            .filter(|(_, a)| a.owner == pid)
+        {
+            r.allocations.push((dev, DevicePtr(addr), a.size));
+        }
+        for (&addr, h) in p
+            .host
+            .iter()
+            .filter(|(_, h)| h.device == device && !h.portable)
+        {
+            match h.kind {
+                HostKind::Alloc(_) => r.host_allocations.push((HostPtr(addr), h.size)),
+                HostKind::Registered => r.host_registrations.push((HostPtr(addr), h.size)),
+            }
+        }
+        for (&addr, m) in p.ipc.iter().filter(|(_, m)| m.device == device) {
+            r.ipc_mappings.push((dev, DevicePtr(addr), m.size));
+        }
+        let count = |kind| {
+            p.objects
+                .values()
+                .filter(|(k, d)| *k == kind && *d == device)
+                .count()
+        };
+        r.streams = count(Object::Stream);
+        r.events = count(Object::Event);
+        r.modules = count(Object::Module);
+        r.pools = p
+            .pools
+            .values()
+            .filter(|q| q.device == device && !q.is_default && !q.destroyed)
+            .count();
+        r
     }
 
     /// `cuInit`: [`Driver::init`](driver_sys::Driver::init) in the model.

@@ -208,7 +208,18 @@ impl Adapted {
                 let weak = Arc::downgrade(&inner);
                 Arc::new(LogObserver {
                     log: log.expect("the factory opens the log"),
-                    info: Box::new(move || weak.upgrade().and_then(|m| m.get_memory_info().ok())),
+                    info: Box::new(move || {
+                        let manager = weak.upgrade()?;
+                        match manager.get_memory_info() {
+                            Ok(info) => Some(info),
+                            Err(e) => {
+                                // The log line keeps the last figures it had; the event is
+                                // still logged.
+                                tracing::warn!(error = %e, "the log adaptor could not read free and total memory");
+                                None
+                            }
+                        }
+                    }),
                 })
             }
         };

@@ -172,6 +172,7 @@ impl RuntimeBuilder {
                 contexts: BTreeMap::new(),
             }),
             imports: Arc::new(PoolImports::default()),
+            unreleased: Mutex::new(Vec::new()),
         })
     }
 }
@@ -206,6 +207,9 @@ pub struct Runtime {
     pinned_pool: Option<PinnedPoolConfig>,
     state: Mutex<State>,
     imports: Arc<PoolImports>,
+    /// Primary-context references the driver refused to release (twice): released again when
+    /// the runtime ends, so that no reference is lost.
+    unreleased: Mutex<Vec<DeviceOrdinal>>,
 }
 
 impl fmt::Debug for Runtime {
@@ -352,8 +356,9 @@ impl Runtime {
         let (manager, can_map_host_memory) = match manager {
             Ok(m) => m,
             Err(e) => {
-                // SAFETY: matches the retain just above; nothing was allocated in it by us.
-                if let Err(release) = unsafe { self.driver.primary_ctx_release(device) } {
+                // Nothing was allocated in the context by us: the retain just above is given
+                // back (or kept for the runtime's end, if the driver refuses it).
+                if let Err(release) = self.release_primary(device) {
                     tracing::error!(%device, error = %release, "releasing the primary context after a failed manager creation");
                 }
                 return Err(e);
@@ -451,21 +456,29 @@ impl Runtime {
             reset = reset.and(queue.flush_for_teardown().map(|_| ()));
         }
         inner.cx.liveness.kill();
-        // A failed release changed nothing (the driver's contract), and no one else will ever
-        // release this reference: try once more before reporting it.
+        let release = self.release_primary(inner.cx.device);
+        reset.and(release)
+    }
+
+    /// Gives back one reference to `device`'s primary context, which emm retained and no longer
+    /// uses. A failed release changed nothing (the driver's contract), and no one else will
+    /// ever release this reference: it is tried once more, and if the driver refuses again,
+    /// kept for the runtime's end (and the error returned).
+    fn release_primary(&self, device: DeviceOrdinal) -> Result<(), EmmError> {
         let release = || {
-            // SAFETY: matches the retain made when the context was created (a failed attempt
-            // released nothing); the context is dead, so nothing emm holds uses its memory again.
-            unsafe { self.driver.primary_ctx_release(inner.cx.device) }
+            // SAFETY: matches a retain emm made (a failed attempt released nothing); the context
+            // is dead or was never used, so nothing emm holds uses its memory again.
+            unsafe { self.driver.primary_ctx_release(device) }
         };
-        let release = release()
+        release()
             .or_else(|e| {
-                tracing::warn!(device = %inner.cx.device, error = %e, "releasing the primary context failed; trying once more");
+                tracing::warn!(%device, error = %e, "releasing the primary context failed; trying once more");
                 release()
             })
-            .map_err(|e| EmmError::driver("primary context release", inner.cx.device, e));
-
-        reset.and(release)
+            .map_err(|e| {
+                lock(&self.unreleased).push(device);
+                EmmError::driver("primary context release", device, e)
+            })
     }
 }
 
@@ -475,6 +488,13 @@ impl Drop for Runtime {
         for ctx in contexts.values() {
             if let Err(e) = self.retire(ctx) {
                 tracing::error!(device = %ctx.device(), error = %e, "tearing down a context while dropping the runtime");
+            }
+        }
+        // References the driver refused to release earlier: a last attempt each.
+        for device in std::mem::take(&mut *lock(&self.unreleased)) {
+            // SAFETY: a reference emm retained and failed to give back; the context is dead.
+            if let Err(e) = unsafe { self.driver.primary_ctx_release(device) } {
+                tracing::error!(%device, error = %e, "the primary context reference the driver refused to release stays retained");
             }
         }
     }

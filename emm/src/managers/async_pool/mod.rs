@@ -243,7 +243,13 @@ impl AsyncPoolAllocator {
             let state = lock(&self.shared.state);
             (state.pool?, state.live.len())
         };
-        let usage = cx.driver.mem_pool_usage(cx.context, pool).ok()?;
+        let usage = match cx.driver.mem_pool_usage(cx.context, pool) {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::warn!(device = %cx.device, error = %e, "reading the stream-ordered pool's usage failed; pool_stats reports no device pool");
+                return None;
+            }
+        };
         Some(PoolStats {
             held_bytes: usage.reserved as usize,
             in_use_bytes: usage.used as usize,
