@@ -440,21 +440,22 @@ fn every_driver_call_fails_once_and_emm_survives() {
                         survived += 1;
                         let op = outcome.faulted[0];
                         reached.insert(format!("{op:?}"));
-                        if outcome.error.is_none() {
-                            if may_absorb(manager, op, kind) {
+                        match &outcome.error {
+                            None if may_absorb(manager, op, kind) => {
                                 *absorbed.entry(format!("{op:?} {kind:?}")).or_default() += 1;
-                            } else {
+                            }
+                            None => failures.push(format!(
+                                "{manager} ({process}) call {nth} ({op:?}) failing with {kind:?}: the workload completed as if nothing failed"
+                            )),
+                            Some(e)
+                                if kind == ErrorKind::OutOfMemory
+                                    && matches!(op, Op::MemAlloc | Op::MemAllocFromPoolAsync) =>
+                            {
                                 failures.push(format!(
-                                    "{manager} ({process}) call {nth} ({op:?}) failing with {kind:?}: the workload completed as if nothing failed"
+                                    "{manager} ({process}) call {nth}: out-of-memory was not retried: {e}"
                                 ));
                             }
-                        } else if kind == ErrorKind::OutOfMemory
-                            && matches!(op, Op::MemAlloc | Op::MemAllocFromPoolAsync)
-                        {
-                            failures.push(format!(
-                                "{manager} ({process}) call {nth}: out-of-memory was not retried: {}",
-                                outcome.error.as_ref().expect("an error")
-                            ));
+                            Some(_) => {}
                         }
                     }
                     Err(e) => failures.push(format!(
