@@ -456,3 +456,157 @@ pub fn pool_export_conformance(target: Target) -> Result<(), Failed> {
     }
     Ok(())
 }
+
+/// What destroying a context (its last release) takes with it, as emm relies on when it frees
+/// everything before a context goes: its device memory and its pinned host memory are gone
+/// afterwards (a free of either is `CUDA_ERROR_INVALID_VALUE` in the re-created context), while
+/// portable pinned memory, pinned for every context, survives and is freed normally.
+pub fn context_destruction_reclaims_but_portable_pinned_survives(
+    target: Target,
+) -> Result<(), Failed> {
+    use driver_sys::host_alloc;
+    let (driver, _) = make_driver(target)?;
+    driver.init()?;
+    let dev = DeviceOrdinal(0);
+    let ctx = driver.primary_ctx_retain(dev)?;
+    let device = driver.mem_alloc(ctx, 1 << 20)?;
+    let pinned = driver.mem_host_alloc(ctx, 4096, 0)?;
+    let portable = driver.mem_host_alloc(ctx, 4096, host_alloc::PORTABLE)?;
+    // SAFETY: matches the retain above: the context is destroyed with what it holds; only
+    // `portable` is used again, as memory of every context.
+    unsafe { driver.primary_ctx_release(dev)? };
+    let again = driver.primary_ctx_retain(dev)?;
+    // SAFETY: `device` died with the context; the driver must refuse it.
+    let r = unsafe { driver.mem_free(again, device) };
+    expect_kind(
+        "cuMemFree of the old context's memory",
+        r,
+        ErrorKind::InvalidValue,
+    )?;
+    // SAFETY: `pinned` died with the context; the driver must refuse it.
+    let r = unsafe { driver.mem_free_host(again, pinned) };
+    expect_kind(
+        "cuMemFreeHost of the old context's pinned memory",
+        r,
+        ErrorKind::InvalidValue,
+    )?;
+    ensure_eq!(
+        driver.mem_host_get_device_pointer(again, portable)?.0,
+        portable.0 as u64,
+        "portable pinned memory is still pinned"
+    );
+    // SAFETY: `portable` survived the context and is freed once, here.
+    unsafe { driver.mem_free_host(again, portable)? };
+    // SAFETY: matches the retain above.
+    unsafe { driver.primary_ctx_release(dev)? };
+    Ok(())
+}
+
+/// Stream-ordered pools as emm's `async-pool` uses them: usage is counted in `reserved` and
+/// `used`; with the release threshold at 0 a synchronisation returns freed memory to the
+/// system, at its maximum the pool keeps it until `cuMemPoolTrimTo(0)`; a pool destroyed with
+/// an allocation outstanding releases its memory only once that allocation is freed (measured
+/// on the H200; emm's reset frees first for that reason).
+pub fn stream_ordered_pool_conformance(target: Target) -> Result<(), Failed> {
+    use driver_sys::StreamHandle;
+    let raw = Raw::new(target)?;
+    let (d, ctx, dev) = (&raw.driver, raw.ctx, DeviceOrdinal(0));
+    let s0 = StreamHandle(0);
+    let pool = d.mem_pool_create(ctx, dev, false)?;
+    let usage = d.mem_pool_usage(ctx, pool)?;
+    ensure_eq!(
+        (usage.reserved, usage.used),
+        (0, 0),
+        "a new pool holds nothing"
+    );
+    for threshold in [0, u64::MAX] {
+        d.mem_pool_set_release_threshold(ctx, pool, threshold)?;
+        let p = d.mem_alloc_from_pool_async(ctx, pool, 1 << 20, s0)?;
+        d.stream_synchronize(ctx, s0)?;
+        let usage = d.mem_pool_usage(ctx, pool)?;
+        ensure_eq!(usage.used, 1 << 20, "threshold {threshold}: in use");
+        ensure!(
+            usage.reserved >= 1 << 20,
+            "threshold {threshold}: reserved {} for 1 MiB in use",
+            usage.reserved
+        );
+        // SAFETY: allocated just above on stream 0, freed once; nothing uses it afterwards.
+        unsafe { d.mem_free_async(ctx, p, s0)? };
+        d.stream_synchronize(ctx, s0)?;
+        let usage = d.mem_pool_usage(ctx, pool)?;
+        ensure_eq!(usage.used, 0, "threshold {threshold}: freed");
+        if threshold == 0 {
+            ensure_eq!(
+                usage.reserved,
+                0,
+                "threshold 0: released at the synchronisation"
+            );
+        } else {
+            ensure!(
+                usage.reserved >= 1 << 20,
+                "threshold max: kept, reserved {}",
+                usage.reserved
+            );
+            d.mem_pool_trim_to(ctx, pool, 0)?;
+            ensure_eq!(d.mem_pool_usage(ctx, pool)?.reserved, 0, "trimmed to 0");
+        }
+    }
+    // Destroyed with an allocation outstanding: the memory stays until it is freed.
+    let before = d.mem_get_info(ctx)?.free;
+    let p = d.mem_alloc_from_pool_async(ctx, pool, 8 << 20, s0)?;
+    d.stream_synchronize(ctx, s0)?;
+    let held = d.mem_get_info(ctx)?.free;
+    ensure!(
+        held + (8 << 20) <= before,
+        "8 MiB taken: {before} -> {held}"
+    );
+    // SAFETY: the pool is destroyed once; `p` stays valid until its free below.
+    unsafe { d.mem_pool_destroy(ctx, pool)? };
+    ensure!(
+        d.mem_get_info(ctx)?.free + (8 << 20) <= before,
+        "the outstanding allocation keeps its memory after the pool is destroyed"
+    );
+    // SAFETY: `p` came from the destroyed pool and is freed once, here.
+    unsafe { d.mem_free_async(ctx, p, s0)? };
+    d.stream_synchronize(ctx, s0)?;
+    ensure_eq!(
+        d.mem_get_info(ctx)?.free,
+        before,
+        "the memory is back once the allocation is freed"
+    );
+    Ok(())
+}
+
+/// The attributes emm reads: device 0 can map host memory (emm refuses mapped pins where it
+/// cannot), and the PCI ids that name a device across processes are non-negative and differ
+/// between devices.
+pub fn device_attributes_conformance(target: Target) -> Result<(), Failed> {
+    use driver_sys::DeviceAttribute;
+    let (driver, _) = make_driver(target)?;
+    driver.init()?;
+    let count = driver.device_count()?;
+    ensure!(count >= 1);
+    ensure_eq!(
+        driver.device_attribute(DeviceOrdinal(0), DeviceAttribute::CanMapHostMemory)?,
+        1,
+        "device 0 maps host memory"
+    );
+    let mut ids = Vec::new();
+    for d in 0..count {
+        let dev = DeviceOrdinal(d);
+        let id = (
+            driver.device_attribute(dev, DeviceAttribute::PciDomainId)?,
+            driver.device_attribute(dev, DeviceAttribute::PciBusId)?,
+            driver.device_attribute(dev, DeviceAttribute::PciDeviceId)?,
+        );
+        ensure!(id.0 >= 0 && id.1 >= 0 && id.2 >= 0, "device {d}: {id:?}");
+        ensure!(!ids.contains(&id), "device {d} shares PCI ids {id:?}");
+        ids.push(id);
+    }
+    expect_kind(
+        "an attribute of a device that does not exist",
+        driver.device_attribute(DeviceOrdinal(count), DeviceAttribute::PciBusId),
+        ErrorKind::InvalidDevice,
+    )?;
+    Ok(())
+}
