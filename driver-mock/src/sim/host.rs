@@ -53,6 +53,16 @@ pub(super) struct HostRange {
     pub(super) kind: HostKind,
 }
 
+impl HostRange {
+    /// Whether destroying the context that made it leaves it in place. Measured on the H200:
+    /// `cuMemHostAlloc` memory goes with its context, portable or not (the flag makes it
+    /// pinned for every context, not longer-lived). A portable registration of the caller's
+    /// memory is kept (not measured).
+    pub(super) fn survives_its_context(&self) -> bool {
+        self.portable && matches!(self.kind, HostKind::Registered)
+    }
+}
+
 impl World {
     /// `cuMemHostAlloc`: [`Driver::mem_host_alloc`](driver_sys::Driver::mem_host_alloc) in the model.
     pub(super) fn mem_host_alloc(

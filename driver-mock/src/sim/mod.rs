@@ -100,7 +100,7 @@ pub fn failed_releases_on_this_thread() -> u64 {
 ///   `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`, unregistering an unknown one
 ///   `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`.
 /// - **Primary contexts.** Releasing the last reference destroys the context and everything it
-///   owns (device memory, non-portable pinned memory, streams, events, modules, IPC mappings);
+///   owns (device memory, pinned memory, portable too, as measured, streams, events, modules, IPC mappings);
 ///   `cuDevicePrimaryCtxReset` does so even while references remain. A destroyed context
 ///   answers `CUDA_ERROR_CONTEXT_IS_DESTROYED` until the next retain re-creates it (with the
 ///   same handle, as on the GPU); releasing at count zero is `CUDA_ERROR_INVALID_CONTEXT`.

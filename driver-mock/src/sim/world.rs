@@ -146,7 +146,7 @@ impl World {
         p.pools.retain(|_, pool| pool.device != device);
         let mut freed_pinned = 0;
         p.host.retain(|_, h| {
-            let keep = h.device != device || h.portable;
+            let keep = h.device != device || h.survives_its_context();
             if !keep {
                 freed_pinned += h.size;
             }
@@ -185,7 +185,7 @@ impl World {
         for (&addr, h) in p
             .host
             .iter()
-            .filter(|(_, h)| h.device == device && !h.portable)
+            .filter(|(_, h)| h.device == device && !h.survives_its_context())
         {
             match h.kind {
                 HostKind::Alloc(_) => r.host_allocations.push((HostPtr(addr), h.size)),

@@ -151,8 +151,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     stress::stress_mixed_operations,
     driver_conformance::alignment_of_allocations,
     driver_conformance::pool_export_conformance,
-    driver_conformance::context_destruction_reclaims_but_portable_pinned_survives
-        [ProvokesFailedReleases],
+    driver_conformance::context_destruction_reclaims_all_its_memory[ProvokesFailedReleases],
     driver_conformance::stream_ordered_pool_conformance,
     driver_conformance::device_attributes_conformance,
     driver_conformance::zero_byte_alloc_is_invalid_value,
