@@ -492,6 +492,119 @@ pub fn ipc_child(
 /// The variable that makes the suite binary act as the other process of an IPC test.
 pub const IPC_CHILD_ENV: &str = "EMM_IPC_CHILD";
 
+/// The variable that makes the suite binary a raw importer of one `cuIpcGetMemHandle` handle
+/// (hex) for the IPC conformance test; `EMM_RAW_IPC_SIZE` gives the exported size.
+pub const RAW_IPC_CHILD_ENV: &str = "EMM_RAW_IPC_CHILD";
+
+/// The importing side of the IPC conformance test, with bare driver calls on device 0: the
+/// pattern `0, 1, 2, ...` (bytes modulo 251) of an allocation of `size` bytes another process
+/// exported as `handle` is seen through the mapping; a second open in the same context returns
+/// the same address (the driver counts the opens), and one close leaves it mapped, the second
+/// unmaps it, a third is `CUDA_ERROR_INVALID_VALUE`; `cuMemGetAddressRange` of the mapping
+/// gives its base and at least the exported size.
+pub fn raw_ipc_importer(driver: &dyn Driver, handle: &[u8], size: usize) -> Result<(), String> {
+    use driver_sys::{DeviceOrdinal, ErrorKind, IpcMemHandle};
+    let h = IpcMemHandle(
+        handle
+            .try_into()
+            .map_err(|_| format!("a handle of {} bytes, not 64", handle.len()))?,
+    );
+    let e = |what: &str| {
+        let what = what.to_owned();
+        move |err: DriverError| format!("{what}: {err}")
+    };
+    driver.init().map_err(e("cuInit"))?;
+    let dev = DeviceOrdinal(0);
+    let ctx = driver.primary_ctx_retain(dev).map_err(e("retain"))?;
+    let steps = (|| -> Result<(), String> {
+        let a = driver
+            .ipc_open_mem_handle(ctx, &h)
+            .map_err(e("first open"))?;
+        let b = driver
+            .ipc_open_mem_handle(ctx, &h)
+            .map_err(e("second open"))?;
+        if a != b {
+            return Err(format!("a second open mapped {b}, the first {a}"));
+        }
+        let (base, mapped) = driver
+            .mem_get_address_range(ctx, a)
+            .map_err(e("cuMemGetAddressRange of the mapping"))?;
+        if base != a || mapped < size {
+            return Err(format!(
+                "the mapping's range is {base} + {mapped}, opened at {a} for {size} bytes"
+            ));
+        }
+        let expect: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        let read = |what: &str| -> Result<(), String> {
+            let mut seen = vec![0u8; size];
+            // SAFETY: `a .. a + size` is the open mapping of the exporter's allocation, which
+            // the exporter keeps and does not write while this process runs.
+            unsafe { driver.memcpy_dtoh(ctx, &mut seen, a) }.map_err(e(what))?;
+            if seen != expect {
+                return Err(format!("{what}: not the exported bytes"));
+            }
+            Ok(())
+        };
+        read("reading through the mapping")?;
+        // SAFETY: opened twice above; this close undoes one open, the mapping stays.
+        unsafe { driver.ipc_close_mem_handle(ctx, a) }.map_err(e("first close"))?;
+        read("reading after one of two closes")?;
+        // SAFETY: the second close undoes the last open; nothing reads the mapping afterwards.
+        unsafe { driver.ipc_close_mem_handle(ctx, a) }.map_err(e("second close"))?;
+        // SAFETY: not mapped any more; the driver must refuse.
+        match unsafe { driver.ipc_close_mem_handle(ctx, a) } {
+            Err(err) if err.kind() == ErrorKind::InvalidValue => Ok(()),
+            other => Err(format!(
+                "a third close: expected InvalidValue, got {other:?}"
+            )),
+        }
+    })();
+    // SAFETY: matches the retain above, whatever the steps found.
+    let released = unsafe { driver.primary_ctx_release(dev) }.map_err(e("release"));
+    steps.and(released)
+}
+
+/// Runs [`raw_ipc_importer`] in another process: a simulated one, or on the GPU a real child
+/// process (this executable, re-run with [`RAW_IPC_CHILD_ENV`] set).
+pub fn raw_ipc_import_in_other_process(
+    sim: Option<&Arc<SimDriver>>,
+    handle: &[u8],
+    size: usize,
+) -> Result<(), String> {
+    if let Some(sim) = sim {
+        let other = sim.spawn_process();
+        raw_ipc_importer(&other, handle, size)?;
+        let leaks = other.leak_report();
+        return if leaks.is_clean() {
+            Ok(())
+        } else {
+            Err(format!("the importer leaked: {leaks}"))
+        };
+    }
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let out = std::process::Command::new(exe)
+        .env(RAW_IPC_CHILD_ENV, hex(handle))
+        .env("EMM_RAW_IPC_SIZE", size.to_string())
+        .output()
+        .map_err(|e| format!("running the child process: {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("EMM_IPC_RESULT "))
+    {
+        Some(r) if r.trim_end() == "ok" => Ok(()),
+        Some(r) => Err(format!(
+            "in the child process: {}",
+            r.strip_prefix("err ").unwrap_or(r)
+        )),
+        None => Err(format!(
+            "the child printed no result (exit {:?}); stderr: {}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr)
+        )),
+    }
+}
+
 /// The variable that tells the IPC child where to receive a pool export (a Unix socket path).
 const IPC_POOL_SOCKET_ENV: &str = "EMM_IPC_POOL_SOCKET";
 
@@ -647,6 +760,21 @@ fn send_to_child(
 /// If this process was started as the other process of an IPC test, does that job, prints its
 /// result and exits; otherwise returns.
 pub fn run_ipc_child_if_requested() {
+    if let Ok(bytes) = std::env::var(RAW_IPC_CHILD_ENV) {
+        let size = std::env::var("EMM_RAW_IPC_SIZE")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let result = unhex(&bytes).and_then(|bytes| {
+            let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
+            raw_ipc_importer(&*driver, &bytes, size)
+        });
+        match result {
+            Ok(()) => println!("EMM_IPC_RESULT ok "),
+            Err(e) => println!("EMM_IPC_RESULT err {}", e.replace('\n', " ")),
+        }
+        std::process::exit(0);
+    }
     let Ok(bytes) = std::env::var(IPC_CHILD_ENV) else {
         return;
     };

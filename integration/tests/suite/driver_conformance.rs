@@ -618,3 +618,36 @@ pub fn device_attributes_conformance(target: Target) -> Result<(), Failed> {
     )?;
     Ok(())
 }
+
+/// IPC mappings in the importing process, with bare driver calls (the importer is another
+/// process: a simulated one, or a real child on the GPU; see
+/// [`integration::raw_ipc_importer`]): the exported bytes arrive; a second open in one context
+/// returns the same address and counts (one close leaves the mapping, the second unmaps it, a
+/// third is `CUDA_ERROR_INVALID_VALUE`); the mapping's address range starts at it and covers
+/// the allocation. The exporter frees only after the importer closed: freeing first is
+/// undefined by the driver's documentation (`cuIpcGetMemHandle`), so it is not pinned here;
+/// emm's exporting handle keeps the memory until it is dropped.
+pub fn ipc_mapping_conformance(target: Target) -> Result<(), Failed> {
+    let (driver, sim) = make_driver(target)?;
+    driver.init()?;
+    let dev = DeviceOrdinal(0);
+    let ctx = driver.primary_ctx_retain(dev)?;
+    let size = 1 << 20;
+    let result = (|| -> Result<(), Failed> {
+        let p = driver.mem_alloc(ctx, size)?;
+        let pattern: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        let imported = (|| -> Result<(), Failed> {
+            // SAFETY: `p` is this context's allocation of `size` bytes, not otherwise in use.
+            unsafe { driver.memcpy_htod(ctx, p, &pattern)? };
+            let handle = driver.ipc_get_mem_handle(ctx, p)?;
+            integration::raw_ipc_import_in_other_process(sim.as_ref(), &handle.0, size)?;
+            Ok(())
+        })();
+        // SAFETY: allocated above, freed once, after the importer closed its mapping.
+        unsafe { driver.mem_free(ctx, p)? };
+        imported
+    })();
+    // SAFETY: matches the retain above.
+    unsafe { driver.primary_ctx_release(dev)? };
+    result
+}

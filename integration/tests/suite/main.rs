@@ -154,6 +154,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     driver_conformance::context_destruction_reclaims_all_its_memory[ProvokesFailedReleases],
     driver_conformance::stream_ordered_pool_conformance,
     driver_conformance::device_attributes_conformance,
+    driver_conformance::ipc_mapping_conformance[ProvokesFailedReleases],
     driver_conformance::zero_byte_alloc_is_invalid_value,
     driver_conformance::oversized_alloc_is_out_of_memory,
     driver_conformance::double_free_is_invalid_value[ProvokesFailedReleases],
