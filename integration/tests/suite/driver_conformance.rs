@@ -651,3 +651,53 @@ pub fn ipc_mapping_conformance(target: Target) -> Result<(), Failed> {
     unsafe { driver.primary_ctx_release(dev)? };
     result
 }
+
+/// What `async-pool`'s out-of-memory retry relies on: memory a stream-ordered pool caches
+/// (release threshold at its maximum) is not available to `cuMemAlloc` until the pool is
+/// trimmed. With the device filled, a `cuMemAlloc` that the cache could serve is
+/// `CUDA_ERROR_OUT_OF_MEMORY`, and succeeds once `cuMemPoolTrimTo(0)` gave the cache back.
+pub fn pool_cache_is_unavailable_until_trimmed(target: Target) -> Result<(), Failed> {
+    use driver_sys::StreamHandle;
+    let raw = Raw::new(target)?;
+    let (d, ctx, dev) = (&raw.driver, raw.ctx, DeviceOrdinal(0));
+    let s0 = StreamHandle(0);
+    let total = d.mem_get_info(ctx)?.total;
+    let cached = (256 << 20).min(total / 8 / PAGE * PAGE);
+    let pool = d.mem_pool_create(ctx, dev, false)?;
+    let mut held = Vec::new();
+    let result = (|| -> Result<(), Failed> {
+        d.mem_pool_set_release_threshold(ctx, pool, u64::MAX)?;
+        let p = d.mem_alloc_from_pool_async(ctx, pool, cached, s0)?;
+        // SAFETY: allocated just above on stream 0, freed once; nothing uses it.
+        unsafe { d.mem_free_async(ctx, p, s0)? };
+        d.stream_synchronize(ctx, s0)?;
+        ensure!(
+            d.mem_pool_usage(ctx, pool)?.reserved >= cached as u64,
+            "the pool caches the freed block"
+        );
+        // Fill what is left of the device, in ever smaller pieces.
+        for chunk in [1usize << 30, 64 << 20, 2 << 20] {
+            loop {
+                match d.mem_alloc(ctx, chunk) {
+                    Ok(p) => held.push(p),
+                    Err(e) if e.kind() == ErrorKind::OutOfMemory => break,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        expect_kind(
+            "cuMemAlloc of what only the pool's cache could serve",
+            d.mem_alloc(ctx, cached / 2),
+            ErrorKind::OutOfMemory,
+        )?;
+        d.mem_pool_trim_to(ctx, pool, 0)?;
+        held.push(d.mem_alloc(ctx, cached / 2)?);
+        Ok(())
+    })();
+    for p in held {
+        raw.free(p)?;
+    }
+    // SAFETY: nothing of the pool is outstanding; destroyed once.
+    unsafe { d.mem_pool_destroy(ctx, pool)? };
+    result
+}
