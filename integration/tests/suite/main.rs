@@ -155,7 +155,6 @@ const TESTS: &[SuiteTest] = suite_tests![
     driver_conformance::stream_ordered_pool_conformance,
     driver_conformance::device_attributes_conformance,
     driver_conformance::ipc_mapping_conformance[ProvokesFailedReleases],
-    driver_conformance::pool_cache_is_unavailable_until_trimmed,
     driver_conformance::zero_byte_alloc_is_invalid_value,
     driver_conformance::oversized_alloc_is_out_of_memory,
     driver_conformance::double_free_is_invalid_value[ProvokesFailedReleases],
