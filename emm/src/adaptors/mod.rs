@@ -90,7 +90,8 @@ impl Adaptor {
         }
     }
 
-    fn name(&self) -> &'static str {
+    /// The adaptor's name in `EMM_MEMORY_ADAPTORS`.
+    pub fn name(&self) -> &'static str {
         match self {
             Adaptor::Stats => "stats",
             Adaptor::Limit(_) => "limit",

@@ -64,18 +64,30 @@ pub fn adaptors_from_lookup(
     let Some(value) = lookup(ENV_MEMORY_ADAPTORS) else {
         return Ok(Vec::new());
     };
-    value
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|item| {
-            Adaptor::parse(item).map_err(|reason| EmmError::Config {
-                variable: ENV_MEMORY_ADAPTORS,
-                value: value.clone(),
-                reason,
-            })
-        })
-        .collect()
+    let bad = |reason: String| EmmError::Config {
+        variable: ENV_MEMORY_ADAPTORS,
+        value: value.clone(),
+        reason,
+    };
+    let mut adaptors: Vec<Adaptor> = Vec::new();
+    for (n, item) in value.split(',').map(str::trim).enumerate() {
+        if item.is_empty() {
+            return Err(bad(format!(
+                "item {} is empty; list adaptors separated by single commas (such as \
+                 'limit=8GiB,stats'), or unset it",
+                n + 1
+            )));
+        }
+        let adaptor = Adaptor::parse(item).map_err(&bad)?;
+        if let Some(same) = adaptors.iter().find(|a| a.name() == adaptor.name()) {
+            return Err(bad(format!(
+                "'{}' appears twice (as {same:?} and as {adaptor:?}); name each adaptor once",
+                adaptor.name()
+            )));
+        }
+        adaptors.push(adaptor);
+    }
+    Ok(adaptors)
 }
 
 /// Reads `EMM_MEMORY_MANAGER`: `Ok(None)` when unset; an empty value is an error.
@@ -104,6 +116,23 @@ pub fn manager_name_from_lookup(
 mod tests {
     use super::*;
     use crate::units::tests::env;
+
+    #[test]
+    fn adaptor_lists_without_empty_items_or_repeats() {
+        let read = |v: &str| adaptors_from_lookup(env(&[(ENV_MEMORY_ADAPTORS, v)]));
+        assert_eq!(read(" limit=1GiB , stats ").unwrap().len(), 2);
+        for (value, says) in [
+            ("", "item 1 is empty"),
+            ("stats,,stats", "item 2 is empty"),
+            ("stats,", "item 2 is empty"),
+            ("stats,stats", "'stats' appears twice"),
+            ("log=a.csv,trace,log=b.csv", "'log' appears twice"),
+        ] {
+            let text = read(value).unwrap_err().to_string();
+            assert!(text.starts_with(ENV_MEMORY_ADAPTORS), "{text}");
+            assert!(text.contains(says), "{value:?}: {text}");
+        }
+    }
 
     #[test]
     fn manager_name() {
