@@ -674,7 +674,7 @@ pub fn open_in_other_process_with(
             let listener = match &pool {
                 Some(_) => {
                     let path = socket_path();
-                    let listener = std::os::unix::net::UnixListener::bind(&path)
+                    let listener = emm::ipc::bind_owner_only(&path)
                         .map_err(|e| format!("binding {}: {e}", path.display()))?;
                     cmd.env(IPC_POOL_SOCKET_ENV, &path);
                     Some((listener, path))

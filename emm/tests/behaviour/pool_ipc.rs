@@ -367,3 +367,107 @@ fn staged_opens_on_another_device_go_through_the_host() {
     }
     assert!(other.leak_report().is_clean(), "{}", other.leak_report());
 }
+
+/// The variables that make this binary the other process of the cross-user tests.
+const PEER_SOCKET_ENV: &str = "EMM_TEST_PEER_SOCKET";
+
+/// The other process of the cross-user tests (run by them as another user, with
+/// `--ignored --exact pool_ipc::peer_receives`): connects to the socket the test names and
+/// prints what `PoolExport::receive` gave.
+#[test]
+#[ignore = "the other process of the cross-user tests; they run it"]
+fn peer_receives() {
+    let path = std::env::var(PEER_SOCKET_ENV).expect("run by the cross-user tests");
+    let socket = UnixStream::connect(&path).expect("connecting to the exporter");
+    match PoolExport::receive(&socket) {
+        Ok(export) => println!("EMM_PEER_RESULT ok {}", export.id()),
+        Err(e) => println!("EMM_PEER_RESULT err {e}"),
+    }
+}
+
+/// Runs [`peer_receives`] as user `uid` against a listener at a fresh path, has the exporter
+/// send under `policy`; returns the exporter's result and the peer's line.
+fn send_to_user(
+    export: &PoolExport,
+    uid: u32,
+    policy: &emm::ipc::PeerPolicy,
+) -> (Result<(), EmmError>, String) {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let dir = std::env::temp_dir().join(format!("emm-peer-{}-{uid}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = dir.join("socket");
+    // Open to everyone here, so that the credential check, not the file mode, is what decides.
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "pool_ipc::peer_receives",
+            "--nocapture",
+        ])
+        .env(PEER_SOCKET_ENV, &path)
+        .uid(uid)
+        .gid(uid)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (stream, _) = listener.accept().unwrap();
+    let sent = export.send_to(&stream, policy);
+    drop(stream);
+    let out = child.wait_with_output().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("EMM_PEER_RESULT "))
+        .unwrap_or_else(|| {
+            panic!(
+                "the peer printed no result: {stdout} {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+        .to_owned();
+    (sent, line)
+}
+
+/// Who may import a pool: a process of another user is refused on both sides (the exporter's
+/// error names both users and the way to allow it; the importer's says the exporter refused
+/// it), and receives the pool once the exporter allows its uid. Needs root, to run the other
+/// process as another user (`nobody`, uid 65534); CI runs as root.
+#[test]
+fn a_process_of_another_user_is_refused_on_both_sides_unless_allowed() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!(
+            "a_process_of_another_user_is_refused_on_both_sides_unless_allowed: not run: it \
+             starts a process as another user, which needs root"
+        );
+        return;
+    }
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime_with(&sim, "async-pool-ipc");
+    let ctx = rt.context(0).unwrap();
+    let export = ctx.export_pool().unwrap();
+    let nobody = 65534;
+    let (sent, line) = send_to_user(&export, nobody, &emm::ipc::PeerPolicy::SameUser);
+    let e = sent.unwrap_err();
+    assert!(matches!(e, EmmError::PoolTransfer { .. }), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.contains("uid 65534") && text.contains("PeerPolicy::Uids"),
+        "{text}"
+    );
+    assert!(line.starts_with("err "), "{line}");
+    assert!(
+        line.contains("does not let this process (uid 65534) import its pool"),
+        "{line}"
+    );
+    let (sent, line) = send_to_user(&export, nobody, &emm::ipc::PeerPolicy::Uids(vec![nobody]));
+    sent.unwrap();
+    assert_eq!(line, format!("ok {}", export.id()));
+}
