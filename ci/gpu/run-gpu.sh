@@ -85,6 +85,19 @@ fi
 for t in "$here"/bin/unit-* "$here"/bin/test-*; do
     [ -e "$t" ] && run "$(basename "$t")" "$t"
 done
+# A soak, shorter than a manual one: every manager in turn, the stress workload and an IPC
+# round trip to a child process each round, device memory back to the byte every round, host
+# resident memory flat (EMM_GPU_SOAK_SECONDS, default 60; README says how to run longer).
+if [ -x "$here/bin/soak" ]; then
+    echo "=== soak" >>"$log"
+    out=$(mktemp)
+    EMM_DRIVER=cuda EMM_SOAK_SECONDS=${EMM_GPU_SOAK_SECONDS:-60} "$here/bin/soak" >"$out" 2>&1
+    rc=$?
+    cat "$out" >>"$log"
+    summary+=("$(printf '%-22s %s (exit %d)' soak "$(grep -E '^soak: [0-9]+ rounds' "$out" | tail -n 1)" "$rc")")
+    [ "$rc" = 0 ] || status=1
+    rm -f "$out"
+fi
 for ex in quickstart driver_probe; do
     if [ -x "$here/bin/$ex" ]; then
         echo "=== $ex" >>"$log"

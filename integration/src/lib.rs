@@ -15,6 +15,8 @@
 use std::fmt;
 use std::sync::Arc;
 
+pub mod stress;
+
 use driver_mock::{SimConfig, SimDeviceConfig, SimDriver};
 use driver_sys::{DeviceOrdinal, Driver, DriverError};
 use emm::{DeallocConfig, Runtime, RuntimeBuilder};

@@ -1,0 +1,75 @@
+//! Handles of stream-ordered pool memory (`async-pool-ipc`, handle kind 1) from another
+//! process: arbitrary bytes spliced over a real pool handle's, so that pool ids, export data,
+//! sizes and offsets are garbled. Decoding never panics; a decoded handle re-encodes to the
+//! same bytes; opening it in the importing (simulated) process either maps live memory of the
+//! imported pool or fails with a typed error (an unknown pool is `PoolNotImported`), and
+//! nothing stays imported after close.
+#![no_main]
+
+use std::sync::{Arc, OnceLock};
+
+use driver_mock::{SimConfig, SimDriver};
+use emm::{IpcHandle, Runtime};
+use libfuzzer_sys::fuzz_target;
+
+struct World {
+    importer: Runtime,
+    sim: Arc<SimDriver>,
+    /// Bytes of a handle to live pool memory, to splice inputs into.
+    live: Vec<u8>,
+    _exporter: Runtime,
+    _keep: emm::MemoryPointer,
+}
+
+fn world() -> &'static std::sync::Mutex<World> {
+    static W: OnceLock<std::sync::Mutex<World>> = OnceLock::new();
+    W.get_or_init(|| {
+        let sim = Arc::new(SimDriver::new(SimConfig::default()));
+        let exporter = Runtime::builder(sim.clone())
+            .ignore_env()
+            .memory_manager_name(emm::ASYNC_POOL_IPC_MANAGER)
+            .build()
+            .unwrap();
+        let ctx = exporter.context(0).unwrap();
+        let keep = ctx.to_device(&[7u8; 4096]).unwrap();
+        let live = ctx.get_ipc_handle(&keep).unwrap().to_bytes();
+        let export = ctx.export_pool().unwrap();
+        let other = Arc::new(sim.spawn_process());
+        let importer = Runtime::builder(other.clone())
+            .ignore_env()
+            .build()
+            .unwrap();
+        importer.import_pool(export).unwrap();
+        std::sync::Mutex::new(World {
+            importer,
+            sim: other,
+            live,
+            _exporter: exporter,
+            _keep: keep,
+        })
+    })
+}
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(h) = IpcHandle::from_bytes(data) {
+        assert_eq!(h.to_bytes(), data);
+    }
+    let w = world().lock().unwrap();
+    let mut bytes = w.live.clone();
+    let skip = data.first().map_or(0, |b| *b as usize % bytes.len());
+    for (i, b) in data.iter().skip(1).enumerate() {
+        let at = (skip + i) % bytes.len();
+        bytes[at] = *b;
+    }
+    let Ok(h) = IpcHandle::from_bytes(&bytes) else {
+        return;
+    };
+    let ctx = w.importer.context(0).unwrap();
+    if let Ok(mem) = h.open(&w.importer, &ctx) {
+        let mut back = vec![0u8; mem.size().min(64)];
+        let _ = ctx.copy_to_host(&mut back, &mem);
+        h.close().unwrap();
+    }
+    let leaks = w.sim.leak_report();
+    assert!(leaks.ipc_mappings.is_empty(), "an imported pointer outlived its close: {leaks}");
+});
