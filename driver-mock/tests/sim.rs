@@ -260,3 +260,21 @@ proptest! {
         }
     }
 }
+
+/// `clear_calls` empties the log and leaves the model alone (a long-lived simulator's log would
+/// otherwise grow without bound).
+#[test]
+fn clear_calls_empties_the_log_only() {
+    let sim = SimDriver::new(SimConfig::default());
+    sim.init().unwrap();
+    let ctx = sim.primary_ctx_retain(DeviceOrdinal(0)).unwrap();
+    let p = sim.mem_alloc(ctx, 4096).unwrap();
+    assert_eq!(sim.total_calls(), 3);
+    sim.clear_calls();
+    assert_eq!(sim.total_calls(), 0);
+    assert!(sim.calls().is_empty());
+    assert_eq!(sim.live_allocations(DeviceOrdinal(0)), vec![(p, 4096)]);
+    // SAFETY: allocated above, freed once.
+    unsafe { sim.mem_free(ctx, p).unwrap() };
+    assert_eq!(sim.ops(), vec![Op::MemFree]);
+}
