@@ -10,6 +10,9 @@ use driver_mock::{SimConfig, SimDriver};
 use emm::{IpcHandle, Runtime};
 use libfuzzer_sys::fuzz_target;
 
+#[path = "splice.rs"]
+mod splice;
+
 struct World {
     importer: Runtime,
     sim: Arc<SimDriver>,
@@ -58,12 +61,7 @@ fuzz_target!(|data: &[u8]| {
     w.sim.clear_calls();
     // Splice the input over a real handle's bytes, so that opens reach the driver.
     for base in [&w.live, &w.freed] {
-        let mut bytes = base.clone();
-        let skip = data.first().map_or(0, |b| *b as usize % bytes.len());
-        for (i, b) in data.iter().skip(1).enumerate() {
-            let at = (skip + i) % bytes.len();
-            bytes[at] = *b;
-        }
+        let bytes = splice::splice(base, data);
         let Ok(h) = IpcHandle::from_bytes(&bytes) else {
             continue;
         };

@@ -12,6 +12,9 @@ use driver_mock::{SimConfig, SimDriver};
 use emm::{IpcHandle, Runtime};
 use libfuzzer_sys::fuzz_target;
 
+#[path = "splice.rs"]
+mod splice;
+
 struct World {
     importer: Runtime,
     sim: Arc<SimDriver>,
@@ -58,12 +61,7 @@ fuzz_target!(|data: &[u8]| {
     // The world lives for the whole campaign: its call log would grow without bound (10 million
     // runs took it past 4 GiB, found by a campaign of 2026-11-23).
     w.sim.clear_calls();
-    let mut bytes = w.live.clone();
-    let skip = data.first().map_or(0, |b| *b as usize % bytes.len());
-    for (i, b) in data.iter().skip(1).enumerate() {
-        let at = (skip + i) % bytes.len();
-        bytes[at] = *b;
-    }
+    let bytes = splice::splice(&w.live, data);
     let Ok(h) = IpcHandle::from_bytes(&bytes) else {
         return;
     };
