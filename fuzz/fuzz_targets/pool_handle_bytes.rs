@@ -72,5 +72,8 @@ fuzz_target!(|data: &[u8]| {
         h.close().unwrap();
     }
     let leaks = w.sim.leak_report();
-    assert!(leaks.ipc_mappings.is_empty(), "an imported pointer outlived its close: {leaks}");
+    assert!(
+        leaks.ipc_mappings.is_empty(),
+        "an imported pointer outlived its close: {leaks}"
+    );
 });
