@@ -330,6 +330,28 @@ fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, Strin
         let ctx = rt
             .context(0)
             .map_err(|e| format!("context after the fault: {e}"))?;
+        // The queue is consistent: a flush (faults are off now) issues everything it holds;
+        // a free the fault refused is set aside for the context's teardown (at most one per
+        // faulted release).
+        if let Some(queue) = ctx.deallocations() {
+            // The first flush reports what failed in a drop earlier (emm keeps such errors for
+            // the next flush); a second has nothing left to report.
+            let _ = queue.flush();
+            queue
+                .flush()
+                .map_err(|e| format!("a second flush after the fault: {e}"))?;
+            if !queue.is_empty()
+                || queue.pending_bytes() != 0
+                || queue.failed().len() > absorbed_releases
+            {
+                return Err(format!(
+                    "the queue after a flush: {} pending ({} bytes), {} failed",
+                    queue.len(),
+                    queue.pending_bytes(),
+                    queue.failed().len()
+                ));
+            }
+        }
         let fresh = ctx
             .to_device(&[5u8; 32])
             .map_err(|e| format!("fresh allocation after the fault: {e}"))?;
