@@ -589,22 +589,7 @@ pub fn raw_ipc_import_in_other_process(
         .env("EMM_RAW_IPC_SIZE", size.to_string())
         .output()
         .map_err(|e| format!("running the child process: {e}"))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    match stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("EMM_IPC_RESULT "))
-    {
-        Some(r) if r.trim_end() == "ok" => Ok(()),
-        Some(r) => Err(format!(
-            "in the child process: {}",
-            r.strip_prefix("err ").unwrap_or(r)
-        )),
-        None => Err(format!(
-            "the child printed no result (exit {:?}); stderr: {}",
-            out.status.code(),
-            String::from_utf8_lossy(&out.stderr)
-        )),
-    }
+    child_result(&out).map(drop)
 }
 
 /// The variable that tells the IPC child where to receive a pool export (a Unix socket path).
@@ -697,22 +682,7 @@ pub fn open_in_other_process_with(
                 .wait_with_output()
                 .map_err(|e| format!("waiting for the child process: {e}"))?;
             sent?;
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            let line = stdout
-                .lines()
-                .find_map(|l| l.strip_prefix("EMM_IPC_RESULT "))
-                .ok_or_else(|| {
-                    format!(
-                        "the child printed no result (exit {:?}); stderr: {}",
-                        out.status.code(),
-                        String::from_utf8_lossy(&out.stderr)
-                    )
-                })?;
-            match line.split_once(' ') {
-                Some(("ok", data)) => unhex(data),
-                Some(("err", msg)) => Err(format!("in the child process: {msg}")),
-                _ => Err(format!("unreadable child result {line:?}")),
-            }
+            child_result(&out)
         }
     }
 }
@@ -771,11 +741,7 @@ pub fn run_ipc_child_if_requested() {
             let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
             raw_ipc_importer(&*driver, &bytes, size)
         });
-        match result {
-            Ok(()) => println!("EMM_IPC_RESULT ok "),
-            Err(e) => println!("EMM_IPC_RESULT err {}", e.replace('\n', " ")),
-        }
-        std::process::exit(0);
+        report_to_parent(result.map(|()| Vec::new()));
     }
     let Ok(bytes) = std::env::var(IPC_CHILD_ENV) else {
         return;
@@ -799,12 +765,42 @@ pub fn run_ipc_child_if_requested() {
         let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
         ipc_child(driver, &bytes, mode, device, pool?)
     });
+    report_to_parent(result);
+}
+
+/// The IPC child's last act: prints its result on the one line [`child_result`] reads (the
+/// bytes it read back, hex-encoded, or the error) and exits.
+fn report_to_parent(result: Result<Vec<u8>, String>) -> ! {
     match result {
-        Ok(data) => println!("EMM_IPC_RESULT ok {}", hex(&data)),
-        Err(e) => println!("EMM_IPC_RESULT err {}", e.replace('\n', " ")),
+        Ok(data) => println!("{CHILD_RESULT_PREFIX}ok {}", hex(&data)),
+        Err(e) => println!("{CHILD_RESULT_PREFIX}err {}", e.replace('\n', " ")),
     }
     std::process::exit(0);
 }
+
+/// What an IPC child process reported through [`report_to_parent`]: the bytes it read back, or
+/// its error; an error too when it printed no result (it crashed: its exit and stderr say how).
+fn child_result(out: &std::process::Output) -> Result<Vec<u8>, String> {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(CHILD_RESULT_PREFIX))
+        .ok_or_else(|| {
+            format!(
+                "the child printed no result (exit {:?}); stderr: {}",
+                out.status.code(),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })?;
+    match line.split_once(' ') {
+        Some(("ok", data)) => unhex(data),
+        Some(("err", msg)) => Err(format!("in the child process: {msg}")),
+        _ => Err(format!("unreadable child result {line:?}")),
+    }
+}
+
+/// The start of the line on which an IPC child process reports its result.
+const CHILD_RESULT_PREFIX: &str = "EMM_IPC_RESULT ";
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -823,7 +819,36 @@ fn unhex(s: &str) -> Result<Vec<u8>, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{error_report, parse_count, parse_flag};
+    use super::{child_result, error_report, parse_count, parse_flag};
+
+    #[cfg(unix)]
+    #[test]
+    fn the_child_result_line_is_read_back() {
+        use std::os::unix::process::ExitStatusExt;
+        let output = |stdout: &str, code: i32| std::process::Output {
+            status: std::process::ExitStatus::from_raw(code << 8),
+            stdout: stdout.as_bytes().to_vec(),
+            stderr: b"boom".to_vec(),
+        };
+        // The raw importer reports success with no bytes; the IPC child with what it read.
+        assert_eq!(child_result(&output("EMM_IPC_RESULT ok \n", 0)), Ok(vec![]));
+        assert_eq!(
+            child_result(&output("noise\nEMM_IPC_RESULT ok 07ff\n", 0)),
+            Ok(vec![7, 255])
+        );
+        assert_eq!(
+            child_result(&output("EMM_IPC_RESULT err no such pool\n", 0)),
+            Err("in the child process: no such pool".to_string())
+        );
+        let crashed = child_result(&output("", 3)).unwrap_err();
+        assert!(
+            crashed.contains("printed no result (exit Some(3))"),
+            "{crashed}"
+        );
+        assert!(crashed.contains("boom"), "{crashed}");
+        let garbled = child_result(&output("EMM_IPC_RESULT maybe\n", 0)).unwrap_err();
+        assert!(garbled.starts_with("unreadable child result"), "{garbled}");
+    }
 
     #[test]
     fn malformed_test_variables_are_refused_by_name() {

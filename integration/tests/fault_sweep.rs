@@ -157,14 +157,44 @@ fn workload(
     ctx.trim()?;
     let _ = ctx.pool_stats();
     ctx.can_access_peer(DeviceOrdinal(1))?;
-    if ctx.memory_manager_name() == emm::ASYNC_POOL_MANAGER {
-        // Its pool is not created for export: get_ipc_handle refuses (the suite checks how).
-        drop((stream, event, module, pinned, mapped_pin, pin));
-        ctx.reset()?;
-        drop(b);
-        rt.reset_device(0)?;
-        return Ok(());
+    // Not under `async-pool`: its pool is not created for export, and get_ipc_handle refuses
+    // (the suite checks how).
+    if ctx.memory_manager_name() != emm::ASYNC_POOL_MANAGER {
+        ipc_round_trip(sim, &ctx, &b, others, other_faults)?;
     }
+    drop((stream, event, module, pinned, mapped_pin, pin));
+    ctx.reset()?;
+    drop(b);
+    rt.reset_device(0)?;
+    Ok(())
+}
+
+/// Two peer devices, so that IPC opens cross devices (direct, with pool access granted, and
+/// staged).
+fn machine() -> SimDriver {
+    SimDriver::new(
+        SimConfig::with_devices(vec![
+            SimDeviceConfig::new(256 << 20),
+            SimDeviceConfig::new(256 << 20),
+        ])
+        .peer_access(true),
+    )
+}
+
+/// `Driver` operations emm never calls, so no workload of emm's can fault them: the raw
+/// baselines of the GPU benchmark (`cuDeviceGetDefaultMemPool`) and the driver probe
+/// (`cuDeviceTotalMem`). The sweep checks that its clean runs indeed never call them.
+const NOT_CALLED_BY_EMM: [Op; 2] = [Op::DeviceTotalMem, Op::DeviceGetDefaultMemPool];
+
+/// The workload's IPC step: a view of `b` exported here, opened in another process (pushed on
+/// `others`, with `other_faults` injected) directly and staged; the bytes must arrive.
+fn ipc_round_trip(
+    sim: &Arc<SimDriver>,
+    ctx: &emm::Context,
+    b: &MemoryPointer,
+    others: &mut Vec<Arc<SimDriver>>,
+    other_faults: &[Fault],
+) -> Result<(), EmmError> {
     // IPC: exported here, opened in another process, directly and staged.
     let handle = ctx.get_ipc_handle(&b.view(64, None)?)?;
     let other = Arc::new(sim.spawn_process());
@@ -196,30 +226,8 @@ fn workload(
             imported.close()?;
         }
     }
-    drop(handle);
-    drop((stream, event, module, pinned, mapped_pin, pin));
-    ctx.reset()?;
-    drop(b);
-    rt.reset_device(0)?;
     Ok(())
 }
-
-/// Two peer devices, so that IPC opens cross devices (direct, with pool access granted, and
-/// staged).
-fn machine() -> SimDriver {
-    SimDriver::new(
-        SimConfig::with_devices(vec![
-            SimDeviceConfig::new(256 << 20),
-            SimDeviceConfig::new(256 << 20),
-        ])
-        .peer_access(true),
-    )
-}
-
-/// `Driver` operations emm never calls, so no workload of emm's can fault them: the raw
-/// baselines of the GPU benchmark (`cuDeviceGetDefaultMemPool`) and the driver probe
-/// (`cuDeviceTotalMem`). The sweep checks that its clean runs indeed never call them.
-const NOT_CALLED_BY_EMM: [Op; 2] = [Op::DeviceTotalMem, Op::DeviceGetDefaultMemPool];
 
 /// What a run saw.
 struct Outcome {
@@ -228,12 +236,6 @@ struct Outcome {
     error: Option<EmmError>,
     /// The operations whose calls were made to fail, in order.
     faulted: Vec<Op>,
-}
-
-/// Operations that give something back to the driver; a fault on one may be absorbed (emm
-/// logs it, and the memory goes with its context).
-fn is_release(op: Op) -> bool {
-    op.is_release()
 }
 
 /// Runs the workload with `faults` in the exporting process (or, with `in_other`, in the one
@@ -300,7 +302,7 @@ fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, Strin
         }
     }
     // Checked before the runtime goes: what the faulted run's contexts took with them.
-    let absorbed_releases = faulted.iter().filter(|op| is_release(**op)).count();
+    let absorbed_releases = faulted.iter().filter(|op| op.is_release()).count();
     for (who, process) in
         std::iter::once(("exporter", &sim)).chain(others.iter().map(|o| ("importer", o)))
     {
@@ -391,7 +393,7 @@ fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, Strin
 /// retries an allocation that ran out of memory, and a release that fails is logged, with the
 /// memory left to its context's end.
 fn may_absorb(op: Op, kind: ErrorKind) -> bool {
-    is_release(op)
+    op.is_release()
         // Released once more before it is reported (`Runtime::reset_device`, the runtime's
         // end): one failure is absorbed; the second-fault sweep fails the retry too.
         || op == Op::PrimaryCtxRelease
@@ -406,8 +408,7 @@ fn may_absorb(op: Op, kind: ErrorKind) -> bool {
 }
 
 /// The operations a clean run's processes call.
-fn clean_calls(manager: &str, in_other: bool) -> std::collections::BTreeSet<Op> {
-    let _ = in_other;
+fn clean_calls(manager: &str) -> std::collections::BTreeSet<Op> {
     let sim = Arc::new(machine());
     let rt = runtime(&sim, manager).expect("runtime");
     let mut others = Vec::new();
@@ -440,7 +441,7 @@ fn every_driver_call_fails_once_and_emm_survives() {
         let clean = run(manager, &[], in_other)
             .unwrap_or_else(|e| panic!("{manager}: the clean run failed: {e}"));
         assert!(clean.error.is_none(), "{manager}: {:?}", clean.error);
-        let sim_calls = clean_calls(manager, in_other);
+        let sim_calls = clean_calls(manager);
         for op in NOT_CALLED_BY_EMM {
             assert!(
                 !sim_calls.contains(&op),

@@ -121,21 +121,8 @@ impl World {
         if ptr.is_null() {
             return Ok(());
         }
-        let p = &mut self.processes[pid];
-        match p.host.get(&ptr.0) {
-            Some(HostRange {
-                kind: HostKind::Alloc(_),
-                size,
-                ..
-            }) => {
-                let size = *size;
-                p.host.remove(&ptr.0);
-                self.pinned -= size;
-                note.bytes = Some(size);
-                Ok(())
-            }
-            _ => Err(code::INVALID_VALUE),
-        }
+        self.release_host(pid, note, ptr, false)
+            .ok_or(code::INVALID_VALUE)
     }
 
     /// `cuMemHostRegister`: [`Driver::mem_host_register`](driver_sys::Driver::mem_host_register) in the model.
@@ -198,21 +185,29 @@ impl World {
     ) -> Result<(), u32> {
         note.host = Some(ptr);
         context(self, pid, ctx, note)?;
-        let p = &mut self.processes[pid];
-        match p.host.get(&ptr.0) {
-            Some(HostRange {
-                kind: HostKind::Registered,
-                size,
-                ..
-            }) => {
-                let size = *size;
-                p.host.remove(&ptr.0);
-                self.pinned -= size;
-                note.bytes = Some(size);
-                Ok(())
-            }
-            _ => Err(code::HOST_MEMORY_NOT_REGISTERED),
+        self.release_host(pid, note, ptr, true)
+            .ok_or(code::HOST_MEMORY_NOT_REGISTERED)
+    }
+
+    /// Takes back the pinned range starting at `ptr` if it is of the asked kind (a
+    /// `cuMemHostRegister`ed range when `registered`, else a `cuMemHostAlloc` block): the range
+    /// leaves the process and its bytes the pinned total. `None` when there is no such range.
+    fn release_host(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ptr: HostPtr,
+        registered: bool,
+    ) -> Option<()> {
+        let host = &mut self.processes[pid].host;
+        let kind_matches = matches!(host.get(&ptr.0)?.kind, HostKind::Registered) == registered;
+        if !kind_matches {
+            return None;
         }
+        let size = host.remove(&ptr.0)?.size;
+        self.pinned -= size;
+        note.bytes = Some(size);
+        Some(())
     }
 
     /// `cuMemHostGetDevicePointer`: [`Driver::mem_host_get_device_pointer`](driver_sys::Driver::mem_host_get_device_pointer) in the model.

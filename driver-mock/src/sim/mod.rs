@@ -36,7 +36,6 @@ mod world;
 pub use config::{DEFAULT_ALIGNMENT, PAGE_SIZE, SMALL_MAX, SimConfig, SimDeviceConfig};
 pub use log::{CallRecord, Fault, LeakReport, Op};
 
-use host::HostKind;
 use memory::{Accessor, DeviceMem};
 use world::{Object, Process, World, context};
 
@@ -256,20 +255,16 @@ impl SimDriver {
     /// Frees this process made that the driver itself refused because the pointer was unknown
     /// (never allocated, or freed already); scripted faults are not counted.
     pub fn rejected_frees(&self) -> Vec<CallRecord> {
-        self.with_process(|p| {
-            p.log
-                .iter()
-                .filter(|c| {
-                    !c.injected
-                        && matches!(c.op, Op::MemFree | Op::MemFreeHost | Op::MemHostUnregister)
-                        && matches!(
-                            c.outcome,
-                            Err(ErrorKind::InvalidValue | ErrorKind::HostMemoryNotRegistered)
-                        )
-                })
-                .cloned()
-                .collect()
-        })
+        self.failed_releases()
+            .into_iter()
+            .filter(|c| {
+                matches!(c.op, Op::MemFree | Op::MemFreeHost | Op::MemHostUnregister)
+                    && matches!(
+                        c.outcome,
+                        Err(ErrorKind::InvalidValue | ErrorKind::HostMemoryNotRegistered)
+                    )
+            })
+            .collect()
     }
 
     /// Release calls (frees, unpins, closes, destroys) this process made that the driver
@@ -301,40 +296,14 @@ impl SimDriver {
     /// What this process still holds.
     pub fn leak_report(&self) -> LeakReport {
         let w = self.lock();
-        let p = &w.processes[self.pid];
-        let mut report = LeakReport::default();
-        for (i, d) in w.devices.iter().enumerate() {
-            for (&addr, a) in d.allocs.iter().filter(|(_, a)| a.owner == self.pid) {
-                report
-                    .allocations
-                    .push((DeviceOrdinal(i as u32), DevicePtr(addr), a.size));
-            }
-            if p.contexts[i].refcount > 0 {
+        let mut report = w.held(self.pid, None);
+        for (i, c) in w.processes[self.pid].contexts.iter().enumerate() {
+            if c.refcount > 0 {
                 report
                     .retained_contexts
-                    .push((DeviceOrdinal(i as u32), p.contexts[i].refcount));
+                    .push((DeviceOrdinal(i as u32), c.refcount));
             }
         }
-        for (&addr, h) in &p.host {
-            match h.kind {
-                HostKind::Alloc(_) => report.host_allocations.push((HostPtr(addr), h.size)),
-                HostKind::Registered => report.host_registrations.push((HostPtr(addr), h.size)),
-            }
-        }
-        for (&addr, m) in &p.ipc {
-            report
-                .ipc_mappings
-                .push((DeviceOrdinal(m.device as u32), DevicePtr(addr), m.size));
-        }
-        let count = |kind| p.objects.values().filter(|(k, _)| *k == kind).count();
-        report.streams = count(Object::Stream);
-        report.events = count(Object::Event);
-        report.modules = count(Object::Module);
-        report.pools = p
-            .pools
-            .values()
-            .filter(|q| !q.is_default && !q.destroyed)
-            .count();
         report
     }
 

@@ -126,7 +126,7 @@ impl World {
 
     /// Destroys process `pid`'s context on `device` and everything it owned there.
     pub(super) fn destroy_context(&mut self, pid: usize, device: usize) {
-        let held = self.held_on(pid, device);
+        let held = self.held(pid, Some(device));
         self.processes[pid].reclaimed.absorb(held);
         let bases: Vec<u64> = self.devices[device]
             .allocs
@@ -169,36 +169,37 @@ impl World {
         }
     }
 
-    /// What process `pid` holds in its context on `device`: what destroying that context
-    /// would reclaim (portable pinned memory survives it, so it is not listed).
-    fn held_on(&self, pid: usize, device: usize) -> LeakReport {
+    /// What process `pid` holds: everything (`None`; the leak report), or what its context on
+    /// one device holds (`Some(device)`): what destroying that context would reclaim, so
+    /// memory that survives its context is left out.
+    pub(super) fn held(&self, pid: usize, device: Option<usize>) -> LeakReport {
         let p = &self.processes[pid];
-        let dev = DeviceOrdinal(device as u32);
+        let on = |d: usize| device.is_none_or(|x| x == d);
         let mut r = LeakReport::default();
-        for (&addr, a) in self.devices[device]
-            .allocs
-            .iter()
-            .filter(|(_, a)| a.owner == pid)
-        {
-            r.allocations.push((dev, DevicePtr(addr), a.size));
+        for (i, d) in self.devices.iter().enumerate().filter(|(i, _)| on(*i)) {
+            for (&addr, a) in d.allocs.iter().filter(|(_, a)| a.owner == pid) {
+                r.allocations
+                    .push((DeviceOrdinal(i as u32), DevicePtr(addr), a.size));
+            }
         }
         for (&addr, h) in p
             .host
             .iter()
-            .filter(|(_, h)| h.device == device && !h.survives_its_context())
+            .filter(|(_, h)| device.is_none() || (on(h.device) && !h.survives_its_context()))
         {
             match h.kind {
                 HostKind::Alloc(_) => r.host_allocations.push((HostPtr(addr), h.size)),
                 HostKind::Registered => r.host_registrations.push((HostPtr(addr), h.size)),
             }
         }
-        for (&addr, m) in p.ipc.iter().filter(|(_, m)| m.device == device) {
-            r.ipc_mappings.push((dev, DevicePtr(addr), m.size));
+        for (&addr, m) in p.ipc.iter().filter(|(_, m)| on(m.device)) {
+            r.ipc_mappings
+                .push((DeviceOrdinal(m.device as u32), DevicePtr(addr), m.size));
         }
         let count = |kind| {
             p.objects
                 .values()
-                .filter(|(k, d)| *k == kind && *d == device)
+                .filter(|(k, d)| *k == kind && on(*d))
                 .count()
         };
         r.streams = count(Object::Stream);
@@ -207,7 +208,7 @@ impl World {
         r.pools = p
             .pools
             .values()
-            .filter(|q| q.device == device && !q.is_default && !q.destroyed)
+            .filter(|q| on(q.device) && !q.is_default && !q.destroyed)
             .count();
         r
     }
