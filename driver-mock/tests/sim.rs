@@ -125,6 +125,90 @@ fn rejected_frees_are_visible() {
     assert_eq!(sim.rejected_frees().len(), 1);
 }
 
+/// Freeing an allocation while another process maps it is the driver's undefined behaviour:
+/// the simulator counts it (for the test harness) and the free itself succeeds, as on the GPU.
+/// After the importer lets go, the same free counts nothing.
+#[test]
+fn frees_while_imported_are_counted() {
+    use driver_mock::frees_while_imported_on_this_thread as counted;
+    use driver_sys::StreamHandle;
+    let (sim, ctx) = started(SimConfig::default());
+    let other = sim.spawn_process();
+    other.init().unwrap();
+    let octx = other.primary_ctx_retain(DEV).unwrap();
+    let close = |p| {
+        // SAFETY: a mapping the other process opened below, closed once.
+        unsafe { other.ipc_close_mem_handle(octx, p) }.unwrap();
+    };
+
+    // Device memory through cuIpcOpenMemHandle.
+    let before = counted();
+    let p = sim.mem_alloc(ctx, 4096).unwrap();
+    let m = other
+        .ipc_open_mem_handle(octx, &sim.ipc_get_mem_handle(ctx, p).unwrap())
+        .unwrap();
+    free(&sim, ctx, p).unwrap();
+    assert_eq!(counted(), before + 1, "a free while mapped is counted");
+    close(m);
+    let q = sim.mem_alloc(ctx, 4096).unwrap();
+    let m = other
+        .ipc_open_mem_handle(octx, &sim.ipc_get_mem_handle(ctx, q).unwrap())
+        .unwrap();
+    close(m);
+    free(&sim, ctx, q).unwrap();
+    assert_eq!(counted(), before + 1, "a free after the close is not");
+
+    // Stream-ordered pool memory through cuMemPoolImportPointer.
+    let s0 = StreamHandle(0);
+    let pool = sim.mem_pool_create(ctx, DEV, true).unwrap();
+    let fd = sim.mem_pool_export_fd(ctx, pool).unwrap();
+    let imported = other
+        .mem_pool_import_fd(octx, std::os::fd::AsFd::as_fd(&fd))
+        .unwrap();
+    let free_async = |d: &SimDriver, c, p| {
+        // SAFETY: each pointer below is freed once, in the process that holds it.
+        unsafe { d.mem_free_async(c, p, s0) }.unwrap();
+    };
+    for importer_first in [false, true] {
+        let before = counted();
+        let a = sim.mem_alloc_from_pool_async(ctx, pool, 4096, s0).unwrap();
+        let data = sim.mem_pool_export_pointer(ctx, a).unwrap();
+        let b = other
+            .mem_pool_import_pointer(octx, imported, &data)
+            .unwrap();
+        if importer_first {
+            free_async(&other, octx, b);
+            free_async(&sim, ctx, a);
+        } else {
+            free_async(&sim, ctx, a);
+            free_async(&other, octx, b);
+        }
+        let expected = before + u64::from(!importer_first);
+        assert_eq!(
+            counted(),
+            expected,
+            "pool memory, importer first: {importer_first}"
+        );
+    }
+
+    // Destroying the exporter's context while the other process maps its memory.
+    let before = counted();
+    let r = sim.mem_alloc(ctx, 4096).unwrap();
+    let m = other
+        .ipc_open_mem_handle(octx, &sim.ipc_get_mem_handle(ctx, r).unwrap())
+        .unwrap();
+    // SAFETY: the imported pool is destroyed once, with nothing imported through it left.
+    unsafe { other.mem_pool_destroy(octx, imported) }.unwrap();
+    // SAFETY: ends the test's use of the exporter's context.
+    unsafe { sim.primary_ctx_reset(DEV) }.unwrap();
+    assert_eq!(
+        counted(),
+        before + 1,
+        "a context destroyed while its memory is mapped"
+    );
+    close(m);
+}
+
 #[test]
 fn devices_are_separate_and_attributes_configurable() {
     let config = SimConfig::with_devices(vec![

@@ -338,6 +338,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         d.device_can_access_peer(dev, dev),
     );
 
+    pool_cache_under_pressure(&*d, ctx, dev)?;
+
     println!("\n-- primary context life");
     let q = d.mem_alloc(ctx, 4096)?;
     show("release (count 1 -> 0)", release(&*d, dev));
@@ -363,5 +365,97 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     show("cuMemAlloc after reset + retain", d.mem_alloc(ctx3, 16));
     show("release", release(&*d, dev));
     show("release", release(&*d, dev));
+    Ok(())
+}
+
+/// What a stream-ordered pool's cache does when another allocation needs the memory it holds:
+/// the pool (release threshold at its maximum) caches a freed block, the device is then
+/// filled, by `cuMemAlloc` or from a second pool, and the first pool's reserved bytes and the
+/// device's free bytes are printed at each step, before and after `cuMemPoolTrimTo(0)`.
+fn pool_cache_under_pressure(
+    d: &dyn Driver,
+    ctx: ContextHandle,
+    dev: DeviceOrdinal,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use driver_sys::{ErrorKind, MemPoolHandle, StreamHandle};
+    println!("\n-- a stream-ordered pool's cache under memory pressure");
+    let s0 = StreamHandle(0);
+    let step = |what: &str, pool| {
+        let reserved = d.mem_pool_usage(ctx, pool).map(|u| u.reserved);
+        let free = d.mem_get_info(ctx).map(|i| i.free);
+        println!("{what:<48} pool reserved {reserved:?}, device free {free:?}");
+    };
+    let total = d.mem_get_info(ctx)?.total;
+    let cached = (256usize << 20).min(total / 8);
+    // (fill with: none, cuMemAlloc, a second pool; free synchronised before the fill)
+    let scenarios = [
+        ("nothing", true),
+        ("cuMemAlloc", true),
+        ("cuMemAlloc", false),
+        ("a second pool", true),
+    ];
+    for (fill, sync) in scenarios {
+        println!("- filled with {fill}, the cached block's free synchronised: {sync}");
+        let pool = d.mem_pool_create(ctx, dev, false)?;
+        d.mem_pool_set_release_threshold(ctx, pool, u64::MAX)?;
+        let p = d.mem_alloc_from_pool_async(ctx, pool, cached, s0)?;
+        // SAFETY: allocated just above on stream 0, freed once; nothing uses it.
+        unsafe { d.mem_free_async(ctx, p, s0)? };
+        if sync {
+            d.stream_synchronize(ctx, s0)?;
+        }
+        step("block allocated and freed", pool);
+        let second: Option<MemPoolHandle> = (fill == "a second pool")
+            .then(|| d.mem_pool_create(ctx, dev, false))
+            .transpose()?;
+        let alloc = |bytes| match second {
+            Some(q) => d.mem_alloc_from_pool_async(ctx, q, bytes, s0),
+            None => d.mem_alloc(ctx, bytes),
+        };
+        let mut held = Vec::new();
+        if fill != "nothing" {
+            for chunk in [1usize << 30, 64 << 20, 2 << 20] {
+                loop {
+                    match alloc(chunk) {
+                        Ok(p) => held.push(p),
+                        Err(e) if e.kind() == ErrorKind::OutOfMemory => break,
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+            println!("{:<48} {} allocations", "device filled", held.len());
+            step("after the fill", pool);
+        }
+        show("cuMemPoolTrimTo(0)", d.mem_pool_trim_to(ctx, pool, 0));
+        step("after the trim", pool);
+        if fill != "nothing" {
+            show(
+                "2 MiB more after the trim",
+                alloc(2 << 20).map(|p| {
+                    held.push(p);
+                    "ok"
+                }),
+            );
+        }
+        for p in held {
+            match second {
+                // SAFETY: allocated above from the second pool, freed once, unused.
+                Some(_) => unsafe { d.mem_free_async(ctx, p, s0)? },
+                None => free(d, ctx, p)?,
+            }
+        }
+        d.stream_synchronize(ctx, s0)?;
+        if let Some(q) = second {
+            // SAFETY: everything allocated from it was freed just above; destroyed once.
+            unsafe { d.mem_pool_destroy(ctx, q)? };
+        }
+        // SAFETY: nothing of the pool is outstanding; destroyed once.
+        unsafe { d.mem_pool_destroy(ctx, pool)? };
+        let free = d.mem_get_info(ctx)?.free;
+        println!(
+            "{:<48} device free {free}",
+            "everything freed, pools destroyed"
+        );
+    }
     Ok(())
 }

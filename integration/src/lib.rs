@@ -426,14 +426,7 @@ pub fn ipc_child(
     device: u32,
     pool: Option<emm::PoolExport>,
 ) -> Result<Vec<u8>, String> {
-    let rt = Runtime::builder(driver)
-        .ignore_env()
-        .build()
-        .map_err(|e| e.to_string())?;
-    if let Some(export) = pool {
-        rt.import_pool(export)
-            .map_err(|e| format!("import_pool: {e}"))?;
-    }
+    let rt = child_runtime(driver, pool)?;
     let ctx = rt.context(device).map_err(|e| e.to_string())?;
     let handle = emm::IpcHandle::from_bytes(bytes).map_err(|e| e.to_string())?;
     if handle.is_exporter() {
@@ -493,6 +486,87 @@ pub fn ipc_child(
 
 /// The variable that makes the suite binary act as the other process of an IPC test.
 pub const IPC_CHILD_ENV: &str = "EMM_IPC_CHILD";
+
+/// The variable that makes the suite binary the other process of [`ipc_child_many`]: a
+/// comma-separated list of handles (hex).
+pub const IPC_CHILD_MANY_ENV: &str = "EMM_IPC_CHILD_MANY";
+
+/// The runtime of an IPC test's other process, with `pool` (if any) imported.
+fn child_runtime(
+    driver: Arc<dyn Driver>,
+    pool: Option<emm::PoolExport>,
+) -> Result<Runtime, String> {
+    let rt = Runtime::builder(driver)
+        .ignore_env()
+        .build()
+        .map_err(|e| e.to_string())?;
+    if let Some(export) = pool {
+        rt.import_pool(export)
+            .map_err(|e| format!("import_pool: {e}"))?;
+    }
+    Ok(rt)
+}
+
+/// The other process of an IPC test with several handles that may name the same allocation
+/// (views of one array): opens every handle on device 0 (after importing `pool`, if any) and
+/// reads it, then closes them in order and, after each close, reads every handle still open
+/// again: closing one must not take the memory from under another. Returns the first reads,
+/// one after another.
+pub fn ipc_child_many(
+    driver: Arc<dyn Driver>,
+    handles: &[Vec<u8>],
+    pool: Option<emm::PoolExport>,
+) -> Result<Vec<u8>, String> {
+    let rt = child_runtime(driver, pool)?;
+    let ctx = rt.context(0).map_err(|e| e.to_string())?;
+    let mut open = Vec::new();
+    for (i, bytes) in handles.iter().enumerate() {
+        let handle = emm::IpcHandle::from_bytes(bytes).map_err(|e| e.to_string())?;
+        let mem = handle
+            .open(&rt, &ctx)
+            .map_err(|e| format!("opening handle {i}: {e}"))?;
+        let mut data = vec![0u8; mem.size()];
+        ctx.copy_to_host(&mut data, &mem)
+            .map_err(|e| format!("reading handle {i}: {e}"))?;
+        open.push((handle, mem, data));
+    }
+    let first: Vec<u8> = open.iter().flat_map(|(_, _, d)| d.clone()).collect();
+    for closed in 0..open.len() {
+        open[closed]
+            .0
+            .close()
+            .map_err(|e| format!("closing handle {closed}: {e}"))?;
+        for (i, (_, mem, data)) in open.iter().enumerate().skip(closed + 1) {
+            let mut again = vec![0u8; data.len()];
+            ctx.copy_to_host(&mut again, mem)
+                .map_err(|e| format!("reading handle {i} after closing handle {closed}: {e}"))?;
+            if &again != data {
+                return Err(format!(
+                    "handle {i} reads other bytes after closing handle {closed}"
+                ));
+            }
+        }
+    }
+    Ok(first)
+}
+
+/// Runs [`ipc_child_many`] on `t`'s other process (as [`open_in_other_process`] does for one
+/// handle), sending the pool of the first handle when it names pool memory.
+pub fn open_many_in_other_process(t: &TestCtx, handles: &[Vec<u8>]) -> Result<Vec<u8>, String> {
+    let first = emm::IpcHandle::from_bytes(handles.first().ok_or("no handles")?)
+        .map_err(|e| e.to_string())?;
+    let pool = match first.handle() {
+        emm::IpcMemory::PoolAllocation { .. } => Some(export_pool_of(t, &first)?),
+        emm::IpcMemory::Allocation(_) => None,
+    };
+    match &t.sim {
+        Some(sim) => in_sim_process(sim, |other| ipc_child_many(other, handles, pool)),
+        None => {
+            let list: Vec<String> = handles.iter().map(|h| hex(h)).collect();
+            spawn_child(&[(IPC_CHILD_MANY_ENV, list.join(","))], pool.as_ref())
+        }
+    }
+}
 
 /// The variable that makes the suite binary a raw importer of one `cuIpcGetMemHandle` handle
 /// (hex) for the IPC conformance test; `EMM_RAW_IPC_SIZE` gives the exported size.
@@ -592,6 +666,129 @@ pub fn raw_ipc_import_in_other_process(
     child_result(&out).map(drop)
 }
 
+/// The variable that starts this executable as the importer of [`raw_pool_importer`]; its
+/// value is the hex of an emm handle of pool memory.
+pub const RAW_POOL_CHILD_ENV: &str = "EMM_RAW_POOL_CHILD";
+
+/// The pattern [`raw_pool_importer`] writes through its imported pointer, for the exporter to
+/// read back.
+pub fn importer_pattern(size: usize) -> Vec<u8> {
+    (0..size).map(|i| (i % 253) as u8 ^ 0x5a).collect()
+}
+
+/// The importing side of a stream-ordered pool, with raw driver calls: imports the pool from
+/// `fd` and the allocation `data` names (of `size` bytes, holding the suite's pattern
+/// `i % 251`), and reports what the driver did as one line of `name=value` facts (the
+/// conformance test compares them): whether the importing device may access the imported
+/// pool, what allocating from it gives, whether the exporter's bytes read back, what a second
+/// import of the same allocation gives, and what a second free of the imported pointer gives.
+/// Before returning it writes [`importer_pattern`] through the pointer, frees it (and waits),
+/// destroys the imported pool and releases its context.
+pub fn raw_pool_importer(
+    driver: &dyn Driver,
+    fd: std::os::fd::BorrowedFd<'_>,
+    data: &driver_sys::PoolPtrExportData,
+    size: usize,
+) -> Result<String, String> {
+    use driver_sys::StreamHandle;
+    let e = |what: &'static str| move |err: DriverError| format!("{what}: {err}");
+    let kind = |r: Result<(), DriverError>| match r {
+        Ok(()) => "ok".to_owned(),
+        Err(err) => format!("{:?}", err.kind()),
+    };
+    let s0 = StreamHandle(0);
+    driver.init().map_err(e("cuInit"))?;
+    let dev = DeviceOrdinal(0);
+    let ctx = driver.primary_ctx_retain(dev).map_err(e("retain"))?;
+    let steps = (|| -> Result<String, String> {
+        let pool = driver
+            .mem_pool_import_fd(ctx, fd)
+            .map_err(e("cuMemPoolImportFromShareableHandle"))?;
+        let mut facts = Vec::new();
+        let inner = (|| -> Result<(), String> {
+            let access = driver
+                .mem_pool_can_access(ctx, pool, dev)
+                .map_err(e("cuMemPoolGetAccess"))?;
+            facts.push(format!("access={access}"));
+            let alloc = driver.mem_alloc_from_pool_async(ctx, pool, 4096, s0);
+            if let Ok(p) = &alloc {
+                // SAFETY: allocated just above, freed once; nothing uses it.
+                unsafe { driver.mem_free_async(ctx, *p, s0) }.map_err(e("cuMemFreeAsync"))?;
+            }
+            facts.push(format!("alloc={}", kind(alloc.map(drop))));
+            let p = driver
+                .mem_pool_import_pointer(ctx, pool, data)
+                .map_err(e("cuMemPoolImportPointer"))?;
+            let mut seen = vec![0u8; size];
+            // SAFETY: `p .. p + size` is the imported allocation, which the exporter keeps
+            // and does not touch while this process runs.
+            unsafe { driver.memcpy_dtoh(ctx, &mut seen, p) }.map_err(e("reading"))?;
+            let expect: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+            facts.push(format!("read={}", seen == expect));
+            let again = driver.mem_pool_import_pointer(ctx, pool, data);
+            facts.push(format!(
+                "reimport={}",
+                match &again {
+                    Ok(q) if *q == p => "same".to_owned(),
+                    Ok(_) => "other".to_owned(),
+                    Err(err) => format!("{:?}", err.kind()),
+                }
+            ));
+            if let Ok(q) = again
+                && q != p
+            {
+                // SAFETY: a second mapping of its own, freed once, unused.
+                unsafe { driver.mem_free_async(ctx, q, s0) }.map_err(e("cuMemFreeAsync"))?;
+            }
+            // SAFETY: as for the read; the exporter reads these bytes only after this process
+            // has ended.
+            unsafe { driver.memcpy_htod(ctx, p, &importer_pattern(size)) }.map_err(e("writing"))?;
+            // SAFETY: the imported pointer, freed once, then never used.
+            unsafe { driver.mem_free_async(ctx, p, s0) }.map_err(e("cuMemFreeAsync"))?;
+            driver
+                .stream_synchronize(ctx, s0)
+                .map_err(e("cuStreamSynchronize"))?;
+            // SAFETY: freed just above; the driver must refuse a second free.
+            let again = unsafe { driver.mem_free_async(ctx, p, s0) };
+            facts.push(format!("second_free={}", kind(again)));
+            Ok(())
+        })();
+        // SAFETY: the imported pool, destroyed once; its one imported pointer was freed.
+        let destroyed = unsafe { driver.mem_pool_destroy(ctx, pool) };
+        inner?;
+        destroyed.map_err(e("cuMemPoolDestroy"))?;
+        Ok(facts.join(" "))
+    })();
+    // SAFETY: matches the retain above, whatever the steps found.
+    let released = unsafe { driver.primary_ctx_release(dev) }.map_err(e("release"));
+    steps.and_then(|facts| released.map(|()| facts))
+}
+
+/// Runs [`raw_pool_importer`] on `target`'s other process for the pool allocation `handle`
+/// names (emm's handle bytes), sending it `export`; returns its facts line.
+pub fn raw_pool_import_in_other_process(
+    sim: Option<&Arc<SimDriver>>,
+    handle: &[u8],
+    export: &emm::PoolExport,
+) -> Result<String, String> {
+    let parsed = emm::IpcHandle::from_bytes(handle).map_err(|e| e.to_string())?;
+    let emm::IpcMemory::PoolAllocation { data, .. } = parsed.handle() else {
+        return Err("not a handle of pool memory".into());
+    };
+    if let Some(sim) = sim {
+        let other = sim.spawn_process();
+        let facts = raw_pool_importer(&other, export.fd(), data, parsed.size())?;
+        let leaks = other.leak_report();
+        return if leaks.is_clean() {
+            Ok(facts)
+        } else {
+            Err(format!("the importer leaked: {leaks}"))
+        };
+    }
+    let bytes = spawn_child(&[(RAW_POOL_CHILD_ENV, hex(handle))], Some(export))?;
+    String::from_utf8(bytes).map_err(|e| e.to_string())
+}
+
 /// The variable that tells the IPC child where to receive a pool export (a Unix socket path).
 const IPC_POOL_SOCKET_ENV: &str = "EMM_IPC_POOL_SOCKET";
 
@@ -640,51 +837,66 @@ pub fn open_in_other_process_with(
     pool: Option<emm::PoolExport>,
 ) -> Result<Vec<u8>, String> {
     match &t.sim {
-        Some(sim) => {
-            let other = Arc::new(sim.spawn_process());
-            let data = ipc_child(other.clone(), bytes, mode, device, pool);
-            // Whatever the outcome, the other process must end holding nothing.
-            let leaks = other.leak_report();
-            if !leaks.is_clean() {
-                return Err(format!("the other process leaked: {leaks}"));
-            }
-            data
-        }
-        None => {
-            let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-            let mut cmd = std::process::Command::new(exe);
-            cmd.env(IPC_CHILD_ENV, hex(bytes))
-                .env("EMM_IPC_MODE", mode.name())
-                .env("EMM_IPC_DEVICE", device.to_string())
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped());
-            let listener = match &pool {
-                Some(_) => {
-                    let path = socket_path();
-                    let listener = emm::ipc::bind_owner_only(&path)
-                        .map_err(|e| format!("binding {}: {e}", path.display()))?;
-                    cmd.env(IPC_POOL_SOCKET_ENV, &path);
-                    Some((listener, path))
-                }
-                None => None,
-            };
-            let mut child = cmd
-                .spawn()
-                .map_err(|e| format!("starting the child process: {e}"))?;
-            let sent = match (&pool, &listener) {
-                (Some(export), Some((listener, _))) => send_to_child(listener, &mut child, export),
-                _ => Ok(()),
-            };
-            if let Some((_, path)) = &listener {
-                let _ = std::fs::remove_file(path);
-            }
-            let out = child
-                .wait_with_output()
-                .map_err(|e| format!("waiting for the child process: {e}"))?;
-            sent?;
-            child_result(&out)
-        }
+        Some(sim) => in_sim_process(sim, |other| ipc_child(other, bytes, mode, device, pool)),
+        None => spawn_child(
+            &[
+                (IPC_CHILD_ENV, hex(bytes)),
+                ("EMM_IPC_MODE", mode.name().to_owned()),
+                ("EMM_IPC_DEVICE", device.to_string()),
+            ],
+            pool.as_ref(),
+        ),
     }
+}
+
+/// Runs this executable again as a child process with `env` set, sends it `pool` (if any)
+/// over a fresh Unix socket, and returns what it reported ([`child_result`]).
+fn spawn_child(env: &[(&str, String)], pool: Option<&emm::PoolExport>) -> Result<Vec<u8>, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let listener = match pool {
+        Some(_) => {
+            let path = socket_path();
+            let listener = emm::ipc::bind_owner_only(&path)
+                .map_err(|e| format!("binding {}: {e}", path.display()))?;
+            cmd.env(IPC_POOL_SOCKET_ENV, &path);
+            Some((listener, path))
+        }
+        None => None,
+    };
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("starting the child process: {e}"))?;
+    let sent = match (pool, &listener) {
+        (Some(export), Some((listener, _))) => send_to_child(listener, &mut child, export),
+        _ => Ok(()),
+    };
+    if let Some((_, path)) = &listener {
+        let _ = std::fs::remove_file(path);
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|e| format!("waiting for the child process: {e}"))?;
+    sent?;
+    child_result(&out)
+}
+
+/// Runs `child` as a new process of the simulated machine `sim`; whatever its outcome, that
+/// process must end holding nothing.
+fn in_sim_process(
+    sim: &Arc<SimDriver>,
+    child: impl FnOnce(Arc<dyn Driver>) -> Result<Vec<u8>, String>,
+) -> Result<Vec<u8>, String> {
+    let other = Arc::new(sim.spawn_process());
+    let data = child(other.clone());
+    let leaks = other.leak_report();
+    if !leaks.is_clean() {
+        return Err(format!("the other process leaked: {leaks}"));
+    }
+    data
 }
 
 /// A fresh socket path for one pool export.
@@ -743,6 +955,28 @@ pub fn run_ipc_child_if_requested() {
         });
         report_to_parent(result.map(|()| Vec::new()));
     }
+    if let Ok(bytes) = std::env::var(RAW_POOL_CHILD_ENV) {
+        let result = (|| -> Result<Vec<u8>, String> {
+            let export = receive_pool()?.ok_or("no pool export socket was named")?;
+            let bytes = unhex(&bytes)?;
+            let handle = emm::IpcHandle::from_bytes(&bytes).map_err(|e| e.to_string())?;
+            let emm::IpcMemory::PoolAllocation { data, .. } = handle.handle() else {
+                return Err("not a handle of pool memory".into());
+            };
+            let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
+            raw_pool_importer(&*driver, export.fd(), data, handle.size()).map(String::into_bytes)
+        })();
+        report_to_parent(result);
+    }
+    if let Ok(list) = std::env::var(IPC_CHILD_MANY_ENV) {
+        let result = (|| -> Result<Vec<u8>, String> {
+            let pool = receive_pool()?;
+            let handles = list.split(',').map(unhex).collect::<Result<Vec<_>, _>>()?;
+            let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
+            ipc_child_many(driver, &handles, pool)
+        })();
+        report_to_parent(result);
+    }
     let Ok(bytes) = std::env::var(IPC_CHILD_ENV) else {
         return;
     };
@@ -754,18 +988,24 @@ pub fn run_ipc_child_if_requested() {
         .ok()
         .and_then(|d| d.parse().ok())
         .unwrap_or(0);
-    let pool = match std::env::var(IPC_POOL_SOCKET_ENV) {
-        Ok(path) => std::os::unix::net::UnixStream::connect(&path)
-            .map_err(|e| format!("connecting to {path}: {e}"))
-            .and_then(|s| emm::PoolExport::receive(&s).map_err(|e| e.to_string()))
-            .map(Some),
-        Err(_) => Ok(None),
-    };
+    let pool = receive_pool();
     let result = unhex(&bytes).and_then(|bytes| {
         let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
         ipc_child(driver, &bytes, mode, device, pool?)
     });
     report_to_parent(result);
+}
+
+/// In a child process: the pool export its parent sends over the socket it names, if it
+/// names one.
+fn receive_pool() -> Result<Option<emm::PoolExport>, String> {
+    match std::env::var(IPC_POOL_SOCKET_ENV) {
+        Ok(path) => std::os::unix::net::UnixStream::connect(&path)
+            .map_err(|e| format!("connecting to {path}: {e}"))
+            .and_then(|s| emm::PoolExport::receive(&s).map_err(|e| e.to_string()))
+            .map(Some),
+        Err(_) => Ok(None),
+    }
 }
 
 /// The IPC child's last act: prints its result on the one line [`child_result`] reads (the

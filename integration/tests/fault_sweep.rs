@@ -242,6 +242,7 @@ struct Outcome {
 /// that opens its IPC handles), then checks everything the module's documentation lists.
 fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, String> {
     let sim = Arc::new(machine());
+    let early_before = driver_mock::frees_while_imported_on_this_thread();
     if !in_other {
         // Before the runtime exists, so that its cuInit is faulted too.
         for f in faults {
@@ -381,6 +382,12 @@ fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, Strin
                 "the driver refused release calls in the {who} at its runtime's end: {refused:?}"
             ));
         }
+    }
+    let early = driver_mock::frees_while_imported_on_this_thread() - early_before;
+    if early > 0 {
+        return Err(format!(
+            "the exporter freed {early} allocation(s) the importer still had mapped (undefined behaviour on the GPU)"
+        ));
     }
     Ok(Outcome {
         calls,

@@ -42,6 +42,8 @@ use world::{Object, Process, World, context};
 thread_local! {
     /// Release calls the simulated driver refused on this thread, in any process.
     static FAILED_RELEASES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// Allocations freed on this thread while another process still had them mapped.
+    static FREED_WHILE_IMPORTED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// How many release calls (frees, unpins, closes, destroys) any simulated driver refused on
@@ -50,6 +52,16 @@ thread_local! {
 /// one thread; in correct use emm makes none.
 pub fn failed_releases_on_this_thread() -> u64 {
     FAILED_RELEASES.with(std::cell::Cell::get)
+}
+
+/// How many allocations the exporting process freed (`cuMemFree`, `cuMemFreeAsync`, its
+/// context's destruction) on the calling thread while another process still had them mapped
+/// (`cuIpcOpenMemHandle` not yet closed, `cuMemPoolImportPointer` not yet freed). The driver
+/// documents this as undefined behaviour in the importer, so the simulator does not model an
+/// outcome for it (its mapping keeps reading the old bytes): it counts it, and a test harness
+/// fails a test that does it. Correct use makes none: the importer lets go first.
+pub fn frees_while_imported_on_this_thread() -> u64 {
+    FREED_WHILE_IMPORTED.with(std::cell::Cell::get)
 }
 
 /// A deterministic simulated CUDA system, as seen by one process.

@@ -316,14 +316,8 @@ impl World {
             note.ptr = Some(DevicePtr(b.addr));
             return Ok(DevicePtr(b.addr));
         }
-        let addr = match self.alloc_device(i, pid, bytes) {
-            Err(code::OUT_OF_MEMORY) => {
-                // Release what the pool holds unused, then try once more.
-                self.pool_release(pid, pool.0, 0);
-                self.alloc_device(i, pid, bytes)?
-            }
-            other => other?,
-        };
+        // Out of pages, this takes back what the process's pools cache, this one included.
+        let addr = self.alloc_device(i, pid, bytes)?;
         let p = self.processes[pid].pools.get_mut(&pool.0).expect("checked");
         p.reserved += bytes;
         p.used += bytes;
@@ -355,11 +349,20 @@ impl World {
             self.drop_store(m.store);
             return Ok(());
         }
+        let device = self.processes[pid]
+            .pools
+            .values()
+            .find(|p| p.live.contains_key(&ptr.0))
+            .ok_or(code::INVALID_VALUE)?
+            .device;
+        if let Some(a) = self.devices[device].allocs.get(&ptr.0) {
+            self.note_if_imported(pid, a.store);
+        }
         let p = self.processes[pid]
             .pools
             .values_mut()
             .find(|p| p.live.contains_key(&ptr.0))
-            .ok_or(code::INVALID_VALUE)?;
+            .expect("found above");
         let size = p.live.remove(&ptr.0).expect("found");
         note.bytes = Some(size);
         p.used -= size;
@@ -484,7 +487,17 @@ impl World {
             .filter(|a| live && a.owner == exporter)
             .ok_or(code::INVALID_VALUE)?;
         let (store, size) = (alloc.store, alloc.size);
-        let at = self.map_store(pid, device, store, size, Some(pool.0));
+        // Imported already through this pool: the driver hands back the same address, and
+        // does not count imports (measured on an H100: one free unmaps it).
+        let known = self.processes[pid]
+            .ipc
+            .iter()
+            .find(|(_, m)| m.store == store && m.pool == Some(pool.0))
+            .map(|(&at, _)| at);
+        let at = match known {
+            Some(at) => at,
+            None => self.map_store(pid, device, store, size, Some(pool.0)),
+        };
         note.ptr = Some(DevicePtr(at));
         note.bytes = Some(size);
         Ok(DevicePtr(at))

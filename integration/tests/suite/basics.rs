@@ -198,3 +198,20 @@ pub fn test_context_memory(target: Target) -> Result<(), Failed> {
     ensure!(info.total > 0 && info.free <= info.total, "{info:?}");
     Ok(())
 }
+
+/// `async-pool` out of memory while its own free is in flight: a block freed with
+/// `cuMemFreeAsync` and not yet synchronised stays reserved, for every allocation (measured:
+/// `driver_conformance::pool_cache_under_pressure`). A larger request that needs that memory
+/// gets it anyway: the manager synchronises its stream and retries, and the caller sees
+/// nothing.
+pub fn async_pool_out_of_memory_waits_for_its_frees(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::with(target, |b| b.memory_manager_name("async-pool"))?;
+    let ctx = t.context()?;
+    let free = ctx.get_memory_info()?.free;
+    let page = 2 << 20;
+    let (first, second) = (free / 10 * 6 / page * page, free / 10 * 7 / page * page);
+    drop(ctx.memalloc(first)?);
+    let mem = ctx.memalloc(second)?;
+    ensure_eq!(mem.size(), second);
+    Ok(())
+}

@@ -651,3 +651,141 @@ pub fn ipc_mapping_conformance(target: Target) -> Result<(), Failed> {
     unsafe { driver.primary_ctx_release(dev)? };
     result
 }
+
+/// A stream-ordered pool seen from the process that imports it, as emm's importer relies on
+/// (`emm::ipc::imports`): after `cuMemPoolImportFromShareableHandle` the importing device may
+/// access the pool (emm asks with `cuMemPoolGetAccess` and grants access only when it may
+/// not); allocating from an imported pool is refused; the imported pointer reads the
+/// exporter's bytes and its writes reach the exporter; a second import of the same allocation
+/// gives the same address, and one free unmaps it (imports are not counted). The exporter is
+/// emm under `async-pool-ipc`; the importer makes raw driver calls in another process
+/// (`integration::raw_pool_importer`).
+pub fn imported_pool_conformance(target: Target) -> Result<(), Failed> {
+    let t = integration::TestCtx::with(target, |b| b.memory_manager_name("async-pool-ipc"))?;
+    let ctx = t.context()?;
+    let size = 1 << 20;
+    let pattern: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+    let mem = ctx.to_device(&pattern)?;
+    let handle = ctx.get_ipc_handle(&mem)?;
+    let export = ctx.export_pool()?;
+    let facts =
+        integration::raw_pool_import_in_other_process(t.sim.as_ref(), &handle.to_bytes(), &export)?;
+    ensure_eq!(
+        facts,
+        "access=true alloc=InvalidValue read=true reimport=same second_free=InvalidValue"
+    );
+    let mut back = vec![0u8; size];
+    ctx.copy_to_host(&mut back, &mem)?;
+    ensure!(
+        back == integration::importer_pattern(size),
+        "the importer's writes reach the exporter's allocation"
+    );
+    Ok(())
+}
+
+/// What a stream-ordered pool's cache does under memory pressure, as `async-pool`'s
+/// out-of-memory retry relies on (measured on an H100, 2026-11-23; the driver probe prints the
+/// steps): with the release threshold at its maximum, a pool keeps a freed block; when a
+/// `cuMemAlloc`, or an allocation from another pool, then needs that memory, the driver takes
+/// it from the cache itself, without a trim, provided the host has observed the free (a
+/// synchronisation). A block whose free was not yet observed stays reserved: allocations are
+/// out of memory and even `cuMemPoolTrimTo(0)` keeps it, until a synchronisation.
+pub fn pool_cache_under_pressure(target: Target) -> Result<(), Failed> {
+    use driver_sys::{MemPoolHandle, StreamHandle};
+    let raw = Raw::new(target)?;
+    let (d, ctx, dev) = (&raw.driver, raw.ctx, DeviceOrdinal(0));
+    let s0 = StreamHandle(0);
+    let total = d.mem_get_info(ctx)?.total;
+    let cached = (256 << 20).min(total / 8 / PAGE * PAGE);
+    let reserved = |pool| d.mem_pool_usage(ctx, pool).map(|u| u.reserved);
+    // Fills the device by `cuMemAlloc`, or from `from`; returns what it took.
+    let fill = |from: Option<MemPoolHandle>| -> Result<Vec<DevicePtr>, Failed> {
+        let mut held = Vec::new();
+        for chunk in [1usize << 30, 64 << 20, 2 << 20] {
+            loop {
+                let got = match from {
+                    Some(q) => d.mem_alloc_from_pool_async(ctx, q, chunk, s0),
+                    None => d.mem_alloc(ctx, chunk),
+                };
+                match got {
+                    Ok(p) => held.push(p),
+                    Err(e) if e.kind() == ErrorKind::OutOfMemory => break,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        Ok(held)
+    };
+    let release = |held: Vec<DevicePtr>, from: Option<MemPoolHandle>| -> Result<(), Failed> {
+        for p in held {
+            match from {
+                // SAFETY: allocated by `fill` from that pool, freed once, unused.
+                Some(_) => unsafe { d.mem_free_async(ctx, p, s0)? },
+                None => raw.free(p)?,
+            }
+        }
+        d.stream_synchronize(ctx, s0)?;
+        Ok(())
+    };
+    for (filler, synchronised) in [
+        ("cuMemAlloc", true),
+        ("cuMemAlloc", false),
+        ("a second pool", true),
+    ] {
+        let what = format!("filled by {filler}, the free synchronised: {synchronised}");
+        let pool = d.mem_pool_create(ctx, dev, false)?;
+        let second = match filler {
+            "a second pool" => Some(d.mem_pool_create(ctx, dev, false)?),
+            _ => None,
+        };
+        let mut held = Vec::new();
+        let result = (|| -> Result<(), Failed> {
+            d.mem_pool_set_release_threshold(ctx, pool, u64::MAX)?;
+            let p = d.mem_alloc_from_pool_async(ctx, pool, cached, s0)?;
+            // SAFETY: allocated just above on stream 0, freed once; nothing uses it.
+            unsafe { d.mem_free_async(ctx, p, s0)? };
+            if synchronised {
+                d.stream_synchronize(ctx, s0)?;
+            }
+            ensure!(
+                reserved(pool)? >= cached as u64,
+                "{what}: the pool caches the block"
+            );
+            held = fill(second)?;
+            if synchronised {
+                ensure_eq!(reserved(pool)?, 0, "{what}: the fill took the cache");
+                return Ok(());
+            }
+            ensure!(reserved(pool)? >= cached as u64, "{what}: the cache stays");
+            d.mem_pool_trim_to(ctx, pool, 0)?;
+            ensure!(
+                reserved(pool)? >= cached as u64,
+                "{what}: a trim keeps it too"
+            );
+            expect_kind(
+                "cuMemAlloc before the synchronisation",
+                d.mem_alloc(ctx, 2 << 20),
+                ErrorKind::OutOfMemory,
+            )?;
+            d.stream_synchronize(ctx, s0)?;
+            held.push(d.mem_alloc(ctx, 2 << 20)?);
+            ensure!(
+                reserved(pool)? < cached as u64,
+                "{what}: after it, the allocation took the cache"
+            );
+            Ok(())
+        })();
+        let released = release(std::mem::take(&mut held), second);
+        // SAFETY: nothing of either pool is outstanding (`release` freed the second pool's
+        // allocations and waited); each is destroyed once.
+        unsafe {
+            if let Some(q) = second {
+                d.mem_pool_destroy(ctx, q)?;
+            }
+            d.mem_pool_destroy(ctx, pool)?;
+        }
+        result?;
+        released?;
+    }
+    Ok(())
+}

@@ -88,6 +88,28 @@ pub fn test_ipc_array(target: Target) -> Result<(), Failed> {
     Ok(())
 }
 
+/// Handles of overlapping views of one allocation, opened together in one other process:
+/// closing one leaves the others' memory in place (beyond Numba, which opens one handle per
+/// process in its tests). The driver counts repeated `cuIpcOpenMemHandle`s of one allocation;
+/// it does not count repeated `cuMemPoolImportPointer`s (one free unmaps, measured on an
+/// H100), so emm counts those.
+pub fn test_ipc_overlapping_views(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let data = arange(10);
+    let mem = ctx.to_device(&data)?;
+    let mut handles = Vec::new();
+    let mut expect = Vec::new();
+    for (start, stop) in SLICES {
+        let view = mem.view(start * 8, Some(stop * 8))?;
+        handles.push(ctx.get_ipc_handle(&view)?.to_bytes());
+        expect.extend_from_slice(&data[start * 8..stop * 8]);
+    }
+    let seen = integration::open_many_in_other_process(&t, &handles)?;
+    ensure_eq!(seen, expect);
+    Ok(())
+}
+
 fn check_ipc_array(
     t: &TestCtx,
     ctx: &emm::Context,

@@ -99,6 +99,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     basics::copies_are_bounds_checked,
     basics::initialize_runs_on_every_use,
     basics::test_context_memory,
+    basics::async_pool_out_of_memory_waits_for_its_frees,
     deallocations::test_max_pending_count[DeferredDeviceFrees],
     deallocations::test_max_pending_bytes[DeferredDeviceFrees],
     deallocations::test_defer_cleanup[DeferredDeviceFrees],
@@ -146,6 +147,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     ipc::test_ipc_array[IpcExport],
     ipc::test_staged[IpcExport],
     ipc::test_ipc_array_staged[IpcExport],
+    ipc::test_ipc_overlapping_views[IpcExport],
     ipc::ipc_handle_errors[IpcExport],
     ipc::pool_export_per_manager,
     stress::stress_mixed_operations,
@@ -153,8 +155,10 @@ const TESTS: &[SuiteTest] = suite_tests![
     driver_conformance::pool_export_conformance,
     driver_conformance::context_destruction_reclaims_all_its_memory[ProvokesFailedReleases],
     driver_conformance::stream_ordered_pool_conformance,
+    driver_conformance::pool_cache_under_pressure,
     driver_conformance::device_attributes_conformance,
     driver_conformance::ipc_mapping_conformance[ProvokesFailedReleases],
+    driver_conformance::imported_pool_conformance[ProvokesFailedReleases],
     driver_conformance::zero_byte_alloc_is_invalid_value,
     driver_conformance::oversized_alloc_is_out_of_memory,
     driver_conformance::double_free_is_invalid_value[ProvokesFailedReleases],
@@ -208,8 +212,18 @@ fn trial(target: Target, t: &SuiteTest) -> Trial {
     Trial::test(format!("{target}::{name}"), move || {
         let _gpu = (target == Target::Cuda).then(|| GPU.lock().unwrap_or_else(|p| p.into_inner()));
         let before = failed_releases(target);
+        let early_before = driver_mock::frees_while_imported_on_this_thread();
         run(target)?;
         let refused = failed_releases(target) - before;
+        let early = driver_mock::frees_while_imported_on_this_thread() - early_before;
+        if early > 0 {
+            return Err(format!(
+                "{name} freed {early} allocation(s) while another process still had them mapped \
+                 (on the simulator); the driver documents that as undefined behaviour in the \
+                 importer: close the mapping there (or free the imported pointer) first"
+            )
+            .into());
+        }
         if refused > 0 && !provokes {
             return Err(format!(
                 "the driver refused {refused} release call(s) during {name} (a double free, or a \
