@@ -218,6 +218,10 @@ impl Driver for CudaDriver {
             DeviceAttribute::PciBusId => A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID,
             DeviceAttribute::PciDeviceId => A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID,
             DeviceAttribute::PciDomainId => A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID,
+            DeviceAttribute::ManagedMemory => A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY,
+            DeviceAttribute::ConcurrentManagedAccess => {
+                A::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS
+            }
         };
         // SAFETY: `attr` is a valid enum value; `device` came from cuDeviceGet.
         unsafe { result::device::get_attribute(device, attr) }.map_err(err("cuDeviceGetAttribute"))
@@ -255,6 +259,24 @@ impl Driver for CudaDriver {
         // SAFETY: the context is current; the new allocation is owned by the caller.
         let ptr = unsafe { result::malloc_sync(bytes) }.map_err(err("cuMemAlloc"))?;
         Ok(DevicePtr(ptr))
+    }
+
+    /// [cuMemAllocManaged](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    fn mem_alloc_managed(
+        &self,
+        ctx: ContextHandle,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<DevicePtr, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut ptr = MaybeUninit::<sys::CUdeviceptr>::uninit();
+        // SAFETY: `ptr` is a valid place for one device pointer; the driver validates the size
+        // and the flags; the context is current and the new allocation is the caller's.
+        check("cuMemAllocManaged", unsafe {
+            sys::cuMemAllocManaged(ptr.as_mut_ptr(), bytes, flags)
+        })?;
+        // SAFETY: written by the successful call above.
+        Ok(DevicePtr(unsafe { ptr.assume_init() }))
     }
 
     /// [cuMemFree](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)

@@ -30,6 +30,15 @@ pub mod host_register {
     pub const DEVICEMAP: u32 = 0x02;
 }
 
+/// `cuMemAllocManaged` flags (`CUmemAttach_flags`): one of the two.
+pub mod mem_attach {
+    /// `CU_MEM_ATTACH_GLOBAL`: accessible from any stream on any device.
+    pub const GLOBAL: u32 = 0x1;
+    /// `CU_MEM_ATTACH_HOST`: not accessed from devices until attached to a stream or globally
+    /// (on devices with concurrent managed access, this only hints).
+    pub const HOST: u32 = 0x2;
+}
+
 /// `cuEventCreate` flags.
 pub mod event_flags {
     /// `CU_EVENT_DEFAULT`.
@@ -51,6 +60,11 @@ pub enum DeviceAttribute {
     PciDeviceId = 34,
     /// `CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID`.
     PciDomainId = 50,
+    /// `CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY`: 1 if the device can allocate managed memory.
+    ManagedMemory = 83,
+    /// `CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS`: 1 if the host and the device may
+    /// access managed memory at the same time.
+    ConcurrentManagedAccess = 89,
 }
 
 /// Free and total device memory as `cuMemGetInfo` reports them, in bytes.
@@ -122,11 +136,22 @@ pub trait Driver: Send + Sync + fmt::Debug {
     /// `cuMemAlloc`: `bytes` of device memory in `ctx`.
     fn mem_alloc(&self, ctx: ContextHandle, bytes: usize) -> Result<DevicePtr, DriverError>;
 
+    /// `cuMemAllocManaged`: `bytes` of managed memory in `ctx`, addressable from the host and
+    /// the devices at the same address; `flags` is [`mem_attach::GLOBAL`] or
+    /// [`mem_attach::HOST`]. Freed with [`mem_free`](Driver::mem_free).
+    fn mem_alloc_managed(
+        &self,
+        ctx: ContextHandle,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<DevicePtr, DriverError>;
+
     /// `cuMemFree`.
     ///
     /// # Safety
     ///
-    /// - `ptr` was returned by [`mem_alloc`](Driver::mem_alloc) in `ctx` and is freed once.
+    /// - `ptr` was returned by [`mem_alloc`](Driver::mem_alloc) or
+    ///   [`mem_alloc_managed`](Driver::mem_alloc_managed) in `ctx` and is freed once.
     /// - Nothing uses the memory afterwards; no work on the device still reads or writes it.
     unsafe fn mem_free(&self, ctx: ContextHandle, ptr: DevicePtr) -> Result<(), DriverError>;
 

@@ -36,6 +36,7 @@ pub use cuda::CudaDriver;
 pub use driver::MockDriver;
 pub use driver::{
     DeviceAttribute, Driver, MemInfo, MemPoolUsage, event_flags, host_alloc, host_register,
+    mem_attach,
 };
 pub use error::{DriverError, ErrorKind, code};
 pub use handles::{

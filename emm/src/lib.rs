@@ -89,8 +89,8 @@ pub use managers::{
 };
 pub use memory::{
     ContextLiveness, DeallocConfig, DeferCleanup, Free, HostAllocFlags, HostMemory, HostOwner,
-    HostReleaseFn, LiveGuard, MappedMemory, MemoryPointer, PendingDeallocs, PinnableBuffer,
-    PinnedMemory, ReleaseFn, ReleaseHook,
+    HostReleaseFn, LiveGuard, ManagedMemory, MappedMemory, MemoryPointer, PendingDeallocs,
+    PinnableBuffer, PinnedMemory, ReleaseFn, ReleaseHook,
 };
 pub use objects::{Event, Module, Stream};
 pub use runtime::context::Context;

@@ -108,6 +108,9 @@ pub fn replay(ctx: &Context, events: &[ReplayEvent]) -> ReplayReport {
             Action::Allocate => {
                 let made = match e.kind {
                     MemoryKind::Device => ctx.memalloc(e.size).map(Live::Device),
+                    MemoryKind::Managed => ctx
+                        .memallocmanaged(e.size, true)
+                        .map(|m| Live::Device(m.device().clone())),
                     MemoryKind::Pinned | MemoryKind::Mapped => ctx
                         .memhostalloc(e.size, e.kind == MemoryKind::Mapped, false, false)
                         .map(Live::Host),

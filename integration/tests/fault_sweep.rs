@@ -143,6 +143,11 @@ fn workload(
     let pinned = ctx.memhostalloc(64, false, true, true)?;
     pinned.write(0, &[3u8; 64])?;
     ctx.copy_pinned_to_device(&b, &pinned, 64)?;
+    let managed = ctx.memallocmanaged(256, true)?;
+    managed.write(0, &[4u8; 256])?;
+    let mut seen = [0u8; 256];
+    ctx.copy_to_host(&mut seen, managed.device())?;
+    assert_eq!(seen, [4u8; 256], "managed bytes read back");
     let mapped_pin = ctx.pin(Arc::new(PinnableBuffer::zeroed(64)), true)?;
     let pin = ctx.pin(Arc::new(PinnableBuffer::zeroed(64)), false)?;
     let stream = ctx.create_stream()?;
@@ -150,7 +155,7 @@ fn workload(
     let module = ctx.load_module(PTX.as_bytes())?;
     {
         let _guard = ctx.defer_cleanup()?;
-        drop((a, view, mapped));
+        drop((a, view, mapped, managed));
         ctx.flush_deallocations()?;
     }
     ctx.flush_deallocations()?;
@@ -410,7 +415,11 @@ fn may_absorb(op: Op, kind: ErrorKind) -> bool {
         || (kind == ErrorKind::OutOfMemory
             && matches!(
                 op,
-                Op::MemAlloc | Op::MemAllocFromPoolAsync | Op::MemHostAlloc | Op::MemHostRegister
+                Op::MemAlloc
+                    | Op::MemAllocFromPoolAsync
+                    | Op::MemAllocManaged
+                    | Op::MemHostAlloc
+                    | Op::MemHostRegister
             ))
 }
 
@@ -474,7 +483,12 @@ fn every_driver_call_fails_once_and_emm_survives() {
                             )),
                             Some(e)
                                 if kind == ErrorKind::OutOfMemory
-                                    && matches!(op, Op::MemAlloc | Op::MemAllocFromPoolAsync) =>
+                                    && matches!(
+                                        op,
+                                        Op::MemAlloc
+                                            | Op::MemAllocFromPoolAsync
+                                            | Op::MemAllocManaged
+                                    ) =>
                             {
                                 failures.push(format!(
                                     "{manager} ({process}) call {nth}: out-of-memory was not retried: {e}"

@@ -28,6 +28,9 @@ pub struct SimDeviceConfig {
     pub total_mem: usize,
     /// `CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY`.
     pub can_map_host_memory: bool,
+    /// `CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY` (and `CONCURRENT_MANAGED_ACCESS`): whether
+    /// `cuMemAllocManaged` works on the device.
+    pub managed_memory: bool,
     /// Granularity of small allocations in bytes (a power of two dividing [`PAGE_SIZE`]).
     pub alignment: usize,
     /// Bytes a live context takes before anything is allocated (the real driver's context
@@ -47,6 +50,7 @@ impl SimDeviceConfig {
         SimDeviceConfig {
             total_mem,
             can_map_host_memory: true,
+            managed_memory: true,
             alignment: DEFAULT_ALIGNMENT,
             context_overhead: 0,
             pci_domain_id: 0,
@@ -59,6 +63,13 @@ impl SimDeviceConfig {
     #[must_use]
     pub fn can_map_host_memory(mut self, yes: bool) -> SimDeviceConfig {
         self.can_map_host_memory = yes;
+        self
+    }
+
+    /// Sets whether the device supports managed memory.
+    #[must_use]
+    pub fn managed_memory(mut self, yes: bool) -> SimDeviceConfig {
+        self.managed_memory = yes;
         self
     }
 

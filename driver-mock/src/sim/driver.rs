@@ -78,6 +78,17 @@ impl Driver for SimDriver {
         })
     }
 
+    fn mem_alloc_managed(
+        &self,
+        ctx: ContextHandle,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<DevicePtr, DriverError> {
+        self.call(Op::MemAllocManaged, |w, pid, note| {
+            w.mem_alloc_managed(pid, note, ctx, bytes, flags)
+        })
+    }
+
     unsafe fn mem_free(&self, ctx: ContextHandle, ptr: DevicePtr) -> Result<(), DriverError> {
         self.call(Op::MemFree, |w, pid, note| w.mem_free(pid, note, ctx, ptr))
     }

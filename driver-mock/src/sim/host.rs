@@ -1,6 +1,6 @@
 //! Page-locked host memory: `cuMemHostAlloc`, `cuMemHostRegister` and their device mappings.
 
-use driver_sys::{ContextHandle, DevicePtr, HostPtr, code, host_alloc, host_register};
+use driver_sys::{ContextHandle, DevicePtr, HostPtr, code, host_alloc, host_register, mem_attach};
 
 use super::Note;
 use super::world::{World, context};
@@ -42,6 +42,9 @@ pub(super) enum HostKind {
     Alloc(#[allow(dead_code)] HostBlock),
     /// A caller's range, `cuMemHostRegister`ed.
     Registered,
+    /// `cuMemAllocManaged` memory: bytes the simulator owns, reached at the same address from
+    /// the host and from copies, freed with `cuMemFree`. Not pinned memory.
+    Managed(#[allow(dead_code)] HostBlock),
 }
 
 #[derive(Debug)]
@@ -60,6 +63,11 @@ impl HostRange {
     /// memory is kept (not measured).
     pub(super) fn survives_its_context(&self) -> bool {
         self.portable && matches!(self.kind, HostKind::Registered)
+    }
+
+    /// Whether it counts as page-locked memory (managed memory does not).
+    pub(super) fn is_pinned(&self) -> bool {
+        !matches!(self.kind, HostKind::Managed(_))
     }
 }
 
@@ -200,7 +208,11 @@ impl World {
         registered: bool,
     ) -> Option<()> {
         let host = &mut self.processes[pid].host;
-        let kind_matches = matches!(host.get(&ptr.0)?.kind, HostKind::Registered) == registered;
+        let kind_matches = match host.get(&ptr.0)?.kind {
+            HostKind::Registered => registered,
+            HostKind::Alloc(_) => !registered,
+            HostKind::Managed(_) => false,
+        };
         if !kind_matches {
             return None;
         }
@@ -222,11 +234,65 @@ impl World {
         context(self, pid, ctx, note)?;
         let p = &self.processes[pid];
         match p.host.range(..=ptr.0).next_back() {
-            Some((&start, h)) if h.mapped && ptr.0 < start + h.size => {
+            Some((&start, h)) if h.mapped && h.is_pinned() && ptr.0 < start + h.size => {
                 note.ptr = Some(DevicePtr(ptr.0 as u64));
                 Ok(DevicePtr(ptr.0 as u64))
             }
             _ => Err(code::INVALID_VALUE),
         }
+    }
+
+    /// `cuMemAllocManaged`: [`Driver::mem_alloc_managed`](driver_sys::Driver::mem_alloc_managed)
+    /// in the model. The bytes are the simulator's own host memory, at one address for the
+    /// host and for copies (unified addressing); they do not count against the device's free
+    /// memory (the driver places pages on first touch). Refused: zero bytes or flags other
+    /// than exactly one attach flag (`CUDA_ERROR_INVALID_VALUE`), a device without managed
+    /// memory (`CUDA_ERROR_NOT_SUPPORTED`), and, a modelling choice, more than the device's
+    /// total memory (`CUDA_ERROR_OUT_OF_MEMORY`; the driver may oversubscribe, emm's tests do
+    /// not ask it to).
+    pub(super) fn mem_alloc_managed(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<DevicePtr, u32> {
+        note.bytes = Some(bytes);
+        let i = context(self, pid, ctx, note)?;
+        if bytes == 0 || (flags != mem_attach::GLOBAL && flags != mem_attach::HOST) {
+            return Err(code::INVALID_VALUE);
+        }
+        let config = &self.devices[i].config;
+        if !config.managed_memory {
+            return Err(code::NOT_SUPPORTED);
+        }
+        if bytes > config.total_mem {
+            return Err(code::OUT_OF_MEMORY);
+        }
+        let (storage, addr) = HostBlock::zeroed(bytes);
+        self.processes[pid].host.insert(
+            addr,
+            HostRange {
+                size: bytes,
+                device: i,
+                mapped: true,
+                portable: false,
+                kind: HostKind::Managed(storage),
+            },
+        );
+        note.ptr = Some(DevicePtr(addr as u64));
+        Ok(DevicePtr(addr as u64))
+    }
+
+    /// `cuMemFree` of managed memory: takes back the managed range starting at `ptr`; its size,
+    /// or `None` when there is none.
+    pub(super) fn free_managed(&mut self, pid: usize, ptr: u64) -> Option<usize> {
+        let host = &mut self.processes[pid].host;
+        let at = usize::try_from(ptr).ok()?;
+        if !matches!(host.get(&at)?.kind, HostKind::Managed(_)) {
+            return None;
+        }
+        host.remove(&at).map(|h| h.size)
     }
 }

@@ -54,11 +54,12 @@ pub enum Op {
     MemPoolImportPointer,
     MemPoolGetAccess,
     MemPoolSetAccess,
+    MemAllocManaged,
 }
 
 impl Op {
     /// Every operation, in declaration order (for fault sweeps).
-    pub const ALL: [Op; 45] = [
+    pub const ALL: [Op; 46] = [
         Op::Init,
         Op::DeviceCount,
         Op::DeviceTotalMem,
@@ -104,6 +105,7 @@ impl Op {
         Op::MemPoolImportPointer,
         Op::MemPoolGetAccess,
         Op::MemPoolSetAccess,
+        Op::MemAllocManaged,
     ];
 
     /// Whether the call gives something back to the driver: a free, an unpin, an IPC close, a
@@ -171,6 +173,7 @@ impl Op {
             Op::MemPoolGetAccess => "cuMemPoolGetAccess",
             Op::MemPoolSetAccess => "cuMemPoolSetAccess",
             Op::MemFreeAsync => "cuMemFreeAsync",
+            Op::MemAllocManaged => "cuMemAllocManaged",
         }
     }
 }
@@ -231,7 +234,8 @@ impl Fault {
 /// What one simulated process still holds.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LeakReport {
-    /// Live device allocations: device, address, requested size.
+    /// Live device allocations (`cuMemAlloc`, and `cuMemAllocManaged`, which `cuMemFree` frees
+    /// too): device, address, requested size.
     pub allocations: Vec<(DeviceOrdinal, DevicePtr, usize)>,
     /// Live `cuMemHostAlloc` allocations: address, size.
     pub host_allocations: Vec<(HostPtr, usize)>,

@@ -226,14 +226,15 @@ impl World {
     /// Frees process `pid`'s allocation at `ptr` on any device; returns its size.
     pub(super) fn free_device(&mut self, pid: usize, ptr: u64) -> Result<usize, u32> {
         // Unified addressing: the allocation may be on any device of this process.
-        let i = (0..self.devices.len())
-            .find(|&i| {
-                self.devices[i]
-                    .allocs
-                    .get(&ptr)
-                    .is_some_and(|a| a.owner == pid)
-            })
-            .ok_or(code::INVALID_VALUE)?;
+        let i = (0..self.devices.len()).find(|&i| {
+            self.devices[i]
+                .allocs
+                .get(&ptr)
+                .is_some_and(|a| a.owner == pid)
+        });
+        let Some(i) = i else {
+            return self.free_managed(pid, ptr).ok_or(code::INVALID_VALUE);
+        };
         let a = self.devices[i].remove(i, ptr).expect("found above");
         self.note_if_imported(pid, a.store);
         self.drop_store(a.store);
@@ -436,6 +437,12 @@ impl World {
             && ptr.0 < base + m.size as u64
         {
             return Ok((DevicePtr(base), m.size));
+        }
+        if let Some((&base, h)) = p.host.range(..=ptr.0 as usize).next_back()
+            && !h.is_pinned()
+            && (ptr.0 as usize) < base + h.size
+        {
+            return Ok((DevicePtr(base as u64), h.size));
         }
         Err(code::NOT_FOUND)
     }

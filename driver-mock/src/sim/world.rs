@@ -148,7 +148,7 @@ impl World {
         let mut freed_pinned = 0;
         p.host.retain(|_, h| {
             let keep = h.device != device || h.survives_its_context();
-            if !keep {
+            if !keep && h.is_pinned() {
                 freed_pinned += h.size;
             }
             keep
@@ -191,6 +191,11 @@ impl World {
             match h.kind {
                 HostKind::Alloc(_) => r.host_allocations.push((HostPtr(addr), h.size)),
                 HostKind::Registered => r.host_registrations.push((HostPtr(addr), h.size)),
+                HostKind::Managed(_) => r.allocations.push((
+                    DeviceOrdinal(h.device as u32),
+                    DevicePtr(addr as u64),
+                    h.size,
+                )),
             }
         }
         for (&addr, m) in p.ipc.iter().filter(|(_, m)| on(m.device)) {
@@ -251,6 +256,9 @@ impl World {
             DeviceAttribute::PciBusId => c.pci_bus_id,
             DeviceAttribute::PciDeviceId => c.pci_device_id,
             DeviceAttribute::PciDomainId => c.pci_domain_id,
+            DeviceAttribute::ManagedMemory | DeviceAttribute::ConcurrentManagedAccess => {
+                i32::from(c.managed_memory)
+            }
         })
     }
 

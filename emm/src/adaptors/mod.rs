@@ -37,7 +37,7 @@ use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::MemoryManager;
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
-use crate::memory::host::{HostMemory, HostOwner, MappedMemory, PinnedMemory};
+use crate::memory::host::{HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory};
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::{MemoryPointer, ReleaseHook};
 use crate::sync::{AtomicUsize, Mutex, lock};
@@ -336,6 +336,22 @@ impl MemoryManager for Adapted {
             |m| m.host_ptr().0 as u64,
         )?;
         Ok(self.wrap_host(m, kind))
+    }
+
+    fn memallocmanaged(
+        &self,
+        bytes: usize,
+        attach_global: bool,
+    ) -> Result<ManagedMemory, EmmError> {
+        let m = self.observe(
+            "memallocmanaged",
+            MemoryKind::Managed,
+            bytes,
+            || self.inner.memallocmanaged(bytes, attach_global),
+            |m| m.device().device_ptr().0,
+        )?;
+        let device = self.wrap_device(m.device().clone(), MemoryKind::Managed);
+        Ok(ManagedMemory::new(device, attach_global))
     }
 
     unsafe fn mempin(

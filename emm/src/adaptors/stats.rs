@@ -16,7 +16,7 @@ pub(super) struct KindCounters {
 
 #[derive(Debug, Default)]
 pub(super) struct Stats {
-    pub(super) kinds: [KindCounters; 4],
+    pub(super) kinds: [KindCounters; 5],
 }
 
 impl Observer for Stats {
@@ -53,6 +53,7 @@ impl Observer for Stats {
             pinned: read(&self.kinds[1]),
             mapped: read(&self.kinds[2]),
             pin: read(&self.kinds[3]),
+            managed: read(&self.kinds[4]),
         })
     }
 }

@@ -65,14 +65,17 @@ pub enum MemoryKind {
     Mapped,
     /// Pinned existing host memory (`mempin`).
     Pin,
+    /// Managed memory (`memallocmanaged`).
+    Managed,
 }
 
 impl MemoryKind {
-    pub(crate) const ALL: [MemoryKind; 4] = [
+    pub(crate) const ALL: [MemoryKind; 5] = [
         MemoryKind::Device,
         MemoryKind::Pinned,
         MemoryKind::Mapped,
         MemoryKind::Pin,
+        MemoryKind::Managed,
     ];
 
     pub(crate) fn index(self) -> usize {
@@ -86,6 +89,7 @@ impl MemoryKind {
             MemoryKind::Pinned => "pinned",
             MemoryKind::Mapped => "mapped",
             MemoryKind::Pin => "pin",
+            MemoryKind::Managed => "managed",
         }
     }
 
@@ -122,6 +126,8 @@ pub struct Usage {
     pub mapped: KindUsage,
     /// Pinned existing host memory.
     pub pin: KindUsage,
+    /// Managed memory.
+    pub managed: KindUsage,
 }
 
 impl Usage {
@@ -132,6 +138,7 @@ impl Usage {
             MemoryKind::Pinned => &self.pinned,
             MemoryKind::Mapped => &self.mapped,
             MemoryKind::Pin => &self.pin,
+            MemoryKind::Managed => &self.managed,
         }
     }
 }

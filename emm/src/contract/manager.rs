@@ -11,7 +11,7 @@ use crate::contract::info::{MemoryInfo, PoolReport, Usage};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
-use crate::memory::host::{HostMemory, HostOwner};
+use crate::memory::host::{HostMemory, HostOwner, ManagedMemory};
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::MemoryPointer;
 
@@ -44,6 +44,11 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
     /// hand out empty buffers (PyTorch, CuPy) give them a null pointer without calling the
     /// manager; an adapter over emm does the same.
     fn memalloc(&self, bytes: usize) -> Result<MemoryPointer, EmmError>;
+
+    /// Allocates `bytes` of managed memory (`cuMemAllocManaged`; Numba's `memallocmanaged`),
+    /// attached globally if `attach_global`, else to the host. Freed like device memory.
+    fn memallocmanaged(&self, bytes: usize, attach_global: bool)
+    -> Result<ManagedMemory, EmmError>;
 
     /// Allocates page-locked host memory: `mapped` maps it into the device
     /// (`CU_MEMHOSTALLOC_DEVICEMAP`), `portable` makes it pinned for every context

@@ -12,7 +12,7 @@ use crate::contract::manager::{INTERFACE_VERSION, MemoryManager};
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
 use crate::host::HostLayer;
-use crate::memory::host::{HostMemory, HostOwner};
+use crate::memory::host::{HostMemory, HostOwner, ManagedMemory};
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::MemoryPointer;
 
@@ -176,6 +176,14 @@ impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
         wc: bool,
     ) -> Result<HostMemory, EmmError> {
         self.host.memhostalloc(bytes, mapped, portable, wc)
+    }
+
+    fn memallocmanaged(
+        &self,
+        bytes: usize,
+        attach_global: bool,
+    ) -> Result<ManagedMemory, EmmError> {
+        self.host.memallocmanaged(bytes, attach_global)
     }
 
     unsafe fn mempin(

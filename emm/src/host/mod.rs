@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
-use driver_sys::{DevicePtr, DriverError, ErrorKind, HostPtr, host_alloc, host_register};
+use driver_sys::{
+    DevicePtr, DriverError, ErrorKind, HostPtr, host_alloc, host_register, mem_attach,
+};
 
 use crate::contract::factory::ManagerContext;
 use crate::contract::info::PoolStats;
@@ -12,7 +14,7 @@ use crate::contract::ipc::IpcHandle;
 use crate::error::EmmError;
 use crate::host::allocations::{AllocationTable, Entry, unpin_now};
 use crate::host::pinned_pool::{PinnedBlock, PinnedPool};
-use crate::memory::host::{HostMemory, HostOwner, MappedMemory, PinnedMemory};
+use crate::memory::host::{HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory};
 use crate::memory::pending::{DeferCleanup, Free, PendingDeallocs};
 use crate::memory::pointer::{AllocationOwner, MemoryPointer, Release};
 
@@ -163,10 +165,17 @@ impl HostLayer {
     /// pointer queues a `cuMemFree` when its last clone drops, and `reset` frees it.
     pub fn track_device_allocation(&self, base: DevicePtr, bytes: usize) -> MemoryPointer {
         let cx = self.context();
+        tracing::debug!(device = %cx.device, bytes, ptr = %base, "device memory allocated");
+        self.track_freed_by_mem_free(base, bytes)
+    }
+
+    /// Records `bytes` at `base`, released by `cuMemFree` (device and managed memory), in the
+    /// table, and returns the pointer that owns it.
+    fn track_freed_by_mem_free(&self, base: DevicePtr, bytes: usize) -> MemoryPointer {
+        let cx = self.context();
         let generation = self
             .table
             .record(base.0, Entry::Device { ptr: base, bytes });
-        tracing::debug!(device = %cx.device, bytes, ptr = %base, "device memory allocated");
         MemoryPointer::from_release(
             cx.device,
             cx.context,
@@ -301,6 +310,36 @@ impl HostLayer {
                 }
             },
         )))
+    }
+
+    /// Numba's `memallocmanaged`: `cuMemAllocManaged`, attached globally if `attach_global`,
+    /// else to the host. Like device memory, it retries after out-of-memory, is tracked, and
+    /// its `cuMemFree` goes through the deferred queue, counted by size.
+    pub fn memallocmanaged(
+        &self,
+        bytes: usize,
+        attach_global: bool,
+    ) -> Result<ManagedMemory, EmmError> {
+        if bytes == 0 {
+            return Err(EmmError::ZeroSize {
+                what: "memallocmanaged",
+            });
+        }
+        let cx = self.context().clone();
+        let flags = if attach_global {
+            mem_attach::GLOBAL
+        } else {
+            mem_attach::HOST
+        };
+        let ptr =
+            self.attempt_allocation("memallocmanaged", AllocationKind::Device, bytes, || {
+                cx.driver.mem_alloc_managed(cx.context, bytes, flags)
+            })?;
+        tracing::debug!(device = %cx.device, bytes, %ptr, attach_global, "managed memory allocated");
+        Ok(ManagedMemory::new(
+            self.track_freed_by_mem_free(ptr, bytes),
+            attach_global,
+        ))
     }
 
     /// Numba's `memhostalloc`: `cuMemHostAlloc` with `DEVICEMAP` if `mapped`, `PORTABLE` if

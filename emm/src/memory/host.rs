@@ -293,34 +293,130 @@ impl MappedMemory {
 
     /// Copies `src` into the memory at `offset`, from the host side.
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), EmmError> {
-        self.check_live("write to mapped memory")?;
-        host_range_check("write to mapped memory", offset, src.len(), self.size())?;
-        // SAFETY: the memory is live (the device pointer keeps the allocation, and the check
-        // above refuses memory a reset released), emm hands out no references to it, and the
-        // range was checked.
-        unsafe { host_write(self.host, offset, src) };
-        Ok(())
+        device_backed_write(
+            &self.device,
+            self.host,
+            "write to mapped memory",
+            offset,
+            src,
+        )
     }
 
     /// Copies bytes at `offset` into `dst`, from the host side.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), EmmError> {
-        self.check_live("read from mapped memory")?;
-        host_range_check("read from mapped memory", offset, dst.len(), self.size())?;
-        // SAFETY: as for `write`.
-        unsafe { host_read(self.host, offset, dst) };
+        device_backed_read(
+            &self.device,
+            self.host,
+            "read from mapped memory",
+            offset,
+            dst,
+        )
+    }
+}
+
+/// Refuses access to memory whose device side a reset released.
+fn check_live(device: &MemoryPointer, what: &'static str) -> Result<(), EmmError> {
+    if device.is_live() {
         Ok(())
+    } else {
+        Err(EmmError::Stale {
+            what,
+            device: device.device(),
+            reason: "the memory was freed by a reset of its manager",
+        })
+    }
+}
+
+/// A host-side write to memory that `device` keeps alive and whose host address is `host`
+/// (mapped and managed memory).
+fn device_backed_write(
+    device: &MemoryPointer,
+    host: HostPtr,
+    what: &'static str,
+    offset: usize,
+    src: &[u8],
+) -> Result<(), EmmError> {
+    check_live(device, what)?;
+    host_range_check(what, offset, src.len(), device.size())?;
+    // SAFETY: the memory is live (the device pointer keeps the allocation, and the check above
+    // refuses memory a reset released), emm hands out no references to it, and the range was
+    // checked.
+    unsafe { host_write(host, offset, src) };
+    Ok(())
+}
+
+/// A host-side read of memory as in [`device_backed_write`].
+fn device_backed_read(
+    device: &MemoryPointer,
+    host: HostPtr,
+    what: &'static str,
+    offset: usize,
+    dst: &mut [u8],
+) -> Result<(), EmmError> {
+    check_live(device, what)?;
+    host_range_check(what, offset, dst.len(), device.size())?;
+    // SAFETY: as for `device_backed_write`.
+    unsafe { host_read(host, offset, dst) };
+    Ok(())
+}
+
+/// Managed memory (`cuMemAllocManaged`; Numba's `ManagedMemory`): one address for the host and
+/// every device, the driver migrating pages on use. The device side is an ordinary
+/// [`MemoryPointer`] (copies, views, kernels take it; it is freed like device memory, through
+/// the deferred queue); the host side is reached with [`write`](Self::write) and
+/// [`read`](Self::read), or through [`host_ptr`](Self::host_ptr) by code that keeps device
+/// work off the memory meanwhile. Cheap to clone; released when the last clone of it (or of
+/// its device pointer) drops.
+#[derive(Clone, Debug)]
+pub struct ManagedMemory {
+    device: MemoryPointer,
+    attach_global: bool,
+}
+
+impl ManagedMemory {
+    /// Managed memory whose device side is `device` (which carries the release action);
+    /// `attach_global` records the attach flag it was allocated with.
+    pub fn new(device: MemoryPointer, attach_global: bool) -> ManagedMemory {
+        ManagedMemory {
+            device,
+            attach_global,
+        }
     }
 
-    fn check_live(&self, what: &'static str) -> Result<(), EmmError> {
-        if self.device.is_live() {
-            Ok(())
-        } else {
-            Err(EmmError::Stale {
-                what,
-                device: self.device.device(),
-                reason: "the memory was freed by a reset of its manager",
-            })
-        }
+    /// The host address: the device address, as managed memory has one address everywhere.
+    pub fn host_ptr(&self) -> HostPtr {
+        HostPtr(self.device.device_ptr().0 as usize)
+    }
+
+    /// The device side.
+    pub fn device(&self) -> &MemoryPointer {
+        &self.device
+    }
+
+    /// Bytes.
+    pub fn size(&self) -> usize {
+        self.device.size()
+    }
+
+    /// Whether it was allocated attached globally (`CU_MEM_ATTACH_GLOBAL`: any stream of any
+    /// device may use it) rather than to the host (`CU_MEM_ATTACH_HOST`).
+    pub fn attached_globally(&self) -> bool {
+        self.attach_global
+    }
+
+    /// Copies `src` into the memory at `offset`, from the host side. No device work may use
+    /// the memory meanwhile (on devices without concurrent managed access, the host must not
+    /// touch managed memory while any kernel runs).
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), EmmError> {
+        let host = self.host_ptr();
+        device_backed_write(&self.device, host, "write to managed memory", offset, src)
+    }
+
+    /// Copies bytes at `offset` into `dst`, from the host side, under the conditions of
+    /// [`write`](Self::write).
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), EmmError> {
+        let host = self.host_ptr();
+        device_backed_read(&self.device, host, "read from managed memory", offset, dst)
     }
 }
 

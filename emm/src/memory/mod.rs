@@ -15,8 +15,8 @@ pub(crate) mod pointer;
 pub(crate) mod policy;
 
 pub use host::{
-    HostAllocFlags, HostMemory, HostOwner, HostReleaseFn, MappedMemory, PinnableBuffer,
-    PinnedMemory,
+    HostAllocFlags, HostMemory, HostOwner, HostReleaseFn, ManagedMemory, MappedMemory,
+    PinnableBuffer, PinnedMemory,
 };
 pub use liveness::{ContextLiveness, LiveGuard};
 pub use pending::{DeferCleanup, Free, PendingDeallocs};

@@ -14,7 +14,7 @@ use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
 use crate::ipc::imports::PoolImports;
 use crate::ipc::open::Endpoint;
-use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, PinnableBuffer};
+use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, ManagedMemory, PinnableBuffer};
 use crate::memory::liveness::LiveGuard;
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::MemoryPointer;
@@ -90,6 +90,31 @@ impl Context {
     pub fn memalloc(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
         self.ensure_alive("memalloc")?;
         self.inner.manager.memalloc(bytes)
+    }
+
+    /// Allocates `bytes` of managed memory (Numba's `memallocmanaged`): one address for the
+    /// host and the devices, attached globally if `attach_global` (any stream of any device
+    /// may use it), else to the host. Out of memory, the deferred frees are flushed and the
+    /// allocation retried once, as for device memory; it is freed like device memory too.
+    ///
+    /// ```
+    /// let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// let ctx = runtime.context(0)?;
+    /// let managed = ctx.memallocmanaged(64, true)?;
+    /// managed.write(0, &[9; 64])?;
+    /// let mut back = [0u8; 64];
+    /// ctx.copy_to_host(&mut back, managed.device())?;
+    /// assert_eq!(back, [9; 64]);
+    /// # Ok::<(), emm::EmmError>(())
+    /// ```
+    pub fn memallocmanaged(
+        &self,
+        bytes: usize,
+        attach_global: bool,
+    ) -> Result<ManagedMemory, EmmError> {
+        self.ensure_alive("memallocmanaged")?;
+        self.inner.manager.memallocmanaged(bytes, attach_global)
     }
 
     /// Releases what the manager holds back (pool chunks, cached pinned blocks) to the driver;

@@ -474,21 +474,24 @@ pub fn context_destruction_reclaims_all_its_memory(target: Target) -> Result<(),
             driver.mem_alloc(ctx, 1 << 20)?,
             driver.mem_host_alloc(ctx, 4096, 0)?,
             driver.mem_host_alloc(ctx, 4096, host_alloc::PORTABLE)?,
+            driver.mem_alloc_managed(ctx, 1 << 20, driver_sys::mem_attach::GLOBAL)?,
         ))
     })();
     // SAFETY: matches the retain above: the context is destroyed with what it holds, which is
     // not used again except to show that it is gone.
     unsafe { driver.primary_ctx_release(dev)? };
-    let (device, pinned, portable) = made?;
+    let (device, pinned, portable, managed) = made?;
     let again = driver.primary_ctx_retain(dev)?;
     let checks = (|| -> Result<(), Failed> {
-        // SAFETY: `device` died with the context; the driver must refuse it.
-        let r = unsafe { driver.mem_free(again, device) };
-        expect_kind(
-            "cuMemFree of the old context's memory",
-            r,
-            ErrorKind::InvalidValue,
-        )?;
+        for (what, p) in [("device", device), ("managed", managed)] {
+            // SAFETY: `p` died with the context; the driver must refuse it.
+            let r = unsafe { driver.mem_free(again, p) };
+            expect_kind(
+                &format!("cuMemFree of the old context's {what} memory"),
+                r,
+                ErrorKind::InvalidValue,
+            )?;
+        }
         expect_kind(
             "cuMemHostGetDevicePointer of the old context's portable memory",
             driver.mem_host_get_device_pointer(again, portable),
@@ -786,6 +789,81 @@ pub fn pool_cache_under_pressure(target: Target) -> Result<(), Failed> {
         }
         result?;
         released?;
+    }
+    Ok(())
+}
+
+/// Managed memory (`cuMemAllocManaged`), as emm's `memallocmanaged` relies on: the device
+/// supports it; zero bytes and flags other than one attach flag are `CUDA_ERROR_INVALID_VALUE`;
+/// the address is valid on the host and in copies alike (bytes written through one are read
+/// through the other), `cuMemGetAddressRange` names the allocation, `cuMemFree` frees it once;
+/// it is not pinned host memory (`cuMemHostGetDevicePointer` refuses it) and does not export
+/// with `cuIpcGetMemHandle`. (A context's destruction takes it:
+/// `context_destruction_reclaims_all_its_memory`.)
+pub fn managed_memory_conformance(target: Target) -> Result<(), Failed> {
+    use driver_sys::{DeviceAttribute, HostPtr, mem_attach};
+    let raw = Raw::new(target)?;
+    let (d, ctx, dev) = (&raw.driver, raw.ctx, DeviceOrdinal(0));
+    ensure_eq!(d.device_attribute(dev, DeviceAttribute::ManagedMemory)?, 1);
+    for (what, bytes, flags) in [
+        ("zero bytes", 0, mem_attach::GLOBAL),
+        ("no attach flag", 4096, 0),
+        (
+            "both attach flags",
+            4096,
+            mem_attach::GLOBAL | mem_attach::HOST,
+        ),
+    ] {
+        expect_kind(
+            what,
+            d.mem_alloc_managed(ctx, bytes, flags),
+            ErrorKind::InvalidValue,
+        )?;
+    }
+    let size = 1 << 20;
+    for flags in [mem_attach::GLOBAL, mem_attach::HOST] {
+        let p = d.mem_alloc_managed(ctx, size, flags)?;
+        let checked = (|| -> Result<(), Failed> {
+            let host = p.0 as usize as *mut u8;
+            let pattern: Vec<u8> = (0..size).map(|i| (i % 249) as u8).collect();
+            // SAFETY: `p` is a live managed allocation of `size` bytes, valid on the host, and
+            // no device work uses it.
+            unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), host, size) };
+            let mut seen = vec![0u8; size];
+            // SAFETY: as above; `seen` is the test's own buffer.
+            unsafe { d.memcpy_dtoh(ctx, &mut seen, p)? };
+            ensure!(
+                seen == pattern,
+                "a copy reads what the host wrote (flags {flags})"
+            );
+            let other = vec![0x3cu8; size];
+            // SAFETY: as above.
+            unsafe { d.memcpy_htod(ctx, p, &other)? };
+            // SAFETY: as above: the copy returned, nothing else writes the memory.
+            let back = unsafe { std::slice::from_raw_parts(host, size) }.to_vec();
+            ensure!(
+                back == other,
+                "the host reads what a copy wrote (flags {flags})"
+            );
+            ensure_eq!(
+                d.mem_get_address_range(ctx, DevicePtr(p.0 + 4096))?,
+                (p, size)
+            );
+            expect_kind(
+                "cuMemHostGetDevicePointer of managed memory",
+                d.mem_host_get_device_pointer(ctx, HostPtr(p.0 as usize)),
+                ErrorKind::InvalidValue,
+            )?;
+            expect_kind(
+                "cuIpcGetMemHandle of managed memory",
+                d.ipc_get_mem_handle(ctx, p),
+                ErrorKind::InvalidValue,
+            )?;
+            Ok(())
+        })();
+        raw.free(p)?;
+        checked?;
+        expect_kind("a second cuMemFree", raw.free(p), ErrorKind::InvalidValue)?;
     }
     Ok(())
 }

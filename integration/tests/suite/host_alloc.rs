@@ -134,3 +134,67 @@ pub fn reset_frees_tracked_host_memory(target: Target) -> Result<(), Failed> {
     }
     Ok(())
 }
+
+/// Managed memory (`memallocmanaged`, beyond Numba's tests): one address for the host and the
+/// device, attached globally or to the host; device views and copies reach it; a reset frees
+/// it (the host side is refused afterwards, as for mapped memory); zero bytes is refused.
+pub fn test_managed_memory(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    for attach_global in [true, false] {
+        let m = ctx.memallocmanaged(4096, attach_global)?;
+        ensure_eq!(m.attached_globally(), attach_global);
+        ensure_eq!(m.size(), 4096);
+        ensure_eq!(m.host_ptr().0 as u64, m.device().device_ptr().0);
+        let pattern: Vec<u8> = (0..4096).map(|i| (i % 241) as u8).collect();
+        m.write(0, &pattern)?;
+        let mut back = vec![0u8; 4096];
+        ctx.copy_to_host(&mut back, m.device())?;
+        ensure!(back == pattern, "the device side reads the host's bytes");
+        ctx.memset(&m.device().view(1024, Some(2048))?, 0x5a, 1024)?;
+        let mut host = vec![0u8; 4096];
+        m.read(0, &mut host)?;
+        ensure!(
+            host[1024..2048].iter().all(|&b| b == 0x5a) && host[..1024] == pattern[..1024],
+            "the host reads the device's memset of a view"
+        );
+        ensure!(
+            m.write(4000, &[0u8; 100]).is_err(),
+            "a host write past the end is refused"
+        );
+    }
+    match ctx.memallocmanaged(0, true) {
+        Err(emm::EmmError::ZeroSize { .. }) => {}
+        other => return Err(format!("zero bytes: {other:?}").into()),
+    }
+    let kept = ctx.memallocmanaged(256, true)?;
+    ctx.reset()?;
+    ensure!(!kept.device().is_live(), "a reset frees managed memory");
+    let refused = kept.write(0, &[1]);
+    ensure!(
+        matches!(refused, Err(emm::EmmError::Stale { .. })),
+        "{refused:?}"
+    );
+    drop(kept);
+    ctx.deallocations().expect("queue").flush()?;
+    if let Some(sim) = t.sim() {
+        let leaks = sim.leak_report();
+        ensure!(leaks.allocations.is_empty(), "{leaks}");
+    }
+    Ok(())
+}
+
+/// Managed memory's free goes through the deferred queue and counts by size, as device
+/// memory's does (Numba's `_alloc_finalizer`).
+pub fn managed_frees_are_deferred(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let queue = ctx.deallocations().expect("queue");
+    queue.flush()?;
+    drop(ctx.memallocmanaged(10_000, true)?);
+    ensure_eq!(queue.len(), 1);
+    ensure_eq!(queue.pending_bytes(), 10_000);
+    queue.flush()?;
+    ensure_eq!(queue.len(), 0);
+    Ok(())
+}

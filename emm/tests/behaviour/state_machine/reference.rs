@@ -18,17 +18,31 @@ pub enum Kind {
     Pinned,
     MappedPin,
     Pin,
+    /// Managed memory (`memallocmanaged`): freed by `cuMemFree`, counted by size, like device
+    /// memory.
+    Managed,
 }
 
 impl Kind {
     /// Whether a reset frees it (Numba's `allocations` holds it).
     pub fn tracked(self) -> bool {
-        matches!(self, Kind::Device | Kind::Mapped | Kind::MappedPin)
+        matches!(
+            self,
+            Kind::Device | Kind::Mapped | Kind::MappedPin | Kind::Managed
+        )
     }
 
-    /// Whether its handle can be cloned or viewed.
+    /// Whether its handle can be cloned.
     pub fn shareable(self) -> bool {
-        matches!(self, Kind::Device | Kind::Mapped | Kind::MappedPin)
+        matches!(
+            self,
+            Kind::Device | Kind::Mapped | Kind::MappedPin | Kind::Managed
+        )
+    }
+
+    /// Whether it has a device pointer a view can be taken of.
+    pub fn viewable(self) -> bool {
+        matches!(self, Kind::Device | Kind::Managed)
     }
 }
 
@@ -46,6 +60,7 @@ pub struct Alloc {
 pub enum Pending {
     Device { alloc: usize, bytes: usize },
     Host { alloc: usize, bytes: usize },
+    Managed { alloc: usize, bytes: usize },
 }
 
 #[derive(Clone, Debug)]
@@ -65,6 +80,7 @@ pub struct Model {
     pub defer: usize,
     /// What the driver still holds for this process.
     pub device_live: usize,
+    pub managed_live: usize,
     pub host_live: usize,
     pub pins_live: usize,
 }
@@ -96,7 +112,9 @@ impl Model {
             .filter(|(i, a)| {
                 !a.released
                     || self.pending.iter().any(|p| match p {
-                        Pending::Device { alloc, .. } | Pending::Host { alloc, .. } => alloc == i,
+                        Pending::Device { alloc, .. }
+                        | Pending::Host { alloc, .. }
+                        | Pending::Managed { alloc, .. } => alloc == i,
                     })
             })
             .map(|(i, a)| (i, a.kind))
@@ -111,6 +129,7 @@ impl Model {
             match p {
                 Pending::Device { .. } => self.device_live -= 1,
                 Pending::Host { .. } => self.host_live -= 1,
+                Pending::Managed { .. } => self.managed_live -= 1,
             }
         }
         self.pending_bytes = 0;
@@ -118,7 +137,9 @@ impl Model {
 
     fn queue(&mut self, p: Pending) {
         self.pending_bytes += match p {
-            Pending::Device { bytes, .. } | Pending::Host { bytes, .. } => bytes,
+            Pending::Device { bytes, .. }
+            | Pending::Host { bytes, .. }
+            | Pending::Managed { bytes, .. } => bytes,
         };
         self.pending.push(p);
     }
@@ -140,6 +161,7 @@ impl Model {
         let (kind, bytes) = (a.kind, a.bytes);
         match kind {
             Kind::Device => self.push(Pending::Device { alloc: id, bytes }),
+            Kind::Managed => self.push(Pending::Managed { alloc: id, bytes }),
             Kind::Mapped => self.push(Pending::Host { alloc: id, bytes }),
             // Numba counts unmapped pinned memory as 0 bytes.
             Kind::Pinned => self.push(Pending::Host {
@@ -178,6 +200,7 @@ fn kind() -> impl Strategy<Value = Kind> {
         1 => Just(Kind::Pinned),
         1 => Just(Kind::MappedPin),
         1 => Just(Kind::Pin),
+        1 => Just(Kind::Managed),
     ]
 }
 
@@ -232,7 +255,7 @@ impl ReferenceStateMachine for Model {
         };
         match t {
             Transition::Clone(i) => handle(i).is_some_and(|a| a.kind.shareable()),
-            Transition::View(i) => handle(i).is_some_and(|a| a.kind == Kind::Device),
+            Transition::View(i) => handle(i).is_some_and(|a| a.kind.viewable()),
             Transition::Drop(i) => handle(i).is_some(),
             Transition::LeaveDefer => state.defer > 0,
             Transition::IpcExport(i) => {
@@ -259,6 +282,7 @@ impl ReferenceStateMachine for Model {
                 s.handles.push(s.allocs.len() - 1);
                 match kind {
                     Kind::Device => s.device_live += 1,
+                    Kind::Managed => s.managed_live += 1,
                     Kind::Mapped | Kind::Pinned => s.host_live += 1,
                     Kind::MappedPin | Kind::Pin => s.pins_live += 1,
                 }
@@ -284,6 +308,7 @@ impl ReferenceStateMachine for Model {
                         s.allocs[id].released = true;
                         match kind {
                             Kind::Device => s.queue(Pending::Device { alloc: id, bytes }),
+                            Kind::Managed => s.queue(Pending::Managed { alloc: id, bytes }),
                             Kind::Mapped => s.queue(Pending::Host { alloc: id, bytes }),
                             _ => s.pins_live -= 1,
                         }

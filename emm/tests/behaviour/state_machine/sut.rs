@@ -6,8 +6,8 @@ use std::sync::Arc;
 use driver_mock::{SimConfig, SimDriver};
 use driver_sys::DeviceOrdinal;
 use emm::{
-    Context, DeallocConfig, DeferCleanup, HostMemory, IpcHandle, MemoryPointer, PinnableBuffer,
-    Runtime,
+    Context, DeallocConfig, DeferCleanup, HostMemory, IpcHandle, ManagedMemory, MemoryPointer,
+    PinnableBuffer, Runtime,
 };
 use proptest_state_machine::StateMachineTest;
 
@@ -18,6 +18,7 @@ const TOTAL: usize = 1 << 30;
 pub enum Handle {
     Mem(MemoryPointer),
     Host(HostMemory),
+    Managed(ManagedMemory),
 }
 
 pub struct Export {
@@ -95,6 +96,11 @@ impl StateMachineTest for ContextSut {
             Transition::Alloc(kind, bytes) => {
                 let h = match kind {
                     Kind::Device => Handle::Mem(s.ctx.memalloc(bytes).expect("memalloc")),
+                    Kind::Managed => Handle::Managed(
+                        s.ctx
+                            .memallocmanaged(bytes, bytes % 2 == 0)
+                            .expect("memallocmanaged"),
+                    ),
                     Kind::Mapped | Kind::Pinned => Handle::Host(
                         s.ctx
                             .memhostalloc(bytes, kind == Kind::Mapped, false, false)
@@ -122,6 +128,12 @@ impl StateMachineTest for ContextSut {
                         hm.write(0, &vec![fill; bytes]).expect("fill host memory");
                         hm.host_ptr().0 as u64
                     }
+                    // From the host side: the device side reads it back.
+                    Handle::Managed(mm) => {
+                        mm.write(0, &vec![fill; bytes])
+                            .expect("fill managed memory");
+                        mm.device().device_ptr().0
+                    }
                 };
                 s.made.push(Made { addr, fill });
                 s.handles.push(h);
@@ -133,12 +145,15 @@ impl StateMachineTest for ContextSut {
                         Handle::Host(HostMemory::Mapped(m.clone()))
                     }
                     Handle::Host(HostMemory::Pinned(_)) => unreachable!("precondition: shareable"),
+                    Handle::Managed(m) => Handle::Managed(m.clone()),
                 };
                 s.handles.push(h);
             }
             Transition::View(i) => {
-                let Handle::Mem(m) = &s.handles[i.index(s.handles.len())] else {
-                    unreachable!("precondition: device memory")
+                let m = match &s.handles[i.index(s.handles.len())] {
+                    Handle::Mem(m) => m,
+                    Handle::Managed(mm) => mm.device(),
+                    Handle::Host(_) => unreachable!("precondition: a device pointer"),
                 };
                 let v = m.view(m.size() / 2, None).expect("view");
                 s.handles.push(Handle::Mem(v));
@@ -243,6 +258,21 @@ impl StateMachineTest for ContextSut {
             .map(|(p, _)| p.0)
             .collect();
         assert_eq!(device, expect_device, "device allocations, by address");
+        let mut expect_managed: Vec<u64> = held
+            .iter()
+            .filter(|(_, k)| *k == Kind::Managed)
+            .map(|(i, _)| s.made[*i].addr)
+            .collect();
+        expect_managed.sort_unstable();
+        // The leak report lists managed memory with device memory (`cuMemFree` frees both).
+        let mut managed: Vec<u64> = leaks
+            .allocations
+            .iter()
+            .map(|(_, p, _)| p.0)
+            .filter(|a| !device.contains(a))
+            .collect();
+        managed.sort_unstable();
+        assert_eq!(managed, expect_managed, "managed allocations, by address");
         let mut expect_host: Vec<u64> = held
             .iter()
             .filter(|(_, k)| matches!(k, Kind::Mapped | Kind::Pinned))
@@ -267,11 +297,16 @@ impl StateMachineTest for ContextSut {
                 match h {
                     Handle::Mem(m) => m.size(),
                     Handle::Host(hm) => hm.size(),
+                    Handle::Managed(mm) => mm.size(),
                 }
             ];
             match h {
                 Handle::Mem(m) => s.ctx.copy_to_host(&mut seen, m).expect("read back"),
                 Handle::Host(hm) => hm.read(0, &mut seen).expect("read back"),
+                Handle::Managed(mm) => s
+                    .ctx
+                    .copy_to_host(&mut seen, mm.device())
+                    .expect("read back through the device side"),
             }
             assert!(
                 seen.iter().all(|&b| b == fill),
