@@ -245,12 +245,17 @@ impl StateMachineTest for ContextSut {
         // Identities, not only counts: the driver holds exactly the allocations the model
         // says it holds, at the addresses they were made at.
         let held = model.held();
-        let mut expect_device: Vec<u64> = held
-            .iter()
-            .filter(|(_, k)| *k == Kind::Device)
-            .map(|(i, _)| s.made[*i].addr)
-            .collect();
-        expect_device.sort_unstable();
+        // The addresses the held allocations of the kinds `of` were made at, sorted.
+        let expect = |of: &dyn Fn(Kind) -> bool| {
+            let mut addrs: Vec<u64> = held
+                .iter()
+                .filter(|(_, k)| of(*k))
+                .map(|(i, _)| s.made[*i].addr)
+                .collect();
+            addrs.sort_unstable();
+            addrs
+        };
+        let expect_device = expect(&|k| k == Kind::Device);
         let device: Vec<u64> = s
             .sim
             .live_allocations(DeviceOrdinal(0))
@@ -258,12 +263,7 @@ impl StateMachineTest for ContextSut {
             .map(|(p, _)| p.0)
             .collect();
         assert_eq!(device, expect_device, "device allocations, by address");
-        let mut expect_managed: Vec<u64> = held
-            .iter()
-            .filter(|(_, k)| *k == Kind::Managed)
-            .map(|(i, _)| s.made[*i].addr)
-            .collect();
-        expect_managed.sort_unstable();
+        let expect_managed = expect(&|k| k == Kind::Managed);
         // The leak report lists managed memory with device memory (`cuMemFree` frees both).
         let mut managed: Vec<u64> = leaks
             .allocations
@@ -273,12 +273,7 @@ impl StateMachineTest for ContextSut {
             .collect();
         managed.sort_unstable();
         assert_eq!(managed, expect_managed, "managed allocations, by address");
-        let mut expect_host: Vec<u64> = held
-            .iter()
-            .filter(|(_, k)| matches!(k, Kind::Mapped | Kind::Pinned))
-            .map(|(i, _)| s.made[*i].addr)
-            .collect();
-        expect_host.sort_unstable();
+        let expect_host = expect(&|k| matches!(k, Kind::Mapped | Kind::Pinned));
         let mut host: Vec<u64> = leaks
             .host_allocations
             .iter()
