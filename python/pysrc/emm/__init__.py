@@ -1,0 +1,86 @@
+"""emm: Numba's External Memory Management design, in Rust, for Python runtimes.
+
+One emm runtime per process serves everything: Numba (``emm.numba``), CuPy (``emm.cupy``)
+and PyTorch (``emm.torch``) allocate from the same manager, and their memory shows in one
+``usage()``.
+
+The runtime is made at first use from the environment (``EMM_MEMORY_MANAGER``,
+``EMM_MEMORY_ADAPTORS``, ``EMM_PINNED_HOST_POOL``; ``EMM_PYTHON_DRIVER=sim`` for emm's
+simulated GPU), or explicitly, once, before the first allocation::
+
+    import emm
+    rt = emm.Runtime(manager="pool", adaptors="stats")   # or driver="sim": no GPU needed
+    ctx = rt.context(0)
+    buf = ctx.memalloc(1 << 20)
+"""
+
+from ._emm import (
+    Context,
+    DeviceBuffer,
+    EmmError,
+    HostBuffer,
+    Ipc,
+    ManagedBuffer,
+    OutOfMemoryError,
+    configure,
+    context,
+    device_count,
+    settings,
+)
+
+__all__ = [
+    "Context",
+    "DeviceBuffer",
+    "EmmError",
+    "HostBuffer",
+    "Ipc",
+    "ManagedBuffer",
+    "OutOfMemoryError",
+    "Runtime",
+    "configure",
+    "context",
+    "device_count",
+    "settings",
+]
+
+
+class Runtime:
+    """The process's emm runtime.
+
+    ``manager``: a manager name (``default``, ``pool``, ``async-pool``, ``async-pool-ipc``, or
+    one registered by the host runtime); ``adaptors``: a list as ``EMM_MEMORY_ADAPTORS`` takes
+    (``"stats,limit=8GiB"``); ``driver``: ``"cuda"`` or ``"sim"``. Values left out come from the
+    environment. The runtime is made once per process: a second ``Runtime(...)`` with the same
+    settings is the same runtime; with others it raises ``emm.EmmError``.
+    """
+
+    def __init__(self, manager=None, adaptors=None, driver="cuda"):
+        configure(manager=manager, adaptors=adaptors, driver=driver)
+
+    def context(self, device=0):
+        """Device ``device``'s context."""
+        return context(device)
+
+    def device_count(self):
+        """How many devices the runtime sees."""
+        return device_count()
+
+    def settings(self):
+        """``manager``, ``adaptors`` and ``driver`` of the runtime."""
+        return settings()
+
+    def usage(self, device=0):
+        """What the ``stats`` adaptor counted on ``device`` (``None`` without it)."""
+        return context(device).usage()
+
+    def pool_stats(self, device=0):
+        """What the manager's pools hold on ``device``."""
+        return context(device).pool_stats()
+
+    def trim(self, device=0):
+        """Gives what the manager holds back on ``device`` to the driver; returns bytes."""
+        return context(device).trim()
+
+    def defer_cleanup(self, device=0):
+        """A context manager deferring frees on ``device`` while it is active."""
+        return context(device).defer_cleanup()

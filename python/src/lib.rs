@@ -1,0 +1,731 @@
+//! `emm._emm`: the extension module behind the `emm` Python package.
+//!
+//! One emm [`Runtime`] per process (`configure`, or the environment at first use), shared by
+//! everything the package offers: Numba's EMM plugin (`emm.numba`), CuPy's allocator
+//! (`emm.cupy`) and PyTorch's pluggable allocator (`emm.torch`, through the C functions
+//! [`emm_torch_malloc`] and [`emm_torch_free`] this library exports). Memory from all three
+//! comes from one manager and shows in one `usage()`.
+//!
+//! Errors become Python exceptions: [`EmmError`]'s message (what happened, what
+//! to do) in `emm.EmmError` (a `RuntimeError`), or `emm.OutOfMemoryError` (a `MemoryError`)
+//! when memory ran out.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use emm::driver_sys::{CudaDriver, DeviceOrdinal, Driver, HostPtr};
+use emm::{DeferCleanup, EmmError, HostMemory, IpcHandle, ManagedMemory, MemoryPointer, Runtime};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+create_exception!(
+    _emm,
+    PyEmmError,
+    PyRuntimeError,
+    "An emm operation failed; the message says what happened and what to do."
+);
+create_exception!(
+    _emm,
+    OutOfMemoryError,
+    PyMemoryError,
+    "emm ran out of memory, after flushing its deferred frees and retrying."
+);
+
+/// The Python exception for an emm error.
+fn py_err(e: EmmError) -> PyErr {
+    match e {
+        EmmError::OutOfMemory { .. } | EmmError::OutOfHostMemory { .. } => {
+            OutOfMemoryError::new_err(e.to_string())
+        }
+        e => PyEmmError::new_err(e.to_string()),
+    }
+}
+
+/// How the process runtime was made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Settings {
+    manager: Option<String>,
+    adaptors: Option<String>,
+    driver: String,
+}
+
+/// The process runtime and how it was made.
+struct Shared {
+    runtime: Arc<Runtime>,
+    settings: Settings,
+}
+
+static RUNTIME: Mutex<Option<Shared>> = Mutex::new(None);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Builds a runtime with `settings`: explicit values win over the environment
+/// (`EMM_MEMORY_MANAGER`, `EMM_MEMORY_ADAPTORS`, `EMM_PINNED_HOST_POOL`), as in emm.
+fn build(settings: &Settings) -> PyResult<Runtime> {
+    let driver: Arc<dyn Driver> = match settings.driver.as_str() {
+        "cuda" => Arc::new(CudaDriver::load().map_err(|e| PyEmmError::new_err(e.to_string()))?),
+        "sim" => Arc::new(driver_mock::SimDriver::new(Default::default())),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "unknown driver {other:?}: use \"cuda\" (the GPU) or \"sim\" (emm's simulated GPU, no hardware needed)"
+            )));
+        }
+    };
+    let mut builder = Runtime::builder(driver);
+    if let Some(name) = &settings.manager {
+        builder = builder.memory_manager_name(name.clone());
+    }
+    if let Some(list) = &settings.adaptors {
+        let adaptors = emm::runtime::config::adaptors_from_lookup(|k| {
+            (k == emm::runtime::config::ENV_MEMORY_ADAPTORS).then(|| list.clone())
+        })
+        .map_err(py_err)?;
+        builder = builder.adaptors(adaptors);
+    }
+    builder.build().map_err(py_err)
+}
+
+/// The process runtime, made from the environment (driver "cuda") at first use.
+fn runtime() -> PyResult<Arc<Runtime>> {
+    let mut slot = lock(&RUNTIME);
+    if let Some(shared) = slot.as_ref() {
+        return Ok(Arc::clone(&shared.runtime));
+    }
+    let settings = Settings {
+        manager: None,
+        adaptors: None,
+        driver: std::env::var("EMM_PYTHON_DRIVER").unwrap_or_else(|_| "cuda".to_owned()),
+    };
+    let runtime = Arc::new(build(&settings)?);
+    *slot = Some(Shared {
+        runtime: Arc::clone(&runtime),
+        settings,
+    });
+    Ok(runtime)
+}
+
+/// Makes the process runtime: `manager` (a name, as `EMM_MEMORY_MANAGER` takes), `adaptors`
+/// (as `EMM_MEMORY_ADAPTORS` takes), `driver` "cuda" or "sim". Once made, the runtime stays:
+/// a second call with the same settings does nothing, with other settings it raises.
+#[pyfunction]
+#[pyo3(signature = (manager=None, adaptors=None, driver="cuda"))]
+fn configure(manager: Option<String>, adaptors: Option<String>, driver: &str) -> PyResult<()> {
+    let settings = Settings {
+        manager,
+        adaptors,
+        driver: driver.to_owned(),
+    };
+    let mut slot = lock(&RUNTIME);
+    if let Some(shared) = slot.as_ref() {
+        if shared.settings == settings {
+            return Ok(());
+        }
+        return Err(PyEmmError::new_err(format!(
+            "the emm runtime of this process already exists ({:?}); configure emm once, before \
+             the first allocation, or restart the process to change it",
+            shared.settings
+        )));
+    }
+    let runtime = Arc::new(build(&settings)?);
+    *slot = Some(Shared { runtime, settings });
+    Ok(())
+}
+
+/// The process runtime's settings: `manager`, `adaptors`, `driver`; `None` before it exists.
+#[pyfunction]
+fn settings(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
+    let slot = lock(&RUNTIME);
+    let Some(shared) = slot.as_ref() else {
+        return Ok(None);
+    };
+    let d = PyDict::new(py);
+    d.set_item("manager", shared.runtime.memory_manager_name())?;
+    d.set_item("adaptors", shared.settings.adaptors.clone())?;
+    d.set_item("driver", shared.settings.driver.clone())?;
+    Ok(Some(d))
+}
+
+/// Device `device`'s context in the process runtime.
+#[pyfunction]
+#[pyo3(signature = (device=0))]
+fn context(device: u32) -> PyResult<Context> {
+    let rt = runtime()?;
+    let inner = rt.context(DeviceOrdinal(device)).map_err(py_err)?;
+    Ok(Context { inner })
+}
+
+/// How many devices the process runtime sees.
+#[pyfunction]
+fn device_count() -> PyResult<u32> {
+    runtime()?.device_count().map_err(py_err)
+}
+
+/// Device memory from emm: released when the last Python reference goes (or at `release()`),
+/// through the manager's deferred queue.
+#[pyclass(module = "emm._emm", frozen)]
+struct DeviceBuffer {
+    mem: Mutex<Option<MemoryPointer>>,
+    /// For memory opened from another process: the open handle, closed when the buffer is
+    /// released (after the pointer).
+    opened: Mutex<Option<IpcHandle>>,
+    /// The device address.
+    #[pyo3(get)]
+    ptr: u64,
+    /// Bytes.
+    #[pyo3(get)]
+    size: usize,
+    /// The device ordinal.
+    #[pyo3(get)]
+    device: u32,
+}
+
+impl DeviceBuffer {
+    fn new(mem: MemoryPointer) -> DeviceBuffer {
+        DeviceBuffer {
+            ptr: mem.device_ptr().0,
+            size: mem.size(),
+            device: mem.device().0,
+            mem: Mutex::new(Some(mem)),
+            opened: Mutex::new(None),
+        }
+    }
+
+    fn pointer(&self) -> PyResult<MemoryPointer> {
+        lock(&self.mem).clone().ok_or_else(|| {
+            PyEmmError::new_err(
+                "this DeviceBuffer was released; allocate a new one (release() ends a buffer for good)",
+            )
+        })
+    }
+}
+
+#[pymethods]
+impl DeviceBuffer {
+    /// Whether the memory is still usable (not released, not freed by a reset).
+    #[getter]
+    fn live(&self) -> bool {
+        lock(&self.mem).as_ref().is_some_and(MemoryPointer::is_live)
+    }
+
+    /// Gives the memory back now rather than when the buffer is collected (memory opened
+    /// from another process: closes the mapping).
+    fn release(&self) -> PyResult<()> {
+        lock(&self.mem).take();
+        match lock(&self.opened).take() {
+            Some(handle) => handle.close().map_err(py_err),
+            None => Ok(()),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "DeviceBuffer(ptr=0x{:x}, size={}, device={})",
+            self.ptr, self.size, self.device
+        )
+    }
+}
+
+/// Page-locked host memory from emm (`memhostalloc`, `mempin`): `host_ptr`, and `device_ptr`
+/// when mapped.
+#[pyclass(module = "emm._emm", frozen)]
+struct HostBuffer {
+    mem: Mutex<Option<HostMemory>>,
+    /// The host address.
+    #[pyo3(get)]
+    host_ptr: usize,
+    /// The device address of mapped memory; `None` when not mapped.
+    #[pyo3(get)]
+    device_ptr: Option<u64>,
+    /// Bytes.
+    #[pyo3(get)]
+    size: usize,
+}
+
+#[pymethods]
+impl HostBuffer {
+    /// Copies `data` into the memory at `offset`.
+    #[pyo3(signature = (data, offset=0))]
+    fn write(&self, data: &[u8], offset: usize) -> PyResult<()> {
+        let guard = lock(&self.mem);
+        let mem = guard.as_ref().ok_or_else(released)?;
+        mem.write(offset, data).map_err(py_err)
+    }
+
+    /// `n` bytes from `offset`.
+    #[pyo3(signature = (n, offset=0))]
+    fn read<'py>(&self, py: Python<'py>, n: usize, offset: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let guard = lock(&self.mem);
+        let mem = guard.as_ref().ok_or_else(released)?;
+        let mut out = vec![0u8; n];
+        mem.read(offset, &mut out).map_err(py_err)?;
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// Gives the memory back (or unpins it) now.
+    fn release(&self) {
+        lock(&self.mem).take();
+    }
+}
+
+fn released() -> PyErr {
+    PyEmmError::new_err("this buffer was released; allocate a new one")
+}
+
+/// Managed memory from emm: one address (`ptr`) for the host and the devices.
+#[pyclass(module = "emm._emm", frozen)]
+struct ManagedBuffer {
+    mem: Mutex<Option<ManagedMemory>>,
+    /// The address, valid on the host and on the devices.
+    #[pyo3(get)]
+    ptr: u64,
+    /// Bytes.
+    #[pyo3(get)]
+    size: usize,
+}
+
+#[pymethods]
+impl ManagedBuffer {
+    /// Copies `data` into the memory at `offset`, from the host.
+    #[pyo3(signature = (data, offset=0))]
+    fn write(&self, data: &[u8], offset: usize) -> PyResult<()> {
+        let guard = lock(&self.mem);
+        guard
+            .as_ref()
+            .ok_or_else(released)?
+            .write(offset, data)
+            .map_err(py_err)
+    }
+
+    /// `n` bytes from `offset`, read on the host.
+    #[pyo3(signature = (n, offset=0))]
+    fn read<'py>(&self, py: Python<'py>, n: usize, offset: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let guard = lock(&self.mem);
+        let mut out = vec![0u8; n];
+        guard
+            .as_ref()
+            .ok_or_else(released)?
+            .read(offset, &mut out)
+            .map_err(py_err)?;
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// Gives the memory back now.
+    fn release(&self) {
+        lock(&self.mem).take();
+    }
+}
+
+/// An IPC handle of emm memory: `handle` (the driver's 64 bytes, of the allocation's base),
+/// `offset` into that allocation, `size`, and `data` (emm's own serialization, which
+/// [`Context::open_ipc`] opens in another process).
+#[pyclass(module = "emm._emm", frozen)]
+struct Ipc {
+    handle: IpcHandle,
+}
+
+#[pymethods]
+impl Ipc {
+    /// The driver's handle bytes (`cuIpcGetMemHandle`'s 64, or a pool export's 64).
+    #[getter]
+    fn handle<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        let bytes: &[u8] = match self.handle.handle() {
+            emm::IpcMemory::Allocation(h) => &h.0,
+            emm::IpcMemory::PoolAllocation { data, .. } => &data.0,
+        };
+        PyBytes::new(py, bytes)
+    }
+
+    /// Whether the handle is a `cuIpcGetMemHandle` handle (which any CUDA process opens);
+    /// `False` for stream-ordered pool memory (`async-pool-ipc`), which needs emm's import.
+    #[getter]
+    fn is_driver_handle(&self) -> bool {
+        matches!(self.handle.handle(), emm::IpcMemory::Allocation(_))
+    }
+
+    /// The offset of the exported memory in its allocation.
+    #[getter]
+    fn offset(&self) -> usize {
+        self.handle.offset()
+    }
+
+    /// Bytes exported.
+    #[getter]
+    fn size(&self) -> usize {
+        self.handle.size()
+    }
+
+    /// emm's serialization of the handle.
+    #[getter]
+    fn data<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.handle.to_bytes())
+    }
+}
+
+/// A `defer_cleanup` guard as a Python context manager.
+#[pyclass(module = "emm._emm", frozen)]
+struct Deferral {
+    ctx: emm::Context,
+    guard: Mutex<Option<DeferCleanup>>,
+}
+
+#[pymethods]
+impl Deferral {
+    fn __enter__(slf: PyRef<'_, Self>) -> PyResult<PyRef<'_, Self>> {
+        let guard = slf.ctx.defer_cleanup().map_err(py_err)?;
+        *lock(&slf.guard) = Some(guard);
+        Ok(slf)
+    }
+
+    fn __exit__(
+        &self,
+        _ty: Option<&Bound<'_, PyAny>>,
+        _value: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        lock(&self.guard).take();
+        false
+    }
+}
+
+/// One device's context in the process runtime: every allocation of the package goes
+/// through it.
+#[pyclass(module = "emm._emm", frozen)]
+struct Context {
+    inner: emm::Context,
+}
+
+#[pymethods]
+impl Context {
+    /// The device ordinal.
+    #[getter]
+    fn device(&self) -> u32 {
+        self.inner.device().0
+    }
+
+    /// The manager's name.
+    #[getter]
+    fn manager(&self) -> String {
+        self.inner.memory_manager_name().to_owned()
+    }
+
+    /// `size` bytes of device memory.
+    fn memalloc(&self, size: usize) -> PyResult<DeviceBuffer> {
+        self.inner
+            .memalloc(size)
+            .map(DeviceBuffer::new)
+            .map_err(py_err)
+    }
+
+    /// `size` bytes of page-locked host memory; `mapped` maps it into the device.
+    #[pyo3(signature = (size, mapped=false, portable=false, wc=false))]
+    fn memhostalloc(
+        &self,
+        size: usize,
+        mapped: bool,
+        portable: bool,
+        wc: bool,
+    ) -> PyResult<HostBuffer> {
+        let mem = self
+            .inner
+            .memhostalloc(size, mapped, portable, wc)
+            .map_err(py_err)?;
+        Ok(host_buffer(mem))
+    }
+
+    /// Pins `size` bytes at `pointer`, which `owner` keeps alive (Numba's `mempin`); the pin
+    /// holds a reference to `owner` until it is released.
+    #[pyo3(signature = (owner, pointer, size, mapped=false))]
+    fn mempin(
+        &self,
+        owner: Py<PyAny>,
+        pointer: usize,
+        size: usize,
+        mapped: bool,
+    ) -> PyResult<HostBuffer> {
+        if pointer == 0 {
+            return Err(PyValueError::new_err(
+                "mempin of a null pointer: pass the address of the owner's memory",
+            ));
+        }
+        // The Python object that owns the memory: the pin holds it until the pin ends.
+        let keeper: emm::HostOwner = Arc::new(owner);
+        // SAFETY: the caller (Numba's contract for `mempin`) passes `pointer .. pointer + size`
+        // as memory `owner` keeps alive, and the pin holds `owner`; emm makes no references to
+        // that memory.
+        let mem =
+            unsafe { self.inner.mempin(keeper, HostPtr(pointer), size, mapped) }.map_err(py_err)?;
+        Ok(host_buffer(mem))
+    }
+
+    /// `size` bytes of managed memory, attached globally unless `attach_global` is false.
+    #[pyo3(signature = (size, attach_global=true))]
+    fn memallocmanaged(&self, size: usize, attach_global: bool) -> PyResult<ManagedBuffer> {
+        let mem = self
+            .inner
+            .memallocmanaged(size, attach_global)
+            .map_err(py_err)?;
+        Ok(ManagedBuffer {
+            ptr: mem.device().device_ptr().0,
+            size: mem.size(),
+            mem: Mutex::new(Some(mem)),
+        })
+    }
+
+    /// Copies `data` to `buffer` at `offset`.
+    #[pyo3(signature = (buffer, data, offset=0))]
+    fn copy_to_device(&self, buffer: &DeviceBuffer, data: &[u8], offset: usize) -> PyResult<()> {
+        let mem = buffer.pointer()?;
+        let view = mem.view(offset, None).map_err(py_err)?;
+        self.inner.copy_to_device(&view, data).map_err(py_err)
+    }
+
+    /// `n` bytes of `buffer` from `offset` (all of it from `offset` when `n` is `None`).
+    #[pyo3(signature = (buffer, n=None, offset=0))]
+    fn copy_to_host<'py>(
+        &self,
+        py: Python<'py>,
+        buffer: &DeviceBuffer,
+        n: Option<usize>,
+        offset: usize,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let mem = buffer.pointer()?;
+        let view = mem.view(offset, None).map_err(py_err)?;
+        let mut out = vec![0u8; n.unwrap_or(view.size())];
+        self.inner.copy_to_host(&mut out, &view).map_err(py_err)?;
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// An IPC handle of `buffer`'s memory from `offset` (`size` bytes, or to its end).
+    #[pyo3(signature = (buffer, offset=0, size=None))]
+    fn get_ipc_handle(
+        &self,
+        buffer: &DeviceBuffer,
+        offset: usize,
+        size: Option<usize>,
+    ) -> PyResult<Ipc> {
+        let mem = buffer.pointer()?;
+        let view = mem
+            .view(offset, size.map(|s| offset.saturating_add(s)))
+            .map_err(py_err)?;
+        let handle = self.inner.get_ipc_handle(&view).map_err(py_err)?;
+        Ok(Ipc { handle })
+    }
+
+    /// Opens, in this process, the handle another process exported (`Ipc.data`); the buffer
+    /// closes the mapping when released.
+    fn open_ipc(&self, data: &[u8]) -> PyResult<DeviceBuffer> {
+        let handle = IpcHandle::from_bytes(data).map_err(py_err)?;
+        let rt = runtime()?;
+        let mem = handle.open(&rt, &self.inner).map_err(py_err)?;
+        let buffer = DeviceBuffer::new(mem);
+        *lock(&buffer.opened) = Some(handle);
+        Ok(buffer)
+    }
+
+    /// `(free, total)` device memory in bytes, as the manager reports it.
+    fn get_memory_info(&self) -> PyResult<(usize, usize)> {
+        let info = self.inner.get_memory_info().map_err(py_err)?;
+        Ok((info.free, info.total))
+    }
+
+    /// Frees everything the manager allocated in the context (buffers become unusable).
+    fn reset(&self) -> PyResult<()> {
+        self.inner.reset().map_err(py_err)
+    }
+
+    /// A context manager that defers frees until it exits (nested uses count).
+    fn defer_cleanup(&self) -> Deferral {
+        Deferral {
+            ctx: self.inner.clone(),
+            guard: Mutex::new(None),
+        }
+    }
+
+    /// Issues the deferred frees now; returns how many.
+    fn flush(&self) -> PyResult<usize> {
+        self.inner.flush_deallocations().map_err(py_err)
+    }
+
+    /// Frees queued in the deferred queue now.
+    #[getter]
+    fn pending(&self) -> usize {
+        self.inner.deallocations().map_or(0, |q| q.len())
+    }
+
+    /// Releases what the manager holds back (pool chunks, cached pinned blocks); returns bytes.
+    fn trim(&self) -> PyResult<usize> {
+        self.inner.trim().map_err(py_err)
+    }
+
+    /// What the `stats` adaptor counted, per kind (`None` without it): each kind a dict of
+    /// `current_bytes`, `peak_bytes`, `total_bytes`, `current_count`, `peak_count`,
+    /// `total_count`.
+    fn usage<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(u) = self.inner.usage() else {
+            return Ok(None);
+        };
+        let out = PyDict::new(py);
+        for (name, k) in [
+            ("device", u.device),
+            ("pinned", u.pinned),
+            ("mapped", u.mapped),
+            ("pin", u.pin),
+            ("managed", u.managed),
+        ] {
+            let d = PyDict::new(py);
+            d.set_item("current_bytes", k.current_bytes)?;
+            d.set_item("peak_bytes", k.peak_bytes)?;
+            d.set_item("total_bytes", k.total_bytes)?;
+            d.set_item("current_count", k.current_count)?;
+            d.set_item("peak_count", k.peak_count)?;
+            d.set_item("total_count", k.total_count)?;
+            out.set_item(name, d)?;
+        }
+        Ok(Some(out))
+    }
+
+    /// What the manager's pools hold: `device` and `pinned_host`, each `None` or a dict of
+    /// `held_bytes` and `in_use_bytes`.
+    fn pool_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let report = self.inner.pool_stats();
+        let out = PyDict::new(py);
+        for (name, stats) in [
+            ("device", report.device),
+            ("pinned_host", report.pinned_host),
+        ] {
+            match stats {
+                Some(s) => {
+                    let d = PyDict::new(py);
+                    d.set_item("held_bytes", s.held_bytes)?;
+                    d.set_item("in_use_bytes", s.in_use_bytes)?;
+                    out.set_item(name, d)?;
+                }
+                None => out.set_item(name, py.None())?,
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn host_buffer(mem: HostMemory) -> HostBuffer {
+    HostBuffer {
+        host_ptr: mem.host_ptr().0,
+        device_ptr: mem.mapped().map(|m| m.device().device_ptr().0),
+        size: mem.size(),
+        mem: Mutex::new(Some(mem)),
+    }
+}
+
+// PyTorch's pluggable allocator: C functions this library exports, over the process runtime.
+
+/// Device memory handed to PyTorch, by address: kept alive until PyTorch frees it.
+static TORCH_LIVE: Mutex<Option<HashMap<u64, MemoryPointer>>> = Mutex::new(None);
+/// What went wrong in the last call PyTorch made, for `emm.torch.last_error()`.
+static TORCH_ERROR: Mutex<Option<String>> = Mutex::new(None);
+
+fn torch_error(message: String) {
+    tracing::error!(%message, "emm.torch");
+    eprintln!("emm.torch: {message}");
+    *lock(&TORCH_ERROR) = Some(message);
+}
+
+/// PyTorch's `malloc`: `size` bytes on `device` (0 bytes: a null pointer, no allocation). Streams are not passed through yet: the
+/// memory is allocated in stream order 0 (emm allocates on the legacy default stream). On an
+/// error, returns null (PyTorch then raises its out-of-memory error) and records the message
+/// for `emm.torch.last_error()`.
+#[unsafe(no_mangle)]
+pub extern "C" fn emm_torch_malloc(size: isize, device: i32, _stream: *mut c_void) -> *mut c_void {
+    if size == 0 {
+        // An empty buffer: a null pointer, without the manager (as PyTorch's own allocator).
+        return std::ptr::null_mut();
+    }
+    let made = (|| -> Result<MemoryPointer, String> {
+        let size = usize::try_from(size).map_err(|_| format!("a negative size ({size})"))?;
+        let device = u32::try_from(device).map_err(|_| format!("a negative device ({device})"))?;
+        let rt = runtime().map_err(|e| e.to_string())?;
+        let ctx = rt
+            .context(DeviceOrdinal(device))
+            .map_err(|e| e.to_string())?;
+        ctx.memalloc(size).map_err(|e| e.to_string())
+    })();
+    match made {
+        Ok(mem) => {
+            let ptr = mem.device_ptr().0;
+            lock(&TORCH_LIVE)
+                .get_or_insert_with(HashMap::new)
+                .insert(ptr, mem);
+            ptr as usize as *mut c_void
+        }
+        Err(e) => {
+            torch_error(format!("malloc of {size} bytes on device {device}: {e}"));
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// PyTorch's `free`: gives back memory [`emm_torch_malloc`] returned (a null pointer: nothing
+/// to do). A pointer emm did not
+/// hand out is refused (nothing is freed); a size that differs from the allocation's is
+/// reported, and the memory freed all the same (the pointer names it). Both are recorded for
+/// `emm.torch.last_error()` and printed.
+#[unsafe(no_mangle)]
+pub extern "C" fn emm_torch_free(ptr: *mut c_void, size: isize, device: i32, _stream: *mut c_void) {
+    if ptr.is_null() {
+        return;
+    }
+    let addr = ptr as usize as u64;
+    let Some(mem) = lock(&TORCH_LIVE).as_mut().and_then(|m| m.remove(&addr)) else {
+        torch_error(format!(
+            "free of 0x{addr:x} ({size} bytes, device {device}), which emm did not allocate for PyTorch (or freed already); nothing was freed"
+        ));
+        return;
+    };
+    if usize::try_from(size).ok() != Some(mem.size()) {
+        torch_error(format!(
+            "free of 0x{addr:x} with size {size}, but it was allocated with {} bytes; freed",
+            mem.size()
+        ));
+    }
+    drop(mem);
+}
+
+/// The message of the last failed PyTorch allocator call, cleared by reading it.
+#[pyfunction]
+fn torch_last_error() -> Option<String> {
+    lock(&TORCH_ERROR).take()
+}
+
+/// How many allocations PyTorch holds from emm now.
+#[pyfunction]
+fn torch_live() -> usize {
+    lock(&TORCH_LIVE).as_ref().map_or(0, HashMap::len)
+}
+
+/// The extension module.
+#[pymodule]
+fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("EMM_LOG"))
+        .try_init();
+    m.add_function(wrap_pyfunction!(configure, m)?)?;
+    m.add_function(wrap_pyfunction!(settings, m)?)?;
+    m.add_function(wrap_pyfunction!(context, m)?)?;
+    m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_last_error, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_live, m)?)?;
+    m.add_class::<Context>()?;
+    m.add_class::<DeviceBuffer>()?;
+    m.add_class::<HostBuffer>()?;
+    m.add_class::<ManagedBuffer>()?;
+    m.add_class::<Ipc>()?;
+    m.add_class::<Deferral>()?;
+    m.add("EmmError", m.py().get_type::<PyEmmError>())?;
+    m.add("OutOfMemoryError", m.py().get_type::<OutOfMemoryError>())?;
+    Ok(())
+}

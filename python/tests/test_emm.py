@@ -1,0 +1,236 @@
+"""emm's Python bindings on their own: every test runs on the simulator (and on the GPU)."""
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+
+import emm
+
+from conftest import DRIVER, needs_gpu
+
+
+@pytest.fixture
+def ctx():
+    c = emm.context(0)
+    c.flush()
+    return c
+
+
+def run_python(code, **env):
+    """Runs ``code`` in a fresh interpreter (its own emm runtime); returns the completed process."""
+    full = dict(os.environ, EMM_PYTHON_DRIVER=DRIVER, **env)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120
+    )
+
+
+def test_device_memory_round_trip(ctx):
+    buf = ctx.memalloc(4096)
+    assert buf.size == 4096 and buf.device == 0 and buf.ptr != 0 and buf.live
+    data = bytes(i % 251 for i in range(4096))
+    ctx.copy_to_device(buf, data)
+    assert ctx.copy_to_host(buf) == data
+    assert ctx.copy_to_host(buf, n=16, offset=100) == data[100:116]
+
+
+def test_release_ends_a_buffer(ctx):
+    buf = ctx.memalloc(64)
+    buf.release()
+    assert not buf.live
+    with pytest.raises(emm.EmmError, match="released"):
+        ctx.copy_to_host(buf)
+
+
+def test_frees_are_deferred_and_flushed(ctx):
+    buf = ctx.memalloc(1000)
+    del buf
+    if ctx.manager == "default":
+        assert ctx.pending == 1
+    ctx.flush()
+    assert ctx.pending == 0
+
+
+def test_defer_cleanup_holds_frees_until_it_exits(ctx):
+    if ctx.manager != "default":
+        pytest.skip("counts the default manager's deferred cuMemFree calls")
+    before = ctx.memalloc(100)
+    with ctx.defer_cleanup():
+        del before
+        inside = ctx.memalloc(100)
+        del inside
+        ctx.flush()
+        assert ctx.pending == 2, "frees inside the guard wait, even through a flush"
+    assert ctx.pending == 2, "leaving the guard does not flush"
+    ctx.flush()
+    assert ctx.pending == 0
+
+
+def test_pinned_and_mapped_host_memory(ctx):
+    mapped = ctx.memhostalloc(256, mapped=True)
+    assert mapped.device_ptr is not None and mapped.host_ptr != 0
+    mapped.write(b"\x07" * 256)
+    assert mapped.read(4, offset=252) == b"\x07" * 4
+    pinned = ctx.memhostalloc(256)
+    assert pinned.device_ptr is None
+    pinned.write(b"ab", offset=10)
+    assert pinned.read(2, offset=10) == b"ab"
+    with pytest.raises(emm.EmmError, match="outside the 256-byte buffer"):
+        pinned.write(b"x" * 300)
+
+
+def test_mempin_holds_its_owner(ctx):
+    owner = bytearray(8192)
+    address = ctypes.addressof((ctypes.c_char * len(owner)).from_buffer(owner))
+    pin = ctx.mempin(owner, address, len(owner), mapped=True)
+    assert pin.device_ptr is not None
+    pin.write(b"\x05" * 16)
+    assert bytes(owner[:16]) == b"\x05" * 16
+    pin.release()
+    with pytest.raises(ValueError, match="null pointer"):
+        ctx.mempin(owner, 0, 16)
+
+
+def test_managed_memory(ctx):
+    m = ctx.memallocmanaged(512)
+    m.write(bytes(range(256)) * 2)
+    assert m.read(3, offset=255) == bytes([255, 0, 1])
+    host_attached = ctx.memallocmanaged(64, attach_global=False)
+    assert host_attached.size == 64
+
+
+def test_reset_frees_everything(ctx):
+    buf = ctx.memalloc(128)
+    mapped = ctx.memhostalloc(128, mapped=True)
+    ctx.reset()
+    assert not buf.live
+    with pytest.raises(emm.EmmError, match="reset"):
+        mapped.write(b"x")
+    fresh = ctx.memalloc(128)
+    assert fresh.live
+
+
+def test_zero_and_impossible_sizes_raise(ctx):
+    with pytest.raises(emm.EmmError, match="0 bytes|zero"):
+        ctx.memalloc(0)
+    with pytest.raises(emm.OutOfMemoryError) as info:
+        ctx.memalloc(1 << 62)
+    assert isinstance(info.value, MemoryError)
+    assert "out of memory" in str(info.value)
+
+
+def test_memory_info(ctx):
+    free, total = ctx.get_memory_info()
+    assert 0 < free <= total
+
+
+def test_ipc_handle_data(ctx):
+    if ctx.manager == "async-pool":
+        pytest.skip("async-pool's pool is not created for export")
+    buf = ctx.memalloc(1024)
+    ipc = ctx.get_ipc_handle(buf, offset=256, size=512)
+    assert ipc.size == 512 and len(ipc.handle) == 64
+    assert ipc.offset >= 256
+    # The driver refuses to open a handle in the process that exported it.
+    with pytest.raises(emm.EmmError, match="cuIpcOpenMemHandle|original process|has not imported"):
+        ctx.open_ipc(ipc.data)
+
+
+def test_ipc_to_another_process(ctx):
+    needs_gpu("another process of the simulator is another simulated machine")
+    if ctx.manager.startswith("async-pool"):
+        pytest.skip("the bindings do not pass stream-ordered pool exports between processes yet")
+    buf = ctx.memalloc(1024)
+    data = bytes(i % 13 for i in range(1024))
+    ctx.copy_to_device(buf, data)
+    ipc = ctx.get_ipc_handle(buf)
+    code = (
+        "import emm, sys; c = emm.context(0); b = c.open_ipc(bytes.fromhex(sys.argv[1])); "
+        "sys.stdout.write(c.copy_to_host(b).hex()); b.release()"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, ipc.data.hex()],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, EMM_PYTHON_DRIVER="cuda"),
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert bytes.fromhex(out.stdout) == data
+
+
+def test_one_runtime_per_process(ctx):
+    settings = emm.settings()
+    assert settings["driver"] == DRIVER
+    emm.configure(driver=DRIVER)  # the same settings: nothing happens
+    with pytest.raises(emm.EmmError, match="already exists"):
+        emm.configure(manager="pool" if settings["manager"] != "pool" else "default", driver=DRIVER)
+    rt = emm.Runtime(driver=DRIVER)
+    assert rt.settings() == settings
+    assert rt.context(0).device == 0
+
+
+def test_unknown_manager_names_the_known_ones():
+    out = run_python("import emm; emm.configure(manager='nope', driver='sim')")
+    assert out.returncode != 0
+    assert "EmmError" in out.stderr and "nope" in out.stderr and "default" in out.stderr
+
+
+def test_unknown_driver_says_what_to_use():
+    out = run_python("import emm; emm.configure(driver='opencl')")
+    assert out.returncode != 0 and "cuda" in out.stderr and "sim" in out.stderr
+
+
+def test_stats_adaptor_counts_every_kind():
+    code = (
+        "import emm; emm.configure(adaptors='stats', driver='sim'); c = emm.context(0)\n"
+        "d = c.memalloc(100); m = c.memallocmanaged(64); h = c.memhostalloc(32, mapped=True)\n"
+        "u = c.usage(); print(u['device']['current_bytes'], u['managed']['current_bytes'], "
+        "u['mapped']['current_bytes'])"
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["100", "64", "32"]
+
+
+def test_usage_is_none_without_the_stats_adaptor(ctx):
+    if emm.settings()["adaptors"] is None and "stats" not in os.environ.get("EMM_MEMORY_ADAPTORS", ""):
+        assert ctx.usage() is None
+
+
+def test_pool_stats_and_trim(ctx):
+    stats = ctx.pool_stats()
+    assert set(stats) == {"device", "pinned_host"}
+    assert ctx.trim() >= 0
+
+
+def test_torch_entry_points_without_torch():
+    """PyTorch's C entry points, called as PyTorch calls them (through ctypes here)."""
+    lib = ctypes.CDLL(emm._emm.__file__)
+    lib.emm_torch_malloc.restype = ctypes.c_void_p
+    lib.emm_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.emm_torch_free.restype = None
+    lib.emm_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    emm._emm.torch_last_error()
+    before = emm._emm.torch_live()
+    p = lib.emm_torch_malloc(4096, 0, None)
+    assert p and emm._emm.torch_live() == before + 1
+    lib.emm_torch_free(p, 4096, 0, None)
+    assert emm._emm.torch_live() == before and emm._emm.torch_last_error() is None
+    # A free with the wrong size is reported (and frees); a foreign pointer frees nothing.
+    q = lib.emm_torch_malloc(100, 0, None)
+    lib.emm_torch_free(q, 99, 0, None)
+    assert "allocated with 100 bytes" in emm._emm.torch_last_error()
+    lib.emm_torch_free(0x1234, 8, 0, None)
+    assert "did not allocate" in emm._emm.torch_last_error()
+    # An empty buffer is the null pointer, without the manager; freeing it does nothing.
+    assert not lib.emm_torch_malloc(0, 0, None)
+    lib.emm_torch_free(None, 0, 0, None)
+    assert emm._emm.torch_last_error() is None
+    # Failures return null and say why.
+    assert not lib.emm_torch_malloc(-1, 0, None)
+    assert "negative size" in emm._emm.torch_last_error()
+    assert not lib.emm_torch_malloc(1 << 62, 0, None)
+    assert "out of memory" in emm._emm.torch_last_error()

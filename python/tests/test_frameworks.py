@@ -1,0 +1,241 @@
+"""Numba, CuPy and PyTorch over emm, on the GPU. Each scenario runs in a fresh interpreter:
+a framework's allocator is chosen before its first allocation, and each process has one emm
+runtime. On the simulator these skip (a reason is given); under EMM_REQUIRE_GPU=1 they must run.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from conftest import needs_gpu, needs_module
+
+
+def run(code, **env):
+    full = dict(os.environ, EMM_PYTHON_DRIVER="cuda", EMM_MEMORY_ADAPTORS="stats", **env)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=300,
+    )
+    assert out.returncode == 0, "stdout:\n%s\nstderr:\n%s" % (out.stdout, out.stderr)
+    return out.stdout
+
+
+NUMBA_KERNEL = """
+    import numpy as np
+    from numba import cuda
+
+    @cuda.jit
+    def fill(a, v):
+        i = cuda.grid(1)
+        if i < a.size:
+            a[i] = v + i
+"""
+
+
+def test_numba_allocates_from_emm():
+    needs_gpu("Numba kernels")
+    needs_module("numba.cuda")
+    out = run(
+        NUMBA_KERNEL
+        + """
+    import emm
+    ctx = emm.context(0)
+    a = cuda.device_array(1000, dtype=np.float32)
+    fill[4, 256](a, 1.0)
+    host = a.copy_to_host()
+    assert host[999] == 1000.0, host[999]
+    u = ctx.usage()
+    assert u["device"]["current_count"] >= 1, u
+    # Managed, mapped and pinned arrays, and a pin of a NumPy array.
+    m = cuda.managed_array(100, dtype=np.float32)
+    fill[1, 128](m, 3.0)
+    cuda.synchronize()
+    assert m[99] == 102.0
+    assert ctx.usage()["managed"]["current_count"] >= 1
+    mapped = cuda.mapped_array(100, dtype=np.float32)
+    fill[1, 128](mapped, 5.0)
+    cuda.synchronize()
+    assert mapped[99] == 104.0
+    pinned = cuda.pinned_array(100, dtype=np.float32)
+    a[:100].copy_to_host(pinned)
+    assert pinned[99] == 100.0
+    buf = np.zeros(100, dtype=np.float32)
+    with cuda.pinned(buf):
+        a[:100].copy_to_host(buf)
+    assert buf[99] == 100.0
+    # defer_cleanup is emm's guard.
+    before = ctx.pending
+    with cuda.defer_cleanup():
+        b = cuda.device_array(10)
+        del b
+        assert ctx.pending == before + 1
+    ctx.flush()
+    info = cuda.current_context().get_memory_info()
+    assert 0 < info.free <= info.total
+    print("numba ok")
+    """,
+        NUMBA_CUDA_MEMORY_MANAGER="emm.numba",
+    )
+    assert "numba ok" in out
+
+
+def test_numba_ipc_handle_opens_in_numba_without_emm():
+    """A Numba IpcHandle from emm memory, opened by a Numba process using its own manager."""
+    needs_gpu("IPC")
+    needs_module("numba.cuda")
+    out = run(
+        NUMBA_KERNEL
+        + """
+    import pickle, subprocess, sys, os
+    a = cuda.device_array(1000, dtype=np.float32)
+    fill[4, 256](a, 0.0)
+    cuda.synchronize()
+    for view in (a, a[100:], a[100:400], a[:400]):
+        h = view.get_ipc_handle()
+        child = (
+            "import pickle, sys; from numba import cuda; import numpy as np; "
+            "h = pickle.loads(bytes.fromhex(sys.argv[1])); "
+            "arr = h.open(); sys.stdout.write(repr(float(arr.copy_to_host()[-1]))); h.close()"
+        )
+        env = dict(os.environ)
+        env.pop("NUMBA_CUDA_MEMORY_MANAGER")
+        r = subprocess.run([sys.executable, "-c", child, pickle.dumps(h).hex()],
+                           capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert float(r.stdout) == float(view.copy_to_host()[-1]), (r.stdout, view.shape)
+    print("ipc ok")
+    """,
+        NUMBA_CUDA_MEMORY_MANAGER="emm.numba",
+    )
+    assert "ipc ok" in out
+
+
+def test_cupy_allocates_from_emm():
+    needs_gpu("CuPy")
+    needs_module("cupy")
+    out = run(
+        """
+    import cupy, emm, emm.cupy
+    emm.cupy.install()
+    x = cupy.arange(1000, dtype=cupy.float32)
+    assert float((x * 2).sum()) == 999000.0
+    assert emm.context(0).usage()["device"]["current_count"] >= 1
+    empty = cupy.empty(0)
+    print("cupy ok")
+    """
+    )
+    assert "cupy ok" in out
+
+
+def test_torch_allocates_from_emm():
+    needs_gpu("PyTorch")
+    needs_module("torch")
+    out = run(
+        """
+    import torch, emm, emm.torch
+    emm.torch.install()
+    t = torch.arange(1000, device="cuda", dtype=torch.float32)
+    assert (t * 2).sum().item() == 999000.0
+    assert emm.torch.live() >= 1
+    assert emm.context(0).usage()["device"]["current_count"] >= 1
+    del t
+    torch.cuda.synchronize()
+    assert emm.torch.last_error() is None
+    print("torch ok")
+    """
+    )
+    assert "torch ok" in out
+
+
+def test_three_frameworks_share_one_runtime():
+    """Numba, CuPy and PyTorch in one process: one manager, one usage(); a Numba kernel reads
+    a CuPy array and a torch tensor made by emm."""
+    needs_gpu("all three frameworks")
+    for m in ("numba.cuda", "cupy", "torch"):
+        needs_module(m)
+    out = run(
+        """
+    import numpy as np
+    import cupy, torch
+    from numba import cuda
+    import emm, emm.cupy, emm.torch
+    emm.cupy.install()
+    emm.torch.install()
+
+    @cuda.jit
+    def add(a, b, out):
+        i = cuda.grid(1)
+        if i < out.size:
+            out[i] = a[i] + b[i]
+
+    x = cupy.arange(256, dtype=cupy.float32)
+    t = torch.arange(256, device="cuda", dtype=torch.float32)
+    out = cuda.device_array(256, dtype=np.float32)
+    add[1, 256](cuda.as_cuda_array(x), cuda.as_cuda_array(t), out)
+    host = out.copy_to_host()
+    assert host[255] == 510.0, host[255]
+    u = emm.context(0).usage()["device"]
+    assert u["current_count"] >= 3, u
+    print("shared ok", u["current_count"])
+    """,
+        NUMBA_CUDA_MEMORY_MANAGER="emm.numba",
+    )
+    assert "shared ok" in out
+
+
+def test_numba_deallocation_rules():
+    """What Numba's own deallocation tests check (its suite skips them under any external
+    manager), through Numba's public API over emm's default manager: the 11th pending free
+    flushes the queue (Numba's CUDA_DEALLOCS_COUNT, 10); one free larger than the byte budget
+    (CUDA_DEALLOCS_RATIO of the device) flushes at once; defer_cleanup, nested, holds every free
+    and leaving it does not flush; frees queued inside it survive an exception."""
+    needs_gpu("Numba")
+    needs_module("numba.cuda")
+    out = run(
+        """
+    import numpy as np
+    from numba import cuda
+    import emm
+    ctx = emm.context(0)
+    cuda.device_array(1)  # Numba's context, and emm's
+    ctx.flush()
+    for _ in range(10):
+        a = cuda.device_array(16)
+        del a
+    assert ctx.pending == 10, ctx.pending
+    b = cuda.device_array(16)
+    del b
+    assert ctx.pending == 0, ("the 11th free flushes", ctx.pending)
+    free, total = ctx.get_memory_info()
+    big = cuda.device_array(int(total * 0.21) // 8, dtype=np.float64)
+    del big
+    assert ctx.pending == 0, ("a free over the byte budget flushes", ctx.pending)
+    with cuda.defer_cleanup():
+        with cuda.defer_cleanup():
+            for _ in range(20):
+                c = cuda.device_array(16)
+                del c
+            assert ctx.pending == 20, ctx.pending
+        assert ctx.pending == 20, ctx.pending
+    assert ctx.pending == 20, ("leaving the guard does not flush", ctx.pending)
+    ctx.flush()
+    try:
+        with cuda.defer_cleanup():
+            d = cuda.device_array(16)
+            del d
+            raise ValueError("inside the guard")
+    except ValueError:
+        pass
+    assert ctx.pending == 1, ("a free queued in the guard survives the exception", ctx.pending)
+    ctx.flush()
+    assert ctx.pending == 0
+    print("deallocations ok")
+    """,
+        NUMBA_CUDA_MEMORY_MANAGER="emm.numba",
+        EMM_MEMORY_MANAGER="default",
+    )
+    assert "deallocations ok" in out
