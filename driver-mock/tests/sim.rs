@@ -362,3 +362,159 @@ fn clear_calls_empties_the_log_only() {
     unsafe { sim.mem_free(ctx, p).unwrap() };
     assert_eq!(sim.ops(), vec![Op::MemFree]);
 }
+
+/// The stream model: queued work runs only when something lets it (a synchronisation, or
+/// `run_streams`), in queue order, and waits hold it back.
+mod streams {
+    use std::sync::{Arc, Mutex};
+
+    use driver_mock::{SimConfig, SimDriver};
+    use driver_sys::{
+        ContextHandle, DevicePtr, Driver, ErrorKind, HostPtr, StreamHandle, host_alloc,
+        stream_flags, wait_value,
+    };
+
+    use super::started;
+
+    /// A mapped pinned flag word, its device address, and a setter.
+    fn flag(sim: &SimDriver, ctx: ContextHandle) -> (HostPtr, DevicePtr) {
+        let h = sim.mem_host_alloc(ctx, 64, host_alloc::DEVICEMAP).unwrap();
+        let d = sim.mem_host_get_device_pointer(ctx, h).unwrap();
+        set(h, 0);
+        (h, d)
+    }
+
+    fn set(h: HostPtr, v: u32) {
+        // SAFETY: the test's own live pinned flag word; the simulator reads it only under its
+        // lock, from this thread.
+        unsafe { std::ptr::write_volatile(h.0 as *mut u32, v) }
+    }
+
+    fn log(
+        sim: &SimDriver,
+        ctx: ContextHandle,
+        s: StreamHandle,
+        seen: &Arc<Mutex<Vec<u32>>>,
+        n: u32,
+    ) {
+        let seen = Arc::clone(seen);
+        sim.launch_host_func(ctx, s, Box::new(move || seen.lock().unwrap().push(n)))
+            .unwrap();
+    }
+
+    #[test]
+    fn work_runs_in_order_when_let() {
+        let (sim, ctx) = started(SimConfig::default());
+        let s = sim.stream_create(ctx, stream_flags::NON_BLOCKING).unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        for n in 1..=3 {
+            log(&sim, ctx, s, &seen, n);
+        }
+        assert!(seen.lock().unwrap().is_empty(), "nothing runs by itself");
+        assert!(!sim.stream_query(ctx, s).unwrap());
+        assert_eq!(sim.run_streams(), 0);
+        assert_eq!(*seen.lock().unwrap(), vec![1, 2, 3]);
+        assert!(sim.stream_query(ctx, s).unwrap());
+    }
+
+    #[test]
+    fn a_wait_holds_until_the_flag_and_a_hang_is_an_error() {
+        let (sim, ctx) = started(SimConfig::default());
+        let (fh, fd) = flag(&sim, ctx);
+        let s = sim.stream_create(ctx, stream_flags::NON_BLOCKING).unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        sim.stream_wait_value32(ctx, s, fd, 5, wait_value::GEQ)
+            .unwrap();
+        log(&sim, ctx, s, &seen, 1);
+        assert_eq!(sim.run_streams(), 2, "the wait and what follows it wait");
+        assert_eq!(
+            sim.stream_synchronize(ctx, s).unwrap_err().kind(),
+            ErrorKind::Other,
+            "synchronising a stream nothing will release: the GPU would hang"
+        );
+        set(fh, 6);
+        sim.stream_synchronize(ctx, s).unwrap();
+        assert_eq!(*seen.lock().unwrap(), vec![1]);
+    }
+
+    #[test]
+    fn the_legacy_stream_waits_for_blocking_streams_only() {
+        let (sim, ctx) = started(SimConfig::default());
+        let (fh, fd) = flag(&sim, ctx);
+        let blocking = sim.stream_create(ctx, stream_flags::DEFAULT).unwrap();
+        let free = sim.stream_create(ctx, stream_flags::NON_BLOCKING).unwrap();
+        let p = sim.mem_alloc(ctx, 64).unwrap();
+        let mut out = [0u8; 4];
+        // Held non-blocking work does not hold a synchronous copy.
+        sim.stream_wait_value32(ctx, free, fd, 1, wait_value::EQ)
+            .unwrap();
+        // SAFETY: `p` is live; `out` is the test's buffer.
+        unsafe { sim.memcpy_dtoh(ctx, &mut out, p) }.unwrap();
+        // Held blocking work does: the GPU would hang, the simulator refuses.
+        sim.stream_wait_value32(ctx, blocking, fd, 1, wait_value::EQ)
+            .unwrap();
+        // SAFETY: as above.
+        let held = unsafe { sim.memcpy_dtoh(ctx, &mut out, p) };
+        assert_eq!(held.unwrap_err().kind(), ErrorKind::Other);
+        // Work queued on a blocking stream after legacy work waits for it.
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        set(fh, 1);
+        sim.run_streams();
+        set(fh, 0);
+        sim.stream_wait_value32(ctx, StreamHandle::LEGACY, fd, 1, wait_value::EQ)
+            .unwrap();
+        log(&sim, ctx, blocking, &seen, 1);
+        log(&sim, ctx, free, &seen, 2);
+        sim.run_streams();
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![2],
+            "the blocking stream waits for legacy work"
+        );
+        set(fh, 1);
+        sim.run_streams();
+        assert_eq!(*seen.lock().unwrap(), vec![2, 1]);
+    }
+
+    #[test]
+    fn pageable_sources_are_taken_at_once_pinned_ones_when_the_copy_runs() {
+        let (sim, ctx) = started(SimConfig::default());
+        let s = sim.stream_create(ctx, stream_flags::NON_BLOCKING).unwrap();
+        let p = sim.mem_alloc(ctx, 8).unwrap();
+        let q = sim.mem_alloc(ctx, 8).unwrap();
+        let mut pageable = [1u8; 8];
+        let pinned = sim.mem_host_alloc(ctx, 8, 0).unwrap();
+        // SAFETY: the test's own buffers stay live until the streams ran below; `pinned` is
+        // written through its address only while no copy runs.
+        unsafe {
+            sim.memcpy_htod_async(ctx, p, HostPtr(pageable.as_ptr() as usize), 8, s)
+                .unwrap();
+            std::ptr::write_bytes(pinned.0 as *mut u8, 1, 8);
+            sim.memcpy_htod_async(ctx, q, pinned, 8, s).unwrap();
+        }
+        pageable.fill(2);
+        // SAFETY: as above.
+        unsafe { std::ptr::write_bytes(pinned.0 as *mut u8, 2, 8) };
+        sim.stream_synchronize(ctx, s).unwrap();
+        let (mut a, mut b) = ([0u8; 8], [0u8; 8]);
+        // SAFETY: live allocations, the test's buffers.
+        unsafe {
+            sim.memcpy_dtoh(ctx, &mut a, p).unwrap();
+            sim.memcpy_dtoh(ctx, &mut b, q).unwrap();
+        }
+        assert_eq!(a, [1; 8], "pageable: the bytes at the call");
+        assert_eq!(b, [2; 8], "pinned: the bytes when the copy ran");
+    }
+
+    #[test]
+    fn a_destroyed_streams_work_still_runs() {
+        let (sim, ctx) = started(SimConfig::default());
+        let s = sim.stream_create(ctx, 0).unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        log(&sim, ctx, s, &seen, 7);
+        // SAFETY: the stream is destroyed once; its queued host function stays valid.
+        unsafe { sim.stream_destroy(ctx, s) }.unwrap();
+        assert_eq!(sim.run_streams(), 0);
+        assert_eq!(*seen.lock().unwrap(), vec![7]);
+    }
+}

@@ -26,8 +26,8 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use crate::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
-    HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle, PoolPtrExportData,
-    StreamHandle,
+    HostFn, HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle,
+    PoolPtrExportData, StreamHandle,
 };
 
 /// The real CUDA driver. Obtain it with [`CudaDriver::load`].
@@ -46,6 +46,32 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), DriverError> {
 /// Maps cudarc's error (whose formatting would call into libcuda) to ours, keeping the code.
 fn err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> DriverError {
     move |e| DriverError::from_code(call, e.0 as u32)
+}
+
+/// `Ok(true)` for success, `Ok(false)` for `CUDA_ERROR_NOT_READY` (work still pending).
+fn check_ready(call: &'static str, r: sys::CUresult) -> Result<bool, DriverError> {
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        other => Err(DriverError::from_code(call, other as u32)),
+    }
+}
+
+fn cu_stream(stream: StreamHandle) -> sys::CUstream {
+    stream.0 as usize as sys::CUstream
+}
+
+fn cu_event(event: EventHandle) -> sys::CUevent {
+    event.0 as usize as sys::CUevent
+}
+
+/// `cuLaunchHostFunc`'s callback: runs the boxed [`HostFn`] it was given once.
+unsafe extern "C" fn run_host_fn(data: *mut c_void) {
+    // SAFETY: `data` is the `Box<HostFn>` `launch_host_func` leaked for this one call; the
+    // driver calls the callback exactly once, so the box is taken back exactly once.
+    let f = unsafe { Box::from_raw(data.cast::<HostFn>()) };
+    // A panic must not unwind into the driver's thread.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
 }
 
 fn as_cu_ctx(ctx: ContextHandle) -> sys::CUcontext {
@@ -450,6 +476,238 @@ impl Driver for CudaDriver {
             unsafe { result::stream::destroy(stream.0 as usize as sys::CUstream) }
                 .map_err(err("cuStreamDestroy")),
         )
+    }
+
+    /// [cuStreamCreateWithPriority](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    fn stream_create_with_priority(
+        &self,
+        ctx: ContextHandle,
+        flags: u32,
+        priority: i32,
+    ) -> Result<StreamHandle, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut stream = MaybeUninit::<sys::CUstream>::uninit();
+        // SAFETY: `stream` is a valid place for one handle; the driver validates the rest.
+        check("cuStreamCreateWithPriority", unsafe {
+            sys::cuStreamCreateWithPriority(stream.as_mut_ptr(), flags, priority)
+        })?;
+        // SAFETY: the call succeeded and wrote `stream`.
+        Ok(StreamHandle(unsafe { stream.assume_init() } as usize as u64))
+    }
+
+    /// [cuCtxGetStreamPriorityRange](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html)
+    fn stream_priority_range(&self, ctx: ContextHandle) -> Result<(i32, i32), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let (mut least, mut greatest) = (0i32, 0i32);
+        // SAFETY: both are valid places for one int.
+        check("cuCtxGetStreamPriorityRange", unsafe {
+            sys::cuCtxGetStreamPriorityRange(&raw mut least, &raw mut greatest)
+        })?;
+        Ok((least, greatest))
+    }
+
+    /// [cuStreamGetPriority](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    fn stream_priority(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<i32, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut priority = 0i32;
+        // SAFETY: `priority` is a valid place for one int; the driver validates the handle.
+        check("cuStreamGetPriority", unsafe {
+            sys::cuStreamGetPriority(cu_stream(stream), &raw mut priority)
+        })?;
+        Ok(priority)
+    }
+
+    /// [cuStreamQuery](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    fn stream_query(&self, ctx: ContextHandle, stream: StreamHandle) -> Result<bool, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the driver validates the stream handle.
+        check_ready("cuStreamQuery", unsafe {
+            sys::cuStreamQuery(cu_stream(stream))
+        })
+    }
+
+    /// [cuEventRecord](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
+    fn event_record(
+        &self,
+        ctx: ContextHandle,
+        event: EventHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the driver validates both handles.
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(cu_event(event), cu_stream(stream))
+        })
+    }
+
+    /// [cuStreamWaitEvent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    fn stream_wait_event(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        event: EventHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the driver validates both handles; flags must be 0.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(cu_stream(stream), cu_event(event), 0)
+        })
+    }
+
+    /// [cuEventQuery](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
+    fn event_query(&self, ctx: ContextHandle, event: EventHandle) -> Result<bool, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the driver validates the handle.
+        check_ready("cuEventQuery", unsafe {
+            sys::cuEventQuery(cu_event(event))
+        })
+    }
+
+    /// [cuEventSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
+    fn event_synchronize(&self, ctx: ContextHandle, event: EventHandle) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the driver validates the handle.
+        check("cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(cu_event(event))
+        })
+    }
+
+    /// [cuEventElapsedTime](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
+    fn event_elapsed_time(
+        &self,
+        ctx: ContextHandle,
+        start: EventHandle,
+        end: EventHandle,
+    ) -> Result<f32, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut ms = 0f32;
+        // SAFETY: `ms` is a valid place for one float; the driver validates the handles.
+        check("cuEventElapsedTime", unsafe {
+            sys::cuEventElapsedTime_v2(&raw mut ms, cu_event(start), cu_event(end))
+        })?;
+        Ok(ms)
+    }
+
+    /// [cuLaunchHostFunc](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html)
+    fn launch_host_func(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        f: HostFn,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let data = Box::into_raw(Box::new(f)).cast::<c_void>();
+        // SAFETY: `run_host_fn` matches `CUhostFn`; `data` is a leaked `Box<HostFn>` it takes
+        // back once when the driver calls it.
+        let launched = check("cuLaunchHostFunc", unsafe {
+            sys::cuLaunchHostFunc(cu_stream(stream), Some(run_host_fn), data)
+        });
+        if launched.is_err() {
+            // SAFETY: the launch failed, so the driver will never call back with `data`.
+            drop(unsafe { Box::from_raw(data.cast::<HostFn>()) });
+        }
+        launched
+    }
+
+    /// [cuStreamWaitValue32](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEMOP.html)
+    fn stream_wait_value32(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+        flags: u32,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the driver validates the stream, the address and the flags; waiting reads
+        // the word only.
+        check("cuStreamWaitValue32", unsafe {
+            sys::cuStreamWaitValue32_v2(cu_stream(stream), addr.0, value, flags)
+        })
+    }
+
+    /// [cuStreamWriteValue32](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEMOP.html)
+    unsafe fn stream_write_value32(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller owns the word at `addr` (trait contract); the driver validates
+        // the handles.
+        check("cuStreamWriteValue32", unsafe {
+            sys::cuStreamWriteValue32_v2(cu_stream(stream), addr.0, value, 0)
+        })
+    }
+
+    /// [cuMemcpyHtoDAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    unsafe fn memcpy_htod_async(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: HostPtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller keeps both ranges live until the copy completes (trait contract).
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst.0, src.0 as *const c_void, bytes, cu_stream(stream))
+        })
+    }
+
+    /// [cuMemcpyDtoHAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    unsafe fn memcpy_dtoh_async(
+        &self,
+        ctx: ContextHandle,
+        dst: HostPtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: as for `memcpy_htod_async`.
+        check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.0 as *mut c_void, src.0, bytes, cu_stream(stream))
+        })
+    }
+
+    /// [cuMemcpyDtoDAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    unsafe fn memcpy_dtod_async(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: as for `memcpy_htod_async`.
+        check("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes, cu_stream(stream))
+        })
+    }
+
+    /// [cuMemsetD8Async](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    unsafe fn memset_d8_async(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        value: u8,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller keeps the range live until the set completes (trait contract).
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(dst.0, value, bytes, cu_stream(stream))
+        })
     }
 
     /// [cuEventCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)

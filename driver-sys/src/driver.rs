@@ -39,6 +39,31 @@ pub mod mem_attach {
     pub const HOST: u32 = 0x2;
 }
 
+/// `cuStreamCreateWithPriority` flags.
+pub mod stream_flags {
+    /// `CU_STREAM_DEFAULT`: the stream synchronises with the legacy default stream.
+    pub const DEFAULT: u32 = 0x0;
+    /// `CU_STREAM_NON_BLOCKING`: work on it does not wait for the legacy default stream, nor
+    /// the other way round.
+    pub const NON_BLOCKING: u32 = 0x1;
+}
+
+/// `cuStreamWaitValue32` conditions (`CUstreamWaitValue_flags`).
+pub mod wait_value {
+    /// Wait until `(int32)(*addr - value) >= 0`.
+    pub const GEQ: u32 = 0x0;
+    /// Wait until `*addr == value`.
+    pub const EQ: u32 = 0x1;
+    /// Wait until `(*addr & value) != 0`.
+    pub const AND: u32 = 0x2;
+    /// Wait until `!(*addr | value) != 0`.
+    pub const NOR: u32 = 0x3;
+}
+
+/// A host function for [`Driver::launch_host_func`]: run once, on a driver thread, when the
+/// stream reaches it. It must not call the driver.
+pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
+
 /// `cuEventCreate` flags.
 pub mod event_flags {
     /// `CU_EVENT_DEFAULT`.
@@ -258,6 +283,159 @@ pub trait Driver: Send + Sync + fmt::Debug {
         ctx: ContextHandle,
         ptr: HostPtr,
     ) -> Result<DevicePtr, DriverError>;
+
+    /// `cuStreamCreateWithPriority`: a stream with `flags` ([`stream_flags`]) and `priority`
+    /// (lower numbers are higher priorities; see
+    /// [`stream_priority_range`](Driver::stream_priority_range)).
+    fn stream_create_with_priority(
+        &self,
+        ctx: ContextHandle,
+        flags: u32,
+        priority: i32,
+    ) -> Result<StreamHandle, DriverError>;
+
+    /// `cuCtxGetStreamPriorityRange`: `(least, greatest)` priority; the greatest is the lowest
+    /// number.
+    fn stream_priority_range(&self, ctx: ContextHandle) -> Result<(i32, i32), DriverError>;
+
+    /// `cuStreamGetPriority`: the priority `stream` was created with (clamped into the range).
+    fn stream_priority(&self, ctx: ContextHandle, stream: StreamHandle)
+    -> Result<i32, DriverError>;
+
+    /// `cuStreamQuery`: whether all work queued on `stream` is complete
+    /// (`CUDA_ERROR_NOT_READY` is `Ok(false)`).
+    fn stream_query(&self, ctx: ContextHandle, stream: StreamHandle) -> Result<bool, DriverError>;
+
+    /// `cuEventRecord`: `event` completes when `stream` reaches this point.
+    fn event_record(
+        &self,
+        ctx: ContextHandle,
+        event: EventHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuStreamWaitEvent`: work queued on `stream` after this waits for the last record of
+    /// `event` made before the call.
+    fn stream_wait_event(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        event: EventHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuEventQuery`: whether the last record of `event` completed (an event never recorded
+    /// is complete; `CUDA_ERROR_NOT_READY` is `Ok(false)`).
+    fn event_query(&self, ctx: ContextHandle, event: EventHandle) -> Result<bool, DriverError>;
+
+    /// `cuEventSynchronize`: waits for the last record of `event`.
+    fn event_synchronize(&self, ctx: ContextHandle, event: EventHandle) -> Result<(), DriverError>;
+
+    /// `cuEventElapsedTime`: milliseconds between two completed records of timing events.
+    fn event_elapsed_time(
+        &self,
+        ctx: ContextHandle,
+        start: EventHandle,
+        end: EventHandle,
+    ) -> Result<f32, DriverError>;
+
+    /// `cuLaunchHostFunc`: runs `f` when `stream` reaches this point; later work on the stream
+    /// waits for it to return.
+    fn launch_host_func(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        f: HostFn,
+    ) -> Result<(), DriverError>;
+
+    /// `cuStreamWaitValue32`: work queued on `stream` after this waits until the 32-bit word at
+    /// `addr` (device memory, or the device address of mapped host memory) meets `flags`'s
+    /// condition ([`wait_value`]) against `value`.
+    fn stream_wait_value32(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+        flags: u32,
+    ) -> Result<(), DriverError>;
+
+    /// `cuStreamWriteValue32`: writes `value` to the 32-bit word at `addr` when `stream`
+    /// reaches this point.
+    ///
+    /// # Safety
+    ///
+    /// - `addr .. addr + 4` is memory of `ctx` (device, or mapped host) that nothing else
+    ///   reads or writes while the write may happen, but through the driver.
+    unsafe fn stream_write_value32(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemcpyHtoDAsync`: queues a copy of `bytes` from host memory at `src` to `dst` on
+    /// `stream`.
+    ///
+    /// # Safety
+    ///
+    /// - `src .. src + bytes` stays live and unwritten until the copy completes (a
+    ///   synchronisation of the stream, or an event recorded after it); the driver copies
+    ///   pageable memory at once, so callers that need overlap pass page-locked memory.
+    /// - `dst` is memory of `ctx` that no other work writes meanwhile.
+    unsafe fn memcpy_htod_async(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: HostPtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemcpyDtoHAsync`: queues a copy of `bytes` from `src` to host memory at `dst` on
+    /// `stream`.
+    ///
+    /// # Safety
+    ///
+    /// - `dst .. dst + bytes` stays live, and nothing reads or writes it, until the copy
+    ///   completes.
+    unsafe fn memcpy_dtoh_async(
+        &self,
+        ctx: ContextHandle,
+        dst: HostPtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemcpyDtoDAsync`: queues a device-to-device copy on `stream`.
+    ///
+    /// # Safety
+    ///
+    /// - Both ranges are memory of `ctx` that stays live until the copy completes, and no
+    ///   other work writes them meanwhile.
+    unsafe fn memcpy_dtod_async(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemsetD8Async`: queues setting `bytes` bytes at `dst` to `value` on `stream`.
+    ///
+    /// # Safety
+    ///
+    /// - `dst .. dst + bytes` is memory of `ctx` that stays live until the set completes.
+    unsafe fn memset_d8_async(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        value: u8,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
 
     /// `cuStreamCreate` with `flags` (0: default).
     fn stream_create(&self, ctx: ContextHandle, flags: u32) -> Result<StreamHandle, DriverError>;

@@ -18,6 +18,18 @@ pub struct ContextHandle(pub u64);
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct StreamHandle(pub u64);
 
+impl StreamHandle {
+    /// The null stream (0): the legacy default stream, unless the program was built for
+    /// per-thread default streams (emm's calls are not).
+    pub const NULL: StreamHandle = StreamHandle(0);
+    /// `CU_STREAM_LEGACY`: the legacy default stream, which synchronises with every blocking
+    /// stream of its context.
+    pub const LEGACY: StreamHandle = StreamHandle(0x1);
+    /// `CU_STREAM_PER_THREAD`: the calling thread's default stream, which does not synchronise
+    /// with other streams.
+    pub const PER_THREAD: StreamHandle = StreamHandle(0x2);
+}
+
 /// An event (`CUevent`), as an opaque value. Prints as hex.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct EventHandle(pub u64);

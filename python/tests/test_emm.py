@@ -107,6 +107,8 @@ def test_reset_frees_everything(ctx):
     ctx.reset()
     assert not buf.live
     with pytest.raises(emm.EmmError, match="reset"):
+        ctx.copy_to_host(buf)
+    with pytest.raises(emm.EmmError, match="reset"):
         mapped.write(b"x")
     fresh = ctx.memalloc(128)
     assert fresh.live
@@ -127,9 +129,11 @@ def test_memory_info(ctx):
 
 
 def test_ipc_handle_data(ctx):
-    if ctx.manager == "async-pool":
-        pytest.skip("async-pool's pool is not created for export")
     buf = ctx.memalloc(1024)
+    if ctx.manager == "async-pool":
+        with pytest.raises(emm.EmmError, match="async-pool-ipc"):
+            ctx.get_ipc_handle(buf)
+        return
     ipc = ctx.get_ipc_handle(buf, offset=256, size=512)
     assert ipc.size == 512 and len(ipc.handle) == 64
     assert ipc.offset >= 256
@@ -234,3 +238,13 @@ def test_torch_entry_points_without_torch():
     assert "negative size" in emm._emm.torch_last_error()
     assert not lib.emm_torch_malloc(1 << 62, 0, None)
     assert "out of memory" in emm._emm.torch_last_error()
+
+
+def test_no_driver_library_is_a_clear_error():
+    import ctypes.util
+
+    if DRIVER == "cuda" or ctypes.util.find_library("cuda"):
+        pytest.skip("libcuda is present here: this checks a machine without the NVIDIA driver")
+    out = run_python("import emm; emm.configure(driver='cuda'); emm.context(0)")
+    assert out.returncode != 0
+    assert "EmmError" in out.stderr and "libcuda" in out.stderr, out.stderr

@@ -7,13 +7,13 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 
 use driver_sys::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
-    HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle, PoolPtrExportData,
-    StreamHandle,
+    HostFn, HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle,
+    PoolPtrExportData, StreamHandle,
 };
 
 use super::SimDriver;
 use super::log::Op;
-use super::world::{Object, plausible_image};
+use super::world::{Object, context, plausible_image};
 
 impl Driver for SimDriver {
     fn name(&self) -> &'static str {
@@ -310,8 +310,173 @@ impl Driver for SimDriver {
     }
 
     fn stream_create(&self, ctx: ContextHandle, flags: u32) -> Result<StreamHandle, DriverError> {
-        self.create_object(Op::StreamCreate, ctx, Object::Stream, flags <= 1)
-            .map(StreamHandle)
+        self.create_stream(Op::StreamCreate, ctx, flags, 0)
+    }
+
+    fn stream_create_with_priority(
+        &self,
+        ctx: ContextHandle,
+        flags: u32,
+        priority: i32,
+    ) -> Result<StreamHandle, DriverError> {
+        self.create_stream(Op::StreamCreateWithPriority, ctx, flags, priority)
+    }
+
+    fn stream_priority_range(&self, ctx: ContextHandle) -> Result<(i32, i32), DriverError> {
+        self.call(Op::CtxGetStreamPriorityRange, |w, pid, note| {
+            context(w, pid, ctx, note)?;
+            Ok(w.priority_range())
+        })
+    }
+
+    fn stream_priority(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<i32, DriverError> {
+        self.call(Op::StreamGetPriority, |w, pid, note| {
+            w.stream_priority(pid, note, ctx, stream)
+        })
+    }
+
+    fn stream_query(&self, ctx: ContextHandle, stream: StreamHandle) -> Result<bool, DriverError> {
+        self.call(Op::StreamQuery, |w, pid, note| {
+            w.stream_query(pid, note, ctx, stream)
+        })
+    }
+
+    fn event_record(
+        &self,
+        ctx: ContextHandle,
+        event: EventHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::EventRecord, |w, pid, note| {
+            w.event_record(pid, note, ctx, event, stream)
+        })
+    }
+
+    fn stream_wait_event(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        event: EventHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::StreamWaitEvent, |w, pid, note| {
+            w.stream_wait_event(pid, note, ctx, stream, event)
+        })
+    }
+
+    fn event_query(&self, ctx: ContextHandle, event: EventHandle) -> Result<bool, DriverError> {
+        self.call(Op::EventQuery, |w, pid, note| {
+            w.event_query(pid, note, ctx, event)
+        })
+    }
+
+    fn event_synchronize(&self, ctx: ContextHandle, event: EventHandle) -> Result<(), DriverError> {
+        self.call(Op::EventSynchronize, |w, pid, note| {
+            w.event_synchronize(pid, note, ctx, event)
+        })
+    }
+
+    fn event_elapsed_time(
+        &self,
+        ctx: ContextHandle,
+        start: EventHandle,
+        end: EventHandle,
+    ) -> Result<f32, DriverError> {
+        self.call(Op::EventElapsedTime, |w, pid, note| {
+            w.event_elapsed_time(pid, note, ctx, start, end)
+        })
+    }
+
+    fn launch_host_func(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        f: HostFn,
+    ) -> Result<(), DriverError> {
+        self.call(Op::LaunchHostFunc, |w, pid, note| {
+            w.launch_host_func(pid, note, ctx, stream, f)
+        })
+    }
+
+    fn stream_wait_value32(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+        flags: u32,
+    ) -> Result<(), DriverError> {
+        self.call(Op::StreamWaitValue32, |w, pid, note| {
+            w.stream_wait_value32(pid, note, ctx, stream, addr, value, flags)
+        })
+    }
+
+    unsafe fn stream_write_value32(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+    ) -> Result<(), DriverError> {
+        self.call(Op::StreamWriteValue32, |w, pid, note| {
+            w.stream_write_value32(pid, note, ctx, stream, addr, value)
+        })
+    }
+
+    unsafe fn memcpy_htod_async(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: HostPtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemcpyHtoDAsync, |w, pid, note| {
+            // SAFETY: `Driver::memcpy_htod_async`'s contract keeps the source live.
+            unsafe { w.memcpy_htod_async(pid, note, ctx, dst, src.0, bytes, stream) }
+        })
+    }
+
+    unsafe fn memcpy_dtoh_async(
+        &self,
+        ctx: ContextHandle,
+        dst: HostPtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemcpyDtoHAsync, |w, pid, note| {
+            w.memcpy_dtoh_async(pid, note, ctx, dst.0, src, bytes, stream)
+        })
+    }
+
+    unsafe fn memcpy_dtod_async(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemcpyDtoDAsync, |w, pid, note| {
+            w.memcpy_dtod_async(pid, note, ctx, dst, src, bytes, stream)
+        })
+    }
+
+    unsafe fn memset_d8_async(
+        &self,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        value: u8,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemsetD8Async, |w, pid, note| {
+            w.memset_d8_async(pid, note, ctx, dst, value, bytes, stream)
+        })
     }
 
     unsafe fn stream_destroy(
@@ -323,8 +488,9 @@ impl Driver for SimDriver {
     }
 
     fn event_create(&self, ctx: ContextHandle, flags: u32) -> Result<EventHandle, DriverError> {
-        self.create_object(Op::EventCreate, ctx, Object::Event, flags & !0xf == 0)
-            .map(EventHandle)
+        let h = self.create_object(Op::EventCreate, ctx, Object::Event, flags & !0xf == 0)?;
+        self.lock().add_event(self.pid, h, flags);
+        Ok(EventHandle(h))
     }
 
     unsafe fn event_destroy(

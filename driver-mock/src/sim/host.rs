@@ -5,34 +5,46 @@ use driver_sys::{ContextHandle, DevicePtr, HostPtr, code, host_alloc, host_regis
 use super::Note;
 use super::world::{World, context};
 
-/// `cuMemHostAlloc` memory: zeroed bytes the simulator owns and everyone else reaches by
-/// address (the caller through the host pointer, copies through the device mapping). No `Box`
-/// may claim the bytes while they are in use, or writes through the address would alias it:
-/// the block holds a raw pointer, and its address is exposed for those writes.
+/// `cuMemHostAlloc` (and managed) memory: zeroed bytes the simulator owns and everyone else
+/// reaches by address (the caller through the host pointer, copies through the device
+/// mapping). Page-aligned, as the driver's are (a caller may put words of any alignment in
+/// them). No reference may claim the bytes while they are in use, or writes through the
+/// address would alias it: the block holds a raw pointer, and its address is exposed for those
+/// writes.
 #[derive(Debug)]
 pub(super) struct HostBlock {
-    bytes: *mut [u8],
+    bytes: *mut u8,
+    layout: std::alloc::Layout,
 }
 
 // SAFETY: the block is plain bytes that this value alone frees; the simulator reaches it only
 // under the machine's lock, and callers only through the driver contract's copies.
 unsafe impl Send for HostBlock {}
 
+/// The alignment of the simulator's host blocks: a page, as the driver gives.
+const HOST_ALIGN: usize = 4096;
+
 impl HostBlock {
-    /// `len` zeroed bytes, and their address.
+    /// `len` (at least 1) zeroed, page-aligned bytes, and their address.
     fn zeroed(len: usize) -> (HostBlock, usize) {
-        let bytes = Box::into_raw(vec![0u8; len].into_boxed_slice());
-        let addr = bytes.cast::<u8>().expose_provenance();
-        (HostBlock { bytes }, addr)
+        let layout = std::alloc::Layout::from_size_align(len.max(1), HOST_ALIGN)
+            .expect("a host block's size fits the address space");
+        // SAFETY: the layout has a non-zero size.
+        let bytes = unsafe { std::alloc::alloc_zeroed(layout) };
+        if bytes.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        let addr = bytes.expose_provenance();
+        (HostBlock { bytes, layout }, addr)
     }
 }
 
 impl Drop for HostBlock {
     fn drop(&mut self) {
-        // SAFETY: `bytes` came from `Box::into_raw` in `zeroed` and is turned back into its box
-        // once, here; the range was removed from the process's table before the block dropped,
-        // so no copy reaches it any more.
-        drop(unsafe { Box::from_raw(self.bytes) });
+        // SAFETY: `bytes` came from `alloc_zeroed` with `layout` in `zeroed` and is freed once,
+        // here; the range was removed from the process's table before the block dropped, so no
+        // copy reaches it any more.
+        unsafe { std::alloc::dealloc(self.bytes, self.layout) };
     }
 }
 

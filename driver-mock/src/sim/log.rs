@@ -55,11 +55,27 @@ pub enum Op {
     MemPoolGetAccess,
     MemPoolSetAccess,
     MemAllocManaged,
+    StreamQuery,
+    EventRecord,
+    StreamWaitEvent,
+    EventQuery,
+    EventSynchronize,
+    EventElapsedTime,
+    LaunchHostFunc,
+    StreamWaitValue32,
+    StreamWriteValue32,
+    MemcpyHtoDAsync,
+    MemcpyDtoHAsync,
+    MemcpyDtoDAsync,
+    MemsetD8Async,
+    StreamCreateWithPriority,
+    CtxGetStreamPriorityRange,
+    StreamGetPriority,
 }
 
 impl Op {
     /// Every operation, in declaration order (for fault sweeps).
-    pub const ALL: [Op; 46] = [
+    pub const ALL: [Op; 62] = [
         Op::Init,
         Op::DeviceCount,
         Op::DeviceTotalMem,
@@ -106,6 +122,43 @@ impl Op {
         Op::MemPoolGetAccess,
         Op::MemPoolSetAccess,
         Op::MemAllocManaged,
+        Op::StreamQuery,
+        Op::EventRecord,
+        Op::StreamWaitEvent,
+        Op::EventQuery,
+        Op::EventSynchronize,
+        Op::EventElapsedTime,
+        Op::LaunchHostFunc,
+        Op::StreamWaitValue32,
+        Op::StreamWriteValue32,
+        Op::MemcpyHtoDAsync,
+        Op::MemcpyDtoHAsync,
+        Op::MemcpyDtoDAsync,
+        Op::MemsetD8Async,
+        Op::StreamCreateWithPriority,
+        Op::CtxGetStreamPriorityRange,
+        Op::StreamGetPriority,
+    ];
+
+    /// The stream and event work of the streams model (`streams`): priorities, queries,
+    /// records and waits, host functions, stream memory operations, asynchronous copies.
+    pub const STREAM_WORK: [Op; 16] = [
+        Op::StreamCreateWithPriority,
+        Op::CtxGetStreamPriorityRange,
+        Op::StreamGetPriority,
+        Op::StreamQuery,
+        Op::EventRecord,
+        Op::StreamWaitEvent,
+        Op::EventQuery,
+        Op::EventSynchronize,
+        Op::EventElapsedTime,
+        Op::LaunchHostFunc,
+        Op::StreamWaitValue32,
+        Op::StreamWriteValue32,
+        Op::MemcpyHtoDAsync,
+        Op::MemcpyDtoHAsync,
+        Op::MemcpyDtoDAsync,
+        Op::MemsetD8Async,
     ];
 
     /// Whether the call gives something back to the driver: a free, an unpin, an IPC close, a
@@ -174,6 +227,22 @@ impl Op {
             Op::MemPoolSetAccess => "cuMemPoolSetAccess",
             Op::MemFreeAsync => "cuMemFreeAsync",
             Op::MemAllocManaged => "cuMemAllocManaged",
+            Op::StreamQuery => "cuStreamQuery",
+            Op::EventRecord => "cuEventRecord",
+            Op::StreamWaitEvent => "cuStreamWaitEvent",
+            Op::EventQuery => "cuEventQuery",
+            Op::EventSynchronize => "cuEventSynchronize",
+            Op::EventElapsedTime => "cuEventElapsedTime",
+            Op::LaunchHostFunc => "cuLaunchHostFunc",
+            Op::StreamWaitValue32 => "cuStreamWaitValue32",
+            Op::StreamWriteValue32 => "cuStreamWriteValue32",
+            Op::MemcpyHtoDAsync => "cuMemcpyHtoDAsync",
+            Op::MemcpyDtoHAsync => "cuMemcpyDtoHAsync",
+            Op::MemcpyDtoDAsync => "cuMemcpyDtoDAsync",
+            Op::MemsetD8Async => "cuMemsetD8Async",
+            Op::StreamCreateWithPriority => "cuStreamCreateWithPriority",
+            Op::CtxGetStreamPriorityRange => "cuCtxGetStreamPriorityRange",
+            Op::StreamGetPriority => "cuStreamGetPriority",
         }
     }
 }

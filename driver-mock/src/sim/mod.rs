@@ -22,7 +22,9 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, DriverError, ErrorKind, HostPtr, code};
+use driver_sys::{
+    ContextHandle, DeviceOrdinal, DevicePtr, DriverError, ErrorKind, HostPtr, StreamHandle, code,
+};
 
 mod config;
 mod driver;
@@ -31,6 +33,7 @@ mod ipc;
 mod log;
 mod memory;
 mod pools;
+mod streams;
 mod world;
 
 pub use config::{DEFAULT_ALIGNMENT, PAGE_SIZE, SMALL_MAX, SimConfig, SimDeviceConfig};
@@ -377,6 +380,9 @@ impl SimDriver {
             note.ptr = Some(ptr);
             note.bytes = Some(bytes);
             let device = context(w, pid, ctx, note)?;
+            // A synchronous copy or set is issued on the legacy default stream: it waits for
+            // the work queued there and on the blocking streams.
+            w.settle_legacy(pid, device)?;
             if bytes == 0 {
                 Ok(())
             } else {
@@ -426,8 +432,40 @@ impl SimDriver {
                     Ok(())
                 }
                 _ => Err(code::INVALID_HANDLE),
-            }
+            }?;
+            w.drop_stream_or_event(pid, handle);
+            Ok(())
         })
+    }
+
+    /// Creates a stream (`flags`, `priority` clamped into the range) with its queue.
+    fn create_stream(
+        &self,
+        op: Op,
+        ctx: ContextHandle,
+        flags: u32,
+        priority: i32,
+    ) -> Result<StreamHandle, DriverError> {
+        self.call(op, move |w: &mut World, pid: usize, note: &mut Note| {
+            let i = context(w, pid, ctx, note)?;
+            if flags > driver_sys::stream_flags::NON_BLOCKING {
+                return Err(code::INVALID_VALUE);
+            }
+            let (least, greatest) = w.priority_range();
+            let h = w.new_handle();
+            w.processes[pid].objects.insert(h, (Object::Stream, i));
+            w.add_stream(pid, h, i, flags, priority.clamp(greatest, least));
+            Ok(StreamHandle(h))
+        })
+    }
+
+    /// Runs every stream's queued work that can run (host functions, copies, event records,
+    /// waits whose condition holds), as a GPU would when given time; returns how many pieces
+    /// of work still wait (on a value or an event nothing queued will satisfy). Queued work
+    /// otherwise runs only at synchronisations: see the model above.
+    pub fn run_streams(&self) -> usize {
+        let mut w = self.lock();
+        w.run_streams(self.pid)
     }
 
     fn take_fault(p: &mut Process, op: Op) -> Option<ErrorKind> {

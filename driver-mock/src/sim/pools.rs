@@ -131,7 +131,7 @@ impl World {
     /// Checks that `stream` is 0 (the legacy default stream) or a live stream of process `pid`.
     pub(super) fn check_stream(&self, pid: usize, stream: u64) -> Result<(), u32> {
         match self.processes[pid].objects.get(&stream) {
-            _ if stream == 0 => Ok(()),
+            _ if stream <= 2 => Ok(()),
             Some((Object::Stream, _)) => Ok(()),
             _ => Err(code::INVALID_HANDLE),
         }
@@ -145,16 +145,16 @@ impl World {
         ctx: ContextHandle,
         stream: StreamHandle,
     ) -> Result<(), u32> {
-        context(self, pid, ctx, note)?;
         self.check_stream(pid, stream.0)?;
-        // Work is done when it is issued here; what synchronising changes is that
-        // blocks freed on the stream become reusable on every stream, and pools
-        // release what they reserve above their threshold.
+        // The stream's queued work runs first (`streams`); then blocks freed on the stream
+        // become reusable on every stream, and pools release what they reserve above their
+        // threshold.
+        self.drain_stream(pid, note, ctx, stream)?;
         let handles: Vec<u64> = self.processes[pid].pools.keys().copied().collect();
         for h in handles {
             let pool = self.processes[pid].pools.get_mut(&h).expect("listed");
             for b in &mut pool.free {
-                if b.stream == stream.0 || stream.0 == 0 {
+                if b.stream == stream.0 || stream.0 <= 1 {
                     b.ready = true;
                 }
             }

@@ -35,6 +35,8 @@ pub(super) struct Process {
     pub(super) pools: BTreeMap<u64, SimPool>,
     /// What destroying this process's contexts took with it while it was still held.
     pub(super) reclaimed: LeakReport,
+    /// Stream queues and event states.
+    pub(super) streams: super::streams::Streams,
 }
 
 impl Process {
@@ -49,6 +51,7 @@ impl Process {
             ipc: BTreeMap::new(),
             pools: BTreeMap::new(),
             reclaimed: LeakReport::default(),
+            streams: super::streams::Streams::default(),
         }
     }
 }
@@ -140,6 +143,7 @@ impl World {
                 self.drop_store(a.store);
             }
         }
+        self.drop_streams_of(pid, device);
         let p = &mut self.processes[pid];
         p.contexts[device].live = false;
         p.objects.retain(|_, (_, d)| *d != device);

@@ -158,6 +158,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     driver_conformance::context_destruction_reclaims_all_its_memory[ProvokesFailedReleases],
     driver_conformance::stream_ordered_pool_conformance,
     driver_conformance::pool_cache_under_pressure,
+    driver_conformance::stream_and_event_conformance,
     driver_conformance::managed_memory_conformance[ProvokesFailedReleases],
     driver_conformance::device_attributes_conformance,
     driver_conformance::ipc_mapping_conformance[ProvokesFailedReleases],

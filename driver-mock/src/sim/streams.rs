@@ -1,0 +1,797 @@
+//! Streams as ordered queues: asynchronous copies and sets, host functions, event records and
+//! waits, stream memory operations (`cuStreamWaitValue32`, `cuStreamWriteValue32`).
+//!
+//! Queued work runs only when something lets it: a synchronisation (`cuStreamSynchronize`,
+//! `cuEventSynchronize`, a synchronous copy, which waits for the legacy default stream), or the
+//! test ([`SimDriver::run_streams`](super::SimDriver::run_streams)). `cuStreamQuery` and
+//! `cuEventQuery` run nothing: they say whether the work has run. This is the most adversarial
+//! schedule a GPU could pick (nothing completes early), and every interleaving a test wants can
+//! be made by letting streams run at chosen points.
+//!
+//! The legacy default stream (handles 0 and `CU_STREAM_LEGACY`) synchronises with blocking
+//! streams: work queued on it waits for the work already queued on every blocking stream of its
+//! context, and work queued on a blocking stream waits for the work already queued on the
+//! legacy stream. Non-blocking streams (`CU_STREAM_NON_BLOCKING`) and the per-thread default
+//! stream do not. The per-thread default stream is one stream per process here (the simulator
+//! does not tell threads apart; a modelling choice).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+
+use driver_sys::{ContextHandle, DevicePtr, EventHandle, HostFn, StreamHandle, code, wait_value};
+
+use super::Note;
+use super::memory::Accessor;
+use super::world::{Object, World, context};
+
+/// The key of the legacy default stream of a device in [`Streams`].
+const LEGACY: u64 = 0;
+/// The key of the per-thread default stream.
+const PER_THREAD: u64 = 2;
+
+/// A host function waiting in a queue.
+pub(super) struct Pending(HostFn);
+
+impl fmt::Debug for Pending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("HostFn")
+    }
+}
+
+/// Where an asynchronous host-to-device copy takes its bytes: pageable memory is copied at
+/// once by the driver (so the caller may reuse it), page-locked memory when the copy runs.
+#[derive(Debug)]
+pub(super) enum Source {
+    Snapshot(Vec<u8>),
+    Pinned(usize),
+}
+
+/// One piece of queued work.
+#[derive(Debug)]
+pub(super) enum Work {
+    HtoD { dst: u64, src: Source, len: usize },
+    DtoH { dst: usize, src: u64, len: usize },
+    DtoD { dst: u64, src: u64, len: usize },
+    Memset { dst: u64, value: u8, len: usize },
+    Host(Pending),
+    Record { event: u64, serial: u64 },
+    WaitEvent { event: u64, serial: u64 },
+    WaitStream { key: u64, upto: u64 },
+    WaitValue { addr: u64, value: u32, flags: u32 },
+    WriteValue { addr: u64, value: u32 },
+}
+
+/// One stream's queue.
+#[derive(Debug, Default)]
+pub(super) struct SimStream {
+    pub(super) device: usize,
+    /// Whether it synchronises with the legacy default stream.
+    pub(super) blocking: bool,
+    pub(super) priority: i32,
+    queue: VecDeque<(u64, Work)>,
+    /// Work items queued so far, and run so far (serials count from 1).
+    queued: u64,
+    done: u64,
+}
+
+/// One event's state.
+#[derive(Debug, Default)]
+pub(super) struct SimEvent {
+    pub(super) timing: bool,
+    /// The serial of its last record, and of the last record that completed.
+    recorded: u64,
+    completed: u64,
+    /// The simulated time its last completed record ran at.
+    at: Option<f64>,
+}
+
+/// A process's streams (by handle; the legacy default stream of device `d` is `LEGACY + d`
+/// scaled apart from real handles, see [`key`]) and events.
+#[derive(Debug, Default)]
+pub(super) struct Streams {
+    pub(super) streams: BTreeMap<u64, SimStream>,
+    pub(super) events: BTreeMap<u64, SimEvent>,
+    /// The simulated clock: each piece of work that runs takes a microsecond.
+    clock: f64,
+}
+
+/// The queue key of `stream` in a context of `device`.
+fn key(stream: StreamHandle, device: usize) -> u64 {
+    match stream.0 {
+        0 | 1 => LEGACY + ((device as u64) << 2),
+        2 => PER_THREAD + ((device as u64) << 2),
+        h => h,
+    }
+}
+
+/// Whether `stream` names one of the implicit streams (not a created one).
+fn implicit(stream: StreamHandle) -> bool {
+    stream.0 <= 2
+}
+
+/// Whether the wait condition holds.
+fn condition(word: u32, value: u32, flags: u32) -> bool {
+    match flags {
+        wait_value::GEQ => (word.wrapping_sub(value) as i32) >= 0,
+        wait_value::EQ => word == value,
+        wait_value::AND => word & value != 0,
+        _ => !(word | value) != 0,
+    }
+}
+
+impl World {
+    /// The queue for `stream` in context `ctx` of process `pid`, made on first use for the
+    /// implicit streams; `CUDA_ERROR_INVALID_HANDLE` for a handle that is no stream of it.
+    fn stream_key(&mut self, pid: usize, device: usize, stream: StreamHandle) -> Result<u64, u32> {
+        let k = key(stream, device);
+        let p = &mut self.processes[pid];
+        if implicit(stream) {
+            p.streams.streams.entry(k).or_insert_with(|| SimStream {
+                device,
+                blocking: stream.0 != 2,
+                ..SimStream::default()
+            });
+            return Ok(k);
+        }
+        match p.objects.get(&stream.0) {
+            Some((Object::Stream, _)) => Ok(k),
+            _ => Err(code::INVALID_HANDLE),
+        }
+    }
+
+    /// Registers a created stream's queue.
+    pub(super) fn add_stream(
+        &mut self,
+        pid: usize,
+        handle: u64,
+        device: usize,
+        flags: u32,
+        priority: i32,
+    ) {
+        self.processes[pid].streams.streams.insert(
+            handle,
+            SimStream {
+                device,
+                blocking: flags & driver_sys::stream_flags::NON_BLOCKING == 0,
+                priority,
+                ..SimStream::default()
+            },
+        );
+    }
+
+    /// Registers a created event.
+    pub(super) fn add_event(&mut self, pid: usize, handle: u64, flags: u32) {
+        self.processes[pid].streams.events.insert(
+            handle,
+            SimEvent {
+                timing: flags & driver_sys::event_flags::DISABLE_TIMING == 0,
+                ..SimEvent::default()
+            },
+        );
+    }
+
+    /// Forgets a destroyed stream or event. A destroyed stream's queued work still runs (the
+    /// driver finishes it); it is left in place until it has.
+    pub(super) fn drop_stream_or_event(&mut self, pid: usize, handle: u64) {
+        let s = &mut self.processes[pid].streams;
+        s.events.remove(&handle);
+        if s.streams.get(&handle).is_some_and(|q| q.queue.is_empty()) {
+            s.streams.remove(&handle);
+        }
+    }
+
+    /// Drops every queue and event of process `pid` on `device` (its context is destroyed).
+    pub(super) fn drop_streams_of(&mut self, pid: usize, device: usize) {
+        let s = &mut self.processes[pid].streams;
+        s.streams.retain(|_, q| q.device != device);
+    }
+
+    /// Queues `work` on `stream` with the legacy stream's implicit waits.
+    fn enqueue(
+        &mut self,
+        pid: usize,
+        device: usize,
+        stream: StreamHandle,
+        work: Work,
+    ) -> Result<(), u32> {
+        let k = self.stream_key(pid, device, stream)?;
+        let legacy = key(StreamHandle::NULL, device);
+        let s = &self.processes[pid].streams.streams;
+        let mut waits = Vec::new();
+        if k == legacy {
+            for (&other, q) in s.iter() {
+                if other != legacy && q.device == device && q.blocking && q.done < q.queued {
+                    waits.push(Work::WaitStream {
+                        key: other,
+                        upto: q.queued,
+                    });
+                }
+            }
+        } else if s[&k].blocking
+            && let Some(q) = s.get(&legacy)
+            && q.done < q.queued
+        {
+            waits.push(Work::WaitStream {
+                key: legacy,
+                upto: q.queued,
+            });
+        }
+        let q = self.processes[pid]
+            .streams
+            .streams
+            .get_mut(&k)
+            .expect("made above");
+        for w in waits.into_iter().chain(std::iter::once(work)) {
+            q.queued += 1;
+            q.queue.push_back((q.queued, w));
+        }
+        Ok(())
+    }
+
+    /// Whether the first piece of work on queue `k` can run now.
+    fn runnable(&self, pid: usize, k: u64) -> bool {
+        let s = &self.processes[pid].streams;
+        let Some((_, w)) = s.streams.get(&k).and_then(|q| q.queue.front()) else {
+            return false;
+        };
+        let device = s.streams[&k].device;
+        match w {
+            Work::WaitEvent { event, serial } => {
+                s.events.get(event).is_none_or(|e| e.completed >= *serial)
+            }
+            Work::WaitStream { key, upto } => s.streams.get(key).is_none_or(|q| q.done >= *upto),
+            Work::WaitValue { addr, value, flags } => {
+                let mut word = [0u8; 4];
+                // SAFETY: the caller of `cuStreamWaitValue32` keeps the word live (the driver
+                // contract); reading it races only with the host's own writes of a flag, which
+                // is what the operation is for.
+                let read = unsafe { self.read(Accessor { pid, device }, *addr, &mut word) };
+                read.is_ok() && condition(u32::from_le_bytes(word), *value, *flags)
+            }
+            _ => true,
+        }
+    }
+
+    /// Runs the first piece of work on queue `k` (which [`runnable`](Self::runnable) allowed).
+    fn run_one(&mut self, pid: usize, k: u64) -> Result<(), u32> {
+        let s = &mut self.processes[pid].streams;
+        let q = s.streams.get_mut(&k).expect("runnable");
+        let device = q.device;
+        let (serial, work) = q.queue.pop_front().expect("runnable");
+        q.done = serial;
+        s.clock += 0.001;
+        let clock = s.clock;
+        let by = Accessor { pid, device };
+        // SAFETY (every copy below): the asynchronous calls' contracts keep both ranges live and
+        // untouched by others until the work completes, which is now.
+        match work {
+            Work::HtoD { dst, src, len } => {
+                let bytes = match src {
+                    Source::Snapshot(b) => b,
+                    Source::Pinned(at) => {
+                        let mut b = vec![0u8; len];
+                        // SAFETY: see above: page-locked memory the caller keeps live.
+                        unsafe {
+                            std::ptr::copy(
+                                std::ptr::with_exposed_provenance::<u8>(at),
+                                b.as_mut_ptr(),
+                                len,
+                            );
+                        }
+                        b
+                    }
+                };
+                // SAFETY: see above.
+                unsafe { self.write(by, dst, &bytes) }?;
+            }
+            Work::DtoH { dst, src, len } => {
+                let mut b = vec![0u8; len];
+                // SAFETY: see above.
+                unsafe { self.read(by, src, &mut b) }?;
+                // SAFETY: see above: the caller's destination, live and untouched until now.
+                unsafe {
+                    std::ptr::copy(
+                        b.as_ptr(),
+                        std::ptr::with_exposed_provenance_mut::<u8>(dst),
+                        len,
+                    );
+                }
+            }
+            Work::DtoD { dst, src, len } => {
+                let mut b = vec![0u8; len];
+                // SAFETY: see above.
+                unsafe {
+                    self.read(by, src, &mut b)?;
+                    self.write(by, dst, &b)?;
+                }
+            }
+            Work::Memset { dst, value, len } => {
+                // SAFETY: see above.
+                unsafe { self.write(by, dst, &vec![value; len]) }?;
+            }
+            Work::Host(Pending(f)) => f(),
+            Work::Record { event, serial } => {
+                if let Some(e) = self.processes[pid].streams.events.get_mut(&event) {
+                    e.completed = e.completed.max(serial);
+                    e.at = Some(clock);
+                }
+            }
+            Work::WriteValue { addr, value } => {
+                // SAFETY: see above.
+                unsafe { self.write(by, addr, &value.to_le_bytes()) }?;
+            }
+            Work::WaitEvent { .. } | Work::WaitStream { .. } | Work::WaitValue { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// Runs queued work of process `pid` until `done` says to stop or nothing can run. Returns
+    /// whether `done` held at the end.
+    pub(super) fn run_until(&mut self, pid: usize, done: impl Fn(&World) -> bool) -> bool {
+        loop {
+            if done(self) {
+                return true;
+            }
+            let keys: Vec<u64> = self.processes[pid]
+                .streams
+                .streams
+                .keys()
+                .copied()
+                .collect();
+            let mut progressed = false;
+            for k in keys {
+                while self.runnable(pid, k) {
+                    // A copy that fails (memory freed under queued work) is dropped: the GPU
+                    // would report it at the next synchronisation as a sticky error; the
+                    // simulator leaves that to the leak and double-free checks.
+                    let _ = self.run_one(pid, k);
+                    progressed = true;
+                }
+            }
+            if !progressed {
+                return done(self);
+            }
+        }
+    }
+
+    /// Whether queue `k` of process `pid` is empty.
+    fn drained(&self, pid: usize, k: u64) -> bool {
+        self.processes[pid]
+            .streams
+            .streams
+            .get(&k)
+            .is_none_or(|q| q.queue.is_empty())
+    }
+
+    /// Runs everything that can run; returns how much work still waits (on values or events
+    /// that nothing queued will satisfy).
+    pub(super) fn run_streams(&mut self, pid: usize) -> usize {
+        self.run_until(pid, |_| false);
+        self.processes[pid]
+            .streams
+            .streams
+            .values()
+            .map(|q| q.queue.len())
+            .sum()
+    }
+
+    /// What a synchronous call on the legacy stream of `device` waits for: the legacy stream
+    /// and every blocking stream of the context. `CUDA_ERROR_ILLEGAL_STATE` where that work
+    /// waits on something nothing will provide (the GPU would hang).
+    pub(super) fn settle_legacy(&mut self, pid: usize, device: usize) -> Result<(), u32> {
+        let keys: Vec<u64> = self.processes[pid]
+            .streams
+            .streams
+            .iter()
+            .filter(|(_, q)| q.device == device && q.blocking)
+            .map(|(&k, _)| k)
+            .collect();
+        if self.run_until(pid, |w| keys.iter().all(|&k| w.drained(pid, k))) {
+            Ok(())
+        } else {
+            Err(code::ILLEGAL_STATE)
+        }
+    }
+
+    /// Runs work until `stream` of `ctx` is drained (`cuStreamSynchronize`'s wait).
+    pub(super) fn drain_stream(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<(), u32> {
+        let device = context(self, pid, ctx, note)?;
+        let k = self.stream_key(pid, device, stream)?;
+        if k == key(StreamHandle::NULL, device) {
+            return self.settle_legacy(pid, device);
+        }
+        if self.run_until(pid, |w| w.drained(pid, k)) {
+            Ok(())
+        } else {
+            Err(code::ILLEGAL_STATE)
+        }
+    }
+
+    /// `cuStreamGetPriority`: the implicit streams have priority 0.
+    pub(super) fn stream_priority(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<i32, u32> {
+        let device = context(self, pid, ctx, note)?;
+        let k = self.stream_key(pid, device, stream)?;
+        Ok(self.processes[pid].streams.streams[&k].priority)
+    }
+
+    /// `cuStreamQuery`: runs nothing.
+    pub(super) fn stream_query(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<bool, u32> {
+        let device = context(self, pid, ctx, note)?;
+        let k = self.stream_key(pid, device, stream)?;
+        Ok(self.drained(pid, k))
+    }
+
+    fn event_mut(&mut self, pid: usize, event: EventHandle) -> Result<&mut SimEvent, u32> {
+        self.processes[pid]
+            .streams
+            .events
+            .get_mut(&event.0)
+            .ok_or(code::INVALID_HANDLE)
+    }
+
+    /// `cuEventRecord`.
+    pub(super) fn event_record(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        event: EventHandle,
+        stream: StreamHandle,
+    ) -> Result<(), u32> {
+        let device = context(self, pid, ctx, note)?;
+        self.stream_key(pid, device, stream)?;
+        let e = self.event_mut(pid, event)?;
+        e.recorded += 1;
+        let serial = e.recorded;
+        self.enqueue(
+            pid,
+            device,
+            stream,
+            Work::Record {
+                event: event.0,
+                serial,
+            },
+        )
+    }
+
+    /// `cuStreamWaitEvent`.
+    pub(super) fn stream_wait_event(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        event: EventHandle,
+    ) -> Result<(), u32> {
+        let device = context(self, pid, ctx, note)?;
+        let serial = self.event_mut(pid, event)?.recorded;
+        self.enqueue(
+            pid,
+            device,
+            stream,
+            Work::WaitEvent {
+                event: event.0,
+                serial,
+            },
+        )
+    }
+
+    /// `cuEventQuery`: runs nothing; an event never recorded is complete.
+    pub(super) fn event_query(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        event: EventHandle,
+    ) -> Result<bool, u32> {
+        context(self, pid, ctx, note)?;
+        let e = self.event_mut(pid, event)?;
+        Ok(e.completed >= e.recorded)
+    }
+
+    /// `cuEventSynchronize`.
+    pub(super) fn event_synchronize(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        event: EventHandle,
+    ) -> Result<(), u32> {
+        context(self, pid, ctx, note)?;
+        let target = self.event_mut(pid, event)?.recorded;
+        let h = event.0;
+        let done = self.run_until(pid, |w| {
+            w.processes[pid]
+                .streams
+                .events
+                .get(&h)
+                .is_none_or(|e| e.completed >= target)
+        });
+        if done {
+            Ok(())
+        } else {
+            Err(code::ILLEGAL_STATE)
+        }
+    }
+
+    /// `cuEventElapsedTime`: both events recorded and complete, both timing events.
+    #[allow(clippy::too_many_arguments)] // the driver call's arguments, one for one
+    pub(super) fn event_elapsed_time(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        start: EventHandle,
+        end: EventHandle,
+    ) -> Result<f32, u32> {
+        context(self, pid, ctx, note)?;
+        let mut at = [0f64; 2];
+        for (i, ev) in [start, end].into_iter().enumerate() {
+            let e = self.event_mut(pid, ev)?;
+            if !e.timing || e.recorded == 0 {
+                return Err(code::INVALID_HANDLE);
+            }
+            if e.completed < e.recorded {
+                return Err(code::NOT_READY);
+            }
+            at[i] = e.at.expect("completed");
+        }
+        Ok(((at[1] - at[0]) as f32).max(0.0))
+    }
+
+    /// `cuLaunchHostFunc`.
+    pub(super) fn launch_host_func(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        f: HostFn,
+    ) -> Result<(), u32> {
+        let device = context(self, pid, ctx, note)?;
+        self.enqueue(pid, device, stream, Work::Host(Pending(f)))
+    }
+
+    /// `cuStreamWaitValue32`: `addr` must be memory of the context (device or mapped host).
+    #[allow(clippy::too_many_arguments)] // the driver call's arguments, one for one
+    pub(super) fn stream_wait_value32(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+        flags: u32,
+    ) -> Result<(), u32> {
+        note.ptr = Some(addr);
+        let device = context(self, pid, ctx, note)?;
+        if flags > wait_value::NOR {
+            return Err(code::INVALID_VALUE);
+        }
+        self.resolve(Accessor { pid, device }, addr.0, 4)?;
+        self.enqueue(
+            pid,
+            device,
+            stream,
+            Work::WaitValue {
+                addr: addr.0,
+                value,
+                flags,
+            },
+        )
+    }
+
+    /// `cuStreamWriteValue32`.
+    #[allow(clippy::too_many_arguments)] // the driver call's arguments, one for one
+    pub(super) fn stream_write_value32(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+    ) -> Result<(), u32> {
+        note.ptr = Some(addr);
+        let device = context(self, pid, ctx, note)?;
+        self.resolve(Accessor { pid, device }, addr.0, 4)?;
+        self.enqueue(
+            pid,
+            device,
+            stream,
+            Work::WriteValue {
+                addr: addr.0,
+                value,
+            },
+        )
+    }
+
+    /// Whether `len` bytes at host address `at` are page-locked memory of process `pid`.
+    fn pinned_range(&self, pid: usize, at: usize, len: usize) -> bool {
+        self.processes[pid]
+            .host
+            .range(..=at)
+            .next_back()
+            .is_some_and(|(&start, h)| h.is_pinned() && at + len <= start + h.size)
+    }
+
+    /// `cuMemcpyHtoDAsync`: the destination is checked now, the copy runs in stream order;
+    /// pageable source bytes are taken at once (the driver stages them).
+    ///
+    /// # Safety
+    ///
+    /// `src .. src + len` is live host memory (the driver call's contract).
+    #[allow(clippy::too_many_arguments)] // the driver call's arguments, one for one
+    pub(super) unsafe fn memcpy_htod_async(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: usize,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<(), u32> {
+        note.ptr = Some(dst);
+        note.bytes = Some(len);
+        let device = context(self, pid, ctx, note)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.resolve(Accessor { pid, device }, dst.0, len)?;
+        let source = if self.pinned_range(pid, src, len) {
+            Source::Pinned(src)
+        } else {
+            let mut b = vec![0u8; len];
+            // SAFETY: the caller's live host memory (this function's contract).
+            unsafe {
+                std::ptr::copy(
+                    std::ptr::with_exposed_provenance::<u8>(src),
+                    b.as_mut_ptr(),
+                    len,
+                )
+            };
+            Source::Snapshot(b)
+        };
+        self.enqueue(
+            pid,
+            device,
+            stream,
+            Work::HtoD {
+                dst: dst.0,
+                src: source,
+                len,
+            },
+        )
+    }
+
+    /// `cuMemcpyDtoHAsync`: to pageable memory the driver copies synchronously (the stream's
+    /// earlier work runs first); to page-locked memory in stream order.
+    #[allow(clippy::too_many_arguments)] // the driver call's arguments, one for one
+    pub(super) fn memcpy_dtoh_async(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        dst: usize,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<(), u32> {
+        note.ptr = Some(src);
+        note.bytes = Some(len);
+        let device = context(self, pid, ctx, note)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.resolve(Accessor { pid, device }, src.0, len)?;
+        let pinned = self.pinned_range(pid, dst, len);
+        self.enqueue(
+            pid,
+            device,
+            stream,
+            Work::DtoH {
+                dst,
+                src: src.0,
+                len,
+            },
+        )?;
+        if pinned {
+            return Ok(());
+        }
+        let k = self.stream_key(pid, device, stream)?;
+        if self.run_until(pid, |w| w.drained(pid, k)) {
+            Ok(())
+        } else {
+            Err(code::ILLEGAL_STATE)
+        }
+    }
+
+    /// `cuMemcpyDtoDAsync`.
+    #[allow(clippy::too_many_arguments)] // the driver call's arguments, one for one
+    pub(super) fn memcpy_dtod_async(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<(), u32> {
+        note.ptr = Some(dst);
+        note.bytes = Some(len);
+        let device = context(self, pid, ctx, note)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let by = Accessor { pid, device };
+        self.resolve(by, dst.0, len)?;
+        self.resolve(by, src.0, len)?;
+        self.enqueue(
+            pid,
+            device,
+            stream,
+            Work::DtoD {
+                dst: dst.0,
+                src: src.0,
+                len,
+            },
+        )
+    }
+
+    /// `cuMemsetD8Async`.
+    #[allow(clippy::too_many_arguments)] // the driver call's arguments, one for one
+    pub(super) fn memset_d8_async(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        dst: DevicePtr,
+        value: u8,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<(), u32> {
+        note.ptr = Some(dst);
+        note.bytes = Some(len);
+        let device = context(self, pid, ctx, note)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.resolve(Accessor { pid, device }, dst.0, len)?;
+        self.enqueue(
+            pid,
+            device,
+            stream,
+            Work::Memset {
+                dst: dst.0,
+                value,
+                len,
+            },
+        )
+    }
+
+    /// `cuStreamCreateWithPriority`: priorities are clamped into the range, as the driver does.
+    pub(super) fn priority_range(&self) -> (i32, i32) {
+        (0, -5)
+    }
+}
