@@ -651,13 +651,9 @@ impl World {
         len: usize,
         stream: StreamHandle,
     ) -> Result<(), u32> {
-        note.ptr = Some(dst);
-        note.bytes = Some(len);
-        let device = context(self, pid, ctx, note)?;
-        if len == 0 {
+        let Some(device) = self.async_range(pid, note, ctx, dst, len)? else {
             return Ok(());
-        }
-        self.resolve(Accessor { pid, device }, dst.0, len)?;
+        };
         let source = if self.pinned_range(pid, src, len) {
             Source::Pinned(src)
         } else {
@@ -697,13 +693,9 @@ impl World {
         len: usize,
         stream: StreamHandle,
     ) -> Result<(), u32> {
-        note.ptr = Some(src);
-        note.bytes = Some(len);
-        let device = context(self, pid, ctx, note)?;
-        if len == 0 {
+        let Some(device) = self.async_range(pid, note, ctx, src, len)? else {
             return Ok(());
-        }
-        self.resolve(Accessor { pid, device }, src.0, len)?;
+        };
         let pinned = self.pinned_range(pid, dst, len);
         self.enqueue(
             pid,
@@ -738,15 +730,10 @@ impl World {
         len: usize,
         stream: StreamHandle,
     ) -> Result<(), u32> {
-        note.ptr = Some(dst);
-        note.bytes = Some(len);
-        let device = context(self, pid, ctx, note)?;
-        if len == 0 {
+        let Some(device) = self.async_range(pid, note, ctx, dst, len)? else {
             return Ok(());
-        }
-        let by = Accessor { pid, device };
-        self.resolve(by, dst.0, len)?;
-        self.resolve(by, src.0, len)?;
+        };
+        self.resolve(Accessor { pid, device }, src.0, len)?;
         self.enqueue(
             pid,
             device,
@@ -771,13 +758,9 @@ impl World {
         len: usize,
         stream: StreamHandle,
     ) -> Result<(), u32> {
-        note.ptr = Some(dst);
-        note.bytes = Some(len);
-        let device = context(self, pid, ctx, note)?;
-        if len == 0 {
+        let Some(device) = self.async_range(pid, note, ctx, dst, len)? else {
             return Ok(());
-        }
-        self.resolve(Accessor { pid, device }, dst.0, len)?;
+        };
         self.enqueue(
             pid,
             device,
@@ -788,6 +771,26 @@ impl World {
                 len,
             },
         )
+    }
+
+    /// The common start of an asynchronous copy or set: notes the call, checks the context and
+    /// the device range `ptr .. ptr + len`; `None` for zero bytes (nothing to queue).
+    fn async_range(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        len: usize,
+    ) -> Result<Option<usize>, u32> {
+        note.ptr = Some(ptr);
+        note.bytes = Some(len);
+        let device = context(self, pid, ctx, note)?;
+        if len == 0 {
+            return Ok(None);
+        }
+        self.resolve(Accessor { pid, device }, ptr.0, len)?;
+        Ok(Some(device))
     }
 
     /// `cuStreamCreateWithPriority`: priorities are clamped into the range, as the driver does.
