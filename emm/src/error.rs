@@ -267,6 +267,20 @@ pub enum EmmError {
         owner: DeviceOrdinal,
     },
 
+    /// A stream and an event of different contexts were used together where the driver needs
+    /// one context (an event is recorded, or timed, in its own context).
+    #[error(
+        "{what}: the stream or event of device {first} and the event of device {second} belong          to different contexts; record and time an event with streams and events of its own          device (waiting on another device's event is allowed: Stream::wait_event)"
+    )]
+    MismatchedContexts {
+        /// What was attempted.
+        what: &'static str,
+        /// The device of the first object.
+        first: DeviceOrdinal,
+        /// The device of the second object.
+        second: DeviceOrdinal,
+    },
+
     /// The memory or context was released by a reset.
     #[error(
         "{what} on device {device}: {reason}; allocate again from a current context \

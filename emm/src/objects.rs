@@ -8,25 +8,14 @@
 use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
-use driver_sys::{DeviceOrdinal, EventHandle, ModuleHandle, StreamHandle};
+use driver_sys::{DeviceOrdinal, DriverError, EventHandle, ModuleHandle, StreamHandle};
 
+use crate::contract::factory::ManagerContext;
+use crate::error::EmmError;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
-
-/// A stream (`cuStreamCreate`); destroyed through the context's queue when dropped.
-pub struct Stream {
-    handle: StreamHandle,
-    device: DeviceOrdinal,
-    queue: Arc<PendingDeallocs>,
-}
-
-/// An event (`cuEventCreate`); destroyed through the context's queue when dropped.
-pub struct Event {
-    handle: EventHandle,
-    device: DeviceOrdinal,
-    queue: Arc<PendingDeallocs>,
-}
 
 /// A loaded module (`cuModuleLoadData`); unloaded through the context's queue when dropped or
 /// when the context is reset.
@@ -37,51 +26,292 @@ pub struct Module {
     generation: u64,
 }
 
-macro_rules! context_object {
-    ($ty:ident, $handle:ty, $free:ident, $what:literal) => {
-        impl $ty {
-            pub(crate) fn new(
-                handle: $handle,
-                device: DeviceOrdinal,
-                queue: Arc<PendingDeallocs>,
-            ) -> $ty {
-                $ty {
-                    handle,
-                    device,
-                    queue,
-                }
-            }
-
-            #[doc = concat!("The driver's ", $what, " handle.")]
-            pub fn handle(&self) -> $handle {
-                self.handle
-            }
-
-            /// The device.
-            pub fn device(&self) -> DeviceOrdinal {
-                self.device
-            }
-        }
-
-        impl Drop for $ty {
-            fn drop(&mut self) {
-                self.queue.push_from_drop(Free::$free(self.handle));
-            }
-        }
-
-        impl fmt::Debug for $ty {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.debug_struct(stringify!($ty))
-                    .field("handle", &self.handle)
-                    .field("device", &self.device)
-                    .finish()
-            }
-        }
-    };
+/// Which stream a [`Stream`] is (Numba's stream kinds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamKind {
+    /// Created by emm; destroyed through the context's own queue when dropped.
+    Created {
+        /// `CU_STREAM_NON_BLOCKING`: no implicit synchronisation with the legacy default
+        /// stream.
+        non_blocking: bool,
+        /// Its priority, as the driver clamped it (lower numbers are higher priorities).
+        priority: i32,
+    },
+    /// The legacy default stream (`CU_STREAM_LEGACY`): synchronises with every blocking
+    /// stream of the context.
+    LegacyDefault,
+    /// The calling thread's default stream (`CU_STREAM_PER_THREAD`): synchronises with no
+    /// other stream.
+    PerThreadDefault,
+    /// Another library's stream, wrapped (Numba's `external_stream`); emm never destroys it.
+    External,
 }
 
-context_object!(Stream, StreamHandle, Stream, "stream");
-context_object!(Event, EventHandle, Event, "event");
+/// A stream of a context. Its work is ordered; [`synchronize`](Stream::synchronize) waits
+/// for it, [`query`](Stream::query) asks whether it is done, events mark points in it, and
+/// host functions run in its order. A created stream is destroyed through the context's own
+/// queue when dropped; the default streams and external streams are not.
+pub struct Stream {
+    handle: StreamHandle,
+    kind: StreamKind,
+    cx: ManagerContext,
+    queue: Option<Arc<PendingDeallocs>>,
+}
+
+/// An event of a context (`cuEventCreate`): marks a point in a stream's work; destroyed
+/// through the context's own queue when dropped.
+pub struct Event {
+    handle: EventHandle,
+    timing: bool,
+    cx: ManagerContext,
+    queue: Arc<PendingDeallocs>,
+}
+
+/// Runs one driver call of `cx` for `what`, with the context entered (refused after a reset).
+fn call<T>(
+    cx: &ManagerContext,
+    what: &'static str,
+    f: impl FnOnce(&ManagerContext) -> Result<T, DriverError>,
+) -> Result<T, EmmError> {
+    let _live = cx.enter(what)?;
+    f(cx).map_err(|e| cx.driver_error(what, e))
+}
+
+impl Stream {
+    pub(crate) fn new(
+        handle: StreamHandle,
+        kind: StreamKind,
+        cx: ManagerContext,
+        queue: Option<Arc<PendingDeallocs>>,
+    ) -> Stream {
+        Stream {
+            handle,
+            kind,
+            cx,
+            queue,
+        }
+    }
+
+    /// The driver's stream handle (`CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD` for the
+    /// default streams).
+    pub fn handle(&self) -> StreamHandle {
+        self.handle
+    }
+
+    /// The device.
+    pub fn device(&self) -> DeviceOrdinal {
+        self.cx.device
+    }
+
+    /// Which stream it is.
+    pub fn kind(&self) -> StreamKind {
+        self.kind
+    }
+
+    /// Waits until all work queued on the stream is done (`cuStreamSynchronize`).
+    pub fn synchronize(&self) -> Result<(), EmmError> {
+        call(&self.cx, "synchronize stream", |cx| {
+            cx.driver.stream_synchronize(cx.context, self.handle)
+        })
+    }
+
+    /// Whether all work queued on the stream is done (`cuStreamQuery`), without waiting.
+    pub fn query(&self) -> Result<bool, EmmError> {
+        call(&self.cx, "query stream", |cx| {
+            cx.driver.stream_query(cx.context, self.handle)
+        })
+    }
+
+    /// The stream's priority (`cuStreamGetPriority`).
+    pub fn priority(&self) -> Result<i32, EmmError> {
+        call(&self.cx, "stream priority", |cx| {
+            cx.driver.stream_priority(cx.context, self.handle)
+        })
+    }
+
+    /// Records `event` at this point of the stream (`cuEventRecord`).
+    pub fn record(&self, event: &Event) -> Result<(), EmmError> {
+        check_same_context(&self.cx, &event.cx, "record an event")?;
+        call(&self.cx, "record event", |cx| {
+            cx.driver
+                .event_record(cx.context, event.handle, self.handle)
+        })
+    }
+
+    /// Makes work queued on the stream after this wait for `event`'s last record
+    /// (`cuStreamWaitEvent`).
+    /// The event may be of another device's context (a cross-device wait).
+    pub fn wait_event(&self, event: &Event) -> Result<(), EmmError> {
+        call(&self.cx, "wait for event", |cx| {
+            cx.driver
+                .stream_wait_event(cx.context, self.handle, event.handle)
+        })
+    }
+
+    /// Runs `f` when the stream reaches this point (`cuLaunchHostFunc`); later work on the
+    /// stream waits for it. `f` runs on a driver thread and must not call CUDA, emm
+    /// included (dropping emm memory in it can flush the deferred frees: move it out instead).
+    pub fn launch_host_func(&self, f: impl FnOnce() + Send + 'static) -> Result<(), EmmError> {
+        call(&self.cx, "launch host function", |cx| {
+            cx.driver
+                .launch_host_func(cx.context, self.handle, Box::new(f))
+        })
+    }
+
+    /// A guard that synchronises the stream when it drops (Numba's `auto_synchronize`). An
+    /// error at the drop is logged; [`AutoSynchronize::finish`] returns it instead.
+    pub fn auto_synchronize(&self) -> AutoSynchronize<'_> {
+        AutoSynchronize {
+            stream: self,
+            done: false,
+        }
+    }
+}
+
+/// Refuses a stream and an event of different contexts.
+fn check_same_context(
+    a: &ManagerContext,
+    b: &ManagerContext,
+    what: &'static str,
+) -> Result<(), EmmError> {
+    if a.context == b.context {
+        Ok(())
+    } else {
+        Err(EmmError::MismatchedContexts {
+            what,
+            first: a.device,
+            second: b.device,
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if let Some(queue) = &self.queue {
+            queue.push_from_drop(Free::Stream(self.handle));
+        }
+    }
+}
+
+impl fmt::Debug for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Stream")
+            .field("handle", &self.handle)
+            .field("device", &self.cx.device)
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+/// Synchronises its stream when dropped: see [`Stream::auto_synchronize`].
+#[must_use = "the stream is synchronised when the guard drops"]
+pub struct AutoSynchronize<'a> {
+    stream: &'a Stream,
+    done: bool,
+}
+
+impl AutoSynchronize<'_> {
+    /// Synchronises now and returns what the synchronisation found.
+    pub fn finish(mut self) -> Result<(), EmmError> {
+        self.done = true;
+        self.stream.synchronize()
+    }
+}
+
+impl Drop for AutoSynchronize<'_> {
+    fn drop(&mut self) {
+        if !self.done
+            && let Err(e) = self.stream.synchronize()
+        {
+            tracing::error!(device = %self.stream.device(), error = %e, "auto_synchronize: the stream's synchronisation failed");
+        }
+    }
+}
+
+impl fmt::Debug for AutoSynchronize<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AutoSynchronize")
+            .field("stream", &self.stream)
+            .finish()
+    }
+}
+
+impl Event {
+    pub(crate) fn new(
+        handle: EventHandle,
+        timing: bool,
+        cx: ManagerContext,
+        queue: Arc<PendingDeallocs>,
+    ) -> Event {
+        Event {
+            handle,
+            timing,
+            cx,
+            queue,
+        }
+    }
+
+    /// The driver's event handle.
+    pub fn handle(&self) -> EventHandle {
+        self.handle
+    }
+
+    /// The device.
+    pub fn device(&self) -> DeviceOrdinal {
+        self.cx.device
+    }
+
+    /// Whether it records times ([`elapsed_since`](Self::elapsed_since) needs it).
+    pub fn is_timing(&self) -> bool {
+        self.timing
+    }
+
+    /// Records the event at the current point of `stream` (`cuEventRecord`).
+    pub fn record(&self, stream: &Stream) -> Result<(), EmmError> {
+        stream.record(self)
+    }
+
+    /// Whether the event's last record is done (`cuEventQuery`); an event never recorded is.
+    pub fn query(&self) -> Result<bool, EmmError> {
+        call(&self.cx, "query event", |cx| {
+            cx.driver.event_query(cx.context, self.handle)
+        })
+    }
+
+    /// Waits for the event's last record (`cuEventSynchronize`).
+    pub fn synchronize(&self) -> Result<(), EmmError> {
+        call(&self.cx, "synchronize event", |cx| {
+            cx.driver.event_synchronize(cx.context, self.handle)
+        })
+    }
+
+    /// The time from `start`'s last record to this event's (`cuEventElapsedTime`): both must
+    /// be timing events, recorded, and done.
+    pub fn elapsed_since(&self, start: &Event) -> Result<Duration, EmmError> {
+        check_same_context(&self.cx, &start.cx, "time between events")?;
+        let ms = call(&self.cx, "elapsed time", |cx| {
+            cx.driver
+                .event_elapsed_time(cx.context, start.handle, self.handle)
+        })?;
+        Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1000.0))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        self.queue.push_from_drop(Free::Event(self.handle));
+    }
+}
+
+impl fmt::Debug for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Event")
+            .field("handle", &self.handle)
+            .field("device", &self.cx.device)
+            .field("timing", &self.timing)
+            .finish()
+    }
+}
 
 /// The modules a context has loaded (Numba's `Context.modules`).
 #[derive(Debug)]

@@ -140,27 +140,6 @@ impl Op {
         Op::StreamGetPriority,
     ];
 
-    /// The stream and event work of the streams model (`streams`): priorities, queries,
-    /// records and waits, host functions, stream memory operations, asynchronous copies.
-    pub const STREAM_WORK: [Op; 16] = [
-        Op::StreamCreateWithPriority,
-        Op::CtxGetStreamPriorityRange,
-        Op::StreamGetPriority,
-        Op::StreamQuery,
-        Op::EventRecord,
-        Op::StreamWaitEvent,
-        Op::EventQuery,
-        Op::EventSynchronize,
-        Op::EventElapsedTime,
-        Op::LaunchHostFunc,
-        Op::StreamWaitValue32,
-        Op::StreamWriteValue32,
-        Op::MemcpyHtoDAsync,
-        Op::MemcpyDtoHAsync,
-        Op::MemcpyDtoDAsync,
-        Op::MemsetD8Async,
-    ];
-
     /// Whether the call gives something back to the driver: a free, an unpin, an IPC close, a
     /// destroy or an unload.
     pub fn is_release(self) -> bool {

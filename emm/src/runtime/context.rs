@@ -4,7 +4,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, HostPtr, event_flags};
+use driver_sys::{
+    ContextHandle, DeviceOrdinal, DevicePtr, HostPtr, StreamHandle, event_flags, stream_flags,
+};
 
 use crate::contract::factory::ManagerContext;
 use crate::contract::info::{MemoryInfo, PoolReport, Usage};
@@ -18,7 +20,7 @@ use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, ManagedMemory, 
 use crate::memory::liveness::LiveGuard;
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::MemoryPointer;
-use crate::objects::{Event, Module, ModuleRegistry, Stream};
+use crate::objects::{Event, Module, ModuleRegistry, Stream, StreamKind};
 
 pub(crate) struct ContextInner {
     /// The driver, device, context handle and liveness, as the manager got them.
@@ -256,21 +258,110 @@ impl Context {
         self.inner.manager.export_pool()
     }
 
-    /// Creates a stream (`cuStreamCreate`, default flags); it is destroyed through the
-    /// context's own queue when dropped.
+    /// Creates a stream (`cuStreamCreate`, default flags: blocking, priority 0); it is
+    /// destroyed through the context's own queue when dropped.
     pub fn create_stream(&self) -> Result<Stream, EmmError> {
         let _live = self.enter("create_stream")?;
-        let s = self
-            .inner
-            .cx
+        let cx = &self.inner.cx;
+        let s = cx
             .driver
-            .stream_create(self.inner.cx.context, 0)
-            .map_err(|e| EmmError::driver("create_stream", self.inner.cx.device, e))?;
+            .stream_create(cx.context, stream_flags::DEFAULT)
+            .map_err(|e| cx.driver_error("create_stream", e))?;
+        let kind = StreamKind::Created {
+            non_blocking: false,
+            priority: 0,
+        };
         Ok(Stream::new(
             s,
-            self.inner.cx.device,
-            Arc::clone(&self.inner.own),
+            kind,
+            cx.clone(),
+            Some(Arc::clone(&self.inner.own)),
         ))
+    }
+
+    /// Creates a stream with `priority` (clamped into
+    /// [`stream_priority_range`](Self::stream_priority_range) by the driver) that is
+    /// non-blocking if `non_blocking` (no implicit synchronisation with the legacy default
+    /// stream); destroyed through the context's own queue when dropped.
+    pub fn create_stream_with(
+        &self,
+        non_blocking: bool,
+        priority: i32,
+    ) -> Result<Stream, EmmError> {
+        let _live = self.enter("create_stream")?;
+        let cx = &self.inner.cx;
+        let flags = if non_blocking {
+            stream_flags::NON_BLOCKING
+        } else {
+            stream_flags::DEFAULT
+        };
+        let err = |e| cx.driver_error("create_stream", e);
+        let s = cx
+            .driver
+            .stream_create_with_priority(cx.context, flags, priority)
+            .map_err(err)?;
+        // The kind records the priority the driver gave, which may be clamped.
+        let given = match cx.driver.stream_priority(cx.context, s) {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: created just above and not handed out; destroyed once.
+                let _ = unsafe { cx.driver.stream_destroy(cx.context, s) };
+                return Err(err(e));
+            }
+        };
+        let kind = StreamKind::Created {
+            non_blocking,
+            priority: given,
+        };
+        Ok(Stream::new(
+            s,
+            kind,
+            cx.clone(),
+            Some(Arc::clone(&self.inner.own)),
+        ))
+    }
+
+    /// `(least, greatest)` stream priority of the context (`cuCtxGetStreamPriorityRange`); the
+    /// greatest priority is the lowest number.
+    pub fn stream_priority_range(&self) -> Result<(i32, i32), EmmError> {
+        let _live = self.enter("stream_priority_range")?;
+        let cx = &self.inner.cx;
+        cx.driver
+            .stream_priority_range(cx.context)
+            .map_err(|e| cx.driver_error("stream_priority_range", e))
+    }
+
+    /// The legacy default stream (`CU_STREAM_LEGACY`; Numba's `legacy_default_stream`), which
+    /// synchronises with every blocking stream of the context. Never destroyed.
+    pub fn legacy_default_stream(&self) -> Stream {
+        self.implicit_stream(StreamHandle::LEGACY, StreamKind::LegacyDefault)
+    }
+
+    /// The calling thread's default stream (`CU_STREAM_PER_THREAD`; Numba's
+    /// `per_thread_default_stream`), which synchronises with no other stream. Never destroyed.
+    pub fn per_thread_default_stream(&self) -> Stream {
+        self.implicit_stream(StreamHandle::PER_THREAD, StreamKind::PerThreadDefault)
+    }
+
+    /// The default stream (Numba's `default_stream`): the legacy default stream, as emm's own
+    /// calls use it.
+    pub fn default_stream(&self) -> Stream {
+        self.legacy_default_stream()
+    }
+
+    /// Wraps another library's stream (Numba's `external_stream`): emm's calls order work on
+    /// it, and never destroy it.
+    ///
+    /// # Safety
+    ///
+    /// `handle` is a stream of this context that stays alive as long as the returned
+    /// [`Stream`] is used.
+    pub unsafe fn external_stream(&self, handle: StreamHandle) -> Stream {
+        self.implicit_stream(handle, StreamKind::External)
+    }
+
+    fn implicit_stream(&self, handle: StreamHandle, kind: StreamKind) -> Stream {
+        Stream::new(handle, kind, self.inner.cx.clone(), None)
     }
 
     /// Creates an event (`cuEventCreate`; timing disabled unless `timing`); destroyed through
@@ -282,15 +373,15 @@ impl Context {
         } else {
             event_flags::DISABLE_TIMING
         };
-        let e = self
-            .inner
-            .cx
+        let cx = &self.inner.cx;
+        let e = cx
             .driver
-            .event_create(self.inner.cx.context, flags)
-            .map_err(|e| EmmError::driver("create_event", self.inner.cx.device, e))?;
+            .event_create(cx.context, flags)
+            .map_err(|e| cx.driver_error("create_event", e))?;
         Ok(Event::new(
             e,
-            self.inner.cx.device,
+            timing,
+            cx.clone(),
             Arc::clone(&self.inner.own),
         ))
     }

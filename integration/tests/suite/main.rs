@@ -48,6 +48,7 @@ mod host_alloc;
 mod ipc;
 mod multi_device;
 mod reset;
+mod streams;
 mod stress;
 
 /// A suite test: runs against one target.
@@ -159,6 +160,9 @@ const TESTS: &[SuiteTest] = suite_tests![
     driver_conformance::stream_ordered_pool_conformance,
     driver_conformance::pool_cache_under_pressure,
     driver_conformance::stream_and_event_conformance,
+    streams::stream_kinds,
+    streams::events_host_functions_and_auto_synchronize,
+    streams::streams_refuse_work_after_a_reset,
     driver_conformance::managed_memory_conformance[ProvokesFailedReleases],
     driver_conformance::device_attributes_conformance,
     driver_conformance::ipc_mapping_conformance[ProvokesFailedReleases],
