@@ -1,0 +1,136 @@
+"""Python-level allocate + free pairs through Numba, CuPy and PyTorch: each framework's own
+allocator, RMM's pool allocators, and emm's (manager from EMM_MEMORY_MANAGER, `pool` by
+default), plus emm's own share (emm.context().memalloc from Python). One process per
+configuration, as the allocators are chosen before first use; the medians of five batches.
+
+    python3 bench_alloc.py            # every configuration, one JSON line each
+    python3 bench_alloc.py CONFIG     # one configuration (what the driver runs per process)
+
+Needs a GPU; RMM (rmm-cu13) for its configurations.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SIZES = [256, 1 << 20, 64 << 20, 1 << 30]
+BATCH = {256: 2000, 1 << 20: 2000, 64 << 20: 500, 1 << 30: 200}
+CONFIGS = [
+    "numba", "numba-rmm", "numba-emm",
+    "cupy", "cupy-rmm", "cupy-emm",
+    "torch", "torch-rmm", "torch-emm",
+    "emm",
+]
+
+
+def rmm_pool():
+    import rmm
+
+    rmm.reinitialize(pool_allocator=True, initial_pool_size=4 << 30)
+
+
+def setup(config):
+    """Returns pair(size): one allocation and its free, through the configuration's path."""
+    if config.endswith("-rmm"):
+        rmm_pool()
+    if config.startswith("numba"):
+        if config == "numba-rmm":
+            os.environ["NUMBA_CUDA_MEMORY_MANAGER"] = "rmm.allocators.numba"
+        elif config == "numba-emm":
+            os.environ["NUMBA_CUDA_MEMORY_MANAGER"] = "emm.numba"
+        import numpy as np
+        from numba import cuda
+
+        cuda.device_array(1, dtype=np.uint8)
+
+        def pair(n):
+            a = cuda.device_array(n, dtype=np.uint8)
+            del a
+
+        return pair
+    if config.startswith("cupy"):
+        import cupy
+
+        if config == "cupy-rmm":
+            from rmm.allocators.cupy import rmm_cupy_allocator
+
+            cupy.cuda.set_allocator(rmm_cupy_allocator)
+        elif config == "cupy-emm":
+            import emm.cupy
+
+            emm.cupy.install()
+
+        def pair(n):
+            m = cupy.cuda.alloc(n)
+            del m
+
+        return pair
+    if config.startswith("torch"):
+        import torch
+
+        if config == "torch-rmm":
+            from rmm.allocators.torch import rmm_torch_allocator
+
+            torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
+        elif config == "torch-emm":
+            import emm.torch
+
+            emm.torch.install()
+
+        def pair(n):
+            t = torch.empty(n, dtype=torch.uint8, device="cuda")
+            del t
+
+        return pair
+    if config == "emm":
+        import emm
+
+        ctx = emm.context(0)
+
+        def pair(n):
+            b = ctx.memalloc(n)
+            del b
+
+        return pair
+    raise SystemExit("unknown configuration " + config)
+
+
+def measure(config):
+    pair = setup(config)
+    out = {"config": config, "manager": os.environ.get("EMM_MEMORY_MANAGER", "pool")}
+    for n in SIZES:
+        count = BATCH[n]
+        for _ in range(count // 10):  # warm up: the pools fill
+            pair(n)
+        batches = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(count):
+                pair(n)
+            batches.append((time.perf_counter() - t0) / count * 1e6)
+        out[str(n)] = round(statistics.median(batches), 3)
+    print(json.dumps(out), flush=True)
+
+
+def main():
+    if len(sys.argv) > 1:
+        measure(sys.argv[1])
+        return
+    env = dict(os.environ)
+    env.setdefault("EMM_MEMORY_MANAGER", "pool")
+    for config in CONFIGS:
+        r = subprocess.run(
+            [sys.executable, __file__, config], env=env, capture_output=True, text=True, timeout=120
+        )
+        line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+        if r.returncode != 0 or not line.startswith("{"):
+            print(json.dumps({"config": config, "error": r.stderr.strip().splitlines()[-3:]}), flush=True)
+        else:
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
