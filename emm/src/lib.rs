@@ -92,6 +92,6 @@ pub use memory::{
     HostReleaseFn, LiveGuard, ManagedMemory, MappedMemory, MemoryPointer, PendingDeallocs,
     PinnableBuffer, PinnedMemory, ReleaseFn, ReleaseHook,
 };
-pub use objects::{AutoSynchronize, Event, Module, Stream, StreamKind};
+pub use objects::{AutoSynchronize, Event, InFlight, Module, Stream, StreamKind};
 pub use runtime::context::Context;
 pub use runtime::{Runtime, RuntimeBuilder};

@@ -15,6 +15,7 @@ use driver_sys::{DeviceOrdinal, DriverError, EventHandle, ModuleHandle, StreamHa
 use crate::contract::factory::ManagerContext;
 use crate::error::EmmError;
 use crate::memory::pending::{Free, PendingDeallocs};
+use crate::memory::pointer::MemoryPointer;
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
 /// A loaded module (`cuModuleLoadData`); unloaded through the context's queue when dropped or
@@ -106,6 +107,11 @@ impl Stream {
     /// Which stream it is.
     pub fn kind(&self) -> StreamKind {
         self.kind
+    }
+
+    /// The context the stream belongs to.
+    pub(crate) fn context(&self) -> &ManagerContext {
+        &self.cx
     }
 
     /// Waits until all work queued on the stream is done (`cuStreamSynchronize`).
@@ -309,6 +315,61 @@ impl fmt::Debug for Event {
             .field("handle", &self.handle)
             .field("device", &self.cx.device)
             .field("timing", &self.timing)
+            .finish()
+    }
+}
+
+/// Work queued on a stream together with what it uses: the host memory it was given (handed
+/// back by [`wait`](InFlight::wait)) and the device memory it touches (kept alive). Dropping it
+/// waits for the work first, so nothing it uses is freed under the copy; forgetting it
+/// (`std::mem::forget`) leaks what it holds instead.
+#[must_use = "dropping it waits for the work; wait() gives the host memory back"]
+pub struct InFlight<T> {
+    event: Event,
+    value: Option<T>,
+    keep: Vec<MemoryPointer>,
+}
+
+impl<T> InFlight<T> {
+    pub(crate) fn new(event: Event, value: T, keep: Vec<MemoryPointer>) -> InFlight<T> {
+        InFlight {
+            event,
+            value: Some(value),
+            keep,
+        }
+    }
+
+    /// Whether the work is done, without waiting.
+    pub fn is_done(&self) -> Result<bool, EmmError> {
+        self.event.query()
+    }
+
+    /// Waits for the work; returns what it was given (the host memory of a copy).
+    pub fn wait(mut self) -> Result<T, EmmError> {
+        self.event.synchronize()?;
+        self.keep.clear();
+        Ok(self.value.take().expect("taken only here"))
+    }
+}
+
+impl<T> Drop for InFlight<T> {
+    fn drop(&mut self) {
+        if self.value.is_some()
+            && let Err(e) = self.event.synchronize()
+        {
+            // The work may still use the memory: leak it rather than free it under the work.
+            tracing::error!(device = %self.event.device(), error = %e, "an in-flight copy could not be waited for; its buffers are leaked");
+            std::mem::forget(self.value.take());
+            std::mem::forget(std::mem::take(&mut self.keep));
+        }
+    }
+}
+
+impl<T> fmt::Debug for InFlight<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InFlight")
+            .field("event", &self.event)
+            .field("buffers", &self.keep.len())
             .finish()
     }
 }

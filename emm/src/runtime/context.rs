@@ -20,7 +20,7 @@ use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, ManagedMemory, 
 use crate::memory::liveness::LiveGuard;
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::MemoryPointer;
-use crate::objects::{Event, Module, ModuleRegistry, Stream, StreamKind};
+use crate::objects::{Event, InFlight, Module, ModuleRegistry, Stream, StreamKind};
 
 pub(crate) struct ContextInner {
     /// The driver, device, context handle and liveness, as the manager got them.
@@ -536,6 +536,246 @@ impl Context {
 
     fn check_usable(&self, what: &'static str, memory: &MemoryPointer) -> Result<(), EmmError> {
         self.inner.cx.check_usable(what, memory)
+    }
+
+    /// Queues a copy of `dst.size()` bytes from page-locked `src` to `dst` on `stream`
+    /// (`cuMemcpyHtoDAsync`) and returns at once. `src` travels with the work: the returned
+    /// [`InFlight`] gives it back from [`wait`](InFlight::wait). Pageable memory is refused
+    /// by type: [`copy_to_device_on`](Self::copy_to_device_on) takes a slice.
+    pub fn copy_to_device_async(
+        &self,
+        dst: &MemoryPointer,
+        src: HostMemory,
+        stream: &Stream,
+    ) -> Result<InFlight<HostMemory>, EmmError> {
+        const WHAT: &str = "copy to device (async)";
+        let len = dst.size();
+        host_fits(WHAT, len, src.size())?;
+        self.check_stream(WHAT, stream)?;
+        let cx = &self.inner.cx;
+        let queued = {
+            let _live = cx.enter_copy(WHAT, dst, len)?;
+            // SAFETY: `enter_copy` checked `dst` (live, this context, `len` bytes); `src` is
+            // page-locked memory of at least `len` bytes that the returned `InFlight` owns
+            // until the copy is done (or leaks, if forgotten); `_live` keeps the context.
+            unsafe {
+                cx.driver.memcpy_htod_async(
+                    cx.context,
+                    dst.device_ptr(),
+                    src.host_ptr(),
+                    len,
+                    stream.handle(),
+                )
+            }
+        };
+        queued.map_err(|e| cx.driver_error(WHAT, e))?;
+        self.in_flight(stream, src, vec![dst.clone()])
+    }
+
+    /// Queues a copy of `src.size()` bytes from `src` into page-locked `dst` on `stream`
+    /// (`cuMemcpyDtoHAsync`) and returns at once; [`wait`](InFlight::wait) gives `dst` back,
+    /// holding the bytes.
+    pub fn copy_to_host_async(
+        &self,
+        dst: HostMemory,
+        src: &MemoryPointer,
+        stream: &Stream,
+    ) -> Result<InFlight<HostMemory>, EmmError> {
+        const WHAT: &str = "copy to host (async)";
+        let len = src.size();
+        host_fits(WHAT, len, dst.size())?;
+        self.check_stream(WHAT, stream)?;
+        let cx = &self.inner.cx;
+        let queued = {
+            let _live = cx.enter_copy(WHAT, src, len)?;
+            // SAFETY: as for `copy_to_device_async`, with the roles swapped: `dst` is owned by
+            // the returned `InFlight`, and nothing reads or writes it until `wait` gives it back.
+            unsafe {
+                cx.driver.memcpy_dtoh_async(
+                    cx.context,
+                    dst.host_ptr(),
+                    src.device_ptr(),
+                    len,
+                    stream.handle(),
+                )
+            }
+        };
+        queued.map_err(|e| cx.driver_error(WHAT, e))?;
+        self.in_flight(stream, dst, vec![src.clone()])
+    }
+
+    /// Queues a copy of `src.size()` bytes from `src` to `dst` on `stream`
+    /// (`cuMemcpyDtoDAsync`); both stay alive until it is done.
+    pub fn copy_device_async(
+        &self,
+        dst: &MemoryPointer,
+        src: &MemoryPointer,
+        stream: &Stream,
+    ) -> Result<InFlight<()>, EmmError> {
+        const WHAT: &str = "copy device to device (async)";
+        let len = src.size();
+        self.check_stream(WHAT, stream)?;
+        let cx = &self.inner.cx;
+        let queued = {
+            let _live = cx.enter_copy(WHAT, dst, len)?;
+            cx.check_usable(WHAT, src)?;
+            // SAFETY: both pointers are live memory of this context (checked), `len` bytes fit
+            // both (`enter_copy` checked `dst`; `len` is `src`'s size), and the returned
+            // `InFlight` keeps both alive until the copy is done.
+            unsafe {
+                cx.driver.memcpy_dtod_async(
+                    cx.context,
+                    dst.device_ptr(),
+                    src.device_ptr(),
+                    len,
+                    stream.handle(),
+                )
+            }
+        };
+        queued.map_err(|e| cx.driver_error(WHAT, e))?;
+        self.in_flight(stream, (), vec![dst.clone(), src.clone()])
+    }
+
+    /// Queues setting every byte of `dst` to `value` on `stream` (`cuMemsetD8Async`).
+    pub fn memset_async(
+        &self,
+        dst: &MemoryPointer,
+        value: u8,
+        stream: &Stream,
+    ) -> Result<InFlight<()>, EmmError> {
+        const WHAT: &str = "memset (async)";
+        self.check_stream(WHAT, stream)?;
+        let cx = &self.inner.cx;
+        let queued = {
+            let _live = cx.enter_copy(WHAT, dst, dst.size())?;
+            // SAFETY: `dst` is live memory of this context (checked), kept alive by the
+            // returned `InFlight` until the set is done.
+            unsafe {
+                cx.driver.memset_d8_async(
+                    cx.context,
+                    dst.device_ptr(),
+                    value,
+                    dst.size(),
+                    stream.handle(),
+                )
+            }
+        };
+        queued.map_err(|e| cx.driver_error(WHAT, e))?;
+        self.in_flight(stream, (), vec![dst.clone()])
+    }
+
+    /// Copies `src` (any host memory, pageable included) to the start of `dst` in `stream`'s
+    /// order, and returns once it is done: the driver stages pageable memory synchronously, so
+    /// this is a stream-ordered copy, not an overlapping one (for overlap, give
+    /// [`copy_to_device_async`](Self::copy_to_device_async) page-locked memory).
+    pub fn copy_to_device_on(
+        &self,
+        dst: &MemoryPointer,
+        src: &[u8],
+        stream: &Stream,
+    ) -> Result<(), EmmError> {
+        const WHAT: &str = "copy to device (on a stream)";
+        self.check_stream(WHAT, stream)?;
+        let cx = &self.inner.cx;
+        let queued = {
+            let _live = cx.enter_copy(WHAT, dst, src.len())?;
+            // SAFETY: `dst` checked as above; `src` is borrowed until this function returns,
+            // and it returns only after the copy is done (the wait below).
+            unsafe {
+                cx.driver.memcpy_htod_async(
+                    cx.context,
+                    dst.device_ptr(),
+                    HostPtr(src.as_ptr() as usize),
+                    src.len(),
+                    stream.handle(),
+                )
+            }
+        };
+        queued.map_err(|e| cx.driver_error(WHAT, e))?;
+        self.in_flight(stream, (), vec![dst.clone()])?.wait()
+    }
+
+    /// Copies the first `dst.len()` bytes of `src` into `dst` (any host memory) in `stream`'s
+    /// order, and returns once it is done.
+    pub fn copy_to_host_on(
+        &self,
+        dst: &mut [u8],
+        src: &MemoryPointer,
+        stream: &Stream,
+    ) -> Result<(), EmmError> {
+        const WHAT: &str = "copy to host (on a stream)";
+        self.check_stream(WHAT, stream)?;
+        let cx = &self.inner.cx;
+        let queued = {
+            let _live = cx.enter_copy(WHAT, src, dst.len())?;
+            // SAFETY: `src` checked as above; `dst` is exclusively borrowed until this function
+            // returns, and it returns only after the copy is done (the wait below).
+            unsafe {
+                cx.driver.memcpy_dtoh_async(
+                    cx.context,
+                    HostPtr(dst.as_mut_ptr() as usize),
+                    src.device_ptr(),
+                    dst.len(),
+                    stream.handle(),
+                )
+            }
+        };
+        queued.map_err(|e| cx.driver_error(WHAT, e))?;
+        self.in_flight(stream, (), vec![src.clone()])?.wait()
+    }
+
+    /// Refuses a stream of another context.
+    fn check_stream(&self, what: &'static str, stream: &Stream) -> Result<(), EmmError> {
+        let theirs = stream.context();
+        if theirs.context == self.inner.cx.context {
+            Ok(())
+        } else {
+            Err(EmmError::MismatchedContexts {
+                what,
+                first: self.inner.cx.device,
+                second: theirs.device,
+            })
+        }
+    }
+
+    /// Marks the end of work just queued on `stream` with an event, in an [`InFlight`] that
+    /// holds `value` and `keep`. If the event cannot be made, the stream is synchronised
+    /// before the error returns, so nothing is freed under the work.
+    fn in_flight<T>(
+        &self,
+        stream: &Stream,
+        value: T,
+        keep: Vec<MemoryPointer>,
+    ) -> Result<InFlight<T>, EmmError> {
+        let marked = self.create_event(false).and_then(|e| {
+            stream.record(&e)?;
+            Ok(e)
+        });
+        match marked {
+            Ok(event) => Ok(InFlight::new(event, value, keep)),
+            Err(e) => {
+                if stream.synchronize().is_err() {
+                    // The work may still run: leak what it uses.
+                    std::mem::forget(value);
+                    std::mem::forget(keep);
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Refuses host memory smaller than the `len` bytes a copy moves.
+fn host_fits(what: &'static str, len: usize, size: usize) -> Result<(), EmmError> {
+    if len <= size {
+        Ok(())
+    } else {
+        Err(EmmError::OutOfBounds {
+            what,
+            start: 0,
+            end: len,
+            size,
+        })
     }
 }
 

@@ -163,3 +163,75 @@ pub fn streams_refuse_work_after_a_reset(target: Target) -> Result<(), Failed> {
     }
     Ok(())
 }
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed))
+        .collect()
+}
+
+/// Asynchronous copies through emm: page-locked host memory travels with the work and comes
+/// back from `wait`; device to device and a set in stream order; held work has not run (a
+/// synchronous read of the destination on another stream still sees the old bytes) and runs
+/// once the hold is released.
+pub fn async_copies_in_stream_order(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let len = 64 << 10;
+    let s = ctx.create_stream_with(true, 0)?;
+    let (d1, d2) = (ctx.memalloc(len)?, ctx.memalloc(len)?);
+    let data = pattern(len, 3);
+    let h1 = ctx.memhostalloc(len, false, false, false)?;
+    h1.write(0, &data)?;
+    let up = ctx.copy_to_device_async(&d1, h1, &s)?;
+    let across = ctx.copy_device_async(&d2, &d1, &s)?;
+    let down = ctx.copy_to_host_async(ctx.memhostalloc(len, true, false, false)?, &d2, &s)?;
+    let h1 = up.wait()?;
+    across.wait()?;
+    let h2 = down.wait()?;
+    let mut back = vec![0u8; len];
+    h2.read(0, &mut back)?;
+    ensure!(back == data, "host → device → device → host round trip");
+    ctx.memset_async(&d1, 9, &s)?.wait()?;
+    ctx.copy_to_host(&mut back, &d1)?;
+    ensure!(back.iter().all(|&b| b == 9), "the set ran");
+
+    // Held work has not run.
+    let flag = Flag::new(&ctx)?;
+    let other = pattern(len, 101);
+    h1.write(0, &other)?;
+    flag.hold(t.driver.as_ref(), &ctx, &s)?;
+    let queued = ctx.copy_to_device_async(&d1, h1, &s);
+    let checks = (|| -> Result<(), Failed> {
+        let queued = queued?;
+        ensure!(!queued.is_done()?, "the copy waits behind the hold");
+        ctx.copy_to_host(&mut back, &d1)?;
+        ensure!(
+            back.iter().all(|&b| b == 9),
+            "the destination still holds the set's bytes"
+        );
+        flag.release()?;
+        drop(queued.wait()?);
+        ctx.copy_to_host(&mut back, &d1)?;
+        ensure!(back == other, "the copy ran once released");
+        Ok(())
+    })();
+    flag.release()?;
+    s.synchronize()?;
+    checks?;
+
+    // Pageable memory goes through the explicit, waiting calls.
+    let plain = pattern(len, 55);
+    ctx.copy_to_device_on(&d2, &plain, &s)?;
+    let mut seen = vec![0u8; len];
+    ctx.copy_to_host_on(&mut seen, &d2, &s)?;
+    ensure!(seen == plain, "pageable round trip on a stream");
+
+    // Host memory smaller than the copy is refused before anything is queued.
+    let small = ctx.memhostalloc(16, false, false, false)?;
+    match ctx.copy_to_device_async(&d1, small, &s) {
+        Err(EmmError::OutOfBounds { .. }) => {}
+        other => return Err(format!("a short source: {other:?}").into()),
+    }
+    Ok(())
+}
