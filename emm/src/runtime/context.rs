@@ -5,7 +5,8 @@ use std::fmt;
 use std::sync::Arc;
 
 use driver_sys::{
-    ContextHandle, DeviceOrdinal, DevicePtr, HostPtr, StreamHandle, event_flags, stream_flags,
+    ContextHandle, DeviceOrdinal, DevicePtr, DriverError, HostPtr, StreamHandle, event_flags,
+    stream_flags,
 };
 
 use crate::contract::factory::ManagerContext;
@@ -551,25 +552,16 @@ impl Context {
         const WHAT: &str = "copy to device (async)";
         let len = dst.size();
         host_fits(WHAT, len, src.size())?;
-        self.check_stream(WHAT, stream)?;
-        let cx = &self.inner.cx;
-        let queued = {
-            let _live = cx.enter_copy(WHAT, dst, len)?;
-            // SAFETY: `enter_copy` checked `dst` (live, this context, `len` bytes); `src` is
-            // page-locked memory of at least `len` bytes that the returned `InFlight` owns
-            // until the copy is done (or leaks, if forgotten); `_live` keeps the context.
+        let (at, keep) = (src.host_ptr(), vec![dst.clone()]);
+        self.queue(WHAT, stream, (dst, len), (src, keep), |cx| {
+            // SAFETY: `queue` checked `dst` (live, this context, `len` bytes) and entered the
+            // context; `src` is page-locked memory of at least `len` bytes that the returned
+            // `InFlight` owns until the copy is done (or leaks, if forgotten).
             unsafe {
-                cx.driver.memcpy_htod_async(
-                    cx.context,
-                    dst.device_ptr(),
-                    src.host_ptr(),
-                    len,
-                    stream.handle(),
-                )
+                cx.driver
+                    .memcpy_htod_async(cx.context, dst.device_ptr(), at, len, stream.handle())
             }
-        };
-        queued.map_err(|e| cx.driver_error(WHAT, e))?;
-        self.in_flight(stream, src, vec![dst.clone()])
+        })
     }
 
     /// Queues a copy of `src.size()` bytes from `src` into page-locked `dst` on `stream`
@@ -584,24 +576,15 @@ impl Context {
         const WHAT: &str = "copy to host (async)";
         let len = src.size();
         host_fits(WHAT, len, dst.size())?;
-        self.check_stream(WHAT, stream)?;
-        let cx = &self.inner.cx;
-        let queued = {
-            let _live = cx.enter_copy(WHAT, src, len)?;
+        let (at, keep) = (dst.host_ptr(), vec![src.clone()]);
+        self.queue(WHAT, stream, (src, len), (dst, keep), |cx| {
             // SAFETY: as for `copy_to_device_async`, with the roles swapped: `dst` is owned by
             // the returned `InFlight`, and nothing reads or writes it until `wait` gives it back.
             unsafe {
-                cx.driver.memcpy_dtoh_async(
-                    cx.context,
-                    dst.host_ptr(),
-                    src.device_ptr(),
-                    len,
-                    stream.handle(),
-                )
+                cx.driver
+                    .memcpy_dtoh_async(cx.context, at, src.device_ptr(), len, stream.handle())
             }
-        };
-        queued.map_err(|e| cx.driver_error(WHAT, e))?;
-        self.in_flight(stream, dst, vec![src.clone()])
+        })
     }
 
     /// Queues a copy of `src.size()` bytes from `src` to `dst` on `stream`
@@ -614,14 +597,12 @@ impl Context {
     ) -> Result<InFlight<()>, EmmError> {
         const WHAT: &str = "copy device to device (async)";
         let len = src.size();
-        self.check_stream(WHAT, stream)?;
-        let cx = &self.inner.cx;
-        let queued = {
-            let _live = cx.enter_copy(WHAT, dst, len)?;
-            cx.check_usable(WHAT, src)?;
+        self.inner.cx.check_usable(WHAT, src)?;
+        let keep = vec![dst.clone(), src.clone()];
+        self.queue(WHAT, stream, (dst, len), ((), keep), |cx| {
             // SAFETY: both pointers are live memory of this context (checked), `len` bytes fit
-            // both (`enter_copy` checked `dst`; `len` is `src`'s size), and the returned
-            // `InFlight` keeps both alive until the copy is done.
+            // both (`queue` checked `dst`; `len` is `src`'s size), and the returned `InFlight`
+            // keeps both alive until the copy is done.
             unsafe {
                 cx.driver.memcpy_dtod_async(
                     cx.context,
@@ -631,9 +612,7 @@ impl Context {
                     stream.handle(),
                 )
             }
-        };
-        queued.map_err(|e| cx.driver_error(WHAT, e))?;
-        self.in_flight(stream, (), vec![dst.clone(), src.clone()])
+        })
     }
 
     /// Queues setting every byte of `dst` to `value` on `stream` (`cuMemsetD8Async`).
@@ -644,24 +623,15 @@ impl Context {
         stream: &Stream,
     ) -> Result<InFlight<()>, EmmError> {
         const WHAT: &str = "memset (async)";
-        self.check_stream(WHAT, stream)?;
-        let cx = &self.inner.cx;
-        let queued = {
-            let _live = cx.enter_copy(WHAT, dst, dst.size())?;
+        let len = dst.size();
+        self.queue(WHAT, stream, (dst, len), ((), vec![dst.clone()]), |cx| {
             // SAFETY: `dst` is live memory of this context (checked), kept alive by the
             // returned `InFlight` until the set is done.
             unsafe {
-                cx.driver.memset_d8_async(
-                    cx.context,
-                    dst.device_ptr(),
-                    value,
-                    dst.size(),
-                    stream.handle(),
-                )
+                cx.driver
+                    .memset_d8_async(cx.context, dst.device_ptr(), value, len, stream.handle())
             }
-        };
-        queued.map_err(|e| cx.driver_error(WHAT, e))?;
-        self.in_flight(stream, (), vec![dst.clone()])
+        })
     }
 
     /// Copies `src` (any host memory, pageable included) to the start of `dst` in `stream`'s
@@ -675,24 +645,27 @@ impl Context {
         stream: &Stream,
     ) -> Result<(), EmmError> {
         const WHAT: &str = "copy to device (on a stream)";
-        self.check_stream(WHAT, stream)?;
-        let cx = &self.inner.cx;
-        let queued = {
-            let _live = cx.enter_copy(WHAT, dst, src.len())?;
-            // SAFETY: `dst` checked as above; `src` is borrowed until this function returns,
-            // and it returns only after the copy is done (the wait below).
-            unsafe {
-                cx.driver.memcpy_htod_async(
-                    cx.context,
-                    dst.device_ptr(),
-                    HostPtr(src.as_ptr() as usize),
-                    src.len(),
-                    stream.handle(),
-                )
-            }
-        };
-        queued.map_err(|e| cx.driver_error(WHAT, e))?;
-        self.in_flight(stream, (), vec![dst.clone()])?.wait()
+        let at = HostPtr(src.as_ptr() as usize);
+        self.queue(
+            WHAT,
+            stream,
+            (dst, src.len()),
+            ((), vec![dst.clone()]),
+            |cx| {
+                // SAFETY: `dst` checked by `queue`; `src` is borrowed until this function returns,
+                // and it returns only after the copy is done (the wait below).
+                unsafe {
+                    cx.driver.memcpy_htod_async(
+                        cx.context,
+                        dst.device_ptr(),
+                        at,
+                        src.len(),
+                        stream.handle(),
+                    )
+                }
+            },
+        )?
+        .wait()
     }
 
     /// Copies the first `dst.len()` bytes of `src` into `dst` (any host memory) in `stream`'s
@@ -704,24 +677,37 @@ impl Context {
         stream: &Stream,
     ) -> Result<(), EmmError> {
         const WHAT: &str = "copy to host (on a stream)";
-        self.check_stream(WHAT, stream)?;
-        let cx = &self.inner.cx;
-        let queued = {
-            let _live = cx.enter_copy(WHAT, src, dst.len())?;
-            // SAFETY: `src` checked as above; `dst` is exclusively borrowed until this function
+        let (at, len) = (HostPtr(dst.as_mut_ptr() as usize), dst.len());
+        self.queue(WHAT, stream, (src, len), ((), vec![src.clone()]), |cx| {
+            // SAFETY: `src` checked by `queue`; `dst` is exclusively borrowed until this function
             // returns, and it returns only after the copy is done (the wait below).
             unsafe {
-                cx.driver.memcpy_dtoh_async(
-                    cx.context,
-                    HostPtr(dst.as_mut_ptr() as usize),
-                    src.device_ptr(),
-                    dst.len(),
-                    stream.handle(),
-                )
+                cx.driver
+                    .memcpy_dtoh_async(cx.context, at, src.device_ptr(), len, stream.handle())
             }
+        })?
+        .wait()
+    }
+
+    /// Queues one piece of stream work on `mem`'s first `len` bytes: checks the stream and
+    /// the memory, enters the context for `call` (the driver call), and marks the work's end
+    /// in an [`InFlight`] holding `held` (what it hands back, and the device memory it keeps).
+    fn queue<T>(
+        &self,
+        what: &'static str,
+        stream: &Stream,
+        (mem, len): (&MemoryPointer, usize),
+        (value, keep): (T, Vec<MemoryPointer>),
+        call: impl FnOnce(&ManagerContext) -> Result<(), DriverError>,
+    ) -> Result<InFlight<T>, EmmError> {
+        self.check_stream(what, stream)?;
+        let cx = &self.inner.cx;
+        let queued = {
+            let _live = cx.enter_copy(what, mem, len)?;
+            call(cx)
         };
-        queued.map_err(|e| cx.driver_error(WHAT, e))?;
-        self.in_flight(stream, (), vec![src.clone()])?.wait()
+        queued.map_err(|e| cx.driver_error(what, e))?;
+        self.in_flight(stream, value, keep)
     }
 
     /// Refuses a stream of another context.
