@@ -6,6 +6,9 @@
 //! [`emm_torch_malloc`] and [`emm_torch_free`] this library exports). Memory from all three
 //! comes from one manager and shows in one `usage()`.
 //!
+//! Calls that may wait for the GPU or the driver (allocations, which may flush deferred frees;
+//! copies; resets; flushes; trims; memory info) release the GIL while they run.
+//!
 //! Errors become Python exceptions: [`EmmError`]'s message (what happened, what
 //! to do) in `emm.EmmError` (a `RuntimeError`), or `emm.OutOfMemoryError` (a `MemoryError`)
 //! when memory ran out.
@@ -415,9 +418,8 @@ impl Context {
     }
 
     /// `size` bytes of device memory.
-    fn memalloc(&self, size: usize) -> PyResult<DeviceBuffer> {
-        self.inner
-            .memalloc(size)
+    fn memalloc(&self, py: Python<'_>, size: usize) -> PyResult<DeviceBuffer> {
+        py.detach(|| self.inner.memalloc(size))
             .map(DeviceBuffer::new)
             .map_err(py_err)
     }
@@ -426,14 +428,14 @@ impl Context {
     #[pyo3(signature = (size, mapped=false, portable=false, wc=false))]
     fn memhostalloc(
         &self,
+        py: Python<'_>,
         size: usize,
         mapped: bool,
         portable: bool,
         wc: bool,
     ) -> PyResult<HostBuffer> {
-        let mem = self
-            .inner
-            .memhostalloc(size, mapped, portable, wc)
+        let mem = py
+            .detach(|| self.inner.memhostalloc(size, mapped, portable, wc))
             .map_err(py_err)?;
         Ok(host_buffer(mem))
     }
@@ -465,10 +467,14 @@ impl Context {
 
     /// `size` bytes of managed memory, attached globally unless `attach_global` is false.
     #[pyo3(signature = (size, attach_global=true))]
-    fn memallocmanaged(&self, size: usize, attach_global: bool) -> PyResult<ManagedBuffer> {
-        let mem = self
-            .inner
-            .memallocmanaged(size, attach_global)
+    fn memallocmanaged(
+        &self,
+        py: Python<'_>,
+        size: usize,
+        attach_global: bool,
+    ) -> PyResult<ManagedBuffer> {
+        let mem = py
+            .detach(|| self.inner.memallocmanaged(size, attach_global))
             .map_err(py_err)?;
         Ok(ManagedBuffer {
             ptr: mem.device().device_ptr().0,
@@ -479,10 +485,17 @@ impl Context {
 
     /// Copies `data` to `buffer` at `offset`.
     #[pyo3(signature = (buffer, data, offset=0))]
-    fn copy_to_device(&self, buffer: &DeviceBuffer, data: &[u8], offset: usize) -> PyResult<()> {
+    fn copy_to_device(
+        &self,
+        py: Python<'_>,
+        buffer: &DeviceBuffer,
+        data: &[u8],
+        offset: usize,
+    ) -> PyResult<()> {
         let mem = buffer.pointer()?;
         let view = mem.view(offset, None).map_err(py_err)?;
-        self.inner.copy_to_device(&view, data).map_err(py_err)
+        py.detach(|| self.inner.copy_to_device(&view, data))
+            .map_err(py_err)
     }
 
     /// `n` bytes of `buffer` from `offset` (all of it from `offset` when `n` is `None`).
@@ -497,7 +510,8 @@ impl Context {
         let mem = buffer.pointer()?;
         let view = mem.view(offset, None).map_err(py_err)?;
         let mut out = vec![0u8; n.unwrap_or(view.size())];
-        self.inner.copy_to_host(&mut out, &view).map_err(py_err)?;
+        py.detach(|| self.inner.copy_to_host(&mut out, &view))
+            .map_err(py_err)?;
         Ok(PyBytes::new(py, &out))
     }
 
@@ -529,14 +543,14 @@ impl Context {
     }
 
     /// `(free, total)` device memory in bytes, as the manager reports it.
-    fn get_memory_info(&self) -> PyResult<(usize, usize)> {
-        let info = self.inner.get_memory_info().map_err(py_err)?;
+    fn get_memory_info(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        let info = py.detach(|| self.inner.get_memory_info()).map_err(py_err)?;
         Ok((info.free, info.total))
     }
 
     /// Frees everything the manager allocated in the context (buffers become unusable).
-    fn reset(&self) -> PyResult<()> {
-        self.inner.reset().map_err(py_err)
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.reset()).map_err(py_err)
     }
 
     /// A context manager that defers frees until it exits (nested uses count).
@@ -548,8 +562,9 @@ impl Context {
     }
 
     /// Issues the deferred frees now; returns how many.
-    fn flush(&self) -> PyResult<usize> {
-        self.inner.flush_deallocations().map_err(py_err)
+    fn flush(&self, py: Python<'_>) -> PyResult<usize> {
+        py.detach(|| self.inner.flush_deallocations())
+            .map_err(py_err)
     }
 
     /// Frees queued in the deferred queue now.
@@ -559,8 +574,8 @@ impl Context {
     }
 
     /// Releases what the manager holds back (pool chunks, cached pinned blocks); returns bytes.
-    fn trim(&self) -> PyResult<usize> {
-        self.inner.trim().map_err(py_err)
+    fn trim(&self, py: Python<'_>) -> PyResult<usize> {
+        py.detach(|| self.inner.trim()).map_err(py_err)
     }
 
     /// What the `stats` adaptor counted, per kind (`None` without it): each kind a dict of

@@ -14,11 +14,13 @@
 //! | `pool_ipc` | IPC of stream-ordered pools between simulated processes, with a property test |
 //! | `state_machine` | a context against a reference model (proptest state machine) |
 //! | `layers` | no module of emm imports a higher layer |
+//! | `in_flight` | an asynchronous copy that cannot finish leaks its buffers rather than freeing them |
 #![cfg(not(emm_loom))]
 
 mod common;
 mod host_and_ipc;
 mod hostile_input;
+mod in_flight;
 mod layers;
 mod mock_sequences;
 mod pending_policy;
