@@ -1,9 +1,11 @@
 //! Streams, events and modules: context objects whose destruction is deferred on the
 //! context's own queue, which no memory manager touches (Numba's two queues).
 //!
-//! Streams and events are released when their handle drops. Modules are also tracked by the
-//! context, as Numba's `Context.modules` does, so that a context reset unloads them; a module
-//! handle that outlives the reset unloads nothing when it drops.
+//! Streams and events are released when their handle drops (the default streams and external
+//! streams are never destroyed by emm); they order work, wait for it, and mark points in it. An
+//! [`InFlight`] holds what an asynchronous copy uses until an event says it is done. Modules
+//! are also tracked by the context, as Numba's `Context.modules` does, so that a context reset
+//! unloads them; a module handle that outlives the reset unloads nothing when it drops.
 
 use std::collections::BTreeSet;
 use std::fmt;
