@@ -83,6 +83,8 @@ pub struct Model {
     pub managed_live: usize,
     pub host_live: usize,
     pub pins_live: usize,
+    /// Allocations that queued work holds (one entry per piece of work).
+    pub in_flight: Vec<usize>,
 }
 
 #[derive(Clone, Debug)]
@@ -100,6 +102,11 @@ pub enum Transition {
     IpcOpen(Index),
     IpcClose(Index),
     DropExport(Index),
+    /// A set of a device pointer's bytes to its own fill, queued on a stream: the work holds
+    /// the memory until it is settled.
+    AsyncSet(Index),
+    /// Waits for every queued set.
+    Settle,
 }
 
 impl Model {
@@ -241,6 +248,8 @@ impl ReferenceStateMachine for Model {
             1 => index().prop_map(Transition::IpcOpen),
             1 => index().prop_map(Transition::IpcClose),
             1 => index().prop_map(Transition::DropExport),
+            2 => index().prop_map(Transition::AsyncSet),
+            1 => Just(Transition::Settle),
         ]
         .boxed()
     }
@@ -266,6 +275,9 @@ impl ReferenceStateMachine for Model {
             }
             Transition::IpcClose(i) => export(i).is_some_and(|e| e.open),
             Transition::DropExport(i) => export(i).is_some(),
+            Transition::AsyncSet(i) => handle(i).is_some_and(|a| a.kind.viewable() && !a.released),
+            // A reset frees what queued work still writes: the work is settled first.
+            Transition::Reset => state.in_flight.is_empty(),
             _ => true,
         }
     }
@@ -331,6 +343,16 @@ impl ReferenceStateMachine for Model {
             Transition::IpcClose(i) => {
                 let n = s.exports.len();
                 s.exports[i.index(n)].open = false;
+            }
+            Transition::AsyncSet(i) => {
+                let id = s.handles[i.index(s.handles.len())];
+                s.allocs[id].refs += 1;
+                s.in_flight.push(id);
+            }
+            Transition::Settle => {
+                for id in std::mem::take(&mut s.in_flight) {
+                    s.unref(id);
+                }
             }
             Transition::DropExport(i) => {
                 let e = s.exports.swap_remove(i.index(s.exports.len()));

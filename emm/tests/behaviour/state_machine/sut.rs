@@ -6,8 +6,8 @@ use std::sync::Arc;
 use driver_mock::{SimConfig, SimDriver};
 use driver_sys::DeviceOrdinal;
 use emm::{
-    Context, DeallocConfig, DeferCleanup, HostMemory, IpcHandle, ManagedMemory, MemoryPointer,
-    PinnableBuffer, Runtime,
+    Context, DeallocConfig, DeferCleanup, HostMemory, InFlight, IpcHandle, ManagedMemory,
+    MemoryPointer, PinnableBuffer, Runtime, Stream,
 };
 use proptest_state_machine::StateMachineTest;
 
@@ -44,6 +44,9 @@ pub struct Sut {
     handles: Vec<Handle>,
     guards: Vec<DeferCleanup>,
     exports: Vec<Export>,
+    /// A non-blocking stream, and the sets queued on it.
+    stream: Stream,
+    in_flight: Vec<InFlight<()>>,
     // Dropped last: the runtimes own the contexts' teardown.
     _rt: Runtime,
 }
@@ -77,9 +80,12 @@ impl StateMachineTest for ContextSut {
             ctx.deallocations().unwrap().max_pending_bytes(),
             MAX_PENDING_BYTES
         );
+        let stream = ctx.create_stream_with(true, 0).expect("stream");
         Sut {
             sim,
             made: Vec::new(),
+            stream,
+            in_flight: Vec::new(),
             ctx,
             other,
             other_rt,
@@ -200,6 +206,23 @@ impl StateMachineTest for ContextSut {
             Transition::DropExport(i) => {
                 let n = s.exports.len();
                 drop(s.exports.swap_remove(i.index(n)));
+            }
+            Transition::AsyncSet(i) => {
+                let n = s.handles.len();
+                let id = model.handles[i.index(n)];
+                let m = match &s.handles[i.index(n)] {
+                    Handle::Mem(m) => m,
+                    Handle::Managed(mm) => mm.device(),
+                    Handle::Host(_) => unreachable!("precondition: a device pointer"),
+                };
+                let fill = s.made[id].fill;
+                let queued = s.ctx.memset_async(m, fill, &s.stream).expect("queue a set");
+                s.in_flight.push(queued);
+            }
+            Transition::Settle => {
+                for queued in std::mem::take(&mut s.in_flight) {
+                    queued.wait().expect("settle");
+                }
             }
         }
         let _ = model;
@@ -338,8 +361,14 @@ impl StateMachineTest for ContextSut {
             handles,
             guards,
             exports,
+            stream,
+            in_flight,
             _rt,
         } = s;
+        for queued in in_flight {
+            queued.wait().expect("settle at the end");
+        }
+        drop(stream);
         drop(exports);
         drop(handles);
         drop(guards);
