@@ -277,3 +277,27 @@ def test_threads_allocate_and_free_concurrently(ctx):
     assert not any(t.is_alive() for t in threads), "a thread is stuck"
     assert not errors, errors
     ctx.flush()
+
+
+def test_cupy_allocator_on_the_simulator():
+    """emm.cupy's allocator over a stand-in for CuPy's hooks (tests/stubs/cupy): the
+    pointer's owner keeps the emm buffer alive, 0 bytes is a null pointer with no allocation,
+    and the memory goes back when CuPy's pointer goes."""
+    stubs = os.path.join(os.path.dirname(__file__), "stubs")
+    code = (
+        "import gc, emm, emm.cupy, cupy\n"
+        "emm.configure(adaptors='stats', driver='sim')\n"
+        "emm.cupy.install()\n"
+        "p = cupy.cuda.alloc(1000)\n"
+        "c = emm.context(0)\n"
+        "assert p.ptr != 0 and p.mem.size == 1000 and p.mem.owner.live\n"
+        "assert c.usage()['device']['current_count'] == 1\n"
+        "z = cupy.cuda.alloc(0)\n"
+        "assert z.ptr == 0 and c.usage()['device']['current_count'] == 1\n"
+        "del p; gc.collect()\n"
+        "assert c.usage()['device']['current_count'] == 0\n"
+        "print('ok')"
+    )
+    out = run_python(code, PYTHONPATH=stubs + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
