@@ -176,8 +176,8 @@ impl Stream {
     }
 }
 
-/// Refuses a stream and an event of different contexts.
-fn check_same_context(
+/// Refuses objects (streams, events, a context's own work) of different contexts.
+pub(crate) fn check_same_context(
     a: &ManagerContext,
     b: &ManagerContext,
     what: &'static str,

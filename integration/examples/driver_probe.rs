@@ -377,7 +377,7 @@ fn pool_cache_under_pressure(
     ctx: ContextHandle,
     dev: DeviceOrdinal,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    use driver_sys::{ErrorKind, MemPoolHandle, StreamHandle};
+    use driver_sys::{MemPoolHandle, StreamHandle};
     println!("\n-- a stream-ordered pool's cache under memory pressure");
     let s0 = StreamHandle(0);
     let step = |what: &str, pool| {
@@ -414,15 +414,9 @@ fn pool_cache_under_pressure(
         };
         let mut held = Vec::new();
         if fill != "nothing" {
-            for chunk in [1usize << 30, 64 << 20, 2 << 20] {
-                loop {
-                    match alloc(chunk) {
-                        Ok(p) => held.push(p),
-                        Err(e) if e.kind() == ErrorKind::OutOfMemory => break,
-                        Err(e) => return Err(e.into()),
-                    }
-                }
-            }
+            let filled;
+            (held, filled) = integration::fill_device(alloc);
+            filled?;
             println!("{:<48} {} allocations", "device filled", held.len());
             step("after the fill", pool);
         }

@@ -647,23 +647,19 @@ pub fn raw_ipc_import_in_other_process(
     handle: &[u8],
     size: usize,
 ) -> Result<(), String> {
-    if let Some(sim) = sim {
-        let other = sim.spawn_process();
-        raw_ipc_importer(&other, handle, size)?;
-        let leaks = other.leak_report();
-        return if leaks.is_clean() {
-            Ok(())
-        } else {
-            Err(format!("the importer leaked: {leaks}"))
-        };
+    match sim {
+        Some(sim) => in_sim_process(sim, |other| {
+            raw_ipc_importer(&*other, handle, size).map(|()| Vec::new())
+        }),
+        None => spawn_child(
+            &[
+                (RAW_IPC_CHILD_ENV, hex(handle)),
+                ("EMM_RAW_IPC_SIZE", size.to_string()),
+            ],
+            None,
+        ),
     }
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let out = std::process::Command::new(exe)
-        .env(RAW_IPC_CHILD_ENV, hex(handle))
-        .env("EMM_RAW_IPC_SIZE", size.to_string())
-        .output()
-        .map_err(|e| format!("running the child process: {e}"))?;
-    child_result(&out).map(drop)
+    .map(drop)
 }
 
 /// The variable that starts this executable as the importer of [`raw_pool_importer`]; its
@@ -775,18 +771,32 @@ pub fn raw_pool_import_in_other_process(
     let emm::IpcMemory::PoolAllocation { data, .. } = parsed.handle() else {
         return Err("not a handle of pool memory".into());
     };
-    if let Some(sim) = sim {
-        let other = sim.spawn_process();
-        let facts = raw_pool_importer(&other, export.fd(), data, parsed.size())?;
-        let leaks = other.leak_report();
-        return if leaks.is_clean() {
-            Ok(facts)
-        } else {
-            Err(format!("the importer leaked: {leaks}"))
-        };
-    }
-    let bytes = spawn_child(&[(RAW_POOL_CHILD_ENV, hex(handle))], Some(export))?;
+    let bytes = match sim {
+        Some(sim) => in_sim_process(sim, |other| {
+            raw_pool_importer(&*other, export.fd(), data, parsed.size()).map(String::into_bytes)
+        })?,
+        None => spawn_child(&[(RAW_POOL_CHILD_ENV, hex(handle))], Some(export))?,
+    };
     String::from_utf8(bytes).map_err(|e| e.to_string())
+}
+
+/// Fills the device through `alloc` (`cuMemAlloc`, or a pool's allocation) in ever smaller
+/// pieces (1 GiB, 64 MiB, 2 MiB), each until it is out of memory. Returns what it took, to be
+/// freed by the caller, and the first error other than out-of-memory, which ends the fill.
+pub fn fill_device(
+    mut alloc: impl FnMut(usize) -> Result<driver_sys::DevicePtr, DriverError>,
+) -> (Vec<driver_sys::DevicePtr>, Result<(), DriverError>) {
+    let mut held = Vec::new();
+    for chunk in [1usize << 30, 64 << 20, 2 << 20] {
+        loop {
+            match alloc(chunk) {
+                Ok(p) => held.push(p),
+                Err(e) if e.kind() == driver_sys::ErrorKind::OutOfMemory => break,
+                Err(e) => return (held, Err(e)),
+            }
+        }
+    }
+    (held, Ok(()))
 }
 
 /// The variable that tells the IPC child where to receive a pool export (a Unix socket path).

@@ -14,7 +14,7 @@
 //! when memory ran out.
 #![allow(unsafe_code)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -154,13 +154,27 @@ fn settings(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
     Ok(Some(d))
 }
 
+/// The process runtime's context of each device, looked up once: the runtime keeps its
+/// contexts for its life (Python has no device reset, and a context's reset leaves it usable),
+/// so the allocators' hot paths skip the runtime's lookup and the manager's `initialize` that
+/// every lookup runs.
+static CONTEXTS: Mutex<BTreeMap<u32, emm::Context>> = Mutex::new(BTreeMap::new());
+
+fn device_context(device: u32) -> PyResult<emm::Context> {
+    if let Some(ctx) = lock(&CONTEXTS).get(&device) {
+        return Ok(ctx.clone());
+    }
+    let ctx = runtime()?.context(DeviceOrdinal(device)).map_err(py_err)?;
+    Ok(lock(&CONTEXTS).entry(device).or_insert(ctx).clone())
+}
+
 /// Device `device`'s context in the process runtime.
 #[pyfunction]
 #[pyo3(signature = (device=0))]
 fn context(device: u32) -> PyResult<Context> {
-    let rt = runtime()?;
-    let inner = rt.context(DeviceOrdinal(device)).map_err(py_err)?;
-    Ok(Context { inner })
+    Ok(Context {
+        inner: device_context(device)?,
+    })
 }
 
 /// How many devices the process runtime sees.
@@ -255,18 +269,14 @@ impl HostBuffer {
     /// Copies `data` into the memory at `offset`.
     #[pyo3(signature = (data, offset=0))]
     fn write(&self, data: &[u8], offset: usize) -> PyResult<()> {
-        let guard = lock(&self.mem);
-        let mem = guard.as_ref().ok_or_else(released)?;
-        mem.write(offset, data).map_err(py_err)
+        with_live(&self.mem, |m| m.write(offset, data))
     }
 
     /// `n` bytes from `offset`.
     #[pyo3(signature = (n, offset=0))]
     fn read<'py>(&self, py: Python<'py>, n: usize, offset: usize) -> PyResult<Bound<'py, PyBytes>> {
-        let guard = lock(&self.mem);
-        let mem = guard.as_ref().ok_or_else(released)?;
         let mut out = vec![0u8; n];
-        mem.read(offset, &mut out).map_err(py_err)?;
+        with_live(&self.mem, |m| m.read(offset, &mut out))?;
         Ok(PyBytes::new(py, &out))
     }
 
@@ -276,8 +286,16 @@ impl HostBuffer {
     }
 }
 
-fn released() -> PyErr {
-    PyEmmError::new_err("this buffer was released; allocate a new one")
+/// Runs `f` on a buffer's memory, unless the buffer was released.
+fn with_live<M, T>(
+    slot: &Mutex<Option<M>>,
+    f: impl FnOnce(&M) -> Result<T, EmmError>,
+) -> PyResult<T> {
+    let guard = lock(slot);
+    let mem = guard
+        .as_ref()
+        .ok_or_else(|| PyEmmError::new_err("this buffer was released; allocate a new one"))?;
+    f(mem).map_err(py_err)
 }
 
 /// Managed memory from emm: one address (`ptr`) for the host and the devices.
@@ -297,24 +315,14 @@ impl ManagedBuffer {
     /// Copies `data` into the memory at `offset`, from the host.
     #[pyo3(signature = (data, offset=0))]
     fn write(&self, data: &[u8], offset: usize) -> PyResult<()> {
-        let guard = lock(&self.mem);
-        guard
-            .as_ref()
-            .ok_or_else(released)?
-            .write(offset, data)
-            .map_err(py_err)
+        with_live(&self.mem, |m| m.write(offset, data))
     }
 
     /// `n` bytes from `offset`, read on the host.
     #[pyo3(signature = (n, offset=0))]
     fn read<'py>(&self, py: Python<'py>, n: usize, offset: usize) -> PyResult<Bound<'py, PyBytes>> {
-        let guard = lock(&self.mem);
         let mut out = vec![0u8; n];
-        guard
-            .as_ref()
-            .ok_or_else(released)?
-            .read(offset, &mut out)
-            .map_err(py_err)?;
+        with_live(&self.mem, |m| m.read(offset, &mut out))?;
         Ok(PyBytes::new(py, &out))
     }
 
@@ -663,10 +671,7 @@ pub extern "C" fn emm_torch_malloc(size: isize, device: i32, _stream: *mut c_voi
     let made = (|| -> Result<MemoryPointer, String> {
         let size = usize::try_from(size).map_err(|_| format!("a negative size ({size})"))?;
         let device = u32::try_from(device).map_err(|_| format!("a negative device ({device})"))?;
-        let rt = runtime().map_err(|e| e.to_string())?;
-        let ctx = rt
-            .context(DeviceOrdinal(device))
-            .map_err(|e| e.to_string())?;
+        let ctx = device_context(device).map_err(|e| e.to_string())?;
         ctx.memalloc(size).map_err(|e| e.to_string())
     })();
     match made {

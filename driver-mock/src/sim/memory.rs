@@ -236,21 +236,17 @@ impl World {
             return self.free_managed(pid, ptr).ok_or(code::INVALID_VALUE);
         };
         let a = self.devices[i].remove(i, ptr).expect("found above");
-        self.note_if_imported(pid, a.store);
+        self.note_if_imported(a.store);
         self.drop_store(a.store);
         Ok(a.size)
     }
 
-    /// Process `pid` gives up the allocation backed by `store`: if another process still maps
-    /// it, that is the driver's undefined behaviour, counted for the test harness
+    /// The owner gives up the allocation backed by `store`: if another process still maps it
+    /// (a reference beyond the owner's: a process never maps its own allocations), that is the
+    /// driver's undefined behaviour, counted for the test harness
     /// ([`frees_while_imported_on_this_thread`](super::frees_while_imported_on_this_thread)).
-    pub(super) fn note_if_imported(&self, pid: usize, store: u64) {
-        let mapped_elsewhere = self
-            .processes
-            .iter()
-            .enumerate()
-            .any(|(q, p)| q != pid && p.ipc.values().any(|m| m.store == store));
-        if mapped_elsewhere {
+    pub(super) fn note_if_imported(&self, store: u64) {
+        if self.stores.get(&store).is_some_and(|s| s.refs > 1) {
             super::FREED_WHILE_IMPORTED.with(|n| n.set(n.get() + 1));
         }
     }

@@ -356,7 +356,7 @@ impl World {
             .ok_or(code::INVALID_VALUE)?
             .device;
         if let Some(a) = self.devices[device].allocs.get(&ptr.0) {
-            self.note_if_imported(pid, a.store);
+            self.note_if_imported(a.store);
         }
         let p = self.processes[pid]
             .pools

@@ -386,11 +386,7 @@ impl World {
             .filter(|(_, q)| q.device == device && q.blocking)
             .map(|(&k, _)| k)
             .collect();
-        if self.run_until(pid, |w| keys.iter().all(|&k| w.drained(pid, k))) {
-            Ok(())
-        } else {
-            Err(code::ILLEGAL_STATE)
-        }
+        self.wait_until(pid, |w| keys.iter().all(|&k| w.drained(pid, k)))
     }
 
     /// Runs work until `stream` of `ctx` is drained (`cuStreamSynchronize`'s wait).
@@ -406,11 +402,7 @@ impl World {
         if k == key(StreamHandle::NULL, device) {
             return self.settle_legacy(pid, device);
         }
-        if self.run_until(pid, |w| w.drained(pid, k)) {
-            Ok(())
-        } else {
-            Err(code::ILLEGAL_STATE)
-        }
+        self.wait_until(pid, |w| w.drained(pid, k))
     }
 
     /// `cuStreamGetPriority`: the implicit streams have priority 0.
@@ -518,18 +510,13 @@ impl World {
         context(self, pid, ctx, note)?;
         let target = self.event_mut(pid, event)?.recorded;
         let h = event.0;
-        let done = self.run_until(pid, |w| {
+        self.wait_until(pid, |w| {
             w.processes[pid]
                 .streams
                 .events
                 .get(&h)
                 .is_none_or(|e| e.completed >= target)
-        });
-        if done {
-            Ok(())
-        } else {
-            Err(code::ILLEGAL_STATE)
-        }
+        })
     }
 
     /// `cuEventElapsedTime`: both events recorded and complete, both timing events.
@@ -582,12 +569,10 @@ impl World {
         value: u32,
         flags: u32,
     ) -> Result<(), u32> {
-        note.ptr = Some(addr);
-        let device = context(self, pid, ctx, note)?;
+        let device = self.word(pid, note, ctx, addr)?;
         if flags > wait_value::NOR {
             return Err(code::INVALID_VALUE);
         }
-        self.resolve(Accessor { pid, device }, addr.0, 4)?;
         self.enqueue(
             pid,
             device,
@@ -601,7 +586,6 @@ impl World {
     }
 
     /// `cuStreamWriteValue32`.
-    #[allow(clippy::too_many_arguments)] // the driver call's arguments, one for one
     pub(super) fn stream_write_value32(
         &mut self,
         pid: usize,
@@ -611,9 +595,7 @@ impl World {
         addr: DevicePtr,
         value: u32,
     ) -> Result<(), u32> {
-        note.ptr = Some(addr);
-        let device = context(self, pid, ctx, note)?;
-        self.resolve(Accessor { pid, device }, addr.0, 4)?;
+        let device = self.word(pid, note, ctx, addr)?;
         self.enqueue(
             pid,
             device,
@@ -711,11 +693,7 @@ impl World {
             return Ok(());
         }
         let k = self.stream_key(pid, device, stream)?;
-        if self.run_until(pid, |w| w.drained(pid, k)) {
-            Ok(())
-        } else {
-            Err(code::ILLEGAL_STATE)
-        }
+        self.wait_until(pid, |w| w.drained(pid, k))
     }
 
     /// `cuMemcpyDtoDAsync`.
@@ -791,6 +769,30 @@ impl World {
         }
         self.resolve(Accessor { pid, device }, ptr.0, len)?;
         Ok(Some(device))
+    }
+
+    /// The checks of a stream memory operation on the 32-bit word at `addr`: the context, and
+    /// the word lies in memory of it.
+    fn word(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        addr: DevicePtr,
+    ) -> Result<usize, u32> {
+        Ok(self
+            .async_range(pid, note, ctx, addr, 4)?
+            .expect("four bytes"))
+    }
+
+    /// Runs work until `done` holds; `CUDA_ERROR_ILLEGAL_STATE` where it never can (the GPU
+    /// would hang).
+    fn wait_until(&mut self, pid: usize, done: impl Fn(&World) -> bool) -> Result<(), u32> {
+        if self.run_until(pid, done) {
+            Ok(())
+        } else {
+            Err(code::ILLEGAL_STATE)
+        }
     }
 
     /// `cuStreamCreateWithPriority`: priorities are clamped into the range, as the driver does.

@@ -139,7 +139,7 @@ impl World {
             .collect();
         for base in bases {
             if let Some(a) = self.devices[device].remove(device, base) {
-                self.note_if_imported(pid, a.store);
+                self.note_if_imported(a.store);
                 self.drop_store(a.store);
             }
         }

@@ -21,7 +21,9 @@ use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, ManagedMemory, 
 use crate::memory::liveness::LiveGuard;
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::MemoryPointer;
-use crate::objects::{Event, InFlight, Module, ModuleRegistry, Stream, StreamKind};
+use crate::objects::{
+    Event, InFlight, Module, ModuleRegistry, Stream, StreamKind, check_same_context,
+};
 
 pub(crate) struct ContextInner {
     /// The driver, device, context handle and liveness, as the manager got them.
@@ -700,7 +702,7 @@ impl Context {
         (value, keep): (T, Vec<MemoryPointer>),
         call: impl FnOnce(&ManagerContext) -> Result<(), DriverError>,
     ) -> Result<InFlight<T>, EmmError> {
-        self.check_stream(what, stream)?;
+        check_same_context(&self.inner.cx, stream.context(), what)?;
         let cx = &self.inner.cx;
         let queued = {
             let _live = cx.enter_copy(what, mem, len)?;
@@ -708,20 +710,6 @@ impl Context {
         };
         queued.map_err(|e| cx.driver_error(what, e))?;
         self.in_flight(stream, value, keep)
-    }
-
-    /// Refuses a stream of another context.
-    fn check_stream(&self, what: &'static str, stream: &Stream) -> Result<(), EmmError> {
-        let theirs = stream.context();
-        if theirs.context == self.inner.cx.context {
-            Ok(())
-        } else {
-            Err(EmmError::MismatchedContexts {
-                what,
-                first: self.inner.cx.device,
-                second: theirs.device,
-            })
-        }
     }
 
     /// Marks the end of work just queued on `stream` with an event, in an [`InFlight`] that

@@ -702,22 +702,11 @@ pub fn pool_cache_under_pressure(target: Target) -> Result<(), Failed> {
     let cached = (256 << 20).min(total / 8 / PAGE * PAGE);
     let reserved = |pool| d.mem_pool_usage(ctx, pool).map(|u| u.reserved);
     // Fills the device by `cuMemAlloc`, or from `from`; returns what it took.
-    let fill = |from: Option<MemPoolHandle>| -> Result<Vec<DevicePtr>, Failed> {
-        let mut held = Vec::new();
-        for chunk in [1usize << 30, 64 << 20, 2 << 20] {
-            loop {
-                let got = match from {
-                    Some(q) => d.mem_alloc_from_pool_async(ctx, q, chunk, s0),
-                    None => d.mem_alloc(ctx, chunk),
-                };
-                match got {
-                    Ok(p) => held.push(p),
-                    Err(e) if e.kind() == ErrorKind::OutOfMemory => break,
-                    Err(e) => return Err(e.into()),
-                }
-            }
-        }
-        Ok(held)
+    let fill = |from: Option<MemPoolHandle>| {
+        integration::fill_device(|chunk| match from {
+            Some(q) => d.mem_alloc_from_pool_async(ctx, q, chunk, s0),
+            None => d.mem_alloc(ctx, chunk),
+        })
     };
     let release = |held: Vec<DevicePtr>, from: Option<MemPoolHandle>| -> Result<(), Failed> {
         for p in held {
@@ -754,7 +743,9 @@ pub fn pool_cache_under_pressure(target: Target) -> Result<(), Failed> {
                 reserved(pool)? >= cached as u64,
                 "{what}: the pool caches the block"
             );
-            held = fill(second)?;
+            let filled;
+            (held, filled) = fill(second);
+            filled?;
             if synchronised {
                 ensure_eq!(reserved(pool)?, 0, "{what}: the fill took the cache");
                 return Ok(());

@@ -10,17 +10,6 @@ import cupy
 
 from . import context
 
-# emm's context of each device, looked up once (the process runtime keeps contexts for its
-# life; a context's reset frees memory but leaves the context usable).
-_contexts = {}
-
-
-def _context(device):
-    ctx = _contexts.get(device)
-    if ctx is None:
-        ctx = _contexts.setdefault(device, context(device))
-    return ctx
-
 
 def allocator(size):
     """Allocates ``size`` bytes for CuPy: a ``cupy.cuda.MemoryPointer`` that keeps the emm
@@ -28,7 +17,7 @@ def allocator(size):
     device = cupy.cuda.runtime.getDevice()
     if size == 0:
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device), 0)
-    buf = _context(device).memalloc(size)
+    buf = context(device).memalloc(size)
     mem = cupy.cuda.UnownedMemory(buf.ptr, size, buf, device)
     return cupy.cuda.MemoryPointer(mem, 0)
 
