@@ -132,6 +132,17 @@ pub enum EmmError {
         what: &'static str,
     },
 
+    /// A stream operation on memory that was not allocated on a stream.
+    #[error(
+        "{what} needs memory allocated on a stream (memalloc_on / Context::memalloc_on); this \
+         memory came from memalloc, whose free is not stream ordered: synchronise the streams \
+         that use it before dropping it, or allocate it on a stream"
+    )]
+    NotStreamOrdered {
+        /// The operation.
+        what: &'static str,
+    },
+
     /// The memory manager does not offer this operation.
     #[error("{operation} is not supported by the memory manager '{manager}'; {advice}")]
     NotSupported {
@@ -335,6 +346,19 @@ impl EmmError {
             manager: manager.into(),
             advice: "only a manager over a stream-ordered pool created for export can export \
                      it; select 'async-pool-ipc' (EMM_MEMORY_MANAGER=async-pool-ipc)",
+        }
+    }
+}
+
+impl EmmError {
+    /// `memalloc_on` under a manager that does not allocate on streams.
+    pub(crate) fn no_stream_ordering(manager: &str) -> EmmError {
+        EmmError::NotSupported {
+            operation: "memalloc_on",
+            manager: manager.into(),
+            advice: "this manager does not allocate on streams; use memalloc and synchronise \
+                     before dropping the memory, or select a manager that does ('default', \
+                     'pool', 'async-pool', 'async-pool-ipc')",
         }
     }
 }

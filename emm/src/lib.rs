@@ -79,7 +79,7 @@ pub use adaptors::{Adapted, Adaptor, LOG_HEADER};
 pub use contract::{
     DeviceIdentity, FnFactory, INTERFACE_VERSION, IpcHandle, IpcMemory, KindUsage, ManagerContext,
     ManagerFactory, MemoryInfo, MemoryKind, MemoryManager, POOL_DESCRIPTOR_LEN, PinnedPoolConfig,
-    PoolExport, PoolId, PoolReport, PoolStats, Usage, check_interface_version,
+    PoolExport, PoolId, PoolReport, PoolStats, StreamOrdering, Usage, check_interface_version,
 };
 pub use host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 pub use managers::{
@@ -89,8 +89,8 @@ pub use managers::{
 };
 pub use memory::{
     ContextLiveness, DeallocConfig, DeferCleanup, Free, HostAllocFlags, HostMemory, HostOwner,
-    HostReleaseFn, LiveGuard, ManagedMemory, MappedMemory, MemoryPointer, PendingDeallocs,
-    PinnableBuffer, PinnedMemory, ReleaseFn, ReleaseHook,
+    HostReleaseFn, LiveGuard, ManagedMemory, MappedMemory, MemoryPointer, OrderedOn,
+    PendingDeallocs, PinnableBuffer, PinnedMemory, ReleaseFn, ReleaseHook, StreamUse,
 };
 pub use objects::{AutoSynchronize, Event, InFlight, Module, Stream, StreamKind};
 pub use runtime::context::Context;

@@ -16,8 +16,9 @@ use driver_sys::{DeviceOrdinal, DriverError, EventHandle, ModuleHandle, StreamHa
 
 use crate::contract::factory::ManagerContext;
 use crate::error::EmmError;
+use crate::memory::host::HostOwner;
 use crate::memory::pending::{Free, PendingDeallocs};
-use crate::memory::pointer::MemoryPointer;
+use crate::memory::pointer::{MemoryPointer, OrderedOn};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
 /// A loaded module (`cuModuleLoadData`); unloaded through the context's queue when dropped or
@@ -58,7 +59,32 @@ pub struct Stream {
     handle: StreamHandle,
     kind: StreamKind,
     cx: ManagerContext,
-    queue: Option<Arc<PendingDeallocs>>,
+    /// For a created stream: queues its destruction when the stream and every memory
+    /// ordered on it are gone.
+    destroy: Option<Arc<StreamDestroy>>,
+}
+
+/// The destruction of a created stream, shared by the [`Stream`] and the memory ordered on
+/// it (through [`OrderedOn::keep_alive`]): the last of them queues `cuStreamDestroy`.
+struct StreamDestroy {
+    handle: StreamHandle,
+    queue: Arc<PendingDeallocs>,
+}
+
+impl Drop for StreamDestroy {
+    fn drop(&mut self) {
+        self.queue.push_from_drop(Free::Stream(self.handle));
+    }
+}
+
+impl OrderedOn for Stream {
+    fn stream_handle(&self) -> StreamHandle {
+        self.handle
+    }
+
+    fn keep_alive(&self) -> Option<HostOwner> {
+        self.destroy.clone().map(|d| d as HostOwner)
+    }
 }
 
 /// An event of a context (`cuEventCreate`): marks a point in a stream's work; destroyed
@@ -91,7 +117,7 @@ impl Stream {
             handle,
             kind,
             cx,
-            queue,
+            destroy: queue.map(|queue| Arc::new(StreamDestroy { handle, queue })),
         }
     }
 
@@ -190,14 +216,6 @@ pub(crate) fn check_same_context(
             first: a.device,
             second: b.device,
         })
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        if let Some(queue) = &self.queue {
-            queue.push_from_drop(Free::Stream(self.handle));
-        }
     }
 }
 

@@ -28,7 +28,7 @@ fn quick() -> bool {
 }
 
 /// The sections `EMM_BENCH_ONLY` may name.
-const SECTIONS: [&str; 5] = ["pair", "threads", "random", "pinned", "copy"];
+const SECTIONS: [&str; 6] = ["pair", "threads", "random", "pinned", "copy", "stream"];
 
 fn out(
     section: &str,
@@ -406,6 +406,136 @@ fn copies(driver: &Arc<dyn Driver>) {
     ctx.trim().expect("trim");
 }
 
+/// Stream-ordered alloc + free pairs on a created (non-blocking) stream: the raw driver's pool
+/// (a pool created as `async-pool` creates its own, and the device's default pool) against
+/// every manager's `memalloc_on`; then aggregate throughput with 1, 8 and 16 threads, each on
+/// its own stream, and 8 threads on one shared stream.
+fn stream_ordered(driver: &Arc<dyn Driver>) {
+    let probe = runtime(driver, "default", false, vec![]);
+    let ctx = probe.context(0).expect("context");
+    let h = ctx.handle();
+    let own = driver
+        .mem_pool_create(h, 0.into(), false)
+        .expect("cuMemPoolCreate");
+    driver
+        .mem_pool_set_release_threshold(h, own, u64::MAX)
+        .expect("release threshold");
+    let default_pool = driver
+        .device_default_mem_pool(0.into())
+        .expect("default pool");
+    driver
+        .mem_pool_set_release_threshold(h, default_pool, u64::MAX)
+        .expect("release threshold");
+    let raw_pair = |pool, size, stream| {
+        let p = driver
+            .mem_alloc_from_pool_async(h, pool, size, stream)
+            .expect("cuMemAllocFromPoolAsync");
+        // SAFETY: allocated just above on the same stream, unused, freed once.
+        unsafe { driver.mem_free_async(h, p, stream) }.expect("cuMemFreeAsync");
+    };
+    let sizes = [256usize, 64 << 10, 1 << 20, 16 << 20];
+    {
+        let s = ctx.create_stream_with(true, 0).expect("stream");
+        for size in sizes {
+            let ns = per_op(iters_for(size, true), |n| {
+                for _ in 0..n {
+                    raw_pair(own, size, s.handle());
+                }
+            });
+            out("stream", "raw-own-pool", size, 1, ns, "ns");
+            let ns = per_op(iters_for(size, true), |n| {
+                for _ in 0..n {
+                    raw_pair(default_pool, size, s.handle());
+                }
+            });
+            out("stream", "raw-default-pool", size, 1, ns, "ns");
+        }
+        s.synchronize().expect("sync");
+    }
+    for manager in MANAGERS {
+        let rt = runtime(driver, manager, false, vec![]);
+        let mctx = rt.context(0).expect("context");
+        let s = mctx.create_stream_with(true, 0).expect("stream");
+        for size in sizes {
+            let cheap = manager != "default";
+            let ns = per_op(iters_for(size, cheap), |n| {
+                for _ in 0..n {
+                    drop(mctx.memalloc_on(size, &s).expect("memalloc_on"));
+                }
+            });
+            out("stream", manager, size, 1, ns, "ns");
+        }
+        s.synchronize().expect("sync");
+        mctx.trim().expect("trim");
+    }
+    // Threads: each allocates and frees 4 KiB .. 512 KiB blocks, eight at a time.
+    let per_thread = if quick() { 5_000 } else { 50_000 };
+    let pattern = |i: usize, t: usize| 4096 << ((i + t) % 8);
+    let measure = |threads: usize, shared: bool, pair: &(dyn Fn(usize, usize, usize) + Sync)| {
+        let mut best = 0f64;
+        for _ in 0..3 {
+            let start = Instant::now();
+            std::thread::scope(|sc| {
+                for t in 0..threads {
+                    sc.spawn(move || {
+                        for i in 0..per_thread {
+                            pair(t, i, if shared { 0 } else { t });
+                        }
+                    });
+                }
+            });
+            best = best.max((threads * per_thread) as f64 / start.elapsed().as_secs_f64());
+        }
+        best / 1e6
+    };
+    let streams: Vec<emm::Stream> = (0..16)
+        .map(|_| ctx.create_stream_with(true, 0).expect("stream"))
+        .collect();
+    for (threads, shared) in [(1, false), (8, false), (16, false), (8, true)] {
+        let label = if shared { "one-stream" } else { "own-streams" };
+        let v = measure(threads, shared, &|t, i, s| {
+            raw_pair(own, pattern(i, t), streams[s].handle())
+        });
+        out(
+            "stream-threads",
+            "raw-own-pool",
+            label,
+            threads,
+            v,
+            "Mpairs/s",
+        );
+    }
+    for s in &streams {
+        s.synchronize().expect("sync");
+    }
+    driver.mem_pool_trim_to(h, own, 0).expect("trim");
+    // SAFETY: the pool is this function's; everything allocated from it was freed above.
+    unsafe { driver.mem_pool_destroy(h, own) }.expect("cuMemPoolDestroy");
+    drop(streams);
+    for manager in ["pool", "async-pool"] {
+        let rt = runtime(driver, manager, false, vec![]);
+        let mctx = rt.context(0).expect("context");
+        let streams: Vec<emm::Stream> = (0..16)
+            .map(|_| mctx.create_stream_with(true, 0).expect("stream"))
+            .collect();
+        for (threads, shared) in [(1, false), (8, false), (16, false), (8, true)] {
+            let label = if shared { "one-stream" } else { "own-streams" };
+            let v = measure(threads, shared, &|t, i, s| {
+                drop(
+                    mctx.memalloc_on(pattern(i, t), &streams[s])
+                        .expect("memalloc_on"),
+                )
+            });
+            out("stream-threads", manager, label, threads, v, "Mpairs/s");
+        }
+        for s in &streams {
+            s.synchronize().expect("sync");
+        }
+        drop(streams);
+        mctx.trim().expect("trim");
+    }
+}
+
 fn main() {
     let quick = integration::parse_flag(
         "EMM_BENCH_QUICK",
@@ -471,5 +601,8 @@ fn main() {
     }
     if want("copy") {
         copies(&driver);
+    }
+    if want("stream") {
+        stream_ordered(&driver);
     }
 }

@@ -339,6 +339,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     pool_cache_under_pressure(&*d, ctx, dev)?;
+    frees_while_a_stream_waits(&d, ctx)?;
 
     println!("\n-- primary context life");
     let q = d.mem_alloc(ctx, 4096)?;
@@ -365,6 +366,104 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     show("cuMemAlloc after reset + retain", d.mem_alloc(ctx3, 16));
     show("release", release(&*d, dev));
     show("release", release(&*d, dev));
+    Ok(())
+}
+
+/// Whether `cuMemFree` (and `cuMemAlloc`, `cuMemFreeAsync`, `cuEventRecord` + `cuEventQuery`)
+/// return while another stream of the context waits on a flag the host has not written (and
+/// has a set of memory queued behind the wait): each
+/// runs on a thread, and the probe waits up to 3 s for it before it writes the flag. The
+/// default manager's stream-ordered frees must not block a thread on such a stream.
+fn frees_while_a_stream_waits(
+    d: &std::sync::Arc<dyn Driver>,
+    ctx: ContextHandle,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use driver_sys::{host_alloc, stream_flags, wait_value};
+    use std::time::{Duration, Instant};
+    println!("\n-- driver calls while a stream waits on a flag");
+    let flag = d.mem_host_alloc(ctx, 64, host_alloc::DEVICEMAP)?;
+    let at = d.mem_host_get_device_pointer(ctx, flag)?;
+    let word = flag.0 as *mut u32;
+    // SAFETY: `flag` is 64 bytes of page-locked host memory owned here, freed at the end.
+    unsafe { word.write_volatile(0) };
+    let s = d.stream_create(ctx, stream_flags::NON_BLOCKING)?;
+    let other = d.stream_create(ctx, stream_flags::NON_BLOCKING)?;
+    d.stream_wait_value32(ctx, s, at, 1, wait_value::EQ)?;
+    let held = d.mem_alloc(ctx, 1 << 20)?;
+    // SAFETY: `held` is live memory of this context until its free below (after the flag).
+    unsafe { d.memset_d8_async(ctx, held, 7, 1 << 20, s)? };
+    let pool = d.device_default_mem_pool(DeviceOrdinal(0))?;
+    type Call = Box<dyn FnOnce(&dyn Driver) -> Result<(), DriverError> + Send>;
+    let calls: Vec<(&str, Call)> = vec![
+        (
+            "cuMemAlloc",
+            Box::new(move |d: &dyn Driver| d.mem_alloc(ctx, 4096).map(|p| drop(free(d, ctx, p)))),
+        ),
+        (
+            "cuMemFree (memory no stream uses)",
+            Box::new(move |d: &dyn Driver| {
+                let p = d.mem_alloc(ctx, 4096)?;
+                free(d, ctx, p)
+            }),
+        ),
+        (
+            "cuMemAllocAsync + cuMemFreeAsync on another stream",
+            Box::new(move |d: &dyn Driver| {
+                let p = d.mem_alloc_from_pool_async(ctx, pool, 4096, other)?;
+                // SAFETY: allocated just above on `other`, unused, freed once.
+                unsafe { d.mem_free_async(ctx, p, other) }
+            }),
+        ),
+        (
+            "cuEventRecord + cuEventQuery on the waiting stream",
+            Box::new(move |d: &dyn Driver| {
+                let e = d.event_create(ctx, driver_sys::event_flags::DISABLE_TIMING)?;
+                d.event_record(ctx, e, s)?;
+                let done = d.event_query(ctx, e)?;
+                println!("   (event query says done: {done})");
+                // SAFETY: created above, destroyed once; the driver keeps it until its record ran.
+                unsafe { d.event_destroy(ctx, e) }
+            }),
+        ),
+    ];
+    let mut pending = Vec::new();
+    for (what, call) in calls {
+        let d2 = std::sync::Arc::clone(d);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let start = Instant::now();
+        let t = std::thread::spawn(move || {
+            let r = call(&*d2);
+            let _ = tx.send((r, start.elapsed()));
+        });
+        match rx.recv_timeout(Duration::from_secs(3)) {
+            Ok((r, took)) => {
+                println!("{what}: returned in {took:?}: {r:?}");
+                t.join().expect("probe thread");
+            }
+            Err(_) => {
+                println!("{what}: still blocked after 3 s (waits for the held stream)");
+                pending.push((what, rx, t, start));
+                break; // later calls would queue behind it
+            }
+        }
+    }
+    // SAFETY: as above; the host writes the flag the stream waits for.
+    unsafe { word.write_volatile(1) };
+    for (what, rx, t, start) in pending {
+        let r = rx.recv_timeout(Duration::from_secs(30));
+        println!(
+            "{what}: after the flag, returned {:?} after {:?}",
+            r.map(|x| x.0),
+            start.elapsed()
+        );
+        t.join().expect("probe thread");
+    }
+    d.stream_synchronize(ctx, s)?;
+    d.stream_synchronize(ctx, other)?;
+    free(&**d, ctx, held)?;
+    destroy_stream(&**d, ctx, s)?;
+    destroy_stream(&**d, ctx, other)?;
+    free_host(&**d, ctx, flag)?;
     Ok(())
 }
 

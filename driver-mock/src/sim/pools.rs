@@ -17,13 +17,15 @@ use super::config::PAGE_SIZE;
 use super::world::{Object, World, context, device_index};
 
 /// A block freed to a stream-ordered pool: reusable at once on the stream it was freed on,
-/// on other streams once that stream was synchronised.
+/// on other streams once the free ran in that stream's order.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct FreeBlock {
     pub(super) addr: u64,
     pub(super) size: usize,
     pub(super) stream: u64,
     pub(super) ready: bool,
+    /// Names this free (a block freed, reused on its stream and freed again is two frees).
+    pub(super) id: u64,
 }
 
 /// A stream-ordered pool (`cuMemPoolCreate`, or a device's default pool).
@@ -146,18 +148,13 @@ impl World {
         stream: StreamHandle,
     ) -> Result<(), u32> {
         self.check_stream(pid, stream.0)?;
-        // The stream's queued work runs first (`streams`); then blocks freed on the stream
-        // become reusable on every stream, and pools release what they reserve above their
+        // The stream's queued work runs first (`streams`; frees in it make their blocks
+        // reusable on every stream), then pools release what they reserve above their
         // threshold.
         self.drain_stream(pid, note, ctx, stream)?;
         let handles: Vec<u64> = self.processes[pid].pools.keys().copied().collect();
         for h in handles {
-            let pool = self.processes[pid].pools.get_mut(&h).expect("listed");
-            for b in &mut pool.free {
-                if b.stream == stream.0 || stream.0 <= 1 {
-                    b.ready = true;
-                }
-            }
+            let pool = self.processes[pid].pools.get(&h).expect("listed");
             let keep = usize::try_from(pool.threshold).unwrap_or(usize::MAX);
             self.pool_release(pid, h, keep);
         }
@@ -336,7 +333,7 @@ impl World {
         stream: StreamHandle,
     ) -> Result<(), u32> {
         note.ptr = Some(ptr);
-        context(self, pid, ctx, note)?;
+        let i = context(self, pid, ctx, note)?;
         self.check_stream(pid, stream.0)?;
         // A pointer imported from another process's pool: the mapping goes.
         if self.processes[pid]
@@ -358,6 +355,7 @@ impl World {
         if let Some(a) = self.devices[device].allocs.get(&ptr.0) {
             self.note_if_imported(a.store);
         }
+        let id = self.new_handle();
         let p = self.processes[pid]
             .pools
             .values_mut()
@@ -381,8 +379,9 @@ impl World {
             size,
             stream: stream.0,
             ready: false,
+            id,
         });
-        Ok(())
+        self.enqueue_pool_free(pid, i, stream, id)
     }
 
     /// `cuMemPoolExportToShareableHandle`: [`Driver::mem_pool_export_fd`](driver_sys::Driver::mem_pool_export_fd) in the model.

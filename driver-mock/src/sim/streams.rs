@@ -49,16 +49,54 @@ pub(super) enum Source {
 /// One piece of queued work.
 #[derive(Debug)]
 pub(super) enum Work {
-    HtoD { dst: u64, src: Source, len: usize },
-    DtoH { dst: usize, src: u64, len: usize },
-    DtoD { dst: u64, src: u64, len: usize },
-    Memset { dst: u64, value: u8, len: usize },
+    HtoD {
+        dst: u64,
+        src: Source,
+        len: usize,
+    },
+    DtoH {
+        dst: usize,
+        src: u64,
+        len: usize,
+    },
+    DtoD {
+        dst: u64,
+        src: u64,
+        len: usize,
+    },
+    Memset {
+        dst: u64,
+        value: u8,
+        len: usize,
+    },
     Host(Pending),
-    Record { event: u64, serial: u64 },
-    WaitEvent { event: u64, serial: u64 },
-    WaitStream { key: u64, upto: u64 },
-    WaitValue { addr: u64, value: u32, flags: u32 },
-    WriteValue { addr: u64, value: u32 },
+    Record {
+        event: u64,
+        serial: u64,
+    },
+    WaitEvent {
+        event: u64,
+        serial: u64,
+    },
+    WaitStream {
+        key: u64,
+        upto: u64,
+    },
+    WaitValue {
+        addr: u64,
+        value: u32,
+        flags: u32,
+    },
+    WriteValue {
+        addr: u64,
+        value: u32,
+    },
+    /// A `cuMemFreeAsync` reached in stream order: the pool block it freed (free `id`)
+    /// becomes reusable on every stream (the driver's opportunistic reuse; its inserted
+    /// dependencies are not modelled, so other streams wait until the free has run).
+    PoolFreed {
+        id: u64,
+    },
 }
 
 /// One stream's queue.
@@ -184,6 +222,18 @@ impl World {
     pub(super) fn drop_streams_of(&mut self, pid: usize, device: usize) {
         let s = &mut self.processes[pid].streams;
         s.streams.retain(|_, q| q.device != device);
+    }
+
+    /// Queues the point where the pool block of free `id` on `stream` becomes reusable
+    /// elsewhere.
+    pub(super) fn enqueue_pool_free(
+        &mut self,
+        pid: usize,
+        device: usize,
+        stream: StreamHandle,
+        id: u64,
+    ) -> Result<(), u32> {
+        self.enqueue(pid, device, stream, Work::PoolFreed { id })
     }
 
     /// Queues `work` on `stream` with the legacy stream's implicit waits.
@@ -319,6 +369,13 @@ impl World {
             Work::WriteValue { addr, value } => {
                 // SAFETY: see above.
                 unsafe { self.write(by, addr, &value.to_le_bytes()) }?;
+            }
+            Work::PoolFreed { id } => {
+                for pool in self.processes[pid].pools.values_mut() {
+                    for b in pool.free.iter_mut().filter(|b| b.id == id) {
+                        b.ready = true;
+                    }
+                }
             }
             Work::WaitEvent { .. } | Work::WaitStream { .. } | Work::WaitValue { .. } => {}
         }

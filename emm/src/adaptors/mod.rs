@@ -27,14 +27,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use driver_sys::{DevicePtr, HostPtr};
+use driver_sys::{DevicePtr, HostPtr, StreamHandle};
 
 use driver_sys::DeviceOrdinal;
 
 use crate::contract::factory::{ManagerContext, ManagerFactory};
 use crate::contract::info::{MemoryInfo, MemoryKind, PoolReport, Usage};
 use crate::contract::ipc::IpcHandle;
-use crate::contract::manager::MemoryManager;
+use crate::contract::manager::{MemoryManager, StreamOrdering};
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
 use crate::memory::host::{HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory};
@@ -318,6 +318,21 @@ impl MemoryManager for Adapted {
             |p| p.device_ptr().0,
         )?;
         Ok(self.wrap_device(p, MemoryKind::Device))
+    }
+
+    fn memalloc_on(&self, bytes: usize, stream: StreamHandle) -> Result<MemoryPointer, EmmError> {
+        let p = self.observe(
+            "memalloc_on",
+            MemoryKind::Device,
+            bytes,
+            || self.inner.memalloc_on(bytes, stream),
+            |p| p.device_ptr().0,
+        )?;
+        Ok(self.wrap_device(p, MemoryKind::Device))
+    }
+
+    fn stream_ordering(&self) -> StreamOrdering {
+        self.inner.stream_ordering()
     }
 
     fn memhostalloc(

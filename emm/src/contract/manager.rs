@@ -5,7 +5,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use driver_sys::HostPtr;
+use driver_sys::{HostPtr, StreamHandle};
 
 use crate::contract::info::{MemoryInfo, PoolReport, Usage};
 use crate::contract::ipc::IpcHandle;
@@ -17,6 +17,28 @@ use crate::memory::pointer::MemoryPointer;
 
 /// The interface version emm implements (Numba's `_SUPPORTED_EMM_INTERFACE_VERSION`).
 pub const INTERFACE_VERSION: u32 = 1;
+
+/// How a manager orders memory allocated on a stream ([`MemoryManager::memalloc_on`]).
+///
+/// Whatever the manager, a block freed on stream A (or used by a stream recorded with
+/// [`MemoryPointer::record_stream`]) is never handed to other work before the work queued on
+/// those streams before the free is done; the variants say how each manager makes sure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamOrdering {
+    /// The manager does not allocate on streams: `memalloc_on` is refused.
+    Unsupported,
+    /// The driver's stream-ordered pool: `cuMemAllocFromPoolAsync` and `cuMemFreeAsync` on the
+    /// caller's streams, the free made to wait for events of the recorded streams. The driver
+    /// orders reuse (it may hand a block to another stream with a dependency on the free).
+    Driver,
+    /// The manager's own free lists per stream: a block freed on a stream is reused at once by
+    /// that stream, and by other streams only after an event recorded at the free completed.
+    PerStream,
+    /// Each allocation is the driver's (`cuMemAlloc`, usable on every stream at once); its
+    /// `cuMemFree` waits until events recorded at the free on the streams that used it
+    /// completed (checked at each allocation, waited for when the device is out of memory).
+    Fenced,
+}
 
 /// A memory manager: owns all memory of one context. Object safe; emm holds `Box<dyn _>`.
 ///
@@ -44,6 +66,28 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
     /// hand out empty buffers (PyTorch, CuPy) give them a null pointer without calling the
     /// manager; an adapter over emm does the same.
     fn memalloc(&self, bytes: usize) -> Result<MemoryPointer, EmmError>;
+
+    /// Allocates `bytes` of device memory for work on `stream` (emm's stream-ordered extension:
+    /// NBEP 7's members and [`INTERFACE_VERSION`] are unchanged). The memory may be used by
+    /// work queued on `stream` from now on (and by other streams after synchronising with it,
+    /// as with `cuMemAllocAsync`). When its last pointer drops it is freed on `stream`, or on
+    /// the stream given to [`MemoryPointer::free_on`], after the work of every stream recorded
+    /// with [`MemoryPointer::record_stream`]; the manager never hands it to other work before
+    /// then ([`stream_ordering`](Self::stream_ordering) says how).
+    ///
+    /// The default refuses with [`EmmError::NotSupported`]: a plugin that does not know
+    /// streams keeps NBEP 7's rule (synchronise, then drop).
+    fn memalloc_on(&self, bytes: usize, stream: StreamHandle) -> Result<MemoryPointer, EmmError> {
+        let _ = (bytes, stream);
+        Err(EmmError::no_stream_ordering(std::any::type_name_of_val(
+            self,
+        )))
+    }
+
+    /// How the manager orders memory allocated on streams.
+    fn stream_ordering(&self) -> StreamOrdering {
+        StreamOrdering::Unsupported
+    }
 
     /// Allocates `bytes` of managed memory (`cuMemAllocManaged`; Numba's `memallocmanaged`),
     /// attached globally if `attach_global`, else to the host. Freed like device memory.

@@ -21,5 +21,5 @@ pub(crate) mod pool_export;
 pub use factory::{FnFactory, ManagerContext, ManagerFactory};
 pub use info::{KindUsage, MemoryInfo, MemoryKind, PinnedPoolConfig, PoolReport, PoolStats, Usage};
 pub use ipc::{DeviceIdentity, IpcHandle, IpcMemory};
-pub use manager::{INTERFACE_VERSION, MemoryManager, check_interface_version};
+pub use manager::{INTERFACE_VERSION, MemoryManager, StreamOrdering, check_interface_version};
 pub use pool_export::{POOL_DESCRIPTOR_LEN, PoolExport, PoolId};

@@ -19,11 +19,12 @@ use driver_sys::{DevicePtr, HostPtr};
 
 use crate::contract::factory::ManagerContext;
 use crate::error::EmmError;
+use crate::host::fences::{Fence, Fences};
 use crate::host::pinned_pool::{PinnedBlock, PinnedPool};
 use crate::memory::host::HostOwner;
 use crate::memory::pending::{Free, PendingDeallocs};
-use crate::memory::pointer::AllocationOwner;
-use crate::sync::{AtomicU64, Mutex, Ordering, lock};
+use crate::memory::pointer::{AllocationOwner, StreamUse};
+use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
 
 /// How a tracked allocation is released.
 #[derive(Clone)]
@@ -56,6 +57,9 @@ impl std::fmt::Debug for Entry {
     }
 }
 
+/// How many waiting stream-ordered frees one allocation looks at.
+const POLL_BATCH: usize = 8;
+
 /// Live allocations of one manager, and the queue their frees go to.
 #[derive(Debug)]
 pub(crate) struct AllocationTable {
@@ -63,6 +67,12 @@ pub(crate) struct AllocationTable {
     table: Mutex<BTreeMap<u64, Entry>>,
     generation: AtomicU64,
     queue: Arc<PendingDeallocs>,
+    fences: Fences,
+    /// Stream-ordered device allocations whose last pointer dropped: (key, generation, the
+    /// fence recorded on their streams at the drop). They stay in the table (a reset frees
+    /// them) until the fence is done; then their `cuMemFree` is queued.
+    waiting: Mutex<std::collections::VecDeque<(u64, u64, Fence)>>,
+    waiting_count: AtomicUsize,
 }
 
 impl AllocationTable {
@@ -72,7 +82,104 @@ impl AllocationTable {
             table: Mutex::new(BTreeMap::new()),
             generation: AtomicU64::new(0),
             queue: Arc::new(cx.new_pending_deallocs()),
+            fences: Fences::new(cx),
+            waiting: Mutex::new(std::collections::VecDeque::new()),
+            waiting_count: AtomicUsize::new(0),
         }
+    }
+
+    /// Stream-ordered frees waiting for their streams.
+    pub(crate) fn waiting_for_streams(&self) -> usize {
+        self.waiting_count.load(Ordering::Acquire)
+    }
+
+    /// The last pointer to the stream-ordered device allocation under `key` dropped: a fence
+    /// goes on the streams that used it, and the entry waits for it in the table.
+    fn release_after_streams(&self, key: u64, generation: u64, streams: StreamUse) {
+        let Some(_live) = self.cx.liveness.enter() else {
+            return; // the context is gone, and its memory with it
+        };
+        let on = std::iter::once(streams.free_on).chain(streams.other_streams());
+        match self.fences.record(on) {
+            Ok(fence) => {
+                lock(&self.waiting).push_back((key, generation, fence));
+                self.waiting_count.fetch_add(1, Ordering::AcqRel);
+            }
+            Err(e) => {
+                // Without a fence the block cannot be known to be unused: it stays in the
+                // table, and the manager's reset frees it.
+                tracing::error!(device = %self.cx.device, error = %e, ptr = key, "recording the streams of a stream-ordered free failed; the memory is kept until the manager's reset");
+                self.queue.record_error(crate::error::EmmError::driver(
+                    "free on a stream",
+                    self.cx.device,
+                    e,
+                ));
+            }
+        }
+    }
+
+    /// Queues the `cuMemFree` of waiting stream-ordered allocations whose streams are done:
+    /// without `wait`, looks at up to [`POLL_BATCH`] of them, oldest first, and puts those
+    /// not done at the back (so a stream held up for long costs each allocation a bounded
+    /// number of queries, and the others still get their turn); with `wait`, waits for all
+    /// of them (out of memory: the frees are needed). Returns how many were queued. The
+    /// caller holds the context's liveness.
+    pub(crate) fn poll_stream_frees(&self, wait: bool) -> Result<usize, EmmError> {
+        if self.waiting_for_streams() == 0 {
+            return Ok(0);
+        }
+        let done = {
+            let mut waiting = lock(&self.waiting);
+            let mut done = Vec::new();
+            let looks = if wait {
+                waiting.len()
+            } else {
+                waiting.len().min(POLL_BATCH)
+            };
+            for _ in 0..looks {
+                let entry = waiting.pop_front().expect("counted");
+                let finished = if wait {
+                    self.fences.wait(&entry.2).map(|()| true)
+                } else {
+                    self.fences.is_done(&entry.2)
+                };
+                match finished {
+                    Ok(true) => done.push(entry),
+                    Ok(false) => waiting.push_back(entry),
+                    Err(e) => {
+                        waiting.push_back(entry);
+                        self.waiting_count.store(waiting.len(), Ordering::Release);
+                        return Err(crate::error::EmmError::driver(
+                            "free on a stream",
+                            self.cx.device,
+                            e,
+                        ));
+                    }
+                }
+            }
+            self.waiting_count.store(waiting.len(), Ordering::Release);
+            done
+        };
+        let mut frees = Vec::with_capacity(done.len());
+        {
+            let mut table = lock(&self.table);
+            for (key, generation, fence) in done {
+                self.fences.recycle(fence);
+                if self.generation() != generation {
+                    continue; // a reset freed it
+                }
+                if let Some(Entry::Device { ptr, bytes }) = table.remove(&key) {
+                    frees.push(Free::Device { ptr, bytes });
+                }
+            }
+            // Appended under the table's lock, as `release` does.
+            self.queue.push_all_without_flush(frees.iter().cloned());
+        }
+        if !frees.is_empty() {
+            tracing::debug!(device = %self.cx.device, frees = frees.len(), "stream-ordered frees done on their streams; queued");
+            self.queue.apply_thresholds_from_drop();
+        }
+        Ok(frees.len())
     }
 
     pub(crate) fn queue(&self) -> &Arc<PendingDeallocs> {
@@ -104,12 +211,18 @@ impl AllocationTable {
     }
 
     /// The last pointer to the allocation under `key` dropped.
-    pub(crate) fn release(&self, key: u64, generation: u64) {
+    pub(crate) fn release(&self, key: u64, generation: u64, streams: Option<StreamUse>) {
         let (unpin, flush) = {
             let mut table = lock(&self.table);
             if self.generation() != generation {
                 // A reset already released it.
                 return;
+            }
+            if let Some(streams) = streams
+                && matches!(table.get(&key), Some(Entry::Device { .. }))
+            {
+                drop(table);
+                return self.release_after_streams(key, generation, streams);
             }
             match table.remove(&key) {
                 Some(Entry::Device { ptr, bytes }) => (
@@ -153,6 +266,11 @@ impl AllocationTable {
         let n = {
             let mut table = lock(&self.table);
             self.generation.fetch_add(1, Ordering::AcqRel);
+            // Waiting stream-ordered frees are in the table: freed with the rest.
+            for (_, _, fence) in std::mem::take(&mut *lock(&self.waiting)) {
+                self.fences.recycle(fence);
+            }
+            self.waiting_count.store(0, Ordering::Release);
             let entries = std::mem::take(&mut *table);
             let n = entries.len();
             let frees = entries.into_values().filter_map(|e| match e {
@@ -180,6 +298,9 @@ impl AllocationTable {
             }
         }
         let flushed = self.queue.flush();
+        if let Some(_live) = self.cx.liveness.enter() {
+            self.fences.destroy_idle();
+        }
         match first_error {
             Some(e) => Err(e),
             None => flushed.map(|_| n),
@@ -213,8 +334,8 @@ fn unpin(cx: &ManagerContext, ptr: HostPtr) -> Result<(), EmmError> {
 }
 
 impl AllocationOwner for AllocationTable {
-    fn release(&self, key: u64, generation: u64) {
-        AllocationTable::release(self, key, generation);
+    fn release(&self, key: u64, generation: u64, streams: Option<StreamUse>) {
+        AllocationTable::release(self, key, generation, streams);
     }
 
     fn generation(&self) -> u64 {

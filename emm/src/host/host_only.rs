@@ -3,12 +3,12 @@
 use std::fmt;
 use std::sync::Arc;
 
-use driver_sys::HostPtr;
+use driver_sys::{HostPtr, StreamHandle};
 
 use crate::contract::factory::ManagerContext;
 use crate::contract::info::{MemoryInfo, PoolReport, PoolStats};
 use crate::contract::ipc::IpcHandle;
-use crate::contract::manager::{INTERFACE_VERSION, MemoryManager};
+use crate::contract::manager::{INTERFACE_VERSION, MemoryManager, StreamOrdering};
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
 use crate::host::HostLayer;
@@ -78,6 +78,26 @@ use crate::memory::pointer::MemoryPointer;
 pub trait DeviceAllocator: Send + Sync + fmt::Debug {
     /// Allocates `bytes` of device memory.
     fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError>;
+
+    /// Allocates `bytes` of device memory for work on `stream`
+    /// ([`MemoryManager::memalloc_on`]). The default refuses; an allocator over `cuMemAlloc`
+    /// can hand out [`HostLayer::track_device_allocation_on`]'s pointers.
+    fn memalloc_on(
+        &self,
+        host: &HostLayer,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<MemoryPointer, EmmError> {
+        let _ = (host, bytes, stream);
+        Err(EmmError::no_stream_ordering(std::any::type_name_of_val(
+            self,
+        )))
+    }
+
+    /// How the allocator orders memory allocated on streams.
+    fn stream_ordering(&self) -> StreamOrdering {
+        StreamOrdering::Unsupported
+    }
 
     /// Prepares for use; called on every use of the context, idempotent.
     fn initialize(&self, host: &HostLayer) -> Result<(), EmmError>;
@@ -166,6 +186,14 @@ impl<D: DeviceAllocator> HostOnly<D> {
 impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
     fn memalloc(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
         self.device.memalloc(&self.host, bytes)
+    }
+
+    fn memalloc_on(&self, bytes: usize, stream: StreamHandle) -> Result<MemoryPointer, EmmError> {
+        self.device.memalloc_on(&self.host, bytes, stream)
+    }
+
+    fn stream_ordering(&self) -> StreamOrdering {
+        self.device.stream_ordering()
     }
 
     fn memhostalloc(

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use driver_sys::{
-    DevicePtr, DriverError, ErrorKind, HostPtr, host_alloc, host_register, mem_attach,
+    DevicePtr, DriverError, ErrorKind, HostPtr, StreamHandle, host_alloc, host_register, mem_attach,
 };
 
 use crate::contract::factory::ManagerContext;
@@ -19,6 +19,7 @@ use crate::memory::pending::{DeferCleanup, Free, PendingDeallocs};
 use crate::memory::pointer::{AllocationOwner, MemoryPointer, Release};
 
 mod allocations;
+pub(crate) mod fences;
 mod host_only;
 pub(crate) mod pinned_pool;
 
@@ -121,12 +122,19 @@ impl HostLayer {
     ) -> Result<T, EmmError> {
         let cx = self.context();
         let _live = cx.enter(what)?;
+        // Stream-ordered frees whose streams are done join the queue (no waiting).
+        self.table.poll_stream_frees(false)?;
         match allocate() {
             Ok(v) => return Ok(v),
             Err(e) if e.kind() == ErrorKind::OutOfMemory => {}
             Err(e) => return Err(EmmError::driver(what, cx.device, e)),
         }
         let queue = self.deallocations();
+        let waiting = self.table.waiting_for_streams();
+        if waiting > 0 {
+            tracing::warn!(device = %cx.device, what, bytes, waiting, "out of memory; waiting for the streams of stream-ordered frees");
+            self.table.poll_stream_frees(true)?;
+        }
         tracing::warn!(
             device = %cx.device,
             what,
@@ -169,14 +177,53 @@ impl HostLayer {
         self.track_freed_by_mem_free(base, bytes)
     }
 
+    /// As [`track_device_allocation`](Self::track_device_allocation), for memory handed out
+    /// on `stream` (a `memalloc_on` over `cuMemAlloc`): when the last pointer drops, an event
+    /// is recorded on the stream it is freed on and on every stream recorded as using it, and
+    /// the `cuMemFree` is queued only once those events completed (checked without waiting at
+    /// each allocation, waited for when the device is out of memory). The memory itself is
+    /// usable on every stream at once.
+    pub fn track_device_allocation_on(
+        &self,
+        base: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> MemoryPointer {
+        let cx = self.context();
+        tracing::debug!(device = %cx.device, bytes, ptr = %base, ?stream, "device memory allocated on a stream");
+        self.track_freed_by_mem_free_on(base, bytes, Some(stream))
+    }
+
+    /// Queues the `cuMemFree` of each stream-ordered free whose streams finished their work
+    /// (no waiting); returns how many. Allocations do this by themselves.
+    pub fn poll_stream_frees(&self) -> Result<usize, EmmError> {
+        let cx = self.context();
+        let _live = cx.enter("poll_stream_frees")?;
+        self.table.poll_stream_frees(false)
+    }
+
+    /// Stream-ordered frees still waiting for their streams.
+    pub fn stream_frees_waiting(&self) -> usize {
+        self.table.waiting_for_streams()
+    }
+
     /// Records `bytes` at `base`, released by `cuMemFree` (device and managed memory), in the
     /// table, and returns the pointer that owns it.
     fn track_freed_by_mem_free(&self, base: DevicePtr, bytes: usize) -> MemoryPointer {
+        self.track_freed_by_mem_free_on(base, bytes, None)
+    }
+
+    fn track_freed_by_mem_free_on(
+        &self,
+        base: DevicePtr,
+        bytes: usize,
+        stream: Option<StreamHandle>,
+    ) -> MemoryPointer {
         let cx = self.context();
         let generation = self
             .table
             .record(base.0, Entry::Device { ptr: base, bytes });
-        MemoryPointer::from_release(
+        MemoryPointer::from_parts(
             cx.device,
             cx.context,
             base,
@@ -187,6 +234,7 @@ impl HostLayer {
                 generation,
             },
             None,
+            stream,
         )
     }
 

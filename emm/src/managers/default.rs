@@ -7,12 +7,20 @@
 //!   total memory, captured at the first `initialize`.
 //! - Pinned and mapped host memory, pinning, IPC handles: from the [`HostLayer`].
 //! - `reset` frees every live allocation, then flushes; `defer_cleanup` suspends the queue.
-//! - **Streams.** `cuMemFree` synchronises the device before it frees, so memory is never
-//!   reused under running work; the deferral only batches these synchronising frees.
+//! - **Streams.** `cuMemFree` synchronises the device before it frees, so memory from
+//!   `memalloc` is never reused under running work; the deferral only batches these
+//!   synchronising frees. `memalloc_on` ([`StreamOrdering::Fenced`]) is `cuMemAlloc` too (the
+//!   memory is usable on every stream at once); when its last pointer drops, an event goes on
+//!   the stream it is freed on and on every recorded stream, and the `cuMemFree` is queued
+//!   only once they completed: checked without waiting at each allocation, waited for when
+//!   the device is out of memory. A free never waits for a stream held up by other work.
+
+use driver_sys::StreamHandle;
 
 use crate::contract::factory::{FnFactory, ManagerContext};
 use crate::contract::info::MemoryInfo;
 use crate::contract::ipc::IpcHandle;
+use crate::contract::manager::StreamOrdering;
 use crate::error::EmmError;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::memory::pointer::MemoryPointer;
@@ -57,6 +65,28 @@ impl DeviceAllocator for DriverAllocator {
             cx.driver.mem_alloc(cx.context, bytes)
         })?;
         Ok(host.track_device_allocation(base, bytes))
+    }
+
+    fn memalloc_on(
+        &self,
+        host: &HostLayer,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<MemoryPointer, EmmError> {
+        if bytes == 0 {
+            return Err(EmmError::ZeroSize {
+                what: "memalloc_on",
+            });
+        }
+        let cx = host.context();
+        let base = host.attempt_allocation("memalloc_on", AllocationKind::Device, bytes, || {
+            cx.driver.mem_alloc(cx.context, bytes)
+        })?;
+        Ok(host.track_device_allocation_on(base, bytes, stream))
+    }
+
+    fn stream_ordering(&self) -> StreamOrdering {
+        StreamOrdering::Fenced
     }
 
     fn initialize(&self, host: &HostLayer) -> Result<(), EmmError> {

@@ -20,5 +20,5 @@ pub use host::{
 };
 pub use liveness::{ContextLiveness, LiveGuard};
 pub use pending::{DeferCleanup, Free, PendingDeallocs};
-pub use pointer::{MemoryPointer, ReleaseFn, ReleaseHook};
+pub use pointer::{MemoryPointer, OrderedOn, ReleaseFn, ReleaseHook, StreamUse};
 pub use policy::{DeallocConfig, ENV_MAX_PENDING_COUNT, ENV_MAX_PENDING_RATIO};

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr};
+use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, StreamHandle};
 
 use crate::error::EmmError;
 use crate::memory::host::HostOwner;
@@ -23,13 +23,104 @@ pub trait ReleaseHook: Send + Sync {
 
     /// Whether memory stamped with `tag` is still valid (false once the plugin was reset).
     fn is_live(&self, tag: u64) -> bool;
+
+    /// The last pointer to a stream-ordered allocation dropped (one made by
+    /// [`MemoryPointer::with_hook_on`]): `streams` says which stream to free it on and which
+    /// other streams used it. The default forgets the streams and calls
+    /// [`release`](Self::release); a hook that hands out stream-ordered memory overrides it,
+    /// since a block reused before those streams' work is done is a data race.
+    fn release_on_streams(&self, base: DevicePtr, size: usize, tag: u64, streams: StreamUse) {
+        let _ = streams;
+        self.release(base, size, tag);
+    }
+}
+
+/// Locks a stream-use record, ignoring poison (a record is plain data, always consistent).
+fn lock_use(m: &Mutex<StreamUse>) -> std::sync::MutexGuard<'_, StreamUse> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The streams a stream-ordered allocation belongs to: allocated on [`stream`](Self::stream),
+/// freed on [`free_on`](Self::free_on) (the allocation stream unless
+/// [`MemoryPointer::free_on`] changed it), and used by the [`recorded`](Self::recorded)
+/// streams besides (PyTorch's `record_stream`). A manager may reuse the block on `free_on`
+/// in stream order, and anywhere else only once the work queued on `free_on` and on every
+/// recorded stream before the free is done.
+#[derive(Clone, Debug)]
+pub struct StreamUse {
+    /// The stream the memory was allocated on.
+    pub stream: StreamHandle,
+    /// The stream the memory is freed on.
+    pub free_on: StreamHandle,
+    /// Other streams that used the memory (neither `stream` nor `free_on`), in the order
+    /// they were recorded, each once.
+    pub recorded: Vec<StreamHandle>,
+    /// What keeps emm's own streams among these alive (a created stream is not destroyed
+    /// while memory ordered on it may still be freed or cached on it).
+    keep: Vec<(StreamHandle, HostOwner)>,
+}
+
+/// A stream as the memory layer sees it: its handle, and what keeps it alive. emm's
+/// [`Stream`](crate::Stream) keeps itself alive while memory ordered on it needs it; a raw
+/// [`StreamHandle`] is the caller's to keep alive.
+pub trait OrderedOn {
+    /// The stream's handle.
+    fn stream_handle(&self) -> StreamHandle;
+
+    /// An owner that keeps the stream from being destroyed while it is held (`None` for a
+    /// stream emm does not destroy).
+    fn keep_alive(&self) -> Option<HostOwner> {
+        None
+    }
+}
+
+impl OrderedOn for StreamHandle {
+    fn stream_handle(&self) -> StreamHandle {
+        *self
+    }
+}
+
+impl StreamUse {
+    /// Allocated and to be freed on `stream`, used by no other stream yet.
+    pub fn on(stream: StreamHandle) -> StreamUse {
+        StreamUse {
+            stream,
+            free_on: stream,
+            recorded: Vec::new(),
+            keep: Vec::new(),
+        }
+    }
+
+    /// What keeps `stream` alive, if it is one of emm's created streams.
+    pub fn owner_of(&self, stream: StreamHandle) -> Option<&HostOwner> {
+        self.keep.iter().find(|(s, _)| *s == stream).map(|(_, o)| o)
+    }
+
+    fn keep(&mut self, stream: &(impl OrderedOn + ?Sized)) {
+        let handle = stream.stream_handle();
+        if self.keep.iter().all(|(s, _)| *s != handle)
+            && let Some(owner) = stream.keep_alive()
+        {
+            self.keep.push((handle, owner));
+        }
+    }
+
+    /// The streams whose work must be done before the block can be used outside `free_on`'s
+    /// order: the recorded streams, and the allocation stream when the free moved elsewhere.
+    pub fn other_streams(&self) -> impl Iterator<Item = StreamHandle> + '_ {
+        let moved = (self.stream != self.free_on).then_some(self.stream);
+        moved
+            .into_iter()
+            .chain(self.recorded.iter().copied().filter(|s| *s != self.free_on))
+    }
 }
 
 /// A table that owns allocations by key (the host layer's allocation table, Numba's
 /// `allocations`): what a pointer it made calls when its last clone drops.
 pub(crate) trait AllocationOwner: Send + Sync {
-    /// The allocation recorded under `key` at `generation` is no longer used.
-    fn release(&self, key: u64, generation: u64);
+    /// The allocation recorded under `key` at `generation` is no longer used; `streams` is
+    /// set for a stream-ordered allocation.
+    fn release(&self, key: u64, generation: u64, streams: Option<StreamUse>);
 
     /// The table's current generation (a reset bumps it).
     fn generation(&self) -> u64;
@@ -70,6 +161,9 @@ pub(crate) struct Allocation {
     base: DevicePtr,
     size: usize,
     release: Release,
+    /// Set for a stream-ordered allocation: its streams, changed by `record_stream` and
+    /// `free_on` while pointers live, handed to the release.
+    streams: Option<Box<Mutex<StreamUse>>>,
     /// Kept alive as long as the memory (the host buffer behind a mapped pin). Dropped after
     /// `release` ran, since fields drop after `Drop::drop`.
     _owner: Option<HostOwner>,
@@ -77,13 +171,17 @@ pub(crate) struct Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
+        let streams = self
+            .streams
+            .take()
+            .map(|s| s.into_inner().unwrap_or_else(|p| p.into_inner()));
         match &mut self.release {
             Release::Tracked {
                 table,
                 key,
                 generation,
             } => {
-                table.release(*key, *generation);
+                table.release(*key, *generation, streams);
             }
             Release::Custom(action) => {
                 let action = action.get_mut().unwrap_or_else(|p| p.into_inner()).take();
@@ -91,7 +189,12 @@ impl Drop for Allocation {
                     action(self.base, self.size);
                 }
             }
-            Release::Hook { hook, tag } | Release::Wrapped { hook, tag, .. } => {
+            Release::Hook { hook, tag } => match streams {
+                Some(streams) => hook.release_on_streams(self.base, self.size, *tag, streams),
+                None => hook.release(self.base, self.size, *tag),
+            },
+            Release::Wrapped { hook, tag, .. } => {
+                // The streams are the inner allocation's (a wrapper records none of its own).
                 hook.release(self.base, self.size, *tag);
             }
             Release::Mapping { .. } | Release::Unowned => {}
@@ -127,6 +230,18 @@ impl MemoryPointer {
         release: Release,
         owner: Option<HostOwner>,
     ) -> MemoryPointer {
+        Self::from_parts(device, ctx, base, size, release, owner, None)
+    }
+
+    pub(crate) fn from_parts(
+        device: DeviceOrdinal,
+        ctx: ContextHandle,
+        base: DevicePtr,
+        size: usize,
+        release: Release,
+        owner: Option<HostOwner>,
+        stream: Option<StreamHandle>,
+    ) -> MemoryPointer {
         MemoryPointer {
             alloc: Arc::new(Allocation {
                 device,
@@ -134,6 +249,7 @@ impl MemoryPointer {
                 base,
                 size,
                 release,
+                streams: stream.map(|s| Box::new(Mutex::new(StreamUse::on(s)))),
                 _owner: owner,
             }),
             offset: 0,
@@ -173,6 +289,30 @@ impl MemoryPointer {
         tag: u64,
     ) -> MemoryPointer {
         Self::from_release(device, ctx, base, size, Release::Hook { hook, tag }, None)
+    }
+
+    /// As [`with_hook`](Self::with_hook), for memory allocated on `stream` (a manager's
+    /// `memalloc_on`): the pointer records the streams that use it
+    /// ([`record_stream`](Self::record_stream), [`free_on`](Self::free_on)), and the last drop
+    /// hands them to [`ReleaseHook::release_on_streams`].
+    pub fn with_hook_on(
+        device: DeviceOrdinal,
+        ctx: ContextHandle,
+        base: DevicePtr,
+        size: usize,
+        hook: Arc<dyn ReleaseHook>,
+        tag: u64,
+        stream: StreamHandle,
+    ) -> MemoryPointer {
+        Self::from_parts(
+            device,
+            ctx,
+            base,
+            size,
+            Release::Hook { hook, tag },
+            None,
+            Some(stream),
+        )
     }
 
     /// Wraps another manager's pointer (an adaptor's view of it): same address and size; when
@@ -268,6 +408,69 @@ impl MemoryPointer {
             offset: self.offset + start,
             size: stop - start,
         })
+    }
+
+    /// The stream-use record of the allocation (an adaptor's wrapper reaches its inner
+    /// pointer's), `None` for memory not allocated on a stream.
+    fn stream_record(&self) -> Option<&Mutex<StreamUse>> {
+        match &self.alloc.release {
+            Release::Wrapped { inner, .. } => inner.stream_record(),
+            _ => self.alloc.streams.as_deref(),
+        }
+    }
+
+    /// The streams of a stream-ordered allocation (allocated with `memalloc_on`): where it was
+    /// allocated, where it will be freed, and which other streams were recorded as using it.
+    /// `None` for memory not allocated on a stream.
+    pub fn streams(&self) -> Option<StreamUse> {
+        self.stream_record().map(|s| lock_use(s).clone())
+    }
+
+    /// The stream the memory was allocated on, for a stream-ordered allocation.
+    pub fn stream(&self) -> Option<StreamHandle> {
+        self.stream_record().map(|s| lock_use(s).stream)
+    }
+
+    /// Records that work queued on `stream` uses this memory (PyTorch's `record_stream`):
+    /// when the memory is freed, the manager does not reuse it until the work queued on
+    /// `stream` before the free is done. Recording a stream twice, or the stream it is freed
+    /// on, changes nothing.
+    ///
+    /// Memory not allocated on a stream (by `memalloc`) is refused: its free is not stream
+    /// ordered, so the caller must synchronise before dropping it.
+    pub fn record_stream(&self, stream: &(impl OrderedOn + ?Sized)) -> Result<(), EmmError> {
+        let record = self.stream_record().ok_or(EmmError::NotStreamOrdered {
+            what: "record_stream",
+        })?;
+        let mut use_ = lock_use(record);
+        let handle = stream.stream_handle();
+        if handle != use_.free_on && !use_.recorded.contains(&handle) {
+            use_.recorded.push(handle);
+            use_.keep(stream);
+        }
+        Ok(())
+    }
+
+    /// Keeps `stream` (the allocation stream) alive while the memory may need it.
+    pub(crate) fn keep_stream(&self, stream: &(impl OrderedOn + ?Sized)) {
+        if let Some(record) = self.stream_record() {
+            lock_use(record).keep(stream);
+        }
+    }
+
+    /// Frees the memory on `stream` instead of the stream it was allocated on; the allocation
+    /// stream's work queued before the free still completes before anything else reuses it.
+    /// Refused for memory not allocated on a stream.
+    pub fn free_on(&self, stream: &(impl OrderedOn + ?Sized)) -> Result<(), EmmError> {
+        let record = self
+            .stream_record()
+            .ok_or(EmmError::NotStreamOrdered { what: "free_on" })?;
+        let mut use_ = lock_use(record);
+        let handle = stream.stream_handle();
+        use_.free_on = handle;
+        use_.recorded.retain(|s| *s != handle);
+        use_.keep(stream);
+        Ok(())
     }
 
     /// Whether this points into an opened IPC mapping (released by the handle's `close`), rather

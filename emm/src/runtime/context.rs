@@ -12,7 +12,7 @@ use driver_sys::{
 use crate::contract::factory::ManagerContext;
 use crate::contract::info::{MemoryInfo, PoolReport, Usage};
 use crate::contract::ipc::{DeviceIdentity, IpcHandle};
-use crate::contract::manager::MemoryManager;
+use crate::contract::manager::{MemoryManager, StreamOrdering};
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
 use crate::ipc::imports::PoolImports;
@@ -95,6 +95,39 @@ impl Context {
     pub fn memalloc(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
         self.ensure_alive("memalloc")?;
         self.inner.manager.memalloc(bytes)
+    }
+
+    /// Allocates `bytes` of device memory for work on `stream` (the manager's
+    /// [`memalloc_on`](MemoryManager::memalloc_on)): usable by work queued on `stream` from
+    /// now on; when the last pointer drops, freed on `stream` (or the stream given to
+    /// [`MemoryPointer::free_on`]) once the work of every stream recorded with
+    /// [`MemoryPointer::record_stream`] is done. The stream is kept alive (not destroyed)
+    /// while the memory needs it. [`stream_ordering`](Self::stream_ordering) says how the
+    /// manager orders reuse; a manager that does not allocate on streams refuses.
+    ///
+    /// ```
+    /// let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// let ctx = runtime.context(0)?;
+    /// let (a, b) = (ctx.create_stream()?, ctx.create_stream()?);
+    /// let mem = ctx.memalloc_on(1 << 20, &a)?;
+    /// ctx.memset_async(&mem, 0, &a)?;
+    /// mem.record_stream(&b)?; // b reads it too: reused only once both are done
+    /// assert_eq!(mem.stream(), Some(a.handle()));
+    /// drop(mem);
+    /// # Ok::<(), emm::EmmError>(())
+    /// ```
+    pub fn memalloc_on(&self, bytes: usize, stream: &Stream) -> Result<MemoryPointer, EmmError> {
+        check_same_context(&self.inner.cx, stream.context(), "memalloc_on")?;
+        self.ensure_alive("memalloc_on")?;
+        let mem = self.inner.manager.memalloc_on(bytes, stream.handle())?;
+        mem.keep_stream(stream);
+        Ok(mem)
+    }
+
+    /// How the context's manager orders memory allocated on streams.
+    pub fn stream_ordering(&self) -> StreamOrdering {
+        self.inner.manager.stream_ordering()
     }
 
     /// Allocates `bytes` of managed memory (Numba's `memallocmanaged`): one address for the

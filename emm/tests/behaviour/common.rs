@@ -24,3 +24,12 @@ pub fn runtime_with(sim: &Arc<SimDriver>, manager: &str) -> Runtime {
         .build()
         .unwrap()
 }
+
+/// The number of cases of a property test: `PROPTEST_CASES` when set, else `default` (what
+/// CI runs).
+pub fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}

@@ -13,13 +13,6 @@ use emm::{
 };
 use proptest::prelude::*;
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256)
-}
-
 /// What a handle names: a `cuIpcGetMemHandle` allocation or a pool allocation.
 fn memory() -> impl Strategy<Value = IpcMemory> {
     let driver_bytes = prop::array::uniform32(any::<u8>()).prop_map(|raw| {
@@ -57,7 +50,7 @@ fn identity() -> impl Strategy<Value = Option<DeviceIdentity>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: crate::common::cases(256), failure_persistence: None, ..ProptestConfig::default() })]
 
     /// Any bytes: a handle or a clear error, never a panic.
     #[test]

@@ -15,6 +15,7 @@
 //! | `state_machine` | a context against a reference model (proptest state machine) |
 //! | `layers` | no module of emm imports a higher layer |
 //! | `in_flight` | an asynchronous copy that cannot finish leaks its buffers rather than freeing them |
+//! | `stream_reuse` | stream-ordered memory under every shipped manager against a model of stream work (property test) |
 #![cfg(not(emm_loom))]
 
 mod common;
@@ -28,3 +29,4 @@ mod pool_ipc;
 mod pools;
 mod selection;
 mod state_machine;
+mod stream_reuse;

@@ -206,13 +206,6 @@ fn malformed_transfers_are_refused() {
     assert!(e.to_string().contains("import_pool"), "{e}");
 }
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256)
-}
-
 #[derive(Clone, Debug)]
 enum Step {
     /// Allocate this many bytes, filled with a byte of its own.
@@ -241,7 +234,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: crate::common::cases(256), failure_persistence: None, ..ProptestConfig::default() })]
 
     /// Random allocations, exports of views, opens (direct or staged) and closes in another
     /// process: every open sees exactly the exported bytes, a closed direct mapping is stale, a

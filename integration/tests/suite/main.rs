@@ -164,6 +164,8 @@ const TESTS: &[SuiteTest] = suite_tests![
     streams::events_host_functions_and_auto_synchronize,
     streams::streams_refuse_work_after_a_reset,
     streams::async_copies_in_stream_order,
+    streams::cross_stream_reuse,
+    streams::cross_stream_check_catches_early_reuse,
     driver_conformance::managed_memory_conformance[ProvokesFailedReleases],
     driver_conformance::device_attributes_conformance,
     driver_conformance::ipc_mapping_conformance[ProvokesFailedReleases],

@@ -59,9 +59,10 @@ impl AsyncPoolAllocator {
                     .map_err(self.err("get_ipc_handle"))?,
             );
         }
-        // The importer must not touch the memory before its allocation completed.
+        // The importer must not touch the memory before its allocation completed (on its
+        // own stream, for memory from `memalloc_on`).
         cx.driver
-            .stream_synchronize(cx.context, STREAM)
+            .stream_synchronize(cx.context, memory.stream().unwrap_or(STREAM))
             .map_err(self.err("get_ipc_handle"))?;
         let data = cx
             .driver

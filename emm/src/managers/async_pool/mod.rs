@@ -5,11 +5,18 @@
 //! - The manager creates its own pool for the context at the first `initialize` (or
 //!   allocation), with the release threshold at its maximum, so freed memory stays cached in
 //!   the pool instead of going back to the system at every synchronisation.
-//! - Allocations and frees are ordered on the legacy default stream (0): emm's copies are
+//! - `memalloc` allocates and frees on the legacy default stream (0): emm's copies are
 //!   synchronous, so work on that stream is complete when a copy returns, and a block freed
-//!   there is safe to reuse by the next allocation. **Streams** other than the legacy default
-//!   stream are not known to the manager: work on them that uses the memory must be complete
-//!   (synchronised) before the pointer is dropped.
+//!   there is safe to reuse by the next allocation. Work on other streams that uses such
+//!   memory must be complete (synchronised) before the pointer is dropped.
+//! - **Streams** ([`StreamOrdering::Driver`]): `memalloc_on` allocates with
+//!   `cuMemAllocFromPoolAsync` on the caller's stream, and the last drop frees with
+//!   `cuMemFreeAsync` on the allocation's stream (or the one given to
+//!   [`MemoryPointer::free_on`]); for every other stream that used the block (recorded with
+//!   [`MemoryPointer::record_stream`], or the allocation stream when the free moved), an event
+//!   is recorded there and the freeing stream waits for it first. The driver then orders
+//!   reuse: the block is reused on the freeing stream in order, and on other streams once the
+//!   free ran, or with a dependency on it that the driver inserts.
 //! - A pointer's last drop calls `cuMemFreeAsync` at once (it is cheap and does not
 //!   synchronise), so nothing goes through the deferred queue.
 //! - `trim` synchronises the stream and calls `cuMemPoolTrimTo(0)`; `reset` destroys the pool
@@ -48,12 +55,14 @@ use driver_sys::{DevicePtr, DriverError, ErrorKind, MemPoolHandle, StreamHandle}
 use crate::contract::factory::{FnFactory, ManagerContext};
 use crate::contract::info::{MemoryInfo, PoolStats};
 use crate::contract::ipc::IpcHandle;
+use crate::contract::manager::StreamOrdering;
 use crate::contract::pool_export::{PoolExport, PoolId};
 use crate::error::EmmError;
+use crate::host::fences::Fences;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::managers::default::DriverAllocator;
 use crate::memory::pending::PendingDeallocs;
-use crate::memory::pointer::{MemoryPointer, ReleaseHook};
+use crate::memory::pointer::{MemoryPointer, ReleaseHook, StreamUse};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
 #[cfg(unix)]
@@ -88,10 +97,13 @@ struct Shared {
     /// Bumped by `reset` (with the state locked); pointers of older generations free nothing.
     generation: AtomicU64,
     queue: Arc<PendingDeallocs>,
+    /// Events for the frees of blocks that other streams used.
+    fences: Fences,
 }
 
-impl ReleaseHook for Shared {
-    fn release(&self, base: DevicePtr, _size: usize, tag: u64) {
+impl Shared {
+    /// Frees `base` on `stream` once the last record of every other stream in `after` is done.
+    fn free(&self, base: DevicePtr, tag: u64, stream: StreamHandle, after: Option<&StreamUse>) {
         let mut state = lock(&self.state);
         if self.generation.load(Ordering::Acquire) != tag || !state.live.remove(&base.0) {
             return;
@@ -99,16 +111,49 @@ impl ReleaseHook for Shared {
         let Some(_live) = self.cx.liveness.enter() else {
             return;
         };
+        let (cx, device) = (&self.cx, self.cx.device);
+        let ordered = match after {
+            Some(streams) if streams.other_streams().next().is_some() => self
+                .fences
+                .record(streams.other_streams())
+                .and_then(|fence| {
+                    let waited = self.fences.wait_on(&fence, stream);
+                    // A wait captures the record it waits for: the events can be reused.
+                    self.fences.recycle(fence);
+                    waited
+                }),
+            _ => Ok(()),
+        };
+        if let Err(e) = ordered {
+            // The free cannot be ordered after the other streams: the block is kept (a
+            // reset frees it) rather than reused under their work.
+            tracing::error!(device = %device, error = %e, ptr = %base, "ordering a free after the streams that used the block failed; the block is kept until the manager's reset");
+            state.live.insert(base.0);
+            self.queue
+                .record_error(EmmError::driver("free on a stream", device, e));
+            return;
+        }
         // SAFETY: `base` came from `cuMemAllocFromPoolAsync` of the current pool (the
         // generation matches, and the state lock keeps a reset from destroying the pool
-        // meanwhile); its last pointer dropped, so it is freed once and not used after; the
-        // context is alive (`_live`).
-        if let Err(e) = unsafe { self.cx.driver.mem_free_async(self.cx.context, base, STREAM) } {
-            tracing::error!(device = %self.cx.device, error = %e, ptr = %base, "cuMemFreeAsync failed; the error is returned by the next flush");
+        // meanwhile); its last pointer dropped, so it is freed once and not used after, and
+        // the freeing stream waits for every other stream that used it; the context is alive
+        // (`_live`).
+        if let Err(e) = unsafe { cx.driver.mem_free_async(cx.context, base, stream) } {
+            tracing::error!(device = %device, error = %e, ptr = %base, "cuMemFreeAsync failed; the error is returned by the next flush");
             self.queue
-                .record_error(EmmError::driver("cuMemFreeAsync", self.cx.device, e));
+                .record_error(EmmError::driver("cuMemFreeAsync", device, e));
         }
         drop(state);
+    }
+}
+
+impl ReleaseHook for Shared {
+    fn release(&self, base: DevicePtr, _size: usize, tag: u64) {
+        self.free(base, tag, STREAM, None);
+    }
+
+    fn release_on_streams(&self, base: DevicePtr, _size: usize, tag: u64, streams: StreamUse) {
+        self.free(base, tag, streams.free_on, Some(&streams));
     }
 
     fn is_live(&self, tag: u64) -> bool {
@@ -155,6 +200,7 @@ impl AsyncPoolAllocator {
                 }),
                 generation: AtomicU64::new(0),
                 queue: Arc::clone(host.deallocations()),
+                fences: Fences::new(host.context()),
             }),
         }
     }
@@ -285,40 +331,81 @@ impl AsyncPoolAllocator {
     }
 }
 
-impl DeviceAllocator for AsyncPoolAllocator {
-    fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+impl AsyncPoolAllocator {
+    /// `cuMemAllocFromPoolAsync` of `bytes` on `stream`; out of memory, waits for `stream`
+    /// and the legacy default stream (frees the host has not observed stay reserved) and
+    /// retries, then the host layer flushes and retries once more.
+    fn alloc(
+        &self,
+        host: &HostLayer,
+        what: &'static str,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<(DevicePtr, u64), EmmError> {
         if bytes == 0 {
-            return Err(EmmError::ZeroSize { what: "memalloc" });
+            return Err(EmmError::ZeroSize { what });
         }
         let shared = &self.shared;
         let cx = &shared.cx;
-        let (ptr, generation) =
-            host.attempt_allocation("memalloc", AllocationKind::Device, bytes, || {
-                let mut state = lock(&shared.state);
-                let pool = self.pool(&mut state)?;
-                let alloc = || {
-                    cx.driver
-                        .mem_alloc_from_pool_async(cx.context, pool, bytes, STREAM)
-                };
-                let ptr = match alloc() {
-                    Err(e) if e.kind() == ErrorKind::OutOfMemory => {
-                        tracing::warn!(device = %cx.device, bytes, "stream-ordered pool out of memory; waiting for its frees and retrying");
+        host.attempt_allocation(what, AllocationKind::Device, bytes, || {
+            let mut state = lock(&shared.state);
+            let pool = self.pool(&mut state)?;
+            let alloc = || {
+                cx.driver
+                    .mem_alloc_from_pool_async(cx.context, pool, bytes, stream)
+            };
+            let ptr = match alloc() {
+                Err(e) if e.kind() == ErrorKind::OutOfMemory => {
+                    tracing::warn!(device = %cx.device, bytes, ?stream, "stream-ordered pool out of memory; waiting for its frees and retrying");
+                    cx.driver.stream_synchronize(cx.context, stream)?;
+                    if stream != STREAM {
                         cx.driver.stream_synchronize(cx.context, STREAM)?;
-                        alloc()?
                     }
-                    other => other?,
-                };
-                state.live.insert(ptr.0);
-                Ok((ptr, shared.generation.load(Ordering::Acquire)))
-            })?;
+                    alloc()?
+                }
+                other => other?,
+            };
+            state.live.insert(ptr.0);
+            Ok((ptr, shared.generation.load(Ordering::Acquire)))
+        })
+    }
+}
+
+impl DeviceAllocator for AsyncPoolAllocator {
+    fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        let (ptr, generation) = self.alloc(host, "memalloc", bytes, STREAM)?;
+        let cx = &self.shared.cx;
         Ok(MemoryPointer::with_hook(
             cx.device,
             cx.context,
             ptr,
             bytes,
-            Arc::clone(shared) as Arc<dyn ReleaseHook>,
+            Arc::clone(&self.shared) as Arc<dyn ReleaseHook>,
             generation,
         ))
+    }
+
+    fn memalloc_on(
+        &self,
+        host: &HostLayer,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<MemoryPointer, EmmError> {
+        let (ptr, generation) = self.alloc(host, "memalloc_on", bytes, stream)?;
+        let cx = &self.shared.cx;
+        Ok(MemoryPointer::with_hook_on(
+            cx.device,
+            cx.context,
+            ptr,
+            bytes,
+            Arc::clone(&self.shared) as Arc<dyn ReleaseHook>,
+            generation,
+            stream,
+        ))
+    }
+
+    fn stream_ordering(&self) -> StreamOrdering {
+        StreamOrdering::Driver
     }
 
     fn initialize(&self, host: &HostLayer) -> Result<(), EmmError> {
@@ -373,6 +460,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
         // SAFETY: the pool is this manager's, destroyed once (taken out of the state); its
         // allocations were all freed above; the context is alive (`_live`).
         let destroyed = unsafe { cx.driver.mem_pool_destroy(cx.context, pool) };
+        self.shared.fences.destroy_idle();
         match first_error {
             Some(e) => Err(EmmError::driver("reset", cx.device, e)),
             None => destroyed.map_err(self.err("reset")),

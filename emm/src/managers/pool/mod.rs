@@ -1,9 +1,12 @@
 //! The `pool` manager: a device memory pool in the manner of RMM's pool resource, as a
 //! [`DeviceAllocator`] under the [`HostOnly`] layer.
 //!
-//! **Streams.** The pool does not know streams: a block goes back to the pool when its last
-//! pointer drops, and the next allocation may hand it out at once. Work that another stream
-//! still runs on the memory must be complete (synchronised) before the pointer is dropped.
+//! **Streams.** Memory from `memalloc` is not stream ordered: a block goes back to the pool
+//! when its last pointer drops, and the next allocation may hand it out at once, so work that
+//! a stream still runs on the memory must be complete (synchronised) before the pointer is
+//! dropped. Memory from `memalloc_on` is ([`StreamOrdering::PerStream`], `streams.rs`): a
+//! block freed on a stream is reused at once by that stream, with no driver call, and by
+//! other streams only after an event recorded on every stream that used it completed.
 //!
 //! # Design
 //!
@@ -38,12 +41,14 @@
 use std::fmt;
 use std::sync::Arc;
 
-use driver_sys::{DevicePtr, DriverError, ErrorKind};
+use driver_sys::{DevicePtr, DriverError, ErrorKind, StreamHandle};
 
 use crate::contract::factory::{FnFactory, ManagerContext};
 use crate::contract::info::{MemoryInfo, PoolStats};
 use crate::contract::ipc::IpcHandle;
+use crate::contract::manager::StreamOrdering;
 use crate::error::EmmError;
+use crate::host::fences::Fences;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::managers::default::DriverAllocator;
 use crate::memory::pending::{Free, PendingDeallocs};
@@ -53,9 +58,11 @@ use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
 mod arena;
 mod shards;
+mod streams;
 
 use arena::Arena;
 use shards::{Shard, ShardHook, ShardLists, THREAD_INDEX, shard_count};
+use streams::{StreamCache, StreamHook, StreamLists};
 
 /// The name the pool manager is registered under.
 pub const POOL_MANAGER: &str = "pool";
@@ -112,6 +119,10 @@ struct PoolShared {
     shards: Box<[Shard]>,
     /// The deferred-deallocation queue of the host layer: chunk frees go through it.
     queue: Arc<PendingDeallocs>,
+    /// Stream-ordered blocks (`streams.rs`); its lock comes before the arena's.
+    streams: StreamCache,
+    /// Events for the fences of stream-ordered frees.
+    fences: Fences,
 }
 
 impl fmt::Debug for PoolShared {
@@ -208,6 +219,10 @@ impl PoolShared {
     /// Returns cached blocks to the arena and queues the free of every unused chunk; returns
     /// the bytes queued. The caller flushes.
     fn trim_to_queue(&self) -> usize {
+        if let Err(e) = self.reclaim_stream_blocks(None, false) {
+            tracing::warn!(device = %self.cx.device, error = %e, "returning stream-ordered blocks to the pool failed; the trim leaves them out");
+            self.queue.record_error(e);
+        }
         self.drain_shards();
         let chunks = lock(&self.arena).remove_free_chunks();
         let bytes = chunks.iter().map(|&(_, s)| s).sum();
@@ -235,6 +250,19 @@ impl PoolShared {
                 match fallback {
                     Ok(b) => (b, need),
                     Err(e) if e.kind() == ErrorKind::OutOfMemory => {
+                        // Blocks other streams freed: wait for their work, then use them.
+                        match self.reclaim_stream_blocks(None, true) {
+                            Ok(0) => {}
+                            Ok(_) => {
+                                if let Some(found) = lock(&self.arena).take_counted(size, large) {
+                                    return Ok(found);
+                                }
+                            }
+                            Err(e) => {
+                                tracing::warn!(device = %self.cx.device, error = %e, "waiting for stream-ordered frees failed");
+                                self.queue.record_error(e);
+                            }
+                        }
                         let queued = self.trim_to_queue();
                         tracing::warn!(device = %self.cx.device, requested = size, released = queued, "pool out of memory; trimmed, retrying");
                         if queued > 0 {
@@ -277,7 +305,14 @@ impl PoolShared {
     }
 
     fn stats(&self) -> PoolStats {
-        let (mut blocks, mut bytes, mut cached) = (0i64, 0i64, 0usize);
+        let (mut blocks, mut bytes, mut cached) = {
+            let s = lock(&self.streams.inner);
+            (
+                s.in_use_blocks as i64,
+                s.in_use_bytes as i64,
+                s.cached_bytes,
+            )
+        };
         for shard in self.shards.iter() {
             let lists = lock(&shard.inner);
             blocks += lists.in_use_blocks;
@@ -302,6 +337,7 @@ impl PoolShared {
 pub struct PoolAllocator {
     shared: Arc<PoolShared>,
     hooks: Box<[Arc<dyn ReleaseHook>]>,
+    stream_hook: Arc<dyn ReleaseHook>,
 }
 
 impl fmt::Debug for PoolAllocator {
@@ -345,6 +381,13 @@ impl PoolAllocator {
                 })
                 .collect(),
             queue: Arc::clone(host.deallocations()),
+            streams: StreamCache {
+                inner: Mutex::new(StreamLists::default()),
+            },
+            fences: Fences::new(host.context()),
+        });
+        let stream_hook = Arc::new(StreamHook {
+            pool: Arc::clone(&shared),
         });
         let hooks = (0..shared.shards.len())
             .map(|shard| {
@@ -354,7 +397,11 @@ impl PoolAllocator {
                 }) as Arc<dyn ReleaseHook>
             })
             .collect();
-        Ok(PoolAllocator { shared, hooks })
+        Ok(PoolAllocator {
+            shared,
+            hooks,
+            stream_hook,
+        })
     }
 
     /// What the pool holds now.
@@ -447,7 +494,63 @@ impl PoolAllocator {
     }
 }
 
+impl PoolAllocator {
+    fn alloc_on(
+        &self,
+        host: &HostLayer,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<MemoryPointer, EmmError> {
+        let pool = &*self.shared;
+        let size = block_size(bytes, pool.config.small_max);
+        let (addr, generation) = match pool.take_on_stream(stream, size) {
+            Some(found) => found,
+            None => {
+                let found = lock(&pool.arena).take_counted(size, false);
+                let (addr, generation) = match found {
+                    Some(found) => found,
+                    None => {
+                        // Before growing: other streams' blocks whose work is done.
+                        pool.reclaim_stream_blocks(Some(stream), false)?;
+                        pool.take_from_arena(host, size, false)?
+                    }
+                };
+                pool.count_stream_block(size, generation);
+                (addr, generation)
+            }
+        };
+        let cx = &pool.cx;
+        Ok(MemoryPointer::with_hook_on(
+            cx.device,
+            cx.context,
+            DevicePtr(addr),
+            bytes,
+            Arc::clone(&self.stream_hook),
+            generation,
+            stream,
+        ))
+    }
+}
+
 impl DeviceAllocator for PoolAllocator {
+    fn memalloc_on(
+        &self,
+        host: &HostLayer,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<MemoryPointer, EmmError> {
+        if bytes == 0 {
+            return Err(EmmError::ZeroSize {
+                what: "memalloc_on",
+            });
+        }
+        self.alloc_on(host, bytes, stream)
+    }
+
+    fn stream_ordering(&self) -> StreamOrdering {
+        StreamOrdering::PerStream
+    }
+
     fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
         if bytes == 0 {
             return Err(EmmError::ZeroSize { what: "memalloc" });
@@ -479,6 +582,7 @@ impl DeviceAllocator for PoolAllocator {
     fn reset(&self, host: &HostLayer) -> Result<(), EmmError> {
         let pool = &*self.shared;
         let chunks = {
+            let mut streams = lock(&pool.streams.inner);
             let mut arena = lock(&pool.arena);
             let mut shards: Vec<_> = pool.shards.iter().map(|s| lock(&s.inner)).collect();
             pool.generation.fetch_add(1, Ordering::AcqRel);
@@ -491,6 +595,10 @@ impl DeviceAllocator for PoolAllocator {
                 lists.in_use_blocks = 0;
                 lists.in_use_bytes = 0;
             }
+            for (_, fence) in std::mem::take(&mut streams.waiting) {
+                pool.fences.recycle(fence);
+            }
+            *streams = StreamLists::default();
             let chunks = std::mem::take(&mut arena.chunks);
             arena.by_addr.clear();
             arena.by_size.clear();
@@ -500,6 +608,9 @@ impl DeviceAllocator for PoolAllocator {
             chunks
         };
         tracing::info!(device = %pool.cx.device, chunks = chunks.len(), bytes = chunks.values().sum::<usize>(), "pool reset");
+        if let Some(_live) = pool.cx.liveness.enter() {
+            pool.fences.destroy_idle();
+        }
         let queue = host.deallocations();
         queue.push_all_without_flush(chunks.into_iter().map(|(b, s)| Free::Device {
             ptr: DevicePtr(b),

@@ -1,0 +1,117 @@
+//! Fences for stream-ordered frees: events recorded on the streams that used a block when it
+//! was freed, so that a manager hands the block to anyone else only once that work is done.
+//! The events are recycled ([`Fences`]); a fence is a short list of them ([`Fence`]).
+
+#![allow(unsafe_code)]
+
+use driver_sys::{DriverError, EventHandle, StreamHandle, event_flags};
+
+use crate::contract::factory::ManagerContext;
+use crate::sync::{Mutex, lock};
+
+/// Events recorded on streams at one moment: done when all of them are.
+#[derive(Debug, Default)]
+pub struct Fence {
+    events: Vec<EventHandle>,
+}
+
+/// A manager's recycled events (created without timing), and the operations on fences.
+#[derive(Debug)]
+pub struct Fences {
+    cx: ManagerContext,
+    idle: Mutex<Vec<EventHandle>>,
+}
+
+impl Fences {
+    /// Fences for the context of `cx`.
+    pub fn new(cx: &ManagerContext) -> Fences {
+        Fences {
+            cx: cx.clone(),
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn event(&self) -> Result<EventHandle, DriverError> {
+        if let Some(e) = lock(&self.idle).pop() {
+            return Ok(e);
+        }
+        self.cx
+            .driver
+            .event_create(self.cx.context, event_flags::DISABLE_TIMING)
+    }
+
+    /// Records an event on each of `streams` now. The caller holds the context's liveness.
+    /// On an error the events recorded so far go back to the idle list.
+    pub fn record(
+        &self,
+        streams: impl IntoIterator<Item = StreamHandle>,
+    ) -> Result<Fence, DriverError> {
+        let mut fence = Fence::default();
+        for stream in streams {
+            let recorded = self.event().and_then(|e| {
+                fence.events.push(e);
+                self.cx.driver.event_record(self.cx.context, e, stream)
+            });
+            if let Err(e) = recorded {
+                self.recycle(fence);
+                return Err(e);
+            }
+        }
+        Ok(fence)
+    }
+
+    /// Whether every event of `fence` completed (no waiting).
+    pub fn is_done(&self, fence: &Fence) -> Result<bool, DriverError> {
+        for &e in &fence.events {
+            if !self.cx.driver.event_query(self.cx.context, e)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Waits until every event of `fence` completed.
+    pub fn wait(&self, fence: &Fence) -> Result<(), DriverError> {
+        for &e in &fence.events {
+            self.cx.driver.event_synchronize(self.cx.context, e)?;
+        }
+        Ok(())
+    }
+
+    /// Makes work queued on `stream` from now on wait for every event of `fence`.
+    pub fn wait_on(&self, fence: &Fence, stream: StreamHandle) -> Result<(), DriverError> {
+        for &e in &fence.events {
+            self.cx
+                .driver
+                .stream_wait_event(self.cx.context, stream, e)?;
+        }
+        Ok(())
+    }
+
+    /// Takes back the events of a fence that is done (or no longer needed).
+    pub fn recycle(&self, fence: Fence) {
+        lock(&self.idle).extend(fence.events);
+    }
+
+    /// Destroys the idle events (a reset). The caller holds the context's liveness; events
+    /// of fences still held elsewhere are recycled later and destroyed by the next call.
+    pub fn destroy_idle(&self) {
+        let idle = std::mem::take(&mut *lock(&self.idle));
+        for e in idle {
+            // SAFETY: an idle event is recorded on nothing that is still to be waited for by
+            // emm (its fence was recycled), owned by this list alone, and destroyed once; the
+            // driver keeps a recorded event until its work completes.
+            if let Err(err) = unsafe { self.cx.driver.event_destroy(self.cx.context, e) } {
+                tracing::warn!(device = %self.cx.device, error = %err, "destroying a fence event failed");
+            }
+        }
+    }
+}
+
+impl Drop for Fences {
+    fn drop(&mut self) {
+        if let Some(_live) = self.cx.liveness.enter() {
+            self.destroy_idle();
+        }
+    }
+}
