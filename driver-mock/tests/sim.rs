@@ -417,6 +417,36 @@ mod streams {
         assert!(sim.stream_query(ctx, s).unwrap());
     }
 
+    /// An event recorded on a held stream, then again on an idle one: a wait made after the
+    /// first record waits for that record, even once the second has run (found by emm's
+    /// stream-reuse property test: the simulator once kept one completion mark per event).
+    #[test]
+    fn a_wait_names_the_record_it_waits_for() {
+        let (sim, ctx) = started(SimConfig::default());
+        let (fh, fd) = flag(&sim, ctx);
+        let [held, idle, waiter] =
+            [(); 3].map(|_| sim.stream_create(ctx, stream_flags::NON_BLOCKING).unwrap());
+        let e = sim
+            .event_create(ctx, driver_sys::event_flags::DISABLE_TIMING)
+            .unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        sim.stream_wait_value32(ctx, held, fd, 1, wait_value::EQ)
+            .unwrap();
+        sim.event_record(ctx, e, held).unwrap();
+        sim.stream_wait_event(ctx, waiter, e).unwrap();
+        log(&sim, ctx, waiter, &seen, 1);
+        sim.event_record(ctx, e, idle).unwrap();
+        sim.run_streams();
+        assert!(sim.event_query(ctx, e).unwrap(), "the last record ran");
+        assert!(
+            seen.lock().unwrap().is_empty(),
+            "the wait is for the first record, still held"
+        );
+        set(fh, 1);
+        sim.run_streams();
+        assert_eq!(*seen.lock().unwrap(), vec![1]);
+    }
+
     #[test]
     fn a_wait_holds_until_the_flag_and_a_hang_is_an_error() {
         let (sim, ctx) = started(SimConfig::default());

@@ -426,36 +426,44 @@ fn frees_while_a_stream_waits(
             }),
         ),
     ];
+    // Each call on a thread of its own, after a first call (`cuMemGetInfo`) that makes the
+    // context current there, timed apart: a new thread's first call is not what is probed.
     let mut pending = Vec::new();
     for (what, call) in calls {
         let d2 = std::sync::Arc::clone(d);
         let (tx, rx) = std::sync::mpsc::channel();
-        let start = Instant::now();
         let t = std::thread::spawn(move || {
+            let start = Instant::now();
+            let first = d2.mem_get_info(ctx).map(drop);
+            let warm = start.elapsed();
+            let start = Instant::now();
             let r = call(&*d2);
-            let _ = tx.send((r, start.elapsed()));
+            let _ = tx.send((first, warm, r, start.elapsed()));
         });
         match rx.recv_timeout(Duration::from_secs(3)) {
-            Ok((r, took)) => {
-                println!("{what}: returned in {took:?}: {r:?}");
+            Ok((first, warm, r, took)) => {
+                println!(
+                    "{what}: returned in {took:?}: {r:?} (cuMemGetInfo first: {first:?} in {warm:?})"
+                );
                 t.join().expect("probe thread");
             }
             Err(_) => {
                 println!("{what}: still blocked after 3 s (waits for the held stream)");
-                pending.push((what, rx, t, start));
-                break; // later calls would queue behind it
+                pending.push((what, rx, t));
             }
         }
     }
+    let released = Instant::now();
     // SAFETY: as above; the host writes the flag the stream waits for.
     unsafe { word.write_volatile(1) };
-    for (what, rx, t, start) in pending {
-        let r = rx.recv_timeout(Duration::from_secs(30));
-        println!(
-            "{what}: after the flag, returned {:?} after {:?}",
-            r.map(|x| x.0),
-            start.elapsed()
-        );
+    for (what, rx, t) in pending {
+        match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok((first, warm, r, took)) => println!(
+                "{what}: after the flag, {r:?} in {took:?} (returned {:?} after the flag; cuMemGetInfo first: {first:?} in {warm:?})",
+                released.elapsed()
+            ),
+            Err(e) => println!("{what}: no answer 30 s after the flag: {e}"),
+        }
         t.join().expect("probe thread");
     }
     d.stream_synchronize(ctx, s)?;

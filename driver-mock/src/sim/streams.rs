@@ -15,7 +15,7 @@
 //! stream do not. The per-thread default stream is one stream per process here (the simulator
 //! does not tell threads apart; a modelling choice).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
 use driver_sys::{ContextHandle, DevicePtr, EventHandle, HostFn, StreamHandle, code, wait_value};
@@ -116,11 +116,20 @@ pub(super) struct SimStream {
 #[derive(Debug, Default)]
 pub(super) struct SimEvent {
     pub(super) timing: bool,
-    /// The serial of its last record, and of the last record that completed.
+    /// The serial of its last record, and the records queued but not run yet. Records
+    /// complete in any order (an event recorded on a held stream, then on an idle one): a
+    /// wait names the record it waits for, as the driver's does.
     recorded: u64,
-    completed: u64,
+    pending: BTreeSet<u64>,
     /// The simulated time its last completed record ran at.
     at: Option<f64>,
+}
+
+impl SimEvent {
+    /// Whether record `serial` ran (0, never recorded, always has).
+    fn is_done(&self, serial: u64) -> bool {
+        !self.pending.contains(&serial)
+    }
 }
 
 /// A process's streams (by handle; the legacy default stream of device `d` is `LEGACY + d`
@@ -287,7 +296,7 @@ impl World {
         let device = s.streams[&k].device;
         match w {
             Work::WaitEvent { event, serial } => {
-                s.events.get(event).is_none_or(|e| e.completed >= *serial)
+                s.events.get(event).is_none_or(|e| e.is_done(*serial))
             }
             Work::WaitStream { key, upto } => s.streams.get(key).is_none_or(|q| q.done >= *upto),
             Work::WaitValue { addr, value, flags } => {
@@ -362,8 +371,10 @@ impl World {
             Work::Host(Pending(f)) => f(),
             Work::Record { event, serial } => {
                 if let Some(e) = self.processes[pid].streams.events.get_mut(&event) {
-                    e.completed = e.completed.max(serial);
-                    e.at = Some(clock);
+                    e.pending.remove(&serial);
+                    if serial == e.recorded {
+                        e.at = Some(clock);
+                    }
                 }
             }
             Work::WriteValue { addr, value } => {
@@ -510,6 +521,7 @@ impl World {
         let e = self.event_mut(pid, event)?;
         e.recorded += 1;
         let serial = e.recorded;
+        e.pending.insert(serial);
         self.enqueue(
             pid,
             device,
@@ -553,7 +565,7 @@ impl World {
     ) -> Result<bool, u32> {
         context(self, pid, ctx, note)?;
         let e = self.event_mut(pid, event)?;
-        Ok(e.completed >= e.recorded)
+        Ok(e.is_done(e.recorded))
     }
 
     /// `cuEventSynchronize`.
@@ -572,7 +584,7 @@ impl World {
                 .streams
                 .events
                 .get(&h)
-                .is_none_or(|e| e.completed >= target)
+                .is_none_or(|e| e.is_done(target))
         })
     }
 
@@ -593,7 +605,7 @@ impl World {
             if !e.timing || e.recorded == 0 {
                 return Err(code::INVALID_HANDLE);
             }
-            if e.completed < e.recorded {
+            if !e.is_done(e.recorded) {
                 return Err(code::NOT_READY);
             }
             at[i] = e.at.expect("completed");

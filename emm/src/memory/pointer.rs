@@ -56,7 +56,9 @@ pub struct StreamUse {
     /// they were recorded, each once.
     pub recorded: Vec<StreamHandle>,
     /// What keeps emm's own streams among these alive (a created stream is not destroyed
-    /// while memory ordered on it may still be freed or cached on it).
+    /// while memory ordered on it may still be freed or cached on it): the allocation
+    /// stream's apart, so that the common case allocates nothing.
+    alloc_owner: Option<HostOwner>,
     keep: Vec<(StreamHandle, HostOwner)>,
 }
 
@@ -87,20 +89,30 @@ impl StreamUse {
             stream,
             free_on: stream,
             recorded: Vec::new(),
+            alloc_owner: None,
             keep: Vec::new(),
         }
     }
 
     /// What keeps `stream` alive, if it is one of emm's created streams.
     pub fn owner_of(&self, stream: StreamHandle) -> Option<&HostOwner> {
+        if stream == self.stream && self.alloc_owner.is_some() {
+            return self.alloc_owner.as_ref();
+        }
         self.keep.iter().find(|(s, _)| *s == stream).map(|(_, o)| o)
     }
 
     fn keep(&mut self, stream: &(impl OrderedOn + ?Sized)) {
+        if self.owner_of(stream.stream_handle()).is_some() {
+            return;
+        }
+        let Some(owner) = stream.keep_alive() else {
+            return;
+        };
         let handle = stream.stream_handle();
-        if self.keep.iter().all(|(s, _)| *s != handle)
-            && let Some(owner) = stream.keep_alive()
-        {
+        if handle == self.stream {
+            self.alloc_owner = Some(owner);
+        } else {
             self.keep.push((handle, owner));
         }
     }
@@ -163,7 +175,7 @@ pub(crate) struct Allocation {
     release: Release,
     /// Set for a stream-ordered allocation: its streams, changed by `record_stream` and
     /// `free_on` while pointers live, handed to the release.
-    streams: Option<Box<Mutex<StreamUse>>>,
+    streams: Option<Mutex<StreamUse>>,
     /// Kept alive as long as the memory (the host buffer behind a mapped pin). Dropped after
     /// `release` ran, since fields drop after `Drop::drop`.
     _owner: Option<HostOwner>,
@@ -249,7 +261,7 @@ impl MemoryPointer {
                 base,
                 size,
                 release,
-                streams: stream.map(|s| Box::new(Mutex::new(StreamUse::on(s)))),
+                streams: stream.map(|s| Mutex::new(StreamUse::on(s))),
                 _owner: owner,
             }),
             offset: 0,
@@ -415,7 +427,7 @@ impl MemoryPointer {
     fn stream_record(&self) -> Option<&Mutex<StreamUse>> {
         match &self.alloc.release {
             Release::Wrapped { inner, .. } => inner.stream_record(),
-            _ => self.alloc.streams.as_deref(),
+            _ => self.alloc.streams.as_ref(),
         }
     }
 

@@ -307,3 +307,27 @@ fn a_block_freed_twice_on_its_stream_waits_for_the_second_free() {
         run_sequence(manager, &steps).unwrap();
     }
 }
+
+/// Found by the property test: a free moved to another stream (its wait for the allocation
+/// stream, held) and a second free whose fence reused the same event on a stream that ran.
+/// The simulator once let the second record's completion satisfy the first wait.
+#[test]
+fn a_wait_on_a_reused_event_waits_for_its_own_record() {
+    use Step::*;
+    let steps = [
+        Hold(1),
+        Alloc(1, 2),
+        Alloc(0, 0),
+        Run,
+        FreeOn(0, 0),
+        Write(1, 2),
+        Drop(0),
+        Drop(0),
+        Alloc(0, 0),
+        Alloc(0, 0),
+        Run,
+    ];
+    for manager in ["default", "pool", "async-pool"] {
+        run_sequence(manager, &steps).unwrap();
+    }
+}

@@ -62,7 +62,7 @@ mod streams;
 
 use arena::Arena;
 use shards::{Shard, ShardHook, ShardLists, THREAD_INDEX, shard_count};
-use streams::{StreamCache, StreamHook, StreamLists};
+use streams::{StreamCache, StreamHook};
 
 /// The name the pool manager is registered under.
 pub const POOL_MANAGER: &str = "pool";
@@ -305,14 +305,13 @@ impl PoolShared {
     }
 
     fn stats(&self) -> PoolStats {
-        let (mut blocks, mut bytes, mut cached) = {
-            let s = lock(&self.streams.inner);
-            (
-                s.in_use_blocks as i64,
-                s.in_use_bytes as i64,
-                s.cached_bytes,
-            )
-        };
+        let (mut blocks, mut bytes, mut cached) = (0i64, 0i64, 0usize);
+        for shard in self.streams.shards.iter() {
+            let s = lock(&shard.inner);
+            blocks += s.in_use_blocks;
+            bytes += s.in_use_bytes;
+            cached += s.cached_bytes;
+        }
         for shard in self.shards.iter() {
             let lists = lock(&shard.inner);
             blocks += lists.in_use_blocks;
@@ -381,9 +380,7 @@ impl PoolAllocator {
                 })
                 .collect(),
             queue: Arc::clone(host.deallocations()),
-            streams: StreamCache {
-                inner: Mutex::new(StreamLists::default()),
-            },
+            streams: StreamCache::new(),
             fences: Fences::new(host.context()),
         });
         let stream_hook = Arc::new(StreamHook {
@@ -515,7 +512,7 @@ impl PoolAllocator {
                         pool.take_from_arena(host, size, false)?
                     }
                 };
-                pool.count_stream_block(size, generation);
+                pool.count_stream_block(stream, size, generation);
                 (addr, generation)
             }
         };
@@ -582,7 +579,7 @@ impl DeviceAllocator for PoolAllocator {
     fn reset(&self, host: &HostLayer) -> Result<(), EmmError> {
         let pool = &*self.shared;
         let chunks = {
-            let mut streams = lock(&pool.streams.inner);
+            let mut streams: Vec<_> = pool.streams.shards.iter().map(|s| lock(&s.inner)).collect();
             let mut arena = lock(&pool.arena);
             let mut shards: Vec<_> = pool.shards.iter().map(|s| lock(&s.inner)).collect();
             pool.generation.fetch_add(1, Ordering::AcqRel);
@@ -595,10 +592,7 @@ impl DeviceAllocator for PoolAllocator {
                 lists.in_use_blocks = 0;
                 lists.in_use_bytes = 0;
             }
-            for (_, fence) in std::mem::take(&mut streams.waiting) {
-                pool.fences.recycle(fence);
-            }
-            *streams = StreamLists::default();
+            pool.clear_stream_shards(&mut streams);
             let chunks = std::mem::take(&mut arena.chunks);
             arena.by_addr.clear();
             arena.by_size.clear();

@@ -10,7 +10,7 @@
 //!   other streams' lists behind fences before the pool grows; out of memory, it waits for
 //!   every fence. `trim` does the same without waiting.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use driver_sys::{DevicePtr, StreamHandle};
 
@@ -31,22 +31,57 @@ pub(super) struct PerStream {
     _owner: Option<HostOwner>,
 }
 
-/// Blocks of stream-ordered allocations.
+/// The stream-ordered blocks of the streams that hash to one shard.
 #[derive(Default)]
 pub(super) struct StreamLists {
-    /// Per stream: its free blocks.
-    pub(super) per_stream: HashMap<u64, PerStream>,
+    /// Per stream (a short list, searched in order): its free blocks.
+    per_stream: Vec<(u64, PerStream)>,
     /// Blocks that go back to the arena once their fence is done.
     pub(super) waiting: Vec<(Vec<(u64, usize)>, Fence)>,
-    pub(super) in_use_blocks: usize,
-    pub(super) in_use_bytes: usize,
+    /// Blocks and bytes handed out on this shard's streams or freed to them: a block
+    /// allocated on one stream and freed on another makes both shards drift, the sums stay
+    /// right.
+    pub(super) in_use_blocks: i64,
+    pub(super) in_use_bytes: i64,
     /// Bytes on the lists and waiting.
     pub(super) cached_bytes: usize,
 }
 
-/// The pool's stream-ordered state, on its own lock (taken before the arena's).
-pub(super) struct StreamCache {
+impl StreamLists {
+    fn list(&mut self, stream: u64) -> Option<&mut PerStream> {
+        self.per_stream
+            .iter_mut()
+            .find(|(s, _)| *s == stream)
+            .map(|(_, l)| l)
+    }
+}
+
+/// One shard of the stream-ordered state, on its own cache lines.
+#[repr(align(128))]
+#[derive(Default)]
+pub(super) struct StreamShard {
     pub(super) inner: Mutex<StreamLists>,
+}
+
+/// The pool's stream-ordered state: shards by stream, each lock taken before the arena's.
+pub(super) struct StreamCache {
+    pub(super) shards: Box<[StreamShard]>,
+}
+
+const STREAM_SHARDS: usize = 16;
+
+impl StreamCache {
+    pub(super) fn new() -> StreamCache {
+        StreamCache {
+            shards: (0..STREAM_SHARDS).map(|_| StreamShard::default()).collect(),
+        }
+    }
+
+    /// The shard of `stream` (handles are aligned pointers: their bits are mixed first).
+    fn of(&self, stream: StreamHandle) -> &Mutex<StreamLists> {
+        let k = (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60) as usize;
+        &self.shards[k % self.shards.len()].inner
+    }
 }
 
 /// The release hook of stream-ordered pool pointers.
@@ -72,35 +107,38 @@ impl ReleaseHook for StreamHook {
 impl PoolShared {
     /// A block of `size` bytes freed earlier on `stream`, if its list has one.
     pub(super) fn take_on_stream(&self, stream: StreamHandle, size: usize) -> Option<(u64, u64)> {
-        let mut lists = lock(&self.streams.inner);
-        let list = lists.per_stream.get_mut(&stream.0)?.blocks.get_mut(&size)?;
-        let addr = list.pop()?;
+        let mut lists = lock(self.streams.of(stream));
+        let addr = lists.list(stream.0)?.blocks.get_mut(&size)?.pop()?;
         lists.cached_bytes -= size;
         lists.in_use_blocks += 1;
-        lists.in_use_bytes += size;
+        lists.in_use_bytes += size as i64;
         Some((addr, self.generation.load(Ordering::Acquire)))
     }
 
-    /// Counts a block taken from the arena for a stream-ordered allocation.
-    pub(super) fn count_stream_block(&self, size: usize, generation: u64) {
-        let mut lists = lock(&self.streams.inner);
+    /// Counts a block taken from the arena for a stream-ordered allocation on `stream`.
+    pub(super) fn count_stream_block(&self, stream: StreamHandle, size: usize, generation: u64) {
+        let mut lists = lock(self.streams.of(stream));
         if self.generation.load(Ordering::Acquire) == generation {
             lists.in_use_blocks += 1;
-            lists.in_use_bytes += size;
+            lists.in_use_bytes += size as i64;
         }
     }
 
     fn release_on_streams(&self, addr: u64, bytes: usize, tag: u64, streams: StreamUse) {
         let size = block_size(bytes, self.config.small_max);
-        let mut lists = lock(&self.streams.inner);
+        let mut lists = lock(self.streams.of(streams.free_on));
         if self.generation.load(Ordering::Acquire) != tag {
             return;
         }
         lists.in_use_blocks -= 1;
-        lists.in_use_bytes -= size;
+        lists.in_use_bytes -= size as i64;
         lists.cached_bytes += size;
         if streams.other_streams().next().is_none() {
-            let list = lists.per_stream.entry(streams.free_on.0).or_default();
+            let on = streams.free_on.0;
+            if lists.list(on).is_none() {
+                lists.per_stream.push((on, PerStream::default()));
+            }
+            let list = lists.list(on).expect("made above");
             if list._owner.is_none() {
                 list._owner = streams.owner_of(streams.free_on).cloned();
             }
@@ -124,58 +162,62 @@ impl PoolShared {
         }
     }
 
-    /// Puts every stream's list behind a fence on that stream (all but `keep`'s), then returns
-    /// the blocks whose fences are done to the arena; with `wait`, waits for every fence.
-    /// Returns the bytes returned to the arena. Fences are recorded and queried under the
-    /// stream lock; the arena's lock is taken after it.
+    /// Puts every stream's list (but `keep`'s) back in the arena: at once for a stream with
+    /// nothing pending, behind a fence on the stream for the others; then returns the blocks
+    /// whose fences are done to the arena, and with `wait` waits for every fence first.
+    /// Returns the bytes returned to the arena. Each shard's lock is taken before the arena's.
     pub(super) fn reclaim_stream_blocks(
         &self,
         keep: Option<StreamHandle>,
         wait: bool,
     ) -> Result<usize, EmmError> {
-        let mut lists = lock(&self.streams.inner);
+        let mut bytes = 0;
+        for shard in self.streams.shards.iter() {
+            bytes += self.reclaim_shard(&shard.inner, keep, wait)?;
+        }
+        if bytes > 0 {
+            tracing::debug!(device = %self.cx.device, bytes, wait, "stream-ordered blocks back in the pool");
+        }
+        Ok(bytes)
+    }
+
+    fn reclaim_shard(
+        &self,
+        shard: &Mutex<StreamLists>,
+        keep: Option<StreamHandle>,
+        wait: bool,
+    ) -> Result<usize, EmmError> {
+        let mut lists = lock(shard);
         if lists.cached_bytes == 0 {
             return Ok(0);
         }
         let generation = self.generation.load(Ordering::Acquire);
         let err = |e| EmmError::driver("reclaiming stream-ordered blocks", self.cx.device, e);
-        let streams: Vec<u64> = lists
-            .per_stream
-            .iter()
-            .filter(|(s, l)| {
-                Some(**s) != keep.map(|k| k.0) && l.blocks.values().any(|v| !v.is_empty())
-            })
-            .map(|(s, _)| *s)
-            .collect();
         let mut idle = Vec::new();
-        for s in streams {
-            let list = lists.per_stream.remove(&s).expect("listed above");
+        let mut k = 0;
+        while k < lists.per_stream.len() {
+            let (s, list) = &lists.per_stream[k];
+            if Some(*s) == keep.map(|h| h.0) || list.blocks.values().all(|v| v.is_empty()) {
+                k += 1;
+                continue;
+            }
+            let stream = StreamHandle(*s);
             let blocks: Vec<(u64, usize)> = list
                 .blocks
                 .iter()
                 .flat_map(|(&size, addrs)| addrs.iter().map(move |&a| (a, size)))
                 .collect();
             // A stream with nothing pending has no work left on its blocks.
-            let fenced = match self
-                .cx
-                .driver
-                .stream_query(self.cx.context, StreamHandle(s))
-            {
-                Ok(true) => {
-                    idle.extend(blocks);
-                    continue;
-                }
-                Ok(false) => self.fences.record([StreamHandle(s)]),
-                Err(e) => Err(e),
+            let fenced = match self.cx.driver.stream_query(self.cx.context, stream) {
+                Ok(true) => None,
+                Ok(false) => Some(self.fences.record([stream]).map_err(err)?),
+                Err(e) => return Err(err(e)),
             };
+            // The list (and what keeps its stream alive) goes: a fence holds its place.
+            lists.per_stream.swap_remove(k);
             match fenced {
-                // The stream may go now: the fence holds its place in the work.
-                Ok(fence) => lists.waiting.push((blocks, fence)),
-                Err(e) => {
-                    // Put them back: nothing is lost, nothing is reused early.
-                    lists.per_stream.insert(s, list);
-                    return Err(err(e));
-                }
+                None => idle.extend(blocks),
+                Some(fence) => lists.waiting.push((blocks, fence)),
             }
         }
         let mut done = Vec::new();
@@ -197,26 +239,31 @@ impl PoolShared {
         let mut bytes = 0;
         {
             let mut arena = lock(&self.arena);
-            for (a, size) in idle {
+            let blocks = done.into_iter().flat_map(|(blocks, fence)| {
+                self.fences.recycle(fence);
+                blocks
+            });
+            for (a, size) in idle.into_iter().chain(blocks) {
                 if arena.generation == generation {
                     arena.give(a, size);
                 }
                 bytes += size;
             }
-            for (blocks, fence) in done {
-                self.fences.recycle(fence);
-                for (a, size) in blocks {
-                    if arena.generation == generation {
-                        arena.give(a, size);
-                    }
-                    bytes += size;
-                }
-            }
         }
         lists.cached_bytes -= bytes;
-        if bytes > 0 {
-            tracing::debug!(device = %self.cx.device, bytes, wait, "stream-ordered blocks back in the pool");
-        }
         Ok(bytes)
+    }
+
+    /// Empties every shard (a reset, with `shards` the locked shards).
+    pub(super) fn clear_stream_shards(
+        &self,
+        shards: &mut [crate::sync::MutexGuard<'_, StreamLists>],
+    ) {
+        for lists in shards.iter_mut() {
+            for (_, fence) in std::mem::take(&mut lists.waiting) {
+                self.fences.recycle(fence);
+            }
+            **lists = StreamLists::default();
+        }
     }
 }
