@@ -18,8 +18,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use emm::driver_sys::{CudaDriver, DeviceOrdinal, Driver, HostPtr};
-use emm::{DeferCleanup, EmmError, HostMemory, IpcHandle, ManagedMemory, MemoryPointer, Runtime};
+use emm::driver_sys::{CudaDriver, DeviceOrdinal, Driver, HostPtr, StreamHandle};
+use emm::{
+    DeferCleanup, EmmError, HostMemory, IpcHandle, ManagedMemory, MemoryPointer, Runtime,
+    StreamOrdering,
+};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -224,6 +227,15 @@ impl DeviceBuffer {
 
 #[pymethods]
 impl DeviceBuffer {
+    /// The `CUstream` handle the buffer was allocated on (`memalloc_on`), or None.
+    #[getter]
+    fn stream(&self) -> Option<u64> {
+        lock(&self.mem)
+            .as_ref()
+            .and_then(|m| m.stream())
+            .map(|s| s.0)
+    }
+
     /// Whether the memory is still usable (not released, not freed by a reset).
     #[getter]
     fn live(&self) -> bool {
@@ -430,6 +442,25 @@ impl Context {
         py.detach(|| self.inner.memalloc(size))
             .map(DeviceBuffer::new)
             .map_err(py_err)
+    }
+
+    /// `size` bytes of device memory for work on the stream whose `CUstream` handle is
+    /// `stream` (an integer: CuPy's `Stream.ptr`, PyTorch's `cuda_stream`; 0 is the legacy
+    /// default stream), freed on that stream when the buffer goes. Under a manager that does
+    /// not allocate on streams this is refused; `stream_ordering` says which kind this is.
+    /// The stream must outlive the buffer (emm cannot keep another library's stream alive).
+    fn memalloc_on(&self, py: Python<'_>, size: usize, stream: u64) -> PyResult<DeviceBuffer> {
+        // SAFETY: the caller's stream of this context, kept alive by its library for as long
+        // as its memory lives (the documented contract of this method).
+        py.detach(|| unsafe { self.inner.memalloc_on_raw(size, StreamHandle(stream)) })
+            .map(DeviceBuffer::new)
+            .map_err(py_err)
+    }
+
+    /// How the manager orders memory allocated on streams: "fenced", "per-stream", "driver",
+    /// or "unsupported".
+    fn stream_ordering(&self) -> &'static str {
+        stream_ordering_name(self.inner.stream_ordering())
     }
 
     /// `size` bytes of page-locked host memory; `mapped` maps it into the device.
@@ -663,7 +694,7 @@ fn torch_error(message: String) {
 /// error, returns null (PyTorch then raises its out-of-memory error) and records the message
 /// for `emm.torch.last_error()`.
 #[unsafe(no_mangle)]
-pub extern "C" fn emm_torch_malloc(size: isize, device: i32, _stream: *mut c_void) -> *mut c_void {
+pub extern "C" fn emm_torch_malloc(size: isize, device: i32, stream: *mut c_void) -> *mut c_void {
     if size == 0 {
         // An empty buffer: a null pointer, without the manager (as PyTorch's own allocator).
         return std::ptr::null_mut();
@@ -672,7 +703,14 @@ pub extern "C" fn emm_torch_malloc(size: isize, device: i32, _stream: *mut c_voi
         let size = usize::try_from(size).map_err(|_| format!("a negative size ({size})"))?;
         let device = u32::try_from(device).map_err(|_| format!("a negative device ({device})"))?;
         let ctx = device_context(device).map_err(|e| e.to_string())?;
-        ctx.memalloc(size).map_err(|e| e.to_string())
+        if ctx.stream_ordering() == StreamOrdering::Unsupported {
+            return ctx.memalloc(size).map_err(|e| e.to_string());
+        }
+        // SAFETY: PyTorch's stream of this device (its streams live as long as the process;
+        // 0 is the legacy default stream), the one it will use the memory on and pass back
+        // to `free`.
+        unsafe { ctx.memalloc_on_raw(size, StreamHandle(stream as usize as u64)) }
+            .map_err(|e| e.to_string())
     })();
     match made {
         Ok(mem) => {
@@ -695,7 +733,7 @@ pub extern "C" fn emm_torch_malloc(size: isize, device: i32, _stream: *mut c_voi
 /// reported, and the memory freed all the same (the pointer names it). Both are recorded for
 /// `emm.torch.last_error()` and printed.
 #[unsafe(no_mangle)]
-pub extern "C" fn emm_torch_free(ptr: *mut c_void, size: isize, device: i32, _stream: *mut c_void) {
+pub extern "C" fn emm_torch_free(ptr: *mut c_void, size: isize, device: i32, stream: *mut c_void) {
     if ptr.is_null() {
         return;
     }
@@ -712,6 +750,15 @@ pub extern "C" fn emm_torch_free(ptr: *mut c_void, size: isize, device: i32, _st
             mem.size()
         ));
     }
+    // PyTorch frees on the stream it allocated on; if it names another, the free goes there
+    // (after the allocation stream's work, which the manager orders).
+    let stream = StreamHandle(stream as usize as u64);
+    if mem.stream().is_some_and(|s| s != stream) && mem.free_on(&stream).is_err() {
+        torch_error(format!(
+            "free of 0x{addr:x} on stream 0x{:x}: the memory was not allocated on a stream; freed",
+            stream.0
+        ));
+    }
     drop(mem);
 }
 
@@ -725,6 +772,16 @@ fn torch_last_error() -> Option<String> {
 #[pyfunction]
 fn torch_live() -> usize {
     lock(&TORCH_LIVE).as_ref().map_or(0, HashMap::len)
+}
+
+/// The Python name of a stream ordering.
+fn stream_ordering_name(o: StreamOrdering) -> &'static str {
+    match o {
+        StreamOrdering::Fenced => "fenced",
+        StreamOrdering::PerStream => "per-stream",
+        StreamOrdering::Driver => "driver",
+        StreamOrdering::Unsupported => "unsupported",
+    }
 }
 
 /// The extension module.

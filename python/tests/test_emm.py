@@ -210,6 +210,29 @@ def test_pool_stats_and_trim(ctx):
     assert ctx.trim() >= 0
 
 
+@pytest.mark.parametrize("manager", ["default", "pool", "async-pool"])
+def test_memalloc_on_a_stream(manager):
+    """Memory on a stream, per manager (a fresh interpreter each): the buffer knows its
+    stream, the manager says how it orders reuse, the per-thread default stream works too."""
+    code = (
+        "import emm\n"
+        f"emm.configure(manager={manager!r}, driver='sim')\n"
+        "c = emm.context(0)\n"
+        "b = c.memalloc_on(4096, 0)\n"
+        "assert b.stream == 0 and b.size == 4096\n"
+        "c.copy_to_device(b, bytes(range(256)) * 16)\n"
+        "assert bytes(c.copy_to_host(b)) == bytes(range(256)) * 16\n"
+        "p = c.memalloc_on(100, 2)\n"
+        "assert p.stream == 2\n"
+        "assert c.memalloc(64).stream is None\n"
+        "print(c.stream_ordering())"
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    expected = {"default": "fenced", "pool": "per-stream", "async-pool": "driver"}[manager]
+    assert out.stdout.strip() == expected
+
+
 def test_torch_entry_points_without_torch():
     """PyTorch's C entry points, called as PyTorch calls them (through ctypes here)."""
     lib = ctypes.CDLL(emm._emm.__file__)
@@ -281,8 +304,9 @@ def test_threads_allocate_and_free_concurrently(ctx):
 
 def test_cupy_allocator_on_the_simulator():
     """emm.cupy's allocator over a stand-in for CuPy's hooks (tests/stubs/cupy): the
-    pointer's owner keeps the emm buffer alive, 0 bytes is a null pointer with no allocation,
-    and the memory goes back when CuPy's pointer goes."""
+    pointer's owner keeps the emm buffer alive, it is allocated on CuPy's current stream,
+    0 bytes is a null pointer with no allocation, and the memory goes back when CuPy's pointer
+    goes."""
     stubs = os.path.join(os.path.dirname(__file__), "stubs")
     code = (
         "import gc, emm, emm.cupy, cupy\n"
@@ -292,6 +316,11 @@ def test_cupy_allocator_on_the_simulator():
         "c = emm.context(0)\n"
         "assert p.ptr != 0 and p.mem.size == 1000 and p.mem.owner.live\n"
         "assert c.usage()['device']['current_count'] == 1\n"
+        "assert p.mem.owner.stream == 0, 'on the current (legacy) stream'\n"
+        "cupy.cuda.current_stream = cupy.cuda.Stream(2)\n"
+        "q = cupy.cuda.alloc(1000)\n"
+        "assert q.mem.owner.stream == 2, 'on the per-thread stream'\n"
+        "del q; gc.collect()\n"
         "z = cupy.cuda.alloc(0)\n"
         "assert z.ptr == 0 and c.usage()['device']['current_count'] == 1\n"
         "del p; gc.collect()\n"

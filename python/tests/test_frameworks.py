@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import needs_gpu, needs_module
 
 
@@ -125,10 +127,62 @@ def test_cupy_allocates_from_emm():
     assert float((x * 2).sum()) == 999000.0
     assert emm.context(0).usage()["device"]["current_count"] >= 1
     empty = cupy.empty(0)
+    # On a stream of CuPy's: the memory is allocated (and freed) there.
+    with cupy.cuda.Stream(non_blocking=True) as s:
+        y = cupy.arange(1 << 20, dtype=cupy.float32)
+        assert y.data.mem.owner.stream == s.ptr, (y.data.mem.owner.stream, s.ptr)
+        z = y * 3
+        total = float(z[-1])
+        del y, z
+    s.synchronize()
+    assert total == 3.0 * ((1 << 20) - 1)
     print("cupy ok")
     """
     )
     assert "cupy ok" in out
+
+
+@pytest.mark.parametrize("manager", ["default", "pool", "async-pool"])
+def test_frameworks_on_their_streams(manager):
+    """CuPy and PyTorch allocating on their own non-default streams under each manager:
+    blocks freed on one stream and allocated on another, with work queued on both, never
+    lose bytes (each array is checked after all streams are done)."""
+    needs_gpu("CuPy and PyTorch")
+    needs_module("cupy")
+    needs_module("torch")
+    out = run(
+        """
+    import cupy, torch, emm, emm.cupy, emm.torch
+    emm.cupy.install()
+    emm.torch.install()
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    kept = []
+    for round in range(20):
+        for k, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                t = torch.full((1 << 18,), float(round * 3 + k), device="cuda")
+                t = t * 2
+                if round % 2:
+                    kept.append((t, 2.0 * (round * 3 + k)))
+                else:
+                    del t
+            cs = cupy.cuda.ExternalStream(s.cuda_stream)
+            with cs:
+                c = cupy.full(1 << 18, round * 3 + k, dtype=cupy.float32) + 1
+                if round % 2:
+                    kept.append((c, round * 3 + k + 1.0))
+                else:
+                    del c
+    torch.cuda.synchronize()
+    for x, want in kept:
+        lo, hi = float(x.min()), float(x.max())
+        assert lo == hi == want, (lo, hi, want)
+    assert emm.torch.last_error() is None
+    print("streams ok", emm.context(0).stream_ordering())
+    """,
+        EMM_MEMORY_MANAGER=manager,
+    )
+    assert "streams ok" in out
 
 
 def test_torch_allocates_from_emm():
@@ -142,7 +196,12 @@ def test_torch_allocates_from_emm():
     assert (t * 2).sum().item() == 999000.0
     assert emm.torch.live() >= 1
     assert emm.context(0).usage()["device"]["current_count"] >= 1
-    del t
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        u = torch.ones(1 << 20, device="cuda") * 5
+    s.synchronize()
+    assert u.sum().item() == 5.0 * (1 << 20)
+    del t, u
     torch.cuda.synchronize()
     assert emm.torch.last_error() is None
     print("torch ok")

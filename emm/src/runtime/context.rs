@@ -125,6 +125,26 @@ impl Context {
         Ok(mem)
     }
 
+    /// As [`memalloc_on`](Self::memalloc_on), for a stream known only by its handle: another
+    /// library's (CuPy's, PyTorch's), or one of the implicit streams
+    /// ([`StreamHandle::NULL`](driver_sys::StreamHandle::NULL), `LEGACY`, `PER_THREAD`).
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a stream of this context (or an implicit one) and is not destroyed while
+    /// the memory lives, nor while the manager may still free it there or keep it on the
+    /// stream's free list (until a `trim` or `reset` after the last pointer dropped): emm
+    /// cannot keep another library's stream alive, and a destroyed stream's handle may name a
+    /// new stream that is not ordered after the old one's work.
+    pub unsafe fn memalloc_on_raw(
+        &self,
+        bytes: usize,
+        stream: driver_sys::StreamHandle,
+    ) -> Result<MemoryPointer, EmmError> {
+        self.ensure_alive("memalloc_on")?;
+        self.inner.manager.memalloc_on(bytes, stream)
+    }
+
     /// How the context's manager orders memory allocated on streams.
     pub fn stream_ordering(&self) -> StreamOrdering {
         self.inner.manager.stream_ordering()

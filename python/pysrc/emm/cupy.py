@@ -1,9 +1,12 @@
 """CuPy's allocator over emm: ``cupy.cuda.set_allocator(emm.cupy.allocator)``.
 
-Every CuPy allocation then comes from the process's emm runtime, on CuPy's current device.
-Streams are not passed through yet: emm allocates in the order of the legacy default stream
-and does not keep blocks per stream as CuPy's own pool does, so work on another stream that
-uses memory must be complete before CuPy drops it.
+Every CuPy allocation then comes from the process's emm runtime, on CuPy's current device
+and on CuPy's current stream (``cupy.cuda.get_current_stream()``), as CuPy's own pool does:
+the memory is freed on that stream when CuPy drops it, and the manager reuses it elsewhere
+only once that stream's work is done (``emm.context(d).stream_ordering()`` says how). Under
+a manager that does not allocate on streams (a plugin), emm allocates without a stream, and
+work on a stream that uses the memory must be complete before CuPy drops it. A CuPy stream
+must outlive the memory allocated on it.
 """
 
 import cupy
@@ -17,7 +20,11 @@ def allocator(size):
     device = cupy.cuda.runtime.getDevice()
     if size == 0:
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device), 0)
-    buf = context(device).memalloc(size)
+    ctx = context(device)
+    if ctx.stream_ordering() == "unsupported":
+        buf = ctx.memalloc(size)
+    else:
+        buf = ctx.memalloc_on(size, cupy.cuda.get_current_stream().ptr)
     mem = cupy.cuda.UnownedMemory(buf.ptr, size, buf, device)
     return cupy.cuda.MemoryPointer(mem, 0)
 

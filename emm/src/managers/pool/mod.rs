@@ -336,7 +336,7 @@ impl PoolShared {
 pub struct PoolAllocator {
     shared: Arc<PoolShared>,
     hooks: Box<[Arc<dyn ReleaseHook>]>,
-    stream_hook: Arc<dyn ReleaseHook>,
+    stream_hooks: Box<[Arc<dyn ReleaseHook>]>,
 }
 
 impl fmt::Debug for PoolAllocator {
@@ -383,9 +383,13 @@ impl PoolAllocator {
             streams: StreamCache::new(),
             fences: Fences::new(host.context()),
         });
-        let stream_hook = Arc::new(StreamHook {
-            pool: Arc::clone(&shared),
-        });
+        let stream_hooks = (0..shared.streams.len())
+            .map(|_| {
+                Arc::new(StreamHook {
+                    pool: Arc::clone(&shared),
+                }) as Arc<dyn ReleaseHook>
+            })
+            .collect();
         let hooks = (0..shared.shards.len())
             .map(|shard| {
                 Arc::new(ShardHook {
@@ -397,7 +401,7 @@ impl PoolAllocator {
         Ok(PoolAllocator {
             shared,
             hooks,
-            stream_hook,
+            stream_hooks,
         })
     }
 
@@ -522,7 +526,7 @@ impl PoolAllocator {
             cx.context,
             DevicePtr(addr),
             bytes,
-            Arc::clone(&self.stream_hook),
+            Arc::clone(&self.stream_hooks[pool.streams.index(stream)]),
             generation,
             stream,
         ))

@@ -77,14 +77,26 @@ impl StreamCache {
         }
     }
 
-    /// The shard of `stream` (handles are aligned pointers: their bits are mixed first).
-    fn of(&self, stream: StreamHandle) -> &Mutex<StreamLists> {
+    /// The index of `stream`'s shard (handles are aligned pointers: their bits are mixed
+    /// first).
+    pub(super) fn index(&self, stream: StreamHandle) -> usize {
         let k = (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60) as usize;
-        &self.shards[k % self.shards.len()].inner
+        k % self.shards.len()
+    }
+
+    fn of(&self, stream: StreamHandle) -> &Mutex<StreamLists> {
+        &self.shards[self.index(stream)].inner
+    }
+
+    /// How many shards there are.
+    pub(super) fn len(&self) -> usize {
+        self.shards.len()
     }
 }
 
-/// The release hook of stream-ordered pool pointers.
+/// The release hook of stream-ordered pool pointers, one per shard (so that threads on
+/// different streams do not share the hook's reference count), aligned like the shards.
+#[repr(align(128))]
 pub(super) struct StreamHook {
     pub(super) pool: std::sync::Arc<PoolShared>,
 }

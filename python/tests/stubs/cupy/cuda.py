@@ -19,6 +19,20 @@ class MemoryPointer:
         self.mem, self.ptr = mem, mem.ptr + offset
 
 
+class Stream:
+    """A stream by its handle: 0 is the legacy default stream, 2 the per-thread one."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+current_stream = Stream(0)
+
+
+def get_current_stream():
+    return current_stream
+
+
 def set_allocator(allocator):
     global _allocator
     _allocator = allocator
