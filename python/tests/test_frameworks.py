@@ -130,7 +130,9 @@ def test_cupy_allocates_from_emm():
     # On a stream of CuPy's: the memory is allocated (and freed) there.
     with cupy.cuda.Stream(non_blocking=True) as s:
         y = cupy.arange(1 << 20, dtype=cupy.float32)
-        assert y.data.mem.owner.stream == s.ptr, (y.data.mem.owner.stream, s.ptr)
+        # CuPy keeps an UnownedMemory's owner (emm's buffer) in `_owner`.
+        owner = y.data.mem._owner
+        assert owner.stream == s.ptr, (owner.stream, s.ptr)
         z = y * 3
         total = float(z[-1])
         del y, z
