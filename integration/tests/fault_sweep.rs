@@ -187,6 +187,25 @@ fn workload(
         "bytes through the stream-ordered pageable copies"
     );
     drop((c, d, staging));
+    // Stream-ordered memory: allocated on one stream, used by another (recorded), freed on a
+    // third; a second block freed where it was allocated; then allocations on other streams
+    // (the pool takes other streams' blocks back here) and a synchronisation.
+    if ctx.stream_ordering() != emm::StreamOrdering::Unsupported {
+        let e = ctx.memalloc_on(4096, &fast)?;
+        ctx.memset_async(&e, 2, &fast)?.wait()?;
+        e.record_stream(&stream)?;
+        e.free_on(&ctx.legacy_default_stream())?;
+        let f = ctx.memalloc_on(300, &stream)?;
+        drop((e, f));
+        let g = ctx.memalloc_on(4096, &stream)?;
+        let h = ctx.memalloc_on(300, &fast)?;
+        fast.synchronize()?;
+        stream.synchronize()?;
+        ctx.legacy_default_stream().synchronize()?;
+        drop((g, h));
+        drop(ctx.memalloc_on(64, &fast)?);
+        fast.synchronize()?;
+    }
     let module = ctx.load_module(PTX.as_bytes())?;
     {
         let _guard = ctx.defer_cleanup()?;
