@@ -878,11 +878,12 @@ impl Driver for CudaDriver {
     }
 
     /// [cuMemPoolCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
-    fn mem_pool_create(
+    fn mem_pool_create_limited(
         &self,
         ctx: ContextHandle,
         dev: DeviceOrdinal,
         ipc: bool,
+        max_size: usize,
     ) -> Result<MemPoolHandle, DriverError> {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: an all-zero `CUmemPoolProps` is valid (null pointers, zero sizes); the
@@ -896,6 +897,22 @@ impl Driver for CudaDriver {
         };
         props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
         props.location.id = dev.0 as i32;
+        // `maxSize` follows `win32SecurityAttributes` in the driver's struct (CUDA 12.2 on);
+        // headers before 12.2 call those bytes `reserved`, so it is written by offset: the
+        // layout is the driver's, whichever header cudarc was built with.
+        let at = std::mem::offset_of!(sys::CUmemPoolProps, win32SecurityAttributes)
+            + std::mem::size_of::<*mut c_void>();
+        debug_assert!(at + std::mem::size_of::<usize>() <= std::mem::size_of_val(&props));
+        // SAFETY: `at .. at + 8` lies inside `props` (the struct is 88 bytes in every header;
+        // checked above in debug builds), and the bytes are plain data (`maxSize` or zeroed
+        // reserved bytes); an unaligned write needs no alignment.
+        unsafe {
+            (&raw mut props)
+                .cast::<u8>()
+                .add(at)
+                .cast::<usize>()
+                .write_unaligned(max_size)
+        };
         let mut pool = MaybeUninit::<sys::CUmemoryPool>::uninit();
         // SAFETY: `props` is initialised and outlives the call; `pool` is a valid place.
         check("cuMemPoolCreate", unsafe {
@@ -975,7 +992,36 @@ impl Driver for CudaDriver {
         Ok(MemPoolUsage {
             reserved: read(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
             used: read(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            reserved_high: read(A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+            used_high: read(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+            release_threshold: read(A::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)?,
         })
+    }
+
+    /// [cuMemPoolSetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    fn mem_pool_reset_high_water(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        use sys::CUmemPool_attribute as A;
+        for attr in [
+            A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+            A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        ] {
+            let mut zero: u64 = 0;
+            // SAFETY: both attributes take a cuuint64_t, which `zero` is (the driver accepts
+            // only 0 for them).
+            check("cuMemPoolSetAttribute", unsafe {
+                sys::cuMemPoolSetAttribute(
+                    pool.0 as usize as sys::CUmemoryPool,
+                    attr,
+                    (&raw mut zero).cast::<c_void>(),
+                )
+            })?;
+        }
+        Ok(())
     }
 
     /// [cuMemAllocFromPoolAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)

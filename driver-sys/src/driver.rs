@@ -544,13 +544,34 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn device_default_mem_pool(&self, dev: DeviceOrdinal) -> Result<MemPoolHandle, DriverError>;
 
     /// `cuMemPoolCreate`: a pool of pinned device memory on `dev`; with `ipc`, its memory can
-    /// be exported to other processes (POSIX file descriptor handles).
+    /// be exported to other processes (POSIX file descriptor handles). No size limit.
     fn mem_pool_create(
         &self,
         ctx: ContextHandle,
         dev: DeviceOrdinal,
         ipc: bool,
+    ) -> Result<MemPoolHandle, DriverError> {
+        self.mem_pool_create_limited(ctx, dev, ipc, 0)
+    }
+
+    /// `cuMemPoolCreate` with `CUmemPoolProps::maxSize` = `max_size` (0: no limit beyond the
+    /// device's memory): the pool never reserves more, and an allocation that would need more
+    /// is `CUDA_ERROR_OUT_OF_MEMORY`.
+    fn mem_pool_create_limited(
+        &self,
+        ctx: ContextHandle,
+        dev: DeviceOrdinal,
+        ipc: bool,
+        max_size: usize,
     ) -> Result<MemPoolHandle, DriverError>;
+
+    /// `cuMemPoolSetAttribute(RESERVED_MEM_HIGH, USED_MEM_HIGH)` to 0: the high-water marks
+    /// start again from the current figures.
+    fn mem_pool_reset_high_water(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<(), DriverError>;
 
     /// `cuMemPoolDestroy`.
     ///
@@ -581,7 +602,8 @@ pub trait Driver: Send + Sync + fmt::Debug {
         keep: usize,
     ) -> Result<(), DriverError>;
 
-    /// `cuMemPoolGetAttribute(RESERVED_MEM_CURRENT, USED_MEM_CURRENT)`.
+    /// `cuMemPoolGetAttribute`: reserved and used bytes, current and high-water, and the
+    /// release threshold.
     fn mem_pool_usage(
         &self,
         ctx: ContextHandle,
@@ -675,4 +697,11 @@ pub struct MemPoolUsage {
     pub reserved: u64,
     /// Bytes handed out and not freed (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`).
     pub used: u64,
+    /// The most bytes reserved since the pool was made or the mark was reset
+    /// (`CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH`).
+    pub reserved_high: u64,
+    /// The most bytes in use since then (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`).
+    pub used_high: u64,
+    /// Bytes the pool keeps at a synchronisation (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`).
+    pub release_threshold: u64,
 }

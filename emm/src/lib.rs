@@ -67,6 +67,7 @@ pub mod managers;
 // Layer 5.
 pub mod ipc;
 mod objects;
+pub mod resources;
 // Layer 6.
 pub mod runtime;
 // Layer 7.
@@ -93,5 +94,6 @@ pub use memory::{
     PendingDeallocs, PinnableBuffer, PinnedMemory, ReleaseFn, ReleaseHook, StreamUse,
 };
 pub use objects::{AutoSynchronize, Event, InFlight, Module, Stream, StreamKind};
+pub use resources::{DeviceMemoryResource, DeviceMemoryResourceOptions};
 pub use runtime::context::Context;
 pub use runtime::{Runtime, RuntimeBuilder};

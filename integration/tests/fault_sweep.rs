@@ -206,6 +206,21 @@ fn workload(
         drop(ctx.memalloc_on(64, &fast)?);
         fast.synchronize()?;
     }
+    // A memory resource beside the manager: its own limited pool, a buffer on a stream, the
+    // pool's figures, a deallocation on another stream, the close.
+    {
+        let mr = ctx.device_memory_resource(emm::DeviceMemoryResourceOptions {
+            max_size: 16 << 20,
+            ipc_enabled: false,
+        })?;
+        let buf = mr.allocate(4096, &fast)?;
+        ctx.memset_async(&buf, 9, &fast)?.wait()?;
+        mr.attributes()?;
+        mr.reset_high_water()?;
+        mr.deallocate(buf, &stream)?;
+        stream.synchronize()?;
+        mr.close()?;
+    }
     let module = ctx.load_module(PTX.as_bytes())?;
     {
         let _guard = ctx.defer_cleanup()?;

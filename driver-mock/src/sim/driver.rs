@@ -152,14 +152,26 @@ impl Driver for SimDriver {
         })
     }
 
-    fn mem_pool_create(
+    fn mem_pool_create_limited(
         &self,
         ctx: ContextHandle,
         dev: DeviceOrdinal,
         ipc: bool,
+        max_size: usize,
     ) -> Result<MemPoolHandle, DriverError> {
         self.call(Op::MemPoolCreate, |w, pid, note| {
-            w.mem_pool_create(pid, note, ctx, dev, ipc)
+            note.bytes = (max_size > 0).then_some(max_size);
+            w.mem_pool_create(pid, note, ctx, dev, ipc, max_size)
+        })
+    }
+
+    fn mem_pool_reset_high_water(
+        &self,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemPoolSetAttribute, |w, pid, note| {
+            w.mem_pool_reset_high_water(pid, note, ctx, pool)
         })
     }
 

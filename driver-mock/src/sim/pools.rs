@@ -39,6 +39,11 @@ pub(super) struct SimPool {
     pub(super) threshold: u64,
     pub(super) reserved: usize,
     pub(super) used: usize,
+    /// `CUmemPoolProps::maxSize` (0: no limit).
+    pub(super) max_size: usize,
+    /// High-water marks since creation or the last reset.
+    pub(super) reserved_high: usize,
+    pub(super) used_high: usize,
     pub(super) live: BTreeMap<u64, usize>,
     pub(super) free: Vec<FreeBlock>,
     /// Created with a shareable handle type (POSIX file descriptors): it can be exported.
@@ -66,6 +71,9 @@ impl SimPool {
             threshold: 0,
             reserved: 0,
             used: 0,
+            max_size: 0,
+            reserved_high: 0,
+            used_high: 0,
             live: BTreeMap::new(),
             free: Vec::new(),
         }
@@ -193,6 +201,7 @@ impl World {
         ctx: ContextHandle,
         dev: DeviceOrdinal,
         ipc: bool,
+        max_size: usize,
     ) -> Result<MemPoolHandle, u32> {
         context(self, pid, ctx, note)?;
         let i = dev.0 as usize;
@@ -202,6 +211,7 @@ impl World {
         let h = self.new_handle();
         let mut pool = SimPool::new(i, false);
         pool.ipc = ipc;
+        pool.max_size = max_size;
         self.processes[pid].pools.insert(h, pool);
         Ok(MemPoolHandle(h))
     }
@@ -275,7 +285,26 @@ impl World {
         Ok(MemPoolUsage {
             reserved: p.reserved as u64,
             used: p.used as u64,
+            reserved_high: p.reserved_high as u64,
+            used_high: p.used_high as u64,
+            release_threshold: p.threshold,
         })
+    }
+
+    /// `cuMemPoolSetAttribute(RESERVED_MEM_HIGH, USED_MEM_HIGH)`: [`Driver::mem_pool_reset_high_water`](driver_sys::Driver::mem_pool_reset_high_water) in the model: the marks
+    /// start again from the current figures.
+    pub(super) fn mem_pool_reset_high_water(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        pool: MemPoolHandle,
+    ) -> Result<(), u32> {
+        context(self, pid, ctx, note)?;
+        let p = self.pool_mut(pid, pool)?;
+        p.reserved_high = p.reserved;
+        p.used_high = p.used;
+        Ok(())
     }
 
     /// `cuMemAllocFromPoolAsync`: [`Driver::mem_alloc_from_pool_async`](driver_sys::Driver::mem_alloc_from_pool_async) in the model.
@@ -309,15 +338,28 @@ impl World {
         if let Some(k) = found {
             let b = p.free.swap_remove(k);
             p.used += b.size;
+            p.used_high = p.used_high.max(p.used);
             p.live.insert(b.addr, b.size);
             note.ptr = Some(DevicePtr(b.addr));
             return Ok(DevicePtr(b.addr));
+        }
+        // A limited pool gives back what it may (blocks reusable everywhere) before it grows
+        // past its limit; past it, the allocation is out of memory.
+        if p.max_size > 0 && p.reserved + bytes > p.max_size {
+            let keep = p.max_size.saturating_sub(bytes);
+            self.pool_release(pid, pool.0, keep);
+            let p = self.processes[pid].pools.get(&pool.0).expect("checked");
+            if p.reserved + bytes > p.max_size {
+                return Err(code::OUT_OF_MEMORY);
+            }
         }
         // Out of pages, this takes back what the process's pools cache, this one included.
         let addr = self.alloc_device(i, pid, bytes)?;
         let p = self.processes[pid].pools.get_mut(&pool.0).expect("checked");
         p.reserved += bytes;
         p.used += bytes;
+        p.reserved_high = p.reserved_high.max(p.reserved);
+        p.used_high = p.used_high.max(p.used);
         p.live.insert(addr, bytes);
         note.ptr = Some(DevicePtr(addr));
         Ok(DevicePtr(addr))

@@ -4,9 +4,10 @@
 
 #![allow(unsafe_code)]
 
-use driver_sys::{DriverError, EventHandle, StreamHandle, event_flags};
+use driver_sys::{DevicePtr, DriverError, EventHandle, StreamHandle, event_flags};
 
 use crate::contract::factory::ManagerContext;
+use crate::memory::pointer::StreamUse;
 use crate::sync::{Mutex, lock};
 
 /// Events recorded on streams at one moment: done when all of them are.
@@ -86,6 +87,33 @@ impl Fences {
                 .stream_wait_event(self.cx.context, stream, e)?;
         }
         Ok(())
+    }
+
+    /// `cuMemFreeAsync` of `base` on `stream`, after making `stream` wait for the work
+    /// queued so far on every other stream in `after` (events recorded there, reused at once:
+    /// a wait captures the record it waits for). The caller holds the context's liveness and
+    /// owns the allocation. On an error nothing was freed.
+    ///
+    /// # Safety
+    ///
+    /// `base` came from `cuMemAllocFromPoolAsync` in this context, is freed once, and is not
+    /// used after this call except by work already queued on the streams of `after`.
+    pub unsafe fn free_async_after(
+        &self,
+        base: DevicePtr,
+        stream: StreamHandle,
+        after: Option<&StreamUse>,
+    ) -> Result<(), DriverError> {
+        if let Some(streams) = after
+            && streams.other_streams().next().is_some()
+        {
+            let fence = self.record(streams.other_streams())?;
+            let waited = self.wait_on(&fence, stream);
+            self.recycle(fence);
+            waited?;
+        }
+        // SAFETY: the caller's contract; the freeing stream now waits for the other streams.
+        unsafe { self.cx.driver.mem_free_async(self.cx.context, base, stream) }
     }
 
     /// Takes back the events of a fence that is done (or no longer needed).

@@ -24,6 +24,7 @@ use crate::memory::pointer::MemoryPointer;
 use crate::objects::{
     Event, InFlight, Module, ModuleRegistry, Stream, StreamKind, check_same_context,
 };
+use crate::resources::{DeviceMemoryResource, DeviceMemoryResourceOptions};
 
 pub(crate) struct ContextInner {
     /// The driver, device, context handle and liveness, as the manager got them.
@@ -143,6 +144,40 @@ impl Context {
     ) -> Result<MemoryPointer, EmmError> {
         self.ensure_alive("memalloc_on")?;
         self.inner.manager.memalloc_on(bytes, stream)
+    }
+
+    /// A memory resource over a new driver pool of this context's device (cuda.core's
+    /// `DeviceMemoryResource(device, options)`): stream-ordered allocations beside the
+    /// manager's, with the pool's `max_size` and `ipc_enabled`.
+    ///
+    /// ```
+    /// let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// let ctx = runtime.context(0)?;
+    /// let mr = ctx.device_memory_resource(emm::DeviceMemoryResourceOptions {
+    ///     max_size: 64 << 20,
+    ///     ipc_enabled: false,
+    /// })?;
+    /// let s = ctx.create_stream()?;
+    /// let buf = mr.allocate(1 << 20, &s)?;
+    /// assert_eq!(mr.attributes()?.used, 1 << 20);
+    /// mr.deallocate(buf, &s)?;
+    /// mr.close()?;
+    /// # Ok::<(), emm::EmmError>(())
+    /// ```
+    pub fn device_memory_resource(
+        &self,
+        options: DeviceMemoryResourceOptions,
+    ) -> Result<DeviceMemoryResource, EmmError> {
+        self.ensure_alive("device_memory_resource")?;
+        DeviceMemoryResource::create(&self.inner.cx, options)
+    }
+
+    /// A memory resource over the device's default pool (`cuDeviceGetDefaultMemPool`), which
+    /// emm does not own: closing the resource leaves the pool as it is.
+    pub fn default_device_memory_resource(&self) -> Result<DeviceMemoryResource, EmmError> {
+        self.ensure_alive("device_memory_resource")?;
+        DeviceMemoryResource::device_default(&self.inner.cx)
     }
 
     /// How the context's manager orders memory allocated on streams.

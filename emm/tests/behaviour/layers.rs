@@ -19,6 +19,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("adaptors", 4),
     ("ipc", 5),
     ("objects", 5),
+    ("resources", 5),
     ("runtime", 6),
     ("replay", 7),
 ];

@@ -1,5 +1,5 @@
 //! Stream-ordered memory against a model of stream work, under `default`, `pool` and
-//! `async-pool`: random sequences allocate on three streams, queue writes on them (recording
+//! `async-pool`, and from a `DeviceMemoryResource`: random sequences allocate on three streams, queue writes on them (recording
 //! the stream when it is not the allocation's), move frees to other streams, drop, trim, and
 //! hold and release streams on flags in mapped memory. The simulator runs queued work only
 //! when the sequence says (`Run`), the most adversarial schedule there is.
@@ -152,10 +152,21 @@ fn check(ctx: &Context, live: &mut [Live]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// Runs `steps` with memory from the manager registered as `manager`, or, for `"resource"`,
+/// from a [`emm::DeviceMemoryResource`] of the default manager's context.
 fn run_sequence(manager: &str, steps: &[Step]) -> Result<(), TestCaseError> {
     let sim = sim();
-    let rt = runtime_with(&sim, manager);
+    let resource = manager == "resource";
+    let rt = runtime_with(&sim, if resource { "default" } else { manager });
     let ctx = rt.context(0).unwrap();
+    let mr = resource.then(|| {
+        ctx.device_memory_resource(emm::DeviceMemoryResourceOptions::default())
+            .unwrap()
+    });
+    let alloc = |bytes: usize, s: &Stream| match &mr {
+        Some(mr) => mr.allocate(bytes, s),
+        None => ctx.memalloc_on(bytes, s),
+    };
     let mut st = Streams::new(&ctx);
     let mut live: Vec<Live> = Vec::new();
     let mut next_value = 1u8;
@@ -166,7 +177,7 @@ fn run_sequence(manager: &str, steps: &[Step]) -> Result<(), TestCaseError> {
     for step in steps {
         match *step {
             Step::Alloc(s, z) => {
-                let mem = ctx.memalloc_on(SIZES[z], &st.streams[s]).unwrap();
+                let mem = alloc(SIZES[z], &st.streams[s]).unwrap();
                 let value = fresh();
                 let done = write(&sim, &ctx, &st, &mem, s, value);
                 live.push(Live {
@@ -262,6 +273,11 @@ proptest! {
     fn async_pool_never_reuses_under_pending_work(steps in prop::collection::vec(step(), 1..60)) {
         run_sequence("async-pool", &steps)?;
     }
+
+    #[test]
+    fn device_memory_resource_never_reuses_under_pending_work(steps in prop::collection::vec(step(), 1..60)) {
+        run_sequence("resource", &steps)?;
+    }
 }
 
 /// The model itself: a sequence that a manager reusing blocks at once would fail (a block
@@ -303,7 +319,7 @@ fn a_block_freed_twice_on_its_stream_waits_for_the_second_free() {
         Alloc(0, 0),
         Alloc(0, 0),
     ];
-    for manager in ["default", "pool", "async-pool"] {
+    for manager in ["default", "pool", "async-pool", "resource"] {
         run_sequence(manager, &steps).unwrap();
     }
 }
@@ -327,7 +343,7 @@ fn a_wait_on_a_reused_event_waits_for_its_own_record() {
         Alloc(0, 0),
         Run,
     ];
-    for manager in ["default", "pool", "async-pool"] {
+    for manager in ["default", "pool", "async-pool", "resource"] {
         run_sequence(manager, &steps).unwrap();
     }
 }

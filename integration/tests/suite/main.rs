@@ -166,6 +166,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     streams::async_copies_in_stream_order,
     streams::cross_stream_reuse,
     streams::cross_stream_check_catches_early_reuse,
+    streams::device_memory_resource_conformance,
     driver_conformance::managed_memory_conformance[ProvokesFailedReleases],
     driver_conformance::device_attributes_conformance,
     driver_conformance::ipc_mapping_conformance[ProvokesFailedReleases],

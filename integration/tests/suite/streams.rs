@@ -515,3 +515,74 @@ mod eager {
         })
     }
 }
+
+/// cuda.core's device memory resource: a pool of its own with `max_size` (an allocation past
+/// it is refused with an error that names the limit, and fits again once a buffer was freed on
+/// its stream), its attributes (current and high-water figures, reset), `deallocate` on a
+/// stream, `close` (allocations refused after it; a buffer still live is freed later without
+/// a refused call), and the device's default pool, which emm does not own or destroy.
+pub fn device_memory_resource_conformance(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let s = ctx.create_stream_with(true, 0)?;
+    let mib = 1usize << 20;
+    let mr = ctx.device_memory_resource(emm::DeviceMemoryResourceOptions {
+        max_size: 8 * mib,
+        ipc_enabled: false,
+    })?;
+    ensure!(mr.is_handle_owned() && !mr.is_ipc_enabled());
+    let a = mr.allocate(6 * mib, &s)?;
+    ctx.memset_async(&a, 1, &s)?.wait()?;
+    match mr.allocate(4 * mib, &s) {
+        Err(EmmError::InvalidArgument { reason, .. }) => {
+            ensure!(reason.contains("max_size"), "{reason}")
+        }
+        other => return Err(format!("past max_size: {other:?}").into()),
+    }
+    let at = mr.attributes()?;
+    ensure!(
+        at.used >= 6 * mib as u64 && at.reserved <= 8 * mib as u64 && at.used_high >= at.used,
+        "{at:?}"
+    );
+    ensure_eq!(
+        at.release_threshold,
+        u64::MAX,
+        "cached, as cuda.core's pools are"
+    );
+    mr.deallocate(a, &s)?;
+    s.synchronize()?;
+    let b = mr.allocate(4 * mib, &s)?;
+    mr.reset_high_water()?;
+    let after = mr.attributes()?;
+    ensure!(
+        after.used_high >= 4 * mib as u64 && after.used_high <= at.used_high,
+        "{after:?} after the reset, {at:?} before"
+    );
+    mr.close()?;
+    mr.close()?;
+    match mr.allocate(mib, &s) {
+        Err(EmmError::InvalidArgument { reason, .. }) => {
+            ensure!(reason.contains("closed"), "{reason}")
+        }
+        other => return Err(format!("after close: {other:?}").into()),
+    }
+    // Freed after the close: a refused free would fail the test (the suite counts them).
+    drop(b);
+    s.synchronize()?;
+
+    let default = ctx.default_device_memory_resource()?;
+    ensure!(!default.is_handle_owned());
+    let c = default.allocate(mib, &s)?;
+    default.close()?;
+    drop(c);
+    s.synchronize()?;
+    let pool = t.driver.device_default_mem_pool(ctx.device())?;
+    ensure_eq!(pool, default.handle(), "the same pool");
+    let p = t
+        .driver
+        .mem_alloc_from_pool_async(ctx.handle(), pool, mib, s.handle())?;
+    // SAFETY: allocated just above on `s`, unused, freed once.
+    unsafe { t.driver.mem_free_async(ctx.handle(), p, s.handle())? };
+    s.synchronize()?;
+    Ok(())
+}

@@ -111,35 +111,17 @@ impl Shared {
         let Some(_live) = self.cx.liveness.enter() else {
             return;
         };
-        let (cx, device) = (&self.cx, self.cx.device);
-        let ordered = match after {
-            Some(streams) if streams.other_streams().next().is_some() => self
-                .fences
-                .record(streams.other_streams())
-                .and_then(|fence| {
-                    let waited = self.fences.wait_on(&fence, stream);
-                    // A wait captures the record it waits for: the events can be reused.
-                    self.fences.recycle(fence);
-                    waited
-                }),
-            _ => Ok(()),
-        };
-        if let Err(e) = ordered {
-            // The free cannot be ordered after the other streams: the block is kept (a
-            // reset frees it) rather than reused under their work.
-            tracing::error!(device = %device, error = %e, ptr = %base, "ordering a free after the streams that used the block failed; the block is kept until the manager's reset");
-            state.live.insert(base.0);
-            self.queue
-                .record_error(EmmError::driver("free on a stream", device, e));
-            return;
-        }
+        let device = self.cx.device;
         // SAFETY: `base` came from `cuMemAllocFromPoolAsync` of the current pool (the
         // generation matches, and the state lock keeps a reset from destroying the pool
-        // meanwhile); its last pointer dropped, so it is freed once and not used after, and
-        // the freeing stream waits for every other stream that used it; the context is alive
+        // meanwhile); its last pointer dropped, so it is freed once and not used after but by
+        // work already queued, which the freeing stream waits for; the context is alive
         // (`_live`).
-        if let Err(e) = unsafe { cx.driver.mem_free_async(cx.context, base, stream) } {
-            tracing::error!(device = %device, error = %e, ptr = %base, "cuMemFreeAsync failed; the error is returned by the next flush");
+        if let Err(e) = unsafe { self.fences.free_async_after(base, stream, after) } {
+            // Nothing was freed: the block is kept (a reset frees it) rather than reused
+            // under other streams' work.
+            tracing::error!(device = %device, error = %e, ptr = %base, "freeing a block on its stream failed; the block is kept until the manager's reset, and the error is returned by the next flush");
+            state.live.insert(base.0);
             self.queue
                 .record_error(EmmError::driver("cuMemFreeAsync", device, e));
         }

@@ -1,0 +1,383 @@
+//! cuda.core's memory resources as emm types: [`DeviceMemoryResource`], stream-ordered device
+//! memory from a driver pool that emm creates (with `max_size` and `ipc_enabled`) or from the
+//! device's default pool, which emm does not own.
+//!
+//! A resource is not a memory manager: it allocates alongside the context's manager, for code
+//! written against cuda.core's interface (`allocate(size, stream)`, `deallocate`, the pool's
+//! attributes, `is_handle_owned`, `close`). Its buffers are [`MemoryPointer`]s, stream-ordered
+//! as the managers' `memalloc_on` memory is: freed on their stream when the last pointer drops
+//! (or on the stream given to [`MemoryPointer::free_on`]), after the streams recorded with
+//! [`MemoryPointer::record_stream`]. The `async-pool` manager is the same pool behind the
+//! manager interface.
+
+#![allow(unsafe_code)]
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+
+use driver_sys::{
+    DeviceOrdinal, DevicePtr, DriverError, MemPoolHandle, MemPoolUsage, StreamHandle,
+};
+
+use crate::contract::factory::ManagerContext;
+use crate::error::EmmError;
+use crate::host::fences::Fences;
+use crate::memory::pointer::{MemoryPointer, ReleaseHook, StreamUse};
+use crate::objects::{Stream, check_same_context};
+use crate::sync::{Mutex, lock};
+
+/// How [`Context::device_memory_resource`](crate::Context::device_memory_resource) makes its
+/// pool (cuda.core's `DeviceMemoryResourceOptions`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceMemoryResourceOptions {
+    /// The most bytes the pool may reserve (`CUmemPoolProps::maxSize`); 0 is the device's
+    /// memory. An allocation that would take the pool past it is out of memory.
+    pub max_size: usize,
+    /// Whether the pool's memory can be exported to other processes (POSIX file descriptors).
+    pub ipc_enabled: bool,
+}
+
+/// Stream-ordered device memory from one driver pool (cuda.core's `DeviceMemoryResource`).
+///
+/// Cloning shares the resource. A pool emm created is destroyed by [`close`](Self::close) or
+/// when the last clone drops; memory still allocated from it stays valid until its pointers
+/// drop (the driver releases a destroyed pool's memory as it is freed). The device's default
+/// pool is never destroyed by emm.
+#[derive(Clone)]
+pub struct DeviceMemoryResource {
+    shared: Arc<Shared>,
+}
+
+struct State {
+    closed: bool,
+    /// Allocations not freed yet.
+    live: HashSet<u64>,
+    /// Buffers whose last pointer dropped but whose free failed: freed again at the close.
+    unfreed: Vec<(DevicePtr, StreamUse)>,
+    /// The first free that failed since it was last reported: returned by the `deallocate`
+    /// whose drop it was, or by `close`.
+    error: Option<EmmError>,
+}
+
+struct Shared {
+    cx: ManagerContext,
+    pool: MemPoolHandle,
+    owned: bool,
+    options: DeviceMemoryResourceOptions,
+    state: Mutex<State>,
+    fences: Fences,
+}
+
+impl Shared {
+    fn free(&self, base: DevicePtr, stream: StreamHandle, after: Option<&StreamUse>) {
+        let mut state = lock(&self.state);
+        if !state.live.remove(&base.0) {
+            return;
+        }
+        let Some(_live) = self.cx.liveness.enter() else {
+            return; // the context is gone, and the pool with it
+        };
+        // SAFETY: `base` came from `cuMemAllocFromPoolAsync` of this pool (it was live), its
+        // last pointer dropped, so it is freed once and used afterwards only by work already
+        // queued, which the freeing stream waits for; the context is alive (`_live`).
+        if let Err(e) = unsafe { self.fences.free_async_after(base, stream, after) } {
+            tracing::error!(device = %self.cx.device, error = %e, ptr = %base, "freeing a memory resource's buffer failed; it is freed again when the resource is closed");
+            let streams = after.cloned().unwrap_or_else(|| StreamUse::on(stream));
+            state.unfreed.push((base, streams));
+            state
+                .error
+                .get_or_insert(self.cx.driver_error("deallocate", e));
+        }
+    }
+
+    fn close(&self) -> Result<(), EmmError> {
+        let mut state = lock(&self.state);
+        let first_close = !std::mem::replace(&mut state.closed, true);
+        let Some(_live) = self.cx.liveness.enter() else {
+            return Ok(()); // destroyed with its context
+        };
+        let mut first_error = state.error.take();
+        for (base, streams) in std::mem::take(&mut state.unfreed) {
+            // SAFETY: as in `free`: a buffer of this pool whose last pointer dropped and whose
+            // free failed, freed once more here (it left `unfreed`), ordered as before.
+            let freed = unsafe {
+                self.fences
+                    .free_async_after(base, streams.free_on, Some(&streams))
+            };
+            if let Err(e) = freed {
+                first_error.get_or_insert(self.cx.driver_error("close", e));
+            }
+        }
+        let destroyed = if first_close && self.owned {
+            tracing::debug!(device = %self.cx.device, pool = ?self.pool, outstanding = state.live.len(), "memory resource closed");
+            self.fences.destroy_idle();
+            // SAFETY: the pool is this resource's own, destroyed once (the first close); no
+            // allocation follows (`closed` is set under the same lock `allocate` takes);
+            // buffers still live are freed later, which the driver allows (it releases their
+            // memory then).
+            unsafe { self.cx.driver.mem_pool_destroy(self.cx.context, self.pool) }
+                .map_err(|e| self.cx.driver_error("close", e))
+        } else {
+            Ok(())
+        };
+        match first_error {
+            Some(e) => Err(e),
+            None => destroyed,
+        }
+    }
+}
+
+impl ReleaseHook for Shared {
+    fn release(&self, base: DevicePtr, _size: usize, _tag: u64) {
+        self.free(base, StreamHandle::NULL, None);
+    }
+
+    fn release_on_streams(&self, base: DevicePtr, _size: usize, _tag: u64, streams: StreamUse) {
+        self.free(base, streams.free_on, Some(&streams));
+    }
+
+    fn is_live(&self, _tag: u64) -> bool {
+        self.cx.liveness.is_alive()
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            tracing::warn!(device = %self.cx.device, error = %e, "closing a dropped memory resource failed");
+        }
+    }
+}
+
+impl DeviceMemoryResource {
+    /// A resource over a new pool of the context of `cx`, release threshold at its maximum
+    /// (freed memory stays cached in the pool).
+    pub(crate) fn create(
+        cx: &ManagerContext,
+        options: DeviceMemoryResourceOptions,
+    ) -> Result<DeviceMemoryResource, EmmError> {
+        let _live = cx.enter("device_memory_resource")?;
+        let err = |e| cx.driver_error("device_memory_resource", e);
+        let pool = cx
+            .driver
+            .mem_pool_create_limited(cx.context, cx.device, options.ipc_enabled, options.max_size)
+            .map_err(err)?;
+        if let Err(e) = cx
+            .driver
+            .mem_pool_set_release_threshold(cx.context, pool, u64::MAX)
+        {
+            // SAFETY: created just above, handed to no one.
+            let _ = unsafe { cx.driver.mem_pool_destroy(cx.context, pool) };
+            return Err(err(e));
+        }
+        Ok(Self::over(cx, pool, true, options))
+    }
+
+    /// A resource over the device's default pool (`cuDeviceGetDefaultMemPool`), which emm does
+    /// not own: `close` leaves it alone.
+    pub(crate) fn device_default(cx: &ManagerContext) -> Result<DeviceMemoryResource, EmmError> {
+        let _live = cx.enter("device_memory_resource")?;
+        let pool = cx
+            .driver
+            .device_default_mem_pool(cx.device)
+            .map_err(|e| cx.driver_error("device_memory_resource", e))?;
+        Ok(Self::over(
+            cx,
+            pool,
+            false,
+            DeviceMemoryResourceOptions::default(),
+        ))
+    }
+
+    fn over(
+        cx: &ManagerContext,
+        pool: MemPoolHandle,
+        owned: bool,
+        options: DeviceMemoryResourceOptions,
+    ) -> DeviceMemoryResource {
+        DeviceMemoryResource {
+            shared: Arc::new(Shared {
+                cx: cx.clone(),
+                pool,
+                owned,
+                options,
+                state: Mutex::new(State {
+                    closed: false,
+                    live: HashSet::new(),
+                    unfreed: Vec::new(),
+                    error: None,
+                }),
+                fences: Fences::new(cx),
+            }),
+        }
+    }
+
+    /// `size` bytes on `stream` (`cuMemAllocFromPoolAsync`), usable by work queued on `stream`
+    /// from now on; freed on `stream` when the last pointer drops. Out of memory (the device's,
+    /// or the pool's `max_size`), the resource waits for `stream` once and retries; then the
+    /// error says which limit was reached.
+    pub fn allocate(&self, size: usize, stream: &Stream) -> Result<MemoryPointer, EmmError> {
+        const WHAT: &str = "allocate";
+        let shared = &self.shared;
+        let cx = &shared.cx;
+        check_same_context(cx, stream.context(), WHAT)?;
+        if size == 0 {
+            return Err(EmmError::ZeroSize { what: WHAT });
+        }
+        let _live = cx.enter(WHAT)?;
+        let mut state = lock(&shared.state);
+        if state.closed {
+            return Err(EmmError::InvalidArgument {
+                what: "DeviceMemoryResource::allocate",
+                reason: "the resource was closed; make a new one \
+                         (Context::device_memory_resource)"
+                    .into(),
+            });
+        }
+        let handle = stream.handle();
+        let alloc = || {
+            cx.driver
+                .mem_alloc_from_pool_async(cx.context, shared.pool, size, handle)
+        };
+        let ptr = match alloc() {
+            Err(e) if e.kind() == driver_sys::ErrorKind::OutOfMemory => {
+                tracing::warn!(device = %cx.device, size, "memory resource out of memory; waiting for its stream and retrying");
+                cx.driver
+                    .stream_synchronize(cx.context, handle)
+                    .map_err(|e| cx.driver_error(WHAT, e))?;
+                alloc().map_err(|e| self.out_of_memory(size, e))?
+            }
+            other => other.map_err(|e| cx.driver_error(WHAT, e))?,
+        };
+        state.live.insert(ptr.0);
+        drop(state);
+        let mem = MemoryPointer::with_hook_on(
+            cx.device,
+            cx.context,
+            ptr,
+            size,
+            Arc::clone(shared) as Arc<dyn ReleaseHook>,
+            0,
+            handle,
+        );
+        mem.keep_stream(stream);
+        Ok(mem)
+    }
+
+    /// The error of an allocation the driver refused twice. Called with the state locked: it
+    /// reads the pool's figures straight from the driver.
+    fn out_of_memory(&self, size: usize, e: DriverError) -> EmmError {
+        let cx = &self.shared.cx;
+        let max = self.shared.options.max_size;
+        if max > 0 && e.kind() == driver_sys::ErrorKind::OutOfMemory {
+            let reserved = cx
+                .driver
+                .mem_pool_usage(cx.context, self.shared.pool)
+                .map_or(0, |u| u.reserved);
+            return EmmError::InvalidArgument {
+                what: "DeviceMemoryResource::allocate",
+                reason: format!(
+                    "{size} bytes do not fit the pool's max_size of {max} bytes ({reserved} \
+                     reserved now); free buffers of this resource, or make one with a larger \
+                     max_size ({e})"
+                ),
+            };
+        }
+        cx.driver_error("allocate", e)
+    }
+
+    /// Frees `memory` on `stream` (cuda.core's `deallocate(ptr, size, stream)`): the memory is
+    /// freed there once its last pointer drops, which this call's is; other clones keep it.
+    /// A free that fails (here, or an earlier one from a dropped pointer) is returned here; the
+    /// buffer is freed again when the resource is closed.
+    pub fn deallocate(&self, memory: MemoryPointer, stream: &Stream) -> Result<(), EmmError> {
+        check_same_context(&self.shared.cx, stream.context(), "deallocate")?;
+        memory.free_on(stream)?;
+        drop(memory);
+        match lock(&self.shared.state).error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The pool's figures: bytes reserved and used, now and at their high-water marks, and
+    /// the release threshold (cuda.core's `attributes`).
+    pub fn attributes(&self) -> Result<MemPoolUsage, EmmError> {
+        let cx = &self.shared.cx;
+        let _live = cx.enter("attributes")?;
+        self.check_open("attributes")?;
+        cx.driver
+            .mem_pool_usage(cx.context, self.shared.pool)
+            .map_err(|e| cx.driver_error("attributes", e))
+    }
+
+    /// Starts the high-water marks again from the current figures.
+    pub fn reset_high_water(&self) -> Result<(), EmmError> {
+        let cx = &self.shared.cx;
+        let _live = cx.enter("reset_high_water")?;
+        self.check_open("reset_high_water")?;
+        cx.driver
+            .mem_pool_reset_high_water(cx.context, self.shared.pool)
+            .map_err(|e| cx.driver_error("reset_high_water", e))
+    }
+
+    fn check_open(&self, what: &'static str) -> Result<(), EmmError> {
+        if lock(&self.shared.state).closed && self.shared.owned {
+            return Err(EmmError::InvalidArgument {
+                what,
+                reason: "the resource was closed and its pool destroyed; make a new one".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether emm created the pool and destroys it (false for the device's default pool).
+    pub fn is_handle_owned(&self) -> bool {
+        self.shared.owned
+    }
+
+    /// Whether the pool's memory can be exported to other processes.
+    pub fn is_ipc_enabled(&self) -> bool {
+        self.shared.options.ipc_enabled
+    }
+
+    /// The options the pool was made with (the default pool's: no limit, no IPC).
+    pub fn options(&self) -> DeviceMemoryResourceOptions {
+        self.shared.options
+    }
+
+    /// The driver's pool handle.
+    pub fn handle(&self) -> MemPoolHandle {
+        self.shared.pool
+    }
+
+    /// The device the memory is on.
+    pub fn device(&self) -> DeviceOrdinal {
+        self.shared.cx.device
+    }
+
+    /// Buffers allocated and not freed yet.
+    pub fn live_buffers(&self) -> usize {
+        lock(&self.shared.state).live.len()
+    }
+
+    /// Closes the resource: no more allocations; buffers whose free failed are freed again; an
+    /// owned pool is destroyed (buffers still live stay valid until they are freed).
+    /// Idempotent; also done when the last clone drops. Returns the first failed free not
+    /// reported yet.
+    pub fn close(&self) -> Result<(), EmmError> {
+        self.shared.close()
+    }
+}
+
+impl fmt::Debug for DeviceMemoryResource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceMemoryResource")
+            .field("device", &self.shared.cx.device)
+            .field("pool", &self.shared.pool)
+            .field("owned", &self.shared.owned)
+            .field("options", &self.shared.options)
+            .finish()
+    }
+}
