@@ -21,6 +21,10 @@ use driver_sys::{
 };
 
 use crate::contract::factory::ManagerContext;
+use crate::contract::ipc::{IpcHandle, IpcMemory, identity_of};
+#[cfg(unix)]
+use crate::contract::pool_export::PoolExport;
+use crate::contract::pool_export::PoolId;
 use crate::error::EmmError;
 use crate::host::fences::Fences;
 use crate::memory::pointer::{MemoryPointer, ReleaseHook, StreamUse};
@@ -51,6 +55,8 @@ pub struct DeviceMemoryResource {
 
 struct State {
     closed: bool,
+    /// Exported to a descriptor at least once (the driver exports no allocation before).
+    exported: bool,
     /// Allocations not freed yet.
     live: HashSet<u64>,
     /// Buffers whose last pointer dropped but whose free failed: freed again at the close.
@@ -65,6 +71,8 @@ struct Shared {
     pool: MemPoolHandle,
     owned: bool,
     options: DeviceMemoryResourceOptions,
+    /// The pool's name across processes (IPC-enabled pools).
+    id: Option<PoolId>,
     state: Mutex<State>,
     fences: Fences,
 }
@@ -202,8 +210,10 @@ impl DeviceMemoryResource {
                 pool,
                 owned,
                 options,
+                id: options.ipc_enabled.then(PoolId::fresh),
                 state: Mutex::new(State {
                     closed: false,
+                    exported: false,
                     live: HashSet::new(),
                     unfreed: Vec::new(),
                     error: None,
@@ -323,13 +333,106 @@ impl DeviceMemoryResource {
     }
 
     fn check_open(&self, what: &'static str) -> Result<(), EmmError> {
-        if lock(&self.shared.state).closed && self.shared.owned {
+        self.open_for(&lock(&self.shared.state), what)
+    }
+
+    /// The pool as a [`PoolExport`] for other processes (cuda.core's `allocation_handle`):
+    /// sent with [`PoolExport::send`], imported there with
+    /// [`Runtime::import_pool`](crate::Runtime::import_pool), after which the handles of
+    /// [`get_ipc_handle`](Self::get_ipc_handle) open there. Refused unless the resource was
+    /// made with `ipc_enabled`.
+    #[cfg(unix)]
+    pub fn allocation_handle(&self) -> Result<PoolExport, EmmError> {
+        const WHAT: &str = "allocation_handle";
+        let cx = &self.shared.cx;
+        let id = self.ipc_id(WHAT)?;
+        let _live = cx.enter(WHAT)?;
+        let fd = {
+            let mut state = lock(&self.shared.state);
+            self.open_for(&state, WHAT)?;
+            let fd = cx
+                .driver
+                .mem_pool_export_fd(cx.context, self.shared.pool)
+                .map_err(|e| cx.driver_error(WHAT, e))?;
+            state.exported = true;
+            fd
+        };
+        let source = identity_of(&*cx.driver, cx.device)?;
+        tracing::info!(device = %cx.device, pool = %id, "memory resource's pool exported");
+        Ok(PoolExport::new(id, source, fd))
+    }
+
+    /// An IPC handle for `memory` (a buffer of this resource, or a view of one), which opens
+    /// in a process that imported the pool: the buffer's stream is synchronised first (the
+    /// importer must not see memory its allocation has not reached), and the pool is exported
+    /// once if it was not yet (the driver exports no allocation before).
+    pub fn get_ipc_handle(&self, memory: &MemoryPointer) -> Result<IpcHandle, EmmError> {
+        const WHAT: &str = "get_ipc_handle";
+        let cx = &self.shared.cx;
+        let id = self.ipc_id(WHAT)?;
+        let _live = cx.enter(WHAT)?;
+        let base = memory.allocation_base();
+        let mut state = lock(&self.shared.state);
+        self.open_for(&state, WHAT)?;
+        if !state.live.contains(&base.0) || memory.context() != cx.context {
+            return Err(EmmError::InvalidArgument {
+                what: "memory passed to DeviceMemoryResource::get_ipc_handle",
+                reason: format!(
+                    "{base} is not a live buffer of this resource; export memory it allocated"
+                ),
+            });
+        }
+        let err = |e| cx.driver_error(WHAT, e);
+        if !state.exported {
+            drop(
+                cx.driver
+                    .mem_pool_export_fd(cx.context, self.shared.pool)
+                    .map_err(err)?,
+            );
+            state.exported = true;
+        }
+        let stream = memory.stream().unwrap_or(StreamHandle::NULL);
+        cx.driver
+            .stream_synchronize(cx.context, stream)
+            .map_err(err)?;
+        let data = cx
+            .driver
+            .mem_pool_export_pointer(cx.context, base)
+            .map_err(err)?;
+        drop(state);
+        let source = identity_of(&*cx.driver, cx.device)?;
+        Ok(IpcHandle::exported(
+            memory.clone(),
+            IpcMemory::PoolAllocation { pool: id, data },
+            memory.size(),
+            (memory.device_ptr().0 - base.0) as usize,
+            source,
+        ))
+    }
+
+    fn ipc_id(&self, what: &'static str) -> Result<PoolId, EmmError> {
+        self.shared.id.ok_or(EmmError::InvalidArgument {
+            what,
+            reason: "the resource's pool is not IPC-enabled; make it with \
+                     DeviceMemoryResourceOptions { ipc_enabled: true, .. }"
+                .into(),
+        })
+    }
+
+    fn open_for(&self, state: &State, what: &'static str) -> Result<(), EmmError> {
+        if state.closed && self.shared.owned {
             return Err(EmmError::InvalidArgument {
                 what,
                 reason: "the resource was closed and its pool destroyed; make a new one".into(),
             });
         }
         Ok(())
+    }
+
+    /// The pool's name across processes, for an IPC-enabled resource (the key under which an
+    /// importer's runtime registers the pool).
+    pub fn pool_id(&self) -> Option<PoolId> {
+        self.shared.id
     }
 
     /// Whether emm created the pool and destroys it (false for the device's default pool).

@@ -464,3 +464,59 @@ fn a_process_of_another_user_is_refused_on_both_sides_unless_allowed() {
     sent.unwrap();
     assert_eq!(line, format!("ok {}", export.id()));
 }
+
+/// A device memory resource made with `ipc_enabled`: its pool goes to another process as an
+/// allocation handle over a socket; a buffer allocated on a stream is exported (its stream
+/// synchronised first) and opens there with the exporter's bytes; a resource without IPC
+/// refuses with an error that says how to make one that can.
+#[test]
+fn a_memory_resource_exports_its_pool_and_buffers() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime_with(&sim, "default");
+    let ctx = rt.context(0).unwrap();
+    let mr = ctx
+        .device_memory_resource(emm::DeviceMemoryResourceOptions {
+            max_size: 0,
+            ipc_enabled: true,
+        })
+        .unwrap();
+    let s = ctx.create_stream().unwrap();
+    let buf = mr.allocate(8192, &s).unwrap();
+    ctx.memset_async(&buf, 6, &s).unwrap().wait().unwrap();
+    let handle = mr.get_ipc_handle(&buf.view(4096, None).unwrap()).unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    let export = mr.allocation_handle().unwrap();
+    assert_eq!(Some(export.id()), mr.pool_id());
+    export.send(&a).unwrap();
+    let received = PoolExport::receive(&b).unwrap();
+    let other = Arc::new(sim.spawn_process());
+    {
+        let ort = runtime_with(&other, "default");
+        ort.import_pool(received).unwrap();
+        let octx = ort.context(0).unwrap();
+        let theirs = IpcHandle::from_bytes(&handle.to_bytes()).unwrap();
+        let view = theirs.open(&ort, &octx).unwrap();
+        let mut seen = vec![0u8; 4096];
+        octx.copy_to_host(&mut seen, &view).unwrap();
+        assert_eq!(seen, vec![6u8; 4096]);
+        theirs.close().unwrap();
+    }
+    assert!(other.leak_report().is_clean(), "{}", other.leak_report());
+    drop(buf);
+    mr.close().unwrap();
+
+    let plain = ctx
+        .device_memory_resource(emm::DeviceMemoryResourceOptions::default())
+        .unwrap();
+    let mem = plain.allocate(64, &s).unwrap();
+    let e = plain.get_ipc_handle(&mem).unwrap_err();
+    assert!(e.to_string().contains("ipc_enabled: true"), "{e}");
+    let e = plain.allocation_handle().unwrap_err();
+    assert!(e.to_string().contains("not IPC-enabled"), "{e}");
+    // A buffer of another resource is not this one's to export.
+    let e = mr.get_ipc_handle(&mem).unwrap_err();
+    assert!(
+        e.to_string().contains("closed") || e.to_string().contains("not a live buffer"),
+        "{e}"
+    );
+}
