@@ -27,7 +27,7 @@ use crate::contract::pool_export::PoolExport;
 use crate::contract::pool_export::PoolId;
 use crate::error::EmmError;
 use crate::host::fences::Fences;
-use crate::memory::pointer::{MemoryPointer, ReleaseHook, StreamUse};
+use crate::memory::pointer::{MemoryPointer, OrderedOn, ReleaseHook, StreamUse};
 use crate::objects::{Stream, check_same_context};
 use crate::sync::{Mutex, lock};
 
@@ -228,10 +228,28 @@ impl DeviceMemoryResource {
     /// or the pool's `max_size`), the resource waits for `stream` once and retries; then the
     /// error says which limit was reached.
     pub fn allocate(&self, size: usize, stream: &Stream) -> Result<MemoryPointer, EmmError> {
+        check_same_context(&self.shared.cx, stream.context(), "allocate")?;
+        // SAFETY: an emm stream of this context (checked), kept alive by the pointer below.
+        let mem = unsafe { self.allocate_on_raw(size, stream.handle()) }?;
+        mem.keep_stream(stream);
+        Ok(mem)
+    }
+
+    /// As [`allocate`](Self::allocate), on a stream known only by its handle (another
+    /// library's, or an implicit one such as [`StreamHandle::NULL`]).
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a stream of this resource's context (or an implicit one) that outlives the
+    /// buffer: emm cannot keep another library's stream alive.
+    pub unsafe fn allocate_on_raw(
+        &self,
+        size: usize,
+        stream: StreamHandle,
+    ) -> Result<MemoryPointer, EmmError> {
         const WHAT: &str = "allocate";
         let shared = &self.shared;
         let cx = &shared.cx;
-        check_same_context(cx, stream.context(), WHAT)?;
         if size == 0 {
             return Err(EmmError::ZeroSize { what: WHAT });
         }
@@ -245,7 +263,7 @@ impl DeviceMemoryResource {
                     .into(),
             });
         }
-        let handle = stream.handle();
+        let handle = stream;
         let alloc = || {
             cx.driver
                 .mem_alloc_from_pool_async(cx.context, shared.pool, size, handle)
@@ -262,7 +280,7 @@ impl DeviceMemoryResource {
         };
         state.live.insert(ptr.0);
         drop(state);
-        let mem = MemoryPointer::with_hook_on(
+        Ok(MemoryPointer::with_hook_on(
             cx.device,
             cx.context,
             ptr,
@@ -270,9 +288,7 @@ impl DeviceMemoryResource {
             Arc::clone(shared) as Arc<dyn ReleaseHook>,
             0,
             handle,
-        );
-        mem.keep_stream(stream);
-        Ok(mem)
+        ))
     }
 
     /// The error of an allocation the driver refused twice. Called with the state locked: it
@@ -303,6 +319,16 @@ impl DeviceMemoryResource {
     /// buffer is freed again when the resource is closed.
     pub fn deallocate(&self, memory: MemoryPointer, stream: &Stream) -> Result<(), EmmError> {
         check_same_context(&self.shared.cx, stream.context(), "deallocate")?;
+        self.deallocate_on(memory, stream)
+    }
+
+    /// As [`deallocate`](Self::deallocate), on a stream given as any [`OrderedOn`] (a raw
+    /// handle: the caller keeps that stream alive until the free ran).
+    pub fn deallocate_on(
+        &self,
+        memory: MemoryPointer,
+        stream: &(impl OrderedOn + ?Sized),
+    ) -> Result<(), EmmError> {
         memory.free_on(stream)?;
         drop(memory);
         match lock(&self.shared.state).error.take() {

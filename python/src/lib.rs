@@ -418,6 +418,83 @@ impl Deferral {
 
 /// One device's context in the process runtime: every allocation of the package goes
 /// through it.
+/// A stream-ordered memory resource (cuda.core's `DeviceMemoryResource`): a driver pool of
+/// emm's, or the device's default pool. Streams are `CUstream` handles as integers (0: the
+/// legacy default stream) that must outlive the buffers allocated on them.
+#[pyclass(module = "emm._emm", frozen)]
+struct MemoryResource {
+    inner: emm::DeviceMemoryResource,
+}
+
+#[pymethods]
+impl MemoryResource {
+    /// `size` bytes on `stream`, freed there when the buffer is released or deallocated.
+    #[pyo3(signature = (size, stream=0))]
+    fn allocate(&self, py: Python<'_>, size: usize, stream: u64) -> PyResult<DeviceBuffer> {
+        // SAFETY: the caller's stream of this device, alive as long as the buffer (the
+        // documented contract of this class).
+        py.detach(|| unsafe { self.inner.allocate_on_raw(size, StreamHandle(stream)) })
+            .map(DeviceBuffer::new)
+            .map_err(py_err)
+    }
+
+    /// Frees `buffer` on `stream` (the buffer is released: later use raises); a failed free
+    /// raises here.
+    #[pyo3(signature = (buffer, stream=0))]
+    fn deallocate(&self, py: Python<'_>, buffer: &DeviceBuffer, stream: u64) -> PyResult<()> {
+        let mem = buffer.pointer()?;
+        lock(&buffer.mem).take();
+        py.detach(|| self.inner.deallocate_on(mem, &StreamHandle(stream)))
+            .map_err(py_err)
+    }
+
+    /// The pool's figures: a dict of `reserved_current`, `reserved_high`, `used_current`,
+    /// `used_high` and `release_threshold`, in bytes.
+    fn attributes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let a = self.inner.attributes().map_err(py_err)?;
+        let d = PyDict::new(py);
+        d.set_item("reserved_current", a.reserved)?;
+        d.set_item("reserved_high", a.reserved_high)?;
+        d.set_item("used_current", a.used)?;
+        d.set_item("used_high", a.used_high)?;
+        d.set_item("release_threshold", a.release_threshold)?;
+        Ok(d)
+    }
+
+    /// Starts the high-water marks again from the current figures.
+    fn reset_high_water(&self) -> PyResult<()> {
+        self.inner.reset_high_water().map_err(py_err)
+    }
+
+    /// Whether emm created the pool (and destroys it at `close`).
+    #[getter]
+    fn is_handle_owned(&self) -> bool {
+        self.inner.is_handle_owned()
+    }
+
+    /// Whether the pool's memory can be exported to other processes.
+    #[getter]
+    fn is_ipc_enabled(&self) -> bool {
+        self.inner.is_ipc_enabled()
+    }
+
+    /// The device ordinal.
+    #[getter]
+    fn device_id(&self) -> u32 {
+        self.inner.device().0
+    }
+
+    /// Buffers allocated and not freed yet.
+    fn live_buffers(&self) -> usize {
+        self.inner.live_buffers()
+    }
+
+    /// No more allocations; an owned pool is destroyed (live buffers stay valid until freed).
+    fn close(&self) -> PyResult<()> {
+        self.inner.close().map_err(py_err)
+    }
+}
+
 #[pyclass(module = "emm._emm", frozen)]
 struct Context {
     inner: emm::Context,
@@ -454,6 +531,33 @@ impl Context {
         // as its memory lives (the documented contract of this method).
         py.detach(|| unsafe { self.inner.memalloc_on_raw(size, StreamHandle(stream)) })
             .map(DeviceBuffer::new)
+            .map_err(py_err)
+    }
+
+    /// A memory resource over a new driver pool of this device (cuda.core's
+    /// `DeviceMemoryResource`): `max_size` bytes at most (0: no limit), `ipc_enabled` for a
+    /// pool other processes can import.
+    #[pyo3(signature = (max_size=0, ipc_enabled=false))]
+    fn device_memory_resource(
+        &self,
+        max_size: usize,
+        ipc_enabled: bool,
+    ) -> PyResult<MemoryResource> {
+        let options = emm::DeviceMemoryResourceOptions {
+            max_size,
+            ipc_enabled,
+        };
+        self.inner
+            .device_memory_resource(options)
+            .map(|inner| MemoryResource { inner })
+            .map_err(py_err)
+    }
+
+    /// A memory resource over the device's default pool, which emm does not own.
+    fn default_device_memory_resource(&self) -> PyResult<MemoryResource> {
+        self.inner
+            .default_device_memory_resource()
+            .map(|inner| MemoryResource { inner })
             .map_err(py_err)
     }
 
@@ -797,6 +901,7 @@ fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(torch_live, m)?)?;
     m.add_class::<Context>()?;
+    m.add_class::<MemoryResource>()?;
     m.add_class::<DeviceBuffer>()?;
     m.add_class::<HostBuffer>()?;
     m.add_class::<ManagedBuffer>()?;

@@ -233,6 +233,35 @@ def test_memalloc_on_a_stream(manager):
     assert out.stdout.strip() == expected
 
 
+def test_device_memory_resource(ctx):
+    """cuda.core's DeviceMemoryResource through emm: a limited pool of its own, buffers on a
+    stream, the pool's figures, deallocate, close; the default pool, which emm does not own."""
+    mr = ctx.device_memory_resource(max_size=8 << 20)
+    assert mr.is_handle_owned and not mr.is_ipc_enabled and mr.device_id == 0
+    a = mr.allocate(6 << 20, 0)
+    assert a.stream == 0 and a.size == 6 << 20
+    ctx.copy_to_device(a, b"\x07" * 64)
+    assert bytes(ctx.copy_to_host(a, 64)) == b"\x07" * 64
+    with pytest.raises(emm.EmmError, match="max_size"):
+        mr.allocate(4 << 20, 0)
+    at = mr.attributes()
+    assert at["used_current"] >= 6 << 20 and at["used_high"] >= at["used_current"], at
+    assert at["reserved_current"] <= 8 << 20, at
+    mr.deallocate(a, 0)
+    with pytest.raises(emm.EmmError, match="released"):
+        ctx.copy_to_host(a, 64)
+    assert mr.live_buffers() == 0
+    mr.reset_high_water()
+    mr.close()
+    with pytest.raises(emm.EmmError, match="closed"):
+        mr.allocate(64, 0)
+    d = ctx.default_device_memory_resource()
+    assert not d.is_handle_owned
+    b = d.allocate(4096)
+    b.release()
+    d.close()
+
+
 def test_torch_entry_points_without_torch():
     """PyTorch's C entry points, called as PyTorch calls them (through ctypes here)."""
     lib = ctypes.CDLL(emm._emm.__file__)
