@@ -410,11 +410,7 @@ impl DeviceMemoryResource {
         }
         let err = |e| cx.driver_error(WHAT, e);
         if !state.exported {
-            drop(
-                cx.driver
-                    .mem_pool_export_fd(cx.context, self.shared.pool)
-                    .map_err(err)?,
-            );
+            self.export_once(WHAT)?;
             state.exported = true;
         }
         let stream = memory.stream().unwrap_or(StreamHandle::NULL);
@@ -434,6 +430,28 @@ impl DeviceMemoryResource {
             (memory.device_ptr().0 - base.0) as usize,
             source,
         ))
+    }
+
+    /// Exports the pool to a descriptor, closed at once (the export stays valid): the driver
+    /// exports no allocation of a pool never exported.
+    #[cfg(unix)]
+    fn export_once(&self, what: &'static str) -> Result<(), EmmError> {
+        let cx = &self.shared.cx;
+        cx.driver
+            .mem_pool_export_fd(cx.context, self.shared.pool)
+            .map(drop)
+            .map_err(|e| cx.driver_error(what, e))
+    }
+
+    /// Off Unix: pools travel as POSIX file descriptors, which the platform does not have.
+    #[cfg(not(unix))]
+    fn export_once(&self, what: &'static str) -> Result<(), EmmError> {
+        Err(EmmError::InvalidArgument {
+            what,
+            reason: "stream-ordered pools are shared as POSIX file descriptors, which this \
+                     platform does not have"
+                .into(),
+        })
     }
 
     fn ipc_id(&self, what: &'static str) -> Result<PoolId, EmmError> {
