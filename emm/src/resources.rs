@@ -70,6 +70,8 @@ struct Shared {
     cx: ManagerContext,
     pool: MemPoolHandle,
     owned: bool,
+    /// Imported from another process (cuda.core's `is_mapped`): it allocates nothing.
+    mapped: bool,
     options: DeviceMemoryResourceOptions,
     /// The pool's name across processes (IPC-enabled pools).
     id: Option<PoolId>,
@@ -179,7 +181,22 @@ impl DeviceMemoryResource {
             let _ = unsafe { cx.driver.mem_pool_destroy(cx.context, pool) };
             return Err(err(e));
         }
-        Ok(Self::over(cx, pool, true, options))
+        Ok(Self::over(cx, pool, true, options, None))
+    }
+
+    /// A resource over pool `id`, which this process imported (`pool` in `cx`, the context of
+    /// its source device): it allocates nothing (the driver refuses allocations from an
+    /// imported pool), and closing it leaves the import to its runtime.
+    pub(crate) fn mapped(
+        cx: &ManagerContext,
+        pool: MemPoolHandle,
+        id: PoolId,
+    ) -> DeviceMemoryResource {
+        let options = DeviceMemoryResourceOptions {
+            max_size: 0,
+            ipc_enabled: true,
+        };
+        Self::over(cx, pool, false, options, Some(id))
     }
 
     /// A resource over the device's default pool (`cuDeviceGetDefaultMemPool`), which emm does
@@ -195,22 +212,26 @@ impl DeviceMemoryResource {
             pool,
             false,
             DeviceMemoryResourceOptions::default(),
+            None,
         ))
     }
 
+    /// `mapped_id`: the id of an imported pool (which makes the resource a mapped one).
     fn over(
         cx: &ManagerContext,
         pool: MemPoolHandle,
         owned: bool,
         options: DeviceMemoryResourceOptions,
+        mapped_id: Option<PoolId>,
     ) -> DeviceMemoryResource {
         DeviceMemoryResource {
             shared: Arc::new(Shared {
                 cx: cx.clone(),
                 pool,
                 owned,
+                mapped: mapped_id.is_some(),
                 options,
-                id: options.ipc_enabled.then(PoolId::fresh),
+                id: mapped_id.or_else(|| options.ipc_enabled.then(PoolId::fresh)),
                 state: Mutex::new(State {
                     closed: false,
                     exported: false,
@@ -252,6 +273,15 @@ impl DeviceMemoryResource {
         let cx = &shared.cx;
         if size == 0 {
             return Err(EmmError::ZeroSize { what: WHAT });
+        }
+        if shared.mapped {
+            return Err(EmmError::InvalidArgument {
+                what: "DeviceMemoryResource::allocate",
+                reason: "this resource maps a pool imported from another process, and the \
+                         driver allocates nothing from an imported pool; allocate in the \
+                         exporting process and open its handles here"
+                    .into(),
+            });
         }
         let _live = cx.enter(WHAT)?;
         let mut state = lock(&shared.state);
@@ -372,6 +402,14 @@ impl DeviceMemoryResource {
         const WHAT: &str = "allocation_handle";
         let cx = &self.shared.cx;
         let id = self.ipc_id(WHAT)?;
+        if self.shared.mapped {
+            return Err(EmmError::InvalidArgument {
+                what: WHAT,
+                reason: "this resource maps a pool imported from another process; the driver \
+                         exports a pool only from the process that made it"
+                    .into(),
+            });
+        }
         let _live = cx.enter(WHAT)?;
         let fd = {
             let mut state = lock(&self.shared.state);
@@ -479,6 +517,11 @@ impl DeviceMemoryResource {
         self.shared.id
     }
 
+    /// Whether the resource maps a pool imported from another process (it allocates nothing).
+    pub fn is_mapped(&self) -> bool {
+        self.shared.mapped
+    }
+
     /// Whether emm created the pool and destroys it (false for the device's default pool).
     pub fn is_handle_owned(&self) -> bool {
         self.shared.owned
@@ -524,6 +567,7 @@ impl fmt::Debug for DeviceMemoryResource {
             .field("device", &self.shared.cx.device)
             .field("pool", &self.shared.pool)
             .field("owned", &self.shared.owned)
+            .field("mapped", &self.shared.mapped)
             .field("options", &self.shared.options)
             .finish()
     }

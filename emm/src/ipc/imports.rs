@@ -77,6 +77,13 @@ impl PoolImports {
         Ok(())
     }
 
+    /// The context and handle of imported pool `id`, if it is imported in a live context.
+    pub(crate) fn pool_of(&self, id: PoolId) -> Option<(ManagerContext, MemPoolHandle)> {
+        let pools = lock(&self.pools);
+        let p = pools.get(&id)?;
+        p.cx.liveness.is_alive().then(|| (p.cx.clone(), p.pool))
+    }
+
     /// Imports the pointer `data` names from pool `id`, usable from device `user` (access is
     /// granted when that is not the pool's device). Returns the pool's context (the source
     /// device's) and the pointer.

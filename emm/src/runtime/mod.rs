@@ -14,12 +14,14 @@ use crate::contract::ipc::{DeviceIdentity, identity_of};
 use crate::contract::manager::check_interface_version;
 #[cfg(unix)]
 use crate::contract::pool_export::PoolExport;
+use crate::contract::pool_export::PoolId;
 use crate::error::EmmError;
 use crate::ipc::imports::PoolImports;
 use crate::managers::default::{DEFAULT_MANAGER, DefaultManager};
 use crate::memory::liveness::ContextLiveness;
 use crate::memory::policy::DeallocConfig;
 use crate::objects::ModuleRegistry;
+use crate::resources::DeviceMemoryResource;
 use crate::sync::{Mutex, lock};
 
 pub mod config;
@@ -390,6 +392,31 @@ impl Runtime {
         let device = self.device_with_identity(&export.source())?;
         let ctx = self.context(device)?;
         self.imports.import(&ctx.inner.cx, export)
+    }
+
+    /// Imports `export` (as [`import_pool`](Self::import_pool)) and returns a resource that
+    /// maps the imported pool (cuda.core's `DeviceMemoryResource.from_allocation_handle`):
+    /// [`is_mapped`](DeviceMemoryResource::is_mapped), allocates nothing, and its buffers'
+    /// handles open here as any. Importing a pool twice gives a resource over the same import.
+    #[cfg(unix)]
+    pub fn memory_resource_from_allocation_handle(
+        &self,
+        export: PoolExport,
+    ) -> Result<DeviceMemoryResource, EmmError> {
+        let id = export.id();
+        self.import_pool(export)?;
+        self.imported_memory_resource(id)
+            .ok_or(EmmError::InvalidArgument {
+                what: "memory_resource_from_allocation_handle",
+                reason: format!("pool {id} was imported but its context is gone; import it again"),
+            })
+    }
+
+    /// The resource over pool `id`, if this runtime imported it and its context lives (the
+    /// registry by id that cuda.core keeps by UUID: `from_registry`).
+    pub fn imported_memory_resource(&self, id: PoolId) -> Option<DeviceMemoryResource> {
+        let (cx, pool) = self.imports.pool_of(id)?;
+        Some(DeviceMemoryResource::mapped(&cx, pool, id))
     }
 
     /// The device whose PCI identity is `identity` (Numba's `Device.from_identity`).

@@ -466,9 +466,10 @@ fn a_process_of_another_user_is_refused_on_both_sides_unless_allowed() {
 }
 
 /// A device memory resource made with `ipc_enabled`: its pool goes to another process as an
-/// allocation handle over a socket; a buffer allocated on a stream is exported (its stream
-/// synchronised first) and opens there with the exporter's bytes; a resource without IPC
-/// refuses with an error that says how to make one that can.
+/// allocation handle over a socket, where it becomes a mapped resource (registered by the
+/// pool's id, allocating nothing, exporting nothing); a buffer allocated on a stream is
+/// exported (its stream synchronised first) and opens there with the exporter's bytes; a
+/// resource without IPC refuses with an error that says how to make one that can.
 #[test]
 fn a_memory_resource_exports_its_pool_and_buffers() {
     let sim = Arc::new(SimDriver::new(SimConfig::default()));
@@ -492,14 +493,33 @@ fn a_memory_resource_exports_its_pool_and_buffers() {
     let other = Arc::new(sim.spawn_process());
     {
         let ort = runtime_with(&other, "default");
-        ort.import_pool(received).unwrap();
+        let id = received.id();
+        assert!(
+            ort.imported_memory_resource(id).is_none(),
+            "not imported yet"
+        );
+        let mapped = ort
+            .memory_resource_from_allocation_handle(received)
+            .unwrap();
+        assert!(mapped.is_mapped() && !mapped.is_handle_owned());
+        assert_eq!(mapped.pool_id(), Some(id));
+        let from_registry = ort
+            .imported_memory_resource(id)
+            .expect("registered by its id");
+        assert_eq!(from_registry.handle(), mapped.handle());
         let octx = ort.context(0).unwrap();
+        let os = octx.create_stream().unwrap();
+        let e = mapped.allocate(64, &os).unwrap_err();
+        assert!(e.to_string().contains("imported"), "{e}");
+        let e = mapped.allocation_handle().unwrap_err();
+        assert!(e.to_string().contains("made it"), "{e}");
         let theirs = IpcHandle::from_bytes(&handle.to_bytes()).unwrap();
         let view = theirs.open(&ort, &octx).unwrap();
         let mut seen = vec![0u8; 4096];
         octx.copy_to_host(&mut seen, &view).unwrap();
         assert_eq!(seen, vec![6u8; 4096]);
         theirs.close().unwrap();
+        mapped.close().unwrap();
     }
     assert!(other.leak_report().is_clean(), "{}", other.leak_report());
     drop(buf);
