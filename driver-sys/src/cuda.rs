@@ -26,7 +26,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use crate::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
-    HostFn, HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle,
+    HostFn, HostPtr, IpcMemHandle, MemInfo, MemLocation, MemPoolHandle, MemPoolUsage, ModuleHandle,
     PoolPtrExportData, StreamHandle,
 };
 
@@ -247,6 +247,27 @@ impl Driver for CudaDriver {
             DeviceAttribute::ManagedMemory => A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY,
             DeviceAttribute::ConcurrentManagedAccess => {
                 A::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS
+            }
+            DeviceAttribute::HostNumaId => A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID,
+            #[cfg(feature = "cuda-13000")]
+            DeviceAttribute::HostNumaMemoryPoolsSupported => {
+                A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_MEMORY_POOLS_SUPPORTED
+            }
+            #[cfg(feature = "cuda-13000")]
+            DeviceAttribute::HostMemoryPoolsSupported => {
+                A::CU_DEVICE_ATTRIBUTE_HOST_MEMORY_POOLS_SUPPORTED
+            }
+            #[cfg(not(feature = "cuda-13000"))]
+            DeviceAttribute::HostNumaMemoryPoolsSupported
+            | DeviceAttribute::HostMemoryPoolsSupported => {
+                return Err(DriverError::from_kind(
+                    "cuDeviceGetAttribute",
+                    crate::ErrorKind::NotSupported,
+                )
+                .with_detail(
+                    "emm was built against CUDA headers older than 13.0, which do not name \
+                     this attribute; build driver-sys with its `cuda-13000` feature",
+                ));
             }
         };
         // SAFETY: `attr` is a valid enum value; `device` came from cuDeviceGet.
@@ -881,7 +902,7 @@ impl Driver for CudaDriver {
     fn mem_pool_create_limited(
         &self,
         ctx: ContextHandle,
-        dev: DeviceOrdinal,
+        location: MemLocation,
         ipc: bool,
         max_size: usize,
     ) -> Result<MemPoolHandle, DriverError> {
@@ -895,8 +916,14 @@ impl Driver for CudaDriver {
         } else {
             sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
         };
-        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        props.location.id = dev.0 as i32;
+        use sys::CUmemLocationType as L;
+        let (type_, id) = match location {
+            MemLocation::Device(dev) => (L::CU_MEM_LOCATION_TYPE_DEVICE, dev.0 as i32),
+            MemLocation::Host => (L::CU_MEM_LOCATION_TYPE_HOST, 0),
+            MemLocation::HostNuma(node) => (L::CU_MEM_LOCATION_TYPE_HOST_NUMA, node),
+        };
+        props.location.type_ = type_;
+        props.location.id = id;
         // `maxSize` follows `win32SecurityAttributes` in the driver's struct (CUDA 12.2 on);
         // headers before 12.2 call those bytes `reserved`, so it is written by offset: the
         // layout is the driver's, whichever header cudarc was built with.

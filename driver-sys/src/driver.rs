@@ -90,6 +90,26 @@ pub enum DeviceAttribute {
     /// `CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS`: 1 if the host and the device may
     /// access managed memory at the same time.
     ConcurrentManagedAccess = 89,
+    /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`: the NUMA node of the host memory closest to the
+    /// device (-1 when there is none).
+    HostNumaId = 134,
+    /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_MEMORY_POOLS_SUPPORTED`: 1 if stream-ordered pools can
+    /// be made at a host NUMA node (`CU_MEM_LOCATION_TYPE_HOST_NUMA`).
+    HostNumaMemoryPoolsSupported = 142,
+    /// `CU_DEVICE_ATTRIBUTE_HOST_MEMORY_POOLS_SUPPORTED`: 1 if stream-ordered pools can be
+    /// made in host memory (`CU_MEM_LOCATION_TYPE_HOST`).
+    HostMemoryPoolsSupported = 144,
+}
+
+/// Where a stream-ordered pool's memory lives (`CUmemLocation`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemLocation {
+    /// On a device (`CU_MEM_LOCATION_TYPE_DEVICE`).
+    Device(DeviceOrdinal),
+    /// Page-locked host memory (`CU_MEM_LOCATION_TYPE_HOST`).
+    Host,
+    /// Page-locked host memory on a NUMA node (`CU_MEM_LOCATION_TYPE_HOST_NUMA`).
+    HostNuma(i32),
 }
 
 /// Free and total device memory as `cuMemGetInfo` reports them, in bytes.
@@ -551,16 +571,18 @@ pub trait Driver: Send + Sync + fmt::Debug {
         dev: DeviceOrdinal,
         ipc: bool,
     ) -> Result<MemPoolHandle, DriverError> {
-        self.mem_pool_create_limited(ctx, dev, ipc, 0)
+        self.mem_pool_create_limited(ctx, MemLocation::Device(dev), ipc, 0)
     }
 
-    /// `cuMemPoolCreate` with `CUmemPoolProps::maxSize` = `max_size` (0: no limit beyond the
-    /// device's memory): the pool never reserves more, and an allocation that would need more
-    /// is `CUDA_ERROR_OUT_OF_MEMORY`.
+    /// `cuMemPoolCreate` of pinned memory at `location` with `CUmemPoolProps::maxSize` =
+    /// `max_size` (0: no limit beyond the memory there): the pool never reserves more, and an
+    /// allocation that would need more is `CUDA_ERROR_OUT_OF_MEMORY`. A pool in host memory
+    /// hands out addresses the host and (once granted access, `mem_pool_grant_access`) devices
+    /// use alike.
     fn mem_pool_create_limited(
         &self,
         ctx: ContextHandle,
-        dev: DeviceOrdinal,
+        location: MemLocation,
         ipc: bool,
         max_size: usize,
     ) -> Result<MemPoolHandle, DriverError>;

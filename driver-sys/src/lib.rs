@@ -35,8 +35,8 @@ pub use cuda::CudaDriver;
 #[cfg(feature = "mock")]
 pub use driver::MockDriver;
 pub use driver::{
-    DeviceAttribute, Driver, HostFn, MemInfo, MemPoolUsage, event_flags, host_alloc, host_register,
-    mem_attach, stream_flags, wait_value,
+    DeviceAttribute, Driver, HostFn, MemInfo, MemLocation, MemPoolUsage, event_flags, host_alloc,
+    host_register, mem_attach, stream_flags, wait_value,
 };
 pub use error::{DriverError, ErrorKind, code};
 pub use handles::{

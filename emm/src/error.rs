@@ -132,6 +132,17 @@ pub enum EmmError {
         what: &'static str,
     },
 
+    /// The device or its driver cannot do what was asked (a capability it lacks).
+    #[error("{what} is not supported on device {device}: {advice}")]
+    DeviceCannot {
+        /// What was asked.
+        what: &'static str,
+        /// The device.
+        device: DeviceOrdinal,
+        /// Why, and what to use instead.
+        advice: String,
+    },
+
     /// A stream operation on memory that was not allocated on a stream.
     #[error(
         "{what} needs memory allocated on a stream (memalloc_on / Context::memalloc_on); this \

@@ -94,6 +94,9 @@ pub use memory::{
     PendingDeallocs, PinnableBuffer, PinnedMemory, ReleaseFn, ReleaseHook, StreamUse,
 };
 pub use objects::{AutoSynchronize, Event, InFlight, Module, Stream, StreamKind};
-pub use resources::{DeviceMemoryResource, DeviceMemoryResourceOptions};
+pub use resources::{
+    DeviceMemoryResource, DeviceMemoryResourceOptions, PinnedMemoryResource,
+    PinnedMemoryResourceOptions,
+};
 pub use runtime::context::Context;
 pub use runtime::{Runtime, RuntimeBuilder};

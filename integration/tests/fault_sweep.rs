@@ -220,6 +220,14 @@ fn workload(
         mr.deallocate(buf, &stream)?;
         stream.synchronize()?;
         mr.close()?;
+        let pinned = ctx.pinned_memory_resource(emm::PinnedMemoryResourceOptions::default())?;
+        let host = pinned.allocate(4096, &fast)?;
+        fast.synchronize()?;
+        host.write(0, &[4u8; 64])?;
+        pinned.attributes()?;
+        pinned.deallocate(host, &fast)?;
+        fast.synchronize()?;
+        pinned.close()?;
     }
     let module = ctx.load_module(PTX.as_bytes())?;
     {

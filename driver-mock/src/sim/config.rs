@@ -42,6 +42,11 @@ pub struct SimDeviceConfig {
     pub pci_bus_id: i32,
     /// `CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID`.
     pub pci_device_id: i32,
+    /// `CU_DEVICE_ATTRIBUTE_HOST_MEMORY_POOLS_SUPPORTED` (and `HOST_NUMA_MEMORY_POOLS_SUPPORTED`):
+    /// whether pools can be made in host memory.
+    pub host_memory_pools: bool,
+    /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`: the host NUMA node nearest the device.
+    pub host_numa_id: i32,
 }
 
 impl SimDeviceConfig {
@@ -56,7 +61,16 @@ impl SimDeviceConfig {
             pci_domain_id: 0,
             pci_bus_id: 0,
             pci_device_id: 0,
+            host_memory_pools: true,
+            host_numa_id: 0,
         }
+    }
+
+    /// Sets whether pools can be made in host memory (a driver before CUDA 12.6 cannot).
+    #[must_use]
+    pub fn host_memory_pools(mut self, yes: bool) -> SimDeviceConfig {
+        self.host_memory_pools = yes;
+        self
     }
 
     /// Sets whether the device can map host memory.

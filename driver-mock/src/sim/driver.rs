@@ -7,7 +7,7 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 
 use driver_sys::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
-    HostFn, HostPtr, IpcMemHandle, MemInfo, MemPoolHandle, MemPoolUsage, ModuleHandle,
+    HostFn, HostPtr, IpcMemHandle, MemInfo, MemLocation, MemPoolHandle, MemPoolUsage, ModuleHandle,
     PoolPtrExportData, StreamHandle,
 };
 
@@ -155,13 +155,13 @@ impl Driver for SimDriver {
     fn mem_pool_create_limited(
         &self,
         ctx: ContextHandle,
-        dev: DeviceOrdinal,
+        location: MemLocation,
         ipc: bool,
         max_size: usize,
     ) -> Result<MemPoolHandle, DriverError> {
         self.call(Op::MemPoolCreate, |w, pid, note| {
             note.bytes = (max_size > 0).then_some(max_size);
-            w.mem_pool_create(pid, note, ctx, dev, ipc, max_size)
+            w.mem_pool_create(pid, note, ctx, location, ipc, max_size)
         })
     }
 

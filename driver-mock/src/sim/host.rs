@@ -57,6 +57,9 @@ pub(super) enum HostKind {
     /// `cuMemAllocManaged` memory: bytes the simulator owns, reached at the same address from
     /// the host and from copies, freed with `cuMemFree`. Not pinned memory.
     Managed(#[allow(dead_code)] HostBlock),
+    /// A block of a stream-ordered pool in host memory (`CU_MEM_LOCATION_TYPE_HOST`): pinned,
+    /// reached at one address by the host and the devices, owned by its pool.
+    Pooled(#[allow(dead_code)] HostBlock),
 }
 
 #[derive(Debug)]
@@ -223,7 +226,7 @@ impl World {
         let kind_matches = match host.get(&ptr.0)?.kind {
             HostKind::Registered => registered,
             HostKind::Alloc(_) => !registered,
-            HostKind::Managed(_) => false,
+            HostKind::Managed(_) | HostKind::Pooled(_) => false,
         };
         if !kind_matches {
             return None;
@@ -295,6 +298,45 @@ impl World {
         );
         note.ptr = Some(DevicePtr(addr as u64));
         Ok(DevicePtr(addr as u64))
+    }
+
+    /// A block of `bytes` for a pool in host memory of process `pid`, made in a context of
+    /// device `device`: its address. Counted against the machine's page-locked memory, as
+    /// `cuMemHostAlloc` is (`CUDA_ERROR_OUT_OF_MEMORY` past the limit).
+    pub(super) fn alloc_pooled_host(
+        &mut self,
+        pid: usize,
+        device: usize,
+        bytes: usize,
+    ) -> Result<u64, u32> {
+        if bytes > self.pinned_limit - self.pinned {
+            return Err(code::OUT_OF_MEMORY);
+        }
+        self.pinned += bytes;
+        let (storage, addr) = HostBlock::zeroed(bytes);
+        self.processes[pid].host.insert(
+            addr,
+            HostRange {
+                size: bytes,
+                device,
+                mapped: true,
+                portable: true,
+                kind: HostKind::Pooled(storage),
+            },
+        );
+        Ok(addr as u64)
+    }
+
+    /// Gives a host pool's block at `ptr` back to the system; its size, or `None`.
+    pub(super) fn free_pooled_host(&mut self, pid: usize, ptr: u64) -> Option<usize> {
+        let host = &mut self.processes[pid].host;
+        let at = usize::try_from(ptr).ok()?;
+        if !matches!(host.get(&at)?.kind, HostKind::Pooled(_)) {
+            return None;
+        }
+        let size = host.remove(&at)?.size;
+        self.pinned -= size;
+        Some(size)
     }
 
     /// `cuMemFree` of managed memory: takes back the managed range starting at `ptr`; its size,

@@ -149,7 +149,7 @@ impl World {
                 let caching: Vec<u64> = self.processes[pid]
                     .pools
                     .iter()
-                    .filter(|(_, p)| p.device == i && p.free.iter().any(|b| b.ready))
+                    .filter(|(_, p)| p.device == i && !p.host && p.free.iter().any(|b| b.ready))
                     .map(|(&h, _)| h)
                     .collect();
                 if caching.is_empty() {

@@ -8,9 +8,14 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 
 use driver_sys::{
-    ContextHandle, DeviceOrdinal, DevicePtr, MemPoolHandle, MemPoolUsage, PoolPtrExportData,
-    StreamHandle, code,
+    ContextHandle, DeviceOrdinal, DevicePtr, MemLocation, MemPoolHandle, MemPoolUsage,
+    PoolPtrExportData, StreamHandle, code,
 };
+
+/// Whether pool `h` of process `pid` lives in host memory.
+fn p_host(w: &World, pid: usize, h: u64) -> bool {
+    w.processes[pid].pools.get(&h).is_some_and(|p| p.host)
+}
 
 use super::Note;
 use super::config::PAGE_SIZE;
@@ -32,6 +37,10 @@ pub(super) struct FreeBlock {
 #[derive(Debug)]
 pub(super) struct SimPool {
     pub(super) device: usize,
+    /// In host memory (`CU_MEM_LOCATION_TYPE_HOST` / `HOST_NUMA`): its blocks are pinned host
+    /// memory, reached at one address by the host and the devices; `device` is the device of
+    /// the context that made it.
+    pub(super) host: bool,
     pub(super) is_default: bool,
     /// Destroyed while allocations were outstanding: measured on the H200, the driver
     /// releases the pool's memory only once they are freed.
@@ -62,6 +71,7 @@ impl SimPool {
     pub(super) fn new(device: usize, is_default: bool) -> SimPool {
         SimPool {
             device,
+            host: false,
             is_default,
             ipc: false,
             exported: false,
@@ -109,12 +119,22 @@ pub(super) fn decode_pool_ptr(d: &PoolPtrExportData) -> Option<(usize, u64, u64)
 }
 
 impl World {
+    /// Gives a pool's block back: device memory, or a host pool's pinned host memory.
+    fn free_pool_block(&mut self, pid: usize, host: bool, addr: u64) {
+        if host {
+            let _ = self.free_pooled_host(pid, addr);
+        } else {
+            let _ = self.free_device(pid, addr);
+        }
+    }
+
     /// Releases free blocks of pool `h` of process `pid` that are ready until the pool
     /// reserves at most `keep` bytes.
     pub(super) fn pool_release(&mut self, pid: usize, h: u64, keep: usize) {
         let Some(pool) = self.processes[pid].pools.get_mut(&h) else {
             return;
         };
+        let host = pool.host;
         let mut release = Vec::new();
         pool.free.retain(|b| {
             if b.ready && pool.reserved > keep {
@@ -126,7 +146,7 @@ impl World {
             }
         });
         for addr in release {
-            let _ = self.free_device(pid, addr);
+            self.free_pool_block(pid, host, addr);
         }
     }
 
@@ -199,17 +219,30 @@ impl World {
         pid: usize,
         note: &mut Note,
         ctx: ContextHandle,
-        dev: DeviceOrdinal,
+        location: MemLocation,
         ipc: bool,
         max_size: usize,
     ) -> Result<MemPoolHandle, u32> {
-        context(self, pid, ctx, note)?;
-        let i = dev.0 as usize;
+        let current = context(self, pid, ctx, note)?;
+        let (i, host) = match location {
+            MemLocation::Device(dev) => (dev.0 as usize, false),
+            MemLocation::Host | MemLocation::HostNuma(_) => (current, true),
+        };
         if i >= self.devices.len() {
             return Err(code::INVALID_DEVICE);
         }
+        if host {
+            let config = &self.devices[i].config;
+            if !config.host_memory_pools {
+                return Err(code::NOT_SUPPORTED);
+            }
+            if matches!(location, MemLocation::HostNuma(n) if n != config.host_numa_id) {
+                return Err(code::INVALID_VALUE);
+            }
+        }
         let h = self.new_handle();
         let mut pool = SimPool::new(i, false);
+        pool.host = host;
         pool.ipc = ipc;
         pool.max_size = max_size;
         self.processes[pid].pools.insert(h, pool);
@@ -231,7 +264,7 @@ impl World {
         }
         let mut p = self.processes[pid].pools.remove(&pool.0).expect("checked");
         for b in std::mem::take(&mut p.free) {
-            let _ = self.free_device(pid, b.addr);
+            self.free_pool_block(pid, p.host, b.addr);
         }
         // The driver releases the memory of allocations still outstanding only when
         // they are freed (cuMemFreeAsync); until then the pool lingers, destroyed.
@@ -354,7 +387,11 @@ impl World {
             }
         }
         // Out of pages, this takes back what the process's pools cache, this one included.
-        let addr = self.alloc_device(i, pid, bytes)?;
+        let addr = if p_host(self, pid, pool.0) {
+            self.alloc_pooled_host(pid, i, bytes)?
+        } else {
+            self.alloc_device(i, pid, bytes)?
+        };
         let p = self.processes[pid].pools.get_mut(&pool.0).expect("checked");
         p.reserved += bytes;
         p.used += bytes;
@@ -408,7 +445,13 @@ impl World {
         p.used -= size;
         if p.destroyed {
             let gone = p.live.is_empty();
-            self.free_device(pid, ptr.0)?;
+            let host = p.host;
+            if host {
+                self.free_pooled_host(pid, ptr.0)
+                    .ok_or(code::INVALID_VALUE)?;
+            } else {
+                self.free_device(pid, ptr.0)?;
+            }
             if gone {
                 self.processes[pid]
                     .pools

@@ -195,7 +195,7 @@ impl World {
             match h.kind {
                 HostKind::Alloc(_) => r.host_allocations.push((HostPtr(addr), h.size)),
                 HostKind::Registered => r.host_registrations.push((HostPtr(addr), h.size)),
-                HostKind::Managed(_) => r.allocations.push((
+                HostKind::Managed(_) | HostKind::Pooled(_) => r.allocations.push((
                     DeviceOrdinal(h.device as u32),
                     DevicePtr(addr as u64),
                     h.size,
@@ -263,6 +263,9 @@ impl World {
             DeviceAttribute::ManagedMemory | DeviceAttribute::ConcurrentManagedAccess => {
                 i32::from(c.managed_memory)
             }
+            DeviceAttribute::HostNumaId => c.host_numa_id,
+            DeviceAttribute::HostMemoryPoolsSupported
+            | DeviceAttribute::HostNumaMemoryPoolsSupported => i32::from(c.host_memory_pools),
         })
     }
 

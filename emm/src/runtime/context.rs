@@ -24,7 +24,10 @@ use crate::memory::pointer::MemoryPointer;
 use crate::objects::{
     Event, InFlight, Module, ModuleRegistry, Stream, StreamKind, check_same_context,
 };
-use crate::resources::{DeviceMemoryResource, DeviceMemoryResourceOptions};
+use crate::resources::{
+    DeviceMemoryResource, DeviceMemoryResourceOptions, PinnedMemoryResource,
+    PinnedMemoryResourceOptions,
+};
 
 pub(crate) struct ContextInner {
     /// The driver, device, context handle and liveness, as the manager got them.
@@ -171,6 +174,18 @@ impl Context {
     ) -> Result<DeviceMemoryResource, EmmError> {
         self.ensure_alive("device_memory_resource")?;
         DeviceMemoryResource::create(&self.inner.cx, options)
+    }
+
+    /// A pinned memory resource (cuda.core's `PinnedMemoryResource`): stream-ordered
+    /// page-locked host memory from a driver pool in host memory, one address for the host and
+    /// this device. Refused, naming the legacy pinned memory, where the driver has no host
+    /// memory pools.
+    pub fn pinned_memory_resource(
+        &self,
+        options: PinnedMemoryResourceOptions,
+    ) -> Result<PinnedMemoryResource, EmmError> {
+        self.ensure_alive("pinned_memory_resource")?;
+        PinnedMemoryResource::create(&self.inner.cx, options)
     }
 
     /// A memory resource over the device's default pool (`cuDeviceGetDefaultMemPool`), which

@@ -540,3 +540,46 @@ fn a_memory_resource_exports_its_pool_and_buffers() {
         "{e}"
     );
 }
+
+/// The pinned memory resource's choices of pool: host memory at large by default, the
+/// device's host NUMA node when IPC is enabled, a NUMA node given; a device whose driver has
+/// no host memory pools is refused with an error that names the legacy pinned memory; a NUMA
+/// node the machine does not have is the driver's error.
+#[test]
+fn pinned_memory_resource_locations_and_capability() {
+    use emm::PinnedMemoryResourceOptions as Options;
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime_with(&sim, "default");
+    let ctx = rt.context(0).unwrap();
+    let s = ctx.create_stream().unwrap();
+    let plain = ctx.pinned_memory_resource(Options::default()).unwrap();
+    assert_eq!(plain.numa_id(), None);
+    let ipc = ctx
+        .pinned_memory_resource(Options {
+            ipc_enabled: true,
+            ..Options::default()
+        })
+        .unwrap();
+    assert_eq!(ipc.numa_id(), Some(0), "the device's host_numa_id");
+    assert!(ipc.is_ipc_enabled());
+    let buf = ipc.allocate(4096, &s).unwrap();
+    buf.write(0, &[3u8; 16]).unwrap();
+    ipc.deallocate(buf, &s).unwrap();
+    let e = ctx
+        .pinned_memory_resource(Options {
+            numa_id: Some(5),
+            ..Options::default()
+        })
+        .unwrap_err();
+    assert!(matches!(e, EmmError::Driver { .. }), "{e}");
+    drop((plain, ipc));
+
+    let old = Arc::new(SimDriver::new(SimConfig::with_devices(vec![
+        SimDeviceConfig::new(256 << 20).host_memory_pools(false),
+    ])));
+    let ort = runtime_with(&old, "default");
+    let octx = ort.context(0).unwrap();
+    let e = octx.pinned_memory_resource(Options::default()).unwrap_err();
+    assert!(matches!(e, EmmError::DeviceCannot { .. }), "{e}");
+    assert!(e.to_string().contains("memhostalloc"), "{e}");
+}

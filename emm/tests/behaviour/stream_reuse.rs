@@ -1,5 +1,5 @@
 //! Stream-ordered memory against a model of stream work, under `default`, `pool` and
-//! `async-pool`, and from a `DeviceMemoryResource`: random sequences allocate on three streams, queue writes on them (recording
+//! `async-pool`, and from a `DeviceMemoryResource` and a `PinnedMemoryResource`: random sequences allocate on three streams, queue writes on them (recording
 //! the stream when it is not the allocation's), move frees to other streams, drop, trim, and
 //! hold and release streams on flags in mapped memory. The simulator runs queued work only
 //! when the sequence says (`Run`), the most adversarial schedule there is.
@@ -153,19 +153,28 @@ fn check(ctx: &Context, live: &mut [Live]) -> Result<(), TestCaseError> {
 }
 
 /// Runs `steps` with memory from the manager registered as `manager`, or, for `"resource"`,
-/// from a [`emm::DeviceMemoryResource`] of the default manager's context.
+/// from a [`emm::DeviceMemoryResource`] of the default manager's context, or for `"pinned"`
+/// from a [`emm::PinnedMemoryResource`].
 fn run_sequence(manager: &str, steps: &[Step]) -> Result<(), TestCaseError> {
     let sim = sim();
-    let resource = manager == "resource";
+    let resource = manager == "resource" || manager == "pinned";
     let rt = runtime_with(&sim, if resource { "default" } else { manager });
     let ctx = rt.context(0).unwrap();
-    let mr = resource.then(|| {
+    let mr = (manager == "resource").then(|| {
         ctx.device_memory_resource(emm::DeviceMemoryResourceOptions::default())
             .unwrap()
     });
-    let alloc = |bytes: usize, s: &Stream| match &mr {
-        Some(mr) => mr.allocate(bytes, s),
-        None => ctx.memalloc_on(bytes, s),
+    let pinned = (manager == "pinned").then(|| {
+        ctx.pinned_memory_resource(emm::PinnedMemoryResourceOptions::default())
+            .unwrap()
+    });
+    let alloc = |bytes: usize, s: &Stream| match (&mr, &pinned) {
+        (Some(mr), _) => mr.allocate(bytes, s),
+        // The device side of the host buffer: the same allocation, freed when it drops.
+        (_, Some(p)) => p
+            .allocate(bytes, s)
+            .map(|h| h.mapped().expect("mapped").device().clone()),
+        _ => ctx.memalloc_on(bytes, s),
     };
     let mut st = Streams::new(&ctx);
     let mut live: Vec<Live> = Vec::new();
@@ -278,6 +287,11 @@ proptest! {
     fn device_memory_resource_never_reuses_under_pending_work(steps in prop::collection::vec(step(), 1..60)) {
         run_sequence("resource", &steps)?;
     }
+
+    #[test]
+    fn pinned_memory_resource_never_reuses_under_pending_work(steps in prop::collection::vec(step(), 1..60)) {
+        run_sequence("pinned", &steps)?;
+    }
 }
 
 /// The model itself: a sequence that a manager reusing blocks at once would fail (a block
@@ -319,7 +333,7 @@ fn a_block_freed_twice_on_its_stream_waits_for_the_second_free() {
         Alloc(0, 0),
         Alloc(0, 0),
     ];
-    for manager in ["default", "pool", "async-pool", "resource"] {
+    for manager in ["default", "pool", "async-pool", "resource", "pinned"] {
         run_sequence(manager, &steps).unwrap();
     }
 }
@@ -343,7 +357,7 @@ fn a_wait_on_a_reused_event_waits_for_its_own_record() {
         Alloc(0, 0),
         Run,
     ];
-    for manager in ["default", "pool", "async-pool", "resource"] {
+    for manager in ["default", "pool", "async-pool", "resource", "pinned"] {
         run_sequence(manager, &steps).unwrap();
     }
 }

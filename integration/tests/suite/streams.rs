@@ -586,3 +586,43 @@ pub fn device_memory_resource_conformance(target: Target) -> Result<(), Failed> 
     s.synchronize()?;
     Ok(())
 }
+
+/// cuda.core's pinned memory resource: a pool in host memory whose buffers are one address
+/// for the host and the device. Bytes the host writes reach device memory through a copy on
+/// the device; a set queued on a stream reaches the host once the stream is done; the pool's
+/// figures count the buffer; it is freed on a stream, and the pool closes.
+pub fn pinned_memory_resource_conformance(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let s = ctx.create_stream_with(true, 0)?;
+    let len = 1usize << 20;
+    let mr = ctx.pinned_memory_resource(emm::PinnedMemoryResourceOptions::default())?;
+    ensure!(mr.is_handle_owned() && mr.numa_id().is_none());
+    let buf = mr.allocate(len, &s)?;
+    s.synchronize()?;
+    let data = pattern(len, 17);
+    buf.write(0, &data)?;
+    let mapped = buf.mapped().ok_or("a pinned resource's buffer is mapped")?;
+    ensure_eq!(
+        mapped.host_ptr().0 as u64,
+        mapped.device().device_ptr().0,
+        "one address for the host and the device"
+    );
+    let d = ctx.memalloc(len)?;
+    ctx.copy_device_async(&d, mapped.device(), &s)?.wait()?;
+    let mut back = vec![0u8; len];
+    ctx.copy_to_host(&mut back, &d)?;
+    ensure!(back == data, "host bytes reached the device");
+    ctx.memset_async(mapped.device(), 7, &s)?.wait()?;
+    buf.read(0, &mut back)?;
+    ensure!(
+        back.iter().all(|&b| b == 7),
+        "the device's set reached the host"
+    );
+    let at = mr.attributes()?;
+    ensure!(at.used >= len as u64 && at.used_high >= at.used, "{at:?}");
+    mr.deallocate(buf, &s)?;
+    s.synchronize()?;
+    mr.close()?;
+    Ok(())
+}
