@@ -690,12 +690,43 @@ impl PinnedMemoryResource {
     /// `stream` when the last handle to it drops.
     pub fn allocate(&self, size: usize, stream: &Stream) -> Result<HostMemory, EmmError> {
         let mem = self.inner.allocate(size, stream)?;
+        Ok(Self::host_memory(mem))
+    }
+
+    /// As [`allocate`](Self::allocate), on a stream known only by its handle.
+    ///
+    /// # Safety
+    ///
+    /// As [`DeviceMemoryResource::allocate_on_raw`]: `stream` is a stream of this context
+    /// (or an implicit one) that outlives the buffer.
+    pub unsafe fn allocate_on_raw(
+        &self,
+        size: usize,
+        stream: StreamHandle,
+    ) -> Result<HostMemory, EmmError> {
+        // SAFETY: the caller's contract, passed on.
+        let mem = unsafe { self.inner.allocate_on_raw(size, stream) }?;
+        Ok(Self::host_memory(mem))
+    }
+
+    /// A host pool's buffer: one address for the host and the device.
+    fn host_memory(mem: MemoryPointer) -> HostMemory {
         let host = HostPtr(mem.device_ptr().0 as usize);
-        Ok(HostMemory::Mapped(MappedMemory::new(host, mem)))
+        HostMemory::Mapped(MappedMemory::new(host, mem))
     }
 
     /// Frees `memory` on `stream` once its last handle is gone (this one).
     pub fn deallocate(&self, memory: HostMemory, stream: &Stream) -> Result<(), EmmError> {
+        check_same_context(&self.inner.shared.cx, stream.context(), "deallocate")?;
+        self.deallocate_on(memory, stream)
+    }
+
+    /// As [`deallocate`](Self::deallocate), on a stream given as any [`OrderedOn`].
+    pub fn deallocate_on(
+        &self,
+        memory: HostMemory,
+        stream: &(impl OrderedOn + ?Sized),
+    ) -> Result<(), EmmError> {
         let HostMemory::Mapped(mapped) = memory else {
             return Err(EmmError::InvalidArgument {
                 what: "PinnedMemoryResource::deallocate",
@@ -704,7 +735,7 @@ impl PinnedMemoryResource {
         };
         let device = mapped.device().clone();
         drop(mapped);
-        self.inner.deallocate(device, stream)
+        self.inner.deallocate_on(device, stream)
     }
 
     /// The host NUMA node of the pool, if it was made on one.

@@ -495,6 +495,67 @@ impl MemoryResource {
     }
 }
 
+/// A stream-ordered pinned memory resource (cuda.core's `PinnedMemoryResource`): a driver
+/// pool in host memory; its buffers are host buffers with one address for the host and the
+/// device. Streams as for `MemoryResource`.
+#[pyclass(module = "emm._emm", frozen)]
+struct PinnedResource {
+    inner: emm::PinnedMemoryResource,
+}
+
+#[pymethods]
+impl PinnedResource {
+    /// `size` bytes of page-locked host memory on `stream` (synchronise the stream before the
+    /// host touches them).
+    #[pyo3(signature = (size, stream=0))]
+    fn allocate(&self, py: Python<'_>, size: usize, stream: u64) -> PyResult<HostBuffer> {
+        // SAFETY: the caller's stream of this device, alive as long as the buffer (the
+        // documented contract of this class).
+        py.detach(|| unsafe { self.inner.allocate_on_raw(size, StreamHandle(stream)) })
+            .map(host_buffer)
+            .map_err(py_err)
+    }
+
+    /// Frees `buffer` on `stream` (the buffer is released).
+    #[pyo3(signature = (buffer, stream=0))]
+    fn deallocate(&self, py: Python<'_>, buffer: &HostBuffer, stream: u64) -> PyResult<()> {
+        let mem = lock(&buffer.mem).take().ok_or_else(|| {
+            PyEmmError::new_err("this HostBuffer was released already; nothing to deallocate")
+        })?;
+        py.detach(|| self.inner.deallocate_on(mem, &StreamHandle(stream)))
+            .map_err(py_err)
+    }
+
+    /// The host NUMA node of the pool, or None.
+    #[getter]
+    fn numa_id(&self) -> Option<i32> {
+        self.inner.numa_id()
+    }
+
+    /// Whether the pool's memory can be exported to other processes.
+    #[getter]
+    fn is_ipc_enabled(&self) -> bool {
+        self.inner.is_ipc_enabled()
+    }
+
+    /// The pool's figures, as `MemoryResource.attributes()`.
+    fn attributes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let a = self.inner.attributes().map_err(py_err)?;
+        let d = PyDict::new(py);
+        d.set_item("reserved_current", a.reserved)?;
+        d.set_item("reserved_high", a.reserved_high)?;
+        d.set_item("used_current", a.used)?;
+        d.set_item("used_high", a.used_high)?;
+        d.set_item("release_threshold", a.release_threshold)?;
+        Ok(d)
+    }
+
+    /// No more allocations; the pool is destroyed (live buffers stay valid until freed).
+    fn close(&self) -> PyResult<()> {
+        self.inner.close().map_err(py_err)
+    }
+}
+
 #[pyclass(module = "emm._emm", frozen)]
 struct Context {
     inner: emm::Context,
@@ -550,6 +611,26 @@ impl Context {
         self.inner
             .device_memory_resource(options)
             .map(|inner| MemoryResource { inner })
+            .map_err(py_err)
+    }
+
+    /// A pinned memory resource (cuda.core's `PinnedMemoryResource`) for this device:
+    /// `max_size` bytes at most (0: no limit), `ipc_enabled`, `numa_id` (a host NUMA node).
+    #[pyo3(signature = (max_size=0, ipc_enabled=false, numa_id=None))]
+    fn pinned_memory_resource(
+        &self,
+        max_size: usize,
+        ipc_enabled: bool,
+        numa_id: Option<i32>,
+    ) -> PyResult<PinnedResource> {
+        let options = emm::PinnedMemoryResourceOptions {
+            max_size,
+            ipc_enabled,
+            numa_id,
+        };
+        self.inner
+            .pinned_memory_resource(options)
+            .map(|inner| PinnedResource { inner })
             .map_err(py_err)
     }
 
@@ -902,6 +983,7 @@ fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_live, m)?)?;
     m.add_class::<Context>()?;
     m.add_class::<MemoryResource>()?;
+    m.add_class::<PinnedResource>()?;
     m.add_class::<DeviceBuffer>()?;
     m.add_class::<HostBuffer>()?;
     m.add_class::<ManagedBuffer>()?;

@@ -262,6 +262,25 @@ def test_device_memory_resource(ctx):
     d.close()
 
 
+def test_pinned_memory_resource(ctx):
+    """cuda.core's PinnedMemoryResource through emm: host buffers from a pool in host memory,
+    one address for the host and the device; NUMA placement when IPC is enabled."""
+    mr = ctx.pinned_memory_resource()
+    assert mr.numa_id is None and not mr.is_ipc_enabled
+    h = mr.allocate(4096, 0)
+    assert h.device_ptr == h.host_ptr and h.size == 4096
+    h.write(b"\x05" * 32)
+    d = ctx.memalloc(32)
+    ctx.copy_to_device(d, h.read(32))
+    assert bytes(ctx.copy_to_host(d)) == b"\x05" * 32
+    assert mr.attributes()["used_current"] >= 4096
+    mr.deallocate(h, 0)
+    with pytest.raises(emm.EmmError, match="released"):
+        mr.deallocate(h, 0)
+    mr.close()
+    assert ctx.pinned_memory_resource(ipc_enabled=True).numa_id is not None
+
+
 def test_torch_entry_points_without_torch():
     """PyTorch's C entry points, called as PyTorch calls them (through ctypes here)."""
     lib = ctypes.CDLL(emm._emm.__file__)
