@@ -451,14 +451,7 @@ impl MemoryResource {
     /// The pool's figures: a dict of `reserved_current`, `reserved_high`, `used_current`,
     /// `used_high` and `release_threshold`, in bytes.
     fn attributes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let a = self.inner.attributes().map_err(py_err)?;
-        let d = PyDict::new(py);
-        d.set_item("reserved_current", a.reserved)?;
-        d.set_item("reserved_high", a.reserved_high)?;
-        d.set_item("used_current", a.used)?;
-        d.set_item("used_high", a.used_high)?;
-        d.set_item("release_threshold", a.release_threshold)?;
-        Ok(d)
+        attributes_dict(py, self.inner.attributes().map_err(py_err)?)
     }
 
     /// Starts the high-water marks again from the current figures.
@@ -540,14 +533,7 @@ impl PinnedResource {
 
     /// The pool's figures, as `MemoryResource.attributes()`.
     fn attributes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let a = self.inner.attributes().map_err(py_err)?;
-        let d = PyDict::new(py);
-        d.set_item("reserved_current", a.reserved)?;
-        d.set_item("reserved_high", a.reserved_high)?;
-        d.set_item("used_current", a.used)?;
-        d.set_item("used_high", a.used_high)?;
-        d.set_item("release_threshold", a.release_threshold)?;
-        Ok(d)
+        attributes_dict(py, self.inner.attributes().map_err(py_err)?)
     }
 
     /// No more allocations; the pool is destroyed (live buffers stay valid until freed).
@@ -957,6 +943,20 @@ fn torch_last_error() -> Option<String> {
 #[pyfunction]
 fn torch_live() -> usize {
     lock(&TORCH_LIVE).as_ref().map_or(0, HashMap::len)
+}
+
+/// A pool's figures as the dict the resources' `attributes()` return.
+fn attributes_dict(
+    py: Python<'_>,
+    a: emm::driver_sys::MemPoolUsage,
+) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("reserved_current", a.reserved)?;
+    d.set_item("reserved_high", a.reserved_high)?;
+    d.set_item("used_current", a.used)?;
+    d.set_item("used_high", a.used_high)?;
+    d.set_item("release_threshold", a.release_threshold)?;
+    Ok(d)
 }
 
 /// The Python name of a stream ordering.
