@@ -1025,6 +1025,53 @@ impl Driver for CudaDriver {
         })
     }
 
+    /// [cuMemPoolCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    /// with `CU_MEM_ALLOCATION_TYPE_MANAGED`.
+    #[cfg(feature = "cuda-13000")]
+    fn mem_pool_create_managed(
+        &self,
+        ctx: ContextHandle,
+        preferred: Option<MemLocation>,
+    ) -> Result<MemPoolHandle, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: an all-zero `CUmemPoolProps` is valid (null pointers, zero sizes); the
+        // fields that matter are set below.
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MANAGED;
+        props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        use sys::CUmemLocationType as L;
+        let (type_, id) = match preferred {
+            None => (L::CU_MEM_LOCATION_TYPE_INVALID, -1),
+            Some(MemLocation::Device(dev)) => (L::CU_MEM_LOCATION_TYPE_DEVICE, dev.0 as i32),
+            Some(MemLocation::Host) => (L::CU_MEM_LOCATION_TYPE_HOST, -1),
+            Some(MemLocation::HostNuma(node)) => (L::CU_MEM_LOCATION_TYPE_HOST_NUMA, node),
+        };
+        props.location.type_ = type_;
+        props.location.id = id;
+        let mut pool = MaybeUninit::<sys::CUmemoryPool>::uninit();
+        // SAFETY: `props` is initialised and outlives the call; `pool` is a valid place.
+        check("cuMemPoolCreate", unsafe {
+            sys::cuMemPoolCreate(pool.as_mut_ptr(), &props)
+        })?;
+        // SAFETY: the call succeeded and wrote `pool`.
+        Ok(MemPoolHandle(unsafe { pool.assume_init() } as usize as u64))
+    }
+
+    /// Headers before CUDA 13 name no managed pools.
+    #[cfg(not(feature = "cuda-13000"))]
+    fn mem_pool_create_managed(
+        &self,
+        _ctx: ContextHandle,
+        _preferred: Option<MemLocation>,
+    ) -> Result<MemPoolHandle, DriverError> {
+        Err(
+            DriverError::from_kind("cuMemPoolCreate", crate::ErrorKind::NotSupported).with_detail(
+                "emm was built against CUDA headers older than 13.0, which have no managed \
+                 memory pools; build driver-sys with its `cuda-13000` feature",
+            ),
+        )
+    }
+
     /// [cuMemPoolSetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
     fn mem_pool_reset_high_water(
         &self,

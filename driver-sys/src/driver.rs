@@ -587,6 +587,16 @@ pub trait Driver: Send + Sync + fmt::Debug {
         max_size: usize,
     ) -> Result<MemPoolHandle, DriverError>;
 
+    /// `cuMemPoolCreate` of managed memory (`CU_MEM_ALLOCATION_TYPE_MANAGED`, CUDA 13 on):
+    /// its allocations are one address for the host and every device, migrated on demand, and
+    /// `preferred` is where the driver prefers to keep them (`None`: no preference). Drivers
+    /// without managed pools answer `CUDA_ERROR_NOT_SUPPORTED`.
+    fn mem_pool_create_managed(
+        &self,
+        ctx: ContextHandle,
+        preferred: Option<MemLocation>,
+    ) -> Result<MemPoolHandle, DriverError>;
+
     /// `cuMemPoolSetAttribute(RESERVED_MEM_HIGH, USED_MEM_HIGH)` to 0: the high-water marks
     /// start again from the current figures.
     fn mem_pool_reset_high_water(

@@ -95,8 +95,8 @@ pub use memory::{
 };
 pub use objects::{AutoSynchronize, Event, InFlight, Module, Stream, StreamKind};
 pub use resources::{
-    DeviceMemoryResource, DeviceMemoryResourceOptions, PinnedMemoryResource,
-    PinnedMemoryResourceOptions,
+    DeviceMemoryResource, DeviceMemoryResourceOptions, ManagedMemoryResource,
+    ManagedMemoryResourceOptions, PinnedMemoryResource, PinnedMemoryResourceOptions,
 };
 pub use runtime::context::Context;
 pub use runtime::{Runtime, RuntimeBuilder};

@@ -228,6 +228,13 @@ fn workload(
         pinned.deallocate(host, &fast)?;
         fast.synchronize()?;
         pinned.close()?;
+        let managed = ctx.managed_memory_resource(emm::ManagedMemoryResourceOptions::default())?;
+        let m = managed.allocate(4096, &stream)?;
+        stream.synchronize()?;
+        m.write(0, &[5u8; 64])?;
+        managed.deallocate(m, &stream)?;
+        stream.synchronize()?;
+        managed.close()?;
     }
     let module = ctx.load_module(PTX.as_bytes())?;
     {

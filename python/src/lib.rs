@@ -542,6 +542,43 @@ impl PinnedResource {
     }
 }
 
+/// A stream-ordered managed memory resource (cuda.core's `ManagedMemoryResource`): a
+/// managed-memory pool (CUDA 13 on); its buffers are managed buffers. Streams as for
+/// `MemoryResource`.
+#[pyclass(module = "emm._emm", frozen)]
+struct ManagedResource {
+    inner: emm::ManagedMemoryResource,
+}
+
+#[pymethods]
+impl ManagedResource {
+    /// `size` bytes of managed memory on `stream` (synchronise the stream before the host
+    /// touches them).
+    #[pyo3(signature = (size, stream=0))]
+    fn allocate(&self, py: Python<'_>, size: usize, stream: u64) -> PyResult<ManagedBuffer> {
+        // SAFETY: the caller's stream of this device, alive as long as the buffer (the
+        // documented contract of this class).
+        let mem = py
+            .detach(|| unsafe { self.inner.allocate_on_raw(size, StreamHandle(stream)) })
+            .map_err(py_err)?;
+        Ok(ManagedBuffer {
+            ptr: mem.device().device_ptr().0,
+            size: mem.size(),
+            mem: Mutex::new(Some(mem)),
+        })
+    }
+
+    /// The pool's figures, as `MemoryResource.attributes()`.
+    fn attributes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        attributes_dict(py, self.inner.attributes().map_err(py_err)?)
+    }
+
+    /// No more allocations; the pool is destroyed (live buffers stay valid until freed).
+    fn close(&self) -> PyResult<()> {
+        self.inner.close().map_err(py_err)
+    }
+}
+
 #[pyclass(module = "emm._emm", frozen)]
 struct Context {
     inner: emm::Context,
@@ -617,6 +654,39 @@ impl Context {
         self.inner
             .pinned_memory_resource(options)
             .map(|inner| PinnedResource { inner })
+            .map_err(py_err)
+    }
+
+    /// A managed memory resource (cuda.core's `ManagedMemoryResource`) for this device: a
+    /// managed-memory pool; `preferred_location_type` "device" (with `preferred_location` a
+    /// device ordinal), "host", "host_numa" (with a NUMA node), or None for no preference.
+    #[pyo3(signature = (preferred_location_type=None, preferred_location=None))]
+    fn managed_memory_resource(
+        &self,
+        preferred_location_type: Option<&str>,
+        preferred_location: Option<i32>,
+    ) -> PyResult<ManagedResource> {
+        use emm::driver_sys::MemLocation;
+        let preferred = match (preferred_location_type, preferred_location) {
+            (None, None) => None,
+            (Some("device"), Some(d)) if d >= 0 => {
+                Some(MemLocation::Device(DeviceOrdinal(d as u32)))
+            }
+            (Some("host"), None) => Some(MemLocation::Host),
+            (Some("host_numa"), Some(n)) if n >= 0 => Some(MemLocation::HostNuma(n)),
+            (t, l) => {
+                return Err(PyValueError::new_err(format!(
+                    "preferred location ({t:?}, {l:?}): give None, ('device', ordinal), \
+                     ('host', None) or ('host_numa', node)"
+                )));
+            }
+        };
+        let options = emm::ManagedMemoryResourceOptions {
+            preferred_location: preferred,
+        };
+        self.inner
+            .managed_memory_resource(options)
+            .map(|inner| ManagedResource { inner })
             .map_err(py_err)
     }
 
@@ -984,6 +1054,7 @@ fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Context>()?;
     m.add_class::<MemoryResource>()?;
     m.add_class::<PinnedResource>()?;
+    m.add_class::<ManagedResource>()?;
     m.add_class::<DeviceBuffer>()?;
     m.add_class::<HostBuffer>()?;
     m.add_class::<ManagedBuffer>()?;

@@ -281,6 +281,23 @@ def test_pinned_memory_resource(ctx):
     assert ctx.pinned_memory_resource(ipc_enabled=True).numa_id is not None
 
 
+def test_managed_memory_resource(ctx):
+    """cuda.core's ManagedMemoryResource through emm: managed buffers from a managed pool, one
+    address for the host and the device; preferred locations checked."""
+    mr = ctx.managed_memory_resource()
+    m = mr.allocate(4096, 0)
+    m.write(b"\x09" * 16)
+    d = ctx.memalloc(16)
+    ctx.copy_to_device(d, m.read(16))
+    assert bytes(ctx.copy_to_host(d)) == b"\x09" * 16
+    assert mr.attributes()["used_current"] >= 4096
+    m.release()
+    mr.close()
+    ctx.managed_memory_resource("device", 0).close()
+    with pytest.raises(ValueError, match="preferred location"):
+        ctx.managed_memory_resource("device", None)
+
+
 def test_torch_entry_points_without_torch():
     """PyTorch's C entry points, called as PyTorch calls them (through ctypes here)."""
     lib = ctypes.CDLL(emm._emm.__file__)

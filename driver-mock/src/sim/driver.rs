@@ -165,6 +165,16 @@ impl Driver for SimDriver {
         })
     }
 
+    fn mem_pool_create_managed(
+        &self,
+        ctx: ContextHandle,
+        preferred: Option<MemLocation>,
+    ) -> Result<MemPoolHandle, DriverError> {
+        self.call(Op::MemPoolCreate, |w, pid, note| {
+            w.mem_pool_create_managed(pid, note, ctx, preferred)
+        })
+    }
+
     fn mem_pool_reset_high_water(
         &self,
         ctx: ContextHandle,

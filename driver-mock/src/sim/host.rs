@@ -60,6 +60,9 @@ pub(super) enum HostKind {
     /// A block of a stream-ordered pool in host memory (`CU_MEM_LOCATION_TYPE_HOST`): pinned,
     /// reached at one address by the host and the devices, owned by its pool.
     Pooled(#[allow(dead_code)] HostBlock),
+    /// A block of a managed-memory pool: reached at one address by the host and the devices,
+    /// owned by its pool. Not pinned memory.
+    PooledManaged(#[allow(dead_code)] HostBlock),
 }
 
 #[derive(Debug)]
@@ -82,7 +85,7 @@ impl HostRange {
 
     /// Whether it counts as page-locked memory (managed memory does not).
     pub(super) fn is_pinned(&self) -> bool {
-        !matches!(self.kind, HostKind::Managed(_))
+        !matches!(self.kind, HostKind::Managed(_) | HostKind::PooledManaged(_))
     }
 }
 
@@ -226,7 +229,7 @@ impl World {
         let kind_matches = match host.get(&ptr.0)?.kind {
             HostKind::Registered => registered,
             HostKind::Alloc(_) => !registered,
-            HostKind::Managed(_) | HostKind::Pooled(_) => false,
+            HostKind::Managed(_) | HostKind::Pooled(_) | HostKind::PooledManaged(_) => false,
         };
         if !kind_matches {
             return None;
@@ -308,12 +311,20 @@ impl World {
         pid: usize,
         device: usize,
         bytes: usize,
+        managed: bool,
     ) -> Result<u64, u32> {
-        if bytes > self.pinned_limit - self.pinned {
-            return Err(code::OUT_OF_MEMORY);
+        if !managed {
+            if bytes > self.pinned_limit - self.pinned {
+                return Err(code::OUT_OF_MEMORY);
+            }
+            self.pinned += bytes;
         }
-        self.pinned += bytes;
         let (storage, addr) = HostBlock::zeroed(bytes);
+        let kind = if managed {
+            HostKind::PooledManaged(storage)
+        } else {
+            HostKind::Pooled(storage)
+        };
         self.processes[pid].host.insert(
             addr,
             HostRange {
@@ -321,7 +332,7 @@ impl World {
                 device,
                 mapped: true,
                 portable: true,
-                kind: HostKind::Pooled(storage),
+                kind,
             },
         );
         Ok(addr as u64)
@@ -331,11 +342,15 @@ impl World {
     pub(super) fn free_pooled_host(&mut self, pid: usize, ptr: u64) -> Option<usize> {
         let host = &mut self.processes[pid].host;
         let at = usize::try_from(ptr).ok()?;
-        if !matches!(host.get(&at)?.kind, HostKind::Pooled(_)) {
-            return None;
-        }
+        let pinned = match host.get(&at)?.kind {
+            HostKind::Pooled(_) => true,
+            HostKind::PooledManaged(_) => false,
+            _ => return None,
+        };
         let size = host.remove(&at)?.size;
-        self.pinned -= size;
+        if pinned {
+            self.pinned -= size;
+        }
         Some(size)
     }
 

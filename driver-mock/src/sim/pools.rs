@@ -12,9 +12,12 @@ use driver_sys::{
     PoolPtrExportData, StreamHandle, code,
 };
 
-/// Whether pool `h` of process `pid` lives in host memory.
-fn p_host(w: &World, pid: usize, h: u64) -> bool {
-    w.processes[pid].pools.get(&h).is_some_and(|p| p.host)
+/// Whether pool `h` of process `pid` lives in host memory, and whether it is managed.
+fn p_host(w: &World, pid: usize, h: u64) -> (bool, bool) {
+    w.processes[pid]
+        .pools
+        .get(&h)
+        .map_or((false, false), |p| (p.host, p.managed))
 }
 
 use super::Note;
@@ -41,6 +44,9 @@ pub(super) struct SimPool {
     /// memory, reached at one address by the host and the devices; `device` is the device of
     /// the context that made it.
     pub(super) host: bool,
+    /// A managed-memory pool (`CU_MEM_ALLOCATION_TYPE_MANAGED`); its blocks live in host
+    /// memory too (`host`), not pinned.
+    pub(super) managed: bool,
     pub(super) is_default: bool,
     /// Destroyed while allocations were outstanding: measured on the H200, the driver
     /// releases the pool's memory only once they are freed.
@@ -72,6 +78,7 @@ impl SimPool {
         SimPool {
             device,
             host: false,
+            managed: false,
             is_default,
             ipc: false,
             exported: false,
@@ -249,6 +256,37 @@ impl World {
         Ok(MemPoolHandle(h))
     }
 
+    /// `cuMemPoolCreate` of managed memory: [`Driver::mem_pool_create_managed`](driver_sys::Driver::mem_pool_create_managed) in the
+    /// model: a pool of the context's device whose blocks are host-backed, reached at one
+    /// address everywhere; `CUDA_ERROR_NOT_SUPPORTED` where the device has no managed memory.
+    pub(super) fn mem_pool_create_managed(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        preferred: Option<MemLocation>,
+    ) -> Result<MemPoolHandle, u32> {
+        let i = context(self, pid, ctx, note)?;
+        if !self.devices[i].config.managed_memory {
+            return Err(code::NOT_SUPPORTED);
+        }
+        match preferred {
+            Some(MemLocation::Device(d)) if d.0 as usize >= self.devices.len() => {
+                return Err(code::INVALID_DEVICE);
+            }
+            Some(MemLocation::HostNuma(n)) if n != self.devices[i].config.host_numa_id => {
+                return Err(code::INVALID_VALUE);
+            }
+            _ => {}
+        }
+        let h = self.new_handle();
+        let mut pool = SimPool::new(i, false);
+        pool.host = true;
+        pool.managed = true;
+        self.processes[pid].pools.insert(h, pool);
+        Ok(MemPoolHandle(h))
+    }
+
     /// `cuMemPoolDestroy`: [`Driver::mem_pool_destroy`](driver_sys::Driver::mem_pool_destroy) in the model.
     pub(super) fn mem_pool_destroy(
         &mut self,
@@ -387,8 +425,8 @@ impl World {
             }
         }
         // Out of pages, this takes back what the process's pools cache, this one included.
-        let addr = if p_host(self, pid, pool.0) {
-            self.alloc_pooled_host(pid, i, bytes)?
+        let addr = if let (true, managed) = p_host(self, pid, pool.0) {
+            self.alloc_pooled_host(pid, i, bytes, managed)?
         } else {
             self.alloc_device(i, pid, bytes)?
         };

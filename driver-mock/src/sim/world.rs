@@ -195,11 +195,13 @@ impl World {
             match h.kind {
                 HostKind::Alloc(_) => r.host_allocations.push((HostPtr(addr), h.size)),
                 HostKind::Registered => r.host_registrations.push((HostPtr(addr), h.size)),
-                HostKind::Managed(_) | HostKind::Pooled(_) => r.allocations.push((
-                    DeviceOrdinal(h.device as u32),
-                    DevicePtr(addr as u64),
-                    h.size,
-                )),
+                HostKind::Managed(_) | HostKind::Pooled(_) | HostKind::PooledManaged(_) => {
+                    r.allocations.push((
+                        DeviceOrdinal(h.device as u32),
+                        DevicePtr(addr as u64),
+                        h.size,
+                    ))
+                }
             }
         }
         for (&addr, m) in p.ipc.iter().filter(|(_, m)| on(m.device)) {

@@ -25,8 +25,8 @@ use crate::objects::{
     Event, InFlight, Module, ModuleRegistry, Stream, StreamKind, check_same_context,
 };
 use crate::resources::{
-    DeviceMemoryResource, DeviceMemoryResourceOptions, PinnedMemoryResource,
-    PinnedMemoryResourceOptions,
+    DeviceMemoryResource, DeviceMemoryResourceOptions, ManagedMemoryResource,
+    ManagedMemoryResourceOptions, PinnedMemoryResource, PinnedMemoryResourceOptions,
 };
 
 pub(crate) struct ContextInner {
@@ -186,6 +186,17 @@ impl Context {
     ) -> Result<PinnedMemoryResource, EmmError> {
         self.ensure_alive("pinned_memory_resource")?;
         PinnedMemoryResource::create(&self.inner.cx, options)
+    }
+
+    /// A managed memory resource (cuda.core's `ManagedMemoryResource`): stream-ordered managed
+    /// memory from a managed-memory pool (CUDA 13 on). Refused, naming `memallocmanaged`,
+    /// where the driver has no managed pools.
+    pub fn managed_memory_resource(
+        &self,
+        options: ManagedMemoryResourceOptions,
+    ) -> Result<ManagedMemoryResource, EmmError> {
+        self.ensure_alive("managed_memory_resource")?;
+        ManagedMemoryResource::create(&self.inner.cx, options)
     }
 
     /// A memory resource over the device's default pool (`cuDeviceGetDefaultMemPool`), which

@@ -583,3 +583,39 @@ fn pinned_memory_resource_locations_and_capability() {
     assert!(matches!(e, EmmError::DeviceCannot { .. }), "{e}");
     assert!(e.to_string().contains("memhostalloc"), "{e}");
 }
+
+/// The managed memory resource on a device without managed memory is refused with an error
+/// that says so; on one with it, a preferred host NUMA node the machine does not have is the
+/// driver's error, and its own node is accepted.
+#[test]
+fn managed_memory_resource_capability_and_locations() {
+    use emm::ManagedMemoryResourceOptions as Options;
+    use emm::driver_sys::MemLocation;
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime_with(&sim, "default");
+    let ctx = rt.context(0).unwrap();
+    let numa = ctx
+        .managed_memory_resource(Options {
+            preferred_location: Some(MemLocation::HostNuma(0)),
+        })
+        .unwrap();
+    assert_eq!(numa.preferred_location(), Some(MemLocation::HostNuma(0)));
+    numa.close().unwrap();
+    let e = ctx
+        .managed_memory_resource(Options {
+            preferred_location: Some(MemLocation::HostNuma(7)),
+        })
+        .unwrap_err();
+    assert!(matches!(e, EmmError::Driver { .. }), "{e}");
+
+    let none = Arc::new(SimDriver::new(SimConfig::with_devices(vec![
+        SimDeviceConfig::new(256 << 20).managed_memory(false),
+    ])));
+    let nrt = runtime_with(&none, "default");
+    let nctx = nrt.context(0).unwrap();
+    let e = nctx
+        .managed_memory_resource(Options::default())
+        .unwrap_err();
+    assert!(matches!(e, EmmError::DeviceCannot { .. }), "{e}");
+    assert!(e.to_string().contains("no managed memory"), "{e}");
+}

@@ -1,5 +1,5 @@
 //! Stream-ordered memory against a model of stream work, under `default`, `pool` and
-//! `async-pool`, and from a `DeviceMemoryResource` and a `PinnedMemoryResource`: random sequences allocate on three streams, queue writes on them (recording
+//! `async-pool`, and from cuda.core's device, pinned and managed resources: random sequences allocate on three streams, queue writes on them (recording
 //! the stream when it is not the allocation's), move frees to other streams, drop, trim, and
 //! hold and release streams on flags in mapped memory. The simulator runs queued work only
 //! when the sequence says (`Run`), the most adversarial schedule there is.
@@ -154,10 +154,11 @@ fn check(ctx: &Context, live: &mut [Live]) -> Result<(), TestCaseError> {
 
 /// Runs `steps` with memory from the manager registered as `manager`, or, for `"resource"`,
 /// from a [`emm::DeviceMemoryResource`] of the default manager's context, or for `"pinned"`
-/// from a [`emm::PinnedMemoryResource`].
+/// from a [`emm::PinnedMemoryResource`], or for `"managed"` from a
+/// [`emm::ManagedMemoryResource`].
 fn run_sequence(manager: &str, steps: &[Step]) -> Result<(), TestCaseError> {
     let sim = sim();
-    let resource = manager == "resource" || manager == "pinned";
+    let resource = ["resource", "pinned", "managed"].contains(&manager);
     let rt = runtime_with(&sim, if resource { "default" } else { manager });
     let ctx = rt.context(0).unwrap();
     let mr = (manager == "resource").then(|| {
@@ -168,7 +169,16 @@ fn run_sequence(manager: &str, steps: &[Step]) -> Result<(), TestCaseError> {
         ctx.pinned_memory_resource(emm::PinnedMemoryResourceOptions::default())
             .unwrap()
     });
+    let managed = (manager == "managed").then(|| {
+        ctx.managed_memory_resource(emm::ManagedMemoryResourceOptions::default())
+            .unwrap()
+    });
     let alloc = |bytes: usize, s: &Stream| match (&mr, &pinned) {
+        _ if managed.is_some() => managed
+            .as_ref()
+            .expect("checked")
+            .allocate(bytes, s)
+            .map(|m| m.device().clone()),
         (Some(mr), _) => mr.allocate(bytes, s),
         // The device side of the host buffer: the same allocation, freed when it drops.
         (_, Some(p)) => p
@@ -292,6 +302,11 @@ proptest! {
     fn pinned_memory_resource_never_reuses_under_pending_work(steps in prop::collection::vec(step(), 1..60)) {
         run_sequence("pinned", &steps)?;
     }
+
+    #[test]
+    fn managed_memory_resource_never_reuses_under_pending_work(steps in prop::collection::vec(step(), 1..60)) {
+        run_sequence("managed", &steps)?;
+    }
 }
 
 /// The model itself: a sequence that a manager reusing blocks at once would fail (a block
@@ -333,7 +348,14 @@ fn a_block_freed_twice_on_its_stream_waits_for_the_second_free() {
         Alloc(0, 0),
         Alloc(0, 0),
     ];
-    for manager in ["default", "pool", "async-pool", "resource", "pinned"] {
+    for manager in [
+        "default",
+        "pool",
+        "async-pool",
+        "resource",
+        "pinned",
+        "managed",
+    ] {
         run_sequence(manager, &steps).unwrap();
     }
 }
@@ -357,7 +379,14 @@ fn a_wait_on_a_reused_event_waits_for_its_own_record() {
         Alloc(0, 0),
         Run,
     ];
-    for manager in ["default", "pool", "async-pool", "resource", "pinned"] {
+    for manager in [
+        "default",
+        "pool",
+        "async-pool",
+        "resource",
+        "pinned",
+        "managed",
+    ] {
         run_sequence(manager, &steps).unwrap();
     }
 }

@@ -168,6 +168,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     streams::cross_stream_check_catches_early_reuse,
     streams::device_memory_resource_conformance,
     streams::pinned_memory_resource_conformance,
+    streams::managed_memory_resource_conformance,
     driver_conformance::managed_memory_conformance[ProvokesFailedReleases],
     driver_conformance::device_attributes_conformance,
     driver_conformance::ipc_mapping_conformance[ProvokesFailedReleases],

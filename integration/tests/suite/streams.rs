@@ -626,3 +626,42 @@ pub fn pinned_memory_resource_conformance(target: Target) -> Result<(), Failed> 
     mr.close()?;
     Ok(())
 }
+
+/// cuda.core's managed memory resource (a managed-memory pool, CUDA 13 on): one address for
+/// the host and the device; the host's bytes reach device memory through a copy on the device,
+/// a set on a stream reaches the host once the stream is done; a preferred location is
+/// accepted; freed on a stream; the pool closes.
+pub fn managed_memory_resource_conformance(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    let s = ctx.create_stream_with(true, 0)?;
+    let len = 1usize << 20;
+    let mr = ctx.managed_memory_resource(emm::ManagedMemoryResourceOptions::default())?;
+    ensure!(mr.is_handle_owned() && mr.preferred_location().is_none());
+    let buf = mr.allocate(len, &s)?;
+    s.synchronize()?;
+    let data = pattern(len, 29);
+    buf.write(0, &data)?;
+    let d = ctx.memalloc(len)?;
+    ctx.copy_device_async(&d, buf.device(), &s)?.wait()?;
+    let mut back = vec![0u8; len];
+    ctx.copy_to_host(&mut back, &d)?;
+    ensure!(back == data, "host bytes reached the device");
+    ctx.memset_async(buf.device(), 3, &s)?.wait()?;
+    buf.read(0, &mut back)?;
+    ensure!(
+        back.iter().all(|&b| b == 3),
+        "the device's set reached the host"
+    );
+    ensure!(mr.attributes()?.used >= len as u64);
+    mr.deallocate(buf, &s)?;
+    s.synchronize()?;
+    mr.close()?;
+    let on_device = ctx.managed_memory_resource(emm::ManagedMemoryResourceOptions {
+        preferred_location: Some(emm::driver_sys::MemLocation::Device(ctx.device())),
+    })?;
+    drop(on_device.allocate(4096, &s)?);
+    s.synchronize()?;
+    on_device.close()?;
+    Ok(())
+}
