@@ -112,6 +112,10 @@ fn runtime(sim: &Arc<SimDriver>, manager: &str) -> Result<Runtime, EmmError> {
             ])
             .pinned_host_pool(Some(PinnedPoolConfig::default()))
             .build(),
+        "default+host-pool" => builder
+            .memory_manager_name("default")
+            .host_memory_pool(true)
+            .build(),
         name => builder.memory_manager_name(name).build(),
     }
 }
@@ -140,7 +144,9 @@ fn workload(
     assert_eq!(head[100], 7, "set bytes");
     ctx.device_extents(&view)?;
     let mapped = ctx.memhostalloc(64, true, false, false)?;
-    let pinned = ctx.memhostalloc(64, false, true, true)?;
+    // Portable and write-combined memory only come from cuMemHostAlloc.
+    let legacy = !rt.uses_host_memory_pool();
+    let pinned = ctx.memhostalloc(64, false, legacy, legacy)?;
     pinned.write(0, &[3u8; 64])?;
     ctx.copy_pinned_to_device(&b, &pinned, 64)?;
     let managed = ctx.memallocmanaged(256, true)?;
@@ -530,8 +536,9 @@ fn clean_calls(manager: &str) -> std::collections::BTreeSet<Op> {
         .collect()
 }
 
-const CONFIGS: [(&str, bool); 8] = [
+const CONFIGS: [(&str, bool); 9] = [
     ("default", false),
+    ("default+host-pool", false),
     ("immediate", false),
     ("pool", false),
     ("pool+adaptors", false),

@@ -29,6 +29,9 @@ pub struct ManagerContext {
     pub liveness: Arc<ContextLiveness>,
     /// The pinned host pool the host layer is to keep, if the runtime asks for one.
     pub pinned_pool: Option<PinnedPoolConfig>,
+    /// Whether `memhostalloc` takes its memory from the driver's pool in host memory
+    /// (`EMM_HOST_MEMORY_POOL`) instead of `cuMemHostAlloc`.
+    pub host_memory_pool: bool,
 }
 
 impl ManagerContext {

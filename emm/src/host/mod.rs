@@ -13,12 +13,14 @@ use crate::contract::info::PoolStats;
 use crate::contract::ipc::IpcHandle;
 use crate::error::EmmError;
 use crate::host::allocations::{AllocationTable, Entry, unpin_now};
+use crate::host::driver_pool::{DriverHostPool, DriverHostRelease};
 use crate::host::pinned_pool::{PinnedBlock, PinnedPool};
 use crate::memory::host::{HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory};
 use crate::memory::pending::{DeferCleanup, Free, PendingDeallocs};
 use crate::memory::pointer::{AllocationOwner, MemoryPointer, Release};
 
 mod allocations;
+mod driver_pool;
 pub(crate) mod fences;
 mod host_only;
 pub(crate) mod pinned_pool;
@@ -65,15 +67,25 @@ pub enum AllocationKind {
 pub struct HostLayer {
     table: Arc<AllocationTable>,
     pinned: Option<Arc<PinnedPool>>,
+    /// `memhostalloc` from the driver's pool in host memory (`cx.host_memory_pool`).
+    driver_pool: Option<Arc<DriverHostRelease>>,
 }
 
 impl HostLayer {
     /// The host layer of the manager of context `cx`, with an empty table and queue (capacity
     /// unset, so any free of a known size flushes at once until someone sets it).
     pub fn new(cx: &ManagerContext) -> HostLayer {
+        let table = Arc::new(AllocationTable::new(cx));
+        let driver_pool = cx.host_memory_pool.then(|| {
+            Arc::new(DriverHostRelease {
+                pool: Arc::new(DriverHostPool::new(cx)),
+                queue: Arc::clone(table.queue()),
+            })
+        });
         HostLayer {
-            table: Arc::new(AllocationTable::new(cx)),
+            table,
             pinned: cx.pinned_pool.map(|c| Arc::new(PinnedPool::new(c))),
+            driver_pool,
         }
     }
 
@@ -406,6 +418,9 @@ impl HostLayer {
                 what: "memhostalloc",
             });
         }
+        if let Some(release) = &self.driver_pool {
+            return self.memhostalloc_from_driver_pool(release, bytes, mapped, portable, wc);
+        }
         let cx = self.context().clone();
         let mut flags = 0;
         if mapped {
@@ -508,7 +523,74 @@ impl HostLayer {
             self.deallocations()
                 .push_all_without_flush(pool.drain(true).0);
         }
-        self.table.reset().map(|_| ())
+        let table = self.table.reset().map(|_| ());
+        let host_pool = self.driver_pool.as_ref().map_or(Ok(()), |r| r.pool.reset());
+        table.and(host_pool)
+    }
+
+    /// `memhostalloc` from the driver's pool in host memory (`driver_pool.rs`): mapped and
+    /// unmapped alike (the memory is one address for the host and the device, so it is
+    /// retried after out-of-memory as Numba's mapped memory is); portable and write-combined
+    /// memory refused (only `cuMemHostAlloc` makes them).
+    fn memhostalloc_from_driver_pool(
+        &self,
+        release: &Arc<DriverHostRelease>,
+        bytes: usize,
+        mapped: bool,
+        portable: bool,
+        wc: bool,
+    ) -> Result<HostMemory, EmmError> {
+        let cx = self.context();
+        if portable || wc {
+            return Err(EmmError::InvalidArgument {
+                what: "memhostalloc",
+                reason: "portable and write-combined memory come from cuMemHostAlloc, and this \
+                         runtime takes host memory from the driver's host memory pool \
+                         (EMM_HOST_MEMORY_POOL); ask without those flags, or turn the pool off"
+                    .into(),
+            });
+        }
+        {
+            // The pool and its stream first: their failures are errors, not out-of-memory to
+            // retry.
+            let _live = cx.enter("memhostalloc")?;
+            release
+                .pool
+                .prepare()
+                .map_err(|e| EmmError::driver("memhostalloc", cx.device, e))?;
+        }
+        // The pool's memory is mapped memory, whatever was asked: retried after out-of-memory.
+        let (ptr, tag) =
+            self.attempt_allocation("memhostalloc", AllocationKind::Host, bytes, || {
+                release.pool.allocate(bytes)
+            })?;
+        {
+            let _live = cx.enter("memhostalloc")?;
+            release
+                .pool
+                .ready(ptr)
+                .map_err(|e| EmmError::driver("memhostalloc", cx.device, e))?;
+        }
+        tracing::debug!(device = %cx.device, bytes, ptr = %ptr, mapped, "pinned host memory allocated from the host memory pool");
+        let host = HostPtr(ptr.0 as usize);
+        if mapped {
+            let device = MemoryPointer::with_hook(
+                cx.device,
+                cx.context,
+                ptr,
+                bytes,
+                Arc::clone(release) as Arc<dyn crate::memory::pointer::ReleaseHook>,
+                tag,
+            );
+            return Ok(HostMemory::Mapped(MappedMemory::new(host, device)));
+        }
+        let release = Arc::clone(release);
+        Ok(HostMemory::Pinned(PinnedMemory::with_release(
+            host,
+            bytes,
+            None,
+            move |p, _| release.free(p.0 as u64, tag),
+        )))
     }
 
     /// Suspends the queue's flushing while the guard lives.

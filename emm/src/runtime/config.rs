@@ -28,6 +28,30 @@ pub const ENV_MEMORY_ADAPTORS: &str = "EMM_MEMORY_ADAPTORS";
 /// `EMM_PINNED_HOST_POOL`.
 pub const ENV_PINNED_HOST_POOL: &str = "EMM_PINNED_HOST_POOL";
 
+/// `EMM_HOST_MEMORY_POOL`.
+pub const ENV_HOST_MEMORY_POOL: &str = "EMM_HOST_MEMORY_POOL";
+
+/// Reads `EMM_HOST_MEMORY_POOL` through `lookup`: whether `memhostalloc` takes its memory
+/// from the driver's pool in host memory (`on`) or from `cuMemHostAlloc` (`off`, unset).
+pub fn host_memory_pool_from_lookup(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<bool, EmmError> {
+    let Some(value) = lookup(ENV_HOST_MEMORY_POOL) else {
+        return Ok(false);
+    };
+    match value.trim().to_ascii_lowercase().as_str() {
+        "off" | "0" | "no" | "false" | "" => Ok(false),
+        "on" | "1" | "yes" | "true" => Ok(true),
+        _ => Err(EmmError::Config {
+            variable: ENV_HOST_MEMORY_POOL,
+            value,
+            reason: "use on (memhostalloc from the driver's host memory pool, CUDA 12.6 on) or \
+                     off (cuMemHostAlloc)"
+                .into(),
+        }),
+    }
+}
+
 /// Reads `EMM_PINNED_HOST_POOL` through `lookup`: `None` when unset or `off`.
 pub fn pinned_pool_from_lookup(
     lookup: impl Fn(&str) -> Option<String>,

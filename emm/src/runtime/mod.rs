@@ -28,7 +28,10 @@ pub mod config;
 pub mod context;
 mod ipc;
 
-use config::{adaptors_from_lookup, manager_name_from_env, pinned_pool_from_lookup};
+use config::{
+    adaptors_from_lookup, host_memory_pool_from_lookup, manager_name_from_env,
+    pinned_pool_from_lookup,
+};
 use context::{Context, ContextInner};
 
 /// Configures a [`Runtime`]. Obtain one with [`Runtime::builder`].
@@ -38,6 +41,7 @@ pub struct RuntimeBuilder {
     selected: Option<Selection>,
     dealloc_config: Option<DeallocConfig>,
     pinned_pool: Option<Option<PinnedPoolConfig>>,
+    host_memory_pool: Option<bool>,
     adaptors: Option<Vec<Adaptor>>,
     read_env: bool,
 }
@@ -87,6 +91,17 @@ impl RuntimeBuilder {
     #[must_use]
     pub fn dealloc_config(mut self, config: DeallocConfig) -> Self {
         self.dealloc_config = Some(config);
+        self
+    }
+
+    /// Makes `memhostalloc` take its memory from the driver's pool in host memory (what
+    /// cuda.core's pinned memory resource allocates from; CUDA 12.6 on) instead of
+    /// `cuMemHostAlloc`, under any manager; this takes precedence over
+    /// `EMM_HOST_MEMORY_POOL`. Portable and write-combined requests are then refused, and it
+    /// does not combine with the pinned host pool (`pinned_host_pool`).
+    #[must_use]
+    pub fn host_memory_pool(mut self, on: bool) -> Self {
+        self.host_memory_pool = Some(on);
         self
     }
 
@@ -143,6 +158,19 @@ impl RuntimeBuilder {
             Some(p) => p,
             None => pinned_pool_from_lookup(env)?,
         };
+        let host_memory_pool = match self.host_memory_pool {
+            Some(on) => on,
+            None => host_memory_pool_from_lookup(env)?,
+        };
+        if host_memory_pool && pinned_pool.is_some() {
+            return Err(EmmError::Config {
+                variable: config::ENV_HOST_MEMORY_POOL,
+                value: "on".into(),
+                reason: "the driver's host memory pool and emm's pinned host pool \
+                         (EMM_PINNED_HOST_POOL) both serve memhostalloc; choose one"
+                    .into(),
+            });
+        }
         let adaptors = match self.adaptors {
             Some(a) => a,
             None => adaptors_from_lookup(env)?,
@@ -169,6 +197,7 @@ impl RuntimeBuilder {
             registry: self.registry,
             dealloc_config,
             pinned_pool,
+            host_memory_pool,
             state: Mutex::new(State {
                 factory,
                 contexts: BTreeMap::new(),
@@ -207,6 +236,7 @@ pub struct Runtime {
     registry: BTreeMap<String, Arc<dyn ManagerFactory>>,
     dealloc_config: DeallocConfig,
     pinned_pool: Option<PinnedPoolConfig>,
+    host_memory_pool: bool,
     state: Mutex<State>,
     imports: Arc<PoolImports>,
     /// Primary-context references the driver refused to release (twice): released again when
@@ -235,6 +265,7 @@ impl Runtime {
             selected: None,
             dealloc_config: None,
             pinned_pool: None,
+            host_memory_pool: None,
             adaptors: None,
             read_env: true,
         }
@@ -343,6 +374,7 @@ impl Runtime {
             dealloc_config: self.dealloc_config,
             liveness: Arc::new(ContextLiveness::new()),
             pinned_pool: self.pinned_pool,
+            host_memory_pool: self.host_memory_pool,
         };
         let manager = factory.create(&cx).and_then(|m| {
             check_interface_version(m.interface_version())?;
@@ -417,6 +449,12 @@ impl Runtime {
     pub fn imported_memory_resource(&self, id: PoolId) -> Option<DeviceMemoryResource> {
         let (cx, pool) = self.imports.pool_of(id)?;
         Some(DeviceMemoryResource::mapped(&cx, pool, id))
+    }
+
+    /// Whether `memhostalloc` takes its memory from the driver's pool in host memory
+    /// ([`RuntimeBuilder::host_memory_pool`], `EMM_HOST_MEMORY_POOL`).
+    pub fn uses_host_memory_pool(&self) -> bool {
+        self.host_memory_pool
     }
 
     /// The device whose PCI identity is `identity` (Numba's `Device.from_identity`).

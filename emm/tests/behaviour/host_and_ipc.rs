@@ -283,3 +283,60 @@ fn flush_deallocations_issues_the_queue() {
     assert_eq!(sim.count(Op::MemFree), 2);
     assert_eq!(ctx.flush_deallocations().unwrap(), 0, "nothing left");
 }
+
+/// `memhostalloc` from the driver's pool in host memory (`host_memory_pool`): mapped and
+/// unmapped memory is one address for the host and the device, bytes round-trip through the
+/// device, a dropped buffer goes back to the pool, portable and write-combined requests are
+/// refused with an error that says why, a reset frees what is live, and the pool does not
+/// combine with emm's pinned host pool.
+#[test]
+fn memhostalloc_from_the_driver_host_pool() {
+    let sim = crate::common::sim();
+    let rt = emm::Runtime::builder(sim.clone())
+        .ignore_env()
+        .host_memory_pool(true)
+        .build()
+        .unwrap();
+    let ctx = rt.context(0).unwrap();
+    let mapped = ctx.memhostalloc(4096, true, false, false).unwrap();
+    let m = mapped.mapped().unwrap();
+    assert_eq!(m.host_ptr().0 as u64, m.device().device_ptr().0);
+    mapped.write(0, &[6u8; 64]).unwrap();
+    let d = ctx.memalloc(64).unwrap();
+    ctx.copy_device(&d, m.device(), 64).unwrap();
+    let mut back = [0u8; 64];
+    ctx.copy_to_host(&mut back, &d).unwrap();
+    assert_eq!(back, [6u8; 64]);
+    let unmapped = ctx.memhostalloc(100, false, false, false).unwrap();
+    unmapped.write(0, &[1u8; 100]).unwrap();
+    drop(unmapped);
+    for (portable, wc) in [(true, false), (false, true)] {
+        let e = ctx.memhostalloc(64, false, portable, wc).unwrap_err();
+        assert!(e.to_string().contains("EMM_HOST_MEMORY_POOL"), "{e}");
+    }
+    assert_eq!(
+        sim.count(driver_mock::Op::MemHostAlloc),
+        0,
+        "no cuMemHostAlloc"
+    );
+    let live = ctx.memhostalloc(8192, true, false, false).unwrap();
+    ctx.reset().unwrap();
+    assert!(!live.mapped().unwrap().device().is_live());
+    drop((live, mapped, d));
+    drop(ctx);
+    drop(rt);
+    assert!(sim.leak_report().is_clean(), "{}", sim.leak_report());
+
+    let e = emm::Runtime::builder(crate::common::sim())
+        .ignore_env()
+        .host_memory_pool(true)
+        .pinned_host_pool(Some(emm::PinnedPoolConfig::default()))
+        .build()
+        .unwrap_err();
+    assert!(e.to_string().contains("choose one"), "{e}");
+    let on = emm::runtime::config::host_memory_pool_from_lookup(|_| Some("on".into())).unwrap();
+    assert!(on);
+    let e =
+        emm::runtime::config::host_memory_pool_from_lookup(|_| Some("maybe".into())).unwrap_err();
+    assert!(e.to_string().contains("EMM_HOST_MEMORY_POOL"), "{e}");
+}

@@ -169,6 +169,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     streams::device_memory_resource_conformance,
     streams::pinned_memory_resource_conformance,
     streams::managed_memory_resource_conformance,
+    streams::memhostalloc_from_the_host_memory_pool,
     driver_conformance::managed_memory_conformance[ProvokesFailedReleases],
     driver_conformance::device_attributes_conformance,
     driver_conformance::ipc_mapping_conformance[ProvokesFailedReleases],

@@ -61,6 +61,7 @@ pub fn reset_before_initialize(target: Target) -> Result<(), Failed> {
         dealloc_config: emm::DeallocConfig::default(),
         liveness: std::sync::Arc::new(emm::ContextLiveness::new()),
         pinned_pool: None,
+        host_memory_pool: false,
     };
     let mm = emm::DefaultManager::default_manager(&mcx);
     use emm::MemoryManager;

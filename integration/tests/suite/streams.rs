@@ -665,3 +665,38 @@ pub fn managed_memory_resource_conformance(target: Target) -> Result<(), Failed>
     on_device.close()?;
     Ok(())
 }
+
+/// `memhostalloc` from the driver's pool in host memory (`host_memory_pool`, what cuda.core's
+/// pinned resource allocates from) under the suite's manager: mapped memory is one address
+/// for the host and the device, and bytes go both ways through it; unmapped memory serves a
+/// pinned copy; a reset frees what is live.
+pub fn memhostalloc_from_the_host_memory_pool(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::with(target, |b| b.pinned_host_pool(None).host_memory_pool(true))?;
+    let ctx = t.context()?;
+    let len = 256usize << 10;
+    let mapped = ctx.memhostalloc(len, true, false, false)?;
+    let m = mapped.mapped().ok_or("mapped")?;
+    ensure_eq!(m.host_ptr().0 as u64, m.device().device_ptr().0);
+    let data = pattern(len, 41);
+    mapped.write(0, &data)?;
+    let d = ctx.memalloc(len)?;
+    ctx.copy_device(&d, m.device(), len)?;
+    let mut back = vec![0u8; len];
+    ctx.copy_to_host(&mut back, &d)?;
+    ensure!(back == data, "host bytes reached the device");
+    ctx.memset(m.device(), 2, len)?;
+    mapped.read(0, &mut back)?;
+    ensure!(
+        back.iter().all(|&b| b == 2),
+        "the device's set reached the host"
+    );
+    let plain = ctx.memhostalloc(len, false, false, false)?;
+    plain.write(0, &data)?;
+    ctx.copy_pinned_to_device(&d, &plain, len)?;
+    ctx.copy_to_host(&mut back, &d)?;
+    ensure!(back == data, "a pinned copy from unmapped pool memory");
+    let live = ctx.memhostalloc(4096, true, false, false)?;
+    ctx.reset()?;
+    ensure!(!live.mapped().ok_or("mapped")?.device().is_live());
+    Ok(())
+}
