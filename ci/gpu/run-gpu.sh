@@ -49,6 +49,7 @@ unset EMM_STRESS_OPS
 EMM_MEMORY_MANAGER=pool run "suite cuda pool" "$here/bin/suite" --test-threads 1 cuda::
 EMM_MEMORY_MANAGER=async-pool run "suite cuda async-pool" "$here/bin/suite" --test-threads 1 cuda::
 EMM_MEMORY_MANAGER=async-pool-ipc run "suite cuda async-pool-ipc" "$here/bin/suite" --test-threads 1 cuda::
+EMM_MEMORY_MANAGER=async-pool-managed run "suite cuda async-pool-managed" "$here/bin/suite" --test-threads 1 cuda::
 EMM_MEMORY_MANAGER=pool EMM_MEMORY_ADAPTORS=limit=64GiB,stats,trace EMM_PINNED_HOST_POOL=on \
     run "suite cuda pool+adapt" "$here/bin/suite" --test-threads 1 cuda::
 EMM_MEMORY_ADAPTORS=stats,log=$here/suite-log.csv EMM_PINNED_HOST_POOL=on \

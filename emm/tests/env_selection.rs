@@ -50,8 +50,9 @@ fn the_environment_picks_the_manager_and_the_thresholds() {
     let err = Runtime::builder(sim()).build().unwrap_err();
     assert!(matches!(err, EmmError::UnknownManager { .. }), "{err:?}");
     assert!(
-        err.to_string()
-            .contains("registered managers: async-pool, async-pool-ipc, default, pool"),
+        err.to_string().contains(
+            "registered managers: async-pool, async-pool-ipc, async-pool-managed, default, pool"
+        ),
         "{err}"
     );
 

@@ -195,10 +195,19 @@ pub fn defers_device_frees() -> bool {
 }
 
 /// Whether the suite's manager exports device memory to other processes: all but
-/// `async-pool`, whose pool is not created for export (the driver exports stream-ordered pool
-/// memory only from such a pool, and not with `cuIpcGetMemHandle`; `async-pool-ipc` does).
+/// `async-pool` and `async-pool-managed`, whose pools are not created for export (the driver
+/// exports stream-ordered pool memory only from such a pool, and not with
+/// `cuIpcGetMemHandle`; `async-pool-ipc` does).
 pub fn exports_ipc_handles() -> bool {
-    suite_setup().is_ok_and(|s| s.manager != emm::ASYNC_POOL_MANAGER)
+    suite_setup().is_ok_and(|s| {
+        s.manager != emm::ASYNC_POOL_MANAGER && s.manager != emm::ASYNC_POOL_MANAGED_MANAGER
+    })
+}
+
+/// Whether the suite's manager hands out device memory, which `cuMemGetInfo` counts at once:
+/// all but `async-pool-managed`, whose managed memory the driver places on first touch.
+pub fn allocates_device_memory() -> bool {
+    suite_setup().is_ok_and(|s| s.manager != emm::ASYNC_POOL_MANAGED_MANAGER)
 }
 
 /// Whether host allocations reach the driver one call each (no pinned host pool).

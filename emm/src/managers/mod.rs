@@ -16,7 +16,8 @@ pub(crate) mod default;
 pub(crate) mod pool;
 
 pub use async_pool::{
-    ASYNC_POOL_IPC_MANAGER, ASYNC_POOL_MANAGER, AsyncPoolAllocator, AsyncPoolManager,
+    ASYNC_POOL_IPC_MANAGER, ASYNC_POOL_MANAGED_MANAGER, ASYNC_POOL_MANAGER, AsyncPoolAllocator,
+    AsyncPoolManager,
 };
 pub use default::{DEFAULT_MANAGER, DefaultManager, DriverAllocator};
 pub use pool::{MAX_SMALL, POOL_ALIGNMENT, POOL_MANAGER, PoolAllocator, PoolConfig, PoolManager};

@@ -257,7 +257,7 @@ impl fmt::Debug for Runtime {
 
 impl Runtime {
     /// A builder over `driver` with emm's managers registered: `default`, `pool`,
-    /// `async-pool` and `async-pool-ipc`.
+    /// `async-pool`, `async-pool-ipc` and `async-pool-managed`.
     pub fn builder(driver: Arc<dyn Driver>) -> RuntimeBuilder {
         RuntimeBuilder {
             driver,
@@ -273,6 +273,7 @@ impl Runtime {
         .register_manager(crate::managers::pool::PoolAllocator::factory())
         .register_manager(crate::managers::async_pool::AsyncPoolAllocator::factory())
         .register_manager(crate::managers::async_pool::AsyncPoolAllocator::ipc_factory())
+        .register_manager(crate::managers::async_pool::AsyncPoolAllocator::managed_factory())
     }
 
     /// A runtime over `driver`, configured from the environment.

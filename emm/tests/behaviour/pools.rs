@@ -449,3 +449,36 @@ fn the_limit_adaptor_caps_device_bytes() {
     let b = ctx.memalloc(10 << 20).unwrap();
     assert!(b.is_live());
 }
+
+/// `async-pool-managed`: the stream-ordered pool manager over a managed-memory pool. Its
+/// memory is one address for the host and the device (the simulator's managed pools are
+/// host-backed), copies reach it, it allocates on streams as `async-pool` does, it exports
+/// nothing (with an error that names the manager), and a device without managed memory makes
+/// its first allocation fail with the driver's error.
+#[test]
+fn async_pool_managed_gives_managed_memory() {
+    use driver_mock::{SimConfig, SimDeviceConfig, SimDriver};
+    use std::sync::Arc;
+    let sim = crate::common::sim();
+    let rt = crate::common::runtime_with(&sim, emm::ASYNC_POOL_MANAGED_MANAGER);
+    let ctx = rt.context(0).unwrap();
+    assert_eq!(ctx.stream_ordering(), emm::StreamOrdering::Driver);
+    let mem = ctx.to_device(&[8u8; 4096]).unwrap();
+    let mut back = [0u8; 4096];
+    ctx.copy_to_host(&mut back, &mem).unwrap();
+    assert_eq!(back, [8u8; 4096]);
+    let s = ctx.create_stream().unwrap();
+    let on = ctx.memalloc_on(1 << 20, &s).unwrap();
+    ctx.memset_async(&on, 1, &s).unwrap().wait().unwrap();
+    let e = ctx.get_ipc_handle(&mem).unwrap_err();
+    assert!(e.to_string().contains("async-pool-managed"), "{e}");
+    drop((mem, on));
+    ctx.reset().unwrap();
+
+    let none = Arc::new(SimDriver::new(SimConfig::with_devices(vec![
+        SimDeviceConfig::new(256 << 20).managed_memory(false),
+    ])));
+    let nrt = crate::common::runtime_with(&none, emm::ASYNC_POOL_MANAGED_MANAGER);
+    let e = nrt.context(0).and_then(|c| c.memalloc(64)).unwrap_err();
+    assert!(e.to_string().contains("NOT_SUPPORTED"), "{e}");
+}

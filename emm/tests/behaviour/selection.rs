@@ -14,6 +14,7 @@ fn default_is_chosen_unless_told_otherwise() {
         vec![
             "async-pool".to_owned(),
             "async-pool-ipc".to_owned(),
+            "async-pool-managed".to_owned(),
             "default".to_owned(),
             "pool".to_owned()
         ]
@@ -34,7 +35,7 @@ fn an_unknown_name_lists_the_registered_ones() {
     let text = err.to_string();
     assert!(text.contains("no memory manager named 'slab'"), "{text}");
     assert!(
-        text.contains("registered managers: async-pool, async-pool-ipc, default, mine, pool"),
+        text.contains("registered managers: async-pool, async-pool-ipc, async-pool-managed, default, mine, pool"),
         "{text}"
     );
     assert!(text.contains("EMM_MEMORY_MANAGER"), "{text}");

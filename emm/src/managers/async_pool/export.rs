@@ -3,7 +3,7 @@
 
 use driver_sys::DriverError;
 
-use super::{ASYNC_POOL_MANAGER, AsyncPoolAllocator, PoolState, STREAM};
+use super::{AsyncPoolAllocator, PoolState, STREAM};
 use crate::contract::ipc::{IpcHandle, IpcMemory, identity_of};
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
@@ -30,7 +30,7 @@ impl AsyncPoolAllocator {
         if !self.shared.ipc {
             return Err(EmmError::NotSupported {
                 operation: "get_ipc_handle",
-                manager: ASYNC_POOL_MANAGER.into(),
+                manager: self.name().into(),
                 advice: "its pool is not created for export, and the driver does not export \
                          stream-ordered pool memory with cuIpcGetMemHandle; select \
                          'async-pool-ipc' (or 'default' or 'pool') for memory you share between \
@@ -84,7 +84,7 @@ impl AsyncPoolAllocator {
     pub(super) fn export(&self) -> Result<PoolExport, EmmError> {
         let cx = &self.shared.cx;
         if !self.shared.ipc {
-            return Err(EmmError::no_pool_export(ASYNC_POOL_MANAGER));
+            return Err(EmmError::no_pool_export(self.name()));
         }
         let _live = cx.enter("export_pool")?;
         let (fd, id) = {

@@ -74,6 +74,11 @@ pub const ASYNC_POOL_MANAGER: &str = "async-pool";
 /// The name of the stream-ordered pool manager whose pool can be exported to other processes.
 pub const ASYNC_POOL_IPC_MANAGER: &str = "async-pool-ipc";
 
+/// The name of the stream-ordered pool manager over a managed-memory pool (cuda.core's
+/// managed memory resource as a manager; CUDA 13 on): every allocation is managed memory, one
+/// address for the host and every device, preferably kept on the context's device.
+pub const ASYNC_POOL_MANAGED_MANAGER: &str = "async-pool-managed";
+
 const STREAM: StreamHandle = StreamHandle(0);
 
 /// The pool and the generation it belongs to.
@@ -93,6 +98,8 @@ struct Shared {
     cx: ManagerContext,
     /// Whether the pool is created for export (`async-pool-ipc`).
     ipc: bool,
+    /// Whether the pool is a managed-memory pool (`async-pool-managed`).
+    managed: bool,
     state: Mutex<PoolState>,
     /// Bumped by `reset` (with the state locked); pointers of older generations free nothing.
     generation: AtomicU64,
@@ -170,10 +177,20 @@ impl AsyncPoolAllocator {
     /// As [`new`](Self::new), with a pool that can be exported to other processes when `ipc`
     /// (the `async-pool-ipc` manager).
     pub fn with_ipc(host: &HostLayer, ipc: bool) -> AsyncPoolAllocator {
+        Self::with_kind(host, ipc, false)
+    }
+
+    /// As [`new`](Self::new), over a managed-memory pool (the `async-pool-managed` manager).
+    pub fn managed(host: &HostLayer) -> AsyncPoolAllocator {
+        Self::with_kind(host, false, true)
+    }
+
+    fn with_kind(host: &HostLayer, ipc: bool, managed: bool) -> AsyncPoolAllocator {
         AsyncPoolAllocator {
             shared: Arc::new(Shared {
                 cx: host.context().clone(),
                 ipc,
+                managed,
                 state: Mutex::new(PoolState {
                     pool: None,
                     id: None,
@@ -205,9 +222,20 @@ impl AsyncPoolAllocator {
         })
     }
 
+    /// The factory registered as `"async-pool-managed"`: the pool is a managed-memory pool.
+    pub fn managed_factory() -> FnFactory {
+        FnFactory::new(ASYNC_POOL_MANAGED_MANAGER, |cx: &ManagerContext| {
+            let host = HostLayer::new(cx);
+            let device = AsyncPoolAllocator::managed(&host);
+            Ok(Box::new(HostOnly::from_parts(host, device)))
+        })
+    }
+
     fn name(&self) -> &'static str {
         if self.shared.ipc {
             ASYNC_POOL_IPC_MANAGER
+        } else if self.shared.managed {
+            ASYNC_POOL_MANAGED_MANAGER
         } else {
             ASYNC_POOL_MANAGER
         }
@@ -223,9 +251,13 @@ impl AsyncPoolAllocator {
             return Ok(p);
         }
         let cx = &self.shared.cx;
-        let pool = cx
-            .driver
-            .mem_pool_create(cx.context, cx.device, self.shared.ipc)?;
+        let pool = if self.shared.managed {
+            let preferred = Some(driver_sys::MemLocation::Device(cx.device));
+            cx.driver.mem_pool_create_managed(cx.context, preferred)?
+        } else {
+            cx.driver
+                .mem_pool_create(cx.context, cx.device, self.shared.ipc)?
+        };
         if let Err(e) = cx
             .driver
             .mem_pool_set_release_threshold(cx.context, pool, u64::MAX)
