@@ -28,7 +28,7 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use bytemuck::Pod;
-use emm::{Context, EmmError, MemoryPointer};
+use emm::{Context, EmmError, HostMemory, InFlight, MemoryPointer, Stream};
 
 mod layout;
 
@@ -300,6 +300,75 @@ impl<T: Pod> DeviceArray<T> {
         let mut out = vec![T::zeroed(); self.size()];
         self.copy_to_host(ctx, &mut out)?;
         Ok(out)
+    }
+
+    /// As [`copy_from_host`](Self::copy_from_host), in `stream`'s order: the copy runs after
+    /// the work queued on `stream` before it, and this returns once it is done (the host
+    /// slice is pageable memory, which the driver copies synchronously anyway).
+    pub fn copy_from_host_on(
+        &self,
+        ctx: &Context,
+        host: &[T],
+        stream: &Stream,
+    ) -> Result<(), ArrayError> {
+        self.check_host(host.len())?;
+        if let Some(m) = &self.mem {
+            let bytes: &[u8] = bytemuck::cast_slice(host);
+            ctx.copy_to_device_on(&m.view(0, Some(bytes.len()))?, bytes, stream)?;
+        }
+        Ok(())
+    }
+
+    /// As [`copy_to_host`](Self::copy_to_host), in `stream`'s order; returns once it is done.
+    pub fn copy_to_host_on(
+        &self,
+        ctx: &Context,
+        host: &mut [T],
+        stream: &Stream,
+    ) -> Result<(), ArrayError> {
+        self.check_host(host.len())?;
+        if let Some(m) = &self.mem {
+            ctx.copy_to_host_on(bytemuck::cast_slice_mut(host), m, stream)?;
+        }
+        Ok(())
+    }
+
+    /// Copies page-locked host memory into the array asynchronously on `stream`: `src` (at
+    /// least the array's bytes, its elements in the array's contiguous order) travels with
+    /// the copy and comes back from the returned [`InFlight`]'s `wait`. Pageable memory is
+    /// not accepted here ([`copy_from_host_on`](Self::copy_from_host_on) takes it).
+    pub fn copy_from_pinned_async(
+        &self,
+        ctx: &Context,
+        src: HostMemory,
+        stream: &Stream,
+    ) -> Result<InFlight<HostMemory>, ArrayError> {
+        self.check_host(self.size())?;
+        let mem = self.mem.as_ref().ok_or_else(|| {
+            invalid(
+                "copy_from_pinned_async",
+                "the array has no elements; there is nothing to copy",
+            )
+        })?;
+        Ok(ctx.copy_to_device_async(mem, src, stream)?)
+    }
+
+    /// Copies the array into page-locked host memory asynchronously on `stream`; `dst` comes
+    /// back, filled, from the returned [`InFlight`]'s `wait`.
+    pub fn copy_to_pinned_async(
+        &self,
+        ctx: &Context,
+        dst: HostMemory,
+        stream: &Stream,
+    ) -> Result<InFlight<HostMemory>, ArrayError> {
+        self.check_host(self.size())?;
+        let mem = self.mem.as_ref().ok_or_else(|| {
+            invalid(
+                "copy_to_pinned_async",
+                "the array has no elements; there is nothing to copy",
+            )
+        })?;
+        Ok(ctx.copy_to_host_async(dst, mem, stream)?)
     }
 
     /// Copies `src`'s elements into this array on the device (the same shape, both

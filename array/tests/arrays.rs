@@ -225,3 +225,40 @@ fn bad_input_is_refused_clearly() {
     let zero = DeviceArray::<f64>::new(&ctx, &[0, 5], Order::C).unwrap();
     assert!(zero.memory().is_none() && zero.copy_to_host_vec(&ctx).unwrap().is_empty());
 }
+
+/// Copies on a stream: pageable memory in the stream's order, and page-locked memory
+/// asynchronously, handed back by `wait` with the array's bytes.
+#[test]
+fn copies_on_a_stream() {
+    let (_sim, rt) = runtime();
+    let ctx = rt.context(0).unwrap();
+    let s = ctx.create_stream().unwrap();
+    let host: Vec<f64> = (0..24).map(f64::from).collect();
+    let a = DeviceArray::<f64>::new(&ctx, &[4, 6], Order::F).unwrap();
+    a.copy_from_host_on(&ctx, &host, &s).unwrap();
+    let mut back = vec![0f64; 24];
+    a.copy_to_host_on(&ctx, &mut back, &s).unwrap();
+    assert_eq!(back, host);
+    let pinned = ctx.memhostalloc(a.nbytes(), false, false, false).unwrap();
+    let pinned = a
+        .copy_to_pinned_async(&ctx, pinned, &s)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let mut bytes = vec![0u8; a.nbytes()];
+    pinned.read(0, &mut bytes).unwrap();
+    assert_eq!(bytemuck::cast_slice::<u8, f64>(&bytes), &host[..]);
+    let b = DeviceArray::<f64>::like(&ctx, &a).unwrap();
+    let pinned = b
+        .copy_from_pinned_async(&ctx, pinned, &s)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(b.copy_to_host_vec(&ctx).unwrap(), host);
+    let short = ctx.memhostalloc(8, false, false, false).unwrap();
+    assert!(
+        b.copy_from_pinned_async(&ctx, short, &s).is_err(),
+        "a short source"
+    );
+    drop(pinned);
+}
