@@ -30,8 +30,10 @@ use std::marker::PhantomData;
 use bytemuck::Pod;
 use emm::{Context, EmmError, HostMemory, InFlight, MemoryPointer, Stream};
 
+mod host;
 mod layout;
 
+pub use host::HostArray;
 pub use layout::{Layout, Order};
 
 /// What went wrong with an array operation.
@@ -141,6 +143,15 @@ impl<T: Pod> fmt::Debug for DeviceArray<T> {
 }
 
 impl<T: Pod> DeviceArray<T> {
+    /// An array over `mem` (from its first element on) with `layout`.
+    pub(crate) fn from_parts(mem: Option<MemoryPointer>, layout: Layout) -> DeviceArray<T> {
+        DeviceArray {
+            mem,
+            layout,
+            _elements: PhantomData,
+        }
+    }
+
     /// A new array of `shape` in `order` (Numba's `device_array`), uninitialised as the
     /// driver's memory is. An array without elements makes no driver call.
     pub fn new(ctx: &Context, shape: &[usize], order: Order) -> Result<DeviceArray<T>, ArrayError> {

@@ -262,3 +262,44 @@ fn copies_on_a_stream() {
     );
     drop(pinned);
 }
+
+/// Host arrays: pinned (read and written by copy, no device view), mapped and managed (the
+/// device view reaches the same bytes, both ways); the wrong length is refused; an array
+/// without elements takes no allocation.
+#[test]
+fn host_arrays() {
+    use emm_array::HostArray;
+    let (sim, rt) = runtime();
+    let ctx = rt.context(0).unwrap();
+    let data: Vec<i32> = (0..12).map(|i| i * 3 - 7).collect();
+    let pinned = HostArray::<i32>::pinned(&ctx, &[3, 4], Order::C).unwrap();
+    pinned.write(&data).unwrap();
+    assert_eq!(pinned.read().unwrap(), data);
+    assert!(pinned.device_view().is_err(), "not mapped");
+    assert!(matches!(
+        pinned.write(&data[1..]),
+        Err(ArrayError::HostLength {
+            got: 11,
+            expected: 12
+        })
+    ));
+    for array in [
+        HostArray::<i32>::mapped(&ctx, &[3, 4], Order::F).unwrap(),
+        HostArray::<i32>::managed(&ctx, &[3, 4], Order::F).unwrap(),
+    ] {
+        array.write(&data).unwrap();
+        let dev = array.device_view().unwrap();
+        assert!(dev.is_f_contiguous());
+        assert_eq!(dev.copy_to_host_vec(&ctx).unwrap(), data);
+        let twice: Vec<i32> = data.iter().map(|x| x * 2).collect();
+        dev.copy_from_host(&ctx, &twice).unwrap();
+        assert_eq!(array.read().unwrap(), twice);
+    }
+    let empty = HostArray::<u8>::mapped(&ctx, &[0], Order::C).unwrap();
+    assert!(empty.host_memory().is_none() && empty.read().unwrap().is_empty());
+    drop((pinned, empty));
+    ctx.flush_deallocations().unwrap();
+    drop(ctx);
+    drop(rt);
+    assert!(sim.leak_report().is_clean(), "{}", sim.leak_report());
+}

@@ -1,0 +1,162 @@
+//! Arrays in host memory the device can reach: page-locked (Numba's `pinned_array`), mapped
+//! (`mapped_array`, with a device view of the same memory) and managed (`managed_array`).
+
+use std::marker::PhantomData;
+
+use bytemuck::Pod;
+use emm::{Context, HostMemory, ManagedMemory};
+
+use crate::{ArrayError, DeviceArray, Layout, Order, invalid};
+
+/// Where a host array's elements live.
+#[derive(Debug)]
+enum Backing {
+    /// Page-locked (mapped or not), from the context's manager (`memhostalloc`).
+    Host(HostMemory),
+    /// Managed memory (`memallocmanaged`, attached globally).
+    Managed(ManagedMemory),
+    /// No elements: no allocation.
+    Empty,
+}
+
+/// A contiguous n-d array of `T` in host memory that the device reaches: page-locked, mapped
+/// or managed. Its elements are read and written by copy ([`read`](Self::read),
+/// [`write`](Self::write)), so no Rust reference aliases memory the device may write; mapped
+/// and managed arrays also give a [`DeviceArray`] view of the same memory.
+#[derive(Debug)]
+pub struct HostArray<T: Pod> {
+    backing: Backing,
+    layout: Layout,
+    _elements: PhantomData<T>,
+}
+
+impl<T: Pod> HostArray<T> {
+    fn make(
+        shape: &[usize],
+        order: Order,
+        alloc: impl FnOnce(usize) -> Result<Backing, emm::EmmError>,
+    ) -> Result<HostArray<T>, ArrayError> {
+        let layout = Layout::contiguous(shape, order, std::mem::size_of::<T>())?;
+        let backing = match layout.nbytes() {
+            0 => Backing::Empty,
+            n => alloc(n)?,
+        };
+        Ok(HostArray {
+            backing,
+            layout,
+            _elements: PhantomData,
+        })
+    }
+
+    /// A page-locked array (Numba's `pinned_array`): fast, asynchronous copies; not reached by
+    /// kernels.
+    pub fn pinned(
+        ctx: &Context,
+        shape: &[usize],
+        order: Order,
+    ) -> Result<HostArray<T>, ArrayError> {
+        Self::make(shape, order, |n| {
+            Ok(Backing::Host(ctx.memhostalloc(n, false, false, false)?))
+        })
+    }
+
+    /// A page-locked array mapped into the device (Numba's `mapped_array`): kernels reach it
+    /// through [`device_view`](Self::device_view).
+    pub fn mapped(
+        ctx: &Context,
+        shape: &[usize],
+        order: Order,
+    ) -> Result<HostArray<T>, ArrayError> {
+        Self::make(shape, order, |n| {
+            Ok(Backing::Host(ctx.memhostalloc(n, true, false, false)?))
+        })
+    }
+
+    /// A managed array (Numba's `managed_array`), attached globally: one address for the host
+    /// and the devices.
+    pub fn managed(
+        ctx: &Context,
+        shape: &[usize],
+        order: Order,
+    ) -> Result<HostArray<T>, ArrayError> {
+        Self::make(shape, order, |n| {
+            Ok(Backing::Managed(ctx.memallocmanaged(n, true)?))
+        })
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        self.layout.shape()
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Number of elements.
+    pub fn size(&self) -> usize {
+        self.layout.size()
+    }
+
+    /// The page-locked memory (`None` for a managed array or one without elements).
+    pub fn host_memory(&self) -> Option<&HostMemory> {
+        match &self.backing {
+            Backing::Host(h) => Some(h),
+            _ => None,
+        }
+    }
+
+    /// Copies `data` (exactly the array's size, in its order) into the array. Work on the
+    /// device that uses the memory must be done first.
+    pub fn write(&self, data: &[T]) -> Result<(), ArrayError> {
+        if data.len() != self.size() {
+            return Err(ArrayError::HostLength {
+                got: data.len(),
+                expected: self.size(),
+            });
+        }
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        match &self.backing {
+            Backing::Host(h) => h.write(0, bytes)?,
+            Backing::Managed(m) => m.write(0, bytes)?,
+            Backing::Empty => {}
+        }
+        Ok(())
+    }
+
+    /// The array's elements, copied out (in its order). Work on the device that writes the
+    /// memory must be done first.
+    pub fn read(&self) -> Result<Vec<T>, ArrayError> {
+        let mut out = vec![T::zeroed(); self.size()];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+        match &self.backing {
+            Backing::Host(h) => h.read(0, bytes)?,
+            Backing::Managed(m) => m.read(0, bytes)?,
+            Backing::Empty => {}
+        }
+        Ok(out)
+    }
+
+    /// The same memory as a device array (mapped and managed arrays; an array without
+    /// elements gives an empty one). A pinned array that is not mapped has no device view.
+    pub fn device_view(&self) -> Result<DeviceArray<T>, ArrayError> {
+        let mem = match &self.backing {
+            Backing::Host(h) => Some(
+                h.mapped()
+                    .ok_or_else(|| {
+                        invalid(
+                            "device_view",
+                            "a pinned array that is not mapped has no device address; make it \
+                             with HostArray::mapped",
+                        )
+                    })?
+                    .device()
+                    .clone(),
+            ),
+            Backing::Managed(m) => Some(m.device().clone()),
+            Backing::Empty => None,
+        };
+        Ok(DeviceArray::from_parts(mem, self.layout.clone()))
+    }
+}
