@@ -160,3 +160,86 @@ impl<T: Pod> HostArray<T> {
         Ok(DeviceArray::from_parts(mem, self.layout.clone()))
     }
 }
+
+/// A host slice page-locked for a scope (Numba's `cuda.pinned`): see [`with_pinned`]. The
+/// slice stays exclusively borrowed, so only this value reaches it while it is pinned, and
+/// every copy through it is synchronous.
+#[derive(Debug)]
+pub struct PinnedSlice<'a, T: Pod> {
+    host: &'a mut [T],
+    /// The pin, released when the scope ends (unpins are not deferred).
+    _pin: HostMemory,
+}
+
+impl<T: Pod> PinnedSlice<'_, T> {
+    /// The elements.
+    pub fn as_slice(&self) -> &[T] {
+        self.host
+    }
+
+    /// The elements, to change between copies.
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        self.host
+    }
+
+    /// Copies the slice into `dst` (exactly its size, contiguous) from page-locked memory.
+    pub fn copy_to_device(&self, ctx: &Context, dst: &DeviceArray<T>) -> Result<(), ArrayError> {
+        dst.copy_from_host(ctx, self.host)
+    }
+
+    /// Copies `src` (exactly the slice's size, contiguous) into the slice, to page-locked
+    /// memory.
+    pub fn copy_from_device(
+        &mut self,
+        ctx: &Context,
+        src: &DeviceArray<T>,
+    ) -> Result<(), ArrayError> {
+        src.copy_to_host(ctx, self.host)
+    }
+}
+
+/// Page-locks `host` while `f` runs (Numba's `with cuda.pinned(arr):`), so that copies
+/// between it and device arrays run at page-locked speed; the pin is released when `f`
+/// returns or unwinds. An empty slice is not pinned (there is nothing to pin).
+///
+/// ```
+/// use emm_array::{DeviceArray, Order, with_pinned};
+///
+/// let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+/// let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+/// let ctx = runtime.context(0)?;
+/// let dev = DeviceArray::<u32>::new(&ctx, &[256], Order::C)?;
+/// let mut host: Vec<u32> = (0..256).collect();
+/// with_pinned(&ctx, &mut host, |pinned| -> Result<(), emm_array::ArrayError> {
+///     pinned.copy_to_device(&ctx, &dev)?;
+///     pinned.as_mut_slice().fill(0);
+///     pinned.copy_from_device(&ctx, &dev)
+/// })??;
+/// assert_eq!(host[255], 255);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn with_pinned<T: Pod, R>(
+    ctx: &Context,
+    host: &mut [T],
+    f: impl FnOnce(&mut PinnedSlice<'_, T>) -> R,
+) -> Result<R, ArrayError> {
+    let bytes = std::mem::size_of_val(host);
+    if bytes == 0 {
+        return Err(invalid(
+            "with_pinned",
+            "the slice is empty: there is nothing to pin",
+        ));
+    }
+    let at = emm::driver_sys::HostPtr(host.as_mut_ptr() as usize);
+    let owner: emm::HostOwner = std::sync::Arc::new(());
+    // SAFETY: the range is `host`, exclusively borrowed for this whole function, so it stays
+    // alive and unmoved until the pin (inside the `PinnedSlice`) is dropped below, before the
+    // borrow ends; the owner is a placeholder because the borrow, not an owner, keeps it alive.
+    // While pinned, the slice is reached only through the `PinnedSlice`, whose copies are
+    // synchronous, so no reference is used while a driver copy writes the memory.
+    let pin = unsafe { ctx.mempin(owner, at, bytes, false) }?;
+    let mut pinned = PinnedSlice { host, _pin: pin };
+    let out = f(&mut pinned);
+    drop(pinned);
+    Ok(out)
+}

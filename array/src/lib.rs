@@ -33,7 +33,7 @@ use emm::{Context, EmmError, HostMemory, InFlight, MemoryPointer, Stream};
 mod host;
 mod layout;
 
-pub use host::HostArray;
+pub use host::{HostArray, PinnedSlice, with_pinned};
 pub use layout::{Layout, Order};
 
 /// What went wrong with an array operation.

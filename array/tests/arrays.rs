@@ -303,3 +303,40 @@ fn host_arrays() {
     drop(rt);
     assert!(sim.leak_report().is_clean(), "{}", sim.leak_report());
 }
+
+/// The scoped pin: the slice is registered with the driver only inside the scope (also when
+/// the scope returns an error), copies run through it both ways, and an empty slice is
+/// refused.
+#[test]
+fn scoped_pins() {
+    use emm_array::with_pinned;
+    let (sim, rt) = runtime();
+    let ctx = rt.context(0).unwrap();
+    let dev = DeviceArray::<u16>::new(&ctx, &[64], Order::C).unwrap();
+    let mut host: Vec<u16> = (0..64).collect();
+    let inside = with_pinned(&ctx, &mut host, |p| {
+        p.copy_to_device(&ctx, &dev).unwrap();
+        p.as_mut_slice().fill(9);
+        p.copy_from_device(&ctx, &dev).unwrap();
+        sim.count(driver_mock::Op::MemHostRegister)
+    })
+    .unwrap();
+    assert_eq!(inside, 1);
+    assert_eq!(
+        sim.count(driver_mock::Op::MemHostUnregister),
+        1,
+        "unpinned at the scope's end"
+    );
+    assert_eq!(host, (0..64).collect::<Vec<u16>>());
+    let failed: Result<(), ArrayError> = with_pinned(&ctx, &mut host, |p| {
+        p.copy_to_device(
+            &ctx,
+            &DeviceArray::<u16>::new(&ctx, &[3], Order::C).unwrap(),
+        )
+    })
+    .unwrap();
+    assert!(matches!(failed, Err(ArrayError::HostLength { .. })));
+    assert_eq!(sim.count(driver_mock::Op::MemHostUnregister), 2);
+    let mut empty: Vec<u16> = Vec::new();
+    assert!(with_pinned(&ctx, &mut empty, |_| ()).is_err());
+}
