@@ -3,6 +3,7 @@
 //!
 //! `cargo run --example driver_probe` (uses `EMM_DRIVER`, so it runs on the simulator where no
 //! GPU is present). The GPU job runs it and keeps its output beside the suite's log.
+//! `EMM_PROBE_ONLY=waits` runs only the section on driver calls while a stream waits.
 
 use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, Driver, DriverError};
 
@@ -123,6 +124,22 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     println!("total mem: {}", d.device_total_mem(dev)?);
     let ctx = d.primary_ctx_retain(dev)?;
     println!("context: {ctx}");
+    // `EMM_PROBE_ONLY=waits`: only the section on driver calls while a stream waits, first
+    // thing in a fresh process (so no earlier section leaves pools holding memory).
+    match std::env::var("EMM_PROBE_ONLY").ok().as_deref() {
+        None | Some("") => {}
+        Some("waits") => {
+            frees_while_a_stream_waits(&d, ctx)?;
+            show("release", release(&*d, dev));
+            return Ok(());
+        }
+        Some(other) => {
+            return Err(format!(
+                "EMM_PROBE_ONLY={other:?} names no section; use waits, or unset it for all"
+            )
+            .into());
+        }
+    }
     let info0 = d.mem_get_info(ctx)?;
     println!("mem info at start: {info0:?}");
 
