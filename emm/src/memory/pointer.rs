@@ -479,7 +479,12 @@ impl MemoryPointer {
             .ok_or(EmmError::NotStreamOrdered { what: "free_on" })?;
         let mut use_ = lock_use(record);
         let handle = stream.stream_handle();
-        use_.free_on = handle;
+        // The stream it was to be freed on stays among those that used it (the allocation
+        // stream always does, through `other_streams`).
+        let previous = std::mem::replace(&mut use_.free_on, handle);
+        if previous != handle && previous != use_.stream && !use_.recorded.contains(&previous) {
+            use_.recorded.push(previous);
+        }
         use_.recorded.retain(|s| *s != handle);
         use_.keep(stream);
         Ok(())

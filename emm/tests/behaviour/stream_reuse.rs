@@ -390,3 +390,43 @@ fn a_wait_on_a_reused_event_waits_for_its_own_record() {
         run_sequence(manager, &steps).unwrap();
     }
 }
+
+/// Found by the property test: a block written on stream 2 (recorded), whose free moved to
+/// stream 2 and then to stream 1. Moving the free away from stream 2 once forgot that stream
+/// 2 used the block, and the block went to new work under stream 2's held write.
+#[test]
+fn moving_a_free_twice_keeps_the_streams_that_used_the_block() {
+    use Step::*;
+    let steps = [
+        Alloc(0, 0),
+        Alloc(1, 2),
+        Hold(2),
+        Alloc(0, 0),
+        Drop(2),
+        Run,
+        Alloc(0, 0),
+        Write(1, 2),
+        Drop(2),
+        Drop(0),
+        Alloc(0, 0),
+        FreeOn(0, 2),
+        Alloc(0, 0),
+        Write(0, 1),
+        Drop(1),
+        FreeOn(0, 1),
+        Drop(0),
+        Release(2),
+        Alloc(1, 2),
+        Run,
+    ];
+    for manager in [
+        "default",
+        "pool",
+        "async-pool",
+        "resource",
+        "pinned",
+        "managed",
+    ] {
+        run_sequence(manager, &steps).unwrap();
+    }
+}
