@@ -191,27 +191,10 @@ impl DeviceMemoryResource {
             .driver
             .mem_pool_create_limited(cx.context, location, options.ipc_enabled, options.max_size)
             .map_err(err)?;
-        let usable = if matches!(location, MemLocation::Device(_)) {
-            Ok(())
-        } else {
-            cx.driver
-                .mem_pool_can_access(cx.context, pool, cx.device)
-                .and_then(|yes| {
-                    if yes {
-                        Ok(())
-                    } else {
-                        cx.driver.mem_pool_grant_access(cx.context, pool, cx.device)
-                    }
-                })
-        };
-        if let Err(e) = usable.and_then(|()| {
-            cx.driver
-                .mem_pool_set_release_threshold(cx.context, pool, u64::MAX)
-        }) {
-            // SAFETY: created just above, handed to no one.
-            let _ = unsafe { cx.driver.mem_pool_destroy(cx.context, pool) };
-            return Err(err(e));
-        }
+        // A pool in host memory is made usable by the context's device.
+        let grant = !matches!(location, MemLocation::Device(_));
+        // SAFETY: created just above, handed to no one.
+        let pool = unsafe { cx.adopt_new_pool(pool, grant) }.map_err(err)?;
         Ok(Self::over(cx, pool, true, options, None))
     }
 
@@ -835,14 +818,9 @@ impl ManagedMemoryResource {
             }
             Err(e) => return Err(cx.driver_error(WHAT, e)),
         };
-        if let Err(e) = cx
-            .driver
-            .mem_pool_set_release_threshold(cx.context, pool, u64::MAX)
-        {
-            // SAFETY: created just above, handed to no one.
-            let _ = unsafe { cx.driver.mem_pool_destroy(cx.context, pool) };
-            return Err(cx.driver_error(WHAT, e));
-        }
+        // SAFETY: created just above, handed to no one.
+        let pool =
+            unsafe { cx.adopt_new_pool(pool, false) }.map_err(|e| cx.driver_error(WHAT, e))?;
         let inner = DeviceMemoryResource::over(
             cx,
             pool,

@@ -6,7 +6,7 @@
 //! that says which operation failed on which device.
 #![allow(unsafe_code)]
 
-use driver_sys::{DevicePtr, DriverError, IpcMemHandle};
+use driver_sys::{DeviceOrdinal, DevicePtr, DriverError, IpcMemHandle, MemPoolHandle};
 
 use crate::contract::factory::ManagerContext;
 use crate::contract::ipc::{DeviceIdentity, identity_of};
@@ -15,6 +15,50 @@ use crate::memory::liveness::LiveGuard;
 use crate::memory::pointer::MemoryPointer;
 
 impl ManagerContext {
+    /// Gives device `dev` read-write access to `pool` unless it has it already
+    /// (`cuMemPoolGetAccess`, then `cuMemPoolSetAccess`). The caller holds the liveness.
+    pub fn ensure_pool_access(
+        &self,
+        pool: MemPoolHandle,
+        dev: DeviceOrdinal,
+    ) -> Result<(), DriverError> {
+        if self.driver.mem_pool_can_access(self.context, pool, dev)? {
+            return Ok(());
+        }
+        self.driver.mem_pool_grant_access(self.context, pool, dev)
+    }
+
+    /// Readies `pool`, just created in this context, for emm's use: with `grant`, this
+    /// context's device is given access (a pool in host memory needs it); the release
+    /// threshold goes to its maximum, so freed memory stays cached in the pool. On an error the
+    /// pool is destroyed and the error returned. The caller holds the liveness.
+    ///
+    /// # Safety
+    ///
+    /// `pool` was created by the caller just now and handed to no one: on an error it is
+    /// destroyed here.
+    pub(crate) unsafe fn adopt_new_pool(
+        &self,
+        pool: MemPoolHandle,
+        grant: bool,
+    ) -> Result<MemPoolHandle, DriverError> {
+        let ready = if grant {
+            self.ensure_pool_access(pool, self.device)
+        } else {
+            Ok(())
+        }
+        .and_then(|()| {
+            self.driver
+                .mem_pool_set_release_threshold(self.context, pool, u64::MAX)
+        });
+        if let Err(e) = ready {
+            // SAFETY: the caller's contract: created just now, handed to no one.
+            let _ = unsafe { self.driver.mem_pool_destroy(self.context, pool) };
+            return Err(e);
+        }
+        Ok(pool)
+    }
+
     /// The error for `what` on a context whose device was reset.
     pub fn stale(&self, what: &'static str) -> EmmError {
         EmmError::Stale {

@@ -66,18 +66,9 @@ impl DriverHostPool {
         }
         let (d, ctx) = (&self.cx.driver, self.cx.context);
         let pool = d.mem_pool_create_limited(ctx, MemLocation::Host, false, 0)?;
-        let ready = d
-            .mem_pool_can_access(ctx, pool, self.cx.device)
-            .and_then(|yes| {
-                if yes {
-                    Ok(())
-                } else {
-                    d.mem_pool_grant_access(ctx, pool, self.cx.device)
-                }
-            })
-            .and_then(|()| d.mem_pool_set_release_threshold(ctx, pool, u64::MAX))
-            .and_then(|()| d.stream_create(ctx, stream_flags::NON_BLOCKING));
-        match ready {
+        // SAFETY: created just above, handed to no one.
+        let pool = unsafe { self.cx.adopt_new_pool(pool, true) }?;
+        match d.stream_create(ctx, stream_flags::NON_BLOCKING) {
             Ok(stream) => {
                 tracing::debug!(device = %self.cx.device, ?pool, "host memory pool created for memhostalloc");
                 state.pool = Some((pool, stream));

@@ -60,7 +60,7 @@ impl PoolImports {
             .driver
             .mem_pool_import_fd(cx.context, export.fd())
             .map_err(err)?;
-        if let Err(e) = grant_access(cx, pool, cx.device) {
+        if let Err(e) = cx.ensure_pool_access(pool, cx.device) {
             // SAFETY: imported just above; no pointer was imported through it.
             let _ = unsafe { cx.driver.mem_pool_destroy(cx.context, pool) };
             return Err(err(e));
@@ -110,7 +110,7 @@ impl PoolImports {
         };
         let err = |e| EmmError::driver("open IPC handle", cx.device, e);
         if user != cx.device {
-            grant_access(cx, p.pool, user).map_err(err)?;
+            cx.ensure_pool_access(p.pool, user).map_err(err)?;
         }
         let ptr = cx
             .driver
@@ -174,18 +174,6 @@ impl PoolImports {
         }
         result
     }
-}
-
-/// Gives device `dev` read-write access to the imported `pool`, unless it has it already.
-fn grant_access(
-    cx: &ManagerContext,
-    pool: MemPoolHandle,
-    dev: DeviceOrdinal,
-) -> Result<(), driver_sys::DriverError> {
-    if cx.driver.mem_pool_can_access(cx.context, pool, dev)? {
-        return Ok(());
-    }
-    cx.driver.mem_pool_grant_access(cx.context, pool, dev)
 }
 
 /// Frees an imported pointer and waits for the free: the driver wants it complete in the

@@ -309,23 +309,39 @@ proptest! {
     }
 }
 
+/// Every memory source the property tests cover: the managers, then the resources.
+const SUBJECTS: [&str; 6] = [
+    "default",
+    "pool",
+    "async-pool",
+    "resource",
+    "pinned",
+    "managed",
+];
+
+/// Runs `steps` under every subject; a failure names it.
+fn run_on_every_subject(steps: &[Step]) {
+    for subject in SUBJECTS {
+        if let Err(e) = run_sequence(subject, steps) {
+            panic!("{subject}: {e}");
+        }
+    }
+}
+
 /// The model itself: a sequence that a manager reusing blocks at once would fail (a block
 /// freed on a held stream, then the same size allocated on another) passes here, and the
 /// block is not reused while the hold lasts.
 #[test]
 fn a_block_freed_behind_a_hold_is_not_reused_elsewhere() {
-    for manager in ["default", "pool", "async-pool"] {
-        let steps = [
-            Step::Hold(0),
-            Step::Alloc(0, 1),
-            Step::Drop(0),
-            Step::Alloc(1, 1),
-            Step::Run,
-            Step::Release(0),
-            Step::Run,
-        ];
-        run_sequence(manager, &steps).unwrap();
-    }
+    run_on_every_subject(&[
+        Step::Hold(0),
+        Step::Alloc(0, 1),
+        Step::Drop(0),
+        Step::Alloc(1, 1),
+        Step::Run,
+        Step::Release(0),
+        Step::Run,
+    ]);
 }
 
 /// Found by the property test: a block freed on a stream, reused on that stream and freed
@@ -348,16 +364,7 @@ fn a_block_freed_twice_on_its_stream_waits_for_the_second_free() {
         Alloc(0, 0),
         Alloc(0, 0),
     ];
-    for manager in [
-        "default",
-        "pool",
-        "async-pool",
-        "resource",
-        "pinned",
-        "managed",
-    ] {
-        run_sequence(manager, &steps).unwrap();
-    }
+    run_on_every_subject(&steps);
 }
 
 /// Found by the property test: a free moved to another stream (its wait for the allocation
@@ -379,16 +386,7 @@ fn a_wait_on_a_reused_event_waits_for_its_own_record() {
         Alloc(0, 0),
         Run,
     ];
-    for manager in [
-        "default",
-        "pool",
-        "async-pool",
-        "resource",
-        "pinned",
-        "managed",
-    ] {
-        run_sequence(manager, &steps).unwrap();
-    }
+    run_on_every_subject(&steps);
 }
 
 /// Found by the property test: a block written on stream 2 (recorded), whose free moved to
@@ -419,14 +417,5 @@ fn moving_a_free_twice_keeps_the_streams_that_used_the_block() {
         Alloc(1, 2),
         Run,
     ];
-    for manager in [
-        "default",
-        "pool",
-        "async-pool",
-        "resource",
-        "pinned",
-        "managed",
-    ] {
-        run_sequence(manager, &steps).unwrap();
-    }
+    run_on_every_subject(&steps);
 }

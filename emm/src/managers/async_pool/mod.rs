@@ -258,14 +258,8 @@ impl AsyncPoolAllocator {
             cx.driver
                 .mem_pool_create(cx.context, cx.device, self.shared.ipc)?
         };
-        if let Err(e) = cx
-            .driver
-            .mem_pool_set_release_threshold(cx.context, pool, u64::MAX)
-        {
-            // SAFETY: created just above, handed to no one.
-            let _ = unsafe { cx.driver.mem_pool_destroy(cx.context, pool) };
-            return Err(e);
-        }
+        // SAFETY: created just above, handed to no one.
+        let pool = unsafe { cx.adopt_new_pool(pool, false) }?;
         state.id = self.shared.ipc.then(PoolId::fresh);
         state.exported = false;
         tracing::debug!(device = %cx.device, ?pool, id = ?state.id, "stream-ordered pool created");
