@@ -57,6 +57,44 @@ fn check_ready(call: &'static str, r: sys::CUresult) -> Result<bool, DriverError
     }
 }
 
+/// Whether the driver knows `ptr` as memory it manages (device, pinned, managed, or a pool's
+/// host memory): `cuPointerGetAttribute` answers for such memory and refuses other addresses.
+fn driver_knows(ptr: u64) -> bool {
+    let mut kind: u32 = 0;
+    // SAFETY: the memory-type attribute is a 32-bit `CUmemorytype`, which `kind` holds; the
+    // driver only reads `ptr` as an address to look up.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&raw mut kind).cast::<c_void>(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            ptr,
+        )
+    };
+    r == sys::CUresult::CUDA_SUCCESS
+}
+
+/// The typed copies (`cuMemcpyHtoD`, `DtoH`, `DtoD` and their `Async` forms) refuse memory
+/// of a pool in host memory with `CUDA_ERROR_INVALID_VALUE` (measured on an H100, driver
+/// 580): they want device memory on the device side. `cuMemcpy` infers each side's kind from
+/// the unified address space and takes it. Where a typed copy was refused and every address
+/// the caller named as device memory is memory the driver knows, the copy goes again through
+/// `copy`; any other error, or an address the driver does not know, is returned as it was.
+fn retry_untyped(
+    first: Result<(), DriverError>,
+    device_side: &[u64],
+    copy: impl FnOnce() -> Result<(), DriverError>,
+) -> Result<(), DriverError> {
+    match first {
+        Err(e)
+            if e.kind() == crate::ErrorKind::InvalidValue
+                && device_side.iter().all(|&p| driver_knows(p)) =>
+        {
+            copy()
+        }
+        other => other,
+    }
+}
+
 fn cu_stream(stream: StreamHandle) -> sys::CUstream {
     stream.0 as usize as sys::CUstream
 }
@@ -371,7 +409,14 @@ impl Driver for CudaDriver {
         // - `src` is a live slice of `src.len()` readable bytes for the whole (synchronous) call.
         // - the caller guarantees the destination range is a live allocation nobody else
         //   touches during the copy (trait contract).
-        unsafe { result::memcpy_htod_sync(dst.0, src) }.map_err(err("cuMemcpyHtoD"))
+        let first = unsafe { result::memcpy_htod_sync(dst.0, src) }.map_err(err("cuMemcpyHtoD"));
+        retry_untyped(first, &[dst.0], || {
+            // SAFETY: as above; `cuMemcpy` reads `src` as host memory (an address the
+            // driver does not know is pageable host memory in the unified address space).
+            check("cuMemcpy", unsafe {
+                sys::cuMemcpy(dst.0, src.as_ptr() as u64, src.len())
+            })
+        })
     }
 
     /// [cuMemcpyDtoD](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
@@ -385,7 +430,12 @@ impl Driver for CudaDriver {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: the caller guarantees both ranges are live device memory nobody else writes
         // during the (synchronous) copy (trait contract).
-        unsafe { result::memcpy_dtod_sync(dst.0, src.0, bytes) }.map_err(err("cuMemcpyDtoD"))
+        let first =
+            unsafe { result::memcpy_dtod_sync(dst.0, src.0, bytes) }.map_err(err("cuMemcpyDtoD"));
+        retry_untyped(first, &[dst.0, src.0], || {
+            // SAFETY: as above; both addresses are memory the driver knows.
+            check("cuMemcpy", unsafe { sys::cuMemcpy(dst.0, src.0, bytes) })
+        })
     }
 
     /// [cuMemsetD8](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
@@ -678,8 +728,14 @@ impl Driver for CudaDriver {
     ) -> Result<(), DriverError> {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: the caller keeps both ranges live until the copy completes (trait contract).
-        check("cuMemcpyHtoDAsync", unsafe {
+        let first = check("cuMemcpyHtoDAsync", unsafe {
             sys::cuMemcpyHtoDAsync_v2(dst.0, src.0 as *const c_void, bytes, cu_stream(stream))
+        });
+        retry_untyped(first, &[dst.0], || {
+            // SAFETY: as above.
+            check("cuMemcpyAsync", unsafe {
+                sys::cuMemcpyAsync(dst.0, src.0 as u64, bytes, cu_stream(stream))
+            })
         })
     }
 
@@ -694,8 +750,14 @@ impl Driver for CudaDriver {
     ) -> Result<(), DriverError> {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: as for `memcpy_htod_async`.
-        check("cuMemcpyDtoHAsync", unsafe {
+        let first = check("cuMemcpyDtoHAsync", unsafe {
             sys::cuMemcpyDtoHAsync_v2(dst.0 as *mut c_void, src.0, bytes, cu_stream(stream))
+        });
+        retry_untyped(first, &[src.0], || {
+            // SAFETY: as above.
+            check("cuMemcpyAsync", unsafe {
+                sys::cuMemcpyAsync(dst.0 as u64, src.0, bytes, cu_stream(stream))
+            })
         })
     }
 
@@ -710,8 +772,14 @@ impl Driver for CudaDriver {
     ) -> Result<(), DriverError> {
         let _scope = CtxScope::enter(ctx)?;
         // SAFETY: as for `memcpy_htod_async`.
-        check("cuMemcpyDtoDAsync", unsafe {
+        let first = check("cuMemcpyDtoDAsync", unsafe {
             sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes, cu_stream(stream))
+        });
+        retry_untyped(first, &[dst.0, src.0], || {
+            // SAFETY: as above.
+            check("cuMemcpyAsync", unsafe {
+                sys::cuMemcpyAsync(dst.0, src.0, bytes, cu_stream(stream))
+            })
         })
     }
 
@@ -870,7 +938,14 @@ impl Driver for CudaDriver {
         //   whole (synchronous) call.
         // - the caller guarantees the source range is a live allocation nobody writes during
         //   the copy (trait contract).
-        unsafe { result::memcpy_dtoh_sync(dst, src.0) }.map_err(err("cuMemcpyDtoH"))
+        let first =
+            unsafe { result::memcpy_dtoh_sync(&mut *dst, src.0) }.map_err(err("cuMemcpyDtoH"));
+        retry_untyped(first, &[src.0], || {
+            // SAFETY: as above; `cuMemcpy` writes `dst` as host memory.
+            check("cuMemcpy", unsafe {
+                sys::cuMemcpy(dst.as_mut_ptr() as u64, src.0, dst.len())
+            })
+        })
     }
 
     /// [cuStreamSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)

@@ -38,7 +38,9 @@ use crate::sync::{Mutex, lock};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceMemoryResourceOptions {
     /// The most bytes the pool may reserve (`CUmemPoolProps::maxSize`); 0 is the device's
-    /// memory. An allocation that would take the pool past it is out of memory.
+    /// memory. An allocation that would take the pool past it is out of memory. The driver
+    /// holds the pool to this figure rounded up to a multiple of 32 MiB (measured on an H100,
+    /// driver 580: a limit of 8 MiB let 32 MiB be allocated; 64 MiB and 512 MiB held exactly).
     pub max_size: usize,
     /// Whether the pool's memory can be exported to other processes (POSIX file descriptors).
     pub ipc_enabled: bool,
@@ -756,6 +758,28 @@ impl PinnedMemoryResource {
     #[cfg(unix)]
     pub fn allocation_handle(&self) -> Result<PoolExport, EmmError> {
         self.inner.allocation_handle()
+    }
+
+    /// An IPC handle for `memory` (a buffer of this resource), which opens in a process that
+    /// imported the pool ([`allocation_handle`](Self::allocation_handle)), as
+    /// [`DeviceMemoryResource::get_ipc_handle`]: the buffer's stream is synchronised first.
+    /// The importer opens it as device memory ([`IpcHandle::open`]), which work on its streams
+    /// and copies use.
+    pub fn get_ipc_handle(&self, memory: &HostMemory) -> Result<IpcHandle, EmmError> {
+        let HostMemory::Mapped(mapped) = memory else {
+            return Err(EmmError::InvalidArgument {
+                what: "memory passed to PinnedMemoryResource::get_ipc_handle",
+                reason: "this memory is not a buffer of a pinned memory resource; export \
+                         memory it allocated"
+                    .into(),
+            });
+        };
+        self.inner.get_ipc_handle(mapped.device())
+    }
+
+    /// The pool's name across processes, for an IPC-enabled resource.
+    pub fn pool_id(&self) -> Option<PoolId> {
+        self.inner.pool_id()
     }
 
     /// Closes the resource, as [`DeviceMemoryResource::close`].

@@ -452,6 +452,7 @@ fn stream_ordered(driver: &Arc<dyn Driver>) {
         }
         s.synchronize().expect("sync");
     }
+    resources_on_a_stream(driver, &ctx, &sizes);
     for manager in MANAGERS {
         let rt = runtime(driver, manager, false, vec![]);
         let mctx = rt.context(0).expect("context");
@@ -533,6 +534,86 @@ fn stream_ordered(driver: &Arc<dyn Driver>) {
         }
         drop(streams);
         mctx.trim().expect("trim");
+    }
+}
+
+/// cuda.core's resources in emm (device, pinned, managed: `allocate` on a stream, freed on it
+/// by the drop) beside the raw pair on a pool of the same kind, created the same way, in the
+/// same process. A kind the driver lacks is reported as skipped.
+fn resources_on_a_stream(driver: &Arc<dyn Driver>, ctx: &emm::Context, sizes: &[usize]) {
+    use emm::driver_sys::MemLocation;
+    let h = ctx.handle();
+    let s = ctx.create_stream_with(true, 0).expect("stream");
+    let raw_pool = |kind: &str| -> Result<driver_sys::MemPoolHandle, String> {
+        let pool = match kind {
+            "pinned" => driver.mem_pool_create_limited(h, MemLocation::Host, false, 0),
+            "managed" => driver.mem_pool_create_managed(h, None),
+            _ => driver.mem_pool_create(h, 0.into(), false),
+        }
+        .map_err(|e| e.to_string())?;
+        if kind == "pinned" {
+            driver
+                .mem_pool_grant_access(h, pool, 0.into())
+                .map_err(|e| e.to_string())?;
+        }
+        driver
+            .mem_pool_set_release_threshold(h, pool, u64::MAX)
+            .map_err(|e| e.to_string())?;
+        Ok(pool)
+    };
+    for kind in ["device", "pinned", "managed"] {
+        let pool = match raw_pool(kind) {
+            Ok(p) => p,
+            Err(e) => {
+                println!("stream,raw-{kind}-pool,skipped,1,0,{}", e.replace(',', ";"));
+                continue;
+            }
+        };
+        for &size in sizes {
+            let ns = per_op(iters_for(size, true), |n| {
+                for _ in 0..n {
+                    let p = driver
+                        .mem_alloc_from_pool_async(h, pool, size, s.handle())
+                        .expect("cuMemAllocFromPoolAsync");
+                    // SAFETY: allocated just above on the same stream, unused, freed once.
+                    unsafe { driver.mem_free_async(h, p, s.handle()) }.expect("cuMemFreeAsync");
+                }
+            });
+            out("stream", &format!("raw-{kind}-pool"), size, 1, ns, "ns");
+        }
+        s.synchronize().expect("sync");
+        // SAFETY: the pool is this function's; everything allocated from it was freed above.
+        unsafe { driver.mem_pool_destroy(h, pool) }.expect("cuMemPoolDestroy");
+        let s = &s;
+        let pair: Box<dyn Fn(usize)> = match kind {
+            "device" => {
+                let mr = ctx
+                    .device_memory_resource(Default::default())
+                    .expect("device resource");
+                Box::new(move |size| drop(mr.allocate(size, s).expect("allocate")))
+            }
+            "pinned" => {
+                let mr = ctx
+                    .pinned_memory_resource(Default::default())
+                    .expect("pinned resource");
+                Box::new(move |size| drop(mr.allocate(size, s).expect("allocate")))
+            }
+            _ => {
+                let mr = ctx
+                    .managed_memory_resource(Default::default())
+                    .expect("managed resource");
+                Box::new(move |size| drop(mr.allocate(size, s).expect("allocate")))
+            }
+        };
+        for &size in sizes {
+            let ns = per_op(iters_for(size, true), |n| {
+                for _ in 0..n {
+                    pair(size);
+                }
+            });
+            out("stream", &format!("emm-{kind}-resource"), size, 1, ns, "ns");
+        }
+        s.synchronize().expect("sync");
     }
 }
 

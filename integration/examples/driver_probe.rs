@@ -3,7 +3,8 @@
 //!
 //! `cargo run --example driver_probe` (uses `EMM_DRIVER`, so it runs on the simulator where no
 //! GPU is present). The GPU job runs it and keeps its output beside the suite's log.
-//! `EMM_PROBE_ONLY=waits` runs only the section on driver calls while a stream waits.
+//! `EMM_PROBE_ONLY=waits` runs only the section on driver calls while a stream waits;
+//! `EMM_PROBE_ONLY=pools` only the one on pool size limits and pools in host memory.
 
 use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, Driver, DriverError};
 
@@ -133,9 +134,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             show("release", release(&*d, dev));
             return Ok(());
         }
+        Some("pools") => {
+            pool_limits_and_host_pools(&*d, ctx, dev)?;
+            show("release", release(&*d, dev));
+            return Ok(());
+        }
         Some(other) => {
             return Err(format!(
-                "EMM_PROBE_ONLY={other:?} names no section; use waits, or unset it for all"
+                "EMM_PROBE_ONLY={other:?} names no section; use waits or pools, or unset it for all"
             )
             .into());
         }
@@ -574,6 +580,185 @@ fn pool_cache_under_pressure(
             "{:<48} device free {free}",
             "everything freed, pools destroyed"
         );
+    }
+    Ok(())
+}
+
+/// How the driver holds a pool to its `maxSize` (how far past it an allocation gets), and what
+/// the device may do with memory of a pool in host memory: the access it reports before and
+/// after `cuMemPoolSetAccess`, and which copies and sets take its addresses.
+fn pool_limits_and_host_pools(
+    d: &dyn Driver,
+    ctx: ContextHandle,
+    dev: DeviceOrdinal,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use driver_sys::{MemLocation, StreamHandle};
+    let s0 = StreamHandle(0);
+    let mib = 1usize << 20;
+    println!("\n-- a pool's maxSize: 2 MiB blocks until the pool refuses (at most 4 x maxSize)");
+    for max in [8 * mib, 64 * mib, 512 * mib] {
+        let pool = d.mem_pool_create_limited(ctx, MemLocation::Device(dev), false, max)?;
+        let mut held = Vec::new();
+        let mut refusal = None;
+        while held.len() * 2 * mib < 4 * max {
+            match d.mem_alloc_from_pool_async(ctx, pool, 2 * mib, s0) {
+                Ok(p) => held.push(p),
+                Err(e) => {
+                    refusal = Some(e);
+                    break;
+                }
+            }
+        }
+        let usage = d.mem_pool_usage(ctx, pool);
+        println!(
+            "maxSize {:>4} MiB: {} blocks ({} MiB) allocated, then {:?}; usage {usage:?}",
+            max / mib,
+            held.len(),
+            held.len() * 2,
+            refusal.map(|e| e.to_string())
+        );
+        let one = d.mem_alloc_from_pool_async(ctx, pool, max + mib, s0);
+        println!(
+            "  one block of maxSize + 1 MiB with the above held: {:?}",
+            one.as_ref().map(|_| "ok")
+        );
+        for p in held.into_iter().chain(one.ok()) {
+            // SAFETY: allocated above from this pool on stream 0, unused, freed once.
+            unsafe { d.mem_free_async(ctx, p, s0)? };
+        }
+        d.stream_synchronize(ctx, s0)?;
+        let single = d.mem_alloc_from_pool_async(ctx, pool, max + mib, s0);
+        println!(
+            "  one block of maxSize + 1 MiB in the empty pool: {:?}",
+            single.as_ref().map(|_| "ok").map_err(|e| e.to_string())
+        );
+        if let Ok(p) = single {
+            // SAFETY: allocated just above on stream 0, unused, freed once.
+            unsafe { d.mem_free_async(ctx, p, s0)? };
+        }
+        d.stream_synchronize(ctx, s0)?;
+        // SAFETY: nothing of the pool is outstanding; destroyed once.
+        unsafe { d.mem_pool_destroy(ctx, pool)? };
+    }
+    println!("\n-- pools in host memory: access, copies and sets");
+    let len = mib;
+    let dmem = d.mem_alloc(ctx, len)?;
+    for location in [MemLocation::Host, MemLocation::HostNuma(0)] {
+        println!("- location {location:?}");
+        let pool = match d.mem_pool_create_limited(ctx, location, false, 0) {
+            Ok(p) => p,
+            Err(e) => {
+                println!("  cuMemPoolCreate: {e}");
+                continue;
+            }
+        };
+        show(
+            "  device access before cuMemPoolSetAccess",
+            d.mem_pool_can_access(ctx, pool, dev),
+        );
+        show(
+            "  cuMemPoolSetAccess(device, rw)",
+            d.mem_pool_grant_access(ctx, pool, dev),
+        );
+        show(
+            "  device access after",
+            d.mem_pool_can_access(ctx, pool, dev),
+        );
+        let p = d.mem_alloc_from_pool_async(ctx, pool, len, s0)?;
+        d.stream_synchronize(ctx, s0)?;
+        println!("  address {p}");
+        show("  cuMemGetAddressRange", d.mem_get_address_range(ctx, p));
+        // SAFETY: the block is `len` bytes of this pool, allocated just above and synchronised;
+        // each call names only it and `dmem` (`len` bytes), and nothing else uses either.
+        unsafe {
+            show(
+                "  cuMemcpyDtoD(device <- pool)",
+                d.memcpy_dtod(ctx, dmem, p, len),
+            );
+            show(
+                "  cuMemcpyDtoD(pool <- device)",
+                d.memcpy_dtod(ctx, p, dmem, len),
+            );
+            show(
+                "  cuMemcpyDtoDAsync(device <- pool)",
+                d.memcpy_dtod_async(ctx, dmem, p, len, s0),
+            );
+            show("  cuMemsetD8(pool)", d.memset_d8(ctx, p, 5, len));
+            show(
+                "  cuMemsetD8Async(pool)",
+                d.memset_d8_async(ctx, p, 5, len, s0),
+            );
+            show(
+                "  cuMemcpyHtoD(pool <- host)",
+                d.memcpy_htod(ctx, p, &vec![9u8; len]),
+            );
+            let mut back = vec![0u8; len];
+            show(
+                "  cuMemcpyDtoH(host <- pool)",
+                d.memcpy_dtoh(ctx, &mut back, p),
+            );
+            println!(
+                "  bytes read back: first {} (9 if the HtoD reached it)",
+                back[0]
+            );
+        }
+        show("  synchronize", d.stream_synchronize(ctx, s0));
+        // SAFETY: allocated above on stream 0, the copies are done, freed once.
+        unsafe { d.mem_free_async(ctx, p, s0)? };
+        d.stream_synchronize(ctx, s0)?;
+        // SAFETY: nothing of the pool is outstanding; destroyed once.
+        unsafe { d.mem_pool_destroy(ctx, pool)? };
+    }
+    free(d, ctx, dmem)?;
+    println!(
+        "\n-- a managed-memory pool: device free memory through allocation, free, trim, destroy"
+    );
+    let info = |what: &str| {
+        println!(
+            "  {what:<44} device free {:?}",
+            d.mem_get_info(ctx).map(|i| i.free)
+        )
+    };
+    for (touch, sync_before_destroy) in [(false, true), (false, false), (true, true)] {
+        println!(
+            "- pages touched by a set: {touch}; frees synchronised before the destroy: {sync_before_destroy}"
+        );
+        let pool = match d.mem_pool_create_managed(ctx, None) {
+            Ok(p) => p,
+            Err(e) => {
+                println!("  managed pool: {e}");
+                break;
+            }
+        };
+        d.mem_pool_set_release_threshold(ctx, pool, u64::MAX)?;
+        info("pool created");
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            let p = d.mem_alloc_from_pool_async(ctx, pool, 8 * mib, s0)?;
+            if touch {
+                // SAFETY: 8 MiB of this pool, allocated just above on stream 0.
+                unsafe { d.memset_d8_async(ctx, p, 1, 8 * mib, s0)? };
+            }
+            held.push(p);
+        }
+        d.stream_synchronize(ctx, s0)?;
+        info("3 x 8 MiB allocated");
+        show("  usage", d.mem_pool_usage(ctx, pool));
+        for p in held {
+            // SAFETY: allocated above from this pool on stream 0, freed once.
+            unsafe { d.mem_free_async(ctx, p, s0)? };
+        }
+        if sync_before_destroy {
+            d.stream_synchronize(ctx, s0)?;
+            info("freed");
+            show("  cuMemPoolTrimTo(0)", d.mem_pool_trim_to(ctx, pool, 0));
+            info("trimmed");
+        }
+        // SAFETY: every allocation was freed above (maybe still in flight); destroyed once.
+        unsafe { d.mem_pool_destroy(ctx, pool)? };
+        info("destroyed");
+        d.stream_synchronize(ctx, s0)?;
+        info("stream 0 synchronised after the destroy");
     }
     Ok(())
 }

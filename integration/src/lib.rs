@@ -510,8 +510,18 @@ fn child_runtime(
         .build()
         .map_err(|e| e.to_string())?;
     if let Some(export) = pool {
+        let id = export.id();
         rt.import_pool(export)
             .map_err(|e| format!("import_pool: {e}"))?;
+        // cuda.core's view of the same import: a mapped resource, found by the pool's id.
+        let mapped = rt
+            .imported_memory_resource(id)
+            .ok_or_else(|| format!("pool {id} imported but not registered by its id"))?;
+        if !mapped.is_mapped() || mapped.is_handle_owned() {
+            return Err(format!(
+                "the resource over imported pool {id} must be mapped, not owned"
+            ));
+        }
     }
     Ok(rt)
 }

@@ -2,6 +2,8 @@
 
 use driver_sys::{ContextHandle, DevicePtr, HostPtr, code, host_alloc, host_register, mem_attach};
 
+use std::sync::Arc;
+
 use super::Note;
 use super::world::{World, context};
 
@@ -20,6 +22,9 @@ pub(super) struct HostBlock {
 // SAFETY: the block is plain bytes that this value alone frees; the simulator reaches it only
 // under the machine's lock, and callers only through the driver contract's copies.
 unsafe impl Send for HostBlock {}
+// SAFETY: as above: a shared block (one process's pool block imported by another) is read and
+// written only under the machine's lock, so no two threads touch its bytes at once through it.
+unsafe impl Sync for HostBlock {}
 
 /// The alignment of the simulator's host blocks: a page, as the driver gives.
 const HOST_ALIGN: usize = 4096;
@@ -58,8 +63,13 @@ pub(super) enum HostKind {
     /// the host and from copies, freed with `cuMemFree`. Not pinned memory.
     Managed(#[allow(dead_code)] HostBlock),
     /// A block of a stream-ordered pool in host memory (`CU_MEM_LOCATION_TYPE_HOST`): pinned,
-    /// reached at one address by the host and the devices, owned by its pool.
-    Pooled(#[allow(dead_code)] HostBlock),
+    /// reached at one address by the host and the devices, owned by its pool (and kept alive
+    /// by the processes that imported it).
+    Pooled(Arc<HostBlock>),
+    /// A block of another process's pool in host memory, imported through an imported pool
+    /// (`cuMemPoolImportPointer`): the same bytes at the same address, kept alive until this
+    /// process frees it; counted as pinned memory by its exporter only.
+    ImportedPooled(#[allow(dead_code)] Arc<HostBlock>),
     /// A block of a managed-memory pool: reached at one address by the host and the devices,
     /// owned by its pool. Not pinned memory.
     PooledManaged(#[allow(dead_code)] HostBlock),
@@ -85,7 +95,10 @@ impl HostRange {
 
     /// Whether it counts as page-locked memory (managed memory does not).
     pub(super) fn is_pinned(&self) -> bool {
-        !matches!(self.kind, HostKind::Managed(_) | HostKind::PooledManaged(_))
+        !matches!(
+            self.kind,
+            HostKind::Managed(_) | HostKind::PooledManaged(_) | HostKind::ImportedPooled(_)
+        )
     }
 }
 
@@ -229,7 +242,10 @@ impl World {
         let kind_matches = match host.get(&ptr.0)?.kind {
             HostKind::Registered => registered,
             HostKind::Alloc(_) => !registered,
-            HostKind::Managed(_) | HostKind::Pooled(_) | HostKind::PooledManaged(_) => false,
+            HostKind::Managed(_)
+            | HostKind::Pooled(_)
+            | HostKind::PooledManaged(_)
+            | HostKind::ImportedPooled(_) => false,
         };
         if !kind_matches {
             return None;
@@ -323,7 +339,7 @@ impl World {
         let kind = if managed {
             HostKind::PooledManaged(storage)
         } else {
-            HostKind::Pooled(storage)
+            HostKind::Pooled(Arc::new(storage))
         };
         self.processes[pid].host.insert(
             addr,
@@ -338,12 +354,70 @@ impl World {
         Ok(addr as u64)
     }
 
+    /// Maps the block at `addr` of `exporter`'s pool in host memory into process `pid` (for
+    /// `device`): the same bytes at the same address. Importing it again gives the same
+    /// address. Its size, or `None` when `exporter` has no such block.
+    pub(super) fn import_pooled_host(
+        &mut self,
+        pid: usize,
+        exporter: usize,
+        addr: u64,
+        device: usize,
+    ) -> Option<usize> {
+        let at = usize::try_from(addr).ok()?;
+        let (block, size) = match self.processes[exporter].host.get(&at)? {
+            HostRange {
+                kind: HostKind::Pooled(block),
+                size,
+                ..
+            } => (Arc::clone(block), *size),
+            _ => return None,
+        };
+        let host = &mut self.processes[pid].host;
+        match host.get(&at) {
+            Some(HostRange {
+                kind: HostKind::ImportedPooled(_),
+                ..
+            }) => {}
+            Some(_) => return None,
+            None => {
+                host.insert(
+                    at,
+                    HostRange {
+                        size,
+                        device,
+                        mapped: true,
+                        portable: true,
+                        kind: HostKind::ImportedPooled(block),
+                    },
+                );
+            }
+        }
+        Some(size)
+    }
+
+    /// Frees process `pid`'s import of another process's host pool block at `ptr`; its size,
+    /// or `None` when `ptr` is not one.
+    pub(super) fn free_imported_host(&mut self, pid: usize, ptr: u64) -> Option<usize> {
+        let host = &mut self.processes[pid].host;
+        let at = usize::try_from(ptr).ok()?;
+        if !matches!(host.get(&at)?.kind, HostKind::ImportedPooled(_)) {
+            return None;
+        }
+        host.remove(&at).map(|h| h.size)
+    }
+
     /// Gives a host pool's block at `ptr` back to the system; its size, or `None`.
     pub(super) fn free_pooled_host(&mut self, pid: usize, ptr: u64) -> Option<usize> {
         let host = &mut self.processes[pid].host;
         let at = usize::try_from(ptr).ok()?;
-        let pinned = match host.get(&at)?.kind {
-            HostKind::Pooled(_) => true,
+        let pinned = match &host.get(&at)?.kind {
+            HostKind::Pooled(block) => {
+                if Arc::strong_count(block) > 1 {
+                    super::FREED_WHILE_IMPORTED.with(|n| n.set(n.get() + 1));
+                }
+                true
+            }
             HostKind::PooledManaged(_) => false,
             _ => return None,
         };

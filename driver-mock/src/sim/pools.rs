@@ -74,6 +74,11 @@ pub(super) struct SimPool {
 }
 
 impl SimPool {
+    /// A pool of page-locked host memory (location `HOST` or `HOST_NUMA`), not managed.
+    pub(super) fn in_host_memory(&self) -> bool {
+        self.host && !self.managed
+    }
+
     pub(super) fn new(device: usize, is_default: bool) -> SimPool {
         SimPool {
             device,
@@ -103,6 +108,9 @@ pub(super) fn inode(fd: BorrowedFd<'_>) -> Option<u64> {
     let file = std::fs::File::from(fd.try_clone_to_owned().ok()?);
     file.metadata().ok().map(|m| m.ino())
 }
+
+/// The step to which the driver rounds a pool's maxSize up.
+const MAX_SIZE_GRAIN: usize = 32 << 20;
 
 pub(super) const POOL_PTR_MAGIC: &[u8; 8] = b"SIMPOOLP";
 
@@ -251,7 +259,9 @@ impl World {
         let mut pool = SimPool::new(i, false);
         pool.host = host;
         pool.ipc = ipc;
-        pool.max_size = max_size;
+        // The driver holds a pool to its maxSize rounded up to 32 MiB (measured on an H100,
+        // driver 580: a maxSize of 8 MiB let 32 MiB be allocated; 64 and 512 MiB held exactly).
+        pool.max_size = max_size.div_ceil(MAX_SIZE_GRAIN) * MAX_SIZE_GRAIN;
         self.processes[pid].pools.insert(h, pool);
         Ok(MemPoolHandle(h))
     }
@@ -463,6 +473,10 @@ impl World {
             self.drop_store(m.store);
             return Ok(());
         }
+        if let Some(size) = self.free_imported_host(pid, ptr.0) {
+            note.bytes = Some(size);
+            return Ok(());
+        }
         let device = self.processes[pid]
             .pools
             .values()
@@ -599,10 +613,22 @@ impl World {
         }
         let device = p.device;
         // The exporter's allocation must still be live in its pool.
-        let live = self.processes[exporter]
-            .pools
-            .get(&h)
-            .is_some_and(|p| p.live.contains_key(&addr));
+        let Some(source) = self.processes[exporter].pools.get(&h) else {
+            return Err(code::INVALID_VALUE);
+        };
+        let live = source.live.contains_key(&addr);
+        if source.in_host_memory() {
+            // A pool in host memory: the importer reaches the same pinned bytes (measured on
+            // an H100: a host NUMA pool's buffer opened in another process reads the
+            // exporter's bytes).
+            let size = live
+                .then(|| self.import_pooled_host(pid, exporter, addr, device))
+                .flatten()
+                .ok_or(code::INVALID_VALUE)?;
+            note.ptr = Some(DevicePtr(addr));
+            note.bytes = Some(size);
+            return Ok(DevicePtr(addr));
+        }
         let alloc = self.devices[device]
             .allocs
             .get(&addr)
@@ -638,7 +664,9 @@ impl World {
         note.device = Some(dev);
         let d = device_index(self, dev)?;
         let p = self.pool_mut(pid, pool)?;
-        Ok(p.device == d || p.access.contains(&d))
+        // A pool in host memory gives no device access until it is granted (measured on an
+        // H100: `cuMemPoolGetAccess` answers none for the context's own device).
+        Ok((p.device == d && !p.in_host_memory()) || p.access.contains(&d))
     }
 
     /// `cuMemPoolSetAccess`: [`Driver::mem_pool_grant_access`](driver_sys::Driver::mem_pool_grant_access) in the model.
@@ -655,7 +683,9 @@ impl World {
         let d = device_index(self, dev)?;
         let peers = self.peer_access;
         let p = self.pool_mut(pid, pool)?;
-        if d != p.device {
+        if p.in_host_memory() {
+            p.access.insert(d);
+        } else if d != p.device {
             if !peers {
                 return Err(code::PEER_ACCESS_UNSUPPORTED);
             }

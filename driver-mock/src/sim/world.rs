@@ -195,6 +195,11 @@ impl World {
             match h.kind {
                 HostKind::Alloc(_) => r.host_allocations.push((HostPtr(addr), h.size)),
                 HostKind::Registered => r.host_registrations.push((HostPtr(addr), h.size)),
+                HostKind::ImportedPooled(_) => r.ipc_mappings.push((
+                    DeviceOrdinal(h.device as u32),
+                    DevicePtr(addr as u64),
+                    h.size,
+                )),
                 HostKind::Managed(_) | HostKind::Pooled(_) | HostKind::PooledManaged(_) => {
                     r.allocations.push((
                         DeviceOrdinal(h.device as u32),

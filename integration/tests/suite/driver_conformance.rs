@@ -1029,3 +1029,82 @@ pub fn stream_and_event_conformance(target: Target) -> Result<(), Failed> {
     settled?;
     Ok(())
 }
+
+/// Pools with a size limit, and pools in host memory (measured on an H100, driver 580;
+/// `ci/hardware-runs.md`):
+/// - a limit of 8 MiB holds the pool to 32 MiB (the driver rounds `maxSize` up to 32 MiB):
+///   sixteen 2 MiB blocks fit, 9 MiB more does not;
+/// - a pool in host memory gives its context's device no access until `cuMemPoolSetAccess`
+///   grants it; then copies to, from and within its memory work (the driver takes them with
+///   `cuMemcpy` where the typed copies refuse host-pool addresses) and a set reaches the host.
+pub fn pool_limits_and_host_pools_conformance(target: Target) -> Result<(), Failed> {
+    use driver_sys::{DeviceAttribute, MemLocation, StreamHandle};
+    let raw = Raw::new(target)?;
+    let (d, ctx, dev) = (&raw.driver, raw.ctx, DeviceOrdinal(0));
+    let s0 = StreamHandle(0);
+    let mib = 1usize << 20;
+    let pool = d.mem_pool_create_limited(ctx, MemLocation::Device(dev), false, 8 * mib)?;
+    let mut held = Vec::new();
+    for i in 0..16 {
+        held.push(
+            d.mem_alloc_from_pool_async(ctx, pool, 2 * mib, s0)
+                .map_err(|e| format!("block {i} of 2 MiB under a limit of 8 MiB: {e}"))?,
+        );
+    }
+    let past = d.mem_alloc_from_pool_async(ctx, pool, 9 * mib, s0);
+    if let Ok(p) = past {
+        held.push(p);
+    }
+    for p in held {
+        // SAFETY: allocated above from this pool on stream 0, unused, freed once.
+        unsafe { d.mem_free_async(ctx, p, s0)? };
+    }
+    d.stream_synchronize(ctx, s0)?;
+    // SAFETY: everything allocated from it was freed above; destroyed once.
+    unsafe { d.mem_pool_destroy(ctx, pool)? };
+    expect_kind("9 MiB past 32 MiB held", past, ErrorKind::OutOfMemory)?;
+
+    if d.device_attribute(dev, DeviceAttribute::HostMemoryPoolsSupported)? != 1 {
+        return Ok(());
+    }
+    let pool = d.mem_pool_create_limited(ctx, MemLocation::Host, false, 0)?;
+    ensure!(
+        !d.mem_pool_can_access(ctx, pool, dev)?,
+        "a host pool gives the device no access before it is granted"
+    );
+    d.mem_pool_grant_access(ctx, pool, dev)?;
+    ensure!(d.mem_pool_can_access(ctx, pool, dev)?, "granted");
+    let p = d.mem_alloc_from_pool_async(ctx, pool, mib, s0)?;
+    let dmem = d.mem_alloc(ctx, mib)?;
+    d.stream_synchronize(ctx, s0)?;
+    let data: Vec<u8> = (0..mib).map(|i| (i % 249) as u8).collect();
+    let mut back = vec![0u8; mib];
+    // SAFETY: `p` is 1 MiB of the host pool and `dmem` 1 MiB of device memory, both allocated
+    // above and synchronised; the copies and sets name only them and finish before the frees.
+    unsafe {
+        d.memcpy_htod(ctx, p, &data)?;
+        d.memcpy_dtod(ctx, dmem, p, mib)?;
+        d.memset_d8(ctx, p, 0, mib)?;
+        d.memcpy_dtod_async(ctx, p, dmem, mib, s0)?;
+        d.stream_synchronize(ctx, s0)?;
+        d.memcpy_dtoh(ctx, &mut back, p)?;
+    }
+    ensure!(
+        back == data,
+        "bytes went host -> pool -> device -> pool -> host"
+    );
+    // SAFETY: as above.
+    unsafe { d.memset_d8_async(ctx, p, 7, mib, s0)? };
+    d.stream_synchronize(ctx, s0)?;
+    // SAFETY: a host pool's block is host memory at its address, `mib` bytes, and no work
+    // on any stream touches it now (synchronised above).
+    let host = unsafe { std::slice::from_raw_parts(p.0 as usize as *const u8, mib) };
+    ensure!(host.iter().all(|&b| b == 7), "the set reached the host");
+    raw.free(dmem)?;
+    // SAFETY: allocated above on stream 0, the work on it is done; freed once.
+    unsafe { d.mem_free_async(ctx, p, s0)? };
+    d.stream_synchronize(ctx, s0)?;
+    // SAFETY: nothing of the pool is outstanding; destroyed once.
+    unsafe { d.mem_pool_destroy(ctx, pool)? };
+    Ok(())
+}
