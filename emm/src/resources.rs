@@ -50,8 +50,8 @@ pub struct DeviceMemoryResourceOptions {
 ///
 /// Cloning shares the resource. A pool emm created is destroyed by [`close`](Self::close) or
 /// when the last clone drops; memory still allocated from it stays valid until its pointers
-/// drop (the driver releases a destroyed pool's memory as it is freed). The device's default
-/// pool is never destroyed by emm.
+/// drop, and the pool is destroyed after the last of them is freed. The device's default pool
+/// is never destroyed by emm.
 #[derive(Clone)]
 pub struct DeviceMemoryResource {
     shared: Arc<Shared>,
@@ -59,6 +59,8 @@ pub struct DeviceMemoryResource {
 
 struct State {
     closed: bool,
+    /// The owned pool was destroyed: at the close, or at the last buffer's free after it.
+    destroyed: bool,
     /// Exported to a descriptor at least once (the driver exports no allocation before).
     exported: bool,
     /// Allocations not freed yet.
@@ -102,7 +104,32 @@ impl Shared {
             state
                 .error
                 .get_or_insert(self.cx.driver_error("deallocate", e));
+            return;
         }
+        if state.closed && state.live.is_empty() && self.owned && !state.destroyed {
+            // The last buffer of a closed resource: its pool goes now, after the free.
+            if let Err(e) = self.destroy(&mut state) {
+                state.error.get_or_insert(e);
+            }
+        }
+    }
+
+    /// Destroys the owned pool, once: after every buffer's free was queued (the driver
+    /// releases the memory as those frees complete). The driver allows destroying a pool
+    /// with buffers still allocated and freeing them later, but in the GPU suite (H100,
+    /// driver 580) that order ended in a segmentation fault at the next synchronisation of
+    /// the freeing stream, in every run where an earlier test had used the device (a bare
+    /// reproduction, `driver_probe` `EMM_PROBE_ONLY=free-after-destroy-second`, did not
+    /// crash); so a closed resource keeps its pool until its last buffer is freed.
+    fn destroy(&self, state: &mut State) -> Result<(), EmmError> {
+        state.destroyed = true;
+        tracing::debug!(device = %self.cx.device, pool = ?self.pool, "memory resource's pool destroyed");
+        self.fences.destroy_idle();
+        // SAFETY: the pool is this resource's own, destroyed once (`destroyed` was false and
+        // is set under the state's lock); no allocation follows (`closed` is set under the
+        // same lock `allocate` takes) and every buffer's free was queued (`live` is empty).
+        unsafe { self.cx.driver.mem_pool_destroy(self.cx.context, self.pool) }
+            .map_err(|e| self.cx.driver_error("close", e))
     }
 
     fn close(&self) -> Result<(), EmmError> {
@@ -123,15 +150,11 @@ impl Shared {
                 first_error.get_or_insert(self.cx.driver_error("close", e));
             }
         }
-        let destroyed = if first_close && self.owned {
+        if first_close {
             tracing::debug!(device = %self.cx.device, pool = ?self.pool, outstanding = state.live.len(), "memory resource closed");
-            self.fences.destroy_idle();
-            // SAFETY: the pool is this resource's own, destroyed once (the first close); no
-            // allocation follows (`closed` is set under the same lock `allocate` takes);
-            // buffers still live are freed later, which the driver allows (it releases their
-            // memory then).
-            unsafe { self.cx.driver.mem_pool_destroy(self.cx.context, self.pool) }
-                .map_err(|e| self.cx.driver_error("close", e))
+        }
+        let destroyed = if self.owned && !state.destroyed && state.live.is_empty() {
+            self.destroy(&mut state)
         } else {
             Ok(())
         };
@@ -250,6 +273,7 @@ impl DeviceMemoryResource {
                 id: mapped_id.or_else(|| options.ipc_enabled.then(PoolId::fresh)),
                 state: Mutex::new(State {
                     closed: false,
+                    destroyed: false,
                     exported: false,
                     live: HashSet::new(),
                     unfreed: Vec::new(),
@@ -569,7 +593,8 @@ impl DeviceMemoryResource {
     }
 
     /// Closes the resource: no more allocations; buffers whose free failed are freed again; an
-    /// owned pool is destroyed (buffers still live stay valid until they are freed).
+    /// owned pool is destroyed now, or, while buffers are still live (they stay valid), once
+    /// the last of them is freed.
     /// Idempotent; also done when the last clone drops. Returns the first failed free not
     /// reported yet.
     pub fn close(&self) -> Result<(), EmmError> {

@@ -139,9 +139,18 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             show("release", release(&*d, dev));
             return Ok(());
         }
+        Some(v) if v.starts_with("free-after-destroy-") => {
+            free_after_destroy(&*d, dev, v.ends_with("second"))?;
+            return Ok(());
+        }
+        Some(v) if v.starts_with("default-pool-after-") => {
+            default_pool_after_a_new_context(&*d, dev, v)?;
+            return Ok(());
+        }
         Some(other) => {
             return Err(format!(
-                "EMM_PROBE_ONLY={other:?} names no section; use waits or pools, or unset it for all"
+                "EMM_PROBE_ONLY={other:?} names no section; use waits, pools or \
+                 default-pool-after-{{nothing,stream,pool,default-pool}}, or unset it for all"
             )
             .into());
         }
@@ -760,5 +769,96 @@ fn pool_limits_and_host_pools(
         d.stream_synchronize(ctx, s0)?;
         info("stream 0 synchronised after the destroy");
     }
+    Ok(())
+}
+
+/// The device's default pool in a primary context made again: the first context does
+/// `first` (nothing, a stream, a pool of its own, or the default pool), is released (which
+/// destroys it), and a new one allocates from the default pool on a new stream, frees, and
+/// synchronises. Run one variant per process (`EMM_PROBE_ONLY=default-pool-after-...`): a
+/// driver that fails here may take the process down.
+fn default_pool_after_a_new_context(
+    d: &dyn Driver,
+    dev: DeviceOrdinal,
+    variant: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let first = variant.trim_start_matches("default-pool-after-");
+    let ctx = d.primary_ctx_retain(dev)?; // the retain in `run` plus this one
+    show("release the probe's own retain", release(d, dev));
+    let use_default = |ctx: ContextHandle, what: &str| -> Result<(), Box<dyn std::error::Error>> {
+        let s = d.stream_create(ctx, 1)?;
+        let pool = d.device_default_mem_pool(dev)?;
+        let p = d.mem_alloc_from_pool_async(ctx, pool, 1 << 20, s)?;
+        // SAFETY: allocated just above on `s`, unused, freed once.
+        unsafe { d.mem_free_async(ctx, p, s)? };
+        show(
+            &format!("{what}: synchronize after a default-pool pair"),
+            d.stream_synchronize(ctx, s),
+        );
+        destroy_stream(d, ctx, s)?;
+        Ok(())
+    };
+    match first {
+        "nothing" => {}
+        "stream" => destroy_stream(d, ctx, d.stream_create(ctx, 1)?)?,
+        "pool" => {
+            let pool = d.mem_pool_create(ctx, dev, false)?;
+            let p = d.mem_alloc_from_pool_async(ctx, pool, 1 << 20, driver_sys::StreamHandle(0))?;
+            // SAFETY: allocated just above on stream 0, unused, freed once.
+            unsafe { d.mem_free_async(ctx, p, driver_sys::StreamHandle(0))? };
+            d.stream_synchronize(ctx, driver_sys::StreamHandle(0))?;
+            // SAFETY: nothing of the pool is outstanding; destroyed once.
+            unsafe { d.mem_pool_destroy(ctx, pool)? };
+        }
+        "default-pool" => use_default(ctx, "first context")?,
+        other => return Err(format!("no variant {other:?}").into()),
+    }
+    show("release the first context (destroys it)", release(d, dev));
+    let again = d.primary_ctx_retain(dev)?;
+    println!("second context: {again} (first was {ctx})");
+    use_default(again, "second context")?;
+    show("release", release(d, dev));
+    println!("default pool after {first}: survived");
+    Ok(())
+}
+
+/// A pool destroyed while a block is still allocated, the block freed on a stream afterwards
+/// (which the driver documents as allowed: the pool goes when its last block does), then a
+/// default-pool pair on the same stream and a synchronisation: in the process's first primary
+/// context, or (`second`) in one made again after the first was destroyed.
+/// `EMM_PROBE_ONLY=free-after-destroy-first` or `-second`, one per process.
+fn free_after_destroy(
+    d: &dyn Driver,
+    dev: DeviceOrdinal,
+    second: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use driver_sys::MemLocation;
+    let mut ctx = d.primary_ctx_retain(dev)?;
+    show("release the probe's own retain", release(d, dev));
+    if second {
+        show("release the first context (destroys it)", release(d, dev));
+        ctx = d.primary_ctx_retain(dev)?;
+    }
+    let s = d.stream_create(ctx, 1)?;
+    let pool = d.mem_pool_create_limited(ctx, MemLocation::Device(dev), false, 64 << 20)?;
+    d.mem_pool_set_release_threshold(ctx, pool, u64::MAX)?;
+    let p = d.mem_alloc_from_pool_async(ctx, pool, 24 << 20, s)?;
+    d.stream_synchronize(ctx, s)?;
+    // SAFETY: the probe's pool, destroyed once; the block still allocated is what is probed.
+    show("cuMemPoolDestroy with a block allocated", unsafe {
+        d.mem_pool_destroy(ctx, pool)
+    });
+    // SAFETY: allocated above from the destroyed pool, unused, freed once.
+    show("cuMemFreeAsync of that block", unsafe {
+        d.mem_free_async(ctx, p, s)
+    });
+    let default = d.device_default_mem_pool(dev)?;
+    let q = d.mem_alloc_from_pool_async(ctx, default, 1 << 20, s)?;
+    // SAFETY: allocated just above on `s`, unused, freed once.
+    unsafe { d.mem_free_async(ctx, q, s)? };
+    show("synchronize", d.stream_synchronize(ctx, s));
+    destroy_stream(d, ctx, s)?;
+    show("release", release(d, dev));
+    println!("free after destroy (second context: {second}): survived");
     Ok(())
 }

@@ -194,6 +194,14 @@ pub fn defers_device_frees() -> bool {
     suite_setup().is_ok_and(|s| s.manager == emm::DEFAULT_MANAGER)
 }
 
+/// Whether the suite's manager hands out managed memory (`async-pool-managed`), whose device
+/// footprint the driver settles lazily: `cuMemGetInfo` may show a destroyed managed pool's
+/// memory as used until later (measured on an H100: 32 MiB came back only after the next
+/// pool's reset).
+pub fn hands_out_managed_memory() -> bool {
+    suite_setup().is_ok_and(|s| s.manager == emm::ASYNC_POOL_MANAGED_MANAGER)
+}
+
 /// Whether the suite's manager exports device memory to other processes: all but
 /// `async-pool` and `async-pool-managed`, whose pools are not created for export (the driver
 /// exports stream-ordered pool memory only from such a pool, and not with

@@ -619,3 +619,37 @@ fn managed_memory_resource_capability_and_locations() {
     assert!(matches!(e, EmmError::DeviceCannot { .. }), "{e}");
     assert!(e.to_string().contains("no managed memory"), "{e}");
 }
+
+/// A resource closed while a buffer is still allocated keeps its pool until that buffer is
+/// freed, and destroys it then (after the free is queued); with nothing allocated, `close`
+/// destroys the pool at once.
+#[test]
+fn a_closed_resource_destroys_its_pool_after_its_last_buffer() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime_with(&sim, "default");
+    let ctx = rt.context(0).unwrap();
+    let s = ctx.create_stream().unwrap();
+    let pools = || sim.leak_report().pools;
+    let before = pools();
+    let mr = ctx
+        .device_memory_resource(emm::DeviceMemoryResourceOptions::default())
+        .unwrap();
+    assert_eq!(pools(), before + 1);
+    let (a, b) = (
+        mr.allocate(4096, &s).unwrap(),
+        mr.allocate(4096, &s).unwrap(),
+    );
+    mr.close().unwrap();
+    assert_eq!(pools(), before + 1, "kept while buffers are live");
+    drop(a);
+    assert_eq!(pools(), before + 1, "kept while one buffer is live");
+    drop(b);
+    s.synchronize().unwrap();
+    assert_eq!(pools(), before, "destroyed after the last buffer's free");
+    mr.close().unwrap();
+    let empty = ctx
+        .device_memory_resource(emm::DeviceMemoryResourceOptions::default())
+        .unwrap();
+    empty.close().unwrap();
+    assert_eq!(pools(), before, "destroyed at the close");
+}

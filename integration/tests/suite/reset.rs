@@ -12,8 +12,8 @@ pub fn reset_frees_everything(target: Target) -> Result<(), Failed> {
     let ctx = t.context()?;
     let queue = ctx.deallocations().expect("queue");
     // The driver's one-time costs of the manager's kind of memory are paid before the
-    // baseline: the first managed memory a process touches keeps about 100 MiB of the device
-    // after it is freed and its pool destroyed (measured on an H100, driver 580).
+    // baseline: the first managed pool of a process keeps about 96 MiB of the device after
+    // its memory is freed and the pool destroyed (measured on an H100, driver 580).
     drop(ctx.memalloc(8 << 20)?);
     ctx.reset()?;
     queue.flush()?;
@@ -27,11 +27,17 @@ pub fn reset_frees_everything(target: Target) -> Result<(), Failed> {
     }
     ctx.reset()?;
     ensure_eq!(queue.len(), 0);
-    ensure_eq!(
-        ctx.get_memory_info()?.free,
-        baseline,
-        "reset returned every byte"
-    );
+    let free = ctx.get_memory_info()?.free;
+    if integration::hands_out_managed_memory() {
+        // The driver may still count managed memory of a pool destroyed before the
+        // baseline; it never counts less than emm holds.
+        ensure!(
+            free >= baseline,
+            "reset returned every byte: {free} < {baseline}"
+        );
+    } else {
+        ensure_eq!(free, baseline, "reset returned every byte");
+    }
     ensure!(!a.is_live() && !view.is_live(), "old pointers are stale");
     let stale = ctx.copy_to_device(&a, &[1, 2, 3]);
     ensure!(matches!(stale, Err(EmmError::Stale { .. })), "{stale:?}");
