@@ -913,6 +913,18 @@ impl ManagedMemoryResource {
         self.inner.deallocate(device, stream)
     }
 
+    /// As [`deallocate`](Self::deallocate), on a stream given as any [`OrderedOn`] (another
+    /// library's stream by its handle, for one).
+    pub fn deallocate_on(
+        &self,
+        memory: ManagedMemory,
+        stream: &(impl OrderedOn + ?Sized),
+    ) -> Result<(), EmmError> {
+        let device = memory.device().clone();
+        drop(memory);
+        self.inner.deallocate_on(device, stream)
+    }
+
     /// Where the driver prefers to keep the memory (`None`: no preference).
     pub fn preferred_location(&self) -> Option<MemLocation> {
         self.preferred

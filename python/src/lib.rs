@@ -536,7 +536,8 @@ impl PinnedResource {
         attributes_dict(py, self.inner.attributes().map_err(py_err)?)
     }
 
-    /// No more allocations; the pool is destroyed (live buffers stay valid until freed).
+    /// No more allocations; the pool is destroyed once its last buffer is freed (live buffers
+    /// stay valid until then).
     fn close(&self) -> PyResult<()> {
         self.inner.close().map_err(py_err)
     }
@@ -568,12 +569,23 @@ impl ManagedResource {
         })
     }
 
+    /// Frees `buffer` on `stream` (the buffer is released: later use raises).
+    #[pyo3(signature = (buffer, stream=0))]
+    fn deallocate(&self, py: Python<'_>, buffer: &ManagedBuffer, stream: u64) -> PyResult<()> {
+        let mem = lock(&buffer.mem).take().ok_or_else(|| {
+            PyEmmError::new_err("this ManagedBuffer was released already; nothing to deallocate")
+        })?;
+        py.detach(|| self.inner.deallocate_on(mem, &StreamHandle(stream)))
+            .map_err(py_err)
+    }
+
     /// The pool's figures, as `MemoryResource.attributes()`.
     fn attributes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         attributes_dict(py, self.inner.attributes().map_err(py_err)?)
     }
 
-    /// No more allocations; the pool is destroyed (live buffers stay valid until freed).
+    /// No more allocations; the pool is destroyed once its last buffer is freed (live buffers
+    /// stay valid until then).
     fn close(&self) -> PyResult<()> {
         self.inner.close().map_err(py_err)
     }

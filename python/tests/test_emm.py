@@ -236,17 +236,18 @@ def test_memalloc_on_a_stream(manager):
 def test_device_memory_resource(ctx):
     """cuda.core's DeviceMemoryResource through emm: a limited pool of its own, buffers on a
     stream, the pool's figures, deallocate, close; the default pool, which emm does not own."""
-    mr = ctx.device_memory_resource(max_size=8 << 20)
+    # A multiple of 32 MiB: the driver rounds a pool's limit up to one (measured on an H100).
+    mr = ctx.device_memory_resource(max_size=64 << 20)
     assert mr.is_handle_owned and not mr.is_ipc_enabled and mr.device_id == 0
-    a = mr.allocate(6 << 20, 0)
-    assert a.stream == 0 and a.size == 6 << 20
+    a = mr.allocate(48 << 20, 0)
+    assert a.stream == 0 and a.size == 48 << 20
     ctx.copy_to_device(a, b"\x07" * 64)
     assert bytes(ctx.copy_to_host(a, 64)) == b"\x07" * 64
     with pytest.raises(emm.EmmError, match="max_size"):
-        mr.allocate(4 << 20, 0)
+        mr.allocate(24 << 20, 0)
     at = mr.attributes()
-    assert at["used_current"] >= 6 << 20 and at["used_high"] >= at["used_current"], at
-    assert at["reserved_current"] <= 8 << 20, at
+    assert at["used_current"] >= 48 << 20 and at["used_high"] >= at["used_current"], at
+    assert at["reserved_current"] <= 64 << 20, at
     mr.deallocate(a, 0)
     with pytest.raises(emm.EmmError, match="released"):
         ctx.copy_to_host(a, 64)
@@ -283,7 +284,8 @@ def test_pinned_memory_resource(ctx):
 
 def test_managed_memory_resource(ctx):
     """cuda.core's ManagedMemoryResource through emm: managed buffers from a managed pool, one
-    address for the host and the device; preferred locations checked."""
+    address for the host and the device, freed by release or deallocate on a stream;
+    preferred locations checked."""
     mr = ctx.managed_memory_resource()
     m = mr.allocate(4096, 0)
     m.write(b"\x09" * 16)
@@ -292,6 +294,10 @@ def test_managed_memory_resource(ctx):
     assert bytes(ctx.copy_to_host(d)) == b"\x09" * 16
     assert mr.attributes()["used_current"] >= 4096
     m.release()
+    n = mr.allocate(8192, 0)
+    mr.deallocate(n, 0)
+    with pytest.raises(emm.EmmError, match="released already"):
+        mr.deallocate(n, 0)
     mr.close()
     ctx.managed_memory_resource("device", 0).close()
     with pytest.raises(ValueError, match="preferred location"):
