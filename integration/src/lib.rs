@@ -202,6 +202,25 @@ pub fn hands_out_managed_memory() -> bool {
     suite_setup().is_ok_and(|s| s.manager == emm::ASYNC_POOL_MANAGED_MANAGER)
 }
 
+/// Checks that the device's free memory is back at `baseline` after a test gave everything
+/// back (`what` names the moment): exactly, or, under a manager that hands out managed
+/// memory ([`hands_out_managed_memory`]), at least (the driver may still count a managed
+/// pool destroyed before the baseline; it never counts less than emm holds).
+pub fn ensure_memory_back(free: usize, baseline: usize, what: &str) -> Result<(), String> {
+    let back = if hands_out_managed_memory() {
+        free >= baseline
+    } else {
+        free == baseline
+    };
+    if back {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what}: {free} bytes free, {baseline} before; not every byte came back"
+        ))
+    }
+}
+
 /// Whether the suite's manager exports device memory to other processes: all but
 /// `async-pool` and `async-pool-managed`, whose pools are not created for export (the driver
 /// exports stream-ordered pool memory only from such a pool, and not with

@@ -28,16 +28,7 @@ pub fn reset_frees_everything(target: Target) -> Result<(), Failed> {
     ctx.reset()?;
     ensure_eq!(queue.len(), 0);
     let free = ctx.get_memory_info()?.free;
-    if integration::hands_out_managed_memory() {
-        // The driver may still count managed memory of a pool destroyed before the
-        // baseline; it never counts less than emm holds.
-        ensure!(
-            free >= baseline,
-            "reset returned every byte: {free} < {baseline}"
-        );
-    } else {
-        ensure_eq!(free, baseline, "reset returned every byte");
-    }
+    integration::ensure_memory_back(free, baseline, "after the reset")?;
     ensure!(!a.is_live() && !view.is_live(), "old pointers are stale");
     let stale = ctx.copy_to_device(&a, &[1, 2, 3]);
     ensure!(matches!(stale, Err(EmmError::Stale { .. })), "{stale:?}");

@@ -29,20 +29,7 @@ pub fn stress_mixed_operations(target: Target) -> Result<(), Failed> {
     ctx.reset()?;
     ensure_eq!(queue.len(), 0);
     let free = ctx.get_memory_info()?.free;
-    if integration::hands_out_managed_memory() {
-        // The driver settles destroyed managed pools lazily (see `hands_out_managed_memory`):
-        // it may count fewer bytes as used than at the baseline, never more.
-        ensure!(
-            free >= baseline,
-            "every device byte is back after {resets} concurrent resets: {free} < {baseline}"
-        );
-    } else {
-        ensure_eq!(
-            free,
-            baseline,
-            "every device byte is back after {resets} concurrent resets"
-        );
-    }
+    integration::ensure_memory_back(free, baseline, &format!("after {resets} concurrent resets"))?;
     if let Some(sim) = t.sim() {
         let leaks = sim.leak_report();
         ensure!(leaks.no_memory_leaked(), "{leaks}");
