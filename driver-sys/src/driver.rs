@@ -136,6 +136,13 @@ pub struct MemInfo {
 /// 4. [`primary_ctx_release`](Driver::primary_ctx_release) once per retain; optionally
 ///    [`primary_ctx_reset`](Driver::primary_ctx_reset), which destroys everything the context
 ///    still owns.
+///
+/// # Copies
+///
+/// The copies' device addresses may name any memory the driver knows, memory of a pool in
+/// host memory included: the CUDA driver's typed copies (`cuMemcpyHtoD` and the like) refuse
+/// such addresses, so the real implementation copies them with `cuMemcpy` instead, and the
+/// simulator takes them.
 #[cfg_attr(feature = "mock", mockall::automock)]
 pub trait Driver: Send + Sync + fmt::Debug {
     /// A short name for messages: `"cuda"` or `"sim"`.

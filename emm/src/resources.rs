@@ -22,7 +22,7 @@ use driver_sys::{
 };
 
 use crate::contract::factory::ManagerContext;
-use crate::contract::ipc::{IpcHandle, IpcMemory, identity_of};
+use crate::contract::ipc::IpcHandle;
 #[cfg(unix)]
 use crate::contract::pool_export::PoolExport;
 use crate::contract::pool_export::PoolId;
@@ -286,8 +286,8 @@ impl DeviceMemoryResource {
 
     /// `size` bytes on `stream` (`cuMemAllocFromPoolAsync`), usable by work queued on `stream`
     /// from now on; freed on `stream` when the last pointer drops. Out of memory (the device's,
-    /// or the pool's `max_size`), the resource waits for `stream` once and retries; then the
-    /// error says which limit was reached.
+    /// or the pool's `max_size`), the resource waits for `stream` and the legacy default
+    /// stream once and retries; then the error says which limit was reached.
     pub fn allocate(&self, size: usize, stream: &Stream) -> Result<MemoryPointer, EmmError> {
         check_same_context(&self.shared.cx, stream.context(), "allocate")?;
         // SAFETY: an emm stream of this context (checked), kept alive by the pointer below.
@@ -333,21 +333,9 @@ impl DeviceMemoryResource {
                     .into(),
             });
         }
-        let handle = stream;
-        let alloc = || {
-            cx.driver
-                .mem_alloc_from_pool_async(cx.context, shared.pool, size, handle)
-        };
-        let ptr = match alloc() {
-            Err(e) if e.kind() == driver_sys::ErrorKind::OutOfMemory => {
-                tracing::warn!(device = %cx.device, size, "memory resource out of memory; waiting for its stream and retrying");
-                cx.driver
-                    .stream_synchronize(cx.context, handle)
-                    .map_err(|e| cx.driver_error(WHAT, e))?;
-                alloc().map_err(|e| self.out_of_memory(size, e))?
-            }
-            other => other.map_err(|e| cx.driver_error(WHAT, e))?,
-        };
+        let ptr = cx
+            .alloc_from_pool(shared.pool, size, stream)
+            .map_err(|e| self.allocation_error(size, e))?;
         state.live.insert(ptr.0);
         drop(state);
         Ok(MemoryPointer::with_hook_on(
@@ -357,13 +345,14 @@ impl DeviceMemoryResource {
             size,
             Arc::clone(shared) as Arc<dyn ReleaseHook>,
             0,
-            handle,
+            stream,
         ))
     }
 
-    /// The error of an allocation the driver refused twice. Called with the state locked: it
+    /// The error of an allocation the driver refused (out of memory: twice): past a
+    /// `max_size`, one that names the limit. Called with the state locked: it
     /// reads the pool's figures straight from the driver.
-    fn out_of_memory(&self, size: usize, e: DriverError) -> EmmError {
+    fn allocation_error(&self, size: usize, e: DriverError) -> EmmError {
         let cx = &self.shared.cx;
         let max = self.shared.options.max_size;
         if max > 0 && e.kind() == driver_sys::ErrorKind::OutOfMemory {
@@ -454,14 +443,9 @@ impl DeviceMemoryResource {
         let fd = {
             let mut state = lock(&self.shared.state);
             self.open_for(&state, WHAT)?;
-            let fd = cx
-                .driver
-                .mem_pool_export_fd(cx.context, self.shared.pool)
-                .map_err(|e| cx.driver_error(WHAT, e))?;
-            state.exported = true;
-            fd
+            self.export_fd(&mut state, WHAT)?
         };
-        let source = identity_of(&*cx.driver, cx.device)?;
+        let source = cx.device_identity()?;
         tracing::info!(device = %cx.device, pool = %id, "memory resource's pool exported");
         Ok(PoolExport::new(id, source, fd))
     }
@@ -486,50 +470,45 @@ impl DeviceMemoryResource {
                 ),
             });
         }
-        let err = |e| cx.driver_error(WHAT, e);
         if !state.exported {
-            self.export_once(WHAT)?;
-            state.exported = true;
+            self.export_first(&mut state, WHAT)?;
         }
-        let stream = memory.stream().unwrap_or(StreamHandle::NULL);
-        cx.driver
-            .stream_synchronize(cx.context, stream)
-            .map_err(err)?;
-        let data = cx
-            .driver
-            .mem_pool_export_pointer(cx.context, base)
-            .map_err(err)?;
-        drop(state);
-        let source = identity_of(&*cx.driver, cx.device)?;
-        Ok(IpcHandle::exported(
-            memory.clone(),
-            IpcMemory::PoolAllocation { pool: id, data },
-            memory.size(),
-            (memory.device_ptr().0 - base.0) as usize,
-            source,
-        ))
+        cx.export_pool_allocation(memory, id)
     }
 
-    /// Exports the pool to a descriptor, closed at once (the export stays valid): the driver
-    /// exports no allocation of a pool never exported.
+    /// Exports the pool once before its first allocation is (the driver exports no
+    /// allocation of a pool never exported); the descriptor is closed at once (the export
+    /// stays valid).
     #[cfg(unix)]
-    fn export_once(&self, what: &'static str) -> Result<(), EmmError> {
-        let cx = &self.shared.cx;
-        cx.driver
-            .mem_pool_export_fd(cx.context, self.shared.pool)
-            .map(drop)
-            .map_err(|e| cx.driver_error(what, e))
+    fn export_first(&self, state: &mut State, what: &'static str) -> Result<(), EmmError> {
+        self.export_fd(state, what).map(drop)
     }
 
     /// Off Unix: pools travel as POSIX file descriptors, which the platform does not have.
     #[cfg(not(unix))]
-    fn export_once(&self, what: &'static str) -> Result<(), EmmError> {
+    fn export_first(&self, _state: &mut State, what: &'static str) -> Result<(), EmmError> {
         Err(EmmError::InvalidArgument {
             what,
             reason: "stream-ordered pools are shared as POSIX file descriptors, which this \
                      platform does not have"
                 .into(),
         })
+    }
+
+    /// Exports the pool to a new descriptor, and records that it was exported.
+    #[cfg(unix)]
+    fn export_fd(
+        &self,
+        state: &mut State,
+        what: &'static str,
+    ) -> Result<std::os::fd::OwnedFd, EmmError> {
+        let cx = &self.shared.cx;
+        let fd = cx
+            .driver
+            .mem_pool_export_fd(cx.context, self.shared.pool)
+            .map_err(|e| cx.driver_error(what, e))?;
+        state.exported = true;
+        Ok(fd)
     }
 
     fn ipc_id(&self, what: &'static str) -> Result<PoolId, EmmError> {
@@ -545,7 +524,9 @@ impl DeviceMemoryResource {
         if state.closed && self.shared.owned {
             return Err(EmmError::InvalidArgument {
                 what,
-                reason: "the resource was closed and its pool destroyed; make a new one".into(),
+                reason: "the resource was closed (its pool is destroyed once its last buffer is \
+                         freed); make a new one"
+                    .into(),
             });
         }
         Ok(())

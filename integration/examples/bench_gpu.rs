@@ -100,6 +100,21 @@ fn sizes() -> Vec<usize> {
     .collect()
 }
 
+/// One raw `cuMemAllocFromPoolAsync` + `cuMemFreeAsync` pair from `pool` on `stream`.
+fn raw_pool_pair(
+    driver: &dyn Driver,
+    ctx: driver_sys::ContextHandle,
+    pool: driver_sys::MemPoolHandle,
+    size: usize,
+    stream: StreamHandle,
+) {
+    let p = driver
+        .mem_alloc_from_pool_async(ctx, pool, size, stream)
+        .expect("cuMemAllocFromPoolAsync");
+    // SAFETY: allocated just above on the same stream, unused, freed once.
+    unsafe { driver.mem_free_async(ctx, p, stream) }.expect("cuMemFreeAsync");
+}
+
 /// Alloc + free pairs per size: raw driver, driver pool, every manager.
 fn alloc_free_pairs(driver: &Arc<dyn Driver>) {
     let probe = runtime(driver, "default", false, vec![]);
@@ -123,11 +138,7 @@ fn alloc_free_pairs(driver: &Arc<dyn Driver>) {
         out("pair", "cuMemAlloc", size, 1, ns, "ns");
         let ns = per_op(iters_for(size, true), |n| {
             for _ in 0..n {
-                let p = driver
-                    .mem_alloc_from_pool_async(h, pool, size, stream)
-                    .expect("cuMemAllocAsync");
-                // SAFETY: allocated just above on the same stream, unused, freed once.
-                unsafe { driver.mem_free_async(h, p, stream) }.expect("cuMemFreeAsync");
+                raw_pool_pair(&**driver, h, pool, size, stream);
             }
         });
         out("pair", "driver-pool", size, 1, ns, "ns");
@@ -426,13 +437,7 @@ fn stream_ordered(driver: &Arc<dyn Driver>) {
     driver
         .mem_pool_set_release_threshold(h, default_pool, u64::MAX)
         .expect("release threshold");
-    let raw_pair = |pool, size, stream| {
-        let p = driver
-            .mem_alloc_from_pool_async(h, pool, size, stream)
-            .expect("cuMemAllocFromPoolAsync");
-        // SAFETY: allocated just above on the same stream, unused, freed once.
-        unsafe { driver.mem_free_async(h, p, stream) }.expect("cuMemFreeAsync");
-    };
+    let raw_pair = |pool, size, stream| raw_pool_pair(&**driver, h, pool, size, stream);
     let sizes = [256usize, 64 << 10, 1 << 20, 16 << 20];
     {
         let s = ctx.create_stream_with(true, 0).expect("stream");
@@ -538,82 +543,80 @@ fn stream_ordered(driver: &Arc<dyn Driver>) {
 }
 
 /// cuda.core's resources in emm (device, pinned, managed: `allocate` on a stream, freed on it
-/// by the drop) beside the raw pair on a pool of the same kind, created the same way, in the
-/// same process. A kind the driver lacks is reported as skipped.
+/// by the drop), each beside the raw pair on a pool of its kind made the same way, in the same
+/// process: for the device resource that is `raw-own-pool` above; for the others a pool in
+/// host memory and a managed pool, measured here. A kind the driver lacks is reported as
+/// skipped.
 fn resources_on_a_stream(driver: &Arc<dyn Driver>, ctx: &emm::Context, sizes: &[usize]) {
     use emm::driver_sys::MemLocation;
     let h = ctx.handle();
     let s = ctx.create_stream_with(true, 0).expect("stream");
     let raw_pool = |kind: &str| -> Result<driver_sys::MemPoolHandle, String> {
-        let pool = match kind {
-            "pinned" => driver.mem_pool_create_limited(h, MemLocation::Host, false, 0),
-            "managed" => driver.mem_pool_create_managed(h, None),
-            _ => driver.mem_pool_create(h, 0.into(), false),
+        let pool = if kind == "pinned" {
+            let pool = driver.mem_pool_create_limited(h, MemLocation::Host, false, 0);
+            pool.and_then(|p| driver.mem_pool_grant_access(h, p, 0.into()).map(|()| p))
+        } else {
+            driver.mem_pool_create_managed(h, None)
         }
         .map_err(|e| e.to_string())?;
-        if kind == "pinned" {
-            driver
-                .mem_pool_grant_access(h, pool, 0.into())
-                .map_err(|e| e.to_string())?;
-        }
         driver
             .mem_pool_set_release_threshold(h, pool, u64::MAX)
             .map_err(|e| e.to_string())?;
         Ok(pool)
     };
-    for kind in ["device", "pinned", "managed"] {
-        let pool = match raw_pool(kind) {
-            Ok(p) => p,
-            Err(e) => {
-                println!("stream,raw-{kind}-pool,skipped,1,0,{}", e.replace(',', ";"));
-                continue;
-            }
-        };
-        for &size in sizes {
-            let ns = per_op(iters_for(size, true), |n| {
-                for _ in 0..n {
-                    let p = driver
-                        .mem_alloc_from_pool_async(h, pool, size, s.handle())
-                        .expect("cuMemAllocFromPoolAsync");
-                    // SAFETY: allocated just above on the same stream, unused, freed once.
-                    unsafe { driver.mem_free_async(h, p, s.handle()) }.expect("cuMemFreeAsync");
-                }
-            });
-            out("stream", &format!("raw-{kind}-pool"), size, 1, ns, "ns");
-        }
-        s.synchronize().expect("sync");
-        // SAFETY: the pool is this function's; everything allocated from it was freed above.
-        unsafe { driver.mem_pool_destroy(h, pool) }.expect("cuMemPoolDestroy");
-        let s = &s;
-        let pair: Box<dyn Fn(usize)> = match kind {
-            "device" => {
-                let mr = ctx
-                    .device_memory_resource(Default::default())
-                    .expect("device resource");
-                Box::new(move |size| drop(mr.allocate(size, s).expect("allocate")))
-            }
-            "pinned" => {
-                let mr = ctx
-                    .pinned_memory_resource(Default::default())
-                    .expect("pinned resource");
-                Box::new(move |size| drop(mr.allocate(size, s).expect("allocate")))
-            }
-            _ => {
-                let mr = ctx
-                    .managed_memory_resource(Default::default())
-                    .expect("managed resource");
-                Box::new(move |size| drop(mr.allocate(size, s).expect("allocate")))
-            }
-        };
+    let time = |subject: String, pair: &dyn Fn(usize)| {
         for &size in sizes {
             let ns = per_op(iters_for(size, true), |n| {
                 for _ in 0..n {
                     pair(size);
                 }
             });
-            out("stream", &format!("emm-{kind}-resource"), size, 1, ns, "ns");
+            out("stream", &subject, size, 1, ns, "ns");
         }
         s.synchronize().expect("sync");
+    };
+    for kind in ["device", "pinned", "managed"] {
+        if kind != "device" {
+            let pool = match raw_pool(kind) {
+                Ok(p) => p,
+                Err(e) => {
+                    println!("stream,raw-{kind}-pool,skipped,1,0,{}", e.replace(',', ";"));
+                    continue;
+                }
+            };
+            time(format!("raw-{kind}-pool"), &|size| {
+                raw_pool_pair(&**driver, h, pool, size, s.handle())
+            });
+            // SAFETY: the pool is this function's; everything allocated from it was freed.
+            unsafe { driver.mem_pool_destroy(h, pool) }.expect("cuMemPoolDestroy");
+        }
+        let subject = format!("emm-{kind}-resource");
+        match kind {
+            "device" => {
+                let mr = ctx
+                    .device_memory_resource(Default::default())
+                    .expect("device resource");
+                time(subject, &|size| {
+                    drop(mr.allocate(size, &s).expect("allocate"))
+                });
+            }
+            "pinned" => {
+                let mr = ctx
+                    .pinned_memory_resource(Default::default())
+                    .expect("pinned resource");
+                time(subject, &|size| {
+                    drop(mr.allocate(size, &s).expect("allocate"))
+                });
+            }
+            _ => {
+                let mr = ctx
+                    .managed_memory_resource(Default::default())
+                    .expect("managed resource");
+                time(subject, &|size| {
+                    drop(mr.allocate(size, &s).expect("allocate"))
+                });
+            }
+        }
     }
 }
 

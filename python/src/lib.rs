@@ -512,9 +512,7 @@ impl PinnedResource {
     /// Frees `buffer` on `stream` (the buffer is released).
     #[pyo3(signature = (buffer, stream=0))]
     fn deallocate(&self, py: Python<'_>, buffer: &HostBuffer, stream: u64) -> PyResult<()> {
-        let mem = lock(&buffer.mem).take().ok_or_else(|| {
-            PyEmmError::new_err("this HostBuffer was released already; nothing to deallocate")
-        })?;
+        let mem = take_to_deallocate(&buffer.mem, "HostBuffer")?;
         py.detach(|| self.inner.deallocate_on(mem, &StreamHandle(stream)))
             .map_err(py_err)
     }
@@ -541,6 +539,16 @@ impl PinnedResource {
     fn close(&self) -> PyResult<()> {
         self.inner.close().map_err(py_err)
     }
+}
+
+/// Takes a buffer's memory out for `deallocate` (the buffer is released from then on); a
+/// buffer released already raises.
+fn take_to_deallocate<T>(slot: &Mutex<Option<T>>, kind: &str) -> PyResult<T> {
+    lock(slot).take().ok_or_else(|| {
+        PyEmmError::new_err(format!(
+            "this {kind} was released already; nothing to deallocate"
+        ))
+    })
 }
 
 /// A stream-ordered managed memory resource (cuda.core's `ManagedMemoryResource`): a
@@ -572,9 +580,7 @@ impl ManagedResource {
     /// Frees `buffer` on `stream` (the buffer is released: later use raises).
     #[pyo3(signature = (buffer, stream=0))]
     fn deallocate(&self, py: Python<'_>, buffer: &ManagedBuffer, stream: u64) -> PyResult<()> {
-        let mem = lock(&buffer.mem).take().ok_or_else(|| {
-            PyEmmError::new_err("this ManagedBuffer was released already; nothing to deallocate")
-        })?;
+        let mem = take_to_deallocate(&buffer.mem, "ManagedBuffer")?;
         py.detach(|| self.inner.deallocate_on(mem, &StreamHandle(stream)))
             .map_err(py_err)
     }

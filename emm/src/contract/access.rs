@@ -6,10 +6,13 @@
 //! that says which operation failed on which device.
 #![allow(unsafe_code)]
 
-use driver_sys::{DeviceOrdinal, DevicePtr, DriverError, IpcMemHandle, MemPoolHandle};
+use driver_sys::{
+    DeviceOrdinal, DevicePtr, DriverError, ErrorKind, IpcMemHandle, MemPoolHandle, StreamHandle,
+};
 
 use crate::contract::factory::ManagerContext;
-use crate::contract::ipc::{DeviceIdentity, identity_of};
+use crate::contract::ipc::{DeviceIdentity, IpcHandle, IpcMemory, identity_of};
+use crate::contract::pool_export::PoolId;
 use crate::error::EmmError;
 use crate::memory::liveness::LiveGuard;
 use crate::memory::pointer::MemoryPointer;
@@ -59,6 +62,70 @@ impl ManagerContext {
         Ok(pool)
     }
 
+    /// `cuMemAllocFromPoolAsync` of `bytes` from `pool` on `stream`. Out of memory, waits for
+    /// `stream` and the legacy default stream (frees queued there keep their memory reserved
+    /// until the pool sees them complete) and tries once more. The caller holds the liveness.
+    pub(crate) fn alloc_from_pool(
+        &self,
+        pool: MemPoolHandle,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr, DriverError> {
+        let alloc = || {
+            self.driver
+                .mem_alloc_from_pool_async(self.context, pool, bytes, stream)
+        };
+        match alloc() {
+            Err(e) if e.kind() == ErrorKind::OutOfMemory => {
+                tracing::warn!(device = %self.device, bytes, ?stream, "stream-ordered pool out of memory; waiting for its frees and retrying");
+                self.driver.stream_synchronize(self.context, stream)?;
+                if stream != StreamHandle::NULL {
+                    self.driver
+                        .stream_synchronize(self.context, StreamHandle::NULL)?;
+                }
+                alloc()
+            }
+            other => other,
+        }
+    }
+
+    /// Frees `live` (the allocations of `pool` still outstanding) on `stream`, waits for
+    /// `stream`, and destroys `pool`, which then has nothing outstanding (a pool destroyed
+    /// with frees in flight releases its memory only as they complete). Every step is tried;
+    /// the first error is returned. The caller holds the liveness.
+    ///
+    /// # Safety
+    ///
+    /// `pool` was created by the caller, is destroyed once, and allocates nothing after this
+    /// call; the pointers of `live` came from it, are freed once here, and are used by no one
+    /// after.
+    pub(crate) unsafe fn free_and_destroy_pool(
+        &self,
+        pool: MemPoolHandle,
+        live: impl IntoIterator<Item = u64>,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let mut first_error = None;
+        for ptr in live {
+            // SAFETY: the caller's contract: an outstanding allocation of `pool`, freed once.
+            if let Err(e) = unsafe {
+                self.driver
+                    .mem_free_async(self.context, DevicePtr(ptr), stream)
+            } {
+                first_error.get_or_insert(e);
+            }
+        }
+        if let Err(e) = self.driver.stream_synchronize(self.context, stream) {
+            first_error.get_or_insert(e);
+        }
+        // SAFETY: the caller's contract: the caller's pool, destroyed once.
+        let destroyed = unsafe { self.driver.mem_pool_destroy(self.context, pool) };
+        match first_error {
+            Some(e) => Err(e),
+            None => destroyed,
+        }
+    }
+
     /// The error for `what` on a context whose device was reset.
     pub fn stale(&self, what: &'static str) -> EmmError {
         EmmError::Stale {
@@ -87,6 +154,36 @@ impl ManagerContext {
         } else {
             Err(self.stale(what))
         }
+    }
+
+    /// An IPC handle for `memory`, an allocation (or a view of one) of `pool`, a
+    /// stream-ordered pool of this context exported at least once (the driver exports no
+    /// allocation before): the allocation's stream (the legacy default stream for memory
+    /// allocated on none) is synchronised first, since the importer must not see memory its
+    /// allocation has not reached; then `cuMemPoolExportPointer`. The caller holds the
+    /// liveness.
+    pub(crate) fn export_pool_allocation(
+        &self,
+        memory: &MemoryPointer,
+        pool: PoolId,
+    ) -> Result<IpcHandle, EmmError> {
+        const WHAT: &str = "get_ipc_handle";
+        let base = memory.allocation_base();
+        let stream = memory.stream().unwrap_or(StreamHandle::NULL);
+        self.driver
+            .stream_synchronize(self.context, stream)
+            .map_err(|e| self.driver_error(WHAT, e))?;
+        let data = self
+            .driver
+            .mem_pool_export_pointer(self.context, base)
+            .map_err(|e| self.driver_error(WHAT, e))?;
+        Ok(IpcHandle::exported(
+            memory.clone(),
+            IpcMemory::PoolAllocation { pool, data },
+            memory.size(),
+            (memory.device_ptr().0 - base.0) as usize,
+            self.device_identity()?,
+        ))
     }
 
     /// The PCI identity of the context's device (Numba's `get_device_identity`).

@@ -138,12 +138,7 @@ impl AllocationTable {
             };
             for _ in 0..looks {
                 let entry = waiting.pop_front().expect("counted");
-                let finished = if wait {
-                    self.fences.wait(&entry.2).map(|()| true)
-                } else {
-                    self.fences.is_done(&entry.2)
-                };
-                match finished {
+                match self.fences.finished(&entry.2, wait) {
                     Ok(true) => done.push(entry),
                     Ok(false) => waiting.push_back(entry),
                     Err(e) => {

@@ -130,27 +130,16 @@ impl DriverHostPool {
         let Some(_live) = self.cx.liveness.enter() else {
             return Ok(()); // gone with the context
         };
-        let (d, ctx) = (&self.cx.driver, self.cx.context);
-        let mut first = None;
-        for ptr in live {
-            // SAFETY: allocated from this pool and not freed (it was live); handles to it are
-            // stale from the generation bump on, so emm neither uses nor frees it again.
-            if let Err(e) = unsafe { d.mem_free_async(ctx, DevicePtr(ptr), stream) } {
-                first.get_or_insert(e);
-            }
-        }
-        let done = d.stream_synchronize(ctx, stream).and_then(|()| {
-            // SAFETY: the pool's allocations were all freed above and the stream has run them;
-            // both are this layer's own and destroyed once (taken out of the state).
-            unsafe {
-                d.mem_pool_destroy(ctx, pool)?;
-                d.stream_destroy(ctx, stream)
-            }
-        });
-        match first.map_or(done, Err) {
-            Ok(()) => Ok(()),
-            Err(e) => Err(self.cx.driver_error("reset of the host memory pool", e)),
-        }
+        // SAFETY: the pool is this layer's own, destroyed once (taken out of the state) and
+        // allocating nothing after; `live` are its allocations not freed, whose handles are
+        // stale from the generation bump on, so emm neither uses nor frees them again.
+        let pool_done = unsafe { self.cx.free_and_destroy_pool(pool, live, stream) };
+        // SAFETY: the layer's own stream (taken out of the state), destroyed once; the frees
+        // on it ran above.
+        let stream_done = unsafe { self.cx.driver.stream_destroy(self.cx.context, stream) };
+        pool_done
+            .and(stream_done)
+            .map_err(|e| self.cx.driver_error("reset of the host memory pool", e))
     }
 }
 

@@ -79,6 +79,16 @@ impl Fences {
         Ok(())
     }
 
+    /// Whether every event of `fence` completed: with `wait`, after waiting for them (so
+    /// always, unless the driver fails); without, as they stand now.
+    pub fn finished(&self, fence: &Fence, wait: bool) -> Result<bool, DriverError> {
+        if wait {
+            self.wait(fence).map(|()| true)
+        } else {
+            self.is_done(fence)
+        }
+    }
+
     /// Makes work queued on `stream` from now on wait for every event of `fence`.
     pub fn wait_on(&self, fence: &Fence, stream: StreamHandle) -> Result<(), DriverError> {
         for &e in &fence.events {

@@ -15,7 +15,7 @@
 //!   only once they completed: checked without waiting at each allocation, waited for when
 //!   the device is out of memory. A free never waits for a stream held up by other work.
 
-use driver_sys::StreamHandle;
+use driver_sys::{DevicePtr, StreamHandle};
 
 use crate::contract::factory::{FnFactory, ManagerContext};
 use crate::contract::info::MemoryInfo;
@@ -55,15 +55,26 @@ impl HostOnly<DriverAllocator> {
     }
 }
 
-impl DeviceAllocator for DriverAllocator {
-    fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+impl DriverAllocator {
+    /// `cuMemAlloc` of `bytes` for `what`, with the host layer's out-of-memory retry.
+    fn mem_alloc(
+        host: &HostLayer,
+        what: &'static str,
+        bytes: usize,
+    ) -> Result<DevicePtr, EmmError> {
         if bytes == 0 {
-            return Err(EmmError::ZeroSize { what: "memalloc" });
+            return Err(EmmError::ZeroSize { what });
         }
         let cx = host.context();
-        let base = host.attempt_allocation("memalloc", AllocationKind::Device, bytes, || {
+        host.attempt_allocation(what, AllocationKind::Device, bytes, || {
             cx.driver.mem_alloc(cx.context, bytes)
-        })?;
+        })
+    }
+}
+
+impl DeviceAllocator for DriverAllocator {
+    fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        let base = Self::mem_alloc(host, "memalloc", bytes)?;
         Ok(host.track_device_allocation(base, bytes))
     }
 
@@ -73,15 +84,7 @@ impl DeviceAllocator for DriverAllocator {
         bytes: usize,
         stream: StreamHandle,
     ) -> Result<MemoryPointer, EmmError> {
-        if bytes == 0 {
-            return Err(EmmError::ZeroSize {
-                what: "memalloc_on",
-            });
-        }
-        let cx = host.context();
-        let base = host.attempt_allocation("memalloc_on", AllocationKind::Device, bytes, || {
-            cx.driver.mem_alloc(cx.context, bytes)
-        })?;
+        let base = Self::mem_alloc(host, "memalloc_on", bytes)?;
         Ok(host.track_device_allocation_on(base, bytes, stream))
     }
 

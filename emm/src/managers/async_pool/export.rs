@@ -3,8 +3,8 @@
 
 use driver_sys::DriverError;
 
-use super::{AsyncPoolAllocator, PoolState, STREAM};
-use crate::contract::ipc::{IpcHandle, IpcMemory, identity_of};
+use super::{AsyncPoolAllocator, PoolState};
+use crate::contract::ipc::IpcHandle;
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
 use crate::memory::pointer::MemoryPointer;
@@ -59,24 +59,7 @@ impl AsyncPoolAllocator {
                     .map_err(self.err("get_ipc_handle"))?,
             );
         }
-        // The importer must not touch the memory before its allocation completed (on its
-        // own stream, for memory from `memalloc_on`).
-        cx.driver
-            .stream_synchronize(cx.context, memory.stream().unwrap_or(STREAM))
-            .map_err(self.err("get_ipc_handle"))?;
-        let data = cx
-            .driver
-            .mem_pool_export_pointer(cx.context, base)
-            .map_err(self.err("get_ipc_handle"))?;
-        drop(state);
-        let source = identity_of(&*cx.driver, cx.device)?;
-        Ok(IpcHandle::exported(
-            memory.clone(),
-            IpcMemory::PoolAllocation { pool: id, data },
-            memory.size(),
-            (memory.device_ptr().0 - base.0) as usize,
-            source,
-        ))
+        cx.export_pool_allocation(memory, id)
     }
 
     /// The pool as a [`PoolExport`] for other processes (`cuMemPoolExportToShareableHandle`);
@@ -94,7 +77,7 @@ impl AsyncPoolAllocator {
                 .map_err(self.err("export_pool"))?;
             (fd, state.id.expect("an IPC-enabled pool has an id"))
         };
-        let source = identity_of(&*cx.driver, cx.device)?;
+        let source = cx.device_identity()?;
         tracing::info!(device = %cx.device, pool = %id, "stream-ordered pool exported");
         Ok(PoolExport::new(id, source, fd))
     }

@@ -50,7 +50,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use driver_sys::{DevicePtr, DriverError, ErrorKind, MemPoolHandle, StreamHandle};
+use driver_sys::{DevicePtr, DriverError, MemPoolHandle, StreamHandle};
 
 use crate::contract::factory::{FnFactory, ManagerContext};
 use crate::contract::info::{MemoryInfo, PoolStats};
@@ -358,21 +358,7 @@ impl AsyncPoolAllocator {
         host.attempt_allocation(what, AllocationKind::Device, bytes, || {
             let mut state = lock(&shared.state);
             let pool = self.pool(&mut state)?;
-            let alloc = || {
-                cx.driver
-                    .mem_alloc_from_pool_async(cx.context, pool, bytes, stream)
-            };
-            let ptr = match alloc() {
-                Err(e) if e.kind() == ErrorKind::OutOfMemory => {
-                    tracing::warn!(device = %cx.device, bytes, ?stream, "stream-ordered pool out of memory; waiting for its frees and retrying");
-                    cx.driver.stream_synchronize(cx.context, stream)?;
-                    if stream != STREAM {
-                        cx.driver.stream_synchronize(cx.context, STREAM)?;
-                    }
-                    alloc()?
-                }
-                other => other?,
-            };
+            let ptr = cx.alloc_from_pool(pool, bytes, stream)?;
             state.live.insert(ptr.0);
             Ok((ptr, shared.generation.load(Ordering::Acquire)))
         })
@@ -455,31 +441,13 @@ impl DeviceAllocator for AsyncPoolAllocator {
             return Ok(());
         };
         tracing::info!(device = %cx.device, ?pool, outstanding = live.len(), "stream-ordered pool destroyed by reset");
-        let mut first_error = None;
-        for ptr in live {
-            // SAFETY: `ptr` came from this pool and was not freed (it was in `live`); pointers
-            // to it are stale from the generation bump on, so emm neither uses nor frees it
-            // again; the context is alive (`_live`).
-            if let Err(e) = unsafe { cx.driver.mem_free_async(cx.context, DevicePtr(ptr), STREAM) }
-            {
-                first_error.get_or_insert(e);
-            }
-        }
-        // The frees run before the destroy: a pool destroyed with frees still queued releases
-        // its memory only as they complete, and the device's free memory would not show it on
-        // return (measured on an H100: 32 MiB of a managed pool came back after `reset`
-        // returned).
-        if let Err(e) = cx.driver.stream_synchronize(cx.context, STREAM) {
-            first_error.get_or_insert(e);
-        }
-        // SAFETY: the pool is this manager's, destroyed once (taken out of the state); its
-        // allocations were all freed above; the context is alive (`_live`).
-        let destroyed = unsafe { cx.driver.mem_pool_destroy(cx.context, pool) };
+        // SAFETY: the pool is this manager's, destroyed once (taken out of the state), and
+        // allocates nothing after (a new one is made on the next use); `live` are its
+        // allocations not freed, whose pointers are stale from the generation bump on, so emm
+        // neither uses nor frees them again; the context is alive (`_live`).
+        let done = unsafe { cx.free_and_destroy_pool(pool, live, STREAM) };
         self.shared.fences.destroy_idle();
-        match first_error {
-            Some(e) => Err(EmmError::driver("reset", cx.device, e)),
-            None => destroyed.map_err(self.err("reset")),
-        }
+        done.map_err(self.err("reset"))
     }
 
     fn trim(&self, _host: &HostLayer) -> Result<usize, EmmError> {

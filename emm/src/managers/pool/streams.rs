@@ -54,6 +54,18 @@ impl StreamLists {
             .find(|(s, _)| *s == stream)
             .map(|(_, l)| l)
     }
+
+    /// `stream`'s list, made empty if it has none yet.
+    fn list_or_new(&mut self, stream: u64) -> &mut PerStream {
+        let k = match self.per_stream.iter().position(|(s, _)| *s == stream) {
+            Some(k) => k,
+            None => {
+                self.per_stream.push((stream, PerStream::default()));
+                self.per_stream.len() - 1
+            }
+        };
+        &mut self.per_stream[k].1
+    }
 }
 
 /// One shard of the stream-ordered state, on its own cache lines.
@@ -146,11 +158,7 @@ impl PoolShared {
         lists.in_use_bytes -= size as i64;
         lists.cached_bytes += size;
         if streams.other_streams().next().is_none() {
-            let on = streams.free_on.0;
-            if lists.list(on).is_none() {
-                lists.per_stream.push((on, PerStream::default()));
-            }
-            let list = lists.list(on).expect("made above");
+            let list = lists.list_or_new(streams.free_on.0);
             if list._owner.is_none() {
                 list._owner = streams.owner_of(streams.free_on).cloned();
             }
@@ -235,14 +243,11 @@ impl PoolShared {
         let mut done = Vec::new();
         let mut k = 0;
         while k < lists.waiting.len() {
-            let fence = &lists.waiting[k].1;
-            let finished = if wait {
-                self.fences.wait(fence).map(|()| true)
-            } else {
-                self.fences.is_done(fence)
-            }
-            .map_err(err)?;
-            if finished {
+            if self
+                .fences
+                .finished(&lists.waiting[k].1, wait)
+                .map_err(err)?
+            {
                 done.push(lists.waiting.swap_remove(k));
             } else {
                 k += 1;
