@@ -344,6 +344,14 @@ impl<T: Pod> DeviceArray<T> {
         Ok(())
     }
 
+    /// The array's memory for an asynchronous copy; an array with no elements has none, and
+    /// `what` is refused with an error that says so.
+    fn memory_to_copy(&self, what: &'static str) -> Result<&MemoryPointer, ArrayError> {
+        self.mem
+            .as_ref()
+            .ok_or_else(|| invalid(what, "the array has no elements; there is nothing to copy"))
+    }
+
     /// Copies page-locked host memory into the array asynchronously on `stream`: `src` (at
     /// least the array's bytes, its elements in the array's contiguous order) travels with
     /// the copy and comes back from the returned [`InFlight`]'s `wait`. Pageable memory is
@@ -355,12 +363,7 @@ impl<T: Pod> DeviceArray<T> {
         stream: &Stream,
     ) -> Result<InFlight<HostMemory>, ArrayError> {
         self.check_host(self.size())?;
-        let mem = self.mem.as_ref().ok_or_else(|| {
-            invalid(
-                "copy_from_pinned_async",
-                "the array has no elements; there is nothing to copy",
-            )
-        })?;
+        let mem = self.memory_to_copy("copy_from_pinned_async")?;
         Ok(ctx.copy_to_device_async(mem, src, stream)?)
     }
 
@@ -373,12 +376,7 @@ impl<T: Pod> DeviceArray<T> {
         stream: &Stream,
     ) -> Result<InFlight<HostMemory>, ArrayError> {
         self.check_host(self.size())?;
-        let mem = self.mem.as_ref().ok_or_else(|| {
-            invalid(
-                "copy_to_pinned_async",
-                "the array has no elements; there is nothing to copy",
-            )
-        })?;
+        let mem = self.memory_to_copy("copy_to_pinned_async")?;
         Ok(ctx.copy_to_host_async(dst, mem, stream)?)
     }
 
