@@ -376,8 +376,8 @@ def test_threads_allocate_and_free_concurrently(ctx):
 def test_cupy_allocator_on_the_simulator():
     """emm.cupy's allocator over a stand-in for CuPy's hooks (tests/stubs/cupy): the
     pointer's owner keeps the emm buffer alive, it is allocated on CuPy's current stream,
-    0 bytes is a null pointer with no allocation, and the memory goes back when CuPy's pointer
-    goes."""
+    0 bytes is a null pointer with no allocation, an allocation too large raises emm's
+    OutOfMemoryError and holds nothing, and the memory goes back when CuPy's pointer goes."""
     stubs = os.path.join(os.path.dirname(__file__), "stubs")
     code = (
         "import gc, emm, emm.cupy, cupy\n"
@@ -394,6 +394,12 @@ def test_cupy_allocator_on_the_simulator():
         "del q; gc.collect()\n"
         "z = cupy.cuda.alloc(0)\n"
         "assert z.ptr == 0 and c.usage()['device']['current_count'] == 1\n"
+        "try:\n"
+        "    cupy.cuda.alloc(1 << 50)\n"
+        "    raise SystemExit('1 PiB was allocated')\n"
+        "except emm.OutOfMemoryError as e:\n"
+        "    assert 'out of' in str(e).lower(), e\n"
+        "assert c.usage()['device']['current_count'] == 1\n"
         "del p; gc.collect()\n"
         "assert c.usage()['device']['current_count'] == 0\n"
         "print('ok')"

@@ -138,6 +138,14 @@ def test_cupy_allocates_from_emm():
         del y, z
     s.synchronize()
     assert total == 3.0 * ((1 << 20) - 1)
+    # More than any GPU has: emm's error comes out of CuPy's call, and nothing is held.
+    before = emm.context(0).usage()["device"]["current_count"]
+    try:
+        cupy.empty(1 << 50, dtype=cupy.uint8)
+        raise SystemExit("1 PiB was allocated")
+    except emm.OutOfMemoryError as e:
+        assert "out of" in str(e).lower(), e
+    assert emm.context(0).usage()["device"]["current_count"] == before
     print("cupy ok")
     """
     )

@@ -14,17 +14,27 @@ import cupy
 from . import context
 
 
+# Each device's context and whether its manager allocates on streams, looked up once: the
+# process runtime is configured once and keeps its contexts, and a manager's stream ordering
+# does not change.
+_contexts = {}
+
+
 def allocator(size):
     """Allocates ``size`` bytes for CuPy: a ``cupy.cuda.MemoryPointer`` that keeps the emm
     buffer alive until CuPy lets go of it (0 bytes: a null pointer, no allocation)."""
     device = cupy.cuda.runtime.getDevice()
     if size == 0:
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device), 0)
-    ctx = context(device)
-    if ctx.stream_ordering() == "unsupported":
-        buf = ctx.memalloc(size)
-    else:
+    entry = _contexts.get(device)
+    if entry is None:
+        ctx = context(device)
+        entry = _contexts[device] = (ctx, ctx.stream_ordering() != "unsupported")
+    ctx, on_streams = entry
+    if on_streams:
         buf = ctx.memalloc_on(size, cupy.cuda.get_current_stream().ptr)
+    else:
+        buf = ctx.memalloc(size)
     mem = cupy.cuda.UnownedMemory(buf.ptr, size, buf, device)
     return cupy.cuda.MemoryPointer(mem, 0)
 
