@@ -85,17 +85,26 @@ def test_numba_allocates_from_emm():
     assert "numba ok" in out
 
 
-def test_numba_ipc_handle_opens_in_numba_without_emm():
-    """A Numba IpcHandle from emm memory, opened by a Numba process using its own manager."""
+@pytest.mark.parametrize("manager", ["default", "pool"])
+def test_numba_ipc_handle_opens_in_numba_without_emm(manager):
+    """A Numba IpcHandle from emm memory, opened by a Numba process using its own manager.
+    Under `pool` the array starts inside a larger driver allocation (a smaller one is carved
+    first): the handle names that allocation and carries the offset, which the other process
+    applies. (numba-cuda's own `test_ipc_handle` sends the handle's bytes without the offset
+    and opens them at 0, so under a pool it reads the driver allocation's start.)"""
     needs_gpu("IPC")
     needs_module("numba.cuda")
     out = run(
         NUMBA_KERNEL
         + """
-    import pickle, subprocess, sys, os
+    import os, pickle, subprocess, sys
+    pad = cuda.device_array(1000, dtype=np.float32)
     a = cuda.device_array(1000, dtype=np.float32)
     fill[4, 256](a, 0.0)
     cuda.synchronize()
+    if os.environ["EMM_MEMORY_MANAGER"] == "pool":
+        offset = cuda.current_context().get_ipc_handle(a.gpu_data).offset
+        assert offset > 0, ("the pool carved the array from a larger block", offset)
     for view in (a, a[100:], a[100:400], a[:400]):
         h = view.get_ipc_handle()
         child = (
@@ -112,6 +121,7 @@ def test_numba_ipc_handle_opens_in_numba_without_emm():
     print("ipc ok")
     """,
         NUMBA_CUDA_MEMORY_MANAGER="emm.numba",
+        EMM_MEMORY_MANAGER=manager,
     )
     assert "ipc ok" in out
 
