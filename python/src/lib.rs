@@ -946,7 +946,9 @@ impl Handed {
 
     fn insert(&self, mem: MemoryPointer) -> u64 {
         let ptr = mem.device_ptr().0;
-        lock(&self.0).get_or_insert_with(HashMap::new).insert(ptr, mem);
+        lock(&self.0)
+            .get_or_insert_with(HashMap::new)
+            .insert(ptr, mem);
         ptr
     }
 
