@@ -1,0 +1,172 @@
+//! Instruction-count budgets for the hot paths, on the simulator, counted by callgrind through
+//! gungraun: a regression fails `.ci/run` deterministically, however noisy the machine.
+//!
+//! `cargo bench -p emm --bench callgrind` (needs valgrind and `gungraun-runner` of the same
+//! version as the `gungraun` dev-dependency on `PATH`; `.ci/run` installs it). Each benchmark
+//! makes [`PAIRS`] alloc + free pairs (or one flush of [`FLUSHED`] frees) on a runtime that the
+//! setup made and warmed up, so the count is the steady state, not the first allocation; the
+//! budget is per pair, checked as a hard limit on the whole function. The simulator's own
+//! `cuMemAlloc` + `cuMemFree` pair is measured too, as the anchor for the default manager's
+//! bookkeeping (its figure minus the anchor). Wall-clock figures belong in BENCHMARKS.md, not
+//! here.
+//!
+//! A budget is the count measured when it was set plus about 15 %; lower it when a path gets
+//! cheaper, raise it only with a reason in the commit.
+
+// gungraun's macros generate undocumented items.
+#![allow(missing_docs)]
+
+use std::hint::black_box;
+use std::sync::Arc;
+
+use driver_mock::{SimConfig, SimDriver};
+use emm::driver_sys::{ContextHandle, Driver};
+use emm::{Context, PinnedPoolConfig, Runtime};
+use gungraun::{
+    Callgrind, EventKind, LibraryBenchmarkConfig, library_benchmark, library_benchmark_group, main,
+};
+
+/// Pairs per benchmark.
+const PAIRS: u64 = 1_000;
+/// Frees in the flushed queue (the default manager flushes by itself at the 11th).
+const FLUSHED: usize = 10;
+
+/// Instructions per pair (per flush for the flush), at most. Measured when set (2026-11-23,
+/// x86-64): the simulator's pair 2 254, `default` 3 448 (1 194 of them emm's bookkeeping),
+/// `pool` 591, `async-pool` 2 622, the pinned host pool 1 023, a flush of ten frees 9 947.
+mod budget {
+    pub const SIM_RAW: u64 = 2_600;
+    pub const DEFAULT: u64 = 3_950;
+    pub const POOL: u64 = 680;
+    pub const ASYNC_POOL: u64 = 3_000;
+    pub const PINNED_POOL: u64 = 1_180;
+    pub const FLUSH: u64 = 11_500;
+}
+
+/// A runtime on a fresh simulated GPU, its context, and the simulator.
+struct Fixture {
+    sim: Arc<SimDriver>,
+    handle: ContextHandle,
+    ctx: Context,
+    _rt: Runtime,
+}
+
+fn fixture(manager: &str, pinned_pool: bool) -> Fixture {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = Runtime::builder(sim.clone())
+        .ignore_env()
+        .memory_manager_name(manager)
+        .pinned_host_pool(pinned_pool.then(PinnedPoolConfig::default))
+        .build()
+        .expect("a runtime on the simulator");
+    let ctx = rt.context(0).expect("context 0");
+    // Warm up: the pools hold a block of each size used, the queues have their capacity.
+    for _ in 0..100 {
+        drop(ctx.memalloc(256).expect("memalloc"));
+        if pinned_pool {
+            drop(
+                ctx.memhostalloc(4096, false, false, false)
+                    .expect("memhostalloc"),
+            );
+        }
+    }
+    if let Some(queue) = ctx.deallocations() {
+        queue.flush().expect("flush");
+    }
+    Fixture {
+        sim,
+        handle: ctx.handle(),
+        ctx,
+        _rt: rt,
+    }
+}
+
+fn default_manager() -> Fixture {
+    fixture("default", false)
+}
+
+fn pool() -> Fixture {
+    fixture("pool", false)
+}
+
+fn async_pool() -> Fixture {
+    fixture("async-pool", false)
+}
+
+fn pinned_pool() -> Fixture {
+    fixture("default", true)
+}
+
+/// The default manager with [`FLUSHED`] frees queued.
+fn queued() -> Fixture {
+    let f = fixture("default", false);
+    for _ in 0..FLUSHED {
+        drop(f.ctx.memalloc(256).expect("memalloc"));
+    }
+    assert_eq!(queue(&f.ctx).len(), FLUSHED, "frees queued");
+    f
+}
+
+fn queue(ctx: &Context) -> &Arc<emm::PendingDeallocs> {
+    ctx.deallocations()
+        .expect("the default manager has a deferred queue")
+}
+
+fn limit(per_pair: u64, pairs: u64) -> LibraryBenchmarkConfig {
+    LibraryBenchmarkConfig::default()
+        .tool(Callgrind::default().hard_limits([(EventKind::Ir, per_pair * pairs)]))
+        .clone()
+}
+
+// Each benchmark returns its fixture so that the runtime's teardown is not counted.
+
+#[library_benchmark(config = limit(budget::SIM_RAW, PAIRS))]
+#[bench::pair_256b(setup = default_manager)]
+fn sim_raw(f: Fixture) -> Fixture {
+    for _ in 0..PAIRS {
+        let p = f.sim.mem_alloc(f.handle, black_box(256)).expect("alloc");
+        // SAFETY: allocated just above, freed once, never used.
+        unsafe { f.sim.mem_free(f.handle, p) }.expect("free");
+    }
+    f
+}
+
+// A device alloc + free pair through each manager.
+#[library_benchmark]
+#[bench::default_256b(setup = default_manager, config = limit(budget::DEFAULT, PAIRS))]
+#[bench::pool_256b(setup = pool, config = limit(budget::POOL, PAIRS))]
+#[bench::async_pool_256b(setup = async_pool, config = limit(budget::ASYNC_POOL, PAIRS))]
+fn device_pair(f: Fixture) -> Fixture {
+    for _ in 0..PAIRS {
+        drop(black_box(f.ctx.memalloc(black_box(256)).expect("memalloc")));
+    }
+    f
+}
+
+#[library_benchmark(config = limit(budget::PINNED_POOL, PAIRS))]
+#[bench::pair_4kib(setup = pinned_pool)]
+fn pinned_pool_pair(f: Fixture) -> Fixture {
+    for _ in 0..PAIRS {
+        let m = f
+            .ctx
+            .memhostalloc(black_box(4096), false, false, false)
+            .expect("memhostalloc");
+        drop(black_box(m));
+    }
+    f
+}
+
+#[library_benchmark(config = limit(budget::FLUSH, 1))]
+#[bench::ten_frees(setup = queued)]
+fn flush(f: Fixture) -> Fixture {
+    let n = queue(&f.ctx).flush().expect("flush");
+    assert_eq!(n, FLUSHED);
+    f
+}
+
+library_benchmark_group!(
+    name = hot_paths;
+    benchmarks = sim_raw, device_pair, pinned_pool_pair, flush
+);
+
+main!(library_benchmark_groups = hot_paths);
