@@ -6,8 +6,9 @@
 //! makes [`PAIRS`] alloc + free pairs (or one flush of [`FLUSHED`] frees) on a runtime that the
 //! setup made and warmed up, so the count is the steady state, not the first allocation; the
 //! budget is per pair, checked as a hard limit on the whole function. The simulator's own
-//! `cuMemAlloc` + `cuMemFree` pair is measured too, as the anchor for the default manager's
-//! bookkeeping (its figure minus the anchor). Wall-clock figures belong in BENCHMARKS.md, not
+//! `cuMemAlloc` + `cuMemFree` pair and its `cuMemAllocFromPoolAsync` + `cuMemFreeAsync` pair
+//! are measured too, as the anchors for the default and `async-pool` managers' bookkeeping
+//! (their figures minus the anchor). Wall-clock figures belong in BENCHMARKS.md, not
 //! here.
 //!
 //! A budget is the count measured when it was set plus about 15 %; lower it when a path gets
@@ -32,13 +33,16 @@ const PAIRS: u64 = 1_000;
 const FLUSHED: usize = 10;
 
 /// Instructions per pair (per flush for the flush), at most. Measured when set (2026-11-23,
-/// x86-64): the simulator's pair 2 254, `default` 3 448 (1 194 of them emm's bookkeeping),
-/// `pool` 591, `async-pool` 2 622, the pinned host pool 1 023, a flush of ten frees 9 947.
+/// x86-64): the simulator's pair 2 254; its pool pair 1 527 (the pool made inside the count);
+/// `default` 3 448 (1 194 of them emm's bookkeeping); `pool` 591; `async-pool` 2 332 (805 of
+/// them emm's; 2 622 before the address sets left SipHash); the pinned host pool 1 023; a
+/// flush of ten frees 9 947.
 mod budget {
     pub const SIM_RAW: u64 = 2_600;
+    pub const SIM_POOL_RAW: u64 = 1_750;
     pub const DEFAULT: u64 = 3_950;
     pub const POOL: u64 = 680;
-    pub const ASYNC_POOL: u64 = 3_000;
+    pub const ASYNC_POOL: u64 = 2_700;
     pub const PINNED_POOL: u64 = 1_180;
     pub const FLUSH: u64 = 11_500;
 }
@@ -131,6 +135,25 @@ fn sim_raw(f: Fixture) -> Fixture {
     f
 }
 
+#[library_benchmark(config = limit(budget::SIM_POOL_RAW, PAIRS))]
+#[bench::pair_256b(setup = default_manager)]
+fn sim_pool_raw(f: Fixture) -> Fixture {
+    let pool = f
+        .sim
+        .mem_pool_create(f.handle, f.ctx.device(), false)
+        .expect("pool");
+    let stream = emm::driver_sys::StreamHandle::NULL;
+    for _ in 0..PAIRS {
+        let p = f
+            .sim
+            .mem_alloc_from_pool_async(f.handle, pool, black_box(256), stream)
+            .expect("alloc");
+        // SAFETY: allocated just above, freed once, never used.
+        unsafe { f.sim.mem_free_async(f.handle, p, stream) }.expect("free");
+    }
+    f
+}
+
 // A device alloc + free pair through each manager.
 #[library_benchmark]
 #[bench::default_256b(setup = default_manager, config = limit(budget::DEFAULT, PAIRS))]
@@ -166,7 +189,7 @@ fn flush(f: Fixture) -> Fixture {
 
 library_benchmark_group!(
     name = hot_paths;
-    benchmarks = sim_raw, device_pair, pinned_pool_pair, flush
+    benchmarks = sim_raw, sim_pool_raw, device_pair, pinned_pool_pair, flush
 );
 
 main!(library_benchmark_groups = hot_paths);

@@ -12,7 +12,7 @@
 
 #![allow(unsafe_code)]
 
-use std::collections::HashSet;
+use crate::memory::AddressSet;
 use std::fmt;
 use std::sync::Arc;
 
@@ -64,7 +64,7 @@ struct State {
     /// Exported to a descriptor at least once (the driver exports no allocation before).
     exported: bool,
     /// Allocations not freed yet.
-    live: HashSet<u64>,
+    live: AddressSet,
     /// Buffers whose last pointer dropped but whose free failed: freed again at the close.
     unfreed: Vec<(DevicePtr, StreamUse)>,
     /// The first free that failed since it was last reported: returned by the `deallocate`
@@ -275,7 +275,7 @@ impl DeviceMemoryResource {
                     closed: false,
                     destroyed: false,
                     exported: false,
-                    live: HashSet::new(),
+                    live: AddressSet::default(),
                     unfreed: Vec::new(),
                     error: None,
                 }),

@@ -16,7 +16,7 @@
 
 #![allow(unsafe_code)]
 
-use std::collections::HashSet;
+use crate::memory::AddressSet;
 use std::sync::Arc;
 
 use driver_sys::{DevicePtr, DriverError, MemLocation, MemPoolHandle, StreamHandle, stream_flags};
@@ -28,7 +28,7 @@ use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
 struct State {
     pool: Option<(MemPoolHandle, StreamHandle)>,
-    live: HashSet<u64>,
+    live: AddressSet,
 }
 
 /// The driver's host memory pool of one host layer.
@@ -53,7 +53,7 @@ impl DriverHostPool {
             cx: cx.clone(),
             state: Mutex::new(State {
                 pool: None,
-                live: HashSet::new(),
+                live: AddressSet::default(),
             }),
             generation: AtomicU64::new(0),
         }

@@ -3,6 +3,7 @@
 
 #![allow(unsafe_code)]
 
+use crate::memory::AddressMap;
 use std::collections::HashMap;
 use std::fmt;
 
@@ -21,7 +22,7 @@ use crate::sync::{Mutex, lock};
 struct Imported {
     cx: ManagerContext,
     pool: MemPoolHandle,
-    pointers: HashMap<u64, usize>,
+    pointers: AddressMap<usize>,
 }
 
 /// The pools this process imported, by id (one table per runtime).
@@ -71,7 +72,7 @@ impl PoolImports {
             Imported {
                 cx: cx.clone(),
                 pool,
-                pointers: HashMap::new(),
+                pointers: AddressMap::default(),
             },
         );
         Ok(())

@@ -61,6 +61,7 @@ use crate::error::EmmError;
 use crate::host::fences::Fences;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::managers::default::DriverAllocator;
+use crate::memory::AddressSet;
 use crate::memory::pending::PendingDeallocs;
 use crate::memory::pointer::{MemoryPointer, ReleaseHook, StreamUse};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
@@ -91,7 +92,7 @@ struct PoolState {
     exported: bool,
     /// Allocations not freed yet: a reset frees them before it destroys the pool, because the
     /// driver releases a destroyed pool's memory only once its allocations are freed.
-    live: std::collections::HashSet<u64>,
+    live: AddressSet,
 }
 
 struct Shared {
@@ -195,7 +196,7 @@ impl AsyncPoolAllocator {
                     pool: None,
                     id: None,
                     exported: false,
-                    live: std::collections::HashSet::new(),
+                    live: AddressSet::default(),
                 }),
                 generation: AtomicU64::new(0),
                 queue: Arc::clone(host.deallocations()),
