@@ -12,10 +12,11 @@
 //! 3. `reset` bumps the generation, releases every entry, then flushes. Pointers stamped with
 //!    the old generation release nothing when they drop later, so nothing is freed twice.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use driver_sys::{DevicePtr, HostPtr};
+
+use crate::memory::AddressMap;
 
 use crate::contract::factory::ManagerContext;
 use crate::error::EmmError;
@@ -64,7 +65,7 @@ const POLL_BATCH: usize = 8;
 #[derive(Debug)]
 pub(crate) struct AllocationTable {
     cx: ManagerContext,
-    table: Mutex<BTreeMap<u64, Entry>>,
+    table: Mutex<AddressMap<Entry>>,
     generation: AtomicU64,
     queue: Arc<PendingDeallocs>,
     fences: Fences,
@@ -79,7 +80,7 @@ impl AllocationTable {
     pub(crate) fn new(cx: &ManagerContext) -> AllocationTable {
         AllocationTable {
             cx: cx.clone(),
-            table: Mutex::new(BTreeMap::new()),
+            table: Mutex::new(AddressMap::default()),
             generation: AtomicU64::new(0),
             queue: Arc::new(cx.new_pending_deallocs()),
             fences: Fences::new(cx),
