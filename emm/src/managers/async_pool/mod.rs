@@ -19,6 +19,12 @@
 //!   free ran, or with a dependency on it that the driver inserts.
 //! - A pointer's last drop calls `cuMemFreeAsync` at once (it is cheap and does not
 //!   synchronise), so nothing goes through the deferred queue.
+//! - **Threads**: allocations and frees do not wait for each other. The driver's pool is
+//!   thread-safe; emm holds the pool's handle behind a read-write lock that they take for
+//!   reading across their driver call (creation, export and reset take it for writing), and
+//!   keeps the live allocations in 16 shards by address. The loom model
+//!   `async_pool_reset_races_a_drop_and_an_allocation` checks that no call reaches a
+//!   destroyed pool and that every allocation is freed once.
 //! - `trim` synchronises the stream and calls `cuMemPoolTrimTo(0)`; `reset` destroys the pool
 //!   (which frees everything in it) and the next use creates a new one.
 //! - Out of memory: the manager synchronises its stream and retries; then the host layer
@@ -64,7 +70,7 @@ use crate::managers::default::DriverAllocator;
 use crate::memory::AddressSet;
 use crate::memory::pending::PendingDeallocs;
 use crate::memory::pointer::{MemoryPointer, ReleaseHook, StreamUse};
-use crate::sync::{AtomicU64, Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, Mutex, Ordering, RwLock, lock, read, write};
 
 #[cfg(unix)]
 mod export;
@@ -82,7 +88,9 @@ pub const ASYNC_POOL_MANAGED_MANAGER: &str = "async-pool-managed";
 
 const STREAM: StreamHandle = StreamHandle(0);
 
-/// The pool and the generation it belongs to.
+/// The pool, behind a read-write lock: allocations and frees hold it for reading across their
+/// driver call (so a reset cannot destroy the pool under them, and they do not wait for each
+/// other: the driver's pool is thread-safe), creation, export and reset hold it for writing.
 struct PoolState {
     pool: Option<MemPoolHandle>,
     /// The pool's name across processes (IPC-enabled pools only; new with every pool).
@@ -90,9 +98,52 @@ struct PoolState {
     /// Whether the pool was exported to a file descriptor yet: measured on the H200, the
     /// driver refuses to export its allocations (`cuMemPoolExportPointer`) until it was.
     exported: bool,
-    /// Allocations not freed yet: a reset frees them before it destroys the pool, because the
-    /// driver releases a destroyed pool's memory only once its allocations are freed.
-    live: AddressSet,
+}
+
+/// Shards of the live set, so that threads allocating at once rarely share a lock.
+const LIVE_SHARDS: usize = 16;
+
+/// Allocations not freed yet, sharded by address: a reset frees them before it destroys the
+/// pool, because the driver releases a destroyed pool's memory only once its allocations are
+/// freed. A shard is locked only while the pool's lock is held (read or write), never the
+/// other way round.
+struct Live([Mutex<AddressSet>; LIVE_SHARDS]);
+
+impl Live {
+    fn new() -> Live {
+        Live(std::array::from_fn(|_| Mutex::new(AddressSet::default())))
+    }
+
+    fn shard(&self, ptr: u64) -> &Mutex<AddressSet> {
+        // Pool blocks are at least 256-byte aligned: mix the bits above the alignment.
+        let h = (ptr >> 8) ^ (ptr >> 20);
+        &self.0[(h as usize) % LIVE_SHARDS]
+    }
+
+    fn insert(&self, ptr: u64) {
+        lock(self.shard(ptr)).insert(ptr);
+    }
+
+    fn remove(&self, ptr: u64) -> bool {
+        lock(self.shard(ptr)).remove(&ptr)
+    }
+
+    fn contains(&self, ptr: u64) -> bool {
+        lock(self.shard(ptr)).contains(&ptr)
+    }
+
+    fn len(&self) -> usize {
+        self.0.iter().map(|s| lock(s).len()).sum()
+    }
+
+    /// Takes every address out (a reset, with the pool's lock held for writing).
+    fn take_all(&self) -> Vec<u64> {
+        let mut all = Vec::new();
+        for s in &self.0 {
+            all.extend(std::mem::take(&mut *lock(s)));
+        }
+        all
+    }
 }
 
 struct Shared {
@@ -101,8 +152,11 @@ struct Shared {
     ipc: bool,
     /// Whether the pool is a managed-memory pool (`async-pool-managed`).
     managed: bool,
-    state: Mutex<PoolState>,
-    /// Bumped by `reset` (with the state locked); pointers of older generations free nothing.
+    state: RwLock<PoolState>,
+    /// The pool's allocations not freed yet.
+    live: Live,
+    /// Bumped by `reset` (with the state locked for writing); pointers of older generations
+    /// free nothing.
     generation: AtomicU64,
     queue: Arc<PendingDeallocs>,
     /// Events for the frees of blocks that other streams used.
@@ -112,8 +166,8 @@ struct Shared {
 impl Shared {
     /// Frees `base` on `stream` once the last record of every other stream in `after` is done.
     fn free(&self, base: DevicePtr, tag: u64, stream: StreamHandle, after: Option<&StreamUse>) {
-        let mut state = lock(&self.state);
-        if self.generation.load(Ordering::Acquire) != tag || !state.live.remove(&base.0) {
+        let state = read(&self.state);
+        if self.generation.load(Ordering::Acquire) != tag || !self.live.remove(base.0) {
             return;
         }
         let Some(_live) = self.cx.liveness.enter() else {
@@ -121,7 +175,7 @@ impl Shared {
         };
         let device = self.cx.device;
         // SAFETY: `base` came from `cuMemAllocFromPoolAsync` of the current pool (the
-        // generation matches, and the state lock keeps a reset from destroying the pool
+        // generation matches, and the state's read lock keeps a reset from destroying the pool
         // meanwhile); its last pointer dropped, so it is freed once and not used after but by
         // work already queued, which the freeing stream waits for; the context is alive
         // (`_live`).
@@ -129,7 +183,7 @@ impl Shared {
             // Nothing was freed: the block is kept (a reset frees it) rather than reused
             // under other streams' work.
             tracing::error!(device = %device, error = %e, ptr = %base, "freeing a block on its stream failed; the block is kept until the manager's reset, and the error is returned by the next flush");
-            state.live.insert(base.0);
+            self.live.insert(base.0);
             self.queue
                 .record_error(EmmError::driver("cuMemFreeAsync", device, e));
         }
@@ -163,7 +217,7 @@ impl fmt::Debug for AsyncPoolAllocator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AsyncPoolAllocator")
             .field("device", &self.shared.cx.device)
-            .field("pool", &lock(&self.shared.state).pool)
+            .field("pool", &read(&self.shared.state).pool)
             .finish()
     }
 }
@@ -192,12 +246,12 @@ impl AsyncPoolAllocator {
                 cx: host.context().clone(),
                 ipc,
                 managed,
-                state: Mutex::new(PoolState {
+                state: RwLock::new(PoolState {
                     pool: None,
                     id: None,
                     exported: false,
-                    live: AddressSet::default(),
                 }),
+                live: Live::new(),
                 generation: AtomicU64::new(0),
                 queue: Arc::clone(host.deallocations()),
                 fences: Fences::new(host.context()),
@@ -272,7 +326,7 @@ impl AsyncPoolAllocator {
     pub fn trim(&self) -> Result<usize, EmmError> {
         let cx = &self.shared.cx;
         let _live = cx.enter("trim")?;
-        let state = lock(&self.shared.state);
+        let state = read(&self.shared.state);
         let Some(pool) = state.pool else {
             return Ok(0);
         };
@@ -298,8 +352,8 @@ impl AsyncPoolAllocator {
         let cx = &self.shared.cx;
         let _live = cx.liveness.enter()?;
         let (pool, blocks) = {
-            let state = lock(&self.shared.state);
-            (state.pool?, state.live.len())
+            let state = read(&self.shared.state);
+            (state.pool?, self.shared.live.len())
         };
         let usage = match cx.driver.mem_pool_usage(cx.context, pool) {
             Ok(u) => u,
@@ -357,11 +411,20 @@ impl AsyncPoolAllocator {
         let shared = &self.shared;
         let cx = &shared.cx;
         host.attempt_allocation(what, AllocationKind::Device, bytes, || {
-            let mut state = lock(&shared.state);
-            let pool = self.pool(&mut state)?;
-            let ptr = cx.alloc_from_pool(pool, bytes, stream)?;
-            state.live.insert(ptr.0);
-            Ok((ptr, shared.generation.load(Ordering::Acquire)))
+            loop {
+                let state = read(&shared.state);
+                if let Some(pool) = state.pool {
+                    // Under the read lock: other threads allocate and free meanwhile, a reset
+                    // waits, and the generation read below is the pool's.
+                    let ptr = cx.alloc_from_pool(pool, bytes, stream)?;
+                    shared.live.insert(ptr.0);
+                    return Ok((ptr, shared.generation.load(Ordering::Acquire)));
+                }
+                drop(state);
+                // No pool yet (first use, or after a reset): made under the write lock, then
+                // the allocation goes round again.
+                self.pool(&mut write(&shared.state))?;
+            }
         })
     }
 }
@@ -406,7 +469,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
     fn initialize(&self, host: &HostLayer) -> Result<(), EmmError> {
         DriverAllocator.initialize(host)?;
         let _live = self.shared.cx.enter("initialize")?;
-        let mut state = lock(&self.shared.state);
+        let mut state = write(&self.shared.state);
         self.pool(&mut state)
             .map(|_| ())
             .map_err(self.err("initialize"))
@@ -430,9 +493,9 @@ impl DeviceAllocator for AsyncPoolAllocator {
 
     fn reset(&self, _host: &HostLayer) -> Result<(), EmmError> {
         let cx = &self.shared.cx;
-        let mut state = lock(&self.shared.state);
+        let mut state = write(&self.shared.state);
         self.shared.generation.fetch_add(1, Ordering::AcqRel);
-        let live = std::mem::take(&mut state.live);
+        let live = self.shared.live.take_all();
         state.id = None;
         let Some(pool) = state.pool.take() else {
             return Ok(());
