@@ -128,6 +128,8 @@ impl Live {
         lock(self.shard(ptr)).remove(&ptr)
     }
 
+    /// Whether `ptr` is live (the IPC export's check; pools are exported on Unix only).
+    #[cfg(unix)]
     fn contains(&self, ptr: u64) -> bool {
         lock(self.shard(ptr)).contains(&ptr)
     }
