@@ -32,6 +32,10 @@ setup() {
     emm-pool) echo NUMBA_CUDA_MEMORY_MANAGER=emm.numba EMM_MEMORY_MANAGER=pool ;;
     esac
 }
+# The ERROR and FAIL lines of unittest logs.
+fail_lines() { grep -ahE '^(ERROR|FAIL): ' "$@"; }
+# A count from a unittest result line ("FAILED (failures=2, skipped=5)"), 0 when absent.
+v() { grep -oE "[(,] ?$1=[0-9]+" <<<"$tail" | grep -oE '[0-9]+$' || echo 0; }
 start=$(date +%s)
 for c in "${configs[@]}"; do
     for ((s = 0; s < shards; s++)); do
@@ -57,7 +61,6 @@ summary=$out/numba-full-summary.txt
             tail=$(grep -aE '^(OK|FAILED)' "$log" | tail -1)
             [ -n "$n" ] || exits="$exits group$s:no-result"
             run=$((run + ${n:-0}))
-            v() { grep -oE "[(,] ?$1=[0-9]+" <<<"$tail" | grep -oE '[0-9]+$' || echo 0; }
             skipped=$((skipped + $(v skipped)))
             failed=$((failed + $(v failures)))
             errors=$((errors + $(v errors)))
@@ -68,17 +71,17 @@ summary=$out/numba-full-summary.txt
     done
     for c in "${configs[@]}"; do
         echo "-- $c: failing tests"
-        grep -aE '^(ERROR|FAIL):' "$out/numba-full-$c.log" | sort
+        fail_lines "$out/numba-full-$c.log" | sort
     done
 } >"$summary"
 
 # Modules with a failing test (import failures aside: they do not depend on the manager) run
 # again alone.
-failing() { grep -ahE '^(ERROR|FAIL): ' "$@" | grep -v '_FailedTest' | sed -E 's/^[A-Z]+: [^ ]+ \(([^ ]+)\)$/\1/' | sort -u; }
+failing() { fail_lines "$@" | grep -v '_FailedTest' | sed -E 's/^[A-Z]+: [^ ]+ \(([^ ]+)\)$/\1/' | sort -u; }
 rerun=$(failing "$out"/numba-full-*.log | sed -E 's/\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+$//' | sort -u)
 declare -A final
 for c in "${configs[@]}"; do
-    final[$c]=$(grep -ahE '^(ERROR|FAIL): ' "$out/numba-full-$c.log" | grep '_FailedTest' | sed -E 's/^[A-Z]+: ([^ ]+) .*/import:\1/' | sort -u)
+    final[$c]=$(fail_lines "$out/numba-full-$c.log" | grep '_FailedTest' | sed -E 's/^[A-Z]+: ([^ ]+) .*/import:\1/' | sort -u)
 done
 if [ -n "$rerun" ]; then
     echo "-- alone again: $(echo $rerun)" >>"$summary"

@@ -12,7 +12,6 @@
 
 #![allow(unsafe_code)]
 
-use crate::memory::AddressSet;
 use std::fmt;
 use std::sync::Arc;
 
@@ -28,6 +27,7 @@ use crate::contract::pool_export::PoolExport;
 use crate::contract::pool_export::PoolId;
 use crate::error::EmmError;
 use crate::host::fences::Fences;
+use crate::memory::AddressSet;
 use crate::memory::host::{HostMemory, ManagedMemory, MappedMemory};
 use crate::memory::pointer::{MemoryPointer, OrderedOn, ReleaseHook, StreamUse};
 use crate::objects::{Stream, check_same_context};

@@ -18,8 +18,8 @@ import time
 
 SIZES = [256, 1 << 20, 64 << 20, 1 << 30]
 BATCH = {256: 2000, 1 << 20: 2000, 64 << 20: 500, 1 << 30: 200}
-# Pairs before the timed batches, per size (BENCH_WARMUP overrides them all).
-WARMUP = {n: int(os.environ["BENCH_WARMUP"]) for n in SIZES} if "BENCH_WARMUP" in os.environ else {}
+# Pairs before the timed batches at every size (default: a tenth of the size's batch).
+WARMUP = int(os.environ.get("BENCH_WARMUP", "0"))
 CONFIGS = [
     "numba", "numba-rmm", "numba-emm",
     "cupy", "cupy-rmm", "cupy-emm",
@@ -110,7 +110,7 @@ def measure(config):
     out = {"config": config, "manager": os.environ.get("EMM_MEMORY_MANAGER", "pool")}
     for n in SIZES:
         count = BATCH[n]
-        for _ in range(WARMUP.get(n, count // 10)):  # warm up: the pools fill
+        for _ in range(WARMUP or count // 10):  # warm up: the pools fill
             pair(n)
         batches = []
         for _ in range(5):

@@ -935,55 +935,10 @@ fn host_buffer(mem: HostMemory) -> HostBuffer {
     }
 }
 
-/// Device memory handed to PyTorch's allocator hooks, by address: each allocation is kept
-/// alive here until the framework frees it.
-struct Handed(Mutex<Option<HashMap<u64, MemoryPointer>>>);
-
-impl Handed {
-    const fn new() -> Self {
-        Self(Mutex::new(None))
-    }
-
-    fn insert(&self, mem: MemoryPointer) -> u64 {
-        let ptr = mem.device_ptr().0;
-        lock(&self.0)
-            .get_or_insert_with(HashMap::new)
-            .insert(ptr, mem);
-        ptr
-    }
-
-    fn take(&self, ptr: u64) -> Option<MemoryPointer> {
-        lock(&self.0).as_mut().and_then(|m| m.remove(&ptr))
-    }
-
-    fn len(&self) -> usize {
-        lock(&self.0).as_ref().map_or(0, HashMap::len)
-    }
-}
-
-/// Allocates `size` bytes in `ctx` for a framework, on `stream` (that framework's current
-/// stream of the device) where the manager allocates on streams, else in the order of the
-/// legacy default stream.
-///
-/// # Safety
-///
-/// `stream` is a stream of `ctx`'s device that outlives the memory (the framework's contract:
-/// it frees on the stream it allocated on, and its streams outlive their memory).
-unsafe fn framework_alloc(
-    ctx: &emm::Context,
-    size: usize,
-    stream: u64,
-) -> Result<MemoryPointer, EmmError> {
-    if ctx.stream_ordering() == StreamOrdering::Unsupported {
-        return ctx.memalloc(size);
-    }
-    // SAFETY: the caller's guarantee above.
-    unsafe { ctx.memalloc_on_raw(size, StreamHandle(stream)) }
-}
-
 // PyTorch's pluggable allocator: C functions this library exports, over the process runtime.
 
-static TORCH_LIVE: Handed = Handed::new();
+/// Device memory handed to PyTorch, by address: kept alive until PyTorch frees it.
+static TORCH_LIVE: Mutex<Option<HashMap<u64, MemoryPointer>>> = Mutex::new(None);
 /// What went wrong in the last call PyTorch made, for `emm.torch.last_error()`.
 static TORCH_ERROR: Mutex<Option<String>> = Mutex::new(None);
 
@@ -1008,13 +963,23 @@ pub extern "C" fn emm_torch_malloc(size: isize, device: i32, stream: *mut c_void
         let size = usize::try_from(size).map_err(|_| format!("a negative size ({size})"))?;
         let device = u32::try_from(device).map_err(|_| format!("a negative device ({device})"))?;
         let ctx = device_context(device).map_err(|e| e.to_string())?;
+        if ctx.stream_ordering() == StreamOrdering::Unsupported {
+            return ctx.memalloc(size).map_err(|e| e.to_string());
+        }
         // SAFETY: PyTorch's stream of this device (its streams live as long as the process;
         // 0 is the legacy default stream), the one it will use the memory on and pass back
         // to `free`.
-        unsafe { framework_alloc(&ctx, size, stream as usize as u64) }.map_err(|e| e.to_string())
+        unsafe { ctx.memalloc_on_raw(size, StreamHandle(stream as usize as u64)) }
+            .map_err(|e| e.to_string())
     })();
     match made {
-        Ok(mem) => TORCH_LIVE.insert(mem) as usize as *mut c_void,
+        Ok(mem) => {
+            let ptr = mem.device_ptr().0;
+            lock(&TORCH_LIVE)
+                .get_or_insert_with(HashMap::new)
+                .insert(ptr, mem);
+            ptr as usize as *mut c_void
+        }
         Err(e) => {
             torch_error(format!("malloc of {size} bytes on device {device}: {e}"));
             std::ptr::null_mut()
@@ -1033,7 +998,7 @@ pub extern "C" fn emm_torch_free(ptr: *mut c_void, size: isize, device: i32, str
         return;
     }
     let addr = ptr as usize as u64;
-    let Some(mem) = TORCH_LIVE.take(addr) else {
+    let Some(mem) = lock(&TORCH_LIVE).as_mut().and_then(|m| m.remove(&addr)) else {
         torch_error(format!(
             "free of 0x{addr:x} ({size} bytes, device {device}), which emm did not allocate for PyTorch (or freed already); nothing was freed"
         ));
@@ -1066,7 +1031,7 @@ fn torch_last_error() -> Option<String> {
 /// How many allocations PyTorch holds from emm now.
 #[pyfunction]
 fn torch_live() -> usize {
-    TORCH_LIVE.len()
+    lock(&TORCH_LIVE).as_ref().map_or(0, HashMap::len)
 }
 
 /// A pool's figures as the dict the resources' `attributes()` return.

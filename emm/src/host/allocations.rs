@@ -16,12 +16,11 @@ use std::sync::Arc;
 
 use driver_sys::{DevicePtr, HostPtr};
 
-use crate::memory::AddressMap;
-
 use crate::contract::factory::ManagerContext;
 use crate::error::EmmError;
 use crate::host::fences::{Fence, Fences};
 use crate::host::pinned_pool::{PinnedBlock, PinnedPool};
+use crate::memory::AddressMap;
 use crate::memory::host::HostOwner;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::memory::pointer::{AllocationOwner, StreamUse};

@@ -16,13 +16,13 @@
 
 #![allow(unsafe_code)]
 
-use crate::memory::AddressSet;
 use std::sync::Arc;
 
 use driver_sys::{DevicePtr, DriverError, MemLocation, MemPoolHandle, StreamHandle, stream_flags};
 
 use crate::contract::factory::ManagerContext;
 use crate::error::EmmError;
+use crate::memory::AddressSet;
 use crate::memory::pointer::ReleaseHook;
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 

@@ -3,8 +3,8 @@
 It is a ``torch.cuda.memory.CUDAPluggableAllocator`` over two C functions that emm's extension
 library exports (``emm_torch_malloc``, ``emm_torch_free``), so PyTorch calls emm without going
 through Python. PyTorch passes its current stream: emm allocates on it where the manager
-allocates on streams (``emm.context(d).stream_ordering()``), and frees on it. A failed allocation makes PyTorch raise its out-of-memory error;
-``last_error()`` gives emm's message. A free of a pointer emm did not hand out, or with a size
+allocates on streams (``emm.context(d).stream_ordering()``), and frees on it. A failed
+allocation makes PyTorch raise its out-of-memory error; ``last_error()`` gives emm's message. A free of a pointer emm did not hand out, or with a size
 that does not match, is printed and kept for ``last_error()``.
 """
 
