@@ -10,7 +10,7 @@ use crate::{ArrayError, DeviceArray, Layout, Order, invalid};
 
 /// Where a host array's elements live.
 #[derive(Debug)]
-enum Backing {
+pub(crate) enum Backing {
     /// Page-locked (mapped or not), from the context's manager (`memhostalloc`).
     Host(HostMemory),
     /// Managed memory (`memallocmanaged`, attached globally).
@@ -25,8 +25,8 @@ enum Backing {
 /// and managed arrays also give a [`DeviceArray`] view of the same memory.
 #[derive(Debug)]
 pub struct HostArray<T: Pod> {
-    backing: Backing,
-    layout: Layout,
+    pub(crate) backing: Backing,
+    pub(crate) layout: Layout,
     _elements: PhantomData<T>,
 }
 

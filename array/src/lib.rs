@@ -30,11 +30,36 @@ use std::marker::PhantomData;
 use bytemuck::Pod;
 use emm::{Context, EmmError, HostMemory, InFlight, MemoryPointer, Stream};
 
+#[cfg(feature = "cudarc")]
+mod cudarc_interop;
+/// DLPack export and import (the `dlpack` feature).
+#[cfg(feature = "dlpack")]
+pub mod dlpack;
 mod host;
 mod layout;
 
+/// The seam with kernels launched through cudarc (the `cudarc` feature).
+#[cfg(feature = "cudarc")]
+pub mod cudarc {
+    pub use crate::cudarc_interop::{CudarcView, cudarc_stream, emm_stream};
+}
+
 pub use host::{HostArray, PinnedSlice, with_pinned};
 pub use layout::{Layout, Order};
+
+/// Bytes a staged copy between devices moves at a time (the page-locked bounce buffer's size).
+const STAGING_CHUNK: usize = 16 << 20;
+
+/// How [`DeviceArray::copy_across`] moves elements between two devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// Peer copy where the devices reach each other's memory, staged otherwise.
+    Auto,
+    /// One device-to-device copy through unified addressing (`cuMemcpyDtoD`).
+    Peer,
+    /// Through a page-locked host buffer, each device copying only its own memory.
+    Staged,
+}
 
 /// What went wrong with an array operation.
 #[derive(Debug)]
@@ -117,17 +142,16 @@ pub struct DeviceArray<T: Pod> {
     /// The memory from the first element on (`None` for an array without elements, which
     /// takes no allocation, as Numba allows).
     mem: Option<MemoryPointer>,
+    /// The first element's device address (0 without elements), kept so that a kernel
+    /// argument can borrow it for as long as the array is borrowed.
+    addr: u64,
     layout: Layout,
     _elements: PhantomData<T>,
 }
 
 impl<T: Pod> Clone for DeviceArray<T> {
     fn clone(&self) -> Self {
-        DeviceArray {
-            mem: self.mem.clone(),
-            layout: self.layout.clone(),
-            _elements: PhantomData,
-        }
+        DeviceArray::from_parts(self.mem.clone(), self.layout.clone())
     }
 }
 
@@ -137,7 +161,7 @@ impl<T: Pod> fmt::Debug for DeviceArray<T> {
             .field("dtype", &std::any::type_name::<T>())
             .field("shape", &self.layout.shape())
             .field("strides", &self.layout.strides())
-            .field("ptr", &self.mem.as_ref().map(|m| m.device_ptr()))
+            .field("ptr", &format_args!("{:#x}", self.addr))
             .finish()
     }
 }
@@ -146,6 +170,7 @@ impl<T: Pod> DeviceArray<T> {
     /// An array over `mem` (from its first element on) with `layout`.
     pub(crate) fn from_parts(mem: Option<MemoryPointer>, layout: Layout) -> DeviceArray<T> {
         DeviceArray {
+            addr: mem.as_ref().map_or(0, |m| m.device_ptr().0),
             mem,
             layout,
             _elements: PhantomData,
@@ -160,11 +185,66 @@ impl<T: Pod> DeviceArray<T> {
             0 => None,
             n => Some(ctx.memalloc(n)?),
         };
-        Ok(DeviceArray {
-            mem,
-            layout,
-            _elements: PhantomData,
-        })
+        Ok(DeviceArray::from_parts(mem, layout))
+    }
+
+    /// As [`new`](Self::new), allocated in `stream`'s order (the manager's `memalloc_on`):
+    /// a stream-ordered manager hands out memory that is ready for work queued on `stream`,
+    /// and the array's memory keeps `stream` alive until it is freed there.
+    ///
+    /// ```
+    /// use emm_array::{DeviceArray, Order};
+    ///
+    /// let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// let ctx = runtime.context(0)?;
+    /// let s = ctx.create_stream()?;
+    /// let a = DeviceArray::<f64>::new_on(&ctx, &[4, 8], Order::F, &s)?;
+    /// assert_eq!((a.nbytes(), a.strides()), (256, &[8isize, 32][..]));
+    /// assert_eq!(a.memory().unwrap().stream(), Some(s.handle()));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn new_on(
+        ctx: &Context,
+        shape: &[usize],
+        order: Order,
+        stream: &Stream,
+    ) -> Result<DeviceArray<T>, ArrayError> {
+        let layout = Layout::contiguous(shape, order, std::mem::size_of::<T>())?;
+        let mem = match layout.nbytes() {
+            0 => None,
+            n => Some(ctx.memalloc_on(n, stream)?),
+        };
+        Ok(DeviceArray::from_parts(mem, layout))
+    }
+
+    /// As [`to_device`](Self::to_device), in `stream`'s order: the array is allocated on
+    /// `stream` and `host` copied into it after the work queued there; this returns once the
+    /// copy is done, because `host` is pageable memory. For a copy that overlaps the host's
+    /// work, copy from page-locked memory with
+    /// [`copy_from_pinned_async`](Self::copy_from_pinned_async).
+    ///
+    /// ```
+    /// use emm_array::{DeviceArray, Order};
+    ///
+    /// let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// let ctx = runtime.context(0)?;
+    /// let s = ctx.create_stream()?;
+    /// let a = DeviceArray::to_device_on(&ctx, &[1u16, 2, 3, 4], &[2, 2], Order::C, &s)?;
+    /// assert_eq!(a.copy_to_host_vec(&ctx)?, [1, 2, 3, 4]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn to_device_on(
+        ctx: &Context,
+        host: &[T],
+        shape: &[usize],
+        order: Order,
+        stream: &Stream,
+    ) -> Result<DeviceArray<T>, ArrayError> {
+        let a = DeviceArray::new_on(ctx, shape, order, stream)?;
+        a.copy_from_host_on(ctx, host, stream)?;
+        Ok(a)
     }
 
     /// A new array with `other`'s shape, in `other`'s order where it is contiguous in one
@@ -248,11 +328,7 @@ impl<T: Pod> DeviceArray<T> {
                 Some(m.view(start, Some(stop))?)
             }
         };
-        Ok(DeviceArray {
-            mem,
-            layout,
-            _elements: PhantomData,
-        })
+        Ok(DeviceArray::from_parts(mem, layout))
     }
 
     /// The same elements in `shape`, as a view (C order); a clear error where that would
@@ -352,6 +428,18 @@ impl<T: Pod> DeviceArray<T> {
             .ok_or_else(|| invalid(what, "the array has no elements; there is nothing to copy"))
     }
 
+    /// The array's elements in a new `Vec`, copied in `stream`'s order (after the work queued
+    /// there, a kernel's say); returns once the copy is done.
+    pub fn copy_to_host_vec_on(
+        &self,
+        ctx: &Context,
+        stream: &Stream,
+    ) -> Result<Vec<T>, ArrayError> {
+        let mut out = vec![T::zeroed(); self.size()];
+        self.copy_to_host_on(ctx, &mut out, stream)?;
+        Ok(out)
+    }
+
     /// Copies page-locked host memory into the array asynchronously on `stream`: `src` (at
     /// least the array's bytes, its elements in the array's contiguous order) travels with
     /// the copy and comes back from the returned [`InFlight`]'s `wait`. Pageable memory is
@@ -382,19 +470,87 @@ impl<T: Pod> DeviceArray<T> {
 
     /// Copies `src`'s elements into this array on the device (the same shape, both
     /// contiguous in one order, so the bytes are arranged alike), through emm's
-    /// device-to-device copy.
+    /// device-to-device copy. Both arrays are memory of `ctx`; [`copy_across`](Self::copy_across)
+    /// copies from another device's array.
     pub fn copy_to_device(&self, ctx: &Context, src: &DeviceArray<T>) -> Result<(), ArrayError> {
+        self.check_alike("copy_to_device", src)?;
+        if let (Some(d), Some(s)) = (&self.mem, &src.mem) {
+            ctx.copy_device(d, s, self.nbytes())?;
+        }
+        Ok(())
+    }
+
+    /// Copies `src`, an array of `src_ctx` (another device's, or `ctx` itself), into this
+    /// array of `ctx`, by `route`: [`Route::Peer`] is one device-to-device copy through unified
+    /// addressing; [`Route::Staged`] goes through a page-locked bounce buffer, 16 MiB at a
+    /// time, each device copying only its own memory (emm's staged path, which needs no peer
+    /// access and reaches stream-ordered pool memory of either side); [`Route::Auto`] is the
+    /// peer copy between devices that can access each other's memory and the staged one
+    /// otherwise. Arrays of one context take the plain device-to-device copy whatever the
+    /// route. The same shape and contiguous order are needed, as for
+    /// [`copy_to_device`](Self::copy_to_device).
+    ///
+    /// ```
+    /// use emm_array::{DeviceArray, Order, Route};
+    /// use driver_mock::{SimConfig, SimDeviceConfig, SimDriver};
+    ///
+    /// let two = SimConfig::with_devices(vec![SimDeviceConfig::new(64 << 20); 2]);
+    /// let runtime = emm::Runtime::builder(std::sync::Arc::new(SimDriver::new(two)))
+    ///     .ignore_env()
+    ///     .build()?;
+    /// let (c0, c1) = (runtime.context(0)?, runtime.context(1)?);
+    /// let a = DeviceArray::to_device(&c0, &[1u8, 2, 3, 4, 5, 6], &[2, 3], Order::C)?;
+    /// let b = DeviceArray::<u8>::new(&c1, &[2, 3], Order::C)?;
+    /// b.copy_across(&c1, &c0, &a, Route::Staged)?;
+    /// assert_eq!(b.copy_to_host_vec(&c1)?, [1, 2, 3, 4, 5, 6]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn copy_across(
+        &self,
+        ctx: &Context,
+        src_ctx: &Context,
+        src: &DeviceArray<T>,
+        route: Route,
+    ) -> Result<(), ArrayError> {
+        self.check_alike("copy_across", src)?;
+        let (Some(d), Some(s)) = (&self.mem, &src.mem) else {
+            return Ok(());
+        };
+        if ctx.handle() == src_ctx.handle() {
+            ctx.copy_device(d, s, self.nbytes())?;
+            return Ok(());
+        }
+        let route = match route {
+            Route::Auto if ctx.can_access_peer(src_ctx.device())? => Route::Peer,
+            Route::Auto => Route::Staged,
+            r => r,
+        };
+        let bytes = self.nbytes();
+        match route {
+            Route::Peer => ctx.copy_peer(d, src_ctx, s, bytes)?,
+            _ => {
+                let chunk = bytes.min(STAGING_CHUNK);
+                // Portable: page-locked for both contexts.
+                let bounce = src_ctx.memhostalloc(chunk, false, true, false)?;
+                for start in (0..bytes).step_by(STAGING_CHUNK) {
+                    let n = (bytes - start).min(STAGING_CHUNK);
+                    src_ctx.copy_device_to_pinned(&bounce, &s.view(start, Some(start + n))?, n)?;
+                    ctx.copy_pinned_to_device(&d.view(start, Some(start + n))?, &bounce, n)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a copy between arrays whose bytes are not arranged alike.
+    fn check_alike(&self, what: &'static str, src: &DeviceArray<T>) -> Result<(), ArrayError> {
         let alike = (self.is_c_contiguous() && src.is_c_contiguous())
             || (self.is_f_contiguous() && src.is_f_contiguous());
         if src.shape() != self.shape() || !alike {
             return Err(invalid(
-                "copy_to_device",
+                what,
                 "the arrays differ in shape or strides; copy between arrays of one layout",
             ));
-        }
-        self.check_host(src.size())?;
-        if let (Some(d), Some(s)) = (&self.mem, &src.mem) {
-            ctx.copy_device(d, s, self.nbytes())?;
         }
         Ok(())
     }

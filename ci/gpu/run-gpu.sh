@@ -99,10 +99,10 @@ if [ -x "$here/bin/soak" ]; then
     [ "$rc" = 0 ] || status=1
     rm -f "$out"
 fi
-for ex in quickstart driver_probe; do
+for ex in quickstart driver_probe array_kernel; do
     if [ -x "$here/bin/$ex" ]; then
         echo "=== $ex" >>"$log"
-        if EMM_DRIVER=cuda "$here/bin/$ex" >>"$log" 2>&1; then
+        if EMM_DRIVER=cuda EMM_REQUIRE_GPU=1 "$here/bin/$ex" >>"$log" 2>&1; then
             summary+=("$(printf '%-22s ok' "$ex")")
         else
             summary+=("$(printf '%-22s FAILED' "$ex")"); status=1

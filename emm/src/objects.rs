@@ -62,6 +62,9 @@ pub struct Stream {
     /// For a created stream: queues its destruction when the stream and every memory
     /// ordered on it are gone.
     destroy: Option<Arc<StreamDestroy>>,
+    /// For an external stream wrapped with its owner: what keeps the other library's stream
+    /// alive, held by the stream and by every memory ordered on it.
+    owner: Option<HostOwner>,
 }
 
 /// The destruction of a created stream, shared by the [`Stream`] and the memory ordered on
@@ -83,7 +86,10 @@ impl OrderedOn for Stream {
     }
 
     fn keep_alive(&self) -> Option<HostOwner> {
-        self.destroy.clone().map(|d| d as HostOwner)
+        match &self.destroy {
+            Some(d) => Some(Arc::clone(d) as HostOwner),
+            None => self.owner.clone(),
+        }
     }
 }
 
@@ -118,7 +124,20 @@ impl Stream {
             kind,
             cx,
             destroy: queue.map(|queue| Arc::new(StreamDestroy { handle, queue })),
+            owner: None,
         }
+    }
+
+    /// An external stream that `owner` keeps alive: the stream and every memory ordered on it
+    /// hold `owner`.
+    pub(crate) fn external_owned(
+        handle: StreamHandle,
+        cx: ManagerContext,
+        owner: HostOwner,
+    ) -> Stream {
+        let mut s = Stream::new(handle, StreamKind::External, cx, None);
+        s.owner = Some(owner);
+        s
     }
 
     /// The driver's stream handle (`CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD` for the

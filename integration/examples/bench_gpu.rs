@@ -390,6 +390,21 @@ fn copies(driver: &Arc<dyn Driver>) {
         out("copy-htod", "raw pinned", size, 1, gbs(ns), "GB/s");
         let ns = per_op(iters, |n| {
             for _ in 0..n {
+                // SAFETY: `pinned` is live host memory of `size` bytes that nothing else reads
+                // or writes during the copy; `dev` is live device memory of `size` bytes.
+                unsafe {
+                    driver.memcpy_dtoh(
+                        h,
+                        std::slice::from_raw_parts_mut(pinned.host_ptr().0 as *mut u8, size),
+                        dev.device_ptr(),
+                    )
+                }
+                .expect("cuMemcpyDtoH");
+            }
+        });
+        out("copy-dtoh", "raw pinned", size, 1, gbs(ns), "GB/s");
+        let ns = per_op(iters, |n| {
+            for _ in 0..n {
                 ctx.copy_to_device(&dev, &pageable).expect("copy");
             }
         });
@@ -412,9 +427,50 @@ fn copies(driver: &Arc<dyn Driver>) {
             driver.stream_synchronize(h, StreamHandle(0)).expect("sync");
         });
         out("copy-dtod", "raw", size, 1, gbs(ns), "GB/s");
+        typed_copies(&ctx, size, iters);
         size *= 8;
     }
     ctx.trim().expect("trim");
+}
+
+/// The same copies through `emm_array`'s typed arrays (f32 elements), beside the raw figures
+/// `copies` prints for the size: host to device from a page-locked slice (`with_pinned`), from
+/// pageable memory, device to host into the pinned slice, and device to device.
+fn typed_copies(ctx: &Context, size: usize, iters: usize) {
+    use emm_array::{DeviceArray, Order, with_pinned};
+    let n = size / 4;
+    let gbs = |ns: f64| size as f64 / ns;
+    let a = DeviceArray::<f32>::new(ctx, &[n], Order::C).expect("array");
+    let b = DeviceArray::<f32>::new(ctx, &[n], Order::C).expect("array");
+    let mut host = vec![1f32; n];
+    with_pinned(ctx, &mut host, |pinned| {
+        let ns = per_op(iters, |k| {
+            for _ in 0..k {
+                pinned.copy_to_device(ctx, &a).expect("copy");
+            }
+        });
+        out("copy-htod", "array pinned", size, 1, gbs(ns), "GB/s");
+        let ns = per_op(iters, |k| {
+            for _ in 0..k {
+                pinned.copy_from_device(ctx, &a).expect("copy");
+            }
+        });
+        out("copy-dtoh", "array pinned", size, 1, gbs(ns), "GB/s");
+    })
+    .expect("pin");
+    let ns = per_op(iters, |k| {
+        for _ in 0..k {
+            a.copy_from_host(ctx, &host).expect("copy");
+        }
+    });
+    out("copy-htod", "array pageable", size, 1, gbs(ns), "GB/s");
+    let ns = per_op(iters, |k| {
+        for _ in 0..k {
+            b.copy_to_device(ctx, &a).expect("copy");
+        }
+        ctx.default_stream().synchronize().expect("sync");
+    });
+    out("copy-dtod", "array", size, 1, gbs(ns), "GB/s");
 }
 
 /// Stream-ordered alloc + free pairs on a created (non-blocking) stream: the raw driver's pool

@@ -23,6 +23,8 @@ use emm::{
     DeferCleanup, EmmError, HostMemory, IpcHandle, ManagedMemory, MemoryPointer, Runtime,
     StreamOrdering,
 };
+mod array;
+
 use pyo3::create_exception;
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -616,6 +618,29 @@ impl Context {
         self.inner.memory_manager_name().to_owned()
     }
 
+    /// A new n-d array of `shape` and `dtype` (a NumPy name: "float32", "int64", ...) in
+    /// `order` ("C" or "F"), from the manager: `emm.Array`, which PyTorch, CuPy and other
+    /// DLPack consumers take without a copy (`torch.from_dlpack(a)`).
+    #[pyo3(signature = (shape, dtype, order="C"))]
+    fn device_array(
+        &self,
+        py: Python<'_>,
+        shape: Vec<usize>,
+        dtype: &str,
+        order: &str,
+    ) -> PyResult<array::Array> {
+        array::Array::allocate(&self.inner, py, shape, dtype, order)
+    }
+
+    /// Another library's device array (anything with `__dlpack__`: a PyTorch tensor, a CuPy
+    /// array) as an `emm.Array` of this device, without a copy; emm never frees it, and the
+    /// producer's deleter runs once, when the last emm view of it is gone.
+    // The name is the DLPack protocol's (`torch.from_dlpack`, `cupy.from_dlpack`).
+    #[allow(clippy::wrong_self_convention)]
+    fn from_dlpack(&self, obj: &Bound<'_, PyAny>) -> PyResult<array::Array> {
+        array::Array::import(&self.inner, obj)
+    }
+
     /// `size` bytes of device memory.
     fn memalloc(&self, py: Python<'_>, size: usize) -> PyResult<DeviceBuffer> {
         py.detach(|| self.inner.memalloc(size))
@@ -1075,6 +1100,7 @@ fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PinnedResource>()?;
     m.add_class::<ManagedResource>()?;
     m.add_class::<DeviceBuffer>()?;
+    m.add_class::<array::Array>()?;
     m.add_class::<HostBuffer>()?;
     m.add_class::<ManagedBuffer>()?;
     m.add_class::<Ipc>()?;

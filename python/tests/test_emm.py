@@ -407,3 +407,65 @@ def test_cupy_allocator_on_the_simulator():
     out = run_python(code, PYTHONPATH=stubs + os.pathsep + os.environ.get("PYTHONPATH", ""))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_arrays_speak_dlpack(ctx):
+    """emm.Array through DLPack into emm again (both ABIs): the same memory and bytes; the
+    import holds the exporter's memory after the exporter is gone; an unconsumed capsule frees
+    what it held; a capsule is used once; bad arguments are refused with a reason."""
+    import struct
+
+    a = ctx.device_array((3, 4), "float32", order="F")
+    assert (a.shape, a.strides, a.dtype, a.nbytes) == ([3, 4], [4, 12], "float32", 48)
+    data = struct.pack("12f", *[i * 0.5 for i in range(12)])
+    a.write(data)
+    assert a.__dlpack_device__() == (2, ctx.device)
+
+    class Producer:
+        """Hands out `a`'s capsule the way a framework would (legacy when asked to)."""
+
+        def __init__(self, legacy):
+            self.legacy = legacy
+
+        def __dlpack__(self, stream=None, max_version=None):
+            if self.legacy:
+                if max_version is not None:
+                    raise TypeError("an old producer: no max_version")
+                return a.__dlpack__(stream=stream)
+            return a.__dlpack__(stream=stream, max_version=max_version)
+
+    for legacy in (False, True):
+        b = ctx.from_dlpack(Producer(legacy))
+        assert (b.shape, b.strides, b.dtype, b.ptr) == (a.shape, a.strides, "float32", a.ptr)
+        assert b.read() == data
+    b = ctx.from_dlpack(Producer(False))
+    del a
+    ctx.flush()
+    assert b.read() == data, "the import keeps the exported memory"
+
+    before = ctx.get_memory_info()[0]
+    c = ctx.device_array((1 << 20,), "uint8")
+    cap = c.__dlpack__(max_version=(1, 0))
+    del c
+    ctx.flush()
+    del cap  # never consumed: its destructor gives the memory back
+    ctx.flush()
+    assert ctx.get_memory_info()[0] == before
+
+    class Twice:
+        def __init__(self):
+            self.cap = b.__dlpack__()
+
+        def __dlpack__(self, stream=None, max_version=None):
+            return self.cap
+
+    t = Twice()
+    ctx.from_dlpack(t)
+    with pytest.raises(ValueError, match="used once"):
+        ctx.from_dlpack(t)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        ctx.device_array((2,), "float8")
+    with pytest.raises(BufferError, match="without copying"):
+        b.__dlpack__(copy=True)
+    empty = ctx.device_array((0, 5), "int64")
+    assert (empty.ptr, empty.read()) == (0, b"")

@@ -318,3 +318,54 @@ def test_numba_deallocation_rules():
         EMM_MEMORY_MANAGER="default",
     )
     assert "deallocations ok" in out
+
+
+@pytest.mark.parametrize("manager", ["default", "pool", "async-pool"])
+def test_dlpack_round_trips_with_torch_and_cupy(manager):
+    """A tensor made by PyTorch (and an array made by CuPy) is imported by emm and read back;
+    an emm array is consumed by PyTorch and CuPy and read there; the producer's deleter runs
+    once (CuPy's array is collected only after emm's view is gone)."""
+    needs_gpu("PyTorch and CuPy")
+    needs_module("torch")
+    needs_module("cupy")
+    out = run(
+        """
+    import gc, struct, sys, weakref
+    import torch, cupy, emm
+    ctx = emm.context(0)
+
+    t = torch.arange(12, device="cuda", dtype=torch.float32).reshape(3, 4)
+    a = ctx.from_dlpack(t)
+    assert (a.shape, a.strides, a.dtype, a.ptr) == ([3, 4], [16, 4], "float32", t.data_ptr())
+    assert a.read() == t.cpu().numpy().tobytes()
+    torch.cuda.synchronize()
+
+    c = cupy.arange(10, dtype=cupy.int64) * 3
+    gone = weakref.ref(c)
+    b = ctx.from_dlpack(c)
+    assert b.read() == c.get().tobytes()
+    del c
+    gc.collect()
+    assert gone() is not None, "emm's import holds CuPy's array"
+    del b
+    gc.collect()
+    assert gone() is None, "the deleter ran: CuPy's array is collected"
+
+    e = ctx.device_array((4, 5), "float64", order="F")
+    e.write(struct.pack("20d", *range(20)))
+    te = torch.from_dlpack(e)
+    assert te.shape == (4, 5) and te.stride() == (1, 4) and te.data_ptr() == e.ptr
+    assert te.sum().item() == sum(range(20))
+    ce = cupy.from_dlpack(e)
+    assert int(ce[3, 4]) == 19 and ce.data.ptr == e.ptr
+    te.mul_(2)
+    torch.cuda.synchronize()
+    assert struct.unpack("20d", e.read()) == tuple(2.0 * i for i in range(20))
+    del e, te, ce
+    gc.collect()
+    ctx.flush()
+    print("dlpack ok", ctx.manager)
+    """,
+        EMM_MEMORY_MANAGER=manager,
+    )
+    assert "dlpack ok" in out

@@ -477,6 +477,18 @@ impl Context {
         self.implicit_stream(handle, StreamKind::External)
     }
 
+    /// Wraps another library's stream that `owner` keeps alive (a cudarc `Arc<CudaStream>`,
+    /// say): unlike [`external_stream`](Self::external_stream), the returned [`Stream`] and
+    /// every memory ordered on it (allocated on it, or freed on it) hold `owner`, so the stream
+    /// outlives the last stream-ordered free emm queues on it. emm never destroys it.
+    ///
+    /// # Safety
+    ///
+    /// `handle` is a stream of this context that stays alive as long as `owner` does.
+    pub unsafe fn external_stream_owned(&self, handle: StreamHandle, owner: HostOwner) -> Stream {
+        Stream::external_owned(handle, self.inner.cx.clone(), owner)
+    }
+
     fn implicit_stream(&self, handle: StreamHandle, kind: StreamKind) -> Stream {
         Stream::new(handle, kind, self.inner.cx.clone(), None)
     }
@@ -612,6 +624,33 @@ impl Context {
             return Err(EmmError::OverlappingCopy { bytes });
         }
         let _live = self.inner.cx.enter_copy(WHAT, src, bytes)?;
+        self.inner
+            .cx
+            .copy_device_to_device(dst.device_ptr(), src.device_ptr(), bytes, dst)
+    }
+
+    /// Copies the first `bytes` bytes of `src`, memory of `src_ctx` (another device's context,
+    /// or this one), to the start of `dst`, memory of this context, synchronously: a
+    /// device-to-device copy through unified addressing (`cuMemcpyDtoD`), which the driver
+    /// runs directly between peers and stages through host memory between devices that are
+    /// not. Both contexts stay alive for the copy. Stream-ordered pool memory is reached only
+    /// from devices its pool grants access; copy it through page-locked host memory instead
+    /// (`emm_array`'s staged route does).
+    pub fn copy_peer(
+        &self,
+        dst: &MemoryPointer,
+        src_ctx: &Context,
+        src: &MemoryPointer,
+        bytes: usize,
+    ) -> Result<(), EmmError> {
+        if src_ctx.inner.cx.context == self.inner.cx.context {
+            return self.copy_device(dst, src, bytes);
+        }
+        let _src_live = src_ctx
+            .inner
+            .cx
+            .enter_copy("peer copy (source)", src, bytes)?;
+        tracing::trace!(from = %src_ctx.device(), to = %self.device(), bytes, "peer copy");
         self.inner
             .cx
             .copy_device_to_device(dst.device_ptr(), src.device_ptr(), bytes, dst)

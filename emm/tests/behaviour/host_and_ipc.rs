@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::common::runtime;
+use crate::common::{runtime, sim};
 use driver_mock::{Fault, Op, SimConfig, SimDeviceConfig, SimDriver};
 use driver_sys::{DeviceOrdinal, ErrorKind};
 use emm::{EmmError, HostAllocFlags, HostMemory, IpcHandle, PinnableBuffer, Runtime};
@@ -339,4 +339,36 @@ fn memhostalloc_from_the_driver_host_pool() {
     let e =
         emm::runtime::config::host_memory_pool_from_lookup(|_| Some("maybe".into())).unwrap_err();
     assert!(e.to_string().contains("EMM_HOST_MEMORY_POOL"), "{e}");
+}
+
+/// An external stream wrapped with its owner: the stream and every memory ordered on it hold
+/// the owner (another library's stream object), so it outlives the last stream-ordered free,
+/// under a manager that frees on the stream and one that does not.
+#[test]
+fn an_owned_external_stream_outlives_the_memory_ordered_on_it() {
+    for manager in ["default", "async-pool"] {
+        let sim = sim();
+        let rt = crate::common::runtime_with(&sim, manager);
+        let ctx = rt.context(0).unwrap();
+        let theirs = ctx.create_stream().unwrap();
+        let owner: Arc<()> = Arc::new(());
+        // SAFETY: `theirs` is a stream of this context that outlives `owner` (dropped last).
+        let s = unsafe { ctx.external_stream_owned(theirs.handle(), owner.clone()) };
+        assert_eq!(s.kind(), emm::StreamKind::External);
+        let mem = ctx.memalloc_on(64, &s).unwrap();
+        drop(s);
+        assert_eq!(
+            Arc::strong_count(&owner),
+            2,
+            "{manager}: the memory holds the owner"
+        );
+        drop(mem);
+        ctx.flush_deallocations().unwrap();
+        assert_eq!(
+            Arc::strong_count(&owner),
+            1,
+            "{manager}: released after the free"
+        );
+        drop(theirs);
+    }
 }

@@ -209,6 +209,7 @@ const MULTI_DEVICE: &[SuiteTest] = suite_tests![
     multi_device::contexts_on_every_device,
     multi_device::ipc_between_processes_on_different_devices[IpcExport],
     multi_device::wrong_context_conformance,
+    multi_device::arrays_across_devices,
 ];
 
 /// The GPU is one shared device: CUDA tests run one at a time (some fill its memory).
