@@ -486,8 +486,9 @@ impl<T: Pod> DeviceArray<T> {
     /// time, each device copying only its own memory (emm's staged path, which needs no peer
     /// access and reaches stream-ordered pool memory of either side); [`Route::Auto`] is the
     /// peer copy between devices that can access each other's memory and the staged one
-    /// otherwise. Arrays of one context take the plain device-to-device copy whatever the
-    /// route. The same shape and contiguous order are needed, as for
+    /// otherwise, and whenever either context's manager hands out memory of the driver's
+    /// stream-ordered pool (which a peer copy cannot reach: [`Route::Peer`] is refused there).
+    /// Arrays of one context take the plain device-to-device copy whatever the route. The same shape and contiguous order are needed, as for
     /// [`copy_to_device`](Self::copy_to_device).
     ///
     /// ```
@@ -520,9 +521,23 @@ impl<T: Pod> DeviceArray<T> {
             ctx.copy_device(d, s, self.nbytes())?;
             return Ok(());
         }
+        // Memory of the driver's stream-ordered pools is reached only from devices its pool
+        // grants access, which emm's stream-ordered managers do not grant (measured on two
+        // H200s: the peer copy fails with CUDA_ERROR_INVALID_VALUE).
+        let pooled = [ctx, src_ctx]
+            .iter()
+            .any(|c| c.stream_ordering() == emm::StreamOrdering::Driver);
         let route = match route {
-            Route::Auto if ctx.can_access_peer(src_ctx.device())? => Route::Peer,
+            Route::Auto if !pooled && ctx.can_access_peer(src_ctx.device())? => Route::Peer,
             Route::Auto => Route::Staged,
+            Route::Peer if pooled => {
+                return Err(invalid(
+                    "copy_across",
+                    "a peer copy cannot reach memory of the driver's stream-ordered pool from \
+                     another device (the pool grants no access to it); use Route::Staged or \
+                     Route::Auto",
+                ));
+            }
             r => r,
         };
         let bytes = self.nbytes();

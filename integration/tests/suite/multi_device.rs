@@ -170,9 +170,18 @@ pub fn arrays_across_devices(target: Target) -> Result<(), Failed> {
             };
             let a =
                 DeviceArray::to_device(&c0, &data, &shape, Order::F).map_err(|e| e.to_string())?;
+            let pooled = c0.stream_ordering() == emm::StreamOrdering::Driver;
             for route in [Route::Peer, Route::Staged, Route::Auto] {
                 let b =
                     DeviceArray::<u32>::new(&c1, &shape, Order::F).map_err(|e| e.to_string())?;
+                if pooled && route == Route::Peer {
+                    let refused = b.copy_across(&c1, &c0, &a, route);
+                    ensure!(
+                        refused.is_err_and(|e| e.to_string().contains("stream-ordered pool")),
+                        "a peer copy of stream-ordered pool memory was not refused clearly"
+                    );
+                    continue;
+                }
                 b.copy_across(&c1, &c0, &a, route)
                     .map_err(|e| format!("peers {peers}, {route:?}, 0 -> 1: {e}"))?;
                 ensure!(

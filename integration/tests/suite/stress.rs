@@ -28,8 +28,36 @@ pub fn stress_mixed_operations(target: Target) -> Result<(), Failed> {
     queue.flush()?;
     ctx.reset()?;
     ensure_eq!(queue.len(), 0);
-    let free = ctx.get_memory_info()?.free;
-    integration::ensure_memory_back(free, baseline, &format!("after {resets} concurrent resets"))?;
+    let what = format!("after {resets} concurrent resets");
+    let back = |what: &str| -> Result<(), String> {
+        let free = ctx.get_memory_info().map_err(|e| e.to_string())?.free;
+        integration::ensure_memory_back(free, baseline, what)
+    };
+    if let Err(short) = back(&what) {
+        if !integration::hands_out_managed_memory() {
+            return Err(short.into());
+        }
+        // Managed memory: the driver may count destroyed managed pools' memory until later
+        // pools are destroyed. Measured on two H200s (driver 580.159.04): 32 to 96 MiB short
+        // after ~100 concurrent resets, in 32 MiB steps, each later pool made and reset giving
+        // one step back, while emm's log showed every pool it created destroyed (76 of 76, 98
+        // of 98). Up to four more pools, made and reset, tell that apart from memory emm still
+        // holds, which resets of new pools cannot give back.
+        let mut cycles = 0;
+        loop {
+            cycles += 1;
+            drop(ctx.memalloc(1)?);
+            queue.flush()?;
+            ctx.reset()?;
+            let again = format!("{what}, and {cycles} more pool resets");
+            match back(&again) {
+                Ok(()) => break,
+                Err(_) if cycles < 4 => {}
+                Err(e) => return Err(format!("{short}; {e}").into()),
+            }
+        }
+        eprintln!("note: {short}; back after {cycles} more pools were made and reset");
+    }
     if let Some(sim) = t.sim() {
         let leaks = sim.leak_report();
         ensure!(leaks.no_memory_leaked(), "{leaks}");
