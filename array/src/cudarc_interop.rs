@@ -40,6 +40,21 @@ impl<T: Pod> DeviceArray<T> {
     /// Lends the array to cudarc's copies and memsets on `stream` (`CudaStream::memcpy_htod`
     /// into it, `memcpy_dtoh` out of it, `memset_zeros`). The array must be contiguous (a
     /// cudarc slice is one run of elements) and live in `stream`'s context.
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use emm_array::{DeviceArray, Order};
+    /// let driver = Arc::new(emm::driver_sys::CudaDriver::load()?);
+    /// let runtime = emm::Runtime::new(driver)?;
+    /// let ctx = runtime.context(0)?;
+    /// let cuda = cudarc::driver::CudaContext::new(0)?; // the same primary context
+    /// let stream = cuda.new_stream()?;
+    /// let a = DeviceArray::<f32>::new(&ctx, &[256], Order::C)?;
+    /// stream.memcpy_htod(&[1.0f32; 256], &mut a.cudarc_view(&stream)?)?;
+    /// let mut back = [0f32; 256];
+    /// stream.memcpy_dtoh(&a.cudarc_view(&stream)?, &mut back)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn cudarc_view<'a>(
         &'a self,
         stream: &'a Arc<CudaStream>,
@@ -109,6 +124,19 @@ unsafe impl<'a, 'b: 'a, T: Pod> PushKernelArg<&'b mut DeviceArray<T>> for Launch
 /// copies on it run in its order, and the returned stream and every memory ordered on it
 /// hold `stream` (an `Arc`), so it is not destroyed before the last stream-ordered free emm
 /// queues on it. An error when the stream is of another context than `ctx`.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use emm_array::{DeviceArray, Order};
+/// let runtime = emm::Runtime::new(Arc::new(emm::driver_sys::CudaDriver::load()?))?;
+/// let ctx = runtime.context(0)?;
+/// let cuda = cudarc::driver::CudaContext::new(0)?;
+/// let stream = cuda.new_stream()?;
+/// let on = emm_array::cudarc::emm_stream(&ctx, &stream)?;
+/// let a = DeviceArray::<f32>::new_on(&ctx, &[1024], Order::C, &on)?; // allocated in the stream's order
+/// drop((a, on)); // freed on the stream, which stays alive until then
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn emm_stream(ctx: &Context, stream: &Arc<CudaStream>) -> Result<emm::Stream, ArrayError> {
     check_context("emm_stream", ctx.handle().0, stream.context())?;
     let handle = StreamHandle(stream.cu_stream() as u64);
@@ -128,6 +156,19 @@ pub fn emm_stream(ctx: &Context, stream: &Arc<CudaStream>) -> Result<emm::Stream
 /// `stream` (and, for a stream emm created, the [`emm::Stream`] that owns it) outlives the
 /// returned `Arc` and every clone of it, and nothing launched through it runs after the
 /// stream is destroyed.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// let runtime = emm::Runtime::new(Arc::new(emm::driver_sys::CudaDriver::load()?))?;
+/// let ctx = runtime.context(0)?;
+/// let cuda = cudarc::driver::CudaContext::new(0)?;
+/// let s = ctx.create_stream()?;
+/// // SAFETY: `s` outlives `lent`, dropped first; nothing runs on it after.
+/// let lent = unsafe { emm_array::cudarc::cudarc_stream(&cuda, &ctx, &s) }?;
+/// lent.synchronize()?;
+/// drop(lent);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub unsafe fn cudarc_stream(
     cuda: &Arc<CudaContext>,
     ctx: &Context,

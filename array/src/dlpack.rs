@@ -37,6 +37,19 @@ struct Exported {
 /// Exports memory with `layout` (strides in bytes, from `mem`'s first byte on) as a DLPack
 /// tensor of `dtype` on `device`, holding `mem` until the consumer's deleter runs. An error
 /// when a stride is not a whole number of elements, or the shape does not fit DLPack's `i64`.
+///
+/// ```
+/// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+/// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+/// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+/// # let ctx = runtime.context(0)?;
+/// use dlpark::ffi::{DLDataType, DLDevice, DLManagedTensor};
+/// let mem = ctx.memalloc(24)?;
+/// let layout = Layout::contiguous(&[2, 3], Order::C, 4)?;
+/// let t = emm_array::dlpack::export_memory::<DLManagedTensor>(Some(mem), &layout, DLDataType::F32, DLDevice::cuda(0))?;
+/// assert_eq!(t.validate()?.strides(), Some(&[3i64, 1][..]));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn export_memory<M: ManagedTensorBase>(
     mem: Option<MemoryPointer>,
     layout: &Layout,
@@ -113,6 +126,18 @@ fn finish_export<M: ManagedTensorBase>(
 /// The tensor's deleter runs when the last view of the pointer drops, or before this returns
 /// an error. Device memory (CUDA) and managed memory (CUDA managed) of `ctx`'s device are
 /// accepted.
+///
+/// ```
+/// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+/// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+/// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+/// # let ctx = runtime.context(0)?;
+/// let a = DeviceArray::to_device(&ctx, &[1u16, 2, 3], &[3], Order::C)?;
+/// let (mem, layout, dtype) = emm_array::dlpack::import_memory(&ctx, a.to_dlpack()?)?;
+/// assert_eq!((layout.shape(), dtype), (&[3][..], dlpark::ffi::DLDataType::U16));
+/// assert_eq!(mem.unwrap().device_ptr(), a.memory().unwrap().device_ptr());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn import_memory<M: ManagedTensorBase + 'static>(
     ctx: &Context,
     tensor: Managed<M>,
@@ -227,6 +252,17 @@ impl<T: Pod + DlpackElement> DeviceArray<T> {
 
     /// As [`to_dlpack`](Self::to_dlpack), in the ABI `M` (`dlpark::ffi::DLManagedTensor` for
     /// consumers of the legacy, unversioned one).
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[1i8, 2], &[2], Order::C)?;
+    /// let legacy = a.to_dlpack_as::<dlpark::ffi::DLManagedTensor>()?;
+    /// assert_eq!(legacy.validate()?.dtype(), dlpark::ffi::DLDataType::I8);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn to_dlpack_as<M: ManagedTensorBase>(&self) -> Result<Managed<M>, ArrayError> {
         let device = match self.memory() {
             Some(m) => m.device().0,
@@ -244,6 +280,19 @@ impl<T: Pod + DlpackElement> DeviceArray<T> {
     /// own its memory; the tensor's deleter runs exactly once, when the last view of the array
     /// drops (at once if the import is refused). Refused: memory of another device or in host
     /// memory, an element type other than `T`, negative strides.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[1u32, 2, 3, 4], &[2, 2], Order::C)?;
+    /// let b = DeviceArray::<u32>::from_dlpack(&ctx, a.to_dlpack()?)?;
+    /// assert_eq!(b.copy_to_host_vec(&ctx)?, [1, 2, 3, 4]);
+    /// let wrong = DeviceArray::<f32>::from_dlpack(&ctx, a.to_dlpack()?);
+    /// assert!(wrong.unwrap_err().to_string().contains("import it as an array of its own element type"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn from_dlpack<M: ManagedTensorBase + 'static>(
         ctx: &Context,
         tensor: Managed<M>,

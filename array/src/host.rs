@@ -50,6 +50,16 @@ impl<T: Pod> HostArray<T> {
 
     /// A page-locked array (Numba's `pinned_array`): fast, asynchronous copies; not reached by
     /// kernels.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let h = HostArray::<f64>::pinned(&ctx, &[2, 2], Order::C)?;
+    /// assert!(h.host_memory().is_some_and(|m| m.mapped().is_none()));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn pinned(
         ctx: &Context,
         shape: &[usize],
@@ -62,6 +72,17 @@ impl<T: Pod> HostArray<T> {
 
     /// A page-locked array mapped into the device (Numba's `mapped_array`): kernels reach it
     /// through [`device_view`](Self::device_view).
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let h = HostArray::<u32>::mapped(&ctx, &[4], Order::C)?;
+    /// h.write(&[1, 2, 3, 4])?;
+    /// assert_eq!(h.device_view()?.copy_to_host_vec(&ctx)?, [1, 2, 3, 4]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn mapped(
         ctx: &Context,
         shape: &[usize],
@@ -74,6 +95,17 @@ impl<T: Pod> HostArray<T> {
 
     /// A managed array (Numba's `managed_array`), attached globally: one address for the host
     /// and the devices.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let h = HostArray::<u32>::managed(&ctx, &[4], Order::C)?;
+    /// h.write(&[4, 3, 2, 1])?;
+    /// assert_eq!(h.read()?, [4, 3, 2, 1]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn managed(
         ctx: &Context,
         shape: &[usize],
@@ -85,21 +117,61 @@ impl<T: Pod> HostArray<T> {
     }
 
     /// The shape.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let h = HostArray::<u8>::pinned(&ctx, &[2, 5], Order::F)?;
+    /// assert_eq!(h.shape(), &[2, 5]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn shape(&self) -> &[usize] {
         self.layout.shape()
     }
 
     /// The layout.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let h = HostArray::<u8>::pinned(&ctx, &[2, 5], Order::F)?;
+    /// assert_eq!(h.layout().strides(), &[1, 2]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
 
     /// Number of elements.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let h = HostArray::<u8>::pinned(&ctx, &[2, 5], Order::F)?;
+    /// assert_eq!(h.size(), 10);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn size(&self) -> usize {
         self.layout.size()
     }
 
     /// The page-locked memory (`None` for a managed array or one without elements).
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let h = HostArray::<u8>::managed(&ctx, &[8], Order::C)?;
+    /// assert!(h.host_memory().is_none()); // managed, not page-locked
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn host_memory(&self) -> Option<&HostMemory> {
         match &self.backing {
             Backing::Host(h) => Some(h),
@@ -109,6 +181,17 @@ impl<T: Pod> HostArray<T> {
 
     /// Copies `data` (exactly the array's size, in its order) into the array. Work on the
     /// device that uses the memory must be done first.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let h = HostArray::<i16>::pinned(&ctx, &[3], Order::C)?;
+    /// h.write(&[-1, 0, 1])?;
+    /// assert!(h.write(&[1]).is_err()); // the wrong length
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn write(&self, data: &[T]) -> Result<(), ArrayError> {
         if data.len() != self.size() {
             return Err(ArrayError::HostLength {
@@ -127,6 +210,17 @@ impl<T: Pod> HostArray<T> {
 
     /// The array's elements, copied out (in its order). Work on the device that writes the
     /// memory must be done first.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let h = HostArray::<i16>::pinned(&ctx, &[3], Order::C)?;
+    /// h.write(&[-1, 0, 1])?;
+    /// assert_eq!(h.read()?, [-1, 0, 1]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn read(&self) -> Result<Vec<T>, ArrayError> {
         let mut out = vec![T::zeroed(); self.size()];
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
@@ -140,6 +234,19 @@ impl<T: Pod> HostArray<T> {
 
     /// The same memory as a device array (mapped and managed arrays; an array without
     /// elements gives an empty one). A pinned array that is not mapped has no device view.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let m = HostArray::<u8>::mapped(&ctx, &[2], Order::C)?;
+    /// m.write(&[7, 9])?;
+    /// assert_eq!(m.device_view()?.copy_to_host_vec(&ctx)?, [7, 9]);
+    /// let p = HostArray::<u8>::pinned(&ctx, &[2], Order::C)?;
+    /// assert!(p.device_view().is_err()); // not mapped: no device address
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn device_view(&self) -> Result<DeviceArray<T>, ArrayError> {
         let mem = match &self.backing {
             Backing::Host(h) => Some(
@@ -173,22 +280,67 @@ pub struct PinnedSlice<'a, T: Pod> {
 
 impl<T: Pod> PinnedSlice<'_, T> {
     /// The elements.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let mut host = vec![3u8; 16];
+    /// emm_array::with_pinned(&ctx, &mut host, |p| assert_eq!(p.as_slice()[0], 3))?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn as_slice(&self) -> &[T] {
         self.host
     }
 
     /// The elements, to change between copies.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let mut host = vec![0u8; 16];
+    /// emm_array::with_pinned(&ctx, &mut host, |p| p.as_mut_slice().fill(1))?;
+    /// assert_eq!(host, [1; 16]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn as_mut_slice(&mut self) -> &mut [T] {
         self.host
     }
 
     /// Copies the slice into `dst` (exactly its size, contiguous) from page-locked memory.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let d = DeviceArray::<u8>::new(&ctx, &[4], Order::C)?;
+    /// let mut host = vec![1u8, 2, 3, 4];
+    /// emm_array::with_pinned(&ctx, &mut host, |p| p.copy_to_device(&ctx, &d))??;
+    /// assert_eq!(d.copy_to_host_vec(&ctx)?, [1, 2, 3, 4]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn copy_to_device(&self, ctx: &Context, dst: &DeviceArray<T>) -> Result<(), ArrayError> {
         dst.copy_from_host(ctx, self.host)
     }
 
     /// Copies `src` (exactly the slice's size, contiguous) into the slice, to page-locked
     /// memory.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let d = DeviceArray::to_device(&ctx, &[5u8, 6], &[2], Order::C)?;
+    /// let mut host = vec![0u8; 2];
+    /// emm_array::with_pinned(&ctx, &mut host, |p| p.copy_from_device(&ctx, &d))??;
+    /// assert_eq!(host, [5, 6]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn copy_from_device(
         &mut self,
         ctx: &Context,

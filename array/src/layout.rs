@@ -26,6 +26,14 @@ impl Layout {
     /// A contiguous layout of `shape` in `order` for elements of `itemsize` bytes. Refused
     /// when the element count or the byte size overflows (`ShapeOverflow`); zero-sized
     /// dimensions are allowed (the array then holds no element).
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// let l = Layout::contiguous(&[2, 3], Order::C, 8)?;
+    /// assert_eq!(l.strides(), &[24, 8]);
+    /// assert!(Layout::contiguous(&[usize::MAX, 2], Order::C, 8).is_err()); // overflow
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn contiguous(
         shape: &[usize],
         order: Order,
@@ -60,6 +68,14 @@ impl Layout {
     }
 
     /// A layout with the given strides (in bytes), checked only for its element count.
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// let l = Layout::with_strides(&[2, 3], &[4, 8], 4)?; // F order, 4-byte elements
+    /// assert!(l.is_contiguous(Order::F));
+    /// assert!(Layout::with_strides(&[2], &[4, 4], 4).is_err()); // one stride per dimension
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn with_strides(
         shape: &[usize],
         strides: &[isize],
@@ -84,37 +100,81 @@ impl Layout {
     }
 
     /// The shape.
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// assert_eq!(Layout::contiguous(&[4, 1], Order::C, 2)?.shape(), &[4, 1]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
 
     /// The strides, in bytes.
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// assert_eq!(Layout::contiguous(&[4, 5], Order::F, 2)?.strides(), &[2, 8]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn strides(&self) -> &[isize] {
         &self.strides
     }
 
     /// Bytes per element.
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// assert_eq!(Layout::contiguous(&[4], Order::C, 2)?.itemsize(), 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn itemsize(&self) -> usize {
         self.itemsize
     }
 
     /// Number of dimensions.
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// assert_eq!(Layout::contiguous(&[], Order::C, 2)?.ndim(), 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn ndim(&self) -> usize {
         self.shape.len()
     }
 
     /// Number of elements (1 for a 0-dimensional array).
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// assert_eq!(Layout::contiguous(&[], Order::C, 2)?.size(), 1); // a 0-dimensional array holds one element
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn size(&self) -> usize {
         self.shape.iter().product()
     }
 
     /// Bytes the elements take (`size * itemsize`).
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// assert_eq!(Layout::contiguous(&[3, 3], Order::C, 4)?.nbytes(), 36);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn nbytes(&self) -> usize {
         self.size() * self.itemsize
     }
 
     /// The byte offsets the layout reaches, relative to its first element: `lo..hi` (empty
     /// for an array without elements).
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// let (_, rows) = Layout::contiguous(&[4, 3], Order::C, 4)?.slice_first(1, 3)?;
+    /// assert_eq!(rows.extent(), (0, 24));
+    /// assert_eq!(Layout::contiguous(&[0], Order::C, 4)?.extent(), (0, 0));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn extent(&self) -> (isize, isize) {
         if self.size() == 0 {
             return (0, 0);
@@ -133,6 +193,13 @@ impl Layout {
 
     /// Whether the elements are contiguous in `order`. Dimensions of length 1 do not count,
     /// and an array without elements is contiguous in both orders (Numba's and NumPy's rule).
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// let l = Layout::contiguous(&[1, 5], Order::C, 4)?;
+    /// assert!(l.is_contiguous(Order::C) && l.is_contiguous(Order::F)); // length-1 dimensions do not count
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn is_contiguous(&self, order: Order) -> bool {
         if self.size() == 0 {
             return true;
@@ -157,6 +224,14 @@ impl Layout {
     /// The layout `shape` gives the same elements in `order` (`-1` is not accepted: give every
     /// length). A view is possible when the array is contiguous in `order`; otherwise the
     /// reshape needs a copy, which is refused (as Numba refuses it on device arrays).
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// let l = Layout::contiguous(&[2, 6], Order::C, 4)?;
+    /// assert_eq!(l.reshape(&[3, 4], Order::C)?.strides(), &[16, 4]);
+    /// assert!(l.reshape(&[5], Order::C).is_err()); // another element count
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn reshape(&self, shape: &[usize], order: Order) -> Result<Layout, ArrayError> {
         let wanted = Layout::contiguous(shape, order, self.itemsize)?;
         if wanted.size() != self.size() {
@@ -186,6 +261,14 @@ impl Layout {
 
     /// The one-dimensional layout of the elements in `order`: a view of a contiguous array,
     /// refused (it would need a copy) otherwise.
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// let f = Layout::contiguous(&[2, 6], Order::F, 4)?;
+    /// assert_eq!(f.ravel(Order::F)?.shape(), &[12]);
+    /// assert!(f.ravel(Order::C).is_err()); // would need a copy
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn ravel(&self, order: Order) -> Result<Layout, ArrayError> {
         if !self.is_contiguous(order) {
             return Err(ArrayError::NeedsCopy {
@@ -197,6 +280,13 @@ impl Layout {
     }
 
     /// Rows `start..stop` along the first axis: the byte offset of the first and the layout.
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// let (offset, rows) = Layout::contiguous(&[4, 3], Order::C, 4)?.slice_first(1, 3)?;
+    /// assert_eq!((offset, rows.shape()), (12, &[2, 3][..]));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn slice_first(&self, start: usize, stop: usize) -> Result<(isize, Layout), ArrayError> {
         let Some(&n) = self.shape.first() else {
             return Err(ArrayError::Invalid {
@@ -228,6 +318,12 @@ impl Layout {
     }
 
     /// The byte offset of the element at `index` (one index per dimension, each in range).
+    ///
+    /// ```
+    /// # use emm_array::{Layout, Order};
+    /// assert_eq!(Layout::contiguous(&[4, 3], Order::F, 4)?.offset_of(&[1, 2]), 36);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn offset_of(&self, index: &[usize]) -> isize {
         index
             .iter()

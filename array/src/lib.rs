@@ -179,6 +179,18 @@ impl<T: Pod> DeviceArray<T> {
 
     /// A new array of `shape` in `order` (Numba's `device_array`), uninitialised as the
     /// driver's memory is. An array without elements makes no driver call.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::<f32>::new(&ctx, &[2, 3], Order::F)?;
+    /// assert_eq!((a.shape(), a.strides()), (&[2, 3][..], &[4isize, 8][..]));
+    /// let empty = DeviceArray::<f32>::new(&ctx, &[0, 3], Order::C)?;
+    /// assert!(empty.memory().is_none()); // no driver call
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(ctx: &Context, shape: &[usize], order: Order) -> Result<DeviceArray<T>, ArrayError> {
         let layout = Layout::contiguous(shape, order, std::mem::size_of::<T>())?;
         let mem = match layout.nbytes() {
@@ -249,6 +261,17 @@ impl<T: Pod> DeviceArray<T> {
 
     /// A new array with `other`'s shape, in `other`'s order where it is contiguous in one
     /// (C otherwise) (Numba's `device_array_like`).
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::<u8>::new(&ctx, &[4, 2], Order::F)?;
+    /// let b = DeviceArray::like(&ctx, &a)?;
+    /// assert_eq!((b.shape(), b.is_f_contiguous()), (a.shape(), true));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn like(ctx: &Context, other: &DeviceArray<T>) -> Result<DeviceArray<T>, ArrayError> {
         let order = if !other.is_c_contiguous() && other.is_f_contiguous() {
             Order::F
@@ -260,6 +283,17 @@ impl<T: Pod> DeviceArray<T> {
 
     /// A new array of `shape` in `order` holding `host` (Numba's `to_device`), whose elements
     /// are taken in that order; `host` must have exactly the array's element count.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// assert_eq!(a.copy_to_host_vec(&ctx)?[5], 5);
+    /// assert!(DeviceArray::to_device(&ctx, &[1u8, 2], &[3], Order::C).is_err()); // wrong length
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn to_device(
         ctx: &Context,
         host: &[T],
@@ -272,41 +306,121 @@ impl<T: Pod> DeviceArray<T> {
     }
 
     /// The shape.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// assert_eq!(a.shape(), &[3, 4]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn shape(&self) -> &[usize] {
         self.layout.shape()
     }
 
     /// The strides, in bytes.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// assert_eq!(a.strides(), &[16, 4]); // bytes
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn strides(&self) -> &[isize] {
         self.layout.strides()
     }
 
     /// The layout.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// assert_eq!((a.layout().ndim(), a.layout().itemsize()), (2, 4));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
 
     /// Number of elements.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// assert_eq!(a.size(), 12);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn size(&self) -> usize {
         self.layout.size()
     }
 
     /// Bytes the elements take.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// assert_eq!(a.nbytes(), 48);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn nbytes(&self) -> usize {
         self.layout.nbytes()
     }
 
     /// The memory from the first element on (`None` for an array without elements).
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// assert_eq!(a.memory().map(|m| m.size()), Some(48));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn memory(&self) -> Option<&MemoryPointer> {
         self.mem.as_ref()
     }
 
     /// Whether the elements are contiguous in C order.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// assert!(a.is_c_contiguous() && !a.is_f_contiguous());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn is_c_contiguous(&self) -> bool {
         self.layout.is_contiguous(Order::C)
     }
 
     /// Whether the elements are contiguous in Fortran order.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::<u16>::new(&ctx, &[3, 4], Order::F)?;
+    /// assert!(a.is_f_contiguous() && !a.is_c_contiguous());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn is_f_contiguous(&self) -> bool {
         self.layout.is_contiguous(Order::F)
     }
@@ -333,23 +447,68 @@ impl<T: Pod> DeviceArray<T> {
 
     /// The same elements in `shape`, as a view (C order); a clear error where that would
     /// need a copy (Numba raises the same), or where the element counts differ.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// let b = a.reshape(&[2, 6])?;
+    /// assert_eq!(b.copy_to_host_vec(&ctx)?, a.copy_to_host_vec(&ctx)?);
+    /// let f = DeviceArray::<u32>::new(&ctx, &[3, 4], Order::F)?;
+    /// assert!(matches!(f.reshape(&[12]), Err(emm_array::ArrayError::NeedsCopy { .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn reshape(&self, shape: &[usize]) -> Result<DeviceArray<T>, ArrayError> {
         self.reshape_in(shape, Order::C)
     }
 
     /// As [`reshape`](Self::reshape), taking the elements in `order`.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let f = DeviceArray::<u32>::new(&ctx, &[3, 4], Order::F)?;
+    /// let flat = f.reshape_in(&[12], Order::F)?; // a view: F order takes F-contiguous memory as it is
+    /// assert_eq!(flat.memory().unwrap().device_ptr(), f.memory().unwrap().device_ptr());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn reshape_in(&self, shape: &[usize], order: Order) -> Result<DeviceArray<T>, ArrayError> {
         let layout = self.layout.reshape(shape, order)?;
         self.view(0, layout)
     }
 
     /// The elements as one dimension in C order, as a view of a contiguous array.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// assert_eq!(a.ravel()?.shape(), &[12]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn ravel(&self) -> Result<DeviceArray<T>, ArrayError> {
         let layout = self.layout.ravel(Order::C)?;
         self.view(0, layout)
     }
 
     /// Rows `start..stop` along the first axis, as a view.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// let rows = a.slice(1, 3)?;
+    /// assert_eq!(rows.copy_to_host_vec(&ctx)?, (4u32..12).collect::<Vec<_>>());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn slice(&self, start: usize, stop: usize) -> Result<DeviceArray<T>, ArrayError> {
         let (offset, layout) = self.layout.slice_first(start, stop)?;
         if offset < 0 {
@@ -363,6 +522,17 @@ impl<T: Pod> DeviceArray<T> {
 
     /// Copies `host` into the array (elements taken in the array's contiguous order). The
     /// array must be contiguous, and `host` exactly its size.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::<i64>::new(&ctx, &[2, 2], Order::C)?;
+    /// a.copy_from_host(&ctx, &[1, 2, 3, 4])?;
+    /// assert_eq!(a.copy_to_host_vec(&ctx)?, [1, 2, 3, 4]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn copy_from_host(&self, ctx: &Context, host: &[T]) -> Result<(), ArrayError> {
         self.check_host(host.len())?;
         if let Some(m) = &self.mem {
@@ -373,6 +543,18 @@ impl<T: Pod> DeviceArray<T> {
     }
 
     /// Copies the array into `host` (elements in the array's contiguous order).
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// let mut out = [0u32; 12];
+    /// a.copy_to_host(&ctx, &mut out)?;
+    /// assert_eq!(out[11], 11);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn copy_to_host(&self, ctx: &Context, host: &mut [T]) -> Result<(), ArrayError> {
         self.check_host(host.len())?;
         if let Some(m) = &self.mem {
@@ -383,6 +565,16 @@ impl<T: Pod> DeviceArray<T> {
     }
 
     /// The array's elements in a new `Vec` (in its contiguous order).
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// assert_eq!(a.copy_to_host_vec(&ctx)?.len(), 12);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn copy_to_host_vec(&self, ctx: &Context) -> Result<Vec<T>, ArrayError> {
         let mut out = vec![T::zeroed(); self.size()];
         self.copy_to_host(ctx, &mut out)?;
@@ -392,6 +584,18 @@ impl<T: Pod> DeviceArray<T> {
     /// As [`copy_from_host`](Self::copy_from_host), in `stream`'s order: the copy runs after
     /// the work queued on `stream` before it, and this returns once it is done (the host
     /// slice is pageable memory, which the driver copies synchronously anyway).
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let s = ctx.create_stream()?;
+    /// let a = DeviceArray::<f32>::new_on(&ctx, &[3], Order::C, &s)?;
+    /// a.copy_from_host_on(&ctx, &[1.0, 2.0, 3.0], &s)?;
+    /// assert_eq!(a.copy_to_host_vec_on(&ctx, &s)?, [1.0, 2.0, 3.0]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn copy_from_host_on(
         &self,
         ctx: &Context,
@@ -407,6 +611,19 @@ impl<T: Pod> DeviceArray<T> {
     }
 
     /// As [`copy_to_host`](Self::copy_to_host), in `stream`'s order; returns once it is done.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let s = ctx.create_stream()?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// let mut out = [0u32; 12];
+    /// a.copy_to_host_on(&ctx, &mut out, &s)?;
+    /// assert_eq!(out[3], 3);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn copy_to_host_on(
         &self,
         ctx: &Context,
@@ -430,6 +647,17 @@ impl<T: Pod> DeviceArray<T> {
 
     /// The array's elements in a new `Vec`, copied in `stream`'s order (after the work queued
     /// there, a kernel's say); returns once the copy is done.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let s = ctx.create_stream()?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// assert_eq!(a.copy_to_host_vec_on(&ctx, &s)?[7], 7);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn copy_to_host_vec_on(
         &self,
         ctx: &Context,
@@ -444,6 +672,21 @@ impl<T: Pod> DeviceArray<T> {
     /// least the array's bytes, its elements in the array's contiguous order) travels with
     /// the copy and comes back from the returned [`InFlight`]'s `wait`. Pageable memory is
     /// not accepted here ([`copy_from_host_on`](Self::copy_from_host_on) takes it).
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let s = ctx.create_stream()?;
+    /// let a = DeviceArray::<u8>::new(&ctx, &[4], Order::C)?;
+    /// let src = ctx.memhostalloc(4, false, false, false)?;
+    /// src.write(0, &[9, 8, 7, 6])?;
+    /// let src = a.copy_from_pinned_async(&ctx, src, &s)?.wait()?; // the host memory comes back
+    /// assert_eq!(a.copy_to_host_vec(&ctx)?, [9, 8, 7, 6]);
+    /// drop(src);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn copy_from_pinned_async(
         &self,
         ctx: &Context,
@@ -457,6 +700,20 @@ impl<T: Pod> DeviceArray<T> {
 
     /// Copies the array into page-locked host memory asynchronously on `stream`; `dst` comes
     /// back, filled, from the returned [`InFlight`]'s `wait`.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let s = ctx.create_stream()?;
+    /// let a = DeviceArray::to_device(&ctx, &[5u8, 6, 7, 8], &[4], Order::C)?;
+    /// let dst = a.copy_to_pinned_async(&ctx, ctx.memhostalloc(4, false, false, false)?, &s)?.wait()?;
+    /// let mut out = [0u8; 4];
+    /// dst.read(0, &mut out)?;
+    /// assert_eq!(out, [5, 6, 7, 8]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn copy_to_pinned_async(
         &self,
         ctx: &Context,
@@ -472,6 +729,18 @@ impl<T: Pod> DeviceArray<T> {
     /// contiguous in one order, so the bytes are arranged alike), through emm's
     /// device-to-device copy. Both arrays are memory of `ctx`; [`copy_across`](Self::copy_across)
     /// copies from another device's array.
+    ///
+    /// ```
+    /// # use emm_array::{DeviceArray, HostArray, Layout, Order};
+    /// # let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// # let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// # let ctx = runtime.context(0)?;
+    /// let a = DeviceArray::to_device(&ctx, &[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &[3, 4], Order::C)?;
+    /// let b = DeviceArray::like(&ctx, &a)?;
+    /// b.copy_to_device(&ctx, &a)?;
+    /// assert_eq!(b.copy_to_host_vec(&ctx)?, a.copy_to_host_vec(&ctx)?);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn copy_to_device(&self, ctx: &Context, src: &DeviceArray<T>) -> Result<(), ArrayError> {
         self.check_alike("copy_to_device", src)?;
         if let (Some(d), Some(s)) = (&self.mem, &src.mem) {

@@ -1,11 +1,13 @@
-//! emm in one page, after NBEP 7's example: put ten zeros on the device, read them back, drop
-//! the buffer, and watch the free being deferred and then flushed.
+//! emm in one page, after NBEP 7's example (`d_a = cuda.to_device(np.zeros(10))`): put ten
+//! zeros (f64) on the device as a typed array, read them back, look at them as a 2 × 5 view,
+//! drop the array, and watch the free being deferred and then flushed.
 //!
 //! `cargo run --example quickstart` runs on the GPU where one is usable and on the simulated
 //! driver otherwise (it says which). `EMM_DRIVER=sim|cuda` forces the choice; `EMM_LOG=debug`
 //! shows emm's tracing events.
 
 use emm::Runtime;
+use emm_array::{DeviceArray, Order};
 
 fn main() -> std::process::ExitCode {
     integration::exit_with(run())
@@ -28,30 +30,33 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let ctx = runtime.context(0)?;
     println!("Device 0, memory manager '{}'.", ctx.memory_manager_name());
 
-    // Ten zeros (f64), to the device and back.
-    let zeros = vec![0u8; 10 * size_of::<f64>()];
-    let d_ary = ctx.to_device(&zeros)?;
+    // Ten zeros (f64), to the device as a typed array and back.
+    let d_a = DeviceArray::to_device(&ctx, &[0f64; 10], &[10], Order::C)?;
+    let mem = d_a.memory().expect("ten elements take memory");
     println!(
-        "Allocated {} bytes at {}.",
-        d_ary.size(),
-        d_ary.device_ptr()
+        "Allocated {} bytes at {} for an array of shape {:?}.",
+        mem.size(),
+        mem.device_ptr(),
+        d_a.shape()
     );
-    let mut back = vec![0xffu8; zeros.len()];
-    ctx.copy_to_host(&mut back, &d_ary)?;
-    let values: Vec<f64> = back
-        .chunks_exact(8)
-        .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-        .collect();
+    let values = d_a.copy_to_host_vec(&ctx)?;
     println!("Read back: {values:?}");
+    let view = d_a.reshape(&[2, 5])?; // a view of the same memory
+    println!(
+        "As a {:?} view: strides {:?} bytes, C-contiguous {}.",
+        view.shape(),
+        view.strides(),
+        view.is_c_contiguous()
+    );
 
     // Dropping the buffer defers its free.
     let pending = ctx
         .deallocations()
         .expect("the default manager defers frees");
     let before = ctx.get_memory_info()?;
-    drop(d_ary);
+    drop((d_a, view)); // the memory is freed once its last view is gone
     println!(
-        "Dropped the buffer: {} free(s) pending, {} bytes ({} allowed before a flush).",
+        "Dropped the array: {} free(s) pending, {} bytes ({} allowed before a flush).",
         pending.len(),
         pending.pending_bytes(),
         pending.max_pending_bytes()
