@@ -369,6 +369,7 @@ impl AsyncPoolAllocator {
             in_use_bytes: usage.used as usize,
             in_use_blocks: blocks,
             cached_bytes: usage.reserved.saturating_sub(usage.used) as usize,
+            peak_held_bytes: usage.reserved_high as usize,
             ..PoolStats::default()
         })
     }
