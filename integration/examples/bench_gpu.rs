@@ -218,6 +218,73 @@ fn scaling(driver: &Arc<dyn Driver>) {
         }
         ctx.trim().expect("trim");
     }
+    // The anchor: the raw driver pool's pairs from the same threads, all on the legacy default
+    // stream (where `async-pool`'s `memalloc` orders them) and each on its thread's default
+    // stream (`CU_STREAM_PER_THREAD`).
+    let rt = runtime(driver, "default", false, vec![]);
+    let ctx = rt.context(0).expect("context");
+    let h = ctx.handle();
+    let pool = driver
+        .mem_pool_create(h, ctx.device(), false)
+        .expect("cuMemPoolCreate");
+    driver
+        .mem_pool_set_release_threshold(h, pool, u64::MAX)
+        .expect("threshold");
+    let per_thread = if quick() { 20_000 } else { 100_000 };
+    for (name, stream) in [
+        ("raw pool legacy stream", StreamHandle::LEGACY),
+        ("raw pool per-thread stream", StreamHandle::PER_THREAD),
+    ] {
+        for threads in [1usize, 2, 8, 16] {
+            let mut runs: Vec<f64> = (0..3)
+                .map(|_| {
+                    let start = std::sync::Barrier::new(threads);
+                    let longest = std::thread::scope(|s| {
+                        let handles: Vec<_> = (0..threads)
+                            .map(|t| {
+                                let start = &start;
+                                s.spawn(move || {
+                                    start.wait();
+                                    let t0 = Instant::now();
+                                    for i in 0..per_thread {
+                                        raw_pool_pair(
+                                            driver.as_ref(),
+                                            h,
+                                            pool,
+                                            256 << ((i + t) % 8),
+                                            stream,
+                                        );
+                                    }
+                                    driver.stream_synchronize(h, stream).expect("sync");
+                                    t0.elapsed()
+                                })
+                            })
+                            .collect();
+                        handles
+                            .into_iter()
+                            .map(|h| h.join().expect("thread"))
+                            .max()
+                            .expect("threads")
+                    });
+                    (threads * per_thread) as f64 / longest.as_secs_f64()
+                })
+                .collect();
+            runs.sort_by(f64::total_cmp);
+            out(
+                "threads",
+                name,
+                "256B-32KiB",
+                threads,
+                runs[1] / 1e6,
+                "Mpairs/s",
+            );
+        }
+    }
+    driver
+        .stream_synchronize(h, StreamHandle::LEGACY)
+        .expect("sync");
+    // SAFETY: every allocation from the pool was freed, and the streams are synchronised.
+    unsafe { driver.mem_pool_destroy(h, pool) }.expect("destroy");
 }
 
 /// Memory overhead of RMM's random workload: peak bytes held from the driver over peak bytes
