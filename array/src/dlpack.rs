@@ -3,7 +3,7 @@
 //! - Export: [`DeviceArray::to_dlpack`] hands the array to a DLPack consumer (device type CUDA,
 //!   the array's device). The tensor holds a view of the array's memory, so the allocation
 //!   lives until the consumer calls the tensor's deleter, however long the array lives.
-//!   [`HostArray::to_dlpack`] exports page-locked arrays as CUDA host memory and managed
+//!   [`HostArray::into_dlpack`] exports page-locked arrays as CUDA host memory and managed
 //!   arrays as CUDA managed memory.
 //! - Import: [`DeviceArray::from_dlpack`] takes a tensor made elsewhere (PyTorch, CuPy, another
 //!   runtime) as an array that does not own its memory: emm never frees it, and the tensor's
@@ -14,7 +14,7 @@
 //! anything emm cannot express (another device, another element type, negative strides,
 //! host memory where device memory is needed) is an error that says so.
 //!
-//! The untyped forms ([`export_memory`], [`import_memory`]) serve runtimes whose element type
+//! The untyped forms ([`export_memory`](crate::dlpack::export_memory), [`import_memory`](crate::dlpack::import_memory)) serve runtimes whose element type
 //! is known only at run time (a Python binding, say).
 
 use bytemuck::Pod;
