@@ -28,8 +28,8 @@ fn quick() -> bool {
 }
 
 /// The sections `EMM_BENCH_ONLY` may name.
-const SECTIONS: [&str; 8] = [
-    "pair", "threads", "random", "pinned", "copy", "stream", "overhead", "live",
+const SECTIONS: [&str; 9] = [
+    "pair", "threads", "random", "pinned", "copy", "stream", "overhead", "live", "anchors",
 ];
 
 fn out(
@@ -285,6 +285,133 @@ fn scaling(driver: &Arc<dyn Driver>) {
         .expect("sync");
     // SAFETY: every allocation from the pool was freed, and the streams are synchronised.
     unsafe { driver.mem_pool_destroy(h, pool) }.expect("destroy");
+}
+
+/// The harness's two ways (issue 14, item 5), on the GPU only: every pair measured first with
+/// no context current on the thread (so `CudaDriver` pushes and pops it around each call) and
+/// then with device 0's primary context made current once, as host runtimes do (bound by
+/// cudarc's `CudaContext::new`); and bare-cudarc anchors (`cuMemAlloc`, `cuMemAllocAsync` on
+/// the device's default pool, `cuMemHostAlloc`, each with its free) in the same process, with
+/// the context current.
+fn anchors(driver: &Arc<dyn Driver>, simulated: bool) {
+    if simulated {
+        eprintln!("bench_gpu: section anchors skipped: it needs the CUDA driver (cudarc's calls)");
+        return;
+    }
+    let sizes = [256usize, 1 << 20];
+    let measure = |how: &str| {
+        let rt = runtime(driver, "default", false, vec![]);
+        let ctx = rt.context(0).expect("context");
+        let h = ctx.handle();
+        for size in sizes {
+            let ns = per_op(2_000, |n| {
+                for _ in 0..n {
+                    let p = driver.mem_alloc(h, size).expect("cuMemAlloc");
+                    // SAFETY: allocated just above, unused, freed once.
+                    unsafe { driver.mem_free(h, p) }.expect("cuMemFree");
+                }
+            });
+            out(
+                "anchors",
+                &format!("emm Driver cuMemAlloc, {how}"),
+                size,
+                1,
+                ns,
+                "ns/pair",
+            );
+            let ns = per_op(2_000, |n| {
+                for _ in 0..n {
+                    let p = driver.mem_host_alloc(h, size, 0).expect("cuMemHostAlloc");
+                    // SAFETY: allocated just above, unused, freed once.
+                    unsafe { driver.mem_free_host(h, p) }.expect("cuMemFreeHost");
+                }
+            });
+            out(
+                "anchors",
+                &format!("emm Driver cuMemHostAlloc, {how}"),
+                size,
+                1,
+                ns,
+                "ns/pair",
+            );
+        }
+        drop((ctx, rt));
+        for manager in MANAGERS {
+            let rt = runtime(driver, manager, false, vec![]);
+            let ctx = rt.context(0).expect("context");
+            for size in sizes {
+                let ns = per_op(iters_for(size, manager != "default").min(20_000), |n| {
+                    for _ in 0..n {
+                        drop(ctx.memalloc(size).expect("memalloc"));
+                    }
+                });
+                out(
+                    "anchors",
+                    &format!("{manager}, {how}"),
+                    size,
+                    1,
+                    ns,
+                    "ns/pair",
+                );
+            }
+            ctx.trim().expect("trim");
+        }
+    };
+    measure("no context current");
+    // Device 0's primary context, current on this thread from here on: emm's calls find it
+    // current and push nothing.
+    let cuda = cudarc::driver::CudaContext::new(0).expect("cudarc context");
+    measure("context current");
+    let stream = std::ptr::null_mut(); // the legacy default stream
+    for size in sizes {
+        let ns = per_op(2_000, |n| {
+            for _ in 0..n {
+                // SAFETY: a plain allocation in the current context, freed at once, unused.
+                unsafe {
+                    let p = cudarc::driver::result::malloc_sync(size).expect("cuMemAlloc");
+                    cudarc::driver::result::free_sync(p).expect("cuMemFree");
+                }
+            }
+        });
+        out("anchors", "bare cudarc cuMemAlloc", size, 1, ns, "ns/pair");
+        let ns = per_op(20_000, |n| {
+            for _ in 0..n {
+                // SAFETY: stream-ordered on the legacy stream from the device's default pool,
+                // freed on it at once, unused.
+                unsafe {
+                    let p = cudarc::driver::result::malloc_async(stream, size)
+                        .expect("cuMemAllocAsync");
+                    cudarc::driver::result::free_async(p, stream).expect("cuMemFreeAsync");
+                }
+            }
+        });
+        out(
+            "anchors",
+            "bare cudarc cuMemAllocAsync (default pool)",
+            size,
+            1,
+            ns,
+            "ns/pair",
+        );
+        let ns = per_op(2_000, |n| {
+            for _ in 0..n {
+                // SAFETY: page-locked host memory, freed at once, unused.
+                unsafe {
+                    let p = cudarc::driver::result::malloc_host(size, 0).expect("cuMemHostAlloc");
+                    cudarc::driver::result::free_host(p).expect("cuMemFreeHost");
+                }
+            }
+        });
+        out(
+            "anchors",
+            "bare cudarc cuMemHostAlloc",
+            size,
+            1,
+            ns,
+            "ns/pair",
+        );
+    }
+    cuda.synchronize().expect("sync");
 }
 
 /// Memory overhead of RMM's random workload: peak bytes held from the driver over peak bytes
@@ -975,7 +1102,7 @@ fn main() {
         choice.driver.name(),
         choice.reason
     );
-    let driver = choice.driver;
+    let (driver, simulated) = (choice.driver, choice.simulated);
     let probe = runtime(&driver, "default", false, vec![]);
     let total = probe
         .context(0)
@@ -1013,5 +1140,8 @@ fn main() {
     }
     if want("live") {
         live_blocks(&driver);
+    }
+    if want("anchors") {
+        anchors(&driver, simulated);
     }
 }
