@@ -297,11 +297,10 @@ impl<T: Pod + DlpackElement> DeviceArray<T> {
         ctx: &Context,
         tensor: Managed<M>,
     ) -> Result<DeviceArray<T>, ArrayError> {
-        let dtype = tensor
-            .validate()
-            .map(|t| t.dtype())
-            .map_err(|e| dlpack_error("from_dlpack", format!("the tensor is malformed: {e}")))?;
+        let (mem, layout, dtype) = import_memory(ctx, tensor)?;
         if dtype != T::DTYPE {
+            // Dropping `mem` runs the tensor's deleter, as for every refused import.
+            drop(mem);
             return Err(dlpack_error(
                 "from_dlpack",
                 format!(
@@ -312,7 +311,6 @@ impl<T: Pod + DlpackElement> DeviceArray<T> {
                 ),
             ));
         }
-        let (mem, layout, _) = import_memory(ctx, tensor)?;
         Ok(DeviceArray::from_parts(mem, layout))
     }
 }

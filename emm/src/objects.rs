@@ -59,12 +59,11 @@ pub struct Stream {
     handle: StreamHandle,
     kind: StreamKind,
     cx: ManagerContext,
-    /// For a created stream: queues its destruction when the stream and every memory
-    /// ordered on it are gone.
-    destroy: Option<Arc<StreamDestroy>>,
-    /// For an external stream wrapped with its owner: what keeps the other library's stream
-    /// alive, held by the stream and by every memory ordered on it.
-    owner: Option<HostOwner>,
+    /// What keeps the stream alive, held by the stream and by every memory ordered on it: for
+    /// a created stream its [`StreamDestroy`] (which queues the destruction when the last
+    /// holder is gone), for an external stream wrapped with its owner that owner; `None` for
+    /// the default streams and other external streams.
+    keep: Option<HostOwner>,
 }
 
 /// The destruction of a created stream, shared by the [`Stream`] and the memory ordered on
@@ -86,10 +85,7 @@ impl OrderedOn for Stream {
     }
 
     fn keep_alive(&self) -> Option<HostOwner> {
-        match &self.destroy {
-            Some(d) => Some(Arc::clone(d) as HostOwner),
-            None => self.owner.clone(),
-        }
+        self.keep.clone()
     }
 }
 
@@ -123,8 +119,7 @@ impl Stream {
             handle,
             kind,
             cx,
-            destroy: queue.map(|queue| Arc::new(StreamDestroy { handle, queue })),
-            owner: None,
+            keep: queue.map(|queue| Arc::new(StreamDestroy { handle, queue }) as HostOwner),
         }
     }
 
@@ -136,7 +131,7 @@ impl Stream {
         owner: HostOwner,
     ) -> Stream {
         let mut s = Stream::new(handle, StreamKind::External, cx, None);
-        s.owner = Some(owner);
+        s.keep = Some(owner);
         s
     }
 

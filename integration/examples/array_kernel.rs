@@ -27,9 +27,7 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("EMM_LOG"))
-        .init();
+    integration::log_from_env();
     if let Err(why) = integration::cuda_availability() {
         if integration::gpu_required()? {
             return Err(format!("EMM_REQUIRE_GPU=1, but there is no usable GPU: {why}").into());

@@ -165,54 +165,75 @@ fn alloc_free_pairs(driver: &Arc<dyn Driver>) {
     }
 }
 
-/// Aggregate throughput of small alloc + free pairs on 1 to 16 threads.
+/// Aggregate pairs per second of `threads` threads, each running `work(t)` (which does
+/// `per_thread` pairs): timed inside the threads, from a common start to the last one's end;
+/// the median of 3 runs.
+fn threaded_median(threads: usize, per_thread: usize, work: impl Fn(usize) + Sync) -> f64 {
+    let mut runs: Vec<f64> = (0..3)
+        .map(|_| {
+            let start = std::sync::Barrier::new(threads);
+            let longest = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..threads)
+                    .map(|t| {
+                        let (start, work) = (&start, &work);
+                        s.spawn(move || {
+                            start.wait();
+                            let t0 = Instant::now();
+                            work(t);
+                            t0.elapsed()
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("thread"))
+                    .max()
+                    .expect("threads")
+            });
+            (threads * per_thread) as f64 / longest.as_secs_f64()
+        })
+        .collect();
+    runs.sort_by(f64::total_cmp);
+    runs[1]
+}
+
+/// A driver pool of device 0 that keeps what it reserves (release threshold at its maximum),
+/// as `async-pool` creates its own.
+fn raw_pool(driver: &dyn Driver, ctx: &Context) -> driver_sys::MemPoolHandle {
+    let h = ctx.handle();
+    let pool = driver
+        .mem_pool_create(h, ctx.device(), false)
+        .expect("cuMemPoolCreate");
+    driver
+        .mem_pool_set_release_threshold(h, pool, u64::MAX)
+        .expect("release threshold");
+    pool
+}
+
+/// Aggregate throughput of small alloc + free pairs on 1 to 32 threads, beside the raw
+/// driver pool's.
 fn scaling(driver: &Arc<dyn Driver>) {
     for manager in ["pool", "async-pool"] {
         let rt = runtime(driver, manager, false, vec![]);
         let ctx = rt.context(0).expect("context");
         let per_thread = if quick() { 20_000 } else { 200_000 };
         for threads in [1usize, 2, 4, 8, 16, 32] {
-            // Timed inside the threads, from a common start to the last one's end; the median
-            // of 3 runs.
-            let mut runs: Vec<f64> = (0..3)
-                .map(|_| {
-                    let start = std::sync::Barrier::new(threads);
-                    let longest = std::thread::scope(|s| {
-                        let handles: Vec<_> = (0..threads)
-                            .map(|t| {
-                                let (ctx, start) = (ctx.clone(), &start);
-                                s.spawn(move || {
-                                    let mut held = Vec::with_capacity(8);
-                                    start.wait();
-                                    let t0 = Instant::now();
-                                    for i in 0..per_thread {
-                                        let size = 256 << ((i + t) % 8);
-                                        held.push(ctx.memalloc(size).expect("memalloc"));
-                                        if held.len() == 8 {
-                                            held.clear();
-                                        }
-                                    }
-                                    drop(held);
-                                    t0.elapsed()
-                                })
-                            })
-                            .collect();
-                        handles
-                            .into_iter()
-                            .map(|h| h.join().expect("thread"))
-                            .max()
-                            .expect("threads")
-                    });
-                    (threads * per_thread) as f64 / longest.as_secs_f64()
-                })
-                .collect();
-            runs.sort_by(f64::total_cmp);
+            let rate = threaded_median(threads, per_thread, |t| {
+                let mut held = Vec::with_capacity(8);
+                for i in 0..per_thread {
+                    let size = 256 << ((i + t) % 8);
+                    held.push(ctx.memalloc(size).expect("memalloc"));
+                    if held.len() == 8 {
+                        held.clear();
+                    }
+                }
+            });
             out(
                 "threads",
                 manager,
                 "256B-32KiB",
                 threads,
-                runs[1] / 1e6,
+                rate / 1e6,
                 "Mpairs/s",
             );
         }
@@ -224,58 +245,25 @@ fn scaling(driver: &Arc<dyn Driver>) {
     let rt = runtime(driver, "default", false, vec![]);
     let ctx = rt.context(0).expect("context");
     let h = ctx.handle();
-    let pool = driver
-        .mem_pool_create(h, ctx.device(), false)
-        .expect("cuMemPoolCreate");
-    driver
-        .mem_pool_set_release_threshold(h, pool, u64::MAX)
-        .expect("threshold");
+    let pool = raw_pool(driver.as_ref(), &ctx);
     let per_thread = if quick() { 20_000 } else { 100_000 };
     for (name, stream) in [
         ("raw pool legacy stream", StreamHandle::LEGACY),
         ("raw pool per-thread stream", StreamHandle::PER_THREAD),
     ] {
         for threads in [1usize, 2, 8, 16] {
-            let mut runs: Vec<f64> = (0..3)
-                .map(|_| {
-                    let start = std::sync::Barrier::new(threads);
-                    let longest = std::thread::scope(|s| {
-                        let handles: Vec<_> = (0..threads)
-                            .map(|t| {
-                                let start = &start;
-                                s.spawn(move || {
-                                    start.wait();
-                                    let t0 = Instant::now();
-                                    for i in 0..per_thread {
-                                        raw_pool_pair(
-                                            driver.as_ref(),
-                                            h,
-                                            pool,
-                                            256 << ((i + t) % 8),
-                                            stream,
-                                        );
-                                    }
-                                    driver.stream_synchronize(h, stream).expect("sync");
-                                    t0.elapsed()
-                                })
-                            })
-                            .collect();
-                        handles
-                            .into_iter()
-                            .map(|h| h.join().expect("thread"))
-                            .max()
-                            .expect("threads")
-                    });
-                    (threads * per_thread) as f64 / longest.as_secs_f64()
-                })
-                .collect();
-            runs.sort_by(f64::total_cmp);
+            let rate = threaded_median(threads, per_thread, |t| {
+                for i in 0..per_thread {
+                    raw_pool_pair(driver.as_ref(), h, pool, 256 << ((i + t) % 8), stream);
+                }
+                driver.stream_synchronize(h, stream).expect("sync");
+            });
             out(
                 "threads",
                 name,
                 "256B-32KiB",
                 threads,
-                runs[1] / 1e6,
+                rate / 1e6,
                 "Mpairs/s",
             );
         }
@@ -452,12 +440,7 @@ fn overhead(driver: &Arc<dyn Driver>) {
                 let rt = runtime(driver, "default", false, vec![]);
                 let ctx = rt.context(0).expect("context");
                 let h = ctx.handle();
-                let pool = driver
-                    .mem_pool_create(h, ctx.device(), false)
-                    .expect("pool");
-                driver
-                    .mem_pool_set_release_threshold(h, pool, u64::MAX)
-                    .expect("threshold");
+                let pool = raw_pool(driver.as_ref(), &ctx);
                 let stream = StreamHandle::LEGACY;
                 let live = raw_random(
                     driver.as_ref(),
@@ -495,6 +478,16 @@ fn overhead(driver: &Arc<dyn Driver>) {
     }
 }
 
+/// The workload's random numbers: xorshift64 from `seed`.
+fn xorshift(mut rng: u64) -> impl FnMut() -> u64 {
+    move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    }
+}
+
 /// The random workload of [`run_random_seeded`] on a raw driver pool; returns peak live bytes.
 #[allow(clippy::too_many_arguments)]
 fn raw_random(
@@ -505,14 +498,9 @@ fn raw_random(
     n: usize,
     max: usize,
     cap: usize,
-    mut rng: u64,
+    seed: u64,
 ) -> usize {
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut next = xorshift(seed);
     let mut live: Vec<(DevicePtr, usize)> = Vec::new();
     let (mut bytes, mut peak_bytes, mut allocs) = (0usize, 0usize, 0usize);
     let free = |p: DevicePtr| {
@@ -642,13 +630,7 @@ fn run_random_seeded(
     cap: usize,
     seed: u64,
 ) -> (f64, usize, usize) {
-    let mut rng = seed;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut next = xorshift(seed);
     let mut live: Vec<emm::MemoryPointer> = Vec::new();
     let mut bytes = 0usize;
     let mut peak = 0;

@@ -14,9 +14,7 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("EMM_LOG"))
-        .init();
+    integration::log_from_env();
 
     let choice = integration::driver_from_env()?;
     if choice.simulated {

@@ -369,6 +369,14 @@ pub fn exit_with(result: Result<(), Box<dyn std::error::Error>>) -> std::process
     std::process::ExitCode::FAILURE
 }
 
+/// Prints emm's tracing events to stderr as `EMM_LOG` filters them (`EMM_LOG=debug`); the
+/// examples call it first.
+pub fn log_from_env() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("EMM_LOG"))
+        .init();
+}
+
 /// `error: <message>` and one `caused by:` line per source whose text the message does not
 /// already contain.
 pub fn error_report(e: &(dyn std::error::Error + 'static)) -> String {

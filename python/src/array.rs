@@ -316,8 +316,7 @@ impl Array {
         self.contiguous("read")?;
         let mut out = vec![0u8; self.layout.nbytes()];
         if let Some(m) = &self.mem {
-            let view = m.view(0, Some(out.len())).map_err(py_err)?;
-            py.detach(|| self.ctx.copy_to_host(&mut out, &view))
+            py.detach(|| self.ctx.copy_to_host(&mut out, m))
                 .map_err(py_err)?;
         }
         Ok(PyBytes::new(py, &out))

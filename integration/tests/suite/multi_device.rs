@@ -168,13 +168,29 @@ pub fn arrays_across_devices(target: Target) -> Result<(), Failed> {
             } else {
                 vec![elements]
             };
-            let a =
-                DeviceArray::to_device(&c0, &data, &shape, Order::F).map_err(|e| e.to_string())?;
+            let a = DeviceArray::to_device(&c0, &data, &shape, Order::F)?;
             let pooled = c0.stream_ordering() == emm::StreamOrdering::Driver;
+            // A new array of `to` holding `src` (an array of `from`), copied by `route` and read
+            // back.
+            let copy = |to: &emm::Context, from: &emm::Context, src: &DeviceArray<u32>, route| {
+                let dst = DeviceArray::<u32>::new(to, &shape, Order::F)?;
+                dst.copy_across(to, from, src, route).map_err(|e| {
+                    format!(
+                        "peers {peers}, {route:?}, {} -> {}: {e}",
+                        from.device().0,
+                        to.device().0
+                    )
+                })?;
+                ensure!(
+                    dst.copy_to_host_vec(to)? == data,
+                    "peers {peers}, {route:?}, {elements} elements: device {} got other elements",
+                    to.device().0
+                );
+                Ok::<_, Failed>(dst)
+            };
             for route in [Route::Peer, Route::Staged, Route::Auto] {
-                let b =
-                    DeviceArray::<u32>::new(&c1, &shape, Order::F).map_err(|e| e.to_string())?;
                 if pooled && route == Route::Peer {
+                    let b = DeviceArray::<u32>::new(&c1, &shape, Order::F)?;
                     let refused = b.copy_across(&c1, &c0, &a, route);
                     ensure!(
                         refused.is_err_and(|e| e.to_string().contains("stream-ordered pool")),
@@ -182,24 +198,11 @@ pub fn arrays_across_devices(target: Target) -> Result<(), Failed> {
                     );
                     continue;
                 }
-                b.copy_across(&c1, &c0, &a, route)
-                    .map_err(|e| format!("peers {peers}, {route:?}, 0 -> 1: {e}"))?;
-                ensure!(
-                    b.copy_to_host_vec(&c1).map_err(|e| e.to_string())? == data,
-                    "peers {peers}, {route:?}, {elements} elements: device 1 got other elements"
-                );
-                let back =
-                    DeviceArray::<u32>::new(&c0, &shape, Order::F).map_err(|e| e.to_string())?;
-                back.copy_across(&c0, &c1, &b, route)
-                    .map_err(|e| format!("peers {peers}, {route:?}, 1 -> 0: {e}"))?;
-                ensure!(
-                    back.copy_to_host_vec(&c0).map_err(|e| e.to_string())? == data,
-                    "peers {peers}, {route:?}: the way back differs"
-                );
+                let b = copy(&c1, &c0, &a, route)?;
+                copy(&c0, &c1, &b, route)?;
             }
             // A layout mismatch is refused, not copied.
-            let c_order =
-                DeviceArray::<u32>::new(&c1, &shape, Order::C).map_err(|e| e.to_string())?;
+            let c_order = DeviceArray::<u32>::new(&c1, &shape, Order::C)?;
             if shape.len() == 2 && shape[0] > 1 {
                 ensure!(
                     c_order.copy_across(&c1, &c0, &a, Route::Auto).is_err(),
