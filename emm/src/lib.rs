@@ -90,8 +90,8 @@ pub use managers::{
 };
 pub use memory::{
     ContextLiveness, DeallocConfig, DeferCleanup, Free, HostAllocFlags, HostMemory, HostOwner,
-    HostReleaseFn, LiveGuard, ManagedMemory, MappedMemory, MemoryPointer, OrderedOn,
-    PendingDeallocs, PinnableBuffer, PinnedMemory, ReleaseFn, ReleaseHook, StreamUse,
+    HostReleaseFn, HostReleaseHook, LiveGuard, ManagedMemory, MappedMemory, MemoryPointer,
+    OrderedOn, PendingDeallocs, PinnableBuffer, PinnedMemory, ReleaseFn, ReleaseHook, StreamUse,
 };
 pub use objects::{AutoSynchronize, Event, InFlight, Module, Stream, StreamKind};
 pub use resources::{

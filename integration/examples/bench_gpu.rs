@@ -28,8 +28,9 @@ fn quick() -> bool {
 }
 
 /// The sections `EMM_BENCH_ONLY` may name.
-const SECTIONS: [&str; 9] = [
+const SECTIONS: [&str; 11] = [
     "pair", "threads", "random", "pinned", "copy", "stream", "overhead", "live", "anchors",
+    "mixes", "default",
 ];
 
 fn out(
@@ -475,6 +476,175 @@ fn overhead(driver: &Arc<dyn Driver>) {
                 unsafe { driver.mem_pool_destroy(h, pool) }.expect("destroy");
             }
         }
+    }
+}
+
+/// Spawns and joins `n` threads that each make one `pool` allocation: thread churn, which with
+/// a process-wide thread counter (before the dense slots of `pool/shards.rs`) put later live
+/// threads on shards other live threads used.
+fn churn(ctx: &Context, n: usize) {
+    for _ in 0..n {
+        std::thread::scope(|s| {
+            s.spawn(|| drop(ctx.memalloc(256).expect("memalloc")));
+        });
+    }
+}
+
+/// The thread table's other mixes (issue 14): frees on another thread, blocks above 1 MiB,
+/// the pinned host pool, each on 1 to 16 threads after 37 threads came and went; M pairs/s,
+/// median of 3 runs timed inside the threads.
+fn thread_mixes(driver: &Arc<dyn Driver>) {
+    let rt = runtime(driver, "pool", true, vec![]);
+    let ctx = rt.context(0).expect("context");
+    let per_thread = if quick() { 20_000 } else { 100_000 };
+    let total = *TOTAL.get().expect("set by main");
+    for threads in [1usize, 2, 8, 16] {
+        churn(&ctx, 37);
+        // Each thread allocates batches of 64 small blocks and hands each batch to the next
+        // thread, which drops it: every block is freed on a thread other than its own (on one
+        // thread, on itself). Small blocks (256 B to 1 KiB), since a thread that runs ahead
+        // leaves its batches waiting in the next thread's mailbox.
+        let mailboxes: Vec<std::sync::Mutex<Vec<Vec<emm::MemoryPointer>>>> =
+            (0..threads).map(|_| Default::default()).collect();
+        let rate = threaded_median(threads, per_thread, |t| {
+            let mut batch = Vec::with_capacity(64);
+            for i in 0..per_thread {
+                batch.push(ctx.memalloc(256 << ((i + t) % 3)).expect("memalloc"));
+                if batch.len() == 64 {
+                    let next = (t + 1) % threads;
+                    mailboxes[next]
+                        .lock()
+                        .expect("mailbox")
+                        .push(std::mem::take(&mut batch));
+                    let mine = std::mem::take(&mut *mailboxes[t].lock().expect("mailbox"));
+                    drop(mine);
+                }
+            }
+        });
+        drop(mailboxes);
+        out(
+            "mixes",
+            "pool, freed on another thread",
+            "256B-1KiB",
+            threads,
+            rate / 1e6,
+            "Mpairs/s",
+        );
+        // Blocks of 2 to 16 MiB (the arena, not the size classes), 4 held per thread.
+        if 16 * threads * (16 << 20) <= total / 2 {
+            churn(&ctx, 37);
+            let rate = threaded_median(threads, per_thread / 10, |t| {
+                let mut held = Vec::with_capacity(4);
+                for i in 0..per_thread / 10 {
+                    held.push(ctx.memalloc((2 << 20) << ((i + t) % 4)).expect("memalloc"));
+                    if held.len() == 4 {
+                        held.clear();
+                    }
+                }
+            });
+            out(
+                "mixes",
+                "pool, 2-16 MiB",
+                "2MiB-16MiB",
+                threads,
+                rate / 1e6,
+                "Mpairs/s",
+            );
+        }
+        // The pinned host pool: 4 KiB to 512 KiB, 8 held per thread.
+        churn(&ctx, 37);
+        let rate = threaded_median(threads, per_thread, |t| {
+            let mut held = Vec::with_capacity(8);
+            for i in 0..per_thread {
+                let size = 4096 << ((i + t) % 8);
+                held.push(
+                    ctx.memhostalloc(size, false, false, false)
+                        .expect("memhostalloc"),
+                );
+                if held.len() == 8 {
+                    held.clear();
+                }
+            }
+        });
+        out(
+            "mixes",
+            "pinned pool",
+            "4KiB-512KiB",
+            threads,
+            rate / 1e6,
+            "Mpairs/s",
+        );
+    }
+    ctx.trim().expect("trim");
+}
+
+/// The default manager measured fairly (issue 14): its frees are deferred, 10 at a time, so it
+/// issues 11 `cuMemAlloc` and then 11 `cuMemFree`; the anchor is the raw driver making the same
+/// sequence, beside the raw alternating pair, the manager with the deferral off
+/// (`max_count` 0: every free flushed at once), and the bytes the deferred frees held.
+fn default_fairly(driver: &Arc<dyn Driver>) {
+    let total = *TOTAL.get().expect("set by main");
+    let deferral_off = Runtime::builder(Arc::clone(driver))
+        .ignore_env()
+        .memory_manager_name("default")
+        .dealloc_config(emm::DeallocConfig {
+            max_count: 0,
+            ..emm::DeallocConfig::default()
+        })
+        .build()
+        .expect("runtime");
+    let off = deferral_off.context(0).expect("context");
+    let numba = runtime(driver, "default", false, vec![]);
+    let ctx = numba.context(0).expect("context");
+    let h = ctx.handle();
+    for size in [256usize, 1 << 20, 64 << 20, 256 << 20]
+        .into_iter()
+        .filter(|&s| 11 * s <= total / 4)
+    {
+        let rounds = if quick() { 4 } else { 40 };
+        let ns = per_op(rounds * 11, |n| {
+            for _ in 0..n.div_ceil(11) {
+                let held: Vec<DevicePtr> = (0..11)
+                    .map(|_| driver.mem_alloc(h, size).expect("cuMemAlloc"))
+                    .collect();
+                for p in held {
+                    // SAFETY: allocated just above, unused, freed once.
+                    unsafe { driver.mem_free(h, p) }.expect("cuMemFree");
+                }
+            }
+        });
+        out("default", "raw, 11 allocs then 11 frees", size, 1, ns, "ns/pair");
+        let ns = per_op(rounds * 11, |n| {
+            for _ in 0..n {
+                let p = driver.mem_alloc(h, size).expect("cuMemAlloc");
+                // SAFETY: allocated just above, unused, freed once.
+                unsafe { driver.mem_free(h, p) }.expect("cuMemFree");
+            }
+        });
+        out("default", "raw, alternating", size, 1, ns, "ns/pair");
+        let mut peak_pending = 0usize;
+        let ns = per_op(rounds * 11, |n| {
+            for _ in 0..n {
+                drop(ctx.memalloc(size).expect("memalloc"));
+                let pending = ctx.deallocations().map_or(0, |q| q.pending_bytes());
+                peak_pending = peak_pending.max(pending);
+            }
+        });
+        out("default", "default manager", size, 1, ns, "ns/pair");
+        out(
+            "default",
+            "default manager, peak bytes in deferred frees",
+            size,
+            1,
+            peak_pending as f64,
+            "bytes",
+        );
+        let ns = per_op(rounds * 11, |n| {
+            for _ in 0..n {
+                drop(off.memalloc(size).expect("memalloc"));
+            }
+        });
+        out("default", "default manager, max_count 0", size, 1, ns, "ns/pair");
     }
 }
 
@@ -1125,5 +1295,11 @@ fn main() {
     }
     if want("anchors") {
         anchors(&driver, simulated);
+    }
+    if want("mixes") {
+        thread_mixes(&driver);
+    }
+    if want("default") {
+        default_fairly(&driver);
     }
 }

@@ -15,7 +15,9 @@ use crate::error::EmmError;
 use crate::host::allocations::{AllocationTable, Entry, unpin_now};
 use crate::host::driver_pool::{DriverHostPool, DriverHostRelease};
 use crate::host::pinned_pool::{PinnedBlock, PinnedPool};
-use crate::memory::host::{HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory};
+use crate::memory::host::{
+    HostMemory, HostOwner, HostReleaseHook, ManagedMemory, MappedMemory, PinnedMemory,
+};
 use crate::memory::pending::{DeferCleanup, Free, PendingDeallocs};
 use crate::memory::pointer::{AllocationOwner, MemoryPointer, Release};
 
@@ -82,9 +84,10 @@ impl HostLayer {
                 queue: Arc::clone(table.queue()),
             })
         });
+        let queue = Arc::clone(table.queue());
         HostLayer {
             table,
-            pinned: cx.pinned_pool.map(|c| Arc::new(PinnedPool::new(c))),
+            pinned: cx.pinned_pool.map(|c| Arc::new(PinnedPool::new(c, queue))),
             driver_pool,
         }
     }
@@ -358,17 +361,11 @@ impl HostLayer {
             };
             return Ok(self.mapped_at(block.host, device_ptr, bytes, entry, None));
         }
-        let queue = Arc::clone(self.deallocations());
-        let pool = Arc::clone(pool);
-        Ok(HostMemory::Pinned(PinnedMemory::with_release(
+        Ok(HostMemory::Pinned(PinnedMemory::with_hook(
             block.host,
             bytes,
-            None,
-            move |_, _| {
-                if let Some(free) = pool.give_back(block, generation) {
-                    queue.push_from_drop(free);
-                }
-            },
+            Arc::clone(pool) as Arc<dyn HostReleaseHook>,
+            PinnedPool::tag(generation, flags),
         )))
     }
 

@@ -15,15 +15,16 @@
 //!   mapped blocks in use are freed by the host layer's table (as without the pool), unmapped
 //!   ones are freed when their handle drops (as without the pool).
 
-use std::collections::HashMap;
 use std::fmt;
+use std::sync::Arc;
 
 use driver_sys::{DevicePtr, HostPtr};
 
 use crate::contract::info::{PinnedPoolConfig, PoolStats};
-use crate::memory::pending::Free;
+use crate::memory::HostReleaseHook;
+use crate::memory::pending::{Free, PendingDeallocs};
 use crate::size_class;
-use crate::sync::{AtomicU64, Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, Ordering, Spin};
 
 /// A cached block: host address and, for mapped blocks, the device address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,9 +35,15 @@ pub(crate) struct PinnedBlock {
     pub(crate) flags: u32,
 }
 
+/// The flag bits a block's list is chosen by: `cuMemHostAlloc`'s `PORTABLE`, `DEVICEMAP` and
+/// `WRITECOMBINED` (1, 2, 4), the only flags emm passes.
+const FLAG_BITS: u32 = 0b111;
+
 #[derive(Debug, Default)]
 struct Lists {
-    free: HashMap<(u32, usize), Vec<PinnedBlock>>,
+    /// Free blocks by [`list_index`]: size class, then flags (a plain index, not a hash map: a
+    /// hashed key cost about 400 instructions of the 1 000 a cached pair took).
+    free: Vec<Vec<PinnedBlock>>,
     cached: usize,
     held: usize,
     peak_held: usize,
@@ -46,11 +53,25 @@ struct Lists {
     trimmed: u64,
 }
 
+/// The list of blocks of `size` (a class size) with `flags`.
+fn list_index(flags: u32, size: usize) -> usize {
+    debug_assert_eq!(
+        flags & !FLAG_BITS,
+        0,
+        "a flag the pool does not know: {flags:#x}"
+    );
+    size_class::class_of(size) << 3 | (flags & FLAG_BITS) as usize
+}
+
 /// The pool of one host layer.
 pub(crate) struct PinnedPool {
     config: PinnedPoolConfig,
+    /// The host layer's deferred-deallocation queue: blocks the pool does not keep are freed
+    /// through it.
+    queue: Arc<PendingDeallocs>,
     generation: AtomicU64,
-    lists: Mutex<Lists>,
+    /// A spin lock: held for a list operation and a few counters, never across a driver call.
+    lists: Spin<Lists>,
 }
 
 impl fmt::Debug for PinnedPool {
@@ -63,11 +84,12 @@ impl fmt::Debug for PinnedPool {
 }
 
 impl PinnedPool {
-    pub(crate) fn new(config: PinnedPoolConfig) -> PinnedPool {
+    pub(crate) fn new(config: PinnedPoolConfig, queue: Arc<PendingDeallocs>) -> PinnedPool {
         PinnedPool {
             config,
+            queue,
             generation: AtomicU64::new(0),
-            lists: Mutex::new(Lists::default()),
+            lists: Spin::new(Lists::default()),
         }
     }
 
@@ -78,9 +100,12 @@ impl PinnedPool {
 
     /// A cached block of `size` bytes with `flags`, and the generation to stamp it with.
     pub(crate) fn take(&self, flags: u32, size: usize) -> (Option<PinnedBlock>, u64) {
-        let mut lists = lock(&self.lists);
+        let mut lists = self.lists.lock();
         let generation = self.generation.load(Ordering::Acquire);
-        let block = lists.free.get_mut(&(flags, size)).and_then(Vec::pop);
+        let block = lists
+            .free
+            .get_mut(list_index(flags, size))
+            .and_then(Vec::pop);
         if block.is_some() {
             lists.cached -= size;
             lists.in_use += size;
@@ -92,7 +117,7 @@ impl PinnedPool {
     /// Counts a block the caller has just allocated from the driver as held and in use;
     /// returns the generation to stamp it with.
     pub(crate) fn grew(&self, size: usize) -> u64 {
-        let mut lists = lock(&self.lists);
+        let mut lists = self.lists.lock();
         lists.held += size;
         lists.peak_held = lists.peak_held.max(lists.held);
         lists.in_use += size;
@@ -101,21 +126,27 @@ impl PinnedPool {
         self.generation.load(Ordering::Acquire)
     }
 
+    /// The tag of an unmapped block handed out by [`HostReleaseHook`]: the generation and the
+    /// flags it was allocated with.
+    pub(crate) fn tag(generation: u64, flags: u32) -> u64 {
+        generation << 3 | u64::from(flags & FLAG_BITS)
+    }
+
     /// A block stamped `generation` is no longer used: cache it, or return the free the
     /// caller must queue (when the pool is full, or when the block is from before a reset).
     #[must_use = "a block the pool does not keep must be freed"]
     pub(crate) fn give_back(&self, block: PinnedBlock, generation: u64) -> Option<Free> {
-        let mut lists = lock(&self.lists);
+        let mut lists = self.lists.lock();
         if self.generation.load(Ordering::Acquire) == generation {
             lists.in_use -= block.size;
             lists.in_use_blocks -= 1;
             if lists.cached + block.size <= self.config.max_cached {
                 lists.cached += block.size;
-                lists
-                    .free
-                    .entry((block.flags, block.size))
-                    .or_default()
-                    .push(block);
+                let i = list_index(block.flags, block.size);
+                if lists.free.len() <= i {
+                    lists.free.resize_with(i + 1, Vec::new);
+                }
+                lists.free[i].push(block);
                 return None;
             }
             lists.held -= block.size;
@@ -140,8 +171,8 @@ impl PinnedPool {
     /// also forgets the blocks in use and starts a new generation. Returns the frees and the
     /// bytes they release.
     pub(crate) fn drain(&self, reset: bool) -> (Vec<Free>, usize) {
-        let mut lists = lock(&self.lists);
-        let blocks: Vec<PinnedBlock> = lists.free.drain().flat_map(|(_, v)| v).collect();
+        let mut lists = self.lists.lock();
+        let blocks: Vec<PinnedBlock> = lists.free.iter_mut().flat_map(std::mem::take).collect();
         let bytes: usize = blocks.iter().map(|b| b.size).sum();
         lists.cached = 0;
         lists.held -= bytes;
@@ -164,16 +195,31 @@ impl PinnedPool {
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
-        let lists = lock(&self.lists);
+        let lists = self.lists.lock();
         PoolStats {
             held_bytes: lists.held,
             in_use_bytes: lists.in_use,
             in_use_blocks: lists.in_use_blocks,
             cached_bytes: lists.cached,
             peak_held_bytes: lists.peak_held,
-            chunks: lists.free.values().map(Vec::len).sum::<usize>() + lists.in_use_blocks,
+            chunks: lists.free.iter().map(Vec::len).sum::<usize>() + lists.in_use_blocks,
             grows: lists.grows,
             trimmed_bytes: lists.trimmed,
+        }
+    }
+}
+
+/// Unmapped blocks come back here when their [`PinnedMemory`](crate::PinnedMemory) drops.
+impl HostReleaseHook for PinnedPool {
+    fn release(&self, host: HostPtr, size: usize, tag: u64) {
+        let block = PinnedBlock {
+            host,
+            device: None,
+            size: size_class::round_up(size),
+            flags: (tag & u64::from(FLAG_BITS)) as u32,
+        };
+        if let Some(free) = self.give_back(block, tag >> 3) {
+            self.queue.push_from_drop(free);
         }
     }
 }

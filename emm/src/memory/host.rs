@@ -66,6 +66,27 @@ pub type HostOwner = Arc<dyn Any + Send + Sync>;
 /// A release action for host memory: called once, with the host address and size.
 pub type HostReleaseFn = Box<dyn FnOnce(HostPtr, usize) + Send + Sync>;
 
+/// How a pool of pinned host memory releases the blocks it hands out without a closure (a heap
+/// allocation) per block; see [`PinnedMemory::with_hook`].
+pub trait HostReleaseHook: Send + Sync {
+    /// The [`PinnedMemory`] at `host` (of `size` bytes, stamped with `tag`) dropped. Runs on the
+    /// dropping thread; must not panic.
+    fn release(&self, host: HostPtr, size: usize, tag: u64);
+}
+
+/// What a [`PinnedMemory`] does when it drops.
+enum HostRelease {
+    /// Done already, or nothing to do.
+    Done,
+    /// A closure, called once.
+    Fn(HostReleaseFn),
+    /// A shared hook, told the address, size and tag.
+    Hook {
+        hook: Arc<dyn HostReleaseHook>,
+        tag: u64,
+    },
+}
+
 fn host_range_check(
     what: &'static str,
     offset: usize,
@@ -189,7 +210,7 @@ pub struct PinnedMemory {
     host: HostPtr,
     size: usize,
     owner: Option<HostOwner>,
-    release: Option<HostReleaseFn>,
+    release: HostRelease,
 }
 
 impl PinnedMemory {
@@ -205,7 +226,24 @@ impl PinnedMemory {
             host,
             size,
             owner,
-            release: Some(Box::new(release)),
+            release: HostRelease::Fn(Box::new(release)),
+        }
+    }
+
+    /// Pinned memory at `host` that a pool hands out: when this value drops,
+    /// `hook.release(host, size, tag)` runs. Unlike [`with_release`](Self::with_release) this
+    /// allocates nothing per block.
+    pub fn with_hook(
+        host: HostPtr,
+        size: usize,
+        hook: Arc<dyn HostReleaseHook>,
+        tag: u64,
+    ) -> PinnedMemory {
+        PinnedMemory {
+            host,
+            size,
+            owner: None,
+            release: HostRelease::Hook { hook, tag },
         }
     }
 
@@ -244,8 +282,10 @@ impl PinnedMemory {
 
 impl Drop for PinnedMemory {
     fn drop(&mut self) {
-        if let Some(release) = self.release.take() {
-            release(self.host, self.size);
+        match std::mem::replace(&mut self.release, HostRelease::Done) {
+            HostRelease::Fn(release) => release(self.host, self.size),
+            HostRelease::Hook { hook, tag } => hook.release(self.host, self.size, tag),
+            HostRelease::Done => {}
         }
     }
 }

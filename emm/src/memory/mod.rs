@@ -7,16 +7,18 @@
 //! | `pending` | [`PendingDeallocs`] (Numba's `_PendingDeallocs`), the [`Free`] items it holds, [`DeferCleanup`] |
 //! | `policy` | [`DeallocConfig`]: when the queue flushes (Numba's count and ratio thresholds) |
 //! | `liveness` | [`ContextLiveness`]: whether a context may still reach the driver |
+//! | `record` | the reference-counted allocation record behind a pointer, its box recycled per thread |
 
 pub(crate) mod host;
 pub(crate) mod liveness;
 pub(crate) mod pending;
 pub(crate) mod pointer;
 pub(crate) mod policy;
+pub(crate) mod record;
 
 pub use host::{
-    HostAllocFlags, HostMemory, HostOwner, HostReleaseFn, ManagedMemory, MappedMemory,
-    PinnableBuffer, PinnedMemory,
+    HostAllocFlags, HostMemory, HostOwner, HostReleaseFn, HostReleaseHook, ManagedMemory,
+    MappedMemory, PinnableBuffer, PinnedMemory,
 };
 pub use liveness::{ContextLiveness, LiveGuard};
 pub use pending::{DeferCleanup, Free, PendingDeallocs};

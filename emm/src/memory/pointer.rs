@@ -4,6 +4,8 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
+use super::record::{Record, recycle_per_thread};
+
 use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, StreamHandle};
 
 use crate::error::EmmError;
@@ -175,18 +177,20 @@ pub(crate) struct Allocation {
     release: Release,
     /// Set for a stream-ordered allocation: its streams, changed by `record_stream` and
     /// `free_on` while pointers live, handed to the release.
-    streams: Option<Mutex<StreamUse>>,
+    streams: Option<Box<Mutex<StreamUse>>>,
     /// Kept alive as long as the memory (the host buffer behind a mapped pin). Dropped after
     /// `release` ran, since fields drop after `Drop::drop`.
     _owner: Option<HostOwner>,
 }
+
+recycle_per_thread!(Allocation);
 
 impl Drop for Allocation {
     fn drop(&mut self) {
         let streams = self
             .streams
             .take()
-            .map(|s| s.into_inner().unwrap_or_else(|p| p.into_inner()));
+            .map(|s| (*s).into_inner().unwrap_or_else(|p| p.into_inner()));
         match &mut self.release {
             Release::Tracked {
                 table,
@@ -221,14 +225,14 @@ impl Drop for Allocation {
 ///
 /// A `MemoryPointer` is a cheap handle: clones and views share one allocation record, and the
 /// allocation is released when the last of them drops (Numba's `OwnedPointer` reference count,
-/// with Rust's `Arc` doing the counting). How it is released is data chosen by whoever made it:
+/// with an `Arc`-like record doing the counting, its box recycled per thread). How it is released is data chosen by whoever made it:
 ///
 /// - the built-in managers queue a [`Free`](crate::memory::pending::Free) on their deferred-deallocation queue;
 /// - a plugin passes its own release action ([`MemoryPointer::with_release`]);
 /// - memory owned elsewhere is wrapped with [`MemoryPointer::unowned`] and never released.
 #[derive(Clone)]
 pub struct MemoryPointer {
-    alloc: Arc<Allocation>,
+    alloc: Record<Allocation>,
     offset: usize,
     size: usize,
 }
@@ -255,13 +259,13 @@ impl MemoryPointer {
         stream: Option<StreamHandle>,
     ) -> MemoryPointer {
         MemoryPointer {
-            alloc: Arc::new(Allocation {
+            alloc: Record::new(Allocation {
                 device,
                 ctx,
                 base,
                 size,
                 release,
-                streams: stream.map(|s| Mutex::new(StreamUse::on(s))),
+                streams: stream.map(|s| Box::new(Mutex::new(StreamUse::on(s)))),
                 _owner: owner,
             }),
             offset: 0,
@@ -395,12 +399,12 @@ impl MemoryPointer {
 
     /// How many pointers (clones and views) share the allocation (Numba's `refct`).
     pub fn refct(&self) -> usize {
-        Arc::strong_count(&self.alloc)
+        Record::count(&self.alloc)
     }
 
     /// Whether `self` and `other` share one allocation.
     pub fn same_allocation(&self, other: &MemoryPointer) -> bool {
-        Arc::ptr_eq(&self.alloc, &other.alloc)
+        Record::ptr_eq(&self.alloc, &other.alloc)
     }
 
     /// A view of bytes `start..stop` of this pointer (`stop` defaults to the end), sharing the
@@ -416,7 +420,7 @@ impl MemoryPointer {
             });
         }
         Ok(MemoryPointer {
-            alloc: Arc::clone(&self.alloc),
+            alloc: self.alloc.clone(),
             offset: self.offset + start,
             size: stop - start,
         })
@@ -427,7 +431,7 @@ impl MemoryPointer {
     fn stream_record(&self) -> Option<&Mutex<StreamUse>> {
         match &self.alloc.release {
             Release::Wrapped { inner, .. } => inner.stream_record(),
-            _ => self.alloc.streams.as_ref(),
+            _ => self.alloc.streams.as_deref(),
         }
     }
 

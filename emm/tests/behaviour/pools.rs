@@ -45,8 +45,64 @@ fn check_disjoint_and_intact(ctx: &Context, live: &BTreeMap<u64, (MemoryPointer,
 #[derive(Clone, Debug)]
 enum Step {
     Alloc(usize),
+    /// Allocated by the worker thread (its own shard, cache and record spares).
+    AllocElsewhere(usize),
     Free(usize),
+    /// The last pointer dropped on the worker thread: the block goes back to the shard it came
+    /// from, not the dropping thread's.
+    FreeElsewhere(usize),
     Trim,
+    /// A reset from this thread: every live pointer turns stale, cached blocks on every
+    /// thread's shard are forgotten, and the pool works afterwards.
+    Reset,
+}
+
+/// A second thread that runs what it is sent, one job at a time, and answers when done; it
+/// lives across steps, so its shard and its spare records persist as a real thread's would.
+struct Worker {
+    jobs: std::sync::mpsc::Sender<Box<dyn FnOnce() + Send>>,
+    done: std::sync::mpsc::Receiver<()>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Worker {
+    fn new() -> Worker {
+        let (jobs, rx) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
+        let (tx, done) = std::sync::mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            for job in rx {
+                job();
+                tx.send(()).expect("the test waits for each job");
+            }
+        });
+        Worker {
+            jobs,
+            done,
+            thread: Some(thread),
+        }
+    }
+
+    /// Runs `job` on the worker and waits for it.
+    fn run<R: Send + 'static>(&self, job: impl FnOnce() -> R + Send + 'static) -> R {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.jobs
+            .send(Box::new(move || {
+                tx.send(job()).expect("the answer is awaited")
+            }))
+            .expect("the worker runs");
+        self.done.recv().expect("the worker finished the job");
+        rx.recv().expect("the job answered")
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let (tx, _) = std::sync::mpsc::channel();
+        self.jobs = tx;
+        if let Some(t) = self.thread.take() {
+            t.join().expect("the worker thread");
+        }
+    }
 }
 
 fn steps() -> impl Strategy<Value = Vec<Step>> {
@@ -64,9 +120,12 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
     let (size, steps) = (1usize..4096, 1..16);
     prop::collection::vec(
         prop_oneof![
-            6 => size.prop_map(Step::Alloc),
-            4 => any::<usize>().prop_map(Step::Free),
+            5 => size.clone().prop_map(Step::Alloc),
+            2 => size.prop_map(Step::AllocElsewhere),
+            3 => any::<usize>().prop_map(Step::Free),
+            2 => any::<usize>().prop_map(Step::FreeElsewhere),
             1 => Just(Step::Trim),
+            1 => Just(Step::Reset),
         ],
         steps,
     )
@@ -77,34 +136,65 @@ proptest! {
         std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(48)
     ))]
 
-    /// Random allocations, frees and trims: blocks never overlap, keep their bytes, the
-    /// statistics add up, and after everything is freed and trimmed the driver has it all back.
+    /// Random allocations and frees, on this thread and on a second one, trims and resets:
+    /// blocks never overlap, keep their bytes, the statistics add up across both threads'
+    /// shards, a reset forgets every cached block wherever it is, and after everything is
+    /// freed and trimmed the driver has it all back.
     #[test]
     fn pool_blocks_are_disjoint_and_memory_comes_back(steps in steps()) {
         let sim = Arc::new(SimDriver::new(SimConfig::single(128 << 20)));
         let config = PoolConfig { chunk_size: 8 << 20, ..PoolConfig::default() };
         let rt = small_pool_runtime(&sim, config);
         let ctx = rt.context(0).unwrap();
+        let worker = Worker::new();
         let baseline = ctx.get_memory_info().unwrap().free;
         let mut live: BTreeMap<u64, (MemoryPointer, u8)> = BTreeMap::new();
         for (n, step) in steps.iter().enumerate() {
-            match *step {
-                Step::Alloc(bytes) => match ctx.memalloc(bytes) {
-                    Ok(mem) => {
-                        let fill = n as u8;
-                        ctx.memset(&mem, fill, mem.size()).unwrap();
-                        live.insert(mem.device_ptr().0, (mem, fill));
-                    }
-                    Err(e) => prop_assert!(e.is_out_of_memory(), "{e}"),
-                },
+            let allocated = match *step {
+                Step::Alloc(bytes) => Some(ctx.memalloc(bytes)),
+                Step::AllocElsewhere(bytes) => {
+                    let ctx = ctx.clone();
+                    Some(worker.run(move || ctx.memalloc(bytes)))
+                }
                 Step::Free(k) if !live.is_empty() => {
                     let key = *live.keys().nth(k % live.len()).unwrap();
                     live.remove(&key);
+                    None
                 }
-                Step::Free(_) => {}
+                Step::FreeElsewhere(k) if !live.is_empty() => {
+                    let key = *live.keys().nth(k % live.len()).unwrap();
+                    let (mem, _) = live.remove(&key).unwrap();
+                    worker.run(move || drop(mem));
+                    None
+                }
+                Step::Free(_) | Step::FreeElsewhere(_) => None,
                 Step::Trim => {
                     ctx.trim().unwrap();
+                    None
                 }
+                Step::Reset => {
+                    ctx.reset().unwrap();
+                    prop_assert!(live.values().all(|(m, _)| !m.is_live()));
+                    live.clear();
+                    let stats = ctx.pool_stats().device.unwrap();
+                    prop_assert_eq!(
+                        (stats.held_bytes, stats.in_use_blocks, stats.cached_bytes),
+                        (0, 0, 0),
+                        "{:?}", stats
+                    );
+                    prop_assert_eq!(ctx.get_memory_info().unwrap().free, baseline);
+                    None
+                }
+            };
+            match allocated {
+                Some(Ok(mem)) => {
+                    prop_assert!(mem.is_live());
+                    let fill = n as u8;
+                    ctx.memset(&mem, fill, mem.size()).unwrap();
+                    live.insert(mem.device_ptr().0, (mem, fill));
+                }
+                Some(Err(e)) => prop_assert!(e.is_out_of_memory(), "{e}"),
+                None => {}
             }
             let stats = ctx.pool_stats().device.unwrap();
             prop_assert_eq!(stats.in_use_blocks, live.len());

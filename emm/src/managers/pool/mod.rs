@@ -54,14 +54,14 @@ use crate::managers::default::DriverAllocator;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::memory::pointer::{MemoryPointer, ReleaseHook};
 use crate::size_class::{class_of, class_size};
-use crate::sync::{AtomicU64, Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, Mutex, Ordering, Spin, lock};
 
 mod arena;
 mod shards;
 mod streams;
 
 use arena::Arena;
-use shards::{Shard, ShardHook, ShardLists, THREAD_INDEX, shard_count};
+use shards::{Shard, ShardHook, ShardLists, shard_count, thread_index};
 use streams::{StreamCache, StreamHook};
 
 /// The name the pool manager is registered under.
@@ -137,7 +137,7 @@ impl fmt::Debug for PoolShared {
 
 impl PoolShared {
     fn shard_index(&self) -> usize {
-        THREAD_INDEX.with(|i| *i) & (self.shards.len() - 1)
+        thread_index() & (self.shards.len() - 1)
     }
 
     fn cache_limit(&self, class: usize) -> usize {
@@ -162,7 +162,7 @@ impl PoolShared {
         let class = class_of(bytes);
         let size = class_size(class);
         let spill = {
-            let mut lists = lock(&self.shards[shard].inner);
+            let mut lists = self.shards[shard].inner.lock();
             if self.generation.load(Ordering::Acquire) != tag {
                 return;
             }
@@ -191,7 +191,7 @@ impl PoolShared {
     fn drain_shards(&self) {
         for shard in self.shards.iter() {
             let (lists, generation) = {
-                let mut lists = lock(&shard.inner);
+                let mut lists = shard.inner.lock();
                 let taken: Vec<(usize, Vec<u64>)> = lists
                     .free
                     .iter_mut()
@@ -313,7 +313,7 @@ impl PoolShared {
             cached += s.cached_bytes;
         }
         for shard in self.shards.iter() {
-            let lists = lock(&shard.inner);
+            let lists = shard.inner.lock();
             blocks += lists.in_use_blocks;
             bytes += lists.in_use_bytes;
             cached += lists.cached_bytes;
@@ -376,7 +376,7 @@ impl PoolAllocator {
             arena: Mutex::new(Arena::default()),
             shards: (0..shard_count())
                 .map(|_| Shard {
-                    inner: Mutex::new(ShardLists::new()),
+                    inner: Spin::new(ShardLists::new()),
                 })
                 .collect(),
             queue: Arc::clone(host.deallocations()),
@@ -433,7 +433,7 @@ impl PoolAllocator {
         let class = class_of(bytes);
         let size = class_size(class);
         {
-            let mut lists = lock(&pool.shards[shard].inner);
+            let mut lists = pool.shards[shard].inner.lock();
             if let Some(addr) = lists.free[class].pop() {
                 lists.cached_bytes -= size;
                 lists.in_use_blocks += 1;
@@ -453,7 +453,7 @@ impl PoolAllocator {
             }
             Err(e) => return Err(e),
         };
-        let mut lists = lock(&pool.shards[shard].inner);
+        let mut lists = pool.shards[shard].inner.lock();
         if pool.generation.load(Ordering::Acquire) == generation {
             lists.in_use_blocks += 1;
             lists.in_use_bytes += size as i64;
@@ -585,7 +585,7 @@ impl DeviceAllocator for PoolAllocator {
         let chunks = {
             let mut streams: Vec<_> = pool.streams.shards.iter().map(|s| lock(&s.inner)).collect();
             let mut arena = lock(&pool.arena);
-            let mut shards: Vec<_> = pool.shards.iter().map(|s| lock(&s.inner)).collect();
+            let mut shards: Vec<_> = pool.shards.iter().map(|s| s.inner.lock()).collect();
             pool.generation.fetch_add(1, Ordering::AcqRel);
             arena.generation += 1;
             for lists in &mut shards {
