@@ -39,13 +39,22 @@ const FLUSHED: usize = 10;
 /// sets left SipHash, 2 352 before the read-write lock and the sharded live set, which cost a
 /// thread alone 36 instructions and let threads allocate at once); the pinned host pool
 /// 1 023; a flush of ten frees 9 947.
+///
+/// Lowered 2026-11-24 (issue 14's fast paths): `default` 3 228, `async-pool` 2 309, `pool`
+/// 540 and the pinned host pool 519. The pointer's record is recycled per thread instead of
+/// a `malloc` and `free` (`pool` 591 → 410, `default` 3 250 → 3 131), and the pinned pool's
+/// lists are indexed instead of hashed (1 023 → 451). Keeping the pool's hook clone with the
+/// recycled record and the pinned pool's per-thread shards then cost `pool` 130 and the
+/// pinned pool 68 instructions back, to take the atomic reference count and the shared lock
+/// off their paths: two threads freeing each other's blocks, or sixteen sharing the pinned
+/// pool, had collapsed to a fraction of one thread's rate on the H100 (BENCHMARKS.md, run I).
 mod budget {
     pub const SIM_RAW: u64 = 2_600;
     pub const SIM_POOL_RAW: u64 = 1_750;
-    pub const DEFAULT: u64 = 3_750;
-    pub const POOL: u64 = 680;
-    pub const ASYNC_POOL: u64 = 2_700;
-    pub const PINNED_POOL: u64 = 1_180;
+    pub const DEFAULT: u64 = 3_700;
+    pub const POOL: u64 = 620;
+    pub const ASYNC_POOL: u64 = 2_650;
+    pub const PINNED_POOL: u64 = 600;
     pub const FLUSH: u64 = 11_500;
 }
 

@@ -15,16 +15,22 @@ use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::thread;
 
 fn runtime(max_count: usize) -> (Arc<SimDriver>, Runtime) {
+    runtime_with(max_count, |b| b)
+}
+
+/// As [`runtime`], with more of the builder set by `more`.
+fn runtime_with(
+    max_count: usize,
+    more: impl FnOnce(emm::RuntimeBuilder) -> emm::RuntimeBuilder,
+) -> (Arc<SimDriver>, Runtime) {
     let sim = Arc::new(SimDriver::new(SimConfig::default()));
-    let rt = Runtime::builder(sim.clone())
+    let builder = Runtime::builder(sim.clone())
         .ignore_env()
         .dealloc_config(DeallocConfig {
             max_count,
             ..DeallocConfig::default()
-        })
-        .build()
-        .expect("runtime");
-    (sim, rt)
+        });
+    (sim, more(builder).build().expect("runtime"))
 }
 
 /// Every free the simulator saw succeeded, and there were exactly `n` of them.
@@ -39,6 +45,19 @@ fn exactly_once(sim: &SimDriver, n: usize) {
         "a free failed: {frees:?}"
     );
     assert_eq!(frees.len(), n, "{frees:?}");
+}
+
+/// Every `cuMemFreeHost` the simulator saw succeeded, there were exactly `n`, and no host
+/// allocation is left.
+fn host_frees_exactly(sim: &SimDriver, n: usize) {
+    let frees: Vec<_> = sim
+        .calls()
+        .into_iter()
+        .filter(|c| c.op == Op::MemFreeHost)
+        .collect();
+    assert!(frees.iter().all(|c| c.outcome.is_ok()), "{frees:?}");
+    assert_eq!(frees.len(), n, "{frees:?}");
+    assert!(sim.leak_report().host_allocations.is_empty());
 }
 
 /// Once `kill` returns, no call that entered before is still inside, and none can enter.
@@ -164,14 +183,7 @@ fn host_memory_drop_races_a_reset() {
         ctx.reset().unwrap();
         t.join().unwrap();
         ctx.deallocations().unwrap().flush().unwrap();
-        let frees: Vec<_> = sim
-            .calls()
-            .into_iter()
-            .filter(|c| c.op == Op::MemFreeHost)
-            .collect();
-        assert!(frees.iter().all(|c| c.outcome.is_ok()), "{frees:?}");
-        assert_eq!(frees.len(), 1, "{frees:?}");
-        assert!(sim.leak_report().host_allocations.is_empty());
+        host_frees_exactly(&sim, 1);
     });
 }
 
@@ -198,6 +210,33 @@ fn pin_drop_races_a_reset() {
             ctx.pin(buffer, true)
                 .expect("the range can be pinned again"),
         );
+    });
+}
+
+/// The pinned host pool's per-thread shards: a block returned on another thread (to that
+/// thread's shard) races this thread taking a block (which looks in every shard) and then a
+/// reset. Whatever the interleaving, no block is handed out twice, the reset frees every
+/// cached block once, and the block returned after the reset is freed, not cached.
+#[test]
+fn pinned_pool_shards_race_a_take_and_a_reset() {
+    loom::model(|| {
+        let (sim, rt) = runtime_with(0, |b| {
+            b.pinned_host_pool(Some(emm::PinnedPoolConfig::default()))
+        });
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.memhostalloc(4096, false, false, false).unwrap();
+        let a_addr = a.host_ptr();
+        let t = thread::spawn(move || drop(a));
+        let b = ctx.memhostalloc(4096, false, false, false).unwrap();
+        t.join().unwrap();
+        // `b` is `a`'s block if the return came first, a new one otherwise; never both live.
+        let reused = b.host_ptr() == a_addr;
+        ctx.reset().unwrap();
+        drop(b);
+        ctx.deallocations().unwrap().flush().unwrap();
+        let allocs = sim.count(Op::MemHostAlloc);
+        assert_eq!(allocs, if reused { 1 } else { 2 });
+        host_frees_exactly(&sim, allocs);
     });
 }
 
@@ -238,6 +277,38 @@ fn pool_reset_races_drops() {
         exactly_once(&sim, chunks);
         let again = ctx.memalloc(100).unwrap();
         assert!(again.is_live());
+    });
+}
+
+/// A block allocated on this thread, dropped on another (it goes to that thread's shard, its
+/// record and hook clone to that thread's spares), racing an allocation here that refills
+/// from the depot or the arena, then a trim: the two blocks are distinct while both live,
+/// and the trim gets every chunk back exactly once.
+#[test]
+fn pool_cross_thread_free_races_an_allocation_and_a_trim() {
+    loom::model(|| {
+        let (sim, rt) = pool_runtime();
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.memalloc(100).unwrap();
+        let a_addr = a.device_ptr();
+        let t = thread::spawn(move || drop(a));
+        let b = ctx.memalloc(100).unwrap();
+        assert!(b.is_live());
+        t.join().unwrap();
+        assert_ne!(
+            b.device_ptr(),
+            a_addr,
+            "a block still cached on another shard is not this thread's"
+        );
+        drop(b);
+        ctx.trim().unwrap();
+        let stats = ctx.pool_stats().device.unwrap();
+        assert_eq!(
+            (stats.held_bytes, stats.in_use_blocks, stats.cached_bytes),
+            (0, 0, 0),
+            "{stats:?}"
+        );
+        exactly_once(&sim, 1);
     });
 }
 

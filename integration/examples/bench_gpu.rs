@@ -613,7 +613,14 @@ fn default_fairly(driver: &Arc<dyn Driver>) {
                 }
             }
         });
-        out("default", "raw, 11 allocs then 11 frees", size, 1, ns, "ns/pair");
+        out(
+            "default",
+            "raw, 11 allocs then 11 frees",
+            size,
+            1,
+            ns,
+            "ns/pair",
+        );
         let ns = per_op(rounds * 11, |n| {
             for _ in 0..n {
                 let p = driver.mem_alloc(h, size).expect("cuMemAlloc");
@@ -644,7 +651,14 @@ fn default_fairly(driver: &Arc<dyn Driver>) {
                 drop(off.memalloc(size).expect("memalloc"));
             }
         });
-        out("default", "default manager, max_count 0", size, 1, ns, "ns/pair");
+        out(
+            "default",
+            "default manager, max_count 0",
+            size,
+            1,
+            ns,
+            "ns/pair",
+        );
     }
 }
 

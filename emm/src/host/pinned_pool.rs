@@ -7,8 +7,17 @@
 //!
 //! - Requests up to [`PinnedPoolConfig::max_block`] are rounded to a size class (4 per
 //!   doubling) and served from a free list per (flags, size); larger ones bypass the pool.
-//! - A returned block goes back to its list, unless the lists already hold
-//!   [`PinnedPoolConfig::max_cached`] bytes; then it is freed (through the deferred queue).
+//! - **Per-thread shards.** The lists live in per-thread shards (one spin lock each, on its
+//!   own cache lines; a thread's index comes from `thread_slots`), so threads do not share a
+//!   hot lock: a cached pair takes one uncontended lock. A thread whose own lists are empty
+//!   looks in the other shards before it calls the driver (a `cuMemHostAlloc` costs hundreds
+//!   of microseconds; looking costs one lock per shard).
+//! - **The cache bound.** The shards together never hold more than
+//!   [`PinnedPoolConfig::max_cached`] bytes: a shard caches against an allowance it takes
+//!   from the pool in steps of at least [`ALLOWANCE_STEP`], and hands back what it does not
+//!   use beyond one step. A block returned when no allowance is left is freed (through the
+//!   deferred queue); so a thread may free a block while other shards hold up to one step of
+//!   unused allowance each.
 //! - Mapped blocks keep their device pointer, so a cached mapped allocation makes no driver
 //!   call.
 //! - `trim` frees every cached block; `reset` frees every cached block and forgets the rest:
@@ -24,7 +33,8 @@ use crate::contract::info::{PinnedPoolConfig, PoolStats};
 use crate::memory::HostReleaseHook;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::size_class;
-use crate::sync::{AtomicU64, Ordering, Spin};
+use crate::sync::{AtomicU64, Mutex, Ordering, Spin, lock};
+use crate::thread_slots::{shard_count, thread_index};
 
 /// A cached block: host address and, for mapped blocks, the device address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,18 +49,49 @@ pub(crate) struct PinnedBlock {
 /// `WRITECOMBINED` (1, 2, 4), the only flags emm passes.
 const FLAG_BITS: u32 = 0b111;
 
+/// The smallest allowance a shard takes from the pool at a time, and the unused allowance it
+/// may keep.
+pub(crate) const ALLOWANCE_STEP: usize = 1 << 20;
+
+/// One thread's free lists.
 #[derive(Debug, Default)]
 struct Lists {
     /// Free blocks by [`list_index`]: size class, then flags (a plain index, not a hash map: a
     /// hashed key cost about 400 instructions of the 1 000 a cached pair took).
     free: Vec<Vec<PinnedBlock>>,
     cached: usize,
+    /// Bytes this shard may cache (taken from [`Totals::allowed`]).
+    allowance: usize,
+    /// Blocks and bytes handed out from or returned to this shard; a block taken on one shard
+    /// and returned to another makes both drift, their sums stay right.
+    in_use: i64,
+    in_use_blocks: i64,
+}
+
+impl Lists {
+    fn pop(&mut self, flags: u32, size: usize) -> Option<PinnedBlock> {
+        let block = self.free.get_mut(list_index(flags, size))?.pop()?;
+        self.cached -= size;
+        Some(block)
+    }
+}
+
+/// One shard, on its own cache lines.
+#[repr(align(128))]
+struct Shard {
+    lists: Spin<Lists>,
+}
+
+/// What the pool counts across shards; its lock is taken after a shard's, and only when the
+/// pool grows, frees, trims, resets or moves allowance.
+#[derive(Debug, Default)]
+struct Totals {
     held: usize,
     peak_held: usize,
-    in_use: usize,
-    in_use_blocks: usize,
     grows: u64,
     trimmed: u64,
+    /// The sum of the shards' allowances, at most `max_cached`.
+    allowed: usize,
 }
 
 /// The list of blocks of `size` (a class size) with `flags`.
@@ -69,9 +110,10 @@ pub(crate) struct PinnedPool {
     /// The host layer's deferred-deallocation queue: blocks the pool does not keep are freed
     /// through it.
     queue: Arc<PendingDeallocs>,
+    /// Bumped by `drain(true)` (a reset) while every shard's lock is held.
     generation: AtomicU64,
-    /// A spin lock: held for a list operation and a few counters, never across a driver call.
-    lists: Spin<Lists>,
+    shards: Box<[Shard]>,
+    totals: Mutex<Totals>,
 }
 
 impl fmt::Debug for PinnedPool {
@@ -89,8 +131,17 @@ impl PinnedPool {
             config,
             queue,
             generation: AtomicU64::new(0),
-            lists: Spin::new(Lists::default()),
+            shards: (0..shard_count())
+                .map(|_| Shard {
+                    lists: Spin::new(Lists::default()),
+                })
+                .collect(),
+            totals: Mutex::new(Totals::default()),
         }
+    }
+
+    fn own_shard(&self) -> usize {
+        thread_index() & (self.shards.len() - 1)
     }
 
     /// The size a request is served with, or `None` if it bypasses the pool.
@@ -98,31 +149,44 @@ impl PinnedPool {
         (bytes <= self.config.max_block).then(|| size_class::round_up(bytes))
     }
 
-    /// A cached block of `size` bytes with `flags`, and the generation to stamp it with.
-    pub(crate) fn take(&self, flags: u32, size: usize) -> (Option<PinnedBlock>, u64) {
-        let mut lists = self.lists.lock();
-        let generation = self.generation.load(Ordering::Acquire);
-        let block = lists
-            .free
-            .get_mut(list_index(flags, size))
-            .and_then(Vec::pop);
-        if block.is_some() {
-            lists.cached -= size;
-            lists.in_use += size;
-            lists.in_use_blocks += 1;
+    /// Hands the pool back the allowance `lists` holds beyond its cached bytes and one step.
+    fn return_spare_allowance(&self, lists: &mut Lists) {
+        let spare = lists.allowance - lists.cached;
+        if spare > 2 * ALLOWANCE_STEP {
+            let back = spare - ALLOWANCE_STEP;
+            lists.allowance -= back;
+            lock(&self.totals).allowed -= back;
         }
-        (block, generation)
+    }
+
+    /// A cached block of `size` bytes with `flags` (this thread's, else another shard's), and
+    /// the generation to stamp it with.
+    pub(crate) fn take(&self, flags: u32, size: usize) -> (Option<PinnedBlock>, u64) {
+        let own = self.own_shard();
+        let n = self.shards.len();
+        for i in (0..n).map(|k| (own + k) % n) {
+            let mut lists = self.shards[i].lists.lock();
+            let generation = self.generation.load(Ordering::Acquire);
+            if let Some(block) = lists.pop(flags, size) {
+                lists.in_use += size as i64;
+                lists.in_use_blocks += 1;
+                self.return_spare_allowance(&mut lists);
+                return (Some(block), generation);
+            }
+        }
+        (None, self.generation.load(Ordering::Acquire))
     }
 
     /// Counts a block the caller has just allocated from the driver as held and in use;
     /// returns the generation to stamp it with.
     pub(crate) fn grew(&self, size: usize) -> u64 {
-        let mut lists = self.lists.lock();
-        lists.held += size;
-        lists.peak_held = lists.peak_held.max(lists.held);
-        lists.in_use += size;
+        let mut lists = self.shards[self.own_shard()].lists.lock();
+        lists.in_use += size as i64;
         lists.in_use_blocks += 1;
-        lists.grows += 1;
+        let mut totals = lock(&self.totals);
+        totals.held += size;
+        totals.peak_held = totals.peak_held.max(totals.held);
+        totals.grows += 1;
         self.generation.load(Ordering::Acquire)
     }
 
@@ -132,15 +196,32 @@ impl PinnedPool {
         generation << 3 | u64::from(flags & FLAG_BITS)
     }
 
-    /// A block stamped `generation` is no longer used: cache it, or return the free the
-    /// caller must queue (when the pool is full, or when the block is from before a reset).
+    /// A block stamped `generation` is no longer used: cache it in this thread's shard, or
+    /// return the free the caller must queue (when the pool may cache no more, or when the
+    /// block is from before a reset).
     #[must_use = "a block the pool does not keep must be freed"]
     pub(crate) fn give_back(&self, block: PinnedBlock, generation: u64) -> Option<Free> {
-        let mut lists = self.lists.lock();
+        let mut lists = self.shards[self.own_shard()].lists.lock();
         if self.generation.load(Ordering::Acquire) == generation {
-            lists.in_use -= block.size;
+            lists.in_use -= block.size as i64;
             lists.in_use_blocks -= 1;
-            if lists.cached + block.size <= self.config.max_cached {
+            let need = (lists.cached + block.size).saturating_sub(lists.allowance);
+            let allowed = need == 0 || {
+                let mut totals = lock(&self.totals);
+                let grant = need
+                    .max(ALLOWANCE_STEP)
+                    .min(self.config.max_cached - totals.allowed);
+                if grant >= need {
+                    totals.allowed += grant;
+                    lists.allowance += grant;
+                    true
+                } else {
+                    totals.held -= block.size;
+                    totals.trimmed += block.size as u64;
+                    false
+                }
+            };
+            if allowed {
                 lists.cached += block.size;
                 let i = list_index(block.flags, block.size);
                 if lists.free.len() <= i {
@@ -149,8 +230,6 @@ impl PinnedPool {
                 lists.free[i].push(block);
                 return None;
             }
-            lists.held -= block.size;
-            lists.trimmed += block.size as u64;
         }
         Some(Free::Host {
             ptr: block.host,
@@ -171,18 +250,26 @@ impl PinnedPool {
     /// also forgets the blocks in use and starts a new generation. Returns the frees and the
     /// bytes they release.
     pub(crate) fn drain(&self, reset: bool) -> (Vec<Free>, usize) {
-        let mut lists = self.lists.lock();
-        let blocks: Vec<PinnedBlock> = lists.free.iter_mut().flat_map(std::mem::take).collect();
+        let mut shards: Vec<_> = self.shards.iter().map(|s| s.lists.lock()).collect();
+        let mut totals = lock(&self.totals);
+        let mut blocks = Vec::new();
+        for lists in &mut shards {
+            blocks.extend(lists.free.iter_mut().flat_map(std::mem::take));
+            lists.cached = 0;
+            lists.allowance = 0;
+            if reset {
+                lists.in_use = 0;
+                lists.in_use_blocks = 0;
+            }
+        }
         let bytes: usize = blocks.iter().map(|b| b.size).sum();
-        lists.cached = 0;
-        lists.held -= bytes;
+        totals.allowed = 0;
+        totals.held -= bytes;
         if reset {
             self.generation.fetch_add(1, Ordering::AcqRel);
-            lists.held = 0;
-            lists.in_use = 0;
-            lists.in_use_blocks = 0;
+            totals.held = 0;
         } else {
-            lists.trimmed += bytes as u64;
+            totals.trimmed += bytes as u64;
         }
         let frees = blocks
             .iter()
@@ -195,16 +282,25 @@ impl PinnedPool {
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
-        let lists = self.lists.lock();
+        let (mut in_use, mut in_use_blocks, mut cached, mut free_blocks) = (0i64, 0i64, 0, 0);
+        for shard in self.shards.iter() {
+            let lists = shard.lists.lock();
+            in_use += lists.in_use;
+            in_use_blocks += lists.in_use_blocks;
+            cached += lists.cached;
+            free_blocks += lists.free.iter().map(Vec::len).sum::<usize>();
+        }
+        let totals = lock(&self.totals);
+        let in_use_blocks = in_use_blocks.max(0) as usize;
         PoolStats {
-            held_bytes: lists.held,
-            in_use_bytes: lists.in_use,
-            in_use_blocks: lists.in_use_blocks,
-            cached_bytes: lists.cached,
-            peak_held_bytes: lists.peak_held,
-            chunks: lists.free.iter().map(Vec::len).sum::<usize>() + lists.in_use_blocks,
-            grows: lists.grows,
-            trimmed_bytes: lists.trimmed,
+            held_bytes: totals.held,
+            in_use_bytes: in_use.max(0) as usize,
+            in_use_blocks,
+            cached_bytes: cached,
+            peak_held_bytes: totals.peak_held,
+            chunks: free_blocks + in_use_blocks,
+            grows: totals.grows,
+            trimmed_bytes: totals.trimmed,
         }
     }
 }

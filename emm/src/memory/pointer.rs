@@ -154,9 +154,12 @@ pub(crate) enum Release {
     /// A plugin's own action.
     Custom(Mutex<Option<ReleaseFn>>),
     /// A shared release hook with a per-allocation tag (no allocation of its own per pointer).
+    /// With `stash`, the pointer's clone of the hook stays with its record when the record is
+    /// recycled (see [`MemoryPointer::with_stashed_hook`]).
     Hook {
         hook: Arc<dyn ReleaseHook>,
         tag: u64,
+        stash: bool,
     },
     /// An adaptor's wrapper around another manager's pointer: the hook is told, then the inner
     /// pointer drops (and releases the memory its own way).
@@ -183,7 +186,30 @@ pub(crate) struct Allocation {
     _owner: Option<HostOwner>,
 }
 
-recycle_per_thread!(Allocation);
+recycle_per_thread!(Allocation, Arc<dyn ReleaseHook>, Allocation::retire);
+
+impl Allocation {
+    /// For a pool's pointer (`stash`): runs the hook's release and hands the hook's clone to
+    /// the recycled record, for the next pointer made in it. Anything else releases in `drop`.
+    fn retire(&mut self) -> Option<Arc<dyn ReleaseHook>> {
+        if !matches!(self.release, Release::Hook { stash: true, .. }) {
+            return None;
+        }
+        let Release::Hook { hook, tag, .. } =
+            std::mem::replace(&mut self.release, Release::Unowned)
+        else {
+            unreachable!("matched above");
+        };
+        match self.streams.take() {
+            Some(s) => {
+                let streams = (*s).into_inner().unwrap_or_else(|p| p.into_inner());
+                hook.release_on_streams(self.base, self.size, tag, streams);
+            }
+            None => hook.release(self.base, self.size, tag),
+        }
+        Some(hook)
+    }
+}
 
 impl Drop for Allocation {
     fn drop(&mut self) {
@@ -205,7 +231,8 @@ impl Drop for Allocation {
                     action(self.base, self.size);
                 }
             }
-            Release::Hook { hook, tag } => match streams {
+            // A pool's pointer (`stash`) released in `retire`, under loom too.
+            Release::Hook { hook, tag, .. } => match streams {
                 Some(streams) => hook.release_on_streams(self.base, self.size, *tag, streams),
                 None => hook.release(self.base, self.size, *tag),
             },
@@ -304,7 +331,44 @@ impl MemoryPointer {
         hook: Arc<dyn ReleaseHook>,
         tag: u64,
     ) -> MemoryPointer {
-        Self::from_release(device, ctx, base, size, Release::Hook { hook, tag }, None)
+        Self::hooked(device, ctx, base, size, hook, tag, None)
+    }
+
+    /// As [`with_hook`](Self::with_hook), for a built-in pool's hot path: the pointer's clone
+    /// of `hook` stays with its record when the record is recycled (`record.rs`), and the next
+    /// pointer made in that record on the same pool reuses it, so that in the steady state
+    /// neither the allocation nor the free changes the hook's reference count (an atomic
+    /// read-modify-write on a line that every thread allocating or freeing from the pool
+    /// shares). A hook may so outlive its last pointer in up to 64 spare records per thread,
+    /// until they are reused or the thread exits.
+    pub(crate) fn with_stashed_hook(
+        device: DeviceOrdinal,
+        ctx: ContextHandle,
+        base: DevicePtr,
+        size: usize,
+        hook: &Arc<dyn ReleaseHook>,
+        tag: u64,
+    ) -> MemoryPointer {
+        MemoryPointer {
+            alloc: Record::new_with(|kept| Allocation {
+                device,
+                ctx,
+                base,
+                size,
+                release: Release::Hook {
+                    hook: match kept {
+                        Some(kept) if Arc::ptr_eq(&kept, hook) => kept,
+                        _ => Arc::clone(hook),
+                    },
+                    tag,
+                    stash: true,
+                },
+                streams: None,
+                _owner: None,
+            }),
+            offset: 0,
+            size,
+        }
     }
 
     /// As [`with_hook`](Self::with_hook), for memory allocated on `stream` (a manager's
@@ -320,15 +384,24 @@ impl MemoryPointer {
         tag: u64,
         stream: StreamHandle,
     ) -> MemoryPointer {
-        Self::from_parts(
-            device,
-            ctx,
-            base,
-            size,
-            Release::Hook { hook, tag },
-            None,
-            Some(stream),
-        )
+        Self::hooked(device, ctx, base, size, hook, tag, Some(stream))
+    }
+
+    fn hooked(
+        device: DeviceOrdinal,
+        ctx: ContextHandle,
+        base: DevicePtr,
+        size: usize,
+        hook: Arc<dyn ReleaseHook>,
+        tag: u64,
+        stream: Option<StreamHandle>,
+    ) -> MemoryPointer {
+        let release = Release::Hook {
+            hook,
+            tag,
+            stash: false,
+        };
+        Self::from_parts(device, ctx, base, size, release, None, stream)
     }
 
     /// Wraps another manager's pointer (an adaptor's view of it): same address and size; when
@@ -512,7 +585,7 @@ impl MemoryPointer {
                 table, generation, ..
             } => table.generation() == *generation,
             Release::Mapping { open } => open.load(Ordering::Acquire),
-            Release::Hook { hook, tag } => hook.is_live(*tag),
+            Release::Hook { hook, tag, .. } => hook.is_live(*tag),
             Release::Wrapped { inner, .. } => inner.is_live(),
             Release::Custom(_) | Release::Unowned => true,
         }

@@ -41,12 +41,21 @@ pub(crate) struct Record<T: Recycle> {
 
 /// A type whose records recycle their boxes through a per-thread list of spares.
 pub(crate) trait Recycle: Sized + Send + Sync + 'static {
+    /// What a spare box keeps of the value it last held, for the next value made in it (a
+    /// pool's pointer keeps its clone of the pool's release hook, so that the next pointer
+    /// made in the box need not clone it again).
+    type Keep: Send + 'static;
+
     /// Runs `f` on this thread's spare boxes; `None` while the thread is being torn down.
     fn with_spares<R>(f: impl FnOnce(&mut Vec<Spare<Self>>) -> R) -> Option<R>;
+
+    /// Called on the last owner's thread just before the value drops: takes out what the box
+    /// keeps, if anything (and does whatever the value's drop would have done with it).
+    fn retire(&mut self) -> Option<Self::Keep>;
 }
 
-/// An empty box that held a `T`'s record.
-pub(crate) struct Spare<T>(Box<MaybeUninit<Inner<T>>>);
+/// An empty box that held a `T`'s record, and what it kept of that value.
+pub(crate) struct Spare<T: Recycle>(Box<MaybeUninit<Inner<T>>>, Option<T::Keep>);
 
 // SAFETY: a record hands out only shared references to `T` (`Deref`) and drops `T` on the
 // thread of the last owner, as `Arc<T>` does; `T: Send + Sync` (the `Recycle` bound) makes
@@ -58,18 +67,24 @@ unsafe impl<T: Recycle> Sync for Record<T> {}
 impl<T: Recycle> Record<T> {
     /// A record holding `value`, with one owner.
     pub(crate) fn new(value: T) -> Record<T> {
+        Self::new_with(|_| value)
+    }
+
+    /// A record holding the value `make` returns, with one owner; `make` is handed what the
+    /// recycled box kept of its last value, if anything (dropping it is fine).
+    pub(crate) fn new_with(make: impl FnOnce(Option<T::Keep>) -> T) -> Record<T> {
         let spare = if cfg!(emm_loom) {
             None
         } else {
             T::with_spares(|s| s.pop()).flatten()
         };
-        let mut boxed = match spare {
-            Some(Spare(spare)) => spare,
-            None => Box::new_uninit(),
+        let (mut boxed, kept) = match spare {
+            Some(Spare(spare, kept)) => (spare, kept),
+            None => (Box::new_uninit(), None),
         };
         boxed.write(Inner {
             refs: AtomicUsize::new(1),
-            value,
+            value: make(kept),
         });
         Record {
             // SAFETY: `Box::into_raw` never returns null, and the box now holds an `Inner<T>`
@@ -129,17 +144,19 @@ impl<T: Recycle> Drop for Record<T> {
             fence(Ordering::Acquire);
         }
         let raw = self.ptr.as_ptr();
-        // SAFETY: this was the last owner, so nothing else reads the value; it is dropped once,
-        // here, and the box then holds no value (`MaybeUninit`). The box came from
-        // `Box::<MaybeUninit<Inner<T>>>::into_raw` in `new`.
-        let spare = unsafe {
+        // SAFETY: this was the last owner, so nothing else reads or writes the value while it
+        // is retired and dropped; it is dropped once, here, and the box then holds no value
+        // (`MaybeUninit`). The box came from `Box::<MaybeUninit<Inner<T>>>::into_raw` in
+        // `new_with`.
+        let (spare, kept) = unsafe {
+            let kept = T::retire(&mut (*raw).value);
             std::ptr::drop_in_place(raw);
-            Box::from_raw(raw.cast::<MaybeUninit<Inner<T>>>())
+            (Box::from_raw(raw.cast::<MaybeUninit<Inner<T>>>()), kept)
         };
         if cfg!(emm_loom) {
             return;
         }
-        let mut spare = Some(Spare(spare));
+        let mut spare = Some(Spare(spare, kept));
         T::with_spares(|s| {
             if s.len() < SPARES {
                 s.extend(spare.take());
@@ -150,10 +167,17 @@ impl<T: Recycle> Drop for Record<T> {
     }
 }
 
-/// Declares the per-thread spare list of a [`Recycle`] type.
+/// Declares the per-thread spare list of a [`Recycle`] type, which keeps `$keep` of its values
+/// through `$retire`.
 macro_rules! recycle_per_thread {
-    ($t:ty) => {
+    ($t:ty, $keep:ty, $retire:expr) => {
         impl $crate::memory::record::Recycle for $t {
+            type Keep = $keep;
+
+            fn retire(&mut self) -> Option<$keep> {
+                $retire(self)
+            }
+
             fn with_spares<R>(
                 f: impl FnOnce(&mut Vec<$crate::memory::record::Spare<$t>>) -> R,
             ) -> Option<R> {
@@ -184,7 +208,7 @@ mod tests {
             self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
     }
-    recycle_per_thread!(Counted);
+    recycle_per_thread!(Counted, (), |_: &mut Counted| None);
 
     #[test]
     fn the_value_drops_once_when_the_last_owner_goes_and_the_box_is_reused() {
@@ -229,6 +253,30 @@ mod tests {
         assert_eq!(drops.load(std::sync::atomic::Ordering::SeqCst), rounds);
     }
 
+    /// Keeps its `Arc` in the spare box when retired.
+    struct Holder(Option<Arc<StdAtomic>>);
+    recycle_per_thread!(Holder, Arc<StdAtomic>, |h: &mut Holder| h.0.take());
+
+    #[test]
+    fn a_recycled_box_hands_what_it_kept_to_the_next_value() {
+        let shared = Arc::new(StdAtomic::new(0));
+        let r = Record::new(Holder(Some(shared.clone())));
+        assert_eq!(Arc::strong_count(&shared), 2);
+        drop(r);
+        assert_eq!(
+            Arc::strong_count(&shared),
+            2,
+            "the spare box keeps the clone"
+        );
+        let r = Record::new_with(|kept| {
+            let kept = kept.expect("the spare's clone");
+            assert!(Arc::ptr_eq(&kept, &shared));
+            Holder(Some(kept))
+        });
+        assert_eq!(Arc::strong_count(&shared), 2, "reused, not cloned again");
+        drop(r);
+    }
+
     #[test]
     fn a_thread_keeps_a_bounded_number_of_spares() {
         let drops = Arc::new(StdAtomic::new(0));
@@ -269,7 +317,7 @@ mod loom_models {
     // SAFETY: the probe's cell is only read through shared owners and written in `drop`, which
     // the count orders after them; loom checks exactly that.
     unsafe impl Sync for Probe {}
-    recycle_per_thread!(Probe);
+    recycle_per_thread!(Probe, (), |_: &mut Probe| None);
 
     #[test]
     fn loom_models_record_drops_its_value_once_after_every_owner() {

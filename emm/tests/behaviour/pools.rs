@@ -415,6 +415,97 @@ fn pinned_host_pool_reuses_blocks_and_trims() {
     assert_eq!(sim.count(Op::MemFreeHost), 2);
 }
 
+#[derive(Clone, Debug)]
+enum PinStep {
+    /// Unmapped (false) or mapped (true), on this thread or the worker.
+    Alloc(usize, bool, bool),
+    /// Dropped on this thread or the worker.
+    Free(usize, bool),
+    Trim,
+}
+
+fn pin_steps() -> impl Strategy<Value = Vec<PinStep>> {
+    #[cfg(not(miri))]
+    let (size, steps) = (
+        prop_oneof![3 => 1usize..16 << 10, 1 => (16usize << 10)..(2 << 20)],
+        1..60,
+    );
+    #[cfg(miri)]
+    let (size, steps) = (1usize..16 << 10, 1..12);
+    prop::collection::vec(
+        prop_oneof![
+            5 => (size, any::<bool>(), any::<bool>()).prop_map(|(b, m, w)| PinStep::Alloc(b, m, w)),
+            4 => (any::<usize>(), any::<bool>()).prop_map(|(k, w)| PinStep::Free(k, w)),
+            1 => Just(PinStep::Trim),
+        ],
+        steps,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(
+        std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(48)
+    ))]
+
+    /// The pinned host pool's per-thread shards, with allocations and frees on two threads and
+    /// a cache bound small enough to be hit: the shards together never cache more than the
+    /// bound, what the pool holds is what is cached plus what is in use, a block is never
+    /// handed out twice, and after everything is freed and trimmed the driver has it all back.
+    #[test]
+    fn pinned_pool_shards_keep_the_cache_bound(steps in pin_steps()) {
+        let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+        let config = PinnedPoolConfig { max_block: 4 << 20, max_cached: 3 << 20 };
+        let rt = Runtime::builder(sim.clone())
+            .ignore_env()
+            .pinned_host_pool(Some(config))
+            .build()
+            .unwrap();
+        let ctx = rt.context(0).unwrap();
+        let worker = Worker::new();
+        let mut live: BTreeMap<u64, emm::HostMemory> = BTreeMap::new();
+        for step in &steps {
+            match *step {
+                PinStep::Alloc(bytes, mapped, elsewhere) => {
+                    let mem = if elsewhere {
+                        let ctx = ctx.clone();
+                        worker.run(move || ctx.memhostalloc(bytes, mapped, false, false))
+                    } else {
+                        ctx.memhostalloc(bytes, mapped, false, false)
+                    }
+                    .unwrap();
+                    let addr = mem.host_ptr().0 as u64;
+                    prop_assert!(live.insert(addr, mem).is_none(), "{addr:#x} handed out twice");
+                }
+                PinStep::Free(k, elsewhere) if !live.is_empty() => {
+                    let key = *live.keys().nth(k % live.len()).unwrap();
+                    let mem = live.remove(&key).unwrap();
+                    if elsewhere {
+                        worker.run(move || drop(mem));
+                    } else {
+                        drop(mem);
+                    }
+                }
+                PinStep::Free(..) => {}
+                PinStep::Trim => {
+                    ctx.trim().unwrap();
+                }
+            }
+            let stats = ctx.pool_stats().pinned_host.unwrap();
+            prop_assert!(stats.cached_bytes <= config.max_cached, "{:?}", stats);
+            prop_assert_eq!(stats.held_bytes, stats.cached_bytes + stats.in_use_bytes, "{:?}", stats);
+            prop_assert_eq!(stats.in_use_blocks, live.len());
+        }
+        live.clear();
+        ctx.trim().unwrap();
+        if let Some(q) = ctx.deallocations() {
+            q.flush().unwrap();
+        }
+        let stats = ctx.pool_stats().pinned_host.unwrap();
+        prop_assert_eq!((stats.held_bytes, stats.cached_bytes), (0, 0), "{:?}", stats);
+        prop_assert_eq!(sim.count(Op::MemHostAlloc), sim.count(Op::MemFreeHost));
+    }
+}
+
 /// The log adaptor writes RMM's columns; the log replays on a fresh simulator under another
 /// manager, with the same allocations.
 #[test]

@@ -20,13 +20,18 @@
 //!   [`PoolConfig::small_max`] go to the arena directly.
 //! - **Size classes and shards.** Requests up to `small_max` (at most 1 MiB) are rounded to one
 //!   of 44 size classes (4 per doubling, so at most 25 % rounding) and served from a per-thread
-//!   shard: a cache-line-aligned mutex holding a free list per class. A thread always uses the
-//!   same shard, so threads do not share a hot lock; an empty list is refilled from the arena
-//!   in batches, and a list past its share ([`PoolConfig::cache_bytes_per_class`]) hands half
-//!   of its blocks back to the arena, where they coalesce.
-//! - **Release.** A pointer's last drop returns its block to the shard it came from, with no
-//!   driver call; its pointer carries a shared [`ReleaseHook`], so an allocation costs one
-//!   heap allocation (the pointer's own).
+//!   shard: a cache-line-aligned spin lock holding a free list per class. Each live thread
+//!   holds its own shard index (dense slots, handed back when the thread exits: `shards.rs`),
+//!   so threads share a shard only when there are more of them than shards, and taking the
+//!   shard's lock is one uncontended compare-exchange on a line the thread owns; an empty
+//!   list is refilled from the arena in batches, and a list past its share
+//!   ([`PoolConfig::cache_bytes_per_class`]) hands half of its blocks back to the arena, where
+//!   they coalesce. The shards together cache at most 44 classes × shards × that share
+//!   (`stats().cached_bytes` says how much now; `trim` returns it all).
+//! - **Release.** A pointer's last drop returns its block to the dropping thread's shard, with
+//!   no driver call; its pointer carries a shared [`ReleaseHook`], and its record comes from
+//!   a per-thread list of recycled ones (`memory/record.rs`), so a cached allocation
+//!   allocates nothing on the heap.
 //! - **Memory held back** is reported by [`PoolAllocator::stats`] at all times. [`trim`]
 //!   returns every cached block to the arena and frees every chunk with nothing in use;
 //!   `reset` frees every chunk. Both free through the host layer's deferred-deallocation
@@ -55,13 +60,14 @@ use crate::memory::pending::{Free, PendingDeallocs};
 use crate::memory::pointer::{MemoryPointer, ReleaseHook};
 use crate::size_class::{class_of, class_size};
 use crate::sync::{AtomicU64, Mutex, Ordering, Spin, lock};
+use crate::thread_slots::{shard_count, thread_index};
 
 mod arena;
 mod shards;
 mod streams;
 
 use arena::Arena;
-use shards::{Shard, ShardHook, ShardLists, shard_count, thread_index};
+use shards::{Depot, Shard, ShardHook, ShardLists};
 use streams::{StreamCache, StreamHook};
 
 /// The name the pool manager is registered under.
@@ -117,6 +123,9 @@ struct PoolShared {
     generation: AtomicU64,
     arena: Mutex<Arena>,
     shards: Box<[Shard]>,
+    /// Magazines passed between shards (`shards.rs`); its lock is taken with no other held but
+    /// by `reset`, which takes it after the shards'.
+    depot: Mutex<Depot>,
     /// The deferred-deallocation queue of the host layer: chunk frees go through it.
     queue: Arc<PendingDeallocs>,
     /// Stream-ordered blocks (`streams.rs`); its lock comes before the arena's.
@@ -148,6 +157,24 @@ impl PoolShared {
         ((256 << 10) / class_size(class)).clamp(1, 16)
     }
 
+    /// Blocks in a magazine passed through the depot: up to 1 MiB of them, 2 to 64.
+    fn magazine(class: usize) -> usize {
+        ((1 << 20) / class_size(class)).clamp(2, 64)
+    }
+
+    /// Magazines the depot keeps per class: together twice a shard's cache limit, at least 2.
+    fn depot_limit(&self, class: usize) -> usize {
+        (2 * self.cache_limit(class) / Self::magazine(class)).max(2)
+    }
+
+    /// A full magazine of `class` from the depot, and the generation its blocks belong to.
+    fn take_magazine(&self, class: usize) -> Option<(Vec<u64>, u64)> {
+        let mut depot = lock(&self.depot);
+        let magazine = depot.magazines[class].pop()?;
+        depot.cached_bytes -= magazine.len() * class_size(class);
+        Some((magazine, depot.generation))
+    }
+
     fn release(&self, shard: usize, addr: u64, bytes: usize, tag: u64) {
         if bytes > self.config.small_max {
             let size = block_size(bytes, self.config.small_max);
@@ -174,11 +201,33 @@ impl PoolShared {
             if list.len() <= self.cache_limit(class) {
                 return;
             }
-            let keep = list.len() / 2;
-            let spill = list.split_off(keep);
-            lists.cached_bytes -= spill.len() * size;
+            let magazine = list.split_off(list.len() - Self::magazine(class).min(list.len()));
+            lists.cached_bytes -= magazine.len() * size;
+            magazine
+        };
+        // A full magazine goes to the depot for another shard; with the depot full, it and
+        // half of the list go to the arena, where they coalesce.
+        let mut spill = {
+            let mut depot = lock(&self.depot);
+            if depot.generation != tag {
+                return; // a reset freed them
+            }
+            if depot.magazines[class].len() < self.depot_limit(class) {
+                depot.cached_bytes += spill.len() * size;
+                depot.magazines[class].push(spill);
+                return;
+            }
             spill
         };
+        {
+            let mut lists = self.shards[shard].inner.lock();
+            if self.generation.load(Ordering::Acquire) == tag {
+                let list = &mut lists.free[class];
+                let half = list.split_off(list.len() / 2);
+                lists.cached_bytes -= half.len() * size;
+                spill.extend(half);
+            }
+        }
         let mut arena = lock(&self.arena);
         if arena.generation == tag {
             for a in spill {
@@ -187,8 +236,30 @@ impl PoolShared {
         }
     }
 
-    /// Moves every cached block back to the arena.
+    /// Moves every cached block (the shards' and the depot's) back to the arena.
     fn drain_shards(&self) {
+        let (magazines, generation) = {
+            let mut depot = lock(&self.depot);
+            let taken: Vec<(usize, Vec<Vec<u64>>)> = depot
+                .magazines
+                .iter_mut()
+                .enumerate()
+                .filter(|(_, m)| !m.is_empty())
+                .map(|(c, m)| (c, std::mem::take(m)))
+                .collect();
+            depot.cached_bytes = 0;
+            (taken, depot.generation)
+        };
+        if !magazines.is_empty() {
+            let mut arena = lock(&self.arena);
+            if arena.generation == generation {
+                for (class, held) in magazines {
+                    for a in held.into_iter().flatten() {
+                        arena.give(a, class_size(class));
+                    }
+                }
+            }
+        }
         for shard in self.shards.iter() {
             let (lists, generation) = {
                 let mut lists = shard.inner.lock();
@@ -318,6 +389,7 @@ impl PoolShared {
             bytes += lists.in_use_bytes;
             cached += lists.cached_bytes;
         }
+        cached += lock(&self.depot).cached_bytes;
         let arena = lock(&self.arena);
         PoolStats {
             held_bytes: arena.held,
@@ -335,7 +407,9 @@ impl PoolShared {
 /// The pool's device half; the `pool` manager is [`PoolManager`] = `HostOnly<PoolAllocator>`.
 pub struct PoolAllocator {
     shared: Arc<PoolShared>,
-    hooks: Box<[Arc<dyn ReleaseHook>]>,
+    /// The release hook of every block from the shards and the arena (one for the pool: a
+    /// block goes back to the dropping thread's shard, whichever shard it came from).
+    hook: Arc<dyn ReleaseHook>,
     stream_hooks: Box<[Arc<dyn ReleaseHook>]>,
 }
 
@@ -379,6 +453,7 @@ impl PoolAllocator {
                     inner: Spin::new(ShardLists::new()),
                 })
                 .collect(),
+            depot: Mutex::new(Depot::new()),
             queue: Arc::clone(host.deallocations()),
             streams: StreamCache::new(),
             fences: Fences::new(host.context()),
@@ -390,17 +465,12 @@ impl PoolAllocator {
                 }) as Arc<dyn ReleaseHook>
             })
             .collect();
-        let hooks = (0..shared.shards.len())
-            .map(|shard| {
-                Arc::new(ShardHook {
-                    pool: Arc::clone(&shared),
-                    shard,
-                }) as Arc<dyn ReleaseHook>
-            })
-            .collect();
+        let hook = Arc::new(ShardHook {
+            pool: Arc::clone(&shared),
+        }) as Arc<dyn ReleaseHook>;
         Ok(PoolAllocator {
             shared,
-            hooks,
+            hook,
             stream_hooks,
         })
     }
@@ -415,14 +485,14 @@ impl PoolAllocator {
         self.shared.config
     }
 
-    fn pointer(&self, shard: usize, addr: u64, bytes: usize, generation: u64) -> MemoryPointer {
+    fn pointer(&self, addr: u64, bytes: usize, generation: u64) -> MemoryPointer {
         let cx = &self.shared.cx;
-        MemoryPointer::with_hook(
+        MemoryPointer::with_stashed_hook(
             cx.device,
             cx.context,
             DevicePtr(addr),
             bytes,
-            Arc::clone(&self.hooks[shard]),
+            &self.hook,
             generation,
         )
     }
@@ -440,10 +510,23 @@ impl PoolAllocator {
                 lists.in_use_bytes += size as i64;
                 let generation = pool.generation.load(Ordering::Acquire);
                 drop(lists);
-                return Ok(self.pointer(shard, addr, bytes, generation));
+                return Ok(self.pointer(addr, bytes, generation));
             }
         }
-        // Refill: one arena block split into a batch of this class.
+        // Refill: a magazine another shard handed to the depot, else one arena block split
+        // into a batch of this class.
+        if let Some((mut magazine, generation)) = pool.take_magazine(class) {
+            let addr = magazine.pop().expect("magazines are never empty");
+            let mut lists = pool.shards[shard].inner.lock();
+            if pool.generation.load(Ordering::Acquire) == generation {
+                lists.in_use_blocks += 1;
+                lists.in_use_bytes += size as i64;
+                lists.cached_bytes += magazine.len() * size;
+                lists.free[class].append(&mut magazine);
+            }
+            drop(lists);
+            return Ok(self.pointer(addr, bytes, generation));
+        }
         let batch = PoolShared::batch(class);
         let (addr, generation, got) = match pool.take_from_arena(host, size * batch, false) {
             Ok((a, g)) => (a, g, batch),
@@ -462,13 +545,13 @@ impl PoolAllocator {
             lists.cached_bytes += (got - 1) * size;
         }
         drop(lists);
-        Ok(self.pointer(shard, addr, bytes, generation))
+        Ok(self.pointer(addr, bytes, generation))
     }
 
     fn alloc_large(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
         let size = block_size(bytes, self.shared.config.small_max);
         let (addr, generation) = self.shared.take_from_arena(host, size, true)?;
-        Ok(self.pointer(0, addr, bytes, generation))
+        Ok(self.pointer(addr, bytes, generation))
     }
 
     /// Frees every chunk with nothing in use, after returning cached blocks to the arena;
@@ -586,8 +669,14 @@ impl DeviceAllocator for PoolAllocator {
             let mut streams: Vec<_> = pool.streams.shards.iter().map(|s| lock(&s.inner)).collect();
             let mut arena = lock(&pool.arena);
             let mut shards: Vec<_> = pool.shards.iter().map(|s| s.inner.lock()).collect();
+            let mut depot = lock(&pool.depot);
             pool.generation.fetch_add(1, Ordering::AcqRel);
             arena.generation += 1;
+            depot.generation += 1;
+            for m in &mut depot.magazines {
+                m.clear();
+            }
+            depot.cached_bytes = 0;
             for lists in &mut shards {
                 for l in &mut lists.free {
                     l.clear();
