@@ -136,14 +136,28 @@ proptest! {
         std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(48)
     ))]
 
-    /// Random allocations and frees, on this thread and on a second one, trims and resets:
-    /// blocks never overlap, keep their bytes, the statistics add up across both threads'
+    /// Random allocations and frees, on this thread and on a second one, trims and resets,
+    /// with the default caches or caches so small that every free hands blocks on: blocks
+    /// never overlap, keep their bytes, the statistics add up across both threads'
     /// shards, a reset forgets every cached block wherever it is, and after everything is
     /// freed and trimmed the driver has it all back.
     #[test]
-    fn pool_blocks_are_disjoint_and_memory_comes_back(steps in steps()) {
+    fn pool_blocks_are_disjoint_and_memory_comes_back(
+        steps in steps(),
+        // Tiny caches make every free hand blocks on (to the depot, then the arena).
+        tiny in any::<bool>(),
+    ) {
         let sim = Arc::new(SimDriver::new(SimConfig::single(128 << 20)));
-        let config = PoolConfig { chunk_size: 8 << 20, ..PoolConfig::default() };
+        let config = if tiny {
+            PoolConfig {
+                chunk_size: 8 << 20,
+                cache_bytes_per_class: 0,
+                cache_bytes_per_shard: 0,
+                ..PoolConfig::default()
+            }
+        } else {
+            PoolConfig { chunk_size: 8 << 20, ..PoolConfig::default() }
+        };
         let rt = small_pool_runtime(&sim, config);
         let ctx = rt.context(0).unwrap();
         let worker = Worker::new();

@@ -23,11 +23,15 @@
 //!   shard: a cache-line-aligned spin lock holding a free list per class. Each live thread
 //!   holds its own shard index (dense slots, handed back when the thread exits: `shards.rs`),
 //!   so threads share a shard only when there are more of them than shards, and taking the
-//!   shard's lock is one uncontended compare-exchange on a line the thread owns; an empty
-//!   list is refilled from the arena in batches, and a list past its share
-//!   ([`PoolConfig::cache_bytes_per_class`]) hands half of its blocks back to the arena, where
-//!   they coalesce. The shards together cache at most 44 classes × shards × that share
-//!   (`stats().cached_bytes` says how much now; `trim` returns it all).
+//!   shard's lock is one uncontended compare-exchange on a line the thread owns. An empty
+//!   list is refilled with a full magazine from the depot (blocks other shards handed on),
+//!   else from the arena in batches; a list past its share
+//!   ([`PoolConfig::cache_bytes_per_class`]) hands a magazine to the depot, or, with the depot
+//!   full, half of its blocks to the arena, where they coalesce. A shard also hands blocks on
+//!   once it caches more than
+//!   [`PoolConfig::cache_bytes_per_shard`] over all classes, so the shards together cache at
+//!   most shards × that (plus a magazine each), and the depot at most twice a shard's share
+//!   per class (`stats().cached_bytes` says how much now; `trim` returns it all).
 //! - **Release.** A pointer's last drop returns its block to the dropping thread's shard, with
 //!   no driver call; its pointer carries a shared [`ReleaseHook`], and its record comes from
 //!   a per-thread list of recycled ones (`memory/record.rs`), so a cached allocation
@@ -100,9 +104,14 @@ pub struct PoolConfig {
     /// Requests up to this many bytes are served from size classes through per-thread
     /// shards; larger ones from the arena. At most [`MAX_SMALL`]; default 1 MiB.
     pub small_max: usize,
-    /// Bytes of free blocks one shard keeps per size class before it hands half of them back
-    /// to the arena (at least 8 blocks are always kept). Default 4 MiB.
+    /// Bytes of free blocks one shard keeps per size class before it hands a magazine of them
+    /// on (at least 8 blocks are always kept). Default 4 MiB.
     pub cache_bytes_per_class: usize,
+    /// Bytes of free blocks one shard keeps over all its classes before it hands a magazine of
+    /// the class being freed on. With [`cache_bytes_per_class`](Self::cache_bytes_per_class)
+    /// alone, a shard could cache 44 × that (176 MiB by default); this bounds all the shards
+    /// together to shards × this, plus the depot's share. Default 32 MiB.
+    pub cache_bytes_per_shard: usize,
 }
 
 impl Default for PoolConfig {
@@ -111,6 +120,7 @@ impl Default for PoolConfig {
             chunk_size: 64 << 20,
             small_max: MAX_SMALL,
             cache_bytes_per_class: 4 << 20,
+            cache_bytes_per_shard: 32 << 20,
         }
     }
 }
@@ -196,9 +206,10 @@ impl PoolShared {
             lists.in_use_blocks -= 1;
             lists.in_use_bytes -= size as i64;
             lists.cached_bytes += size;
+            let over_shard = lists.cached_bytes > self.config.cache_bytes_per_shard;
             let list = &mut lists.free[class];
             list.push(addr);
-            if list.len() <= self.cache_limit(class) {
+            if list.len() <= self.cache_limit(class) && !over_shard {
                 return;
             }
             let magazine = list.split_off(list.len() - Self::magazine(class).min(list.len()));
