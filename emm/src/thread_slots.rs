@@ -11,10 +11,12 @@ static SLOTS: [std::sync::atomic::AtomicU64; SLOT_WORDS] =
     [const { std::sync::atomic::AtomicU64::new(0) }; SLOT_WORDS];
 const SLOT_WORDS: usize = 16;
 /// Indices for threads beyond the slots' 1 024, handed out round-robin and never returned.
+#[cfg_attr(emm_loom, allow(dead_code))] // loom's threads count per execution instead
 static OVERFLOW: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 struct Slot(Option<usize>);
 
+#[cfg_attr(emm_loom, allow(dead_code))] // loom's threads count per execution instead
 impl Slot {
     fn claim() -> Slot {
         use std::sync::atomic::Ordering::Relaxed;
@@ -55,13 +57,22 @@ thread_local! {
 }
 
 // loom runs a model's threads on one OS thread: its own thread-locals give each of them its own
-// index, so that the models see threads on different shards.
+// index, so that the models see threads on different shards. The index must not depend on
+// anything outside the execution (loom replays a schedule and expects the same steps; the
+// process-wide slots, claimed by other tests running beside it, broke that), so under loom it
+// is a count of the execution's threads in the order they first ask, which loom's own
+// `lazy_static` resets for each execution.
+#[cfg(emm_loom)]
+loom::lazy_static! {
+    static ref LOOM_NEXT: std::sync::Mutex<usize> = std::sync::Mutex::new(0);
+}
+
 #[cfg(emm_loom)]
 loom::thread_local! {
     static THREAD_SLOT: (Slot, usize) = {
-        let slot = Slot::claim();
-        let index = slot.index();
-        (slot, index)
+        let mut next = LOOM_NEXT.lock().unwrap_or_else(|p| p.into_inner());
+        *next += 1;
+        (Slot(None), *next - 1)
     };
 }
 
