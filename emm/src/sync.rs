@@ -45,8 +45,8 @@ pub(crate) struct Spin<T> {
     value: loom::cell::UnsafeCell<T>,
 }
 
-// SAFETY: the lock hands the value to one thread at a time (the Acquire swap that takes the lock
-// synchronises with the Release store that gave it back), as `std::sync::Mutex<T>` does, which
+// SAFETY: the lock hands the value to one thread at a time (the Acquire compare-exchange that
+// takes the lock synchronises with the Release store that gave it back), as `std::sync::Mutex<T>` does, which
 // is `Send + Sync` for `T: Send`.
 #[allow(unsafe_code)]
 unsafe impl<T: Send> Sync for Spin<T> {}
@@ -152,16 +152,12 @@ mod loom_models {
     fn loom_models_spin_lock_orders_every_access() {
         loom::model(|| {
             let lock = Arc::new(Spin::new(0u32));
-            let threads: Vec<_> = (0..1)
-                .map(|_| {
-                    let lock = lock.clone();
-                    loom::thread::spawn(move || *lock.lock() += 1)
-                })
-                .collect();
+            let other = {
+                let lock = lock.clone();
+                loom::thread::spawn(move || *lock.lock() += 1)
+            };
             *lock.lock() += 1;
-            for t in threads {
-                t.join().unwrap();
-            }
+            other.join().unwrap();
             assert_eq!(*lock.lock(), 2);
         });
     }

@@ -2,11 +2,12 @@
 //! host pool: a thread claims the lowest free slot the first time it asks and hands it back when
 //! it exits, so that live threads hold distinct indices however many threads came and went.
 
-/// Dense per-thread indices: a thread claims the lowest free slot the first time it uses a pool
+/// The slots, a bit each: a thread claims the lowest free one the first time it uses a pool
 /// and gives it back when it exits, so that the live threads hold distinct indices (below their
 /// number) however many threads came and went, and two live threads share a shard only when
 /// there are more of them than shards. Only spreads threads over shards, never a
-/// synchronisation point for the pool's data, so std atomics even under loom.
+/// synchronisation point for the pools' data, so std atomics (loom's threads are counted per
+/// execution instead, below).
 static SLOTS: [std::sync::atomic::AtomicU64; SLOT_WORDS] =
     [const { std::sync::atomic::AtomicU64::new(0) }; SLOT_WORDS];
 const SLOT_WORDS: usize = 16;

@@ -220,14 +220,9 @@ fn scaling(driver: &Arc<dyn Driver>) {
         let per_thread = if quick() { 20_000 } else { 200_000 };
         for threads in [1usize, 2, 4, 8, 16, 32] {
             let rate = threaded_median(threads, per_thread, |t| {
-                let mut held = Vec::with_capacity(8);
-                for i in 0..per_thread {
-                    let size = 256 << ((i + t) % 8);
-                    held.push(ctx.memalloc(size).expect("memalloc"));
-                    if held.len() == 8 {
-                        held.clear();
-                    }
-                }
+                holding(8, per_thread, |i| {
+                    ctx.memalloc(256 << ((i + t) % 8)).expect("memalloc")
+                });
             });
             out(
                 "threads",
@@ -490,6 +485,32 @@ fn churn(ctx: &Context, n: usize) {
     }
 }
 
+/// `n` allocations from `alloc(i)`, each kept until `hold` are held, then all dropped.
+fn holding<T>(hold: usize, n: usize, mut alloc: impl FnMut(usize) -> T) {
+    let mut held = Vec::with_capacity(hold);
+    for i in 0..n {
+        held.push(alloc(i));
+        if held.len() == hold {
+            held.clear();
+        }
+    }
+}
+
+/// One row of the `mixes` table: 37 threads come and go, then `threads` threads each run
+/// `work(t)` (`per_thread` pairs); M pairs/s, median of 3.
+fn mix(
+    ctx: &Context,
+    subject: &str,
+    param: &str,
+    threads: usize,
+    per_thread: usize,
+    work: impl Fn(usize) + Sync,
+) {
+    churn(ctx, 37);
+    let rate = threaded_median(threads, per_thread, work);
+    out("mixes", subject, param, threads, rate / 1e6, "Mpairs/s");
+}
+
 /// The thread table's other mixes (issue 14): frees on another thread, blocks above 1 MiB,
 /// the pinned host pool, each on 1 to 16 threads after 37 threads came and went; M pairs/s,
 /// median of 3 runs timed inside the threads.
@@ -499,14 +520,13 @@ fn thread_mixes(driver: &Arc<dyn Driver>) {
     let per_thread = if quick() { 20_000 } else { 100_000 };
     let total = *TOTAL.get().expect("set by main");
     for threads in [1usize, 2, 8, 16] {
-        churn(&ctx, 37);
         // Each thread allocates batches of 64 small blocks and hands each batch to the next
         // thread, which drops it: every block is freed on a thread other than its own (on one
         // thread, on itself). Small blocks (256 B to 1 KiB), since a thread that runs ahead
         // leaves its batches waiting in the next thread's mailbox.
         let mailboxes: Vec<std::sync::Mutex<Vec<Vec<emm::MemoryPointer>>>> =
             (0..threads).map(|_| Default::default()).collect();
-        let rate = threaded_median(threads, per_thread, |t| {
+        let freed_elsewhere = |t: usize| {
             let mut batch = Vec::with_capacity(64);
             for i in 0..per_thread {
                 batch.push(ctx.memalloc(256 << ((i + t) % 3)).expect("memalloc"));
@@ -520,59 +540,45 @@ fn thread_mixes(driver: &Arc<dyn Driver>) {
                     drop(mine);
                 }
             }
-        });
-        drop(mailboxes);
-        out(
-            "mixes",
-            "pool, freed on another thread",
+        };
+        let name = "pool, freed on another thread";
+        mix(
+            &ctx,
+            name,
             "256B-1KiB",
             threads,
-            rate / 1e6,
-            "Mpairs/s",
+            per_thread,
+            freed_elsewhere,
         );
+        drop(mailboxes);
         // Blocks of 2 to 16 MiB (the arena, not the size classes), 4 held per thread.
         if 16 * threads * (16 << 20) <= total / 2 {
-            churn(&ctx, 37);
-            let rate = threaded_median(threads, per_thread / 10, |t| {
-                let mut held = Vec::with_capacity(4);
-                for i in 0..per_thread / 10 {
-                    held.push(ctx.memalloc((2 << 20) << ((i + t) % 4)).expect("memalloc"));
-                    if held.len() == 4 {
-                        held.clear();
-                    }
-                }
-            });
-            out(
-                "mixes",
+            mix(
+                &ctx,
                 "pool, 2-16 MiB",
                 "2MiB-16MiB",
                 threads,
-                rate / 1e6,
-                "Mpairs/s",
+                per_thread / 10,
+                |t| {
+                    holding(4, per_thread / 10, |i| {
+                        ctx.memalloc((2 << 20) << ((i + t) % 4)).expect("memalloc")
+                    });
+                },
             );
         }
         // The pinned host pool: 4 KiB to 512 KiB, 8 held per thread.
-        churn(&ctx, 37);
-        let rate = threaded_median(threads, per_thread, |t| {
-            let mut held = Vec::with_capacity(8);
-            for i in 0..per_thread {
-                let size = 4096 << ((i + t) % 8);
-                held.push(
-                    ctx.memhostalloc(size, false, false, false)
-                        .expect("memhostalloc"),
-                );
-                if held.len() == 8 {
-                    held.clear();
-                }
-            }
-        });
-        out(
-            "mixes",
+        mix(
+            &ctx,
             "pinned pool",
             "4KiB-512KiB",
             threads,
-            rate / 1e6,
-            "Mpairs/s",
+            per_thread,
+            |t| {
+                holding(8, per_thread, |i| {
+                    ctx.memhostalloc(4096 << ((i + t) % 8), false, false, false)
+                        .expect("memhostalloc")
+                });
+            },
         );
     }
     ctx.trim().expect("trim");

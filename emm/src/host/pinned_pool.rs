@@ -196,6 +196,11 @@ impl PinnedPool {
         generation << 3 | u64::from(flags & FLAG_BITS)
     }
 
+    /// The generation and flags a [`tag`](Self::tag) holds.
+    fn untag(tag: u64) -> (u64, u32) {
+        (tag >> 3, (tag & u64::from(FLAG_BITS)) as u32)
+    }
+
     /// A block stamped `generation` is no longer used: cache it in this thread's shard, or
     /// return the free the caller must queue (when the pool may cache no more, or when the
     /// block is from before a reset).
@@ -308,13 +313,14 @@ impl PinnedPool {
 /// Unmapped blocks come back here when their [`PinnedMemory`](crate::PinnedMemory) drops.
 impl HostReleaseHook for PinnedPool {
     fn release(&self, host: HostPtr, size: usize, tag: u64) {
+        let (generation, flags) = Self::untag(tag);
         let block = PinnedBlock {
             host,
             device: None,
             size: size_class::round_up(size),
-            flags: (tag & u64::from(FLAG_BITS)) as u32,
+            flags,
         };
-        if let Some(free) = self.give_back(block, tag >> 3) {
+        if let Some(free) = self.give_back(block, generation) {
             self.queue.push_from_drop(free);
         }
     }

@@ -27,7 +27,7 @@
 //!   list is refilled with a full magazine from the depot (blocks other shards handed on),
 //!   else from the arena in batches; a list past its share
 //!   ([`PoolConfig::cache_bytes_per_class`]) hands a magazine to the depot, or, with the depot
-//!   full, half of its blocks to the arena, where they coalesce. A shard also hands blocks on
+//!   full, to the arena, where its blocks coalesce. A shard also hands blocks on
 //!   once it caches more than
 //!   [`PoolConfig::cache_bytes_per_shard`] over all classes, so the shards together cache at
 //!   most shards × that (plus a magazine each), and the depot at most twice a shard's share
@@ -84,6 +84,16 @@ pub const POOL_ALIGNMENT: usize = crate::size_class::ALIGNMENT;
 pub const MAX_SMALL: usize = 1 << 20;
 
 const CLASSES: usize = 44;
+
+/// Empties every non-empty list of `lists` (one per size class), returning each with its class.
+fn take_nonempty<T>(lists: &mut [Vec<T>]) -> Vec<(usize, Vec<T>)> {
+    lists
+        .iter_mut()
+        .enumerate()
+        .filter(|(_, l)| !l.is_empty())
+        .map(|(class, l)| (class, std::mem::take(l)))
+        .collect()
+}
 
 /// The block size a request of `bytes` gets.
 fn block_size(bytes: usize, small_max: usize) -> usize {
@@ -216,9 +226,9 @@ impl PoolShared {
             lists.cached_bytes -= magazine.len() * size;
             magazine
         };
-        // A full magazine goes to the depot for another shard; with the depot full, it and
-        // half of the list go to the arena, where they coalesce.
-        let mut spill = {
+        // A full magazine goes to the depot for another shard; with the depot full, to the
+        // arena, where its blocks coalesce.
+        let spill = {
             let mut depot = lock(&self.depot);
             if depot.generation != tag {
                 return; // a reset freed them
@@ -230,19 +240,16 @@ impl PoolShared {
             }
             spill
         };
-        {
-            let mut lists = self.shards[shard].inner.lock();
-            if self.generation.load(Ordering::Acquire) == tag {
-                let list = &mut lists.free[class];
-                let half = list.split_off(list.len() / 2);
-                lists.cached_bytes -= half.len() * size;
-                spill.extend(half);
-            }
-        }
+        self.to_arena(tag, spill.into_iter().map(|a| (a, size)));
+    }
+
+    /// Gives `blocks` (address, size) back to the arena, unless a reset since `generation`
+    /// freed their chunks.
+    fn to_arena(&self, generation: u64, blocks: impl IntoIterator<Item = (u64, usize)>) {
         let mut arena = lock(&self.arena);
-        if arena.generation == tag {
-            for a in spill {
-                arena.give(a, size);
+        if arena.generation == generation {
+            for (addr, size) in blocks {
+                arena.give(addr, size);
             }
         }
     }
@@ -251,50 +258,28 @@ impl PoolShared {
     fn drain_shards(&self) {
         let (magazines, generation) = {
             let mut depot = lock(&self.depot);
-            let taken: Vec<(usize, Vec<Vec<u64>>)> = depot
-                .magazines
-                .iter_mut()
-                .enumerate()
-                .filter(|(_, m)| !m.is_empty())
-                .map(|(c, m)| (c, std::mem::take(m)))
-                .collect();
             depot.cached_bytes = 0;
-            (taken, depot.generation)
+            (take_nonempty(&mut depot.magazines), depot.generation)
         };
-        if !magazines.is_empty() {
-            let mut arena = lock(&self.arena);
-            if arena.generation == generation {
-                for (class, held) in magazines {
-                    for a in held.into_iter().flatten() {
-                        arena.give(a, class_size(class));
-                    }
-                }
-            }
-        }
+        let blocks = magazines.into_iter().flat_map(|(class, held)| {
+            held.into_iter()
+                .flatten()
+                .map(move |a| (a, class_size(class)))
+        });
+        self.to_arena(generation, blocks);
         for shard in self.shards.iter() {
             let (lists, generation) = {
                 let mut lists = shard.inner.lock();
-                let taken: Vec<(usize, Vec<u64>)> = lists
-                    .free
-                    .iter_mut()
-                    .enumerate()
-                    .filter(|(_, l)| !l.is_empty())
-                    .map(|(c, l)| (c, std::mem::take(l)))
-                    .collect();
                 lists.cached_bytes = 0;
-                (taken, self.generation.load(Ordering::Acquire))
+                (
+                    take_nonempty(&mut lists.free),
+                    self.generation.load(Ordering::Acquire),
+                )
             };
-            if lists.is_empty() {
-                continue;
-            }
-            let mut arena = lock(&self.arena);
-            if arena.generation == generation {
-                for (class, blocks) in lists {
-                    for a in blocks {
-                        arena.give(a, class_size(class));
-                    }
-                }
-            }
+            let blocks = lists
+                .into_iter()
+                .flat_map(|(class, held)| held.into_iter().map(move |a| (a, class_size(class))));
+            self.to_arena(generation, blocks);
         }
     }
 

@@ -10,8 +10,9 @@ use crate::memory::pointer::ReleaseHook;
 use crate::sync::{Ordering, Spin};
 
 /// One shard's free lists, on its own cache lines. The thread that owns the shard (see
-/// [`thread_index`]) is almost always the only one to take its lock; others take it to free a
-/// block allocated there, and `trim`, `reset` and `stats` to see or reclaim every block.
+/// `thread_slots`) is almost always the only one to take its lock: blocks go back to the
+/// freeing thread's shard, and `trim`, `reset` and `stats` take every shard's lock to see or
+/// reclaim every block.
 #[repr(align(128))]
 pub(super) struct Shard {
     pub(super) inner: Spin<ShardLists>,
@@ -61,11 +62,11 @@ impl Depot {
 
 /// The pool's release hook, cloned into every pointer from the shards and the arena (the
 /// clone stays with the pointer's record when the record is recycled, so that in the steady
-/// state it costs no atomic operation: `MemoryPointer::with_stashed_hook`). A block goes back to the shard of the thread that drops its last pointer (as in
-/// tcmalloc), not to the shard it came from: a thread that frees what another allocated then
-/// takes no lock but its own (measured on the H100 before this: two threads freeing each
-/// other's blocks made 2.5 M pairs a second where one thread alone made 14.5 M).
-#[repr(align(128))]
+/// state it costs no atomic operation: `MemoryPointer::with_stashed_hook`). A block goes back
+/// to the shard of the thread that drops its last pointer (as in tcmalloc), not to the shard
+/// it came from: a thread that frees what another allocated then takes no lock but its own
+/// (measured on the H100 before this: two threads freeing each other's blocks made 2.5 M
+/// pairs a second where one thread alone made 14.5 M).
 pub(super) struct ShardHook {
     pub(super) pool: Arc<PoolShared>,
 }
