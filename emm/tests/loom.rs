@@ -254,8 +254,8 @@ fn pool_runtime() -> (Arc<SimDriver>, Runtime) {
     (sim, rt)
 }
 
-/// The pool's reset racing the drops of a small block (returned to a shard) and a large one
-/// (returned to the arena): whichever wins, every chunk is freed exactly once by the reset,
+/// The pool's reset racing the drops of a small block and a large one (both kept in the
+/// dropping thread's shard): whichever wins, every chunk is freed exactly once by the reset,
 /// no stale block comes back into the pool, and the pool works afterwards.
 #[test]
 fn pool_reset_races_drops() {
@@ -280,27 +280,30 @@ fn pool_reset_races_drops() {
     });
 }
 
-/// A block allocated on this thread, dropped on another (it goes to that thread's shard, its
-/// record and hook clone to that thread's spares), racing an allocation here that refills
-/// from the depot or the arena, then a trim: the two blocks are distinct while both live,
-/// and the trim gets every chunk back exactly once.
-#[test]
-fn pool_cross_thread_free_races_an_allocation_and_a_trim() {
-    loom::model(|| {
+/// A block of `bytes` allocated on this thread, dropped on another (it goes to that thread's
+/// shard, its record and hook clone to that thread's spares), racing an allocation here that
+/// refills from the depot or the arena, then a second allocation here and a trim: this
+/// thread's blocks are never the one waiting in the other shard, and the trim gets every one
+/// of the `chunks` chunks back exactly once.
+fn freed_elsewhere_races_allocations_and_a_trim(bytes: usize, chunks: usize) {
+    loom::model(move || {
         let (sim, rt) = pool_runtime();
         let ctx = rt.context(0).unwrap();
-        let a = ctx.memalloc(100).unwrap();
+        let a = ctx.memalloc(bytes).unwrap();
         let a_addr = a.device_ptr();
         let t = thread::spawn(move || drop(a));
-        let b = ctx.memalloc(100).unwrap();
+        let b = ctx.memalloc(bytes).unwrap();
         assert!(b.is_live());
         t.join().unwrap();
-        assert_ne!(
-            b.device_ptr(),
-            a_addr,
-            "a block still cached on another shard is not this thread's"
-        );
-        drop(b);
+        let again = ctx.memalloc(bytes).unwrap();
+        for mine in [&b, &again] {
+            assert_ne!(
+                mine.device_ptr(),
+                a_addr,
+                "a block cached on another shard is not this thread's"
+            );
+        }
+        drop((b, again));
         ctx.trim().unwrap();
         let stats = ctx.pool_stats().device.unwrap();
         assert_eq!(
@@ -308,8 +311,21 @@ fn pool_cross_thread_free_races_an_allocation_and_a_trim() {
             (0, 0, 0),
             "{stats:?}"
         );
-        exactly_once(&sim, 1);
+        exactly_once(&sim, chunks);
     });
+}
+
+/// A small block: all three come from the first 2 MiB chunk.
+#[test]
+fn pool_cross_thread_free_races_an_allocation_and_a_trim() {
+    freed_elsewhere_races_allocations_and_a_trim(100, 1);
+}
+
+/// A large block, kept in the other thread's shard's large slots: each 3 MiB request takes a
+/// 4 MiB chunk of its own, since the one freed elsewhere waits there until the trim.
+#[test]
+fn pool_large_block_freed_elsewhere_races_an_allocation_and_a_trim() {
+    freed_elsewhere_races_allocations_and_a_trim(3 << 20, 3);
 }
 
 /// A trim racing a drop: the block is either trimmed with its chunk after the drop, or the

@@ -15,9 +15,7 @@ use crate::error::EmmError;
 use crate::host::allocations::{AllocationTable, Entry, unpin_now};
 use crate::host::driver_pool::{DriverHostPool, DriverHostRelease};
 use crate::host::pinned_pool::{PinnedBlock, PinnedPool};
-use crate::memory::host::{
-    HostMemory, HostOwner, HostReleaseHook, ManagedMemory, MappedMemory, PinnedMemory,
-};
+use crate::memory::host::{HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory};
 use crate::memory::pending::{DeferCleanup, Free, PendingDeallocs};
 use crate::memory::pointer::{AllocationOwner, MemoryPointer, Release};
 
@@ -361,10 +359,10 @@ impl HostLayer {
             };
             return Ok(self.mapped_at(block.host, device_ptr, bytes, entry, None));
         }
-        Ok(HostMemory::Pinned(PinnedMemory::with_hook(
+        Ok(HostMemory::Pinned(PinnedMemory::with_shared_hook(
             block.host,
             bytes,
-            Arc::clone(pool) as Arc<dyn HostReleaseHook>,
+            pool,
             PinnedPool::tag(generation, flags),
         )))
     }
@@ -418,7 +416,7 @@ impl HostLayer {
         if let Some(release) = &self.driver_pool {
             return self.memhostalloc_from_driver_pool(release, bytes, mapped, portable, wc);
         }
-        let cx = self.context().clone();
+        let cx = self.context();
         let mut flags = 0;
         if mapped {
             flags |= host_alloc::DEVICEMAP;

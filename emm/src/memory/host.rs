@@ -247,6 +247,31 @@ impl PinnedMemory {
         }
     }
 
+    /// As [`with_hook`](Self::with_hook), with a clone of `hook` taken from this thread's
+    /// spare clones when one is there: a pool hands every block the same hook, and cloning it
+    /// per block makes every thread increment (and every drop decrement) one shared count
+    /// (measured on the H100 at 4004ff6: the pinned pool made 7.4 M pairs a second on one
+    /// thread and 3.4 M on two). A dropped value's clone goes back to the spares of the
+    /// dropping thread (at most 64).
+    pub fn with_shared_hook<H: HostReleaseHook + 'static>(
+        host: HostPtr,
+        size: usize,
+        hook: &Arc<H>,
+        tag: u64,
+    ) -> PinnedMemory {
+        let same =
+            |h: &Arc<dyn HostReleaseHook>| std::ptr::addr_eq(Arc::as_ptr(h), Arc::as_ptr(hook));
+        let spare = SPARE_HOOKS
+            .try_with(|s| {
+                let mut s = s.try_borrow_mut().ok()?;
+                s.last().is_some_and(same).then(|| s.pop()).flatten()
+            })
+            .ok()
+            .flatten();
+        let hook = spare.unwrap_or_else(|| Arc::clone(hook) as Arc<dyn HostReleaseHook>);
+        Self::with_hook(host, size, hook, tag)
+    }
+
     /// The host address.
     pub fn host_ptr(&self) -> HostPtr {
         self.host
@@ -284,10 +309,32 @@ impl Drop for PinnedMemory {
     fn drop(&mut self) {
         match std::mem::replace(&mut self.release, HostRelease::Done) {
             HostRelease::Fn(release) => release(self.host, self.size),
-            HostRelease::Hook { hook, tag } => hook.release(self.host, self.size, tag),
+            HostRelease::Hook { hook, tag } => {
+                hook.release(self.host, self.size, tag);
+                let mut hook = Some(hook);
+                // Kept for the next `with_shared_hook` on this thread; dropped (below, with the
+                // list not borrowed) when the list is full or the thread is exiting.
+                let _ = SPARE_HOOKS.try_with(|s| {
+                    if let Ok(mut s) = s.try_borrow_mut()
+                        && s.len() < HOOK_SPARES
+                    {
+                        s.extend(hook.take());
+                    }
+                });
+                drop(hook);
+            }
             HostRelease::Done => {}
         }
     }
+}
+
+/// The most spare hook clones one thread keeps for [`PinnedMemory::with_shared_hook`].
+const HOOK_SPARES: usize = 64;
+
+thread_local! {
+    /// This thread's spare clones of pool hooks, the last dropped on top.
+    static SPARE_HOOKS: std::cell::RefCell<Vec<Arc<dyn HostReleaseHook>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl fmt::Debug for PinnedMemory {
@@ -509,5 +556,62 @@ impl HostMemory {
             HostMemory::Pinned(p) => p.read(offset, dst),
             HostMemory::Mapped(m) => m.read(offset, dst),
         }
+    }
+}
+
+#[cfg(all(test, not(emm_loom)))]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// Records the blocks released through it.
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<(HostPtr, usize, u64)>>);
+    impl HostReleaseHook for Recorder {
+        fn release(&self, host: HostPtr, size: usize, tag: u64) {
+            self.0.lock().expect("recorder").push((host, size, tag));
+        }
+    }
+
+    #[test]
+    fn a_shared_hook_is_told_every_release_and_its_clone_is_reused_on_the_thread() {
+        // A thread of its own: the spare list starts empty and no other test touches it.
+        std::thread::spawn(|| {
+            let hook = Arc::new(Recorder::default());
+            let a = PinnedMemory::with_shared_hook(HostPtr(0x1000), 4096, &hook, 7);
+            assert_eq!(Arc::strong_count(&hook), 2, "a clone per live block");
+            drop(a);
+            assert_eq!(Arc::strong_count(&hook), 2, "the clone stays as a spare");
+            let b = PinnedMemory::with_shared_hook(HostPtr(0x2000), 8192, &hook, 9);
+            assert_eq!(
+                Arc::strong_count(&hook),
+                2,
+                "the spare is reused, not cloned"
+            );
+            // Another hook does not take this one's spare.
+            let other = Arc::new(Recorder::default());
+            drop(b);
+            let c = PinnedMemory::with_shared_hook(HostPtr(0x3000), 256, &other, 1);
+            assert_eq!(Arc::strong_count(&other), 2);
+            assert_eq!(Arc::strong_count(&hook), 2);
+            drop(c);
+            assert_eq!(
+                *hook.0.lock().expect("recorder"),
+                [(HostPtr(0x1000), 4096, 7), (HostPtr(0x2000), 8192, 9)]
+            );
+            assert_eq!(
+                *other.0.lock().expect("recorder"),
+                [(HostPtr(0x3000), 256, 1)]
+            );
+            // The spares are bounded.
+            let many: Vec<_> = (0..HOOK_SPARES * 2)
+                .map(|i| PinnedMemory::with_shared_hook(HostPtr(i + 1), 1, &hook, 0))
+                .collect();
+            drop(many);
+            let spares = SPARE_HOOKS.with(|s| s.borrow().len());
+            assert_eq!(spares, HOOK_SPARES);
+        })
+        .join()
+        .expect("the test thread");
     }
 }

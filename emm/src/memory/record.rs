@@ -11,6 +11,13 @@
 //! holder exists to clone it), which is the common case of a pointer made and dropped once.
 //!
 //! Spare boxes are plain memory: at most [`SPARES`] per thread, freed when the thread exits.
+//! A thread whose list is full hands half of it, as one batch, to a process-wide depot (at
+//! most [`DEPOT_BATCHES`] batches per type), and a thread whose list is empty takes a batch
+//! from there before it allocates: when one thread makes the pointers and another drops them,
+//! the boxes (and the release-hook clones they keep) travel back in batches, one lock per
+//! [`SPARES`]` / 2` pointers, instead of being allocated on one thread and freed on the other
+//! (measured on the H100 at 4004ff6: two threads dropping each other's `pool` pointers made
+//! 2.6 M pairs a second where one thread alone made 9.2 M).
 //! Under `--cfg emm_loom` nothing is recycled (the per-thread list is sequential code; the
 //! count is what the models check).
 
@@ -25,6 +32,12 @@ use crate::sync::{AtomicUsize, Ordering, fence};
 
 /// The most spare boxes one thread keeps.
 const SPARES: usize = 64;
+
+/// The most batches of [`SPARES`]` / 2` spare boxes the depot of one type keeps.
+const DEPOT_BATCHES: usize = 64;
+
+/// The process-wide batches of spare boxes of one [`Recycle`] type.
+pub(crate) type Depot<T> = std::sync::Mutex<Vec<Vec<Spare<T>>>>;
 
 struct Inner<T> {
     refs: AtomicUsize,
@@ -48,6 +61,9 @@ pub(crate) trait Recycle: Sized + Send + Sync + 'static {
 
     /// Runs `f` on this thread's spare boxes; `None` while the thread is being torn down.
     fn with_spares<R>(f: impl FnOnce(&mut Vec<Spare<Self>>) -> R) -> Option<R>;
+
+    /// The type's depot of spare batches, shared by every thread.
+    fn depot() -> &'static Depot<Self>;
 
     /// Called on the last owner's thread just before the value drops: takes out what the box
     /// keeps, if anything (and does whatever the value's drop would have done with it).
@@ -76,7 +92,7 @@ impl<T: Recycle> Record<T> {
         let spare = if cfg!(emm_loom) {
             None
         } else {
-            T::with_spares(|s| s.pop()).flatten()
+            T::with_spares(|s| s.pop()).flatten().or_else(refill::<T>)
         };
         let (mut boxed, kept) = match spare {
             Some(Spare(spare, kept)) => (spare, kept),
@@ -162,9 +178,53 @@ impl<T: Recycle> Drop for Record<T> {
                 s.extend(spare.take());
             }
         });
-        // A spare not kept (the list is full, or the thread is exiting) is freed here.
-        drop(spare);
+        if let Some(spare) = spare {
+            spill(spare);
+        }
     }
+}
+
+/// This thread has no spare box: its list takes a batch from the depot, and hands back one
+/// of its boxes.
+#[cold]
+#[inline(never)]
+fn refill<T: Recycle>() -> Option<Spare<T>> {
+    let batch = lock_depot::<T>().pop()?;
+    // Not run while the thread is being torn down: the batch is then freed with the closure.
+    T::with_spares(|s| {
+        s.extend(batch);
+        s.pop()
+    })
+    .flatten()
+}
+
+/// A spare that found this thread's list full (or the thread exiting): half the list goes to
+/// the depot as one batch, and the spare takes its place. Boxes the depot has no room for are
+/// freed here, with no lock held and the list not borrowed (what they kept may run any drop).
+#[cold]
+#[inline(never)]
+fn spill<T: Recycle>(spare: Spare<T>) {
+    let mut spare = Some(spare);
+    let unwanted = T::with_spares(|s| {
+        let batch = s.split_off(s.len().min(SPARES / 2));
+        s.extend(spare.take());
+        let mut depot = lock_depot::<T>();
+        if depot.len() < DEPOT_BATCHES && !batch.is_empty() {
+            depot.push(batch);
+            None
+        } else {
+            Some(batch)
+        }
+    });
+    drop(unwanted);
+    drop(spare);
+}
+
+/// `T`'s depot, locked; a panic elsewhere while it was held left only whole batches in it.
+fn lock_depot<T: Recycle>() -> std::sync::MutexGuard<'static, Vec<Vec<Spare<T>>>> {
+    T::depot()
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Declares the per-thread spare list of a [`Recycle`] type, which keeps `$keep` of its values
@@ -189,6 +249,11 @@ macro_rules! recycle_per_thread {
                     .try_with(|s| s.try_borrow_mut().ok().map(|mut s| f(&mut s)))
                     .ok()
                     .flatten()
+            }
+
+            fn depot() -> &'static $crate::memory::record::Depot<$t> {
+                static DEPOT: $crate::memory::record::Depot<$t> = std::sync::Mutex::new(Vec::new());
+                &DEPOT
             }
         }
     };
@@ -285,8 +350,47 @@ mod tests {
             .collect();
         drop(many);
         let kept = Counted::with_spares(|s| s.len()).expect("the spare list");
-        assert_eq!(kept, SPARES);
+        assert!(kept <= SPARES, "{kept} spares kept");
         assert_eq!(drops.load(std::sync::atomic::Ordering::SeqCst), SPARES * 2);
+    }
+
+    /// Only this test makes and drops `Passed` records, so its depot is this test's alone.
+    struct Passed;
+    recycle_per_thread!(Passed, (), |_: &mut Passed| None);
+
+    #[test]
+    fn spares_pass_between_threads_in_batches_through_a_bounded_depot() {
+        // One thread makes records and another drops them, as a producer and a consumer do.
+        let made: Vec<_> = (0..SPARES * 2).map(|_| Record::new(Passed)).collect();
+        let addrs: std::collections::HashSet<_> = made.iter().map(|r| r.ptr).collect();
+        std::thread::spawn(move || {
+            drop(made);
+            let kept = Passed::with_spares(|s| s.len()).expect("the spare list");
+            assert_eq!(kept, SPARES, "the dropping thread keeps a full list");
+        })
+        .join()
+        .expect("the dropping thread");
+        let batches = lock_depot::<Passed>().len();
+        assert_eq!(batches, 2, "the other {} went to the depot", SPARES);
+        assert!(lock_depot::<Passed>().iter().all(|b| b.len() == SPARES / 2));
+        // The making thread's list is empty: its next record comes from a depot batch, a box
+        // the other thread dropped.
+        assert_eq!(Passed::with_spares(|s| s.len()), Some(0));
+        let again = Record::new(Passed);
+        assert!(addrs.contains(&again.ptr), "a box from the depot");
+        assert_eq!(Passed::with_spares(|s| s.len()), Some(SPARES / 2 - 1));
+        assert_eq!(lock_depot::<Passed>().len(), 1);
+        drop(again);
+        // The depot is bounded: batches beyond DEPOT_BATCHES are freed, not kept.
+        std::thread::spawn(|| {
+            let many: Vec<_> = (0..SPARES * DEPOT_BATCHES)
+                .map(|_| Record::new(Passed))
+                .collect();
+            drop(many);
+        })
+        .join()
+        .expect("a thread that drops many");
+        assert_eq!(lock_depot::<Passed>().len(), DEPOT_BATCHES);
     }
 }
 

@@ -112,6 +112,8 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
             4 => 1usize..4096,
             2 => 4096usize..(1 << 20),
             1 => (1usize << 20)..(6 << 20),
+            // Repeated large sizes: reused from the shards' large slots.
+            1 => prop::sample::select(vec![2usize << 20, 3 << 20, 5 << 20]),
         ],
         1..80,
     );
@@ -254,6 +256,63 @@ fn pool_reuses_blocks_without_driver_calls() {
             .filter(|c| c.op == Op::MemFree)
             .count(),
         0
+    );
+}
+
+/// A block above `small_max` freed on a thread is reused there by a request of its exact
+/// size (the same address, no arena); the shard keeps at most 8 and never more bytes than its
+/// bound (a block above the bound goes to the arena at once, where it coalesces); `trim` and
+/// the statistics see the kept blocks.
+#[test]
+fn pool_shards_keep_recent_large_blocks_within_their_bound() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let config = PoolConfig {
+        chunk_size: 64 << 20,
+        cache_bytes_per_shard: 24 << 20,
+        ..PoolConfig::default()
+    };
+    let rt = small_pool_runtime(&sim, config);
+    let ctx = rt.context(0).unwrap();
+    let a = ctx.memalloc(3 << 20).unwrap();
+    let addr = a.device_ptr();
+    drop(a);
+    let stats = ctx.pool_stats().device.unwrap();
+    assert_eq!(
+        (stats.cached_bytes, stats.in_use_blocks),
+        (3 << 20, 0),
+        "{stats:?}"
+    );
+    // Another size does not take it; the same size does.
+    let other = ctx.memalloc(4 << 20).unwrap();
+    assert_ne!(other.device_ptr(), addr);
+    let again = ctx.memalloc(3 << 20).unwrap();
+    assert_eq!(again.device_ptr(), addr, "the kept block, reused");
+    let stats = ctx.pool_stats().device.unwrap();
+    assert_eq!(
+        (stats.cached_bytes, stats.in_use_blocks),
+        (0, 2),
+        "{stats:?}"
+    );
+    drop((other, again));
+    // Ten blocks of 2 MiB freed: the shard keeps 8 at most.
+    let many: Vec<_> = (0..10).map(|_| ctx.memalloc(2 << 20).unwrap()).collect();
+    drop(many);
+    let stats = ctx.pool_stats().device.unwrap();
+    assert!(stats.cached_bytes <= 16 << 20, "{stats:?}");
+    assert_eq!(stats.in_use_blocks, 0);
+    // A block above the shard's bound is not kept.
+    drop(ctx.memalloc(32 << 20).unwrap());
+    let before = ctx.pool_stats().device.unwrap().cached_bytes;
+    assert!(before <= 24 << 20, "{before} cached");
+    // Everything comes back with a trim.
+    let after_trim = {
+        ctx.trim().unwrap();
+        ctx.pool_stats().device.unwrap()
+    };
+    assert_eq!(
+        (after_trim.held_bytes, after_trim.cached_bytes),
+        (0, 0),
+        "{after_trim:?}"
     );
 }
 

@@ -14,9 +14,6 @@ pub(super) struct Arena {
     pub(super) by_size: BTreeSet<(usize, u64)>,
     pub(super) held: usize,
     pub(super) peak_held: usize,
-    /// Blocks above `small_max` in use, and their bytes.
-    pub(super) large_blocks: usize,
-    pub(super) large_bytes: usize,
     pub(super) grows: u64,
     pub(super) trimmed: u64,
 }
@@ -53,15 +50,9 @@ impl Arena {
         Some(addr)
     }
 
-    /// [`take`](Self::take), counting a large block as in use; returns the address and the
-    /// generation.
-    pub(super) fn take_counted(&mut self, size: usize, large: bool) -> Option<(u64, u64)> {
-        let addr = self.take(size)?;
-        if large {
-            self.large_blocks += 1;
-            self.large_bytes += size;
-        }
-        Some((addr, self.generation))
+    /// [`take`](Self::take), with the generation the block belongs to.
+    pub(super) fn take_counted(&mut self, size: usize) -> Option<(u64, u64)> {
+        Some((self.take(size)?, self.generation))
     }
 
     /// Returns a block, merging it with free neighbours in the same chunk.

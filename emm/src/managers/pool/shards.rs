@@ -21,6 +21,10 @@ pub(super) struct Shard {
 #[derive(Default)]
 pub(super) struct ShardLists {
     pub(super) free: Vec<Vec<u64>>,
+    /// Free blocks above `small_max` (address, size), oldest first: at most
+    /// [`LARGE_SLOTS`](super::LARGE_SLOTS).
+    pub(super) large: Vec<(u64, usize)>,
+    /// Bytes of `free` and `large`.
     pub(super) cached_bytes: usize,
     /// Blocks and bytes handed out from or returned to this shard; a block allocated on one
     /// shard and returned to another makes both drift, their sums stay right.
