@@ -398,16 +398,21 @@ fn anchors(driver: &Arc<dyn Driver>, simulated: bool) {
     cuda.synchronize().expect("sync");
 }
 
+/// The seeds of RMM's random workload (the first is the one the replay log records).
+const SEEDS: [u64; 5] = [
+    0x2545_f491_4f6c_dd1d,
+    0x9e37_79b9_7f4a_7c15,
+    0xd1b5_4a32_d192_ed03,
+    0x6a09_e667_f3bc_c909,
+    0xbb67_ae85_84ca_a73b,
+];
+
 /// Memory overhead of RMM's random workload: peak bytes held from the driver over peak bytes
 /// live (asked for), per manager and seed, beside the raw driver pool's own reserved and used
 /// high-water marks for the same sequence in the same run (`cuMemPoolGetAttribute`).
 fn overhead(driver: &Arc<dyn Driver>) {
     let cap: usize = (16_000usize << 20).min(*TOTAL.get().expect("set by main") / 2);
-    let seeds: [u64; 3] = [
-        0x2545_f491_4f6c_dd1d,
-        0x9e37_79b9_7f4a_7c15,
-        0xd1b5_4a32_d192_ed03,
-    ];
+    let seeds = &SEEDS[..3];
     let counts: &[usize] = if quick() {
         &[10_000]
     } else {
@@ -772,43 +777,43 @@ fn random_workload(driver: &Arc<dyn Driver>, log_dir: Option<&std::path::Path>) 
                 if manager == "default" && n > 10_000 {
                     continue; // a driver call per op; the 10 000 case shows its cost.
                 }
-                let param = format!("n={n} max={max_mib}MiB");
-                let rt = runtime(driver, manager, false, vec![]);
-                let ctx = rt.context(0).expect("context");
-                // Cold: the pool grows as it goes. Warm: the same sequence again, served from
-                // what the first pass left cached (a pre-sized pool, as RMM's runs use).
-                let (cold, peak) = run_random(&ctx, n, max_mib << 20, cap);
-                let (warm, _) = run_random(&ctx, n, max_mib << 20, cap);
-                out("random-cold", manager, &param, 1, cold, "ns/op");
-                out("random", manager, &param, 1, warm, "ns/op");
-                out(
-                    "random-peak-live",
-                    manager,
-                    &param,
-                    1,
-                    peak as f64,
-                    "blocks",
-                );
-                ctx.trim().expect("trim");
-                drop((ctx, rt));
+                // Each seed on a new runtime. Cold: the seed's sequence as the pool grows.
+                // Warm: the next seed's sequence (another one, not a replay) on what the
+                // first left cached, as a long-running pool sees it.
+                for (k, &seed) in SEEDS.iter().enumerate() {
+                    let param = format!("n={n} max={max_mib}MiB seed={k}");
+                    let rt = runtime(driver, manager, false, vec![]);
+                    let ctx = rt.context(0).expect("context");
+                    let next_seed = SEEDS[(k + 1) % SEEDS.len()];
+                    let (cold, peak, _) = run_random_seeded(&ctx, n, max_mib << 20, cap, seed);
+                    let (warm, _, _) = run_random_seeded(&ctx, n, max_mib << 20, cap, next_seed);
+                    out("random-cold", manager, &param, 1, cold, "ns/op");
+                    out("random", manager, &param, 1, warm, "ns/op");
+                    out(
+                        "random-peak-live",
+                        manager,
+                        &param,
+                        1,
+                        peak as f64,
+                        "blocks",
+                    );
+                    ctx.trim().expect("trim");
+                    drop((ctx, rt));
+                }
                 // The log adaptor's cost, and the log the replay section reads.
                 if manager == "pool" && n == counts[0] && max_mib == 1 {
+                    let param = format!("n={n} max={max_mib}MiB");
                     let path = log_dir.map(|d| d.join("random.csv"));
                     let adaptors = path.iter().map(|p| Adaptor::Log(p.clone())).collect();
                     let rt = runtime(driver, manager, false, adaptors);
                     let ctx = rt.context(0).expect("context");
-                    let (ns, _) = run_random(&ctx, n, max_mib << 20, cap);
+                    let (ns, _, _) = run_random_seeded(&ctx, n, max_mib << 20, cap, SEEDS[0]);
                     out("random-cold", "pool+log", &param, 1, ns, "ns/op");
                     ctx.trim().expect("trim");
                 }
             }
         }
     }
-}
-
-fn run_random(ctx: &Context, n: usize, max: usize, cap: usize) -> (f64, usize) {
-    let (ns, peak, _) = run_random_seeded(ctx, n, max, cap, 0x2545_f491_4f6c_dd1d);
-    (ns, peak)
 }
 
 /// RMM's random workload from `seed`: ns per operation, peak live blocks, and peak live bytes
