@@ -28,9 +28,9 @@ fn quick() -> bool {
 }
 
 /// The sections `EMM_BENCH_ONLY` may name.
-const SECTIONS: [&str; 11] = [
+const SECTIONS: [&str; 12] = [
     "pair", "threads", "random", "pinned", "copy", "stream", "overhead", "live", "anchors",
-    "mixes", "default",
+    "mixes", "default", "ipc",
 ];
 
 fn out(
@@ -1244,6 +1244,8 @@ fn resources_on_a_stream(driver: &Arc<dyn Driver>, ctx: &emm::Context, sizes: &[
 }
 
 fn main() {
+    // The ipc section re-runs this executable as the other process of its staged opens.
+    integration::run_ipc_child_if_requested();
     let quick = integration::parse_flag(
         "EMM_BENCH_QUICK",
         std::env::var("EMM_BENCH_QUICK").ok().as_deref(),
@@ -1326,5 +1328,96 @@ fn main() {
     }
     if want("default") {
         default_fairly(&driver);
+    }
+    if want("ipc") {
+        staged_ipc(&driver, simulated);
+    }
+}
+
+/// The staged IPC open across devices (issue 14): memory exported on device 0 and opened on
+/// device 1 by another process through `IpcHandle::open_staged` (mapped in device 0's
+/// context, allocated on device 1 by the other process's `default` manager, copied), median of
+/// 5 opens each synchronised, as GB/s of the exported size; beside it, in this process and
+/// the same run, the raw `cuMemcpyDtoD` from device 0 to device 1 and within device 0. Needs
+/// two devices (on the simulator, a machine of two is made for it).
+fn staged_ipc(driver: &Arc<dyn Driver>, simulated: bool) {
+    let sim = simulated.then(|| {
+        let device = || driver_mock::SimDeviceConfig::new(1 << 30);
+        Arc::new(driver_mock::SimDriver::new(
+            driver_mock::SimConfig::with_devices(vec![device(), device()]),
+        ))
+    });
+    let driver = match &sim {
+        Some(sim) => Arc::clone(sim) as Arc<dyn Driver>,
+        None => Arc::clone(driver),
+    };
+    let rt = runtime(&driver, "default", false, vec![]);
+    let devices = rt.device_count().expect("device count");
+    if devices < 2 {
+        eprintln!(
+            "bench_gpu: the ipc section needs two devices and this machine has {devices}: not measured"
+        );
+        return;
+    }
+    let (c0, c1) = (
+        rt.context(0).expect("device 0"),
+        rt.context(1).expect("device 1"),
+    );
+    let total = c0.get_memory_info().expect("memory info").total;
+    let sizes: Vec<usize> = [1usize << 20, 16 << 20, 256 << 20, 1 << 30]
+        .into_iter()
+        .filter(|&s| s <= total / 8)
+        .collect();
+    let mut exported = Vec::new();
+    for &size in &sizes {
+        let mem = c0.memalloc(size).expect("memalloc on device 0");
+        c0.memset(&mem, 7, size).expect("memset");
+        let bytes = c0.get_ipc_handle(&mem).expect("get_ipc_handle").to_bytes();
+        let to1 = c1.memalloc(size).expect("memalloc on device 1");
+        let to0 = c0.memalloc(size).expect("memalloc on device 0");
+        let iters = if size >= 256 << 20 { 5 } else { 50 };
+        let gbs = |ns: f64| size as f64 / ns;
+        for (subject, ctx, dst) in [
+            ("raw cuMemcpyDtoD device 0 -> 1", &c1, &to1),
+            ("raw cuMemcpyDtoD within device 0", &c0, &to0),
+        ] {
+            let ns = per_op(iters, |n| {
+                for _ in 0..n {
+                    // SAFETY: both are live allocations of `size` bytes that do not overlap
+                    // (unified addressing: device 0's memory is addressable from device 1's
+                    // context), and nothing else touches them during the copy.
+                    unsafe {
+                        driver.memcpy_dtod(ctx.handle(), dst.device_ptr(), mem.device_ptr(), size)
+                    }
+                    .expect("cuMemcpyDtoD");
+                }
+                driver
+                    .stream_synchronize(ctx.handle(), StreamHandle::LEGACY)
+                    .expect("sync");
+            });
+            out("ipc-staged", subject, size, 1, gbs(ns), "GB/s");
+        }
+        exported.push((mem, bytes));
+    }
+    let handles: Vec<Vec<u8>> = exported.iter().map(|(_, b)| b.clone()).collect();
+    let times = integration::time_staged_opens(sim.as_ref(), &handles, 1, 5)
+        .expect("staged opens in another process");
+    for (&size, ns) in sizes.iter().zip(times) {
+        out(
+            "ipc-staged",
+            "open_staged in another process device 0 -> 1",
+            size,
+            1,
+            size as f64 / ns,
+            "GB/s",
+        );
+        out(
+            "ipc-staged-ns",
+            "open_staged in another process device 0 -> 1",
+            size,
+            1,
+            ns,
+            "ns",
+        );
     }
 }

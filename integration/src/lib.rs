@@ -622,6 +622,85 @@ pub fn open_many_in_other_process(t: &TestCtx, handles: &[Vec<u8>]) -> Result<Ve
     }
 }
 
+/// The variable that makes this executable the other process of [`time_staged_opens`]: a
+/// comma-separated list of handles (hex); `EMM_IPC_DEVICE` names the device to open them on,
+/// `EMM_IPC_REPS` how many timed opens each gets.
+pub const IPC_STAGED_TIMING_ENV: &str = "EMM_IPC_STAGED_TIMING";
+
+/// The other process of [`time_staged_opens`]: on a runtime of its own (the `default`
+/// manager), opens each handle staged on `device` once to warm up and then `reps` times (the
+/// open, which maps the handle in the source device's context, allocates on `device` and copies,
+/// then a synchronisation of `device`'s context, all timed; then the close and the drop), and
+/// returns each handle's median in nanoseconds, as the text `ns,ns,...`.
+fn staged_open_times(
+    driver: Arc<dyn Driver>,
+    handles: &[Vec<u8>],
+    device: u32,
+    reps: usize,
+) -> Result<Vec<u8>, String> {
+    let rt = child_runtime(Arc::clone(&driver), None)?;
+    let ctx = rt.context(device).map_err(|e| e.to_string())?;
+    let mut medians = Vec::with_capacity(handles.len());
+    for (i, bytes) in handles.iter().enumerate() {
+        let handle = emm::IpcHandle::from_bytes(bytes).map_err(|e| e.to_string())?;
+        let mut times = Vec::with_capacity(reps);
+        for rep in 0..=reps.max(1) {
+            let start = std::time::Instant::now();
+            let mem = handle
+                .open_staged(&rt, &ctx)
+                .map_err(|e| format!("staged open of handle {i}: {e}"))?;
+            // The device-to-device copy returns before it finishes.
+            driver
+                .stream_synchronize(ctx.handle(), driver_sys::StreamHandle::LEGACY)
+                .map_err(|e| format!("synchronising device {device}: {e}"))?;
+            let ns = start.elapsed().as_nanos() as f64;
+            handle
+                .close()
+                .map_err(|e| format!("closing handle {i}: {e}"))?;
+            drop(mem);
+            if rep > 0 {
+                times.push(ns);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        medians.push(format!("{:.0}", times[times.len() / 2]));
+    }
+    Ok(medians.join(",").into_bytes())
+}
+
+/// Times staged opens of `handles` (exported by this process) in another process on device
+/// `device`: a process of the simulated machine `sim`, or on the GPU this executable re-run
+/// with [`IPC_STAGED_TIMING_ENV`] set (its `main` must call [`run_ipc_child_if_requested`]
+/// first). Returns the median nanoseconds of each handle's `reps` opens.
+pub fn time_staged_opens(
+    sim: Option<&Arc<SimDriver>>,
+    handles: &[Vec<u8>],
+    device: u32,
+    reps: usize,
+) -> Result<Vec<f64>, String> {
+    let text = match sim {
+        Some(sim) => in_sim_process(sim, |other| staged_open_times(other, handles, device, reps))?,
+        None => {
+            let list: Vec<String> = handles.iter().map(|h| hex(h)).collect();
+            spawn_child(
+                &[
+                    (IPC_STAGED_TIMING_ENV, list.join(",")),
+                    ("EMM_IPC_DEVICE", device.to_string()),
+                    ("EMM_IPC_REPS", reps.to_string()),
+                ],
+                None,
+            )?
+        }
+    };
+    String::from_utf8_lossy(&text)
+        .split(',')
+        .map(|v| {
+            v.parse()
+                .map_err(|e| format!("the timing child reported {v:?}: {e}"))
+        })
+        .collect()
+}
+
 /// The variable that makes the suite binary a raw importer of one `cuIpcGetMemHandle` handle
 /// (hex) for the IPC conformance test; `EMM_RAW_IPC_SIZE` gives the exported size.
 pub const RAW_IPC_CHILD_ENV: &str = "EMM_RAW_IPC_CHILD";
@@ -1038,6 +1117,21 @@ pub fn run_ipc_child_if_requested() {
             let handles = list.split(',').map(unhex).collect::<Result<Vec<_>, _>>()?;
             let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
             ipc_child_many(driver, &handles, pool)
+        })();
+        report_to_parent(result);
+    }
+    if let Ok(list) = std::env::var(IPC_STAGED_TIMING_ENV) {
+        let number = |name: &str| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| format!("{name} is not set to a number"))
+        };
+        let result = (|| -> Result<Vec<u8>, String> {
+            let handles = list.split(',').map(unhex).collect::<Result<Vec<_>, _>>()?;
+            let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
+            let (device, reps) = (number("EMM_IPC_DEVICE")?, number("EMM_IPC_REPS")?);
+            staged_open_times(driver, &handles, device, reps as usize)
         })();
         report_to_parent(result);
     }
