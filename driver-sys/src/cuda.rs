@@ -909,6 +909,21 @@ impl Driver for CudaDriver {
         }))
     }
 
+    /// [cuCtxEnablePeerAccess](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PEER__ACCESS.html)
+    /// (no `result` wrapper in cudarc).
+    fn ctx_enable_peer_access(
+        &self,
+        ctx: ContextHandle,
+        peer: ContextHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: `peer` is a context handle from this driver (an invalid or destroyed one is
+        // reported as an error); flags must be 0.
+        check("cuCtxEnablePeerAccess", unsafe {
+            sys::cuCtxEnablePeerAccess(as_cu_ctx(peer), 0)
+        })
+    }
+
     /// [cuDeviceCanAccessPeer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PEER__ACCESS.html)
     /// (no `result` wrapper in cudarc).
     fn device_can_access_peer(

@@ -539,6 +539,17 @@ pub trait Driver: Send + Sync + fmt::Debug {
         ptr: DevicePtr,
     ) -> Result<(), DriverError>;
 
+    /// `cuCtxEnablePeerAccess` (flags 0): lets work in `ctx` reach memory of the device of
+    /// context `peer` directly (over NVLink or PCIe peer-to-peer), so that a copy issued in `ctx`
+    /// from `peer`'s memory goes device to device instead of through host memory. Fails with
+    /// `PEER_ACCESS_ALREADY_ENABLED` when it was enabled before (until either context is
+    /// destroyed), and `PEER_ACCESS_UNSUPPORTED` when the devices cannot be peers.
+    fn ctx_enable_peer_access(
+        &self,
+        ctx: ContextHandle,
+        peer: ContextHandle,
+    ) -> Result<(), DriverError>;
+
     /// `cuDeviceCanAccessPeer`: whether `dev` can access memory of `peer` directly.
     fn device_can_access_peer(
         &self,

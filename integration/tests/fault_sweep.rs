@@ -512,6 +512,9 @@ fn may_absorb(op: Op, kind: ErrorKind) -> bool {
         // A statistics read (`pool_stats`): the report then has no device pool, and a
         // warning says why.
         || op == Op::MemPoolGetAttribute
+        // Peer access asked for before a copy between devices: refused, the copy goes through
+        // host memory instead (slower, the same bytes), and a warning says why.
+        || op == Op::CtxEnablePeerAccess
         || (kind == ErrorKind::OutOfMemory
             && matches!(
                 op,

@@ -54,6 +54,16 @@ impl Driver for SimDriver {
         })
     }
 
+    fn ctx_enable_peer_access(
+        &self,
+        ctx: ContextHandle,
+        peer: ContextHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::CtxEnablePeerAccess, |w, pid, note| {
+            w.ctx_enable_peer_access(pid, note, ctx, peer)
+        })
+    }
+
     fn primary_ctx_retain(&self, dev: DeviceOrdinal) -> Result<ContextHandle, DriverError> {
         self.call(Op::PrimaryCtxRetain, |w, pid, note| {
             w.primary_ctx_retain(pid, note, dev)

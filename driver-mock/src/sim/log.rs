@@ -14,6 +14,7 @@ pub enum Op {
     DeviceTotalMem,
     DeviceAttribute,
     DeviceCanAccessPeer,
+    CtxEnablePeerAccess,
     PrimaryCtxRetain,
     PrimaryCtxRelease,
     PrimaryCtxReset,
@@ -75,12 +76,13 @@ pub enum Op {
 
 impl Op {
     /// Every operation, in declaration order (for fault sweeps).
-    pub const ALL: [Op; 62] = [
+    pub const ALL: [Op; 63] = [
         Op::Init,
         Op::DeviceCount,
         Op::DeviceTotalMem,
         Op::DeviceAttribute,
         Op::DeviceCanAccessPeer,
+        Op::CtxEnablePeerAccess,
         Op::PrimaryCtxRetain,
         Op::PrimaryCtxRelease,
         Op::PrimaryCtxReset,
@@ -165,6 +167,7 @@ impl Op {
             Op::DeviceTotalMem => "cuDeviceTotalMem",
             Op::DeviceAttribute => "cuDeviceGetAttribute",
             Op::DeviceCanAccessPeer => "cuDeviceCanAccessPeer",
+            Op::CtxEnablePeerAccess => "cuCtxEnablePeerAccess",
             Op::PrimaryCtxRetain => "cuDevicePrimaryCtxRetain",
             Op::PrimaryCtxRelease => "cuDevicePrimaryCtxRelease",
             Op::PrimaryCtxReset => "cuDevicePrimaryCtxReset",

@@ -19,6 +19,9 @@ pub(super) struct Ctx {
     pub(super) refcount: u32,
     /// Whether the primary context exists (retained, not reset since).
     pub(super) live: bool,
+    /// The devices whose contexts this one has peer access to (bit per device), as
+    /// `cuCtxEnablePeerAccess` granted it; lost when either context is destroyed.
+    pub(super) peers: u64,
 }
 
 #[derive(Debug)]
@@ -146,6 +149,10 @@ impl World {
         self.drop_streams_of(pid, device);
         let p = &mut self.processes[pid];
         p.contexts[device].live = false;
+        p.contexts[device].peers = 0;
+        for c in &mut p.contexts {
+            c.peers &= !(1 << device);
+        }
         p.objects.retain(|_, (_, d)| *d != device);
         // The pools' memory went with the allocations above.
         p.pools.retain(|_, pool| pool.device != device);
@@ -288,6 +295,30 @@ impl World {
         let (a, b) = (device_index(self, dev)?, device_index(self, peer)?);
         // Measured on the GPU: a device is not its own peer.
         Ok(a != b && self.peer_access)
+    }
+
+    /// `cuCtxEnablePeerAccess`: [`Driver::ctx_enable_peer_access`](driver_sys::Driver::ctx_enable_peer_access) in the model. Both
+    /// contexts must exist; the devices must be peers (the machine's peer access, and not one
+    /// device: the model refuses a context as its own peer as `PEER_ACCESS_UNSUPPORTED`); a
+    /// second grant is `PEER_ACCESS_ALREADY_ENABLED`.
+    pub(super) fn ctx_enable_peer_access(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        peer: ContextHandle,
+    ) -> Result<(), u32> {
+        let b = context(self, pid, peer, note)?;
+        let a = context(self, pid, ctx, note)?;
+        if a == b || !self.peer_access {
+            return Err(code::PEER_ACCESS_UNSUPPORTED);
+        }
+        let c = &mut self.processes[pid].contexts[a];
+        if c.peers & (1 << b) != 0 {
+            return Err(code::PEER_ACCESS_ALREADY_ENABLED);
+        }
+        c.peers |= 1 << b;
+        Ok(())
     }
 
     /// `cuDevicePrimaryCtxRetain`: [`Driver::primary_ctx_retain`](driver_sys::Driver::primary_ctx_retain) in the model.

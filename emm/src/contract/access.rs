@@ -282,6 +282,47 @@ impl ManagerContext {
             .map_err(|e| self.driver_error(WHAT, e))
     }
 
+    /// Before a copy issued in this context from memory of `peer`'s device: enables peer access
+    /// from this context to `peer` where the two devices can be peers, so that the copy goes
+    /// device to device. Without it the driver still copies through unified addressing, but
+    /// through host memory (measured on two H200s joined by NVLink: 37.5 GB/s for 1 GiB,
+    /// against 393 GB/s with peer access). Asked before every such copy (one driver call: it
+    /// answers "already enabled" once granted, until either context is reset, and "unsupported"
+    /// for devices that cannot be peers); any other refusal is logged, and the copy then goes
+    /// ahead the slow way, still correct.
+    pub(crate) fn enable_peer_access_to(&self, peer: &ManagerContext) {
+        if peer.device == self.device {
+            return;
+        }
+        let (Ok(_live), Ok(_peer_live)) = (self.enter("peer access"), peer.enter("peer access"))
+        else {
+            return; // the copy itself reports the dead context
+        };
+        let refused = match self
+            .driver
+            .ctx_enable_peer_access(self.context, peer.context)
+        {
+            Ok(()) => {
+                tracing::debug!(device = %self.device, peer = %peer.device, "peer access enabled");
+                return;
+            }
+            // Granted before, or the devices are not peers (the copy then has no faster way).
+            Err(e)
+                if matches!(
+                    e.raw_code(),
+                    Some(
+                        driver_sys::code::PEER_ACCESS_ALREADY_ENABLED
+                            | driver_sys::code::PEER_ACCESS_UNSUPPORTED
+                    )
+                ) =>
+            {
+                return;
+            }
+            Err(e) => e,
+        };
+        tracing::warn!(device = %self.device, peer = %peer.device, error = %refused, "enabling peer access failed; copies from the peer's memory go through host memory, at a fraction of the device-to-device rate");
+    }
+
     /// Copies `dst.len()` bytes at `src`, a mapping the caller holds open for the call, to the
     /// host.
     pub(crate) fn read_mapping(&self, dst: &mut [u8], src: DevicePtr) -> Result<(), EmmError> {

@@ -160,6 +160,7 @@ pub(crate) fn open_staged(
                         .copy_to_device(&new.view(start, Some(start + n))?, &chunk[..n])?;
                 }
             } else {
+                to.cx.enable_peer_access_to(source.cx);
                 to.cx
                     .copy_device_to_device(new.device_ptr(), src, size, &new)?;
             }

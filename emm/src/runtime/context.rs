@@ -651,6 +651,7 @@ impl Context {
             .cx
             .enter_copy("peer copy (source)", src, bytes)?;
         tracing::trace!(from = %src_ctx.device(), to = %self.device(), bytes, "peer copy");
+        self.inner.cx.enable_peer_access_to(&src_ctx.inner.cx);
         self.inner
             .cx
             .copy_device_to_device(dst.device_ptr(), src.device_ptr(), bytes, dst)

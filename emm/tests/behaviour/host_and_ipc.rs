@@ -143,6 +143,60 @@ fn two_devices(peers: bool) -> Arc<SimDriver> {
     Arc::new(SimDriver::new(config))
 }
 
+/// A copy between devices first asks the driver for peer access from the copying context to
+/// the source's (so that it goes device to device, not through host memory): granted the
+/// first time and "already enabled" after; refused between devices that are not peers, and the
+/// copy goes ahead; any other refusal is absorbed the same way (with a warning), and the bytes
+/// arrive every time.
+#[test]
+fn copies_between_devices_ask_for_peer_access_first() {
+    let copy_twice = |sim: &Arc<SimDriver>| {
+        let rt = runtime(sim);
+        let (c0, c1) = (rt.context(0).unwrap(), rt.context(1).unwrap());
+        let data: Vec<u8> = (0..=255).collect();
+        let src = c0.to_device(&data).unwrap();
+        let dst = c1.memalloc(256).unwrap();
+        for _ in 0..2 {
+            c1.copy_peer(&dst, &c0, &src, 256).unwrap();
+            let mut back = vec![0u8; 256];
+            c1.copy_to_host(&mut back, &dst).unwrap();
+            assert_eq!(back, data);
+        }
+        sim.calls()
+            .into_iter()
+            .filter(|c| c.op == Op::CtxEnablePeerAccess)
+            .map(|c| (c.device, c.outcome, c.injected))
+            .collect::<Vec<_>>()
+    };
+    let on_1 = Some(DeviceOrdinal(1));
+    let refused = Err(ErrorKind::PeerAccess);
+    assert_eq!(
+        copy_twice(&two_devices(true)),
+        vec![(on_1, Ok(()), false), (on_1, refused, false)],
+        "granted once, then already enabled"
+    );
+    assert_eq!(
+        copy_twice(&two_devices(false)),
+        vec![(on_1, refused, false), (on_1, refused, false)],
+        "not peers: unsupported, every time"
+    );
+    let sim = two_devices(true);
+    sim.inject(Fault::nth(
+        Op::CtxEnablePeerAccess,
+        1,
+        ErrorKind::InvalidValue,
+    ));
+    assert_eq!(
+        copy_twice(&sim),
+        vec![
+            // An injected failure runs nothing, so the log names no device for it.
+            (None, Err(ErrorKind::InvalidValue), true),
+            (on_1, Ok(()), false)
+        ],
+        "a failure is absorbed and asked again at the next copy"
+    );
+}
+
 /// Exports from device 0, opens in another process on device 1: directly between peers,
 /// staged otherwise; the data arrives either way; a staged copy belongs to the destination's
 /// manager and is released through it.
