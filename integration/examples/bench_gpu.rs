@@ -1399,6 +1399,37 @@ fn staged_ipc(driver: &Arc<dyn Driver>, simulated: bool) {
         }
         exported.push((mem, bytes));
     }
+    // The same copy across devices with peer access granted (device 1's context to device
+    // 0's), as emm's copies between devices ask for it; into new memory on device 1, since a
+    // grant may not reach memory mapped before it.
+    match driver.ctx_enable_peer_access(c1.handle(), c0.handle()) {
+        Ok(()) => {}
+        Err(e) => eprintln!("bench_gpu: peer access from device 1 to device 0: {e}"),
+    }
+    for ((mem, _), &size) in exported.iter().zip(&sizes) {
+        let to1 = c1.memalloc(size).expect("memalloc on device 1");
+        let iters = if size >= 256 << 20 { 5 } else { 50 };
+        let ns = per_op(iters, |n| {
+            for _ in 0..n {
+                // SAFETY: as above.
+                unsafe {
+                    driver.memcpy_dtod(c1.handle(), to1.device_ptr(), mem.device_ptr(), size)
+                }
+                .expect("cuMemcpyDtoD");
+            }
+            driver
+                .stream_synchronize(c1.handle(), StreamHandle::LEGACY)
+                .expect("sync");
+        });
+        out(
+            "ipc-staged",
+            "raw cuMemcpyDtoD device 0 -> 1 peer access granted",
+            size,
+            1,
+            size as f64 / ns,
+            "GB/s",
+        );
+    }
     let handles: Vec<Vec<u8>> = exported.iter().map(|(_, b)| b.clone()).collect();
     let times = integration::time_staged_opens(sim.as_ref(), &handles, 1, 5)
         .expect("staged opens in another process");

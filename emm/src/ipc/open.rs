@@ -139,6 +139,10 @@ pub(crate) fn open_staged(
     let mut opened = lock(&handle.opened);
     check_openable(handle, &opened)?;
     let size = handle.size();
+    // Before the mapping is made: a mapping made earlier is not reached through peer access
+    // granted later (measured on two H200s: the copy then still ran at 37 GB/s, through host
+    // memory).
+    to.cx.enable_peer_access_to(source.cx);
     let mapping = map_checked(handle, source)?;
     let src = DevicePtr(mapping.base.0 + handle.offset() as u64);
     let copied = to
@@ -160,7 +164,6 @@ pub(crate) fn open_staged(
                         .copy_to_device(&new.view(start, Some(start + n))?, &chunk[..n])?;
                 }
             } else {
-                to.cx.enable_peer_access_to(source.cx);
                 to.cx
                     .copy_device_to_device(new.device_ptr(), src, size, &new)?;
             }
