@@ -112,6 +112,15 @@ pub(super) fn context(
     Ok(index)
 }
 
+/// The bit of device `index` in [`Ctx::peers`]; the model keeps grants to the first 64
+/// devices only (a grant to a later one is never remembered, so it is never "already enabled").
+fn peer_bit(index: usize) -> u64 {
+    u32::try_from(index)
+        .ok()
+        .and_then(|i| 1u64.checked_shl(i))
+        .unwrap_or(0)
+}
+
 /// Whether `image` looks like something `cuModuleLoadData` accepts: PTX text or an ELF cubin.
 pub(super) fn plausible_image(image: &[u8]) -> bool {
     image.starts_with(b"\x7fELF") || image.windows(8).any(|w| w == b".version")
@@ -151,7 +160,7 @@ impl World {
         p.contexts[device].live = false;
         p.contexts[device].peers = 0;
         for c in &mut p.contexts {
-            c.peers &= !(1 << device);
+            c.peers &= !peer_bit(device);
         }
         p.objects.retain(|_, (_, d)| *d != device);
         // The pools' memory went with the allocations above.
@@ -314,10 +323,10 @@ impl World {
             return Err(code::PEER_ACCESS_UNSUPPORTED);
         }
         let c = &mut self.processes[pid].contexts[a];
-        if c.peers & (1 << b) != 0 {
+        if c.peers & peer_bit(b) != 0 {
             return Err(code::PEER_ACCESS_ALREADY_ENABLED);
         }
-        c.peers |= 1 << b;
+        c.peers |= peer_bit(b);
         Ok(())
     }
 
