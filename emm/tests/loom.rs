@@ -254,6 +254,16 @@ fn pool_runtime() -> (Arc<SimDriver>, Runtime) {
     (sim, rt)
 }
 
+/// The pool holds nothing from the driver, and has nothing in use or cached.
+fn assert_pool_empty(ctx: &emm::Context) {
+    let stats = ctx.pool_stats().device.unwrap();
+    assert_eq!(
+        (stats.held_bytes, stats.in_use_blocks, stats.cached_bytes),
+        (0, 0, 0),
+        "{stats:?}"
+    );
+}
+
 /// The pool's reset racing the drops of a small block and a large one (both kept in the
 /// dropping thread's shard): whichever wins, every chunk is freed exactly once by the reset,
 /// no stale block comes back into the pool, and the pool works afterwards.
@@ -268,12 +278,7 @@ fn pool_reset_races_drops() {
         let t = thread::spawn(move || drop((small, large)));
         ctx.reset().unwrap();
         t.join().unwrap();
-        let stats = ctx.pool_stats().device.unwrap();
-        assert_eq!(
-            (stats.held_bytes, stats.in_use_blocks, stats.cached_bytes),
-            (0, 0, 0),
-            "{stats:?}"
-        );
+        assert_pool_empty(&ctx);
         exactly_once(&sim, chunks);
         let again = ctx.memalloc(100).unwrap();
         assert!(again.is_live());
@@ -305,12 +310,7 @@ fn freed_elsewhere_races_allocations_and_a_trim(bytes: usize, chunks: usize) {
         }
         drop((b, again));
         ctx.trim().unwrap();
-        let stats = ctx.pool_stats().device.unwrap();
-        assert_eq!(
-            (stats.held_bytes, stats.in_use_blocks, stats.cached_bytes),
-            (0, 0, 0),
-            "{stats:?}"
-        );
+        assert_pool_empty(&ctx);
         exactly_once(&sim, chunks);
     });
 }

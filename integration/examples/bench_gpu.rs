@@ -33,6 +33,7 @@ const SECTIONS: [&str; 12] = [
     "mixes", "default", "ipc",
 ];
 
+/// One CSV line; its fields hold no comma (each would split the line's columns).
 fn out(
     section: &str,
     subject: &str,
@@ -41,6 +42,13 @@ fn out(
     value: f64,
     unit: &str,
 ) {
+    let param = param.to_string();
+    assert!(
+        ![section, subject, &param, unit]
+            .iter()
+            .any(|f| f.contains(',')),
+        "a CSV field with a comma: {section:?} {subject:?} {param:?} {unit:?}"
+    );
     println!("{section},{subject},{param},{threads},{value:.3},{unit}");
 }
 
@@ -297,7 +305,7 @@ fn anchors(driver: &Arc<dyn Driver>, simulated: bool) {
             });
             out(
                 "anchors",
-                &format!("emm Driver cuMemAlloc, {how}"),
+                &format!("emm Driver cuMemAlloc ({how})"),
                 size,
                 1,
                 ns,
@@ -312,7 +320,7 @@ fn anchors(driver: &Arc<dyn Driver>, simulated: bool) {
             });
             out(
                 "anchors",
-                &format!("emm Driver cuMemHostAlloc, {how}"),
+                &format!("emm Driver cuMemHostAlloc ({how})"),
                 size,
                 1,
                 ns,
@@ -331,7 +339,7 @@ fn anchors(driver: &Arc<dyn Driver>, simulated: bool) {
                 });
                 out(
                     "anchors",
-                    &format!("{manager}, {how}"),
+                    &format!("{manager} ({how})"),
                     size,
                     1,
                     ns,
@@ -546,7 +554,7 @@ fn thread_mixes(driver: &Arc<dyn Driver>) {
                 }
             }
         };
-        let name = "pool, freed on another thread";
+        let name = "pool freed on another thread";
         mix(
             &ctx,
             name,
@@ -560,7 +568,7 @@ fn thread_mixes(driver: &Arc<dyn Driver>) {
         if 16 * threads * (16 << 20) <= total / 2 {
             mix(
                 &ctx,
-                "pool, 2-16 MiB",
+                "pool 2-16 MiB",
                 "2MiB-16MiB",
                 threads,
                 per_thread / 10,
@@ -626,7 +634,7 @@ fn default_fairly(driver: &Arc<dyn Driver>) {
         });
         out(
             "default",
-            "raw, 11 allocs then 11 frees",
+            "raw 11 allocs then 11 frees",
             size,
             1,
             ns,
@@ -639,7 +647,7 @@ fn default_fairly(driver: &Arc<dyn Driver>) {
                 unsafe { driver.mem_free(h, p) }.expect("cuMemFree");
             }
         });
-        out("default", "raw, alternating", size, 1, ns, "ns/pair");
+        out("default", "raw alternating", size, 1, ns, "ns/pair");
         let mut peak_pending = 0usize;
         let ns = per_op(rounds * 11, |n| {
             for _ in 0..n {
@@ -651,7 +659,7 @@ fn default_fairly(driver: &Arc<dyn Driver>) {
         out("default", "default manager", size, 1, ns, "ns/pair");
         out(
             "default",
-            "default manager, peak bytes in deferred frees",
+            "default manager peak bytes in deferred frees",
             size,
             1,
             peak_pending as f64,
@@ -664,7 +672,7 @@ fn default_fairly(driver: &Arc<dyn Driver>) {
         });
         out(
             "default",
-            "default manager, max_count 0",
+            "default manager max_count 0",
             size,
             1,
             ns,
@@ -746,7 +754,7 @@ fn live_blocks(driver: &Arc<dyn Driver>) {
                 out(
                     "live-blocks",
                     manager,
-                    format!("{target} live, {size} B"),
+                    format!("{target} live {size} B"),
                     1,
                     ns,
                     "ns/pair",
@@ -1334,6 +1342,31 @@ fn main() {
     }
 }
 
+/// GB/s of the raw `cuMemcpyDtoD` of all of `src` into `dst`, issued in `ctx` (median of 5
+/// batches, each ending with a synchronisation of `ctx`).
+fn raw_dtod_gbs(
+    driver: &dyn Driver,
+    ctx: &Context,
+    dst: &emm::MemoryPointer,
+    src: &emm::MemoryPointer,
+) -> f64 {
+    let size = src.size();
+    let iters = if size >= 256 << 20 { 5 } else { 50 };
+    let ns = per_op(iters, |n| {
+        for _ in 0..n {
+            // SAFETY: both are live allocations of `size` bytes that do not overlap (unified
+            // addressing: another device's memory is addressable from `ctx`), and nothing else
+            // touches them during the copy.
+            unsafe { driver.memcpy_dtod(ctx.handle(), dst.device_ptr(), src.device_ptr(), size) }
+                .expect("cuMemcpyDtoD");
+        }
+        driver
+            .stream_synchronize(ctx.handle(), StreamHandle::LEGACY)
+            .expect("sync");
+    });
+    size as f64 / ns
+}
+
 /// The staged IPC open across devices (issue 14): memory exported on device 0 and opened on
 /// device 1 by another process through `IpcHandle::open_staged` (mapped in device 0's
 /// context, allocated on device 1 by the other process's `default` manager, copied), median of
@@ -1375,62 +1408,37 @@ fn staged_ipc(driver: &Arc<dyn Driver>, simulated: bool) {
         let bytes = c0.get_ipc_handle(&mem).expect("get_ipc_handle").to_bytes();
         let to1 = c1.memalloc(size).expect("memalloc on device 1");
         let to0 = c0.memalloc(size).expect("memalloc on device 0");
-        let iters = if size >= 256 << 20 { 5 } else { 50 };
-        let gbs = |ns: f64| size as f64 / ns;
-        for (subject, ctx, dst) in [
-            ("raw cuMemcpyDtoD device 0 -> 1", &c1, &to1),
-            ("raw cuMemcpyDtoD within device 0", &c0, &to0),
-        ] {
-            let ns = per_op(iters, |n| {
-                for _ in 0..n {
-                    // SAFETY: both are live allocations of `size` bytes that do not overlap
-                    // (unified addressing: device 0's memory is addressable from device 1's
-                    // context), and nothing else touches them during the copy.
-                    unsafe {
-                        driver.memcpy_dtod(ctx.handle(), dst.device_ptr(), mem.device_ptr(), size)
-                    }
-                    .expect("cuMemcpyDtoD");
-                }
-                driver
-                    .stream_synchronize(ctx.handle(), StreamHandle::LEGACY)
-                    .expect("sync");
-            });
-            out("ipc-staged", subject, size, 1, gbs(ns), "GB/s");
-        }
-        exported.push((mem, bytes));
-    }
-    // The same copy across devices with peer access granted (device 1's context to device
-    // 0's), as emm's copies between devices ask for it; into new memory on device 1, since a
-    // grant may not reach memory mapped before it.
-    match driver.ctx_enable_peer_access(c1.handle(), c0.handle()) {
-        Ok(()) => {}
-        Err(e) => eprintln!("bench_gpu: peer access from device 1 to device 0: {e}"),
-    }
-    for ((mem, _), &size) in exported.iter().zip(&sizes) {
-        let to1 = c1.memalloc(size).expect("memalloc on device 1");
-        let iters = if size >= 256 << 20 { 5 } else { 50 };
-        let ns = per_op(iters, |n| {
-            for _ in 0..n {
-                // SAFETY: as above.
-                unsafe {
-                    driver.memcpy_dtod(c1.handle(), to1.device_ptr(), mem.device_ptr(), size)
-                }
-                .expect("cuMemcpyDtoD");
-            }
-            driver
-                .stream_synchronize(c1.handle(), StreamHandle::LEGACY)
-                .expect("sync");
-        });
+        let across = raw_dtod_gbs(driver.as_ref(), &c1, &to1, &mem);
         out(
             "ipc-staged",
-            "raw cuMemcpyDtoD device 0 -> 1 peer access granted",
+            "raw cuMemcpyDtoD device 0 -> 1",
             size,
             1,
-            size as f64 / ns,
+            across,
             "GB/s",
         );
+        let within = raw_dtod_gbs(driver.as_ref(), &c0, &to0, &mem);
+        out(
+            "ipc-staged",
+            "raw cuMemcpyDtoD within device 0",
+            size,
+            1,
+            within,
+            "GB/s",
+        );
+        exported.push((mem, bytes, to1));
     }
-    let handles: Vec<Vec<u8>> = exported.iter().map(|(_, b)| b.clone()).collect();
+    // The same copy across devices with peer access granted (device 1's context to device
+    // 0's), as `Context::copy_peer` asks for it.
+    if let Err(e) = driver.ctx_enable_peer_access(c1.handle(), c0.handle()) {
+        eprintln!("bench_gpu: peer access from device 1 to device 0: {e}");
+    }
+    for (mem, _, to1) in &exported {
+        let subject = "raw cuMemcpyDtoD device 0 -> 1 peer access granted";
+        let gbs = raw_dtod_gbs(driver.as_ref(), &c1, to1, mem);
+        out("ipc-staged", subject, mem.size(), 1, gbs, "GB/s");
+    }
+    let handles: Vec<Vec<u8>> = exported.iter().map(|(_, b, _)| b.clone()).collect();
     let times = integration::time_staged_opens(sim.as_ref(), &handles, 1, 5)
         .expect("staged opens in another process");
     for (&size, ns) in sizes.iter().zip(times) {

@@ -257,6 +257,17 @@ fn workload(
     if ctx.memory_manager_name() != emm::ASYNC_POOL_MANAGER {
         ipc_round_trip(sim, &ctx, &b, others, other_faults)?;
     }
+    // A copy to the second device, a peer, which asks for peer access first (not of the
+    // driver's stream-ordered pool memory, which a peer copy cannot reach).
+    if ctx.stream_ordering() != emm::StreamOrdering::Driver {
+        let second = rt.context(1)?;
+        let copy = second.memalloc(b.size())?;
+        second.copy_peer(&copy, &ctx, &b, b.size())?;
+        let (mut want, mut got) = (vec![0u8; b.size()], vec![0u8; b.size()]);
+        ctx.copy_to_host(&mut want, &b)?;
+        second.copy_to_host(&mut got, &copy)?;
+        assert_eq!(got, want, "bytes copied between devices");
+    }
     drop((stream, fast, event, start, module, pinned, mapped_pin, pin));
     ctx.reset()?;
     drop(b);

@@ -139,12 +139,10 @@ pub(crate) fn open_staged(
     let mut opened = lock(&handle.opened);
     check_openable(handle, &opened)?;
     let size = handle.size();
-    // Asked before the mapping is made. On two H200s joined by NVLink the staged open still
-    // copied at 37 GB/s whether it was asked before or after the mapping, where a plain copy
-    // between the devices ran at 395 GB/s once peer access was granted (BENCHMARKS.md, run M):
-    // the copy from a mapping of another process's memory does not take the peer path, for a
-    // reason not found yet.
-    to.cx.enable_peer_access_to(source.cx);
+    // No peer access is asked for here, unlike `Context::copy_peer`: on two H200s joined by
+    // NVLink the staged copy ran at 37 GB/s with it granted, before or after the mapping, where
+    // a plain copy between the devices ran at 395 GB/s (BENCHMARKS.md, run M). The copy from a
+    // mapping of another process's memory does not take the peer path, for a reason not found.
     let mapping = map_checked(handle, source)?;
     let src = DevicePtr(mapping.base.0 + handle.offset() as u64);
     let copied = to

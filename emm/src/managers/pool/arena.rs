@@ -51,7 +51,7 @@ impl Arena {
     }
 
     /// [`take`](Self::take), with the generation the block belongs to.
-    pub(super) fn take_counted(&mut self, size: usize) -> Option<(u64, u64)> {
+    pub(super) fn take_stamped(&mut self, size: usize) -> Option<(u64, u64)> {
         Some((self.take(size)?, self.generation))
     }
 

@@ -216,8 +216,7 @@ impl PoolShared {
             if self.generation.load(Ordering::Acquire) != tag {
                 return;
             }
-            lists.in_use_blocks -= 1;
-            lists.in_use_bytes -= size as i64;
+            lists.returned(size);
             lists.cached_bytes += size;
             let over_shard = lists.cached_bytes > self.config.cache_bytes_per_shard;
             let list = &mut lists.free[class];
@@ -256,22 +255,23 @@ impl PoolShared {
             if self.generation.load(Ordering::Acquire) != tag {
                 return; // a reset freed its chunk
             }
-            lists.in_use_blocks -= 1;
-            lists.in_use_bytes -= size as i64;
+            lists.returned(size);
             if size > bound {
-                vec![(addr, size)]
-            } else {
-                lists.large.push((addr, size));
-                lists.cached_bytes += size;
-                let mut evict = 0;
-                while evict < lists.large.len()
-                    && (lists.large.len() - evict > LARGE_SLOTS || lists.cached_bytes > bound)
-                {
-                    lists.cached_bytes -= lists.large[evict].1;
-                    evict += 1;
-                }
-                lists.large.drain(..evict).collect()
+                drop(lists);
+                return self.to_arena(tag, [(addr, size)]);
             }
+            lists.large.push((addr, size));
+            lists.cached_bytes += size;
+            let mut evict = 0;
+            // The small classes' bytes count against the bound too, so it may take every large
+            // block, the one just given included.
+            while evict < lists.large.len()
+                && (lists.large.len() - evict > LARGE_SLOTS || lists.cached_bytes > bound)
+            {
+                lists.cached_bytes -= lists.large[evict].1;
+                evict += 1;
+            }
+            lists.large.drain(..evict).collect()
         };
         if !evicted.is_empty() {
             self.to_arena(tag, evicted);
@@ -285,8 +285,7 @@ impl PoolShared {
         let i = lists.large.iter().rposition(|&(_, s)| s == size)?;
         let (addr, _) = lists.large.remove(i);
         lists.cached_bytes -= size;
-        lists.in_use_blocks += 1;
-        lists.in_use_bytes += size as i64;
+        lists.lent(size);
         Some((addr, self.generation.load(Ordering::Acquire)))
     }
 
@@ -295,8 +294,7 @@ impl PoolShared {
     fn count_in_use(&self, shard: usize, size: usize, generation: u64) {
         let mut lists = self.shards[shard].inner.lock();
         if self.generation.load(Ordering::Acquire) == generation {
-            lists.in_use_blocks += 1;
-            lists.in_use_bytes += size as i64;
+            lists.lent(size);
         }
     }
 
@@ -379,7 +377,7 @@ impl PoolShared {
                         match self.reclaim_stream_blocks(None, true) {
                             Ok(0) => {}
                             Ok(_) => {
-                                if let Some(found) = lock(&self.arena).take_counted(size) {
+                                if let Some(found) = lock(&self.arena).take_stamped(size) {
                                     return Ok(found);
                                 }
                             }
@@ -405,19 +403,19 @@ impl PoolShared {
         let mut arena = lock(&self.arena);
         arena.add_chunk(base.0, got);
         Ok(arena
-            .take_counted(size)
+            .take_stamped(size)
             .expect("a new chunk fits the request"))
     }
 
     /// A block of `size` bytes from the arena (growing the pool if needed), and the generation
     /// it belongs to.
     fn take_from_arena(&self, host: &HostLayer, size: usize) -> Result<(u64, u64), EmmError> {
-        if let Some(found) = lock(&self.arena).take_counted(size) {
+        if let Some(found) = lock(&self.arena).take_stamped(size) {
             return Ok(found);
         }
         host.attempt_allocation("memalloc", AllocationKind::Device, size, || {
             // Another thread may have grown the pool meanwhile.
-            if let Some(found) = lock(&self.arena).take_counted(size) {
+            if let Some(found) = lock(&self.arena).take_stamped(size) {
                 return Ok(found);
             }
             self.grow_and_take(size)
@@ -555,8 +553,7 @@ impl PoolAllocator {
             let mut lists = pool.shards[shard].inner.lock();
             if let Some(addr) = lists.free[class].pop() {
                 lists.cached_bytes -= size;
-                lists.in_use_blocks += 1;
-                lists.in_use_bytes += size as i64;
+                lists.lent(size);
                 let generation = pool.generation.load(Ordering::Acquire);
                 drop(lists);
                 return Ok(self.pointer(addr, bytes, generation));
@@ -568,8 +565,7 @@ impl PoolAllocator {
             let addr = magazine.pop().expect("magazines are never empty");
             let mut lists = pool.shards[shard].inner.lock();
             if pool.generation.load(Ordering::Acquire) == generation {
-                lists.in_use_blocks += 1;
-                lists.in_use_bytes += size as i64;
+                lists.lent(size);
                 lists.cached_bytes += magazine.len() * size;
                 lists.free[class].append(&mut magazine);
             }
@@ -587,8 +583,7 @@ impl PoolAllocator {
         };
         let mut lists = pool.shards[shard].inner.lock();
         if pool.generation.load(Ordering::Acquire) == generation {
-            lists.in_use_blocks += 1;
-            lists.in_use_bytes += size as i64;
+            lists.lent(size);
             let list = &mut lists.free[class];
             list.extend((1..got).map(|i| addr + (i * size) as u64));
             lists.cached_bytes += (got - 1) * size;
@@ -645,7 +640,7 @@ impl PoolAllocator {
         let (addr, generation) = match pool.take_on_stream(stream, size) {
             Some(found) => found,
             None => {
-                let found = lock(&pool.arena).take_counted(size);
+                let found = lock(&pool.arena).take_stamped(size);
                 let (addr, generation) = match found {
                     Some(found) => found,
                     None => {

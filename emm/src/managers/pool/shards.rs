@@ -39,6 +39,18 @@ impl ShardLists {
             ..ShardLists::default()
         }
     }
+
+    /// Counts a block of `size` bytes handed out.
+    pub(super) fn lent(&mut self, size: usize) {
+        self.in_use_blocks += 1;
+        self.in_use_bytes += size as i64;
+    }
+
+    /// Counts a block of `size` bytes given back.
+    pub(super) fn returned(&mut self, size: usize) {
+        self.in_use_blocks -= 1;
+        self.in_use_bytes -= size as i64;
+    }
 }
 
 /// Full magazines of free blocks per size class, passed between shards: a shard past its
