@@ -1,53 +1,167 @@
-//! The arena: free space of all chunks, best fit and coalescing.
+//! The arena: free space of all chunks, found by size in constant time and coalesced by
+//! address in constant time.
+//!
+//! Free blocks are kept in bins by size: sixteen bins per doubling (a block's bin is its size's
+//! top five bits in 256-byte units, as a two-level segregated fit allocator indexes them), a
+//! bitmap of the bins that are not empty, and two address maps, one by start and one by end,
+//! so that a freed block finds both neighbours with two hash lookups. The ordered maps this
+//! replaces (one by size and one by address, seven B-tree operations to free a block) cost
+//! 1 400 – 2 000 instructions per arena operation with thousands of free blocks, which RMM's
+//! random workload pays on about half of its operations (callgrind, 2026-11-24).
+//!
+//! **Fit.** A request takes the first block large enough among the last [`SCAN`] of its own
+//! bin, else the most recently freed block of the smallest larger bin that is not empty (every
+//! block there is larger than the request), else any block large enough in its own bin: a
+//! request fails only when no free block is large enough, as with best fit, and the block
+//! taken is at most one bin (6.25 %) larger than the best fit, except when only its own bin
+//! has one. The rest of a block taken is split off and stays free. On RMM's random workload
+//! with blocks up to 64 MiB (the simulator, five seeds, peak bytes held over peak bytes live),
+//! sixteen bins per doubling hold 1.148 – 1.152 at 10 000 allocations and 1.164 – 1.172 at
+//! 100 000, where best fit held 1.136 – 1.168 and 1.156 – 1.168, and eight bins 1.148 – 1.164
+//! and 1.168 – 1.184.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
-/// Free space of all chunks: ordered by size (best fit) and by address (coalescing).
-#[derive(Debug, Default)]
+use crate::memory::AddressMap;
+
+/// Sub-bins per doubling, as a power of two.
+const SUB_BITS: u32 = 4;
+/// Sub-bins per doubling.
+const SUBS: usize = 1 << SUB_BITS;
+/// Granularity of the bin index: sizes are counted in units of this many bytes.
+const UNIT_SHIFT: u32 = 8;
+/// Bins for every size a `usize` holds.
+const BINS: usize = SUBS + (usize::BITS - UNIT_SHIFT - SUB_BITS) as usize * SUBS;
+/// Words of the bitmap of non-empty bins.
+const WORDS: usize = BINS.div_ceil(64);
+/// Blocks of the request's own bin looked at before a larger bin is tried.
+const SCAN: usize = 8;
+
+/// The bin of a free block of `size` bytes; bins grow with size.
+fn bin_of(size: usize) -> usize {
+    let units = size >> UNIT_SHIFT;
+    if units < SUBS {
+        return units;
+    }
+    let top = usize::BITS - 1 - units.leading_zeros(); // >= SUB_BITS
+    let sub = (units >> (top - SUB_BITS)) & (SUBS - 1);
+    SUBS + (top - SUB_BITS) as usize * SUBS + sub
+}
+
+/// A free block's size and its place in its bin's list.
+#[derive(Clone, Copy, Debug)]
+struct Free {
+    size: usize,
+    slot: usize,
+}
+
+/// Free space of all chunks: binned by size, mapped by start and end address.
+#[derive(Debug)]
 pub(super) struct Arena {
     pub(super) generation: u64,
     /// Chunk base -> size.
     pub(super) chunks: BTreeMap<u64, usize>,
-    /// Free block address -> (size, chunk base).
-    pub(super) by_addr: BTreeMap<u64, (usize, u64)>,
-    /// (size, address) of every free block.
-    pub(super) by_size: BTreeSet<(usize, u64)>,
+    /// Free block start -> its size and slot in its bin.
+    free: AddressMap<Free>,
+    /// Free block end (one past its last byte) -> its start.
+    ends: AddressMap<u64>,
+    /// Per bin, the (start, size) of its free blocks, most recently freed last.
+    bins: Vec<Vec<(u64, usize)>>,
+    /// Bit `b` set when bin `b` holds a block.
+    nonempty: [u64; WORDS],
     pub(super) held: usize,
     pub(super) peak_held: usize,
     pub(super) grows: u64,
     pub(super) trimmed: u64,
 }
 
-impl Arena {
-    pub(super) fn chunk_of(&self, addr: u64) -> u64 {
-        let (&base, &size) = self
-            .chunks
-            .range(..=addr)
-            .next_back()
-            .expect("a pool block lies in a chunk");
-        debug_assert!(addr < base + size as u64);
-        base
-    }
-
-    pub(super) fn insert_free(&mut self, addr: u64, size: usize, chunk: u64) {
-        self.by_addr.insert(addr, (size, chunk));
-        self.by_size.insert((size, addr));
-    }
-
-    pub(super) fn remove_free(&mut self, addr: u64, size: usize) {
-        self.by_addr.remove(&addr);
-        self.by_size.remove(&(size, addr));
-    }
-
-    /// Best fit: the smallest free block of at least `size` bytes, split.
-    pub(super) fn take(&mut self, size: usize) -> Option<u64> {
-        let &(found, addr) = self.by_size.range((size, 0)..).next()?;
-        let (_, chunk) = self.by_addr[&addr];
-        self.remove_free(addr, found);
-        if found > size {
-            self.insert_free(addr + size as u64, found - size, chunk);
+impl Default for Arena {
+    fn default() -> Arena {
+        Arena {
+            generation: 0,
+            chunks: BTreeMap::new(),
+            free: AddressMap::default(),
+            ends: AddressMap::default(),
+            bins: vec![Vec::new(); BINS],
+            nonempty: [0; WORDS],
+            held: 0,
+            peak_held: 0,
+            grows: 0,
+            trimmed: 0,
         }
-        Some(addr)
+    }
+}
+
+impl Arena {
+    fn insert_free(&mut self, addr: u64, size: usize) {
+        let bin = bin_of(size);
+        let list = &mut self.bins[bin];
+        let slot = list.len();
+        list.push((addr, size));
+        self.nonempty[bin / 64] |= 1 << (bin % 64);
+        self.free.insert(addr, Free { size, slot });
+        self.ends.insert(addr + size as u64, addr);
+    }
+
+    /// Removes the free block at `addr`, returning its size.
+    fn remove_free(&mut self, addr: u64) -> usize {
+        let Free { size, slot } = self
+            .free
+            .remove(&addr)
+            .expect("the arena removes only blocks it holds free");
+        self.ends.remove(&(addr + size as u64));
+        let bin = bin_of(size);
+        let list = &mut self.bins[bin];
+        list.swap_remove(slot);
+        if let Some(&(moved, _)) = list.get(slot) {
+            self.free
+                .get_mut(&moved)
+                .expect("every block in a bin is free")
+                .slot = slot;
+        }
+        if list.is_empty() {
+            self.nonempty[bin / 64] &= !(1 << (bin % 64));
+        }
+        size
+    }
+
+    /// The smallest non-empty bin above `bin`.
+    fn next_nonempty(&self, bin: usize) -> Option<usize> {
+        let start = bin + 1;
+        let mut word = start / 64;
+        if word >= WORDS {
+            return None;
+        }
+        let mut bits = self.nonempty[word] & (!0u64 << (start % 64));
+        loop {
+            if bits != 0 {
+                return Some(word * 64 + bits.trailing_zeros() as usize);
+            }
+            word += 1;
+            if word == WORDS {
+                return None;
+            }
+            bits = self.nonempty[word];
+        }
+    }
+
+    /// A free block of at least `size` bytes (see the module's note on fit), split.
+    pub(super) fn take(&mut self, size: usize) -> Option<u64> {
+        let bin = bin_of(size);
+        let own = &self.bins[bin];
+        let fits = |&&(_, s): &&(u64, usize)| s >= size;
+        let found = match own.iter().rev().take(SCAN).find(fits) {
+            Some(&(addr, _)) => addr,
+            None => match self.next_nonempty(bin) {
+                Some(larger) => self.bins[larger].last().expect("a non-empty bin").0,
+                None => own.iter().rev().skip(SCAN).find(fits)?.0,
+            },
+        };
+        let found_size = self.remove_free(found);
+        if found_size > size {
+            self.insert_free(found + size as u64, found_size - size);
+        }
+        Some(found)
     }
 
     /// [`take`](Self::take), with the generation the block belongs to.
@@ -55,25 +169,27 @@ impl Arena {
         Some((self.take(size)?, self.generation))
     }
 
-    /// Returns a block, merging it with free neighbours in the same chunk.
+    /// Returns a block, merging it with free neighbours in the same chunk (a chunk's base
+    /// starts a chunk: nothing merges across it).
     pub(super) fn give(&mut self, mut addr: u64, mut size: usize) {
-        let chunk = self.chunk_of(addr);
-        if let Some((&prev, &(psize, pchunk))) = self.by_addr.range(..addr).next_back()
-            && pchunk == chunk
-            && prev + psize as u64 == addr
+        debug_assert!(
+            self.chunks
+                .range(..=addr)
+                .next_back()
+                .is_some_and(|(&b, &s)| addr + size as u64 <= b + s as u64),
+            "a pool block lies in a chunk"
+        );
+        if let Some(&prev) = self.ends.get(&addr)
+            && !self.chunks.contains_key(&addr)
         {
-            self.remove_free(prev, psize);
+            size += self.remove_free(prev);
             addr = prev;
-            size += psize;
         }
         let end = addr + size as u64;
-        if let Some(&(nsize, nchunk)) = self.by_addr.get(&end)
-            && nchunk == chunk
-        {
-            self.remove_free(end, nsize);
-            size += nsize;
+        if self.free.contains_key(&end) && !self.chunks.contains_key(&end) {
+            size += self.remove_free(end);
         }
-        self.insert_free(addr, size, chunk);
+        self.insert_free(addr, size);
     }
 
     pub(super) fn add_chunk(&mut self, base: u64, size: usize) {
@@ -81,7 +197,7 @@ impl Arena {
         self.held += size;
         self.peak_held = self.peak_held.max(self.held);
         self.grows += 1;
-        self.insert_free(base, size, base);
+        self.insert_free(base, size);
     }
 
     /// Removes every chunk that is wholly free.
@@ -89,15 +205,246 @@ impl Arena {
         let free: Vec<(u64, usize)> = self
             .chunks
             .iter()
-            .filter(|&(base, size)| self.by_addr.get(base) == Some(&(*size, *base)))
+            .filter(|&(base, &size)| self.free.get(base).is_some_and(|f| f.size == size))
             .map(|(&b, &s)| (b, s))
             .collect();
         for &(base, size) in &free {
-            self.remove_free(base, size);
+            self.remove_free(base);
             self.chunks.remove(&base);
             self.held -= size;
             self.trimmed += size as u64;
         }
         free
+    }
+
+    /// Forgets every chunk and free block (a reset freed them), returning the chunks.
+    pub(super) fn clear(&mut self) -> BTreeMap<u64, usize> {
+        self.free.clear();
+        self.ends.clear();
+        for list in &mut self.bins {
+            list.clear();
+        }
+        self.nonempty = [0; WORDS];
+        self.held = 0;
+        std::mem::take(&mut self.chunks)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bins_grow_with_size_sixteen_to_a_doubling() {
+        assert_eq!(bin_of(0), 0);
+        assert_eq!(bin_of(256), 1);
+        assert_eq!(bin_of(15 * 256), 15);
+        assert_eq!(bin_of(16 * 256), 16);
+        assert_eq!(bin_of(17 * 256), 17);
+        assert_eq!(bin_of(32 * 256), 32);
+        assert_eq!(bin_of(33 * 256), 32);
+        assert_eq!(bin_of(34 * 256), 33);
+        assert_eq!(bin_of(usize::MAX), BINS - 1);
+        let mut last = 0;
+        for shift in 8..40 {
+            for k in 0..64usize {
+                let size = (1usize << shift) + k * (1usize << shift) / 64;
+                let bin = bin_of(size);
+                assert!(bin >= last, "{size}: bin {bin} after {last}");
+                last = bin;
+            }
+        }
+    }
+
+    #[test]
+    fn a_request_fails_only_when_no_free_block_is_large_enough() {
+        let mut arena = Arena::default();
+        arena.add_chunk(1 << 30, 64 << 20);
+        // Blocks of one bin, but of sizes both sides of a request in it.
+        let unit = 9 << 20;
+        let (larger, request) = (unit + (256 << 10), unit + (128 << 10));
+        assert_eq!(bin_of(unit), bin_of(larger));
+        assert_eq!(bin_of(unit), bin_of(request));
+        let a = arena.take(unit).unwrap();
+        let _gap = arena.take(1 << 20).unwrap();
+        let b = arena.take(larger).unwrap();
+        let _rest = arena
+            .take(arena.free.values().map(|f| f.size).sum())
+            .unwrap();
+        assert!(arena.free.is_empty());
+        arena.give(a, unit);
+        arena.give(b, larger);
+        // Only the larger block fits the request; it is in the request's own bin.
+        assert_eq!(arena.take(request), Some(b));
+        assert_eq!(arena.take(request), None);
+        assert_eq!(arena.take(unit), Some(a));
+    }
+
+    #[test]
+    fn a_fitting_block_behind_the_scanned_ones_is_found_before_the_pool_grows() {
+        let mut arena = Arena::default();
+        arena.add_chunk(1 << 32, 4 << 20);
+        // One bin, [16, 17) KiB: one block that fits the request, freed first, then more
+        // than `SCAN` that do not; lent gaps keep them from merging.
+        let (small, fits, request) = (64 << 8, 67 << 8, 66 << 8);
+        assert!(bin_of(small) == bin_of(fits) && bin_of(fits) == bin_of(request));
+        let b = arena.take(fits).unwrap();
+        arena.take(256).unwrap();
+        let smalls: Vec<u64> = (0..SCAN + 1)
+            .map(|_| {
+                let a = arena.take(small).unwrap();
+                arena.take(256).unwrap();
+                a
+            })
+            .collect();
+        let rest = arena.free.values().map(|f| f.size).sum();
+        arena.take(rest).unwrap();
+        arena.give(b, fits);
+        for a in smalls {
+            arena.give(a, small);
+        }
+        assert_eq!(arena.take(request), Some(b));
+        assert_eq!(arena.take(request), None);
+    }
+
+    /// Checks every structure of the arena against the others, and against the blocks
+    /// `lent` (outstanding): free and lent blocks tile the chunks exactly, no two free
+    /// neighbours in one chunk are left unmerged, and the bins, their bitmap and the end map
+    /// agree with the free map.
+    fn check(arena: &Arena, lent: &[(u64, usize)]) {
+        let mut pieces: Vec<(u64, usize, bool)> =
+            lent.iter().map(|&(a, s)| (a, s, false)).collect();
+        pieces.extend(arena.free.iter().map(|(&a, f)| (a, f.size, true)));
+        pieces.sort();
+        let mut chunks = arena.chunks.iter().peekable();
+        let mut cursor: Option<(u64, u64)> = None; // (chunk end, next expected address)
+        let mut last_free_end = None;
+        for &(addr, size, free) in &pieces {
+            if cursor.is_none_or(|(end, next)| next == end) {
+                let (&base, &len) = chunks.next().expect("a piece outside every chunk");
+                assert_eq!(cursor.map_or(base, |(_, next)| next).max(base), base);
+                cursor = Some((base + len as u64, base));
+                last_free_end = None;
+            }
+            let (end, next) = cursor.unwrap();
+            assert_eq!(addr, next, "pieces tile the chunk: {pieces:x?}");
+            assert!(addr + size as u64 <= end, "a piece crosses its chunk's end");
+            if free {
+                assert_ne!(last_free_end, Some(addr), "free neighbours left unmerged");
+                last_free_end = Some(addr + size as u64);
+                assert_eq!(arena.ends.get(&(addr + size as u64)), Some(&addr));
+                let slot = arena.free[&addr].slot;
+                assert_eq!(arena.bins[bin_of(size)][slot], (addr, size));
+            }
+            cursor = Some((end, addr + size as u64));
+        }
+        assert!(chunks.next().is_none(), "a chunk with nothing in it");
+        assert!(
+            cursor.is_none_or(|(end, next)| next == end),
+            "the last chunk not covered"
+        );
+        assert_eq!(arena.ends.len(), arena.free.len());
+        let binned: usize = arena.bins.iter().map(Vec::len).sum();
+        assert_eq!(binned, arena.free.len());
+        for (bin, list) in arena.bins.iter().enumerate() {
+            let bit = arena.nonempty[bin / 64] >> (bin % 64) & 1 == 1;
+            assert_eq!(bit, !list.is_empty(), "bitmap bit of bin {bin}");
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Step {
+        Take(usize),
+        Give(usize),
+    }
+
+    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        prop_oneof![
+            3 => (1usize..=64).prop_map(|u| Step::Take(u << 8)),
+            2 => (1usize..=48).prop_map(|u| Step::Take(u << 16)),
+            1 => (1usize..=6).prop_map(|u| Step::Take(u << 20)),
+            5 => any::<usize>().prop_map(Step::Give),
+        ]
+    }
+
+    fn cases() -> u32 {
+        if cfg!(miri) {
+            return 4;
+        }
+        std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(256)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config {
+            cases: cases(),
+            failure_persistence: None,
+            ..Default::default()
+        })]
+
+        /// Random takes and gives on three chunks, two of them touching: after every step the
+        /// arena is consistent (see `check`), and a take fails exactly when no free block is
+        /// large enough. 256 cases (`PROPTEST_CASES=N` for more).
+        #[test]
+        fn takes_and_gives_keep_the_arena_consistent_and_fail_only_when_nothing_fits(
+            steps in proptest::collection::vec(step(), 1..200)
+        ) {
+            let mut arena = Arena::default();
+            arena.add_chunk(1 << 32, 4 << 20);
+            arena.add_chunk((1 << 32) + (4 << 20), 2 << 20);
+            arena.add_chunk(1 << 40, 8 << 20);
+            let mut lent: Vec<(u64, usize)> = Vec::new();
+            for step in steps {
+                match step {
+                    Step::Take(size) => {
+                        let fits = arena.free.values().any(|f| f.size >= size);
+                        match arena.take(size) {
+                            Some(addr) => {
+                                proptest::prop_assert!(fits);
+                                lent.push((addr, size));
+                            }
+                            None => proptest::prop_assert!(!fits, "nothing taken for {size} B"),
+                        }
+                    }
+                    Step::Give(k) if !lent.is_empty() => {
+                        let (addr, size) = lent.swap_remove(k % lent.len());
+                        arena.give(addr, size);
+                    }
+                    Step::Give(_) => {}
+                }
+                check(&arena, &lent);
+            }
+            for (addr, size) in lent.drain(..) {
+                arena.give(addr, size);
+            }
+            check(&arena, &lent);
+            proptest::prop_assert_eq!(arena.remove_free_chunks().len(), 3);
+            proptest::prop_assert!(arena.free.is_empty() && arena.chunks.is_empty());
+        }
+    }
+
+    #[test]
+    fn freed_neighbours_merge_within_a_chunk_but_not_across_chunks() {
+        let mut arena = Arena::default();
+        // Two chunks that touch: the second starts where the first ends.
+        arena.add_chunk(0x1000_0000, 4 << 20);
+        arena.add_chunk(0x1000_0000 + (4 << 20), 4 << 20);
+        let blocks: Vec<u64> = (0..8).map(|_| arena.take(1 << 20).unwrap()).collect();
+        assert!(arena.free.is_empty());
+        for &b in blocks.iter().rev() {
+            arena.give(b, 1 << 20);
+        }
+        let mut free: Vec<(u64, usize)> = arena.free.iter().map(|(&a, f)| (a, f.size)).collect();
+        free.sort();
+        assert_eq!(
+            free,
+            vec![(0x1000_0000, 4 << 20), (0x1000_0000 + (4 << 20), 4 << 20)]
+        );
+        assert_eq!(arena.remove_free_chunks().len(), 2);
+        assert!(arena.free.is_empty() && arena.ends.is_empty());
+        assert_eq!(arena.nonempty, [0; WORDS]);
     }
 }

@@ -14,9 +14,10 @@
 //!   [`PoolConfig::chunk_size`], or of the request rounded up to 2 MiB when that is larger) and
 //!   serves requests from them. Every block is a multiple of 256 bytes and 256-byte aligned,
 //!   as `cuMemAlloc`'s are.
-//! - **The arena** holds the free space of all chunks in two ordered maps (by size, for best
-//!   fit, and by address, for coalescing): finding a block, splitting it and merging a freed
-//!   block with its free neighbours are `O(log n)`, never a scan. Requests above
+//! - **The arena** holds the free space of all chunks in bins by size (sixteen per doubling,
+//!   with a bitmap of the non-empty ones) and in two address maps (by start and by end):
+//!   finding a block, splitting it and merging a freed block with its free neighbours take
+//!   constant time, never a scan of the free blocks (`arena.rs`). Requests above
 //!   [`PoolConfig::small_max`] are served from the arena, unless the thread's shard holds a
 //!   free block of exactly their size: a shard keeps the last 8 such blocks freed on its
 //!   thread (within its byte bound below; a block larger than the bound goes to the arena at
@@ -737,11 +738,7 @@ impl DeviceAllocator for PoolAllocator {
                 lists.in_use_bytes = 0;
             }
             pool.clear_stream_shards(&mut streams);
-            let chunks = std::mem::take(&mut arena.chunks);
-            arena.by_addr.clear();
-            arena.by_size.clear();
-            arena.held = 0;
-            chunks
+            arena.clear()
         };
         tracing::info!(device = %pool.cx.device, chunks = chunks.len(), bytes = chunks.values().sum::<usize>(), "pool reset");
         if let Some(_live) = pool.cx.liveness.enter() {
