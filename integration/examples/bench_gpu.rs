@@ -172,6 +172,31 @@ fn alloc_free_pairs(driver: &Arc<dyn Driver>) {
         }
         ctx.trim().expect("trim");
     }
+    host_anchors();
+}
+
+/// The host's own costs, in the same run as the pairs: the C allocator's 256-byte pair, and
+/// the `pool` pair on the simulator (a cached pair makes no driver call, so it differs from
+/// the `pool` row above only by the host's share). Two hosts' `pool` rows compare through
+/// these.
+fn host_anchors() {
+    let ns = per_op(iters_for(256, true), |n| {
+        for _ in 0..n {
+            drop(std::hint::black_box(Vec::<u8>::with_capacity(256)));
+        }
+    });
+    out("pair", "host malloc", 256, 1, ns, "ns");
+    let sim: Arc<dyn Driver> = Arc::new(driver_mock::SimDriver::new(
+        driver_mock::SimConfig::single(1 << 30),
+    ));
+    let rt = runtime(&sim, "pool", false, vec![]);
+    let ctx = rt.context(0).expect("context");
+    let ns = per_op(iters_for(256, true), |n| {
+        for _ in 0..n {
+            drop(ctx.memalloc(256).expect("memalloc"));
+        }
+    });
+    out("pair", "pool on the simulator", 256, 1, ns, "ns");
 }
 
 /// Aggregate pairs per second of `threads` threads, each running `work(t)` (which does
