@@ -163,8 +163,8 @@ impl PinnedPool {
     /// the generation to stamp it with.
     pub(crate) fn take(&self, flags: u32, size: usize) -> (Option<PinnedBlock>, u64) {
         let own = self.own_shard();
-        let n = self.shards.len();
-        for i in (0..n).map(|k| (own + k) % n) {
+        let n = self.shards.len(); // a power of two: a mask wraps, not a division
+        for i in (0..n).map(|k| (own + k) & (n - 1)) {
             let mut lists = self.shards[i].lists.lock();
             let generation = self.generation.load(Ordering::Acquire);
             if let Some(block) = lists.pop(flags, size) {

@@ -190,7 +190,9 @@ recycle_per_thread!(Allocation, Arc<dyn ReleaseHook>, Allocation::retire);
 
 impl Allocation {
     /// For a pool's pointer (`stash`): runs the hook's release and hands the hook's clone to
-    /// the recycled record, for the next pointer made in it. Anything else releases in `drop`.
+    /// the recycled record, for the next pointer made in it, leaving the allocation empty
+    /// (no release, no streams, no owner: the record skips its drop). Anything else releases
+    /// in `drop`.
     fn retire(&mut self) -> Option<Arc<dyn ReleaseHook>> {
         if !matches!(self.release, Release::Hook { stash: true, .. }) {
             return None;
@@ -202,6 +204,8 @@ impl Allocation {
         };
         let streams = self.take_streams();
         run_hook(&*hook, self.base, self.size, tag, streams);
+        // Dropped after the release, as the fields would drop after `Drop::drop`.
+        drop(self._owner.take());
         Some(hook)
     }
 

@@ -66,7 +66,10 @@ pub(crate) trait Recycle: Sized + Send + Sync + 'static {
     fn depot() -> &'static Depot<Self>;
 
     /// Called on the last owner's thread just before the value drops: takes out what the box
-    /// keeps, if anything (and does whatever the value's drop would have done with it).
+    /// keeps, if anything (and does whatever the value's drop would have done with it). A
+    /// value that returns `Some` has been emptied: it owns nothing more and its drop would do
+    /// nothing, so the record skips the drop (a pool's pointer: a tenth of its pair's
+    /// instructions). Returning `Some` from a value that still owns something leaks it.
     fn retire(&mut self) -> Option<Self::Keep>;
 }
 
@@ -161,12 +164,15 @@ impl<T: Recycle> Drop for Record<T> {
         }
         let raw = self.ptr.as_ptr();
         // SAFETY: this was the last owner, so nothing else reads or writes the value while it
-        // is retired and dropped; it is dropped once, here, and the box then holds no value
+        // is retired and dropped; it is dropped at most once, here (not when `retire` emptied
+        // it, which only forgoes a drop that does nothing), and the box then holds no value
         // (`MaybeUninit`). The box came from `Box::<MaybeUninit<Inner<T>>>::into_raw` in
         // `new_with`.
         let (spare, kept) = unsafe {
             let kept = T::retire(&mut (*raw).value);
-            std::ptr::drop_in_place(raw);
+            if kept.is_none() {
+                std::ptr::drop_in_place(raw);
+            }
             (Box::from_raw(raw.cast::<MaybeUninit<Inner<T>>>()), kept)
         };
         if cfg!(emm_loom) {
@@ -340,6 +346,39 @@ mod tests {
         });
         assert_eq!(Arc::strong_count(&shared), 2, "reused, not cloned again");
         drop(r);
+    }
+
+    /// Drops of `Emptied` values (only the test below makes them).
+    static EMPTIED_DROPS: StdAtomic = StdAtomic::new(0);
+
+    /// Counts its drops; its retire empties it (hands its `Arc` on) when it holds one.
+    struct Emptied(Option<Arc<StdAtomic>>);
+    impl Drop for Emptied {
+        fn drop(&mut self) {
+            EMPTIED_DROPS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    recycle_per_thread!(Emptied, Arc<StdAtomic>, |e: &mut Emptied| e.0.take());
+
+    #[test]
+    fn a_value_its_retire_emptied_is_not_dropped_and_one_it_did_not_is() {
+        let drops = || EMPTIED_DROPS.load(std::sync::atomic::Ordering::SeqCst);
+        let shared = Arc::new(StdAtomic::new(0));
+        drop(Record::new(Emptied(Some(shared.clone()))));
+        assert_eq!(drops(), 0, "emptied by its retire: not dropped");
+        assert_eq!(
+            Arc::strong_count(&shared),
+            2,
+            "the spare keeps the handed-on clone"
+        );
+        // The next value in that box takes the clone; this one owns nothing to hand on.
+        let r = Record::new_with(|kept| {
+            assert!(kept.is_some_and(|k| Arc::ptr_eq(&k, &shared)));
+            Emptied(None)
+        });
+        assert_eq!(Arc::strong_count(&shared), 1);
+        drop(r);
+        assert_eq!(drops(), 1, "not emptied: dropped");
     }
 
     #[test]

@@ -368,15 +368,16 @@ mod tests {
         ]
     }
 
+    /// `PROPTEST_CASES`, else 256 (4 under Miri, which also runs shorter sequences).
     fn cases() -> u32 {
-        if cfg!(miri) {
-            return 4;
-        }
         std::env::var("PROPTEST_CASES")
             .ok()
             .and_then(|c| c.parse().ok())
-            .unwrap_or(256)
+            .unwrap_or(if cfg!(miri) { 4 } else { 256 })
     }
+
+    /// The most steps in one case.
+    const STEPS: usize = if cfg!(miri) { 40 } else { 200 };
 
     proptest::proptest! {
         #![proptest_config(proptest::test_runner::Config {
@@ -390,7 +391,7 @@ mod tests {
         /// large enough. 256 cases (`PROPTEST_CASES=N` for more).
         #[test]
         fn takes_and_gives_keep_the_arena_consistent_and_fail_only_when_nothing_fits(
-            steps in proptest::collection::vec(step(), 1..200)
+            steps in proptest::collection::vec(step(), 1..STEPS)
         ) {
             let mut arena = Arena::default();
             arena.add_chunk(1 << 32, 4 << 20);
