@@ -15,10 +15,10 @@
 //! request fails only when no free block is large enough, as with best fit, and the block
 //! taken is at most one bin (6.25 %) larger than the best fit, except when only its own bin
 //! has one. The rest of a block taken is split off and stays free. On RMM's random workload
-//! with blocks up to 64 MiB (the simulator, five seeds, peak bytes held over peak bytes live),
-//! sixteen bins per doubling hold 1.148 – 1.152 at 10 000 allocations and 1.164 – 1.172 at
-//! 100 000, where best fit held 1.136 – 1.168 and 1.156 – 1.168, and eight bins 1.148 – 1.164
-//! and 1.168 – 1.184.
+//! with blocks up to 64 MiB (peak bytes held over peak bytes live, three seeds; BENCHMARKS.md,
+//! run N) sixteen bins per doubling hold 1.148 – 1.152 at 10 000 allocations and 1.164 – 1.176
+//! at 100 000, where best fit held 1.136 – 1.152 and 1.152 – 1.168; eight bins per doubling
+//! held more than sixteen in a trial on the simulator, thirty-two no less.
 
 use std::collections::BTreeMap;
 
