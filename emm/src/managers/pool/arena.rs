@@ -10,15 +10,16 @@
 //! random workload pays on about half of its operations (callgrind, 2026-11-24).
 //!
 //! **Fit.** A request takes the first block large enough among the last [`SCAN`] of its own
-//! bin, else the most recently freed block of the smallest larger bin that is not empty (every
-//! block there is larger than the request), else any block large enough in its own bin: a
-//! request fails only when no free block is large enough, as with best fit, and the block
-//! taken is at most one bin (6.25 %) larger than the best fit, except when only its own bin
-//! has one. The rest of a block taken is split off and stays free. On RMM's random workload
-//! with blocks up to 64 MiB (peak bytes held over peak bytes live, three seeds; BENCHMARKS.md,
-//! run N) sixteen bins per doubling hold 1.148 – 1.152 at 10 000 allocations and 1.164 – 1.176
-//! at 100 000, where best fit held 1.136 – 1.152 and 1.152 – 1.168; eight bins per doubling
-//! held more than sixteen in a trial on the simulator, thirty-two no less.
+//! bin, else the smallest of the last [`SCAN`] blocks of the smallest larger bin that is not
+//! empty (every block there is larger than the request), else any block large enough in its
+//! own bin: a request fails only when no free block is large enough, as with best fit, and the
+//! block taken is at most one bin (6.25 %) larger than the best fit, except when only its own
+//! bin has one. The rest of a block taken is split off and stays free. On RMM's random
+//! workload with blocks up to 64 MiB (peak bytes held over peak bytes live, three seeds;
+//! BENCHMARKS.md, run N and after it) this holds 1.136 – 1.144 at 10 000 allocations and
+//! 1.168 – 1.176 at 100 000, where best fit held 1.136 – 1.152 and 1.152 – 1.168, and taking
+//! the larger bin's last block 1.148 – 1.152 and 1.164 – 1.176; eight bins per doubling held
+//! more than sixteen in a trial on the simulator, thirty-two no less.
 
 use std::collections::BTreeMap;
 
@@ -153,7 +154,16 @@ impl Arena {
         let found = match own.iter().rev().take(SCAN).find(fits) {
             Some(&(addr, _)) => addr,
             None => match self.next_nonempty(bin) {
-                Some(larger) => self.bins[larger].last().expect("a non-empty bin").0,
+                // The smallest of the bin's last few: closer to best fit, for the same cost.
+                Some(larger) => {
+                    let list = &self.bins[larger];
+                    list.iter()
+                        .rev()
+                        .take(SCAN)
+                        .min_by_key(|&&(_, s)| s)
+                        .expect("a non-empty bin")
+                        .0
+                }
                 None => own.iter().rev().skip(SCAN).find(fits)?.0,
             },
         };
