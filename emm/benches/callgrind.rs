@@ -51,7 +51,9 @@ const FLUSHED: usize = 10;
 ///
 /// Lowered 2026-11-24 again: `pool` 533 → 484 (a pool pointer's record is emptied by its
 /// retire and not dropped again; budget 620 → 560); the pinned pool 535 → 527 (its shard
-/// search wraps with a mask, not a division).
+/// search wraps with a mask, not a division), then 539 (a caller's own hook given to
+/// `PinnedMemory::with_hook` is no longer kept among the thread's spare clones: only the
+/// pool's clones are).
 mod budget {
     pub const SIM_RAW: u64 = 2_600;
     pub const SIM_POOL_RAW: u64 = 1_750;

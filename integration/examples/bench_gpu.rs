@@ -68,6 +68,15 @@ fn per_op(iters: usize, mut batch: impl FnMut(usize)) -> f64 {
     samples[2]
 }
 
+/// [`per_op`] of `ctx.memalloc(size)` and its drop: ns per alloc + free pair.
+fn memalloc_pairs(ctx: &Context, size: usize, iters: usize) -> f64 {
+    per_op(iters, |n| {
+        for _ in 0..n {
+            drop(ctx.memalloc(size).expect("memalloc"));
+        }
+    })
+}
+
 fn runtime(
     driver: &Arc<dyn Driver>,
     manager: &str,
@@ -164,12 +173,7 @@ fn alloc_free_pairs(driver: &Arc<dyn Driver>) {
         let rt = runtime(driver, manager, false, vec![]);
         let ctx = rt.context(0).expect("context");
         for size in sizes() {
-            let cheap = manager != "default";
-            let ns = per_op(iters_for(size, cheap), |n| {
-                for _ in 0..n {
-                    drop(ctx.memalloc(size).expect("memalloc"));
-                }
-            });
+            let ns = memalloc_pairs(&ctx, size, iters_for(size, manager != "default"));
             out("pair", manager, size, 1, ns, "ns");
         }
         ctx.trim().expect("trim");
@@ -193,11 +197,7 @@ fn host_anchors() {
     ));
     let rt = runtime(&sim, "pool", false, vec![]);
     let ctx = rt.context(0).expect("context");
-    let ns = per_op(iters_for(256, true), |n| {
-        for _ in 0..n {
-            drop(ctx.memalloc(256).expect("memalloc"));
-        }
-    });
+    let ns = memalloc_pairs(&ctx, 256, iters_for(256, true));
     out("pair", "pool on the simulator", 256, 1, ns, "ns");
 }
 
@@ -359,11 +359,8 @@ fn anchors(driver: &Arc<dyn Driver>, simulated: bool) {
             let rt = runtime(driver, manager, false, vec![]);
             let ctx = rt.context(0).expect("context");
             for size in sizes {
-                let ns = per_op(iters_for(size, manager != "default").min(20_000), |n| {
-                    for _ in 0..n {
-                        drop(ctx.memalloc(size).expect("memalloc"));
-                    }
-                });
+                let iters = iters_for(size, manager != "default").min(20_000);
+                let ns = memalloc_pairs(&ctx, size, iters);
                 out(
                     "anchors",
                     &format!("{manager} ({how})"),
@@ -782,11 +779,7 @@ fn live_blocks(driver: &Arc<dyn Driver>, simulated: bool) {
                 held.push(ctx.memalloc(256).expect("memalloc"));
             }
             for size in [256usize, 64 << 10] {
-                let ns = per_op(20_000, |n| {
-                    for _ in 0..n {
-                        drop(ctx.memalloc(size).expect("memalloc"));
-                    }
-                });
+                let ns = memalloc_pairs(&ctx, size, 20_000);
                 out(
                     "live-blocks",
                     manager,

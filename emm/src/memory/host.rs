@@ -85,6 +85,12 @@ enum HostRelease {
         hook: Arc<dyn HostReleaseHook>,
         tag: u64,
     },
+    /// As `Hook`, for a clone [`PinnedMemory::with_shared_hook`] made: afterwards the clone
+    /// goes to the dropping thread's spares (a caller's own hook is dropped as given).
+    SpareHook {
+        hook: Arc<dyn HostReleaseHook>,
+        tag: u64,
+    },
 }
 
 fn host_range_check(
@@ -269,7 +275,12 @@ impl PinnedMemory {
             .ok()
             .flatten();
         let hook = spare.unwrap_or_else(|| Arc::clone(hook) as Arc<dyn HostReleaseHook>);
-        Self::with_hook(host, size, hook, tag)
+        PinnedMemory {
+            host,
+            size,
+            owner: None,
+            release: HostRelease::SpareHook { hook, tag },
+        }
     }
 
     /// The host address.
@@ -309,7 +320,8 @@ impl Drop for PinnedMemory {
     fn drop(&mut self) {
         match std::mem::replace(&mut self.release, HostRelease::Done) {
             HostRelease::Fn(release) => release(self.host, self.size),
-            HostRelease::Hook { hook, tag } => {
+            HostRelease::Hook { hook, tag } => hook.release(self.host, self.size, tag),
+            HostRelease::SpareHook { hook, tag } => {
                 hook.release(self.host, self.size, tag);
                 let mut hook = Some(hook);
                 // Kept for the next `with_shared_hook` on this thread; dropped (below, with the
@@ -571,6 +583,24 @@ mod tests {
         fn release(&self, host: HostPtr, size: usize, tag: u64) {
             self.0.lock().expect("recorder").push((host, size, tag));
         }
+    }
+
+    #[test]
+    fn a_hook_given_by_the_caller_is_released_and_not_kept_as_a_spare() {
+        std::thread::spawn(|| {
+            let hook = Arc::new(Recorder::default());
+            let m = PinnedMemory::with_hook(HostPtr(0x1000), 4096, hook.clone(), 3);
+            assert_eq!(Arc::strong_count(&hook), 2);
+            drop(m);
+            assert_eq!(Arc::strong_count(&hook), 1, "the caller's hook is not kept");
+            assert_eq!(
+                *hook.0.lock().expect("recorder"),
+                [(HostPtr(0x1000), 4096, 3)]
+            );
+            assert_eq!(SPARE_HOOKS.with(|s| s.borrow().len()), 0);
+        })
+        .join()
+        .expect("the test thread");
     }
 
     #[test]
