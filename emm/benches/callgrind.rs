@@ -62,7 +62,20 @@ mod budget {
     pub const ASYNC_POOL: u64 = 2_650;
     pub const PINNED_POOL: u64 = 600;
     pub const FLUSH: u64 = 11_500;
+    pub const RANDOM_POOL: u64 = super::RANDOM_POOL_BUDGET;
 }
+
+/// Per operation of RMM's random workload on a warm `pool` (the benchmark `random_workload`),
+/// at most. Measured when set (2026-11-24, x86-64): 535 instructions an operation with the
+/// arena's free blocks in a slab (571 before it, when both address maps named blocks by
+/// address and a split or a merge rewrote them).
+const RANDOM_POOL_BUDGET: u64 = 620;
+
+/// Allocations in one run of the random workload, and the largest request.
+const RANDOM_ALLOCS: usize = 2_000;
+const RANDOM_MAX: usize = 1 << 20;
+/// The operations of one run: every block allocated is freed once, in the run or after it.
+const RANDOM_OPS: u64 = 2 * RANDOM_ALLOCS as u64;
 
 /// A runtime on a fresh simulated GPU, its context, and the simulator.
 struct Fixture {
@@ -116,6 +129,52 @@ fn async_pool() -> Fixture {
 
 fn pinned_pool() -> Fixture {
     fixture("default", true)
+}
+
+/// A `pool` on a 4 GiB simulated GPU, warmed by one run of the random workload from another
+/// seed, so that the benchmark's run finds the chunks and caches a long-running pool has.
+fn random_pool() -> Fixture {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(4 << 30)));
+    let rt = Runtime::builder(sim.clone())
+        .ignore_env()
+        .memory_manager_name("pool")
+        .build()
+        .expect("a runtime on the simulator");
+    let ctx = rt.context(0).expect("context 0");
+    random_run(&ctx, 0x9e37_79b9_7f4a_7c15);
+    Fixture {
+        sim,
+        handle: ctx.handle(),
+        ctx,
+        _rt: rt,
+    }
+}
+
+/// RMM's random workload (as `bench_gpu`'s): each step allocates with probability 0.73 a
+/// size uniform in 1 ..= [`RANDOM_MAX`], else frees a random live block; then the rest are
+/// freed ([`RANDOM_OPS`] operations in all).
+fn random_run(ctx: &Context, seed: u64) {
+    let mut rng = seed;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut live: Vec<emm::MemoryPointer> = Vec::with_capacity(RANDOM_ALLOCS);
+    let mut allocs = 0;
+    while allocs < RANDOM_ALLOCS {
+        let alloc = next() % 100 < 73 || live.is_empty();
+        let size = (next() as usize % RANDOM_MAX) + 1;
+        if alloc {
+            live.push(ctx.memalloc(black_box(size)).expect("memalloc"));
+            allocs += 1;
+        } else {
+            let k = next() as usize % live.len();
+            drop(black_box(live.swap_remove(k)));
+        }
+    }
+    drop(live);
 }
 
 /// The default manager with [`FLUSHED`] frees queued.
@@ -204,9 +263,18 @@ fn flush(f: Fixture) -> Fixture {
     f
 }
 
+// The arena's path: most of the workload's requests are above 256 KiB, where a shard caches
+// few blocks, so about half its operations take or give a block in the arena.
+#[library_benchmark(config = limit(budget::RANDOM_POOL, RANDOM_OPS))]
+#[bench::pool_2000_allocs_1mib(setup = random_pool)]
+fn random_workload(f: Fixture) -> Fixture {
+    random_run(&f.ctx, 0x2545_f491_4f6c_dd1d);
+    f
+}
+
 library_benchmark_group!(
     name = hot_paths;
-    benchmarks = sim_raw, sim_pool_raw, device_pair, pinned_pool_pair, flush
+    benchmarks = sim_raw, sim_pool_raw, device_pair, pinned_pool_pair, flush, random_workload
 );
 
 main!(library_benchmark_groups = hot_paths);
