@@ -30,9 +30,20 @@ fn quick() -> bool {
 }
 
 /// The sections `EMM_BENCH_ONLY` may name.
-const SECTIONS: [&str; 12] = [
-    "pair", "threads", "random", "pinned", "copy", "stream", "overhead", "live", "anchors",
-    "mixes", "default", "ipc",
+const SECTIONS: [&str; 13] = [
+    "pair",
+    "threads",
+    "random",
+    "random-pool",
+    "pinned",
+    "copy",
+    "stream",
+    "overhead",
+    "live",
+    "anchors",
+    "mixes",
+    "default",
+    "ipc",
 ];
 
 /// One CSV line; its fields hold no comma (each would split the line's columns).
@@ -853,6 +864,31 @@ fn random_workload(driver: &Arc<dyn Driver>, log_dir: Option<&std::path::Path>) 
     }
 }
 
+/// RMM's random workload on `pool` alone, for A/B runs of two builds on one host (a few
+/// seconds on the simulator, where the warm figure is the same path as on the GPU: a warm
+/// `pool` calls the driver only to grow): per seed, one cold run, then the next seed's
+/// sequence three times on what it left cached, reporting the fastest of the three.
+fn random_pool(driver: &Arc<dyn Driver>) {
+    let cap: usize = (16_000usize << 20).min(*TOTAL.get().expect("set by main") / 2);
+    for (n, max_mib) in [(10_000, 1usize), (100_000, 1), (10_000, 64), (100_000, 64)] {
+        if (max_mib << 20) > cap / 8 {
+            continue;
+        }
+        for (k, &seed) in SEEDS.iter().enumerate() {
+            let rt = runtime(driver, "pool", false, vec![]);
+            let ctx = rt.context(0).expect("context");
+            run_random_seeded(&ctx, n, max_mib << 20, cap, seed);
+            let next_seed = SEEDS[(k + 1) % SEEDS.len()];
+            let best = (0..3)
+                .map(|_| run_random_seeded(&ctx, n, max_mib << 20, cap, next_seed).0)
+                .fold(f64::INFINITY, f64::min);
+            let param = format!("n={n} max={max_mib}MiB seed={k}");
+            out("random-pool", "pool", &param, 1, best, "ns/op");
+            ctx.trim().expect("trim");
+        }
+    }
+}
+
 /// RMM's random workload from `seed`: ns per operation, peak live blocks, and peak live bytes
 /// (the bytes asked for).
 fn run_random_seeded(
@@ -1356,6 +1392,9 @@ fn main() {
         if let Some(dir) = &log_dir {
             replays(&driver, dir);
         }
+    }
+    if want("random-pool") {
+        random_pool(&driver);
     }
     if want("pinned") {
         pinned(&driver);
