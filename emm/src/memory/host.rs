@@ -80,16 +80,13 @@ enum HostRelease {
     Done,
     /// A closure, called once.
     Fn(HostReleaseFn),
-    /// A shared hook, told the address, size and tag.
+    /// A shared hook, told the address, size and tag. `spare`: a clone
+    /// [`PinnedMemory::with_shared_hook`] made, which afterwards goes to the dropping thread's
+    /// spares (a caller's own hook, given to `with_hook`, is dropped as given).
     Hook {
         hook: Arc<dyn HostReleaseHook>,
         tag: u64,
-    },
-    /// As `Hook`, for a clone [`PinnedMemory::with_shared_hook`] made: afterwards the clone
-    /// goes to the dropping thread's spares (a caller's own hook is dropped as given).
-    SpareHook {
-        hook: Arc<dyn HostReleaseHook>,
-        tag: u64,
+        spare: bool,
     },
 }
 
@@ -249,7 +246,11 @@ impl PinnedMemory {
             host,
             size,
             owner: None,
-            release: HostRelease::Hook { hook, tag },
+            release: HostRelease::Hook {
+                hook,
+                tag,
+                spare: false,
+            },
         }
     }
 
@@ -279,7 +280,11 @@ impl PinnedMemory {
             host,
             size,
             owner: None,
-            release: HostRelease::SpareHook { hook, tag },
+            release: HostRelease::Hook {
+                hook,
+                tag,
+                spare: true,
+            },
         }
     }
 
@@ -320,14 +325,15 @@ impl Drop for PinnedMemory {
     fn drop(&mut self) {
         match std::mem::replace(&mut self.release, HostRelease::Done) {
             HostRelease::Fn(release) => release(self.host, self.size),
-            HostRelease::Hook { hook, tag } => hook.release(self.host, self.size, tag),
-            HostRelease::SpareHook { hook, tag } => {
+            HostRelease::Hook { hook, tag, spare } => {
                 hook.release(self.host, self.size, tag);
                 let mut hook = Some(hook);
-                // Kept for the next `with_shared_hook` on this thread; dropped (below, with the
-                // list not borrowed) when the list is full or the thread is exiting.
+                // A spare is kept for the next `with_shared_hook` on this thread; dropped
+                // (below, with the list not borrowed) when the list is full or the thread is
+                // exiting.
                 let _ = SPARE_HOOKS.try_with(|s| {
-                    if let Ok(mut s) = s.try_borrow_mut()
+                    if spare
+                        && let Ok(mut s) = s.try_borrow_mut()
                         && s.len() < HOOK_SPARES
                     {
                         s.extend(hook.take());
