@@ -53,6 +53,8 @@
 mod error;
 mod size_class;
 mod sync;
+#[cfg(test)]
+mod test_config;
 mod thread_slots;
 mod units;
 

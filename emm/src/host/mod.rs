@@ -233,9 +233,7 @@ impl HostLayer {
         stream: Option<StreamHandle>,
     ) -> MemoryPointer {
         let cx = self.context();
-        let generation = self
-            .table
-            .record(base.0, Entry::Device { ptr: base, bytes });
+        let (key, generation) = self.table.record(Entry::Device { ptr: base, bytes });
         MemoryPointer::from_parts(
             cx.device,
             cx.context,
@@ -243,7 +241,7 @@ impl HostLayer {
             bytes,
             Release::Tracked {
                 table: Arc::clone(&self.table) as Arc<dyn AllocationOwner>,
-                key: base.0,
+                key,
                 generation,
             },
             None,
@@ -278,7 +276,7 @@ impl HostLayer {
         owner: Option<HostOwner>,
     ) -> HostMemory {
         let cx = self.context();
-        let generation = self.table.record(host.0 as u64, entry);
+        let (key, generation) = self.table.record(entry);
         let device = MemoryPointer::from_release(
             cx.device,
             cx.context,
@@ -286,7 +284,7 @@ impl HostLayer {
             bytes,
             Release::Tracked {
                 table: Arc::clone(&self.table) as Arc<dyn AllocationOwner>,
-                key: host.0 as u64,
+                key,
                 generation,
             },
             owner,

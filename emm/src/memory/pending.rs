@@ -77,6 +77,9 @@ struct Inner {
     bytes: usize,
     disabled: usize,
     capacity: usize,
+    /// `config.max_pending_bytes(capacity)`, worked out when the capacity is set rather than
+    /// at every free.
+    max_bytes: usize,
     recorded: Option<EmmError>,
     /// Frees the driver refused: out of the queue (Numba drops them), retried once when the
     /// context is torn down.
@@ -158,6 +161,7 @@ impl PendingDeallocs {
                 bytes: 0,
                 disabled: 0,
                 capacity: 0,
+                max_bytes: config.max_pending_bytes(0),
                 recorded: None,
                 failed: Vec::new(),
             }),
@@ -199,6 +203,7 @@ impl PendingDeallocs {
         let mut inner = lock(&self.inner);
         if inner.capacity == 0 {
             inner.capacity = bytes;
+            inner.max_bytes = self.config.max_pending_bytes(bytes);
             true
         } else {
             false
@@ -207,7 +212,7 @@ impl PendingDeallocs {
 
     /// The byte threshold: pending bytes above this flush (Numba's `_max_pending_bytes`).
     pub fn max_pending_bytes(&self) -> usize {
-        self.config.max_pending_bytes(lock(&self.inner).capacity)
+        lock(&self.inner).max_bytes
     }
 
     /// The thresholds this queue applies.
@@ -238,10 +243,24 @@ impl PendingDeallocs {
         self.enqueue(&mut inner, items) && self.over_threshold(&inner)
     }
 
+    /// [`push_all_without_flush`](Self::push_all_without_flush) of one free: the path of every
+    /// pointer's drop, so it is written out for one item.
+    #[inline]
+    pub(crate) fn push_one_without_flush(&self, item: Free) -> bool {
+        let mut inner = lock(&self.inner);
+        if !self.liveness.is_alive() {
+            tracing::debug!(device = %self.device, dropped = 1, "context destroyed; its memory went with it, nothing to free");
+            return false;
+        }
+        tracing::trace!(device = %self.device, ?item, "deallocation deferred");
+        inner.bytes = inner.bytes.saturating_add(item.bytes());
+        inner.items.push_back(item);
+        self.over_threshold(&inner)
+    }
+
     /// Numba's rule: more than `max_count` frees, or more than the byte budget, pending.
     fn over_threshold(&self, inner: &Inner) -> bool {
-        inner.items.len() > self.config.max_count
-            || inner.bytes > self.config.max_pending_bytes(inner.capacity)
+        inner.items.len() > self.config.max_count || inner.bytes > inner.max_bytes
     }
 
     /// Appends `items`; returns false (dropping them) when the context is already destroyed.

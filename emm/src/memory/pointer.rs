@@ -37,6 +37,14 @@ pub trait ReleaseHook: Send + Sync {
     }
 }
 
+/// A stream-ordered allocation's [`StreamUse`], as its pointers share it.
+pub(crate) type StreamRecord = Box<Mutex<StreamUse>>;
+
+/// The stream use out of its record (unboxed), ignoring poison (a record is plain data).
+pub(crate) fn into_stream_use(record: Mutex<StreamUse>) -> StreamUse {
+    record.into_inner().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Locks a stream-use record, ignoring poison (a record is plain data, always consistent).
 fn lock_use(m: &Mutex<StreamUse>) -> std::sync::MutexGuard<'_, StreamUse> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -133,8 +141,9 @@ impl StreamUse {
 /// `allocations`): what a pointer it made calls when its last clone drops.
 pub(crate) trait AllocationOwner: Send + Sync {
     /// The allocation recorded under `key` at `generation` is no longer used; `streams` is
-    /// set for a stream-ordered allocation.
-    fn release(&self, key: u64, generation: u64, streams: Option<StreamUse>);
+    /// set for a stream-ordered allocation (boxed as the pointer kept it: most allocations
+    /// have none, and the box is one word to hand over).
+    fn release(&self, key: u64, generation: u64, streams: Option<StreamRecord>);
 
     /// The table's current generation (a reset bumps it).
     fn generation(&self) -> u64;
@@ -180,7 +189,7 @@ pub(crate) struct Allocation {
     release: Release,
     /// Set for a stream-ordered allocation: its streams, changed by `record_stream` and
     /// `free_on` while pointers live, handed to the release.
-    streams: Option<Box<Mutex<StreamUse>>>,
+    streams: Option<StreamRecord>,
     /// Kept alive as long as the memory (the host buffer behind a mapped pin). Dropped after
     /// `release` ran, since fields drop after `Drop::drop`.
     _owner: Option<HostOwner>,
@@ -212,9 +221,7 @@ impl Allocation {
     /// The stream-use record, taken out for the release.
     #[inline]
     fn take_streams(&mut self) -> Option<StreamUse> {
-        self.streams
-            .take()
-            .map(|s| (*s).into_inner().unwrap_or_else(|p| p.into_inner()))
+        self.streams.take().map(|s| into_stream_use(*s))
     }
 }
 
@@ -235,14 +242,13 @@ fn run_hook(
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        let streams = self.take_streams();
         match &mut self.release {
             Release::Tracked {
                 table,
                 key,
                 generation,
             } => {
-                table.release(*key, *generation, streams);
+                table.release(*key, *generation, self.streams.take());
             }
             Release::Custom(action) => {
                 let action = action.get_mut().unwrap_or_else(|p| p.into_inner()).take();
@@ -252,6 +258,7 @@ impl Drop for Allocation {
             }
             // A pool's pointer (`stash`) released in `retire`, under loom too.
             Release::Hook { hook, tag, .. } => {
+                let streams = self.streams.take().map(|s| into_stream_use(*s));
                 run_hook(&**hook, self.base, self.size, *tag, streams)
             }
             Release::Wrapped { hook, tag, .. } => {

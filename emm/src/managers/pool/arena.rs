@@ -507,23 +507,11 @@ mod tests {
         ]
     }
 
-    /// `PROPTEST_CASES`, else 256 (4 under Miri, which also runs shorter sequences).
-    fn cases() -> u32 {
-        std::env::var("PROPTEST_CASES")
-            .ok()
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(if cfg!(miri) { 4 } else { 256 })
-    }
-
-    /// The most steps in one case.
+    /// The most steps in one case (fewer under Miri, which also runs fewer cases).
     const STEPS: usize = if cfg!(miri) { 40 } else { 200 };
 
     proptest::proptest! {
-        #![proptest_config(proptest::test_runner::Config {
-            cases: cases(),
-            failure_persistence: None,
-            ..Default::default()
-        })]
+        #![proptest_config(crate::test_config::proptest_config())]
 
         /// Random takes and gives on three chunks, two of them touching: after every step the
         /// arena is consistent (see `check`), and a take fails exactly when no free block is
