@@ -210,6 +210,10 @@ impl ReleaseHook for Shared {
 /// The device half of the `async-pool` manager ([`AsyncPoolManager`]).
 pub struct AsyncPoolAllocator {
     shared: Arc<Shared>,
+    /// `shared` as the release hook of the pointers `memalloc` makes: their records keep its
+    /// clone when recycled (`MemoryPointer::with_stashed_hook`), so that allocating and
+    /// freeing on several threads does not write the shared state's reference count.
+    hook: Arc<dyn ReleaseHook>,
 }
 
 /// The stream-ordered pool manager: the [`HostLayer`] over an [`AsyncPoolAllocator`].
@@ -243,21 +247,23 @@ impl AsyncPoolAllocator {
     }
 
     fn with_kind(host: &HostLayer, ipc: bool, managed: bool) -> AsyncPoolAllocator {
-        AsyncPoolAllocator {
-            shared: Arc::new(Shared {
-                cx: host.context().clone(),
-                ipc,
-                managed,
-                state: RwLock::new(PoolState {
-                    pool: None,
-                    id: None,
-                    exported: false,
-                }),
-                live: Live::new(),
-                generation: AtomicU64::new(0),
-                queue: Arc::clone(host.deallocations()),
-                fences: Fences::new(host.context()),
+        let shared = Arc::new(Shared {
+            cx: host.context().clone(),
+            ipc,
+            managed,
+            state: RwLock::new(PoolState {
+                pool: None,
+                id: None,
+                exported: false,
             }),
+            live: Live::new(),
+            generation: AtomicU64::new(0),
+            queue: Arc::clone(host.deallocations()),
+            fences: Fences::new(host.context()),
+        });
+        AsyncPoolAllocator {
+            hook: Arc::clone(&shared) as Arc<dyn ReleaseHook>,
+            shared,
         }
     }
 
@@ -436,13 +442,8 @@ impl DeviceAllocator for AsyncPoolAllocator {
     fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
         let (ptr, generation) = self.alloc(host, "memalloc", bytes, STREAM)?;
         let cx = &self.shared.cx;
-        Ok(MemoryPointer::with_hook(
-            cx.device,
-            cx.context,
-            ptr,
-            bytes,
-            Arc::clone(&self.shared) as Arc<dyn ReleaseHook>,
-            generation,
+        Ok(MemoryPointer::with_stashed_hook(
+            cx.device, cx.context, ptr, bytes, &self.hook, generation,
         ))
     }
 
