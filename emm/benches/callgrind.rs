@@ -104,6 +104,18 @@ struct Fixture {
     _rt: Runtime,
 }
 
+impl Fixture {
+    fn new(sim: Arc<SimDriver>, ctx: Context, rt: Runtime) -> Fixture {
+        Fixture {
+            sim,
+            handle: ctx.handle(),
+            ctx,
+            held: Vec::new(),
+            _rt: rt,
+        }
+    }
+}
+
 impl Drop for Fixture {
     fn drop(&mut self) {
         for p in self.held.drain(..) {
@@ -135,13 +147,7 @@ fn fixture(manager: &str, pinned_pool: bool) -> Fixture {
     if let Some(queue) = ctx.deallocations() {
         queue.flush().expect("flush");
     }
-    Fixture {
-        sim,
-        handle: ctx.handle(),
-        ctx,
-        held: Vec::new(),
-        _rt: rt,
-    }
+    Fixture::new(sim, ctx, rt)
 }
 
 fn default_manager() -> Fixture {
@@ -171,13 +177,7 @@ fn random_pool() -> Fixture {
         .expect("a runtime on the simulator");
     let ctx = rt.context(0).expect("context 0");
     random_run(&ctx, 0x9e37_79b9_7f4a_7c15);
-    Fixture {
-        sim,
-        handle: ctx.handle(),
-        ctx,
-        held: Vec::new(),
-        _rt: rt,
-    }
+    Fixture::new(sim, ctx, rt)
 }
 
 /// RMM's random workload (as `bench_gpu`'s): each step allocates with probability 0.73 a
@@ -247,7 +247,7 @@ fn sim_raw(f: Fixture) -> Fixture {
 // manager's anchor: its figure minus this one is emm's own work.
 #[library_benchmark(config = limit(budget::SIM_RAW_DEFERRED, PAIRS))]
 #[bench::deferred_256b(setup = default_manager)]
-fn sim_raw_deferred(f: Fixture) -> Fixture {
+fn sim_raw_deferred(mut f: Fixture) -> Fixture {
     let batch = DEFAULT_FLUSH_AT;
     let mut held = Vec::with_capacity(batch);
     for _ in 0..PAIRS {
@@ -260,7 +260,6 @@ fn sim_raw_deferred(f: Fixture) -> Fixture {
         }
     }
     // The manager's run leaves these frees queued: the fixture's teardown frees them.
-    let mut f = f;
     f.held = held;
     f
 }

@@ -37,7 +37,7 @@
 //!
 //! | layer | module | what it holds |
 //! | --- | --- | --- |
-//! | 0 | `error`, `sync`, `size_class`, `thread_slots` | [`EmmError`]; the loom shim and the spin lock; the size classes and the dense per-thread indices both pools use |
+//! | 0 | `error`, `sync`, `size_class`, `slab`, `thread_slots` | [`EmmError`]; the loom shim and the spin lock; the size classes, the slab the allocation table and the arena name entries in, and the dense per-thread indices both pools use |
 //! | 1 | [`memory`] | memory objects and deallocation: pointers, host memory, the pending queue and its policy, `defer_cleanup`, liveness |
 //! | 2 | [`contract`] | the plugin interface: [`MemoryManager`], its factory and [`ManagerContext`], the data it returns |
 //! | 3 | [`host`] | the host layer: [`HostLayer`], [`DeviceAllocator`] + [`HostOnly`], Numba's allocation table, the pinned host pool |
@@ -52,6 +52,7 @@
 // Layer 0: foundations.
 mod error;
 mod size_class;
+mod slab;
 mod sync;
 #[cfg(test)]
 mod test_config;

@@ -24,6 +24,7 @@ use crate::host::pinned_pool::{PinnedBlock, PinnedPool};
 use crate::memory::host::HostOwner;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::memory::pointer::{AllocationOwner, StreamRecord, StreamUse, into_stream_use};
+use crate::slab::Slab;
 use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
 
 /// How a tracked allocation is released.
@@ -57,56 +58,6 @@ impl std::fmt::Debug for Entry {
     }
 }
 
-/// The live entries, each in a slot whose index its pointer keeps: recording and releasing
-/// one is an index into a vector, not a hash of its address (the default manager's pair spent
-/// about 100 instructions hashing).
-#[derive(Debug, Default)]
-struct Slots {
-    slots: Vec<Option<Entry>>,
-    /// Indices of the empty slots, the most recently emptied last.
-    vacant: Vec<u32>,
-    live: usize,
-}
-
-impl Slots {
-    fn insert(&mut self, entry: Entry) -> u64 {
-        self.live += 1;
-        match self.vacant.pop() {
-            Some(i) => {
-                self.slots[i as usize] = Some(entry);
-                u64::from(i)
-            }
-            None => {
-                let i = self.slots.len();
-                assert!(
-                    i < u32::MAX as usize,
-                    "more than 4 294 967 295 live allocations in one manager"
-                );
-                self.slots.push(Some(entry));
-                i as u64
-            }
-        }
-    }
-
-    fn get(&self, key: u64) -> Option<&Entry> {
-        self.slots.get(key as usize)?.as_ref()
-    }
-
-    fn remove(&mut self, key: u64) -> Option<Entry> {
-        let entry = self.slots.get_mut(key as usize)?.take()?;
-        self.live -= 1;
-        self.vacant.push(key as u32);
-        Some(entry)
-    }
-
-    /// Empties the table, returning every live entry.
-    fn drain(&mut self) -> impl Iterator<Item = Entry> {
-        self.live = 0;
-        self.vacant.clear();
-        std::mem::take(&mut self.slots).into_iter().flatten()
-    }
-}
-
 /// How many waiting stream-ordered frees one allocation looks at.
 const POLL_BATCH: usize = 8;
 
@@ -114,7 +65,9 @@ const POLL_BATCH: usize = 8;
 #[derive(Debug)]
 pub(crate) struct AllocationTable {
     cx: ManagerContext,
-    table: Mutex<Slots>,
+    /// The live entries; a pointer keeps its entry's index (recording and releasing one
+    /// hashes nothing: the default manager's pair spent about 100 instructions hashing).
+    table: Mutex<Slab<Entry>>,
     generation: AtomicU64,
     queue: Arc<PendingDeallocs>,
     fences: Fences,
@@ -129,7 +82,7 @@ impl AllocationTable {
     pub(crate) fn new(cx: &ManagerContext) -> AllocationTable {
         AllocationTable {
             cx: cx.clone(),
-            table: Mutex::new(Slots::default()),
+            table: Mutex::new(Slab::default()),
             generation: AtomicU64::new(0),
             queue: Arc::new(cx.new_pending_deallocs()),
             fences: Fences::new(cx),
@@ -221,7 +174,7 @@ impl AllocationTable {
                 if self.generation() != generation {
                     continue; // a reset freed it
                 }
-                if let Some(Entry::Device { ptr, bytes }) = table.remove(key) {
+                if let Some(Entry::Device { ptr, bytes }) = table.remove(key as u32) {
                     frees.push(Free::Device { ptr, bytes });
                 }
             }
@@ -250,12 +203,12 @@ impl AllocationTable {
     /// Records a new allocation; returns its key and the generation to stamp its pointer with.
     pub(crate) fn record(&self, entry: Entry) -> (u64, u64) {
         let mut table = lock(&self.table);
-        (table.insert(entry), self.generation())
+        (u64::from(table.insert(entry)), self.generation())
     }
 
     /// Number of live tracked allocations.
     pub(crate) fn live(&self) -> usize {
-        lock(&self.table).live
+        lock(&self.table).len()
     }
 
     /// The last pointer to the allocation under `key` dropped.
@@ -267,20 +220,21 @@ impl AllocationTable {
                 return;
             }
             if let Some(streams) = streams
-                && matches!(table.get(key), Some(Entry::Device { .. }))
+                && matches!(table.get(key as u32), Some(Entry::Device { .. }))
             {
                 drop(table);
                 return self.release_after_streams(key, generation, into_stream_use(*streams));
             }
-            match table.remove(key) {
+            match table.remove(key as u32) {
                 Some(Entry::Device { ptr, bytes }) => (
                     None,
                     self.queue
-                        .push_one_without_flush(Free::Device { ptr, bytes }),
+                        .push_all_without_flush(Some(Free::Device { ptr, bytes })),
                 ),
                 Some(Entry::Host { ptr, bytes }) => (
                     None,
-                    self.queue.push_one_without_flush(Free::Host { ptr, bytes }),
+                    self.queue
+                        .push_all_without_flush(Some(Free::Host { ptr, bytes })),
                 ),
                 Some(Entry::Unpin { ptr, owner }) => (Some((ptr, owner)), false),
                 Some(Entry::Pooled {
@@ -318,7 +272,7 @@ impl AllocationTable {
                 self.fences.recycle(fence);
             }
             self.waiting_count.store(0, Ordering::Release);
-            let n = table.live;
+            let n = table.len();
             let frees = table.drain().filter_map(|e| match e {
                 Entry::Device { ptr, bytes } => Some(Free::Device { ptr, bytes }),
                 Entry::Host { ptr, bytes } => Some(Free::Host { ptr, bytes }),
@@ -386,93 +340,5 @@ impl AllocationOwner for AllocationTable {
 
     fn generation(&self) -> u64 {
         AllocationTable::generation(self)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// One step on the slot table.
-    #[derive(Clone, Debug)]
-    enum Step {
-        /// Record an entry (its size is its identity).
-        Insert,
-        /// Remove the entry under the key at this index among the live ones, wrapped.
-        Remove(usize),
-        /// Remove a key that may be live, vacant or never handed out.
-        RemoveAny(u64),
-        /// Empty the table (a reset).
-        Drain,
-    }
-
-    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
-        use proptest::prelude::*;
-        prop_oneof![
-            5 => Just(Step::Insert),
-            4 => any::<usize>().prop_map(Step::Remove),
-            1 => (0u64..64).prop_map(Step::RemoveAny),
-            1 => Just(Step::Drain),
-        ]
-    }
-
-    fn bytes_of(entry: &Entry) -> usize {
-        match entry {
-            Entry::Device { bytes, .. } => *bytes,
-            other => panic!("only device entries are recorded here, got {other:?}"),
-        }
-    }
-
-    proptest::proptest! {
-        #![proptest_config(crate::test_config::proptest_config())]
-
-        /// Random records, releases (of live keys, and of keys that are vacant or were never
-        /// handed out) and resets against a map: every key handed out is distinct among the
-        /// live ones, a release returns exactly the entry recorded under its key and only
-        /// once, the live count is the map's, a reset returns every live entry, and a key
-        /// is reused only after its entry left (so the table grows to the most entries live
-        /// at once, not to the number recorded). 256 cases (`PROPTEST_CASES=N` for more).
-        #[test]
-        fn slots_hand_out_distinct_keys_and_return_each_entry_once(
-            steps in proptest::collection::vec(step(), 1..200)
-        ) {
-            let mut slots = Slots::default();
-            let mut model: std::collections::BTreeMap<u64, usize> = Default::default();
-            let (mut next, mut most_live) = (0usize, 0usize);
-            for step in steps {
-                match step {
-                    Step::Insert => {
-                        next += 1;
-                        let key = slots.insert(Entry::Device { ptr: DevicePtr(next as u64), bytes: next });
-                        proptest::prop_assert!(model.insert(key, next).is_none(), "key {key} handed out twice");
-                        most_live = most_live.max(model.len());
-                    }
-                    Step::Remove(i) if !model.is_empty() => {
-                        let key = *model.keys().nth(i % model.len()).expect("in range");
-                        let entry = slots.remove(key).expect("a live key releases its entry");
-                        proptest::prop_assert_eq!(Some(bytes_of(&entry)), model.remove(&key));
-                        proptest::prop_assert!(slots.remove(key).is_none(), "released twice");
-                    }
-                    Step::Remove(_) => {}
-                    Step::RemoveAny(key) => {
-                        let got = slots.remove(key).map(|e| bytes_of(&e));
-                        proptest::prop_assert_eq!(got, model.remove(&key));
-                    }
-                    Step::Drain => {
-                        let mut got: Vec<usize> = slots.drain().map(|e| bytes_of(&e)).collect();
-                        let mut want: Vec<usize> = std::mem::take(&mut model).into_values().collect();
-                        got.sort_unstable();
-                        want.sort_unstable();
-                        proptest::prop_assert_eq!(got, want);
-                        most_live = 0;
-                    }
-                }
-                proptest::prop_assert_eq!(slots.live, model.len());
-                proptest::prop_assert!(slots.slots.len() <= most_live, "{} slots for at most {most_live} live", slots.slots.len());
-                for (key, bytes) in &model {
-                    proptest::prop_assert_eq!(slots.get(*key).map(bytes_of), Some(*bytes));
-                }
-            }
-        }
     }
 }

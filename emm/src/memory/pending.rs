@@ -243,21 +243,6 @@ impl PendingDeallocs {
         self.enqueue(&mut inner, items) && self.over_threshold(&inner)
     }
 
-    /// [`push_all_without_flush`](Self::push_all_without_flush) of one free: the path of every
-    /// pointer's drop, so it is written out for one item.
-    #[inline]
-    pub(crate) fn push_one_without_flush(&self, item: Free) -> bool {
-        let mut inner = lock(&self.inner);
-        if !self.liveness.is_alive() {
-            tracing::debug!(device = %self.device, dropped = 1, "context destroyed; its memory went with it, nothing to free");
-            return false;
-        }
-        tracing::trace!(device = %self.device, ?item, "deallocation deferred");
-        inner.bytes = inner.bytes.saturating_add(item.bytes());
-        inner.items.push_back(item);
-        self.over_threshold(&inner)
-    }
-
     /// Numba's rule: more than `max_count` frees, or more than the byte budget, pending.
     fn over_threshold(&self, inner: &Inner) -> bool {
         inner.items.len() > self.config.max_count || inner.bytes > inner.max_bytes
@@ -287,7 +272,7 @@ impl PendingDeallocs {
     /// Queues a free from a destructor (a stream, event or pinned buffer that dropped) and
     /// applies the thresholds; errors are recorded for the next flush.
     pub(crate) fn push_from_drop(&self, item: Free) {
-        if self.push_all_without_flush([item]) {
+        if self.push_all_without_flush(Some(item)) {
             self.apply_thresholds_from_drop();
         }
     }

@@ -11,6 +11,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("error", 0),
     ("sync", 0),
     ("size_class", 0),
+    ("slab", 0),
     ("test_config", 0),
     ("thread_slots", 0),
     ("units", 0),

@@ -32,6 +32,7 @@
 use std::collections::BTreeMap;
 
 use crate::memory::AddressMap;
+use crate::slab::Slab;
 
 /// Sub-bins per doubling, as a power of two.
 const SUB_BITS: u32 = 4;
@@ -76,10 +77,8 @@ pub(super) struct Arena {
     pub(super) generation: u64,
     /// Chunk base -> size.
     pub(super) chunks: BTreeMap<u64, usize>,
-    /// The free blocks; an index in `spare` names an unused entry.
-    nodes: Vec<Node>,
-    /// Unused entries of `nodes`.
-    spare: Vec<NodeId>,
+    /// The free blocks.
+    nodes: Slab<Node>,
     /// Free block start -> its node.
     free: AddressMap<NodeId>,
     /// Free block end (one past its last byte) -> its node.
@@ -99,8 +98,7 @@ impl Default for Arena {
         Arena {
             generation: 0,
             chunks: BTreeMap::new(),
-            nodes: Vec::new(),
-            spare: Vec::new(),
+            nodes: Slab::default(),
             free: AddressMap::default(),
             ends: AddressMap::default(),
             bins: vec![Vec::new(); BINS],
@@ -114,29 +112,9 @@ impl Default for Arena {
 }
 
 impl Arena {
-    fn new_node(&mut self, addr: u64, size: usize) -> NodeId {
-        let node = Node {
-            addr,
-            size,
-            slot: 0,
-        };
-        match self.spare.pop() {
-            Some(id) => {
-                self.nodes[id as usize] = node;
-                id
-            }
-            None => {
-                let id = NodeId::try_from(self.nodes.len())
-                    .expect("fewer than 2^32 free blocks in one pool");
-                self.nodes.push(node);
-                id
-            }
-        }
-    }
-
     /// Puts node `id` last in the bin of its size.
     fn bin_push(&mut self, id: NodeId) {
-        let node = &mut self.nodes[id as usize];
+        let node = &mut self.nodes[id];
         let bin = bin_of(node.size);
         let list = &mut self.bins[bin];
         node.slot = list.len();
@@ -146,12 +124,12 @@ impl Arena {
 
     /// Takes node `id` out of its bin (the bin's last block moves into its slot).
     fn bin_remove(&mut self, id: NodeId) {
-        let Node { size, slot, .. } = self.nodes[id as usize];
+        let Node { size, slot, .. } = self.nodes[id];
         let bin = bin_of(size);
         let list = &mut self.bins[bin];
         list.swap_remove(slot);
         if let Some(&(_, moved)) = list.get(slot) {
-            self.nodes[moved as usize].slot = slot;
+            self.nodes[moved].slot = slot;
         }
         if list.is_empty() {
             self.nonempty[bin / 64] &= !(1 << (bin % 64));
@@ -162,14 +140,18 @@ impl Arena {
     /// block removed and inserted again would be).
     fn rebin(&mut self, id: NodeId, addr: u64, size: usize) {
         self.bin_remove(id);
-        let node = &mut self.nodes[id as usize];
+        let node = &mut self.nodes[id];
         node.addr = addr;
         node.size = size;
         self.bin_push(id);
     }
 
     fn insert_free(&mut self, addr: u64, size: usize) {
-        let id = self.new_node(addr, size);
+        let id = self.nodes.insert(Node {
+            addr,
+            size,
+            slot: 0,
+        });
         self.bin_push(id);
         self.free.insert(addr, id);
         self.ends.insert(addr + size as u64, id);
@@ -178,7 +160,7 @@ impl Arena {
     /// Forgets node `id`, which the address maps no longer name.
     fn drop_node(&mut self, id: NodeId) {
         self.bin_remove(id);
-        self.spare.push(id);
+        self.nodes.remove(id);
     }
 
     /// Removes the free block at `addr`, returning its size.
@@ -187,7 +169,7 @@ impl Arena {
             .free
             .remove(&addr)
             .expect("the arena removes only blocks it holds free");
-        let size = self.nodes[id as usize].size;
+        let size = self.nodes[id].size;
         self.ends.remove(&(addr + size as u64));
         self.drop_node(id);
         size
@@ -238,7 +220,7 @@ impl Arena {
             addr,
             size: found_size,
             ..
-        } = self.nodes[found as usize];
+        } = self.nodes[found];
         self.free.remove(&addr);
         if found_size > size {
             // The rest keeps the node and its end; only its start moves.
@@ -279,14 +261,14 @@ impl Arena {
         match (prev, next) {
             (Some(p), Some(n)) => {
                 // The previous block's node spans all three and takes over the next's end.
-                let before = self.nodes[p as usize].size;
-                let after = self.nodes[n as usize].size;
+                let before = self.nodes[p].size;
+                let after = self.nodes[n].size;
                 self.ends.remove(&addr);
                 self.free.remove(&end);
                 self.ends.insert(end + after as u64, p);
                 self.bin_remove(p);
                 self.drop_node(n);
-                self.nodes[p as usize].size = before + size + after;
+                self.nodes[p].size = before + size + after;
                 self.bin_push(p);
             }
             (Some(p), None) => {
@@ -294,13 +276,13 @@ impl Arena {
                     addr: start,
                     size: before,
                     ..
-                } = self.nodes[p as usize];
+                } = self.nodes[p];
                 self.ends.remove(&addr);
                 self.ends.insert(end, p);
                 self.rebin(p, start, before + size);
             }
             (None, Some(n)) => {
-                let after = self.nodes[n as usize].size;
+                let after = self.nodes[n].size;
                 self.free.remove(&end);
                 self.free.insert(addr, n);
                 self.rebin(n, addr, size + after);
@@ -325,7 +307,7 @@ impl Arena {
             .filter(|&(base, &size)| {
                 self.free
                     .get(base)
-                    .is_some_and(|&id| self.nodes[id as usize].size == size)
+                    .is_some_and(|&id| self.nodes[id].size == size)
             })
             .map(|(&b, &s)| (b, s))
             .collect();
@@ -343,7 +325,6 @@ impl Arena {
         self.free.clear();
         self.ends.clear();
         self.nodes.clear();
-        self.spare.clear();
         for list in &mut self.bins {
             list.clear();
         }
@@ -356,7 +337,7 @@ impl Arena {
     #[cfg(test)]
     fn free_blocks(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
         self.free.values().map(|&id| {
-            let node = self.nodes[id as usize];
+            let node = self.nodes[id];
             (node.addr, node.size)
         })
     }
@@ -466,7 +447,7 @@ mod tests {
                 last_free_end = Some(addr + size as u64);
                 let id = arena.free[&addr];
                 assert_eq!(arena.ends.get(&(addr + size as u64)), Some(&id));
-                let node = arena.nodes[id as usize];
+                let node = arena.nodes[id];
                 assert_eq!((node.addr, node.size), (addr, size));
                 assert_eq!(arena.bins[bin_of(size)][node.slot], (size, id));
             }
@@ -481,9 +462,9 @@ mod tests {
         let binned: usize = arena.bins.iter().map(Vec::len).sum();
         assert_eq!(binned, arena.free.len());
         assert_eq!(
-            arena.nodes.len() - arena.spare.len(),
+            arena.nodes.len(),
             arena.free.len(),
-            "every node is free or spare"
+            "every node held is a free block"
         );
         for (bin, list) in arena.bins.iter().enumerate() {
             let bit = arena.nonempty[bin / 64] >> (bin % 64) & 1 == 1;
