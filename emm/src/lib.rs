@@ -37,7 +37,7 @@
 //!
 //! | layer | module | what it holds |
 //! | --- | --- | --- |
-//! | 0 | `error`, `sync`, `size_class`, `slab`, `thread_slots` | [`EmmError`]; the loom shim and the spin lock; the size classes, the slab the allocation table and the arena name entries in, and the dense per-thread indices both pools use |
+//! | 0 | `error`, `sync`, `size_class`, `slab`, `thread_slots` | [`EmmError`]; the loom shim, the spin lock and the biased lock of the pools' shards; the size classes, the slab the allocation table and the arena name entries in, and the dense per-thread indices both pools use |
 //! | 1 | [`memory`] | memory objects and deallocation: pointers, host memory, the pending queue and its policy, `defer_cleanup`, liveness |
 //! | 2 | [`contract`] | the plugin interface: [`MemoryManager`], its factory and [`ManagerContext`], the data it returns |
 //! | 3 | [`host`] | the host layer: [`HostLayer`], [`DeviceAllocator`] + [`HostOnly`], Numba's allocation table, the pinned host pool |
@@ -104,3 +104,4 @@ pub use resources::{
 };
 pub use runtime::context::Context;
 pub use runtime::{Runtime, RuntimeBuilder};
+pub use thread_slots::shards_without_locks;

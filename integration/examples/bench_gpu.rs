@@ -1388,6 +1388,10 @@ fn main() {
         choice.driver.name(),
         choice.reason
     );
+    eprintln!(
+        "bench_gpu: pool shards entered without a lock (membarrier): {}",
+        emm::shards_without_locks()
+    );
     let (driver, simulated) = (choice.driver, choice.simulated);
     // On the simulator, one device of an H100's memory (the suite's simulated device has 256
     // MiB): the sections size their workloads by the device's memory (the random workload's

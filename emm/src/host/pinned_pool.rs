@@ -7,11 +7,12 @@
 //!
 //! - Requests up to [`PinnedPoolConfig::max_block`] are rounded to a size class (4 per
 //!   doubling) and served from a free list per (flags, size); larger ones bypass the pool.
-//! - **Per-thread shards.** The lists live in per-thread shards (one spin lock each, on its
-//!   own cache lines; a thread's index comes from `thread_slots`), so threads do not share a
-//!   hot lock: a cached pair takes one uncontended lock. A thread whose own lists are empty
-//!   looks in the other shards before it calls the driver (a `cuMemHostAlloc` costs hundreds
-//!   of microseconds; looking costs one lock per shard).
+//! - **Per-thread shards.** The lists live in per-thread shards, each on its own cache lines.
+//!   A thread owns the shard of its slot (`thread_slots`) and enters it with no lock and no
+//!   read-modify-write (`sync::Biased`); threads past the owned shards share the others, by
+//!   lock. A thread whose own lists are empty looks in the other shards that say they cache
+//!   something before it calls the driver (a `cuMemHostAlloc` costs hundreds of
+//!   microseconds; looking into an owned shard costs a `membarrier`, a few microseconds).
 //! - **The cache bound.** The shards together never hold more than
 //!   [`PinnedPoolConfig::max_cached`] bytes: a shard caches against an allowance it takes
 //!   from the pool in steps of at least [`ALLOWANCE_STEP`], and hands back what it does not
@@ -33,8 +34,8 @@ use crate::contract::info::{PinnedPoolConfig, PoolStats};
 use crate::memory::HostReleaseHook;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::size_class;
-use crate::sync::{AtomicU64, Mutex, Ordering, Spin, lock};
-use crate::thread_slots::{shard_count, thread_index};
+use crate::sync::{AtomicU64, AtomicUsize, Biased, Mutex, Ordering, lock};
+use crate::thread_slots::{shard_bias, shard_total, thread_shard};
 
 /// A cached block: host address and, for mapped blocks, the device address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,6 +53,10 @@ const FLAG_BITS: u32 = 0b111;
 /// The smallest allowance a shard takes from the pool at a time, and the unused allowance it
 /// may keep.
 pub(crate) const ALLOWANCE_STEP: usize = 1 << 20;
+
+/// The most blocks a thread moves to its own shard, beside the one it takes, when it takes a
+/// block from another thread's shard (`PinnedPool::steal`).
+const STEAL_BATCH: usize = 16;
 
 /// One thread's free lists.
 #[derive(Debug, Default)]
@@ -79,7 +84,17 @@ impl Lists {
 /// One shard, on its own cache lines.
 #[repr(align(128))]
 struct Shard {
-    lists: Spin<Lists>,
+    lists: Biased<Lists>,
+    /// The bytes `lists` caches, as its last holder left them: read without entering, by a
+    /// thread that looks for a block to take (so that it enters only shards worth it).
+    cached: AtomicUsize,
+}
+
+impl Shard {
+    /// Publishes what `lists` (this shard's, held) caches now.
+    fn publish(&self, lists: &Lists) {
+        self.cached.store(lists.cached, Ordering::Relaxed);
+    }
 }
 
 /// What the pool counts across shards; its lock is taken after a shard's, and only when the
@@ -131,17 +146,24 @@ impl PinnedPool {
             config,
             queue,
             generation: AtomicU64::new(0),
-            shards: (0..shard_count())
-                .map(|_| Shard {
-                    lists: Spin::new(Lists::default()),
+            shards: (0..shard_total())
+                .map(|i| Shard {
+                    lists: Biased::new(Lists::default(), shard_bias(i)),
+                    cached: AtomicUsize::new(0),
                 })
                 .collect(),
             totals: Mutex::new(Totals::default()),
         }
     }
 
-    fn own_shard(&self) -> usize {
-        thread_index() & (self.shards.len() - 1)
+    /// This thread's shard, and whether the thread owns it (`thread_slots::thread_shard`).
+    fn own_shard(&self) -> (usize, bool) {
+        thread_shard()
+    }
+
+    /// Every shard, taken as a thread that owns none, with one heavy fence.
+    fn lock_all(&self) -> Vec<crate::sync::BiasedGuard<'_, Lists>> {
+        Biased::lock_all(self.shards.iter().map(|s| &s.lists))
     }
 
     /// The size a request is served with, or `None` if it bypasses the pool.
@@ -162,25 +184,82 @@ impl PinnedPool {
     /// A cached block of `size` bytes with `flags` (this thread's, else another shard's), and
     /// the generation to stamp it with.
     pub(crate) fn take(&self, flags: u32, size: usize) -> (Option<PinnedBlock>, u64) {
-        let own = self.own_shard();
-        let n = self.shards.len(); // a power of two: a mask wraps, not a division
-        for i in (0..n).map(|k| (own + k) & (n - 1)) {
-            let mut lists = self.shards[i].lists.lock();
+        let (own, owner) = self.own_shard();
+        {
+            let shard = &self.shards[own];
+            let mut lists = shard.lists.enter(owner);
             let generation = self.generation.load(Ordering::Acquire);
             if let Some(block) = lists.pop(flags, size) {
                 lists.in_use += size as i64;
                 lists.in_use_blocks += 1;
                 self.return_spare_allowance(&mut lists);
+                shard.publish(&lists);
                 return (Some(block), generation);
+            }
+        }
+        let n = self.shards.len(); // a power of two: a mask wraps, not a division
+        for from in (1..n).map(|k| (own + k) & (n - 1)) {
+            if self.shards[from].cached.load(Ordering::Relaxed) < size {
+                continue; // nothing of this size there, as its holder last left it
+            }
+            if let Some(found) = self.steal(own, from, flags, size) {
+                return found;
             }
         }
         (None, self.generation.load(Ordering::Acquire))
     }
 
+    /// A block of `size` with `flags` from shard `from`, for this thread, whose shard is `own`;
+    /// with it, up to half of that list (at most [`STEAL_BATCH`] blocks) moves to `own`, with
+    /// as much of `from`'s allowance, so that a thread that allocates what other threads free
+    /// enters their shards (a heavy fence each time) once per batch, not once per block. Both
+    /// shards are held at once, taken in index order (as every holder of several takes them),
+    /// so that no block is ever outside a shard while a trim or a reset counts them.
+    fn steal(
+        &self,
+        own: usize,
+        from: usize,
+        flags: u32,
+        size: usize,
+    ) -> Option<(Option<PinnedBlock>, u64)> {
+        let (low, high) = (own.min(from), own.max(from));
+        let mut both = Biased::lock_all([&self.shards[low].lists, &self.shards[high].lists]);
+        let (first, second) = both.split_at_mut(1);
+        let (mine, theirs) = if own < from {
+            (&mut *first[0], &mut *second[0])
+        } else {
+            (&mut *second[0], &mut *first[0])
+        };
+        let generation = self.generation.load(Ordering::Acquire);
+        let block = theirs.pop(flags, size)?;
+        let i = list_index(flags, size);
+        let list = &mut theirs.free[i];
+        let batch: Vec<PinnedBlock> = list
+            .drain(list.len() - (list.len() / 2).min(STEAL_BATCH)..)
+            .collect();
+        // Every shard caches within its allowance, so `theirs` has the batch's allowance.
+        let bytes = batch.len() * size;
+        theirs.cached -= bytes;
+        theirs.allowance -= bytes;
+        mine.cached += bytes;
+        mine.allowance += bytes;
+        if mine.free.len() <= i {
+            mine.free.resize_with(i + 1, Vec::new);
+        }
+        mine.free[i].extend(batch);
+        mine.in_use += size as i64;
+        mine.in_use_blocks += 1;
+        self.return_spare_allowance(theirs);
+        self.shards[own].publish(mine);
+        self.shards[from].publish(theirs);
+        Some((Some(block), generation))
+    }
+
     /// Counts a block the caller has just allocated from the driver as held and in use;
     /// returns the generation to stamp it with.
     pub(crate) fn grew(&self, size: usize) -> u64 {
-        let mut lists = self.shards[self.own_shard()].lists.lock();
+        let (own, owner) = self.own_shard();
+        let mut lists = self.shards[own].lists.enter(owner);
         lists.in_use += size as i64;
         lists.in_use_blocks += 1;
         let mut totals = lock(&self.totals);
@@ -206,7 +285,9 @@ impl PinnedPool {
     /// block is from before a reset).
     #[must_use = "a block the pool does not keep must be freed"]
     pub(crate) fn give_back(&self, block: PinnedBlock, generation: u64) -> Option<Free> {
-        let mut lists = self.shards[self.own_shard()].lists.lock();
+        let (own, owner) = self.own_shard();
+        let shard = &self.shards[own];
+        let mut lists = shard.lists.enter(owner);
         if self.generation.load(Ordering::Acquire) == generation {
             lists.in_use -= block.size as i64;
             lists.in_use_blocks -= 1;
@@ -233,6 +314,7 @@ impl PinnedPool {
                     lists.free.resize_with(i + 1, Vec::new);
                 }
                 lists.free[i].push(block);
+                shard.publish(&lists);
                 return None;
             }
         }
@@ -255,12 +337,13 @@ impl PinnedPool {
     /// also forgets the blocks in use and starts a new generation. Returns the frees and the
     /// bytes they release.
     pub(crate) fn drain(&self, reset: bool) -> (Vec<Free>, usize) {
-        let mut shards: Vec<_> = self.shards.iter().map(|s| s.lists.lock()).collect();
+        let mut shards = self.lock_all();
         let mut totals = lock(&self.totals);
         let mut blocks = Vec::new();
-        for lists in &mut shards {
+        for (lists, shard) in shards.iter_mut().zip(self.shards.iter()) {
             blocks.extend(lists.free.iter_mut().flat_map(std::mem::take));
             lists.cached = 0;
+            shard.publish(lists);
             lists.allowance = 0;
             if reset {
                 lists.in_use = 0;
@@ -288,8 +371,7 @@ impl PinnedPool {
 
     pub(crate) fn stats(&self) -> PoolStats {
         let (mut in_use, mut in_use_blocks, mut cached, mut free_blocks) = (0i64, 0i64, 0, 0);
-        for shard in self.shards.iter() {
-            let lists = shard.lists.lock();
+        for lists in self.lock_all() {
             in_use += lists.in_use;
             in_use_blocks += lists.in_use_blocks;
             cached += lists.cached;

@@ -391,6 +391,19 @@ fn pool_reset_frees_every_chunk_and_old_pointers_stay_stale() {
     assert_eq!(ctx.pool_stats().device.unwrap().in_use_blocks, 1);
 }
 
+/// Every byte of every block of `blocks` is `tag` (what its thread wrote): no block was handed
+/// to two threads at once.
+fn assert_filled(ctx: &emm::Context, blocks: &[emm::MemoryPointer], tag: u8) {
+    for mem in blocks {
+        let mut back = vec![0u8; mem.size()];
+        ctx.copy_to_host(&mut back, mem).unwrap();
+        assert!(
+            back.iter().all(|&b| b == tag),
+            "thread {tag}: a block was shared"
+        );
+    }
+}
+
 /// Threads allocate and free at once; no block is handed out twice.
 #[test]
 fn pool_is_safe_across_threads() {
@@ -412,14 +425,7 @@ fn pool_is_safe_across_threads() {
                         mine.swap_remove(i % mine.len());
                     }
                 }
-                for mem in &mine {
-                    let mut back = vec![0u8; mem.size()];
-                    ctx.copy_to_host(&mut back, mem).unwrap();
-                    assert!(
-                        back.iter().all(|&b| b == t),
-                        "thread {t}: a block was shared"
-                    );
-                }
+                assert_filled(&ctx, &mine, t);
             });
         }
     });
@@ -427,6 +433,91 @@ fn pool_is_safe_across_threads() {
     ctx.trim().unwrap();
     assert_eq!(ctx.pool_stats().device.unwrap().held_bytes, 0);
     assert!(sim.leak_report().no_memory_leaked() || rt.contexts().len() == 1);
+}
+
+/// The shards' owners (and, past the owned shards, threads that share one) allocate, write and
+/// free device and pinned blocks while another thread trims both pools and reads their stats
+/// in a loop: each trim and each count enters every owned shard as a thread that owns none
+/// (`sync::Biased`). No block is handed out twice, nothing is lost, and at the end the pools
+/// account for every block and give every byte back.
+#[test]
+fn shard_owners_race_trims_and_counts_from_another_thread() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = Runtime::builder(sim.clone())
+        .ignore_env()
+        .memory_manager_name("pool")
+        .pinned_host_pool(Some(PinnedPoolConfig::default()))
+        .build()
+        .unwrap();
+    let ctx = rt.context(0).unwrap();
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    // More workers than this machine's owned shards (twice the cores, at least 4), so that
+    // some of them share the upper half.
+    let workers = 2 * std::thread::available_parallelism().map_or(4, |n| n.get()) + 2;
+    let reclaims = std::thread::scope(|s| {
+        for t in 0..workers {
+            let (ctx, done) = (ctx.clone(), &done);
+            s.spawn(move || {
+                let tag = t as u8;
+                let mut mine = Vec::new();
+                let mut pinned = Vec::new();
+                for i in 0..400usize {
+                    let mem = ctx.memalloc(256 + (i * 97 + t * 13) % 6000).unwrap();
+                    ctx.memset(&mem, tag, mem.size()).unwrap();
+                    mine.push(mem);
+                    let host = ctx
+                        .memhostalloc(1000 + i % 3000, false, false, false)
+                        .unwrap();
+                    host.write(0, &[tag; 64]).unwrap();
+                    pinned.push(host);
+                    if i % 2 == 0 {
+                        mine.swap_remove(i % mine.len());
+                        pinned.swap_remove(i % pinned.len());
+                    }
+                }
+                assert_filled(&ctx, &mine, tag);
+                for host in &pinned {
+                    let mut back = [0u8; 64];
+                    host.read(0, &mut back).unwrap();
+                    assert!(
+                        back.iter().all(|&b| b == tag),
+                        "thread {t}: a pinned block was shared"
+                    );
+                }
+                done.fetch_add(1, std::sync::atomic::Ordering::Release);
+            });
+        }
+        let reclaimer = s.spawn(|| {
+            let mut rounds = 0u32;
+            while done.load(std::sync::atomic::Ordering::Acquire) < workers {
+                ctx.trim().unwrap();
+                let stats = ctx.pool_stats();
+                assert!(stats.device.unwrap().in_use_blocks <= workers * 400);
+                rounds += 1;
+            }
+            rounds
+        });
+        reclaimer.join().unwrap()
+    });
+    assert!(reclaims > 0);
+    let stats = ctx.pool_stats();
+    let (device, pinned) = (stats.device.unwrap(), stats.pinned_host.unwrap());
+    assert_eq!(
+        (device.in_use_blocks, device.in_use_bytes),
+        (0, 0),
+        "{device:?}"
+    );
+    assert_eq!(
+        (pinned.in_use_blocks, pinned.in_use_bytes),
+        (0, 0),
+        "{pinned:?}"
+    );
+    ctx.trim().unwrap();
+    let stats = ctx.pool_stats();
+    assert_eq!(stats.device.unwrap().held_bytes, 0, "{stats:?}");
+    assert_eq!(stats.pinned_host.unwrap().held_bytes, 0, "{stats:?}");
+    ctx.deallocations().unwrap().flush().unwrap();
+    assert_eq!(sim.count(Op::MemHostAlloc), sim.count(Op::MemFreeHost));
 }
 
 #[test]

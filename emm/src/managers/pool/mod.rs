@@ -24,10 +24,12 @@
 //!   once), so a thread that reuses large sizes does not take the arena's lock.
 //! - **Size classes and shards.** Requests up to `small_max` (at most 1 MiB) are rounded to one
 //!   of 44 size classes (4 per doubling, so at most 25 % rounding) and served from a per-thread
-//!   shard: a cache-line-aligned spin lock holding a free list per class. Each live thread
-//!   holds its own shard index (dense slots, handed back when the thread exits: `shards.rs`),
-//!   so threads share a shard only when there are more of them than shards, and taking the
-//!   shard's lock is one uncontended compare-exchange on a line the thread owns. An empty
+//!   shard: a free list per class on its own cache lines. Each live thread holds its own
+//!   index (dense slots, handed back when the thread exits: `thread_slots.rs`); a thread whose
+//!   index is below the shard count owns that shard and enters it with two plain stores and a
+//!   load, no lock and no read-modify-write (`sync::Biased`: on Linux, `trim`, `reset` and
+//!   `stats` make it step aside with one `membarrier` for all the shards), and threads past the
+//!   count share a second set of shards by spin lock. An empty
 //!   list is refilled with a full magazine from the depot (blocks other shards handed on),
 //!   else from the arena in batches; a list past its share
 //!   ([`PoolConfig::cache_bytes_per_class`]) hands a magazine to the depot, or, with the depot
@@ -67,15 +69,15 @@ use crate::managers::default::DriverAllocator;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::memory::pointer::{MemoryPointer, ReleaseHook};
 use crate::size_class::{class_of, class_size};
-use crate::sync::{AtomicU64, Mutex, Ordering, Spin, lock};
-use crate::thread_slots::{shard_count, thread_index};
+use crate::sync::{AtomicU64, BiasedGuard, Mutex, Ordering, lock};
+use crate::thread_slots::{self, Shard, thread_shard};
 
 mod arena;
 mod shards;
 mod streams;
 
 use arena::Arena;
-use shards::{Depot, Shard, ShardHook, ShardLists};
+use shards::{Depot, ShardHook, ShardLists};
 use streams::{StreamCache, StreamHook};
 
 /// The name the pool manager is registered under.
@@ -154,7 +156,7 @@ struct PoolShared {
     /// Bumped by `reset` while every lock is held; read under any one of them.
     generation: AtomicU64,
     arena: Mutex<Arena>,
-    shards: Box<[Shard]>,
+    shards: Box<[Shard<ShardLists>]>,
     /// Magazines passed between shards (`shards.rs`); its lock is taken with no other held but
     /// by `reset`, which takes it after the shards'.
     depot: Mutex<Depot>,
@@ -177,8 +179,14 @@ impl fmt::Debug for PoolShared {
 }
 
 impl PoolShared {
-    fn shard_index(&self) -> usize {
-        thread_index() & (self.shards.len() - 1)
+    /// This thread's shard, and whether the thread owns it (enters it without a lock).
+    fn my_shard(&self) -> (usize, bool) {
+        thread_shard()
+    }
+
+    /// Every shard, taken by this thread as a thread that owns none (one heavy fence for all).
+    fn lock_all_shards(&self) -> Vec<BiasedGuard<'_, ShardLists>> {
+        thread_slots::lock_all(&self.shards)
     }
 
     /// Blocks of `class` a shard keeps before it hands a magazine on: computed once per class
@@ -213,15 +221,20 @@ impl PoolShared {
         Some((magazine, depot.generation))
     }
 
-    fn release(&self, shard: usize, addr: u64, bytes: usize, tag: u64) {
+    fn release(&self, (shard, owner): (usize, bool), addr: u64, bytes: usize, tag: u64) {
         if bytes > self.config.small_max {
-            self.release_large(shard, addr, block_size(bytes, self.config.small_max), tag);
+            self.release_large(
+                (shard, owner),
+                addr,
+                block_size(bytes, self.config.small_max),
+                tag,
+            );
             return;
         }
         let class = class_of(bytes);
         let size = class_size(class);
         let spill = {
-            let mut lists = self.shards[shard].inner.lock();
+            let mut lists = self.shards[shard].inner.enter(owner);
             if self.generation.load(Ordering::Acquire) != tag {
                 return;
             }
@@ -257,10 +270,10 @@ impl PoolShared {
     /// A block above `small_max` goes to the freeing thread's shard, which keeps the last
     /// [`LARGE_SLOTS`] it was given (within its byte bound, so a block larger than the bound
     /// goes to the arena at once); the oldest go to the arena, where they coalesce.
-    fn release_large(&self, shard: usize, addr: u64, size: usize, tag: u64) {
+    fn release_large(&self, (shard, owner): (usize, bool), addr: u64, size: usize, tag: u64) {
         let bound = self.config.cache_bytes_per_shard;
         let evicted: Vec<(u64, usize)> = {
-            let mut lists = self.shards[shard].inner.lock();
+            let mut lists = self.shards[shard].inner.enter(owner);
             if self.generation.load(Ordering::Acquire) != tag {
                 return; // a reset freed its chunk
             }
@@ -289,8 +302,8 @@ impl PoolShared {
 
     /// A cached block of exactly `size` bytes (above `small_max`) from `shard`, counted as in
     /// use, with its generation.
-    fn take_large(&self, shard: usize, size: usize) -> Option<(u64, u64)> {
-        let mut lists = self.shards[shard].inner.lock();
+    fn take_large(&self, (shard, owner): (usize, bool), size: usize) -> Option<(u64, u64)> {
+        let mut lists = self.shards[shard].inner.enter(owner);
         let i = lists.large.iter().rposition(|&(_, s)| s == size)?;
         let (addr, _) = lists.large.remove(i);
         lists.cached_bytes -= size;
@@ -300,8 +313,8 @@ impl PoolShared {
 
     /// Counts a block of `size` bytes that `shard`'s thread took from the arena as in use,
     /// unless a reset since `generation` forgot it.
-    fn count_in_use(&self, shard: usize, size: usize, generation: u64) {
-        let mut lists = self.shards[shard].inner.lock();
+    fn count_in_use(&self, (shard, owner): (usize, bool), size: usize, generation: u64) {
+        let mut lists = self.shards[shard].inner.enter(owner);
         if self.generation.load(Ordering::Acquire) == generation {
             lists.lent(size);
         }
@@ -331,16 +344,22 @@ impl PoolShared {
                 .map(move |a| (a, class_size(class)))
         });
         self.to_arena(generation, blocks);
-        for shard in self.shards.iter() {
-            let (lists, large, generation) = {
-                let mut lists = shard.inner.lock();
-                lists.cached_bytes = 0;
-                (
-                    take_nonempty(&mut lists.free),
-                    std::mem::take(&mut lists.large),
-                    self.generation.load(Ordering::Acquire),
-                )
-            };
+        let (taken, generation) = {
+            let mut shards = self.lock_all_shards();
+            let taken: Vec<_> = shards
+                .iter_mut()
+                .map(|lists| {
+                    lists.cached_bytes = 0;
+                    (
+                        take_nonempty(&mut lists.free),
+                        std::mem::take(&mut lists.large),
+                    )
+                })
+                .collect();
+            // Read under every shard's lock: a reset, which takes them all, cannot move it.
+            (taken, self.generation.load(Ordering::Acquire))
+        };
+        for (lists, large) in taken {
             let blocks = lists
                 .into_iter()
                 .flat_map(|(class, held)| held.into_iter().map(move |a| (a, class_size(class))));
@@ -439,8 +458,7 @@ impl PoolShared {
             bytes += s.in_use_bytes;
             cached += s.cached_bytes;
         }
-        for shard in self.shards.iter() {
-            let lists = shard.inner.lock();
+        for lists in self.lock_all_shards() {
             blocks += lists.in_use_blocks;
             bytes += lists.in_use_bytes;
             cached += lists.cached_bytes;
@@ -505,11 +523,7 @@ impl PoolAllocator {
             cache_limits: PoolShared::cache_limits(&config),
             generation: AtomicU64::new(0),
             arena: Mutex::new(Arena::default()),
-            shards: (0..shard_count())
-                .map(|_| Shard {
-                    inner: Spin::new(ShardLists::new()),
-                })
-                .collect(),
+            shards: Shard::all(ShardLists::new),
             depot: Mutex::new(Depot::new()),
             queue: Arc::clone(host.deallocations()),
             streams: StreamCache::new(),
@@ -556,11 +570,11 @@ impl PoolAllocator {
 
     fn alloc_small(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
         let pool = &*self.shared;
-        let shard = pool.shard_index();
+        let (shard, owner) = pool.my_shard();
         let class = class_of(bytes);
         let size = class_size(class);
         {
-            let mut lists = pool.shards[shard].inner.lock();
+            let mut lists = pool.shards[shard].inner.enter(owner);
             if let Some(addr) = lists.free[class].pop() {
                 lists.cached_bytes -= size;
                 lists.lent(size);
@@ -573,7 +587,7 @@ impl PoolAllocator {
         // into a batch of this class.
         if let Some((mut magazine, generation)) = pool.take_magazine(class) {
             let addr = magazine.pop().expect("magazines are never empty");
-            let mut lists = pool.shards[shard].inner.lock();
+            let mut lists = pool.shards[shard].inner.enter(owner);
             if pool.generation.load(Ordering::Acquire) == generation {
                 lists.lent(size);
                 lists.cached_bytes += magazine.len() * size;
@@ -591,7 +605,7 @@ impl PoolAllocator {
             }
             Err(e) => return Err(e),
         };
-        let mut lists = pool.shards[shard].inner.lock();
+        let mut lists = pool.shards[shard].inner.enter(owner);
         if pool.generation.load(Ordering::Acquire) == generation {
             lists.lent(size);
             let list = &mut lists.free[class];
@@ -605,7 +619,7 @@ impl PoolAllocator {
     fn alloc_large(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
         let pool = &*self.shared;
         let size = block_size(bytes, pool.config.small_max);
-        let shard = pool.shard_index();
+        let shard = pool.my_shard();
         if let Some((addr, generation)) = pool.take_large(shard, size) {
             return Ok(self.pointer(addr, bytes, generation));
         }
@@ -728,7 +742,7 @@ impl DeviceAllocator for PoolAllocator {
         let chunks = {
             let mut streams: Vec<_> = pool.streams.shards.iter().map(|s| lock(&s.inner)).collect();
             let mut arena = lock(&pool.arena);
-            let mut shards: Vec<_> = pool.shards.iter().map(|s| s.inner.lock()).collect();
+            let mut shards = pool.lock_all_shards();
             let mut depot = lock(&pool.depot);
             pool.generation.fetch_add(1, Ordering::AcqRel);
             arena.generation += 1;

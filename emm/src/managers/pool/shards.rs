@@ -7,16 +7,7 @@ use driver_sys::DevicePtr;
 
 use super::{CLASSES, PoolShared};
 use crate::memory::pointer::ReleaseHook;
-use crate::sync::{Ordering, Spin};
-
-/// One shard's free lists, on its own cache lines. The thread that owns the shard (see
-/// `thread_slots`) is almost always the only one to take its lock: blocks go back to the
-/// freeing thread's shard, and `trim`, `reset` and `stats` take every shard's lock to see or
-/// reclaim every block.
-#[repr(align(128))]
-pub(super) struct Shard {
-    pub(super) inner: Spin<ShardLists>,
-}
+use crate::sync::Ordering;
 
 #[derive(Default)]
 pub(super) struct ShardLists {
@@ -89,8 +80,7 @@ pub(super) struct ShardHook {
 
 impl ReleaseHook for ShardHook {
     fn release(&self, base: DevicePtr, size: usize, tag: u64) {
-        self.pool
-            .release(self.pool.shard_index(), base.0, size, tag);
+        self.pool.release(self.pool.my_shard(), base.0, size, tag);
     }
 
     fn is_live(&self, tag: u64) -> bool {
