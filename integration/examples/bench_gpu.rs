@@ -572,33 +572,27 @@ fn thread_mixes(driver: &Arc<dyn Driver>) {
         // thread, which drops it: every block is freed on a thread other than its own (on one
         // thread, on itself). Small blocks (256 B to 1 KiB), since a thread that runs ahead
         // leaves its batches waiting in the next thread's mailbox.
-        let mailboxes: Vec<std::sync::Mutex<Vec<Vec<emm::MemoryPointer>>>> =
-            (0..threads).map(|_| Default::default()).collect();
-        let freed_elsewhere = |t: usize| {
-            let mut batch = Vec::with_capacity(64);
-            for i in 0..per_thread {
-                batch.push(ctx.memalloc(256 << ((i + t) % 3)).expect("memalloc"));
-                if batch.len() == 64 {
-                    let next = (t + 1) % threads;
-                    mailboxes[next]
-                        .lock()
-                        .expect("mailbox")
-                        .push(std::mem::take(&mut batch));
-                    let mine = std::mem::take(&mut *mailboxes[t].lock().expect("mailbox"));
-                    drop(mine);
-                }
-            }
-        };
-        let name = "pool freed on another thread";
-        mix(
+        freed_elsewhere(
             &ctx,
-            name,
+            "pool freed on another thread",
             "256B-1KiB",
             threads,
             per_thread,
-            freed_elsewhere,
+            |i, t| ctx.memalloc(256 << ((i + t) % 3)).expect("memalloc"),
         );
-        drop(mailboxes);
+        // The same with the pinned host pool (4 to 16 KiB): a thread takes what others
+        // freed from their shards, a batch at a time.
+        freed_elsewhere(
+            &ctx,
+            "pinned pool freed on another thread",
+            "4KiB-16KiB",
+            threads,
+            per_thread,
+            |i, t| {
+                ctx.memhostalloc(4096 << ((i + t) % 3), false, false, false)
+                    .expect("memhostalloc")
+            },
+        );
         // Blocks of 2 to 16 MiB (the arena, not the size classes), 4 held per thread.
         if 16 * threads * (16 << 20) <= total / 2 {
             mix(
@@ -630,6 +624,35 @@ fn thread_mixes(driver: &Arc<dyn Driver>) {
         );
     }
     ctx.trim().expect("trim");
+}
+
+/// One row of [`thread_mixes`]: each of `threads` threads allocates batches of 64 blocks with
+/// `alloc(i, thread)` and hands each batch to the next thread, which drops it.
+fn freed_elsewhere<T: Send>(
+    ctx: &emm::Context,
+    name: &str,
+    param: &str,
+    threads: usize,
+    per_thread: usize,
+    alloc: impl Fn(usize, usize) -> T + Sync,
+) {
+    let mailboxes: Vec<std::sync::Mutex<Vec<Vec<T>>>> =
+        (0..threads).map(|_| Default::default()).collect();
+    mix(ctx, name, param, threads, per_thread, |t| {
+        let mut batch = Vec::with_capacity(64);
+        for i in 0..per_thread {
+            batch.push(alloc(i, t));
+            if batch.len() == 64 {
+                let next = (t + 1) % threads;
+                mailboxes[next]
+                    .lock()
+                    .expect("mailbox")
+                    .push(std::mem::take(&mut batch));
+                let mine = std::mem::take(&mut *mailboxes[t].lock().expect("mailbox"));
+                drop(mine);
+            }
+        }
+    });
 }
 
 /// The default manager measured fairly (issue 14): its frees are deferred, 10 at a time, so it
