@@ -7,12 +7,14 @@
 //!
 //! - Requests up to [`PinnedPoolConfig::max_block`] are rounded to a size class (4 per
 //!   doubling) and served from a free list per (flags, size); larger ones bypass the pool.
-//! - **Per-thread shards.** The lists live in per-thread shards, each on its own cache lines.
-//!   A thread owns the shard of its slot (`thread_slots`) and enters it with no lock and no
-//!   read-modify-write (`sync::Biased`); threads past the owned shards share the others, by
-//!   lock. A thread whose own lists are empty looks in the other shards that say they cache
-//!   something before it calls the driver (a `cuMemHostAlloc` costs hundreds of
-//!   microseconds; looking into an owned shard costs a `membarrier`, a few microseconds).
+//! - **Per-thread shards.** The lists live in per-thread shards, each on its own cache lines
+//!   behind a spin lock: a thread has the shard of its slot (`thread_slots`), so that live
+//!   threads do not share one until there are more of them than shards. A thread whose own
+//!   lists are empty looks in the other shards that have a block of its class (a bit per
+//!   class each shard publishes) before it calls the driver (a `cuMemHostAlloc` costs
+//!   hundreds of microseconds), and takes up to half of that list, at most 16 blocks, with
+//!   their allowance, so that a thread that allocates what others free does not visit them
+//!   once per block.
 //! - **The cache bound.** The shards together never hold more than
 //!   [`PinnedPoolConfig::max_cached`] bytes: a shard caches against an allowance it takes
 //!   from the pool in steps of at least [`ALLOWANCE_STEP`], and hands back what it does not
@@ -34,8 +36,8 @@ use crate::contract::info::{PinnedPoolConfig, PoolStats};
 use crate::memory::HostReleaseHook;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::size_class;
-use crate::sync::{AtomicU64, Biased, Mutex, Ordering, lock};
-use crate::thread_slots::{shard_bias, shard_total, thread_shard};
+use crate::sync::{AtomicU64, Bias, Biased, Mutex, Ordering, lock};
+use crate::thread_slots::{shard_total, thread_shard};
 
 /// A cached block: host address and, for mapped blocks, the device address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,7 +147,13 @@ fn class_bit(i: usize) -> usize {
     (i >> 3).min(63)
 }
 
-/// One shard, on its own cache lines.
+/// One shard, on its own cache lines. Its lock is a plain spin lock for every thread, owner
+/// included, unlike the `pool` manager's shards: a thread that misses here takes blocks from
+/// other threads' shards (the pool's threads go to a depot instead), and on the H100 with the
+/// shards biased to their owners (`sync::Biased`) each such visit cost a `membarrier` that
+/// interrupted every running thread. The cached pair gained 5 to 25 % (medians of paired
+/// rounds), but 8 and 16 threads that each hold 8 blocks fell from 60-83 to 38-50 M pairs a
+/// second, and in one round of four to 0.5 (BENCHMARKS.md, run T).
 #[repr(align(128))]
 struct Shard {
     lists: Biased<Lists>,
@@ -213,8 +221,11 @@ impl PinnedPool {
             queue,
             generation: AtomicU64::new(0),
             shards: (0..shard_total())
-                .map(|i| Shard {
-                    lists: Biased::new(Lists::default(), shard_bias(i)),
+                .map(|_| Shard {
+                    // Not biased: a thread that misses its own shard takes blocks from the
+                    // others, and a membarrier for each of those visits measured worse than the
+                    // lock it saves (see `Shard`).
+                    lists: Biased::new(Lists::default(), Bias::None),
                     classes: AtomicU64::new(0),
                 })
                 .collect(),
@@ -224,10 +235,10 @@ impl PinnedPool {
 
     /// This thread's shard, and whether the thread owns it (`thread_slots::thread_shard`).
     fn own_shard(&self) -> (usize, bool) {
-        thread_shard()
+        (thread_shard().0, false) // the shards are not biased: every thread takes the lock
     }
 
-    /// Every shard, taken as a thread that owns none, with one heavy fence.
+    /// Every shard, taken in index order.
     fn lock_all(&self) -> Vec<crate::sync::BiasedGuard<'_, Lists>> {
         Biased::lock_all(self.shards.iter().map(|s| &s.lists))
     }
