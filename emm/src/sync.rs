@@ -115,14 +115,18 @@ mod membarrier {
 
     /// A full memory fence on every running thread of this process, before this returns.
     pub(super) fn heavy() {
-        let r = call(PRIVATE_EXPEDITED);
-        // The registration succeeded, and the kernel does not take it back: a failure here is
-        // a broken kernel contract, and going on would let two threads use one shard at once.
-        assert_eq!(
-            r,
-            0,
-            "membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) failed after registration ({}); \
-             please report this with your kernel version",
+        if call(PRIVATE_EXPEDITED) == 0 {
+            return;
+        }
+        // A process forked from the one that registered may not carry the registration: the
+        // kernel refuses the barrier (EPERM) until this process registers itself.
+        if call(REGISTER_PRIVATE_EXPEDITED) == 0 && call(PRIVATE_EXPEDITED) == 0 {
+            return;
+        }
+        // Going on would let a thread reclaim a shard its owner is still using.
+        panic!(
+            "membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) failed after the process registered \
+             for it ({}); please report this with your kernel version",
             std::io::Error::last_os_error()
         );
     }
