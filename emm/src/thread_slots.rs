@@ -130,7 +130,7 @@ pub(crate) fn shard_count() -> usize {
 
 /// Whether the `pool` manager's per-thread shards (its size classes) are entered by their
 /// threads without a lock in this process (the pinned host pool's shards always take one: its
-/// `Shard` says why): true on Linux
+/// `shards` field says why): true on Linux
 /// when the kernel lets the process register for `membarrier`'s private expedited command
 /// (Linux 4.14 and later, unless a seccomp policy forbids it); false elsewhere, where every
 /// operation on a shard takes its spin lock (one uncontended compare-exchange). Decided once
@@ -155,8 +155,9 @@ pub(crate) fn shard_bias(i: usize) -> Bias {
     }
 }
 
-/// One shard of a per-thread structure (the `pool` manager's free lists), on its own cache
-/// lines. The first half of a structure's shards are owned, one each
+/// One shard of a per-thread structure (the `pool` manager's free lists, the pinned host
+/// pool's), on its own cache lines. In a structure built by [`Shard::all`] the first half of
+/// the shards are owned, one each
 /// by the live thread whose slot has its index, which enters it without a lock or any
 /// read-modify-write ([`Biased`]); threads past them share the second half, by lock
 /// ([`thread_shard`]). Reclaiming and counting (`trim`, `reset`, `stats`) take every shard as

@@ -580,8 +580,8 @@ fn thread_mixes(driver: &Arc<dyn Driver>) {
             per_thread,
             |i, t| ctx.memalloc(256 << ((i + t) % 3)).expect("memalloc"),
         );
-        // The same with the pinned host pool (4 to 16 KiB): a thread takes what others
-        // freed from their shards, a batch at a time.
+        // The same with the pinned host pool (4 to 16 KiB): a thread that misses its own
+        // shard takes what others freed from theirs.
         freed_elsewhere(
             &ctx,
             "pinned pool freed on another thread",

@@ -34,7 +34,7 @@ use crate::memory::HostReleaseHook;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::size_class;
 use crate::sync::{AtomicU64, Bias, Biased, Mutex, Ordering, lock};
-use crate::thread_slots::{shard_total, thread_shard};
+use crate::thread_slots::{Shard, shard_count, thread_shard};
 
 /// A cached block: host address and, for mapped blocks, the device address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,18 +76,6 @@ impl Lists {
     }
 }
 
-/// One shard, on its own cache lines. Its lock is a plain spin lock for every thread, owner
-/// included ([`Bias::None`]), unlike the `pool` manager's shards: a thread that misses here
-/// takes blocks from other threads' shards (the pool's threads go to a depot instead), and on
-/// the H100 shards biased to their owners (`sync::Biased`) cost a `membarrier` for each such
-/// visit; a steal of half a list at a time, and a bit per class to skip shards, measured no
-/// better under threads (BENCHMARKS.md, run T). So this pool is as it was before the pool's
-/// shards were biased.
-#[repr(align(128))]
-struct Shard {
-    lists: Biased<Lists>,
-}
-
 /// What the pool counts across shards; its lock is taken after a shard's, and only when the
 /// pool grows, frees, trims, resets or moves allowance.
 #[derive(Debug, Default)]
@@ -118,7 +106,14 @@ pub(crate) struct PinnedPool {
     queue: Arc<PendingDeallocs>,
     /// Bumped by `drain(true)` (a reset) while every shard's lock is held.
     generation: AtomicU64,
-    shards: Box<[Shard]>,
+    /// [`shard_count`] shards, each a plain spin lock for every thread, owner included
+    /// ([`Bias::None`]), unlike the `pool` manager's: a thread that misses here takes blocks
+    /// from other threads' shards (the pool's threads go to a depot instead), and on the H100
+    /// shards biased to their owners (`sync::Biased`) cost a `membarrier` for each such visit;
+    /// a steal of half a list at a time, and a bit per class to skip shards, measured no better
+    /// under threads (BENCHMARKS.md, run T). So this pool is as it was before the pool's shards
+    /// were biased.
+    shards: Box<[Shard<Lists>]>,
     totals: Mutex<Totals>,
 }
 
@@ -137,17 +132,18 @@ impl PinnedPool {
             config,
             queue,
             generation: AtomicU64::new(0),
-            shards: (0..shard_total())
+            shards: (0..shard_count())
                 .map(|_| Shard {
-                    lists: Biased::new(Lists::default(), Bias::None),
+                    inner: Biased::new(Lists::default(), Bias::None),
                 })
                 .collect(),
             totals: Mutex::new(Totals::default()),
         }
     }
 
+    /// This thread's shard: its slot's index, wrapped (a mask: the count is a power of two).
     fn own_shard(&self) -> usize {
-        thread_shard().0
+        thread_shard().0 & (self.shards.len() - 1)
     }
 
     /// The size a request is served with, or `None` if it bypasses the pool.
@@ -171,7 +167,7 @@ impl PinnedPool {
         let own = self.own_shard();
         let n = self.shards.len(); // a power of two: a mask wraps, not a division
         for i in (0..n).map(|k| (own + k) & (n - 1)) {
-            let mut lists = self.shards[i].lists.lock();
+            let mut lists = self.shards[i].inner.lock();
             let generation = self.generation.load(Ordering::Acquire);
             if let Some(block) = lists.pop(flags, size) {
                 lists.in_use += size as i64;
@@ -186,7 +182,7 @@ impl PinnedPool {
     /// Counts a block the caller has just allocated from the driver as held and in use;
     /// returns the generation to stamp it with.
     pub(crate) fn grew(&self, size: usize) -> u64 {
-        let mut lists = self.shards[self.own_shard()].lists.lock();
+        let mut lists = self.shards[self.own_shard()].inner.lock();
         lists.in_use += size as i64;
         lists.in_use_blocks += 1;
         let mut totals = lock(&self.totals);
@@ -212,7 +208,7 @@ impl PinnedPool {
     /// block is from before a reset).
     #[must_use = "a block the pool does not keep must be freed"]
     pub(crate) fn give_back(&self, block: PinnedBlock, generation: u64) -> Option<Free> {
-        let mut lists = self.shards[self.own_shard()].lists.lock();
+        let mut lists = self.shards[self.own_shard()].inner.lock();
         if self.generation.load(Ordering::Acquire) == generation {
             lists.in_use -= block.size as i64;
             lists.in_use_blocks -= 1;
@@ -261,7 +257,7 @@ impl PinnedPool {
     /// also forgets the blocks in use and starts a new generation. Returns the frees and the
     /// bytes they release.
     pub(crate) fn drain(&self, reset: bool) -> (Vec<Free>, usize) {
-        let mut shards: Vec<_> = self.shards.iter().map(|s| s.lists.lock()).collect();
+        let mut shards: Vec<_> = self.shards.iter().map(|s| s.inner.lock()).collect();
         let mut totals = lock(&self.totals);
         let mut blocks = Vec::new();
         for lists in &mut shards {
@@ -295,7 +291,7 @@ impl PinnedPool {
     pub(crate) fn stats(&self) -> PoolStats {
         let (mut in_use, mut in_use_blocks, mut cached, mut free_blocks) = (0i64, 0i64, 0, 0);
         for shard in self.shards.iter() {
-            let lists = shard.lists.lock();
+            let lists = shard.inner.lock();
             in_use += lists.in_use;
             in_use_blocks += lists.in_use_blocks;
             cached += lists.cached;

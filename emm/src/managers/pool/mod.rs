@@ -69,7 +69,7 @@ use crate::managers::default::DriverAllocator;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::memory::pointer::{MemoryPointer, ReleaseHook};
 use crate::size_class::{class_of, class_size};
-use crate::sync::{AtomicU64, BiasedGuard, Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 use crate::thread_slots::{self, Shard, thread_shard};
 
 mod arena;
@@ -179,16 +179,6 @@ impl fmt::Debug for PoolShared {
 }
 
 impl PoolShared {
-    /// This thread's shard, and whether the thread owns it (enters it without a lock).
-    fn my_shard(&self) -> (usize, bool) {
-        thread_shard()
-    }
-
-    /// Every shard, taken by this thread as a thread that owns none (one heavy fence for all).
-    fn lock_all_shards(&self) -> Vec<BiasedGuard<'_, ShardLists>> {
-        thread_slots::lock_all(&self.shards)
-    }
-
     /// Blocks of `class` a shard keeps before it hands a magazine on: computed once per class
     /// (a division on every free costs more cycles than the rest of the list push).
     fn cache_limit(&self, class: usize) -> usize {
@@ -345,7 +335,7 @@ impl PoolShared {
         });
         self.to_arena(generation, blocks);
         let (taken, generation) = {
-            let mut shards = self.lock_all_shards();
+            let mut shards = thread_slots::lock_all(&self.shards);
             let taken: Vec<_> = shards
                 .iter_mut()
                 .map(|lists| {
@@ -458,7 +448,7 @@ impl PoolShared {
             bytes += s.in_use_bytes;
             cached += s.cached_bytes;
         }
-        for lists in self.lock_all_shards() {
+        for lists in thread_slots::lock_all(&self.shards) {
             blocks += lists.in_use_blocks;
             bytes += lists.in_use_bytes;
             cached += lists.cached_bytes;
@@ -570,7 +560,7 @@ impl PoolAllocator {
 
     fn alloc_small(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
         let pool = &*self.shared;
-        let (shard, owner) = pool.my_shard();
+        let (shard, owner) = thread_shard();
         let class = class_of(bytes);
         let size = class_size(class);
         {
@@ -619,7 +609,7 @@ impl PoolAllocator {
     fn alloc_large(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
         let pool = &*self.shared;
         let size = block_size(bytes, pool.config.small_max);
-        let shard = pool.my_shard();
+        let shard = thread_shard();
         if let Some((addr, generation)) = pool.take_large(shard, size) {
             return Ok(self.pointer(addr, bytes, generation));
         }
@@ -742,7 +732,7 @@ impl DeviceAllocator for PoolAllocator {
         let chunks = {
             let mut streams: Vec<_> = pool.streams.shards.iter().map(|s| lock(&s.inner)).collect();
             let mut arena = lock(&pool.arena);
-            let mut shards = pool.lock_all_shards();
+            let mut shards = thread_slots::lock_all(&pool.shards);
             let mut depot = lock(&pool.depot);
             pool.generation.fetch_add(1, Ordering::AcqRel);
             arena.generation += 1;

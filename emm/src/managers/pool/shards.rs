@@ -8,6 +8,7 @@ use driver_sys::DevicePtr;
 use super::{CLASSES, PoolShared};
 use crate::memory::pointer::ReleaseHook;
 use crate::sync::Ordering;
+use crate::thread_slots::thread_shard;
 
 #[derive(Default)]
 pub(super) struct ShardLists {
@@ -80,7 +81,7 @@ pub(super) struct ShardHook {
 
 impl ReleaseHook for ShardHook {
     fn release(&self, base: DevicePtr, size: usize, tag: u64) {
-        self.pool.release(self.pool.my_shard(), base.0, size, tag);
+        self.pool.release(thread_shard(), base.0, size, tag);
     }
 
     fn is_live(&self, tag: u64) -> bool {
