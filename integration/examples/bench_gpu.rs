@@ -15,6 +15,7 @@
 //! `pool` pair makes no driver call, so there it is the same path as on the GPU.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use emm::driver_sys::{DevicePtr, Driver, StreamHandle};
@@ -555,8 +556,32 @@ fn mix(
     work: impl Fn(usize) + Sync,
 ) {
     churn(ctx, 37);
+    let before = ctx.pool_stats().pinned_host.unwrap_or_default();
     let rate = threaded_median(threads, per_thread, work);
     out("mixes", subject, param, threads, rate / 1e6, "Mpairs/s");
+    // The pinned pool's driver calls during the row: a cached pool should make none in its
+    // steady state (a `cuMemHostAlloc` costs hundreds of microseconds on the GPU).
+    if subject.starts_with("pinned") {
+        let after = ctx.pool_stats().pinned_host.unwrap_or_default();
+        let grows = after.grows - before.grows;
+        let trimmed = after.trimmed_bytes - before.trimmed_bytes;
+        out(
+            "mixes",
+            &format!("{subject} cuMemHostAlloc calls"),
+            param,
+            threads,
+            grows as f64,
+            "calls",
+        );
+        out(
+            "mixes",
+            &format!("{subject} bytes freed over the cache bound"),
+            param,
+            threads,
+            trimmed as f64,
+            "bytes",
+        );
+    }
 }
 
 /// The thread table's other mixes (issue 14): frees on another thread, blocks above 1 MiB,
@@ -627,7 +652,13 @@ fn thread_mixes(driver: &Arc<dyn Driver>) {
 }
 
 /// One row of [`thread_mixes`]: each of `threads` threads allocates batches of 64 blocks with
-/// `alloc(i, thread)` and hands each batch to the next thread, which drops it.
+/// `alloc(i, thread)` and hands each batch to the next thread, which drops it. A thread whose
+/// next thread already has [`IN_FLIGHT`] batches waiting drops what waits for itself until
+/// that thread catches up, and a thread done with its batches keeps dropping what reaches it
+/// until every thread is done. Without the bound, a thread the scheduler left behind (or one
+/// that had finished) let batches pile up: the blocks in flight grew without limit (55 000
+/// pinned blocks, 528 MB, at the end of a quick run on 16 threads), and the row timed the
+/// driver's allocations of an ever larger working set, not the pool.
 fn freed_elsewhere<T: Send>(
     ctx: &emm::Context,
     name: &str,
@@ -636,22 +667,37 @@ fn freed_elsewhere<T: Send>(
     per_thread: usize,
     alloc: impl Fn(usize, usize) -> T + Sync,
 ) {
+    /// The most batches that wait for one thread.
+    const IN_FLIGHT: usize = 4;
     let mailboxes: Vec<std::sync::Mutex<Vec<Vec<T>>>> =
         (0..threads).map(|_| Default::default()).collect();
+    // Threads done, over every run of the row (a run starts after the last one's joined).
+    let finished = AtomicUsize::new(0);
+    let drop_mine = |t: usize| drop(std::mem::take(&mut *mailboxes[t].lock().expect("mailbox")));
     mix(ctx, name, param, threads, per_thread, |t| {
+        let all_done = (finished.load(Ordering::Acquire) / threads + 1) * threads;
+        let next = (t + 1) % threads;
         let mut batch = Vec::with_capacity(64);
         for i in 0..per_thread {
             batch.push(alloc(i, t));
             if batch.len() == 64 {
-                let next = (t + 1) % threads;
+                while next != t && mailboxes[next].lock().expect("mailbox").len() >= IN_FLIGHT {
+                    drop_mine(t);
+                    std::thread::yield_now();
+                }
                 mailboxes[next]
                     .lock()
                     .expect("mailbox")
                     .push(std::mem::take(&mut batch));
-                let mine = std::mem::take(&mut *mailboxes[t].lock().expect("mailbox"));
-                drop(mine);
+                drop_mine(t);
             }
         }
+        finished.fetch_add(1, Ordering::AcqRel);
+        while finished.load(Ordering::Acquire) < all_done {
+            drop_mine(t);
+            std::thread::yield_now();
+        }
+        drop_mine(t);
     });
 }
 

@@ -148,8 +148,11 @@ impl Usage {
 pub struct PinnedPoolConfig {
     /// Larger requests bypass the pool. Default 64 MiB.
     pub max_block: usize,
-    /// Bytes of free blocks the pool keeps at most; a block returned past it is freed.
-    /// Default 256 MiB.
+    /// Bytes of free blocks the pool keeps at most. A block returned to a full cache is kept,
+    /// and cached blocks are freed to make room for it: first those of the lists that hold the
+    /// most bytes, those of the returned block's own size and kind last (so a program whose
+    /// sizes change is not left calling the driver for every block of its new sizes). A block
+    /// larger than this is freed when it returns. Default 256 MiB.
     pub max_cached: usize,
 }
 

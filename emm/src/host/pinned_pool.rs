@@ -15,9 +15,12 @@
 //! - **The cache bound.** The shards together never hold more than
 //!   [`PinnedPoolConfig::max_cached`] bytes: a shard caches against an allowance it takes
 //!   from the pool in steps of at least [`ALLOWANCE_STEP`], and hands back what it does not
-//!   use beyond one step. A block returned when no allowance is left is freed (through the
-//!   deferred queue); so a thread may free a block while other shards hold up to one step of
-//!   unused allowance each.
+//!   use beyond one step. A block returned when no allowance is left is still kept: with
+//!   every shard locked, the pool takes back the shards' unused allowance and frees cached
+//!   blocks (through the deferred queue) to make room, from the lists holding the most bytes
+//!   first and the returned block's own list last. A cache full of blocks of sizes a program
+//!   no longer uses therefore gives way to its new sizes after one round of them; before,
+//!   every block of a new size was freed on its return and allocated again from the driver.
 //! - Mapped blocks keep their device pointer, so a cached mapped allocation makes no driver
 //!   call.
 //! - `trim` frees every cached block; `reset` frees every cached block and forgets the rest:
@@ -203,13 +206,17 @@ impl PinnedPool {
         (tag >> 3, (tag & u64::from(FLAG_BITS)) as u32)
     }
 
-    /// A block stamped `generation` is no longer used: cache it in this thread's shard, or
-    /// return the free the caller must queue (when the pool may cache no more, or when the
-    /// block is from before a reset).
-    #[must_use = "a block the pool does not keep must be freed"]
-    pub(crate) fn give_back(&self, block: PinnedBlock, generation: u64) -> Option<Free> {
-        let mut lists = self.shards[self.own_shard()].inner.lock();
-        if self.generation.load(Ordering::Acquire) == generation {
+    /// A block stamped `generation` is no longer used: cache it in this thread's shard.
+    /// Returns the frees the caller must queue: none when the block is cached; the block
+    /// itself when it is from before a reset or larger than the whole cache; and, when the
+    /// cache is full, the cached blocks it displaced (see [`make_room`](Self::make_room)).
+    #[must_use = "blocks the pool does not keep must be freed"]
+    pub(crate) fn give_back(&self, block: PinnedBlock, generation: u64) -> Vec<Free> {
+        {
+            let mut lists = self.shards[self.own_shard()].inner.lock();
+            if self.generation.load(Ordering::Acquire) != generation {
+                return vec![Self::free_of(&block)];
+            }
             lists.in_use -= block.size as i64;
             lists.in_use_blocks -= 1;
             let need = (lists.cached + block.size).saturating_sub(lists.allowance);
@@ -218,30 +225,113 @@ impl PinnedPool {
                 let grant = need
                     .max(ALLOWANCE_STEP)
                     .min(self.config.max_cached - totals.allowed);
-                if grant >= need {
+                grant >= need && {
                     totals.allowed += grant;
                     lists.allowance += grant;
                     true
-                } else {
-                    totals.held -= block.size;
-                    totals.trimmed += block.size as u64;
-                    false
                 }
             };
             if allowed {
-                lists.cached += block.size;
-                let i = list_index(block.flags, block.size);
-                if lists.free.len() <= i {
-                    lists.free.resize_with(i + 1, Vec::new);
-                }
-                lists.free[i].push(block);
-                return None;
+                Self::cache(&mut lists, block);
+                return Vec::new();
             }
         }
-        Some(Free::Host {
+        self.make_room(block, generation)
+    }
+
+    /// Puts `block` on its list in `lists`, against allowance the caller made sure of.
+    fn cache(lists: &mut Lists, block: PinnedBlock) {
+        lists.cached += block.size;
+        let i = list_index(block.flags, block.size);
+        if lists.free.len() <= i {
+            lists.free.resize_with(i + 1, Vec::new);
+        }
+        lists.free[i].push(block);
+    }
+
+    /// The cache is full and `block` (already counted as no longer in use) comes back: rather
+    /// than free the block just used, and so send every later pair of its size to the driver
+    /// for as long as older blocks fill the cache, the pool makes room for it. It takes back
+    /// the allowance shards hold beyond what they cache, then evicts cached blocks from the
+    /// lists that cache the most bytes (a list that grew fat is the likeliest to hold what a
+    /// past phase of the program left), lists of the block's own size and kind last, until
+    /// [`ALLOWANCE_STEP`] is free (so that the next blocks back need no sweep) or, failing
+    /// that, the block's size. Every shard is locked: this is the path of a full cache, which
+    /// ends in driver frees. Returns the evicted blocks' frees, or the block's own if it is
+    /// larger than the whole cache.
+    #[cold]
+    #[inline(never)]
+    fn make_room(&self, block: PinnedBlock, generation: u64) -> Vec<Free> {
+        let mut shards: Vec<_> = self.shards.iter().map(|s| s.inner.lock()).collect();
+        let mut totals = lock(&self.totals);
+        if self.generation.load(Ordering::Acquire) != generation {
+            // A reset came in between: the block is no longer the pool's.
+            return vec![Self::free_of(&block)];
+        }
+        if block.size > self.config.max_cached {
+            totals.held -= block.size;
+            totals.trimmed += block.size as u64;
+            return vec![Self::free_of(&block)];
+        }
+        for lists in &mut shards {
+            totals.allowed -= lists.allowance - lists.cached;
+            lists.allowance = lists.cached;
+        }
+        let keep = list_index(block.flags, block.size);
+        let wanted = block.size.max(ALLOWANCE_STEP).min(self.config.max_cached);
+        let mut room = self.config.max_cached - totals.allowed;
+        let mut evicted = Vec::new();
+        // Lists of other sizes and kinds first, then the block's own.
+        for (same_list, enough) in [(false, wanted), (true, block.size)] {
+            let mut fattest: Vec<(usize, usize, usize)> = shards
+                .iter()
+                .enumerate()
+                .flat_map(|(k, lists)| {
+                    lists.free.iter().enumerate().filter_map(move |(i, list)| {
+                        let bytes = list.iter().map(|b| b.size).sum::<usize>();
+                        ((i == keep) == same_list && bytes > 0).then_some((bytes, k, i))
+                    })
+                })
+                .collect();
+            fattest.sort_unstable_by_key(|c| std::cmp::Reverse(c.0));
+            for (_, k, i) in fattest {
+                let lists = &mut shards[k];
+                while room < enough {
+                    let Some(b) = lists.free[i].pop() else { break };
+                    lists.cached -= b.size;
+                    lists.allowance -= b.size;
+                    totals.allowed -= b.size;
+                    totals.held -= b.size;
+                    totals.trimmed += b.size as u64;
+                    room += b.size;
+                    evicted.push(b);
+                }
+            }
+        }
+        debug_assert!(
+            room >= block.size,
+            "an empty cache holds any block up to max_cached"
+        );
+        let lists = &mut shards[self.own_shard()];
+        let grant = room.min(wanted);
+        lists.allowance += grant;
+        totals.allowed += grant;
+        Self::cache(lists, block);
+        drop((shards, totals));
+        tracing::debug!(
+            evicted = evicted.len(),
+            bytes = evicted.iter().map(|b| b.size).sum::<usize>(),
+            "pinned host pool full: cached blocks evicted to keep the one returned"
+        );
+        evicted.iter().map(Self::free_of).collect()
+    }
+
+    /// The free of a block the pool does not keep.
+    fn free_of(block: &PinnedBlock) -> Free {
+        Free::Host {
             ptr: block.host,
-            bytes: Self::counted(&block),
-        })
+            bytes: Self::counted(block),
+        }
     }
 
     /// Numba counts mapped memory by its size and unmapped pinned memory as 0 bytes.
@@ -278,13 +368,7 @@ impl PinnedPool {
         } else {
             totals.trimmed += bytes as u64;
         }
-        let frees = blocks
-            .iter()
-            .map(|b| Free::Host {
-                ptr: b.host,
-                bytes: Self::counted(b),
-            })
-            .collect();
+        let frees = blocks.iter().map(Self::free_of).collect();
         (frees, bytes)
     }
 
@@ -322,8 +406,9 @@ impl HostReleaseHook for PinnedPool {
             size: size_class::round_up(size),
             flags,
         };
-        if let Some(free) = self.give_back(block, generation) {
-            self.queue.push_from_drop(free);
+        let frees = self.give_back(block, generation);
+        if !frees.is_empty() && self.queue.push_all_without_flush(frees) {
+            self.queue.apply_thresholds_from_drop();
         }
     }
 }

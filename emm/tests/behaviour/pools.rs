@@ -15,6 +15,15 @@ use proptest::prelude::*;
 
 use crate::common::runtime_with;
 
+/// A runtime on `sim` with the pinned host pool configured as `config`.
+fn pinned_runtime(sim: &Arc<SimDriver>, config: PinnedPoolConfig) -> Runtime {
+    Runtime::builder(sim.clone())
+        .ignore_env()
+        .pinned_host_pool(Some(config))
+        .build()
+        .unwrap()
+}
+
 fn small_pool_runtime(sim: &Arc<SimDriver>, config: PoolConfig) -> Runtime {
     Runtime::builder(sim.clone())
         .ignore_env()
@@ -552,11 +561,7 @@ fn async_pool_caches_frees_and_trims_on_request() {
 #[test]
 fn pinned_host_pool_reuses_blocks_and_trims() {
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = Runtime::builder(sim.clone())
-        .ignore_env()
-        .pinned_host_pool(Some(PinnedPoolConfig::default()))
-        .build()
-        .unwrap();
+    let rt = pinned_runtime(&sim, PinnedPoolConfig::default());
     let ctx = rt.context(0).unwrap();
     drop(ctx.memhostalloc(4000, false, false, false).unwrap());
     drop(ctx.memhostalloc(4000, true, false, false).unwrap());
@@ -585,6 +590,9 @@ enum PinStep {
     Alloc(usize, bool, bool),
     /// Dropped on this thread or the worker.
     Free(usize, bool),
+    /// Allocates again the size and kind that the last `Free` released, on this thread or the
+    /// worker: the pool must serve it from its cache, full or not.
+    Again(bool),
     Trim,
 }
 
@@ -600,6 +608,7 @@ fn pin_steps() -> impl Strategy<Value = Vec<PinStep>> {
         prop_oneof![
             5 => (size, any::<bool>(), any::<bool>()).prop_map(|(b, m, w)| PinStep::Alloc(b, m, w)),
             4 => (any::<usize>(), any::<bool>()).prop_map(|(k, w)| PinStep::Free(k, w)),
+            2 => any::<bool>().prop_map(PinStep::Again),
             1 => Just(PinStep::Trim),
         ],
         steps,
@@ -614,35 +623,38 @@ proptest! {
     /// The pinned host pool's per-thread shards, with allocations and frees on two threads and
     /// a cache bound small enough to be hit: the shards together never cache more than the
     /// bound, what the pool holds is what is cached plus what is in use, a block is never
-    /// handed out twice, and after everything is freed and trimmed the driver has it all back.
+    /// handed out twice, the block freed last is always kept (a full cache evicts older
+    /// blocks for it), and after everything is freed and trimmed the driver has it all back.
     #[test]
     fn pinned_pool_shards_keep_the_cache_bound(steps in pin_steps()) {
         let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
         let config = PinnedPoolConfig { max_block: 4 << 20, max_cached: 3 << 20 };
-        let rt = Runtime::builder(sim.clone())
-            .ignore_env()
-            .pinned_host_pool(Some(config))
-            .build()
-            .unwrap();
+        let rt = pinned_runtime(&sim, config);
         let ctx = rt.context(0).unwrap();
         let worker = Worker::new();
-        let mut live: BTreeMap<u64, emm::HostMemory> = BTreeMap::new();
+        let mut live: BTreeMap<u64, (emm::HostMemory, usize, bool)> = BTreeMap::new();
+        let mut last_freed = None;
+        let alloc = |bytes: usize, mapped: bool, elsewhere: bool| {
+            if elsewhere {
+                let ctx = ctx.clone();
+                worker.run(move || ctx.memhostalloc(bytes, mapped, false, false))
+            } else {
+                ctx.memhostalloc(bytes, mapped, false, false)
+            }
+            .unwrap()
+        };
         for step in &steps {
             match *step {
                 PinStep::Alloc(bytes, mapped, elsewhere) => {
-                    let mem = if elsewhere {
-                        let ctx = ctx.clone();
-                        worker.run(move || ctx.memhostalloc(bytes, mapped, false, false))
-                    } else {
-                        ctx.memhostalloc(bytes, mapped, false, false)
-                    }
-                    .unwrap();
+                    let mem = alloc(bytes, mapped, elsewhere);
+                    last_freed = None; // it may have taken that block
                     let addr = mem.host_ptr().0 as u64;
-                    prop_assert!(live.insert(addr, mem).is_none(), "{addr:#x} handed out twice");
+                    prop_assert!(live.insert(addr, (mem, bytes, mapped)).is_none(), "{addr:#x} handed out twice");
                 }
                 PinStep::Free(k, elsewhere) if !live.is_empty() => {
                     let key = *live.keys().nth(k % live.len()).unwrap();
-                    let mem = live.remove(&key).unwrap();
+                    let (mem, bytes, mapped) = live.remove(&key).unwrap();
+                    last_freed = Some((bytes, mapped));
                     if elsewhere {
                         worker.run(move || drop(mem));
                     } else {
@@ -650,8 +662,18 @@ proptest! {
                     }
                 }
                 PinStep::Free(..) => {}
+                PinStep::Again(elsewhere) => {
+                    if let Some((bytes, mapped)) = last_freed.take() {
+                        let calls = sim.count(Op::MemHostAlloc);
+                        let mem = alloc(bytes, mapped, elsewhere);
+                        prop_assert_eq!(sim.count(Op::MemHostAlloc), calls, "the block just freed ({} bytes) was not kept", bytes);
+                        let addr = mem.host_ptr().0 as u64;
+                        prop_assert!(live.insert(addr, (mem, bytes, mapped)).is_none(), "{addr:#x} handed out twice");
+                    }
+                }
                 PinStep::Trim => {
                     ctx.trim().unwrap();
+                    last_freed = None;
                 }
             }
             let stats = ctx.pool_stats().pinned_host.unwrap();
@@ -826,4 +848,58 @@ fn async_pool_managed_gives_managed_memory() {
     let nrt = crate::common::runtime_with(&none, emm::ASYNC_POOL_MANAGED_MANAGER);
     let e = nrt.context(0).and_then(|c| c.memalloc(64)).unwrap_err();
     assert!(e.to_string().contains("NOT_SUPPORTED"), "{e}");
+}
+
+/// A pinned cache filled to its bound with blocks of one size does not turn every later pair
+/// of another size into driver calls: the returned block displaces cached blocks (of the
+/// lists holding the most bytes), and the new size is served from the cache after its
+/// first allocation. Before, each free of the new size found no room, was freed through the
+/// driver, and the next allocation called `cuMemHostAlloc` again (hundreds of microseconds on
+/// a GPU), for as long as the old blocks sat in the cache.
+#[test]
+fn pinned_pool_makes_room_for_a_new_size_when_full() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let config = PinnedPoolConfig {
+        max_block: 4 << 20,
+        max_cached: 4 << 20,
+    };
+    let rt = pinned_runtime(&sim, config);
+    let ctx = rt.context(0).unwrap();
+    // Fill the cache with 4 KiB blocks, some freed here and some on another thread (whose
+    // shard then holds them).
+    let small: Vec<_> = (0..1024)
+        .map(|_| ctx.memhostalloc(4096, false, false, false).unwrap())
+        .collect();
+    let (here, there): (Vec<_>, Vec<_>) =
+        small.into_iter().enumerate().partition(|(i, _)| i % 2 == 0);
+    drop(here);
+    std::thread::spawn(move || drop(there)).join().unwrap();
+    let full = ctx.pool_stats().pinned_host.unwrap();
+    assert_eq!(full.cached_bytes, 4 << 20, "{full:?}");
+    // Now a workload of 256 KiB blocks, four live at a time.
+    let calls = sim.count(Op::MemHostAlloc);
+    for round in 0..50 {
+        let blocks: Vec<_> = (0..4)
+            .map(|_| ctx.memhostalloc(256 << 10, false, false, false).unwrap())
+            .collect();
+        blocks[0].write(0, &[round as u8]).unwrap();
+        drop(blocks);
+        let stats = ctx.pool_stats().pinned_host.unwrap();
+        assert!(stats.cached_bytes <= config.max_cached, "{stats:?}");
+        assert_eq!(
+            stats.held_bytes,
+            stats.cached_bytes + stats.in_use_bytes,
+            "{stats:?}"
+        );
+    }
+    assert_eq!(
+        sim.count(Op::MemHostAlloc) - calls,
+        4,
+        "only the first round allocates from the driver"
+    );
+    ctx.trim().unwrap();
+    if let Some(q) = ctx.deallocations() {
+        q.flush().unwrap();
+    }
+    assert_eq!(sim.count(Op::MemHostAlloc), sim.count(Op::MemFreeHost));
 }
