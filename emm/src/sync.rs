@@ -207,7 +207,7 @@ impl<T> Biased<T> {
     ///
     /// Passing `owner` from two threads at once lets both in: the owner is decided by a
     /// per-thread slot that no two live threads share (`thread_slots`).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn enter(&self, owner: bool) -> BiasedGuard<'_, T> {
         if owner {
             debug_assert!(self.is_biased(), "only a biased value has an owner");

@@ -128,9 +128,8 @@ pub(crate) fn shard_count() -> usize {
     })
 }
 
-/// Whether the `pool` manager's per-thread shards (its size classes) are entered by their
-/// threads without a lock in this process (the pinned host pool's shards always take one: its
-/// `shards` field says why): true on Linux
+/// Whether the per-thread shards of the `pool` manager (its size classes) and of the pinned
+/// host pool are entered by their threads without a lock in this process: true on Linux
 /// when the kernel lets the process register for `membarrier`'s private expedited command
 /// (Linux 4.14 and later, unless a seccomp policy forbids it); false elsewhere, where every
 /// operation on a shard takes its spin lock (one uncontended compare-exchange). Decided once

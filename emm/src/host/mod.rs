@@ -339,13 +339,15 @@ impl HostLayer {
             Some(block) => block,
             None => {
                 let (host, device) = self.host_alloc_from_driver(size, mapped, flags)?;
-                generation = pool.grew(size);
+                let home;
+                (generation, home) = pool.grew(size);
                 tracing::debug!(device = %self.context().device, bytes = size, host = %host, mapped, "pinned host pool grew");
                 PinnedBlock {
                     host,
                     device,
                     size,
                     flags,
+                    home,
                 }
             }
         };
@@ -361,7 +363,7 @@ impl HostLayer {
             block.host,
             bytes,
             pool,
-            PinnedPool::tag(generation, flags),
+            PinnedPool::tag(generation, &block),
         )))
     }
 

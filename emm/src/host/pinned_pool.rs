@@ -7,11 +7,17 @@
 //!
 //! - Requests up to [`PinnedPoolConfig::max_block`] are rounded to a size class (4 per
 //!   doubling) and served from a free list per (flags, size); larger ones bypass the pool.
-//! - **Per-thread shards.** The lists live in per-thread shards (one spin lock each, on its
-//!   own cache lines; a thread's index comes from `thread_slots`), so threads do not share a
-//!   hot lock: a cached pair takes one uncontended lock. A thread whose own lists are empty
-//!   looks in the other shards before it calls the driver (a `cuMemHostAlloc` costs hundreds
-//!   of microseconds; looking costs one lock per shard).
+//! - **Per-thread shards, and an inbox each.** A thread's cached blocks live in its shard
+//!   (`thread_slots`), which the thread that owns it enters without a lock or an atomic
+//!   read-modify-write (`sync::Biased`; a spin lock where `membarrier` is not available), so
+//!   a cached pair freed on the thread that got it touches no shared line. Every block
+//!   remembers its home (the shard of the thread it was handed to); a block freed on another
+//!   thread goes to its home's inbox (a spin lock each), and a thread's list that reaches
+//!   [`SPILL_AT`] blocks hands half of them to its own inbox. A thread whose list is empty
+//!   takes up to [`REFILL`] blocks from its inbox, then from the other inboxes, before it
+//!   calls the driver. Blocks a thread freed itself stay in its shard, where other threads
+//!   do not look (up to [`SPILL_AT`]` - 1` per size and kind; `trim`, `reset` and the cache
+//!   bound still reach them): another thread that needs that size makes its own.
 //! - **The cache bound.** The shards together never hold more than
 //!   [`PinnedPoolConfig::max_cached`] bytes: a shard caches against an allowance it takes
 //!   from the pool in steps of at least [`ALLOWANCE_STEP`], and hands back what it does not
@@ -37,7 +43,7 @@ use crate::memory::HostReleaseHook;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::size_class;
 use crate::sync::{AtomicU64, Bias, Biased, Mutex, Ordering, lock};
-use crate::thread_slots::{Shard, shard_count, thread_shard};
+use crate::thread_slots::{self, Shard, thread_shard};
 
 /// A cached block: host address and, for mapped blocks, the device address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +52,9 @@ pub(crate) struct PinnedBlock {
     pub(crate) device: Option<DevicePtr>,
     pub(crate) size: usize,
     pub(crate) flags: u32,
+    /// The shard of the thread it was handed out to: freed on another thread, it goes to that
+    /// shard's inbox, so that the thread that uses it gets it back.
+    pub(crate) home: u32,
 }
 
 /// The flag bits a block's list is chosen by: `cuMemHostAlloc`'s `PORTABLE`, `DEVICEMAP` and
@@ -55,6 +64,15 @@ const FLAG_BITS: u32 = 0b111;
 /// The smallest allowance a shard takes from the pool at a time, and the unused allowance it
 /// may keep.
 pub(crate) const ALLOWANCE_STEP: usize = 1 << 20;
+
+/// Bits of a tag that hold a block's home shard ([`thread_slots::shard_total`] is at most 128).
+const HOME_BITS: u32 = 8;
+
+/// A thread's own list that reaches this many blocks hands half of them to its shard's inbox.
+const SPILL_AT: usize = 16;
+
+/// The most blocks a thread takes from one inbox's list at a time.
+const REFILL: usize = 16;
 
 /// One thread's free lists.
 #[derive(Debug, Default)]
@@ -76,6 +94,37 @@ impl Lists {
         let block = self.free.get_mut(list_index(flags, size))?.pop()?;
         self.cached -= size;
         Some(block)
+    }
+
+    /// The list at `i`, made if it is not there yet.
+    #[inline(always)]
+    fn list(&mut self, i: usize) -> &mut Vec<PinnedBlock> {
+        if self.free.len() <= i {
+            self.grow_to(i);
+        }
+        &mut self.free[i]
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn grow_to(&mut self, i: usize) {
+        self.free.resize_with(i + 1, Vec::new);
+    }
+
+    /// Moves up to `most` blocks of `from`'s list `i` (`size` bytes each) to `to`, with their
+    /// cached bytes and allowance; returns how many moved.
+    fn move_blocks(from: &mut Lists, to: &mut Lists, i: usize, size: usize, most: usize) -> usize {
+        let Some(list) = from.free.get_mut(i) else {
+            return 0;
+        };
+        let n = list.len().min(most);
+        let moved = list.split_off(list.len() - n);
+        to.list(i).extend(moved);
+        from.cached -= n * size;
+        from.allowance -= n * size;
+        to.cached += n * size;
+        to.allowance += n * size;
+        n
     }
 }
 
@@ -101,7 +150,9 @@ fn list_index(flags: u32, size: usize) -> usize {
     size_class::class_of(size) << 3 | (flags & FLAG_BITS) as usize
 }
 
-/// The pool of one host layer.
+/// The pool of one host layer. Locks are taken in this order: a shard, an inbox, `totals`;
+/// the paths that take every shard (trim, reset, statistics, a full cache) take them all
+/// first ([`thread_slots::lock_all`]), then the inboxes in order.
 pub(crate) struct PinnedPool {
     config: PinnedPoolConfig,
     /// The host layer's deferred-deallocation queue: blocks the pool does not keep are freed
@@ -109,14 +160,15 @@ pub(crate) struct PinnedPool {
     queue: Arc<PendingDeallocs>,
     /// Bumped by `drain(true)` (a reset) while every shard's lock is held.
     generation: AtomicU64,
-    /// [`shard_count`] shards, each a plain spin lock for every thread, owner included
-    /// ([`Bias::None`]), unlike the `pool` manager's: a thread that misses here takes blocks
-    /// from other threads' shards (the pool's threads go to a depot instead), and on the H100
-    /// shards biased to their owners (`sync::Biased`) cost a `membarrier` for each such visit;
-    /// a steal of half a list at a time, and a bit per class to skip shards, measured no better
-    /// under threads (BENCHMARKS.md, run T). So this pool is as it was before the pool's shards
-    /// were biased.
+    /// Per-thread lists ([`Shard::all`]): a thread that owns its shard takes and returns
+    /// cached blocks there without a lock or an atomic read-modify-write. No other thread
+    /// visits them but to trim, reset, count or make room (all at once, with one heavy fence).
     shards: Box<[Shard<Lists>]>,
+    /// One inbox per shard, a plain spin lock each: a thread's list that reaches
+    /// [`SPILL_AT`] blocks hands half of them to its inbox, and a thread that misses its own
+    /// list takes from its inbox, then from the others', before it calls the driver. The
+    /// inboxes' allowance is always their cached bytes. Locked after the shards.
+    inboxes: Box<[Shard<Lists>]>,
     totals: Mutex<Totals>,
 }
 
@@ -135,18 +187,14 @@ impl PinnedPool {
             config,
             queue,
             generation: AtomicU64::new(0),
-            shards: (0..shard_count())
+            shards: Shard::all(Lists::default),
+            inboxes: (0..thread_slots::shard_total())
                 .map(|_| Shard {
                     inner: Biased::new(Lists::default(), Bias::None),
                 })
                 .collect(),
             totals: Mutex::new(Totals::default()),
         }
-    }
-
-    /// This thread's shard: its slot's index, wrapped (a mask: the count is a power of two).
-    fn own_shard(&self) -> usize {
-        thread_shard().0 & (self.shards.len() - 1)
     }
 
     /// The size a request is served with, or `None` if it bypasses the pool.
@@ -164,46 +212,81 @@ impl PinnedPool {
         }
     }
 
-    /// A cached block of `size` bytes with `flags` (this thread's, else another shard's), and
-    /// the generation to stamp it with.
+    /// A cached block of `size` bytes with `flags` (this thread's, else its inbox's, else
+    /// another inbox's), and the generation to stamp it with.
     pub(crate) fn take(&self, flags: u32, size: usize) -> (Option<PinnedBlock>, u64) {
-        let own = self.own_shard();
-        let n = self.shards.len(); // a power of two: a mask wraps, not a division
-        for i in (0..n).map(|k| (own + k) & (n - 1)) {
-            let mut lists = self.shards[i].inner.lock();
-            let generation = self.generation.load(Ordering::Acquire);
-            if let Some(block) = lists.pop(flags, size) {
-                lists.in_use += size as i64;
-                lists.in_use_blocks += 1;
-                self.return_spare_allowance(&mut lists);
-                return (Some(block), generation);
-            }
+        let (shard, owner) = thread_shard();
+        let mut lists = self.shards[shard].inner.enter(owner);
+        let generation = self.generation.load(Ordering::Acquire);
+        let block = match lists.pop(flags, size) {
+            Some(block) => Some(block),
+            None => self.refill(&mut lists, shard, flags, size),
+        };
+        if block.is_some() {
+            lists.in_use += size as i64;
+            lists.in_use_blocks += 1;
+            self.return_spare_allowance(&mut lists);
         }
-        (None, self.generation.load(Ordering::Acquire))
+        (
+            block.map(|b| PinnedBlock {
+                home: shard as u32,
+                ..b
+            }),
+            generation,
+        )
+    }
+
+    /// This thread's list of `size` with `flags` is empty: up to [`REFILL`] blocks come from
+    /// the first inbox that has some, this thread's first; returns one of them.
+    #[cold]
+    #[inline(never)]
+    fn refill(
+        &self,
+        lists: &mut Lists,
+        shard: usize,
+        flags: u32,
+        size: usize,
+    ) -> Option<PinnedBlock> {
+        let i = list_index(flags, size);
+        let n = self.inboxes.len(); // a power of two: a mask wraps, not a division
+        (0..n).map(|k| (shard + k) & (n - 1)).find_map(|k| {
+            let mut inbox = self.inboxes[k].inner.lock();
+            (Lists::move_blocks(&mut inbox, lists, i, size, REFILL) > 0)
+                .then(|| lists.pop(flags, size))
+                .flatten()
+        })
     }
 
     /// Counts a block the caller has just allocated from the driver as held and in use;
-    /// returns the generation to stamp it with.
-    pub(crate) fn grew(&self, size: usize) -> u64 {
-        let mut lists = self.shards[self.own_shard()].inner.lock();
+    /// returns the generation to stamp it with and its home shard.
+    pub(crate) fn grew(&self, size: usize) -> (u64, u32) {
+        let (shard, owner) = thread_shard();
+        let mut lists = self.shards[shard].inner.enter(owner);
         lists.in_use += size as i64;
         lists.in_use_blocks += 1;
         let mut totals = lock(&self.totals);
         totals.held += size;
         totals.peak_held = totals.peak_held.max(totals.held);
         totals.grows += 1;
-        self.generation.load(Ordering::Acquire)
+        (self.generation.load(Ordering::Acquire), shard as u32)
     }
 
-    /// The tag of an unmapped block handed out by [`HostReleaseHook`]: the generation and the
-    /// flags it was allocated with.
-    pub(crate) fn tag(generation: u64, flags: u32) -> u64 {
-        generation << 3 | u64::from(flags & FLAG_BITS)
+    /// The tag of an unmapped block handed out by [`HostReleaseHook`]: the generation, the
+    /// block's home shard and the flags it was allocated with.
+    pub(crate) fn tag(generation: u64, block: &PinnedBlock) -> u64 {
+        debug_assert!(block.home < 1 << HOME_BITS, "shards are at most 128");
+        generation << (HOME_BITS + 3)
+            | u64::from(block.home) << 3
+            | u64::from(block.flags & FLAG_BITS)
     }
 
-    /// The generation and flags a [`tag`](Self::tag) holds.
-    fn untag(tag: u64) -> (u64, u32) {
-        (tag >> 3, (tag & u64::from(FLAG_BITS)) as u32)
+    /// The generation, home and flags a [`tag`](Self::tag) holds.
+    fn untag(tag: u64) -> (u64, u32, u32) {
+        (
+            tag >> (HOME_BITS + 3),
+            ((tag >> 3) & ((1 << HOME_BITS) - 1)) as u32,
+            (tag & u64::from(FLAG_BITS)) as u32,
+        )
     }
 
     /// A block stamped `generation` is no longer used: cache it in this thread's shard.
@@ -212,41 +295,62 @@ impl PinnedPool {
     /// cache is full, the cached blocks it displaced (see [`make_room`](Self::make_room)).
     #[must_use = "blocks the pool does not keep must be freed"]
     pub(crate) fn give_back(&self, block: PinnedBlock, generation: u64) -> Vec<Free> {
-        {
-            let mut lists = self.shards[self.own_shard()].inner.lock();
+        let (shard, owner) = thread_shard();
+        if block.home as usize == shard {
+            let mut lists = self.shards[shard].inner.enter(owner);
             if self.generation.load(Ordering::Acquire) != generation {
                 return vec![Self::free_of(&block)];
             }
-            lists.in_use -= block.size as i64;
-            lists.in_use_blocks -= 1;
-            let need = (lists.cached + block.size).saturating_sub(lists.allowance);
-            let allowed = need == 0 || {
-                let mut totals = lock(&self.totals);
-                let grant = need
-                    .max(ALLOWANCE_STEP)
-                    .min(self.config.max_cached - totals.allowed);
-                grant >= need && {
-                    totals.allowed += grant;
-                    lists.allowance += grant;
-                    true
+            if let Some(i) = self.keep(&mut lists, block) {
+                if lists.free[i].len() >= SPILL_AT {
+                    let mut inbox = self.inboxes[shard].inner.lock();
+                    Lists::move_blocks(&mut lists, &mut inbox, i, block.size, SPILL_AT / 2);
                 }
-            };
-            if allowed {
-                Self::cache(&mut lists, block);
+                return Vec::new();
+            }
+        } else {
+            // Freed away from home: to the home shard's inbox, where its thread looks first.
+            let mut inbox = self.inboxes[block.home as usize].inner.lock();
+            if self.generation.load(Ordering::Acquire) != generation {
+                return vec![Self::free_of(&block)];
+            }
+            if self.keep(&mut inbox, block).is_some() {
                 return Vec::new();
             }
         }
         self.make_room(block, generation)
     }
 
-    /// Puts `block` on its list in `lists`, against allowance the caller made sure of.
-    fn cache(lists: &mut Lists, block: PinnedBlock) {
+    /// Counts `block` as no longer in use in `lists` and caches it there if the allowance
+    /// `lists` holds, or can take from the pool, covers it; returns its list's index, or
+    /// `None` when the cache is full.
+    #[inline(always)]
+    fn keep(&self, lists: &mut Lists, block: PinnedBlock) -> Option<usize> {
+        lists.in_use -= block.size as i64;
+        lists.in_use_blocks -= 1;
+        let need = (lists.cached + block.size).saturating_sub(lists.allowance);
+        let allowed = need == 0 || {
+            let mut totals = lock(&self.totals);
+            let grant = need
+                .max(ALLOWANCE_STEP)
+                .min(self.config.max_cached - totals.allowed);
+            grant >= need && {
+                totals.allowed += grant;
+                lists.allowance += grant;
+                true
+            }
+        };
+        allowed.then(|| Self::cache(lists, block))
+    }
+
+    /// Puts `block` on its list in `lists`, against allowance the caller made sure of;
+    /// returns the list's index.
+    #[inline(always)]
+    fn cache(lists: &mut Lists, block: PinnedBlock) -> usize {
         lists.cached += block.size;
         let i = list_index(block.flags, block.size);
-        if lists.free.len() <= i {
-            lists.free.resize_with(i + 1, Vec::new);
-        }
-        lists.free[i].push(block);
+        lists.list(i).push(block);
+        i
     }
 
     /// The cache is full and `block` (already counted as no longer in use) comes back: rather
@@ -262,7 +366,9 @@ impl PinnedPool {
     #[cold]
     #[inline(never)]
     fn make_room(&self, block: PinnedBlock, generation: u64) -> Vec<Free> {
-        let mut shards: Vec<_> = self.shards.iter().map(|s| s.inner.lock()).collect();
+        let own = thread_shard().0;
+        let mut shards = thread_slots::lock_all(&self.shards);
+        let mut inboxes: Vec<_> = self.inboxes.iter().map(|s| s.inner.lock()).collect();
         let mut totals = lock(&self.totals);
         if self.generation.load(Ordering::Acquire) != generation {
             // A reset came in between: the block is no longer the pool's.
@@ -273,7 +379,13 @@ impl PinnedPool {
             totals.trimmed += block.size as u64;
             return vec![Self::free_of(&block)];
         }
-        for lists in &mut shards {
+        // Every list: the shards', then the inboxes'.
+        let mut all: Vec<&mut Lists> = shards
+            .iter_mut()
+            .chain(inboxes.iter_mut())
+            .map(|g| &mut **g)
+            .collect();
+        for lists in all.iter_mut() {
             totals.allowed -= lists.allowance - lists.cached;
             lists.allowance = lists.cached;
         }
@@ -283,7 +395,7 @@ impl PinnedPool {
         let mut evicted = Vec::new();
         // Lists of other sizes and kinds first, then the block's own.
         for (same_list, enough) in [(false, wanted), (true, block.size)] {
-            let mut fattest: Vec<(usize, usize, usize)> = shards
+            let mut fattest: Vec<(usize, usize, usize)> = all
                 .iter()
                 .enumerate()
                 .flat_map(|(k, lists)| {
@@ -295,7 +407,7 @@ impl PinnedPool {
                 .collect();
             fattest.sort_unstable_by_key(|c| std::cmp::Reverse(c.0));
             for (_, k, i) in fattest {
-                let lists = &mut shards[k];
+                let lists = &mut *all[k];
                 while room < enough {
                     let Some(b) = lists.free[i].pop() else { break };
                     lists.cached -= b.size;
@@ -312,12 +424,19 @@ impl PinnedPool {
             room >= block.size,
             "an empty cache holds any block up to max_cached"
         );
-        let lists = &mut shards[self.own_shard()];
+        // Where `give_back` would have put it: this thread's lists, or its home's inbox.
+        let to = if block.home as usize == own {
+            own
+        } else {
+            self.shards.len() + block.home as usize
+        };
+        let lists = &mut *all[to];
         let grant = room.min(wanted);
         lists.allowance += grant;
         totals.allowed += grant;
         Self::cache(lists, block);
-        drop((shards, totals));
+        drop(all);
+        drop((shards, inboxes, totals));
         tracing::debug!(
             evicted = evicted.len(),
             bytes = evicted.iter().map(|b| b.size).sum::<usize>(),
@@ -347,10 +466,11 @@ impl PinnedPool {
     /// also forgets the blocks in use and starts a new generation. Returns the frees and the
     /// bytes they release.
     pub(crate) fn drain(&self, reset: bool) -> (Vec<Free>, usize) {
-        let mut shards: Vec<_> = self.shards.iter().map(|s| s.inner.lock()).collect();
+        let mut shards = thread_slots::lock_all(&self.shards);
+        let mut inboxes: Vec<_> = self.inboxes.iter().map(|s| s.inner.lock()).collect();
         let mut totals = lock(&self.totals);
         let mut blocks = Vec::new();
-        for lists in &mut shards {
+        for lists in shards.iter_mut().chain(inboxes.iter_mut()) {
             blocks.extend(lists.free.iter_mut().flat_map(std::mem::take));
             lists.cached = 0;
             lists.allowance = 0;
@@ -374,8 +494,9 @@ impl PinnedPool {
 
     pub(crate) fn stats(&self) -> PoolStats {
         let (mut in_use, mut in_use_blocks, mut cached, mut free_blocks) = (0i64, 0i64, 0, 0);
-        for shard in self.shards.iter() {
-            let lists = shard.inner.lock();
+        let shards = thread_slots::lock_all(&self.shards);
+        let inboxes: Vec<_> = self.inboxes.iter().map(|s| s.inner.lock()).collect();
+        for lists in shards.iter().chain(inboxes.iter()) {
             in_use += lists.in_use;
             in_use_blocks += lists.in_use_blocks;
             cached += lists.cached;
@@ -399,12 +520,13 @@ impl PinnedPool {
 /// Unmapped blocks come back here when their [`PinnedMemory`](crate::PinnedMemory) drops.
 impl HostReleaseHook for PinnedPool {
     fn release(&self, host: HostPtr, size: usize, tag: u64) {
-        let (generation, flags) = Self::untag(tag);
+        let (generation, home, flags) = Self::untag(tag);
         let block = PinnedBlock {
             host,
             device: None,
             size: size_class::round_up(size),
             flags,
+            home,
         };
         let frees = self.give_back(block, generation);
         if !frees.is_empty() && self.queue.push_all_without_flush(frees) {
