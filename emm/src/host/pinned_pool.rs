@@ -166,8 +166,10 @@ pub(crate) struct PinnedPool {
     shards: Box<[Shard<Lists>]>,
     /// One inbox per shard, a plain spin lock each: a thread's list that reaches
     /// [`SPILL_AT`] blocks hands half of them to its inbox, and a thread that misses its own
-    /// list takes from its inbox, then from the others', before it calls the driver. The
-    /// inboxes' allowance is always their cached bytes. Locked after the shards.
+    /// list takes from its inbox, then from the others', before it calls the driver. An inbox
+    /// caches against an allowance as a shard does (a block freed away from home may take a
+    /// step of it from the pool; blocks moved in or out carry theirs). Locked after the
+    /// shards.
     inboxes: Box<[Shard<Lists>]>,
     totals: Mutex<Totals>,
 }
