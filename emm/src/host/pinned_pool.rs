@@ -118,8 +118,7 @@ impl Lists {
             return 0;
         };
         let n = list.len().min(most);
-        let moved = list.split_off(list.len() - n);
-        to.list(i).extend(moved);
+        to.list(i).extend(list.drain(list.len() - n..));
         from.cached -= n * size;
         from.allowance -= n * size;
         to.cached += n * size;
