@@ -42,7 +42,7 @@ use crate::contract::info::{PinnedPoolConfig, PoolStats};
 use crate::memory::HostReleaseHook;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::size_class;
-use crate::sync::{AtomicU64, Bias, Biased, Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, Bias, Biased, BiasedGuard, Mutex, Ordering, lock};
 use crate::thread_slots::{self, Shard, thread_shard};
 
 /// A cached block: host address and, for mapped blocks, the device address.
@@ -151,7 +151,7 @@ fn list_index(flags: u32, size: usize) -> usize {
 
 /// The pool of one host layer. Locks are taken in this order: a shard, an inbox, `totals`;
 /// the paths that take every shard (trim, reset, statistics, a full cache) take them all
-/// first ([`thread_slots::lock_all`]), then the inboxes in order.
+/// first, then the inboxes in order ([`Biased::lock_all`], one heavy fence for all).
 pub(crate) struct PinnedPool {
     config: PinnedPoolConfig,
     /// The host layer's deferred-deallocation queue: blocks the pool does not keep are freed
@@ -297,28 +297,25 @@ impl PinnedPool {
     #[must_use = "blocks the pool does not keep must be freed"]
     pub(crate) fn give_back(&self, block: PinnedBlock, generation: u64) -> Vec<Free> {
         let (shard, owner) = thread_shard();
-        if block.home as usize == shard {
-            let mut lists = self.shards[shard].inner.enter(owner);
-            if self.generation.load(Ordering::Acquire) != generation {
-                return vec![Self::free_of(&block)];
-            }
-            if let Some(i) = self.keep(&mut lists, block) {
-                if lists.free[i].len() >= SPILL_AT {
-                    let mut inbox = self.inboxes[shard].inner.lock();
-                    Lists::move_blocks(&mut lists, &mut inbox, i, block.size, SPILL_AT / 2);
-                }
-                return Vec::new();
-            }
+        let at_home = block.home as usize == shard;
+        // At home, this thread's lists; freed away from home, the home shard's inbox, where
+        // its thread looks first.
+        let mut lists = if at_home {
+            self.shards[shard].inner.enter(owner)
         } else {
-            // Freed away from home: to the home shard's inbox, where its thread looks first.
-            let mut inbox = self.inboxes[block.home as usize].inner.lock();
-            if self.generation.load(Ordering::Acquire) != generation {
-                return vec![Self::free_of(&block)];
-            }
-            if self.keep(&mut inbox, block).is_some() {
-                return Vec::new();
-            }
+            self.inboxes[block.home as usize].inner.lock()
+        };
+        if self.generation.load(Ordering::Acquire) != generation {
+            return vec![Self::free_of(&block)];
         }
+        if let Some(i) = self.keep(&mut lists, block) {
+            if at_home && lists.free[i].len() >= SPILL_AT {
+                let mut inbox = self.inboxes[shard].inner.lock();
+                Lists::move_blocks(&mut lists, &mut inbox, i, block.size, SPILL_AT / 2);
+            }
+            return Vec::new();
+        }
+        drop(lists);
         self.make_room(block, generation)
     }
 
@@ -368,8 +365,7 @@ impl PinnedPool {
     #[inline(never)]
     fn make_room(&self, block: PinnedBlock, generation: u64) -> Vec<Free> {
         let own = thread_shard().0;
-        let mut shards = thread_slots::lock_all(&self.shards);
-        let mut inboxes: Vec<_> = self.inboxes.iter().map(|s| s.inner.lock()).collect();
+        let mut all = self.lock_every_list();
         let mut totals = lock(&self.totals);
         if self.generation.load(Ordering::Acquire) != generation {
             // A reset came in between: the block is no longer the pool's.
@@ -380,12 +376,6 @@ impl PinnedPool {
             totals.trimmed += block.size as u64;
             return vec![Self::free_of(&block)];
         }
-        // Every list: the shards', then the inboxes'.
-        let mut all: Vec<&mut Lists> = shards
-            .iter_mut()
-            .chain(inboxes.iter_mut())
-            .map(|g| &mut **g)
-            .collect();
         for lists in all.iter_mut() {
             totals.allowed -= lists.allowance - lists.cached;
             lists.allowance = lists.cached;
@@ -401,7 +391,8 @@ impl PinnedPool {
                 .enumerate()
                 .flat_map(|(k, lists)| {
                     lists.free.iter().enumerate().filter_map(move |(i, list)| {
-                        let bytes = list.iter().map(|b| b.size).sum::<usize>();
+                        // A list's blocks are all of its class size.
+                        let bytes = list.first().map_or(0, |b| b.size * list.len());
                         ((i == keep) == same_list && bytes > 0).then_some((bytes, k, i))
                     })
                 })
@@ -436,14 +427,25 @@ impl PinnedPool {
         lists.allowance += grant;
         totals.allowed += grant;
         Self::cache(lists, block);
-        drop(all);
-        drop((shards, inboxes, totals));
+        drop((all, totals));
         tracing::debug!(
             evicted = evicted.len(),
             bytes = evicted.iter().map(|b| b.size).sum::<usize>(),
             "pinned host pool full: cached blocks evicted to keep the one returned"
         );
         evicted.iter().map(Self::free_of).collect()
+    }
+
+    /// Every shard's lists, then every inbox's, taken as a thread that owns none, with one
+    /// heavy fence (the paths that reach every cached block: trim, reset, statistics, a full
+    /// cache).
+    fn lock_every_list(&self) -> Vec<BiasedGuard<'_, Lists>> {
+        Biased::lock_all(
+            self.shards
+                .iter()
+                .chain(self.inboxes.iter())
+                .map(|s| &s.inner),
+        )
     }
 
     /// The free of a block the pool does not keep.
@@ -467,11 +469,10 @@ impl PinnedPool {
     /// also forgets the blocks in use and starts a new generation. Returns the frees and the
     /// bytes they release.
     pub(crate) fn drain(&self, reset: bool) -> (Vec<Free>, usize) {
-        let mut shards = thread_slots::lock_all(&self.shards);
-        let mut inboxes: Vec<_> = self.inboxes.iter().map(|s| s.inner.lock()).collect();
+        let mut all = self.lock_every_list();
         let mut totals = lock(&self.totals);
         let mut blocks = Vec::new();
-        for lists in shards.iter_mut().chain(inboxes.iter_mut()) {
+        for lists in all.iter_mut() {
             blocks.extend(lists.free.iter_mut().flat_map(std::mem::take));
             lists.cached = 0;
             lists.allowance = 0;
@@ -495,9 +496,8 @@ impl PinnedPool {
 
     pub(crate) fn stats(&self) -> PoolStats {
         let (mut in_use, mut in_use_blocks, mut cached, mut free_blocks) = (0i64, 0i64, 0, 0);
-        let shards = thread_slots::lock_all(&self.shards);
-        let inboxes: Vec<_> = self.inboxes.iter().map(|s| s.inner.lock()).collect();
-        for lists in shards.iter().chain(inboxes.iter()) {
+        let all = self.lock_every_list();
+        for lists in all.iter() {
             in_use += lists.in_use;
             in_use_blocks += lists.in_use_blocks;
             cached += lists.cached;
