@@ -28,6 +28,7 @@ impl<T> Default for Slab<T> {
 
 impl<T> Slab<T> {
     /// Stores `value`; returns its index.
+    #[inline]
     pub(crate) fn insert(&mut self, value: T) -> u32 {
         self.len += 1;
         match self.vacant.pop() {

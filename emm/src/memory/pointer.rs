@@ -4,7 +4,7 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use super::record::{Record, recycle_per_thread};
+use super::record::{Parked, Record, recycle_per_thread};
 
 use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, StreamHandle};
 
@@ -34,6 +34,63 @@ pub trait ReleaseHook: Send + Sync {
     fn release_on_streams(&self, base: DevicePtr, size: usize, tag: u64, streams: StreamUse) {
         let _ = streams;
         self.release(base, size, tag);
+    }
+}
+
+/// The release hook of a built-in pool's pointers ([`MemoryPointer::with_stashed_hook`]): a
+/// [`ReleaseHook`] whose clone stays with the pointer's recycled record, and which may keep the
+/// whole record, block and all, when the last pointer drops ([`park`](Self::park)).
+///
+/// # Safety
+///
+/// `park` must not drop the record it is offered, on any path: the record holds the clone of
+/// the hook that keeps `self` alive while the call runs. It keeps the record or hands it back.
+#[allow(unsafe_code)] // the contract above
+pub(crate) unsafe trait PoolHook: ReleaseHook {
+    /// Offered the record of a pointer whose last clone dropped (`size` bytes at its base,
+    /// stamped `tag`), when it was made with `park`: keeps it (`None`), or hands it back
+    /// (`Some`) to be released through [`ReleaseHook::release`]. The default hands it back.
+    fn park(&self, record: ParkedPointer, size: usize, tag: u64) -> Option<ParkedPointer> {
+        let _ = (size, tag);
+        Some(record)
+    }
+}
+
+/// A built-in pool's pointer whose last clone dropped, its record kept whole with the block
+/// ([`PoolHook::park`]), so that the next allocation of that size makes its pointer by
+/// changing two fields: no record to find, no hook to clone, nothing else to write. Dropped, it
+/// releases the block through its hook as the pointer would have.
+pub(crate) struct ParkedPointer(Parked<Allocation>);
+
+impl ParkedPointer {
+    /// A pointer to the block again, of `size` bytes (at most the block's), stamped `tag`.
+    #[inline(always)]
+    pub(crate) fn revive(mut self, size: usize, tag: u64) -> MemoryPointer {
+        let a = self.0.value_mut();
+        a.size = size;
+        if let Release::Pool { tag: t, .. } = &mut a.release {
+            *t = tag;
+        }
+        MemoryPointer {
+            alloc: self.0.revive(),
+            offset: 0,
+            size,
+        }
+    }
+
+    /// The block's address, the record let go without releasing the block (the pool takes it
+    /// back itself: a trim, a reset, a full shard): its box goes to this thread's spares with
+    /// the hook's clone, as a retired pool pointer's does.
+    pub(crate) fn into_base(self) -> DevicePtr {
+        let base = self.0.value().base;
+        self.0.retire_with(|a| {
+            match std::mem::replace(&mut a.release, Release::Unowned) {
+                // Owns nothing more: a pool's pointer has no streams and no owner.
+                Release::Pool { hook, .. } => Some(hook),
+                _ => None,
+            }
+        });
+        base
     }
 }
 
@@ -163,12 +220,18 @@ pub(crate) enum Release {
     /// A plugin's own action.
     Custom(Mutex<Option<ReleaseFn>>),
     /// A shared release hook with a per-allocation tag (no allocation of its own per pointer).
-    /// With `stash`, the pointer's clone of the hook stays with its record when the record is
-    /// recycled (see [`MemoryPointer::with_stashed_hook`]).
     Hook {
         hook: Arc<dyn ReleaseHook>,
         tag: u64,
-        stash: bool,
+    },
+    /// A built-in pool's block, released through `hook` as `Hook` is; the pointer's clone of
+    /// the hook stays with its record when the record is recycled, and with `park` the last
+    /// drop first offers the whole record to the hook (see
+    /// [`MemoryPointer::with_stashed_hook`]). Such a pointer has no streams and no owner.
+    Pool {
+        hook: Arc<dyn PoolHook>,
+        tag: u64,
+        park: bool,
     },
     /// An adaptor's wrapper around another manager's pointer: the hook is told, then the inner
     /// pointer drops (and releases the memory its own way).
@@ -195,18 +258,23 @@ pub(crate) struct Allocation {
     _owner: Option<HostOwner>,
 }
 
-recycle_per_thread!(Allocation, Arc<dyn ReleaseHook>, Allocation::retire);
+recycle_per_thread!(
+    Allocation,
+    Arc<dyn PoolHook>,
+    Allocation::retire,
+    Allocation::park
+);
 
 impl Allocation {
     /// For a pool's pointer (`stash`): runs the hook's release and hands the hook's clone to
     /// the recycled record, for the next pointer made in it, leaving the allocation empty
     /// (no release, no streams, no owner: the record skips its drop). Anything else releases
     /// in `drop`.
-    fn retire(&mut self) -> Option<Arc<dyn ReleaseHook>> {
-        if !matches!(self.release, Release::Hook { stash: true, .. }) {
+    fn retire(&mut self) -> Option<Arc<dyn PoolHook>> {
+        if !matches!(self.release, Release::Pool { .. }) {
             return None;
         }
-        let Release::Hook { hook, tag, .. } =
+        let Release::Pool { hook, tag, .. } =
             std::mem::replace(&mut self.release, Release::Unowned)
         else {
             unreachable!("matched above");
@@ -216,6 +284,31 @@ impl Allocation {
         // Dropped after the release, as the fields would drop after `Drop::drop`.
         drop(self._owner.take());
         Some(hook)
+    }
+
+    /// A pool's pointer made with `park`: offers the whole record to its hook
+    /// ([`PoolHook::park`]), which keeps it or hands it back to be retired.
+    #[inline(always)]
+    #[allow(unsafe_code)] // the hook reached through the record it is handed
+    fn park(record: Parked<Allocation>) -> Option<Parked<Allocation>> {
+        let a = record.value();
+        let Release::Pool {
+            hook,
+            tag,
+            park: true,
+        } = &a.release
+        else {
+            return Some(record);
+        };
+        let (size, tag) = (a.size, *tag);
+        let hook: *const dyn PoolHook = Arc::as_ptr(hook);
+        // SAFETY: `hook` points into the `Arc` the record holds (the hook itself lives in the
+        // `Arc`'s allocation, not in the record's box, so moving the record moves only the
+        // `Arc`). `PoolHook::park` never drops the record it is given (the trait's contract):
+        // the record, and the `Arc` in it, live until the call returns, kept or handed back.
+        unsafe { &*hook }
+            .park(ParkedPointer(record), size, tag)
+            .map(|p| p.0)
     }
 
     /// The stream-use record, taken out for the release.
@@ -256,8 +349,13 @@ impl Drop for Allocation {
                     action(self.base, self.size);
                 }
             }
-            // A pool's pointer (`stash`) released in `retire`, under loom too.
-            Release::Hook { hook, tag, .. } => {
+            Release::Hook { hook, tag } => {
+                let streams = self.streams.take().map(|s| into_stream_use(*s));
+                run_hook(&**hook, self.base, self.size, *tag, streams)
+            }
+            // Released by `retire` (under loom too), or emptied by `ParkedPointer::into_base`;
+            // here for completeness.
+            Release::Pool { hook, tag, .. } => {
                 let streams = self.streams.take().map(|s| into_stream_use(*s));
                 run_hook(&**hook, self.base, self.size, *tag, streams)
             }
@@ -365,14 +463,17 @@ impl MemoryPointer {
     /// neither the allocation nor the free changes the hook's reference count (an atomic
     /// read-modify-write on a line that every thread allocating or freeing from the pool
     /// shares). A hook may so outlive its last pointer in up to 64 spare records per thread,
-    /// until they are reused or the thread exits.
+    /// until they are reused or the thread exits. With `park`, the last drop first offers the
+    /// whole record to the hook ([`PoolHook::park`]).
+    #[allow(clippy::too_many_arguments)] // the allocation's fields, as `from_parts`
     pub(crate) fn with_stashed_hook(
         device: DeviceOrdinal,
         ctx: ContextHandle,
         base: DevicePtr,
         size: usize,
-        hook: &Arc<dyn ReleaseHook>,
+        hook: &Arc<dyn PoolHook>,
         tag: u64,
+        park: bool,
     ) -> MemoryPointer {
         // Built here, not through `from_parts`: the hook clone is only known once the spare
         // record is taken, while `from_parts` builds its value before (routing both through
@@ -384,13 +485,13 @@ impl MemoryPointer {
                 ctx,
                 base,
                 size,
-                release: Release::Hook {
+                release: Release::Pool {
                     hook: match kept {
                         Some(kept) if Arc::ptr_eq(&kept, hook) => kept,
                         _ => Arc::clone(hook),
                     },
                     tag,
-                    stash: true,
+                    park,
                 },
                 streams: None,
                 _owner: None,
@@ -425,11 +526,7 @@ impl MemoryPointer {
         tag: u64,
         stream: Option<StreamHandle>,
     ) -> MemoryPointer {
-        let release = Release::Hook {
-            hook,
-            tag,
-            stash: false,
-        };
+        let release = Release::Hook { hook, tag };
         Self::from_parts(device, ctx, base, size, release, None, stream)
     }
 
@@ -614,7 +711,8 @@ impl MemoryPointer {
                 table, generation, ..
             } => table.generation() == *generation,
             Release::Mapping { open } => open.load(Ordering::Acquire),
-            Release::Hook { hook, tag, .. } => hook.is_live(*tag),
+            Release::Hook { hook, tag } => hook.is_live(*tag),
+            Release::Pool { hook, tag, .. } => hook.is_live(*tag),
             Release::Wrapped { inner, .. } => inner.is_live(),
             Release::Custom(_) | Release::Unowned => true,
         }

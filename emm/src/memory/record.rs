@@ -18,8 +18,12 @@
 //! [`SPARES`]` / 2` pointers, instead of being allocated on one thread and freed on the other
 //! (measured on the H100 at 4004ff6: two threads dropping each other's `pool` pointers made
 //! 2.6 M pairs a second where one thread alone made 9.2 M).
-//! Under `--cfg emm_loom` nothing is recycled (the per-thread list is sequential code; the
-//! count is what the models check).
+//! A type may also keep a record whole when its last owner drops ([`Recycle::park`]): the
+//! `pool` manager keeps a small block's record, value and all, with the block, and revives it
+//! for the next allocation of that size ([`Parked::revive`]).
+//! Under `--cfg emm_loom` no box goes through the spare lists (the per-thread list is
+//! sequential code; the count is what the models check); parking still runs, so the pool's
+//! loom models cover it.
 
 // The reference count and the recycled box are raw-pointer code; each block says why it holds.
 #![allow(unsafe_code)]
@@ -71,6 +75,75 @@ pub(crate) trait Recycle: Sized + Send + Sync + 'static {
     /// nothing, so the record skips the drop (a pool's pointer: a tenth of its pair's
     /// instructions). Returning `Some` from a value that still owns something leaks it.
     fn retire(&mut self) -> Option<Self::Keep>;
+
+    /// Offered the whole record, value and box, when its last owner drops and before
+    /// [`retire`](Self::retire): a type that keeps it (a pool keeps a pointer's record with its
+    /// block, so that the next allocation of that size finds both in one) returns `None`;
+    /// otherwise the record is handed back and retired as usual. The default keeps nothing.
+    #[inline(always)]
+    fn park(record: Parked<Self>) -> Option<Parked<Self>> {
+        Some(record)
+    }
+}
+
+/// A record whose last owner dropped, with its value still in it, kept by its type
+/// ([`Recycle::park`]) to be made a record again ([`revive`](Self::revive)) with one owner.
+/// Dropping it retires it as the last owner's drop would have.
+pub(crate) struct Parked<T: Recycle> {
+    ptr: NonNull<Inner<T>>,
+}
+
+// SAFETY: a parked record is owned by one holder, which alone reaches its value (`value_mut`
+// takes `&mut self`); `T: Send + Sync` (the `Recycle` bound) lets it move between threads and
+// be read through `&`.
+unsafe impl<T: Recycle> Send for Parked<T> {}
+// SAFETY: as for `Send`.
+unsafe impl<T: Recycle> Sync for Parked<T> {}
+
+impl<T: Recycle> Parked<T> {
+    /// The value, as the last owner left it.
+    #[inline(always)]
+    pub(crate) fn value(&self) -> &T {
+        // SAFETY: the box holds a value while it is parked, and no record points to it.
+        unsafe { &self.ptr.as_ref().value }
+    }
+
+    /// The value, to change before it is revived.
+    #[inline(always)]
+    pub(crate) fn value_mut(&mut self) -> &mut T {
+        // SAFETY: as in `value`; `&mut self` is the only way to the box.
+        unsafe { &mut self.ptr.as_mut().value }
+    }
+
+    /// A record of the value again, with one owner.
+    #[inline(always)]
+    pub(crate) fn revive(self) -> Record<T> {
+        let ptr = self.ptr;
+        std::mem::forget(self);
+        // SAFETY: as in `value`. Relaxed: the parked record reached this thread through
+        // whatever synchronised its handover (a pool's shard lock), as a new record does.
+        unsafe { ptr.as_ref() }.refs.store(1, Ordering::Relaxed);
+        Record { ptr }
+    }
+}
+
+impl<T: Recycle> Parked<T> {
+    /// Retires the value through `retire` instead of [`Recycle::retire`] (same contract: a
+    /// value it returns `Some` for owns nothing more and is not dropped), and keeps the box
+    /// among the thread's spares.
+    pub(crate) fn retire_with(self, retire: impl FnOnce(&mut T) -> Option<T::Keep>) {
+        let ptr = self.ptr;
+        std::mem::forget(self);
+        // SAFETY: a parked record is its value's last owner, and it is gone (forgotten above).
+        unsafe { retire_last(ptr, retire) }
+    }
+}
+
+impl<T: Recycle> Drop for Parked<T> {
+    fn drop(&mut self) {
+        // SAFETY: a parked record is its value's last owner, and this is its only drop.
+        unsafe { retire_last(self.ptr, T::retire) }
+    }
 }
 
 /// An empty box that held a `T`'s record, and what it kept of that value.
@@ -166,31 +239,47 @@ impl<T: Recycle> Drop for Record<T> {
             }
             fence(Ordering::Acquire);
         }
-        let raw = self.ptr.as_ptr();
-        // SAFETY: this was the last owner, so nothing else reads or writes the value while it
-        // is retired and dropped; it is dropped at most once, here (not when `retire` emptied
-        // it, which only forgoes a drop that does nothing), and the box then holds no value
-        // (`MaybeUninit`). The box came from `Box::<MaybeUninit<Inner<T>>>::into_raw` in
-        // `new_with`.
-        let (spare, kept) = unsafe {
-            let kept = T::retire(&mut (*raw).value);
-            if kept.is_none() {
-                std::ptr::drop_in_place(raw);
-            }
-            (Box::from_raw(raw.cast::<MaybeUninit<Inner<T>>>()), kept)
-        };
-        if cfg!(emm_loom) {
-            return;
+        if let Some(parked) = T::park(Parked { ptr: self.ptr }) {
+            drop(parked);
         }
-        let mut spare = Some(Spare(spare, kept));
-        T::with_spares(|s| {
-            if s.len() < SPARES {
-                s.extend(spare.take());
-            }
-        });
-        if let Some(spare) = spare {
-            spill(spare);
+    }
+}
+
+/// Retires the value of the record at `ptr` and keeps its box among the thread's spares.
+///
+/// # Safety
+///
+/// The caller is the value's last owner (no record or parked record reaches it afterwards),
+/// and calls this once.
+#[inline(always)]
+unsafe fn retire_last<T: Recycle>(
+    ptr: NonNull<Inner<T>>,
+    retire: impl FnOnce(&mut T) -> Option<T::Keep>,
+) {
+    let raw = ptr.as_ptr();
+    // SAFETY: the caller is the last owner, so nothing else reads or writes the value while
+    // it is retired and dropped; it is dropped at most once, here (not when `retire` emptied
+    // it, which only forgoes a drop that does nothing), and the box then holds no value
+    // (`MaybeUninit`). The box came from `Box::<MaybeUninit<Inner<T>>>::into_raw` in
+    // `new_with`.
+    let (spare, kept) = unsafe {
+        let kept = retire(&mut (*raw).value);
+        if kept.is_none() {
+            std::ptr::drop_in_place(raw);
         }
+        (Box::from_raw(raw.cast::<MaybeUninit<Inner<T>>>()), kept)
+    };
+    if cfg!(emm_loom) {
+        return;
+    }
+    let mut spare = Some(Spare(spare, kept));
+    T::with_spares(|s| {
+        if s.len() < SPARES {
+            s.extend(spare.take());
+        }
+    });
+    if let Some(spare) = spare {
+        spill(spare);
     }
 }
 
@@ -238,9 +327,22 @@ fn lock_depot<T: Recycle>() -> std::sync::MutexGuard<'static, Vec<Vec<Spare<T>>>
 }
 
 /// Declares the per-thread spare list of a [`Recycle`] type, which keeps `$keep` of its values
-/// through `$retire`.
+/// through `$retire` (and, given `$park`, parks its records through it: [`Recycle::park`]).
 macro_rules! recycle_per_thread {
     ($t:ty, $keep:ty, $retire:expr) => {
+        $crate::memory::record::recycle_per_thread!(@impl $t, $keep, $retire, {});
+    };
+    ($t:ty, $keep:ty, $retire:expr, $park:expr) => {
+        $crate::memory::record::recycle_per_thread!(@impl $t, $keep, $retire, {
+            #[inline(always)]
+            fn park(
+                record: $crate::memory::record::Parked<$t>,
+            ) -> Option<$crate::memory::record::Parked<$t>> {
+                $park(record)
+            }
+        });
+    };
+    (@impl $t:ty, $keep:ty, $retire:expr, {$($park:tt)*}) => {
         impl $crate::memory::record::Recycle for $t {
             type Keep = $keep;
 
@@ -248,6 +350,9 @@ macro_rules! recycle_per_thread {
                 $retire(self)
             }
 
+            $($park)*
+
+            #[inline(always)]
             fn with_spares<R>(
                 f: impl FnOnce(&mut Vec<$crate::memory::record::Spare<$t>>) -> R,
             ) -> Option<R> {
@@ -383,6 +488,97 @@ mod tests {
         assert_eq!(Arc::strong_count(&shared), 1);
         drop(r);
         assert_eq!(drops(), 1, "not emptied: dropped");
+    }
+
+    /// Drops of `Parkable` values (only the test below makes them).
+    static PARKABLE_DROPS: StdAtomic = StdAtomic::new(0);
+
+    /// Parks its records in `PARKED` while `park` is set; its retire hands its `Arc` on.
+    struct Parkable {
+        park: bool,
+        held: Option<Arc<StdAtomic>>,
+    }
+    impl Drop for Parkable {
+        fn drop(&mut self) {
+            PARKABLE_DROPS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    static PARKED: std::sync::Mutex<Vec<Parked<Parkable>>> = std::sync::Mutex::new(Vec::new());
+    recycle_per_thread!(
+        Parkable,
+        Arc<StdAtomic>,
+        |p: &mut Parkable| p.held.take(),
+        |record: Parked<Parkable>| {
+            if !record.value().park {
+                return Some(record);
+            }
+            PARKED.lock().unwrap().push(record);
+            None
+        }
+    );
+
+    #[test]
+    fn a_parked_record_keeps_its_value_and_box_until_revived_or_let_go() {
+        let drops = || PARKABLE_DROPS.load(std::sync::atomic::Ordering::SeqCst);
+        let parked = || PARKED.lock().unwrap().len();
+        let shared = Arc::new(StdAtomic::new(0));
+        let a = Record::new(Parkable {
+            park: true,
+            held: Some(shared.clone()),
+        });
+        let b = a.clone();
+        let addr = a.ptr;
+        drop(a);
+        assert_eq!(parked(), 0, "another owner lives");
+        drop(b);
+        assert_eq!(parked(), 1, "the last owner's drop parked it");
+        assert_eq!(
+            (drops(), Arc::strong_count(&shared)),
+            (0, 2),
+            "value kept whole"
+        );
+        // Revived: the same box and value, one owner, changed through `value_mut`.
+        let mut p = PARKED.lock().unwrap().pop().unwrap();
+        p.value_mut().park = false;
+        let r = p.revive();
+        assert_eq!((r.ptr, Record::count(&r)), (addr, 1));
+        assert!(r.held.as_ref().is_some_and(|h| Arc::ptr_eq(h, &shared)));
+        let c = r.clone();
+        assert_eq!(Record::count(&r), 2);
+        drop((r, c));
+        // Not parked now: retired, which handed the `Arc` to the spare box (no drop).
+        assert_eq!((parked(), drops(), Arc::strong_count(&shared)), (0, 0, 2));
+        let r = Record::new_with(|kept| {
+            assert!(kept.is_some_and(|k| Arc::ptr_eq(&k, &shared)));
+            Parkable {
+                park: true,
+                held: None,
+            }
+        });
+        assert_eq!(Arc::strong_count(&shared), 1);
+        drop(r);
+        // A parked record dropped is retired as its last owner's drop would have: this value
+        // kept nothing to hand on, so it is dropped, once.
+        let p = PARKED.lock().unwrap().pop().unwrap();
+        drop(p);
+        assert_eq!(drops(), 1);
+        // `retire_with` retires through the given function instead.
+        drop(Record::new(Parkable {
+            park: true,
+            held: None,
+        }));
+        let p = PARKED.lock().unwrap().pop().unwrap();
+        let keep = shared.clone();
+        p.retire_with(move |v| {
+            assert!(v.held.is_none());
+            Some(keep)
+        });
+        assert_eq!(drops(), 1, "emptied by `retire_with`: not dropped");
+        assert_eq!(
+            Arc::strong_count(&shared),
+            2,
+            "the spare box keeps the clone"
+        );
     }
 
     #[test]

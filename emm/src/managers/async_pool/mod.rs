@@ -69,7 +69,7 @@ use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::managers::default::DriverAllocator;
 use crate::memory::AddressSet;
 use crate::memory::pending::PendingDeallocs;
-use crate::memory::pointer::{MemoryPointer, ReleaseHook, StreamUse};
+use crate::memory::pointer::{MemoryPointer, PoolHook, ReleaseHook, StreamUse};
 use crate::sync::{AtomicU64, Mutex, Ordering, RwLock, lock, read, write};
 
 #[cfg(unix)]
@@ -193,6 +193,11 @@ impl Shared {
     }
 }
 
+// SAFETY: the default `park`, which hands every record back (its blocks go back to the
+// driver's pool, one at a time).
+#[allow(unsafe_code)]
+unsafe impl PoolHook for Shared {}
+
 impl ReleaseHook for Shared {
     fn release(&self, base: DevicePtr, _size: usize, tag: u64) {
         self.free(base, tag, STREAM, None);
@@ -213,7 +218,7 @@ pub struct AsyncPoolAllocator {
     /// `shared` as the release hook of the pointers `memalloc` makes: their records keep its
     /// clone when recycled (`MemoryPointer::with_stashed_hook`), so that allocating and
     /// freeing on several threads does not write the shared state's reference count.
-    hook: Arc<dyn ReleaseHook>,
+    hook: Arc<dyn PoolHook>,
 }
 
 /// The stream-ordered pool manager: the [`HostLayer`] over an [`AsyncPoolAllocator`].
@@ -262,7 +267,7 @@ impl AsyncPoolAllocator {
             fences: Fences::new(host.context()),
         });
         AsyncPoolAllocator {
-            hook: Arc::clone(&shared) as Arc<dyn ReleaseHook>,
+            hook: Arc::clone(&shared) as Arc<dyn PoolHook>,
             shared,
         }
     }
@@ -443,7 +448,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
         let (ptr, generation) = self.alloc(host, "memalloc", bytes, STREAM)?;
         let cx = &self.shared.cx;
         Ok(MemoryPointer::with_stashed_hook(
-            cx.device, cx.context, ptr, bytes, &self.hook, generation,
+            cx.device, cx.context, ptr, bytes, &self.hook, generation, false,
         ))
     }
 

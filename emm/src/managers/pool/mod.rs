@@ -41,7 +41,13 @@
 //! - **Release.** A pointer's last drop returns its block to the dropping thread's shard, with
 //!   no driver call; its pointer carries a shared [`ReleaseHook`], and its record comes from
 //!   a per-thread list of recycled ones (`memory/record.rs`), so a cached allocation
-//!   allocates nothing on the heap.
+//!   allocates nothing on the heap. A small block's record stays with it in the shard
+//!   (*parked*, up to 256 per shard, within the class's and the shard's cache bounds): the
+//!   next allocation of the class on that thread takes both and makes its pointer by setting
+//!   its size and generation, which halves the instructions of a cached alloc + free pair
+//!   (466 → 276, callgrind). A parked record holds a clone of the pool's hook, so trim, reset
+//!   and the pool's drop let every parked record go (their blocks back to the arena), or the
+//!   pool would keep itself alive.
 //! - **Memory held back** is reported by [`PoolAllocator::stats`] at all times. [`trim`]
 //!   returns every cached block to the arena and frees every chunk with nothing in use;
 //!   `reset` frees every chunk. Both free through the host layer's deferred-deallocation
@@ -67,7 +73,7 @@ use crate::host::fences::Fences;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::managers::default::DriverAllocator;
 use crate::memory::pending::{Free, PendingDeallocs};
-use crate::memory::pointer::{MemoryPointer, ReleaseHook};
+use crate::memory::pointer::{MemoryPointer, ParkedPointer, PoolHook, ReleaseHook};
 use crate::size_class::{class_of, class_size};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 use crate::thread_slots::{self, Shard, thread_shard};
@@ -77,7 +83,7 @@ mod shards;
 mod streams;
 
 use arena::Arena;
-use shards::{Depot, ShardHook, ShardLists};
+use shards::{Depot, PARKED_PER_SHARD, ShardHook, ShardLists};
 use streams::{StreamCache, StreamHook};
 
 /// The name the pool manager is registered under.
@@ -211,6 +217,37 @@ impl PoolShared {
         Some((magazine, depot.generation))
     }
 
+    /// Keeps the record of a small block's last pointer, dropped on `shard`'s thread, with the
+    /// block in that shard's parked list, if the shard has room for both (else hands it back,
+    /// and the block is released by [`release`](Self::release), which may pass it on).
+    #[inline]
+    fn park(
+        &self,
+        (shard, owner): (usize, bool),
+        record: ParkedPointer,
+        bytes: usize,
+        tag: u64,
+    ) -> Option<ParkedPointer> {
+        if bytes > self.config.small_max {
+            return Some(record);
+        }
+        let class = class_of(bytes);
+        let size = class_size(class);
+        let mut lists = self.shards[shard].inner.enter(owner);
+        if lists.parked_count >= PARKED_PER_SHARD
+            || lists.cached(class) >= self.cache_limit(class)
+            || lists.cached_bytes + size > self.config.cache_bytes_per_shard
+            || self.generation.load(Ordering::Acquire) != tag
+        {
+            return Some(record);
+        }
+        lists.returned(size);
+        lists.cached_bytes += size;
+        lists.parked_count += 1;
+        lists.parked[class].push(record);
+        None
+    }
+
     fn release(&self, (shard, owner): (usize, bool), addr: u64, bytes: usize, tag: u64) {
         if bytes > self.config.small_max {
             self.release_large(
@@ -231,12 +268,22 @@ impl PoolShared {
             lists.returned(size);
             lists.cached_bytes += size;
             let over_shard = lists.cached_bytes > self.config.cache_bytes_per_shard;
-            let list = &mut lists.free[class];
-            list.push(addr);
-            if list.len() <= self.cache_limit(class) && !over_shard {
+            lists.free[class].push(addr);
+            if lists.cached(class) <= self.cache_limit(class) && !over_shard {
                 return;
             }
-            let magazine = list.split_off(list.len() - Self::magazine(class).min(list.len()));
+            // A magazine of the blocks by address, the newest, and then of the oldest parked
+            // ones, their records let go (to this thread's spares).
+            let want = Self::magazine(class).min(lists.cached(class));
+            let list = &mut lists.free[class];
+            let mut magazine = Vec::with_capacity(want);
+            magazine.extend(list.drain(list.len() - want.min(list.len())..));
+            let unparked = want - magazine.len();
+            if unparked > 0 {
+                let parked = lists.parked[class].drain(..unparked);
+                magazine.extend(parked.map(|p| p.into_base().0));
+                lists.parked_count -= unparked;
+            }
             lists.cached_bytes -= magazine.len() * size;
             magazine
         };
@@ -341,6 +388,7 @@ impl PoolShared {
                 .map(|lists| {
                     lists.cached_bytes = 0;
                     (
+                        lists.take_parked(),
                         take_nonempty(&mut lists.free),
                         std::mem::take(&mut lists.large),
                     )
@@ -349,11 +397,16 @@ impl PoolShared {
             // Read under every shard's lock: a reset, which takes them all, cannot move it.
             (taken, self.generation.load(Ordering::Acquire))
         };
-        for (lists, large) in taken {
+        // The parked records are let go here, with no shard entered.
+        for (parked, lists, large) in taken {
+            let parked = parked.into_iter().flat_map(|(class, held)| {
+                held.into_iter()
+                    .map(move |p| (p.into_base().0, class_size(class)))
+            });
             let blocks = lists
                 .into_iter()
                 .flat_map(|(class, held)| held.into_iter().map(move |a| (a, class_size(class))));
-            self.to_arena(generation, blocks.chain(large));
+            self.to_arena(generation, parked.chain(blocks).chain(large));
         }
     }
 
@@ -473,8 +526,16 @@ pub struct PoolAllocator {
     shared: Arc<PoolShared>,
     /// The release hook of every block from the shards and the arena (one for the pool: a
     /// block goes back to the dropping thread's shard, whichever shard it came from).
-    hook: Arc<dyn ReleaseHook>,
+    hook: Arc<dyn PoolHook>,
     stream_hooks: Box<[Arc<dyn ReleaseHook>]>,
+}
+
+impl Drop for PoolAllocator {
+    /// The parked records hold clones of the pool's hook, and so of the pool: they are let go
+    /// here, their blocks back in the arena, or the pool would never be freed.
+    fn drop(&mut self) {
+        self.shared.drain_shards();
+    }
 }
 
 impl fmt::Debug for PoolAllocator {
@@ -528,7 +589,7 @@ impl PoolAllocator {
             .collect();
         let hook = Arc::new(ShardHook {
             pool: Arc::clone(&shared),
-        }) as Arc<dyn ReleaseHook>;
+        }) as Arc<dyn PoolHook>;
         Ok(PoolAllocator {
             shared,
             hook,
@@ -555,6 +616,7 @@ impl PoolAllocator {
             bytes,
             &self.hook,
             generation,
+            true,
         )
     }
 
@@ -565,6 +627,14 @@ impl PoolAllocator {
         let size = class_size(class);
         {
             let mut lists = pool.shards[shard].inner.enter(owner);
+            if let Some(parked) = lists.parked[class].pop() {
+                lists.parked_count -= 1;
+                lists.cached_bytes -= size;
+                lists.lent(size);
+                let generation = pool.generation.load(Ordering::Acquire);
+                drop(lists);
+                return Ok(parked.revive(bytes, generation));
+            }
             if let Some(addr) = lists.free[class].pop() {
                 lists.cached_bytes -= size;
                 lists.lent(size);
@@ -729,6 +799,7 @@ impl DeviceAllocator for PoolAllocator {
 
     fn reset(&self, host: &HostLayer) -> Result<(), EmmError> {
         let pool = &*self.shared;
+        let mut parked = Vec::new();
         let chunks = {
             let mut streams: Vec<_> = pool.streams.shards.iter().map(|s| lock(&s.inner)).collect();
             let mut arena = lock(&pool.arena);
@@ -742,6 +813,7 @@ impl DeviceAllocator for PoolAllocator {
             }
             depot.cached_bytes = 0;
             for lists in &mut shards {
+                parked.push(lists.take_parked());
                 for l in &mut lists.free {
                     l.clear();
                 }
@@ -753,6 +825,10 @@ impl DeviceAllocator for PoolAllocator {
             pool.clear_stream_shards(&mut streams);
             arena.clear()
         };
+        // Let go with no shard entered; their blocks were in the chunks just released.
+        for p in parked.into_iter().flatten().flat_map(|(_, held)| held) {
+            let _ = p.into_base();
+        }
         tracing::info!(device = %pool.cx.device, chunks = chunks.len(), bytes = chunks.values().sum::<usize>(), "pool reset");
         if let Some(_live) = pool.cx.liveness.enter() {
             pool.fences.destroy_idle();
@@ -771,5 +847,135 @@ impl DeviceAllocator for PoolAllocator {
 
     fn pool_stats(&self) -> Option<PoolStats> {
         Some(self.stats())
+    }
+}
+
+#[cfg(all(test, not(emm_loom)))]
+mod tests {
+    use super::*;
+    use driver_mock::{SimConfig, SimDriver};
+
+    /// A pool runtime on a simulated GPU, the pool's shared state and the context it was
+    /// made for.
+    fn pool_runtime() -> (crate::Runtime, crate::Context, Arc<PoolShared>) {
+        let (rt, ctx, pool, _) = pool_runtime_and_cx();
+        (rt, ctx, pool)
+    }
+
+    fn pool_runtime_and_cx() -> (
+        crate::Runtime,
+        crate::Context,
+        Arc<PoolShared>,
+        ManagerContext,
+    ) {
+        let seen = Arc::new(std::sync::Mutex::new(None));
+        let keep = Arc::clone(&seen);
+        let sim = Arc::new(SimDriver::new(SimConfig::single(256 << 20)));
+        let rt = crate::Runtime::builder(sim)
+            .ignore_env()
+            .memory_manager(FnFactory::new("pool", move |cx: &ManagerContext| {
+                let host = HostLayer::new(cx);
+                let pool = PoolAllocator::new(&host, PoolConfig::default())?;
+                *keep.lock().unwrap() = Some((Arc::clone(&pool.shared), cx.clone()));
+                Ok(Box::new(HostOnly::from_parts(host, pool)))
+            }))
+            .build()
+            .expect("a runtime on the simulator");
+        let ctx = rt.context(0).expect("context 0");
+        drop(ctx.memalloc(256).expect("memalloc"));
+        let (shared, cx) = seen.lock().unwrap().take().expect("the factory ran");
+        (rt, ctx, shared, cx)
+    }
+
+    /// Records parked in every shard, checked against each shard's count.
+    fn parked(pool: &PoolShared) -> usize {
+        thread_slots::lock_all(&pool.shards)
+            .iter()
+            .map(|l| {
+                let n: usize = l.parked.iter().map(Vec::len).sum();
+                assert_eq!(n, l.parked_count, "a shard's parked count");
+                n
+            })
+            .sum()
+    }
+
+    #[test]
+    fn a_small_blocks_record_is_parked_with_it_and_revived_by_the_next_allocation() {
+        let (_rt, ctx, pool) = pool_runtime();
+        let already = parked(&pool);
+        let a = ctx.memalloc(1000).unwrap();
+        let cached = pool.stats().cached_bytes;
+        let (addr, class) = (a.device_ptr(), class_of(1000));
+        let view = a.view(0, Some(10)).unwrap();
+        drop(a);
+        assert_eq!(parked(&pool), already, "a view keeps the allocation");
+        drop(view);
+        assert_eq!(parked(&pool), already + 1);
+        let stats = pool.stats();
+        assert_eq!(stats.in_use_blocks, 0);
+        assert_eq!(stats.cached_bytes, cached + class_size(class));
+        // Another request of the class gets the block and the record back, made anew.
+        let b = ctx.memalloc(999).unwrap();
+        assert_eq!((b.device_ptr(), b.size()), (addr, 999));
+        assert!(b.is_live());
+        assert_eq!(parked(&pool), already);
+        let stats = pool.stats();
+        assert_eq!((stats.in_use_blocks, stats.cached_bytes), (1, cached));
+        drop(b);
+        // A block above `small_max` is never parked.
+        drop(ctx.memalloc(2 << 20).unwrap());
+        assert_eq!(parked(&pool), already + 1);
+    }
+
+    #[test]
+    fn trim_reset_and_the_pools_drop_let_every_parked_record_go() {
+        let (rt, ctx, pool) = pool_runtime();
+        let blocks: Vec<_> = (0..40)
+            .map(|i| ctx.memalloc(256 << (i % 8)).unwrap())
+            .collect();
+        drop(blocks);
+        assert!(parked(&pool) >= 40);
+        ctx.trim().unwrap();
+        assert_eq!(parked(&pool), 0);
+        let stats = pool.stats();
+        assert_eq!((stats.held_bytes, stats.cached_bytes), (0, 0), "{stats:?}");
+
+        let blocks: Vec<_> = (0..40).map(|_| ctx.memalloc(4096).unwrap()).collect();
+        drop(blocks);
+        assert!(parked(&pool) >= 40);
+        ctx.reset().unwrap();
+        assert_eq!(parked(&pool), 0);
+        assert_eq!(pool.stats().cached_bytes, 0);
+
+        drop(ctx.memalloc(4096).unwrap());
+        assert_eq!(parked(&pool), 1);
+        drop(ctx);
+        drop(rt);
+        assert_eq!(parked(&pool), 0, "the pool's drop let them go");
+    }
+
+    /// A parked record holds a clone of the pool's hook, and so of the pool: were they not let
+    /// go when the pool is dropped, the pool would keep itself alive. A host runtime may drop
+    /// a pool it made itself without a reset: this one is made outside the runtime.
+    #[test]
+    fn a_pool_dropped_without_a_reset_is_freed_once_its_threads_are_gone() {
+        let pool = std::thread::spawn(|| {
+            let (_rt, _ctx, _, cx) = pool_runtime_and_cx();
+            let host = HostLayer::new(&cx);
+            let alloc = PoolAllocator::new(&host, PoolConfig::default()).unwrap();
+            let blocks: Vec<_> = (0..20)
+                .map(|_| alloc.memalloc(&host, 512).unwrap())
+                .collect();
+            drop(blocks);
+            assert_eq!(parked(&alloc.shared), 20);
+            let pool = Arc::clone(&alloc.shared);
+            drop(alloc);
+            assert_eq!(parked(&pool), 0, "the pool's drop let them go");
+            pool
+        })
+        .join()
+        .expect("the thread");
+        // The thread's spare records, which kept clones of the hook, went with it.
+        assert_eq!(Arc::strong_count(&pool), 1, "only this clone is left");
     }
 }
