@@ -439,13 +439,18 @@ impl PinnedPool {
     /// Every shard's lists, then every inbox's, taken as a thread that owns none, with one
     /// heavy fence (the paths that reach every cached block: trim, reset, statistics, a full
     /// cache).
+    ///
+    /// The shards are taken to the end, their owners out, before any inbox: an owner inside
+    /// its shard may wait for an inbox (`refill`, and the spill in `give_back`), so holding
+    /// an inbox while waiting for an owner deadlocks. Taking all of them in one `lock_all`
+    /// did, on a 16-core host (`shard_owners_race_trims_and_counts_from_another_thread` hung
+    /// in the GPU job at e033ff5: a thread refilling from an inbox with its shard entered, the
+    /// trim holding that inbox and waiting for the thread to leave its shard).
     fn lock_every_list(&self) -> Vec<BiasedGuard<'_, Lists>> {
-        Biased::lock_all(
-            self.shards
-                .iter()
-                .chain(self.inboxes.iter())
-                .map(|s| &s.inner),
-        )
+        let mut all = Biased::lock_all(self.shards.iter().map(|s| &s.inner));
+        // Inboxes have no owner (`Bias::None`): their `lock_all` waits for nobody.
+        all.extend(Biased::lock_all(self.inboxes.iter().map(|s| &s.inner)));
+        all
     }
 
     /// The free of a block the pool does not keep.

@@ -465,8 +465,22 @@ fn shard_owners_race_trims_and_counts_from_another_thread() {
     let ctx = rt.context(0).unwrap();
     let done = std::sync::atomic::AtomicUsize::new(0);
     // More workers than this machine's owned shards (twice the cores, at least 4), so that
-    // some of them share the upper half.
-    let workers = 2 * std::thread::available_parallelism().map_or(4, |n| n.get()) + 2;
+    // some of them share the upper half; at least 34, with which a deadlock between a trim
+    // and a pinned-pool owner refilling from an inbox (fixed in `lock_every_list`) hung this
+    // test within three runs on a 2-core machine, and in the GPU job on a 16-core one.
+    let workers = (2 * std::thread::available_parallelism().map_or(4, |n| n.get()) + 2).max(34);
+    // A deadlock fails the test instead of hanging the job.
+    let (finished, watchdog) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+            watchdog.recv_timeout(std::time::Duration::from_secs(120))
+        {
+            eprintln!(
+                "shard_owners_race_trims_and_counts_from_another_thread: no progress in 120 s; the trims and the shards' owners deadlocked"
+            );
+            std::process::abort();
+        }
+    });
     let reclaims = std::thread::scope(|s| {
         for t in 0..workers {
             let (ctx, done) = (ctx.clone(), &done);
@@ -512,6 +526,7 @@ fn shard_owners_race_trims_and_counts_from_another_thread() {
         });
         reclaimer.join().unwrap()
     });
+    drop(finished);
     assert!(reclaims > 0);
     let stats = ctx.pool_stats();
     let (device, pinned) = (stats.device.unwrap(), stats.pinned_host.unwrap());

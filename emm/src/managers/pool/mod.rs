@@ -853,38 +853,29 @@ impl DeviceAllocator for PoolAllocator {
 #[cfg(all(test, not(emm_loom)))]
 mod tests {
     use super::*;
+    use crate::memory::liveness::ContextLiveness;
+    use crate::memory::policy::DeallocConfig;
     use driver_mock::{SimConfig, SimDriver};
+    use driver_sys::Driver;
 
-    /// A pool runtime on a simulated GPU, the pool's shared state and the context it was
-    /// made for.
-    fn pool_runtime() -> (crate::Runtime, crate::Context, Arc<PoolShared>) {
-        let (rt, ctx, pool, _) = pool_runtime_and_cx();
-        (rt, ctx, pool)
-    }
-
-    fn pool_runtime_and_cx() -> (
-        crate::Runtime,
-        crate::Context,
-        Arc<PoolShared>,
-        ManagerContext,
-    ) {
-        let seen = Arc::new(std::sync::Mutex::new(None));
-        let keep = Arc::clone(&seen);
+    /// A pool on a simulated GPU, made as a host runtime that embeds it would: no runtime.
+    fn pool() -> (HostLayer, PoolAllocator) {
         let sim = Arc::new(SimDriver::new(SimConfig::single(256 << 20)));
-        let rt = crate::Runtime::builder(sim)
-            .ignore_env()
-            .memory_manager(FnFactory::new("pool", move |cx: &ManagerContext| {
-                let host = HostLayer::new(cx);
-                let pool = PoolAllocator::new(&host, PoolConfig::default())?;
-                *keep.lock().unwrap() = Some((Arc::clone(&pool.shared), cx.clone()));
-                Ok(Box::new(HostOnly::from_parts(host, pool)))
-            }))
-            .build()
-            .expect("a runtime on the simulator");
-        let ctx = rt.context(0).expect("context 0");
-        drop(ctx.memalloc(256).expect("memalloc"));
-        let (shared, cx) = seen.lock().unwrap().take().expect("the factory ran");
-        (rt, ctx, shared, cx)
+        let device = driver_sys::DeviceOrdinal(0);
+        sim.init().expect("cuInit");
+        let context = sim.primary_ctx_retain(device).expect("a context");
+        let cx = ManagerContext {
+            driver: sim,
+            device,
+            context,
+            dealloc_config: DeallocConfig::default(),
+            liveness: Arc::new(ContextLiveness::new()),
+            pinned_pool: None,
+            host_memory_pool: false,
+        };
+        let host = HostLayer::new(&cx);
+        let pool = PoolAllocator::new(&host, PoolConfig::default()).expect("a pool");
+        (host, pool)
     }
 
     /// Records parked in every shard, checked against each shard's count.
@@ -901,68 +892,63 @@ mod tests {
 
     #[test]
     fn a_small_blocks_record_is_parked_with_it_and_revived_by_the_next_allocation() {
-        let (_rt, ctx, pool) = pool_runtime();
-        let already = parked(&pool);
-        let a = ctx.memalloc(1000).unwrap();
+        let (host, alloc) = pool();
+        let pool = &*alloc.shared;
+        let a = alloc.memalloc(&host, 1000).unwrap();
         let cached = pool.stats().cached_bytes;
         let (addr, class) = (a.device_ptr(), class_of(1000));
         let view = a.view(0, Some(10)).unwrap();
         drop(a);
-        assert_eq!(parked(&pool), already, "a view keeps the allocation");
+        assert_eq!(parked(pool), 0, "a view keeps the allocation");
         drop(view);
-        assert_eq!(parked(&pool), already + 1);
+        assert_eq!(parked(pool), 1);
         let stats = pool.stats();
         assert_eq!(stats.in_use_blocks, 0);
         assert_eq!(stats.cached_bytes, cached + class_size(class));
         // Another request of the class gets the block and the record back, made anew.
-        let b = ctx.memalloc(999).unwrap();
+        let b = alloc.memalloc(&host, 999).unwrap();
         assert_eq!((b.device_ptr(), b.size()), (addr, 999));
         assert!(b.is_live());
-        assert_eq!(parked(&pool), already);
+        assert_eq!(parked(pool), 0);
         let stats = pool.stats();
         assert_eq!((stats.in_use_blocks, stats.cached_bytes), (1, cached));
         drop(b);
         // A block above `small_max` is never parked.
-        drop(ctx.memalloc(2 << 20).unwrap());
-        assert_eq!(parked(&pool), already + 1);
+        drop(alloc.memalloc(&host, 2 << 20).unwrap());
+        assert_eq!(parked(pool), 1);
     }
 
     #[test]
-    fn trim_reset_and_the_pools_drop_let_every_parked_record_go() {
-        let (rt, ctx, pool) = pool_runtime();
+    fn trim_and_reset_let_every_parked_record_go() {
+        let (host, alloc) = pool();
+        let pool = &*alloc.shared;
         let blocks: Vec<_> = (0..40)
-            .map(|i| ctx.memalloc(256 << (i % 8)).unwrap())
+            .map(|i| alloc.memalloc(&host, 256 << (i % 8)).unwrap())
             .collect();
         drop(blocks);
-        assert!(parked(&pool) >= 40);
-        ctx.trim().unwrap();
-        assert_eq!(parked(&pool), 0);
+        assert_eq!(parked(pool), 40);
+        alloc.trim().unwrap();
+        assert_eq!(parked(pool), 0);
         let stats = pool.stats();
         assert_eq!((stats.held_bytes, stats.cached_bytes), (0, 0), "{stats:?}");
 
-        let blocks: Vec<_> = (0..40).map(|_| ctx.memalloc(4096).unwrap()).collect();
+        let blocks: Vec<_> = (0..40)
+            .map(|_| alloc.memalloc(&host, 4096).unwrap())
+            .collect();
         drop(blocks);
-        assert!(parked(&pool) >= 40);
-        ctx.reset().unwrap();
-        assert_eq!(parked(&pool), 0);
+        assert_eq!(parked(pool), 40);
+        DeviceAllocator::reset(&alloc, &host).unwrap();
+        assert_eq!(parked(pool), 0);
         assert_eq!(pool.stats().cached_bytes, 0);
-
-        drop(ctx.memalloc(4096).unwrap());
-        assert_eq!(parked(&pool), 1);
-        drop(ctx);
-        drop(rt);
-        assert_eq!(parked(&pool), 0, "the pool's drop let them go");
     }
 
     /// A parked record holds a clone of the pool's hook, and so of the pool: were they not let
     /// go when the pool is dropped, the pool would keep itself alive. A host runtime may drop
-    /// a pool it made itself without a reset: this one is made outside the runtime.
+    /// a pool it made without a reset.
     #[test]
     fn a_pool_dropped_without_a_reset_is_freed_once_its_threads_are_gone() {
         let pool = std::thread::spawn(|| {
-            let (_rt, _ctx, _, cx) = pool_runtime_and_cx();
-            let host = HostLayer::new(&cx);
-            let alloc = PoolAllocator::new(&host, PoolConfig::default()).unwrap();
+            let (host, alloc) = pool();
             let blocks: Vec<_> = (0..20)
                 .map(|_| alloc.memalloc(&host, 512).unwrap())
                 .collect();
