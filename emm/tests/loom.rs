@@ -286,7 +286,8 @@ fn pool_reset_races_drops() {
 }
 
 /// A block of `bytes` allocated on this thread, dropped on another (it goes to that thread's
-/// shard, its record and hook clone to that thread's spares), racing an allocation here that
+/// shard: a small block with its pointer's record parked with it, a large one to the shard's
+/// exact-size slots, its record and hook clone to that thread's spares), racing an allocation here that
 /// refills from the depot or the arena, then a second allocation here and a trim: this
 /// thread's blocks are never the one waiting in the other shard, and the trim gets every one
 /// of the `chunks` chunks back exactly once.
@@ -343,6 +344,37 @@ fn pool_trim_races_a_drop() {
         let stats = ctx.pool_stats().device.unwrap();
         assert_eq!((stats.held_bytes, stats.in_use_blocks), (0, 0), "{stats:?}");
         exactly_once(&sim, 1);
+    });
+}
+
+/// Another thread drops a small block (its record is parked with it in that thread's shard)
+/// and allocates the same size again (the parked record is revived: the same block), racing a
+/// trim, which lets every parked record go (and frees the chunk, if nothing is in use when it
+/// runs, so that the allocation grows the pool again): the second pointer is live either way,
+/// and after both are dropped and trimmed every chunk the pool took is freed exactly once.
+#[test]
+fn pool_trim_races_a_park_and_a_revive() {
+    loom::model(|| {
+        let (sim, rt) = pool_runtime();
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.memalloc(100).unwrap();
+        let ctx2 = ctx.clone();
+        let t = thread::spawn(move || {
+            drop(a);
+            let b = ctx2.memalloc(100).unwrap();
+            assert!(b.is_live());
+            b
+        });
+        ctx.trim().unwrap();
+        let b = t.join().unwrap();
+        let stats = ctx.pool_stats().device.unwrap();
+        assert_eq!(stats.in_use_blocks, 1, "{stats:?}");
+        drop(b);
+        ctx.trim().unwrap();
+        assert_pool_empty(&ctx);
+        let grown = sim.calls().iter().filter(|c| c.op == Op::MemAlloc).count();
+        assert!((1..=2).contains(&grown), "{grown} chunks");
+        exactly_once(&sim, grown);
     });
 }
 
