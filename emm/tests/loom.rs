@@ -240,6 +240,38 @@ fn pinned_pool_shards_race_a_take_and_a_reset() {
     });
 }
 
+/// The pinned host pool: this thread takes a block back from its inbox (where another thread
+/// returned it) with its own shard entered, while a third thread trims, which takes every
+/// shard and every inbox. The trim must wait for this thread to leave its shard before it
+/// holds any inbox: holding them all first and then waiting deadlocked (the GPU job at
+/// e033ff5; this model, on that code, fails with loom's "Model exceeded maximum number of
+/// branches", both threads spinning on each other). Whatever the
+/// interleaving, both finish, no block is handed out twice, and every block is freed once.
+#[test]
+fn pinned_pool_refill_from_an_inbox_races_a_trim() {
+    loom::model(|| {
+        let (sim, rt) = runtime_with(0, |b| {
+            b.pinned_host_pool(Some(emm::PinnedPoolConfig::default()))
+        });
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.memhostalloc(4096, false, false, false).unwrap();
+        // Freed away from home: to this thread's inbox.
+        thread::spawn(move || drop(a)).join().unwrap();
+        let trimmer = {
+            let ctx = ctx.clone();
+            thread::spawn(move || ctx.trim().unwrap())
+        };
+        let b = ctx.memhostalloc(4096, false, false, false).unwrap();
+        trimmer.join().unwrap();
+        drop(b);
+        ctx.trim().unwrap();
+        ctx.deallocations().unwrap().flush().unwrap();
+        let allocs = sim.count(Op::MemHostAlloc);
+        assert!((1..=2).contains(&allocs), "{allocs} host allocations");
+        host_frees_exactly(&sim, allocs);
+    });
+}
+
 fn pool_runtime() -> (Arc<SimDriver>, Runtime) {
     let sim = Arc::new(SimDriver::new(SimConfig::default()));
     let config = emm::PoolConfig {
