@@ -83,7 +83,8 @@ const DEFAULT_FLUSH_AT: usize = FLUSHED + 1;
 /// H100's host: the pair was about 5 % faster there, and 8 and 16 threads 1.4 to 1.9 × faster
 /// (BENCHMARKS.md, run U).
 ///
-/// Lowered 2026-11-24: `pool` 466 → 276 (budget 530 → 320). A small block's record is parked
+/// Lowered 2026-11-24: `pool` 466 → 276 (budget 530 → 320; 278 once a pointer that outlives
+/// the pool's allocator stopped parking). A small block's record is parked
 /// with the block in the freeing thread's shard (`PoolHook::park`), and the next allocation of
 /// its class revives it by setting its size and generation: no spare record to find, no hook
 /// clone to compare, no record to fill, no retire. `default` 3 053 → 3 079 and `async-pool`

@@ -83,7 +83,7 @@ mod shards;
 mod streams;
 
 use arena::Arena;
-use shards::{Depot, PARKED_PER_SHARD, ShardHook, ShardLists};
+use shards::{Depot, ShardHook, ShardLists};
 use streams::{StreamCache, StreamHook};
 
 /// The name the pool manager is registered under.
@@ -234,7 +234,7 @@ impl PoolShared {
         let class = class_of(bytes);
         let size = class_size(class);
         let mut lists = self.shards[shard].inner.enter(owner);
-        if lists.parked_count >= PARKED_PER_SHARD
+        if lists.park_room == 0
             || lists.cached(class) >= self.cache_limit(class)
             || lists.cached_bytes + size > self.config.cache_bytes_per_shard
             || self.generation.load(Ordering::Acquire) != tag
@@ -243,7 +243,7 @@ impl PoolShared {
         }
         lists.returned(size);
         lists.cached_bytes += size;
-        lists.parked_count += 1;
+        lists.park_room -= 1;
         lists.parked[class].push(record);
         None
     }
@@ -282,7 +282,7 @@ impl PoolShared {
             if unparked > 0 {
                 let parked = lists.parked[class].drain(..unparked);
                 magazine.extend(parked.map(|p| p.into_base().0));
-                lists.parked_count -= unparked;
+                lists.park_room += unparked;
             }
             lists.cached_bytes -= magazine.len() * size;
             magazine
@@ -368,8 +368,9 @@ impl PoolShared {
         }
     }
 
-    /// Moves every cached block (the shards' and the depot's) back to the arena.
-    fn drain_shards(&self) {
+    /// Moves every cached block (the shards' and the depot's) back to the arena; with `close`
+    /// (the allocator's drop), no record parks in a shard afterwards.
+    fn drain_shards(&self, close: bool) {
         let (magazines, generation) = {
             let mut depot = lock(&self.depot);
             depot.cached_bytes = 0;
@@ -387,8 +388,12 @@ impl PoolShared {
                 .iter_mut()
                 .map(|lists| {
                     lists.cached_bytes = 0;
+                    let parked = lists.take_parked();
+                    if close {
+                        lists.park_room = 0;
+                    }
                     (
-                        lists.take_parked(),
+                        parked,
                         take_nonempty(&mut lists.free),
                         std::mem::take(&mut lists.large),
                     )
@@ -417,7 +422,7 @@ impl PoolShared {
             tracing::warn!(device = %self.cx.device, error = %e, "returning stream-ordered blocks to the pool failed; the trim leaves them out");
             self.queue.record_error(e);
         }
-        self.drain_shards();
+        self.drain_shards(false);
         let chunks = lock(&self.arena).remove_free_chunks();
         let bytes = chunks.iter().map(|&(_, s)| s).sum();
         if !chunks.is_empty() {
@@ -532,9 +537,10 @@ pub struct PoolAllocator {
 
 impl Drop for PoolAllocator {
     /// The parked records hold clones of the pool's hook, and so of the pool: they are let go
-    /// here, their blocks back in the arena, or the pool would never be freed.
+    /// here, their blocks back in the arena, or the pool would never be freed; and no pointer
+    /// dropped later parks its record.
     fn drop(&mut self) {
-        self.shared.drain_shards();
+        self.shared.drain_shards(true);
     }
 }
 
@@ -628,7 +634,7 @@ impl PoolAllocator {
         {
             let mut lists = pool.shards[shard].inner.enter(owner);
             if let Some(parked) = lists.parked[class].pop() {
-                lists.parked_count -= 1;
+                lists.park_room += 1;
                 lists.cached_bytes -= size;
                 lists.lent(size);
                 let generation = pool.generation.load(Ordering::Acquire);
@@ -884,7 +890,11 @@ mod tests {
             .iter()
             .map(|l| {
                 let n: usize = l.parked.iter().map(Vec::len).sum();
-                assert_eq!(n, l.parked_count, "a shard's parked count");
+                let closed = n == 0 && l.park_room == 0;
+                assert!(
+                    closed || n + l.park_room == shards::PARKED_PER_SHARD,
+                    "a shard's room"
+                );
                 n
             })
             .sum()
@@ -949,14 +959,18 @@ mod tests {
     fn a_pool_dropped_without_a_reset_is_freed_once_its_threads_are_gone() {
         let pool = std::thread::spawn(|| {
             let (host, alloc) = pool();
-            let blocks: Vec<_> = (0..20)
+            let mut blocks: Vec<_> = (0..20)
                 .map(|_| alloc.memalloc(&host, 512).unwrap())
                 .collect();
+            let outlives = blocks.pop().unwrap();
             drop(blocks);
-            assert_eq!(parked(&alloc.shared), 20);
+            assert_eq!(parked(&alloc.shared), 19);
             let pool = Arc::clone(&alloc.shared);
             drop(alloc);
             assert_eq!(parked(&pool), 0, "the pool's drop let them go");
+            // A pointer that outlives the pool's allocator does not park its record.
+            drop(outlives);
+            assert_eq!(parked(&pool), 0, "parked after the pool was dropped");
             pool
         })
         .join()

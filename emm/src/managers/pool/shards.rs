@@ -19,8 +19,10 @@ pub(super) struct ShardLists {
     /// Per size class, free blocks whose last pointer's record is kept with them (most recent
     /// last): the next allocation of the class revives one. Taken before `free`.
     pub(super) parked: Vec<Vec<ParkedPointer>>,
-    /// Records in `parked`, at most [`PARKED_PER_SHARD`].
-    pub(super) parked_count: usize,
+    /// Records `parked` may still take: [`PARKED_PER_SHARD`] less those it holds, and 0 once
+    /// the pool's allocator dropped (a pointer that outlives it must not park its record,
+    /// which would keep the pool alive through its hook with nobody left to let it go).
+    pub(super) park_room: usize,
     /// Per size class, free blocks by address.
     pub(super) free: Vec<Vec<u64>>,
     /// Free blocks above `small_max` (address, size), oldest first: at most
@@ -38,6 +40,7 @@ impl ShardLists {
     pub(super) fn new() -> ShardLists {
         ShardLists {
             parked: (0..CLASSES).map(|_| Vec::new()).collect(),
+            park_room: PARKED_PER_SHARD,
             free: (0..CLASSES).map(|_| Vec::new()).collect(),
             ..ShardLists::default()
         }
@@ -63,7 +66,7 @@ impl ShardLists {
     /// Takes every parked record out, with its class (the caller lets them go with no shard
     /// entered: `ParkedPointer::into_base`).
     pub(super) fn take_parked(&mut self) -> Vec<(usize, Vec<ParkedPointer>)> {
-        self.parked_count = 0;
+        self.park_room = PARKED_PER_SHARD;
         super::take_nonempty(&mut self.parked)
     }
 }
