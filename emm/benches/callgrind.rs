@@ -84,7 +84,9 @@ const DEFAULT_FLUSH_AT: usize = FLUSHED + 1;
 /// (BENCHMARKS.md, run U).
 ///
 /// Lowered 2026-11-24: `pool` 466 → 276 (budget 530 → 320; 278 once a pointer that outlives
-/// the pool's allocator stopped parking). A small block's record is parked
+/// the pool's allocator stopped parking; then 269, and the pinned pool 576 → 566 and the
+/// random workload 536 → 524 an operation, with the size classes' block sizes read from a
+/// table instead of worked out). A small block's record is parked
 /// with the block in the freeing thread's shard (`PoolHook::park`), and the next allocation of
 /// its class revives it by setting its size and generation: no spare record to find, no hook
 /// clone to compare, no record to fill, no retire. `default` 3 053 → 3 079 and `async-pool`

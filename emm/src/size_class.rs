@@ -20,13 +20,37 @@ pub(crate) fn class_of(bytes: usize) -> usize {
 }
 
 /// The block size of class `class`.
+#[inline]
 pub(crate) fn class_size(class: usize) -> usize {
+    // A load instead of the arithmetic: both pools work it out on every allocation and free.
+    SIZES[class]
+}
+
+/// The classes a `usize` request can reach (the last holds requests near `usize::MAX`).
+const CLASS_COUNT: usize = 4 + 4 * (usize::BITS as usize - 10);
+
+/// Every class's block size, worked out at compile time.
+static SIZES: [usize; CLASS_COUNT] = {
+    let mut sizes = [0; CLASS_COUNT];
+    let mut class = 0;
+    while class < CLASS_COUNT {
+        sizes[class] = size_of_class(class);
+        class += 1;
+    }
+    sizes
+};
+
+/// The block size of class `class`, computed (saturating for classes past `usize`'s range).
+const fn size_of_class(class: usize) -> usize {
     if class < 4 {
         return (class + 1) * ALIGNMENT;
     }
     let e = (class - 4) / 4 + 2;
     let m = (class - 4) % 4 + 5;
-    (m << (e - 2)) * ALIGNMENT
+    match (m << (e - 2)).checked_mul(ALIGNMENT) {
+        Some(size) => size,
+        None => usize::MAX,
+    }
 }
 
 /// A request of `bytes` rounded up to its class's block size (0 rounds up to one unit).
@@ -48,6 +72,14 @@ mod tests {
             assert!(c >= bytes && c.is_multiple_of(ALIGNMENT), "{bytes} -> {c}");
             assert!(c - bytes <= bytes / 4 + ALIGNMENT, "{bytes} -> {c}");
         }
+    }
+
+    #[test]
+    fn the_table_covers_every_request() {
+        let top = class_of(usize::MAX);
+        assert_eq!(top, CLASS_COUNT - 1);
+        assert_eq!(class_size(top), usize::MAX, "saturated: 2^64 bytes");
+        assert_eq!(class_size(top - 1), 7 << 61);
     }
 
     #[test]
