@@ -213,6 +213,13 @@ fn pin_drop_races_a_reset() {
     });
 }
 
+/// A runtime with the pinned host pool, its deferred frees flushed at once (a count of 0).
+fn pinned_pool_runtime() -> (Arc<SimDriver>, Runtime) {
+    runtime_with(0, |b| {
+        b.pinned_host_pool(Some(emm::PinnedPoolConfig::default()))
+    })
+}
+
 /// The pinned host pool's per-thread shards: a block returned on another thread (to that
 /// thread's shard) races this thread taking a block (which looks in every shard) and then a
 /// reset. Whatever the interleaving, no block is handed out twice, the reset frees every
@@ -220,9 +227,7 @@ fn pin_drop_races_a_reset() {
 #[test]
 fn pinned_pool_shards_race_a_take_and_a_reset() {
     loom::model(|| {
-        let (sim, rt) = runtime_with(0, |b| {
-            b.pinned_host_pool(Some(emm::PinnedPoolConfig::default()))
-        });
+        let (sim, rt) = pinned_pool_runtime();
         let ctx = rt.context(0).unwrap();
         let a = ctx.memhostalloc(4096, false, false, false).unwrap();
         let a_addr = a.host_ptr();
@@ -250,9 +255,7 @@ fn pinned_pool_shards_race_a_take_and_a_reset() {
 #[test]
 fn pinned_pool_refill_from_an_inbox_races_a_trim() {
     loom::model(|| {
-        let (sim, rt) = runtime_with(0, |b| {
-            b.pinned_host_pool(Some(emm::PinnedPoolConfig::default()))
-        });
+        let (sim, rt) = pinned_pool_runtime();
         let ctx = rt.context(0).unwrap();
         let a = ctx.memhostalloc(4096, false, false, false).unwrap();
         // Freed away from home: to this thread's inbox.

@@ -83,13 +83,9 @@ impl ParkedPointer {
     /// the hook's clone, as a retired pool pointer's does.
     pub(crate) fn into_base(self) -> DevicePtr {
         let base = self.0.value().base;
-        self.0.retire_with(|a| {
-            match std::mem::replace(&mut a.release, Release::Unowned) {
-                // Owns nothing more: a pool's pointer has no streams and no owner.
-                Release::Pool { hook, .. } => Some(hook),
-                _ => None,
-            }
-        });
+        // Owns nothing more once its hook is out: a pool's pointer has no streams and no owner.
+        self.0
+            .retire_with(|a| a.take_pool_hook().map(|(hook, _)| hook));
         base
     }
 }
@@ -244,6 +240,17 @@ pub(crate) enum Release {
     Unowned,
 }
 
+impl Release {
+    /// The hook and tag of a `Hook` or `Pool` release.
+    fn shared_hook(&self) -> Option<(&dyn ReleaseHook, u64)> {
+        match self {
+            Release::Hook { hook, tag } => Some((&**hook, *tag)),
+            Release::Pool { hook, tag, .. } => Some((&**hook, *tag)),
+            _ => None,
+        }
+    }
+}
+
 pub(crate) struct Allocation {
     device: DeviceOrdinal,
     ctx: ContextHandle,
@@ -271,19 +278,25 @@ impl Allocation {
     /// (no release, no streams, no owner: the record skips its drop). Anything else releases
     /// in `drop`.
     fn retire(&mut self) -> Option<Arc<dyn PoolHook>> {
-        if !matches!(self.release, Release::Pool { .. }) {
-            return None;
-        }
-        let Release::Pool { hook, tag, .. } =
-            std::mem::replace(&mut self.release, Release::Unowned)
-        else {
-            unreachable!("matched above");
-        };
+        let (hook, tag) = self.take_pool_hook()?;
         let streams = self.take_streams();
         run_hook(&*hook, self.base, self.size, tag, streams);
         // Dropped after the release, as the fields would drop after `Drop::drop`.
         drop(self._owner.take());
         Some(hook)
+    }
+
+    /// A pool's pointer: its hook and tag, the release left `Unowned` (nothing to run when the
+    /// allocation drops). Anything else: `None`, the release untouched.
+    #[inline(always)]
+    fn take_pool_hook(&mut self) -> Option<(Arc<dyn PoolHook>, u64)> {
+        if !matches!(self.release, Release::Pool { .. }) {
+            return None;
+        }
+        match std::mem::replace(&mut self.release, Release::Unowned) {
+            Release::Pool { hook, tag, .. } => Some((hook, tag)),
+            _ => unreachable!("matched above"),
+        }
     }
 
     /// A pool's pointer made with `park`: offers the whole record to its hook
@@ -349,15 +362,12 @@ impl Drop for Allocation {
                     action(self.base, self.size);
                 }
             }
-            Release::Hook { hook, tag } => {
+            // A pool's is released by `retire` (under loom too) or emptied by
+            // `ParkedPointer::into_base`; it is here for completeness.
+            Release::Hook { .. } | Release::Pool { .. } => {
+                let (hook, tag) = self.release.shared_hook().expect("a shared hook");
                 let streams = self.streams.take().map(|s| into_stream_use(*s));
-                run_hook(&**hook, self.base, self.size, *tag, streams)
-            }
-            // Released by `retire` (under loom too), or emptied by `ParkedPointer::into_base`;
-            // here for completeness.
-            Release::Pool { hook, tag, .. } => {
-                let streams = self.streams.take().map(|s| into_stream_use(*s));
-                run_hook(&**hook, self.base, self.size, *tag, streams)
+                run_hook(hook, self.base, self.size, tag, streams)
             }
             Release::Wrapped { hook, tag, .. } => {
                 // The streams are the inner allocation's (a wrapper records none of its own).
@@ -711,8 +721,10 @@ impl MemoryPointer {
                 table, generation, ..
             } => table.generation() == *generation,
             Release::Mapping { open } => open.load(Ordering::Acquire),
-            Release::Hook { hook, tag } => hook.is_live(*tag),
-            Release::Pool { hook, tag, .. } => hook.is_live(*tag),
+            Release::Hook { .. } | Release::Pool { .. } => {
+                let (hook, tag) = self.alloc.release.shared_hook().expect("a shared hook");
+                hook.is_live(tag)
+            }
             Release::Wrapped { inner, .. } => inner.is_live(),
             Release::Custom(_) | Release::Unowned => true,
         }

@@ -125,9 +125,7 @@ impl<T: Recycle> Parked<T> {
         unsafe { ptr.as_ref() }.refs.store(1, Ordering::Relaxed);
         Record { ptr }
     }
-}
 
-impl<T: Recycle> Parked<T> {
     /// Retires the value through `retire` instead of [`Recycle::retire`] (same contract: a
     /// value it returns `Some` for owns nothing more and is not dropped), and keeps the box
     /// among the thread's spares.

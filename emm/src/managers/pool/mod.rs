@@ -83,7 +83,7 @@ mod shards;
 mod streams;
 
 use arena::Arena;
-use shards::{Depot, ShardHook, ShardLists};
+use shards::{Depot, ShardHook, ShardLists, unparked};
 use streams::{StreamCache, StreamHook};
 
 /// The name the pool manager is registered under.
@@ -404,14 +404,10 @@ impl PoolShared {
         };
         // The parked records are let go here, with no shard entered.
         for (parked, lists, large) in taken {
-            let parked = parked.into_iter().flat_map(|(class, held)| {
-                held.into_iter()
-                    .map(move |p| (p.into_base().0, class_size(class)))
-            });
             let blocks = lists
                 .into_iter()
                 .flat_map(|(class, held)| held.into_iter().map(move |a| (a, class_size(class))));
-            self.to_arena(generation, parked.chain(blocks).chain(large));
+            self.to_arena(generation, unparked(parked).chain(blocks).chain(large));
         }
     }
 
@@ -832,9 +828,7 @@ impl DeviceAllocator for PoolAllocator {
             arena.clear()
         };
         // Let go with no shard entered; their blocks were in the chunks just released.
-        for p in parked.into_iter().flatten().flat_map(|(_, held)| held) {
-            let _ = p.into_base();
-        }
+        parked.into_iter().flat_map(unparked).for_each(drop);
         tracing::info!(device = %pool.cx.device, chunks = chunks.len(), bytes = chunks.values().sum::<usize>(), "pool reset");
         if let Some(_live) = pool.cx.liveness.enter() {
             pool.fences.destroy_idle();

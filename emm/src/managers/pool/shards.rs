@@ -7,6 +7,7 @@ use driver_sys::DevicePtr;
 
 use super::{CLASSES, PoolShared};
 use crate::memory::pointer::{ParkedPointer, PoolHook, ReleaseHook};
+use crate::size_class::class_size;
 use crate::sync::Ordering;
 use crate::thread_slots::thread_shard;
 
@@ -64,11 +65,22 @@ impl ShardLists {
     }
 
     /// Takes every parked record out, with its class (the caller lets them go with no shard
-    /// entered: `ParkedPointer::into_base`).
+    /// entered: [`unparked`]).
     pub(super) fn take_parked(&mut self) -> Vec<(usize, Vec<ParkedPointer>)> {
         self.park_room = PARKED_PER_SHARD;
         super::take_nonempty(&mut self.parked)
     }
+}
+
+/// Lets go of the records [`ShardLists::take_parked`] took out (to this thread's spares),
+/// yielding their blocks with their sizes. Called with no shard entered.
+pub(super) fn unparked(
+    taken: Vec<(usize, Vec<ParkedPointer>)>,
+) -> impl Iterator<Item = (u64, usize)> {
+    taken.into_iter().flat_map(|(class, held)| {
+        held.into_iter()
+            .map(move |p| (p.into_base().0, class_size(class)))
+    })
 }
 
 /// Full magazines of free blocks per size class, passed between shards: a shard past its
