@@ -8,15 +8,19 @@
 pub const ALIGNMENT: usize = 256;
 
 /// The class of a request of `bytes` (at least 1).
+///
+/// With `u` the request's units less one (`units = u + 1`) and `e` the top bit of `u`, a
+/// request of more than four units lies in the doubling `(2^e, 2^(e+1)]`, whose four classes
+/// step by `2^(e-2)` units; its class is `4 (e - 2)` plus the number of steps `u` covers,
+/// `u >> (e - 2)` (4 to 7). Setting bit 2 of `u` before finding its top bit makes `e` at
+/// least 2, which gives the first four classes (`u` = 0 to 3) the same formula: no branch,
+/// no division (both pools work a class out on every allocation).
+#[inline]
 pub(crate) fn class_of(bytes: usize) -> usize {
     debug_assert!(bytes >= 1);
-    let units = bytes.div_ceil(ALIGNMENT).max(1);
-    if units <= 4 {
-        return units - 1;
-    }
-    let e = (usize::BITS - 1 - (units - 1).leading_zeros()) as usize;
-    let step = 1usize << (e - 2);
-    4 + (e - 2) * 4 + (units.div_ceil(step) - 5)
+    let u = (bytes - 1) / ALIGNMENT;
+    let shift = (usize::BITS - 1 - (u | 4).leading_zeros()) as usize - 2;
+    4 * shift + (u >> shift)
 }
 
 /// The block size of class `class`.
@@ -27,7 +31,7 @@ pub(crate) fn class_size(class: usize) -> usize {
 }
 
 /// The classes a `usize` request can reach (the last holds requests near `usize::MAX`).
-const CLASS_COUNT: usize = 4 + 4 * (usize::BITS as usize - 10);
+pub(crate) const CLASS_COUNT: usize = 4 + 4 * (usize::BITS as usize - 10);
 
 /// Every class's block size, worked out at compile time.
 static SIZES: [usize; CLASS_COUNT] = {
@@ -53,14 +57,14 @@ const fn size_of_class(class: usize) -> usize {
     }
 }
 
-/// A request of `bytes` rounded up to its class's block size (0 rounds up to one unit).
-pub(crate) fn round_up(bytes: usize) -> usize {
-    class_size(class_of(bytes.max(1)))
-}
-
 #[cfg(all(test, not(emm_loom)))]
 mod tests {
     use super::*;
+
+    /// A request of `bytes` rounded up to its class's block size (0 rounds up to one unit).
+    fn round_up(bytes: usize) -> usize {
+        class_size(class_of(bytes.max(1)))
+    }
 
     #[test]
     fn classes_round_up_by_at_most_a_quarter() {
@@ -80,6 +84,32 @@ mod tests {
         assert_eq!(top, CLASS_COUNT - 1);
         assert_eq!(class_size(top), usize::MAX, "saturated: 2^64 bytes");
         assert_eq!(class_size(top - 1), 7 << 61);
+    }
+
+    /// The class a request belongs to by definition: the smallest whose blocks hold it.
+    fn smallest_class_holding(bytes: usize) -> usize {
+        SIZES.partition_point(|&size| size < bytes)
+    }
+
+    #[test]
+    fn every_class_is_the_smallest_that_holds_the_request() {
+        let edges = (0..CLASS_COUNT)
+            .map(class_size)
+            .flat_map(|s| [s.saturating_sub(1), s, s.saturating_add(1)]);
+        for bytes in (1..70_000).chain(edges).filter(|&b| b >= 1) {
+            assert_eq!(
+                class_of(bytes),
+                smallest_class_holding(bytes),
+                "{bytes} bytes"
+            );
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_request_gets_the_smallest_class_that_holds_it(bytes in 1..=usize::MAX) {
+            proptest::prop_assert_eq!(class_of(bytes), smallest_class_holding(bytes));
+        }
     }
 
     #[test]

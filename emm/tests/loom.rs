@@ -275,6 +275,31 @@ fn pinned_pool_refill_from_an_inbox_races_a_trim() {
     });
 }
 
+/// The pinned host pool keeps a block's reference to the pool in the freeing thread's shard
+/// for the next block (`HostReleaseHook::release_owned`), and the host layer's drop lets
+/// every such reference go. Here this thread frees a block at home (its reference going to
+/// its shard) while the runtime drops on another thread, with it the manager and its host
+/// layer, which closes every shard. Whatever the interleaving, the pool is freed at the end:
+/// nothing holds the driver but the test.
+#[test]
+fn pinned_block_drop_races_the_host_layers_drop() {
+    loom::model(|| {
+        let (sim, rt) = pinned_pool_runtime();
+        let ctx = rt.context(0).unwrap();
+        drop(ctx.memhostalloc(4096, false, false, false).unwrap()); // a spare reference
+        let block = ctx.memhostalloc(4096, false, false, false).unwrap();
+        drop(ctx);
+        let t = thread::spawn(move || drop(rt));
+        drop(block);
+        t.join().unwrap();
+        assert_eq!(
+            Arc::strong_count(&sim),
+            1,
+            "the pool, or its queue, outlived the runtime"
+        );
+    });
+}
+
 fn pool_runtime() -> (Arc<SimDriver>, Runtime) {
     let sim = Arc::new(SimDriver::new(SimConfig::default()));
     let config = emm::PoolConfig {

@@ -47,6 +47,29 @@ impl ManagerContext {
     }
 }
 
+#[cfg(all(test, not(emm_loom)))]
+impl ManagerContext {
+    /// The primary context of a fresh simulated GPU of 256 MiB, as a host runtime that embeds
+    /// a manager without emm's runtime would make it: for the unit tests of the layers below
+    /// the runtime.
+    pub(crate) fn simulated(pinned_pool: Option<PinnedPoolConfig>) -> ManagerContext {
+        use driver_mock::{SimConfig, SimDriver};
+        let sim = Arc::new(SimDriver::new(SimConfig::single(256 << 20)));
+        let device = DeviceOrdinal(0);
+        sim.init().expect("cuInit on the simulator");
+        let context = sim.primary_ctx_retain(device).expect("a simulated context");
+        ManagerContext {
+            driver: sim,
+            device,
+            context,
+            dealloc_config: DeallocConfig::default(),
+            liveness: Arc::new(ContextLiveness::new()),
+            pinned_pool,
+            host_memory_pool: false,
+        }
+    }
+}
+
 /// Builds one manager per context.
 pub trait ManagerFactory: Send + Sync + fmt::Debug {
     /// The manager's name, for messages and for selection by `EMM_MEMORY_MANAGER`.

@@ -14,7 +14,7 @@ use crate::contract::ipc::IpcHandle;
 use crate::error::EmmError;
 use crate::host::allocations::{AllocationTable, Entry, unpin_now};
 use crate::host::driver_pool::{DriverHostPool, DriverHostRelease};
-use crate::host::pinned_pool::{PinnedBlock, PinnedPool};
+use crate::host::pinned_pool::{Kind, PinnedBlock, PinnedPool, Taken};
 use crate::memory::host::{HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory};
 use crate::memory::pending::{DeferCleanup, Free, PendingDeallocs};
 use crate::memory::pointer::{AllocationOwner, MemoryPointer, Release};
@@ -69,6 +69,16 @@ pub struct HostLayer {
     pinned: Option<Arc<PinnedPool>>,
     /// `memhostalloc` from the driver's pool in host memory (`cx.host_memory_pool`).
     driver_pool: Option<Arc<DriverHostRelease>>,
+}
+
+/// The pinned host pool keeps spare clones of its own `Arc` for the blocks it hands out; with
+/// its owner gone it must let them go, or it would keep itself alive.
+impl Drop for HostLayer {
+    fn drop(&mut self) {
+        if let Some(pool) = &self.pinned {
+            pool.close();
+        }
+    }
 }
 
 impl HostLayer {
@@ -330,23 +340,27 @@ impl HostLayer {
         &self,
         pool: &Arc<PinnedPool>,
         bytes: usize,
-        size: usize,
+        kind: Kind,
         mapped: bool,
         flags: u32,
     ) -> Result<HostMemory, EmmError> {
-        let (cached, mut generation) = pool.take(flags, size);
-        let block = match cached {
+        let Taken {
+            block,
+            mut generation,
+            hook,
+        } = pool.take(kind);
+        let block = match block {
             Some(block) => block,
             None => {
-                let (host, device) = self.host_alloc_from_driver(size, mapped, flags)?;
+                let (host, device) = self.host_alloc_from_driver(kind.size, mapped, flags)?;
                 let home;
-                (generation, home) = pool.grew(size);
-                tracing::debug!(device = %self.context().device, bytes = size, host = %host, mapped, "pinned host pool grew");
+                (generation, home) = pool.grew(kind.size);
+                tracing::debug!(device = %self.context().device, bytes = kind.size, host = %host, mapped, "pinned host pool grew");
                 PinnedBlock {
                     host,
                     device,
-                    size,
-                    flags,
+                    size: kind.size,
+                    list: kind.list,
                     home,
                 }
             }
@@ -359,10 +373,13 @@ impl HostLayer {
             };
             return Ok(self.mapped_at(block.host, device_ptr, bytes, entry, None));
         }
-        Ok(HostMemory::Pinned(PinnedMemory::with_shared_hook(
+        // The shard's spare clone of the pool's `Arc` when it had one: the block's drop hands
+        // it back (`release_owned`).
+        let hook = hook.unwrap_or_else(|| Arc::clone(pool));
+        Ok(HostMemory::Pinned(PinnedMemory::with_hook(
             block.host,
             bytes,
-            pool,
+            hook,
             PinnedPool::tag(generation, &block),
         )))
     }
@@ -428,9 +445,9 @@ impl HostLayer {
             flags |= host_alloc::WRITECOMBINED;
         }
         if let Some(pool) = &self.pinned
-            && let Some(size) = pool.class(bytes)
+            && let Some(kind) = pool.kind(bytes, flags)
         {
-            return self.pooled_host_alloc(pool, bytes, size, mapped, flags);
+            return self.pooled_host_alloc(pool, bytes, kind, mapped, flags);
         }
         let (host, device) = self.host_alloc_from_driver(bytes, mapped, flags)?;
         tracing::debug!(device = %cx.device, bytes, host = %host, mapped, portable, wc, "pinned host memory allocated");

@@ -51,7 +51,8 @@ pub(crate) struct PinnedBlock {
     pub(crate) host: HostPtr,
     pub(crate) device: Option<DevicePtr>,
     pub(crate) size: usize,
-    pub(crate) flags: u32,
+    /// Its list ([`Kind::list`]): size class and flags.
+    pub(crate) list: u32,
     /// The shard of the thread it was handed out to: freed on another thread, it goes to that
     /// shard's inbox, so that the thread that uses it gets it back.
     pub(crate) home: u32,
@@ -67,6 +68,67 @@ pub(crate) const ALLOWANCE_STEP: usize = 1 << 20;
 
 /// Bits of a tag that hold a block's home shard ([`thread_slots::shard_total`] is at most 128).
 const HOME_BITS: u32 = 8;
+
+/// Bits of a tag that hold a block's list (a size class of [`size_class::CLASS_COUNT`], then
+/// the three flag bits).
+const LIST_BITS: u32 = 11;
+const _: () = assert!(size_class::CLASS_COUNT << 3 <= 1 << LIST_BITS);
+
+/// The most spare clones of the pool's own `Arc` a shard keeps for the blocks it hands out
+/// (see [`Hooks`]).
+const HOOKS_PER_SHARD: usize = 64;
+
+/// Which list a request is served from and the size of its blocks: worked out once per
+/// allocation ([`PinnedPool::kind`]) and carried in the block and its tag, so that neither
+/// the pool nor the release works out a size class again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Kind {
+    /// The size class, shifted past the three flag bits, then the flags.
+    pub(crate) list: u32,
+    /// The class's block size.
+    pub(crate) size: usize,
+}
+
+impl Kind {
+    /// Whether its blocks are mapped into the device (`DEVICEMAP`).
+    pub(crate) fn mapped(self) -> bool {
+        self.list & driver_sys::host_alloc::DEVICEMAP != 0
+    }
+}
+
+/// What [`PinnedPool::take`] found.
+pub(crate) struct Taken {
+    /// A cached block, its home set to this thread's shard; `None` when none was cached.
+    pub(crate) block: Option<PinnedBlock>,
+    /// The generation to stamp the block with.
+    pub(crate) generation: u64,
+    /// For an unmapped block, one of the shard's spare clones of the pool's `Arc`, if any.
+    pub(crate) hook: Option<Arc<PinnedPool>>,
+}
+
+/// Spare clones of the pool's own `Arc`, kept in the shard of the thread that freed a block
+/// at home: the next unmapped block the thread takes carries one to its
+/// [`PinnedMemory`](crate::PinnedMemory), which gives it back when it drops
+/// ([`HostReleaseHook::release_owned`]). A pair on one thread then neither counts the pool's
+/// reference count up and down (a line every thread would share) nor looks up a thread-local
+/// list of spares. They are the pool's references to itself: the host layer's drop
+/// [closes](PinnedPool::close) every shard's spares, after which a block's clone is dropped
+/// when the block comes back.
+#[derive(Default)]
+struct Hooks {
+    spare: Vec<Arc<PinnedPool>>,
+    closed: bool,
+}
+
+impl fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Not the pool's own `Debug`: that locks every shard, this one among them.
+        f.debug_struct("Hooks")
+            .field("spare", &self.spare.len())
+            .field("closed", &self.closed)
+            .finish()
+    }
+}
 
 /// A thread's own list that reaches this many blocks hands half of them to its shard's inbox.
 const SPILL_AT: usize = 16;
@@ -87,12 +149,14 @@ struct Lists {
     /// and returned to another makes both drift, their sums stay right.
     in_use: i64,
     in_use_blocks: i64,
+    /// Spare clones of the pool's `Arc` (a thread's shard only; inboxes keep none).
+    hooks: Hooks,
 }
 
 impl Lists {
-    fn pop(&mut self, flags: u32, size: usize) -> Option<PinnedBlock> {
-        let block = self.free.get_mut(list_index(flags, size))?.pop()?;
-        self.cached -= size;
+    fn pop(&mut self, kind: Kind) -> Option<PinnedBlock> {
+        let block = self.free.get_mut(kind.list as usize)?.pop()?;
+        self.cached -= kind.size;
         Some(block)
     }
 
@@ -137,16 +201,6 @@ struct Totals {
     trimmed: u64,
     /// The sum of the shards' allowances, at most `max_cached`.
     allowed: usize,
-}
-
-/// The list of blocks of `size` (a class size) with `flags`.
-fn list_index(flags: u32, size: usize) -> usize {
-    debug_assert_eq!(
-        flags & !FLAG_BITS,
-        0,
-        "a flag the pool does not know: {flags:#x}"
-    );
-    size_class::class_of(size) << 3 | (flags & FLAG_BITS) as usize
 }
 
 /// The pool of one host layer. Locks are taken in this order: a shard, an inbox, `totals`;
@@ -198,9 +252,22 @@ impl PinnedPool {
         }
     }
 
-    /// The size a request is served with, or `None` if it bypasses the pool.
-    pub(crate) fn class(&self, bytes: usize) -> Option<usize> {
-        (bytes <= self.config.max_block).then(|| size_class::round_up(bytes))
+    /// The list a request of `bytes` with `flags` is served from and its block size, or
+    /// `None` if it bypasses the pool.
+    pub(crate) fn kind(&self, bytes: usize, flags: u32) -> Option<Kind> {
+        debug_assert_eq!(
+            flags & !FLAG_BITS,
+            0,
+            "a flag the pool does not know: {flags:#x}"
+        );
+        if bytes > self.config.max_block {
+            return None;
+        }
+        let class = size_class::class_of(bytes.max(1));
+        Some(Kind {
+            list: (class as u32) << 3 | (flags & FLAG_BITS),
+            size: size_class::class_size(class),
+        })
     }
 
     /// Hands the pool back the allowance `lists` holds beyond its cached bytes and one step.
@@ -213,47 +280,55 @@ impl PinnedPool {
         }
     }
 
-    /// A cached block of `size` bytes with `flags` (this thread's, else its inbox's, else
-    /// another inbox's), and the generation to stamp it with.
-    pub(crate) fn take(&self, flags: u32, size: usize) -> (Option<PinnedBlock>, u64) {
+    /// A cached block of `kind` (this thread's, else its inbox's, else another inbox's), the
+    /// generation to stamp it with, and, for an unmapped block, one of the shard's spare
+    /// clones of the pool's `Arc` if it has one (the caller clones the pool's otherwise).
+    pub(crate) fn take(&self, kind: Kind) -> Taken {
         let (shard, owner) = thread_shard();
         let mut lists = self.shards[shard].inner.enter(owner);
         let generation = self.generation.load(Ordering::Acquire);
-        let block = match lists.pop(flags, size) {
-            Some(block) => Some(block),
-            None => self.refill(&mut lists, shard, flags, size),
+        let block = match lists.pop(kind) {
+            Some(block) => block,
+            None => match self.refill(&mut lists, shard, kind) {
+                Some(block) => block,
+                None => {
+                    return Taken {
+                        block: None,
+                        generation,
+                        hook: None,
+                    };
+                }
+            },
         };
-        if block.is_some() {
-            lists.in_use += size as i64;
-            lists.in_use_blocks += 1;
-            self.return_spare_allowance(&mut lists);
-        }
-        (
-            block.map(|b| PinnedBlock {
+        lists.in_use += kind.size as i64;
+        lists.in_use_blocks += 1;
+        self.return_spare_allowance(&mut lists);
+        let hook = if kind.mapped() {
+            None
+        } else {
+            lists.hooks.spare.pop()
+        };
+        Taken {
+            block: Some(PinnedBlock {
                 home: shard as u32,
-                ..b
+                ..block
             }),
             generation,
-        )
+            hook,
+        }
     }
 
     /// This thread's list of `size` with `flags` is empty: up to [`REFILL`] blocks come from
     /// the first inbox that has some, this thread's first; returns one of them.
     #[cold]
     #[inline(never)]
-    fn refill(
-        &self,
-        lists: &mut Lists,
-        shard: usize,
-        flags: u32,
-        size: usize,
-    ) -> Option<PinnedBlock> {
-        let i = list_index(flags, size);
+    fn refill(&self, lists: &mut Lists, shard: usize, kind: Kind) -> Option<PinnedBlock> {
+        let i = kind.list as usize;
         let n = self.inboxes.len(); // a power of two: a mask wraps, not a division
         (0..n).map(|k| (shard + k) & (n - 1)).find_map(|k| {
             let mut inbox = self.inboxes[k].inner.lock();
-            (Lists::move_blocks(&mut inbox, lists, i, size, REFILL) > 0)
-                .then(|| lists.pop(flags, size))
+            (Lists::move_blocks(&mut inbox, lists, i, kind.size, REFILL) > 0)
+                .then(|| lists.pop(kind))
                 .flatten()
         })
     }
@@ -273,21 +348,26 @@ impl PinnedPool {
     }
 
     /// The tag of an unmapped block handed out by [`HostReleaseHook`]: the generation, the
-    /// block's home shard and the flags it was allocated with.
+    /// block's home shard and its list (size class and flags).
     pub(crate) fn tag(generation: u64, block: &PinnedBlock) -> u64 {
         debug_assert!(block.home < 1 << HOME_BITS, "shards are at most 128");
-        generation << (HOME_BITS + 3)
-            | u64::from(block.home) << 3
-            | u64::from(block.flags & FLAG_BITS)
+        debug_assert!(block.list < 1 << LIST_BITS, "lists are at most 220 × 8");
+        generation << (HOME_BITS + LIST_BITS)
+            | u64::from(block.home) << LIST_BITS
+            | u64::from(block.list)
     }
 
-    /// The generation, home and flags a [`tag`](Self::tag) holds.
-    fn untag(tag: u64) -> (u64, u32, u32) {
-        (
-            tag >> (HOME_BITS + 3),
-            ((tag >> 3) & ((1 << HOME_BITS) - 1)) as u32,
-            (tag & u64::from(FLAG_BITS)) as u32,
-        )
+    /// The block a [`tag`](Self::tag) describes, at `host`, and its generation.
+    fn untag(host: HostPtr, tag: u64) -> (PinnedBlock, u64) {
+        let list = (tag & ((1 << LIST_BITS) - 1)) as u32;
+        let block = PinnedBlock {
+            host,
+            device: None,
+            size: size_class::class_size((list >> 3) as usize),
+            list,
+            home: ((tag >> LIST_BITS) & ((1 << HOME_BITS) - 1)) as u32,
+        };
+        (block, tag >> (HOME_BITS + LIST_BITS))
     }
 
     /// A block stamped `generation` is no longer used: cache it in this thread's shard.
@@ -296,6 +376,20 @@ impl PinnedPool {
     /// cache is full, the cached blocks it displaced (see [`make_room`](Self::make_room)).
     #[must_use = "blocks the pool does not keep must be freed"]
     pub(crate) fn give_back(&self, block: PinnedBlock, generation: u64) -> Vec<Free> {
+        self.give_back_then(block, generation, |_| {})
+    }
+
+    /// [`give_back`](Self::give_back), which calls `cached` with this thread's lists, still
+    /// entered, when it cached the block there (the block was freed at home): the last thing
+    /// it does with the pool. `cached` may therefore hand the shard the last reference that
+    /// keeps the pool alive (as [`HostReleaseHook::release_owned`] does).
+    #[inline(always)]
+    fn give_back_then(
+        &self,
+        block: PinnedBlock,
+        generation: u64,
+        cached: impl FnOnce(&mut Lists),
+    ) -> Vec<Free> {
         let (shard, owner) = thread_shard();
         let at_home = block.home as usize == shard;
         // At home, this thread's lists; freed away from home, the home shard's inbox, where
@@ -309,9 +403,12 @@ impl PinnedPool {
             return vec![Self::free_of(&block)];
         }
         if let Some(i) = self.keep(&mut lists, block) {
-            if at_home && lists.free[i].len() >= SPILL_AT {
-                let mut inbox = self.inboxes[shard].inner.lock();
-                Lists::move_blocks(&mut lists, &mut inbox, i, block.size, SPILL_AT / 2);
+            if at_home {
+                if lists.free[i].len() >= SPILL_AT {
+                    let mut inbox = self.inboxes[shard].inner.lock();
+                    Lists::move_blocks(&mut lists, &mut inbox, i, block.size, SPILL_AT / 2);
+                }
+                cached(&mut lists);
             }
             return Vec::new();
         }
@@ -346,7 +443,7 @@ impl PinnedPool {
     #[inline(always)]
     fn cache(lists: &mut Lists, block: PinnedBlock) -> usize {
         lists.cached += block.size;
-        let i = list_index(block.flags, block.size);
+        let i = block.list as usize;
         lists.list(i).push(block);
         i
     }
@@ -380,7 +477,7 @@ impl PinnedPool {
             totals.allowed -= lists.allowance - lists.cached;
             lists.allowance = lists.cached;
         }
-        let keep = list_index(block.flags, block.size);
+        let keep = block.list as usize;
         let wanted = block.size.max(ALLOWANCE_STEP).min(self.config.max_cached);
         let mut room = self.config.max_cached - totals.allowed;
         let mut evicted = Vec::new();
@@ -451,6 +548,30 @@ impl PinnedPool {
         // Inboxes have no owner (`Bias::None`): their `lock_all` waits for nobody.
         all.extend(Biased::lock_all(self.inboxes.iter().map(|s| &s.inner)));
         all
+    }
+
+    /// Queues the frees of blocks the pool did not keep, from a handle's drop.
+    fn queue_frees(&self, frees: Vec<Free>) {
+        if !frees.is_empty() && self.queue.push_all_without_flush(frees) {
+            self.queue.apply_thresholds_from_drop();
+        }
+    }
+
+    /// Closes every shard's spare clones of the pool's `Arc` ([`Hooks`]) and lets them go:
+    /// the host layer that owns the pool is dropping, and clones the pool kept of itself would
+    /// keep it alive for ever. Blocks still in use keep the pool until they drop.
+    pub(crate) fn close(&self) {
+        let mut all = self.lock_every_list();
+        let spare: Vec<Arc<PinnedPool>> = all
+            .iter_mut()
+            .flat_map(|lists| {
+                lists.hooks.closed = true;
+                std::mem::take(&mut lists.hooks.spare)
+            })
+            .collect();
+        drop(all);
+        // The caller holds a reference: none of these is the last.
+        drop(spare);
     }
 
     /// The free of a block the pool does not keep.
@@ -525,18 +646,158 @@ impl PinnedPool {
 
 /// Unmapped blocks come back here when their [`PinnedMemory`](crate::PinnedMemory) drops.
 impl HostReleaseHook for PinnedPool {
-    fn release(&self, host: HostPtr, size: usize, tag: u64) {
-        let (generation, home, flags) = Self::untag(tag);
-        let block = PinnedBlock {
-            host,
-            device: None,
-            size: size_class::round_up(size),
-            flags,
-            home,
-        };
+    fn release(&self, host: HostPtr, _size: usize, tag: u64) {
+        let (block, generation) = Self::untag(host, tag);
         let frees = self.give_back(block, generation);
-        if !frees.is_empty() && self.queue.push_all_without_flush(frees) {
-            self.queue.apply_thresholds_from_drop();
+        self.queue_frees(frees);
+    }
+
+    /// As `release`, and the block's clone of the pool's `Arc` goes to the freeing thread's
+    /// spares ([`Hooks`]) when the block is cached at home, with room and the spares open.
+    fn release_owned(self: Arc<Self>, host: HostPtr, _size: usize, tag: u64) {
+        let (block, generation) = Self::untag(host, tag);
+        let this = Arc::into_raw(self);
+        // SAFETY: `this` holds one strong count of the pool until it is rebuilt below (once:
+        // either in the shard's spares or dropped), so the pool outlives every use of `pool`.
+        // The spares keep the count once `this` is pushed there, and `give_back_then` calls
+        // `cached` as the last thing it does with the pool, its shard still entered, so no
+        // other thread can take the spares (that takes every shard: `close`) before this
+        // thread has left the pool for good.
+        let pool = unsafe { &*this };
+        let mut kept = false;
+        let frees = pool.give_back_then(block, generation, |lists| {
+            if !lists.hooks.closed && lists.hooks.spare.len() < HOOKS_PER_SHARD {
+                // SAFETY: the count `into_raw` kept, given to the spares; `this` is not used
+                // again (`kept`).
+                lists.hooks.spare.push(unsafe { Arc::from_raw(this) });
+                kept = true;
+            }
+        });
+        if !kept {
+            pool.queue_frees(frees);
+            // SAFETY: the count `into_raw` kept, not given to the spares; `pool` is not used
+            // after this.
+            drop(unsafe { Arc::from_raw(this) });
         }
+    }
+}
+
+#[cfg(all(test, not(emm_loom)))]
+mod tests {
+    use std::sync::Weak;
+
+    use super::*;
+    use crate::contract::factory::ManagerContext;
+    use crate::host::HostLayer;
+
+    /// A host layer with the pinned pool on a simulated GPU (no runtime: this module sits
+    /// below it), and a weak reference to its pool.
+    fn layer() -> (HostLayer, Weak<PinnedPool>) {
+        let host = HostLayer::new(&ManagerContext::simulated(
+            Some(PinnedPoolConfig::default()),
+        ));
+        let pool = Arc::downgrade(host.pinned.as_ref().expect("a pinned pool"));
+        (host, pool)
+    }
+
+    fn pinned(host: &HostLayer, bytes: usize) -> crate::memory::HostMemory {
+        host.memhostalloc(bytes, false, false, false)
+            .expect("pinned memory")
+    }
+
+    /// The spare clones every shard keeps.
+    fn spares(pool: &Weak<PinnedPool>) -> usize {
+        let pool = pool.upgrade().expect("the pool");
+        let all = pool.lock_every_list();
+        all.iter().map(|l| l.hooks.spare.len()).sum()
+    }
+
+    #[test]
+    fn a_blocks_reference_to_the_pool_is_kept_for_the_next_block_and_let_go_with_the_layer() {
+        let (host, pool) = layer();
+        assert_eq!(pool.strong_count(), 1, "the layer's");
+        let first = pinned(&host, 4096);
+        assert_eq!(pool.strong_count(), 2, "the block's clone");
+        drop(first);
+        assert_eq!(spares(&pool), 1, "kept by the freeing thread's shard");
+        for _ in 0..10 {
+            let again = pinned(&host, 4096);
+            assert_eq!(spares(&pool), 0, "the spare went to the block");
+            drop(again);
+            assert_eq!(pool.strong_count(), 2, "no clone made or dropped");
+        }
+        // More blocks at once than spares: clones are made (a block from the driver takes a
+        // new one, the spare stays), and all come back.
+        let held: Vec<_> = (0..HOOKS_PER_SHARD + 8)
+            .map(|_| pinned(&host, 512))
+            .collect();
+        assert_eq!(pool.strong_count(), 2 + HOOKS_PER_SHARD + 8);
+        assert_eq!(spares(&pool), 1);
+        drop(held);
+        assert_eq!(spares(&pool), HOOKS_PER_SHARD, "bounded");
+        assert_eq!(pool.strong_count(), 1 + HOOKS_PER_SHARD);
+        // Mapped blocks take no spare (their entry in the layer's table holds the pool).
+        let mapped = host.memhostalloc(4096, true, false, false).expect("mapped");
+        assert_eq!(spares(&pool), HOOKS_PER_SHARD);
+        drop(mapped);
+        drop(host);
+        assert_eq!(pool.strong_count(), 0, "the layer's drop let the spares go");
+    }
+
+    #[test]
+    fn a_block_that_outlives_the_layer_keeps_the_pool_until_it_drops() {
+        let (host, pool) = layer();
+        let kept = pinned(&host, 4096);
+        drop(pinned(&host, 4096));
+        drop(host);
+        assert_eq!(pool.strong_count(), 1, "only the live block's clone");
+        drop(kept);
+        assert_eq!(pool.strong_count(), 0, "a closed shard keeps no spare");
+    }
+
+    #[test]
+    fn a_block_freed_on_another_thread_drops_its_reference_there() {
+        let (host, pool) = layer();
+        let block = pinned(&host, 4096);
+        assert_eq!(pool.strong_count(), 2);
+        std::thread::spawn(move || drop(block))
+            .join()
+            .expect("the freeing thread");
+        assert_eq!(spares(&pool), 0, "away from home: not kept");
+        assert_eq!(pool.strong_count(), 1);
+        // Its block went to its home's inbox and comes back to this thread.
+        let again = pinned(&host, 4096);
+        assert_eq!(host.pinned_pool_stats().expect("stats").grows, 1);
+        drop(again);
+        drop(host);
+        assert_eq!(pool.strong_count(), 0);
+    }
+
+    #[test]
+    fn a_tag_gives_back_the_block_it_was_made_from() {
+        let (host, pool) = layer();
+        let pool = pool.upgrade().expect("the pool");
+        for (bytes, flags) in [(1, 0), (4096, 1), (5000, 5), (1 << 20, 7)] {
+            let kind = pool.kind(bytes, flags).expect("pooled");
+            assert_eq!(
+                kind.size,
+                size_class::class_size(size_class::class_of(bytes))
+            );
+            assert_eq!(kind.list & FLAG_BITS, flags);
+            let block = PinnedBlock {
+                host: HostPtr(0x1000),
+                device: None,
+                size: kind.size,
+                list: kind.list,
+                home: 127,
+            };
+            let generation = (1 << 40) + 3;
+            assert_eq!(
+                PinnedPool::untag(HostPtr(0x1000), PinnedPool::tag(generation, &block)),
+                (block, generation)
+            );
+        }
+        assert_eq!(pool.kind(pool.config.max_block + 1, 0), None, "too large");
+        drop(host);
     }
 }

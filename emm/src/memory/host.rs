@@ -72,6 +72,15 @@ pub trait HostReleaseHook: Send + Sync {
     /// The [`PinnedMemory`] at `host` (of `size` bytes, stamped with `tag`) dropped. Runs on the
     /// dropping thread; must not panic.
     fn release(&self, host: HostPtr, size: usize, tag: u64);
+
+    /// As [`release`](Self::release), called by a [`PinnedMemory`] made with
+    /// [`PinnedMemory::with_hook`], which hands over its reference to the hook with it: a pool
+    /// may keep that reference for the next block it hands out, instead of dropping it here
+    /// and cloning one there (two updates of a count every thread shares). The default
+    /// releases and drops it.
+    fn release_owned(self: Arc<Self>, host: HostPtr, size: usize, tag: u64) {
+        self.release(host, size, tag);
+    }
 }
 
 /// What a [`PinnedMemory`] does when it drops.
@@ -82,7 +91,8 @@ enum HostRelease {
     Fn(HostReleaseFn),
     /// A shared hook, told the address, size and tag. `spare`: a clone
     /// [`PinnedMemory::with_shared_hook`] made, which afterwards goes to the dropping thread's
-    /// spares (a caller's own hook, given to `with_hook`, is dropped as given).
+    /// spares; a caller's own hook, given to `with_hook`, is handed back to the hook itself
+    /// ([`HostReleaseHook::release_owned`]).
     Hook {
         hook: Arc<dyn HostReleaseHook>,
         tag: u64,
@@ -325,15 +335,23 @@ impl Drop for PinnedMemory {
     fn drop(&mut self) {
         match std::mem::replace(&mut self.release, HostRelease::Done) {
             HostRelease::Fn(release) => release(self.host, self.size),
-            HostRelease::Hook { hook, tag, spare } => {
+            HostRelease::Hook {
+                hook,
+                tag,
+                spare: false,
+            } => hook.release_owned(self.host, self.size, tag),
+            HostRelease::Hook {
+                hook,
+                tag,
+                spare: true,
+            } => {
                 hook.release(self.host, self.size, tag);
                 let mut hook = Some(hook);
                 // A spare is kept for the next `with_shared_hook` on this thread; dropped
                 // (below, with the list not borrowed) when the list is full or the thread is
                 // exiting.
                 let _ = SPARE_HOOKS.try_with(|s| {
-                    if spare
-                        && let Ok(mut s) = s.try_borrow_mut()
+                    if let Ok(mut s) = s.try_borrow_mut()
                         && s.len() < HOOK_SPARES
                     {
                         s.extend(hook.take());

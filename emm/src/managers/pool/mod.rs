@@ -853,27 +853,10 @@ impl DeviceAllocator for PoolAllocator {
 #[cfg(all(test, not(emm_loom)))]
 mod tests {
     use super::*;
-    use crate::memory::liveness::ContextLiveness;
-    use crate::memory::policy::DeallocConfig;
-    use driver_mock::{SimConfig, SimDriver};
-    use driver_sys::Driver;
 
     /// A pool on a simulated GPU, made as a host runtime that embeds it would: no runtime.
     fn pool() -> (HostLayer, PoolAllocator) {
-        let sim = Arc::new(SimDriver::new(SimConfig::single(256 << 20)));
-        let device = driver_sys::DeviceOrdinal(0);
-        sim.init().expect("cuInit");
-        let context = sim.primary_ctx_retain(device).expect("a context");
-        let cx = ManagerContext {
-            driver: sim,
-            device,
-            context,
-            dealloc_config: DeallocConfig::default(),
-            liveness: Arc::new(ContextLiveness::new()),
-            pinned_pool: None,
-            host_memory_pool: false,
-        };
-        let host = HostLayer::new(&cx);
+        let host = HostLayer::new(&ManagerContext::simulated(None));
         let pool = PoolAllocator::new(&host, PoolConfig::default()).expect("a pool");
         (host, pool)
     }
