@@ -214,13 +214,14 @@ fn host_anchors() {
 }
 
 /// Aggregate pairs per second of `threads` threads, each running `work(t)` (which does
-/// `per_thread` pairs): timed inside the threads, from a common start to the last one's end;
-/// the median of 3 runs.
+/// `per_thread` pairs): timed inside the threads, from the first thread's start to the last
+/// one's end (not each thread's own time: threads that do not all run at once, more of them
+/// than cores or a short run, would count their pairs as if they had); the median of 3 runs.
 fn threaded_median(threads: usize, per_thread: usize, work: impl Fn(usize) + Sync) -> f64 {
     let mut runs: Vec<f64> = (0..3)
         .map(|_| {
             let start = std::sync::Barrier::new(threads);
-            let longest = std::thread::scope(|s| {
+            let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
                 let handles: Vec<_> = (0..threads)
                     .map(|t| {
                         let (start, work) = (&start, &work);
@@ -228,17 +229,18 @@ fn threaded_median(threads: usize, per_thread: usize, work: impl Fn(usize) + Syn
                             start.wait();
                             let t0 = Instant::now();
                             work(t);
-                            t0.elapsed()
+                            (t0, Instant::now())
                         })
                     })
                     .collect();
                 handles
                     .into_iter()
                     .map(|h| h.join().expect("thread"))
-                    .max()
-                    .expect("threads")
+                    .collect()
             });
-            (threads * per_thread) as f64 / longest.as_secs_f64()
+            let first = spans.iter().map(|s| s.0).min().expect("threads");
+            let last = spans.iter().map(|s| s.1).max().expect("threads");
+            (threads * per_thread) as f64 / (last - first).as_secs_f64()
         })
         .collect();
     runs.sort_by(f64::total_cmp);
@@ -258,13 +260,40 @@ fn raw_pool(driver: &dyn Driver, ctx: &Context) -> driver_sys::MemPoolHandle {
     pool
 }
 
-/// Aggregate throughput of small alloc + free pairs on 1 to 32 threads, beside the raw
-/// driver pool's.
+/// Aggregate throughput of small alloc + free pairs on 1 to 32 threads, beside the host C
+/// allocator's and the raw driver pool's.
 fn scaling(driver: &Arc<dyn Driver>) {
+    // The host's own scaling, for the targets' ratios: the C allocator's pairs of the same
+    // sizes in the same pattern (its per-thread caches share nothing), so that what the
+    // host itself loses with threads (clock boost, hyper-threads sharing a core) shows
+    // beside the pools' rows. The host-only rows (this and `pool`, whose cached pairs make no
+    // driver call) run ten times the pairs of `async-pool`'s: a run of a few milliseconds,
+    // long beside the threads' wake-up from the barrier.
+    let host_only = if quick() { 200_000 } else { 2_000_000 };
+    let per_thread = host_only;
+    for threads in [1usize, 2, 4, 8, 16, 32] {
+        let rate = threaded_median(threads, per_thread, |t| {
+            holding(8, per_thread, |i| {
+                std::hint::black_box(Vec::<u8>::with_capacity(256 << ((i + t) % 8)))
+            });
+        });
+        out(
+            "threads",
+            "host malloc",
+            "256B-32KiB",
+            threads,
+            rate / 1e6,
+            "Mpairs/s",
+        );
+    }
     for manager in ["pool", "async-pool"] {
         let rt = runtime(driver, manager, false, vec![]);
         let ctx = rt.context(0).expect("context");
-        let per_thread = if quick() { 20_000 } else { 200_000 };
+        let per_thread = match manager {
+            "pool" => host_only,
+            _ if quick() => 20_000,
+            _ => 200_000,
+        };
         for threads in [1usize, 2, 4, 8, 16, 32] {
             let rate = threaded_median(threads, per_thread, |t| {
                 holding(8, per_thread, |i| {
