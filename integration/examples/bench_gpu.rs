@@ -214,33 +214,50 @@ fn host_anchors() {
 }
 
 /// Aggregate pairs per second of `threads` threads, each running `work(t)` (which does
-/// `per_thread` pairs): timed inside the threads, from the first thread's start to the last
-/// one's end (not each thread's own time: threads that do not all run at once, more of them
-/// than cores or a short run, would count their pairs as if they had); the median of 3 runs.
+/// `per_thread` pairs): timed inside the threads, from a common start to the last one's end;
+/// the median of 3 runs.
+///
+/// The threads start together: each checks in and spins until this thread, seeing them all
+/// in, gives the start (a blocking barrier let a thread that slept in it wake a scheduler
+/// tick late, which the span then counted). Each thread's own time is not used either: threads
+/// that did not all run at once (more of them than cores, or a short run) would count their
+/// pairs as if they had.
 fn threaded_median(threads: usize, per_thread: usize, work: impl Fn(usize) + Sync) -> f64 {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut runs: Vec<f64> = (0..3)
         .map(|_| {
-            let start = std::sync::Barrier::new(threads);
-            let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+            let (ready, go) = (AtomicUsize::new(0), AtomicBool::new(false));
+            std::thread::scope(|s| {
                 let handles: Vec<_> = (0..threads)
                     .map(|t| {
-                        let (start, work) = (&start, &work);
+                        let (ready, go, work) = (&ready, &go, &work);
                         s.spawn(move || {
-                            start.wait();
-                            let t0 = Instant::now();
+                            ready.fetch_add(1, Ordering::AcqRel);
+                            while !go.load(Ordering::Acquire) {
+                                if threads >= cores {
+                                    std::thread::yield_now(); // leave the cores to the others
+                                } else {
+                                    std::hint::spin_loop();
+                                }
+                            }
                             work(t);
-                            (t0, Instant::now())
+                            Instant::now()
                         })
                     })
                     .collect();
-                handles
+                while ready.load(Ordering::Acquire) < threads {
+                    std::thread::yield_now();
+                }
+                let start = Instant::now();
+                go.store(true, Ordering::Release);
+                let last = handles
                     .into_iter()
                     .map(|h| h.join().expect("thread"))
-                    .collect()
-            });
-            let first = spans.iter().map(|s| s.0).min().expect("threads");
-            let last = spans.iter().map(|s| s.1).max().expect("threads");
-            (threads * per_thread) as f64 / (last - first).as_secs_f64()
+                    .max()
+                    .expect("threads");
+                (threads * per_thread) as f64 / (last - start).as_secs_f64()
+            })
         })
         .collect();
     runs.sort_by(f64::total_cmp);
