@@ -243,9 +243,11 @@ impl PinnedMemory {
         }
     }
 
-    /// Pinned memory at `host` that a pool hands out: when this value drops,
-    /// `hook.release(host, size, tag)` runs. Unlike [`with_release`](Self::with_release) this
-    /// allocates nothing per block.
+    /// Pinned memory at `host` that a pool hands out: when this value drops, it hands `hook`
+    /// back with `hook.release_owned(host, size, tag)`
+    /// ([`HostReleaseHook::release_owned`], which by default runs `release` and drops the
+    /// reference). Unlike [`with_release`](Self::with_release) this allocates nothing per
+    /// block.
     pub fn with_hook(
         host: HostPtr,
         size: usize,
