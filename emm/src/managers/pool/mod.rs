@@ -682,7 +682,11 @@ impl PoolAllocator {
         let pool = &*self.shared;
         let size = block_size(bytes, pool.config.small_max);
         let shard = thread_shard();
-        if let Some((addr, generation)) = pool.take_large(shard, size) {
+        // A block larger than a shard's bound is never cached in a shard (`release_large`
+        // gives it to the arena): no shard to look in.
+        if size <= pool.config.cache_bytes_per_shard
+            && let Some((addr, generation)) = pool.take_large(shard, size)
+        {
             return Ok(self.pointer(addr, bytes, generation));
         }
         let (addr, generation) = pool.take_from_arena(host, size)?;
