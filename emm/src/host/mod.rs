@@ -341,8 +341,6 @@ impl HostLayer {
         pool: &Arc<PinnedPool>,
         bytes: usize,
         kind: Kind,
-        mapped: bool,
-        flags: u32,
     ) -> Result<HostMemory, EmmError> {
         let Taken {
             block,
@@ -352,7 +350,9 @@ impl HostLayer {
         let block = match block {
             Some(block) => block,
             None => {
-                let (host, device) = self.host_alloc_from_driver(kind.size, mapped, flags)?;
+                let mapped = kind.mapped();
+                let (host, device) =
+                    self.host_alloc_from_driver(kind.size, mapped, kind.flags())?;
                 let home;
                 (generation, home) = pool.grew(kind.size);
                 tracing::debug!(device = %self.context().device, bytes = kind.size, host = %host, mapped, "pinned host pool grew");
@@ -447,7 +447,7 @@ impl HostLayer {
         if let Some(pool) = &self.pinned
             && let Some(kind) = pool.kind(bytes, flags)
         {
-            return self.pooled_host_alloc(pool, bytes, kind, mapped, flags);
+            return self.pooled_host_alloc(pool, bytes, kind);
         }
         let (host, device) = self.host_alloc_from_driver(bytes, mapped, flags)?;
         tracing::debug!(device = %cx.device, bytes, host = %host, mapped, portable, wc, "pinned host memory allocated");

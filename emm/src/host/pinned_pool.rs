@@ -90,9 +90,14 @@ pub(crate) struct Kind {
 }
 
 impl Kind {
+    /// The `cuMemHostAlloc` flags its blocks are allocated with.
+    pub(crate) fn flags(self) -> u32 {
+        self.list & FLAG_BITS
+    }
+
     /// Whether its blocks are mapped into the device (`DEVICEMAP`).
     pub(crate) fn mapped(self) -> bool {
-        self.list & driver_sys::host_alloc::DEVICEMAP != 0
+        self.flags() & driver_sys::host_alloc::DEVICEMAP != 0
     }
 }
 

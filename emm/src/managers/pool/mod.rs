@@ -340,6 +340,11 @@ impl PoolShared {
     /// A cached block of exactly `size` bytes (above `small_max`) from `shard`, counted as in
     /// use, with its generation.
     fn take_large(&self, (shard, owner): (usize, bool), size: usize) -> Option<(u64, u64)> {
+        if size > self.config.cache_bytes_per_shard {
+            // Never cached in a shard (`release_large` gives it to the arena): no shard to
+            // enter.
+            return None;
+        }
         let mut lists = self.shards[shard].inner.enter(owner);
         let i = lists.large.iter().rposition(|&(_, s)| s == size)?;
         let (addr, _) = lists.large.remove(i);
@@ -682,11 +687,7 @@ impl PoolAllocator {
         let pool = &*self.shared;
         let size = block_size(bytes, pool.config.small_max);
         let shard = thread_shard();
-        // A block larger than a shard's bound is never cached in a shard (`release_large`
-        // gives it to the arena): no shard to look in.
-        if size <= pool.config.cache_bytes_per_shard
-            && let Some((addr, generation)) = pool.take_large(shard, size)
-        {
+        if let Some((addr, generation)) = pool.take_large(shard, size) {
             return Ok(self.pointer(addr, bytes, generation));
         }
         let (addr, generation) = pool.take_from_arena(host, size)?;
