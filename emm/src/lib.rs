@@ -51,6 +51,7 @@
 
 // Layer 0: foundations.
 mod error;
+mod lines;
 mod size_class;
 mod slab;
 mod sync;

@@ -39,6 +39,7 @@ use std::sync::Arc;
 use driver_sys::{DevicePtr, HostPtr};
 
 use crate::contract::info::{PinnedPoolConfig, PoolStats};
+use crate::lines::Lines;
 use crate::memory::HostReleaseHook;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::size_class;
@@ -121,7 +122,8 @@ pub(crate) struct Taken {
 /// when the block comes back.
 #[derive(Default)]
 struct Hooks {
-    spare: Vec<Arc<PinnedPool>>,
+    /// On lines of their own, as the block lists (`Lines`).
+    spare: Lines<Arc<PinnedPool>>,
     closed: bool,
 }
 
@@ -142,11 +144,14 @@ const SPILL_AT: usize = 16;
 const REFILL: usize = 16;
 
 /// One thread's free lists.
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Lists {
     /// Free blocks by [`list_index`]: size class, then flags (a plain index, not a hash map: a
-    /// hashed key cost about 400 instructions of the 1 000 a cached pair took).
-    free: Vec<Vec<PinnedBlock>>,
+    /// hashed key cost about 400 instructions of the 1 000 a cached pair took). The lists and
+    /// their blocks are on lines no other allocation shares (`Lines`): the lists outlive the
+    /// threads that grew them, and a thread written beside them would slow their owner's
+    /// every pair.
+    free: Lines<Lines<PinnedBlock>>,
     cached: usize,
     /// Bytes this shard may cache (taken from [`Totals::allowed`]).
     allowance: usize,
@@ -167,7 +172,7 @@ impl Lists {
 
     /// The list at `i`, made if it is not there yet.
     #[inline(always)]
-    fn list(&mut self, i: usize) -> &mut Vec<PinnedBlock> {
+    fn list(&mut self, i: usize) -> &mut Lines<PinnedBlock> {
         if self.free.len() <= i {
             self.grow_to(i);
         }
@@ -177,7 +182,9 @@ impl Lists {
     #[cold]
     #[inline(never)]
     fn grow_to(&mut self, i: usize) {
-        self.free.resize_with(i + 1, Vec::new);
+        while self.free.len() <= i {
+            self.free.push(Lines::new());
+        }
     }
 
     /// Moves up to `most` blocks of `from`'s list `i` (`size` bytes each) to `to`, with their
@@ -187,7 +194,7 @@ impl Lists {
             return 0;
         };
         let n = list.len().min(most);
-        to.list(i).extend(list.drain(list.len() - n..));
+        to.list(i).extend(list.split_off_last(n));
         from.cached -= n * size;
         from.allowance -= n * size;
         to.cached += n * size;
@@ -571,7 +578,7 @@ impl PinnedPool {
             .iter_mut()
             .flat_map(|lists| {
                 lists.hooks.closed = true;
-                std::mem::take(&mut lists.hooks.spare)
+                lists.hooks.spare.take_all()
             })
             .collect();
         drop(all);
@@ -604,7 +611,7 @@ impl PinnedPool {
         let mut totals = lock(&self.totals);
         let mut blocks = Vec::new();
         for lists in all.iter_mut() {
-            blocks.extend(lists.free.iter_mut().flat_map(std::mem::take));
+            blocks.extend(lists.free.iter_mut().flat_map(Lines::take_all));
             lists.cached = 0;
             lists.allowance = 0;
             if reset {
@@ -632,7 +639,7 @@ impl PinnedPool {
             in_use += lists.in_use;
             in_use_blocks += lists.in_use_blocks;
             cached += lists.cached;
-            free_blocks += lists.free.iter().map(Vec::len).sum::<usize>();
+            free_blocks += lists.free.iter().map(|l| l.len()).sum::<usize>();
         }
         let totals = lock(&self.totals);
         let in_use_blocks = in_use_blocks.max(0) as usize;

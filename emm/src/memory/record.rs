@@ -43,6 +43,12 @@ const DEPOT_BATCHES: usize = 64;
 /// The process-wide batches of spare boxes of one [`Recycle`] type.
 pub(crate) type Depot<T> = std::sync::Mutex<Vec<Vec<Spare<T>>>>;
 
+/// The box: aligned to 128 bytes and sized a multiple of them (an `Allocation`'s is 128 bytes
+/// either way), so it shares no cache line with another allocation. A box outlives the thread
+/// that made it (it is recycled, and a pool parks it with its block in a shard), and the next
+/// thread that takes the maker's malloc arena would otherwise put its own objects on the lines
+/// the box's new user writes on every pair (see `lines.rs`).
+#[repr(align(128))]
 struct Inner<T> {
     refs: AtomicUsize,
     value: T,
@@ -387,6 +393,23 @@ mod tests {
         }
     }
     recycle_per_thread!(Counted, (), |_: &mut Counted| None);
+
+    /// A pointer's box fills its 128-byte lines exactly: aligned, with no other allocation on
+    /// them, and nothing wasted (a larger `Allocation` would cost a second pair of lines).
+    #[test]
+    fn a_pointers_box_is_one_pair_of_lines() {
+        assert_eq!(
+            std::mem::align_of::<Inner<crate::memory::pointer::Allocation>>(),
+            128
+        );
+        #[cfg(target_pointer_width = "64")]
+        assert_eq!(
+            std::mem::size_of::<Inner<crate::memory::pointer::Allocation>>(),
+            128
+        );
+        let r = Record::new(Counted(Arc::new(StdAtomic::new(0))));
+        assert_eq!(r.ptr.as_ptr().addr() % 128, 0);
+    }
 
     #[test]
     fn the_value_drops_once_when_the_last_owner_goes_and_the_box_is_reused() {

@@ -12,6 +12,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("sync", 0),
     ("size_class", 0),
     ("slab", 0),
+    ("lines", 0),
     ("test_config", 0),
     ("thread_slots", 0),
     ("units", 0),

@@ -6,29 +6,29 @@ use std::sync::Arc;
 use driver_sys::DevicePtr;
 
 use super::{CLASSES, PoolShared};
+use crate::lines::{self, Lines};
 use crate::memory::pointer::{ParkedPointer, PoolHook, ReleaseHook};
 use crate::size_class::class_size;
 use crate::sync::Ordering;
 use crate::thread_slots::thread_shard;
 
 /// The most pointer records one shard keeps parked with their blocks ([`ParkedPointer`]), over
-/// all classes: a record is a heap box of 120 bytes on x86-64, so at most 30 KiB per shard.
+/// all classes: a record is a heap box of 128 bytes on x86-64, so at most 32 KiB per shard.
 pub(super) const PARKED_PER_SHARD: usize = 256;
 
-#[derive(Default)]
 pub(super) struct ShardLists {
     /// Per size class, free blocks whose last pointer's record is kept with them (most recent
     /// last): the next allocation of the class revives one. Taken before `free`.
-    pub(super) parked: Vec<Vec<ParkedPointer>>,
+    pub(super) parked: [Lines<ParkedPointer>; CLASSES],
     /// Records `parked` may still take: [`PARKED_PER_SHARD`] less those it holds, and 0 once
     /// the pool's allocator dropped (a pointer that outlives it must not park its record,
     /// which would keep the pool alive through its hook with nobody left to let it go).
     pub(super) park_room: usize,
     /// Per size class, free blocks by address.
-    pub(super) free: Vec<Vec<u64>>,
+    pub(super) free: [Lines<u64>; CLASSES],
     /// Free blocks above `small_max` (address, size), oldest first: at most
     /// [`LARGE_SLOTS`](super::LARGE_SLOTS).
-    pub(super) large: Vec<(u64, usize)>,
+    pub(super) large: Lines<(u64, usize)>,
     /// Bytes of `parked`, `free` and `large`.
     pub(super) cached_bytes: usize,
     /// Blocks and bytes handed out from or returned to this shard; a block allocated on one
@@ -38,12 +38,18 @@ pub(super) struct ShardLists {
 }
 
 impl ShardLists {
+    /// Empty lists. They live inside the shard (on its own lines: `Shard`), and their elements
+    /// on lines of their own (`Lines`): whichever thread grows a list, the lines its owner
+    /// writes on every pair share nothing with another thread's allocations.
     pub(super) fn new() -> ShardLists {
         ShardLists {
-            parked: (0..CLASSES).map(|_| Vec::new()).collect(),
+            parked: std::array::from_fn(|_| Lines::new()),
             park_room: PARKED_PER_SHARD,
-            free: (0..CLASSES).map(|_| Vec::new()).collect(),
-            ..ShardLists::default()
+            free: std::array::from_fn(|_| Lines::new()),
+            large: Lines::new(),
+            cached_bytes: 0,
+            in_use_blocks: 0,
+            in_use_bytes: 0,
         }
     }
 
@@ -68,7 +74,7 @@ impl ShardLists {
     /// entered: [`unparked`]).
     pub(super) fn take_parked(&mut self) -> Vec<(usize, Vec<ParkedPointer>)> {
         self.park_room = PARKED_PER_SHARD;
-        super::take_nonempty(&mut self.parked)
+        lines::take_nonempty(&mut self.parked)
     }
 }
 
