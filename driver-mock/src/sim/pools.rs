@@ -402,8 +402,10 @@ impl World {
         let i = context(self, pid, ctx, note)?;
         self.check_stream(pid, stream.0)?;
         let p = self.pool_mut(pid, pool)?;
-        // An imported pool makes no allocations (the driver documents it).
-        if bytes == 0 || p.device != i || p.imported_from.is_some() {
+        // A destroyed pool that lingers until its allocations are freed makes no new ones (its
+        // handle is invalid to the caller from the destroy on); an imported pool makes none
+        // either (the driver documents it).
+        if bytes == 0 || p.device != i || p.imported_from.is_some() || p.destroyed {
             return Err(code::INVALID_VALUE);
         }
         // Best fit among the blocks this stream may reuse. The driver splits blocks; the
