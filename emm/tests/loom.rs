@@ -439,8 +439,8 @@ fn pool_trim_races_a_park_and_a_revive() {
 }
 
 /// `async-pool`'s reset racing another thread that drops an allocation and allocates again:
-/// allocations and frees hold their thread's gate across their driver call, the reset takes
-/// every gate. Whatever the interleaving, no driver call reaches a destroyed pool,
+/// allocations and frees hold the pool's lock for reading across their driver call, the reset
+/// holds it for writing. Whatever the interleaving, no driver call reaches a destroyed pool,
 /// and every allocation is freed exactly once (by its drop or by the reset).
 #[test]
 fn async_pool_reset_races_a_drop_and_an_allocation() {

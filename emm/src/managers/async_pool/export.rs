@@ -8,6 +8,7 @@ use crate::contract::ipc::IpcHandle;
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
 use crate::memory::pointer::MemoryPointer;
+use crate::sync::write;
 
 impl AsyncPoolAllocator {
     /// Exports the pool (created if need be) as a new file descriptor, and records that it
@@ -39,9 +40,9 @@ impl AsyncPoolAllocator {
         let cx = &self.shared.cx;
         let _live = cx.enter("get_ipc_handle")?;
         let base = memory.allocation_base();
-        // Every gate: the export may record `exported`, and no reset destroys the pool while
-        // the allocation is exported.
-        let (_gates, mut state) = self.shared.exclusive();
+        // The write lock: the export may record `exported`, and no reset destroys the pool
+        // while the allocation is exported.
+        let mut state = write(&self.shared.state);
         let (Some(id), true) = (state.id, self.shared.live.contains(base.0)) else {
             return Err(EmmError::InvalidArgument {
                 what: "memory passed to get_ipc_handle",
@@ -72,7 +73,7 @@ impl AsyncPoolAllocator {
         }
         let _live = cx.enter("export_pool")?;
         let (fd, id) = {
-            let (_gates, mut state) = self.shared.exclusive();
+            let mut state = write(&self.shared.state);
             let fd = self
                 .export_fd(&mut state)
                 .map_err(self.err("export_pool"))?;

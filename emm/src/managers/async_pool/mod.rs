@@ -20,11 +20,9 @@
 //! - A pointer's last drop calls `cuMemFreeAsync` at once (it is cheap and does not
 //!   synchronise), so nothing goes through the deferred queue.
 //! - **Threads**: allocations and frees do not wait for each other. The driver's pool is
-//!   thread-safe; an allocation or a free holds its thread's gate across its driver call (a
-//!   per-thread shard entered without a read-modify-write, as the `pool` manager's shards
-//!   are), and creation, export and reset take every gate (one `membarrier` for all), so that
-//!   none of them runs while an allocation or a free is in flight. The live allocations are
-//!   kept in 16 shards by address, each on its own cache lines under a spin lock. The loom model
+//!   thread-safe; emm holds the pool's handle behind a read-write lock that they take for
+//!   reading across their driver call (creation, export and reset take it for writing), and
+//!   keeps the live allocations in 16 shards by address. The loom model
 //!   `async_pool_reset_races_a_drop_and_an_allocation` checks that no call reaches a
 //!   destroyed pool and that every allocation is freed once.
 //! - `trim` synchronises the stream and calls `cuMemPoolTrimTo(0)`; `reset` destroys the pool
@@ -72,8 +70,7 @@ use crate::managers::default::DriverAllocator;
 use crate::memory::AddressSet;
 use crate::memory::pending::PendingDeallocs;
 use crate::memory::pointer::{MemoryPointer, PoolHook, ReleaseHook, StreamUse};
-use crate::sync::{AtomicU64, Bias, Biased, BiasedGuard, Mutex, MutexGuard, Ordering, lock};
-use crate::thread_slots::{self, Shard, thread_shard};
+use crate::sync::{AtomicU64, Mutex, Ordering, RwLock, lock, read, write};
 
 #[cfg(unix)]
 mod export;
@@ -91,9 +88,9 @@ pub const ASYNC_POOL_MANAGED_MANAGER: &str = "async-pool-managed";
 
 const STREAM: StreamHandle = StreamHandle(0);
 
-/// The pool, changed only with every gate held ([`Shared::exclusive`]): allocations and frees
-/// hold their own thread's gate across their driver call, so a reset cannot destroy the pool
-/// under them, and they do not wait for each other (the driver's pool is thread-safe).
+/// The pool, behind a read-write lock: allocations and frees hold it for reading across their
+/// driver call (so a reset cannot destroy the pool under them, and they do not wait for each
+/// other: the driver's pool is thread-safe), creation, export and reset hold it for writing.
 struct PoolState {
     pool: Option<MemPoolHandle>,
     /// The pool's name across processes (IPC-enabled pools only; new with every pool).
@@ -108,56 +105,48 @@ const LIVE_SHARDS: usize = 16;
 
 /// Allocations not freed yet, sharded by address: a reset frees them before it destroys the
 /// pool, because the driver releases a destroyed pool's memory only once its allocations are
-/// freed. Each shard is on cache lines of its own, under a spin lock (one compare-exchange to
-/// take, a store to leave: a `Mutex` leaves with a second read-modify-write), held for one set
-/// operation. A shard is locked only while a gate is held (one, or all of them), never the
+/// freed. A shard is locked only while the pool's lock is held (read or write), never the
 /// other way round.
-struct Live([Shard<AddressSet>; LIVE_SHARDS]);
+struct Live([Mutex<AddressSet>; LIVE_SHARDS]);
 
 impl Live {
     fn new() -> Live {
-        Live(std::array::from_fn(|_| Shard {
-            inner: Biased::new(AddressSet::default(), Bias::None),
-        }))
+        Live(std::array::from_fn(|_| Mutex::new(AddressSet::default())))
     }
 
-    fn shard(&self, ptr: u64) -> BiasedGuard<'_, AddressSet> {
+    fn shard(&self, ptr: u64) -> &Mutex<AddressSet> {
         // Pool blocks are at least 256-byte aligned: mix the bits above the alignment.
         let h = (ptr >> 8) ^ (ptr >> 20);
-        self.0[(h as usize) % LIVE_SHARDS].inner.lock()
+        &self.0[(h as usize) % LIVE_SHARDS]
     }
 
     fn insert(&self, ptr: u64) {
-        self.shard(ptr).insert(ptr);
+        lock(self.shard(ptr)).insert(ptr);
     }
 
     fn remove(&self, ptr: u64) -> bool {
-        self.shard(ptr).remove(&ptr)
+        lock(self.shard(ptr)).remove(&ptr)
     }
 
     /// Whether `ptr` is live (the IPC export's check; pools are exported on Unix only).
     #[cfg(unix)]
     fn contains(&self, ptr: u64) -> bool {
-        self.shard(ptr).contains(&ptr)
+        lock(self.shard(ptr)).contains(&ptr)
     }
 
     fn len(&self) -> usize {
-        self.0.iter().map(|s| s.inner.lock().len()).sum()
+        self.0.iter().map(|s| lock(s).len()).sum()
     }
 
-    /// Takes every address out (a reset, with every gate held).
+    /// Takes every address out (a reset, with the pool's lock held for writing).
     fn take_all(&self) -> Vec<u64> {
         let mut all = Vec::new();
         for s in &self.0 {
-            all.extend(std::mem::take(&mut *s.inner.lock()));
+            all.extend(std::mem::take(&mut *lock(s)));
         }
         all
     }
 }
-
-/// No pool: the value of [`Shared::pool`] before the first use and after a reset (a driver's
-/// pool handle is a pointer, never null).
-const NO_POOL: u64 = 0;
 
 struct Shared {
     cx: ManagerContext,
@@ -165,14 +154,7 @@ struct Shared {
     ipc: bool,
     /// Whether the pool is a managed-memory pool (`async-pool-managed`).
     managed: bool,
-    /// The pool's handle ([`NO_POOL`] when there is none), read under a gate; stored only with
-    /// every gate held, beside `state.pool`.
-    pool: AtomicU64,
-    /// One per thread shard ([`thread_slots`]): an allocation or a free enters its thread's
-    /// (its owner's fast path: no read-modify-write), creation, export and reset take them all.
-    gates: Box<[Shard<()>]>,
-    /// What creation, export and reset change: locked after every gate.
-    state: Mutex<PoolState>,
+    state: RwLock<PoolState>,
     /// The pool's allocations not freed yet.
     live: Live,
     /// Bumped by `reset` (with the state locked for writing); pointers of older generations
@@ -184,29 +166,9 @@ struct Shared {
 }
 
 impl Shared {
-    /// This thread's gate, held while the pool is used: creation, export and reset wait for
-    /// it. Not re-entrant: nothing done under it enters a gate again.
-    fn gate(&self) -> BiasedGuard<'_, ()> {
-        let (shard, owner) = thread_shard();
-        self.gates[shard].inner.enter(owner)
-    }
-
-    /// Every gate, then the state: no allocation or free is in flight or can start until the
-    /// guards drop. The caller holds no gate.
-    fn exclusive(&self) -> (Vec<BiasedGuard<'_, ()>>, MutexGuard<'_, PoolState>) {
-        let gates = thread_slots::lock_all(&self.gates);
-        (gates, lock(&self.state))
-    }
-
-    /// The pool, read under a gate.
-    fn current_pool(&self) -> Option<MemPoolHandle> {
-        let pool = self.pool.load(Ordering::Acquire);
-        (pool != NO_POOL).then_some(MemPoolHandle(pool))
-    }
-
     /// Frees `base` on `stream` once the last record of every other stream in `after` is done.
     fn free(&self, base: DevicePtr, tag: u64, stream: StreamHandle, after: Option<&StreamUse>) {
-        let gate = self.gate();
+        let state = read(&self.state);
         if self.generation.load(Ordering::Acquire) != tag || !self.live.remove(base.0) {
             return;
         }
@@ -215,7 +177,8 @@ impl Shared {
         };
         let device = self.cx.device;
         // SAFETY: `base` came from `cuMemAllocFromPoolAsync` of the current pool (the
-        // generation matches, and the gate keeps a reset from destroying the pool meanwhile); its last pointer dropped, so it is freed once and not used after but by
+        // generation matches, and the state's read lock keeps a reset from destroying the pool
+        // meanwhile); its last pointer dropped, so it is freed once and not used after but by
         // work already queued, which the freeing stream waits for; the context is alive
         // (`_live`).
         if let Err(e) = unsafe { self.fences.free_async_after(base, stream, after) } {
@@ -226,7 +189,7 @@ impl Shared {
             self.queue
                 .record_error(EmmError::driver("cuMemFreeAsync", device, e));
         }
-        drop(gate);
+        drop(state);
     }
 }
 
@@ -265,7 +228,7 @@ impl fmt::Debug for AsyncPoolAllocator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AsyncPoolAllocator")
             .field("device", &self.shared.cx.device)
-            .field("pool", &self.shared.current_pool())
+            .field("pool", &read(&self.shared.state).pool)
             .finish()
     }
 }
@@ -293,9 +256,7 @@ impl AsyncPoolAllocator {
             cx: host.context().clone(),
             ipc,
             managed,
-            pool: AtomicU64::new(NO_POOL),
-            gates: Shard::all(|| ()),
-            state: Mutex::new(PoolState {
+            state: RwLock::new(PoolState {
                 pool: None,
                 id: None,
                 exported: false,
@@ -352,8 +313,7 @@ impl AsyncPoolAllocator {
         move |e| EmmError::driver(op, self.shared.cx.device, e)
     }
 
-    /// The pool, created on first use with the release threshold at its maximum. The caller
-    /// holds every gate and the state ([`Shared::exclusive`]).
+    /// The pool, created on first use with the release threshold at its maximum.
     fn pool(&self, state: &mut PoolState) -> Result<MemPoolHandle, DriverError> {
         if let Some(p) = state.pool {
             return Ok(p);
@@ -366,20 +326,12 @@ impl AsyncPoolAllocator {
             cx.driver
                 .mem_pool_create(cx.context, cx.device, self.shared.ipc)?
         };
-        if pool.0 == NO_POOL {
-            return Err(DriverError::from_kind(
-                "cuMemPoolCreate",
-                driver_sys::ErrorKind::InvalidValue,
-            )
-            .with_detail("the driver returned a null pool handle; please report this with the driver version"));
-        }
         // SAFETY: created just above, handed to no one.
         let pool = unsafe { cx.adopt_new_pool(pool, false) }?;
         state.id = self.shared.ipc.then(PoolId::fresh);
         state.exported = false;
         tracing::debug!(device = %cx.device, ?pool, id = ?state.id, "stream-ordered pool created");
         state.pool = Some(pool);
-        self.shared.pool.store(pool.0, Ordering::Release);
         Ok(pool)
     }
 
@@ -387,8 +339,8 @@ impl AsyncPoolAllocator {
     pub fn trim(&self) -> Result<usize, EmmError> {
         let cx = &self.shared.cx;
         let _live = cx.enter("trim")?;
-        let _gate = self.shared.gate();
-        let Some(pool) = self.shared.current_pool() else {
+        let state = read(&self.shared.state);
+        let Some(pool) = state.pool else {
             return Ok(0);
         };
         let before = cx
@@ -413,8 +365,8 @@ impl AsyncPoolAllocator {
         let cx = &self.shared.cx;
         let _live = cx.liveness.enter()?;
         let (pool, blocks) = {
-            let _gate = self.shared.gate();
-            (self.shared.current_pool()?, self.shared.live.len())
+            let state = read(&self.shared.state);
+            (state.pool?, self.shared.live.len())
         };
         let usage = match cx.driver.mem_pool_usage(cx.context, pool) {
             Ok(u) => u,
@@ -474,18 +426,18 @@ impl AsyncPoolAllocator {
         let cx = &shared.cx;
         host.attempt_allocation(what, AllocationKind::Device, bytes, || {
             loop {
-                let gate = shared.gate();
-                if let Some(pool) = shared.current_pool() {
-                    // Under the gate: other threads allocate and free meanwhile, a reset
+                let state = read(&shared.state);
+                if let Some(pool) = state.pool {
+                    // Under the read lock: other threads allocate and free meanwhile, a reset
                     // waits, and the generation read below is the pool's.
                     let ptr = cx.alloc_from_pool(pool, bytes, stream)?;
                     shared.live.insert(ptr.0);
                     return Ok((ptr, shared.generation.load(Ordering::Acquire)));
                 }
-                drop(gate);
-                // No pool yet (first use, or after a reset): made with every gate held, then
+                drop(state);
+                // No pool yet (first use, or after a reset): made under the write lock, then
                 // the allocation goes round again.
-                self.pool(&mut shared.exclusive().1)?;
+                self.pool(&mut write(&shared.state))?;
             }
         })
     }
@@ -526,7 +478,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
     fn initialize(&self, host: &HostLayer) -> Result<(), EmmError> {
         DriverAllocator.initialize(host)?;
         let _live = self.shared.cx.enter("initialize")?;
-        let (_gates, mut state) = self.shared.exclusive();
+        let mut state = write(&self.shared.state);
         self.pool(&mut state)
             .map(|_| ())
             .map_err(self.err("initialize"))
@@ -550,11 +502,10 @@ impl DeviceAllocator for AsyncPoolAllocator {
 
     fn reset(&self, _host: &HostLayer) -> Result<(), EmmError> {
         let cx = &self.shared.cx;
-        let (_gates, mut state) = self.shared.exclusive();
+        let mut state = write(&self.shared.state);
         self.shared.generation.fetch_add(1, Ordering::AcqRel);
         let live = self.shared.live.take_all();
         state.id = None;
-        self.shared.pool.store(NO_POOL, Ordering::Release);
         let Some(pool) = state.pool.take() else {
             return Ok(());
         };
