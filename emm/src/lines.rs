@@ -175,9 +175,16 @@ impl<T> Lines<T> {
     /// If `i` is not below the length.
     pub(crate) fn remove(&mut self, i: usize) -> T {
         assert!(i < self.len, "index {i} past a list of {}", self.len);
-        let mut taken = Vec::with_capacity(1);
-        self.move_out(i, 1, &mut taken);
-        taken.pop().expect("one moved out")
+        // SAFETY: `i` < `len`: the slot holds an element, read out once; the `len - i - 1`
+        // elements after it then move down over it (`copy` allows the overlap), and the length
+        // drops by one, so every element is owned once.
+        unsafe {
+            let at = self.ptr.as_ptr().add(i);
+            let value = at.read();
+            std::ptr::copy(at.add(1), at, self.len - i - 1);
+            self.len -= 1;
+            value
+        }
     }
 
     /// Takes every element out, in order, and frees the buffer.

@@ -78,6 +78,11 @@ impl ParkedPointer {
         }
     }
 
+    /// The block's address.
+    pub(crate) fn base(&self) -> u64 {
+        self.0.value().base.0
+    }
+
     /// The block's address, the record let go without releasing the block (the pool takes it
     /// back itself: a trim, a reset, a full shard): its box goes to this thread's spares with
     /// the hook's clone, as a retired pool pointer's does.

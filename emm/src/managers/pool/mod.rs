@@ -84,7 +84,7 @@ mod shards;
 mod streams;
 
 use arena::Arena;
-use shards::{Depot, ShardHook, ShardLists, unparked};
+use shards::{Depot, Large, ShardHook, ShardLists, unparked};
 use streams::{StreamCache, StreamHook};
 
 /// The name the pool manager is registered under.
@@ -230,7 +230,10 @@ impl PoolShared {
         tag: u64,
     ) -> Option<ParkedPointer> {
         if bytes > self.config.small_max {
-            return Some(record);
+            if bytes > self.config.cache_bytes_per_shard {
+                return Some(record); // never cached in a shard: to the arena
+            }
+            return self.park_large((shard, owner), record, bytes, tag);
         }
         let class = class_of(bytes);
         let size = class_size(class);
@@ -247,6 +250,68 @@ impl PoolShared {
         lists.park_room -= 1;
         lists.parked[class].push(record);
         None
+    }
+
+    /// [`park`](Self::park) for a block above `small_max`: kept with its record in the shard's
+    /// large blocks, as [`release_large`](Self::release_large) keeps a block alone, when the
+    /// shard has room for a record and the block is within its byte bound.
+    #[inline(never)]
+    fn park_large(
+        &self,
+        (shard, owner): (usize, bool),
+        record: ParkedPointer,
+        bytes: usize,
+        tag: u64,
+    ) -> Option<ParkedPointer> {
+        let size = block_size(bytes, self.config.small_max);
+        if size > self.config.cache_bytes_per_shard {
+            return Some(record); // never cached in a shard: to the arena
+        }
+        let evicted = {
+            let mut lists = self.shards[shard].inner.enter(owner);
+            if lists.park_room == 0 || self.generation.load(Ordering::Acquire) != tag {
+                return Some(record);
+            }
+            lists.park_room -= 1;
+            lists.returned(size);
+            let addr = record.base();
+            self.keep_large(
+                &mut lists,
+                Large {
+                    addr,
+                    size,
+                    record: Some(record),
+                },
+            )
+        };
+        if !evicted.is_empty() {
+            self.to_arena(tag, evicted);
+        }
+        None
+    }
+
+    /// Puts `block` (counted as returned) on `lists`' large blocks and evicts the oldest past
+    /// [`LARGE_SLOTS`] or the byte bound, the block itself included if need be; returns the
+    /// evicted blocks, their records let go, for the arena.
+    fn keep_large(&self, lists: &mut ShardLists, block: Large) -> Vec<(u64, usize)> {
+        let bound = self.config.cache_bytes_per_shard;
+        lists.cached_bytes += block.size;
+        lists.large.push(block);
+        let mut evict = 0;
+        // The small classes' bytes count against the bound too, so it may take every large
+        // block, the one just given included.
+        while evict < lists.large.len()
+            && (lists.large.len() - evict > LARGE_SLOTS || lists.cached_bytes > bound)
+        {
+            lists.cached_bytes -= lists.large[evict].size;
+            evict += 1;
+        }
+        if evict == 0 {
+            return Vec::new();
+        }
+        let evicted = lists.large.take_first(evict);
+        lists.park_room += evicted.iter().filter(|b| b.record.is_some()).count();
+        evicted.into_iter().map(Large::into_block).collect()
     }
 
     fn release(&self, (shard, owner): (usize, bool), addr: u64, bytes: usize, tag: u64) {
@@ -308,29 +373,22 @@ impl PoolShared {
     /// [`LARGE_SLOTS`] it was given (within its byte bound, so a block larger than the bound
     /// goes to the arena at once); the oldest go to the arena, where they coalesce.
     fn release_large(&self, (shard, owner): (usize, bool), addr: u64, size: usize, tag: u64) {
-        let bound = self.config.cache_bytes_per_shard;
         let evicted: Vec<(u64, usize)> = {
             let mut lists = self.shards[shard].inner.enter(owner);
             if self.generation.load(Ordering::Acquire) != tag {
                 return; // a reset freed its chunk
             }
             lists.returned(size);
-            if size > bound {
+            if size > self.config.cache_bytes_per_shard {
                 drop(lists);
                 return self.to_arena(tag, [(addr, size)]);
             }
-            lists.large.push((addr, size));
-            lists.cached_bytes += size;
-            let mut evict = 0;
-            // The small classes' bytes count against the bound too, so it may take every large
-            // block, the one just given included.
-            while evict < lists.large.len()
-                && (lists.large.len() - evict > LARGE_SLOTS || lists.cached_bytes > bound)
-            {
-                lists.cached_bytes -= lists.large[evict].1;
-                evict += 1;
-            }
-            lists.large.take_first(evict)
+            let block = Large {
+                addr,
+                size,
+                record: None,
+            };
+            self.keep_large(&mut lists, block)
         };
         if !evicted.is_empty() {
             self.to_arena(tag, evicted);
@@ -339,18 +397,19 @@ impl PoolShared {
 
     /// A cached block of exactly `size` bytes (above `small_max`) from `shard`, counted as in
     /// use, with its generation.
-    fn take_large(&self, (shard, owner): (usize, bool), size: usize) -> Option<(u64, u64)> {
+    fn take_large(&self, (shard, owner): (usize, bool), size: usize) -> Option<(Large, u64)> {
         if size > self.config.cache_bytes_per_shard {
             // Never cached in a shard (`release_large` gives it to the arena): no shard to
             // enter.
             return None;
         }
         let mut lists = self.shards[shard].inner.enter(owner);
-        let i = lists.large.iter().rposition(|&(_, s)| s == size)?;
-        let (addr, _) = lists.large.remove(i);
+        let i = lists.large.iter().rposition(|b| b.size == size)?;
+        let block = lists.large.remove(i);
         lists.cached_bytes -= size;
+        lists.park_room += usize::from(block.record.is_some());
         lists.lent(size);
-        Some((addr, self.generation.load(Ordering::Acquire)))
+        Some((block, self.generation.load(Ordering::Acquire)))
     }
 
     /// Counts a block of `size` bytes that `shard`'s thread took from the arena as in use,
@@ -397,11 +456,10 @@ impl PoolShared {
                     if close {
                         lists.park_room = 0;
                     }
-                    (
-                        parked,
-                        lines::take_nonempty(&mut lists.free),
-                        lists.large.take_all(),
-                    )
+                    // Every record is out, the large blocks' too: `take_parked` gave the shard
+                    // back all its room.
+                    let large = lists.large.take_all();
+                    (parked, lines::take_nonempty(&mut lists.free), large)
                 })
                 .collect();
             // Read under every shard's lock: a reset, which takes them all, cannot move it.
@@ -412,6 +470,7 @@ impl PoolShared {
             let blocks = lists
                 .into_iter()
                 .flat_map(|(class, held)| held.into_iter().map(move |a| (a, class_size(class))));
+            let large = large.into_iter().map(Large::into_block);
             self.to_arena(generation, unparked(parked).chain(blocks).chain(large));
         }
     }
@@ -690,8 +749,11 @@ impl PoolAllocator {
         let pool = &*self.shared;
         let size = block_size(bytes, pool.config.small_max);
         let shard = thread_shard();
-        if let Some((addr, generation)) = pool.take_large(shard, size) {
-            return Ok(self.pointer(addr, bytes, generation));
+        if let Some((block, generation)) = pool.take_large(shard, size) {
+            return Ok(match block.record {
+                Some(record) => record.revive(bytes, generation),
+                None => self.pointer(block.addr, bytes, generation),
+            });
         }
         let (addr, generation) = pool.take_from_arena(host, size)?;
         pool.count_in_use(shard, size, generation);
@@ -809,7 +871,7 @@ impl DeviceAllocator for PoolAllocator {
 
     fn reset(&self, host: &HostLayer) -> Result<(), EmmError> {
         let pool = &*self.shared;
-        let mut parked = Vec::new();
+        let (mut parked, mut large) = (Vec::new(), Vec::new());
         let chunks = {
             let mut streams: Vec<_> = pool.streams.shards.iter().map(|s| lock(&s.inner)).collect();
             let mut arena = lock(&pool.arena);
@@ -827,7 +889,8 @@ impl DeviceAllocator for PoolAllocator {
                 for l in &mut lists.free {
                     l.clear();
                 }
-                lists.large.clear();
+                // Their records are let go below, with no shard entered, as the small blocks'.
+                large.extend(lists.large.take_all());
                 lists.cached_bytes = 0;
                 lists.in_use_blocks = 0;
                 lists.in_use_bytes = 0;
@@ -837,6 +900,7 @@ impl DeviceAllocator for PoolAllocator {
         };
         // Let go with no shard entered; their blocks were in the chunks just released.
         parked.into_iter().flat_map(unparked).for_each(drop);
+        large.into_iter().map(Large::into_block).for_each(drop);
         tracing::info!(device = %pool.cx.device, chunks = chunks.len(), bytes = chunks.values().sum::<usize>(), "pool reset");
         if let Some(_live) = pool.cx.liveness.enter() {
             pool.fences.destroy_idle();
@@ -869,12 +933,14 @@ mod tests {
         (host, pool)
     }
 
-    /// Records parked in every shard, checked against each shard's count.
+    /// Records parked in every shard (small blocks' and large blocks'), checked against each
+    /// shard's count.
     fn parked(pool: &PoolShared) -> usize {
         thread_slots::lock_all(&pool.shards)
             .iter()
             .map(|l| {
-                let n: usize = l.parked.iter().map(|p| p.len()).sum();
+                let n: usize = l.parked.iter().map(|p| p.len()).sum::<usize>()
+                    + l.large.iter().filter(|b| b.record.is_some()).count();
                 let closed = n == 0 && l.park_room == 0;
                 assert!(
                     closed || n + l.park_room == shards::PARKED_PER_SHARD,
@@ -908,9 +974,57 @@ mod tests {
         let stats = pool.stats();
         assert_eq!((stats.in_use_blocks, stats.cached_bytes), (1, cached));
         drop(b);
-        // A block above `small_max` is never parked.
-        drop(alloc.memalloc(&host, 2 << 20).unwrap());
         assert_eq!(parked(pool), 1);
+        // A block above `small_max` is parked among the shard's large blocks, and a request of
+        // its size gets it back with its record.
+        let big = alloc.memalloc(&host, 3 << 20).unwrap();
+        let big_addr = big.device_ptr();
+        drop(big);
+        assert_eq!(parked(pool), 2);
+        let again = alloc.memalloc(&host, (3 << 20) - 100).unwrap();
+        assert_eq!(
+            (again.device_ptr(), again.size()),
+            (big_addr, (3 << 20) - 100)
+        );
+        assert!(again.is_live());
+        assert_eq!(parked(pool), 1);
+        assert_eq!(pool.stats().in_use_blocks, 1);
+        drop(again);
+        // A block above a shard's byte bound goes to the arena, its record let go.
+        let bound = pool.config.cache_bytes_per_shard;
+        drop(alloc.memalloc(&host, bound + 1).unwrap());
+        assert_eq!(parked(pool), 2);
+        let stats = pool.stats();
+        assert_eq!(stats.in_use_blocks, 0, "{stats:?}");
+    }
+
+    /// Large blocks past the shard's slots or its byte bound leave it, oldest first, their
+    /// records let go, and the room they held comes back.
+    #[test]
+    fn large_blocks_past_the_slots_leave_with_their_records() {
+        let (host, alloc) = pool();
+        let pool = &*alloc.shared;
+        // Past the byte bound: two blocks of 20 MiB do not fit a 32 MiB shard.
+        drop(alloc.memalloc(&host, 20 << 20).unwrap());
+        drop(alloc.memalloc(&host, (20 << 20) + 4096).unwrap());
+        assert_eq!(parked(pool), 1, "the older one left");
+        alloc.trim().unwrap();
+        assert_eq!(parked(pool), 0);
+        // Past the slots.
+        let blocks: Vec<_> = (0..LARGE_SLOTS + 3)
+            .map(|i| alloc.memalloc(&host, (1 << 20) + (i + 1) * 4096).unwrap())
+            .collect();
+        drop(blocks);
+        assert_eq!(parked(pool), LARGE_SLOTS);
+        let stats = pool.stats();
+        assert_eq!(stats.in_use_blocks, 0, "{stats:?}");
+        // Every large block of the sizes still cached comes back with its record.
+        let again: Vec<_> = (3..LARGE_SLOTS + 3)
+            .map(|i| alloc.memalloc(&host, (1 << 20) + (i + 1) * 4096).unwrap())
+            .collect();
+        assert_eq!(parked(pool), 0);
+        drop(again);
+        assert_eq!(parked(pool), LARGE_SLOTS);
     }
 
     #[test]
@@ -919,9 +1033,10 @@ mod tests {
         let pool = &*alloc.shared;
         let blocks: Vec<_> = (0..40)
             .map(|i| alloc.memalloc(&host, 256 << (i % 8)).unwrap())
+            .chain((0..4).map(|i| alloc.memalloc(&host, (2 << 20) + i).unwrap()))
             .collect();
         drop(blocks);
-        assert_eq!(parked(pool), 40);
+        assert_eq!(parked(pool), 44);
         alloc.trim().unwrap();
         assert_eq!(parked(pool), 0);
         let stats = pool.stats();
@@ -929,9 +1044,10 @@ mod tests {
 
         let blocks: Vec<_> = (0..40)
             .map(|_| alloc.memalloc(&host, 4096).unwrap())
+            .chain((0..4).map(|i| alloc.memalloc(&host, (4 << 20) + i).unwrap()))
             .collect();
         drop(blocks);
-        assert_eq!(parked(pool), 40);
+        assert_eq!(parked(pool), 44);
         DeviceAllocator::reset(&alloc, &host).unwrap();
         assert_eq!(parked(pool), 0);
         assert_eq!(pool.stats().cached_bytes, 0);
@@ -946,10 +1062,11 @@ mod tests {
             let (host, alloc) = pool();
             let mut blocks: Vec<_> = (0..20)
                 .map(|_| alloc.memalloc(&host, 512).unwrap())
+                .chain([alloc.memalloc(&host, 5 << 20).unwrap()])
                 .collect();
-            let outlives = blocks.pop().unwrap();
+            let outlives = blocks.remove(0);
             drop(blocks);
-            assert_eq!(parked(&alloc.shared), 19);
+            assert_eq!(parked(&alloc.shared), 20);
             let pool = Arc::clone(&alloc.shared);
             drop(alloc);
             assert_eq!(parked(&pool), 0, "the pool's drop let them go");

@@ -26,9 +26,9 @@ pub(super) struct ShardLists {
     pub(super) park_room: usize,
     /// Per size class, free blocks by address.
     pub(super) free: [Lines<u64>; CLASSES],
-    /// Free blocks above `small_max` (address, size), oldest first: at most
+    /// Free blocks above `small_max`, oldest first: at most
     /// [`LARGE_SLOTS`](super::LARGE_SLOTS).
-    pub(super) large: Lines<(u64, usize)>,
+    pub(super) large: Lines<Large>,
     /// Bytes of `parked`, `free` and `large`.
     pub(super) cached_bytes: usize,
     /// Blocks and bytes handed out from or returned to this shard; a block allocated on one
@@ -75,6 +75,26 @@ impl ShardLists {
     pub(super) fn take_parked(&mut self) -> Vec<(usize, Vec<ParkedPointer>)> {
         self.park_room = PARKED_PER_SHARD;
         lines::take_nonempty(&mut self.parked)
+    }
+}
+
+/// A free block above `small_max` in a shard, with its last pointer's record when it was parked
+/// with it ([`PoolHook::park`]): the next allocation of its size revives the record, as a
+/// small block's.
+pub(super) struct Large {
+    pub(super) addr: u64,
+    pub(super) size: usize,
+    pub(super) record: Option<ParkedPointer>,
+}
+
+impl Large {
+    /// The block, its record (if any) let go to this thread's spares (`ParkedPointer::into_base`:
+    /// the hook's clone stays with the spare box, so no reference count drops).
+    pub(super) fn into_block(self) -> (u64, usize) {
+        if let Some(record) = self.record {
+            record.into_base();
+        }
+        (self.addr, self.size)
     }
 }
 
