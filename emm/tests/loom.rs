@@ -389,6 +389,34 @@ fn pool_large_block_freed_elsewhere_races_an_allocation_and_a_trim() {
     freed_elsewhere_races_allocations_and_a_trim(3 << 20, 3);
 }
 
+/// A block above a shard's byte bound (32 MiB), dropped on another thread (it waits in that
+/// thread's oversize slot with its record), racing an allocation of its size here, which
+/// misses its own shard and the arena and takes every shard's oversize block back before it
+/// grows the pool: the allocation gets a live block either way (the dropped one, or a new
+/// chunk's when it ran first), and after a drop and a trim every chunk the pool took is freed
+/// exactly once, with nothing left cached.
+#[test]
+fn pool_oversize_block_freed_elsewhere_races_an_allocation() {
+    loom::model(|| {
+        let (sim, rt) = pool_runtime();
+        let ctx = rt.context(0).unwrap();
+        let bytes = 33 << 20;
+        let a = ctx.memalloc(bytes).unwrap();
+        let t = thread::spawn(move || drop(a));
+        let b = ctx.memalloc(bytes).unwrap();
+        assert!(b.is_live());
+        t.join().unwrap();
+        let stats = ctx.pool_stats().device.unwrap();
+        assert_eq!(stats.in_use_blocks, 1, "{stats:?}");
+        drop(b);
+        ctx.trim().unwrap();
+        assert_pool_empty(&ctx);
+        let grown = sim.calls().iter().filter(|c| c.op == Op::MemAlloc).count();
+        assert!((1..=2).contains(&grown), "{grown} chunks");
+        exactly_once(&sim, grown);
+    });
+}
+
 /// A trim racing a drop: the block is either trimmed with its chunk after the drop, or the
 /// chunk stays; never freed while in use, never lost.
 #[test]

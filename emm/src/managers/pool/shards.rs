@@ -29,6 +29,11 @@ pub(super) struct ShardLists {
     /// Free blocks above `small_max`, oldest first: at most
     /// [`LARGE_SLOTS`](super::LARGE_SLOTS).
     pub(super) large: Lines<Large>,
+    /// The last block above the byte bound that this shard's thread freed, with its record:
+    /// the next allocation of its size takes it without the arena. Not counted in
+    /// `cached_bytes` (it would crowd out every other block); the pool takes it back before
+    /// it grows (`PoolShared::reclaim_oversize`), so it never makes the pool hold more.
+    pub(super) oversize: Option<Large>,
     /// Bytes of `parked`, `free` and `large`.
     pub(super) cached_bytes: usize,
     /// Blocks and bytes handed out from or returned to this shard; a block allocated on one
@@ -47,6 +52,7 @@ impl ShardLists {
             park_room: PARKED_PER_SHARD,
             free: std::array::from_fn(|_| Lines::new()),
             large: Lines::new(),
+            oversize: None,
             cached_bytes: 0,
             in_use_blocks: 0,
             in_use_bytes: 0,
