@@ -146,11 +146,11 @@ const REFILL: usize = 16;
 /// One thread's free lists.
 #[derive(Default)]
 struct Lists {
-    /// Free blocks by [`list_index`]: size class, then flags (a plain index, not a hash map: a
-    /// hashed key cost about 400 instructions of the 1 000 a cached pair took). The lists and
-    /// their blocks are on lines no other allocation shares (`Lines`): the lists outlive the
-    /// threads that grew them, and a thread written beside them would slow their owner's
-    /// every pair.
+    /// Free blocks by list ([`Kind::list`]): size class, then flags (a plain index, not a hash
+    /// map: a hashed key cost about 400 instructions of the 1 000 a cached pair took). The
+    /// lists and their blocks are on lines no other allocation shares (`Lines`): the lists
+    /// outlive the threads that grew them, and a thread written beside them would slow their
+    /// owner's every pair.
     free: Lines<Lines<PinnedBlock>>,
     cached: usize,
     /// Bytes this shard may cache (taken from [`Totals::allowed`]).

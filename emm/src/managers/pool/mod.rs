@@ -104,7 +104,8 @@ const CLASSES: usize = 44;
 /// The most free blocks above `small_max` one shard keeps (exact sizes, most recent first
 /// reused): a thread that frees and again allocates the same large sizes takes no lock but its
 /// own shard's (measured on the H100 at 4004ff6 with 2 to 16 MiB blocks: 4.1 M pairs a second
-/// on one thread, 0.48 M on two, all through the arena's lock).
+/// on one thread, 0.48 M on two, all through the arena's lock). Within the shard's byte bound;
+/// besides them, one block above the bound waits in the shard's oversize slot.
 const LARGE_SLOTS: usize = 8;
 
 /// Empties every non-empty list of `lists` (one per size class), returning each with its class.
@@ -223,9 +224,11 @@ impl PoolShared {
         Some((magazine, depot.generation))
     }
 
-    /// Keeps the record of a small block's last pointer, dropped on `shard`'s thread, with the
-    /// block in that shard's parked list, if the shard has room for both (else hands it back,
-    /// and the block is released by [`release`](Self::release), which may pass it on).
+    /// Keeps the record of a block's last pointer, dropped on `shard`'s thread, with the block
+    /// in that shard (a small block in its class's parked list, a larger one among the large
+    /// blocks or in the oversize slot: [`park_above_small`](Self::park_above_small)), if the
+    /// shard has room for both (else hands it back, and the block is released by
+    /// [`release`](Self::release), which may pass it on).
     #[inline]
     fn park(
         &self,
