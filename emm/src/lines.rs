@@ -229,17 +229,6 @@ impl<T> Drop for Lines<T> {
     }
 }
 
-/// Empties every non-empty list of `lists` (one per size class), returning each list's
-/// elements with its index.
-pub(crate) fn take_nonempty<T>(lists: &mut [Lines<T>]) -> Vec<(usize, Vec<T>)> {
-    lists
-        .iter_mut()
-        .enumerate()
-        .filter(|(_, l)| !l.is_empty())
-        .map(|(class, l)| (class, l.take_all()))
-        .collect()
-}
-
 #[cfg(all(test, not(emm_loom)))]
 mod tests {
     use super::*;

@@ -324,6 +324,19 @@ fn assert_pool_empty(ctx: &emm::Context) {
     );
 }
 
+/// With `last` the pool's one block in use: dropped and trimmed, every chunk the pool took
+/// (one or two, as the race went) is freed exactly once and nothing is left.
+fn one_in_use_then_every_chunk_back(sim: &SimDriver, ctx: &emm::Context, last: emm::MemoryPointer) {
+    let stats = ctx.pool_stats().device.unwrap();
+    assert_eq!(stats.in_use_blocks, 1, "{stats:?}");
+    drop(last);
+    ctx.trim().unwrap();
+    assert_pool_empty(ctx);
+    let grown = sim.calls().iter().filter(|c| c.op == Op::MemAlloc).count();
+    assert!((1..=2).contains(&grown), "{grown} chunks");
+    exactly_once(sim, grown);
+}
+
 /// The pool's reset racing the drops of a small block and a large one (both kept in the
 /// dropping thread's shard): whichever wins, every chunk is freed exactly once by the reset,
 /// no stale block comes back into the pool, and the pool works afterwards.
@@ -406,14 +419,7 @@ fn pool_oversize_block_freed_elsewhere_races_an_allocation() {
         let b = ctx.memalloc(bytes).unwrap();
         assert!(b.is_live());
         t.join().unwrap();
-        let stats = ctx.pool_stats().device.unwrap();
-        assert_eq!(stats.in_use_blocks, 1, "{stats:?}");
-        drop(b);
-        ctx.trim().unwrap();
-        assert_pool_empty(&ctx);
-        let grown = sim.calls().iter().filter(|c| c.op == Op::MemAlloc).count();
-        assert!((1..=2).contains(&grown), "{grown} chunks");
-        exactly_once(&sim, grown);
+        one_in_use_then_every_chunk_back(&sim, &ctx, b);
     });
 }
 
@@ -455,14 +461,7 @@ fn pool_trim_races_a_park_and_a_revive() {
         });
         ctx.trim().unwrap();
         let b = t.join().unwrap();
-        let stats = ctx.pool_stats().device.unwrap();
-        assert_eq!(stats.in_use_blocks, 1, "{stats:?}");
-        drop(b);
-        ctx.trim().unwrap();
-        assert_pool_empty(&ctx);
-        let grown = sim.calls().iter().filter(|c| c.op == Op::MemAlloc).count();
-        assert!((1..=2).contains(&grown), "{grown} chunks");
-        exactly_once(&sim, grown);
+        one_in_use_then_every_chunk_back(&sim, &ctx, b);
     });
 }
 

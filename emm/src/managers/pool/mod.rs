@@ -74,7 +74,7 @@ use crate::contract::manager::StreamOrdering;
 use crate::error::EmmError;
 use crate::host::fences::Fences;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
-use crate::lines;
+use crate::lines::Lines;
 use crate::managers::default::DriverAllocator;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::memory::pointer::{MemoryPointer, ParkedPointer, PoolHook, ReleaseHook};
@@ -108,13 +108,14 @@ const CLASSES: usize = 44;
 /// besides them, one block above the bound waits in the shard's oversize slot.
 const LARGE_SLOTS: usize = 8;
 
-/// Empties every non-empty list of `lists` (one per size class), returning each with its class.
-fn take_nonempty<T>(lists: &mut [Vec<T>]) -> Vec<(usize, Vec<T>)> {
+/// Empties every list of `lists` (one per size class) with `take`, returning each non-empty
+/// one's elements with its class.
+fn take_nonempty<L, T>(lists: &mut [L], take: impl Fn(&mut L) -> Vec<T>) -> Vec<(usize, Vec<T>)> {
     lists
         .iter_mut()
         .enumerate()
-        .filter(|(_, l)| !l.is_empty())
-        .map(|(class, l)| (class, std::mem::take(l)))
+        .map(|(class, l)| (class, take(l)))
+        .filter(|(_, taken)| !taken.is_empty())
         .collect()
 }
 
@@ -259,27 +260,12 @@ impl PoolShared {
 
     /// [`park`](Self::park) for a block above `small_max`, kept out of `park` so that the
     /// small blocks' path there stays as it is (its time moved by 30 % with the code beside it
-    /// in one build, at the same instruction count).
+    /// in one build, at the same instruction count): the block is kept with its record among
+    /// the shard's large blocks (within the byte bound, as
+    /// [`release_large`](Self::release_large) keeps a block alone) or, above the bound, in the
+    /// shard's one oversize slot, whose older block goes to the arena.
     #[inline(never)]
     fn park_above_small(
-        &self,
-        shard: (usize, bool),
-        record: ParkedPointer,
-        bytes: usize,
-        tag: u64,
-    ) -> Option<ParkedPointer> {
-        if bytes > self.config.cache_bytes_per_shard {
-            self.park_oversize(shard, record, bytes, tag)
-        } else {
-            self.park_large(shard, record, bytes, tag)
-        }
-    }
-
-    /// [`park`](Self::park) for a block above `small_max`: kept with its record in the shard's
-    /// large blocks, as [`release_large`](Self::release_large) keeps a block alone, when the
-    /// shard has room for a record and the block is within its byte bound.
-    #[inline(never)]
-    fn park_large(
         &self,
         (shard, owner): (usize, bool),
         record: ParkedPointer,
@@ -287,9 +273,6 @@ impl PoolShared {
         tag: u64,
     ) -> Option<ParkedPointer> {
         let size = block_size(bytes, self.config.small_max);
-        if size > self.config.cache_bytes_per_shard {
-            return Some(record); // never cached in a shard: to the arena
-        }
         let evicted = {
             let mut lists = self.shards[shard].inner.enter(owner);
             if lists.park_room == 0 || self.generation.load(Ordering::Acquire) != tag {
@@ -297,54 +280,20 @@ impl PoolShared {
             }
             lists.park_room -= 1;
             lists.returned(size);
-            let addr = record.base();
-            self.keep_large(
-                &mut lists,
-                Large {
-                    addr,
-                    size,
-                    record: Some(record),
-                },
-            )
+            let block = Large {
+                addr: record.base(),
+                size,
+                record: Some(record),
+            };
+            if size > self.config.cache_bytes_per_shard {
+                let older = lists.oversize.replace(block);
+                older.map(|b| vec![lists.let_go(b)]).unwrap_or_default()
+            } else {
+                self.keep_large(&mut lists, block)
+            }
         };
         if !evicted.is_empty() {
             self.to_arena(tag, evicted);
-        }
-        None
-    }
-
-    /// [`park`](Self::park) for a block above the shard's byte bound: kept with its record in
-    /// the shard's one oversize slot, the block the slot held before (if any) going to the
-    /// arena.
-    #[inline(never)]
-    fn park_oversize(
-        &self,
-        (shard, owner): (usize, bool),
-        record: ParkedPointer,
-        bytes: usize,
-        tag: u64,
-    ) -> Option<ParkedPointer> {
-        let size = block_size(bytes, self.config.small_max);
-        let older = {
-            let mut lists = self.shards[shard].inner.enter(owner);
-            if lists.park_room == 0 || self.generation.load(Ordering::Acquire) != tag {
-                return Some(record);
-            }
-            lists.park_room -= 1;
-            lists.returned(size);
-            let addr = record.base();
-            let older = lists.oversize.replace(Large {
-                addr,
-                size,
-                record: Some(record),
-            });
-            if let Some(older) = &older {
-                lists.park_room += usize::from(older.record.is_some());
-            }
-            older
-        };
-        if let Some(older) = older {
-            self.to_arena(tag, [older.into_block()]);
         }
         None
     }
@@ -355,12 +304,11 @@ impl PoolShared {
     fn reclaim_oversize(&self) -> bool {
         let (taken, generation) = {
             let mut shards = thread_slots::lock_all(&self.shards);
-            let taken: Vec<Large> = shards
+            let taken: Vec<(u64, usize)> = shards
                 .iter_mut()
                 .filter_map(|lists| {
                     let block = lists.oversize.take()?;
-                    lists.park_room += usize::from(block.record.is_some());
-                    Some(block)
+                    Some(lists.let_go(block))
                 })
                 .collect();
             (taken, self.generation.load(Ordering::Acquire))
@@ -369,7 +317,7 @@ impl PoolShared {
             return false;
         }
         tracing::debug!(device = %self.cx.device, blocks = taken.len(), "pool took back the threads' oversize blocks before growing");
-        self.to_arena(generation, taken.into_iter().map(Large::into_block));
+        self.to_arena(generation, taken);
         true
     }
 
@@ -393,8 +341,7 @@ impl PoolShared {
             return Vec::new();
         }
         let evicted = lists.large.take_first(evict);
-        lists.park_room += evicted.iter().filter(|b| b.record.is_some()).count();
-        evicted.into_iter().map(Large::into_block).collect()
+        evicted.into_iter().map(|b| lists.let_go(b)).collect()
     }
 
     fn release(&self, (shard, owner): (usize, bool), addr: u64, bytes: usize, tag: u64) {
@@ -485,14 +432,14 @@ impl PoolShared {
         if size > self.config.cache_bytes_per_shard {
             // Only the oversize slot holds blocks above the bound.
             let block = lists.oversize.take_if(|b| b.size == size)?;
-            lists.park_room += usize::from(block.record.is_some());
+            lists.give_back_room(&block);
             lists.lent(size);
             return Some((block, self.generation.load(Ordering::Acquire)));
         }
         let i = lists.large.iter().rposition(|b| b.size == size)?;
         let block = lists.large.remove(i);
         lists.cached_bytes -= size;
-        lists.park_room += usize::from(block.record.is_some());
+        lists.give_back_room(&block);
         lists.lent(size);
         Some((block, self.generation.load(Ordering::Acquire)))
     }
@@ -523,7 +470,10 @@ impl PoolShared {
         let (magazines, generation) = {
             let mut depot = lock(&self.depot);
             depot.cached_bytes = 0;
-            (take_nonempty(&mut depot.magazines), depot.generation)
+            (
+                take_nonempty(&mut depot.magazines, std::mem::take),
+                depot.generation,
+            )
         };
         let blocks = magazines.into_iter().flat_map(|(class, held)| {
             held.into_iter()
@@ -545,7 +495,11 @@ impl PoolShared {
                     // back all its room.
                     let mut large = lists.large.take_all();
                     large.extend(lists.oversize.take());
-                    (parked, lines::take_nonempty(&mut lists.free), large)
+                    (
+                        parked,
+                        take_nonempty(&mut lists.free, Lines::take_all),
+                        large,
+                    )
                 })
                 .collect();
             // Read under every shard's lock: a reset, which takes them all, cannot move it.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use driver_sys::DevicePtr;
 
 use super::{CLASSES, PoolShared};
-use crate::lines::{self, Lines};
+use crate::lines::Lines;
 use crate::memory::pointer::{ParkedPointer, PoolHook, ReleaseHook};
 use crate::size_class::class_size;
 use crate::sync::Ordering;
@@ -76,11 +76,23 @@ impl ShardLists {
         self.parked[class].len() + self.free[class].len()
     }
 
+    /// Gives back the room for a record that `block`, just taken out of this shard, held.
+    pub(super) fn give_back_room(&mut self, block: &Large) {
+        self.park_room += usize::from(block.record.is_some());
+    }
+
+    /// `block`, taken out of this shard, for the arena: the room its record held given back,
+    /// the record let go (`Large::into_block`).
+    pub(super) fn let_go(&mut self, block: Large) -> (u64, usize) {
+        self.give_back_room(&block);
+        block.into_block()
+    }
+
     /// Takes every parked record out, with its class (the caller lets them go with no shard
     /// entered: [`unparked`]).
     pub(super) fn take_parked(&mut self) -> Vec<(usize, Vec<ParkedPointer>)> {
         self.park_room = PARKED_PER_SHARD;
-        lines::take_nonempty(&mut self.parked)
+        super::take_nonempty(&mut self.parked, Lines::take_all)
     }
 }
 
