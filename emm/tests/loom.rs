@@ -154,6 +154,41 @@ fn reset_races_a_drop() {
     });
 }
 
+/// The default manager's parked records: a pointer dropped on one thread (its record parked in
+/// the table) while another allocates (and may revive that record) and the main thread resets
+/// the manager. Whatever the interleaving, every allocation is freed exactly once, a pointer
+/// made after the reset is live, and one made before it is not.
+#[test]
+fn default_park_races_a_revive_and_a_reset() {
+    loom::model(|| {
+        let (sim, rt) = runtime(10);
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.memalloc(8).unwrap();
+        let dropper = thread::spawn(move || drop(a));
+        let other = ctx.clone();
+        let allocator = thread::spawn(move || other.memalloc(8).expect("an allocation"));
+        ctx.reset().unwrap();
+        dropper.join().unwrap();
+        let b = allocator.join().unwrap();
+        let c = ctx.memalloc(8).unwrap();
+        assert!(c.is_live(), "made after the reset");
+        // Every free due so far issued: the memory of each live pointer is still allocated
+        // (a release of `a` must not have taken the entry `b` or `c` got after the reset).
+        ctx.deallocations().unwrap().flush().unwrap();
+        let held = sim.live_allocations(emm::driver_sys::DeviceOrdinal(0));
+        for p in [&b, &c].into_iter().filter(|p| p.is_live()) {
+            assert!(
+                held.iter().any(|(base, _)| *base == p.device_ptr()),
+                "a live pointer's memory was freed: {held:?}"
+            );
+        }
+        drop((b, c));
+        ctx.deallocations().unwrap().flush().unwrap();
+        exactly_once(&sim, 3);
+        assert!(sim.leak_report().no_memory_leaked());
+    });
+}
+
 /// A device reset racing a drop: whichever wins, the allocation is freed exactly once and
 /// before the context dies (the drop's own free, or the reset's); nothing reaches the destroyed
 /// context and nothing is left to the context's destruction.

@@ -12,6 +12,15 @@
 //!    is done at once (Numba: pinning the same memory again must work right away).
 //! 3. `reset` bumps the generation, releases every entry, then flushes. Pointers stamped with
 //!    the old generation release nothing when they drop later, so nothing is freed twice.
+//!
+//! A plain device allocation's pointer (no streams, no owner) is released through
+//! [`AllocationOwner::park`]: under the same lock its free is queued and its record (the box
+//! with the reference count, and the pointer's clone of the table) is kept in the table, up to
+//! [`PARKED`] of them, stamped with a generation no table reaches so that it releases nothing
+//! if it is dropped rather than reused. The next device allocation takes it and sets the
+//! address, size, key and generation ([`ParkedPointer::revive_tracked`]): no record to find,
+//! no clone of the table to make or drop. The records go when the manager does
+//! ([`AllocationTable::close`]), since each keeps the table alive.
 
 use std::sync::Arc;
 
@@ -23,7 +32,9 @@ use crate::host::fences::{Fence, Fences};
 use crate::host::pinned_pool::{PinnedBlock, PinnedPool};
 use crate::memory::host::HostOwner;
 use crate::memory::pending::{Free, PendingDeallocs};
-use crate::memory::pointer::{AllocationOwner, StreamRecord, StreamUse, into_stream_use};
+use crate::memory::pointer::{
+    AllocationOwner, ParkedPointer, StreamRecord, StreamUse, into_stream_use,
+};
 use crate::slab::Slab;
 use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
 
@@ -61,13 +72,41 @@ impl std::fmt::Debug for Entry {
 /// How many waiting stream-ordered frees one allocation looks at.
 const POLL_BATCH: usize = 8;
 
+/// The most records of released pointers a table keeps for its next allocations
+/// ([`AllocationOwner::park`]): 128 bytes each.
+const PARKED: usize = 64;
+
+/// What the table's lock guards.
+#[derive(Default)]
+struct Live {
+    /// The live entries; a pointer keeps its entry's index (recording and releasing one
+    /// hashes nothing: the default manager's pair spent about 100 instructions hashing).
+    entries: Slab<Entry>,
+    /// Records of plain device allocations whose last pointer dropped, each holding a clone
+    /// of the table, revived by the next device allocations: no record to find on the
+    /// thread's spare list, no clone of the table to make, no value to fill.
+    parked: Vec<ParkedPointer>,
+    /// False once the manager is gone ([`AllocationTable::close`]): nothing is parked then,
+    /// since a parked record's clone would keep the table alive.
+    closed: bool,
+}
+
+impl std::fmt::Debug for Live {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Live")
+            .field("entries", &self.entries)
+            .field("parked", &self.parked.len())
+            .field("closed", &self.closed)
+            .finish()
+    }
+}
+
 /// Live allocations of one manager, and the queue their frees go to.
 #[derive(Debug)]
 pub(crate) struct AllocationTable {
     cx: ManagerContext,
-    /// The live entries; a pointer keeps its entry's index (recording and releasing one
-    /// hashes nothing: the default manager's pair spent about 100 instructions hashing).
-    table: Mutex<Slab<Entry>>,
+    /// The live entries and the parked records.
+    table: Mutex<Live>,
     generation: AtomicU64,
     queue: Arc<PendingDeallocs>,
     fences: Fences,
@@ -82,7 +121,7 @@ impl AllocationTable {
     pub(crate) fn new(cx: &ManagerContext) -> AllocationTable {
         AllocationTable {
             cx: cx.clone(),
-            table: Mutex::new(Slab::default()),
+            table: Mutex::new(Live::default()),
             generation: AtomicU64::new(0),
             queue: Arc::new(cx.new_pending_deallocs()),
             fences: Fences::new(cx),
@@ -174,7 +213,7 @@ impl AllocationTable {
                 if self.generation() != generation {
                     continue; // a reset freed it
                 }
-                if let Some(Entry::Device { ptr, bytes }) = table.remove(key as u32) {
+                if let Some(Entry::Device { ptr, bytes }) = table.entries.remove(key as u32) {
                     frees.push(Free::Device { ptr, bytes });
                 }
             }
@@ -203,12 +242,65 @@ impl AllocationTable {
     /// Records a new allocation; returns its key and the generation to stamp its pointer with.
     pub(crate) fn record(&self, entry: Entry) -> (u64, u64) {
         let mut table = lock(&self.table);
-        (u64::from(table.insert(entry)), self.generation())
+        (u64::from(table.entries.insert(entry)), self.generation())
+    }
+
+    /// Records a new device allocation of `bytes` at `ptr`, and takes a parked record for its
+    /// pointer if the table keeps one ([`ParkedPointer::revive_tracked`]).
+    #[inline(always)]
+    pub(crate) fn record_device(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+    ) -> ((u64, u64), Option<ParkedPointer>) {
+        let mut table = lock(&self.table);
+        let key = table.entries.insert(Entry::Device { ptr, bytes });
+        ((u64::from(key), self.generation()), table.parked.pop())
     }
 
     /// Number of live tracked allocations.
     pub(crate) fn live(&self) -> usize {
-        lock(&self.table).len()
+        lock(&self.table).entries.len()
+    }
+
+    /// The manager is gone: the parked records go (each holds a clone of the table, which
+    /// would otherwise keep itself alive), and none is parked from now on.
+    pub(crate) fn close(&self) {
+        let parked = {
+            let mut table = lock(&self.table);
+            table.closed = true;
+            std::mem::take(&mut table.parked)
+        };
+        // Dropped with no lock held: each was stamped released when parked, and releases
+        // nothing.
+        drop(parked);
+    }
+
+    /// [`AllocationOwner::park`]: the entry under `key` is a plain device allocation of this
+    /// generation, so its free is queued and the record kept, if there is room.
+    fn park(&self, mut record: ParkedPointer, key: u64, generation: u64) -> Option<ParkedPointer> {
+        let flush = {
+            let mut table = lock(&self.table);
+            if table.parked.len() >= PARKED || table.closed || self.generation() != generation {
+                return Some(record);
+            }
+            let Some(Entry::Device { ptr, bytes }) = table.entries.get(key as u32) else {
+                return Some(record);
+            };
+            let free = Free::Device {
+                ptr: *ptr,
+                bytes: *bytes,
+            };
+            table.entries.discard(key as u32);
+            record.mark_released();
+            table.parked.push(record);
+            // Appended under the table's lock, as `release` does.
+            self.queue.push_one_without_flush(free)
+        };
+        if flush {
+            self.queue.apply_thresholds_from_drop();
+        }
+        None
     }
 
     /// The last pointer to the allocation under `key` dropped.
@@ -220,21 +312,20 @@ impl AllocationTable {
                 return;
             }
             if let Some(streams) = streams
-                && matches!(table.get(key as u32), Some(Entry::Device { .. }))
+                && matches!(table.entries.get(key as u32), Some(Entry::Device { .. }))
             {
                 drop(table);
                 return self.release_after_streams(key, generation, into_stream_use(*streams));
             }
-            match table.remove(key as u32) {
+            match table.entries.remove(key as u32) {
                 Some(Entry::Device { ptr, bytes }) => (
                     None,
                     self.queue
-                        .push_all_without_flush(Some(Free::Device { ptr, bytes })),
+                        .push_one_without_flush(Free::Device { ptr, bytes }),
                 ),
                 Some(Entry::Host { ptr, bytes }) => (
                     None,
-                    self.queue
-                        .push_all_without_flush(Some(Free::Host { ptr, bytes })),
+                    self.queue.push_one_without_flush(Free::Host { ptr, bytes }),
                 ),
                 Some(Entry::Unpin { ptr, owner }) => (Some((ptr, owner)), false),
                 Some(Entry::Pooled {
@@ -272,8 +363,8 @@ impl AllocationTable {
                 self.fences.recycle(fence);
             }
             self.waiting_count.store(0, Ordering::Release);
-            let n = table.len();
-            let frees = table.drain().filter_map(|e| match e {
+            let n = table.entries.len();
+            let frees = table.entries.drain().filter_map(|e| match e {
                 Entry::Device { ptr, bytes } => Some(Free::Device { ptr, bytes }),
                 Entry::Host { ptr, bytes } => Some(Free::Host { ptr, bytes }),
                 Entry::Pooled { block, .. } => Some(Free::Host {
@@ -333,12 +424,149 @@ fn unpin(cx: &ManagerContext, ptr: HostPtr) -> Result<(), EmmError> {
         .map_err(|e| EmmError::driver("unpin host memory", cx.device, e))
 }
 
-impl AllocationOwner for AllocationTable {
+// SAFETY: `park` keeps the record it is offered or hands it back; it drops it on no path.
+unsafe impl AllocationOwner for AllocationTable {
     fn release(&self, key: u64, generation: u64, streams: Option<StreamRecord>) {
         AllocationTable::release(self, key, generation, streams);
     }
 
     fn generation(&self) -> u64 {
         AllocationTable::generation(self)
+    }
+
+    fn park(&self, record: ParkedPointer, key: u64, generation: u64) -> Option<ParkedPointer> {
+        AllocationTable::park(self, record, key, generation)
+    }
+}
+
+#[cfg(all(test, not(emm_loom)))]
+mod tests {
+    use std::sync::Weak;
+
+    use super::*;
+    use crate::host::HostLayer;
+    use crate::memory::pointer::MemoryPointer;
+
+    /// A host layer on a simulated GPU, and a weak reference to its table.
+    fn layer() -> (HostLayer, Weak<AllocationTable>) {
+        let host = HostLayer::new(&ManagerContext::simulated(None));
+        let table = Arc::downgrade(&host.table);
+        (host, table)
+    }
+
+    /// `cuMemAlloc` of `bytes`, tracked by `host`.
+    fn device(host: &HostLayer, bytes: usize) -> MemoryPointer {
+        let cx = host.context().clone();
+        let base = host
+            .attempt_allocation(
+                "memalloc",
+                crate::host::AllocationKind::Device,
+                bytes,
+                || cx.driver.mem_alloc(cx.context, bytes),
+            )
+            .expect("device memory");
+        host.track_device_allocation(base, bytes)
+    }
+
+    fn parked(table: &Weak<AllocationTable>) -> usize {
+        lock(&table.upgrade().expect("the table").table)
+            .parked
+            .len()
+    }
+
+    /// Free device memory as the driver counts it.
+    fn free_bytes(host: &HostLayer) -> usize {
+        let cx = host.context();
+        cx.driver
+            .mem_get_info(cx.context)
+            .expect("memory info")
+            .free
+    }
+
+    #[test]
+    fn a_released_pointers_record_serves_the_next_allocation_and_goes_with_the_layer() {
+        let (host, table) = layer();
+        let empty = free_bytes(&host);
+        assert_eq!(table.strong_count(), 1, "the layer's");
+        let first = device(&host, 4096);
+        assert_eq!(table.strong_count(), 2, "the pointer's clone");
+        drop(first);
+        assert_eq!(parked(&table), 1, "the record is kept, with its clone");
+        assert_eq!(table.strong_count(), 2);
+        assert_eq!(host.live_allocations(), 0, "the entry is released");
+        for _ in 0..20 {
+            let again = device(&host, 256);
+            assert_eq!(
+                parked(&table),
+                0,
+                "the parked record went to the new pointer"
+            );
+            assert!(again.is_live());
+            assert_eq!(again.size(), 256);
+            drop(again);
+            assert_eq!(table.strong_count(), 2, "no clone made or dropped");
+        }
+        host.deallocations().flush().expect("flush");
+        assert_eq!(free_bytes(&host), empty, "every block freed once");
+        drop(host);
+        assert_eq!(
+            table.strong_count(),
+            0,
+            "the layer's drop let the parked record go"
+        );
+    }
+
+    #[test]
+    fn a_parked_record_releases_nothing_when_it_goes() {
+        let (host, table) = layer();
+        drop(device(&host, 4096));
+        assert_eq!(parked(&table), 1);
+        // A stream-ordered allocation takes no parked record, and gets the entry the parked
+        // record's pointer had.
+        let cx = host.context().clone();
+        let stream = cx
+            .driver
+            .stream_create(cx.context, 0)
+            .expect("a simulated stream");
+        let base = cx
+            .driver
+            .mem_alloc(cx.context, 8192)
+            .expect("device memory");
+        let ordered = host.track_device_allocation_on(base, 8192, stream);
+        assert_eq!(parked(&table), 1);
+        drop(host); // the parked record goes
+        assert_eq!(table.strong_count(), 1, "the stream-ordered pointer's");
+        let live = table.upgrade().expect("the table").live();
+        assert_eq!(live, 1, "the entry of the same key is still there");
+        drop(ordered); // released through the table, whose manager is gone: no parking
+        assert_eq!(table.strong_count(), 0, "nothing keeps the table");
+    }
+
+    #[test]
+    fn a_revived_record_carries_the_generation_after_a_reset() {
+        let (host, table) = layer();
+        drop(device(&host, 4096));
+        assert_eq!(parked(&table), 1);
+        host.reset().expect("reset");
+        let after = device(&host, 4096);
+        assert_eq!(parked(&table), 0, "revived");
+        assert!(after.is_live(), "stamped with the new generation");
+        drop(after);
+        assert_eq!(parked(&table), 1, "parked again: its generation matched");
+        assert_eq!(host.live_allocations(), 0);
+    }
+
+    #[test]
+    fn the_table_keeps_a_bounded_number_of_records() {
+        let (host, table) = layer();
+        let empty = free_bytes(&host);
+        let held: Vec<_> = (0..PARKED + 10).map(|_| device(&host, 512)).collect();
+        assert_eq!(table.strong_count(), 1 + PARKED + 10);
+        drop(held);
+        assert_eq!(parked(&table), PARKED, "bounded");
+        assert_eq!(table.strong_count(), 1 + PARKED);
+        assert_eq!(host.live_allocations(), 0, "every entry released");
+        host.deallocations().flush().expect("flush");
+        assert_eq!(free_bytes(&host), empty);
     }
 }

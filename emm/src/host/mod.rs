@@ -71,13 +71,15 @@ pub struct HostLayer {
     driver_pool: Option<Arc<DriverHostRelease>>,
 }
 
-/// The pinned host pool keeps spare clones of its own `Arc` for the blocks it hands out; with
-/// its owner gone it must let them go, or it would keep itself alive.
+/// The pinned host pool keeps spare clones of its own `Arc` for the blocks it hands out, and
+/// the allocation table parked records that hold clones of its own; with their owner gone they
+/// must let them go, or they would keep themselves alive.
 impl Drop for HostLayer {
     fn drop(&mut self) {
         if let Some(pool) = &self.pinned {
             pool.close();
         }
+        self.table.close();
     }
 }
 
@@ -136,6 +138,7 @@ impl HostLayer {
     /// Numba's `_attempt_allocation`: runs `allocate`; on out-of-memory flushes the queue and
     /// runs it once more (inside `defer_cleanup` the flush frees nothing). Any other error, or
     /// a second out-of-memory, is returned.
+    #[inline(always)]
     pub fn attempt_allocation<T>(
         &self,
         what: &'static str,
@@ -148,9 +151,26 @@ impl HostLayer {
         // Stream-ordered frees whose streams are done join the queue (no waiting).
         self.table.poll_stream_frees(false)?;
         match allocate() {
-            Ok(v) => return Ok(v),
-            Err(e) if e.kind() == ErrorKind::OutOfMemory => {}
-            Err(e) => return Err(EmmError::driver(what, cx.device, e)),
+            Ok(v) => Ok(v),
+            Err(e) => self.retry_allocation(what, kind, bytes, e, &mut allocate),
+        }
+    }
+
+    /// [`attempt_allocation`](Self::attempt_allocation) after the first attempt failed with
+    /// `e` (out of line: the allocation that succeeds does not carry it).
+    #[cold]
+    #[inline(never)]
+    fn retry_allocation<T>(
+        &self,
+        what: &'static str,
+        kind: AllocationKind,
+        bytes: usize,
+        e: DriverError,
+        allocate: &mut dyn FnMut() -> Result<T, DriverError>,
+    ) -> Result<T, EmmError> {
+        let cx = self.context();
+        if e.kind() != ErrorKind::OutOfMemory {
+            return Err(EmmError::driver(what, cx.device, e));
         }
         let queue = self.deallocations();
         let waiting = self.table.waiting_for_streams();
@@ -214,7 +234,7 @@ impl HostLayer {
     ) -> MemoryPointer {
         let cx = self.context();
         tracing::debug!(device = %cx.device, bytes, ptr = %base, ?stream, "device memory allocated on a stream");
-        self.track_freed_by_mem_free_on(base, bytes, Some(stream))
+        self.track_freed_by_mem_free_on(base, bytes, stream)
     }
 
     /// Queues the `cuMemFree` of each stream-ordered free whose streams finished their work
@@ -231,19 +251,39 @@ impl HostLayer {
     }
 
     /// Records `bytes` at `base`, released by `cuMemFree` (device and managed memory), in the
-    /// table, and returns the pointer that owns it.
+    /// table, and returns the pointer that owns it: a record the table parked, revived, or a
+    /// new one.
+    #[inline(always)]
     fn track_freed_by_mem_free(&self, base: DevicePtr, bytes: usize) -> MemoryPointer {
-        self.track_freed_by_mem_free_on(base, bytes, None)
+        let (recorded, parked) = self.table.record_device(base, bytes);
+        match parked {
+            Some(parked) => parked.revive_tracked(base, bytes, recorded),
+            None => self.tracked_pointer(base, bytes, recorded, None),
+        }
     }
 
+    /// As [`track_freed_by_mem_free`](Self::track_freed_by_mem_free), for memory handed out
+    /// on `stream`.
     fn track_freed_by_mem_free_on(
         &self,
         base: DevicePtr,
         bytes: usize,
+        stream: StreamHandle,
+    ) -> MemoryPointer {
+        let recorded = self.table.record(Entry::Device { ptr: base, bytes });
+        self.tracked_pointer(base, bytes, recorded, Some(stream))
+    }
+
+    /// A new pointer to `bytes` at `base`, recorded in the table as `(key, generation)`.
+    #[inline(never)]
+    fn tracked_pointer(
+        &self,
+        base: DevicePtr,
+        bytes: usize,
+        (key, generation): (u64, u64),
         stream: Option<StreamHandle>,
     ) -> MemoryPointer {
         let cx = self.context();
-        let (key, generation) = self.table.record(Entry::Device { ptr: base, bytes });
         MemoryPointer::from_parts(
             cx.device,
             cx.context,

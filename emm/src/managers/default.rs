@@ -57,6 +57,7 @@ impl HostOnly<DriverAllocator> {
 
 impl DriverAllocator {
     /// `cuMemAlloc` of `bytes` for `what`, with the host layer's out-of-memory retry.
+    #[inline(always)]
     fn mem_alloc(
         host: &HostLayer,
         what: &'static str,

@@ -78,6 +78,44 @@ impl ParkedPointer {
         }
     }
 
+    /// A tracked pointer again ([`AllocationOwner::park`]): `size` bytes at `base`, recorded
+    /// under `key` at `generation` in the table whose clone the record holds (the same
+    /// device and context, since one table serves one context).
+    #[inline(always)]
+    pub(crate) fn revive_tracked(
+        mut self,
+        base: DevicePtr,
+        size: usize,
+        (key, generation): (u64, u64),
+    ) -> MemoryPointer {
+        let a = self.0.value_mut();
+        a.base = base;
+        a.size = size;
+        if let Release::Tracked {
+            key: k,
+            generation: g,
+            ..
+        } = &mut a.release
+        {
+            *k = key;
+            *g = generation;
+        }
+        MemoryPointer {
+            alloc: self.0.revive(),
+            offset: 0,
+            size,
+        }
+    }
+
+    /// A tracked record being parked: its entry was released, so it is stamped
+    /// [`PARKED_GENERATION`] and releases nothing if it is ever dropped instead of revived.
+    #[inline(always)]
+    pub(crate) fn mark_released(&mut self) {
+        if let Release::Tracked { generation, .. } = &mut self.0.value_mut().release {
+            *generation = PARKED_GENERATION;
+        }
+    }
+
     /// The block's address.
     pub(crate) fn base(&self) -> u64 {
         self.0.value().base.0
@@ -197,7 +235,14 @@ impl StreamUse {
 
 /// A table that owns allocations by key (the host layer's allocation table, Numba's
 /// `allocations`): what a pointer it made calls when its last clone drops.
-pub(crate) trait AllocationOwner: Send + Sync {
+///
+/// # Safety
+///
+/// [`park`](Self::park) must not drop the record it is offered, on any path: the record holds
+/// the clone of the table that keeps `self` alive while the call runs. It keeps the record or
+/// hands it back.
+#[allow(unsafe_code)] // the contract above
+pub(crate) unsafe trait AllocationOwner: Send + Sync {
     /// The allocation recorded under `key` at `generation` is no longer used; `streams` is
     /// set for a stream-ordered allocation (boxed as the pointer kept it: most allocations
     /// have none, and the box is one word to hand over).
@@ -205,7 +250,22 @@ pub(crate) trait AllocationOwner: Send + Sync {
 
     /// The table's current generation (a reset bumps it).
     fn generation(&self) -> u64;
+
+    /// Offered the record of a plain tracked pointer (no streams, no owner) whose last clone
+    /// dropped, recorded under `key` at `generation`: a table that releases the entry and
+    /// keeps the record, to revive it for its next allocation
+    /// ([`ParkedPointer::revive_tracked`]), returns `None`; otherwise it hands the record back
+    /// untouched, to be released as usual. The default hands it back.
+    fn park(&self, record: ParkedPointer, key: u64, generation: u64) -> Option<ParkedPointer> {
+        let _ = (key, generation);
+        Some(record)
+    }
 }
+
+/// The generation a parked tracked record is stamped with: its entry is gone, and no table
+/// reaches this generation, so a release of it (were it dropped rather than revived) finds
+/// nothing to release.
+pub(crate) const PARKED_GENERATION: u64 = u64::MAX;
 
 pub(crate) enum Release {
     /// Owned by a built-in manager's table under `key`; `generation` is the table's generation
@@ -316,7 +376,7 @@ impl Allocation {
             park: true,
         } = &a.release
         else {
-            return Some(record);
+            return Self::park_tracked(record);
         };
         let (size, tag) = (a.size, *tag);
         let hook: *const dyn PoolHook = Arc::as_ptr(hook);
@@ -326,6 +386,35 @@ impl Allocation {
         // the record, and the `Arc` in it, live until the call returns, kept or handed back.
         unsafe { &*hook }
             .park(ParkedPointer(record), size, tag)
+            .map(|p| p.0)
+    }
+
+    /// [`park`](Self::park) of a tracked pointer with no streams and no owner: offers the
+    /// record to its table ([`AllocationOwner::park`]). Out of line: inlined, it made the
+    /// record's drop too large to be inlined itself, which cost a `pool` pair 15 instructions.
+    #[inline(never)]
+    #[allow(unsafe_code)] // the table reached through the record it is handed
+    fn park_tracked(record: Parked<Allocation>) -> Option<Parked<Allocation>> {
+        let a = record.value();
+        let Release::Tracked {
+            table,
+            key,
+            generation,
+        } = &a.release
+        else {
+            return Some(record);
+        };
+        if a.streams.is_some() || a._owner.is_some() {
+            return Some(record);
+        }
+        let (key, generation) = (*key, *generation);
+        let table: *const dyn AllocationOwner = Arc::as_ptr(table);
+        // SAFETY: `table` points into the `Arc` the record holds (the table lives in the
+        // `Arc`'s allocation, not in the record's box). `AllocationOwner::park` never drops the
+        // record it is given (the trait's contract): the record, and the `Arc` in it, live
+        // until the call returns, kept or handed back.
+        unsafe { &*table }
+            .park(ParkedPointer(record), key, generation)
             .map(|p| p.0)
     }
 
