@@ -15,7 +15,7 @@ mod sim;
 
 pub use mock::MockDriver;
 pub use sim::{
-    CallRecord, DEFAULT_ALIGNMENT, Fault, LeakReport, Op, PAGE_SIZE, SMALL_MAX, SimConfig,
-    SimDeviceConfig, SimDriver,
+    CallHook, CallRecord, DEFAULT_ALIGNMENT, Fault, LeakReport, Op, PAGE_SIZE, SMALL_MAX,
+    SimConfig, SimDeviceConfig, SimDriver,
 };
 pub use sim::{failed_releases_on_this_thread, frees_while_imported_on_this_thread};

@@ -1,6 +1,8 @@
 //! loom models of emm's concurrency: the deferred-free queue, `defer_cleanup`, manager reset and
 //! device reset, each racing pointer drops on other threads. No free may be lost, none may be
-//! issued twice, and none may reach a destroyed context.
+//! issued twice, and none may reach a destroyed context. Every driver call of the simulated
+//! machine is a scheduling point ([`machine`]), so loom also orders driver calls against each
+//! other and against emm's locks.
 //!
 //! Run: `RUSTFLAGS="--cfg emm_loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
 //!       cargo test -p emm --release --test loom` (`.ci/run` does). Raise the preemption bound
@@ -14,6 +16,21 @@ use emm::{ContextLiveness, DeallocConfig, Runtime};
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::thread;
 
+/// A simulated machine whose every driver call is a loom scheduling point: the call hook
+/// touches one loom atomic, so loom may run another thread just before any call, and tries
+/// every two calls in both orders. (The simulator's own lock is a plain mutex, invisible to
+/// loom: without the hook, a call runs in one step with the code before it, and a model
+/// cannot catch, for example, a pool handle read under a lock that is released before the
+/// handle is used.)
+fn machine() -> Arc<SimDriver> {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let point = Arc::new(loom::sync::atomic::AtomicUsize::new(0));
+    sim.set_call_hook(Box::new(move |_| {
+        point.fetch_add(1, Ordering::SeqCst);
+    }));
+    sim
+}
+
 fn runtime(max_count: usize) -> (Arc<SimDriver>, Runtime) {
     runtime_with(max_count, |b| b)
 }
@@ -23,7 +40,7 @@ fn runtime_with(
     max_count: usize,
     more: impl FnOnce(emm::RuntimeBuilder) -> emm::RuntimeBuilder,
 ) -> (Arc<SimDriver>, Runtime) {
-    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let sim = machine();
     let builder = Runtime::builder(sim.clone())
         .ignore_env()
         .dealloc_config(DeallocConfig {
@@ -336,7 +353,7 @@ fn pinned_block_drop_races_the_host_layers_drop() {
 }
 
 fn pool_runtime() -> (Arc<SimDriver>, Runtime) {
-    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let sim = machine();
     let config = emm::PoolConfig {
         chunk_size: 2 << 20,
         ..emm::PoolConfig::default()
@@ -507,7 +524,7 @@ fn pool_trim_races_a_park_and_a_revive() {
 #[test]
 fn async_pool_reset_races_a_drop_and_an_allocation() {
     loom::model(|| {
-        let sim = Arc::new(SimDriver::new(SimConfig::default()));
+        let sim = machine();
         let rt = Runtime::builder(sim.clone())
             .ignore_env()
             .memory_manager_name("async-pool")

@@ -102,8 +102,6 @@ pub fn frees_while_imported_on_this_thread() -> u64 {
 ///   access to.
 /// - **Host memory** as measured: `cuMemHostAlloc(0)` succeeds with the null pointer; pinned
 ///   and registered memory has a device address (the host address) whatever the flags.
-/// - **Host memory** as measured: `cuMemHostAlloc(0)` succeeds with the null pointer; pinned
-///   and registered memory has a device address (the host address) whatever the flags.
 /// - **Contexts and unified addressing**, as measured on two H200s: copies and frees reach any
 ///   device's memory of the process whatever context names them; `cuMemGetAddressRange` finds
 ///   only memory of the context's own device (`CUDA_ERROR_NOT_FOUND` otherwise).
@@ -122,15 +120,34 @@ pub fn frees_while_imported_on_this_thread() -> u64 {
 ///   its arguments and outcome; [`SimDriver::leak_report`] lists what the process still holds.
 /// - **Scripted faults.** [`SimDriver::inject`] makes the Nth call of one operation (or of any
 ///   operation) fail with a chosen error kind, once.
+/// - **A hook before every call**, in loom builds (`--cfg emm_loom`): `SimDriver::set_call_hook`
+///   makes every call a model checker's scheduling point. The machine's lock is a plain mutex,
+///   which loom does not see; without the hook, a driver call runs in one step with the code
+///   before it, and loom never puts another thread's call between them. Other builds have no
+///   hook and pay nothing for it.
 /// - **Determinism.** The same calls give the same device addresses, handles, errors and log,
 ///   every run. Host addresses are real heap addresses and are the one exception.
 ///
 /// Shareable across threads (`Arc<SimDriver>` coerces to `Arc<dyn Driver>`); one lock guards
 /// the whole machine, so each log has one total order.
-#[derive(Debug)]
 pub struct SimDriver {
     world: Arc<Mutex<World>>,
     pid: usize,
+    /// Run at the start of every call, before the lock is taken; shared by the processes.
+    #[cfg(emm_loom)]
+    hook: Arc<std::sync::OnceLock<CallHook>>,
+}
+
+/// What `SimDriver::set_call_hook` (loom builds) installs: run with the operation at the
+/// start of every driver call, on the calling thread, with no lock of the simulator held.
+pub type CallHook = Box<dyn Fn(Op) + Send + Sync>;
+
+impl std::fmt::Debug for SimDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimDriver")
+            .field("pid", &self.pid)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What a single call observed, for the log.
@@ -175,7 +192,26 @@ impl SimDriver {
         SimDriver {
             world: Arc::new(Mutex::new(world)),
             pid: 0,
+            #[cfg(emm_loom)]
+            hook: Arc::new(std::sync::OnceLock::new()),
         }
+    }
+
+    /// Runs `hook` at the start of every driver call of every process of this machine, before
+    /// the call takes the machine's lock. Meant for model checking: a loom model's hook
+    /// touches one loom atomic, which makes each driver call a point where loom may run
+    /// another thread, and makes every two calls dependent, so that loom tries them in both
+    /// orders. Set once.
+    ///
+    /// # Panics
+    ///
+    /// If a hook is already set: keep one hook that does everything wanted.
+    #[cfg(emm_loom)]
+    pub fn set_call_hook(&self, hook: CallHook) {
+        assert!(
+            self.hook.set(hook).is_ok(),
+            "SimDriver::set_call_hook: a hook is already set on this machine; set one hook that does everything wanted"
+        );
     }
 
     /// Another process on the same simulated machine: it shares the devices and their memory
@@ -187,6 +223,8 @@ impl SimDriver {
         SimDriver {
             world: Arc::clone(&self.world),
             pid: w.processes.len() - 1,
+            #[cfg(emm_loom)]
+            hook: Arc::clone(&self.hook),
         }
     }
 
@@ -328,6 +366,10 @@ impl SimDriver {
         op: Op,
         body: impl FnOnce(&mut World, usize, &mut Note) -> Result<T, u32>,
     ) -> Result<T, DriverError> {
+        #[cfg(emm_loom)]
+        if let Some(hook) = self.hook.get() {
+            hook(op);
+        }
         let mut w = self.lock();
         let pid = self.pid;
         let mut note = Note::default();

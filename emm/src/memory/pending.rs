@@ -387,7 +387,11 @@ impl PendingDeallocs {
         }
         if let Some(e) = failure {
             // The frees issued and the one that failed leave the queue; later ones stay.
-            let failed = inner.items.drain(..=freed).next_back().expect("the failed free");
+            let failed = inner
+                .items
+                .drain(..=freed)
+                .next_back()
+                .expect("the failed free");
             inner.failed.push(failed);
             return Err(EmmError::driver("deferred deallocation", self.device, e));
         }
