@@ -91,15 +91,16 @@ impl ParkedPointer {
         let a = self.0.value_mut();
         a.base = base;
         a.size = size;
-        if let Release::Tracked {
+        let Release::Tracked {
             key: k,
             generation: g,
             ..
         } = &mut a.release
-        {
-            *k = key;
-            *g = generation;
-        }
+        else {
+            unreachable!("a table parks only its tracked pointers' records")
+        };
+        *k = key;
+        *g = generation;
         MemoryPointer {
             alloc: self.0.revive(),
             offset: 0,
