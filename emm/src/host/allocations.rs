@@ -86,7 +86,7 @@ struct Live {
     /// of the table, revived by the next device allocations: no record to find on the
     /// thread's spare list, no clone of the table to make, no value to fill.
     parked: Vec<ParkedPointer>,
-    /// False once the manager is gone ([`AllocationTable::close`]): nothing is parked then,
+    /// True once the manager is gone ([`AllocationTable::close`]): nothing is parked then,
     /// since a parked record's clone would keep the table alive.
     closed: bool,
 }
