@@ -295,20 +295,12 @@ impl<T> Biased<T> {
         }
         let mut spins = 0u32;
         loop {
-            if cfg!(emm_loom) {
-                // A plain load, as below, after a yield that lets loom run the owner. (This
-                // branch once read `busy` with a compare-exchange of false for false, so that
-                // loom would not show a stale value forever; that write, which the real code
-                // never makes, let loom report at 3 preemptions an overlap that the fences rule
-                // out. With the load the library's models finish unbounded.)
-                yield_now();
-                if !self.busy.load(Ordering::Acquire) {
-                    return;
-                }
-                continue;
-            }
+            // Under loom, a yield every time, which lets loom run the owner (a spin would be
+            // explored forever). The read is a plain load under loom too: a loom-only
+            // compare-exchange of false for false, once here, wrote to `busy` as the code never
+            // does, and let loom report at 3 preemptions an overlap that the fences rule out.
             spins += 1;
-            if spins > 64 {
+            if cfg!(emm_loom) || spins > 64 {
                 yield_now();
             } else {
                 std::hint::spin_loop();

@@ -429,16 +429,14 @@ impl PoolShared {
     /// use, with its generation.
     fn take_large(&self, (shard, owner): (usize, bool), size: usize) -> Option<(Large, u64)> {
         let mut lists = self.shards[shard].inner.enter(owner);
-        if size > self.config.cache_bytes_per_shard {
-            // Only the oversize slot holds blocks above the bound.
-            let block = lists.oversize.take_if(|b| b.size == size)?;
-            lists.give_back_room(&block);
-            lists.lent(size);
-            return Some((block, self.generation.load(Ordering::Acquire)));
-        }
-        let i = lists.large.iter().rposition(|b| b.size == size)?;
-        let block = lists.large.remove(i);
-        lists.cached_bytes -= size;
+        let block = if size > self.config.cache_bytes_per_shard {
+            // Only the oversize slot holds blocks above the bound (outside `cached_bytes`).
+            lists.oversize.take_if(|b| b.size == size)?
+        } else {
+            let i = lists.large.iter().rposition(|b| b.size == size)?;
+            lists.cached_bytes -= size;
+            lists.large.remove(i)
+        };
         lists.give_back_room(&block);
         lists.lent(size);
         Some((block, self.generation.load(Ordering::Acquire)))
@@ -493,12 +491,10 @@ impl PoolShared {
                     }
                     // Every record is out, the large blocks' too: `take_parked` gave the shard
                     // back all its room.
-                    let mut large = lists.large.take_all();
-                    large.extend(lists.oversize.take());
                     (
                         parked,
                         take_nonempty(&mut lists.free, Lines::take_all),
-                        large,
+                        lists.take_large_blocks(),
                     )
                 })
                 .collect();
@@ -936,8 +932,7 @@ impl DeviceAllocator for PoolAllocator {
                     l.clear();
                 }
                 // Their records are let go below, with no shard entered, as the small blocks'.
-                large.extend(lists.large.take_all());
-                large.extend(lists.oversize.take());
+                large.extend(lists.take_large_blocks());
                 lists.cached_bytes = 0;
                 lists.in_use_blocks = 0;
                 lists.in_use_bytes = 0;

@@ -88,6 +88,16 @@ impl ShardLists {
         block.into_block()
     }
 
+    /// Takes every block above `small_max` out, the large blocks and the oversize one, with
+    /// their records (the caller lets them go with no shard entered: `Large::into_block`).
+    /// Their room is not given back here: the callers take every record out, and
+    /// [`take_parked`](Self::take_parked) gives the shard all its room.
+    pub(super) fn take_large_blocks(&mut self) -> Vec<Large> {
+        let mut large = self.large.take_all();
+        large.extend(self.oversize.take());
+        large
+    }
+
     /// Takes every parked record out, with its class (the caller lets them go with no shard
     /// entered: [`unparked`]).
     pub(super) fn take_parked(&mut self) -> Vec<(usize, Vec<ParkedPointer>)> {
