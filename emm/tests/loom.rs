@@ -517,6 +517,36 @@ fn pool_trim_races_a_park_and_a_revive() {
     });
 }
 
+/// A runtime under `async-pool` on a [`machine`].
+fn async_pool_runtime() -> (Arc<SimDriver>, Runtime) {
+    let sim = machine();
+    let rt = Runtime::builder(sim.clone())
+        .ignore_env()
+        .memory_manager_name("async-pool")
+        .build()
+        .expect("runtime");
+    (sim, rt)
+}
+
+/// Every stream-ordered allocation and free the simulator saw succeeded, and there were as
+/// many frees as allocations.
+fn every_pool_call_ok_and_each_allocation_freed_once(sim: &SimDriver) {
+    let calls = sim.calls();
+    let count = |op: Op| calls.iter().filter(|c| c.op == op).count();
+    assert!(
+        calls
+            .iter()
+            .filter(|c| matches!(c.op, Op::MemAllocFromPoolAsync | Op::MemFreeAsync))
+            .all(|c| c.outcome.is_ok()),
+        "a pool call failed: {calls:?}"
+    );
+    assert_eq!(
+        count(Op::MemFreeAsync),
+        count(Op::MemAllocFromPoolAsync),
+        "{calls:?}"
+    );
+}
+
 /// `async-pool`'s reset racing another thread that drops an allocation and allocates again:
 /// allocations and frees hold the pool's lock for reading across their driver call, the reset
 /// holds it for writing. Whatever the interleaving, no driver call reaches a destroyed pool,
@@ -524,12 +554,7 @@ fn pool_trim_races_a_park_and_a_revive() {
 #[test]
 fn async_pool_reset_races_a_drop_and_an_allocation() {
     loom::model(|| {
-        let sim = machine();
-        let rt = Runtime::builder(sim.clone())
-            .ignore_env()
-            .memory_manager_name("async-pool")
-            .build()
-            .expect("runtime");
+        let (sim, rt) = async_pool_runtime();
         let ctx = rt.context(0).unwrap();
         let a = ctx.memalloc(256).unwrap();
         let other = ctx.clone();
@@ -540,20 +565,38 @@ fn async_pool_reset_races_a_drop_and_an_allocation() {
         ctx.reset().unwrap();
         t.join().unwrap();
         ctx.reset().unwrap();
+        every_pool_call_ok_and_each_allocation_freed_once(&sim);
+    });
+}
+
+/// `async-pool`'s parked records: a `memalloc` pointer dropped on one thread (its last drop
+/// frees its block and parks its record in the block's shard) while another resets the
+/// manager and allocates on a stream, which may get the same address and the same slot in the
+/// new pool. Whatever the interleaving, a stale pointer's park frees nothing of the new pool
+/// (its generation is checked under the pool's read lock), the new allocation stays live, and
+/// every allocation is freed exactly once.
+#[test]
+fn async_pool_stale_park_races_a_reset_and_a_new_allocation() {
+    loom::model(|| {
+        let (sim, rt) = async_pool_runtime();
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.memalloc(256).unwrap();
+        let t = thread::spawn(move || drop(a));
+        ctx.reset().unwrap();
+        // SAFETY: the legacy default stream, alive as long as the context.
+        let b = unsafe { ctx.memalloc_on_raw(256, emm::driver_sys::StreamHandle(0)) }.unwrap();
+        t.join().unwrap();
+        assert!(b.is_live());
         let calls = sim.calls();
         let count = |op: Op| calls.iter().filter(|c| c.op == op).count();
-        assert!(
-            calls
-                .iter()
-                .filter(|c| matches!(c.op, Op::MemAllocFromPoolAsync | Op::MemFreeAsync))
-                .all(|c| c.outcome.is_ok()),
-            "a pool call failed: {calls:?}"
-        );
         assert_eq!(
-            count(Op::MemFreeAsync),
+            count(Op::MemFreeAsync) + 1,
             count(Op::MemAllocFromPoolAsync),
-            "{calls:?}"
+            "the new allocation was freed while live: {calls:?}"
         );
+        drop(b);
+        ctx.reset().unwrap();
+        every_pool_call_ok_and_each_allocation_freed_once(&sim);
     });
 }
 

@@ -108,22 +108,37 @@ impl Fences {
     ///
     /// `base` came from `cuMemAllocFromPoolAsync` in this context, is freed once, and is not
     /// used after this call except by work already queued on the streams of `after`.
+    ///
+    /// Always inlined, the wait out of line: a free with no streams to wait for (`after` is
+    /// `None`, as for every `memalloc` pointer) is the driver's call alone.
+    #[inline(always)]
     pub unsafe fn free_async_after(
         &self,
         base: DevicePtr,
         stream: StreamHandle,
         after: Option<&StreamUse>,
     ) -> Result<(), DriverError> {
-        if let Some(streams) = after
-            && streams.other_streams().next().is_some()
-        {
-            let fence = self.record(streams.other_streams())?;
-            let waited = self.wait_on(&fence, stream);
-            self.recycle(fence);
-            waited?;
+        if let Some(streams) = after {
+            self.wait_for_others(streams, stream)?;
         }
         // SAFETY: the caller's contract; the freeing stream now waits for the other streams.
         unsafe { self.cx.driver.mem_free_async(self.cx.context, base, stream) }
+    }
+
+    /// Makes `stream` wait for the work queued so far on every other stream of `streams`.
+    #[inline(never)]
+    fn wait_for_others(
+        &self,
+        streams: &StreamUse,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        if streams.other_streams().next().is_none() {
+            return Ok(());
+        }
+        let fence = self.record(streams.other_streams())?;
+        let waited = self.wait_on(&fence, stream);
+        self.recycle(fence);
+        waited
     }
 
     /// Takes back the events of a fence that is done (or no longer needed).

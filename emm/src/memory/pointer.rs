@@ -78,6 +78,24 @@ impl ParkedPointer {
         }
     }
 
+    /// A pointer again to a block that may be elsewhere than the record's last one (a
+    /// stream-ordered pool's: the driver hands out the addresses): `size` bytes at `base`,
+    /// stamped `tag`.
+    #[inline(always)]
+    pub(crate) fn revive_at(mut self, base: DevicePtr, size: usize, tag: u64) -> MemoryPointer {
+        self.0.value_mut().base = base;
+        self.revive(size, tag)
+    }
+
+    /// Stamps a parked pool record with `tag` (one that names no live block, so that the
+    /// record releases nothing if it is dropped instead of revived).
+    #[inline(always)]
+    pub(crate) fn set_tag(&mut self, tag: u64) {
+        if let Release::Pool { tag: t, .. } = &mut self.0.value_mut().release {
+            *t = tag;
+        }
+    }
+
     /// A tracked pointer again ([`AllocationOwner::park`]): `size` bytes at `base`, recorded
     /// under `key` at `generation` in the table whose clone the record holds (the same
     /// device and context, since one table serves one context).
@@ -805,6 +823,15 @@ impl MemoryPointer {
             Release::Mapping { .. } => true,
             Release::Wrapped { inner, .. } => inner.is_ipc_mapping(),
             _ => false,
+        }
+    }
+
+    /// The tag a shared release hook stamped the allocation with (a [`with_hook`](Self::with_hook)
+    /// or built-in pool's pointer, or the pointer an adaptor wraps): `None` for any other.
+    pub(crate) fn hook_tag(&self) -> Option<u64> {
+        match &self.alloc.release {
+            Release::Wrapped { inner, .. } => inner.hook_tag(),
+            release => release.shared_hook().map(|(_, tag)| tag),
         }
     }
 

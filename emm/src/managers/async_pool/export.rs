@@ -3,7 +3,7 @@
 
 use driver_sys::DriverError;
 
-use super::{AsyncPoolAllocator, PoolState};
+use super::{AsyncPoolAllocator, PoolState, SLOT_MASK};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
@@ -43,7 +43,10 @@ impl AsyncPoolAllocator {
         // The write lock: the export may record `exported`, and no reset destroys the pool
         // while the allocation is exported.
         let mut state = write(&self.shared.state);
-        let (Some(id), true) = (state.id, self.shared.live.contains(base.0)) else {
+        let live = memory.hook_tag().is_some_and(|tag| {
+            self.shared.current(tag) && self.shared.live.contains(base.0, tag & SLOT_MASK)
+        });
+        let (Some(id), true) = (state.id, live) else {
             return Err(EmmError::InvalidArgument {
                 what: "memory passed to get_ipc_handle",
                 reason: format!(

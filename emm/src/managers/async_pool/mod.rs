@@ -22,9 +22,16 @@
 //! - **Threads**: allocations and frees do not wait for each other. The driver's pool is
 //!   thread-safe; emm holds the pool's handle behind a read-write lock that they take for
 //!   reading across their driver call (creation, export and reset take it for writing), and
-//!   keeps the live allocations in 16 shards by address. The loom model
-//!   `async_pool_reset_races_a_drop_and_an_allocation` checks that no call reaches a
-//!   destroyed pool and that every allocation is freed once.
+//!   keeps the live allocations in 16 shards by address, each a slab whose slot the pointer's
+//!   tag names (no hashing). The loom model `async_pool_reset_races_a_drop_and_an_allocation`
+//!   checks that no call reaches a destroyed pool and that every allocation is freed once.
+//! - **Records**: a `memalloc` pointer's last drop frees its block and keeps its record (the
+//!   pointer's box, with its clone of the manager's shared state) in the block's shard, up to
+//!   32 a shard; the next `memalloc` whose block falls in that shard revives it by setting the
+//!   address, size and tag. A parked record names no slot, so it frees nothing if it is
+//!   dropped instead (when the manager goes). The loom model
+//!   `async_pool_stale_park_races_a_reset_and_a_new_allocation` checks that a pointer older
+//!   than a reset frees nothing of the new pool.
 //! - `trim` synchronises the stream and calls `cuMemPoolTrimTo(0)`; `reset` destroys the pool
 //!   (which frees everything in it) and the next use creates a new one.
 //! - Out of memory: the manager synchronises its stream and retries; then the host layer
@@ -67,9 +74,9 @@ use crate::error::EmmError;
 use crate::host::fences::Fences;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::managers::default::DriverAllocator;
-use crate::memory::AddressSet;
 use crate::memory::pending::PendingDeallocs;
-use crate::memory::pointer::{MemoryPointer, PoolHook, ReleaseHook, StreamUse};
+use crate::memory::pointer::{MemoryPointer, ParkedPointer, PoolHook, ReleaseHook, StreamUse};
+use crate::slab::Slab;
 use crate::sync::{AtomicU64, Mutex, Ordering, RwLock, lock, read, write};
 
 #[cfg(unix)]
@@ -103,48 +110,109 @@ struct PoolState {
 /// Shards of the live set, so that threads allocating at once rarely share a lock.
 const LIVE_SHARDS: usize = 16;
 
+/// Records of `memalloc` pointers one shard keeps for the next allocations
+/// ([`PoolHook::park`]): 128 bytes each, at most 16 × 32 of them.
+const PARKED: usize = 32;
+
+/// The bits of a pointer's tag that name its allocation's slot in its live shard (the shard is
+/// its address's); the bits above are the pool's generation when it was allocated.
+const SLOT_BITS: u32 = 32;
+const SLOT_MASK: u64 = (1 << SLOT_BITS) - 1;
+/// The slot in a parked record's tag: none (a shard's slab would need 2^32 live allocations
+/// to hand it out), so a parked record dropped instead of revived releases nothing.
+const NO_SLOT: u64 = SLOT_MASK;
+
+/// One shard of the live set: the addresses of its allocations not freed yet, each in the
+/// slot its pointer's tag names, and the records parked for the next `memalloc`.
+#[derive(Default)]
+struct LiveShard {
+    slots: Slab<u64>,
+    parked: Vec<ParkedPointer>,
+    /// True once the manager is gone ([`Live::close`]): nothing is parked then, since a
+    /// parked record's clone of the hook would keep the shared state alive.
+    closed: bool,
+}
+
+impl LiveShard {
+    /// Takes the allocation at `ptr` out if `slot` holds it.
+    #[inline(always)]
+    fn remove(&mut self, ptr: u64, slot: u64) -> bool {
+        // A slot beyond `u32` (`NO_SLOT` included) is held by no allocation.
+        let slot = slot as u32;
+        if self.slots.get(slot) != Some(&ptr) {
+            return false;
+        }
+        self.slots.discard(slot);
+        true
+    }
+}
+
 /// Allocations not freed yet, sharded by address: a reset frees them before it destroys the
 /// pool, because the driver releases a destroyed pool's memory only once its allocations are
-/// freed. A shard is locked only while the pool's lock is held (read or write), never the
-/// other way round.
-struct Live([Mutex<AddressSet>; LIVE_SHARDS]);
+/// freed. A pointer names its allocation's slot in its tag, so recording and releasing one is
+/// an index into a vector. A shard is locked only while the pool's lock is held (read or
+/// write), or by `close`, never the other way round.
+struct Live([Mutex<LiveShard>; LIVE_SHARDS]);
 
 impl Live {
     fn new() -> Live {
-        Live(std::array::from_fn(|_| Mutex::new(AddressSet::default())))
+        Live(std::array::from_fn(|_| Mutex::new(LiveShard::default())))
     }
 
-    fn shard(&self, ptr: u64) -> &Mutex<AddressSet> {
+    #[inline(always)]
+    fn shard(&self, ptr: u64) -> &Mutex<LiveShard> {
         // Pool blocks are at least 256-byte aligned: mix the bits above the alignment.
         let h = (ptr >> 8) ^ (ptr >> 20);
         &self.0[(h as usize) % LIVE_SHARDS]
     }
 
-    fn insert(&self, ptr: u64) {
-        lock(self.shard(ptr)).insert(ptr);
+    /// Records the allocation at `ptr`; returns its slot and, with `park`, a parked record
+    /// for its pointer if the shard keeps one.
+    #[inline(always)]
+    fn record(&self, ptr: u64, park: bool) -> (u64, Option<ParkedPointer>) {
+        let mut shard = lock(self.shard(ptr));
+        let slot = shard.slots.insert(ptr);
+        let parked = if park { shard.parked.pop() } else { None };
+        (u64::from(slot), parked)
     }
 
-    fn remove(&self, ptr: u64) -> bool {
-        lock(self.shard(ptr)).remove(&ptr)
+    /// Takes the allocation at `ptr` out if `slot` holds it (so once).
+    #[inline(always)]
+    fn remove(&self, ptr: u64, slot: u64) -> bool {
+        lock(self.shard(ptr)).remove(ptr, slot)
     }
 
-    /// Whether `ptr` is live (the IPC export's check; pools are exported on Unix only).
+    /// Whether `ptr` is live in `slot` (the IPC export's check; pools are exported on Unix
+    /// only).
     #[cfg(unix)]
-    fn contains(&self, ptr: u64) -> bool {
-        lock(self.shard(ptr)).contains(&ptr)
+    fn contains(&self, ptr: u64, slot: u64) -> bool {
+        lock(self.shard(ptr)).slots.get(slot as u32) == Some(&ptr)
     }
 
     fn len(&self) -> usize {
-        self.0.iter().map(|s| lock(s).len()).sum()
+        self.0.iter().map(|s| lock(s).slots.len()).sum()
     }
 
-    /// Takes every address out (a reset, with the pool's lock held for writing).
+    /// Takes every address out (a reset, with the pool's lock held for writing); the parked
+    /// records stay (they name no allocation).
     fn take_all(&self) -> Vec<u64> {
         let mut all = Vec::new();
         for s in &self.0 {
-            all.extend(std::mem::take(&mut *lock(s)));
+            all.extend(lock(s).slots.drain());
         }
         all
+    }
+
+    /// The manager is gone: the parked records go, and none is parked from now on.
+    fn close(&self) {
+        let mut parked = Vec::new();
+        for s in &self.0 {
+            let mut shard = lock(s);
+            shard.closed = true;
+            parked.append(&mut shard.parked);
+        }
+        // Dropped with no lock held: each names no slot, and releases nothing.
+        drop(parked);
     }
 }
 
@@ -158,7 +226,9 @@ struct Shared {
     /// The pool's allocations not freed yet.
     live: Live,
     /// Bumped by `reset` (with the state locked for writing); pointers of older generations
-    /// free nothing.
+    /// free nothing. Kept shifted to a tag's high bits (`SLOT_BITS`): it wraps after 2^32
+    /// resets, and a pointer that outlived exactly that many resets would still free nothing
+    /// unless its slot held its own address again.
     generation: AtomicU64,
     queue: Arc<PendingDeallocs>,
     /// Events for the frees of blocks that other streams used.
@@ -166,37 +236,79 @@ struct Shared {
 }
 
 impl Shared {
+    /// Whether `tag` is of the current pool (the generation, in the tag's high bits).
+    #[inline(always)]
+    fn current(&self, tag: u64) -> bool {
+        self.generation.load(Ordering::Acquire) == tag & !SLOT_MASK
+    }
+
     /// Frees `base` on `stream` once the last record of every other stream in `after` is done.
     fn free(&self, base: DevicePtr, tag: u64, stream: StreamHandle, after: Option<&StreamUse>) {
         let state = read(&self.state);
-        if self.generation.load(Ordering::Acquire) != tag || !self.live.remove(base.0) {
-            return;
-        }
-        let Some(_live) = self.cx.liveness.enter() else {
-            return;
-        };
-        let device = self.cx.device;
-        // SAFETY: `base` came from `cuMemAllocFromPoolAsync` of the current pool (the
-        // generation matches, and the state's read lock keeps a reset from destroying the pool
-        // meanwhile); its last pointer dropped, so it is freed once and not used after but by
-        // work already queued, which the freeing stream waits for; the context is alive
-        // (`_live`).
-        if let Err(e) = unsafe { self.fences.free_async_after(base, stream, after) } {
-            // Nothing was freed: the block is kept (a reset frees it) rather than reused
-            // under other streams' work.
-            tracing::error!(device = %device, error = %e, ptr = %base, "freeing a block on its stream failed; the block is kept until the manager's reset, and the error is returned by the next flush");
-            self.live.insert(base.0);
-            self.queue
-                .record_error(EmmError::driver("cuMemFreeAsync", device, e));
+        if self.current(tag) && self.live.remove(base.0, tag & SLOT_MASK) {
+            self.free_taken(base, stream, after);
         }
         drop(state);
     }
+
+    /// [`free`](Self::free) of `base`, just taken out of the live set, with the state's read
+    /// lock held.
+    #[inline(always)]
+    fn free_taken(&self, base: DevicePtr, stream: StreamHandle, after: Option<&StreamUse>) {
+        let Some(_live) = self.cx.liveness.enter() else {
+            return;
+        };
+        // SAFETY: `base` came from `cuMemAllocFromPoolAsync` of the current pool (the
+        // generation matched, and the state's read lock, which the caller holds, keeps a reset
+        // from destroying the pool meanwhile); its last pointer dropped, and it was taken out
+        // of the live set (once), so it is freed once and not used after but by work already
+        // queued, which the freeing stream waits for; the context is alive (`_live`).
+        if let Err(e) = unsafe { self.fences.free_async_after(base, stream, after) } {
+            self.keep_unfreed(base, e);
+        }
+    }
+
+    /// Freeing `base` failed: nothing was freed, and the block is kept (a reset frees it)
+    /// rather than reused under other streams' work.
+    #[cold]
+    #[inline(never)]
+    fn keep_unfreed(&self, base: DevicePtr, e: DriverError) {
+        let device = self.cx.device;
+        tracing::error!(device = %device, error = %e, ptr = %base, "freeing a block on its stream failed; the block is kept until the manager's reset, and the error is returned by the next flush");
+        self.live.record(base.0, false);
+        self.queue
+            .record_error(EmmError::driver("cuMemFreeAsync", device, e));
+    }
 }
 
-// SAFETY: the default `park`, which hands every record back (its blocks go back to the
-// driver's pool, one at a time).
+// SAFETY: `park` keeps the record it is offered (in a shard's parked list) or hands it back;
+// it drops it on no path.
 #[allow(unsafe_code)]
-unsafe impl PoolHook for Shared {}
+unsafe impl PoolHook for Shared {
+    /// A `memalloc` pointer's last drop: its block is freed on the legacy default stream, as
+    /// `release` frees it, and its record kept in its block's shard for the next `memalloc`
+    /// ([`ParkedPointer::revive_at`]), stamped with no slot; handed back if the shard is full,
+    /// the manager is gone, or the block is not live (a reset took it).
+    fn park(&self, mut record: ParkedPointer, _size: usize, tag: u64) -> Option<ParkedPointer> {
+        let base = record.base();
+        let state = read(&self.state);
+        if !self.current(tag) {
+            return Some(record);
+        }
+        {
+            let mut shard = lock(self.live.shard(base));
+            if shard.closed || shard.parked.len() >= PARKED || !shard.remove(base, tag & SLOT_MASK)
+            {
+                return Some(record);
+            }
+            record.set_tag(tag | NO_SLOT);
+            shard.parked.push(record);
+        }
+        self.free_taken(DevicePtr(base), STREAM, None);
+        drop(state);
+        None
+    }
+}
 
 impl ReleaseHook for Shared {
     fn release(&self, base: DevicePtr, _size: usize, tag: u64) {
@@ -208,7 +320,7 @@ impl ReleaseHook for Shared {
     }
 
     fn is_live(&self, tag: u64) -> bool {
-        self.generation.load(Ordering::Acquire) == tag
+        self.current(tag)
     }
 }
 
@@ -223,6 +335,14 @@ pub struct AsyncPoolAllocator {
 
 /// The stream-ordered pool manager: the [`HostLayer`] over an [`AsyncPoolAllocator`].
 pub type AsyncPoolManager = HostOnly<AsyncPoolAllocator>;
+
+impl Drop for AsyncPoolAllocator {
+    fn drop(&mut self) {
+        // The parked records hold clones of the shared state: without this they would keep it
+        // alive after the manager.
+        self.shared.live.close();
+    }
+}
 
 impl fmt::Debug for AsyncPoolAllocator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -412,13 +532,19 @@ impl AsyncPoolAllocator {
     /// `cuMemAllocFromPoolAsync` of `bytes` on `stream`; out of memory, waits for `stream`
     /// and the legacy default stream (frees the host has not observed stay reserved) and
     /// retries, then the host layer flushes and retries once more.
+    ///
+    /// Returns the address, the pointer's tag (the pool's generation and the allocation's
+    /// slot in the live set) and, with `park`, a parked record for the pointer if its shard
+    /// keeps one.
+    #[inline(always)]
     fn alloc(
         &self,
         host: &HostLayer,
         what: &'static str,
         bytes: usize,
         stream: StreamHandle,
-    ) -> Result<(DevicePtr, u64), EmmError> {
+        park: bool,
+    ) -> Result<(DevicePtr, u64, Option<ParkedPointer>), EmmError> {
         if bytes == 0 {
             return Err(EmmError::ZeroSize { what });
         }
@@ -431,8 +557,9 @@ impl AsyncPoolAllocator {
                     // Under the read lock: other threads allocate and free meanwhile, a reset
                     // waits, and the generation read below is the pool's.
                     let ptr = cx.alloc_from_pool(pool, bytes, stream)?;
-                    shared.live.insert(ptr.0);
-                    return Ok((ptr, shared.generation.load(Ordering::Acquire)));
+                    let (slot, parked) = shared.live.record(ptr.0, park);
+                    let generation = shared.generation.load(Ordering::Acquire);
+                    return Ok((ptr, generation | slot, parked));
                 }
                 drop(state);
                 // No pool yet (first use, or after a reset): made under the write lock, then
@@ -445,10 +572,13 @@ impl AsyncPoolAllocator {
 
 impl DeviceAllocator for AsyncPoolAllocator {
     fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
-        let (ptr, generation) = self.alloc(host, "memalloc", bytes, STREAM)?;
+        let (ptr, tag, parked) = self.alloc(host, "memalloc", bytes, STREAM, true)?;
+        if let Some(parked) = parked {
+            return Ok(parked.revive_at(ptr, bytes, tag));
+        }
         let cx = &self.shared.cx;
         Ok(MemoryPointer::with_stashed_hook(
-            cx.device, cx.context, ptr, bytes, &self.hook, generation, false,
+            cx.device, cx.context, ptr, bytes, &self.hook, tag, true,
         ))
     }
 
@@ -458,7 +588,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
         bytes: usize,
         stream: StreamHandle,
     ) -> Result<MemoryPointer, EmmError> {
-        let (ptr, generation) = self.alloc(host, "memalloc_on", bytes, stream)?;
+        let (ptr, tag, _) = self.alloc(host, "memalloc_on", bytes, stream, false)?;
         let cx = &self.shared.cx;
         Ok(MemoryPointer::with_hook_on(
             cx.device,
@@ -466,7 +596,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
             ptr,
             bytes,
             Arc::clone(&self.shared) as Arc<dyn ReleaseHook>,
-            generation,
+            tag,
             stream,
         ))
     }
@@ -503,7 +633,9 @@ impl DeviceAllocator for AsyncPoolAllocator {
     fn reset(&self, _host: &HostLayer) -> Result<(), EmmError> {
         let cx = &self.shared.cx;
         let mut state = write(&self.shared.state);
-        self.shared.generation.fetch_add(1, Ordering::AcqRel);
+        self.shared
+            .generation
+            .fetch_add(1 << SLOT_BITS, Ordering::AcqRel);
         let live = self.shared.live.take_all();
         state.id = None;
         let Some(pool) = state.pool.take() else {
@@ -529,5 +661,173 @@ impl DeviceAllocator for AsyncPoolAllocator {
 
     fn pool_stats(&self) -> Option<PoolStats> {
         self.stats()
+    }
+}
+
+#[cfg(all(test, not(emm_loom)))]
+mod tests {
+    use std::sync::Weak;
+
+    use super::*;
+    use crate::contract::factory::ManagerContext;
+
+    /// An `async-pool` allocator over a host layer on a simulated GPU, and a weak reference to
+    /// its shared state.
+    fn allocator() -> (HostLayer, AsyncPoolAllocator, Weak<Shared>) {
+        let host = HostLayer::new(&ManagerContext::simulated(None));
+        let device = AsyncPoolAllocator::new(&host);
+        let shared = Arc::downgrade(&device.shared);
+        (host, device, shared)
+    }
+
+    /// Records parked in every shard.
+    fn parked(shared: &Weak<Shared>) -> Vec<usize> {
+        let shared = shared.upgrade().expect("the shared state");
+        shared.live.0.iter().map(|s| lock(s).parked.len()).collect()
+    }
+
+    fn parked_total(shared: &Weak<Shared>) -> usize {
+        parked(shared).iter().sum()
+    }
+
+    /// Bytes the driver's pool has handed out and not had back.
+    fn used(host: &HostLayer, shared: &Weak<Shared>) -> u64 {
+        let shared = shared.upgrade().expect("the shared state");
+        let pool = read(&shared.state).pool.expect("a pool");
+        let cx = host.context();
+        cx.driver
+            .mem_pool_usage(cx.context, pool)
+            .expect("pool usage")
+            .used
+    }
+
+    #[test]
+    fn a_memalloc_pointers_record_serves_the_next_allocation_and_goes_with_the_manager() {
+        let (host, device, shared) = allocator();
+        let first = device.memalloc(&host, 4096).expect("memory");
+        let at = first.device_ptr();
+        let refs = shared.strong_count();
+        drop(first);
+        assert_eq!(parked_total(&shared), 1, "the record is kept");
+        assert_eq!(used(&host, &shared), 0, "its block is freed");
+        assert_eq!(shared.strong_count(), refs, "with its clone of the state");
+        for _ in 0..20 {
+            let again = device.memalloc(&host, 256).expect("memory");
+            // The simulator's pool hands back the block freed last on the same stream, so the
+            // parked record is in the new block's shard.
+            assert_eq!(again.device_ptr(), at);
+            assert_eq!(
+                parked_total(&shared),
+                0,
+                "the record went to the new pointer"
+            );
+            assert!(again.is_live());
+            assert_eq!((again.size(), again.allocation_size()), (256, 256));
+            assert_eq!(device.stats().expect("stats").in_use_blocks, 1);
+            drop(again);
+            assert_eq!(parked_total(&shared), 1);
+            assert_eq!(shared.strong_count(), refs, "no clone made or dropped");
+        }
+        assert_eq!(used(&host, &shared), 0, "every block freed once");
+        drop(device);
+        let_the_spare_go(&host, &shared);
+    }
+
+    /// The manager is gone: its parked record went to this thread's spares with its clone of
+    /// the hook (as a retired pool pointer's does), and pointers made on this thread over
+    /// another state take every spare box (at most 64) and drop the clone: nothing else keeps
+    /// the state alive.
+    fn let_the_spare_go(host: &HostLayer, shared: &Weak<Shared>) {
+        assert_eq!(shared.strong_count(), 1, "the spare record's clone alone");
+        let other = AsyncPoolAllocator::new(host);
+        let held: Vec<_> = (0..65)
+            .map(|_| other.memalloc(host, 256).expect("memory"))
+            .collect();
+        assert_eq!(shared.strong_count(), 0, "no parked record keeps the state");
+        drop(held);
+    }
+
+    #[test]
+    fn a_parked_record_releases_nothing_when_it_goes() {
+        let (host, device, shared) = allocator();
+        drop(device.memalloc(&host, 4096).expect("memory"));
+        assert_eq!(parked_total(&shared), 1);
+        // A stream-ordered allocation takes no parked record; it gets the freed block and the
+        // slot the parked record's allocation had.
+        let ordered = device
+            .memalloc_on(&host, 4096, STREAM)
+            .expect("stream-ordered memory");
+        assert_eq!(parked_total(&shared), 1);
+        assert_eq!(used(&host, &shared), 4096);
+        drop(device); // the parked record goes, naming no slot
+        assert_eq!(
+            used(&host, &shared),
+            4096,
+            "the parked record freed a live allocation"
+        );
+        assert!(ordered.is_live());
+        drop(ordered); // released by its hook, whose manager is gone
+        assert_eq!(used(&host, &shared), 0);
+        let_the_spare_go(&host, &shared);
+    }
+
+    #[test]
+    fn a_record_parked_before_a_reset_serves_the_new_pool() {
+        let (host, device, shared) = allocator();
+        let stale = device.memalloc(&host, 512).expect("memory");
+        drop(device.memalloc(&host, 512).expect("memory"));
+        assert_eq!(parked_total(&shared), 1);
+        device.reset(&host).expect("reset");
+        assert!(
+            !stale.is_live(),
+            "the reset made the old pool's pointer stale"
+        );
+        let fresh = device.memalloc(&host, 512).expect("memory");
+        assert!(fresh.is_live(), "revived with the new generation");
+        assert_eq!(device.stats().expect("stats").in_use_blocks, 1);
+        drop(stale); // frees nothing: the reset did
+        assert_eq!(used(&host, &shared), 512);
+        drop(fresh);
+        assert_eq!(used(&host, &shared), 0);
+        assert_eq!(device.stats().expect("stats").in_use_blocks, 0);
+    }
+
+    #[test]
+    fn a_stale_pointers_last_drop_frees_nothing_of_the_new_pool() {
+        let (host, device, shared) = allocator();
+        let stale = device.memalloc(&host, 2048).expect("memory");
+        device.reset(&host).expect("reset");
+        // The new pool hands out the same address, recorded in the same slot.
+        let live = device
+            .memalloc_on(&host, 2048, STREAM)
+            .expect("stream-ordered memory");
+        assert_eq!(live.device_ptr(), stale.device_ptr());
+        assert_eq!(
+            live.hook_tag().map(|t| t & SLOT_MASK),
+            stale.hook_tag().map(|t| t & SLOT_MASK)
+        );
+        drop(stale);
+        assert_eq!(parked_total(&shared), 0, "a stale record is not parked");
+        assert_eq!(
+            used(&host, &shared),
+            2048,
+            "the stale drop freed a live block"
+        );
+        drop(live);
+        assert_eq!(used(&host, &shared), 0);
+    }
+
+    #[test]
+    fn the_shards_keep_a_bounded_number_of_records_and_free_every_block() {
+        let (host, device, shared) = allocator();
+        let all: Vec<_> = (0..LIVE_SHARDS * PARKED * 2)
+            .map(|_| device.memalloc(&host, 1024).expect("memory"))
+            .collect();
+        drop(all);
+        let parked = parked(&shared);
+        assert!(parked.iter().all(|&n| n <= PARKED), "{parked:?}");
+        assert!(parked.iter().sum::<usize>() > 0);
+        assert_eq!(used(&host, &shared), 0, "every block freed, parked or not");
+        assert_eq!(device.stats().expect("stats").in_use_blocks, 0);
     }
 }
