@@ -149,6 +149,43 @@ fn raw_pool_pair(
     unsafe { driver.mem_free_async(ctx, p, stream) }.expect("cuMemFreeAsync");
 }
 
+/// A raw driver pool's allocation, freed on its stream when dropped (the raw anchor of the
+/// managers' held-allocation pattern).
+struct RawBlock<'a> {
+    driver: &'a dyn Driver,
+    ctx: driver_sys::ContextHandle,
+    ptr: driver_sys::DevicePtr,
+    stream: StreamHandle,
+}
+
+impl<'a> RawBlock<'a> {
+    fn new(
+        driver: &'a dyn Driver,
+        ctx: driver_sys::ContextHandle,
+        pool: driver_sys::MemPoolHandle,
+        size: usize,
+        stream: StreamHandle,
+    ) -> RawBlock<'a> {
+        let ptr = driver
+            .mem_alloc_from_pool_async(ctx, pool, size, stream)
+            .expect("cuMemAllocFromPoolAsync");
+        RawBlock {
+            driver,
+            ctx,
+            ptr,
+            stream,
+        }
+    }
+}
+
+impl Drop for RawBlock<'_> {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `new` on the same stream, unused, freed once.
+        unsafe { self.driver.mem_free_async(self.ctx, self.ptr, self.stream) }
+            .expect("cuMemFreeAsync");
+    }
+}
+
 /// Alloc + free pairs per size: raw driver, driver pool, every manager.
 fn alloc_free_pairs(driver: &Arc<dyn Driver>) {
     let probe = runtime(driver, "default", false, vec![]);
@@ -328,23 +365,28 @@ fn scaling(driver: &Arc<dyn Driver>) {
         }
         ctx.trim().expect("trim");
     }
-    // The anchor: the raw driver pool's pairs from the same threads, all on the legacy default
-    // stream (where `async-pool`'s `memalloc` orders them) and each on its thread's default
-    // stream (`CU_STREAM_PER_THREAD`).
+    // The anchor: the raw driver pool's allocations and frees from the same threads in the
+    // managers' pattern (eight allocations held, then freed, sizes cycling from 256 B to
+    // 32 KiB), all on the legacy default stream (where `async-pool`'s `memalloc` orders them)
+    // and each on its thread's default stream (`CU_STREAM_PER_THREAD`). Until aa1cb98 these
+    // rows freed each block right after allocating it, which the managers' rows do not.
     let rt = runtime(driver, "default", false, vec![]);
     let ctx = rt.context(0).expect("context");
     let h = ctx.handle();
     let pool = raw_pool(driver.as_ref(), &ctx);
     let per_thread = if quick() { 20_000 } else { 100_000 };
     for (name, stream) in [
-        ("raw pool legacy stream", StreamHandle::LEGACY),
-        ("raw pool per-thread stream", StreamHandle::PER_THREAD),
+        ("raw pool legacy stream 8 held", StreamHandle::LEGACY),
+        (
+            "raw pool per-thread stream 8 held",
+            StreamHandle::PER_THREAD,
+        ),
     ] {
         for threads in [1usize, 2, 8, 16] {
             let rate = threaded_median(threads, per_thread, |t| {
-                for i in 0..per_thread {
-                    raw_pool_pair(driver.as_ref(), h, pool, 256 << ((i + t) % 8), stream);
-                }
+                holding(8, per_thread, |i| {
+                    RawBlock::new(driver.as_ref(), h, pool, 256 << ((i + t) % 8), stream)
+                });
                 driver.stream_synchronize(h, stream).expect("sync");
             });
             out(
