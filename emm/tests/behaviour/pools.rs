@@ -114,6 +114,23 @@ impl Drop for Worker {
     }
 }
 
+/// Drops the live block `k` (modulo their number; none if there is none), on the worker when
+/// `elsewhere`.
+fn free_one(
+    live: &mut BTreeMap<u64, (MemoryPointer, u8)>,
+    k: usize,
+    elsewhere: bool,
+    worker: &Worker,
+) {
+    let Some(&key) = live.keys().nth(k % live.len().max(1)) else {
+        return;
+    };
+    let (mem, _) = live.remove(&key).unwrap();
+    if elsewhere {
+        worker.run(move || drop(mem));
+    }
+}
+
 fn steps() -> impl Strategy<Value = Vec<Step>> {
     #[cfg(not(miri))]
     let (size, steps) = (
@@ -181,18 +198,10 @@ proptest! {
                     let ctx = ctx.clone();
                     Some(worker.run(move || ctx.memalloc(bytes)))
                 }
-                Step::Free(k) if !live.is_empty() => {
-                    let key = *live.keys().nth(k % live.len()).unwrap();
-                    live.remove(&key);
+                Step::Free(k) | Step::FreeElsewhere(k) => {
+                    free_one(&mut live, k, matches!(step, Step::FreeElsewhere(_)), &worker);
                     None
                 }
-                Step::FreeElsewhere(k) if !live.is_empty() => {
-                    let key = *live.keys().nth(k % live.len()).unwrap();
-                    let (mem, _) = live.remove(&key).unwrap();
-                    worker.run(move || drop(mem));
-                    None
-                }
-                Step::Free(_) | Step::FreeElsewhere(_) => None,
                 Step::Trim => {
                     ctx.trim().unwrap();
                     None
@@ -240,6 +249,89 @@ proptest! {
         prop_assert_eq!(stats.held_bytes, 0, "{:?}", stats);
         prop_assert_eq!(ctx.get_memory_info().unwrap().free, baseline);
         prop_assert!(sim.calls().iter().all(|c| c.op != Op::MemFree || c.outcome.is_ok()));
+    }
+
+    /// `async-pool`'s live set and parked records under random allocations (`memalloc`, whose
+    /// records are parked and revived, and `memalloc_on` a created stream, which never take a
+    /// parked record), frees on this thread and on a second one, trims and resets, with the
+    /// pointers a reset made stale dropped at random later: after every step the live blocks
+    /// are disjoint and hold what was written to them, each is live and every stale pointer
+    /// is not, and the pool counts exactly the live ones; at the end every allocation was
+    /// freed exactly once (by its drop or by a reset), no driver call failed, and the driver
+    /// has all its memory back.
+    #[test]
+    fn async_pool_frees_each_allocation_once(steps in steps()) {
+        let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+        let rt = runtime_with(&sim, "async-pool");
+        let ctx = rt.context(0).unwrap();
+        let stream = ctx.create_stream().unwrap();
+        let worker = Worker::new();
+        let baseline = ctx.get_memory_info().unwrap().free;
+        let mut live: BTreeMap<u64, (MemoryPointer, u8)> = BTreeMap::new();
+        let mut stale: Vec<MemoryPointer> = Vec::new();
+        for (n, step) in steps.iter().enumerate() {
+            let allocated = match *step {
+                // Odd sizes on the stream, even ones with `memalloc`.
+                Step::Alloc(bytes) if bytes % 2 == 1 => Some(ctx.memalloc_on(bytes, &stream)),
+                Step::Alloc(bytes) => Some(ctx.memalloc(bytes)),
+                Step::AllocElsewhere(bytes) => {
+                    let ctx = ctx.clone();
+                    Some(worker.run(move || ctx.memalloc(bytes)))
+                }
+                Step::Free(k) | Step::FreeElsewhere(k) if !stale.is_empty() && k % 3 == 0 => {
+                    let mem = stale.swap_remove(k % stale.len());
+                    if matches!(step, Step::FreeElsewhere(_)) {
+                        worker.run(move || drop(mem));
+                    }
+                    None
+                }
+                Step::Free(k) | Step::FreeElsewhere(k) => {
+                    free_one(&mut live, k, matches!(step, Step::FreeElsewhere(_)), &worker);
+                    None
+                }
+                Step::Trim => {
+                    ctx.trim().unwrap();
+                    None
+                }
+                Step::Reset => {
+                    ctx.reset().unwrap();
+                    stale.extend(std::mem::take(&mut live).into_values().map(|(m, _)| m));
+                    None
+                }
+            };
+            match allocated {
+                Some(Ok(mem)) => {
+                    prop_assert!(mem.is_live());
+                    let fill = n as u8;
+                    ctx.memset(&mem, fill, mem.size()).unwrap();
+                    prop_assert!(live.insert(mem.device_ptr().0, (mem, fill)).is_none());
+                }
+                Some(Err(e)) => prop_assert!(e.is_out_of_memory(), "{e}"),
+                None => {}
+            }
+            stream.synchronize().unwrap();
+            prop_assert!(live.values().all(|(m, _)| m.is_live()));
+            prop_assert!(stale.iter().all(|m| !m.is_live()));
+            // No pool (and so no statistics) between a reset and the next allocation.
+            let in_use = ctx.pool_stats().device.map_or(0, |s| s.in_use_blocks);
+            prop_assert_eq!(in_use, live.len());
+        }
+        check_disjoint_and_intact(&ctx, &live);
+        live.clear();
+        stale.clear();
+        stream.synchronize().unwrap();
+        ctx.reset().unwrap();
+        let calls = sim.calls();
+        prop_assert!(
+            calls
+                .iter()
+                .filter(|c| matches!(c.op, Op::MemAllocFromPoolAsync | Op::MemFreeAsync))
+                .all(|c| c.outcome.is_ok()),
+            "a pool call failed"
+        );
+        prop_assert_eq!(sim.count(Op::MemFreeAsync), sim.count(Op::MemAllocFromPoolAsync));
+        drop(stream);
+        prop_assert_eq!(ctx.get_memory_info().unwrap().free, baseline);
     }
 }
 
