@@ -828,6 +828,7 @@ impl MemoryPointer {
 
     /// The tag a shared release hook stamped the allocation with (a [`with_hook`](Self::with_hook)
     /// or built-in pool's pointer, or the pointer an adaptor wraps): `None` for any other.
+    #[cfg_attr(not(unix), allow(dead_code))] // the IPC export's check, on Unix only
     pub(crate) fn hook_tag(&self) -> Option<u64> {
         match &self.alloc.release {
             Release::Wrapped { inner, .. } => inner.hook_tag(),
