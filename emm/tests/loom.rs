@@ -517,15 +517,12 @@ fn pool_trim_races_a_park_and_a_revive() {
     });
 }
 
-/// A runtime under `async-pool` on a [`machine`].
+/// A runtime under `async-pool` on a [`machine`] (its frees do not go through the deferred
+/// queue, whose count is left at the default).
 fn async_pool_runtime() -> (Arc<SimDriver>, Runtime) {
-    let sim = machine();
-    let rt = Runtime::builder(sim.clone())
-        .ignore_env()
-        .memory_manager_name("async-pool")
-        .build()
-        .expect("runtime");
-    (sim, rt)
+    runtime_with(DeallocConfig::default().max_count, |b| {
+        b.memory_manager_name("async-pool")
+    })
 }
 
 /// Every stream-ordered allocation and free the simulator saw succeeded, and there were as

@@ -134,21 +134,6 @@ fn sizes() -> Vec<usize> {
     .collect()
 }
 
-/// One raw `cuMemAllocFromPoolAsync` + `cuMemFreeAsync` pair from `pool` on `stream`.
-fn raw_pool_pair(
-    driver: &dyn Driver,
-    ctx: driver_sys::ContextHandle,
-    pool: driver_sys::MemPoolHandle,
-    size: usize,
-    stream: StreamHandle,
-) {
-    let p = driver
-        .mem_alloc_from_pool_async(ctx, pool, size, stream)
-        .expect("cuMemAllocFromPoolAsync");
-    // SAFETY: allocated just above on the same stream, unused, freed once.
-    unsafe { driver.mem_free_async(ctx, p, stream) }.expect("cuMemFreeAsync");
-}
-
 /// A raw driver pool's allocation, freed on its stream when dropped (the raw anchor of the
 /// managers' held-allocation pattern).
 struct RawBlock<'a> {
@@ -184,6 +169,17 @@ impl Drop for RawBlock<'_> {
         unsafe { self.driver.mem_free_async(self.ctx, self.ptr, self.stream) }
             .expect("cuMemFreeAsync");
     }
+}
+
+/// One raw `cuMemAllocFromPoolAsync` + `cuMemFreeAsync` pair from `pool` on `stream`.
+fn raw_pool_pair(
+    driver: &dyn Driver,
+    ctx: driver_sys::ContextHandle,
+    pool: driver_sys::MemPoolHandle,
+    size: usize,
+    stream: StreamHandle,
+) {
+    drop(RawBlock::new(driver, ctx, pool, size, stream));
 }
 
 /// Alloc + free pairs per size: raw driver, driver pool, every manager.

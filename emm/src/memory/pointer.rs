@@ -66,11 +66,8 @@ impl ParkedPointer {
     /// A pointer to the block again, of `size` bytes (at most the block's), stamped `tag`.
     #[inline(always)]
     pub(crate) fn revive(mut self, size: usize, tag: u64) -> MemoryPointer {
-        let a = self.0.value_mut();
-        a.size = size;
-        if let Release::Pool { tag: t, .. } = &mut a.release {
-            *t = tag;
-        }
+        self.0.value_mut().size = size;
+        self.set_tag(tag);
         MemoryPointer {
             alloc: self.0.revive(),
             offset: 0,
@@ -87,8 +84,9 @@ impl ParkedPointer {
         self.revive(size, tag)
     }
 
-    /// Stamps a parked pool record with `tag` (one that names no live block, so that the
-    /// record releases nothing if it is dropped instead of revived).
+    /// Stamps a parked pool record with `tag` (at its revival, or, for a stream-ordered
+    /// pool's, one that names no live block, so that the record releases nothing if it is
+    /// dropped instead of revived).
     #[inline(always)]
     pub(crate) fn set_tag(&mut self, tag: u64) {
         if let Release::Pool { tag: t, .. } = &mut self.0.value_mut().release {
