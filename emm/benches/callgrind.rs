@@ -137,6 +137,12 @@ const DEFAULT_FLUSH_AT: usize = FLUSHED + 1;
 /// the next change), a `memalloc` pointer's record is parked in its block's shard and revived
 /// by the next allocation there (no spare record to find, no fill, no retire), and a free
 /// with no other streams to wait for is the driver's call alone (1 965 → 1 937).
+///
+/// Added 2026-11-26: the random workload at 10 000 allocations (`random_workload_large`),
+/// whose peak of about 4 600 live pointers is more than the threads' spare lists and the old
+/// depot (2 048 boxes) held: 802 instructions an operation, 603 with the records' boxes carved
+/// from plain `malloc` blocks instead of `posix_memalign` and a depot of 16 384 boxes
+/// (`record.rs`). Budget 690.
 mod budget {
     pub const SIM_RAW: u64 = 2_600;
     pub const SIM_RAW_DEFERRED: u64 = 2_750;
@@ -149,6 +155,7 @@ mod budget {
     pub const POOL_MID: u64 = 420;
     pub const FLUSH: u64 = 11_500;
     pub const RANDOM_POOL: u64 = 585;
+    pub const RANDOM_POOL_LARGE: u64 = 690;
 }
 
 /// Allocations in one run of the random workload, and the largest request.
@@ -156,6 +163,9 @@ const RANDOM_ALLOCS: usize = 2_000;
 const RANDOM_MAX: usize = 1 << 20;
 /// The operations of one run: every block allocated is freed once, in the run or after it.
 const RANDOM_OPS: u64 = 2 * RANDOM_ALLOCS as u64;
+/// Allocations in one run of the larger random workload, and its operations.
+const RANDOM_ALLOCS_LARGE: usize = 10_000;
+const RANDOM_OPS_LARGE: u64 = 2 * RANDOM_ALLOCS_LARGE as u64;
 
 /// A runtime on a fresh simulated GPU, its context, and the simulator.
 struct Fixture {
@@ -256,21 +266,30 @@ fn pool_large() -> Fixture {
 /// A `pool` on a 4 GiB simulated GPU, warmed by one run of the random workload from another
 /// seed, so that the benchmark's run finds the chunks and caches a long-running pool has.
 fn random_pool() -> Fixture {
-    let sim = Arc::new(SimDriver::new(SimConfig::single(4 << 30)));
+    random_pool_of(RANDOM_ALLOCS, 4 << 30)
+}
+
+/// As [`random_pool`], for runs of [`RANDOM_ALLOCS_LARGE`] allocations, on 16 GiB.
+fn random_pool_large() -> Fixture {
+    random_pool_of(RANDOM_ALLOCS_LARGE, 16 << 30)
+}
+
+fn random_pool_of(allocs: usize, bytes: usize) -> Fixture {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(bytes)));
     let rt = Runtime::builder(sim.clone())
         .ignore_env()
         .memory_manager_name("pool")
         .build()
         .expect("a runtime on the simulator");
     let ctx = rt.context(0).expect("context 0");
-    random_run(&ctx, 0x9e37_79b9_7f4a_7c15);
+    random_run(&ctx, 0x9e37_79b9_7f4a_7c15, allocs);
     Fixture::new(sim, ctx, rt)
 }
 
 /// RMM's random workload (as `bench_gpu`'s): each step allocates with probability 0.73 a
 /// size uniform in 1 ..= [`RANDOM_MAX`], else frees a random live block; then the rest are
-/// freed ([`RANDOM_OPS`] operations in all).
-fn random_run(ctx: &Context, seed: u64) {
+/// freed (twice `allocs` operations in all).
+fn random_run(ctx: &Context, seed: u64, allocs_wanted: usize) {
     let mut rng = seed;
     let mut next = move || {
         rng ^= rng << 13;
@@ -278,9 +297,9 @@ fn random_run(ctx: &Context, seed: u64) {
         rng ^= rng << 17;
         rng
     };
-    let mut live: Vec<emm::MemoryPointer> = Vec::with_capacity(RANDOM_ALLOCS);
+    let mut live: Vec<emm::MemoryPointer> = Vec::with_capacity(allocs_wanted);
     let mut allocs = 0;
-    while allocs < RANDOM_ALLOCS {
+    while allocs < allocs_wanted {
         let alloc = next() % 100 < 73 || live.is_empty();
         let size = (next() as usize % RANDOM_MAX) + 1;
         if alloc {
@@ -431,13 +450,22 @@ fn flush(f: Fixture) -> Fixture {
 #[library_benchmark(config = limit(budget::RANDOM_POOL, RANDOM_OPS))]
 #[bench::pool_2000_allocs_1mib(setup = random_pool)]
 fn random_workload(f: Fixture) -> Fixture {
-    random_run(&f.ctx, 0x2545_f491_4f6c_dd1d);
+    random_run(&f.ctx, 0x2545_f491_4f6c_dd1d, RANDOM_ALLOCS);
+    f
+}
+
+// Thousands of pointers live at the peak (about 4 600), more than the threads' spare lists
+// hold: the records' boxes go through the process-wide depot and back.
+#[library_benchmark(config = limit(budget::RANDOM_POOL_LARGE, RANDOM_OPS_LARGE))]
+#[bench::pool_10000_allocs_1mib(setup = random_pool_large)]
+fn random_workload_large(f: Fixture) -> Fixture {
+    random_run(&f.ctx, 0x2545_f491_4f6c_dd1d, RANDOM_ALLOCS_LARGE);
     f
 }
 
 library_benchmark_group!(
     name = hot_paths;
-    benchmarks = sim_raw, sim_raw_deferred, sim_pool_raw, device_pair, pool_mid_pair, pool_large_pair, pinned_pool_pair, flush, random_workload
+    benchmarks = sim_raw, sim_raw_deferred, sim_pool_raw, device_pair, pool_mid_pair, pool_large_pair, pinned_pool_pair, flush, random_workload, random_workload_large
 );
 
 main!(library_benchmark_groups = hot_paths);
