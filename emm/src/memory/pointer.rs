@@ -305,7 +305,8 @@ pub(crate) enum Release {
     /// A built-in pool's block, released through `hook` as `Hook` is; the pointer's clone of
     /// the hook stays with its record when the record is recycled, and with `park` the last
     /// drop first offers the whole record to the hook (see
-    /// [`MemoryPointer::with_stashed_hook`]). Such a pointer has no streams and no owner.
+    /// [`MemoryPointer::with_stashed_hook`]). Such a pointer has no owner, and streams only
+    /// without `park` ([`MemoryPointer::with_stashed_hook_on`]).
     Pool {
         hook: Arc<dyn PoolHook>,
         tag: u64,
@@ -587,6 +588,7 @@ impl MemoryPointer {
     /// until they are reused or the thread exits. With `park`, the last drop first offers the
     /// whole record to the hook ([`PoolHook::park`]).
     #[allow(clippy::too_many_arguments)] // the allocation's fields, as `from_parts`
+    #[inline(always)]
     pub(crate) fn with_stashed_hook(
         device: DeviceOrdinal,
         ctx: ContextHandle,
@@ -595,6 +597,38 @@ impl MemoryPointer {
         hook: &Arc<dyn PoolHook>,
         tag: u64,
         park: bool,
+    ) -> MemoryPointer {
+        Self::stashed(device, ctx, base, size, hook, tag, park, None)
+    }
+
+    /// As [`with_stashed_hook`](Self::with_stashed_hook) (without `park`), for memory allocated
+    /// on `stream`, as [`with_hook_on`](Self::with_hook_on) makes it: the last drop hands the
+    /// streams to the hook's [`ReleaseHook::release_on_streams`], and the hook's clone stays
+    /// with the recycled record. Threads allocating on one stream then share no reference
+    /// count (measured on the H200: BENCHMARKS.md, run AB).
+    pub(crate) fn with_stashed_hook_on(
+        device: DeviceOrdinal,
+        ctx: ContextHandle,
+        base: DevicePtr,
+        size: usize,
+        hook: &Arc<dyn PoolHook>,
+        tag: u64,
+        stream: StreamHandle,
+    ) -> MemoryPointer {
+        Self::stashed(device, ctx, base, size, hook, tag, false, Some(stream))
+    }
+
+    #[allow(clippy::too_many_arguments)] // the allocation's fields, as `from_parts`
+    #[inline(always)]
+    fn stashed(
+        device: DeviceOrdinal,
+        ctx: ContextHandle,
+        base: DevicePtr,
+        size: usize,
+        hook: &Arc<dyn PoolHook>,
+        tag: u64,
+        park: bool,
+        stream: Option<StreamHandle>,
     ) -> MemoryPointer {
         // Built here, not through `from_parts`: the hook clone is only known once the spare
         // record is taken, while `from_parts` builds its value before (routing both through
@@ -614,7 +648,7 @@ impl MemoryPointer {
                     tag,
                     park,
                 },
-                streams: None,
+                streams: stream.map(|s| Box::new(Mutex::new(StreamUse::on(s)))),
                 _owner: None,
             }),
             offset: 0,

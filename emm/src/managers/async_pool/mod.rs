@@ -327,9 +327,10 @@ impl ReleaseHook for Shared {
 /// The device half of the `async-pool` manager ([`AsyncPoolManager`]).
 pub struct AsyncPoolAllocator {
     shared: Arc<Shared>,
-    /// `shared` as the release hook of the pointers `memalloc` makes: their records keep its
-    /// clone when recycled (`MemoryPointer::with_stashed_hook`), so that allocating and
-    /// freeing on several threads does not write the shared state's reference count.
+    /// `shared` as the release hook of the pointers `memalloc` and `memalloc_on` make: their
+    /// records keep its clone when recycled (`MemoryPointer::with_stashed_hook`), so that
+    /// allocating and freeing on several threads does not write the shared state's reference
+    /// count.
     hook: Arc<dyn PoolHook>,
 }
 
@@ -590,14 +591,8 @@ impl DeviceAllocator for AsyncPoolAllocator {
     ) -> Result<MemoryPointer, EmmError> {
         let (ptr, tag, _) = self.alloc(host, "memalloc_on", bytes, stream, false)?;
         let cx = &self.shared.cx;
-        Ok(MemoryPointer::with_hook_on(
-            cx.device,
-            cx.context,
-            ptr,
-            bytes,
-            Arc::clone(&self.shared) as Arc<dyn ReleaseHook>,
-            tag,
-            stream,
+        Ok(MemoryPointer::with_stashed_hook_on(
+            cx.device, cx.context, ptr, bytes, &self.hook, tag, stream,
         ))
     }
 
@@ -730,15 +725,20 @@ mod tests {
         }
         assert_eq!(used(&host, &shared), 0, "every block freed once");
         drop(device);
-        let_the_spare_go(&host, &shared);
+        let_the_spares_go(&host, &shared, 1);
     }
 
-    /// The manager is gone: its parked record went to this thread's spares with its clone of
-    /// the hook (as a retired pool pointer's does), and pointers made on this thread over
-    /// another state take every spare box (at most 64) and drop the clone: nothing else keeps
-    /// the state alive.
-    fn let_the_spare_go(host: &HostLayer, shared: &Weak<Shared>) {
-        assert_eq!(shared.strong_count(), 1, "the spare record's clone alone");
+    /// The manager is gone: its `spares` records (the parked one, and a stream-ordered
+    /// pointer's once dropped) went to this thread's spares with their clones of the hook (as
+    /// a retired pool pointer's does), and pointers made on this thread over another state
+    /// take every spare box (at most 64) and drop the clones: nothing else keeps the state
+    /// alive.
+    fn let_the_spares_go(host: &HostLayer, shared: &Weak<Shared>, spares: usize) {
+        assert_eq!(
+            shared.strong_count(),
+            spares,
+            "the spare records' clones alone"
+        );
         let other = AsyncPoolAllocator::new(host);
         let held: Vec<_> = (0..65)
             .map(|_| other.memalloc(host, 256).expect("memory"))
@@ -768,7 +768,27 @@ mod tests {
         assert!(ordered.is_live());
         drop(ordered); // released by its hook, whose manager is gone
         assert_eq!(used(&host, &shared), 0);
-        let_the_spare_go(&host, &shared);
+        let_the_spares_go(&host, &shared, 2);
+    }
+
+    #[test]
+    fn a_stream_ordered_pointers_record_keeps_its_clone_of_the_state() {
+        let (host, device, shared) = allocator();
+        drop(device.memalloc_on(&host, 4096, STREAM).expect("memory"));
+        // The record went to this thread's spares with its clone of the hook.
+        let refs = shared.strong_count();
+        for _ in 0..20 {
+            let ordered = device.memalloc_on(&host, 4096, STREAM).expect("memory");
+            assert_eq!(ordered.stream(), Some(STREAM));
+            assert!(ordered.is_live());
+            assert_eq!(shared.strong_count(), refs, "the spare's clone, none made");
+            drop(ordered);
+            assert_eq!(shared.strong_count(), refs, "kept by the spare, none dropped");
+            assert_eq!(used(&host, &shared), 0, "freed on its stream");
+        }
+        assert_eq!(parked_total(&shared), 0, "a stream-ordered record is not parked");
+        drop(device);
+        let_the_spares_go(&host, &shared, 1);
     }
 
     #[test]

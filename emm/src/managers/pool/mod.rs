@@ -77,7 +77,7 @@ use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::lines::Lines;
 use crate::managers::default::DriverAllocator;
 use crate::memory::pending::{Free, PendingDeallocs};
-use crate::memory::pointer::{MemoryPointer, ParkedPointer, PoolHook, ReleaseHook};
+use crate::memory::pointer::{MemoryPointer, ParkedPointer, PoolHook};
 use crate::size_class::{class_of, class_size};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 use crate::thread_slots::{self, Shard, thread_shard};
@@ -634,7 +634,9 @@ pub struct PoolAllocator {
     /// The release hook of every block from the shards and the arena (one for the pool: a
     /// block goes back to the dropping thread's shard, whichever shard it came from).
     hook: Arc<dyn PoolHook>,
-    stream_hooks: Box<[Arc<dyn ReleaseHook>]>,
+    /// The release hook of stream-ordered blocks, one per stream shard; a pointer's record
+    /// keeps its clone when recycled, as `hook`'s.
+    stream_hooks: Box<[Arc<dyn PoolHook>]>,
 }
 
 impl Drop for PoolAllocator {
@@ -692,7 +694,7 @@ impl PoolAllocator {
             .map(|_| {
                 Arc::new(StreamHook {
                     pool: Arc::clone(&shared),
-                }) as Arc<dyn ReleaseHook>
+                }) as Arc<dyn PoolHook>
             })
             .collect();
         let hook = Arc::new(ShardHook {
@@ -852,12 +854,12 @@ impl PoolAllocator {
             }
         };
         let cx = &pool.cx;
-        Ok(MemoryPointer::with_hook_on(
+        Ok(MemoryPointer::with_stashed_hook_on(
             cx.device,
             cx.context,
             DevicePtr(addr),
             bytes,
-            Arc::clone(&self.stream_hooks[pool.streams.index(stream)]),
+            &self.stream_hooks[pool.streams.index(stream)],
             generation,
             stream,
         ))

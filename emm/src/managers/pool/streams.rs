@@ -18,7 +18,7 @@ use super::{PoolShared, block_size};
 use crate::error::EmmError;
 use crate::host::fences::Fence;
 use crate::memory::host::HostOwner;
-use crate::memory::pointer::{ReleaseHook, StreamUse};
+use crate::memory::pointer::{PoolHook, ReleaseHook, StreamUse};
 use crate::sync::{Mutex, Ordering, lock};
 
 /// One stream's free blocks.
@@ -127,6 +127,11 @@ impl ReleaseHook for StreamHook {
         self.pool.generation.load(Ordering::Acquire) == tag
     }
 }
+
+// SAFETY: the default `park`, which hands every record back (stream-ordered pointers are made
+// without `park`, so it is not even called).
+#[allow(unsafe_code)]
+unsafe impl PoolHook for StreamHook {}
 
 impl PoolShared {
     /// A block of `size` bytes freed earlier on `stream`, if its list has one.
