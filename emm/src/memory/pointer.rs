@@ -84,6 +84,41 @@ impl ParkedPointer {
         self.revive(size, tag)
     }
 
+    /// A stream-ordered pointer again ([`MemoryPointer::with_stashed_hook_on`]'s record,
+    /// parked with its stream record emptied): `size` bytes at `base`, stamped `tag`,
+    /// allocated and to be freed on `stream`, used by no other stream yet.
+    #[inline(always)]
+    pub(crate) fn revive_on(
+        mut self,
+        base: DevicePtr,
+        size: usize,
+        tag: u64,
+        stream: StreamHandle,
+    ) -> MemoryPointer {
+        if let Some(record) = &mut self.0.value_mut().streams {
+            let use_ = record.get_mut().unwrap_or_else(|p| p.into_inner());
+            use_.stream = stream;
+            use_.free_on = stream;
+        }
+        self.revive_at(base, size, tag)
+    }
+
+    /// Whether the record is a stream-ordered pointer's.
+    #[inline(always)]
+    pub(crate) fn has_streams(&self) -> bool {
+        self.0.value().streams.is_some()
+    }
+
+    /// A stream-ordered record's streams, taken out for its free: the record keeps its stream
+    /// record, emptied (no stream recorded, none kept alive), for its revival. `None` for a
+    /// record without streams.
+    #[inline(always)]
+    pub(crate) fn take_stream_use(&mut self) -> Option<StreamUse> {
+        let record = self.0.value_mut().streams.as_mut()?;
+        let use_ = record.get_mut().unwrap_or_else(|p| p.into_inner());
+        Some(std::mem::replace(use_, StreamUse::on(StreamHandle::NULL)))
+    }
+
     /// Stamps a parked pool record with `tag` (at its revival, or, for a stream-ordered
     /// pool's, one that names no live block, so that the record releases nothing if it is
     /// dropped instead of revived).
@@ -305,8 +340,8 @@ pub(crate) enum Release {
     /// A built-in pool's block, released through `hook` as `Hook` is; the pointer's clone of
     /// the hook stays with its record when the record is recycled, and with `park` the last
     /// drop first offers the whole record to the hook (see
-    /// [`MemoryPointer::with_stashed_hook`]). Such a pointer has no owner, and streams only
-    /// without `park` ([`MemoryPointer::with_stashed_hook_on`]).
+    /// [`MemoryPointer::with_stashed_hook`]). Such a pointer has no owner; a stream-ordered
+    /// pool's has streams ([`MemoryPointer::with_stashed_hook_on`]).
     Pool {
         hook: Arc<dyn PoolHook>,
         tag: u64,
@@ -601,11 +636,13 @@ impl MemoryPointer {
         Self::stashed(device, ctx, base, size, hook, tag, park, None)
     }
 
-    /// As [`with_stashed_hook`](Self::with_stashed_hook) (without `park`), for memory allocated
-    /// on `stream`, as [`with_hook_on`](Self::with_hook_on) makes it: the last drop hands the
-    /// streams to the hook's [`ReleaseHook::release_on_streams`], and the hook's clone stays
-    /// with the recycled record. Threads allocating on one stream then share no reference
-    /// count (measured on the H200: BENCHMARKS.md, run AB).
+    /// As [`with_stashed_hook`](Self::with_stashed_hook), for memory allocated on `stream`, as
+    /// [`with_hook_on`](Self::with_hook_on) makes it: the last drop hands the streams to the
+    /// hook's [`ReleaseHook::release_on_streams`] (or, with `park`, offers the record, stream
+    /// record and all, to [`PoolHook::park`], which frees the block on its streams), and the
+    /// hook's clone stays with the recycled record. Threads allocating on one stream then
+    /// share no reference count (measured on the H200: BENCHMARKS.md, run AB).
+    #[allow(clippy::too_many_arguments)] // the allocation's fields, as `from_parts`
     pub(crate) fn with_stashed_hook_on(
         device: DeviceOrdinal,
         ctx: ContextHandle,
@@ -614,8 +651,9 @@ impl MemoryPointer {
         hook: &Arc<dyn PoolHook>,
         tag: u64,
         stream: StreamHandle,
+        park: bool,
     ) -> MemoryPointer {
-        Self::stashed(device, ctx, base, size, hook, tag, false, Some(stream))
+        Self::stashed(device, ctx, base, size, hook, tag, park, Some(stream))
     }
 
     #[allow(clippy::too_many_arguments)] // the allocation's fields, as `from_parts`

@@ -25,11 +25,13 @@
 //!   keeps the live allocations in 16 shards by address, each a slab whose slot the pointer's
 //!   tag names (no hashing). The loom model `async_pool_reset_races_a_drop_and_an_allocation`
 //!   checks that no call reaches a destroyed pool and that every allocation is freed once.
-//! - **Records**: a `memalloc` pointer's last drop frees its block and keeps its record (the
-//!   pointer's box, with its clone of the manager's shared state) in the block's shard, up to
-//!   32 a shard; the next `memalloc` whose block falls in that shard revives it by setting the
-//!   address, size and tag. A parked record names no slot, so it frees nothing if it is
-//!   dropped instead (when the manager goes). The loom model
+//! - **Records**: a pointer's last drop frees its block and keeps its record (the pointer's
+//!   box, with its clone of the manager's shared state) in the block's shard, up to 32 a shard
+//!   for `memalloc`'s pointers and 32 for `memalloc_on`'s; the next allocation of the same
+//!   kind whose block falls in that shard revives it by setting the address, size and tag (and
+//!   the stream: a `memalloc_on` record keeps its stream record, emptied at the free, so a
+//!   parked record keeps no stream alive). A parked record names no slot, so it frees nothing
+//!   if it is dropped instead (when the manager goes). The loom model
 //!   `async_pool_stale_park_races_a_reset_and_a_new_allocation` checks that a pointer older
 //!   than a reset frees nothing of the new pool.
 //! - `trim` synchronises the stream and calls `cuMemPoolTrimTo(0)`; `reset` destroys the pool
@@ -128,6 +130,9 @@ const NO_SLOT: u64 = SLOT_MASK;
 struct LiveShard {
     slots: Slab<u64>,
     parked: Vec<ParkedPointer>,
+    /// As `parked`, the records of `memalloc_on` pointers, each with its stream record (reset
+    /// to no stream: it keeps no stream alive while parked).
+    parked_on: Vec<ParkedPointer>,
     /// True once the manager is gone ([`Live::close`]): nothing is parked then, since a
     /// parked record's clone of the hook would keep the shared state alive.
     closed: bool,
@@ -166,13 +171,17 @@ impl Live {
         &self.0[(h as usize) % LIVE_SHARDS]
     }
 
-    /// Records the allocation at `ptr`; returns its slot and, with `park`, a parked record
-    /// for its pointer if the shard keeps one.
+    /// Records the allocation at `ptr`; returns its slot and a parked record of the kind
+    /// `park` asks for, if the shard keeps one.
     #[inline(always)]
-    fn record(&self, ptr: u64, park: bool) -> (u64, Option<ParkedPointer>) {
+    fn record(&self, ptr: u64, park: Park) -> (u64, Option<ParkedPointer>) {
         let mut shard = lock(self.shard(ptr));
         let slot = shard.slots.insert(ptr);
-        let parked = if park { shard.parked.pop() } else { None };
+        let parked = match park {
+            Park::No => None,
+            Park::Plain => shard.parked.pop(),
+            Park::OnStream => shard.parked_on.pop(),
+        };
         (u64::from(slot), parked)
     }
 
@@ -210,10 +219,20 @@ impl Live {
             let mut shard = lock(s);
             shard.closed = true;
             parked.append(&mut shard.parked);
+            parked.append(&mut shard.parked_on);
         }
         // Dropped with no lock held: each names no slot, and releases nothing.
         drop(parked);
     }
+}
+
+/// Which parked record an allocation takes: none (a pointer kept out of line after a failed
+/// free), a `memalloc` pointer's, or a `memalloc_on` pointer's (with its stream record).
+#[derive(Clone, Copy)]
+enum Park {
+    No,
+    Plain,
+    OnStream,
 }
 
 struct Shared {
@@ -275,21 +294,26 @@ impl Shared {
     fn keep_unfreed(&self, base: DevicePtr, e: DriverError) {
         let device = self.cx.device;
         tracing::error!(device = %device, error = %e, ptr = %base, "freeing a block on its stream failed; the block is kept until the manager's reset, and the error is returned by the next flush");
-        self.live.record(base.0, false);
+        self.live.record(base.0, Park::No);
         self.queue
             .record_error(EmmError::driver("cuMemFreeAsync", device, e));
     }
 }
 
-// SAFETY: `park` keeps the record it is offered (in a shard's parked list) or hands it back;
-// it drops it on no path.
+// SAFETY: `park` (and `park_on`, which it hands stream-ordered records to) keeps the record it
+// is offered (in a shard's parked lists) or hands it back; it drops it on no path.
 #[allow(unsafe_code)]
 unsafe impl PoolHook for Shared {
-    /// A `memalloc` pointer's last drop: its block is freed on the legacy default stream, as
-    /// `release` frees it, and its record kept in its block's shard for the next `memalloc`
-    /// ([`ParkedPointer::revive_at`]), stamped with no slot; handed back if the shard is full,
-    /// the manager is gone, or the block is not live (a reset took it).
+    /// A `memalloc` or `memalloc_on` pointer's last drop: its block is freed as `release`
+    /// and `release_on_streams` free it (on the legacy default stream, or on its stream after
+    /// the others that used it), and its record kept in its block's shard for the next
+    /// allocation of its kind ([`ParkedPointer::revive_at`], [`ParkedPointer::revive_on`]),
+    /// stamped with no slot, its stream record emptied; handed back if the shard is full, the
+    /// manager is gone, or the block is not live (a reset took it).
     fn park(&self, mut record: ParkedPointer, _size: usize, tag: u64) -> Option<ParkedPointer> {
+        if record.has_streams() {
+            return self.park_on(record, tag);
+        }
         let base = record.base();
         let state = read(&self.state);
         if !self.current(tag) {
@@ -306,6 +330,40 @@ unsafe impl PoolHook for Shared {
         }
         self.free_taken(DevicePtr(base), STREAM, None);
         drop(state);
+        None
+    }
+}
+
+impl Shared {
+    /// [`PoolHook::park`] of a `memalloc_on` pointer's record: its streams are taken out for
+    /// the free (the record keeps its stream record, emptied), and it is kept in `parked_on`.
+    /// Out of line: inlined, it made the `memalloc` pair 44 instructions dearer (callgrind).
+    #[inline(never)]
+    fn park_on(&self, mut record: ParkedPointer, tag: u64) -> Option<ParkedPointer> {
+        let base = record.base();
+        let state = read(&self.state);
+        if !self.current(tag) {
+            return Some(record);
+        }
+        let streams = {
+            let mut shard = lock(self.live.shard(base));
+            if shard.closed
+                || shard.parked_on.len() >= PARKED
+                || !shard.remove(base, tag & SLOT_MASK)
+            {
+                return Some(record);
+            }
+            record.set_tag(tag | NO_SLOT);
+            let streams = record.take_stream_use();
+            shard.parked_on.push(record);
+            streams
+        };
+        if let Some(s) = &streams {
+            self.free_taken(DevicePtr(base), s.free_on, Some(s));
+        }
+        drop(state);
+        // What kept the streams alive goes once the free is queued.
+        drop(streams);
         None
     }
 }
@@ -535,7 +593,7 @@ impl AsyncPoolAllocator {
     /// retries, then the host layer flushes and retries once more.
     ///
     /// Returns the address, the pointer's tag (the pool's generation and the allocation's
-    /// slot in the live set) and, with `park`, a parked record for the pointer if its shard
+    /// slot in the live set) and a parked record of the kind `park` asks for, if its shard
     /// keeps one.
     #[inline(always)]
     fn alloc(
@@ -544,7 +602,7 @@ impl AsyncPoolAllocator {
         what: &'static str,
         bytes: usize,
         stream: StreamHandle,
-        park: bool,
+        park: Park,
     ) -> Result<(DevicePtr, u64, Option<ParkedPointer>), EmmError> {
         if bytes == 0 {
             return Err(EmmError::ZeroSize { what });
@@ -573,7 +631,7 @@ impl AsyncPoolAllocator {
 
 impl DeviceAllocator for AsyncPoolAllocator {
     fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
-        let (ptr, tag, parked) = self.alloc(host, "memalloc", bytes, STREAM, true)?;
+        let (ptr, tag, parked) = self.alloc(host, "memalloc", bytes, STREAM, Park::Plain)?;
         if let Some(parked) = parked {
             return Ok(parked.revive_at(ptr, bytes, tag));
         }
@@ -589,10 +647,13 @@ impl DeviceAllocator for AsyncPoolAllocator {
         bytes: usize,
         stream: StreamHandle,
     ) -> Result<MemoryPointer, EmmError> {
-        let (ptr, tag, _) = self.alloc(host, "memalloc_on", bytes, stream, false)?;
+        let (ptr, tag, parked) = self.alloc(host, "memalloc_on", bytes, stream, Park::OnStream)?;
+        if let Some(parked) = parked {
+            return Ok(parked.revive_on(ptr, bytes, tag, stream));
+        }
         let cx = &self.shared.cx;
         Ok(MemoryPointer::with_stashed_hook_on(
-            cx.device, cx.context, ptr, bytes, &self.hook, tag, stream,
+            cx.device, cx.context, ptr, bytes, &self.hook, tag, stream, true,
         ))
     }
 
@@ -685,6 +746,12 @@ mod tests {
         parked(shared).iter().sum()
     }
 
+    /// Records of stream-ordered pointers parked in every shard.
+    fn parked_on_total(shared: &Weak<Shared>) -> usize {
+        let shared = shared.upgrade().expect("the shared state");
+        shared.live.0.iter().map(|s| lock(s).parked_on.len()).sum()
+    }
+
     /// Bytes the driver's pool has handed out and not had back.
     fn used(host: &HostLayer, shared: &Weak<Shared>) -> u64 {
         let shared = shared.upgrade().expect("the shared state");
@@ -772,23 +839,51 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_ordered_pointers_record_keeps_its_clone_of_the_state() {
+    fn a_stream_ordered_pointers_record_is_parked_and_serves_the_next_one() {
         let (host, device, shared) = allocator();
-        drop(device.memalloc_on(&host, 4096, STREAM).expect("memory"));
-        // The record went to this thread's spares with its clone of the hook.
+        let cx = host.context();
+        let other = cx.driver.stream_create(cx.context, 0).expect("a stream");
+        let first = device.memalloc_on(&host, 4096, other).expect("memory");
+        first.record_stream(&STREAM).expect("recorded");
         let refs = shared.strong_count();
-        for _ in 0..20 {
-            let ordered = device.memalloc_on(&host, 4096, STREAM).expect("memory");
-            assert_eq!(ordered.stream(), Some(STREAM));
+        drop(first);
+        assert_eq!(parked_on_total(&shared), 1, "the record is kept");
+        assert_eq!(parked_total(&shared), 0, "apart from memalloc's");
+        assert_eq!(used(&host, &shared), 0, "its block is freed");
+        assert_eq!(shared.strong_count(), refs, "with its clone of the state");
+        for (i, stream) in [STREAM, other].into_iter().cycle().take(20).enumerate() {
+            let ordered = device.memalloc_on(&host, 4096, stream).expect("memory");
+            assert_eq!(
+                parked_on_total(&shared),
+                0,
+                "the record went to the new pointer"
+            );
+            let streams = ordered.streams().expect("stream ordered");
+            assert_eq!(
+                (streams.stream, streams.free_on),
+                (stream, stream),
+                "round {i}"
+            );
+            assert!(streams.recorded.is_empty(), "no stream recorded before");
             assert!(ordered.is_live());
-            assert_eq!(shared.strong_count(), refs, "the spare's clone, none made");
+            assert_eq!(device.stats().expect("stats").in_use_blocks, 1);
+            assert_eq!(shared.strong_count(), refs, "no clone made");
             drop(ordered);
-            assert_eq!(shared.strong_count(), refs, "kept by the spare, none dropped");
+            assert_eq!(parked_on_total(&shared), 1);
+            assert_eq!(shared.strong_count(), refs, "no clone dropped");
             assert_eq!(used(&host, &shared), 0, "freed on its stream");
         }
-        assert_eq!(parked_total(&shared), 0, "a stream-ordered record is not parked");
+        // A `memalloc` takes no stream-ordered record, and the reverse.
+        let plain = device.memalloc(&host, 4096).expect("memory");
+        assert_eq!(plain.streams().map(|s| s.stream), None);
+        assert_eq!(parked_on_total(&shared), 1);
+        drop(plain);
+        assert_eq!((parked_total(&shared), parked_on_total(&shared)), (1, 1));
         drop(device);
-        let_the_spares_go(&host, &shared, 1);
+        let_the_spares_go(&host, &shared, 2);
+        // SAFETY: created above; nothing is queued on it any more (the simulator's pool ran
+        // every free), and nothing uses it after.
+        unsafe { cx.driver.stream_destroy(cx.context, other) }.expect("destroyed");
     }
 
     #[test]

@@ -862,6 +862,7 @@ impl PoolAllocator {
             &self.stream_hooks[pool.streams.index(stream)],
             generation,
             stream,
+            false,
         ))
     }
 }
