@@ -1300,7 +1300,8 @@ fn typed_copies(ctx: &Context, size: usize, iters: usize) {
 /// Stream-ordered alloc + free pairs on a created (non-blocking) stream: the raw driver's pool
 /// (a pool created as `async-pool` creates its own, and the device's default pool) against
 /// every manager's `memalloc_on`; then aggregate throughput with 1, 8 and 16 threads, each on
-/// its own stream, and 8 threads on one shared stream.
+/// its own stream, and 8 threads on one shared stream (the raw pool, `pool` and `async-pool`
+/// in turn for each).
 fn stream_ordered(driver: &Arc<dyn Driver>) {
     let probe = runtime(driver, "default", false, vec![]);
     let ctx = probe.context(0).expect("context");
@@ -1354,71 +1355,70 @@ fn stream_ordered(driver: &Arc<dyn Driver>) {
         s.synchronize().expect("sync");
         mctx.trim().expect("trim");
     }
-    // Threads: each allocates and frees 4 KiB .. 512 KiB blocks, eight at a time.
+    // Threads: each allocates and frees 4 KiB .. 512 KiB blocks. For each arrangement the
+    // raw pair and the managers' take turns, so that all of them see the same phase of the
+    // host (its pair time moves by half between phases); each figure is the median of 3 runs
+    // timed inside the threads (`threaded_median`).
     let per_thread = if quick() { 5_000 } else { 50_000 };
     let pattern = |i: usize, t: usize| 4096 << ((i + t) % 8);
-    let measure = |threads: usize, shared: bool, pair: &(dyn Fn(usize, usize, usize) + Sync)| {
-        let mut best = 0f64;
-        for _ in 0..3 {
-            let start = Instant::now();
-            std::thread::scope(|sc| {
-                for t in 0..threads {
-                    sc.spawn(move || {
-                        for i in 0..per_thread {
-                            pair(t, i, if shared { 0 } else { t });
-                        }
-                    });
-                }
-            });
-            best = best.max((threads * per_thread) as f64 / start.elapsed().as_secs_f64());
-        }
-        best / 1e6
-    };
-    let streams: Vec<emm::Stream> = (0..16)
+    let raw_streams: Vec<emm::Stream> = (0..16)
         .map(|_| ctx.create_stream_with(true, 0).expect("stream"))
+        .collect();
+    let managed: Vec<(&str, emm::Runtime, emm::Context, Vec<emm::Stream>)> = ["pool", "async-pool"]
+        .into_iter()
+        .map(|manager| {
+            let rt = runtime(driver, manager, false, vec![]);
+            let mctx = rt.context(0).expect("context");
+            let streams = (0..16)
+                .map(|_| mctx.create_stream_with(true, 0).expect("stream"))
+                .collect();
+            (manager, rt, mctx, streams)
+        })
         .collect();
     for (threads, shared) in [(1, false), (8, false), (16, false), (8, true)] {
         let label = if shared { "one-stream" } else { "own-streams" };
-        let v = measure(threads, shared, &|t, i, s| {
-            raw_pair(own, pattern(i, t), streams[s].handle())
+        let stream_of = |t: usize| if shared { 0 } else { t };
+        let v = threaded_median(threads, per_thread, |t| {
+            let s = raw_streams[stream_of(t)].handle();
+            for i in 0..per_thread {
+                raw_pair(own, pattern(i, t), s);
+            }
         });
-        out(
-            "stream-threads",
-            "raw-own-pool",
-            label,
-            threads,
-            v,
-            "Mpairs/s",
-        );
+        let row = |subject: &str, v: f64| {
+            out(
+                "stream-threads",
+                subject,
+                label,
+                threads,
+                v / 1e6,
+                "Mpairs/s",
+            );
+        };
+        row("raw-own-pool", v);
+        for (manager, _, mctx, streams) in &managed {
+            let v = threaded_median(threads, per_thread, |t| {
+                let s = &streams[stream_of(t)];
+                for i in 0..per_thread {
+                    drop(mctx.memalloc_on(pattern(i, t), s).expect("memalloc_on"));
+                }
+            });
+            row(manager, v);
+        }
     }
-    for s in &streams {
+    for s in &raw_streams {
         s.synchronize().expect("sync");
     }
     driver.mem_pool_trim_to(h, own, 0).expect("trim");
     // SAFETY: the pool is this function's; everything allocated from it was freed above.
     unsafe { driver.mem_pool_destroy(h, own) }.expect("cuMemPoolDestroy");
-    drop(streams);
-    for manager in ["pool", "async-pool"] {
-        let rt = runtime(driver, manager, false, vec![]);
-        let mctx = rt.context(0).expect("context");
-        let streams: Vec<emm::Stream> = (0..16)
-            .map(|_| mctx.create_stream_with(true, 0).expect("stream"))
-            .collect();
-        for (threads, shared) in [(1, false), (8, false), (16, false), (8, true)] {
-            let label = if shared { "one-stream" } else { "own-streams" };
-            let v = measure(threads, shared, &|t, i, s| {
-                drop(
-                    mctx.memalloc_on(pattern(i, t), &streams[s])
-                        .expect("memalloc_on"),
-                )
-            });
-            out("stream-threads", manager, label, threads, v, "Mpairs/s");
-        }
+    drop(raw_streams);
+    for (_, rt, mctx, streams) in managed {
         for s in &streams {
             s.synchronize().expect("sync");
         }
         drop(streams);
         mctx.trim().expect("trim");
+        drop((mctx, rt));
     }
 }
 
