@@ -4,7 +4,7 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use super::record::{Parked, Record, recycle_per_thread};
+use super::record::{Parked, Record, forget_kept, recycle_per_thread};
 
 use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, StreamHandle};
 
@@ -183,6 +183,14 @@ impl ParkedPointer {
             .retire_with(|a| a.take_pool_hook().map(|(hook, _)| hook));
         base
     }
+}
+
+/// A pool manager is dropped: the spare boxes in the process-wide depot let go of their clones
+/// of its `hooks` (the threads' own lists keep theirs until the boxes are reused), so that the
+/// depot does not keep the manager's shared state alive.
+pub(crate) fn forget_hooks<'a>(hooks: impl IntoIterator<Item = &'a Arc<dyn PoolHook>>) {
+    let hooks: Vec<&Arc<dyn PoolHook>> = hooks.into_iter().collect();
+    forget_kept::<Allocation>(|kept| hooks.iter().any(|h| Arc::ptr_eq(kept, h)));
 }
 
 /// A stream-ordered allocation's [`StreamUse`], as its pointers share it.
@@ -620,8 +628,9 @@ impl MemoryPointer {
     /// neither the allocation nor the free changes the hook's reference count (an atomic
     /// read-modify-write on a line that every thread allocating or freeing from the pool
     /// shares). A hook may so outlive its last pointer in up to 64 spare records per thread,
-    /// until they are reused or the thread exits. With `park`, the last drop first offers the
-    /// whole record to the hook ([`PoolHook::park`]).
+    /// until they are reused or the thread exits, and in the spare boxes threads handed to the
+    /// process-wide depot, until its manager drops ([`forget_hooks`]). With `park`, the last
+    /// drop first offers the whole record to the hook ([`PoolHook::park`]).
     #[allow(clippy::too_many_arguments)] // the allocation's fields, as `from_parts`
     #[inline(always)]
     pub(crate) fn with_stashed_hook(

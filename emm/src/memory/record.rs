@@ -423,6 +423,31 @@ fn spill<T: Recycle>(spare: Spare<T>) {
     drop(spare);
 }
 
+/// Takes out of the depot's spare boxes every kept value `unwanted` picks (a dropped manager's
+/// clones of its hook), and drops them with the depot unlocked; the boxes stay. A box in a
+/// thread's own list keeps its value until that thread reuses the box or exits.
+pub(crate) fn forget_kept<T: Recycle>(unwanted: impl Fn(&T::Keep) -> bool) {
+    let forgotten: Vec<T::Keep> = {
+        let mut depot = lock_depot::<T>();
+        depot
+            .iter_mut()
+            .flatten()
+            .filter_map(|Spare(_, kept)| kept.take_if(|k| unwanted(k)))
+            .collect()
+    };
+    drop(forgotten);
+}
+
+/// How many of the depot's spare boxes keep a value `pick` picks (tests).
+#[cfg(all(test, not(emm_loom)))]
+pub(crate) fn depot_keeps<T: Recycle>(pick: impl Fn(&T::Keep) -> bool) -> usize {
+    lock_depot::<T>()
+        .iter()
+        .flatten()
+        .filter(|Spare(_, kept)| kept.as_ref().is_some_and(&pick))
+        .count()
+}
+
 /// `T`'s depot, locked; a panic elsewhere while it was held left only whole batches in it.
 fn lock_depot<T: Recycle>() -> std::sync::MutexGuard<'static, Vec<Vec<Spare<T>>>> {
     T::depot()
@@ -741,6 +766,41 @@ mod tests {
         assert_eq!(Passed::with_spares(|s| s.len()), Some(SPARES / 2 - 1));
         assert_eq!(lock_depot::<Passed>().len(), 1);
         drop(again);
+    }
+
+    /// Only this test makes and drops `Kept` records; each keeps its clone of a token.
+    struct Kept(Option<Arc<()>>);
+    recycle_per_thread!(Kept, Arc<()>, |k: &mut Kept| k.0.take());
+
+    #[test]
+    fn forgetting_takes_the_picked_values_out_of_the_depots_boxes() {
+        let (a, b) = (Arc::new(()), Arc::new(()));
+        std::thread::spawn({
+            let (a, b) = (a.clone(), b.clone());
+            move || {
+                // 200 records: the thread's list keeps 64, the rest go to the depot.
+                let made: Vec<_> = (0..200)
+                    .map(|i| {
+                        Record::new(Kept(Some(if i % 2 == 0 { a.clone() } else { b.clone() })))
+                    })
+                    .collect();
+                drop(made);
+            }
+        })
+        .join()
+        .expect("the dropping thread");
+        // The thread's own list went with it; the depot's boxes keep their clones.
+        let in_depot = |t: &Arc<()>| depot_keeps::<Kept>(|k| Arc::ptr_eq(k, t));
+        assert_eq!(Arc::strong_count(&a), 1 + in_depot(&a));
+        assert!(in_depot(&a) > 0 && in_depot(&b) > 0);
+        let boxes = lock_depot::<Kept>().iter().map(Vec::len).sum::<usize>();
+        forget_kept::<Kept>(|k| Arc::ptr_eq(k, &a));
+        assert_eq!(Arc::strong_count(&a), 1, "every clone of a let go");
+        assert_eq!(in_depot(&a), 0);
+        assert!(in_depot(&b) > 0, "b's clones stay");
+        assert_eq!(Arc::strong_count(&b), 1 + in_depot(&b));
+        let after = lock_depot::<Kept>().iter().map(Vec::len).sum::<usize>();
+        assert_eq!(after, boxes, "the boxes stay");
     }
 
     /// Only this test makes and drops `Bounded` records.

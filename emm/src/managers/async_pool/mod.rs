@@ -77,7 +77,9 @@ use crate::host::fences::Fences;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::managers::default::DriverAllocator;
 use crate::memory::pending::PendingDeallocs;
-use crate::memory::pointer::{MemoryPointer, ParkedPointer, PoolHook, ReleaseHook, StreamUse};
+use crate::memory::pointer::{
+    MemoryPointer, ParkedPointer, PoolHook, ReleaseHook, StreamUse, forget_hooks,
+};
 use crate::slab::Slab;
 use crate::sync::{AtomicU64, Mutex, Ordering, RwLock, lock, read, write};
 
@@ -398,8 +400,9 @@ pub type AsyncPoolManager = HostOnly<AsyncPoolAllocator>;
 impl Drop for AsyncPoolAllocator {
     fn drop(&mut self) {
         // The parked records hold clones of the shared state: without this they would keep it
-        // alive after the manager.
+        // alive after the manager; so would the depot's spare boxes.
         self.shared.live.close();
+        forget_hooks([&self.hook]);
     }
 }
 
@@ -726,6 +729,8 @@ mod tests {
 
     use super::*;
     use crate::contract::factory::ManagerContext;
+    use crate::memory::pointer::Allocation;
+    use crate::memory::record::depot_keeps;
 
     /// An `async-pool` allocator over a host layer on a simulated GPU, and a weak reference to
     /// its shared state.
@@ -884,6 +889,44 @@ mod tests {
         // SAFETY: created above; nothing is queued on it any more (the simulator's pool ran
         // every free), and nothing uses it after.
         unsafe { cx.driver.stream_destroy(cx.context, other) }.expect("destroyed");
+    }
+
+    #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "its 600 simulated allocations take minutes under Miri; the depot's unsafe-free \
+                  purge is covered natively"
+    )]
+    fn a_dropped_manager_is_not_kept_alive_by_the_depots_spare_boxes() {
+        let (host, device, shared) = allocator();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // More pointers than the shards park and the thread's list keeps: the rest of
+                // the records go to the depot, with their clones of the hook.
+                let held: Vec<_> = (0..600)
+                    .map(|_| device.memalloc(&host, 256).expect("memory"))
+                    .collect();
+                drop(held);
+            });
+        });
+        // The thread exited (its own list went with it); the depot keeps boxes with clones.
+        // (Other tests' threads may take some of those boxes meanwhile: only the depot's own
+        // are counted.)
+        let hook = Arc::as_ptr(&device.hook).cast::<()>();
+        let ours = |k: &Arc<dyn PoolHook>| Arc::as_ptr(k).cast::<()>() == hook;
+        assert!(
+            depot_keeps::<Allocation>(ours) > 0,
+            "the depot keeps clones"
+        );
+        // The manager's drop lets its parked records go on this thread (its list keeps at most
+        // 64, the rest go to the depot), and then the depot lets go of every clone.
+        drop(device);
+        assert_eq!(
+            depot_keeps::<Allocation>(ours),
+            0,
+            "no box of the depot keeps the state"
+        );
+        drop(shared);
     }
 
     #[test]

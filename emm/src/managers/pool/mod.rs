@@ -77,7 +77,7 @@ use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::lines::Lines;
 use crate::managers::default::DriverAllocator;
 use crate::memory::pending::{Free, PendingDeallocs};
-use crate::memory::pointer::{MemoryPointer, ParkedPointer, PoolHook};
+use crate::memory::pointer::{MemoryPointer, ParkedPointer, PoolHook, forget_hooks};
 use crate::size_class::{class_of, class_size};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 use crate::thread_slots::{self, Shard, thread_shard};
@@ -645,6 +645,8 @@ impl Drop for PoolAllocator {
     /// dropped later parks its record.
     fn drop(&mut self) {
         self.shared.drain_shards(true);
+        // The depot's spare boxes hold clones of the hooks too.
+        forget_hooks(std::iter::once(&self.hook).chain(self.stream_hooks.iter()));
     }
 }
 
