@@ -178,9 +178,11 @@ impl ParkedPointer {
     /// the hook's clone, as a retired pool pointer's does.
     pub(crate) fn into_base(self) -> DevicePtr {
         let base = self.0.value().base;
-        // Owns nothing more once its hook is out: a pool's pointer has no streams and no owner.
-        self.0
-            .retire_with(|a| a.take_pool_hook().map(|(hook, _)| hook));
+        // Owns nothing more once its hook and streams are out (a pool's pointer has no owner).
+        self.0.retire_with(|a| {
+            drop(a.streams.take());
+            a.take_pool_hook().map(|(hook, _)| hook)
+        });
         base
     }
 }
@@ -665,6 +667,7 @@ impl MemoryPointer {
         Self::stashed(device, ctx, base, size, hook, tag, park, Some(stream))
     }
 
+    /// The constructor of both: with `stream`, the pointer records its streams.
     #[allow(clippy::too_many_arguments)] // the allocation's fields, as `from_parts`
     #[inline(always)]
     fn stashed(
