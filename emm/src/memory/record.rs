@@ -219,11 +219,11 @@ impl<T> LineBox<T> {
         }
     }
 
-    /// Takes back the memory of a box given out by [`into_raw`](Self::into_raw).
+    /// Takes back the memory of a box given out by [`write_into_raw`](Self::write_into_raw).
     ///
     /// # Safety
     ///
-    /// `ptr` came from `into_raw`, and nothing else owns it now (its value, if any, was
+    /// `ptr` came from `write_into_raw`, and nothing else owns it now (its value, if any, was
     /// dropped or moved out: the box frees the memory without dropping it).
     unsafe fn from_raw(ptr: NonNull<Inner<T>>) -> LineBox<T> {
         LineBox { ptr: ptr.cast() }
