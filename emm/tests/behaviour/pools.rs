@@ -131,6 +131,26 @@ fn free_one(
     }
 }
 
+/// What a step allocated, if anything: a new block is live, is filled with `fill` and joins
+/// `live` (at an address no live block has); a refusal is out of memory.
+fn keep_allocation(
+    ctx: &Context,
+    live: &mut BTreeMap<u64, (MemoryPointer, u8)>,
+    allocated: Option<Result<MemoryPointer, EmmError>>,
+    fill: u8,
+) -> Result<(), TestCaseError> {
+    match allocated {
+        Some(Ok(mem)) => {
+            prop_assert!(mem.is_live());
+            ctx.memset(&mem, fill, mem.size()).unwrap();
+            prop_assert!(live.insert(mem.device_ptr().0, (mem, fill)).is_none());
+        }
+        Some(Err(e)) => prop_assert!(e.is_out_of_memory(), "{e}"),
+        None => {}
+    }
+    Ok(())
+}
+
 fn steps() -> impl Strategy<Value = Vec<Step>> {
     #[cfg(not(miri))]
     let (size, steps) = (
@@ -220,16 +240,7 @@ proptest! {
                     None
                 }
             };
-            match allocated {
-                Some(Ok(mem)) => {
-                    prop_assert!(mem.is_live());
-                    let fill = n as u8;
-                    ctx.memset(&mem, fill, mem.size()).unwrap();
-                    live.insert(mem.device_ptr().0, (mem, fill));
-                }
-                Some(Err(e)) => prop_assert!(e.is_out_of_memory(), "{e}"),
-                None => {}
-            }
+            keep_allocation(&ctx, &mut live, allocated, n as u8)?;
             let stats = ctx.pool_stats().device.unwrap();
             prop_assert_eq!(stats.in_use_blocks, live.len());
             // Blocks in use and blocks cached are distinct blocks of the held chunks.
@@ -299,16 +310,7 @@ proptest! {
                     None
                 }
             };
-            match allocated {
-                Some(Ok(mem)) => {
-                    prop_assert!(mem.is_live());
-                    let fill = n as u8;
-                    ctx.memset(&mem, fill, mem.size()).unwrap();
-                    prop_assert!(live.insert(mem.device_ptr().0, (mem, fill)).is_none());
-                }
-                Some(Err(e)) => prop_assert!(e.is_out_of_memory(), "{e}"),
-                None => {}
-            }
+            keep_allocation(&ctx, &mut live, allocated, n as u8)?;
             stream.synchronize().unwrap();
             prop_assert!(live.values().all(|(m, _)| m.is_live()));
             prop_assert!(stale.iter().all(|m| !m.is_live()));
