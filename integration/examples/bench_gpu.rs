@@ -1395,6 +1395,25 @@ fn stream_ordered(driver: &Arc<dyn Driver>) {
             );
         };
         row("raw-own-pool", v);
+        if threads > 1 {
+            // The raw pair again with the thread busy for a while between pairs, as a manager
+            // is with its own work: how the driver's throughput under threads answers time
+            // spent between its calls, apart from what that time is spent on.
+            for gap_ns in [100u64, 300, 1000] {
+                let gap = std::time::Duration::from_nanos(gap_ns);
+                let v = threaded_median(threads, per_thread, |t| {
+                    let s = raw_streams[stream_of(t)].handle();
+                    for i in 0..per_thread {
+                        raw_pair(own, pattern(i, t), s);
+                        let until = Instant::now() + gap;
+                        while Instant::now() < until {
+                            std::hint::spin_loop();
+                        }
+                    }
+                });
+                row(&format!("raw-own-pool-gap-{gap_ns}ns"), v);
+            }
+        }
         for (manager, _, mctx, streams) in &managed {
             let v = threaded_median(threads, per_thread, |t| {
                 let s = &streams[stream_of(t)];
@@ -1403,6 +1422,19 @@ fn stream_ordered(driver: &Arc<dyn Driver>) {
                 }
             });
             row(manager, v);
+            if *manager == "async-pool" {
+                // The same through the stream's handle (`memalloc_on_raw`): no owner kept, so
+                // the difference is what keeping the stream alive costs the pair.
+                let v = threaded_median(threads, per_thread, |t| {
+                    let s = streams[stream_of(t)].handle();
+                    for i in 0..per_thread {
+                        // SAFETY: the streams outlive every block (synchronised and trimmed
+                        // below before they drop).
+                        drop(unsafe { mctx.memalloc_on_raw(pattern(i, t), s) }.expect("raw"));
+                    }
+                });
+                row("async-pool-handle", v);
+            }
         }
     }
     for s in &raw_streams {

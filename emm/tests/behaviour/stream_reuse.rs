@@ -419,3 +419,69 @@ fn moving_a_free_twice_keeps_the_streams_that_used_the_block() {
     ];
     run_on_every_subject(&steps);
 }
+
+/// A created stream that several threads allocate on, dropped while their memory lives: each
+/// thread's memory holds the stream through that thread's share of its owner, and is dropped
+/// on another thread than made it. The stream is destroyed once, after the last free (for
+/// `pool`, once `trim` takes the blocks off the stream's free list), under every manager that
+/// allocates on streams, and nothing is left behind.
+#[test]
+fn a_stream_shared_by_threads_is_destroyed_once_after_the_last_free() {
+    use driver_mock::Op;
+    for manager in ["default", "pool", "async-pool"] {
+        let sim = sim();
+        let rt = runtime_with(&sim, manager);
+        let ctx = rt.context(0).unwrap();
+        let s = ctx.create_stream().unwrap();
+        // Both queues flushed: the manager's frees, then the context's own (the stream).
+        let destroyed = || {
+            ctx.flush_deallocations().unwrap();
+            ctx.own_deallocations().flush().unwrap();
+            sim.count(Op::StreamDestroy)
+        };
+        let mut made: Vec<Vec<MemoryPointer>> = std::thread::scope(|scope| {
+            let threads: Vec<_> = (0..6)
+                .map(|t| {
+                    let (ctx, s) = (&ctx, &s);
+                    scope.spawn(move || {
+                        (0..4)
+                            .map(|i| ctx.memalloc_on(256 << ((t + i) % 4), s).unwrap())
+                            .collect()
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        drop(s);
+        assert_eq!(destroyed(), 0, "{manager}: memory ordered on it is live");
+        let last = made.pop().unwrap();
+        std::thread::scope(|scope| {
+            for batch in made {
+                scope.spawn(move || drop(batch));
+            }
+        });
+        assert_eq!(
+            destroyed(),
+            0,
+            "{manager}: one thread's memory is still live"
+        );
+        std::thread::spawn(move || drop(last)).join().unwrap();
+        if manager == "pool" {
+            assert_eq!(
+                destroyed(),
+                0,
+                "{manager}: its blocks wait on the stream's list"
+            );
+            ctx.trim().unwrap();
+        }
+        assert_eq!(destroyed(), 1, "{manager}: destroyed after the last free");
+        drop(ctx);
+        drop(rt);
+        assert!(
+            sim.leak_report().is_clean(),
+            "{manager}: {}",
+            sim.leak_report()
+        );
+        assert_eq!(sim.count(Op::StreamDestroy), 1, "{manager}: once");
+    }
+}
