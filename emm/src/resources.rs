@@ -291,7 +291,7 @@ impl DeviceMemoryResource {
     pub fn allocate(&self, size: usize, stream: &Stream) -> Result<MemoryPointer, EmmError> {
         check_same_context(&self.shared.cx, stream.context(), "allocate")?;
         // SAFETY: an emm stream of this context (checked), kept alive by the pointer below.
-        let mem = unsafe { self.allocate_on_raw(size, stream.handle()) }?;
+        let mut mem = unsafe { self.allocate_on_raw(size, stream.handle()) }?;
         mem.keep_stream(stream);
         Ok(mem)
     }

@@ -1532,6 +1532,44 @@ fn resources_on_a_stream(driver: &Arc<dyn Driver>, ctx: &emm::Context, sizes: &[
     }
 }
 
+/// The process's own host anchors, printed first by every run (`host` rows): the latency of a
+/// dependent load from memory (a random cycle through 256 MiB, one cache line a step) and a
+/// 256 B `malloc` + `free` pair. On the H200's host (a virtual machine) the raw driver pair is
+/// bimodal by process, about 0.74 µs in some and 1.3 – 1.4 µs in others, whatever CPUs the
+/// process is pinned to; these rows let each process's figures be read against its own host.
+fn host_probe() {
+    const LINE_WORDS: usize = 8; // 64-byte lines of u64 words
+    let lines = (256usize << 20) / 64;
+    // A random single cycle through the lines (Sattolo's shuffle), seeded for repeatability.
+    let mut order: Vec<usize> = (0..lines).collect();
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for i in (1..lines).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        order.swap(i, (x % i as u64) as usize);
+    }
+    let mut next = vec![0u64; lines * LINE_WORDS];
+    for (i, &j) in order.iter().enumerate() {
+        next[i * LINE_WORDS] = j as u64;
+    }
+    let steps = if quick() { 1 << 20 } else { 1 << 22 };
+    let ns = per_op(steps, |n| {
+        let mut at = 0usize;
+        for _ in 0..n {
+            at = next[at * LINE_WORDS] as usize;
+        }
+        std::hint::black_box(at);
+    });
+    out("host", "memory-latency", "256 MiB", 1, ns, "ns");
+    let ns = per_op(1 << 20, |n| {
+        for _ in 0..n {
+            drop(std::hint::black_box(Vec::<u8>::with_capacity(256)));
+        }
+    });
+    out("host", "host malloc", 256, 1, ns, "ns");
+}
+
 /// The simulated device's memory when `EMM_DRIVER=sim`: an H100's 80 GiB.
 const SIM_DEVICE_BYTES: usize = 80 << 30;
 
@@ -1600,6 +1638,7 @@ fn main() {
     TOTAL.set(total).expect("set once");
     let log_dir = std::env::var_os("EMM_BENCH_DIR").map(std::path::PathBuf::from);
     println!("section,subject,param,threads,value,unit");
+    host_probe();
     let want = |s: &str| only.is_empty() || only.split(',').any(|o| o == s);
     if want("pair") {
         alloc_free_pairs(&driver);

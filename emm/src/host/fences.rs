@@ -118,23 +118,23 @@ impl Fences {
         stream: StreamHandle,
         after: Option<&StreamUse>,
     ) -> Result<(), DriverError> {
-        if let Some(streams) = after {
+        if let Some(streams) = after
+            && streams.other_streams().next().is_some()
+        {
             self.wait_for_others(streams, stream)?;
         }
         // SAFETY: the caller's contract; the freeing stream now waits for the other streams.
         unsafe { self.cx.driver.mem_free_async(self.cx.context, base, stream) }
     }
 
-    /// Makes `stream` wait for the work queued so far on every other stream of `streams`.
+    /// Makes `stream` wait for the work queued so far on every other stream of `streams`
+    /// (out of line: a free on the only stream that used the block does not carry it).
     #[inline(never)]
     fn wait_for_others(
         &self,
         streams: &StreamUse,
         stream: StreamHandle,
     ) -> Result<(), DriverError> {
-        if streams.other_streams().next().is_none() {
-            return Ok(());
-        }
         let fence = self.record(streams.other_streams())?;
         let waited = self.wait_on(&fence, stream);
         self.recycle(fence);

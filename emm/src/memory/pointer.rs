@@ -872,7 +872,24 @@ impl MemoryPointer {
     }
 
     /// Keeps `stream` (the allocation stream) alive while the memory may need it.
-    pub(crate) fn keep_stream(&self, stream: &(impl OrderedOn + ?Sized)) {
+    pub(crate) fn keep_stream(&mut self, stream: &(impl OrderedOn + ?Sized)) {
+        // A pointer just made is its allocation's only owner: its stream record is reached
+        // without the lock (one shared since locks it).
+        if let Some(alloc) = Record::get_mut(&mut self.alloc) {
+            match &mut alloc.release {
+                // The streams are the wrapped pointer's.
+                Release::Wrapped { inner, .. } => inner.keep_stream(stream),
+                _ => {
+                    if let Some(record) = alloc.streams.as_deref_mut() {
+                        record
+                            .get_mut()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .keep(stream);
+                    }
+                }
+            }
+            return;
+        }
         if let Some(record) = self.stream_record() {
             lock_use(record).keep(stream);
         }

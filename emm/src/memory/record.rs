@@ -304,6 +304,20 @@ impl<T: Recycle> Record<T> {
         this.inner().refs.load(Ordering::Acquire)
     }
 
+    /// The value, mutably, when this record is its only owner (as `Arc::get_mut`): no atomic
+    /// read-modify-write, and no lock needed around it.
+    pub(crate) fn get_mut(this: &mut Record<T>) -> Option<&mut T> {
+        // A count of one seen with Acquire: no other owner exists to use the value or clone
+        // this one (it is borrowed mutably), and every earlier owner's use of the value
+        // happened before its decrement, which this load synchronises with.
+        if Record::count(this) != 1 {
+            return None;
+        }
+        // SAFETY: the box lives while this record does, and nothing else reaches the value
+        // while `this` is borrowed (above).
+        Some(unsafe { &mut this.ptr.as_mut().value })
+    }
+
     /// Whether `a` and `b` share one value.
     pub(crate) fn ptr_eq(a: &Record<T>, b: &Record<T>) -> bool {
         a.ptr == b.ptr
@@ -534,6 +548,30 @@ mod tests {
         );
         let r = Record::new(Counted(Arc::new(StdAtomic::new(0))));
         assert_eq!(r.ptr.as_ptr().addr() % 128, 0);
+    }
+
+    /// `get_mut` reaches the value only while the record is its only owner: not while a
+    /// clone lives (here or on another thread), again once the clones are gone, and what it
+    /// wrote is what every owner sees.
+    #[test]
+    fn get_mut_reaches_the_value_only_for_the_only_owner() {
+        let drops = Arc::new(StdAtomic::new(0));
+        let mut a = Record::new(Counted(drops.clone()));
+        assert!(Record::get_mut(&mut a).is_some(), "one owner");
+        let b = a.clone();
+        assert!(Record::get_mut(&mut a).is_none(), "a clone lives");
+        std::thread::spawn(move || drop(b)).join().expect("thread");
+        let fresh = Arc::new(StdAtomic::new(7));
+        Record::get_mut(&mut a).expect("the clone is gone").0 = fresh.clone();
+        let c = a.clone();
+        assert_eq!(c.0.load(std::sync::atomic::Ordering::SeqCst), 7);
+        drop((a, c));
+        assert_eq!(
+            fresh.load(std::sync::atomic::Ordering::SeqCst),
+            8,
+            "dropped once"
+        );
+        assert_eq!(drops.load(std::sync::atomic::Ordering::SeqCst), 0);
     }
 
     #[test]

@@ -124,7 +124,7 @@ impl Context {
     pub fn memalloc_on(&self, bytes: usize, stream: &Stream) -> Result<MemoryPointer, EmmError> {
         check_same_context(&self.inner.cx, stream.context(), "memalloc_on")?;
         self.ensure_alive("memalloc_on")?;
-        let mem = self.inner.manager.memalloc_on(bytes, stream.handle())?;
+        let mut mem = self.inner.manager.memalloc_on(bytes, stream.handle())?;
         mem.keep_stream(stream);
         Ok(mem)
     }

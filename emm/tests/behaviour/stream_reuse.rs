@@ -424,13 +424,28 @@ fn moving_a_free_twice_keeps_the_streams_that_used_the_block() {
 /// thread's memory holds the stream through that thread's share of its owner, and is dropped
 /// on another thread than made it. The stream is destroyed once, after the last free (for
 /// `pool`, once `trim` takes the blocks off the stream's free list), under every manager that
-/// allocates on streams, and nothing is left behind.
+/// allocates on streams, bare and behind adaptors (whose pointers wrap the manager's), and
+/// nothing is left behind.
 #[test]
 fn a_stream_shared_by_threads_is_destroyed_once_after_the_last_free() {
     use driver_mock::Op;
-    for manager in ["default", "pool", "async-pool"] {
+    use emm::Adaptor;
+    let subjects = ["default", "pool", "async-pool"].into_iter().flat_map(|m| {
+        [
+            (m, vec![]),
+            (m, vec![Adaptor::Stats, Adaptor::Limit(1 << 30)]),
+        ]
+    });
+    for (manager, adaptors) in subjects {
         let sim = sim();
-        let rt = runtime_with(&sim, manager);
+        let rt = emm::Runtime::builder(sim.clone())
+            .ignore_env()
+            .memory_manager_name(manager)
+            .adaptors(adaptors.clone())
+            .build()
+            .unwrap();
+        let manager = format!("{manager} {adaptors:?}");
+        let manager = manager.as_str();
         let ctx = rt.context(0).unwrap();
         let s = ctx.create_stream().unwrap();
         // Both queues flushed: the manager's frees, then the context's own (the stream).
@@ -466,7 +481,7 @@ fn a_stream_shared_by_threads_is_destroyed_once_after_the_last_free() {
             "{manager}: one thread's memory is still live"
         );
         std::thread::spawn(move || drop(last)).join().unwrap();
-        if manager == "pool" {
+        if manager.starts_with("pool") {
             assert_eq!(
                 destroyed(),
                 0,
