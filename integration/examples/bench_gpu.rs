@@ -31,8 +31,9 @@ fn quick() -> bool {
 }
 
 /// The sections `EMM_BENCH_ONLY` may name.
-const SECTIONS: [&str; 13] = [
+const SECTIONS: [&str; 14] = [
     "pair",
+    "interleaved",
     "threads",
     "random",
     "random-pool",
@@ -224,6 +225,99 @@ fn alloc_free_pairs(driver: &Arc<dyn Driver>) {
         ctx.trim().expect("trim");
     }
     host_anchors();
+}
+
+/// `async-pool`'s pairs against the raw driver pool's, taking turns in short batches: the
+/// host's pair time moves by half between phases that last seconds, even within a process, so
+/// pairs timed one subject after another (the `pair` and `stream` sections) can land in
+/// different phases. Here each round times a batch of every subject in turn, and each ratio
+/// is the median over the rounds of the two batches' ratio in one round. The raw pair is on a
+/// pool created as `async-pool` creates its own (release threshold at its maximum), on the
+/// stream the manager uses: the legacy default stream for `memalloc`, a created stream (the
+/// same one) for `memalloc_on`. With no context current on the thread, then (on the GPU) with
+/// device 0's primary context current, as host runtimes run.
+fn interleaved_pairs(driver: &Arc<dyn Driver>, simulated: bool) {
+    let (rounds, batch) = if quick() { (31, 1_000) } else { (101, 2_000) };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let measure = |how: &str| {
+        let rt = runtime(driver, "async-pool", false, vec![]);
+        let ctx = rt.context(0).expect("context");
+        let h = ctx.handle();
+        let own = driver
+            .mem_pool_create(h, 0.into(), false)
+            .expect("cuMemPoolCreate");
+        driver
+            .mem_pool_set_release_threshold(h, own, u64::MAX)
+            .expect("release threshold");
+        let s = ctx.create_stream_with(true, 0).expect("stream");
+        let legacy = StreamHandle(0);
+        for size in [256usize, 64 << 10, 1 << 20] {
+            let subjects: [(&str, &dyn Fn()); 4] = [
+                ("raw-own-pool legacy", &|| {
+                    raw_pool_pair(&**driver, h, own, size, legacy)
+                }),
+                ("async-pool memalloc", &|| {
+                    drop(ctx.memalloc(size).expect("memalloc"))
+                }),
+                ("raw-own-pool stream", &|| {
+                    raw_pool_pair(&**driver, h, own, size, s.handle())
+                }),
+                ("async-pool memalloc_on", &|| {
+                    drop(ctx.memalloc_on(size, &s).expect("memalloc_on"))
+                }),
+            ];
+            let mut ns = vec![Vec::with_capacity(rounds); subjects.len()];
+            for round in 0..=rounds {
+                for (i, (_, pair)) in subjects.iter().enumerate() {
+                    let t = Instant::now();
+                    for _ in 0..batch {
+                        pair();
+                    }
+                    if round > 0 {
+                        // round 0 warms up
+                        ns[i].push(t.elapsed().as_nanos() as f64 / batch as f64);
+                    }
+                }
+            }
+            for (i, (name, _)) in subjects.iter().enumerate() {
+                out(
+                    "interleaved",
+                    &format!("{name} ({how})"),
+                    size,
+                    1,
+                    median(ns[i].clone()),
+                    "ns",
+                );
+            }
+            for (what, manager, raw) in [("memalloc", 1, 0), ("memalloc_on", 3, 2)] {
+                let ratios = (0..rounds).map(|k| ns[manager][k] / ns[raw][k]).collect();
+                out(
+                    "interleaved",
+                    &format!("async-pool {what} / raw ({how})"),
+                    size,
+                    1,
+                    median(ratios),
+                    "x",
+                );
+            }
+        }
+        s.synchronize().expect("sync");
+        driver.stream_synchronize(h, legacy).expect("sync");
+        ctx.trim().expect("trim");
+        driver.mem_pool_trim_to(h, own, 0).expect("trim");
+        // SAFETY: the pool is this function's; everything allocated from it was freed above,
+        // and the streams it was used on are synchronised.
+        unsafe { driver.mem_pool_destroy(h, own) }.expect("cuMemPoolDestroy");
+    };
+    measure("no context current");
+    if !simulated {
+        // Device 0's primary context, current on this thread while `_cuda` lives.
+        let _cuda = cudarc::driver::CudaContext::new(0).expect("cudarc context");
+        measure("context current");
+    }
 }
 
 /// The host's own costs, in the same run as the pairs: the C allocator's 256-byte pair, and
@@ -1642,6 +1736,9 @@ fn main() {
     let want = |s: &str| only.is_empty() || only.split(',').any(|o| o == s);
     if want("pair") {
         alloc_free_pairs(&driver);
+    }
+    if want("interleaved") {
+        interleaved_pairs(&driver, simulated);
     }
     if want("threads") {
         scaling(&driver);
