@@ -8,7 +8,6 @@ use crate::contract::ipc::IpcHandle;
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
 use crate::memory::pointer::MemoryPointer;
-use crate::sync::write;
 
 impl AsyncPoolAllocator {
     /// Exports the pool (created if need be) as a new file descriptor, and records that it
@@ -40,9 +39,9 @@ impl AsyncPoolAllocator {
         let cx = &self.shared.cx;
         let _live = cx.enter("get_ipc_handle")?;
         let base = memory.allocation_base();
-        // The write lock: the export may record `exported`, and no reset destroys the pool
+        // Every gate: the export may record `exported`, and no reset destroys the pool
         // while the allocation is exported.
-        let mut state = write(&self.shared.state);
+        let (_gates, mut state) = self.shared.exclusive();
         let live = memory.hook_tag().is_some_and(|tag| {
             self.shared.current(tag) && self.shared.live.contains(base.0, tag & SLOT_MASK)
         });
@@ -76,7 +75,7 @@ impl AsyncPoolAllocator {
         }
         let _live = cx.enter("export_pool")?;
         let (fd, id) = {
-            let mut state = write(&self.shared.state);
+            let (_gates, mut state) = self.shared.exclusive();
             let fd = self
                 .export_fd(&mut state)
                 .map_err(self.err("export_pool"))?;

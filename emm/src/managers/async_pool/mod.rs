@@ -20,9 +20,11 @@
 //! - A pointer's last drop calls `cuMemFreeAsync` at once (it is cheap and does not
 //!   synchronise), so nothing goes through the deferred queue.
 //! - **Threads**: allocations and frees do not wait for each other. The driver's pool is
-//!   thread-safe; emm holds the pool's handle behind a read-write lock that they take for
-//!   reading across their driver call (creation, export and reset take it for writing), and
-//!   keeps the live allocations in 16 shards by address, each a slab whose slot the pointer's
+//!   thread-safe; an allocation or a free holds its thread's gate across its driver call (a
+//!   per-thread shard entered without a read-modify-write, as the `pool` manager's shards
+//!   are), and creation, export and reset take every gate (one `membarrier` for all), so that
+//!   none of them runs while an allocation or a free is in flight. emm keeps the live
+//!   allocations in 16 shards by address, each a slab whose slot the pointer's
 //!   tag names (no hashing). The loom model `async_pool_reset_races_a_drop_and_an_allocation`
 //!   checks that no call reaches a destroyed pool and that every allocation is freed once.
 //! - **Records**: a pointer's last drop frees its block and keeps its record (the pointer's
@@ -81,7 +83,8 @@ use crate::memory::pointer::{
     MemoryPointer, ParkedPointer, PoolHook, ReleaseHook, StreamUse, forget_hooks,
 };
 use crate::slab::Slab;
-use crate::sync::{AtomicU64, Mutex, Ordering, RwLock, lock, read, write};
+use crate::sync::{AtomicU64, BiasedGuard, Mutex, MutexGuard, Ordering, lock};
+use crate::thread_slots::{self, Shard, thread_shard};
 
 #[cfg(unix)]
 mod export;
@@ -99,9 +102,9 @@ pub const ASYNC_POOL_MANAGED_MANAGER: &str = "async-pool-managed";
 
 const STREAM: StreamHandle = StreamHandle(0);
 
-/// The pool, behind a read-write lock: allocations and frees hold it for reading across their
-/// driver call (so a reset cannot destroy the pool under them, and they do not wait for each
-/// other: the driver's pool is thread-safe), creation, export and reset hold it for writing.
+/// The pool, changed only with every gate held ([`Shared::exclusive`]): allocations and frees
+/// hold their own thread's gate across their driver call, so a reset cannot destroy the pool
+/// under them, and they do not wait for each other (the driver's pool is thread-safe).
 struct PoolState {
     pool: Option<MemPoolHandle>,
     /// The pool's name across processes (IPC-enabled pools only; new with every pool).
@@ -243,10 +246,19 @@ struct Shared {
     ipc: bool,
     /// Whether the pool is a managed-memory pool (`async-pool-managed`).
     managed: bool,
-    state: RwLock<PoolState>,
+    /// The pool's handle ([`NO_POOL`] when there is none), read under a gate; stored only with
+    /// every gate held, beside `state.pool`.
+    pool: AtomicU64,
+    /// One per thread shard ([`thread_slots`]): an allocation or a free enters its thread's
+    /// (its owner's fast path: no read-modify-write), creation, export and reset take them all.
+    /// Measured against the read-write lock they replace (taken for reading by every
+    /// allocation and free), in turns within one process on the H200: BENCHMARKS.md run AC.
+    gates: Box<[Shard<()>]>,
+    /// What creation, export and reset change: locked after every gate.
+    state: Mutex<PoolState>,
     /// The pool's allocations not freed yet.
     live: Live,
-    /// Bumped by `reset` (with the state locked for writing); pointers of older generations
+    /// Bumped by `reset` (with every gate held); pointers of older generations
     /// free nothing. Kept shifted to a tag's high bits (`SLOT_BITS`): it wraps after 2^32
     /// resets, and a pointer that outlived exactly that many resets would still free nothing
     /// unless its slot held its own address again.
@@ -256,7 +268,34 @@ struct Shared {
     fences: Fences,
 }
 
+/// No pool: the value of [`Shared::pool`] before the first use and after a reset (a driver's
+/// pool handle is a pointer, never null).
+const NO_POOL: u64 = 0;
+
 impl Shared {
+    /// This thread's gate, held while the pool is used: creation, export and reset wait for
+    /// it. Not re-entrant: nothing done under it enters a gate of this manager again (a
+    /// pointer dropped under it would).
+    #[inline(always)]
+    fn gate(&self) -> BiasedGuard<'_, ()> {
+        let (shard, owner) = thread_shard();
+        self.gates[shard].inner.enter(owner)
+    }
+
+    /// Every gate, then the state: no allocation or free is in flight or can start until the
+    /// guards drop. The caller holds no gate of this manager.
+    fn exclusive(&self) -> (Vec<BiasedGuard<'_, ()>>, MutexGuard<'_, PoolState>) {
+        let gates = thread_slots::lock_all(&self.gates);
+        (gates, lock(&self.state))
+    }
+
+    /// The pool, read under a gate.
+    #[inline(always)]
+    fn current_pool(&self) -> Option<MemPoolHandle> {
+        let pool = self.pool.load(Ordering::Acquire);
+        (pool != NO_POOL).then_some(MemPoolHandle(pool))
+    }
+
     /// Whether `tag` is of the current pool (the generation, in the tag's high bits).
     #[inline(always)]
     fn current(&self, tag: u64) -> bool {
@@ -265,23 +304,23 @@ impl Shared {
 
     /// Frees `base` on `stream` once the last record of every other stream in `after` is done.
     fn free(&self, base: DevicePtr, tag: u64, stream: StreamHandle, after: Option<&StreamUse>) {
-        let state = read(&self.state);
+        let gate = self.gate();
         if self.current(tag) && self.live.remove(base.0, tag & SLOT_MASK) {
             self.free_taken(base, stream, after);
         }
-        drop(state);
+        drop(gate);
     }
 
-    /// [`free`](Self::free) of `base`, just taken out of the live set, with the state's read
-    /// lock held.
+    /// [`free`](Self::free) of `base`, just taken out of the live set, with the thread's gate
+    /// held.
     #[inline(always)]
     fn free_taken(&self, base: DevicePtr, stream: StreamHandle, after: Option<&StreamUse>) {
         let Some(_live) = self.cx.liveness.enter() else {
             return;
         };
         // SAFETY: `base` came from `cuMemAllocFromPoolAsync` of the current pool (the
-        // generation matched, and the state's read lock, which the caller holds, keeps a reset
-        // from destroying the pool meanwhile); its last pointer dropped, and it was taken out
+        // generation matched, and the gate, which the caller holds, keeps a reset from
+        // destroying the pool meanwhile); its last pointer dropped, and it was taken out
         // of the live set (once), so it is freed once and not used after but by work already
         // queued, which the freeing stream waits for; the context is alive (`_live`).
         if let Err(e) = unsafe { self.fences.free_async_after(base, stream, after) } {
@@ -317,7 +356,7 @@ unsafe impl PoolHook for Shared {
             return self.park_on(record, tag);
         }
         let base = record.base();
-        let state = read(&self.state);
+        let gate = self.gate();
         if !self.current(tag) {
             return Some(record);
         }
@@ -331,7 +370,7 @@ unsafe impl PoolHook for Shared {
             shard.parked.push(record);
         }
         self.free_taken(DevicePtr(base), STREAM, None);
-        drop(state);
+        drop(gate);
         None
     }
 }
@@ -343,7 +382,7 @@ impl Shared {
     #[inline(never)]
     fn park_on(&self, mut record: ParkedPointer, tag: u64) -> Option<ParkedPointer> {
         let base = record.base();
-        let state = read(&self.state);
+        let gate = self.gate();
         if !self.current(tag) {
             return Some(record);
         }
@@ -363,8 +402,9 @@ impl Shared {
         if let Some(s) = &streams {
             self.free_taken(DevicePtr(base), s.free_on, Some(s));
         }
-        drop(state);
-        // What kept the streams alive goes once the free is queued.
+        drop(gate);
+        // What kept the streams alive goes once the free is queued (after the gate: their
+        // drop may run anything, a stream's destruction included).
         drop(streams);
         None
     }
@@ -410,7 +450,7 @@ impl fmt::Debug for AsyncPoolAllocator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AsyncPoolAllocator")
             .field("device", &self.shared.cx.device)
-            .field("pool", &read(&self.shared.state).pool)
+            .field("pool", &self.shared.current_pool())
             .finish()
     }
 }
@@ -438,7 +478,9 @@ impl AsyncPoolAllocator {
             cx: host.context().clone(),
             ipc,
             managed,
-            state: RwLock::new(PoolState {
+            pool: AtomicU64::new(NO_POOL),
+            gates: Shard::all(|| ()),
+            state: Mutex::new(PoolState {
                 pool: None,
                 id: None,
                 exported: false,
@@ -495,7 +537,8 @@ impl AsyncPoolAllocator {
         move |e| EmmError::driver(op, self.shared.cx.device, e)
     }
 
-    /// The pool, created on first use with the release threshold at its maximum.
+    /// The pool, created on first use with the release threshold at its maximum. The caller
+    /// holds every gate and the state ([`Shared::exclusive`]).
     fn pool(&self, state: &mut PoolState) -> Result<MemPoolHandle, DriverError> {
         if let Some(p) = state.pool {
             return Ok(p);
@@ -508,12 +551,25 @@ impl AsyncPoolAllocator {
             cx.driver
                 .mem_pool_create(cx.context, cx.device, self.shared.ipc)?
         };
+        if pool.0 == NO_POOL {
+            // A null handle would read as "no pool" under the gates, and allocations would
+            // make pools forever.
+            return Err(DriverError::from_kind(
+                "cuMemPoolCreate",
+                driver_sys::ErrorKind::InvalidValue,
+            )
+            .with_detail(
+                "the driver returned a null pool handle; please report this with the \
+                         driver's version",
+            ));
+        }
         // SAFETY: created just above, handed to no one.
         let pool = unsafe { cx.adopt_new_pool(pool, false) }?;
         state.id = self.shared.ipc.then(PoolId::fresh);
         state.exported = false;
         tracing::debug!(device = %cx.device, ?pool, id = ?state.id, "stream-ordered pool created");
         state.pool = Some(pool);
+        self.shared.pool.store(pool.0, Ordering::Release);
         Ok(pool)
     }
 
@@ -521,8 +577,8 @@ impl AsyncPoolAllocator {
     pub fn trim(&self) -> Result<usize, EmmError> {
         let cx = &self.shared.cx;
         let _live = cx.enter("trim")?;
-        let state = read(&self.shared.state);
-        let Some(pool) = state.pool else {
+        let _gate = self.shared.gate();
+        let Some(pool) = self.shared.current_pool() else {
             return Ok(0);
         };
         let before = cx
@@ -547,8 +603,8 @@ impl AsyncPoolAllocator {
         let cx = &self.shared.cx;
         let _live = cx.liveness.enter()?;
         let (pool, blocks) = {
-            let state = read(&self.shared.state);
-            (state.pool?, self.shared.live.len())
+            let _gate = self.shared.gate();
+            (self.shared.current_pool()?, self.shared.live.len())
         };
         let usage = match cx.driver.mem_pool_usage(cx.context, pool) {
             Ok(u) => u,
@@ -614,19 +670,19 @@ impl AsyncPoolAllocator {
         let cx = &shared.cx;
         host.attempt_allocation(what, AllocationKind::Device, bytes, || {
             loop {
-                let state = read(&shared.state);
-                if let Some(pool) = state.pool {
-                    // Under the read lock: other threads allocate and free meanwhile, a reset
+                let gate = shared.gate();
+                if let Some(pool) = shared.current_pool() {
+                    // Under the gate: other threads allocate and free meanwhile, a reset
                     // waits, and the generation read below is the pool's.
                     let ptr = cx.alloc_from_pool(pool, bytes, stream)?;
                     let (slot, parked) = shared.live.record(ptr.0, park);
                     let generation = shared.generation.load(Ordering::Acquire);
                     return Ok((ptr, generation | slot, parked));
                 }
-                drop(state);
-                // No pool yet (first use, or after a reset): made under the write lock, then
+                drop(gate);
+                // No pool yet (first use, or after a reset): made with every gate held, then
                 // the allocation goes round again.
-                self.pool(&mut write(&shared.state))?;
+                self.pool(&mut shared.exclusive().1)?;
             }
         })
     }
@@ -667,7 +723,7 @@ impl DeviceAllocator for AsyncPoolAllocator {
     fn initialize(&self, host: &HostLayer) -> Result<(), EmmError> {
         DriverAllocator.initialize(host)?;
         let _live = self.shared.cx.enter("initialize")?;
-        let mut state = write(&self.shared.state);
+        let (_gates, mut state) = self.shared.exclusive();
         self.pool(&mut state)
             .map(|_| ())
             .map_err(self.err("initialize"))
@@ -691,12 +747,13 @@ impl DeviceAllocator for AsyncPoolAllocator {
 
     fn reset(&self, _host: &HostLayer) -> Result<(), EmmError> {
         let cx = &self.shared.cx;
-        let mut state = write(&self.shared.state);
+        let (_gates, mut state) = self.shared.exclusive();
         self.shared
             .generation
             .fetch_add(1 << SLOT_BITS, Ordering::AcqRel);
         let live = self.shared.live.take_all();
         state.id = None;
+        self.shared.pool.store(NO_POOL, Ordering::Release);
         let Some(pool) = state.pool.take() else {
             return Ok(());
         };
@@ -760,7 +817,7 @@ mod tests {
     /// Bytes the driver's pool has handed out and not had back.
     fn used(host: &HostLayer, shared: &Weak<Shared>) -> u64 {
         let shared = shared.upgrade().expect("the shared state");
-        let pool = read(&shared.state).pool.expect("a pool");
+        let pool = shared.current_pool().expect("a pool");
         let cx = host.context();
         cx.driver
             .mem_pool_usage(cx.context, pool)
