@@ -148,6 +148,11 @@ const DEFAULT_FLUSH_AT: usize = FLUSHED + 1;
 /// the simulator's stream work counted in). `pool` 999 → 951 and `async-pool` 3 046 → 2 657
 /// with their pointers' hook clones kept with the recycled record and `async-pool`'s
 /// `memalloc_on` records parked in its live set's shards. Budgets 1 100 and 2 900.
+///
+/// 2026-11-26, later: `pool` 951 → 933 and `async-pool` 2 657 → 2 606 with a new pointer's
+/// stream record reached without its lock; then `async-pool` 13 – 14 dearer on both pairs
+/// (1 955, 2 620) with its per-thread gates, which take four locked instructions a pair off and
+/// made the pair faster on the H200 (BENCHMARKS.md run AC). The budgets stand.
 mod budget {
     pub const SIM_RAW: u64 = 2_600;
     pub const SIM_RAW_DEFERRED: u64 = 2_750;
