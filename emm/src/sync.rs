@@ -41,6 +41,26 @@ pub(crate) enum Bias {
 }
 
 impl Bias {
+    /// The owner's side of the fence pair (Dekker's), after its announcing store: a compiler
+    /// fence under [`Bias::Membarrier`] (the other side makes it a full fence), else a full one.
+    #[inline(always)]
+    pub(crate) fn light_fence(self) {
+        match self {
+            Bias::Membarrier => std::sync::atomic::compiler_fence(Ordering::SeqCst),
+            _ => fence(Ordering::SeqCst),
+        }
+    }
+
+    /// The other side, after its own store: every running thread of the process executes a
+    /// full fence under [`Bias::Membarrier`] (a system call), else this thread does.
+    pub(crate) fn heavy_fence(self) {
+        match self {
+            #[cfg(all(target_os = "linux", not(emm_loom), not(miri)))]
+            Bias::Membarrier => membarrier::heavy(),
+            _ => fence(Ordering::SeqCst),
+        }
+    }
+
     /// The bias this process can have: [`Bias::Membarrier`] on Linux when the kernel allows the
     /// process to register for it (decided once), [`Bias::Fences`] under loom and Miri, else
     /// [`Bias::None`].
@@ -177,19 +197,12 @@ impl<T> Biased<T> {
     /// The light side of the fence pair, after the owner's store to `busy`.
     #[inline(always)]
     fn owner_fence(&self) {
-        match self.bias {
-            Bias::Membarrier => std::sync::atomic::compiler_fence(Ordering::SeqCst),
-            _ => fence(Ordering::SeqCst),
-        }
+        self.bias.light_fence();
     }
 
     /// The heavy side, after another thread took the lock.
     fn other_fence(&self) {
-        match self.bias {
-            #[cfg(all(target_os = "linux", not(emm_loom), not(miri)))]
-            Bias::Membarrier => membarrier::heavy(),
-            _ => fence(Ordering::SeqCst),
-        }
+        self.bias.heavy_fence();
     }
 
     /// Enters the value: without the lock when `owner` (the caller is the one thread that owns

@@ -102,6 +102,34 @@ fn kill_waits_for_calls_in_flight() {
     });
 }
 
+/// As [`kill_waits_for_calls_in_flight`], with the call entered twice on its thread (an
+/// allocation that flushes after out-of-memory enters again): `kill` waits for the outer call,
+/// not only the inner one, and a call that begins after `kill` is refused.
+#[test]
+fn kill_waits_for_nested_calls_in_flight() {
+    loom::model(|| {
+        let live = Arc::new(ContextLiveness::new());
+        let inside = Arc::new(AtomicBool::new(false));
+        let t = {
+            let (live, inside) = (live.clone(), inside.clone());
+            thread::spawn(move || {
+                if let Some(_outer) = live.enter() {
+                    inside.store(true, Ordering::SeqCst);
+                    drop(live.enter());
+                    inside.store(false, Ordering::SeqCst);
+                }
+            })
+        };
+        live.kill();
+        assert!(
+            !inside.load(Ordering::SeqCst),
+            "a call was in flight after kill returned"
+        );
+        assert!(live.enter().is_none());
+        t.join().unwrap();
+    });
+}
+
 /// Two pointers dropped on two threads while the main thread flushes: both freed, once each.
 #[test]
 fn drops_race_a_flush() {
