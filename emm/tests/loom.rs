@@ -77,17 +77,20 @@ fn host_frees_exactly(sim: &SimDriver, n: usize) {
     assert!(sim.leak_report().host_allocations.is_empty());
 }
 
-/// Once `kill` returns, no call that entered before is still inside, and none can enter.
-#[test]
-fn kill_waits_for_calls_in_flight() {
-    loom::model(|| {
+/// A call on another thread (entered once, or twice: `nested`) racing `kill`: once `kill`
+/// returns, no call that entered before is still inside, and none can enter.
+fn kill_races_a_call(nested: bool) {
+    loom::model(move || {
         let live = Arc::new(ContextLiveness::new());
         let inside = Arc::new(AtomicBool::new(false));
         let t = {
             let (live, inside) = (live.clone(), inside.clone());
             thread::spawn(move || {
-                if let Some(_guard) = live.enter() {
+                if let Some(_outer) = live.enter() {
                     inside.store(true, Ordering::SeqCst);
+                    if nested {
+                        drop(live.enter());
+                    }
                     inside.store(false, Ordering::SeqCst);
                 }
             })
@@ -102,32 +105,18 @@ fn kill_waits_for_calls_in_flight() {
     });
 }
 
+/// Once `kill` returns, no call that entered before is still inside, and none can enter.
+#[test]
+fn kill_waits_for_calls_in_flight() {
+    kill_races_a_call(false);
+}
+
 /// As [`kill_waits_for_calls_in_flight`], with the call entered twice on its thread (an
 /// allocation that flushes after out-of-memory enters again): `kill` waits for the outer call,
-/// not only the inner one, and a call that begins after `kill` is refused.
+/// not only the inner one.
 #[test]
 fn kill_waits_for_nested_calls_in_flight() {
-    loom::model(|| {
-        let live = Arc::new(ContextLiveness::new());
-        let inside = Arc::new(AtomicBool::new(false));
-        let t = {
-            let (live, inside) = (live.clone(), inside.clone());
-            thread::spawn(move || {
-                if let Some(_outer) = live.enter() {
-                    inside.store(true, Ordering::SeqCst);
-                    drop(live.enter());
-                    inside.store(false, Ordering::SeqCst);
-                }
-            })
-        };
-        live.kill();
-        assert!(
-            !inside.load(Ordering::SeqCst),
-            "a call was in flight after kill returned"
-        );
-        assert!(live.enter().is_none());
-        t.join().unwrap();
-    });
+    kill_races_a_call(true);
 }
 
 /// Two pointers dropped on two threads while the main thread flushes: both freed, once each.
