@@ -152,7 +152,9 @@ const DEFAULT_FLUSH_AT: usize = FLUSHED + 1;
 /// 2026-11-26, later: `pool` 951 → 933 and `async-pool` 2 657 → 2 606 with a new pointer's
 /// stream record reached without its lock; then `async-pool` 13 – 14 dearer on both pairs
 /// (1 955, 2 620) with its per-thread gates, which take four locked instructions a pair off and
-/// made the pair faster on the H200 (BENCHMARKS.md run AC). The budgets stand.
+/// made the pair faster on the H200 (BENCHMARKS.md run AC); then, with the context's liveness
+/// counted per thread, `async-pool` 2 002 and 2 673, `default` 2 770 (383 beyond its own
+/// sequence), again four locked instructions fewer and faster on the H200. The budgets stand.
 mod budget {
     pub const SIM_RAW: u64 = 2_600;
     pub const SIM_RAW_DEFERRED: u64 = 2_750;
