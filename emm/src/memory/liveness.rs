@@ -28,7 +28,7 @@ const DEAD: usize = 1 << (usize::BITS - 1);
 /// The shared count and the `DEAD` bit live in one atomic word, so whether a shared `enter`
 /// came before or after a `kill` is decided by that word's modification order alone. A thread
 /// that owns a slot counts in `owned` instead, and the two sides order themselves as
-/// [`Biased`](crate::sync::Biased)'s owner and reclaimer do (Dekker's protocol): the owner
+/// the biased shards' owner and reclaimer do (`sync::Biased`; Dekker's protocol): the owner
 /// stores its count, fences (lightly), and reads `DEAD`; `kill` sets `DEAD`, fences (heavily),
 /// and reads every count. At least one sees the other's store: the call steps back, or `kill`
 /// waits for it. loom checks the owners' path (its threads own slots:
