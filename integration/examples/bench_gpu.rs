@@ -172,6 +172,18 @@ impl Drop for RawBlock<'_> {
     }
 }
 
+/// A new driver pool on device 0 made as `async-pool` makes its own (release threshold at its
+/// maximum), for the raw anchors; the caller trims and destroys it.
+fn own_pool(driver: &dyn Driver, ctx: driver_sys::ContextHandle) -> driver_sys::MemPoolHandle {
+    let pool = driver
+        .mem_pool_create(ctx, 0.into(), false)
+        .expect("cuMemPoolCreate");
+    driver
+        .mem_pool_set_release_threshold(ctx, pool, u64::MAX)
+        .expect("release threshold");
+    pool
+}
+
 /// One raw `cuMemAllocFromPoolAsync` + `cuMemFreeAsync` pair from `pool` on `stream`.
 fn raw_pool_pair(
     driver: &dyn Driver,
@@ -246,12 +258,7 @@ fn interleaved_pairs(driver: &Arc<dyn Driver>, simulated: bool) {
         let rt = runtime(driver, "async-pool", false, vec![]);
         let ctx = rt.context(0).expect("context");
         let h = ctx.handle();
-        let own = driver
-            .mem_pool_create(h, 0.into(), false)
-            .expect("cuMemPoolCreate");
-        driver
-            .mem_pool_set_release_threshold(h, own, u64::MAX)
-            .expect("release threshold");
+        let own = own_pool(&**driver, h);
         let s = ctx.create_stream_with(true, 0).expect("stream");
         let legacy = StreamHandle(0);
         for size in [256usize, 64 << 10, 1 << 20] {
@@ -1400,12 +1407,7 @@ fn stream_ordered(driver: &Arc<dyn Driver>) {
     let probe = runtime(driver, "default", false, vec![]);
     let ctx = probe.context(0).expect("context");
     let h = ctx.handle();
-    let own = driver
-        .mem_pool_create(h, 0.into(), false)
-        .expect("cuMemPoolCreate");
-    driver
-        .mem_pool_set_release_threshold(h, own, u64::MAX)
-        .expect("release threshold");
+    let own = own_pool(&**driver, h);
     let default_pool = driver
         .device_default_mem_pool(0.into())
         .expect("default pool");
