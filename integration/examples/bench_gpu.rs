@@ -70,15 +70,29 @@ fn out(
 /// Median over 5 batches of the time per operation, in nanoseconds.
 fn per_op(iters: usize, mut batch: impl FnMut(usize)) -> f64 {
     batch(iters.div_ceil(10).max(1)); // warm up
-    let mut samples: Vec<f64> = (0..5)
+    let samples: Vec<f64> = (0..5)
         .map(|_| {
             let t = Instant::now();
             batch(iters);
             t.elapsed().as_nanos() as f64 / iters as f64
         })
         .collect();
-    samples.sort_by(f64::total_cmp);
-    samples[2]
+    median(samples)
+}
+
+/// The median of `v` (the upper one of an even count), which is not empty.
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// ns per 256-byte `malloc` + `free` pair of the host's C allocator, over `iters` pairs.
+fn malloc_pair_ns(iters: usize) -> f64 {
+    per_op(iters, |n| {
+        for _ in 0..n {
+            drop(std::hint::black_box(Vec::<u8>::with_capacity(256)));
+        }
+    })
 }
 
 /// [`per_op`] of `ctx.memalloc(size)` and its drop: ns per alloc + free pair.
@@ -250,10 +264,6 @@ fn alloc_free_pairs(driver: &Arc<dyn Driver>) {
 /// device 0's primary context current, as host runtimes run.
 fn interleaved_pairs(driver: &Arc<dyn Driver>, simulated: bool) {
     let (rounds, batch) = if quick() { (31, 1_000) } else { (101, 2_000) };
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let measure = |how: &str| {
         let rt = runtime(driver, "async-pool", false, vec![]);
         let ctx = rt.context(0).expect("context");
@@ -332,12 +342,14 @@ fn interleaved_pairs(driver: &Arc<dyn Driver>, simulated: bool) {
 /// the `pool` row above only by the host's share). Two hosts' `pool` rows compare through
 /// these.
 fn host_anchors() {
-    let ns = per_op(iters_for(256, true), |n| {
-        for _ in 0..n {
-            drop(std::hint::black_box(Vec::<u8>::with_capacity(256)));
-        }
-    });
-    out("pair", "host malloc", 256, 1, ns, "ns");
+    out(
+        "pair",
+        "host malloc",
+        256,
+        1,
+        malloc_pair_ns(iters_for(256, true)),
+        "ns",
+    );
     let sim: Arc<dyn Driver> = Arc::new(driver_mock::SimDriver::new(
         driver_mock::SimConfig::single(1 << 30),
     ));
@@ -359,7 +371,7 @@ fn host_anchors() {
 fn threaded_median(threads: usize, per_thread: usize, work: impl Fn(usize) + Sync) -> f64 {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut runs: Vec<f64> = (0..3)
+    let runs: Vec<f64> = (0..3)
         .map(|_| {
             let (ready, go) = (AtomicUsize::new(0), AtomicBool::new(false));
             std::thread::scope(|s| {
@@ -394,8 +406,7 @@ fn threaded_median(threads: usize, per_thread: usize, work: impl Fn(usize) + Syn
             })
         })
         .collect();
-    runs.sort_by(f64::total_cmp);
-    runs[1]
+    median(runs)
 }
 
 /// A driver pool of device 0 that keeps what it reserves (release threshold at its maximum),
@@ -1638,12 +1649,9 @@ fn host_probe() {
     let lines = (256usize << 20) / 64;
     // A random single cycle through the lines (Sattolo's shuffle), seeded for repeatability.
     let mut order: Vec<usize> = (0..lines).collect();
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut random = xorshift(0x9e37_79b9_7f4a_7c15);
     for i in (1..lines).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        order.swap(i, (x % i as u64) as usize);
+        order.swap(i, (random() % i as u64) as usize);
     }
     let mut next = vec![0u64; lines * LINE_WORDS];
     for (i, &j) in order.iter().enumerate() {
@@ -1658,12 +1666,7 @@ fn host_probe() {
         std::hint::black_box(at);
     });
     out("host", "memory-latency", "256 MiB", 1, ns, "ns");
-    let ns = per_op(1 << 20, |n| {
-        for _ in 0..n {
-            drop(std::hint::black_box(Vec::<u8>::with_capacity(256)));
-        }
-    });
-    out("host", "host malloc", 256, 1, ns, "ns");
+    out("host", "host malloc", 256, 1, malloc_pair_ns(1 << 20), "ns");
 }
 
 /// The simulated device's memory when `EMM_DRIVER=sim`: an H100's 80 GiB.

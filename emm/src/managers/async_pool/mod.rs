@@ -102,11 +102,11 @@ pub const ASYNC_POOL_MANAGED_MANAGER: &str = "async-pool-managed";
 
 const STREAM: StreamHandle = StreamHandle(0);
 
-/// The pool, changed only with every gate held ([`Shared::exclusive`]): allocations and frees
-/// hold their own thread's gate across their driver call, so a reset cannot destroy the pool
-/// under them, and they do not wait for each other (the driver's pool is thread-safe).
+/// What goes with the pool ([`Shared::pool`]), changed only with every gate held
+/// ([`Shared::exclusive`]): allocations and frees hold their own thread's gate across their
+/// driver call, so a reset cannot destroy the pool under them, and they do not wait for each
+/// other (the driver's pool is thread-safe).
 struct PoolState {
-    pool: Option<MemPoolHandle>,
     /// The pool's name across processes (IPC-enabled pools only; new with every pool).
     id: Option<PoolId>,
     /// Whether the pool was exported to a file descriptor yet: measured on the H200, the
@@ -247,7 +247,7 @@ struct Shared {
     /// Whether the pool is a managed-memory pool (`async-pool-managed`).
     managed: bool,
     /// The pool's handle ([`NO_POOL`] when there is none), read under a gate; stored only with
-    /// every gate held, beside `state.pool`.
+    /// every gate and the state held.
     pool: AtomicU64,
     /// One per thread shard ([`thread_slots`]): an allocation or a free enters its thread's
     /// (its owner's fast path: no read-modify-write), creation, export and reset take them all.
@@ -481,7 +481,6 @@ impl AsyncPoolAllocator {
             pool: AtomicU64::new(NO_POOL),
             gates: Shard::all(|| ()),
             state: Mutex::new(PoolState {
-                pool: None,
                 id: None,
                 exported: false,
             }),
@@ -540,7 +539,7 @@ impl AsyncPoolAllocator {
     /// The pool, created on first use with the release threshold at its maximum. The caller
     /// holds every gate and the state ([`Shared::exclusive`]).
     fn pool(&self, state: &mut PoolState) -> Result<MemPoolHandle, DriverError> {
-        if let Some(p) = state.pool {
+        if let Some(p) = self.shared.current_pool() {
             return Ok(p);
         }
         let cx = &self.shared.cx;
@@ -568,7 +567,6 @@ impl AsyncPoolAllocator {
         state.id = self.shared.ipc.then(PoolId::fresh);
         state.exported = false;
         tracing::debug!(device = %cx.device, ?pool, id = ?state.id, "stream-ordered pool created");
-        state.pool = Some(pool);
         self.shared.pool.store(pool.0, Ordering::Release);
         Ok(pool)
     }
@@ -753,16 +751,17 @@ impl DeviceAllocator for AsyncPoolAllocator {
             .fetch_add(1 << SLOT_BITS, Ordering::AcqRel);
         let live = self.shared.live.take_all();
         state.id = None;
-        self.shared.pool.store(NO_POOL, Ordering::Release);
-        let Some(pool) = state.pool.take() else {
+        let pool = self.shared.pool.swap(NO_POOL, Ordering::AcqRel);
+        if pool == NO_POOL {
             return Ok(());
-        };
+        }
+        let pool = MemPoolHandle(pool);
         let Some(_live) = cx.liveness.enter() else {
             // The context is gone, and its pools with it.
             return Ok(());
         };
         tracing::info!(device = %cx.device, ?pool, outstanding = live.len(), "stream-ordered pool destroyed by reset");
-        // SAFETY: the pool is this manager's, destroyed once (taken out of the state), and
+        // SAFETY: the pool is this manager's, destroyed once (swapped out of `pool`), and
         // allocates nothing after (a new one is made on the next use); `live` are its
         // allocations not freed, whose pointers are stale from the generation bump on, so emm
         // neither uses nor frees them again; the context is alive (`_live`).
