@@ -260,7 +260,8 @@ fn alloc_free_pairs(driver: &Arc<dyn Driver>) {
 /// is the median over the rounds of the two batches' ratio in one round. The raw pair is on a
 /// pool created as `async-pool` creates its own (release threshold at its maximum), on the
 /// stream the manager uses: the legacy default stream for `memalloc`, a created stream (the
-/// same one) for `memalloc_on`. With no context current on the thread, then (on the GPU) with
+/// same one) for `memalloc_on` and for `memalloc_on_raw` (the same pair through the stream's
+/// handle, keeping no owner of the stream). With no context current on the thread, then (on the GPU) with
 /// device 0's primary context current, as host runtimes run.
 fn interleaved_pairs(driver: &Arc<dyn Driver>, simulated: bool) {
     let (rounds, batch) = if quick() { (31, 1_000) } else { (101, 2_000) };
@@ -272,7 +273,7 @@ fn interleaved_pairs(driver: &Arc<dyn Driver>, simulated: bool) {
         let s = ctx.create_stream_with(true, 0).expect("stream");
         let legacy = StreamHandle(0);
         for size in [256usize, 64 << 10, 1 << 20] {
-            let subjects: [(&str, &dyn Fn()); 4] = [
+            let subjects: [(&str, &dyn Fn()); 5] = [
                 ("raw-own-pool legacy", &|| {
                     raw_pool_pair(&**driver, h, own, size, legacy)
                 }),
@@ -284,6 +285,13 @@ fn interleaved_pairs(driver: &Arc<dyn Driver>, simulated: bool) {
                 }),
                 ("async-pool memalloc_on", &|| {
                     drop(ctx.memalloc_on(size, &s).expect("memalloc_on"))
+                }),
+                // Through the stream's handle: no owner kept, no context check, so the
+                // difference from `memalloc_on` is what keeping the stream alive costs.
+                ("async-pool memalloc_on_raw", &|| {
+                    // SAFETY: `s` outlives every block (synchronised before it drops below),
+                    // and is a stream of `ctx`'s context.
+                    drop(unsafe { ctx.memalloc_on_raw(size, s.handle()) }.expect("raw"))
                 }),
             ];
             let mut ns = vec![Vec::with_capacity(rounds); subjects.len()];
@@ -309,7 +317,11 @@ fn interleaved_pairs(driver: &Arc<dyn Driver>, simulated: bool) {
                     "ns",
                 );
             }
-            for (what, manager, raw) in [("memalloc", 1, 0), ("memalloc_on", 3, 2)] {
+            for (what, manager, raw) in [
+                ("memalloc", 1, 0),
+                ("memalloc_on", 3, 2),
+                ("memalloc_on_raw", 4, 2),
+            ] {
                 let ratios = (0..rounds).map(|k| ns[manager][k] / ns[raw][k]).collect();
                 out(
                     "interleaved",
