@@ -10,6 +10,11 @@
 //! the next `Run` fails. `cross_stream_check_catches_early_reuse` in the suite shows that such
 //! a manager is caught.
 //!
+//! Streams' own lives too: a stream is destroyed once, when its user dropped it and the last
+//! memory ordered on it is gone (for `pool`, trimmed off its free list), never before, with
+//! memory dropped on other threads, records parked and revived on other streams, and a
+//! property test of streams and memory made and dropped in any order.
+//!
 //! 128 cases per manager; `PROPTEST_CASES=N` for more.
 
 use driver_mock::SimDriver;
@@ -428,36 +433,13 @@ fn moving_a_free_twice_keeps_the_streams_that_used_the_block() {
 /// nothing is left behind.
 #[test]
 fn a_stream_shared_by_threads_is_destroyed_once_after_the_last_free() {
-    use driver_mock::Op;
-    use emm::Adaptor;
-    let subjects = ["default", "pool", "async-pool"].into_iter().flat_map(|m| {
-        [
-            (m, vec![]),
-            (m, vec![Adaptor::Stats, Adaptor::Limit(1 << 30)]),
-        ]
-    });
-    for (manager, adaptors) in subjects {
-        let sim = sim();
-        let rt = emm::Runtime::builder(sim.clone())
-            .ignore_env()
-            .memory_manager_name(manager)
-            .adaptors(adaptors.clone())
-            .build()
-            .unwrap();
-        let manager = format!("{manager} {adaptors:?}");
-        let manager = manager.as_str();
-        let ctx = rt.context(0).unwrap();
+    under_every_stream_manager(1, |manager, sim, ctx| {
         let s = ctx.create_stream().unwrap();
-        // Both queues flushed: the manager's frees, then the context's own (the stream).
-        let destroyed = || {
-            ctx.flush_deallocations().unwrap();
-            ctx.own_deallocations().flush().unwrap();
-            sim.count(Op::StreamDestroy)
-        };
+        let destroyed = || destroyed_streams(sim, ctx, false);
         let mut made: Vec<Vec<MemoryPointer>> = std::thread::scope(|scope| {
             let threads: Vec<_> = (0..6)
                 .map(|t| {
-                    let (ctx, s) = (&ctx, &s);
+                    let s = &s;
                     scope.spawn(move || {
                         (0..4)
                             .map(|i| ctx.memalloc_on(256 << ((t + i) % 4), s).unwrap())
@@ -490,13 +472,178 @@ fn a_stream_shared_by_threads_is_destroyed_once_after_the_last_free() {
             ctx.trim().unwrap();
         }
         assert_eq!(destroyed(), 1, "{manager}: destroyed after the last free");
+    });
+}
+
+/// Memory allocated and freed on a stream while the stream lives (under `async-pool`, the
+/// freed pointers' records parked, and one revived for another stream), then the stream
+/// dropped: it is destroyed once, at the next flush of the context's own queue (for `pool`,
+/// once `trim` takes the blocks off its free list); nothing the manager keeps for reuse keeps
+/// the stream. Under every manager that allocates on streams, bare and behind adaptors.
+#[test]
+fn a_stream_whose_memory_was_freed_is_destroyed_when_dropped() {
+    under_every_stream_manager(2, |manager, sim, ctx| {
+        let (a, b) = (ctx.create_stream().unwrap(), ctx.create_stream().unwrap());
+        let destroyed = || destroyed_streams(sim, ctx, manager.starts_with("pool"));
+        for round in 0..3 {
+            let held: Vec<_> = (0..8)
+                .map(|i| ctx.memalloc_on(256 << (i % 4), &a).unwrap())
+                .collect();
+            drop(held);
+            assert_eq!(destroyed(), 0, "{manager}: round {round}, a is in use");
+        }
+        // Takes one of the records a's memory left, if the manager parks them.
+        let on_b = ctx.memalloc_on(256, &b).unwrap();
+        drop(a);
+        assert_eq!(destroyed(), 1, "{manager}: a dropped, its memory gone");
+        drop(on_b);
+        assert_eq!(destroyed(), 1, "{manager}: b is in use");
+        drop(b);
+        assert_eq!(destroyed(), 2, "{manager}: b dropped, its memory gone");
+    });
+}
+
+/// Runs `body` under every manager that allocates on streams, bare and behind the `stats` and
+/// `limit` adaptors (whose pointers wrap the manager's), each on a fresh simulated GPU, with
+/// the subject's name; then checks, once the runtime is gone, that nothing was left behind and
+/// that `streams` streams were destroyed, each once.
+fn under_every_stream_manager(streams: usize, body: impl Fn(&str, &SimDriver, &Context)) {
+    use driver_mock::Op;
+    use emm::Adaptor;
+    let subjects = ["default", "pool", "async-pool"].into_iter().flat_map(|m| {
+        [
+            (m, vec![]),
+            (m, vec![Adaptor::Stats, Adaptor::Limit(1 << 30)]),
+        ]
+    });
+    for (manager, adaptors) in subjects {
+        let sim = sim();
+        let rt = emm::Runtime::builder(sim.clone())
+            .ignore_env()
+            .memory_manager_name(manager)
+            .adaptors(adaptors.clone())
+            .build()
+            .unwrap();
+        let label = format!("{manager} {adaptors:?}");
+        let ctx = rt.context(0).unwrap();
+        body(&label, &sim, &ctx);
         drop(ctx);
         drop(rt);
         assert!(
             sim.leak_report().is_clean(),
-            "{manager}: {}",
+            "{label}: {}",
             sim.leak_report()
         );
-        assert_eq!(sim.count(Op::StreamDestroy), 1, "{manager}: once");
+        assert_eq!(sim.count(Op::StreamDestroy), streams, "{label}: each once");
+    }
+}
+
+/// The streams destroyed so far, once both queues are flushed (the manager's frees, then the
+/// context's own, which destroys streams), and with `trim`, the manager trimmed in between
+/// (`pool`'s blocks keep their stream on its free lists until then).
+fn destroyed_streams(sim: &SimDriver, ctx: &Context, trim: bool) -> usize {
+    ctx.flush_deallocations().unwrap();
+    if trim {
+        ctx.trim().unwrap();
+    }
+    ctx.own_deallocations().flush().unwrap();
+    sim.count(driver_mock::Op::StreamDestroy)
+}
+
+/// One step of [`streams_are_destroyed_once_their_user_and_memory_are_gone`].
+#[derive(Clone, Debug)]
+enum LifeStep {
+    /// Creates a stream.
+    Create,
+    /// Drops the `n`th stream (modulo those made), if its user still holds it.
+    DropStream(usize),
+    /// Allocates 256 << `size` bytes on the `n`th stream (modulo), if its user still holds it.
+    Alloc(usize, usize),
+    /// Drops the `n`th allocation (modulo those made), if still held.
+    DropMem(usize),
+}
+
+fn life_step() -> impl Strategy<Value = LifeStep> {
+    prop_oneof![
+        1 => Just(LifeStep::Create),
+        1 => (0..8usize).prop_map(LifeStep::DropStream),
+        4 => (0..8usize, 0..4usize).prop_map(|(n, s)| LifeStep::Alloc(n, s)),
+        3 => (0..32usize).prop_map(LifeStep::DropMem),
+    ]
+}
+
+/// Runs `steps` under `manager` and checks after each that exactly the streams whose user
+/// dropped them and whose memory is all gone were destroyed (the manager's queue and the
+/// context's own flushed, and `pool`'s free lists trimmed, first), then that every stream is
+/// destroyed once in the end.
+fn run_lives(manager: &str, steps: &[LifeStep]) -> Result<(), TestCaseError> {
+    use driver_mock::Op;
+    let sim = sim();
+    let rt = runtime_with(&sim, manager);
+    let ctx = rt.context(0).unwrap();
+    let destroyed = || destroyed_streams(&sim, &ctx, manager == "pool");
+    let mut streams: Vec<Option<Stream>> = vec![Some(ctx.create_stream().unwrap())];
+    let mut mems: Vec<(usize, Option<MemoryPointer>)> = Vec::new();
+    for (i, step) in steps.iter().enumerate() {
+        match *step {
+            LifeStep::Create => streams.push(Some(ctx.create_stream().unwrap())),
+            LifeStep::DropStream(n) => {
+                let n = n % streams.len();
+                drop(streams[n].take());
+            }
+            LifeStep::Alloc(n, size) => {
+                let n = n % streams.len();
+                if let Some(s) = &streams[n] {
+                    mems.push((n, Some(ctx.memalloc_on(256 << size, s).unwrap())));
+                }
+            }
+            LifeStep::DropMem(n) => {
+                if !mems.is_empty() {
+                    let k = n % mems.len();
+                    drop(mems[k].1.take());
+                }
+            }
+        }
+        let dead = (0..streams.len())
+            .filter(|&s| streams[s].is_none() && !mems.iter().any(|(m, p)| *m == s && p.is_some()))
+            .count();
+        prop_assert_eq!(
+            destroyed(),
+            dead,
+            "{}: after step {} ({:?})",
+            manager,
+            i,
+            step
+        );
+    }
+    let made = streams.len();
+    drop(mems);
+    drop(streams);
+    prop_assert_eq!(destroyed(), made, "{}: every stream in the end", manager);
+    drop(ctx);
+    drop(rt);
+    prop_assert_eq!(sim.count(Op::StreamDestroy), made, "{}: each once", manager);
+    prop_assert!(
+        sim.leak_report().is_clean(),
+        "{}: {}",
+        manager,
+        sim.leak_report()
+    );
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: crate::common::cases(128), failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Streams and memory ordered on them made and dropped in any order, under every manager
+    /// that allocates on streams: a stream is destroyed once, when its user dropped it and its
+    /// last memory is gone (for `pool`, trimmed off its free list), never before.
+    #[test]
+    fn streams_are_destroyed_once_their_user_and_memory_are_gone(
+        steps in prop::collection::vec(life_step(), 1..50),
+    ) {
+        for manager in ["default", "pool", "async-pool"] {
+            run_lives(manager, &steps)?;
+        }
     }
 }
