@@ -194,17 +194,6 @@ impl<T> Biased<T> {
         self.bias != Bias::None
     }
 
-    /// The light side of the fence pair, after the owner's store to `busy`.
-    #[inline(always)]
-    fn owner_fence(&self) {
-        self.bias.light_fence();
-    }
-
-    /// The heavy side, after another thread took the lock.
-    fn other_fence(&self) {
-        self.bias.heavy_fence();
-    }
-
     /// Enters the value: without the lock when `owner` (the caller is the one thread that owns
     /// it, and the value is biased), else through [`lock`](Self::lock).
     ///
@@ -215,7 +204,8 @@ impl<T> Biased<T> {
         if owner {
             debug_assert!(self.is_biased(), "only a biased value has an owner");
             self.busy.store(true, Ordering::Relaxed);
-            self.owner_fence();
+            // The light side of the fence pair, after the owner's store to `busy`.
+            self.bias.light_fence();
             if !self.locked.load(Ordering::Acquire) {
                 return self.guard(&self.busy);
             }
@@ -233,7 +223,8 @@ impl<T> Biased<T> {
     pub(crate) fn lock(&self) -> BiasedGuard<'_, T> {
         self.take_lock();
         if self.is_biased() {
-            self.other_fence();
+            // The heavy side, after the lock is taken.
+            self.bias.heavy_fence();
             self.wait_for_owner();
         }
         self.guard(&self.locked)
@@ -250,7 +241,7 @@ impl<T> Biased<T> {
     {
         let taken: Vec<&Biased<T>> = all.into_iter().inspect(|b| b.take_lock()).collect();
         if let Some(biased) = taken.iter().find(|b| b.is_biased()) {
-            biased.other_fence();
+            biased.bias.heavy_fence();
         }
         taken
             .into_iter()

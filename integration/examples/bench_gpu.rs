@@ -186,18 +186,6 @@ impl Drop for RawBlock<'_> {
     }
 }
 
-/// A new driver pool on device 0 made as `async-pool` makes its own (release threshold at its
-/// maximum), for the raw anchors; the caller trims and destroys it.
-fn own_pool(driver: &dyn Driver, ctx: driver_sys::ContextHandle) -> driver_sys::MemPoolHandle {
-    let pool = driver
-        .mem_pool_create(ctx, 0.into(), false)
-        .expect("cuMemPoolCreate");
-    driver
-        .mem_pool_set_release_threshold(ctx, pool, u64::MAX)
-        .expect("release threshold");
-    pool
-}
-
 /// One raw `cuMemAllocFromPoolAsync` + `cuMemFreeAsync` pair from `pool` on `stream`.
 fn raw_pool_pair(
     driver: &dyn Driver,
@@ -261,15 +249,15 @@ fn alloc_free_pairs(driver: &Arc<dyn Driver>) {
 /// pool created as `async-pool` creates its own (release threshold at its maximum), on the
 /// stream the manager uses: the legacy default stream for `memalloc`, a created stream (the
 /// same one) for `memalloc_on` and for `memalloc_on_raw` (the same pair through the stream's
-/// handle, keeping no owner of the stream). With no context current on the thread, then (on the GPU) with
-/// device 0's primary context current, as host runtimes run.
+/// handle, keeping no owner of the stream). With no context current on the thread, then (on
+/// the GPU) with device 0's primary context current, as host runtimes run.
 fn interleaved_pairs(driver: &Arc<dyn Driver>, simulated: bool) {
     let (rounds, batch) = if quick() { (31, 1_000) } else { (101, 2_000) };
     let measure = |how: &str| {
         let rt = runtime(driver, "async-pool", false, vec![]);
         let ctx = rt.context(0).expect("context");
         let h = ctx.handle();
-        let own = own_pool(&**driver, h);
+        let own = raw_pool(driver.as_ref(), &ctx);
         let s = ctx.create_stream_with(true, 0).expect("stream");
         let legacy = StreamHandle(0);
         for size in [256usize, 64 << 10, 1 << 20] {
@@ -286,8 +274,8 @@ fn interleaved_pairs(driver: &Arc<dyn Driver>, simulated: bool) {
                 ("async-pool memalloc_on", &|| {
                     drop(ctx.memalloc_on(size, &s).expect("memalloc_on"))
                 }),
-                // Through the stream's handle: no owner kept, no context check, so the
-                // difference from `memalloc_on` is what keeping the stream alive costs.
+                // Through the stream's handle: no owner kept and no context check, the two
+                // things `memalloc_on` does beyond it (BENCHMARKS.md run AD).
                 ("async-pool memalloc_on_raw", &|| {
                     // SAFETY: `s` outlives every block (synchronised before it drops below),
                     // and is a stream of `ctx`'s context.
@@ -1430,7 +1418,7 @@ fn stream_ordered(driver: &Arc<dyn Driver>) {
     let probe = runtime(driver, "default", false, vec![]);
     let ctx = probe.context(0).expect("context");
     let h = ctx.handle();
-    let own = own_pool(&**driver, h);
+    let own = raw_pool(driver.as_ref(), &ctx);
     let default_pool = driver
         .device_default_mem_pool(0.into())
         .expect("default pool");

@@ -84,22 +84,14 @@ impl ContextLiveness {
             count.store(before + 1, Ordering::Relaxed);
             self.bias.light_fence();
             if self.state.load(Ordering::Acquire) & DEAD == 0 {
-                return Some(LiveGuard {
-                    owner: self,
-                    count: Some(count),
-                    _not_send: std::marker::PhantomData,
-                });
+                return Some(LiveGuard::new(self, Some(count)));
             }
             count.store(before, Ordering::Release);
             return None;
         }
         let before = self.state.fetch_add(1, Ordering::Acquire);
         if before & DEAD == 0 {
-            Some(LiveGuard {
-                owner: self,
-                count: None,
-                _not_send: std::marker::PhantomData,
-            })
+            Some(LiveGuard::new(self, None))
         } else {
             self.state.fetch_sub(1, Ordering::Relaxed);
             None
@@ -137,6 +129,17 @@ impl ContextLiveness {
 impl Default for ContextLiveness {
     fn default() -> Self {
         ContextLiveness::new()
+    }
+}
+
+impl<'a> LiveGuard<'a> {
+    #[inline(always)]
+    fn new(owner: &'a ContextLiveness, count: Option<&'a AtomicUsize>) -> LiveGuard<'a> {
+        LiveGuard {
+            owner,
+            count,
+            _not_send: std::marker::PhantomData,
+        }
     }
 }
 

@@ -96,7 +96,7 @@ impl ParkedPointer {
         stream: StreamHandle,
     ) -> MemoryPointer {
         if let Some(record) = &mut self.0.value_mut().streams {
-            let use_ = record.get_mut().unwrap_or_else(|p| p.into_inner());
+            let use_ = use_mut(record);
             use_.stream = stream;
             use_.free_on = stream;
         }
@@ -115,7 +115,7 @@ impl ParkedPointer {
     #[inline(always)]
     pub(crate) fn take_stream_use(&mut self) -> Option<StreamUse> {
         let record = self.0.value_mut().streams.as_mut()?;
-        let use_ = record.get_mut().unwrap_or_else(|p| p.into_inner());
+        let use_ = use_mut(record);
         Some(std::mem::replace(use_, StreamUse::on(StreamHandle::NULL)))
     }
 
@@ -206,6 +206,11 @@ pub(crate) fn into_stream_use(record: Mutex<StreamUse>) -> StreamUse {
 /// Locks a stream-use record, ignoring poison (a record is plain data, always consistent).
 fn lock_use(m: &Mutex<StreamUse>) -> std::sync::MutexGuard<'_, StreamUse> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A stream-use record its owner reaches without the lock (as [`lock_use`], ignoring poison).
+fn use_mut(m: &mut Mutex<StreamUse>) -> &mut StreamUse {
+    m.get_mut().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The streams a stream-ordered allocation belongs to: allocated on [`stream`](Self::stream),
@@ -881,10 +886,7 @@ impl MemoryPointer {
                 Release::Wrapped { inner, .. } => inner.keep_stream(stream),
                 _ => {
                     if let Some(record) = alloc.streams.as_deref_mut() {
-                        record
-                            .get_mut()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .keep(stream);
+                        use_mut(record).keep(stream);
                     }
                 }
             }

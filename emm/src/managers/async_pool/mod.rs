@@ -272,6 +272,12 @@ struct Shared {
 /// pool handle is a pointer, never null).
 const NO_POOL: u64 = 0;
 
+/// The pool a value of [`Shared::pool`] names, if any.
+#[inline(always)]
+fn pool_of(raw: u64) -> Option<MemPoolHandle> {
+    (raw != NO_POOL).then_some(MemPoolHandle(raw))
+}
+
 impl Shared {
     /// This thread's gate, held while the pool is used: creation, export and reset wait for
     /// it. Not re-entrant: nothing done under it enters a gate of this manager again (a
@@ -292,8 +298,7 @@ impl Shared {
     /// The pool, read under a gate.
     #[inline(always)]
     fn current_pool(&self) -> Option<MemPoolHandle> {
-        let pool = self.pool.load(Ordering::Acquire);
-        (pool != NO_POOL).then_some(MemPoolHandle(pool))
+        pool_of(self.pool.load(Ordering::Acquire))
     }
 
     /// Whether `tag` is of the current pool (the generation, in the tag's high bits).
@@ -751,11 +756,9 @@ impl DeviceAllocator for AsyncPoolAllocator {
             .fetch_add(1 << SLOT_BITS, Ordering::AcqRel);
         let live = self.shared.live.take_all();
         state.id = None;
-        let pool = self.shared.pool.swap(NO_POOL, Ordering::AcqRel);
-        if pool == NO_POOL {
+        let Some(pool) = pool_of(self.shared.pool.swap(NO_POOL, Ordering::AcqRel)) else {
             return Ok(());
-        }
-        let pool = MemPoolHandle(pool);
+        };
         let Some(_live) = cx.liveness.enter() else {
             // The context is gone, and its pools with it.
             return Ok(());
