@@ -17,7 +17,16 @@ use super::world::{World, context};
 pub(super) struct HostBlock {
     bytes: *mut u8,
     layout: std::alloc::Layout,
+    /// Made by `mmap` (a large block on Unix), not by the allocator.
+    #[cfg_attr(not(all(unix, not(miri))), allow(dead_code))]
+    mapped: bool,
 }
+
+/// Host blocks of at least this many bytes are anonymous mappings on Unix (not under Miri): zeroed by the
+/// kernel and backed only where written, so a replay that allocates gigabytes of managed or
+/// pooled host memory without touching it costs no memory and no time zeroing it.
+#[cfg(all(unix, not(miri)))]
+const MAP_AT_LEAST: usize = 1 << 20;
 
 // SAFETY: the block is plain bytes that this value alone frees; the simulator reaches it only
 // under the machine's lock, and callers only through the driver contract's copies.
@@ -34,18 +43,57 @@ impl HostBlock {
     fn zeroed(len: usize) -> (HostBlock, usize) {
         let layout = std::alloc::Layout::from_size_align(len.max(1), HOST_ALIGN)
             .expect("a host block's size fits the address space");
+        #[cfg(all(unix, not(miri)))]
+        if len >= MAP_AT_LEAST {
+            // SAFETY: a private anonymous mapping of `len` bytes at an address the kernel
+            // chooses; no existing memory is touched.
+            let at = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if at == libc::MAP_FAILED {
+                std::alloc::handle_alloc_error(layout);
+            }
+            let bytes = at.cast::<u8>();
+            let addr = bytes.expose_provenance();
+            let block = HostBlock {
+                bytes,
+                layout,
+                mapped: true,
+            };
+            return (block, addr);
+        }
         // SAFETY: the layout has a non-zero size.
         let bytes = unsafe { std::alloc::alloc_zeroed(layout) };
         if bytes.is_null() {
             std::alloc::handle_alloc_error(layout);
         }
         let addr = bytes.expose_provenance();
-        (HostBlock { bytes, layout }, addr)
+        let block = HostBlock {
+            bytes,
+            layout,
+            mapped: false,
+        };
+        (block, addr)
     }
 }
 
 impl Drop for HostBlock {
     fn drop(&mut self) {
+        #[cfg(all(unix, not(miri)))]
+        if self.mapped {
+            // SAFETY: `bytes` is the start of a mapping of `layout.size()` bytes made by `zeroed`
+            // and unmapped once, here; the range was removed from the process's table before
+            // the block dropped, so no copy reaches it any more.
+            unsafe { libc::munmap(self.bytes.cast(), self.layout.size()) };
+            return;
+        }
         // SAFETY: `bytes` came from `alloc_zeroed` with `layout` in `zeroed` and is freed once,
         // here; the range was removed from the process's table before the block dropped, so no
         // copy reaches it any more.

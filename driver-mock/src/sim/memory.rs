@@ -117,8 +117,54 @@ impl DeviceMem {
 /// Backing bytes of a device allocation, shared with the IPC mappings of other processes.
 #[derive(Debug)]
 pub(super) struct Store {
-    pub(super) bytes: Vec<u8>,
+    pub(super) bytes: SparseBytes,
     pub(super) refs: usize,
+}
+
+/// Bytes that read as zeros until written, backed only in the pages written: a simulated
+/// device as large as an H200 replays a program's allocations without the machine holding
+/// them.
+#[derive(Debug, Default)]
+pub(super) struct SparseBytes {
+    /// Page index -> its bytes.
+    pages: BTreeMap<usize, Box<[u8]>>,
+}
+
+/// The backing page of [`SparseBytes`].
+const BACKING_PAGE: usize = 64 << 10;
+
+impl SparseBytes {
+    /// Copies `dst.len()` bytes at `offset` into `dst` (zeros where nothing was written).
+    pub(super) fn read(&self, offset: usize, dst: &mut [u8]) {
+        let mut done = 0;
+        while done < dst.len() {
+            let at = offset + done;
+            let (page, within) = (at / BACKING_PAGE, at % BACKING_PAGE);
+            let n = (BACKING_PAGE - within).min(dst.len() - done);
+            let out = &mut dst[done..done + n];
+            match self.pages.get(&page) {
+                Some(bytes) => out.copy_from_slice(&bytes[within..within + n]),
+                None => out.fill(0),
+            }
+            done += n;
+        }
+    }
+
+    /// Copies `src` to `offset`, backing the pages it touches.
+    pub(super) fn write(&mut self, offset: usize, src: &[u8]) {
+        let mut done = 0;
+        while done < src.len() {
+            let at = offset + done;
+            let (page, within) = (at / BACKING_PAGE, at % BACKING_PAGE);
+            let n = (BACKING_PAGE - within).min(src.len() - done);
+            let bytes = self
+                .pages
+                .entry(page)
+                .or_insert_with(|| vec![0; BACKING_PAGE].into_boxed_slice());
+            bytes[within..within + n].copy_from_slice(&src[done..done + n]);
+            done += n;
+        }
+    }
 }
 
 /// Who reaches memory: a process, through a context of a device.
@@ -190,7 +236,7 @@ impl World {
         self.stores.insert(
             store,
             Store {
-                bytes: vec![0; bytes],
+                bytes: SparseBytes::default(),
                 refs: 1,
             },
         );
@@ -275,9 +321,7 @@ impl World {
     /// `Driver` copy contracts).
     pub(super) unsafe fn read(&self, by: Accessor, addr: u64, dst: &mut [u8]) -> Result<(), u32> {
         match self.resolve(by, addr, dst.len())? {
-            Loc::Store(id, off) => {
-                dst.copy_from_slice(&self.stores[&id].bytes[off..off + dst.len()])
-            }
+            Loc::Store(id, off) => self.stores[&id].bytes.read(off, dst),
             // SAFETY: `resolve` checked the range lies in a mapped host range; the caller vouches
             // that it is live and unwritten; `dst` is an exclusive borrow.
             Loc::Host(at) => unsafe {
@@ -298,9 +342,12 @@ impl World {
     /// If `addr` is mapped host memory, it is live and nothing else touches it during the call.
     pub(super) unsafe fn write(&mut self, by: Accessor, addr: u64, src: &[u8]) -> Result<(), u32> {
         match self.resolve(by, addr, src.len())? {
-            Loc::Store(id, off) => self.stores.get_mut(&id).expect("live store").bytes
-                [off..off + src.len()]
-                .copy_from_slice(src),
+            Loc::Store(id, off) => self
+                .stores
+                .get_mut(&id)
+                .expect("live store")
+                .bytes
+                .write(off, src),
             // SAFETY: `resolve` checked the range lies in a mapped host range; the caller vouches
             // that it is live and untouched by anyone else.
             Loc::Host(at) => unsafe {
