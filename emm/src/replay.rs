@@ -1,15 +1,25 @@
 //! Replays an allocation log against a context: the `log` adaptor's CSV ([`LOG_HEADER`](crate::adaptors::LOG_HEADER))
 //! or RMM's replay format (`Thread,Time,Action,Pointer,Size,Stream`). A log recorded from a
-//! real program on the GPU can be replayed on the simulator, under any manager.
+//! real program on the GPU can be replayed on the simulator, under any manager, and what the
+//! manager held measured against what the program had live.
+//!
+//! Stream-ordered events (a `Stream` column other than `-`) are replayed with `memalloc_on`:
+//! the recorded handles 0 and 1 on the legacy default stream, 2 on the per-thread default
+//! stream, and every other recorded handle on a stream of its own, made at its first use and
+//! kept for the replayer's life.
+//! Under a manager that does not allocate on streams they are replayed with `memalloc`, as
+//! the frameworks' allocators over emm do.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use crate::adaptors::log::{LogColumns, parse_log_line};
 use crate::contract::info::MemoryKind;
+use crate::contract::manager::StreamOrdering;
 use crate::error::EmmError;
 use crate::memory::host::HostMemory;
 use crate::memory::pointer::MemoryPointer;
+use crate::objects::Stream;
 use crate::runtime::context::Context;
 
 /// What one log line asks for.
@@ -30,14 +40,17 @@ pub struct ReplayEvent {
     pub ptr: u64,
     /// Bytes.
     pub size: usize,
+    /// The stream the memory was allocated on in the recorded run (its handle there), or
+    /// `None` for memory allocated without a stream.
+    pub stream: Option<u64>,
     /// The kind of memory.
     pub kind: MemoryKind,
 }
 
 /// Parses a log. A header line says where the columns stand (by name: `Action`, `Pointer`,
-/// `Size`, and `Kind` where there is one); without a header, RMM's order is assumed. Pointers
-/// are hexadecimal, with or without `0x`. `allocate failure` lines and empty lines are
-/// skipped.
+/// `Size`, and `Stream` and `Kind` where there are such); without a header, RMM's order is
+/// assumed. Pointers and streams are hexadecimal, with or without `0x`; a stream of `-` means
+/// none. `allocate failure` lines and empty lines are skipped.
 pub fn parse_log(text: &str) -> Result<Vec<ReplayEvent>, EmmError> {
     let mut events = Vec::new();
     let mut cols = LogColumns::RMM;
@@ -53,8 +66,8 @@ pub fn parse_log(text: &str) -> Result<Vec<ReplayEvent>, EmmError> {
             cols = header.map_err(bad)?;
             continue;
         }
-        let (action, ptr, size, kind) = parse_log_line(line, &cols).map_err(bad)?;
-        let action = match action.as_str() {
+        let parsed = parse_log_line(line, &cols).map_err(bad)?;
+        let action = match parsed.action.as_str() {
             "allocate" | "alloc" => Action::Allocate,
             "free" | "deallocate" => Action::Free,
             "allocate failure" => continue,
@@ -66,15 +79,67 @@ pub fn parse_log(text: &str) -> Result<Vec<ReplayEvent>, EmmError> {
         };
         events.push(ReplayEvent {
             action,
-            ptr,
-            size,
-            kind,
+            ptr: parsed.ptr,
+            size: parsed.size,
+            stream: parsed.stream,
+            kind: parsed.kind,
         });
     }
     Ok(events)
 }
 
-/// What a replay did.
+/// What a log itself says about the memory its program had live.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceSummary {
+    /// Allocation events.
+    pub allocations: usize,
+    /// Free events that name a live allocation.
+    pub frees: usize,
+    /// The most device bytes (device and managed memory, as requested) live at once.
+    pub peak_live_bytes: usize,
+    /// Distinct allocation sizes.
+    pub sizes: usize,
+    /// Distinct streams (stream-ordered allocations), not counting memory without a stream.
+    pub streams: usize,
+}
+
+/// Whether memory of `kind` is device memory, which a replay weighs.
+fn is_device(kind: MemoryKind) -> bool {
+    matches!(kind, MemoryKind::Device | MemoryKind::Managed)
+}
+
+/// Reads `events` without replaying them: what the recorded program had live.
+pub fn summarize(events: &[ReplayEvent]) -> TraceSummary {
+    let mut live: HashMap<u64, usize> = HashMap::new();
+    let (mut bytes, mut summary) = (0usize, TraceSummary::default());
+    let mut sizes = std::collections::HashSet::new();
+    let mut streams = std::collections::HashSet::new();
+    for e in events.iter().filter(|e| is_device(e.kind)) {
+        match e.action {
+            Action::Allocate => {
+                summary.allocations += 1;
+                sizes.insert(e.size);
+                streams.extend(e.stream);
+                if let Some(old) = live.insert(e.ptr, e.size) {
+                    bytes -= old;
+                }
+                bytes += e.size;
+                summary.peak_live_bytes = summary.peak_live_bytes.max(bytes);
+            }
+            Action::Free => {
+                if let Some(size) = live.remove(&e.ptr) {
+                    bytes -= size;
+                    summary.frees += 1;
+                }
+            }
+        }
+    }
+    summary.sizes = sizes.len();
+    summary.streams = streams.len();
+    summary
+}
+
+/// What a replay did, and what the manager held while it ran.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ReplayReport {
     /// Allocations made.
@@ -89,59 +154,200 @@ pub struct ReplayReport {
     pub skipped: usize,
     /// The most allocations live at once.
     pub peak_live: usize,
-    /// Wall time of the replay.
+    /// The most device bytes live at once (as requested).
+    pub peak_live_bytes: usize,
+    /// The most device memory the driver counted as used, beyond what it counted when the
+    /// replayer was made (`total - free` of `get_memory_info`, read after every device
+    /// allocation): what `nvidia-smi` would have shown the replay take.
+    pub peak_held_bytes: usize,
+    /// The same figure after the pass, every allocation of it freed and the frees the manager
+    /// deferred issued: what the manager keeps.
+    pub held_after_bytes: usize,
+    /// The largest free block the manager's device pool reported when the held peak was
+    /// reached (`PoolStats::largest_free_bytes`), where it has a pool that knows.
+    pub largest_free_at_peak: Option<usize>,
+    /// Time spent in the manager's allocations and frees (the held readings left out).
     pub elapsed: Duration,
 }
 
+impl ReplayReport {
+    /// Peak held over peak live: 1.0 holds nothing beyond what the program used.
+    pub fn held_over_live(&self) -> f64 {
+        self.peak_held_bytes as f64 / self.peak_live_bytes.max(1) as f64
+    }
+
+    /// Allocations and frees per second of [`elapsed`](Self::elapsed).
+    pub fn ops_per_second(&self) -> f64 {
+        (self.allocations + self.frees) as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
 enum Live {
-    Device(#[allow(dead_code)] MemoryPointer),
+    Device(#[allow(dead_code)] MemoryPointer, usize),
     Host(#[allow(dead_code)] HostMemory),
 }
 
-/// Replays `events` on `ctx`. Memory still live at the end of the log is freed on return.
-pub fn replay(ctx: &Context, events: &[ReplayEvent]) -> ReplayReport {
-    let mut live: HashMap<u64, Live> = HashMap::new();
-    let mut report = ReplayReport::default();
-    let start = Instant::now();
-    for e in events {
-        match e.action {
-            Action::Allocate => {
-                let made = match e.kind {
-                    MemoryKind::Device => ctx.memalloc(e.size).map(Live::Device),
-                    MemoryKind::Managed => ctx
-                        .memallocmanaged(e.size, true)
-                        .map(|m| Live::Device(m.device().clone())),
-                    MemoryKind::Pinned | MemoryKind::Mapped => ctx
-                        .memhostalloc(e.size, e.kind == MemoryKind::Mapped, false, false)
-                        .map(Live::Host),
-                    MemoryKind::Pin => {
-                        report.skipped += 1;
-                        continue;
-                    }
-                };
-                match made {
-                    Ok(m) => {
-                        report.allocations += 1;
-                        live.insert(e.ptr, m);
-                        report.peak_live = report.peak_live.max(live.len());
-                    }
-                    Err(err) => {
-                        tracing::debug!(error = %err, size = e.size, "replayed allocation refused");
-                        report.failures += 1;
-                    }
-                }
-            }
-            Action::Free => match live.remove(&e.ptr) {
-                Some(m) => {
-                    drop(m);
-                    report.frees += 1;
-                }
-                None if e.kind == MemoryKind::Pin => report.skipped += 1,
-                None => report.unmatched_frees += 1,
-            },
-        }
+/// Replays logs on one context, pass after pass, measuring the device memory held against a
+/// baseline read when it was made.
+pub struct Replayer<'c> {
+    ctx: &'c Context,
+    baseline: usize,
+    on_streams: bool,
+    /// Streams made for recorded handles other than the implicit ones.
+    streams: HashMap<u64, Stream>,
+}
+
+impl std::fmt::Debug for Replayer<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replayer")
+            .field("baseline", &self.baseline)
+            .field("on_streams", &self.on_streams)
+            .field("streams", &self.streams.len())
+            .finish()
     }
-    drop(live);
-    report.elapsed = start.elapsed();
-    report
+}
+
+impl<'c> Replayer<'c> {
+    /// A replayer on `ctx`; the device memory the driver counts as used now is its baseline.
+    pub fn new(ctx: &'c Context) -> Result<Replayer<'c>, EmmError> {
+        let info = ctx.get_memory_info()?;
+        Ok(Replayer {
+            ctx,
+            baseline: info.total.saturating_sub(info.free),
+            on_streams: ctx.stream_ordering() != StreamOrdering::Unsupported,
+            streams: HashMap::new(),
+        })
+    }
+
+    /// Device memory the driver counts as used beyond the baseline, now.
+    pub fn held_bytes(&self) -> Result<usize, EmmError> {
+        let info = self.ctx.get_memory_info()?;
+        Ok(info
+            .total
+            .saturating_sub(info.free)
+            .saturating_sub(self.baseline))
+    }
+
+    /// Allocates device memory for `e`, on its stream where it has one and the manager
+    /// allocates on streams.
+    fn allocate_device(&mut self, e: &ReplayEvent) -> Result<MemoryPointer, EmmError> {
+        let Some(handle) = e.stream.filter(|_| self.on_streams) else {
+            return self.ctx.memalloc(e.size);
+        };
+        let stream = match self.streams.get(&handle) {
+            Some(s) => s,
+            None => {
+                let made = match handle {
+                    // The legacy default stream by either of its names.
+                    0 | 1 => self.ctx.legacy_default_stream(),
+                    2 => self.ctx.per_thread_default_stream(),
+                    _ => self.ctx.create_stream()?,
+                };
+                self.streams.entry(handle).or_insert(made)
+            }
+        };
+        self.ctx.memalloc_on(e.size, stream)
+    }
+
+    /// Replays `events` once. Memory still live at the end of the log is freed before it
+    /// returns. Allocations the manager refuses are counted and the replay goes on.
+    pub fn pass(&mut self, events: &[ReplayEvent]) -> Result<ReplayReport, EmmError> {
+        self.pass_with(events, || {})
+    }
+
+    /// [`pass`](Self::pass), calling `between` after every event: a replay on a simulated
+    /// driver runs the streams' queued work there, as a GPU does while the program runs (the
+    /// simulator runs it only when asked; stream-ordered frees wait for it).
+    pub fn pass_with(
+        &mut self,
+        events: &[ReplayEvent],
+        mut between: impl FnMut(),
+    ) -> Result<ReplayReport, EmmError> {
+        let mut live: HashMap<u64, Live> = HashMap::new();
+        let mut report = ReplayReport::default();
+        let mut live_bytes = 0usize;
+        let mut busy = Duration::ZERO;
+        for e in events {
+            match e.action {
+                Action::Allocate => {
+                    let start = Instant::now();
+                    let made = match e.kind {
+                        MemoryKind::Device => {
+                            self.allocate_device(e).map(|m| Live::Device(m, e.size))
+                        }
+                        MemoryKind::Managed => self
+                            .ctx
+                            .memallocmanaged(e.size, true)
+                            .map(|m| Live::Device(m.device().clone(), e.size)),
+                        MemoryKind::Pinned | MemoryKind::Mapped => self
+                            .ctx
+                            .memhostalloc(e.size, e.kind == MemoryKind::Mapped, false, false)
+                            .map(Live::Host),
+                        MemoryKind::Pin => {
+                            report.skipped += 1;
+                            continue;
+                        }
+                    };
+                    busy += start.elapsed();
+                    match made {
+                        Ok(m) => {
+                            report.allocations += 1;
+                            let device = matches!(m, Live::Device(..));
+                            // A log that allocates one address twice without a free: the
+                            // older allocation is freed here.
+                            if let Some(Live::Device(_, size)) = live.insert(e.ptr, m) {
+                                live_bytes -= size;
+                            }
+                            report.peak_live = report.peak_live.max(live.len());
+                            if device {
+                                live_bytes += e.size;
+                                report.peak_live_bytes = report.peak_live_bytes.max(live_bytes);
+                                let held = self.held_bytes()?;
+                                if held > report.peak_held_bytes {
+                                    report.peak_held_bytes = held;
+                                    report.largest_free_at_peak = self
+                                        .ctx
+                                        .pool_stats()
+                                        .device
+                                        .and_then(|s| s.largest_free_bytes);
+                                }
+                            }
+                        }
+                        Err(err) => {
+                            tracing::debug!(error = %err, size = e.size, "replayed allocation refused");
+                            report.failures += 1;
+                        }
+                    }
+                }
+                Action::Free => match live.remove(&e.ptr) {
+                    Some(m) => {
+                        if let Live::Device(_, size) = m {
+                            live_bytes -= size;
+                        }
+                        let start = Instant::now();
+                        drop(m);
+                        busy += start.elapsed();
+                        report.frees += 1;
+                    }
+                    None if e.kind == MemoryKind::Pin => report.skipped += 1,
+                    None => report.unmatched_frees += 1,
+                },
+            }
+            between();
+        }
+        let start = Instant::now();
+        drop(live);
+        busy += start.elapsed();
+        between();
+        report.elapsed = busy;
+        // Frees the manager deferred are issued first: what it keeps, not what it queued.
+        self.ctx.flush_deallocations()?;
+        report.held_after_bytes = self.held_bytes()?;
+        Ok(report)
+    }
+}
+
+/// Replays `events` once on `ctx` ([`Replayer::pass`] of a new [`Replayer`]).
+pub fn replay(ctx: &Context, events: &[ReplayEvent]) -> Result<ReplayReport, EmmError> {
+    Replayer::new(ctx)?.pass(events)
 }

@@ -1240,7 +1240,7 @@ fn replays(driver: &Arc<dyn Driver>, log_dir: &std::path::Path) {
     for manager in MANAGERS {
         let rt = runtime(driver, manager, false, vec![]);
         let ctx = rt.context(0).expect("context");
-        let report = replay::replay(&ctx, &events);
+        let report = replay::replay(&ctx, &events).expect("the replay reads device memory");
         assert_eq!(report.failures, 0, "{manager}: {report:?}");
         let ns = report.elapsed.as_nanos() as f64 / events.len() as f64;
         out(

@@ -1,6 +1,7 @@
 //! The `log` adaptor: one CSV line per allocation and free, in RMM's replay columns and more,
 //! and the parser [`crate::replay`] reads such logs (and RMM's) with.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::io::Write;
 use std::path::PathBuf;
@@ -13,7 +14,9 @@ use crate::error::EmmError;
 use crate::sync::{Mutex, lock};
 
 /// The header of the CSV log: RMM's replay columns (`Thread,Time,Action,Pointer,Size,Stream`)
-/// followed by the device, the manager's free and total memory, the allocations live after
+/// (`Stream` is the handle of the stream a `memalloc_on` allocation was made on, in
+/// hexadecimal, on its allocation's line and its free's; `-` for memory allocated without a
+/// stream), followed by the device, the manager's free and total memory, the allocations live after
 /// the event, its start and end (nanoseconds since the log opened), its duration, and the
 /// kind of memory.
 pub const LOG_HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream,Device,Free,Total,Current allocations,Start,End,Elapsed,Kind";
@@ -25,6 +28,9 @@ pub(super) struct LogFile {
     /// Free and total memory, sampled at most once a millisecond.
     pub(super) info: Option<(Instant, MemoryInfo)>,
     pub(super) failed: Option<std::io::Error>,
+    /// The stream of each live stream-ordered allocation, by (device, address): a free's
+    /// line names the stream its allocation was made on.
+    pub(super) streams: HashMap<(u32, u64), u64>,
 }
 
 /// The log's writer, shared by every context of a runtime.
@@ -70,6 +76,7 @@ impl Log {
                 live: 0,
                 info: None,
                 failed: None,
+                streams: HashMap::new(),
             }),
         })
     }
@@ -96,8 +103,18 @@ impl Log {
         let mi = f.info.map(|(_, i)| i).unwrap_or_default();
         f.live = f.live.saturating_add_signed(delta);
         let live = f.live;
+        let key = (e.device.0, e.addr.unwrap_or(0));
+        let stream = match (action, e.stream) {
+            ("allocate", Some(s)) => {
+                f.streams.insert(key, s.0);
+                Some(s.0)
+            }
+            ("free", _) => f.streams.remove(&key),
+            (_, s) => s.map(|s| s.0),
+        };
+        let stream = Stream(stream);
         let line = format!(
-            "{thread},{:.9},{action},{:#x},{},0,{},{},{},{live},{start},{end},{},{}\n",
+            "{thread},{:.9},{action},{:#x},{},{stream},{},{},{},{live},{start},{end},{},{}\n",
             start as f64 / 1e9,
             e.addr.unwrap_or(0),
             e.bytes,
@@ -119,6 +136,19 @@ impl Log {
         let mut f = lock(&self.file);
         if let Err(e) = f.out.flush() {
             tracing::error!(path = %f.path.display(), error = %e, "the log adaptor cannot flush its file");
+        }
+    }
+}
+
+/// The `Stream` column of a line: the stream's handle in hexadecimal for stream-ordered
+/// memory (`memalloc_on`), `-` for memory allocated without a stream.
+struct Stream(Option<u64>);
+
+impl fmt::Display for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(s) => write!(f, "{s:#x}"),
+            None => f.write_str("-"),
         }
     }
 }
@@ -183,7 +213,23 @@ pub(crate) struct LogColumns {
     action: usize,
     pointer: usize,
     size: usize,
+    stream: Option<usize>,
     kind: Option<usize>,
+}
+
+/// One data line of a log, parsed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct LogLine {
+    /// The action, in lower case (`allocate`, `free`, `allocate failure`, ...).
+    pub(crate) action: String,
+    /// The address in the recorded run.
+    pub(crate) ptr: u64,
+    /// Bytes.
+    pub(crate) size: usize,
+    /// The stream of stream-ordered memory (`None`: allocated without a stream, `-`).
+    pub(crate) stream: Option<u64>,
+    /// The kind of memory (device memory when the log has no kind column).
+    pub(crate) kind: MemoryKind,
 }
 
 impl LogColumns {
@@ -192,6 +238,7 @@ impl LogColumns {
         action: 2,
         pointer: 3,
         size: 4,
+        stream: Some(5),
         kind: None,
     };
 
@@ -221,19 +268,25 @@ impl LogColumns {
                 action: need("action")?,
                 pointer: need("pointer")?,
                 size: need("size")?,
+                stream: find("stream"),
                 kind: find("kind"),
             })
         })())
     }
 }
 
-/// Parses one data line of a log (RMM's, or the `log` adaptor's) with the columns `cols`:
-/// the action, the pointer (hexadecimal, with or without `0x`, as RMM and the `log` adaptor
-/// write it), the size and the kind (device memory when the log has no kind column).
-pub(crate) fn parse_log_line(
-    line: &str,
-    cols: &LogColumns,
-) -> Result<(String, u64, usize, MemoryKind), String> {
+/// A hexadecimal number, with or without `0x`, as RMM and the `log` adaptor write pointers and
+/// streams.
+fn parse_hex(text: &str) -> Result<u64, std::num::ParseIntError> {
+    let digits = text
+        .strip_prefix("0x")
+        .or_else(|| text.strip_prefix("0X"))
+        .unwrap_or(text);
+    u64::from_str_radix(digits, 16)
+}
+
+/// Parses one data line of a log (RMM's, or the `log` adaptor's) with the columns `cols`.
+pub(crate) fn parse_log_line(line: &str, cols: &LogColumns) -> Result<LogLine, String> {
     let fields: Vec<&str> = line.split(',').map(str::trim).collect();
     let at = |i: usize, name: &str| {
         fields.get(i).copied().ok_or_else(|| {
@@ -247,16 +300,19 @@ pub(crate) fn parse_log_line(
     };
     let action = at(cols.action, "Action")?.to_ascii_lowercase();
     let ptr_text = at(cols.pointer, "Pointer")?;
-    let digits = ptr_text
-        .strip_prefix("0x")
-        .or_else(|| ptr_text.strip_prefix("0X"))
-        .unwrap_or(ptr_text);
-    let ptr = u64::from_str_radix(digits, 16)
+    let ptr = parse_hex(ptr_text)
         .map_err(|e| format!("pointer {ptr_text:?} is not a hexadecimal address ({e})"))?;
     let size_text = at(cols.size, "Size")?;
     let size: usize = size_text
         .parse()
         .map_err(|e| format!("size {size_text:?}: {e}"))?;
+    // A log cut short after its Size column (RMM's five-column variant) has no streams.
+    let stream = match cols.stream.and_then(|i| fields.get(i).copied()) {
+        None | Some("" | "-") => None,
+        Some(text) => Some(parse_hex(text).map_err(|e| {
+            format!("stream {text:?} is neither '-' nor a hexadecimal handle ({e})")
+        })?),
+    };
     let kind = match cols.kind {
         Some(i) => {
             let k = at(i, "Kind")?;
@@ -266,5 +322,11 @@ pub(crate) fn parse_log_line(
         }
         None => MemoryKind::Device,
     };
-    Ok((action, ptr, size, kind))
+    Ok(LogLine {
+        action,
+        ptr,
+        size,
+        stream,
+        kind,
+    })
 }

@@ -144,6 +144,9 @@ pub(crate) struct Event {
     kind: MemoryKind,
     addr: Option<u64>,
     bytes: usize,
+    /// The stream of a stream-ordered allocation (`memalloc_on`); `None` for the others and
+    /// for frees (the log finds a free's stream from its allocation).
+    stream: Option<StreamHandle>,
     start: Option<Instant>,
     end: Option<Instant>,
 }
@@ -181,6 +184,7 @@ impl ReleaseHook for FreeHook {
             kind: MemoryKind::ALL[tag as usize],
             addr: Some(base.0),
             bytes: size,
+            stream: None,
             start: now,
             end: now,
         });
@@ -243,6 +247,7 @@ impl Adapted {
         op: &'static str,
         kind: MemoryKind,
         bytes: usize,
+        stream: Option<StreamHandle>,
         call: impl FnOnce() -> Result<T, EmmError>,
         addr: impl Fn(&T) -> u64,
     ) -> Result<T, EmmError> {
@@ -257,6 +262,7 @@ impl Adapted {
             kind,
             addr: result.as_ref().ok().map(&addr),
             bytes,
+            stream,
             start,
             end,
         });
@@ -290,6 +296,7 @@ impl Adapted {
                             kind,
                             addr: Some(h.0 as u64),
                             bytes: s,
+                            stream: None,
                             start: now,
                             end: now,
                         });
@@ -314,6 +321,7 @@ impl MemoryManager for Adapted {
             "memalloc",
             MemoryKind::Device,
             bytes,
+            None,
             || self.inner.memalloc(bytes),
             |p| p.device_ptr().0,
         )?;
@@ -325,6 +333,7 @@ impl MemoryManager for Adapted {
             "memalloc_on",
             MemoryKind::Device,
             bytes,
+            Some(stream),
             || self.inner.memalloc_on(bytes, stream),
             |p| p.device_ptr().0,
         )?;
@@ -347,6 +356,7 @@ impl MemoryManager for Adapted {
             "memhostalloc",
             kind,
             bytes,
+            None,
             || self.inner.memhostalloc(bytes, mapped, portable, wc),
             |m| m.host_ptr().0 as u64,
         )?;
@@ -362,6 +372,7 @@ impl MemoryManager for Adapted {
             "memallocmanaged",
             MemoryKind::Managed,
             bytes,
+            None,
             || self.inner.memallocmanaged(bytes, attach_global),
             |m| m.device().device_ptr().0,
         )?;
@@ -378,7 +389,7 @@ impl MemoryManager for Adapted {
     ) -> Result<HostMemory, EmmError> {
         // SAFETY: forwarded with this method's own contract.
         let call = || unsafe { self.inner.mempin(owner, ptr, size, mapped) };
-        let m = self.observe("mempin", MemoryKind::Pin, size, call, |m| {
+        let m = self.observe("mempin", MemoryKind::Pin, size, None, call, |m| {
             m.host_ptr().0 as u64
         })?;
         Ok(self.wrap_host(m, MemoryKind::Pin))

@@ -27,8 +27,12 @@ pub struct PoolStats {
     pub chunks: usize,
     /// Times the pool grew (driver allocations).
     pub grows: u64,
-    /// Bytes released to the driver by trims and out-of-memory retries (not by resets).
+    /// Bytes released to the driver by trims, out-of-memory retries and, in a pool that sheds
+    /// its unused chunks before it grows, by growths (not by resets).
     pub trimmed_bytes: u64,
+    /// The largest free block the pool holds: the largest request it can serve without
+    /// growing (`None` where the pool cannot tell, as with the driver's own pools).
+    pub largest_free_bytes: Option<usize>,
 }
 
 /// What a manager's pools hold: its device pool and its pinned host pool, where it has them.

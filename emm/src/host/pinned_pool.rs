@@ -652,6 +652,8 @@ impl PinnedPool {
             chunks: free_blocks + in_use_blocks,
             grows: totals.grows,
             trimmed_bytes: totals.trimmed,
+            // Size-class lists: no block is split or merged, so no one figure says it.
+            largest_free_bytes: None,
         }
     }
 }

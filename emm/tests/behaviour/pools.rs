@@ -851,7 +851,7 @@ fn a_logged_run_replays() {
     assert_eq!(events.len(), 8);
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
     let rt = runtime_with(&sim, "pool");
-    let report = replay::replay(&rt.context(0).unwrap(), &events);
+    let report = replay::replay(&rt.context(0).unwrap(), &events).unwrap();
     assert_eq!(
         (report.allocations, report.frees, report.failures),
         (4, 4, 0),
@@ -890,7 +890,7 @@ fn an_rmm_log_replays() {
     );
     let sim = Arc::new(SimDriver::new(SimConfig::default()));
     let rt = runtime_with(&sim, "pool");
-    let report = replay::replay(&rt.context(0).unwrap(), &events);
+    let report = replay::replay(&rt.context(0).unwrap(), &events).unwrap();
     assert_eq!(
         (report.allocations, report.frees, report.unmatched_frees),
         (2, 2, 0),
