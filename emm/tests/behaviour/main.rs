@@ -10,6 +10,7 @@
 //! | `host_and_ipc` | host-side rules and multi-device IPC that one GPU cannot show |
 //! | `selection` | choosing the manager in code, the interface-version check |
 //! | `hostile_input` | garbled IPC handles, pool descriptors and configuration are refused |
+//! | `held_bound` | device memory held stays bounded by memory live, for random sequences (property test) |
 //! | `pools` | the pool, the pinned host pool and the adaptors, with a property test of the pool |
 //! | `pool_ipc` | IPC of stream-ordered pools between simulated processes, with a property test |
 //! | `state_machine` | a context against a reference model (proptest state machine) |
@@ -19,6 +20,7 @@
 #![cfg(not(emm_loom))]
 
 mod common;
+mod held_bound;
 mod host_and_ipc;
 mod hostile_input;
 mod in_flight;

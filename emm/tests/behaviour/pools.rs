@@ -380,13 +380,22 @@ fn pool_shards_keep_recent_large_blocks_within_their_bound() {
     };
     let rt = small_pool_runtime(&sim, config);
     let ctx = rt.context(0).unwrap();
+    // Room first: a pool that grows takes its cached blocks back. Two 60 MiB chunks, one
+    // block free in the arena and one in the shard's oversize slot.
+    let (w1, w2) = (
+        ctx.memalloc(60 << 20).unwrap(),
+        ctx.memalloc(60 << 20).unwrap(),
+    );
+    drop((w1, w2));
+    let grows = ctx.pool_stats().device.unwrap().grows;
+    let slot = 60 << 20;
     let a = ctx.memalloc(3 << 20).unwrap();
     let addr = a.device_ptr();
     drop(a);
     let stats = ctx.pool_stats().device.unwrap();
     assert_eq!(
         (stats.cached_bytes, stats.in_use_blocks),
-        (3 << 20, 0),
+        (slot + (3 << 20), 0),
         "{stats:?}"
     );
     // Another size does not take it; the same size does.
@@ -397,7 +406,7 @@ fn pool_shards_keep_recent_large_blocks_within_their_bound() {
     let stats = ctx.pool_stats().device.unwrap();
     assert_eq!(
         (stats.cached_bytes, stats.in_use_blocks),
-        (0, 2),
+        (slot, 2),
         "{stats:?}"
     );
     drop((other, again));
@@ -405,7 +414,7 @@ fn pool_shards_keep_recent_large_blocks_within_their_bound() {
     let many: Vec<_> = (0..10).map(|_| ctx.memalloc(2 << 20).unwrap()).collect();
     drop(many);
     let stats = ctx.pool_stats().device.unwrap();
-    assert!(stats.cached_bytes <= 16 << 20, "{stats:?}");
+    assert!(stats.cached_bytes <= slot + (16 << 20), "{stats:?}");
     assert_eq!(stats.in_use_blocks, 0);
     // A block above the shard's bound is kept in its oversize slot, outside the bound.
     drop(ctx.memalloc(32 << 20).unwrap());
@@ -416,6 +425,11 @@ fn pool_shards_keep_recent_large_blocks_within_their_bound() {
     drop(ctx.memalloc(40 << 20).unwrap());
     let now = ctx.pool_stats().device.unwrap().cached_bytes;
     assert_eq!(now, before - (32 << 20) + (40 << 20));
+    assert_eq!(
+        ctx.pool_stats().device.unwrap().grows,
+        grows,
+        "the pool had room for all of it"
+    );
     // Everything comes back with a trim.
     let after_trim = {
         ctx.trim().unwrap();
@@ -469,7 +483,10 @@ fn pool_ipc_handles_carry_the_offset_in_the_chunk() {
     let handle = ctx.get_ipc_handle(&mem).unwrap();
     assert_eq!(handle.offset() as u64, mem.device_ptr().0 - base);
     assert_eq!(handle.size(), 3000);
-    assert!(size >= 64 << 20);
+    assert!(
+        size >= 2 << 20,
+        "a chunk, of at least the pool's step: {size}"
+    );
     // Another process maps the chunk and sees the block's bytes.
     let other = Arc::new(sim.spawn_process());
     let rt2 = Runtime::builder(other.clone())

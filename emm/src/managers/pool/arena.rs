@@ -83,7 +83,6 @@ type NodeId = u32;
 /// Free space of all chunks: binned by size, mapped by start and end address.
 #[derive(Debug)]
 pub(super) struct Arena {
-    pub(super) generation: u64,
     /// Chunk base -> size.
     pub(super) chunks: BTreeMap<u64, usize>,
     /// The free blocks.
@@ -99,16 +98,13 @@ pub(super) struct Arena {
     /// The block given last (start, size), not yet in the bins and maps: see the module's
     /// note. It belongs to the free space as much as they do.
     recent: Option<(u64, usize)>,
+    /// Bytes of its chunks.
     pub(super) held: usize,
-    pub(super) peak_held: usize,
-    pub(super) grows: u64,
-    pub(super) trimmed: u64,
 }
 
 impl Default for Arena {
     fn default() -> Arena {
         Arena {
-            generation: 0,
             chunks: BTreeMap::new(),
             nodes: Slab::default(),
             free: AddressMap::default(),
@@ -117,9 +113,6 @@ impl Default for Arena {
             nonempty: [0; WORDS],
             recent: None,
             held: 0,
-            peak_held: 0,
-            grows: 0,
-            trimmed: 0,
         }
     }
 }
@@ -261,11 +254,6 @@ impl Arena {
         Some(addr)
     }
 
-    /// [`take`](Self::take), with the generation the block belongs to.
-    pub(super) fn take_stamped(&mut self, size: usize) -> Option<(u64, u64)> {
-        Some((self.take(size)?, self.generation))
-    }
-
     /// Returns a block: it waits as the block given last, and the one that waited goes into
     /// the bins and maps ([`give_now`](Self::give_now)).
     pub(super) fn give(&mut self, addr: u64, size: usize) {
@@ -325,12 +313,26 @@ impl Arena {
         }
     }
 
+    /// Adds a chunk, wholly free: new from the driver, or one another arena gave up.
     pub(super) fn add_chunk(&mut self, base: u64, size: usize) {
         self.chunks.insert(base, size);
         self.held += size;
-        self.peak_held = self.peak_held.max(self.held);
-        self.grows += 1;
         self.insert_free(base, size);
+    }
+
+    /// Whether the chunk at `base` of `size` bytes is wholly free (the block given last
+    /// settled first).
+    fn chunk_is_free(&self, base: u64, size: usize) -> bool {
+        self.free
+            .get(&base)
+            .is_some_and(|&id| self.nodes[id].size == size)
+    }
+
+    /// Removes the chunk at `base`, which is wholly free.
+    fn remove_chunk(&mut self, base: u64, size: usize) {
+        self.remove_free(base);
+        self.chunks.remove(&base);
+        self.held -= size;
     }
 
     /// Removes every chunk that is wholly free.
@@ -339,20 +341,61 @@ impl Arena {
         let free: Vec<(u64, usize)> = self
             .chunks
             .iter()
-            .filter(|&(base, &size)| {
-                self.free
-                    .get(base)
-                    .is_some_and(|&id| self.nodes[id].size == size)
-            })
+            .filter(|&(&base, &size)| self.chunk_is_free(base, size))
             .map(|(&b, &s)| (b, s))
             .collect();
         for &(base, size) in &free {
-            self.remove_free(base);
-            self.chunks.remove(&base);
-            self.held -= size;
-            self.trimmed += size as u64;
+            self.remove_chunk(base, size);
         }
         free
+    }
+
+    /// Removes the smallest wholly free chunk of at least `size` bytes, for another arena.
+    pub(super) fn take_free_chunk(&mut self, size: usize) -> Option<(u64, usize)> {
+        self.settle();
+        let (base, got) = self
+            .chunks
+            .iter()
+            .filter(|&(&base, &got)| got >= size && self.chunk_is_free(base, got))
+            .min_by_key(|&(_, &got)| got)
+            .map(|(&b, &s)| (b, s))?;
+        self.remove_chunk(base, got);
+        Some((base, got))
+    }
+
+    /// Whether the arena holds no chunk.
+    pub(super) fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// The largest free block: the largest of the highest non-empty bin, or the block given
+    /// last with the neighbours it will merge with, whichever is larger.
+    pub(super) fn largest_free(&self) -> usize {
+        let binned = (0..WORDS)
+            .rev()
+            .find(|&w| self.nonempty[w] != 0)
+            .map(|w| w * 64 + 63 - self.nonempty[w].leading_zeros() as usize)
+            .map_or(0, |bin| {
+                self.bins[bin].iter().map(|&(s, _)| s).max().unwrap_or(0)
+            });
+        binned.max(self.recent_merged().map_or(0, |(_, size, _, _)| size))
+    }
+
+    /// The block given last as it will be once settled: (start, size) with the free
+    /// neighbours it merges with, and those neighbours' nodes.
+    fn recent_merged(&self) -> Option<(u64, usize, Option<NodeId>, Option<NodeId>)> {
+        let (addr, size) = self.recent?;
+        let merges = |at: u64| !self.chunks.contains_key(&at);
+        let (mut start, mut end) = (addr, addr + size as u64);
+        let before = self.ends.get(&addr).copied().filter(|_| merges(addr));
+        if let Some(id) = before {
+            start = self.nodes[id].addr;
+        }
+        let after = self.free.get(&end).copied().filter(|_| merges(end));
+        if let Some(id) = after {
+            end += self.nodes[id].size as u64;
+        }
+        Some((start, (end - start) as usize, before, after))
     }
 
     /// Forgets every chunk and free block (a reset freed them), returning the chunks.
@@ -373,20 +416,8 @@ impl Arena {
     /// last merged with the neighbours it will merge with when it settles.
     #[cfg(test)]
     fn free_blocks(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
-        let merges = |at: u64| !self.chunks.contains_key(&at);
-        let (mut start, mut end) = (u64::MAX, 0);
-        let (mut before, mut after) = (None, None);
-        if let Some((addr, size)) = self.recent {
-            (start, end) = (addr, addr + size as u64);
-            if let Some(&id) = self.ends.get(&addr).filter(|_| merges(addr)) {
-                before = Some(id);
-                start = self.nodes[id].addr;
-            }
-            if let Some(&id) = self.free.get(&end).filter(|_| merges(end)) {
-                after = Some(id);
-                end += self.nodes[id].size as u64;
-            }
-        }
+        let merged = self.recent_merged();
+        let (before, after) = merged.map_or((None, None), |(_, _, b, a)| (b, a));
         self.free
             .values()
             .filter(move |&&id| Some(id) != before && Some(id) != after)
@@ -394,7 +425,149 @@ impl Arena {
                 let node = self.nodes[id];
                 (node.addr, node.size)
             })
-            .chain(self.recent.map(|_| (start, (end - start) as usize)))
+            .chain(merged.map(|(start, size, _, _)| (start, size)))
+    }
+}
+
+/// A chunk: one driver allocation, wholly the pool's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Chunk {
+    /// Its address.
+    pub(super) base: u64,
+    /// Its bytes.
+    pub(super) size: usize,
+    /// Made for one request above the standard limit, and serving only such requests.
+    pub(super) oversize: bool,
+}
+
+impl Chunk {
+    /// The standard chunks `standard` and the oversize ones `oversize`, as (base, size).
+    fn of_kinds(
+        standard: impl IntoIterator<Item = (u64, usize)>,
+        oversize: impl IntoIterator<Item = (u64, usize)>,
+    ) -> Vec<Chunk> {
+        let kind = |oversize| {
+            move |(base, size)| Chunk {
+                base,
+                size,
+                oversize,
+            }
+        };
+        standard
+            .into_iter()
+            .map(kind(false))
+            .chain(oversize.into_iter().map(kind(true)))
+            .collect()
+    }
+}
+
+/// A pool's free space in two arenas: chunks of the configured size, which serve every request
+/// up to a limit, and chunks made for one larger request each, which serve only requests
+/// larger than the limit. A small block never splits a chunk made for a large one, which would
+/// leave the next large request of its size no room and the chunk unable to go back to the
+/// driver; a large request never takes most of a standard chunk and strands its rest.
+#[derive(Debug)]
+pub(super) struct Arenas {
+    /// Bumped by a reset: a block of an older generation lies in a chunk the reset freed.
+    pub(super) generation: u64,
+    /// Requests up to this many bytes are served from standard chunks.
+    limit: usize,
+    standard: Arena,
+    oversize: Arena,
+}
+
+impl Arenas {
+    /// Empty arenas that serve requests up to `limit` bytes from standard chunks.
+    pub(super) fn new(limit: usize) -> Arenas {
+        Arenas {
+            generation: 0,
+            limit,
+            standard: Arena::default(),
+            oversize: Arena::default(),
+        }
+    }
+
+    /// Whether a request of `size` bytes is served from chunks of its own.
+    pub(super) fn is_oversize(&self, size: usize) -> bool {
+        size > self.limit
+    }
+
+    fn of(&mut self, size: usize) -> &mut Arena {
+        if self.is_oversize(size) {
+            &mut self.oversize
+        } else {
+            &mut self.standard
+        }
+    }
+
+    /// A free block of at least `size` bytes, split off a free block of its arena.
+    pub(super) fn take(&mut self, size: usize) -> Option<u64> {
+        self.of(size).take(size)
+    }
+
+    /// [`take`](Self::take), with the generation the block belongs to.
+    pub(super) fn take_stamped(&mut self, size: usize) -> Option<(u64, u64)> {
+        Some((self.take(size)?, self.generation))
+    }
+
+    /// Returns a block of `size` bytes taken earlier with that size.
+    pub(super) fn give(&mut self, addr: u64, size: usize) {
+        self.of(size).give(addr, size);
+    }
+
+    /// Adds a wholly free chunk to the arena of its kind.
+    pub(super) fn add_chunk(&mut self, chunk: Chunk) {
+        let arena = if chunk.oversize {
+            &mut self.oversize
+        } else {
+            &mut self.standard
+        };
+        arena.add_chunk(chunk.base, chunk.size);
+    }
+
+    /// Removes every chunk that is wholly free.
+    pub(super) fn remove_free_chunks(&mut self) -> Vec<Chunk> {
+        let standard = self.standard.remove_free_chunks();
+        Chunk::of_kinds(standard, self.oversize.remove_free_chunks())
+    }
+
+    /// Removes the smallest wholly free chunk that can serve a request of `size` bytes.
+    pub(super) fn take_free_chunk(&mut self, size: usize) -> Option<Chunk> {
+        let oversize = self.is_oversize(size);
+        let (base, size) = self.of(size).take_free_chunk(size)?;
+        Some(Chunk {
+            base,
+            size,
+            oversize,
+        })
+    }
+
+    /// Whether the arenas hold no chunk.
+    pub(super) fn is_empty(&self) -> bool {
+        self.standard.is_empty() && self.oversize.is_empty()
+    }
+
+    /// Bytes of their chunks.
+    pub(super) fn held(&self) -> usize {
+        self.standard.held + self.oversize.held
+    }
+
+    /// How many chunks they hold.
+    pub(super) fn chunks(&self) -> usize {
+        self.standard.chunks.len() + self.oversize.chunks.len()
+    }
+
+    /// The largest free block.
+    pub(super) fn largest_free(&self) -> usize {
+        self.standard
+            .largest_free()
+            .max(self.oversize.largest_free())
+    }
+
+    /// Forgets every chunk and free block (a reset freed them), returning the chunks.
+    pub(super) fn clear(&mut self) -> Vec<Chunk> {
+        let standard = self.standard.clear();
+        Chunk::of_kinds(standard, self.oversize.clear())
     }
 }
 

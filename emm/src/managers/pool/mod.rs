@@ -4,16 +4,23 @@
 //! **Streams.** Memory from `memalloc` is not stream ordered: a block goes back to the pool
 //! when its last pointer drops, and the next allocation may hand it out at once, so work that
 //! a stream still runs on the memory must be complete (synchronised) before the pointer is
-//! dropped. Memory from `memalloc_on` is ([`StreamOrdering::PerStream`], `streams.rs`): a
-//! block freed on a stream is reused at once by that stream, with no driver call, and by
-//! other streams only after an event recorded on every stream that used it completed.
+//! dropped. Memory from `memalloc_on` is ([`StreamOrdering::PerStream`], `streams.rs`): each
+//! stream has an arena of its own chunks; a block freed on a stream goes back to it at once,
+//! merged with its free neighbours, for that stream's next allocations with no driver call,
+//! and a block other streams used waits for an event recorded on each of them first.
 //!
 //! # Design
 //!
-//! - **Chunks.** The pool grows by large driver allocations (`cuMemAlloc` of
-//!   [`PoolConfig::chunk_size`], or of the request rounded up to 2 MiB when that is larger) and
-//!   serves requests from them. Every block is a multiple of 256 bytes and 256-byte aligned,
-//!   as `cuMemAlloc`'s are.
+//! - **Chunks.** The pool grows by driver allocations (`cuMemAlloc`): for a request up to
+//!   [`PoolConfig::chunk_size`], by an eighth of what it holds (at least 2 MiB, at most the
+//!   chunk size, at least the request); a larger request gets a chunk of its own, which serves
+//!   only requests above the chunk size (`arena.rs`, `Arenas`). Every block is a multiple of
+//!   256 bytes and 256-byte aligned, as `cuMemAlloc`'s are.
+//! - **Memory held is bounded by memory in use.** Before it grows, the pool takes back what the
+//!   shards cache and the free chunks of streams with no work pending, tries again, and then
+//!   gives every chunk with nothing in use back to the driver (a growing stream's own once its
+//!   work is done): a pool never grows while it holds a chunk it does not use. The trace
+//!   corpus test (`integration/tests/traces.rs`) holds it to 1.25 times peak live.
 //! - **The arena** holds the free space of all chunks in bins by size (sixteen per doubling,
 //!   with a bitmap of the non-empty ones) and in two address maps (by start and by end):
 //!   finding a block, splitting it and merging a freed block with its free neighbours take
@@ -72,23 +79,23 @@ use crate::contract::info::{MemoryInfo, PoolStats};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::StreamOrdering;
 use crate::error::EmmError;
-use crate::host::fences::Fences;
+use crate::host::fences::{Fence, Fences};
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::lines::Lines;
 use crate::managers::default::DriverAllocator;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::memory::pointer::{MemoryPointer, ParkedPointer, PoolHook, forget_hooks};
 use crate::size_class::{class_of, class_size};
-use crate::sync::{AtomicU64, Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
 use crate::thread_slots::{self, Shard, thread_shard};
 
 mod arena;
 mod shards;
 mod streams;
 
-use arena::Arena;
+use arena::{Arenas, Chunk};
 use shards::{Depot, Large, ShardHook, ShardLists, unparked};
-use streams::{StreamCache, StreamHook};
+use streams::{StreamCache, StreamHook, stream_block_size};
 
 /// The name the pool manager is registered under.
 pub const POOL_MANAGER: &str = "pool";
@@ -129,11 +136,18 @@ fn block_size(bytes: usize, small_max: usize) -> usize {
 }
 const GROW_GRANULARITY: usize = 2 << 20;
 
+/// The pool grows by this fraction of what it holds (one eighth), within
+/// [`GROW_GRANULARITY`] and [`PoolConfig::chunk_size`]: a small pool in small steps, so that
+/// a chunk's unused rest is small beside what the pool holds.
+const GROWTH_DIVISOR: usize = 8;
+
 /// The pool's tuning.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
-    /// Bytes requested from the driver each time the pool grows; a larger request grows the
-    /// pool by itself, rounded up to 2 MiB. Default 64 MiB.
+    /// The most bytes the pool grows by at once for requests up to this size (it grows by an
+    /// eighth of what it holds, at least 2 MiB and at most this); a larger request gets a
+    /// chunk of its own, its size rounded up to 2 MiB, which serves only requests above this
+    /// size. Default 128 MiB.
     pub chunk_size: usize,
     /// Requests up to this many bytes are served from size classes through per-thread
     /// shards; larger ones from the arena. At most [`MAX_SMALL`]; default 1 MiB.
@@ -150,10 +164,19 @@ pub struct PoolConfig {
     pub cache_bytes_per_shard: usize,
 }
 
+impl PoolConfig {
+    /// The largest request served from the shared chunks: the chunk size. Larger requests get
+    /// chunks of their own (the request rounded up to 2 MiB), which serve only requests above
+    /// this size.
+    pub(super) fn oversize_above(&self) -> usize {
+        self.chunk_size
+    }
+}
+
 impl Default for PoolConfig {
     fn default() -> PoolConfig {
         PoolConfig {
-            chunk_size: 64 << 20,
+            chunk_size: 128 << 20,
             small_max: MAX_SMALL,
             cache_bytes_per_class: 4 << 20,
             cache_bytes_per_shard: 32 << 20,
@@ -169,7 +192,7 @@ struct PoolShared {
     cache_limits: [usize; CLASSES],
     /// Bumped by `reset` while every lock is held; read under any one of them.
     generation: AtomicU64,
-    arena: Mutex<Arena>,
+    arena: Mutex<Arenas>,
     shards: Box<[Shard<ShardLists>]>,
     /// Magazines passed between shards (`shards.rs`); its lock is taken with no other held but
     /// by `reset`, which takes it after the shards'.
@@ -180,6 +203,39 @@ struct PoolShared {
     streams: StreamCache,
     /// Events for the fences of stream-ordered frees.
     fences: Fences,
+    /// What the pool holds from the driver, over the shared arena and the streams' arenas.
+    totals: Totals,
+    /// Wholly free chunks of streams that had work pending when the pool shed them, freed
+    /// once the fence recorded then completed (`streams.rs`). Its lock is taken last.
+    retiring: Mutex<Vec<(Vec<Chunk>, Fence)>>,
+}
+
+/// Chunk bytes the pool holds from the driver, over all its arenas, and how they came and
+/// went. Chunks moving between arenas change none of it.
+#[derive(Default)]
+struct Totals {
+    held: AtomicUsize,
+    peak_held: AtomicUsize,
+    grows: AtomicU64,
+    trimmed: AtomicU64,
+}
+
+impl Totals {
+    /// The pool grew by a chunk of `bytes`.
+    fn grew(&self, bytes: usize) {
+        let now = self.held.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak_held.fetch_max(now, Ordering::Relaxed);
+        self.grows.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Chunks of `bytes` went back to the driver: by a trim (or an out-of-memory retry),
+    /// else by a reset.
+    fn released(&self, bytes: usize, trimmed: bool) {
+        self.held.fetch_sub(bytes, Ordering::Relaxed);
+        if trimmed {
+            self.trimmed.fetch_add(bytes as u64, Ordering::Relaxed);
+        }
+    }
 }
 
 impl fmt::Debug for PoolShared {
@@ -298,25 +354,31 @@ impl PoolShared {
         None
     }
 
-    /// Moves every shard's oversize block to the arena (before the pool grows: a block another
-    /// thread's shard keeps may be the one this request needs); returns whether there was any.
+    /// Moves every block above `small_max` that the shards cache (their large blocks and their
+    /// oversize ones) to the arena, before the pool grows: a block another thread's shard keeps
+    /// may be the one this request needs, or may merge with its free neighbours into one large
+    /// enough, and a chunk with a cached block in it cannot go back to the driver. Returns
+    /// whether there was any.
     #[cold]
-    fn reclaim_oversize(&self) -> bool {
+    fn reclaim_large(&self) -> bool {
         let (taken, generation) = {
             let mut shards = thread_slots::lock_all(&self.shards);
-            let taken: Vec<(u64, usize)> = shards
-                .iter_mut()
-                .filter_map(|lists| {
-                    let block = lists.oversize.take()?;
-                    Some(lists.let_go(block))
-                })
-                .collect();
+            let mut taken: Vec<(u64, usize)> = Vec::new();
+            for lists in shards.iter_mut() {
+                for block in lists.large.take_all() {
+                    lists.cached_bytes -= block.size;
+                    taken.push(lists.let_go(block));
+                }
+                if let Some(block) = lists.oversize.take() {
+                    taken.push(lists.let_go(block));
+                }
+            }
             (taken, self.generation.load(Ordering::Acquire))
         };
         if taken.is_empty() {
             return false;
         }
-        tracing::debug!(device = %self.cx.device, blocks = taken.len(), "pool took back the threads' oversize blocks before growing");
+        tracing::debug!(device = %self.cx.device, blocks = taken.len(), "pool took back the threads' large blocks before growing");
         self.to_arena(generation, taken);
         true
     }
@@ -464,7 +526,7 @@ impl PoolShared {
 
     /// Moves every cached block (the shards' and the depot's) back to the arena; with `close`
     /// (the allocator's drop), no record parks in a shard afterwards.
-    fn drain_shards(&self, close: bool) {
+    pub(super) fn drain_shards(&self, close: bool) {
         let (magazines, generation) = {
             let mut depot = lock(&self.depot);
             depot.cached_bytes = 0;
@@ -511,32 +573,51 @@ impl PoolShared {
         }
     }
 
-    /// Returns cached blocks to the arena and queues the free of every unused chunk; returns
-    /// the bytes queued. The caller flushes.
-    fn trim_to_queue(&self) -> usize {
-        if let Err(e) = self.reclaim_stream_blocks(None, false) {
-            tracing::warn!(device = %self.cx.device, error = %e, "returning stream-ordered blocks to the pool failed; the trim leaves them out");
+    /// Returns cached blocks to the arena and queues the free of every unused chunk (the
+    /// streams' too, those whose work is done; with `wait`, every stream's after waiting for
+    /// its work); returns the bytes queued. The caller flushes.
+    fn trim_to_queue(&self, wait: bool) -> usize {
+        if let Err(e) = self.release_idle_stream_chunks(None, wait) {
+            tracing::warn!(device = %self.cx.device, error = %e, "returning the streams' free chunks to the pool failed; the trim leaves them out");
             self.queue.record_error(e);
         }
         self.drain_shards(false);
-        let chunks = lock(&self.arena).remove_free_chunks();
-        let bytes = chunks.iter().map(|&(_, s)| s).sum();
+        let mut chunks = lock(&self.arena).remove_free_chunks();
+        chunks.extend(self.retired_chunks(wait));
+        let bytes = chunks.iter().map(|c| c.size).sum();
         if !chunks.is_empty() {
+            self.totals.released(bytes, true);
             tracing::debug!(device = %self.cx.device, chunks = chunks.len(), bytes, "pool trimmed");
             self.queue
-                .push_all_without_flush(chunks.into_iter().map(|(b, s)| Free::Device {
-                    ptr: DevicePtr(b),
-                    bytes: s,
+                .push_all_without_flush(chunks.into_iter().map(|c| Free::Device {
+                    ptr: DevicePtr(c.base),
+                    bytes: c.size,
                 }));
         }
         bytes
     }
 
-    /// Grows the pool by at least `size` bytes and takes a block of `size` from it; on
-    /// out-of-memory trims the pool and tries once more.
-    fn grow_and_take(&self, size: usize) -> Result<(u64, u64), DriverError> {
+    /// The bytes the pool grows by for a request of `size` bytes: `size` rounded up to 2 MiB
+    /// for a request served from a chunk of its own; else an eighth of what the pool holds,
+    /// at least 2 MiB and at most the chunk size (or that rounded request, when larger), so
+    /// that a small pool grows in small steps and a large one in few.
+    fn growth(&self, size: usize) -> usize {
         let need = size.div_ceil(GROW_GRANULARITY) * GROW_GRANULARITY;
-        let want = need.max(self.config.chunk_size);
+        if size > self.config.oversize_above() {
+            return need;
+        }
+        let held = self.totals.held.load(Ordering::Relaxed);
+        let step = (held / GROWTH_DIVISOR).div_ceil(GROW_GRANULARITY) * GROW_GRANULARITY;
+        need.max(step.clamp(GROW_GRANULARITY, self.config.chunk_size))
+    }
+
+    /// A new chunk from the driver that holds `size` bytes, of [`growth`](Self::growth) bytes
+    /// (or `size` rounded up to 2 MiB, when the driver cannot give that). Out of memory, the
+    /// pool first gives back every chunk with nothing in use, the streams' after their work,
+    /// and tries once more.
+    fn new_chunk(&self, size: usize) -> Result<Chunk, DriverError> {
+        let need = size.div_ceil(GROW_GRANULARITY) * GROW_GRANULARITY;
+        let want = self.growth(size);
         let alloc = |bytes| self.cx.driver.mem_alloc(self.cx.context, bytes);
         let (base, got) = match alloc(want) {
             Ok(b) => (b, want),
@@ -545,24 +626,15 @@ impl PoolShared {
                 match fallback {
                     Ok(b) => (b, need),
                     Err(e) if e.kind() == ErrorKind::OutOfMemory => {
-                        // Blocks other streams freed: wait for their work, then use them.
-                        match self.reclaim_stream_blocks(None, true) {
-                            Ok(0) => {}
-                            Ok(_) => {
-                                if let Some(found) = lock(&self.arena).take_stamped(size) {
-                                    return Ok(found);
-                                }
-                            }
-                            Err(e) => {
-                                tracing::warn!(device = %self.cx.device, error = %e, "waiting for stream-ordered frees failed");
-                                self.queue.record_error(e);
-                            }
-                        }
-                        let queued = self.trim_to_queue();
+                        let queued = self.trim_to_queue(true);
                         tracing::warn!(device = %self.cx.device, requested = size, released = queued, "pool out of memory; trimmed, retrying");
-                        if queued > 0 {
-                            // Inside defer_cleanup this frees nothing, and the retry fails.
-                            let _ = self.queue.flush();
+                        // Inside defer_cleanup the frees stay queued and the retry fails.
+                        if queued > 0
+                            && let Err(e) = self.queue.flush()
+                        {
+                            tracing::warn!(device = %self.cx.device, error = %e, "freeing the trimmed chunks before the retry failed");
+                            // Kept for the next flush to return.
+                            self.queue.record_error(e);
                         }
                         (alloc(need)?, need)
                     }
@@ -571,9 +643,20 @@ impl PoolShared {
             }
             Err(e) => return Err(e),
         };
+        self.totals.grew(got);
         tracing::debug!(device = %self.cx.device, bytes = got, ptr = %base, "pool grew");
+        Ok(Chunk {
+            base: base.0,
+            size: got,
+            oversize: size > self.config.oversize_above(),
+        })
+    }
+
+    /// Grows the pool by a chunk that holds `size` bytes and takes a block of `size` from it.
+    fn grow_and_take(&self, size: usize) -> Result<(u64, u64), DriverError> {
+        let chunk = self.new_chunk(size)?;
         let mut arena = lock(&self.arena);
-        arena.add_chunk(base.0, got);
+        arena.add_chunk(chunk);
         Ok(arena
             .take_stamped(size)
             .expect("a new chunk fits the request"))
@@ -591,22 +674,45 @@ impl PoolShared {
             if let Some(found) = lock(&self.arena).take_stamped(size) {
                 return Ok(found);
             }
-            if self.reclaim_oversize()
+            if self.reclaim_large()
                 && let Some(found) = lock(&self.arena).take_stamped(size)
             {
                 return Ok(found);
             }
+            // Or it may be free in a stream's arena, on a stream whose work is done.
+            match self.release_idle_stream_chunks(None, false) {
+                Ok(0) => {}
+                Ok(_) => {
+                    if let Some(found) = lock(&self.arena).take_stamped(size) {
+                        return Ok(found);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(device = %self.cx.device, error = %e, "taking back the streams' free chunks failed; the pool grows instead");
+                    self.queue.record_error(e);
+                }
+            }
+            // About to grow: every block the shards cache goes back to the arena first, so that
+            // merged with its neighbours it may serve the request, and so that a chunk it kept
+            // in use can go back to the driver.
+            self.drain_shards(false);
+            if let Some(found) = lock(&self.arena).take_stamped(size) {
+                return Ok(found);
+            }
+            self.shed_free_chunks(None);
             self.grow_and_take(size)
         })
     }
 
     fn stats(&self) -> PoolStats {
-        let (mut blocks, mut bytes, mut cached) = (0i64, 0i64, 0usize);
+        let (mut blocks, mut bytes, mut cached, mut chunks, mut largest) = (0i64, 0i64, 0, 0, 0);
         for shard in self.streams.shards.iter() {
             let s = lock(&shard.inner);
             blocks += s.in_use_blocks;
             bytes += s.in_use_bytes;
-            cached += s.cached_bytes;
+            cached += s.cached_bytes();
+            chunks += s.chunks();
+            largest = largest.max(s.largest_free());
         }
         for lists in thread_slots::lock_all(&self.shards) {
             blocks += lists.in_use_blocks;
@@ -616,14 +722,15 @@ impl PoolShared {
         cached += lock(&self.depot).cached_bytes;
         let arena = lock(&self.arena);
         PoolStats {
-            held_bytes: arena.held,
+            held_bytes: self.totals.held.load(Ordering::Relaxed),
             in_use_bytes: bytes.max(0) as usize,
             in_use_blocks: blocks.max(0) as usize,
             cached_bytes: cached,
-            peak_held_bytes: arena.peak_held,
-            chunks: arena.chunks.len(),
-            grows: arena.grows,
-            trimmed_bytes: arena.trimmed,
+            peak_held_bytes: self.totals.peak_held.load(Ordering::Relaxed),
+            chunks: chunks + arena.chunks(),
+            grows: self.totals.grows.load(Ordering::Relaxed),
+            trimmed_bytes: self.totals.trimmed.load(Ordering::Relaxed),
+            largest_free_bytes: Some(largest.max(arena.largest_free())),
         }
     }
 }
@@ -685,12 +792,14 @@ impl PoolAllocator {
             config,
             cache_limits: PoolShared::cache_limits(&config),
             generation: AtomicU64::new(0),
-            arena: Mutex::new(Arena::default()),
+            arena: Mutex::new(Arenas::new(config.oversize_above())),
             shards: Shard::all(ShardLists::new),
             depot: Mutex::new(Depot::new()),
             queue: Arc::clone(host.deallocations()),
             streams: StreamCache::new(),
             fences: Fences::new(host.context()),
+            totals: Totals::default(),
+            retiring: Mutex::new(Vec::new()),
         });
         let stream_hooks = (0..shared.streams.len())
             .map(|_| {
@@ -810,7 +919,7 @@ impl PoolAllocator {
     /// returns the bytes released. Inside `defer_cleanup` the frees stay queued until the
     /// guard is gone.
     pub fn trim(&self) -> Result<usize, EmmError> {
-        let bytes = self.shared.trim_to_queue();
+        let bytes = self.shared.trim_to_queue(false);
         self.shared.queue.flush()?;
         Ok(bytes)
     }
@@ -838,22 +947,10 @@ impl PoolAllocator {
         stream: StreamHandle,
     ) -> Result<MemoryPointer, EmmError> {
         let pool = &*self.shared;
-        let size = block_size(bytes, pool.config.small_max);
+        let size = stream_block_size(bytes);
         let (addr, generation) = match pool.take_on_stream(stream, size) {
             Some(found) => found,
-            None => {
-                let found = lock(&pool.arena).take_stamped(size);
-                let (addr, generation) = match found {
-                    Some(found) => found,
-                    None => {
-                        // Before growing: other streams' blocks whose work is done.
-                        pool.reclaim_stream_blocks(Some(stream), false)?;
-                        pool.take_from_arena(host, size)?
-                    }
-                };
-                pool.count_stream_block(stream, size, generation);
-                (addr, generation)
-            }
+            None => pool.grow_stream(host, stream, size)?,
         };
         let cx = &pool.cx;
         Ok(MemoryPointer::with_stashed_hook_on(
@@ -942,20 +1039,23 @@ impl DeviceAllocator for PoolAllocator {
                 lists.in_use_blocks = 0;
                 lists.in_use_bytes = 0;
             }
-            pool.clear_stream_shards(&mut streams);
-            arena.clear()
+            let mut chunks = pool.clear_stream_shards(&mut streams);
+            chunks.extend(arena.clear());
+            chunks
         };
         // Let go with no shard entered; their blocks were in the chunks just released.
         parked.into_iter().flat_map(unparked).for_each(drop);
         large.into_iter().map(Large::into_block).for_each(drop);
-        tracing::info!(device = %pool.cx.device, chunks = chunks.len(), bytes = chunks.values().sum::<usize>(), "pool reset");
+        let bytes = chunks.iter().map(|c| c.size).sum::<usize>();
+        pool.totals.released(bytes, false);
+        tracing::info!(device = %pool.cx.device, chunks = chunks.len(), bytes, "pool reset");
         if let Some(_live) = pool.cx.liveness.enter() {
             pool.fences.destroy_idle();
         }
         let queue = host.deallocations();
-        queue.push_all_without_flush(chunks.into_iter().map(|(b, s)| Free::Device {
-            ptr: DevicePtr(b),
-            bytes: s,
+        queue.push_all_without_flush(chunks.into_iter().map(|c| Free::Device {
+            ptr: DevicePtr(c.base),
+            bytes: c.size,
         }));
         queue.flush().map(|_| ())
     }
@@ -1003,6 +1103,8 @@ mod tests {
     fn a_small_blocks_record_is_parked_with_it_and_revived_by_the_next_allocation() {
         let (host, alloc) = pool();
         let pool = &*alloc.shared;
+        // Allocated first: the pool grows for it, and a growth takes every cached block back.
+        let big = alloc.memalloc(&host, 3 << 20).unwrap();
         let a = alloc.memalloc(&host, 1000).unwrap();
         let cached = pool.stats().cached_bytes;
         let (addr, class) = (a.device_ptr(), class_of(1000));
@@ -1012,7 +1114,7 @@ mod tests {
         drop(view);
         assert_eq!(parked(pool), 1);
         let stats = pool.stats();
-        assert_eq!(stats.in_use_blocks, 0);
+        assert_eq!(stats.in_use_blocks, 1, "the large block");
         assert_eq!(stats.cached_bytes, cached + class_size(class));
         // Another request of the class gets the block and the record back, made anew.
         let b = alloc.memalloc(&host, 999).unwrap();
@@ -1020,12 +1122,11 @@ mod tests {
         assert!(b.is_live());
         assert_eq!(parked(pool), 0);
         let stats = pool.stats();
-        assert_eq!((stats.in_use_blocks, stats.cached_bytes), (1, cached));
+        assert_eq!((stats.in_use_blocks, stats.cached_bytes), (2, cached));
         drop(b);
         assert_eq!(parked(pool), 1);
         // A block above `small_max` is parked among the shard's large blocks, and a request of
         // its size gets it back with its record.
-        let big = alloc.memalloc(&host, 3 << 20).unwrap();
         let big_addr = big.device_ptr();
         drop(big);
         assert_eq!(parked(pool), 2);

@@ -32,7 +32,7 @@ pub(super) struct ShardLists {
     /// The last block above the byte bound that this shard's thread freed, with its record:
     /// the next allocation of its size takes it without the arena. Not counted in
     /// `cached_bytes` (it would crowd out every other block); the pool takes it back before
-    /// it grows (`PoolShared::reclaim_oversize`), so it never makes the pool hold more.
+    /// it grows (`PoolShared::reclaim_large`), so it never makes the pool hold more.
     pub(super) oversize: Option<Large>,
     /// Bytes of `parked`, `free` and `large`.
     pub(super) cached_bytes: usize,

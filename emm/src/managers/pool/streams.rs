@@ -1,50 +1,64 @@
-//! The pool's stream-ordered half: free lists per stream, and blocks waiting for a fence
-//! before any stream may reuse them.
+//! The pool's stream-ordered half: each stream's own arena of whole chunks, and blocks waiting
+//! for a fence before their stream may reuse them.
 //!
-//! - A block freed on stream S, used by no other stream, goes on S's list and is reused by the
-//!   next allocation of its size on S with no driver call (S's own order makes that safe).
-//! - A block that other streams used (recorded with `record_stream`, or allocated on a stream
-//!   other than the one it is freed on) waits behind a fence: events recorded on all of those
-//!   streams at the free. Once they completed, it goes back to the arena, for every stream.
-//! - An allocation that finds nothing on its stream's list and nothing in the arena moves the
-//!   other streams' lists behind fences before the pool grows; out of memory, it waits for
-//!   every fence. `trim` does the same without waiting.
-
-use std::collections::BTreeMap;
+//! - Memory allocated on stream S comes from S's arena: whole chunks the pool gave S, split
+//!   and merged as the shared arena's blocks are (`arena.rs`).
+//! - A block freed on S and used by no other stream goes back to S's arena at once, merged
+//!   with its free neighbours: S's next allocation may take it (or part of it) in S's order,
+//!   with no driver call.
+//! - A block that other streams used (recorded with `record_stream`, or freed on a stream
+//!   other than the one it was allocated on) waits behind a fence, events recorded at the free
+//!   on those streams, and goes back to its stream's arena once they completed.
+//! - When S's arena has no block large enough, S takes a wholly free chunk of the shared
+//!   arena; failing that, the wholly free chunks of streams with no work pending move to the
+//!   shared arena (they are safe for every stream) and S tries again; failing that, the pool
+//!   grows by a chunk for S. Blocks are never handed from one stream's arena to another's
+//!   while the first stream may still use them.
+//! - `trim` frees the wholly free chunks of streams with no work pending; out of memory, the
+//!   pool waits for every stream's work first.
+//!
+//! Lock order: the stream shards in index order, then the shared arena.
 
 use driver_sys::{DevicePtr, StreamHandle};
 
-use super::{PoolShared, block_size};
+use super::arena::{Arenas, Chunk};
+use super::{POOL_ALIGNMENT, PoolShared};
 use crate::error::EmmError;
+use crate::host::HostLayer;
 use crate::host::fences::Fence;
 use crate::memory::host::HostOwner;
+use crate::memory::pending::Free;
 use crate::memory::pointer::{PoolHook, ReleaseHook, StreamUse};
-use crate::sync::{Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering, lock};
 
-/// One stream's free blocks.
-#[derive(Default)]
+/// The block size a stream-ordered request of `bytes` gets: a multiple of 256 bytes (the
+/// stream arenas split blocks to measure, so no size class rounds it further).
+pub(super) fn stream_block_size(bytes: usize) -> usize {
+    bytes.div_ceil(POOL_ALIGNMENT) * POOL_ALIGNMENT
+}
+
+/// One stream's memory.
 pub(super) struct PerStream {
-    /// Block size → free blocks, reusable on the stream in order.
-    blocks: BTreeMap<usize, Vec<u64>>,
-    /// Keeps an emm-created stream alive while blocks wait on its list: a destroyed stream's
-    /// handle may be reused by a new stream that is not ordered after the old one's work.
+    /// The chunks the stream holds, and their free space.
+    arena: Arenas,
+    /// Keeps an emm-created stream alive while its arena holds memory it freed: a destroyed
+    /// stream's handle may be reused by a new stream that is not ordered after the old one's
+    /// work.
     _owner: Option<HostOwner>,
 }
 
-/// The stream-ordered blocks of the streams that hash to one shard.
+/// The stream-ordered memory of the streams that hash to one shard.
 #[derive(Default)]
 pub(super) struct StreamLists {
-    /// Per stream (a short list, searched in order): its free blocks.
+    /// Per stream (a short list, searched in order): its arena.
     per_stream: Vec<(u64, PerStream)>,
-    /// Blocks that go back to the arena once their fence is done.
-    pub(super) waiting: Vec<(Vec<(u64, usize)>, Fence)>,
-    /// Blocks and bytes handed out on this shard's streams or freed to them: a block
-    /// allocated on one stream and freed on another makes both shards drift, the sums stay
-    /// right.
+    /// Blocks that go back to their stream's arena once their fence is done:
+    /// (stream, address, size, fence).
+    waiting: Vec<(u64, u64, usize, Fence)>,
+    /// Blocks handed out on this shard's streams and not yet freed.
     pub(super) in_use_blocks: i64,
+    /// Their bytes.
     pub(super) in_use_bytes: i64,
-    /// Bytes on the lists and waiting.
-    pub(super) cached_bytes: usize,
 }
 
 impl StreamLists {
@@ -55,16 +69,51 @@ impl StreamLists {
             .map(|(_, l)| l)
     }
 
-    /// `stream`'s list, made empty if it has none yet.
-    fn list_or_new(&mut self, stream: u64) -> &mut PerStream {
+    /// `stream`'s memory, made empty (requests above `limit` bytes in chunks of their own) if
+    /// it has none yet.
+    fn list_or_new(&mut self, stream: u64, limit: usize) -> &mut PerStream {
         let k = match self.per_stream.iter().position(|(s, _)| *s == stream) {
             Some(k) => k,
             None => {
-                self.per_stream.push((stream, PerStream::default()));
+                let mine = PerStream {
+                    arena: Arenas::new(limit),
+                    _owner: None,
+                };
+                self.per_stream.push((stream, mine));
                 self.per_stream.len() - 1
             }
         };
         &mut self.per_stream[k].1
+    }
+
+    /// Bytes of the chunks this shard's streams hold.
+    pub(super) fn held_bytes(&self) -> usize {
+        self.per_stream.iter().map(|(_, l)| l.arena.held()).sum()
+    }
+
+    /// Bytes held and not in use: free in the arenas, or waiting for a fence.
+    pub(super) fn cached_bytes(&self) -> usize {
+        self.held_bytes()
+            .saturating_sub(self.in_use_bytes.max(0) as usize)
+    }
+
+    /// The largest free block of any of this shard's streams.
+    pub(super) fn largest_free(&self) -> usize {
+        self.per_stream
+            .iter()
+            .map(|(_, l)| l.arena.largest_free())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Chunks this shard's streams hold.
+    pub(super) fn chunks(&self) -> usize {
+        self.per_stream.iter().map(|(_, l)| l.arena.chunks()).sum()
+    }
+
+    /// Forgets the streams whose arenas hold no chunk (and so no block, free or waiting).
+    fn forget_empty(&mut self) {
+        self.per_stream.retain(|(_, l)| !l.arena.is_empty());
     }
 }
 
@@ -75,17 +124,26 @@ pub(super) struct StreamShard {
     pub(super) inner: Mutex<StreamLists>,
 }
 
-/// The pool's stream-ordered state: shards by stream, each lock taken before the arena's.
+/// The pool's stream-ordered state: shards by stream, locked in index order, each before the
+/// shared arena's lock.
 pub(super) struct StreamCache {
     pub(super) shards: Box<[StreamShard]>,
+    /// Bit `k` set while shard `k` holds a stream's memory (written under that shard's lock):
+    /// a growth or a trim visits only those shards.
+    occupied: AtomicU64,
 }
 
 const STREAM_SHARDS: usize = 16;
+const _: () = assert!(
+    STREAM_SHARDS <= 64,
+    "StreamCache::occupied has a bit per shard"
+);
 
 impl StreamCache {
     pub(super) fn new() -> StreamCache {
         StreamCache {
             shards: (0..STREAM_SHARDS).map(|_| StreamShard::default()).collect(),
+            occupied: AtomicU64::new(0),
         }
     }
 
@@ -98,6 +156,22 @@ impl StreamCache {
 
     fn of(&self, stream: StreamHandle) -> &Mutex<StreamLists> {
         &self.shards[self.index(stream)].inner
+    }
+
+    /// Records, under shard `k`'s lock, whether it holds any stream's memory.
+    fn mark(&self, k: usize, lists: &StreamLists) {
+        let bit = 1u64 << k;
+        if lists.per_stream.is_empty() {
+            self.occupied.fetch_and(!bit, Ordering::Release);
+        } else {
+            self.occupied.fetch_or(bit, Ordering::Release);
+        }
+    }
+
+    /// The shards that held a stream's memory when last marked.
+    fn occupied(&self) -> impl Iterator<Item = usize> + '_ {
+        let bits = self.occupied.load(Ordering::Acquire);
+        (0..self.shards.len()).filter(move |k| bits & (1 << k) != 0)
     }
 
     /// How many shards there are.
@@ -134,40 +208,208 @@ impl ReleaseHook for StreamHook {
 unsafe impl PoolHook for StreamHook {}
 
 impl PoolShared {
-    /// A block of `size` bytes freed earlier on `stream`, if its list has one.
+    /// A block of `size` bytes (a [`stream_block_size`]) from `stream`'s arena, if it has one
+    /// large enough, counted as in use, with its generation.
     pub(super) fn take_on_stream(&self, stream: StreamHandle, size: usize) -> Option<(u64, u64)> {
         let mut lists = lock(self.streams.of(stream));
-        let addr = lists.list(stream.0)?.blocks.get_mut(&size)?.pop()?;
-        lists.cached_bytes -= size;
+        let addr = lists.list(stream.0)?.arena.take(size)?;
         lists.in_use_blocks += 1;
         lists.in_use_bytes += size as i64;
         Some((addr, self.generation.load(Ordering::Acquire)))
     }
 
-    /// Counts a block taken from the arena for a stream-ordered allocation on `stream`.
-    pub(super) fn count_stream_block(&self, stream: StreamHandle, size: usize, generation: u64) {
-        let mut lists = lock(self.streams.of(stream));
-        if self.generation.load(Ordering::Acquire) == generation {
-            lists.in_use_blocks += 1;
-            lists.in_use_bytes += size as i64;
+    /// Gives `stream` a chunk that holds a block of `size` bytes and takes the block from it:
+    /// a wholly free chunk of the shared arena, else one that streams with no work pending
+    /// gave up, else a new one from the driver (through the host layer's out-of-memory rule).
+    pub(super) fn grow_stream(
+        &self,
+        host: &HostLayer,
+        stream: StreamHandle,
+        size: usize,
+    ) -> Result<(u64, u64), EmmError> {
+        if let Some(found) = self.take_after_adopting(stream, size, None) {
+            return Ok(found);
+        }
+        // The free chunks of streams with no work pending (this one's too) are every
+        // stream's.
+        if self.release_idle_stream_chunks(None, false)? > 0
+            && let Some(found) = self.take_after_adopting(stream, size, None)
+        {
+            return Ok(found);
+        }
+        host.attempt_allocation(
+            "memalloc_on",
+            crate::host::AllocationKind::Device,
+            size,
+            || {
+                // Another thread may have freed a chunk meanwhile.
+                if let Some(found) = self.take_after_adopting(stream, size, None) {
+                    return Ok(found);
+                }
+                // About to grow: the blocks the shards cache go back to the shared arena, which
+                // may free a chunk of it whole, for this stream or the driver (a pool that
+                // never served memalloc has nothing there).
+                if !lock(&self.arena).is_empty() {
+                    self.drain_shards(false);
+                    if let Some(found) = self.take_after_adopting(stream, size, None) {
+                        return Ok(found);
+                    }
+                }
+                self.shed_free_chunks(Some(stream));
+                let chunk = self.new_chunk(size)?;
+                Ok(self
+                    .take_after_adopting(stream, size, Some(chunk))
+                    .expect("a new chunk holds the request"))
+            },
+        )
+    }
+
+    /// Before the pool grows for a request no free block holds: every wholly free chunk goes
+    /// back to the driver (none holds the request, or it would have been taken), so that a
+    /// pool holds no chunk it does not use while it grows. The shared arena's go at once;
+    /// those of `growing`, a stream with work pending, once that work is done (behind a
+    /// fence, freed by a later growth, trim or reset); chunks whose fences completed go too.
+    pub(super) fn shed_free_chunks(&self, growing: Option<StreamHandle>) {
+        let Some(_live) = self.cx.liveness.enter() else {
+            return;
+        };
+        let mut freed = self.retired_chunks(false);
+        if let Some(stream) = growing {
+            let mut lists = lock(self.streams.of(stream));
+            if let Err(e) = self.settle_fences(&mut lists, false) {
+                self.queue.record_error(e);
+            }
+            if let Some(mine) = lists.list(stream.0) {
+                let own = mine.arena.remove_free_chunks();
+                if !own.is_empty() {
+                    match self.fences.record([stream]) {
+                        Ok(fence) => lock(&self.retiring).push((own, fence)),
+                        Err(e) => {
+                            // Kept: the stream may still use them.
+                            for chunk in own {
+                                mine.arena.add_chunk(chunk);
+                            }
+                            tracing::warn!(device = %self.cx.device, error = %e, "a growing stream's free chunks stay with it");
+                            self.queue.record_error(EmmError::driver(
+                                "fencing a stream's free chunks",
+                                self.cx.device,
+                                e,
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        freed.extend(lock(&self.arena).remove_free_chunks());
+        self.free_chunks(freed, "before growing");
+    }
+
+    /// Takes the chunks whose fences completed (with `wait`, every chunk, after its fence)
+    /// off the retiring list.
+    pub(super) fn retired_chunks(&self, wait: bool) -> Vec<Chunk> {
+        let mut retiring = lock(&self.retiring);
+        let mut freed = Vec::new();
+        let mut k = 0;
+        while k < retiring.len() {
+            match self.fences.finished(&retiring[k].1, wait) {
+                Ok(false) => k += 1,
+                Ok(true) => {
+                    let (chunks, fence) = retiring.swap_remove(k);
+                    self.fences.recycle(fence);
+                    freed.extend(chunks);
+                }
+                Err(e) => {
+                    // A fence that cannot be read keeps its chunks until the reset.
+                    tracing::warn!(device = %self.cx.device, error = %e, "reading the fence of a stream's free chunks failed; they stay held until the pool's reset");
+                    self.queue.record_error(EmmError::driver(
+                        "reading a stream's fence",
+                        self.cx.device,
+                        e,
+                    ));
+                    k += 1;
+                }
+            }
+        }
+        freed
+    }
+
+    /// Frees `chunks` through the deferred-deallocation queue, at once (inside
+    /// `defer_cleanup`, once the guard is gone). A failed free stays for the next flush to
+    /// return.
+    pub(super) fn free_chunks(&self, chunks: Vec<Chunk>, why: &'static str) {
+        if chunks.is_empty() {
+            return;
+        }
+        let bytes = chunks.iter().map(|c| c.size).sum();
+        self.totals.released(bytes, true);
+        tracing::debug!(device = %self.cx.device, chunks = chunks.len(), bytes, why, "pool gave chunks back");
+        self.queue
+            .push_all_without_flush(chunks.into_iter().map(|c| Free::Device {
+                ptr: DevicePtr(c.base),
+                bytes: c.size,
+            }));
+        if let Err(e) = self.queue.flush() {
+            self.queue.record_error(e);
         }
     }
 
-    fn release_on_streams(&self, addr: u64, bytes: usize, tag: u64, streams: StreamUse) {
-        let size = block_size(bytes, self.config.small_max);
-        let mut lists = lock(self.streams.of(streams.free_on));
+    /// Takes a block of `size` bytes for `stream`: from its arena, after adding `chunk` (a new
+    /// one from the driver) or, with none, the smallest wholly free chunk of the shared arena
+    /// that holds it. `None` when there is no such chunk.
+    fn take_after_adopting(
+        &self,
+        stream: StreamHandle,
+        size: usize,
+        chunk: Option<Chunk>,
+    ) -> Option<(u64, u64)> {
+        let k = self.streams.index(stream);
+        let mut lists = lock(&self.streams.shards[k].inner);
+        let generation = self.generation.load(Ordering::Acquire);
+        if lists.list(stream.0).is_none() {
+            lists.list_or_new(stream.0, self.config.oversize_above());
+            self.streams.mark(k, &lists);
+        }
+        let mine = lists
+            .list(stream.0)
+            .expect("made above if it had no memory");
+        // Another thread's free on this stream may have made room since the miss.
+        let addr = match mine.arena.take(size) {
+            Some(addr) => addr,
+            None => {
+                let chunk = match chunk {
+                    Some(c) => c,
+                    None => lock(&self.arena).take_free_chunk(size)?,
+                };
+                mine.arena.add_chunk(chunk);
+                mine.arena.take(size).expect("the chunk holds the request")
+            }
+        };
+        lists.in_use_blocks += 1;
+        lists.in_use_bytes += size as i64;
+        Some((addr, generation))
+    }
+
+    pub(super) fn release_on_streams(&self, addr: u64, bytes: usize, tag: u64, streams: StreamUse) {
+        let size = stream_block_size(bytes);
+        // The block belongs to the arena of the stream it was allocated on.
+        let mut lists = lock(self.streams.of(streams.stream));
         if self.generation.load(Ordering::Acquire) != tag {
             return;
         }
         lists.in_use_blocks -= 1;
         lists.in_use_bytes -= size as i64;
-        lists.cached_bytes += size;
+        let owner = streams.owner_of(streams.stream).cloned();
+        let Some(mine) = lists.list(streams.stream.0) else {
+            // A stream's arena holds the chunk of every block it handed out until the block
+            // comes back; a block with no arena was not handed out here.
+            tracing::error!(device = %self.cx.device, ptr = addr, stream = streams.stream.0, "a stream-ordered block came back to a pool stream that holds no memory; it is left out of use");
+            return;
+        };
+        if mine._owner.is_none() {
+            mine._owner = owner;
+        }
         if streams.other_streams().next().is_none() {
-            let list = lists.list_or_new(streams.free_on.0);
-            if list._owner.is_none() {
-                list._owner = streams.owner_of(streams.free_on).cloned();
-            }
-            list.blocks.entry(size).or_default().push(addr);
+            mine.arena.give(addr, size);
             return;
         }
         let Some(_live) = self.cx.liveness.enter() else {
@@ -175,11 +417,10 @@ impl PoolShared {
         };
         let on = std::iter::once(streams.free_on).chain(streams.other_streams());
         match self.fences.record(on) {
-            Ok(fence) => lists.waiting.push((vec![(addr, size)], fence)),
+            Ok(fence) => lists.waiting.push((streams.stream.0, addr, size, fence)),
             Err(e) => {
-                // Without a fence the block cannot be known to be unused: it is kept out of
-                // circulation (a reset or the device's reset frees its chunk).
-                lists.cached_bytes -= size;
+                // Without a fence the block cannot be known to be unused: it stays out of
+                // circulation, its chunk held, until the pool's reset.
                 tracing::error!(device = %self.cx.device, error = %e, ptr = addr, "recording the streams of a stream-ordered free failed; the pool keeps the block out of use until its reset");
                 self.queue
                     .record_error(EmmError::driver("free on a stream", self.cx.device, e));
@@ -187,105 +428,124 @@ impl PoolShared {
         }
     }
 
-    /// Puts every stream's list (but `keep`'s) back in the arena: at once for a stream with
-    /// nothing pending, behind a fence on the stream for the others; then returns the blocks
-    /// whose fences are done to the arena, and with `wait` waits for every fence first.
-    /// Returns the bytes returned to the arena. Each shard's lock is taken before the arena's.
-    pub(super) fn reclaim_stream_blocks(
-        &self,
-        keep: Option<StreamHandle>,
-        wait: bool,
-    ) -> Result<usize, EmmError> {
-        let mut bytes = 0;
-        for shard in self.streams.shards.iter() {
-            bytes += self.reclaim_shard(&shard.inner, keep, wait)?;
-        }
-        if bytes > 0 {
-            tracing::debug!(device = %self.cx.device, bytes, wait, "stream-ordered blocks back in the pool");
-        }
-        Ok(bytes)
-    }
-
-    fn reclaim_shard(
-        &self,
-        shard: &Mutex<StreamLists>,
-        keep: Option<StreamHandle>,
-        wait: bool,
-    ) -> Result<usize, EmmError> {
-        let mut lists = lock(shard);
-        if lists.cached_bytes == 0 {
-            return Ok(0);
-        }
-        let generation = self.generation.load(Ordering::Acquire);
+    /// Returns the blocks of `lists` whose fences are done (all of them with `wait`, after
+    /// waiting) to their streams' arenas.
+    fn settle_fences(&self, lists: &mut StreamLists, wait: bool) -> Result<(), EmmError> {
         let err = |e| EmmError::driver("reclaiming stream-ordered blocks", self.cx.device, e);
-        let mut idle = Vec::new();
         let mut k = 0;
-        while k < lists.per_stream.len() {
-            let (s, list) = &lists.per_stream[k];
-            if Some(*s) == keep.map(|h| h.0) || list.blocks.values().all(|v| v.is_empty()) {
+        while k < lists.waiting.len() {
+            if !self
+                .fences
+                .finished(&lists.waiting[k].3, wait)
+                .map_err(err)?
+            {
                 k += 1;
                 continue;
             }
-            let stream = StreamHandle(*s);
-            let blocks: Vec<(u64, usize)> = list
-                .blocks
-                .iter()
-                .flat_map(|(&size, addrs)| addrs.iter().map(move |&a| (a, size)))
-                .collect();
-            // A stream with nothing pending has no work left on its blocks.
-            let fenced = match self.cx.driver.stream_query(self.cx.context, stream) {
-                Ok(true) => None,
-                Ok(false) => Some(self.fences.record([stream]).map_err(err)?),
-                Err(e) => return Err(err(e)),
-            };
-            // The list (and what keeps its stream alive) goes: a fence holds its place.
-            lists.per_stream.swap_remove(k);
-            match fenced {
-                None => idle.extend(blocks),
-                Some(fence) => lists.waiting.push((blocks, fence)),
+            let (stream, addr, size, fence) = lists.waiting.swap_remove(k);
+            self.fences.recycle(fence);
+            // The waiting block's chunk keeps its stream's arena (`release_on_streams`).
+            if let Some(mine) = lists.list(stream) {
+                mine.arena.give(addr, size);
             }
         }
-        let mut done = Vec::new();
-        let mut k = 0;
-        while k < lists.waiting.len() {
-            if self
-                .fences
-                .finished(&lists.waiting[k].1, wait)
-                .map_err(err)?
-            {
-                done.push(lists.waiting.swap_remove(k));
-            } else {
-                k += 1;
-            }
-        }
+        Ok(())
+    }
+
+    /// Moves the wholly free chunks of every stream (but `keep`) whose work is done to the
+    /// shared arena: streams with nothing pending, or with `wait`, every stream after its
+    /// work. Returns the bytes moved.
+    pub(super) fn release_idle_stream_chunks(
+        &self,
+        keep: Option<StreamHandle>,
+        wait: bool,
+    ) -> Result<usize, EmmError> {
+        let Some(_live) = self.cx.liveness.enter() else {
+            return Ok(0);
+        };
         let mut bytes = 0;
-        {
-            let mut arena = lock(&self.arena);
-            let blocks = done.into_iter().flat_map(|(blocks, fence)| {
-                self.fences.recycle(fence);
-                blocks
-            });
-            for (a, size) in idle.into_iter().chain(blocks) {
-                if arena.generation == generation {
-                    arena.give(a, size);
-                }
-                bytes += size;
-            }
+        for k in self.streams.occupied() {
+            bytes += self.release_shard(k, keep, wait)?;
         }
-        lists.cached_bytes -= bytes;
+        if bytes > 0 {
+            tracing::debug!(device = %self.cx.device, bytes, wait, "streams' free chunks back in the shared pool");
+        }
         Ok(bytes)
     }
 
-    /// Empties every shard (a reset, with `shards` the locked shards).
+    fn release_shard(
+        &self,
+        k: usize,
+        keep: Option<StreamHandle>,
+        wait: bool,
+    ) -> Result<usize, EmmError> {
+        let mut lists = lock(&self.streams.shards[k].inner);
+        if lists.per_stream.is_empty() {
+            return Ok(0);
+        }
+        self.settle_fences(&mut lists, wait)?;
+        let err = |e| EmmError::driver("reclaiming stream-ordered blocks", self.cx.device, e);
+        let mut freed: Vec<Chunk> = Vec::new();
+        for (s, mine) in lists.per_stream.iter_mut() {
+            if Some(*s) == keep.map(|h| h.0) {
+                continue;
+            }
+            let stream = StreamHandle(*s);
+            let chunks = mine.arena.remove_free_chunks();
+            if chunks.is_empty() {
+                continue;
+            }
+            // A stream with nothing pending has no work left on its free chunks.
+            let done = if wait {
+                let fence = self.fences.record([stream]).map_err(err)?;
+                let finished = self.fences.finished(&fence, true);
+                self.fences.recycle(fence);
+                finished.map_err(err)?
+            } else {
+                self.cx
+                    .driver
+                    .stream_query(self.cx.context, stream)
+                    .map_err(err)?
+            };
+            if done {
+                freed.extend(chunks);
+            } else {
+                for chunk in chunks {
+                    mine.arena.add_chunk(chunk);
+                }
+            }
+        }
+        lists.forget_empty();
+        self.streams.mark(k, &lists);
+        let bytes = freed.iter().map(|c| c.size).sum();
+        let mut arena = lock(&self.arena);
+        for chunk in freed {
+            arena.add_chunk(chunk);
+        }
+        Ok(bytes)
+    }
+
+    /// Empties every shard (a reset, with `shards` the locked shards), returning the chunks
+    /// the streams held.
     pub(super) fn clear_stream_shards(
         &self,
-        shards: &mut [crate::sync::MutexGuard<'_, StreamLists>],
-    ) {
+        shards: &mut [MutexGuard<'_, StreamLists>],
+    ) -> Vec<Chunk> {
+        let mut chunks = Vec::new();
+        for (retired, fence) in std::mem::take(&mut *lock(&self.retiring)) {
+            self.fences.recycle(fence);
+            chunks.extend(retired);
+        }
         for lists in shards.iter_mut() {
-            for (_, fence) in std::mem::take(&mut lists.waiting) {
+            for (_, _, _, fence) in std::mem::take(&mut lists.waiting) {
                 self.fences.recycle(fence);
+            }
+            for (_, mine) in &mut lists.per_stream {
+                chunks.extend(mine.arena.clear());
             }
             **lists = StreamLists::default();
         }
+        self.streams.occupied.store(0, Ordering::Release);
+        chunks
     }
 }
