@@ -16,6 +16,7 @@ use std::fmt;
 use std::sync::Arc;
 
 pub mod stress;
+pub mod traces;
 
 use driver_mock::{SimConfig, SimDeviceConfig, SimDriver};
 use driver_sys::{DeviceOrdinal, Driver, DriverError};

@@ -1,0 +1,244 @@
+//! Replays allocation logs under memory managers and prints what each held against what the
+//! program had live.
+//!
+//! ```text
+//! cargo run --release -p integration --example replay -- [OPTIONS] [LOG ...]
+//!
+//!   LOG                   an emm `log` adaptor CSV or an RMM log, plain or gzipped (.gz)
+//!   --corpus              every trace of integration/traces/corpus.csv
+//!   --manager M[,M...]    the managers (default: default, pool, async-pool, async-pool-ipc,
+//!                         async-pool-managed)
+//!   --driver sim|cuda     the simulator (default) or the GPU (device 0)
+//!   --device-memory SIZE  the simulated device's memory (default 80GiB, an H100's)
+//!   --passes N            replay each log N times in a row on one runtime (default 1)
+//!   --csv FILE            also write the rows to FILE
+//! ```
+//!
+//! Each row: the trace, the manager, its peak live bytes (from the replay), the peak device
+//! memory the driver counted as used (`total - free`, read after every allocation) and its
+//! ratio to peak live, the most the manager's pool said it held, the driver's allocations and
+//! frees (simulator only), allocations and frees per second (time in the manager's calls
+//! alone), the largest free block the pool reported at the held peak, and, with `--passes`,
+//! every pass's peak held and what was held after the last one.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use driver_sys::Driver;
+use integration::traces::{self, ManagerReplay, TRACE_MANAGERS};
+
+struct Options {
+    logs: Vec<PathBuf>,
+    managers: Vec<String>,
+    cuda: bool,
+    device_memory: usize,
+    passes: usize,
+    csv: Option<PathBuf>,
+}
+
+const USAGE: &str = "usage: replay [--corpus] [--manager M[,M...]] [--driver sim|cuda] \
+                     [--device-memory SIZE] [--passes N] [--csv FILE] [LOG ...]";
+
+fn parse_size(text: &str) -> Result<usize, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let n: usize = digits
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (such as 80GiB)"))?;
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        "TiB" => 40,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {text:?}; use B, KiB, MiB, GiB or TiB"
+            ));
+        }
+    };
+    n.checked_shl(shift)
+        .filter(|v| v >> shift == n)
+        .ok_or_else(|| format!("{text:?} does not fit in a usize"))
+}
+
+fn options() -> Result<Options, String> {
+    let mut o = Options {
+        logs: Vec::new(),
+        managers: TRACE_MANAGERS.iter().map(|m| m.to_string()).collect(),
+        cuda: false,
+        device_memory: traces::H100_MEMORY,
+        passes: 1,
+        csv: None,
+    };
+    let mut args = std::env::args().skip(1);
+    let value = |args: &mut dyn Iterator<Item = String>, flag: &str| {
+        args.next()
+            .ok_or_else(|| format!("{flag} needs a value; {USAGE}"))
+    };
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--corpus" => {
+                for (_, path) in traces::corpus()? {
+                    o.logs.push(path);
+                }
+            }
+            "--manager" => {
+                o.managers = value(&mut args, "--manager")?
+                    .split(',')
+                    .map(|m| m.trim().to_owned())
+                    .collect()
+            }
+            "--driver" => match value(&mut args, "--driver")?.as_str() {
+                "sim" => o.cuda = false,
+                "cuda" => o.cuda = true,
+                other => return Err(format!("--driver {other}: sim or cuda")),
+            },
+            "--device-memory" => {
+                o.device_memory = parse_size(&value(&mut args, "--device-memory")?)?
+            }
+            "--passes" => {
+                o.passes = value(&mut args, "--passes")?
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or("--passes takes a count of at least 1")?
+            }
+            "--csv" => o.csv = Some(PathBuf::from(value(&mut args, "--csv")?)),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            flag if flag.starts_with("--") => {
+                return Err(format!("unknown option {flag}; {USAGE}"));
+            }
+            log => o.logs.push(PathBuf::from(log)),
+        }
+    }
+    if o.logs.is_empty() {
+        return Err(format!("no log given; {USAGE}"));
+    }
+    Ok(o)
+}
+
+const MIB: f64 = (1 << 20) as f64;
+
+const HEADER: &str = "trace,manager,driver,events,peak_live_bytes,peak_held_bytes,held_over_live,pool_peak_held_bytes,driver_allocations,driver_frees,ops_per_second,largest_free_at_peak_bytes,held_after_bytes,pass_peak_held_bytes";
+
+fn csv_row(trace: &str, driver: &str, events: usize, r: &ManagerReplay) -> String {
+    let first = &r.passes[0];
+    let passes: Vec<String> = r
+        .passes
+        .iter()
+        .map(|p| p.peak_held_bytes.to_string())
+        .collect();
+    let opt = |v: Option<usize>| v.map_or_else(String::new, |v| v.to_string());
+    format!(
+        "{trace},{},{driver},{events},{},{},{:.4},{},{},{},{:.0},{},{},{}",
+        r.manager,
+        first.peak_live_bytes,
+        r.peak_held(),
+        r.held_over_live(),
+        opt(r.pool_peak_held),
+        opt(r.driver_calls.map(|c| c.0)),
+        opt(r.driver_calls.map(|c| c.1)),
+        first.ops_per_second(),
+        opt(first.largest_free_at_peak),
+        r.passes.last().map_or(0, |p| p.held_after_bytes),
+        passes.join(" "),
+    )
+}
+
+fn print_row(trace: &str, r: &ManagerReplay) {
+    let first = &r.passes[0];
+    let mut line = format!(
+        "{trace:<22} {:<20} live {:>9.1} MiB  held {:>9.1} MiB  held/live {:>5.3}",
+        r.manager,
+        first.peak_live_bytes as f64 / MIB,
+        r.peak_held() as f64 / MIB,
+        r.held_over_live(),
+    );
+    if let Some(p) = r.pool_peak_held {
+        let _ = write!(line, "  pool held {:>9.1} MiB", p as f64 / MIB);
+    }
+    if let Some((a, f)) = r.driver_calls {
+        let _ = write!(line, "  driver {a} allocs {f} frees");
+    }
+    let _ = write!(line, "  {:>10.0} ops/s", first.ops_per_second());
+    if let Some(l) = first.largest_free_at_peak {
+        let _ = write!(line, "  largest free at peak {:.1} MiB", l as f64 / MIB);
+    }
+    if first.failures > 0 {
+        let _ = write!(line, "  {} allocations REFUSED", first.failures);
+    }
+    if r.passes.len() > 1 {
+        let held: Vec<String> = r
+            .passes
+            .iter()
+            .map(|p| format!("{:.1}", p.peak_held_bytes as f64 / MIB))
+            .collect();
+        let _ = write!(
+            line,
+            "  per pass [{}] MiB, after {:.1} MiB",
+            held.join(", "),
+            r.passes.last().map_or(0, |p| p.held_after_bytes) as f64 / MIB
+        );
+    }
+    println!("{line}");
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    integration::log_from_env();
+    let o = options()?;
+    let cuda: Option<Arc<dyn Driver>> = if o.cuda {
+        #[cfg(feature = "cuda")]
+        {
+            Some(Arc::new(driver_sys::CudaDriver::load()?))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            return Err(
+                "this build has no `cuda` feature; rebuild with it for --driver cuda".into(),
+            );
+        }
+    } else {
+        None
+    };
+    let driver_name = if o.cuda { "cuda" } else { "sim" };
+    let mut csv = String::from(HEADER);
+    csv.push('\n');
+    for path in &o.logs {
+        let events = traces::load(path)?;
+        let summary = emm::replay::summarize(&events);
+        let name = traces::trace_name(path);
+        println!(
+            "{name}: {} events, {} allocations of {} sizes on {} streams, peak live {:.1} MiB",
+            events.len(),
+            summary.allocations,
+            summary.sizes,
+            summary.streams,
+            summary.peak_live_bytes as f64 / MIB
+        );
+        for manager in &o.managers {
+            let r = match &cuda {
+                Some(driver) => {
+                    traces::replay_under(Arc::clone(driver), None, manager, &events, o.passes)?
+                }
+                None => traces::replay_on_sim(manager, &events, o.device_memory, o.passes)?,
+            };
+            print_row(&name, &r);
+            csv.push_str(&csv_row(&name, driver_name, events.len(), &r));
+            csv.push('\n');
+        }
+    }
+    if let Some(path) = &o.csv {
+        std::fs::write(path, csv).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    integration::exit_with(run())
+}

@@ -1,0 +1,226 @@
+//! The trace corpus and its replay: allocation logs of real programs, recorded on a GPU through
+//! emm's `log` adaptor and kept gzipped in `integration/traces/` (the scripts that recorded
+//! them are in `integration/traces/record/`), replayed under any manager on the simulator
+//! or the GPU, with the memory each manager held measured against what the program had live.
+//!
+//! `integration/traces/corpus.csv` lists the traces with what was measured of them on the GPU
+//! (PyTorch's caching allocator's reserve on the same trace, the bound every manager keeps
+//! under); `cargo run --release -p integration --example replay` replays any log.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use driver_mock::{Op, SimConfig, SimDriver};
+use driver_sys::{DeviceOrdinal, Driver};
+use emm::Runtime;
+use emm::replay::{ReplayEvent, ReplayReport, Replayer};
+
+/// Where the corpus lives.
+pub const TRACE_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
+
+/// The device a trace replays on off the GPU: as large as an H100's (80 GB), with no byte
+/// backed until written.
+pub const H100_MEMORY: usize = 80 << 30;
+
+/// The managers every corpus trace is replayed under (the registered ones that hand out device
+/// memory).
+pub const TRACE_MANAGERS: [&str; 5] = [
+    "default",
+    "pool",
+    "async-pool",
+    "async-pool-ipc",
+    "async-pool-managed",
+];
+
+/// Reads a log, gunzipping it if its name ends in `.gz`.
+pub fn read_log(path: &Path) -> Result<String, String> {
+    let raw = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if path.extension().is_some_and(|e| e == "gz") {
+        let mut text = String::new();
+        flate2::read::GzDecoder::new(&raw[..])
+            .read_to_string(&mut text)
+            .map_err(|e| format!("{} is not a gzipped text log: {e}", path.display()))?;
+        Ok(text)
+    } else {
+        String::from_utf8(raw).map_err(|e| format!("{} is not text: {e}", path.display()))
+    }
+}
+
+/// Reads and parses a log.
+pub fn load(path: &Path) -> Result<Vec<ReplayEvent>, String> {
+    let text = read_log(path)?;
+    emm::replay::parse_log(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// A trace's name: its file name without `.csv` and `.gz`.
+pub fn trace_name(path: &Path) -> String {
+    let name = path
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    name.trim_end_matches(".gz")
+        .trim_end_matches(".csv")
+        .to_owned()
+}
+
+/// One row of `corpus.csv`: a trace and what was measured of it on the GPU.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CorpusEntry {
+    /// The trace's name (`traces/<name>.csv.gz`).
+    pub name: String,
+    /// What the recorded program does.
+    pub workload: String,
+    /// Peak bytes PyTorch's caching allocator reserved replaying the trace on the GPU, over
+    /// the trace's peak live bytes: the bound every manager keeps under.
+    pub torch_reserved_over_live: f64,
+    /// Peak device memory the driver's stream-ordered pool held replaying the trace on the
+    /// GPU (emm's `async-pool`), over the trace's peak live bytes: what the simulator's model
+    /// of that pool is held to.
+    pub driver_pool_over_live: f64,
+}
+
+/// The corpus: every trace `corpus.csv` lists, with its file, which must exist.
+pub fn corpus() -> Result<Vec<(CorpusEntry, PathBuf)>, String> {
+    let index = Path::new(TRACE_DIR).join("corpus.csv");
+    let text = std::fs::read_to_string(&index)
+        .map_err(|e| format!("cannot read {}: {e}", index.display()))?;
+    let mut entries = Vec::new();
+    for (n, line) in text.lines().enumerate().skip(1) {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+        let [name, workload, torch, driver] = fields[..] else {
+            return Err(format!(
+                "{} line {}: want name,workload,torch_reserved_over_live,driver_pool_over_live",
+                index.display(),
+                n + 1
+            ));
+        };
+        let ratio = |text: &str| {
+            text.parse::<f64>()
+                .map_err(|e| format!("{} line {}: {text:?}: {e}", index.display(), n + 1))
+        };
+        let path = Path::new(TRACE_DIR).join(format!("{name}.csv.gz"));
+        if !path.is_file() {
+            return Err(format!(
+                "{} lists {name}, but {} is missing",
+                index.display(),
+                path.display()
+            ));
+        }
+        entries.push((
+            CorpusEntry {
+                name: name.to_owned(),
+                workload: workload.to_owned(),
+                torch_reserved_over_live: ratio(torch)?,
+                driver_pool_over_live: ratio(driver)?,
+            },
+            path,
+        ));
+    }
+    Ok(entries)
+}
+
+/// What replaying a trace under one manager gave, pass by pass.
+#[derive(Clone, Debug)]
+pub struct ManagerReplay {
+    /// The manager's name.
+    pub manager: String,
+    /// One report per pass, in order.
+    pub passes: Vec<ReplayReport>,
+    /// Driver allocations and frees over all passes (device memory, pool and mapping calls),
+    /// where the driver counts them (the simulator does; the real driver does not).
+    pub driver_calls: Option<(usize, usize)>,
+    /// The most the manager's device pool said it held, where it has one.
+    pub pool_peak_held: Option<usize>,
+}
+
+/// The simulated machine a trace replays on: one device of `device_memory` bytes.
+pub fn trace_sim(device_memory: usize) -> Arc<SimDriver> {
+    Arc::new(SimDriver::new(SimConfig::single(device_memory)))
+}
+
+/// Driver calls that give a process device memory, and those that take it back.
+const ALLOCATING: [Op; 3] = [Op::MemAlloc, Op::MemAllocFromPoolAsync, Op::MemAllocManaged];
+const FREEING: [Op; 2] = [Op::MemFree, Op::MemFreeAsync];
+
+/// Replays `events` `passes` times under `manager` on a fresh runtime over `driver` (`sim`
+/// is the same driver, when it is the simulator, for its call counts).
+pub fn replay_under(
+    driver: Arc<dyn Driver>,
+    sim: Option<&SimDriver>,
+    manager: &str,
+    events: &[ReplayEvent],
+    passes: usize,
+) -> Result<ManagerReplay, String> {
+    let runtime = Runtime::builder(driver)
+        .ignore_env()
+        .memory_manager_name(manager)
+        .build()
+        .map_err(|e| format!("{manager}: {e}"))?;
+    let ctx = runtime
+        .context(DeviceOrdinal(0))
+        .map_err(|e| format!("{manager}: {e}"))?;
+    let before = sim.map(|s| (s.total_calls(), count(s, &ALLOCATING), count(s, &FREEING)));
+    let mut replayer = Replayer::new(&ctx).map_err(|e| format!("{manager}: {e}"))?;
+    let mut reports = Vec::with_capacity(passes);
+    for _ in 0..passes {
+        // The simulator runs streams' queued work when asked: after every event, as a GPU
+        // keeps up with a program that gives it no work of its own.
+        let run = || {
+            if let Some(s) = sim {
+                s.run_streams();
+            }
+        };
+        reports.push(
+            replayer
+                .pass_with(events, run)
+                .map_err(|e| format!("{manager}: {e}"))?,
+        );
+    }
+    let driver_calls = sim
+        .zip(before)
+        .map(|(s, (_, a, f))| (count(s, &ALLOCATING) - a, count(s, &FREEING) - f));
+    let pool_peak_held = ctx.pool_stats().device.map(|s| s.peak_held_bytes);
+    drop(replayer);
+    ctx.trim().map_err(|e| format!("{manager}: trim: {e}"))?;
+    Ok(ManagerReplay {
+        manager: manager.to_owned(),
+        passes: reports,
+        driver_calls,
+        pool_peak_held,
+    })
+}
+
+impl ManagerReplay {
+    /// The most held over all passes.
+    pub fn peak_held(&self) -> usize {
+        self.passes
+            .iter()
+            .map(|p| p.peak_held_bytes)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// [`peak_held`](Self::peak_held) over the trace's peak live bytes.
+    pub fn held_over_live(&self) -> f64 {
+        let live = self.passes.first().map_or(0, |p| p.peak_live_bytes);
+        self.peak_held() as f64 / live.max(1) as f64
+    }
+}
+
+fn count(sim: &SimDriver, ops: &[Op]) -> usize {
+    ops.iter().map(|&op| sim.count(op)).sum()
+}
+
+/// Replays `events` under `manager` on a fresh simulated device of `device_memory` bytes.
+pub fn replay_on_sim(
+    manager: &str,
+    events: &[ReplayEvent],
+    device_memory: usize,
+    passes: usize,
+) -> Result<ManagerReplay, String> {
+    let sim = trace_sim(device_memory);
+    replay_under(sim.clone(), Some(&sim), manager, events, passes)
+}

@@ -1,0 +1,156 @@
+//! The trace corpus (`integration/traces`), replayed on the simulator at full size under every
+//! manager: memory held must stay bounded by memory live.
+//!
+//! For each trace and manager, five passes in a row on one runtime:
+//!
+//! - the peak device memory held (what the driver counts as used, read after every allocation)
+//!   over the trace's peak live bytes stays within the manager's bound: `pool` 1.25; the
+//!   managers over the driver's stream-ordered pool (`async-pool` and its kin) no more than
+//!   PyTorch's caching allocator reserved replaying the same trace on the GPU, or than the
+//!   driver's pool itself held there with the simulator's 10 % (`corpus.csv`), whichever is
+//!   more: emm does not choose what the driver's pool holds; `default` no more than PyTorch;
+//! - no later pass holds more, at its peak or after it (its deferred frees issued), than the
+//!   first, beyond [`slack`]: held memory is bounded when live memory is;
+//! - every allocation of the trace succeeds.
+//!
+//! `cargo run --release -p integration --example replay -- --corpus --passes 5` prints the
+//! figures these check.
+
+use integration::traces::{self, CorpusEntry, TRACE_MANAGERS};
+
+const PASSES: usize = 5;
+
+/// The most a manager may hold over peak live on `entry`.
+fn bound(manager: &str, entry: &CorpusEntry) -> f64 {
+    match manager {
+        "pool" => 1.25,
+        m if m.starts_with("async-pool") => entry
+            .torch_reserved_over_live
+            .max(entry.driver_pool_over_live * 1.1),
+        _ => entry.torch_reserved_over_live,
+    }
+}
+
+/// How much more than the first pass a later one may hold: where blocks land differs between
+/// passes (a pool's chunks, the driver's 2 MiB pages shared by small blocks), by a page or a
+/// chunk, not by a pass's worth: 2 MiB, or 1/64 of peak live when that is more. A manager
+/// whose held memory grew with each pass, as `pool`'s did by its whole peak, fails.
+fn slack(live: usize) -> usize {
+    (2 << 20).max(live / 64)
+}
+
+fn check(name: &str) {
+    let corpus = traces::corpus().expect("the corpus index");
+    let (entry, path) = corpus
+        .iter()
+        .find(|(e, _)| e.name == name)
+        .unwrap_or_else(|| panic!("corpus.csv lists no trace {name}"));
+    let events = traces::load(path).expect("the trace parses");
+    let live = emm::replay::summarize(&events).peak_live_bytes;
+    let mut failures = Vec::new();
+    for manager in TRACE_MANAGERS {
+        let r = traces::replay_on_sim(manager, &events, traces::H100_MEMORY, PASSES)
+            .unwrap_or_else(|e| panic!("{name} under {manager}: {e}"));
+        let first = r.passes[0];
+        assert_eq!(
+            first.peak_live_bytes, live,
+            "{name} under {manager}: the replay's peak live differs from the trace's"
+        );
+        for (k, p) in r.passes.iter().enumerate() {
+            if p.failures > 0 {
+                failures.push(format!(
+                    "{manager}: pass {}: {} allocations refused",
+                    k + 1,
+                    p.failures
+                ));
+            }
+            let ratio = p.peak_held_bytes as f64 / live as f64;
+            if ratio > bound(manager, entry) {
+                failures.push(format!(
+                    "{manager}: pass {}: held {} bytes at the peak, {ratio:.3} x peak live, over its bound {:.3}",
+                    k + 1,
+                    p.peak_held_bytes,
+                    bound(manager, entry)
+                ));
+            }
+            let over = |now: usize, then: usize| now > then + slack(live);
+            if over(p.peak_held_bytes, first.peak_held_bytes)
+                || over(p.held_after_bytes, first.held_after_bytes)
+            {
+                failures.push(format!(
+                    "{manager}: pass {} held more than the first (peak {} against {}, after it {} against {}; slack {}): held memory grows while live memory does not",
+                    k + 1,
+                    p.peak_held_bytes,
+                    first.peak_held_bytes,
+                    p.held_after_bytes,
+                    first.held_after_bytes,
+                    slack(live)
+                ));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{name} ({}), peak live {live} bytes:\n{}",
+        entry.workload,
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn cupy_work() {
+    check("cupy_work");
+}
+
+#[test]
+fn llm_inference() {
+    check("llm_inference");
+}
+
+#[test]
+fn numba_pipeline() {
+    check("numba_pipeline");
+}
+
+#[test]
+fn rmm_random() {
+    check("rmm_random");
+}
+
+#[test]
+fn torch_cnn() {
+    check("torch_cnn");
+}
+
+#[test]
+fn torch_transformer() {
+    check("torch_transformer");
+}
+
+/// Every trace of the directory is in the index, and every trace of the index has a test above.
+#[test]
+fn the_corpus_index_lists_every_trace() {
+    let listed: Vec<String> = traces::corpus()
+        .expect("the corpus index")
+        .into_iter()
+        .map(|(e, _)| e.name)
+        .collect();
+    let mut on_disk: Vec<String> = std::fs::read_dir(traces::TRACE_DIR)
+        .expect("the trace directory")
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().to_string_lossy().into_owned();
+            name.strip_suffix(".csv.gz").map(str::to_owned)
+        })
+        .collect();
+    on_disk.sort();
+    assert_eq!(listed, on_disk, "corpus.csv and the .csv.gz files differ");
+    let tested = [
+        "cupy_work",
+        "llm_inference",
+        "numba_pipeline",
+        "rmm_random",
+        "torch_cnn",
+        "torch_transformer",
+    ];
+    assert_eq!(listed, tested, "a trace without a test of its own");
+}

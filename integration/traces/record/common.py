@@ -1,0 +1,125 @@
+"""What the recording scripts share: arguments, seeds, and a result line.
+
+Each script runs one workload. With ``--allocator emm`` its framework allocates from emm
+(``emm.torch``, ``emm.cupy``, ``emm.numba``), and the ``log`` adaptor, set by the caller with
+``EMM_MEMORY_ADAPTORS=log=<file>``, records every allocation and free: that file is the trace.
+With ``--allocator native`` the framework's own allocator runs the same workload, so its memory
+figures and results can be compared. Each script prints one JSON line last, prefixed
+``RESULT``: the workload's result (losses, checksums), step times, and memory figures.
+"""
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+
+def parser(description, steps):
+    """An argument parser with the options every script takes."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--steps", type=int, default=steps, help="steps (default %(default)s)")
+    p.add_argument("--allocator", choices=["emm", "native"], default="emm")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of shapes")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def rng(seed):
+    """The workload's own random numbers (shapes per step), apart from the frameworks'."""
+    return random.Random(seed)
+
+
+class Timer:
+    """Wall times of steps; the median leaves out the first few (compilation, warm-up)."""
+
+    def __init__(self, warmup=5):
+        self.times = []
+        self.warmup = warmup
+        self.start = None
+
+    def begin(self):
+        self.start = time.perf_counter()
+
+    def end(self):
+        self.times.append(time.perf_counter() - self.start)
+
+    def median_ms(self):
+        kept = self.times[self.warmup:] or self.times
+        return 1000 * statistics.median(kept) if kept else None
+
+    def total_s(self):
+        return sum(self.times)
+
+
+def install(framework, args):
+    """Makes emm the framework's allocator (``torch`` or ``cupy``) when ``--allocator emm`` runs
+    on the GPU."""
+    if args.allocator != "emm" or args.device != "cuda":
+        return
+    if framework == "torch":
+        import emm.torch
+
+        emm.torch.install()
+    else:
+        import emm.cupy
+
+        emm.cupy.install()
+
+
+def train(opt, loss, losses):
+    """One optimiser step on ``loss``, whose value joins ``losses``."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+
+
+def torch_figures(torch, args):
+    """PyTorch's peaks under its own allocator, emm's figures under emm (none on the CPU)."""
+    if args.device != "cuda":
+        return {}
+    torch.cuda.synchronize()
+    if args.allocator == "native":
+        return {
+            "max_allocated": torch.cuda.max_memory_allocated(),
+            "max_reserved": torch.cuda.max_memory_reserved(),
+        }
+    return emm_figures()
+
+
+def finish(workload, args, timer, memory, **fields):
+    """Prints the result line of a run of ``--steps`` steps timed by ``timer``."""
+    report(
+        workload=workload,
+        allocator=args.allocator,
+        steps=args.steps,
+        step_ms_median=timer.median_ms(),
+        total_s=timer.total_s(),
+        memory=memory,
+        **fields,
+    )
+
+
+def emm_figures():
+    """What emm says of device 0: its manager, pool figures and usage (``stats`` adaptor)."""
+    import emm
+
+    ctx = emm.context(0)
+    out = {"manager": ctx.manager, "pool": ctx.pool_stats()}
+    try:
+        out["usage"] = ctx.usage()
+    except Exception as e:  # the stats adaptor is optional
+        out["usage_error"] = repr(e)
+    return out
+
+
+def report(**fields):
+    """Prints the result line."""
+    print("RESULT " + json.dumps(fields, default=str), flush=True)
+
+
+def fail(message):
+    print("RESULT " + json.dumps({"error": message}), flush=True)
+    sys.exit(1)
