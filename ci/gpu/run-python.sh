@@ -21,6 +21,11 @@ export PYTHONPATH=/tmp/np:/tmp/site
 status=0
 (cd python && EMM_PYTHON_DRIVER=cuda EMM_REQUIRE_GPU=1 python3 -m pytest -q -rs \
     -p no:cacheprovider tests) || status=1
+# The corpus's transformer training loop through emm.torch under each manager against PyTorch's
+# own allocator: bit-identical losses, and the memory each held beside PyTorch's reserve.
+(cd integration/traces/record && EMM_PYTHON_DRIVER=cuda python3 compare_training.py \
+    --managers default,pool,async-pool,async-pool-ipc) >"$out/compare-training.txt" 2>&1 || status=1
+cat "$out/compare-training.txt"
 # numba-cuda's whole suite under Numba's manager and under emm.numba (default, pool): fails when
 # a test fails under emm.numba and not under Numba's own manager.
 OUT=$out bash "$(dirname "$0")/numba-suite.sh" || status=1

@@ -929,7 +929,9 @@ impl Context {
     }
 
     /// What the manager's pools hold: `device` and `pinned_host`, each `None` or a dict of
-    /// `held_bytes` and `in_use_bytes`.
+    /// `held_bytes`, `in_use_bytes`, `in_use_blocks`, `cached_bytes`, `peak_held_bytes`,
+    /// `chunks`, `grows`, `trimmed_bytes` and `largest_free_bytes` (`None` where the pool
+    /// cannot tell).
     fn pool_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let report = self.inner.pool_stats();
         let out = PyDict::new(py);
@@ -942,6 +944,13 @@ impl Context {
                     let d = PyDict::new(py);
                     d.set_item("held_bytes", s.held_bytes)?;
                     d.set_item("in_use_bytes", s.in_use_bytes)?;
+                    d.set_item("in_use_blocks", s.in_use_blocks)?;
+                    d.set_item("cached_bytes", s.cached_bytes)?;
+                    d.set_item("peak_held_bytes", s.peak_held_bytes)?;
+                    d.set_item("chunks", s.chunks)?;
+                    d.set_item("grows", s.grows)?;
+                    d.set_item("trimmed_bytes", s.trimmed_bytes)?;
+                    d.set_item("largest_free_bytes", s.largest_free_bytes)?;
                     out.set_item(name, d)?;
                 }
                 None => out.set_item(name, py.None())?,

@@ -68,6 +68,25 @@ def install(framework, args):
         emm.cupy.install()
 
 
+class DeviceUse:
+    """Device memory the driver counts as used (``cudaMemGetInfo``), beyond what it counted
+    when made, read when asked: the peak of the readings."""
+
+    def __init__(self, torch, args):
+        self.torch = torch if args.device == "cuda" else None
+        self.base = self.used()
+        self.peak = 0
+
+    def used(self):
+        if self.torch is None:
+            return 0
+        free, total = self.torch.cuda.mem_get_info()
+        return total - free
+
+    def read(self):
+        self.peak = max(self.peak, self.used() - self.base)
+
+
 def train(opt, loss, losses):
     """One optimiser step on ``loss``, whose value joins ``losses``."""
     opt.zero_grad(set_to_none=True)
@@ -76,17 +95,22 @@ def train(opt, loss, losses):
     losses.append(loss.item())
 
 
-def torch_figures(torch, args):
-    """PyTorch's peaks under its own allocator, emm's figures under emm (none on the CPU)."""
+def torch_figures(torch, args, use=None):
+    """PyTorch's peaks under its own allocator, emm's figures under emm (none on the CPU), and
+    the peak device memory used that ``use`` read (after every step)."""
     if args.device != "cuda":
         return {}
     torch.cuda.synchronize()
     if args.allocator == "native":
-        return {
+        out = {
             "max_allocated": torch.cuda.max_memory_allocated(),
             "max_reserved": torch.cuda.max_memory_reserved(),
         }
-    return emm_figures()
+    else:
+        out = emm_figures()
+    if use is not None:
+        out["peak_used_per_step"] = use.peak
+    return out
 
 
 def finish(workload, args, timer, memory, **fields):

@@ -19,6 +19,7 @@ head = nn.Linear(512, 1000).to(dev)
 params = list(model.parameters()) + list(head.parameters())
 opt = torch.optim.AdamW(params, lr=1e-4)
 losses, timer = [], common.Timer()
+use = common.DeviceUse(torch, args)
 for step in range(args.steps):
     b, s = shapes.randint(4, 32), shapes.randint(64, 512)
     if args.device == "cpu":
@@ -29,4 +30,5 @@ for step in range(args.steps):
     loss = nn.functional.cross_entropy(head(model(x)).reshape(-1, 1000), y.reshape(-1))
     common.train(opt, loss, losses)
     timer.end()
-common.finish("torch_transformer", args, timer, common.torch_figures(torch, args), losses=losses)
+    use.read()
+common.finish("torch_transformer", args, timer, common.torch_figures(torch, args, use), losses=losses)

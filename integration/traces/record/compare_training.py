@@ -1,0 +1,59 @@
+"""The transformer training loop of the corpus (torch_transformer.py) through emm.torch under
+each manager, against PyTorch's own caching allocator in the same run: the losses must be
+bit-identical, and the memory each held is printed beside PyTorch's reserve. Exits 1 when a
+loss differs or a run fails.
+
+    python3 compare_training.py [--steps N] [--managers default,pool,async-pool]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+p = argparse.ArgumentParser(description=__doc__)
+p.add_argument("--steps", type=int, default=100)
+p.add_argument("--managers", default="default,pool,async-pool")
+args = p.parse_args()
+here = os.path.dirname(os.path.abspath(__file__))
+
+
+def run(label, allocator, **env):
+    out = subprocess.run(
+        [sys.executable, os.path.join(here, "torch_transformer.py"), "--steps", str(args.steps),
+         "--allocator", allocator],
+        capture_output=True, text=True, env=dict(os.environ, **env), timeout=300,
+    )
+    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        print(f"{label}: FAILED (exit {out.returncode})\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        return None
+    r = json.loads(lines[-1][len("RESULT "):])
+    r["label"] = label
+    return r
+
+
+runs = [run("torch", "native"),
+        run("torch expandable", "native", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")]
+for m in args.managers.split(","):
+    runs.append(run(f"emm {m}", "emm", EMM_MEMORY_MANAGER=m, EMM_MEMORY_ADAPTORS="stats"))
+base = runs[0]
+status = 0 if all(runs) else 1
+if base:
+    live = base["memory"]["max_allocated"]
+    print(f"{'run':<20} {'step ms':>8} {'held MiB':>9} {'held/live':>9} {'per step MiB':>12}  losses")
+    for r in filter(None, runs):
+        mem = r["memory"]
+        pool = ((mem.get("pool") or {}).get("device")) or {}
+        held = mem.get("max_reserved") or pool.get("peak_held_bytes") or mem["peak_used_per_step"]
+        same = r["losses"] == base["losses"]
+        if not same:
+            status = 1
+        print(f"{r['label']:<20} {r['step_ms_median']:>8.2f} "
+              f"{(held or 0) / 2**20:>9.1f} {(held or 0) / live:>9.3f} "
+              f"{mem['peak_used_per_step'] / 2**20:>12.1f}  "
+              f"{'identical' if same else 'DIFFER'}")
+        print("COMPARE " + json.dumps({k: v for k, v in r.items() if k != "losses"}))
+print("training comparison:", "PASS" if status == 0 else "FAIL")
+sys.exit(status)
