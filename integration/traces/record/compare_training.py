@@ -1,7 +1,9 @@
 """The transformer training loop of the corpus (torch_transformer.py) through emm.torch under
-each manager, against PyTorch's own caching allocator in the same run: the losses must be
-bit-identical, and the memory each held is printed beside PyTorch's reserve. Exits 1 when a
-loss differs or a run fails.
+each manager, against PyTorch's own caching allocator in the same run: every step's loss must
+agree with PyTorch's to a relative 1e-3 (on an H200 the losses of PyTorch's own allocator with
+and without expandable segments were not bit-identical either: kernels that reduce in an
+order the memory layout chooses), and the memory each held is printed beside PyTorch's
+reserve. Exits 1 when a loss differs more or a run fails.
 
     python3 compare_training.py [--steps N] [--managers default,pool,async-pool]
 """
@@ -46,14 +48,17 @@ if base:
     for r in filter(None, runs):
         mem = r["memory"]
         pool = ((mem.get("pool") or {}).get("device")) or {}
-        held = mem.get("max_reserved") or pool.get("peak_held_bytes") or mem["peak_used_per_step"]
+        # The default manager has no pool: what it holds shows only in the per-step reading,
+        # which misses the peak inside a step.
+        held = mem.get("max_reserved") or pool.get("peak_held_bytes")
+        diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], base["losses"]))
         same = r["losses"] == base["losses"]
-        if not same:
+        if diff > 1e-3 or len(r["losses"]) != len(base["losses"]):
             status = 1
-        print(f"{r['label']:<20} {r['step_ms_median']:>8.2f} "
-              f"{(held or 0) / 2**20:>9.1f} {(held or 0) / live:>9.3f} "
+        held_text = f"{held / 2**20:>9.1f} {held / live:>9.3f}" if held else f"{'-':>9} {'-':>9}"
+        print(f"{r['label']:<20} {r['step_ms_median']:>8.2f} {held_text} "
               f"{mem['peak_used_per_step'] / 2**20:>12.1f}  "
-              f"{'identical' if same else 'DIFFER'}")
+              f"{'identical' if same else f'within {diff:.1e}' if diff <= 1e-3 else f'DIFFER {diff:.1e}'}")
         print("COMPARE " + json.dumps({k: v for k, v in r.items() if k != "losses"}))
 print("training comparison:", "PASS" if status == 0 else "FAIL")
 sys.exit(status)

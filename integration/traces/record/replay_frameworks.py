@@ -197,7 +197,8 @@ for path in args.traces:
             del mem
     for mem, _ in live.values():
         a.free(mem)
-    live = None
+    # No name may keep the last buffer (and through it an RMM resource) alive.
+    mem = live = None
     elapsed = time.perf_counter() - start
     held_after = used() - base
     extra = a.done()
