@@ -27,7 +27,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use crate::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
     HostFn, HostPtr, IpcMemHandle, MemInfo, MemLocation, MemPoolHandle, MemPoolUsage, ModuleHandle,
-    PoolPtrExportData, StreamHandle,
+    PhysHandle, PoolPtrExportData, StreamHandle,
 };
 
 /// The real CUDA driver. Obtain it with [`CudaDriver::load`].
@@ -294,6 +294,9 @@ impl Driver for CudaDriver {
             #[cfg(feature = "cuda-13000")]
             DeviceAttribute::HostMemoryPoolsSupported => {
                 A::CU_DEVICE_ATTRIBUTE_HOST_MEMORY_POOLS_SUPPORTED
+            }
+            DeviceAttribute::VirtualMemoryManagement => {
+                A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
             }
             #[cfg(not(feature = "cuda-13000"))]
             DeviceAttribute::HostNumaMemoryPoolsSupported
@@ -1354,6 +1357,138 @@ impl Driver for CudaDriver {
             sys::cuMemPoolSetAccess(pool.0 as usize as sys::CUmemoryPool, &raw const desc, 1)
         })
     }
+
+    /// [cuMemGetAllocationGranularity](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+    fn mem_vmm_granularity(&self, dev: DeviceOrdinal) -> Result<usize, DriverError> {
+        let prop = device_memory_prop(dev);
+        let mut granularity = 0usize;
+        // SAFETY: `prop` is initialised and alive for the call; the driver writes one size_t.
+        check("cuMemGetAllocationGranularity", unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &raw mut granularity,
+                &raw const prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        })?;
+        Ok(granularity)
+    }
+
+    /// [cuMemAddressReserve](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+    fn mem_address_reserve(
+        &self,
+        ctx: ContextHandle,
+        size: usize,
+    ) -> Result<DevicePtr, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: the driver writes one address; alignment 0 asks for the default, address 0
+        // for any.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&raw mut ptr, size, 0, 0, 0)
+        })?;
+        Ok(DevicePtr(ptr))
+    }
+
+    /// [cuMemAddressFree](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+    unsafe fn mem_address_free(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        size: usize,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller vouches the range is a whole reservation with nothing mapped.
+        check("cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(ptr.0, size)
+        })
+    }
+
+    /// [cuMemCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+    fn mem_create(
+        &self,
+        ctx: ContextHandle,
+        dev: DeviceOrdinal,
+        size: usize,
+    ) -> Result<PhysHandle, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let prop = device_memory_prop(dev);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: `prop` is initialised and alive for the call; the driver writes one handle.
+        check("cuMemCreate", unsafe {
+            sys::cuMemCreate(&raw mut handle, size, &raw const prop, 0)
+        })?;
+        Ok(PhysHandle(handle))
+    }
+
+    /// [cuMemRelease](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+    unsafe fn mem_release(
+        &self,
+        ctx: ContextHandle,
+        handle: PhysHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller vouches the handle came from `mem_create` and is released once.
+        check("cuMemRelease", unsafe { sys::cuMemRelease(handle.0) })
+    }
+
+    /// [cuMemMap](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+    unsafe fn mem_map(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        size: usize,
+        handle: PhysHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller vouches the range lies in its reservation with nothing mapped;
+        // the driver checks the handle and the sizes.
+        check("cuMemMap", unsafe {
+            sys::cuMemMap(ptr.0, size, 0, handle.0, 0)
+        })
+    }
+
+    /// [cuMemSetAccess](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+    fn mem_set_access(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        size: usize,
+        dev: DeviceOrdinal,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let desc = sys::CUmemAccessDesc {
+            location: device_location(dev),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: one initialised descriptor, alive for the call; the driver checks that the
+        // range is mapped.
+        check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(ptr.0, size, &raw const desc, 1)
+        })
+    }
+
+    /// [cuMemUnmap](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+    unsafe fn mem_unmap(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        size: usize,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller vouches no work uses the range.
+        check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr.0, size) })
+    }
+}
+
+/// The properties of pinned memory on device `dev`, as `cuMemCreate` and
+/// `cuMemGetAllocationGranularity` take them (no shareable handle type).
+fn device_memory_prop(dev: DeviceOrdinal) -> sys::CUmemAllocationProp {
+    // SAFETY: an all-zero `CUmemAllocationProp` is valid (integers, enums whose zero is a
+    // variant, a null pointer); the type and location are set below.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location = device_location(dev);
+    prop
 }
 
 /// The location of device `dev`'s memory, for the pool access calls.

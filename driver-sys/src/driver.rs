@@ -8,7 +8,7 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::{
     ContextHandle, DeviceOrdinal, DevicePtr, DriverError, EventHandle, HostPtr, IpcMemHandle,
-    MemPoolHandle, ModuleHandle, PoolPtrExportData, StreamHandle,
+    MemPoolHandle, ModuleHandle, PhysHandle, PoolPtrExportData, StreamHandle,
 };
 
 /// `cuMemHostAlloc` flags.
@@ -99,6 +99,9 @@ pub enum DeviceAttribute {
     /// `CU_DEVICE_ATTRIBUTE_HOST_MEMORY_POOLS_SUPPORTED`: 1 if stream-ordered pools can be
     /// made in host memory (`CU_MEM_LOCATION_TYPE_HOST`).
     HostMemoryPoolsSupported = 144,
+    /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`: 1 if the device takes
+    /// virtual memory management (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`).
+    VirtualMemoryManagement = 102,
 }
 
 /// Where a stream-ordered pool's memory lives (`CUmemLocation`).
@@ -737,6 +740,86 @@ pub trait Driver: Send + Sync + fmt::Debug {
         ctx: ContextHandle,
         pool: MemPoolHandle,
         dev: DeviceOrdinal,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemGetAllocationGranularity` (`CU_MEM_ALLOC_GRANULARITY_MINIMUM`) of pinned device
+    /// memory on `dev`: reservations, physical allocations and mappings are sized and aligned
+    /// in multiples of it.
+    fn mem_vmm_granularity(&self, dev: DeviceOrdinal) -> Result<usize, DriverError>;
+
+    /// `cuMemAddressReserve`: `size` bytes of virtual address space (a multiple of the
+    /// granularity), with nothing behind them until memory is mapped there.
+    fn mem_address_reserve(
+        &self,
+        ctx: ContextHandle,
+        size: usize,
+    ) -> Result<DevicePtr, DriverError>;
+
+    /// `cuMemAddressFree`: gives back a whole reservation.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` and `size` are a reservation [`mem_address_reserve`](Self::mem_address_reserve)
+    /// made, freed once, with nothing mapped in it.
+    unsafe fn mem_address_free(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        size: usize,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemCreate`: `size` bytes (a multiple of the granularity) of pinned memory on `dev`,
+    /// with no address until mapped.
+    fn mem_create(
+        &self,
+        ctx: ContextHandle,
+        dev: DeviceOrdinal,
+        size: usize,
+    ) -> Result<PhysHandle, DriverError>;
+
+    /// `cuMemRelease`: gives up the handle; the memory goes once no mapping of it is left.
+    ///
+    /// # Safety
+    ///
+    /// `handle` came from [`mem_create`](Self::mem_create) and is released once.
+    unsafe fn mem_release(&self, ctx: ContextHandle, handle: PhysHandle)
+    -> Result<(), DriverError>;
+
+    /// `cuMemMap`: maps the whole of `handle` (`size` bytes) at `ptr`, inside a reservation,
+    /// where nothing is mapped. The range is not accessible until
+    /// [`mem_set_access`](Self::mem_set_access).
+    ///
+    /// # Safety
+    ///
+    /// `ptr .. ptr + size` lies in a reservation of this process and nothing is mapped there.
+    unsafe fn mem_map(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        size: usize,
+        handle: PhysHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemSetAccess` with `CU_MEM_ACCESS_FLAGS_PROT_READWRITE` for device `dev` over a
+    /// mapped range.
+    fn mem_set_access(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        size: usize,
+        dev: DeviceOrdinal,
+    ) -> Result<(), DriverError>;
+
+    /// `cuMemUnmap`: unmaps whole mappings covering `ptr .. ptr + size`.
+    ///
+    /// # Safety
+    ///
+    /// No work, queued or running, uses the range; nothing reads or writes it afterwards.
+    unsafe fn mem_unmap(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        size: usize,
     ) -> Result<(), DriverError>;
 }
 

@@ -38,6 +38,12 @@ pub struct EventHandle(pub u64);
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct MemPoolHandle(pub u64);
 
+/// A physical memory allocation made by `cuMemCreate` (`CUmemGenericAllocationHandle`), as an
+/// opaque value: memory with no address until it is mapped into a reserved range. Prints as
+/// hex.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PhysHandle(pub u64);
+
 /// A loaded module (`CUmodule`), as an opaque value. Prints as hex.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ModuleHandle(pub u64);
@@ -126,7 +132,8 @@ hex_fmt!(
     StreamHandle,
     EventHandle,
     ModuleHandle,
-    MemPoolHandle
+    MemPoolHandle,
+    PhysHandle
 );
 
 impl fmt::Display for DeviceOrdinal {

@@ -41,5 +41,5 @@ pub use driver::{
 pub use error::{DriverError, ErrorKind, code};
 pub use handles::{
     ContextHandle, DeviceOrdinal, DevicePtr, EventHandle, HostPtr, IpcMemHandle, MemPoolHandle,
-    ModuleHandle, PoolPtrExportData, StreamHandle,
+    ModuleHandle, PhysHandle, PoolPtrExportData, StreamHandle,
 };

@@ -47,6 +47,9 @@ pub struct SimDeviceConfig {
     pub host_memory_pools: bool,
     /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`: the host NUMA node nearest the device.
     pub host_numa_id: i32,
+    /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`: whether the virtual memory
+    /// calls (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`) work on the device.
+    pub vmm: bool,
 }
 
 impl SimDeviceConfig {
@@ -63,6 +66,7 @@ impl SimDeviceConfig {
             pci_device_id: 0,
             host_memory_pools: true,
             host_numa_id: 0,
+            vmm: true,
         }
     }
 
@@ -70,6 +74,14 @@ impl SimDeviceConfig {
     #[must_use]
     pub fn host_memory_pools(mut self, yes: bool) -> SimDeviceConfig {
         self.host_memory_pools = yes;
+        self
+    }
+
+    /// Sets whether the device takes virtual memory management (a driver or device without
+    /// it refuses the calls with `CUDA_ERROR_NOT_SUPPORTED`).
+    #[must_use]
+    pub fn vmm(mut self, yes: bool) -> SimDeviceConfig {
+        self.vmm = yes;
         self
     }
 

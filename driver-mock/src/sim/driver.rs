@@ -8,7 +8,7 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use driver_sys::{
     ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
     HostFn, HostPtr, IpcMemHandle, MemInfo, MemLocation, MemPoolHandle, MemPoolUsage, ModuleHandle,
-    PoolPtrExportData, StreamHandle,
+    PhysHandle, PoolPtrExportData, StreamHandle,
 };
 
 use super::SimDriver;
@@ -647,6 +647,89 @@ impl Driver for SimDriver {
     ) -> Result<(), DriverError> {
         self.call(Op::MemPoolSetAccess, |w, pid, note| {
             w.mem_pool_grant_access(pid, note, ctx, pool, dev)
+        })
+    }
+
+    fn mem_vmm_granularity(&self, dev: DeviceOrdinal) -> Result<usize, DriverError> {
+        self.call(Op::MemGetAllocationGranularity, |w, pid, note| {
+            w.mem_vmm_granularity(pid, note, dev)
+        })
+    }
+
+    fn mem_address_reserve(
+        &self,
+        ctx: ContextHandle,
+        size: usize,
+    ) -> Result<DevicePtr, DriverError> {
+        self.call(Op::MemAddressReserve, |w, pid, note| {
+            w.mem_address_reserve(pid, note, ctx, size)
+        })
+    }
+
+    unsafe fn mem_address_free(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        size: usize,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemAddressFree, |w, pid, note| {
+            w.mem_address_free(pid, note, ctx, ptr, size)
+        })
+    }
+
+    fn mem_create(
+        &self,
+        ctx: ContextHandle,
+        dev: DeviceOrdinal,
+        size: usize,
+    ) -> Result<PhysHandle, DriverError> {
+        self.call(Op::MemCreate, |w, pid, note| {
+            w.mem_create(pid, note, ctx, dev, size)
+        })
+    }
+
+    unsafe fn mem_release(
+        &self,
+        ctx: ContextHandle,
+        handle: PhysHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemRelease, |w, pid, note| {
+            w.mem_release(pid, note, ctx, handle)
+        })
+    }
+
+    unsafe fn mem_map(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        size: usize,
+        handle: PhysHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemMap, |w, pid, note| {
+            w.mem_map(pid, note, ctx, ptr, size, handle)
+        })
+    }
+
+    fn mem_set_access(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        size: usize,
+        dev: DeviceOrdinal,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemSetAccess, |w, pid, note| {
+            w.mem_set_access(pid, note, ctx, ptr, size, dev)
+        })
+    }
+
+    unsafe fn mem_unmap(
+        &self,
+        ctx: ContextHandle,
+        ptr: DevicePtr,
+        size: usize,
+    ) -> Result<(), DriverError> {
+        self.call(Op::MemUnmap, |w, pid, note| {
+            w.mem_unmap(pid, note, ctx, ptr, size)
         })
     }
 }

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use driver_sys::{DeviceOrdinal, DevicePtr, ErrorKind, HostPtr};
+use driver_sys::{DeviceOrdinal, DevicePtr, ErrorKind, HostPtr, PhysHandle};
 
 /// A driver operation, as logged and as named by [`Fault`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -72,11 +72,19 @@ pub enum Op {
     StreamCreateWithPriority,
     CtxGetStreamPriorityRange,
     StreamGetPriority,
+    MemGetAllocationGranularity,
+    MemAddressReserve,
+    MemAddressFree,
+    MemCreate,
+    MemRelease,
+    MemMap,
+    MemSetAccess,
+    MemUnmap,
 }
 
 impl Op {
     /// Every operation, in declaration order (for fault sweeps).
-    pub const ALL: [Op; 63] = [
+    pub const ALL: [Op; 71] = [
         Op::Init,
         Op::DeviceCount,
         Op::DeviceTotalMem,
@@ -140,6 +148,14 @@ impl Op {
         Op::StreamCreateWithPriority,
         Op::CtxGetStreamPriorityRange,
         Op::StreamGetPriority,
+        Op::MemGetAllocationGranularity,
+        Op::MemAddressReserve,
+        Op::MemAddressFree,
+        Op::MemCreate,
+        Op::MemRelease,
+        Op::MemMap,
+        Op::MemSetAccess,
+        Op::MemUnmap,
     ];
 
     /// Whether the call gives something back to the driver: a free, an unpin, an IPC close, a
@@ -156,6 +172,9 @@ impl Op {
                 | Op::EventDestroy
                 | Op::ModuleUnload
                 | Op::MemPoolDestroy
+                | Op::MemUnmap
+                | Op::MemRelease
+                | Op::MemAddressFree
         )
     }
 
@@ -225,6 +244,14 @@ impl Op {
             Op::StreamCreateWithPriority => "cuStreamCreateWithPriority",
             Op::CtxGetStreamPriorityRange => "cuCtxGetStreamPriorityRange",
             Op::StreamGetPriority => "cuStreamGetPriority",
+            Op::MemGetAllocationGranularity => "cuMemGetAllocationGranularity",
+            Op::MemAddressReserve => "cuMemAddressReserve",
+            Op::MemAddressFree => "cuMemAddressFree",
+            Op::MemCreate => "cuMemCreate",
+            Op::MemRelease => "cuMemRelease",
+            Op::MemMap => "cuMemMap",
+            Op::MemSetAccess => "cuMemSetAccess",
+            Op::MemUnmap => "cuMemUnmap",
         }
     }
 }
@@ -304,6 +331,11 @@ pub struct LeakReport {
     pub pools: usize,
     /// Primary contexts with a non-zero reference count: device, count.
     pub retained_contexts: Vec<(DeviceOrdinal, u32)>,
+    /// Physical allocations (`cuMemCreate`) not released, or released and still mapped:
+    /// device, handle, size.
+    pub physical: Vec<(DeviceOrdinal, PhysHandle, usize)>,
+    /// Address reservations (`cuMemAddressReserve`) not freed: address, size.
+    pub reservations: Vec<(DevicePtr, usize)>,
 }
 
 impl LeakReport {
@@ -318,6 +350,8 @@ impl LeakReport {
         self.modules += other.modules;
         self.pools += other.pools;
         self.retained_contexts.extend(other.retained_contexts);
+        self.physical.extend(other.physical);
+        self.reservations.extend(other.reservations);
     }
 
     /// Whether no memory (device, host, registered or mapped) is held.
@@ -326,6 +360,7 @@ impl LeakReport {
             && self.host_allocations.is_empty()
             && self.host_registrations.is_empty()
             && self.ipc_mappings.is_empty()
+            && self.physical.is_empty()
     }
 
     /// Whether nothing at all is held, contexts included.
@@ -336,6 +371,7 @@ impl LeakReport {
             && self.modules == 0
             && self.pools == 0
             && self.retained_contexts.is_empty()
+            && self.reservations.is_empty()
     }
 }
 
@@ -374,6 +410,15 @@ impl fmt::Display for LeakReport {
         }
         for (dev, count) in &self.retained_contexts {
             writeln!(f, "device {dev}: primary context retained {count} time(s)")?;
+        }
+        for (dev, handle, size) in &self.physical {
+            writeln!(
+                f,
+                "device {dev}: physical allocation {handle} of {size} bytes not released or still mapped"
+            )?;
+        }
+        for (ptr, size) in &self.reservations {
+            writeln!(f, "address range of {size} bytes at {ptr} still reserved")?;
         }
         Ok(())
     }

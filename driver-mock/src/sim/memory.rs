@@ -37,6 +37,8 @@ pub(super) struct DeviceMem {
     pub(super) allocs: BTreeMap<u64, SimAlloc>,
     /// Pages in use, by index from the device's base address.
     pub(super) pages: BTreeMap<u64, Page>,
+    /// Bytes of physical allocations (`cuMemCreate`) alive on the device.
+    pub(super) phys_bytes: usize,
 }
 
 impl DeviceMem {
@@ -178,6 +180,8 @@ pub(super) struct Accessor {
 pub(super) enum Loc {
     Store(u64, usize),
     Host(usize),
+    /// Mapped virtual memory: (store, offset, length) per mapping the range crosses.
+    Mapped(Vec<(u64, usize, usize)>),
 }
 
 impl World {
@@ -308,8 +312,9 @@ impl World {
 
     pub(super) fn free_bytes(&self, device: usize) -> usize {
         let d = &self.devices[device];
-        let used =
-            d.pages.len() * PAGE_SIZE + d.config.context_overhead * self.live_contexts(device);
+        let used = d.pages.len() * PAGE_SIZE
+            + d.phys_bytes
+            + d.config.context_overhead * self.live_contexts(device);
         d.config.total_mem.saturating_sub(used)
     }
 
@@ -322,6 +327,13 @@ impl World {
     pub(super) unsafe fn read(&self, by: Accessor, addr: u64, dst: &mut [u8]) -> Result<(), u32> {
         match self.resolve(by, addr, dst.len())? {
             Loc::Store(id, off) => self.stores[&id].bytes.read(off, dst),
+            Loc::Mapped(pieces) => {
+                let mut done = 0;
+                for (id, off, len) in pieces {
+                    self.stores[&id].bytes.read(off, &mut dst[done..done + len]);
+                    done += len;
+                }
+            }
             // SAFETY: `resolve` checked the range lies in a mapped host range; the caller vouches
             // that it is live and unwritten; `dst` is an exclusive borrow.
             Loc::Host(at) => unsafe {
@@ -348,6 +360,14 @@ impl World {
                 .expect("live store")
                 .bytes
                 .write(off, src),
+            Loc::Mapped(pieces) => {
+                let mut done = 0;
+                for (id, off, len) in pieces {
+                    let store = self.stores.get_mut(&id).expect("live store");
+                    store.bytes.write(off, &src[done..done + len]);
+                    done += len;
+                }
+            }
             // SAFETY: `resolve` checked the range lies in a mapped host range; the caller vouches
             // that it is live and untouched by anyone else.
             Loc::Host(at) => unsafe {
@@ -391,6 +411,13 @@ impl World {
             }
         }
         let p = &self.processes[pid];
+        if p.vm.contains(addr) {
+            return p
+                .vm
+                .segments(&self.phys, addr, len, by.device)
+                .map(Loc::Mapped)
+                .ok_or(code::INVALID_VALUE);
+        }
         if let Some((&start, m)) = p.ipc.range(..=addr).next_back()
             && let Some(off) = in_range(start, m.size)
         {
@@ -475,6 +502,9 @@ impl World {
             return Ok((DevicePtr(base), a.size));
         }
         let p = &self.processes[pid];
+        if let Some(range) = p.vm.mapping_of(ptr.0) {
+            return Ok(range);
+        }
         if let Some((&base, m)) = p.ipc.range(..=ptr.0).next_back()
             && m.device == i
             && ptr.0 < base + m.size as u64

@@ -34,6 +34,7 @@ mod log;
 mod memory;
 mod pools;
 mod streams;
+mod vmm;
 mod world;
 
 pub use config::{DEFAULT_ALIGNMENT, PAGE_SIZE, SMALL_MAX, SimConfig, SimDeviceConfig};
@@ -176,6 +177,7 @@ impl SimDriver {
                     config: c,
                     allocs: BTreeMap::new(),
                     pages: BTreeMap::new(),
+                    phys_bytes: 0,
                 }
             })
             .collect();
@@ -188,6 +190,7 @@ impl SimDriver {
             pinned: 0,
             next_handle: 0,
             pool_exports: BTreeMap::new(),
+            phys: BTreeMap::new(),
         };
         SimDriver {
             world: Arc::new(Mutex::new(world)),

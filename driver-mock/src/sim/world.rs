@@ -3,7 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use driver_sys::{ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, HostPtr, code};
+use driver_sys::{
+    ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, HostPtr, PhysHandle, code,
+};
 
 use super::Note;
 use super::config::{CONTEXT_HANDLE_BASE, HANDLE_BASE};
@@ -40,6 +42,8 @@ pub(super) struct Process {
     pub(super) reclaimed: LeakReport,
     /// Stream queues and event states.
     pub(super) streams: super::streams::Streams,
+    /// Address reservations and their mappings (`vmm.rs`).
+    pub(super) vm: super::vmm::VmSpace,
 }
 
 impl Process {
@@ -55,6 +59,7 @@ impl Process {
             pools: BTreeMap::new(),
             reclaimed: LeakReport::default(),
             streams: super::streams::Streams::default(),
+            vm: super::vmm::VmSpace::default(),
         }
     }
 }
@@ -80,6 +85,8 @@ pub(super) struct World {
     /// The descriptors are real (pipes), so they can be passed like the driver's.
     #[cfg_attr(not(unix), allow(dead_code))]
     pub(super) pool_exports: BTreeMap<u64, (usize, u64)>,
+    /// Physical allocations (`cuMemCreate`) by handle (`vmm.rs`).
+    pub(super) phys: BTreeMap<u64, super::vmm::Phys>,
 }
 
 pub(super) fn device_index(w: &World, dev: DeviceOrdinal) -> Result<usize, u32> {
@@ -156,6 +163,7 @@ impl World {
             }
         }
         self.drop_streams_of(pid, device);
+        self.destroy_vmm_of(pid, device);
         let p = &mut self.processes[pid];
         p.contexts[device].live = false;
         p.contexts[device].peers = 0;
@@ -225,6 +233,17 @@ impl World {
                 }
             }
         }
+        for (&handle, ph) in self
+            .phys
+            .iter()
+            .filter(|(_, ph)| ph.owner == pid && on(ph.device))
+        {
+            r.physical
+                .push((DeviceOrdinal(ph.device as u32), PhysHandle(handle), ph.size));
+        }
+        for (&base, res) in p.vm.reservations.iter().filter(|(_, res)| on(res.device)) {
+            r.reservations.push((DevicePtr(base), res.size));
+        }
         for (&addr, m) in p.ipc.iter().filter(|(_, m)| on(m.device)) {
             r.ipc_mappings
                 .push((DeviceOrdinal(m.device as u32), DevicePtr(addr), m.size));
@@ -289,6 +308,7 @@ impl World {
             DeviceAttribute::HostNumaId => c.host_numa_id,
             DeviceAttribute::HostMemoryPoolsSupported
             | DeviceAttribute::HostNumaMemoryPoolsSupported => i32::from(c.host_memory_pools),
+            DeviceAttribute::VirtualMemoryManagement => i32::from(c.vmm),
         })
     }
 

@@ -1108,3 +1108,90 @@ pub fn pool_limits_and_host_pools_conformance(target: Target) -> Result<(), Fail
     unsafe { d.mem_pool_destroy(ctx, pool)? };
     Ok(())
 }
+
+/// Virtual memory management as `vmm-pool` uses it: the granularity is 2 MiB; a physical
+/// allocation costs device memory from its creation, mapped memory is reached only after
+/// `cuMemSetAccess` and reads back what was written across two mappings side by side, a
+/// reservation with a mapping in it is not freed, a released allocation lives until it is
+/// unmapped, and everything comes back.
+pub fn virtual_memory_conformance(target: Target) -> Result<(), Failed> {
+    let raw = Raw::new(target)?;
+    let (d, ctx, dev) = (&raw.driver, raw.ctx, DeviceOrdinal(0));
+    ensure_eq!(
+        d.device_attribute(dev, driver_sys::DeviceAttribute::VirtualMemoryManagement)?,
+        1,
+        "the device supports virtual memory management"
+    );
+    let g = d.mem_vmm_granularity(dev)?;
+    ensure_eq!(g, PAGE, "the granularity");
+    expect_kind(
+        "a reservation of 0 bytes",
+        d.mem_address_reserve(ctx, 0),
+        ErrorKind::InvalidValue,
+    )?;
+    let free0 = d.mem_get_info(ctx)?.free;
+    let base = d.mem_address_reserve(ctx, 8 * g)?;
+    ensure_eq!(
+        base.0 % g as u64,
+        0,
+        "a reservation is aligned to the granularity"
+    );
+    ensure_eq!(
+        d.mem_get_info(ctx)?.free,
+        free0,
+        "a reservation takes no memory"
+    );
+    let a = d.mem_create(ctx, dev, g)?;
+    let b = d.mem_create(ctx, dev, 2 * g)?;
+    ensure_eq!(
+        free0 - d.mem_get_info(ctx)?.free,
+        3 * g,
+        "physical memory counts from its creation"
+    );
+    // SAFETY: the ranges lie in this test's reservation, where nothing is mapped.
+    unsafe {
+        d.mem_map(ctx, base, g, a)?;
+        d.mem_map(ctx, DevicePtr(base.0 + g as u64), 2 * g, b)?;
+    }
+    // Not reached before access is granted.
+    // SAFETY: a deliberately refused copy into this test's own mapping.
+    let refused = unsafe { d.memcpy_htod(ctx, base, &[1u8; 16]) };
+    ensure!(
+        refused.is_err(),
+        "a copy before cuMemSetAccess was refused: {refused:?}"
+    );
+    d.mem_set_access(ctx, base, 3 * g, dev)?;
+    // A write across the boundary of the two mappings reads back whole.
+    let at = DevicePtr(base.0 + g as u64 - 8);
+    let data: Vec<u8> = (0..16).collect();
+    let mut back = [0u8; 16];
+    // SAFETY: 16 bytes inside the two mappings this test made accessible.
+    unsafe {
+        d.memcpy_htod(ctx, at, &data)?;
+        d.memcpy_dtoh(ctx, &mut back, at)?;
+    }
+    ensure_eq!(&back[..], &data[..], "bytes across two mappings");
+    // SAFETY: deliberately refused: the reservation has mappings in it.
+    let refused = unsafe { d.mem_address_free(ctx, base, 8 * g) };
+    ensure!(
+        refused.is_err(),
+        "freeing a reservation with mappings in it was refused: {refused:?}"
+    );
+    // Released while mapped: the memory stays until the mapping goes.
+    // SAFETY: `b`, made above, released once; its mapping is unmapped below.
+    unsafe { d.mem_release(ctx, b)? };
+    ensure_eq!(
+        free0 - d.mem_get_info(ctx)?.free,
+        3 * g,
+        "a released allocation lives while mapped"
+    );
+    // SAFETY: this test's mappings, used by no work.
+    unsafe {
+        d.mem_unmap(ctx, DevicePtr(base.0 + g as u64), 2 * g)?;
+        d.mem_unmap(ctx, base, g)?;
+        d.mem_release(ctx, a)?;
+        d.mem_address_free(ctx, base, 8 * g)?;
+    }
+    ensure_eq!(d.mem_get_info(ctx)?.free, free0, "everything came back");
+    Ok(())
+}
