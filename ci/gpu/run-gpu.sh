@@ -47,6 +47,7 @@ run "suite cuda" "$here/bin/suite" --test-threads 1 cuda::
 unset EMM_STRESS_OPS
 # The suite again under every other manager, and under adaptors and the pinned host pool.
 EMM_MEMORY_MANAGER=pool run "suite cuda pool" "$here/bin/suite" --test-threads 1 cuda::
+EMM_MEMORY_MANAGER=vmm-pool run "suite cuda vmm-pool" "$here/bin/suite" --test-threads 1 cuda::
 EMM_MEMORY_MANAGER=async-pool run "suite cuda async-pool" "$here/bin/suite" --test-threads 1 cuda::
 EMM_MEMORY_MANAGER=async-pool-ipc run "suite cuda async-pool-ipc" "$here/bin/suite" --test-threads 1 cuda::
 EMM_MEMORY_MANAGER=async-pool-managed run "suite cuda async-pool-managed" "$here/bin/suite" --test-threads 1 cuda::

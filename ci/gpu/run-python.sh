@@ -24,7 +24,7 @@ status=0
 # The corpus's transformer training loop through emm.torch under each manager against PyTorch's
 # own allocator: bit-identical losses, and the memory each held beside PyTorch's reserve.
 (cd integration/traces/record && EMM_PYTHON_DRIVER=cuda python3 compare_training.py \
-    --managers default,pool,async-pool,async-pool-ipc) >"$out/compare-training.txt" 2>&1 || status=1
+    --managers default,pool,vmm-pool,async-pool,async-pool-ipc) >"$out/compare-training.txt" 2>&1 || status=1
 cat "$out/compare-training.txt"
 # numba-cuda's whole suite under Numba's manager and under emm.numba (default, pool): fails when
 # a test fails under emm.numba and not under Numba's own manager.

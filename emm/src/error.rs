@@ -165,6 +165,22 @@ pub enum EmmError {
         advice: &'static str,
     },
 
+    /// A manager that maps physical memory into reserved addresses (`vmm-pool`) on a device or
+    /// driver without virtual memory management.
+    #[error(
+        "the memory manager '{manager}' needs the driver's virtual memory management, which \
+         device {device} does not offer ({reason}); select 'pool', 'async-pool' or 'default' \
+         (EMM_MEMORY_MANAGER), which need none"
+    )]
+    NoVirtualMemory {
+        /// The manager's name.
+        manager: String,
+        /// The device.
+        device: DeviceOrdinal,
+        /// What the driver said.
+        reason: String,
+    },
+
     /// The memory manager was chosen after a context already existed.
     #[error(
         "the memory manager is already fixed: device {device} has a context using '{current}'; \

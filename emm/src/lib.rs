@@ -91,7 +91,7 @@ pub use host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 pub use managers::{
     ASYNC_POOL_IPC_MANAGER, ASYNC_POOL_MANAGED_MANAGER, ASYNC_POOL_MANAGER, AsyncPoolAllocator,
     AsyncPoolManager, DEFAULT_MANAGER, DefaultManager, DriverAllocator, MAX_SMALL, POOL_ALIGNMENT,
-    POOL_MANAGER, PoolAllocator, PoolConfig, PoolManager,
+    POOL_MANAGER, PoolAllocator, PoolConfig, PoolManager, VMM_POOL_MANAGER,
 };
 pub use memory::{
     ContextLiveness, DeallocConfig, DeferCleanup, Free, HostAllocFlags, HostMemory, HostOwner,

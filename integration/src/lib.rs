@@ -228,7 +228,9 @@ pub fn ensure_memory_back(free: usize, baseline: usize, what: &str) -> Result<()
 /// `cuIpcGetMemHandle`; `async-pool-ipc` does).
 pub fn exports_ipc_handles() -> bool {
     suite_setup().is_ok_and(|s| {
-        s.manager != emm::ASYNC_POOL_MANAGER && s.manager != emm::ASYNC_POOL_MANAGED_MANAGER
+        s.manager != emm::ASYNC_POOL_MANAGER
+            && s.manager != emm::ASYNC_POOL_MANAGED_MANAGER
+            && s.manager != emm::VMM_POOL_MANAGER
     })
 }
 

@@ -25,9 +25,10 @@ pub const H100_MEMORY: usize = 80 << 30;
 
 /// The managers every corpus trace is replayed under (the registered ones that hand out device
 /// memory).
-pub const TRACE_MANAGERS: [&str; 5] = [
+pub const TRACE_MANAGERS: [&str; 6] = [
     "default",
     "pool",
+    "vmm-pool",
     "async-pool",
     "async-pool-ipc",
     "async-pool-managed",
@@ -142,8 +143,13 @@ pub fn trace_sim(device_memory: usize) -> Arc<SimDriver> {
 }
 
 /// Driver calls that give a process device memory, and those that take it back.
-const ALLOCATING: [Op; 3] = [Op::MemAlloc, Op::MemAllocFromPoolAsync, Op::MemAllocManaged];
-const FREEING: [Op; 2] = [Op::MemFree, Op::MemFreeAsync];
+const ALLOCATING: [Op; 4] = [
+    Op::MemAlloc,
+    Op::MemAllocFromPoolAsync,
+    Op::MemAllocManaged,
+    Op::MemCreate,
+];
+const FREEING: [Op; 3] = [Op::MemFree, Op::MemFreeAsync, Op::MemRelease];
 
 /// Replays `events` `passes` times under `manager` on a fresh runtime over `driver` (`sim`
 /// is the same driver, when it is the simulator, for its call counts).

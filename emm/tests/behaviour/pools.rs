@@ -1104,3 +1104,48 @@ fn pinned_blocks_freed_on_another_thread_return_without_the_driver() {
     assert_eq!(ctx.pool_stats().pinned_host.unwrap().held_bytes, 0);
     assert_eq!(sim.count(Op::MemFreeHost), 40);
 }
+
+/// Where the device or its driver lacks virtual memory management, `vmm-pool` is refused when
+/// its context is made, with an error that says so and names the managers that work.
+#[test]
+fn vmm_pool_is_refused_without_virtual_memory_management() {
+    use driver_mock::SimDeviceConfig;
+    let sim = Arc::new(SimDriver::new(SimConfig::with_devices(vec![
+        SimDeviceConfig::new(1 << 30).vmm(false),
+    ])));
+    let rt = runtime_with(&sim, "vmm-pool");
+    let err = rt.context(0).unwrap_err();
+    assert!(matches!(err, EmmError::NoVirtualMemory { .. }), "{err:?}");
+    let text = err.to_string();
+    for needle in [
+        "virtual memory management",
+        "'pool'",
+        "'async-pool'",
+        "EMM_MEMORY_MANAGER",
+    ] {
+        assert!(text.contains(needle), "{needle:?} missing from: {text}");
+    }
+    // Where it has it, the pool works, grows in place and gives everything back.
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime_with(&sim, "vmm-pool");
+    let ctx = rt.context(0).unwrap();
+    let blocks: Vec<_> = (0..8)
+        .map(|i| ctx.memalloc((3 << 20) + i).unwrap())
+        .collect();
+    let data = vec![7u8; 3 << 20];
+    ctx.copy_to_device(&blocks[3], &data).unwrap();
+    let mut back = vec![0u8; 3 << 20];
+    ctx.copy_to_host(&mut back, &blocks[3]).unwrap();
+    assert_eq!(back, data);
+    assert!(
+        ctx.get_ipc_handle(&blocks[0]).is_err(),
+        "mapped memory has no IPC handle"
+    );
+    drop(blocks);
+    ctx.trim().unwrap();
+    assert_eq!(ctx.pool_stats().device.unwrap().held_bytes, 0);
+    drop(ctx);
+    drop(rt);
+    let leaks = sim.leak_report();
+    assert!(leaks.is_clean(), "{leaks}");
+}

@@ -16,7 +16,8 @@ fn default_is_chosen_unless_told_otherwise() {
             "async-pool-ipc".to_owned(),
             "async-pool-managed".to_owned(),
             "default".to_owned(),
-            "pool".to_owned()
+            "pool".to_owned(),
+            "vmm-pool".to_owned()
         ]
     );
 }

@@ -161,6 +161,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     driver_conformance::pool_export_conformance,
     driver_conformance::context_destruction_reclaims_all_its_memory[ProvokesFailedReleases],
     driver_conformance::stream_ordered_pool_conformance,
+    driver_conformance::virtual_memory_conformance[ProvokesFailedReleases],
     driver_conformance::pool_limits_and_host_pools_conformance,
     driver_conformance::pool_cache_under_pressure,
     driver_conformance::stream_and_event_conformance,
@@ -318,7 +319,7 @@ fn main() {
             ),
             (
                 Need::IpcExport,
-                "it does not export memory to other processes (its pool is not created for export; 'async-pool-ipc' does that)",
+                "it does not export memory to other processes (a stream-ordered pool not created for export, or mapped physical memory; 'pool' and 'async-pool-ipc' do that)",
             ),
             (
                 Need::DeviceMemory,

@@ -188,7 +188,19 @@ pub fn arrays_across_devices(target: Target) -> Result<(), Failed> {
                 );
                 Ok::<_, Failed>(dst)
             };
+            // Mapped memory (`vmm-pool`) is granted only to the devices that can reach it as
+            // peers: a peer copy from another device is refused, as the driver refuses one of
+            // memory it was not granted.
+            let mapped = c0.memory_manager_name() == emm::VMM_POOL_MANAGER && !peers;
             for route in [Route::Peer, Route::Staged, Route::Auto] {
+                if mapped && route == Route::Peer {
+                    let b = DeviceArray::<u32>::new(&c1, &shape, Order::F)?;
+                    ensure!(
+                        b.copy_across(&c1, &c0, &a, route).is_err(),
+                        "a peer copy of mapped memory to a device it was not granted to was not refused"
+                    );
+                    continue;
+                }
                 if pooled && route == Route::Peer {
                     let b = DeviceArray::<u32>::new(&c1, &shape, Order::F)?;
                     let refused = b.copy_across(&c1, &c0, &a, route);

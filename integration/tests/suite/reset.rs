@@ -91,8 +91,10 @@ pub fn reset_device_makes_old_memory_stale(target: Target) -> Result<(), Failed>
     let pending = ctx.memalloc(64)?;
     let guard = ctx.defer_cleanup()?;
     drop(pending);
-    // A pool destroy frees a stream-ordered pool's memory.
-    let frees = |s: &driver_mock::SimDriver| s.count(Op::MemFree) + s.count(Op::MemPoolDestroy);
+    // A pool destroy frees a stream-ordered pool's memory, a release a mapped chunk's.
+    let frees = |s: &driver_mock::SimDriver| {
+        s.count(Op::MemFree) + s.count(Op::MemPoolDestroy) + s.count(Op::MemRelease)
+    };
     let frees_before_reset = t.sim().map(frees);
     t.runtime.reset_device(0)?;
     if let (Some(sim), Some(before)) = (t.sim(), frees_before_reset) {

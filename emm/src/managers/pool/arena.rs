@@ -100,6 +100,9 @@ pub(super) struct Arena {
     recent: Option<(u64, usize)>,
     /// Bytes of its chunks.
     pub(super) held: usize,
+    /// Free space merges across the bases of chunks (chunks mapped next to each other in one
+    /// address reservation: `vmm-pool`); otherwise a chunk's base starts a chunk.
+    merge_across: bool,
 }
 
 impl Default for Arena {
@@ -113,6 +116,7 @@ impl Default for Arena {
             nonempty: [0; WORDS],
             recent: None,
             held: 0,
+            merge_across: false,
         }
     }
 }
@@ -258,10 +262,12 @@ impl Arena {
     /// the bins and maps ([`give_now`](Self::give_now)).
     pub(super) fn give(&mut self, addr: u64, size: usize) {
         debug_assert!(
-            self.chunks
-                .range(..=addr)
-                .next_back()
-                .is_some_and(|(&b, &s)| addr + size as u64 <= b + s as u64),
+            self.merge_across
+                || self
+                    .chunks
+                    .range(..=addr)
+                    .next_back()
+                    .is_some_and(|(&b, &s)| addr + size as u64 <= b + s as u64),
             "a pool block lies in a chunk"
         );
         self.settle();
@@ -273,11 +279,11 @@ impl Arena {
     fn give_now(&mut self, addr: u64, size: usize) {
         let end = addr + size as u64;
         let prev = match self.ends.get(&addr) {
-            Some(&id) if !self.chunks.contains_key(&addr) => Some(id),
+            Some(&id) if self.merges_at(addr) => Some(id),
             _ => None,
         };
         let next = match self.free.get(&end) {
-            Some(&id) if !self.chunks.contains_key(&end) => Some(id),
+            Some(&id) if self.merges_at(end) => Some(id),
             _ => None,
         };
         match (prev, next) {
@@ -320,47 +326,88 @@ impl Arena {
         self.insert_free(base, size);
     }
 
-    /// Whether the chunk at `base` of `size` bytes is wholly free (the block given last
-    /// settled first).
-    fn chunk_is_free(&self, base: u64, size: usize) -> bool {
-        self.free
-            .get(&base)
-            .is_some_and(|&id| self.nodes[id].size == size)
+    /// Whether free space merges across address `at` (a chunk's base stops it unless chunks
+    /// merge).
+    fn merges_at(&self, at: u64) -> bool {
+        self.merge_across || !self.chunks.contains_key(&at)
     }
 
-    /// Removes the chunk at `base`, which is wholly free.
-    fn remove_chunk(&mut self, base: u64, size: usize) {
-        self.remove_free(base);
-        self.chunks.remove(&base);
-        self.held -= size;
+    /// The wholly free chunks, as (base, size), each with the start of the free block that
+    /// covers it (the block given last settled first): with chunks that merge, a free block
+    /// may cover several.
+    fn free_chunks(&self) -> Vec<(u64, usize, u64)> {
+        if !self.merge_across {
+            return self
+                .chunks
+                .iter()
+                .filter(|&(&base, &size)| {
+                    self.free
+                        .get(&base)
+                        .is_some_and(|&id| self.nodes[id].size == size)
+                })
+                .map(|(&base, &size)| (base, size, base))
+                .collect();
+        }
+        let mut found = Vec::new();
+        for &id in self.free.values() {
+            let Node { addr, size, .. } = self.nodes[id];
+            let end = addr + size as u64;
+            found.extend(
+                self.chunks
+                    .range(addr..end)
+                    .filter(|&(&b, &s)| b + s as u64 <= end)
+                    .map(|(&b, &s)| (b, s, addr)),
+            );
+        }
+        found
+    }
+
+    /// Removes the wholly free chunks `chunks` (from [`free_chunks`](Self::free_chunks)):
+    /// each covering free block leaves the arena, and what of it no removed chunk covered
+    /// comes back as free blocks.
+    fn remove_chunks(&mut self, mut chunks: Vec<(u64, usize, u64)>) {
+        chunks.sort_unstable_by_key(|&(base, _, block)| (block, base));
+        let mut k = 0;
+        while k < chunks.len() {
+            let block = chunks[k].2;
+            let size = self.remove_free(block);
+            let mut at = block;
+            while k < chunks.len() && chunks[k].2 == block {
+                let (base, chunk, _) = chunks[k];
+                if base > at {
+                    self.insert_free(at, (base - at) as usize);
+                }
+                self.chunks.remove(&base);
+                self.held -= chunk;
+                at = base + chunk as u64;
+                k += 1;
+            }
+            let end = block + size as u64;
+            if end > at {
+                self.insert_free(at, (end - at) as usize);
+            }
+        }
     }
 
     /// Removes every chunk that is wholly free.
     pub(super) fn remove_free_chunks(&mut self) -> Vec<(u64, usize)> {
         self.settle();
-        let free: Vec<(u64, usize)> = self
-            .chunks
-            .iter()
-            .filter(|&(&base, &size)| self.chunk_is_free(base, size))
-            .map(|(&b, &s)| (b, s))
-            .collect();
-        for &(base, size) in &free {
-            self.remove_chunk(base, size);
-        }
-        free
+        let free = self.free_chunks();
+        let out = free.iter().map(|&(b, s, _)| (b, s)).collect();
+        self.remove_chunks(free);
+        out
     }
 
     /// Removes the smallest wholly free chunk of at least `size` bytes, for another arena.
     pub(super) fn take_free_chunk(&mut self, size: usize) -> Option<(u64, usize)> {
         self.settle();
-        let (base, got) = self
-            .chunks
-            .iter()
-            .filter(|&(&base, &got)| got >= size && self.chunk_is_free(base, got))
-            .min_by_key(|&(_, &got)| got)
-            .map(|(&b, &s)| (b, s))?;
-        self.remove_chunk(base, got);
-        Some((base, got))
+        let chunk = self
+            .free_chunks()
+            .into_iter()
+            .filter(|&(_, got, _)| got >= size)
+            .min_by_key(|&(_, got, _)| got)?;
+        self.remove_chunks(vec![chunk]);
+        Some((chunk.0, chunk.1))
     }
 
     /// Whether the arena holds no chunk.
@@ -385,7 +432,7 @@ impl Arena {
     /// neighbours it merges with, and those neighbours' nodes.
     fn recent_merged(&self) -> Option<(u64, usize, Option<NodeId>, Option<NodeId>)> {
         let (addr, size) = self.recent?;
-        let merges = |at: u64| !self.chunks.contains_key(&at);
+        let merges = |at: u64| self.merges_at(at);
         let (mut start, mut end) = (addr, addr + size as u64);
         let before = self.ends.get(&addr).copied().filter(|_| merges(addr));
         if let Some(id) = before {
@@ -477,13 +524,18 @@ pub(super) struct Arenas {
 }
 
 impl Arenas {
-    /// Empty arenas that serve requests up to `limit` bytes from standard chunks.
-    pub(super) fn new(limit: usize) -> Arenas {
+    /// Empty arenas that serve requests up to `limit` bytes from standard chunks; free space
+    /// merges across chunks where `merge_across` (chunks mapped next to each other).
+    pub(super) fn new(limit: usize, merge_across: bool) -> Arenas {
+        let arena = || Arena {
+            merge_across,
+            ..Arena::default()
+        };
         Arenas {
             generation: 0,
             limit,
-            standard: Arena::default(),
-            oversize: Arena::default(),
+            standard: arena(),
+            oversize: arena(),
         }
     }
 

@@ -92,13 +92,19 @@ use crate::thread_slots::{self, Shard, thread_shard};
 mod arena;
 mod shards;
 mod streams;
+mod vmm;
 
 use arena::{Arenas, Chunk};
 use shards::{Depot, Large, ShardHook, ShardLists, unparked};
 use streams::{StreamCache, StreamHook, stream_block_size};
+use vmm::VmmSpace;
 
 /// The name the pool manager is registered under.
 pub const POOL_MANAGER: &str = "pool";
+
+/// The name the pool over mapped physical memory (the driver's virtual memory management) is
+/// registered under.
+pub const VMM_POOL_MANAGER: &str = "vmm-pool";
 
 /// Alignment and granularity of every block.
 pub const POOL_ALIGNMENT: usize = crate::size_class::ALIGNMENT;
@@ -141,6 +147,11 @@ const GROW_GRANULARITY: usize = 2 << 20;
 /// a chunk's unused rest is small beside what the pool holds.
 const GROWTH_DIVISOR: usize = 8;
 
+/// `vmm-pool` grows by a thirty-second of what it holds: its chunks merge their free space
+/// with their neighbours', so small ones strand nothing, and more of them are wholly free when
+/// the pool sheds.
+const VMM_GROWTH_DIVISOR: usize = 32;
+
 /// The pool's tuning.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
@@ -165,6 +176,15 @@ pub struct PoolConfig {
 }
 
 impl PoolConfig {
+    /// `vmm-pool`'s configuration: the default, with chunks of at most 8 MiB (mapped next to
+    /// each other, they merge their free space, so the pool holds little beyond its blocks).
+    pub fn vmm() -> PoolConfig {
+        PoolConfig {
+            chunk_size: 8 << 20,
+            ..PoolConfig::default()
+        }
+    }
+
     /// The largest request served from the shared chunks: the chunk size. Larger requests get
     /// chunks of their own (the request rounded up to 2 MiB), which serve only requests above
     /// this size.
@@ -208,6 +228,9 @@ struct PoolShared {
     /// Wholly free chunks of streams that had work pending when the pool shed them, freed
     /// once the fence recorded then completed (`streams.rs`). Its lock is taken last.
     retiring: Mutex<Vec<(Vec<Chunk>, Fence)>>,
+    /// `vmm-pool`'s address reservation, where its chunks are mapped (`vmm.rs`); `None` for a
+    /// pool of `cuMemAlloc` chunks. Its lock is taken after every other.
+    vmm: Option<VmmSpace>,
 }
 
 /// Chunk bytes the pool holds from the driver, over all its arenas, and how they came and
@@ -588,11 +611,8 @@ impl PoolShared {
         if !chunks.is_empty() {
             self.totals.released(bytes, true);
             tracing::debug!(device = %self.cx.device, chunks = chunks.len(), bytes, "pool trimmed");
-            self.queue
-                .push_all_without_flush(chunks.into_iter().map(|c| Free::Device {
-                    ptr: DevicePtr(c.base),
-                    bytes: c.size,
-                }));
+            let frees: Vec<Free> = chunks.iter().flat_map(|c| self.chunk_free(c)).collect();
+            self.queue.push_all_without_flush(frees);
         }
         bytes
     }
@@ -607,7 +627,12 @@ impl PoolShared {
             return need;
         }
         let held = self.totals.held.load(Ordering::Relaxed);
-        let step = (held / GROWTH_DIVISOR).div_ceil(GROW_GRANULARITY) * GROW_GRANULARITY;
+        let divisor = if self.vmm.is_some() {
+            VMM_GROWTH_DIVISOR
+        } else {
+            GROWTH_DIVISOR
+        };
+        let step = (held / divisor).div_ceil(GROW_GRANULARITY) * GROW_GRANULARITY;
         need.max(step.clamp(GROW_GRANULARITY, self.config.chunk_size))
     }
 
@@ -618,7 +643,7 @@ impl PoolShared {
     fn new_chunk(&self, size: usize) -> Result<Chunk, DriverError> {
         let need = size.div_ceil(GROW_GRANULARITY) * GROW_GRANULARITY;
         let want = self.growth(size);
-        let alloc = |bytes| self.cx.driver.mem_alloc(self.cx.context, bytes);
+        let alloc = |bytes| self.allocate_chunk(bytes);
         let (base, got) = match alloc(want) {
             Ok(b) => (b, want),
             Err(e) if e.kind() == ErrorKind::OutOfMemory => {
@@ -629,12 +654,13 @@ impl PoolShared {
                         let queued = self.trim_to_queue(true);
                         tracing::warn!(device = %self.cx.device, requested = size, released = queued, "pool out of memory; trimmed, retrying");
                         // Inside defer_cleanup the frees stay queued and the retry fails.
-                        if queued > 0
-                            && let Err(e) = self.queue.flush()
-                        {
-                            tracing::warn!(device = %self.cx.device, error = %e, "freeing the trimmed chunks before the retry failed");
-                            // Kept for the next flush to return.
-                            self.queue.record_error(e);
+                        if queued > 0 {
+                            if let Err(e) = self.queue.flush() {
+                                tracing::warn!(device = %self.cx.device, error = %e, "freeing the trimmed chunks before the retry failed");
+                                // Kept for the next flush to return.
+                                self.queue.record_error(e);
+                            }
+                            self.settle_unmapped();
                         }
                         (alloc(need)?, need)
                     }
@@ -644,9 +670,9 @@ impl PoolShared {
             Err(e) => return Err(e),
         };
         self.totals.grew(got);
-        tracing::debug!(device = %self.cx.device, bytes = got, ptr = %base, "pool grew");
+        tracing::debug!(device = %self.cx.device, bytes = got, ptr = base, "pool grew");
         Ok(Chunk {
-            base: base.0,
+            base,
             size: got,
             oversize: size > self.config.oversize_above(),
         })
@@ -770,8 +796,29 @@ impl fmt::Debug for PoolAllocator {
 pub type PoolManager = HostOnly<PoolAllocator>;
 
 impl PoolAllocator {
-    /// A pool for the manager whose host layer is `host`.
+    /// A pool of `cuMemAlloc` chunks for the manager whose host layer is `host`.
     pub fn new(host: &HostLayer, config: PoolConfig) -> Result<PoolAllocator, EmmError> {
+        Self::build(host, config, None)
+    }
+
+    /// A pool whose chunks are physical memory mapped into one address reservation
+    /// (`vmm-pool`): its free space merges across chunks, so it grows in place. Refused with
+    /// [`EmmError::NoVirtualMemory`] where the device or its driver lacks virtual memory
+    /// management.
+    pub fn with_virtual_memory(
+        host: &HostLayer,
+        config: PoolConfig,
+        manager: &str,
+    ) -> Result<PoolAllocator, EmmError> {
+        let vmm = VmmSpace::new(host.context(), manager)?;
+        Self::build(host, config, Some(vmm))
+    }
+
+    fn build(
+        host: &HostLayer,
+        config: PoolConfig,
+        vmm: Option<VmmSpace>,
+    ) -> Result<PoolAllocator, EmmError> {
         if config.small_max > MAX_SMALL {
             return Err(EmmError::InvalidArgument {
                 what: "PoolConfig::small_max",
@@ -792,7 +839,7 @@ impl PoolAllocator {
             config,
             cache_limits: PoolShared::cache_limits(&config),
             generation: AtomicU64::new(0),
-            arena: Mutex::new(Arenas::new(config.oversize_above())),
+            arena: Mutex::new(Arenas::new(config.oversize_above(), vmm.is_some())),
             shards: Shard::all(ShardLists::new),
             depot: Mutex::new(Depot::new()),
             queue: Arc::clone(host.deallocations()),
@@ -800,6 +847,7 @@ impl PoolAllocator {
             fences: Fences::new(host.context()),
             totals: Totals::default(),
             retiring: Mutex::new(Vec::new()),
+            vmm,
         });
         let stream_hooks = (0..shared.streams.len())
             .map(|_| {
@@ -920,13 +968,27 @@ impl PoolAllocator {
     /// guard is gone.
     pub fn trim(&self) -> Result<usize, EmmError> {
         let bytes = self.shared.trim_to_queue(false);
-        self.shared.queue.flush()?;
+        let flushed = self.shared.queue.flush();
+        self.shared.settle_unmapped();
+        flushed?;
         Ok(bytes)
     }
 
     /// The factory registered as `"pool"`, with the default configuration.
     pub fn factory() -> FnFactory {
         Self::factory_with(POOL_MANAGER, PoolConfig::default())
+    }
+
+    /// The factory registered as `"vmm-pool"`: the pool over physical memory mapped into one
+    /// address reservation per device ([`with_virtual_memory`](Self::with_virtual_memory)),
+    /// with the default configuration.
+    pub fn vmm_factory() -> FnFactory {
+        FnFactory::new(VMM_POOL_MANAGER, move |cx: &ManagerContext| {
+            let host = HostLayer::new(cx);
+            let pool =
+                PoolAllocator::with_virtual_memory(&host, PoolConfig::vmm(), VMM_POOL_MANAGER)?;
+            Ok(Box::new(HostOnly::from_parts(host, pool)))
+        })
     }
 
     /// A factory named `name` for pools configured with `config`.
@@ -1009,6 +1071,15 @@ impl DeviceAllocator for PoolAllocator {
         host: &HostLayer,
         memory: &MemoryPointer,
     ) -> Result<IpcHandle, EmmError> {
+        if self.shared.vmm.is_some() {
+            return Err(EmmError::NotSupported {
+                operation: "get_ipc_handle",
+                manager: VMM_POOL_MANAGER.into(),
+                advice: "its memory is physical memory mapped into reserved addresses, which \
+                         cuIpcGetMemHandle does not export; allocate memory to share between \
+                         processes under 'pool' or 'async-pool-ipc'",
+            });
+        }
         // The handle names the chunk; its offset is the block's distance from the chunk base.
         host.ipc_handle(memory)
     }
@@ -1053,11 +1124,12 @@ impl DeviceAllocator for PoolAllocator {
             pool.fences.destroy_idle();
         }
         let queue = host.deallocations();
-        queue.push_all_without_flush(chunks.into_iter().map(|c| Free::Device {
-            ptr: DevicePtr(c.base),
-            bytes: c.size,
-        }));
-        queue.flush().map(|_| ())
+        let frees: Vec<Free> = chunks.iter().flat_map(|c| pool.chunk_free(c)).collect();
+        queue.push_all_without_flush(frees);
+        let flushed = queue.flush().map(|_| ());
+        // The reservation after its mappings, which the flush gave back.
+        pool.free_reservation();
+        flushed
     }
 
     fn trim(&self, _host: &HostLayer) -> Result<usize, EmmError> {

@@ -69,14 +69,14 @@ impl StreamLists {
             .map(|(_, l)| l)
     }
 
-    /// `stream`'s memory, made empty (requests above `limit` bytes in chunks of their own) if
-    /// it has none yet.
-    fn list_or_new(&mut self, stream: u64, limit: usize) -> &mut PerStream {
+    /// `stream`'s memory, made empty (requests above `limit` bytes in chunks of their own;
+    /// free space merging across chunks with `merge_across`) if it has none yet.
+    fn list_or_new(&mut self, stream: u64, limit: usize, merge_across: bool) -> &mut PerStream {
         let k = match self.per_stream.iter().position(|(s, _)| *s == stream) {
             Some(k) => k,
             None => {
                 let mine = PerStream {
-                    arena: Arenas::new(limit),
+                    arena: Arenas::new(limit, merge_across),
                     _owner: None,
                 };
                 self.per_stream.push((stream, mine));
@@ -274,19 +274,20 @@ impl PoolShared {
             return;
         };
         let mut freed = self.retired_chunks(false);
+        freed.extend(lock(&self.arena).remove_free_chunks());
         if let Some(stream) = growing {
             let mut lists = lock(self.streams.of(stream));
             if let Err(e) = self.settle_fences(&mut lists, false) {
                 self.queue.record_error(e);
             }
             if let Some(mine) = lists.list(stream.0) {
-                let own = mine.arena.remove_free_chunks();
-                if !own.is_empty() {
+                let shed = mine.arena.remove_free_chunks();
+                if !shed.is_empty() {
                     match self.fences.record([stream]) {
-                        Ok(fence) => lock(&self.retiring).push((own, fence)),
+                        Ok(fence) => lock(&self.retiring).push((shed, fence)),
                         Err(e) => {
                             // Kept: the stream may still use them.
-                            for chunk in own {
+                            for chunk in shed {
                                 mine.arena.add_chunk(chunk);
                             }
                             tracing::warn!(device = %self.cx.device, error = %e, "a growing stream's free chunks stay with it");
@@ -300,7 +301,6 @@ impl PoolShared {
                 }
             }
         }
-        freed.extend(lock(&self.arena).remove_free_chunks());
         self.free_chunks(freed, "before growing");
     }
 
@@ -343,14 +343,12 @@ impl PoolShared {
         let bytes = chunks.iter().map(|c| c.size).sum();
         self.totals.released(bytes, true);
         tracing::debug!(device = %self.cx.device, chunks = chunks.len(), bytes, why, "pool gave chunks back");
-        self.queue
-            .push_all_without_flush(chunks.into_iter().map(|c| Free::Device {
-                ptr: DevicePtr(c.base),
-                bytes: c.size,
-            }));
+        let frees: Vec<Free> = chunks.iter().flat_map(|c| self.chunk_free(c)).collect();
+        self.queue.push_all_without_flush(frees);
         if let Err(e) = self.queue.flush() {
             self.queue.record_error(e);
         }
+        self.settle_unmapped();
     }
 
     /// Takes a block of `size` bytes for `stream`: from its arena, after adding `chunk` (a new
@@ -366,7 +364,7 @@ impl PoolShared {
         let mut lists = lock(&self.streams.shards[k].inner);
         let generation = self.generation.load(Ordering::Acquire);
         if lists.list(stream.0).is_none() {
-            lists.list_or_new(stream.0, self.config.oversize_above());
+            lists.list_or_new(stream.0, self.config.oversize_above(), self.vmm.is_some());
             self.streams.mark(k, &lists);
         }
         let mine = lists
@@ -497,15 +495,23 @@ impl PoolShared {
             }
             // A stream with nothing pending has no work left on its free chunks.
             let done = if wait {
-                let fence = self.fences.record([stream]).map_err(err)?;
-                let finished = self.fences.finished(&fence, true);
-                self.fences.recycle(fence);
-                finished.map_err(err)?
+                self.fences.record([stream]).and_then(|fence| {
+                    let finished = self.fences.finished(&fence, true);
+                    self.fences.recycle(fence);
+                    finished
+                })
             } else {
-                self.cx
-                    .driver
-                    .stream_query(self.cx.context, stream)
-                    .map_err(err)?
+                self.cx.driver.stream_query(self.cx.context, stream)
+            };
+            let done = match done {
+                Ok(done) => done,
+                Err(e) => {
+                    // The chunks stay with their stream: nothing is lost.
+                    for chunk in chunks {
+                        mine.arena.add_chunk(chunk);
+                    }
+                    return Err(err(e));
+                }
             };
             if done {
                 freed.extend(chunks);

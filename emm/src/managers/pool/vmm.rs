@@ -1,0 +1,328 @@
+//! The chunks of `vmm-pool`: physical memory mapped into one address reservation per pool
+//! (the driver's virtual memory management), where the plain pool takes `cuMemAlloc` chunks.
+//!
+//! - The reservation is made at the first growth (four times the device's memory, so that
+//!   freed ranges leave room) and queued for `cuMemAddressFree` by a reset, after the frees of
+//!   its mappings; the next growth reserves anew.
+//! - A chunk is one `cuMemCreate` of a multiple of the granularity, mapped (`cuMemMap`) at the
+//!   lowest free range of the reservation that holds it and made accessible to the device
+//!   (`cuMemSetAccess`). Chunks mapped next to each other merge their free space in the
+//!   arenas, so the pool grows in place.
+//! - A chunk goes back through the deferred-deallocation queue (`Free::Mapping`: unmap, then
+//!   release). Its range is free for a new mapping once the queue has run it: ranges queued
+//!   wait in `unmapping` until a flush leaves the queue empty.
+
+use std::collections::{BTreeMap, HashMap};
+
+use driver_sys::{DeviceAttribute, DeviceOrdinal, DevicePtr, DriverError, ErrorKind, PhysHandle};
+
+use super::PoolShared;
+use super::arena::Chunk;
+use crate::contract::factory::ManagerContext;
+use crate::error::EmmError;
+use crate::memory::pending::Free;
+use crate::sync::{Mutex, lock};
+
+/// The reservation is this many times the device's memory.
+const RESERVE_FACTOR: usize = 4;
+
+/// A pool's address reservation and what is mapped in it.
+pub(super) struct VmmSpace {
+    /// The unit of every size and address (`cuMemGetAllocationGranularity`).
+    pub(super) granularity: usize,
+    /// The devices granted access to every chunk: this one and its peers.
+    access: Vec<DeviceOrdinal>,
+    reserve_bytes: usize,
+    inner: Mutex<VmmInner>,
+}
+
+#[derive(Default)]
+struct VmmInner {
+    /// (base, size) of the reservation, once made.
+    reservation: Option<(u64, usize)>,
+    /// Ranges of the reservation with nothing mapped: start → size.
+    free: BTreeMap<u64, usize>,
+    /// Ranges whose unmapping is queued: free once the queue ran.
+    unmapping: Vec<(u64, usize)>,
+    /// The physical allocation behind each chunk, by the chunk's base.
+    handles: HashMap<u64, PhysHandle>,
+    /// A failed growth could not unmap what it mapped: the reservation cannot be freed.
+    stranded: bool,
+}
+
+impl VmmSpace {
+    /// The space of a pool on `cx`'s device, refused with an error that names the managers
+    /// that work where the device or its driver lacks virtual memory management.
+    pub(super) fn new(cx: &ManagerContext, manager: &str) -> Result<VmmSpace, EmmError> {
+        let refused = |reason: String| EmmError::NoVirtualMemory {
+            manager: manager.to_owned(),
+            device: cx.device,
+            reason,
+        };
+        let supported = cx
+            .driver
+            .device_attribute(cx.device, DeviceAttribute::VirtualMemoryManagement)
+            .map_err(|e| refused(format!("reading the attribute failed: {e}")))?;
+        if supported == 0 {
+            return Err(refused(
+                "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0".into(),
+            ));
+        }
+        let granularity = cx
+            .driver
+            .mem_vmm_granularity(cx.device)
+            .map_err(|e| refused(format!("reading its granularity failed: {e}")))?;
+        let total = cx
+            .driver
+            .device_total_mem(cx.device)
+            .map_err(|e| EmmError::driver("cuDeviceTotalMem", cx.device, e))?;
+        let reserve_bytes =
+            (total.saturating_mul(RESERVE_FACTOR)).div_ceil(granularity) * granularity;
+        let count = cx
+            .driver
+            .device_count()
+            .map_err(|e| EmmError::driver("cuDeviceGetCount", cx.device, e))?;
+        let mut access = vec![cx.device];
+        for d in (0..count).map(DeviceOrdinal).filter(|&d| d != cx.device) {
+            match cx.driver.device_can_access_peer(d, cx.device) {
+                Ok(true) => access.push(d),
+                Ok(false) => {}
+                // Left out: its copies of this pool's memory stage through the host.
+                Err(e) => {
+                    tracing::warn!(device = %cx.device, peer = %d, error = %e, "cannot tell whether a device reaches vmm-pool's memory as a peer; it is not granted access")
+                }
+            }
+        }
+        Ok(VmmSpace {
+            granularity,
+            access,
+            reserve_bytes,
+            inner: Mutex::new(VmmInner::default()),
+        })
+    }
+
+    /// `bytes` rounded up to the granularity.
+    pub(super) fn round(&self, bytes: usize) -> usize {
+        bytes.div_ceil(self.granularity) * self.granularity
+    }
+}
+
+impl VmmInner {
+    /// Takes the lowest free range of at least `size` bytes.
+    fn place(&mut self, size: usize) -> Option<u64> {
+        let (&start, &got) = self.free.iter().find(|&(_, &got)| got >= size)?;
+        self.free.remove(&start);
+        if got > size {
+            self.free.insert(start + size as u64, got - size);
+        }
+        Some(start)
+    }
+
+    /// Gives a range back to the free ones, merged with its neighbours.
+    fn give(&mut self, start: u64, size: usize) {
+        let (mut start, mut size) = (start, size);
+        if let Some((&before, &len)) = self.free.range(..start).next_back()
+            && before + len as u64 == start
+        {
+            self.free.remove(&before);
+            start = before;
+            size += len;
+        }
+        let end = start + size as u64;
+        if let Some(len) = self.free.remove(&end) {
+            size += len;
+        }
+        self.free.insert(start, size);
+    }
+}
+
+impl PoolShared {
+    /// A new chunk of `bytes` bytes from the pool's source: `cuMemAlloc`, or physical memory
+    /// mapped into the pool's reservation.
+    pub(super) fn allocate_chunk(&self, bytes: usize) -> Result<u64, DriverError> {
+        let Some(vmm) = &self.vmm else {
+            return self
+                .cx
+                .driver
+                .mem_alloc(self.cx.context, bytes)
+                .map(|p| p.0);
+        };
+        let (cx, bytes) = (&self.cx, vmm.round(bytes));
+        let at = {
+            let mut inner = lock(&vmm.inner);
+            if inner.reservation.is_none() {
+                let base = cx
+                    .driver
+                    .mem_address_reserve(cx.context, vmm.reserve_bytes)?;
+                inner.reservation = Some((base.0, vmm.reserve_bytes));
+                inner.free.insert(base.0, vmm.reserve_bytes);
+            }
+            match inner.place(bytes) {
+                Some(at) => at,
+                None => {
+                    // Queued unmappings may free a range once the queue runs.
+                    drop(inner);
+                    if let Err(e) = self.queue.flush() {
+                        self.queue.record_error(e);
+                    }
+                    self.settle_unmapped();
+                    lock(&vmm.inner).place(bytes).ok_or_else(|| {
+                        DriverError::from_kind("cuMemAddressReserve", ErrorKind::OutOfMemory)
+                    })?
+                }
+            }
+        };
+        let mapped = self.map_chunk(at, bytes);
+        let mut inner = lock(&vmm.inner);
+        match mapped {
+            Ok(handle) => {
+                inner.handles.insert(at, handle);
+                Ok(at)
+            }
+            Err((e, free_again)) => {
+                if free_again {
+                    inner.give(at, bytes);
+                } else {
+                    inner.stranded = true;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Makes `bytes` of physical memory and maps it, accessible to the device, at `at` (a free
+    /// range of the reservation). On failure, undoes what it did, and says whether the range is
+    /// free again: a failed undo is logged and recorded for the next flush to return, and a
+    /// range left mapped is not used again.
+    #[allow(unsafe_code)]
+    fn map_chunk(&self, at: u64, bytes: usize) -> Result<PhysHandle, (DriverError, bool)> {
+        let cx = &self.cx;
+        let handle = cx
+            .driver
+            .mem_create(cx.context, cx.device, bytes)
+            .map_err(|e| (e, true))?;
+        let undo = |what: &'static str, r: Result<(), DriverError>| {
+            if let Err(e) = &r {
+                tracing::error!(device = %cx.device, error = %e, ptr = at, "{what} failed while undoing a growth of the pool");
+                self.queue
+                    .record_error(EmmError::driver(what, cx.device, e.clone()));
+            }
+            r.is_ok()
+        };
+        // SAFETY: `at .. at + bytes` was taken from the reservation's free ranges, so it lies
+        // in the reservation with nothing mapped there.
+        if let Err(e) = unsafe { cx.driver.mem_map(cx.context, DevicePtr(at), bytes, handle) } {
+            // SAFETY: made above and never mapped.
+            undo("cuMemRelease", unsafe {
+                cx.driver.mem_release(cx.context, handle)
+            });
+            return Err((e, true));
+        }
+        // The device itself, and every device that can reach its memory as a peer (as it can
+        // `cuMemAlloc` memory once peer access is on).
+        let granted = self.vmm.as_ref().map_or(&[][..], |v| &v.access[..]);
+        if let Err(e) = granted.iter().try_for_each(|&d| {
+            cx.driver
+                .mem_set_access(cx.context, DevicePtr(at), bytes, d)
+        }) {
+            // SAFETY: mapped above and reached by nothing: it was never accessible.
+            let unmapped = undo("cuMemUnmap", unsafe {
+                cx.driver.mem_unmap(cx.context, DevicePtr(at), bytes)
+            });
+            // SAFETY: made above; its memory goes once its mapping does.
+            undo("cuMemRelease", unsafe {
+                cx.driver.mem_release(cx.context, handle)
+            });
+            return Err((e, unmapped));
+        }
+        Ok(handle)
+    }
+
+    /// The queued free of `chunk`: `cuMemFree`, or the unmapping and release of its physical
+    /// allocation (its range waits for the queue to run it). `None` for a chunk mapped into a
+    /// reservation a reset has since given up (a growth that raced the reset): the reset's
+    /// context took its memory.
+    pub(super) fn chunk_free(&self, chunk: &Chunk) -> Vec<Free> {
+        let Some(vmm) = &self.vmm else {
+            return vec![Free::Device {
+                ptr: DevicePtr(chunk.base),
+                bytes: chunk.size,
+            }];
+        };
+        let mut inner = lock(&vmm.inner);
+        let Some(handle) = inner.handles.remove(&chunk.base) else {
+            tracing::warn!(device = %self.cx.device, ptr = chunk.base, "a chunk of a reservation given up by a reset is not unmapped again");
+            return Vec::new();
+        };
+        inner.unmapping.push((chunk.base, chunk.size));
+        vec![
+            Free::Unmap {
+                ptr: DevicePtr(chunk.base),
+                bytes: chunk.size,
+            },
+            Free::Release(handle),
+        ]
+    }
+
+    /// After a flush: the ranges whose unmapping was queued are free once nothing is left in
+    /// the queue (inside `defer_cleanup` they wait).
+    pub(super) fn settle_unmapped(&self) {
+        let Some(vmm) = &self.vmm else {
+            return;
+        };
+        if !self.queue.is_empty() {
+            return;
+        }
+        let mut inner = lock(&vmm.inner);
+        for (start, size) in std::mem::take(&mut inner.unmapping) {
+            inner.give(start, size);
+        }
+    }
+
+    /// A reset, after the frees of its mappings were flushed: the reservation is freed, once
+    /// (a failure is logged and recorded for the next flush to return; the context's
+    /// destruction takes the reservation then), and the next growth makes a new one. Where an
+    /// unmapping is still queued or failed, the reservation is left to the context's
+    /// destruction: freeing it with a mapping in it would be refused.
+    #[allow(unsafe_code)]
+    pub(super) fn free_reservation(&self) {
+        let Some(vmm) = self.vmm.as_ref() else {
+            return;
+        };
+        let (taken, stranded) = {
+            let mut inner = lock(&vmm.inner);
+            let taken = (inner.reservation.take(), inner.stranded);
+            *inner = VmmInner::default();
+            taken
+        };
+        let Some((base, size)) = taken else {
+            return;
+        };
+        let unmapping = stranded
+            || self
+                .queue
+                .failed()
+                .iter()
+                .chain(self.queue.snapshot().iter())
+                .any(|f| matches!(f, Free::Unmap { .. }));
+        if unmapping {
+            tracing::warn!(device = %self.cx.device, ptr = base, "a reset left a mapping in the pool's reservation; the context's destruction takes the reservation");
+            return;
+        }
+        let Some(_live) = self.cx.liveness.enter() else {
+            return;
+        };
+        // SAFETY: the pool's own reservation, given up here once (its record was taken above),
+        // with no mapping left in it: every unmapping was issued and none failed.
+        let freed = unsafe {
+            self.cx
+                .driver
+                .mem_address_free(self.cx.context, DevicePtr(base), size)
+        };
+        if let Err(e) = freed {
+            tracing::error!(device = %self.cx.device, error = %e, ptr = base, "freeing the pool's address reservation failed; the context's destruction takes it");
+            self.queue
+                .record_error(EmmError::driver("cuMemAddressFree", self.cx.device, e));
+        }
+    }
+}
