@@ -263,11 +263,13 @@ impl<'c> Replayer<'c> {
         events: &[ReplayEvent],
         mut between: impl FnMut(),
     ) -> Result<ReplayReport, EmmError> {
-        let mut live: HashMap<u64, Live> = HashMap::new();
+        // By recorded address, with the event's index: what is left at the end is freed in the
+        // order it was allocated, so that a pass leaves the same state every time.
+        let mut live: HashMap<u64, (usize, Live)> = HashMap::new();
         let mut report = ReplayReport::default();
         let mut live_bytes = 0usize;
         let mut busy = Duration::ZERO;
-        for e in events {
+        for (index, e) in events.iter().enumerate() {
             match e.action {
                 Action::Allocate => {
                     let start = Instant::now();
@@ -295,7 +297,7 @@ impl<'c> Replayer<'c> {
                             let device = matches!(m, Live::Device(..));
                             // A log that allocates one address twice without a free: the
                             // older allocation is freed here.
-                            if let Some(Live::Device(_, size)) = live.insert(e.ptr, m) {
+                            if let Some((_, Live::Device(_, size))) = live.insert(e.ptr, (index, m)) {
                                 live_bytes -= size;
                             }
                             report.peak_live = report.peak_live.max(live.len());
@@ -320,7 +322,7 @@ impl<'c> Replayer<'c> {
                     }
                 }
                 Action::Free => match live.remove(&e.ptr) {
-                    Some(m) => {
+                    Some((_, m)) => {
                         if let Live::Device(_, size) = m {
                             live_bytes -= size;
                         }
@@ -335,8 +337,10 @@ impl<'c> Replayer<'c> {
             }
             between();
         }
+        let mut left: Vec<(usize, Live)> = live.into_values().collect();
+        left.sort_unstable_by_key(|(index, _)| *index);
         let start = Instant::now();
-        drop(live);
+        drop(left);
         busy += start.elapsed();
         between();
         report.elapsed = busy;

@@ -48,6 +48,9 @@ struct VmmInner {
     handles: HashMap<u64, PhysHandle>,
     /// A failed growth could not unmap what it mapped: the reservation cannot be freed.
     stranded: bool,
+    /// Growths between taking a range and recording (or giving back) what they mapped there:
+    /// a reset does not free the reservation under them.
+    growing: usize,
 }
 
 impl VmmSpace {
@@ -157,7 +160,7 @@ impl PoolShared {
                 inner.reservation = Some((base.0, vmm.reserve_bytes));
                 inner.free.insert(base.0, vmm.reserve_bytes);
             }
-            match inner.place(bytes) {
+            let at = match inner.place(bytes) {
                 Some(at) => at,
                 None => {
                     // Queued unmappings may free a range once the queue runs.
@@ -166,14 +169,18 @@ impl PoolShared {
                         self.queue.record_error(e);
                     }
                     self.settle_unmapped();
-                    lock(&vmm.inner).place(bytes).ok_or_else(|| {
+                    inner = lock(&vmm.inner);
+                    inner.place(bytes).ok_or_else(|| {
                         DriverError::from_kind("cuMemAddressReserve", ErrorKind::OutOfMemory)
                     })?
                 }
-            }
+            };
+            inner.growing += 1;
+            at
         };
         let mapped = self.map_chunk(at, bytes);
         let mut inner = lock(&vmm.inner);
+        inner.growing -= 1;
         match mapped {
             Ok(handle) => {
                 inner.handles.insert(at, handle);
