@@ -296,26 +296,36 @@ impl PoolShared {
         let Some(vmm) = self.vmm.as_ref() else {
             return;
         };
-        let (taken, stranded) = {
+        let (base, size) = {
             let mut inner = lock(&vmm.inner);
-            let taken = (inner.reservation.take(), inner.stranded);
+            let Some((base, size)) = inner.reservation else {
+                return;
+            };
+            // A growth that raced the reset mapped (or is mapping) a chunk the reset did not
+            // see: the reservation stays, with it, for the next reset.
+            if !inner.handles.is_empty() || inner.growing > 0 {
+                tracing::info!(device = %self.cx.device, chunks = inner.handles.len(), "the pool's reservation stays after a reset: a growth during it mapped chunks there");
+                return;
+            }
+            // Read under the lock: a shed removes a chunk's record here before it queues the
+            // chunk's unmapping, and the unmapping waits in the queue until a flush runs it.
+            let unmapping = (!inner.unmapping.is_empty() && !self.queue.is_empty())
+                || self
+                    .queue
+                    .failed()
+                    .iter()
+                    .chain(self.queue.snapshot().iter())
+                    .any(|f| matches!(f, Free::Unmap { .. }));
+            let stranded = inner.stranded;
             *inner = VmmInner::default();
-            taken
+            if unmapping || stranded {
+                // Forgotten: the context's destruction takes it (freeing it with a mapping in
+                // it would be refused).
+                tracing::warn!(device = %self.cx.device, ptr = base, "a reset left a mapping in the pool's reservation; the context's destruction takes the reservation");
+                return;
+            }
+            (base, size)
         };
-        let Some((base, size)) = taken else {
-            return;
-        };
-        let unmapping = stranded
-            || self
-                .queue
-                .failed()
-                .iter()
-                .chain(self.queue.snapshot().iter())
-                .any(|f| matches!(f, Free::Unmap { .. }));
-        if unmapping {
-            tracing::warn!(device = %self.cx.device, ptr = base, "a reset left a mapping in the pool's reservation; the context's destruction takes the reservation");
-            return;
-        }
         let Some(_live) = self.cx.liveness.enter() else {
             return;
         };
