@@ -297,7 +297,8 @@ impl<'c> Replayer<'c> {
                             let device = matches!(m, Live::Device(..));
                             // A log that allocates one address twice without a free: the
                             // older allocation is freed here.
-                            if let Some((_, Live::Device(_, size))) = live.insert(e.ptr, (index, m)) {
+                            if let Some((_, Live::Device(_, size))) = live.insert(e.ptr, (index, m))
+                            {
                                 live_bytes -= size;
                             }
                             report.peak_live = report.peak_live.max(live.len());
