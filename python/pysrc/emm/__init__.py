@@ -48,9 +48,8 @@ class Runtime:
     """The process's emm runtime.
 
     ``manager``: a manager name (``default``, ``pool``, ``vmm-pool``, ``async-pool``,
-    ``async-pool-ipc``, or
-    one registered by the host runtime); ``adaptors``: a list as ``EMM_MEMORY_ADAPTORS`` takes
-    (``"stats,limit=8GiB"``); ``driver``: ``"cuda"`` or ``"sim"``. Values left out come from the
+    ``async-pool-ipc``, or one registered by the host runtime); ``adaptors``: a list as
+    ``EMM_MEMORY_ADAPTORS`` takes (``"stats,limit=8GiB"``); ``driver``: ``"cuda"`` or ``"sim"``. Values left out come from the
     environment. The runtime is made once per process: a second ``Runtime(...)`` with the same
     settings is the same runtime; with others it raises ``emm.EmmError``.
     """
