@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use driver_sys::{
     ContextHandle, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle, HostPtr,
-    ModuleHandle, PhysHandle, StreamHandle,
+    ModuleHandle, StreamHandle,
 };
 
 use crate::error::EmmError;
@@ -33,17 +33,6 @@ pub enum Free {
         /// Bytes counted against the byte threshold.
         bytes: usize,
     },
-    /// `cuMemUnmap` of a mapping of `bytes` bytes at `ptr` (a virtual-memory pool's chunk),
-    /// queued before the [`Release`](Free::Release) of the memory behind it.
-    Unmap {
-        /// Where the mapping starts.
-        ptr: DevicePtr,
-        /// Its size, counted against the byte threshold.
-        bytes: usize,
-    },
-    /// `cuMemRelease` of a physical allocation, whose memory goes once no mapping of it is
-    /// left (counted as 0 bytes: its unmapping counts them).
-    Release(PhysHandle),
     /// `cuStreamDestroy` (the context's own queue).
     Stream(StreamHandle),
     /// `cuEventDestroy` (the context's own queue).
@@ -56,10 +45,8 @@ impl Free {
     /// Bytes this entry counts against the byte threshold.
     pub fn bytes(&self) -> usize {
         match self {
-            Free::Device { bytes, .. } | Free::Host { bytes, .. } | Free::Unmap { bytes, .. } => {
-                *bytes
-            }
-            Free::Release(_) | Free::Stream(_) | Free::Event(_) | Free::Module(_) => 0,
+            Free::Device { bytes, .. } | Free::Host { bytes, .. } => *bytes,
+            Free::Stream(_) | Free::Event(_) | Free::Module(_) => 0,
         }
     }
 
@@ -75,8 +62,6 @@ impl Free {
             match self {
                 Free::Device { ptr, .. } => driver.mem_free(ctx, *ptr),
                 Free::Host { ptr, .. } => driver.mem_free_host(ctx, *ptr),
-                Free::Unmap { ptr, bytes } => driver.mem_unmap(ctx, *ptr, *bytes),
-                Free::Release(handle) => driver.mem_release(ctx, *handle),
                 Free::Stream(s) => driver.stream_destroy(ctx, *s),
                 Free::Event(e) => driver.event_destroy(ctx, *e),
                 Free::Module(m) => driver.module_unload(ctx, *m),

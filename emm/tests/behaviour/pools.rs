@@ -1149,3 +1149,41 @@ fn vmm_pool_is_refused_without_virtual_memory_management() {
     let leaks = sim.leak_report();
     assert!(leaks.is_clean(), "{leaks}");
 }
+
+/// `vmm-pool` keeps `defer_cleanup`'s promise: chunks it gives back inside the guard stay
+/// mapped until the guard is gone, and the first trim or growth after it unmaps them. A reset
+/// inside the guard gives up every block, so its chunks go at once; nothing leaks.
+#[test]
+fn vmm_pool_unmaps_after_defer_cleanup() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime_with(&sim, "vmm-pool");
+    let ctx = rt.context(0).unwrap();
+    let blocks: Vec<_> = (0..4).map(|_| ctx.memalloc(16 << 20).unwrap()).collect();
+    let guard = ctx.defer_cleanup().unwrap();
+    drop(blocks);
+    let trimmed = ctx.trim().unwrap();
+    assert!(trimmed >= 64 << 20, "trimmed {trimmed}");
+    assert_eq!(
+        (sim.count(Op::MemUnmap), sim.count(Op::MemRelease)),
+        (0, 0),
+        "unmapped inside defer_cleanup"
+    );
+    drop(guard);
+    // The next growth unmaps what waited, before it maps.
+    let again = ctx.memalloc(8 << 20).unwrap();
+    let unmapped = sim.count(Op::MemUnmap);
+    assert!(unmapped > 0, "the waiting chunks stayed mapped");
+    assert_eq!(sim.count(Op::MemRelease), unmapped);
+    drop(again);
+    let guard = ctx.defer_cleanup().unwrap();
+    ctx.reset().unwrap();
+    assert!(
+        sim.count(Op::MemUnmap) > unmapped,
+        "a reset inside defer_cleanup unmaps its chunks"
+    );
+    drop(guard);
+    drop(ctx);
+    drop(rt);
+    let leaks = sim.leak_report();
+    assert!(leaks.is_clean(), "{leaks}");
+}

@@ -83,7 +83,7 @@ use crate::host::fences::{Fence, Fences};
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::lines::Lines;
 use crate::managers::default::DriverAllocator;
-use crate::memory::pending::{Free, PendingDeallocs};
+use crate::memory::pending::PendingDeallocs;
 use crate::memory::pointer::{MemoryPointer, ParkedPointer, PoolHook, forget_hooks};
 use crate::size_class::{class_of, class_size};
 use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
@@ -611,8 +611,7 @@ impl PoolShared {
         if !chunks.is_empty() {
             self.totals.released(bytes, true);
             tracing::debug!(device = %self.cx.device, chunks = chunks.len(), bytes, "pool trimmed");
-            let frees: Vec<Free> = chunks.iter().flat_map(|c| self.chunk_free(c)).collect();
-            self.queue.push_all_without_flush(frees);
+            self.release_chunks(chunks, false);
         }
         bytes
     }
@@ -654,13 +653,12 @@ impl PoolShared {
                         let queued = self.trim_to_queue(true);
                         tracing::warn!(device = %self.cx.device, requested = size, released = queued, "pool out of memory; trimmed, retrying");
                         // Inside defer_cleanup the frees stay queued and the retry fails.
-                        if queued > 0 {
-                            if let Err(e) = self.queue.flush() {
-                                tracing::warn!(device = %self.cx.device, error = %e, "freeing the trimmed chunks before the retry failed");
-                                // Kept for the next flush to return.
-                                self.queue.record_error(e);
-                            }
-                            self.settle_unmapped();
+                        if queued > 0
+                            && let Err(e) = self.queue.flush()
+                        {
+                            tracing::warn!(device = %self.cx.device, error = %e, "freeing the trimmed chunks before the retry failed");
+                            // Kept for the next flush to return.
+                            self.queue.record_error(e);
                         }
                         (alloc(need)?, need)
                     }
@@ -968,9 +966,7 @@ impl PoolAllocator {
     /// guard is gone.
     pub fn trim(&self) -> Result<usize, EmmError> {
         let bytes = self.shared.trim_to_queue(false);
-        let flushed = self.shared.queue.flush();
-        self.shared.settle_unmapped();
-        flushed?;
+        self.shared.queue.flush()?;
         Ok(bytes)
     }
 
@@ -1124,8 +1120,7 @@ impl DeviceAllocator for PoolAllocator {
             pool.fences.destroy_idle();
         }
         let queue = host.deallocations();
-        let frees: Vec<Free> = chunks.iter().flat_map(|c| pool.chunk_free(c)).collect();
-        queue.push_all_without_flush(frees);
+        pool.release_chunks(chunks, true);
         let flushed = queue.flush().map(|_| ());
         // The reservation after its mappings, which the flush gave back.
         pool.free_reservation();

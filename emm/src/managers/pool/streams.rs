@@ -27,7 +27,6 @@ use crate::error::EmmError;
 use crate::host::HostLayer;
 use crate::host::fences::Fence;
 use crate::memory::host::HostOwner;
-use crate::memory::pending::Free;
 use crate::memory::pointer::{PoolHook, ReleaseHook, StreamUse};
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering, lock};
 
@@ -343,12 +342,10 @@ impl PoolShared {
         let bytes = chunks.iter().map(|c| c.size).sum();
         self.totals.released(bytes, true);
         tracing::debug!(device = %self.cx.device, chunks = chunks.len(), bytes, why, "pool gave chunks back");
-        let frees: Vec<Free> = chunks.iter().flat_map(|c| self.chunk_free(c)).collect();
-        self.queue.push_all_without_flush(frees);
+        self.release_chunks(chunks, false);
         if let Err(e) = self.queue.flush() {
             self.queue.record_error(e);
         }
-        self.settle_unmapped();
     }
 
     /// Takes a block of `size` bytes for `stream`: from its arena, after adding `chunk` (a new

@@ -8,9 +8,11 @@
 //!   lowest free range of the reservation that holds it and made accessible to the device
 //!   (`cuMemSetAccess`). Chunks mapped next to each other merge their free space in the
 //!   arenas, so the pool grows in place.
-//! - A chunk goes back through the deferred-deallocation queue (`Free::Mapping`: unmap, then
-//!   release). Its range is free for a new mapping once the queue has run it: ranges queued
-//!   wait in `unmapping` until a flush leaves the queue empty.
+//! - A chunk goes back by `cuMemUnmap` then `cuMemRelease`, made by the pool itself (the
+//!   deferred-deallocation queue holds `cuMemAlloc` memory's frees): at once, or inside
+//!   `defer_cleanup` (the queue suspended) at the first release of chunks after it. Its range is
+//!   free for a new mapping once unmapped; a range whose unmapping failed is not used again, and
+//!   leaves the reservation to the context's destruction.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -42,8 +44,8 @@ struct VmmInner {
     reservation: Option<(u64, usize)>,
     /// Ranges of the reservation with nothing mapped: start → size.
     free: BTreeMap<u64, usize>,
-    /// Ranges whose unmapping is queued: free once the queue ran.
-    unmapping: Vec<(u64, usize)>,
+    /// Chunks given back inside `defer_cleanup`: unmapped and released after it.
+    deferred: Vec<(u64, usize, PhysHandle)>,
     /// The physical allocation behind each chunk, by the chunk's base.
     handles: HashMap<u64, PhysHandle>,
     /// A failed growth could not unmap what it mapped: the reservation cannot be freed.
@@ -151,6 +153,10 @@ impl PoolShared {
                 .map(|p| p.0);
         };
         let (cx, bytes) = (&self.cx, vmm.round(bytes));
+        // Chunks given back inside a defer_cleanup that has since ended go first.
+        if !lock(&vmm.inner).deferred.is_empty() {
+            self.release_chunks(Vec::new(), false);
+        }
         let at = {
             let mut inner = lock(&vmm.inner);
             if inner.reservation.is_none() {
@@ -163,12 +169,9 @@ impl PoolShared {
             let at = match inner.place(bytes) {
                 Some(at) => at,
                 None => {
-                    // Queued unmappings may free a range once the queue runs.
+                    // Chunks given back inside defer_cleanup may free a range now.
                     drop(inner);
-                    if let Err(e) = self.queue.flush() {
-                        self.queue.record_error(e);
-                    }
-                    self.settle_unmapped();
+                    self.release_chunks(Vec::new(), false);
                     inner = lock(&vmm.inner);
                     inner.place(bytes).ok_or_else(|| {
                         DriverError::from_kind("cuMemAddressReserve", ErrorKind::OutOfMemory)
@@ -245,52 +248,73 @@ impl PoolShared {
         Ok(handle)
     }
 
-    /// The queued free of `chunk`: `cuMemFree`, or the unmapping and release of its physical
-    /// allocation (its range waits for the queue to run it). `None` for a chunk mapped into a
-    /// reservation a reset has since given up (a growth that raced the reset): the reset's
-    /// context took its memory.
-    pub(super) fn chunk_free(&self, chunk: &Chunk) -> Vec<Free> {
+    /// Gives `chunks` back to their source: `cuMemAlloc` chunks through the deferred queue
+    /// (the caller flushes), mapped ones unmapped and released here. Inside `defer_cleanup`
+    /// mapped chunks wait, unless `now` (a reset, which gives up every block of them), for the
+    /// first release or growth after it; each call also takes those left before. A failure is
+    /// logged and recorded for the next flush to return.
+    pub(super) fn release_chunks(&self, chunks: Vec<Chunk>, now: bool) {
         let Some(vmm) = &self.vmm else {
-            return vec![Free::Device {
-                ptr: DevicePtr(chunk.base),
-                bytes: chunk.size,
-            }];
-        };
-        let mut inner = lock(&vmm.inner);
-        let Some(handle) = inner.handles.remove(&chunk.base) else {
-            tracing::warn!(device = %self.cx.device, ptr = chunk.base, "a chunk of a reservation given up by a reset is not unmapped again");
-            return Vec::new();
-        };
-        inner.unmapping.push((chunk.base, chunk.size));
-        vec![
-            Free::Unmap {
-                ptr: DevicePtr(chunk.base),
-                bytes: chunk.size,
-            },
-            Free::Release(handle),
-        ]
-    }
-
-    /// After a flush: the ranges whose unmapping was queued are free once nothing is left in
-    /// the queue (inside `defer_cleanup` they wait).
-    pub(super) fn settle_unmapped(&self) {
-        let Some(vmm) = &self.vmm else {
+            self.queue
+                .push_all_without_flush(chunks.into_iter().map(|c| Free::Device {
+                    ptr: DevicePtr(c.base),
+                    bytes: c.size,
+                }));
             return;
         };
-        if !self.queue.is_empty() {
+        let mut inner = lock(&vmm.inner);
+        for c in chunks {
+            match inner.handles.remove(&c.base) {
+                Some(handle) => inner.deferred.push((c.base, c.size, handle)),
+                None => {
+                    tracing::warn!(device = %self.cx.device, ptr = c.base, "a chunk of a reservation given up by a reset is not unmapped again")
+                }
+            }
+        }
+        if inner.deferred.is_empty() || (self.queue.is_disabled() && !now) {
             return;
         }
-        let mut inner = lock(&vmm.inner);
-        for (start, size) in std::mem::take(&mut inner.unmapping) {
-            inner.give(start, size);
+        let Some(_live) = self.cx.liveness.enter() else {
+            return;
+        };
+        for (base, size, handle) in std::mem::take(&mut inner.deferred) {
+            if self.unmap_chunk(base, size, handle) {
+                inner.give(base, size);
+            } else {
+                inner.stranded = true;
+            }
         }
     }
 
-    /// A reset, after the frees of its mappings were flushed: the reservation is freed, once
+    /// Unmaps and releases one chunk; whether its range is free again.
+    #[allow(unsafe_code)]
+    fn unmap_chunk(&self, base: u64, size: usize, handle: PhysHandle) -> bool {
+        let cx = &self.cx;
+        let failed = |what: &'static str, e: DriverError| {
+            tracing::error!(device = %cx.device, error = %e, ptr = base, "{what} of a pool chunk failed");
+            self.queue
+                .record_error(EmmError::driver(what, cx.device, e));
+        };
+        // SAFETY: a chunk of this pool with nothing in use (the stream work that used it is
+        // done: the shed and trim rules), or one a reset gave up, whose blocks the reset's
+        // contract says are no longer used; the mapping is this pool's, unmapped once here.
+        let unmapped = unsafe { cx.driver.mem_unmap(cx.context, DevicePtr(base), size) };
+        if let Err(e) = &unmapped {
+            failed("cuMemUnmap", e.clone());
+        }
+        // SAFETY: made by this pool for this chunk and released once, here; its memory goes
+        // once its mapping does.
+        if let Err(e) = unsafe { cx.driver.mem_release(cx.context, handle) } {
+            failed("cuMemRelease", e);
+        }
+        unmapped.is_ok()
+    }
+
+    /// A reset, after its chunks were given back: the reservation is freed, once
     /// (a failure is logged and recorded for the next flush to return; the context's
     /// destruction takes the reservation then), and the next growth makes a new one. Where an
-    /// unmapping is still queued or failed, the reservation is left to the context's
-    /// destruction: freeing it with a mapping in it would be refused.
+    /// unmapping failed, the reservation is left to the context's destruction: freeing it with
+    /// a mapping in it would be refused.
     #[allow(unsafe_code)]
     pub(super) fn free_reservation(&self) {
         let Some(vmm) = self.vmm.as_ref() else {
@@ -302,23 +326,15 @@ impl PoolShared {
                 return;
             };
             // A growth that raced the reset mapped (or is mapping) a chunk the reset did not
-            // see: the reservation stays, with it, for the next reset.
-            if !inner.handles.is_empty() || inner.growing > 0 {
-                tracing::info!(device = %self.cx.device, chunks = inner.handles.len(), "the pool's reservation stays after a reset: a growth during it mapped chunks there");
+            // see, or chunks given back inside defer_cleanup are still mapped: the reservation
+            // stays, with them, for the first release after defer_cleanup and the next reset.
+            if !inner.handles.is_empty() || inner.growing > 0 || !inner.deferred.is_empty() {
+                tracing::info!(device = %self.cx.device, chunks = inner.handles.len(), deferred = inner.deferred.len(), "the pool's reservation stays after a reset: chunks are still mapped in it");
                 return;
             }
-            // Read under the lock: a shed removes a chunk's record here before it queues the
-            // chunk's unmapping, and the unmapping waits in the queue until a flush runs it.
-            let unmapping = (!inner.unmapping.is_empty() && !self.queue.is_empty())
-                || self
-                    .queue
-                    .failed()
-                    .iter()
-                    .chain(self.queue.snapshot().iter())
-                    .any(|f| matches!(f, Free::Unmap { .. }));
             let stranded = inner.stranded;
             *inner = VmmInner::default();
-            if unmapping || stranded {
+            if stranded {
                 // Forgotten: the context's destruction takes it (freeing it with a mapping in
                 // it would be refused).
                 tracing::warn!(device = %self.cx.device, ptr = base, "a reset left a mapping in the pool's reservation; the context's destruction takes the reservation");
