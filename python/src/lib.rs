@@ -59,6 +59,50 @@ struct Settings {
     manager: Option<String>,
     adaptors: Option<String>,
     driver: String,
+    /// The simulated device's memory in bytes (driver "sim" only).
+    sim_memory: Option<usize>,
+}
+
+/// `EMM_SIM_DEVICE_MEMORY`: the simulated device's memory when the runtime is made from the
+/// environment on driver "sim".
+const ENV_SIM_DEVICE_MEMORY: &str = "EMM_SIM_DEVICE_MEMORY";
+
+/// The simulated device's memory when none is given: 1 GiB.
+const SIM_DEFAULT_MEMORY: usize = 1 << 30;
+
+/// A byte size from Python: an int, or a string with a unit as emm's variables take
+/// (`"80GiB"`).
+fn sim_memory_arg(value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    let Some(value) = value else {
+        return Ok(None);
+    };
+    if let Ok(n) = value.extract::<usize>() {
+        return Ok(Some(n));
+    }
+    let text: String = value.extract().map_err(|_| {
+        PyValueError::new_err(format!(
+            "sim_memory must be a byte count (an int) or a size such as \"80GiB\", not {value}"
+        ))
+    })?;
+    emm::runtime::config::parse_bytes(&text)
+        .map(Some)
+        .map_err(|e| PyValueError::new_err(format!("sim_memory: {e}")))
+}
+
+/// Checks `sim_memory` against the driver: a size only for the simulator, and one that
+/// holds at least a page.
+fn check_sim_memory(driver: &str, sim_memory: Option<usize>) -> PyResult<()> {
+    match sim_memory {
+        Some(_) if driver != "sim" => Err(PyValueError::new_err(format!(
+            "sim_memory sizes emm's simulated device; driver {driver:?} uses the GPU's own \
+             memory: leave sim_memory out, or use driver=\"sim\""
+        ))),
+        Some(n) if n < 1 << 20 => Err(PyValueError::new_err(format!(
+            "sim_memory of {n} bytes is too small for a simulated device: give at least 1 MiB \
+             (\"1MiB\")"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// The process runtime and how it was made.
@@ -78,7 +122,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 fn build(settings: &Settings) -> PyResult<Runtime> {
     let driver: Arc<dyn Driver> = match settings.driver.as_str() {
         "cuda" => Arc::new(CudaDriver::load().map_err(|e| PyEmmError::new_err(e.to_string()))?),
-        "sim" => Arc::new(driver_mock::SimDriver::new(Default::default())),
+        "sim" => Arc::new(driver_mock::SimDriver::new(driver_mock::SimConfig::single(
+            settings.sim_memory.unwrap_or(SIM_DEFAULT_MEMORY),
+        ))),
         other => {
             return Err(PyValueError::new_err(format!(
                 "unknown driver {other:?}: use \"cuda\" (the GPU) or \"sim\" (emm's simulated GPU, no hardware needed)"
@@ -105,10 +151,23 @@ fn runtime() -> PyResult<Arc<Runtime>> {
     if let Some(shared) = slot.as_ref() {
         return Ok(Arc::clone(&shared.runtime));
     }
+    let driver = std::env::var("EMM_PYTHON_DRIVER").unwrap_or_else(|_| "cuda".to_owned());
+    let sim_memory = match std::env::var(ENV_SIM_DEVICE_MEMORY) {
+        // Read only for the simulator: a GPU run ignores a size left in the environment.
+        Ok(v) if driver == "sim" => Some(emm::runtime::config::parse_bytes(&v).map_err(|e| {
+            PyEmmError::new_err(format!(
+                "{ENV_SIM_DEVICE_MEMORY}={v:?} is not a byte size ({e}); set it as \"80GiB\" \
+                 or unset it"
+            ))
+        })?),
+        _ => None,
+    };
+    check_sim_memory(&driver, sim_memory)?;
     let settings = Settings {
         manager: None,
         adaptors: None,
-        driver: std::env::var("EMM_PYTHON_DRIVER").unwrap_or_else(|_| "cuda".to_owned()),
+        driver,
+        sim_memory,
     };
     let runtime = Arc::new(build(&settings)?);
     *slot = Some(Shared {
@@ -119,15 +178,25 @@ fn runtime() -> PyResult<Arc<Runtime>> {
 }
 
 /// Makes the process runtime: `manager` (a name, as `EMM_MEMORY_MANAGER` takes), `adaptors`
-/// (as `EMM_MEMORY_ADAPTORS` takes), `driver` "cuda" or "sim". Once made, the runtime stays:
-/// a second call with the same settings does nothing, with other settings it raises.
+/// (as `EMM_MEMORY_ADAPTORS` takes), `driver` "cuda" or "sim", and for "sim" `sim_memory`, the
+/// simulated device's size (bytes or `"80GiB"`; default 1 GiB, or `EMM_SIM_DEVICE_MEMORY`
+/// when the runtime is made from the environment). Once made, the runtime stays: a second
+/// call with the same settings does nothing, with other settings it raises.
 #[pyfunction]
-#[pyo3(signature = (manager=None, adaptors=None, driver="cuda"))]
-fn configure(manager: Option<String>, adaptors: Option<String>, driver: &str) -> PyResult<()> {
+#[pyo3(signature = (manager=None, adaptors=None, driver="cuda", sim_memory=None))]
+fn configure(
+    manager: Option<String>,
+    adaptors: Option<String>,
+    driver: &str,
+    sim_memory: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let sim_memory = sim_memory_arg(sim_memory)?;
+    check_sim_memory(driver, sim_memory)?;
     let settings = Settings {
         manager,
         adaptors,
         driver: driver.to_owned(),
+        sim_memory,
     };
     let mut slot = lock(&RUNTIME);
     if let Some(shared) = slot.as_ref() {
@@ -145,7 +214,8 @@ fn configure(manager: Option<String>, adaptors: Option<String>, driver: &str) ->
     Ok(())
 }
 
-/// The process runtime's settings: `manager`, `adaptors`, `driver`; `None` before it exists.
+/// The process runtime's settings: `manager`, `adaptors`, `driver`, `sim_memory` (the
+/// simulated device's bytes; `None` on the GPU); `None` before it exists.
 #[pyfunction]
 fn settings(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
     let slot = lock(&RUNTIME);
@@ -156,6 +226,9 @@ fn settings(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
     d.set_item("manager", shared.runtime.memory_manager_name())?;
     d.set_item("adaptors", shared.settings.adaptors.clone())?;
     d.set_item("driver", shared.settings.driver.clone())?;
+    let sim_memory = (shared.settings.driver == "sim")
+        .then(|| shared.settings.sim_memory.unwrap_or(SIM_DEFAULT_MEMORY));
+    d.set_item("sim_memory", sim_memory)?;
     Ok(Some(d))
 }
 

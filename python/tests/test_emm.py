@@ -21,7 +21,7 @@ def ctx():
 
 def run_python(code, **env):
     """Runs ``code`` in a fresh interpreter (its own emm runtime); returns the completed process."""
-    full = dict(os.environ, EMM_PYTHON_DRIVER=DRIVER, **env)
+    full = {**os.environ, "EMM_PYTHON_DRIVER": DRIVER, **env}
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120
     )
@@ -185,6 +185,35 @@ def test_unknown_manager_names_the_known_ones():
 def test_unknown_driver_says_what_to_use():
     out = run_python("import emm; emm.configure(driver='opencl')")
     assert out.returncode != 0 and "cuda" in out.stderr and "sim" in out.stderr
+
+
+def test_simulated_device_takes_a_size():
+    code = (
+        "import emm; emm.configure(manager='pool', driver='sim', sim_memory='80GiB')\n"
+        "c = emm.context(0); free, total = c.get_memory_info()\n"
+        "big = c.memalloc(60 << 30); c.copy_to_device(big, b'x' * 4096)\n"
+        "print(total, emm.settings()['sim_memory'], c.copy_to_host(big, n=4) == b'xxxx')"
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(80 << 30), str(80 << 30), "True"]
+    # From the environment, as a runtime made at first use reads it.
+    code = "import emm; c = emm.context(0); print(c.get_memory_info()[1], emm.settings()['sim_memory'])"
+    out = run_python(code, EMM_PYTHON_DRIVER="sim", EMM_SIM_DEVICE_MEMORY="3GiB")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(3 << 30), str(3 << 30)]
+
+
+def test_simulated_device_size_errors_say_what_to_do():
+    out = run_python("import emm; emm.configure(driver='cuda', sim_memory='8GiB')")
+    assert out.returncode != 0 and "ValueError" in out.stderr and 'driver="sim"' in out.stderr
+    out = run_python("import emm; emm.configure(driver='sim', sim_memory='lots')")
+    assert out.returncode != 0 and "ValueError" in out.stderr and "sim_memory" in out.stderr
+    out = run_python("import emm; emm.configure(driver='sim', sim_memory=4096)")
+    assert out.returncode != 0 and "at least 1 MiB" in out.stderr
+    code = "import emm; emm.context(0)"
+    out = run_python(code, EMM_PYTHON_DRIVER="sim", EMM_SIM_DEVICE_MEMORY="big")
+    assert out.returncode != 0 and "EMM_SIM_DEVICE_MEMORY" in out.stderr and "unset it" in out.stderr
 
 
 def test_stats_adaptor_counts_every_kind():

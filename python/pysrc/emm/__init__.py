@@ -49,13 +49,15 @@ class Runtime:
 
     ``manager``: a manager name (``default``, ``pool``, ``vmm-pool``, ``async-pool``,
     ``async-pool-ipc``, or one registered by the host runtime); ``adaptors``: a list as
-    ``EMM_MEMORY_ADAPTORS`` takes (``"stats,limit=8GiB"``); ``driver``: ``"cuda"`` or ``"sim"``. Values left out come from the
-    environment. The runtime is made once per process: a second ``Runtime(...)`` with the same
+    ``EMM_MEMORY_ADAPTORS`` takes (``"stats,limit=8GiB"``); ``driver``: ``"cuda"`` or ``"sim"``;
+    ``sim_memory``: the simulated device's size for ``"sim"`` (bytes or ``"80GiB"``; 1 GiB when
+    left out; only pages written take host memory, so an H100's size replays full-size traces).
+    Values left out come from the environment. The runtime is made once per process: a second ``Runtime(...)`` with the same
     settings is the same runtime; with others it raises ``emm.EmmError``.
     """
 
-    def __init__(self, manager=None, adaptors=None, driver="cuda"):
-        configure(manager=manager, adaptors=adaptors, driver=driver)
+    def __init__(self, manager=None, adaptors=None, driver="cuda", sim_memory=None):
+        configure(manager=manager, adaptors=adaptors, driver=driver, sim_memory=sim_memory)
 
     def context(self, device=0):
         """Device ``device``'s context."""
@@ -66,7 +68,7 @@ class Runtime:
         return device_count()
 
     def settings(self):
-        """``manager``, ``adaptors`` and ``driver`` of the runtime."""
+        """``manager``, ``adaptors``, ``driver`` and ``sim_memory`` of the runtime."""
         return settings()
 
     def usage(self, device=0):
