@@ -367,14 +367,15 @@ impl PoolShared {
         let mine = lists
             .list(stream.0)
             .expect("made above if it had no memory");
-        // Another thread's free on this stream may have made room since the miss.
+        // A new chunk joins the arena even where another thread's free on this stream made
+        // room since the miss.
+        if let Some(chunk) = chunk {
+            mine.arena.add_chunk(chunk);
+        }
         let addr = match mine.arena.take(size) {
             Some(addr) => addr,
             None => {
-                let chunk = match chunk {
-                    Some(c) => c,
-                    None => lock(&self.arena).take_free_chunk(size)?,
-                };
+                let chunk = lock(&self.arena).take_free_chunk(size)?;
                 mine.arena.add_chunk(chunk);
                 mine.arena.take(size).expect("the chunk holds the request")
             }
