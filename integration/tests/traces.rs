@@ -11,7 +11,8 @@
 //!   driver's pool itself held there with the simulator's 10 % (`corpus.csv`), whichever is
 //!   more: emm does not choose what the driver's pool holds; `default` no more than PyTorch;
 //! - no later pass holds more, at its peak or after it (its deferred frees issued), than the
-//!   first, beyond [`slack`]: held memory is bounded when live memory is;
+//!   first, beyond [`slack`], and the last pass's peak is no higher than an earlier pass's
+//!   (within 2 MiB, a page): held memory is bounded when live memory is, and has settled;
 //! - every allocation of the trace succeeds.
 //!
 //! `cargo run --release -p integration --example replay -- --corpus --passes 5` prints the
@@ -25,7 +26,8 @@ const PASSES: usize = 5;
 fn bound(manager: &str, entry: &CorpusEntry) -> f64 {
     match manager {
         "pool" => 1.25,
-        // Issue 39's target is 1.10; two traces are above it (BENCHMARKS.md). This bound keeps
+        // Issue 39's target is 1.10; over five passes on the simulator three traces reach
+        // 1.102 - 1.134 (Numba, RMM, transformer; one pass: RMM, 1.113). This bound keeps
         // what the pool does now from getting worse.
         "vmm-pool" => 1.15,
         m if m.starts_with("async-pool") => entry
@@ -37,12 +39,15 @@ fn bound(manager: &str, entry: &CorpusEntry) -> f64 {
 
 /// How much more than the first pass a later one may hold: where blocks land differs between
 /// passes (a pool's chunks, the driver's 2 MiB pages shared by small blocks), by a page or a
-/// chunk, not by a pass's worth: 2 MiB, or 1/64 of peak live when that is more; 1/16 under
-/// `vmm-pool`, whose small chunks, shed at every growth, land differently from pass to pass
-/// (by up to 5.4 % of peak live over five passes, without a trend). A manager whose held
-/// memory grew with each pass, as `pool`'s did by its whole peak, fails.
+/// chunk, not by a pass's worth: 2 MiB, or 1/64 of peak live when that is more; 1/6 under
+/// `vmm-pool`, which grows the free block at the end of its memory in place: where a pass's
+/// large blocks land around the blocks the threads cache decides how much it extends, and
+/// on the Numba trace a later pass peaked 12.6 % of peak live above a first pass that held
+/// 1.008 × (the passes 224, 244, 252, 252, 236 MiB: settled, and within the bound). A
+/// manager whose held memory grew with each pass, as `pool`'s did by its whole peak, fails,
+/// as does one whose last pass peaks above every earlier one.
 fn slack(manager: &str, live: usize) -> usize {
-    let share = if manager == "vmm-pool" { 16 } else { 64 };
+    let share = if manager == "vmm-pool" { 6 } else { 64 };
     (2 << 20).max(live / share)
 }
 
@@ -96,6 +101,17 @@ fn check(name: &str) {
                     slack(manager, live)
                 ));
             }
+        }
+        let last = r.passes[PASSES - 1].peak_held_bytes;
+        let before = r.passes[..PASSES - 1]
+            .iter()
+            .map(|p| p.peak_held_bytes)
+            .max()
+            .unwrap_or(0);
+        if last > before + (2 << 20) {
+            failures.push(format!(
+                "{manager}: the last pass peaked at {last} bytes, above every earlier pass (at most {before}): held memory has not settled"
+            ));
         }
     }
     assert!(

@@ -1187,3 +1187,62 @@ fn vmm_pool_unmaps_after_defer_cleanup() {
     let leaks = sim.leak_report();
     assert!(leaks.is_clean(), "{leaks}");
 }
+
+/// `vmm-pool` grows in place: a request larger than the free block at the end of its memory
+/// maps only what it lacks just past that block, so the block keeps its address; and a loop
+/// whose sizes vary from step to step (as a training loop's with shapes drawn per step) maps
+/// memory in its first round of shapes, then neither maps nor unmaps any.
+#[test]
+fn vmm_pool_grows_in_place_and_a_varying_loop_settles() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime_with(&sim, "vmm-pool");
+    let ctx = rt.context(0).unwrap();
+    let a = ctx.memalloc(12 << 20).unwrap();
+    let at = a.device_ptr();
+    drop(a);
+    let b = ctx.memalloc(40 << 20).unwrap();
+    assert_eq!(b.device_ptr(), at, "the free block grew in place");
+    assert_eq!(sim.count(Op::MemCreate), 2);
+    assert_eq!(sim.count(Op::MemUnmap), 0);
+    drop(b);
+    // Five step shapes in turn: blocks of 2 – 30 MiB, all freed at the step's end.
+    let shapes: [&[usize]; 5] = [
+        &[30, 4, 4, 17, 2],
+        &[9, 9, 9, 9, 9, 9],
+        &[25, 25, 3],
+        &[2, 28, 14, 7, 6],
+        &[16, 16, 16, 16],
+    ];
+    let step = |shape: &[usize]| {
+        let blocks: Vec<_> = shape
+            .iter()
+            .map(|&mib| ctx.memalloc((mib << 20) + 4096).unwrap())
+            .collect();
+        drop(blocks);
+    };
+    for shape in shapes {
+        step(shape);
+    }
+    let (mapped, unmapped) = (sim.count(Op::MemCreate), sim.count(Op::MemUnmap));
+    for _ in 0..20 {
+        for shape in shapes {
+            step(shape);
+        }
+    }
+    assert_eq!(
+        (sim.count(Op::MemCreate), sim.count(Op::MemUnmap)),
+        (mapped, unmapped),
+        "the loop mapped or unmapped after its first round"
+    );
+    let stats = ctx.pool_stats().device.unwrap();
+    let peak_live = (64 << 20) + 4 * 4096; // the largest step: 4 × 16 MiB and 4 KiB
+    assert!(
+        stats.held_bytes <= peak_live * 115 / 100,
+        "held {} for a largest step of {peak_live}",
+        stats.held_bytes
+    );
+    drop(ctx);
+    drop(rt);
+    let leaks = sim.leak_report();
+    assert!(leaks.is_clean(), "{leaks}");
+}

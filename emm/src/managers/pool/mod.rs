@@ -14,13 +14,16 @@
 //! - **Chunks.** The pool grows by driver allocations (`cuMemAlloc`): for a request up to
 //!   [`PoolConfig::chunk_size`], by an eighth of what it holds (at least 2 MiB, at most the
 //!   chunk size, at least the request); a larger request gets a chunk of its own, which serves
-//!   only requests above the chunk size (`arena.rs`, `Arenas`). Every block is a multiple of
-//!   256 bytes and 256-byte aligned, as `cuMemAlloc`'s are.
+//!   only requests above the chunk size (`arena.rs`, `Arenas`). `vmm-pool` maps its chunks
+//!   side by side in one address range instead (`vmm.rs`): their free space merges, every
+//!   size is served from it, and a growth extends the free block at the end in place. Every
+//!   block is a multiple of 256 bytes and 256-byte aligned, as `cuMemAlloc`'s are.
 //! - **Memory held is bounded by memory in use.** Before it grows, the pool takes back what the
 //!   shards cache and the free chunks of streams with no work pending, tries again, and then
 //!   gives every chunk with nothing in use back to the driver (a growing stream's own once its
-//!   work is done): a pool never grows while it holds a chunk it does not use. The trace
-//!   corpus test (`integration/tests/traces.rs`) holds it to 1.25 times peak live.
+//!   work is done): a pool never grows while it holds a chunk it does not use (`vmm-pool`,
+//!   growing in place, keeps the chunks under the block it extends). The trace corpus test
+//!   (`integration/tests/traces.rs`) holds `pool` to 1.25 times peak live, `vmm-pool` to 1.15.
 //! - **The arena** holds the free space of all chunks in bins by size (sixteen per doubling,
 //!   with a bitmap of the non-empty ones) and in two address maps (by start and by end):
 //!   finding a block, splitting it and merging a freed block with its free neighbours take
@@ -149,7 +152,7 @@ const GROWTH_DIVISOR: usize = 8;
 
 /// `vmm-pool` grows by a thirty-second of what it holds: its chunks merge their free space
 /// with their neighbours', so small ones strand nothing, and more of them are wholly free when
-/// the pool sheds.
+/// the pool sheds; a growth in place maps what the request lacks, rounded up to this step.
 const VMM_GROWTH_DIVISOR: usize = 32;
 
 /// The pool's tuning.
@@ -158,7 +161,7 @@ pub struct PoolConfig {
     /// The most bytes the pool grows by at once for requests up to this size (it grows by an
     /// eighth of what it holds, at least 2 MiB and at most this); a larger request gets a
     /// chunk of its own, its size rounded up to 2 MiB, which serves only requests above this
-    /// size. Default 128 MiB.
+    /// size (under `vmm-pool`, whose chunks merge, it is served as any). Default 128 MiB.
     pub chunk_size: usize,
     /// Requests up to this many bytes are served from size classes through per-thread
     /// shards; larger ones from the arena. At most [`MAX_SMALL`]; default 1 MiB.
@@ -176,8 +179,9 @@ pub struct PoolConfig {
 }
 
 impl PoolConfig {
-    /// `vmm-pool`'s configuration: the default, with chunks of at most 8 MiB (mapped next to
-    /// each other, they merge their free space, so the pool holds little beyond its blocks).
+    /// `vmm-pool`'s configuration: the default, with growth steps of at most 8 MiB (chunks
+    /// mapped next to each other merge their free space and serve requests of every size, so
+    /// the pool holds little beyond its blocks).
     pub fn vmm() -> PoolConfig {
         PoolConfig {
             chunk_size: 8 << 20,
@@ -187,9 +191,11 @@ impl PoolConfig {
 
     /// The largest request served from the shared chunks: the chunk size. Larger requests get
     /// chunks of their own (the request rounded up to 2 MiB), which serve only requests above
-    /// this size.
-    pub(super) fn oversize_above(&self) -> usize {
-        self.chunk_size
+    /// this size. Where chunks merge their free space (`merging`, `vmm-pool`), every request
+    /// is served from the shared chunks: a large block spans chunks, and its chunks go back
+    /// to the driver as any.
+    pub(super) fn oversize_above(&self, merging: bool) -> usize {
+        if merging { usize::MAX } else { self.chunk_size }
     }
 }
 
@@ -622,7 +628,7 @@ impl PoolShared {
     /// that a small pool grows in small steps and a large one in few.
     fn growth(&self, size: usize) -> usize {
         let need = size.div_ceil(GROW_GRANULARITY) * GROW_GRANULARITY;
-        if size > self.config.oversize_above() {
+        if size > self.config.oversize_above(self.vmm.is_some()) {
             return need;
         }
         let held = self.totals.held.load(Ordering::Relaxed);
@@ -644,11 +650,11 @@ impl PoolShared {
         let want = self.growth(size);
         let alloc = |bytes| self.allocate_chunk(bytes);
         let (base, got) = match alloc(want) {
-            Ok(b) => (b, want),
+            Ok(b) => b,
             Err(e) if e.kind() == ErrorKind::OutOfMemory => {
                 let fallback = if want > need { alloc(need) } else { Err(e) };
                 match fallback {
-                    Ok(b) => (b, need),
+                    Ok(b) => b,
                     Err(e) if e.kind() == ErrorKind::OutOfMemory => {
                         let queued = self.trim_to_queue(true);
                         tracing::warn!(device = %self.cx.device, requested = size, released = queued, "pool out of memory; trimmed, retrying");
@@ -660,7 +666,7 @@ impl PoolShared {
                             // Kept for the next flush to return.
                             self.queue.record_error(e);
                         }
-                        (alloc(need)?, need)
+                        alloc(need)?
                     }
                     Err(e) => return Err(e),
                 }
@@ -672,8 +678,56 @@ impl PoolShared {
         Ok(Chunk {
             base,
             size: got,
-            oversize: size > self.config.oversize_above(),
+            oversize: size > self.config.oversize_above(self.vmm.is_some()),
         })
+    }
+
+    /// `vmm-pool`: grows the largest free block that ends where mapped memory does, by mapping
+    /// what a request of `size` bytes lacks just past it, and takes the block. The wholly free
+    /// chunks elsewhere go back to the driver first (they could not serve the request); the
+    /// block's own stay, so a loop whose requests outgrow the free space by a little maps a
+    /// little, where shedding every free chunk and growing anew would unmap and map most of
+    /// the pool again. `None` where no free block ends at a chunk's end with room after it in
+    /// the reservation, or the mapping failed (the caller's growth reports it, and out of
+    /// memory frees what it can and retries).
+    fn grow_in_place(&self, size: usize) -> Option<(u64, u64)> {
+        self.vmm.as_ref()?;
+        let (tail, free, shed) = {
+            let mut arena = lock(&self.arena);
+            let (end, free) = arena.tails(size).first().copied()?;
+            let shed = arena.remove_free_chunks_outside(size, (end - free as u64, end));
+            (end, free, shed)
+        };
+        self.free_chunks(shed, "before growing in place");
+        let chunk = self.map_after(tail, free, size)?;
+        let mut arena = lock(&self.arena);
+        arena.add_chunk(chunk);
+        // Another thread may have taken from the block meanwhile: a growth follows.
+        arena.take_stamped(size)
+    }
+
+    /// A chunk mapped at `tail`, the end of a free block of `free` bytes, with what a request
+    /// of `size` bytes lacks beyond that block (a growth step at least); `None` where that
+    /// range of the reservation is not free or the mapping failed (the caller's growth
+    /// reports it, and out of memory frees what it can and retries).
+    fn map_after(&self, tail: u64, free: usize, size: usize) -> Option<Chunk> {
+        let want = self.growth(size.saturating_sub(free).max(1));
+        match self.allocate_chunk_at(tail, want) {
+            Ok(Some(got)) => {
+                self.totals.grew(got);
+                tracing::debug!(device = %self.cx.device, bytes = got, ptr = tail, extended = free, "pool grew in place");
+                Some(Chunk {
+                    base: tail,
+                    size: got,
+                    oversize: size > self.config.oversize_above(true),
+                })
+            }
+            Ok(None) => None,
+            Err(e) => {
+                tracing::debug!(device = %self.cx.device, error = %e, bytes = want, "growing in place failed; the pool grows as usual");
+                None
+            }
+        }
     }
 
     /// Grows the pool by a chunk that holds `size` bytes and takes a block of `size` from it.
@@ -721,6 +775,9 @@ impl PoolShared {
             // in use can go back to the driver.
             self.drain_shards(false);
             if let Some(found) = lock(&self.arena).take_stamped(size) {
+                return Ok(found);
+            }
+            if let Some(found) = self.grow_in_place(size) {
                 return Ok(found);
             }
             self.shed_free_chunks(None);
@@ -837,7 +894,10 @@ impl PoolAllocator {
             config,
             cache_limits: PoolShared::cache_limits(&config),
             generation: AtomicU64::new(0),
-            arena: Mutex::new(Arenas::new(config.oversize_above(), vmm.is_some())),
+            arena: Mutex::new(Arenas::new(
+                config.oversize_above(vmm.is_some()),
+                vmm.is_some(),
+            )),
             shards: Shard::all(ShardLists::new),
             depot: Mutex::new(Depot::new()),
             queue: Arc::clone(host.deallocations()),

@@ -254,6 +254,9 @@ impl PoolShared {
                         return Ok(found);
                     }
                 }
+                if let Some(found) = self.grow_stream_in_place(stream, size) {
+                    return Ok(found);
+                }
                 self.shed_free_chunks(Some(stream));
                 let chunk = self.new_chunk(size)?;
                 Ok(self
@@ -281,26 +284,53 @@ impl PoolShared {
             }
             if let Some(mine) = lists.list(stream.0) {
                 let shed = mine.arena.remove_free_chunks();
-                if !shed.is_empty() {
-                    match self.fences.record([stream]) {
-                        Ok(fence) => lock(&self.retiring).push((shed, fence)),
-                        Err(e) => {
-                            // Kept: the stream may still use them.
-                            for chunk in shed {
-                                mine.arena.add_chunk(chunk);
-                            }
-                            tracing::warn!(device = %self.cx.device, error = %e, "a growing stream's free chunks stay with it");
-                            self.queue.record_error(EmmError::driver(
-                                "fencing a stream's free chunks",
-                                self.cx.device,
-                                e,
-                            ));
-                        }
-                    }
-                }
+                self.retire(stream, mine, shed);
             }
         }
         self.free_chunks(freed, "before growing");
+    }
+
+    /// Wholly free chunks `shed` of `stream`'s arena `mine` go to the driver once the stream's
+    /// work is done (behind a fence, freed by a later growth, trim or reset); where no fence
+    /// can be recorded they stay with the stream, which may still use them.
+    fn retire(&self, stream: StreamHandle, mine: &mut PerStream, shed: Vec<Chunk>) {
+        if shed.is_empty() {
+            return;
+        }
+        match self.fences.record([stream]) {
+            Ok(fence) => lock(&self.retiring).push((shed, fence)),
+            Err(e) => {
+                for chunk in shed {
+                    mine.arena.add_chunk(chunk);
+                }
+                tracing::warn!(device = %self.cx.device, error = %e, "a growing stream's free chunks stay with it");
+                self.queue.record_error(EmmError::driver(
+                    "fencing a stream's free chunks",
+                    self.cx.device,
+                    e,
+                ));
+            }
+        }
+    }
+
+    /// `vmm-pool`: grows the largest free block of `stream`'s arena that ends where mapped
+    /// memory does, as [`grow_in_place`](PoolShared::grow_in_place) does the shared arena's;
+    /// the stream's wholly free chunks outside that block go to the driver once its work is
+    /// done. `None` where no block can grow so.
+    fn grow_stream_in_place(&self, stream: StreamHandle, size: usize) -> Option<(u64, u64)> {
+        self.vmm.as_ref()?;
+        let (tail, free) = {
+            let mut lists = lock(self.streams.of(stream));
+            let mine = lists.list(stream.0)?;
+            let (end, free) = mine.arena.tails(size).first().copied()?;
+            let shed = mine
+                .arena
+                .remove_free_chunks_outside(size, (end - free as u64, end));
+            self.retire(stream, mine, shed);
+            (end, free)
+        };
+        let chunk = self.map_after(tail, free, size)?;
+        self.take_after_adopting(stream, size, Some(chunk))
     }
 
     /// Takes the chunks whose fences completed (with `wait`, every chunk, after its fence)
@@ -361,7 +391,11 @@ impl PoolShared {
         let mut lists = lock(&self.streams.shards[k].inner);
         let generation = self.generation.load(Ordering::Acquire);
         if lists.list(stream.0).is_none() {
-            lists.list_or_new(stream.0, self.config.oversize_above(), self.vmm.is_some());
+            lists.list_or_new(
+                stream.0,
+                self.config.oversize_above(self.vmm.is_some()),
+                self.vmm.is_some(),
+            );
             self.streams.mark(k, &lists);
         }
         let mine = lists

@@ -4,10 +4,12 @@
 //! - The reservation is made at the first growth (four times the device's memory, so that
 //!   freed ranges leave room) and queued for `cuMemAddressFree` by a reset, after the frees of
 //!   its mappings; the next growth reserves anew.
-//! - A chunk is one `cuMemCreate` of a multiple of the granularity, mapped (`cuMemMap`) at the
-//!   lowest free range of the reservation that holds it and made accessible to the device
-//!   (`cuMemSetAccess`). Chunks mapped next to each other merge their free space in the
-//!   arenas, so the pool grows in place.
+//! - A chunk is one `cuMemCreate` of a multiple of the granularity, mapped (`cuMemMap`) and
+//!   made accessible to the device (`cuMemSetAccess`). Chunks mapped next to each other merge
+//!   their free space in the arenas, which serve every size from one address range. A growth
+//!   maps just past the arena's largest free block that ends at a chunk's end, so that block
+//!   grows in place by what the request lacks (`grow_in_place`); where the range after it is
+//!   taken, the chunk goes at the lowest free range of the reservation that holds it.
 //! - A chunk goes back by `cuMemUnmap` then `cuMemRelease`, made by the pool itself (the
 //!   deferred-deallocation queue holds `cuMemAlloc` memory's frees): at once, or inside
 //!   `defer_cleanup` (the queue suspended) at the first release of chunks after it. Its range is
@@ -123,6 +125,25 @@ impl VmmInner {
         Some(start)
     }
 
+    /// Takes `size` bytes at `at`, when all of them are free.
+    fn place_at(&mut self, at: u64, size: usize) -> bool {
+        let Some((&start, &got)) = self.free.range(..=at).next_back() else {
+            return false;
+        };
+        let (end, taken_end) = (start + got as u64, at + size as u64);
+        if taken_end > end {
+            return false;
+        }
+        self.free.remove(&start);
+        if at > start {
+            self.free.insert(start, (at - start) as usize);
+        }
+        if end > taken_end {
+            self.free.insert(taken_end, (end - taken_end) as usize);
+        }
+        true
+    }
+
     /// Gives a range back to the free ones, merged with its neighbours.
     fn give(&mut self, start: u64, size: usize) {
         let (mut start, mut size) = (start, size);
@@ -142,21 +163,19 @@ impl VmmInner {
 }
 
 impl PoolShared {
-    /// A new chunk of `bytes` bytes from the pool's source: `cuMemAlloc`, or physical memory
-    /// mapped into the pool's reservation.
-    pub(super) fn allocate_chunk(&self, bytes: usize) -> Result<u64, DriverError> {
+    /// A new chunk of at least `bytes` bytes from the pool's source, as (base, size):
+    /// `cuMemAlloc`, or physical memory mapped into the pool's reservation (its size rounded
+    /// up to the granularity).
+    pub(super) fn allocate_chunk(&self, bytes: usize) -> Result<(u64, usize), DriverError> {
         let Some(vmm) = &self.vmm else {
             return self
                 .cx
                 .driver
                 .mem_alloc(self.cx.context, bytes)
-                .map(|p| p.0);
+                .map(|p| (p.0, bytes));
         };
         let (cx, bytes) = (&self.cx, vmm.round(bytes));
-        // Chunks given back inside a defer_cleanup that has since ended go first.
-        if !lock(&vmm.inner).deferred.is_empty() {
-            self.release_chunks(Vec::new(), false);
-        }
+        self.release_waiting(vmm);
         let at = {
             let mut inner = lock(&vmm.inner);
             if inner.reservation.is_none() {
@@ -181,13 +200,50 @@ impl PoolShared {
             inner.growing += 1;
             at
         };
+        self.map_placed(vmm, at, bytes).map(|()| (at, bytes))
+    }
+
+    /// `vmm-pool`: a chunk of at least `bytes` bytes mapped at `at` exactly (just past a
+    /// chunk, so that free space runs on into it), as its size; `None` where that range of the
+    /// reservation is not free, or the pool has no reservation.
+    pub(super) fn allocate_chunk_at(
+        &self,
+        at: u64,
+        bytes: usize,
+    ) -> Result<Option<usize>, DriverError> {
+        let Some(vmm) = &self.vmm else {
+            return Ok(None);
+        };
+        let bytes = vmm.round(bytes);
+        self.release_waiting(vmm);
+        {
+            let mut inner = lock(&vmm.inner);
+            if inner.reservation.is_none() || !inner.place_at(at, bytes) {
+                return Ok(None);
+            }
+            inner.growing += 1;
+        }
+        self.map_placed(vmm, at, bytes).map(|()| Some(bytes))
+    }
+
+    /// Chunks given back inside a defer_cleanup that has since ended go first.
+    fn release_waiting(&self, vmm: &VmmSpace) {
+        if !lock(&vmm.inner).deferred.is_empty() {
+            self.release_chunks(Vec::new(), false);
+        }
+    }
+
+    /// Maps `bytes` at `at`, a range taken from the reservation's free ones by a growth
+    /// (counted in `growing`), and records the chunk; on failure the range is free again
+    /// unless a mapping could not be undone.
+    fn map_placed(&self, vmm: &VmmSpace, at: u64, bytes: usize) -> Result<(), DriverError> {
         let mapped = self.map_chunk(at, bytes);
         let mut inner = lock(&vmm.inner);
         inner.growing -= 1;
         match mapped {
             Ok(handle) => {
                 inner.handles.insert(at, handle);
-                Ok(at)
+                Ok(())
             }
             Err((e, free_again)) => {
                 if free_again {
@@ -357,5 +413,31 @@ impl PoolShared {
             self.queue
                 .record_error(EmmError::driver("cuMemAddressFree", self.cx.device, e));
         }
+    }
+}
+
+#[cfg(all(test, not(emm_loom)))]
+mod tests {
+    use super::VmmInner;
+
+    #[test]
+    fn a_range_is_placed_at_an_address_only_where_all_of_it_is_free() {
+        let mut inner = VmmInner::default();
+        inner.free.insert(0x1000, 0x8000);
+        assert!(
+            !inner.place_at(0x800, 0x1000),
+            "starts before the free range"
+        );
+        assert!(!inner.place_at(0x8000, 0x2000), "runs past its end");
+        assert!(inner.place_at(0x3000, 0x2000));
+        let left: Vec<(u64, usize)> = inner.free.iter().map(|(&a, &s)| (a, s)).collect();
+        assert_eq!(left, vec![(0x1000, 0x2000), (0x5000, 0x4000)]);
+        assert!(!inner.place_at(0x4000, 0x1000), "already taken");
+        assert!(inner.place_at(0x1000, 0x2000), "the whole of a range");
+        assert_eq!(inner.place(0x4000), Some(0x5000));
+        assert!(inner.free.is_empty());
+        inner.give(0x3000, 0x2000);
+        inner.give(0x1000, 0x2000);
+        assert_eq!(inner.free.iter().next(), Some((&0x1000, &0x4000)), "merged");
     }
 }
