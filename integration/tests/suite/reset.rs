@@ -195,6 +195,13 @@ pub fn runtime_drop_releases_everything(target: Target) -> Result<(), Failed> {
     if let Some(sim) = sim {
         let report = sim.leak_report();
         ensure!(report.is_clean(), "{report}");
+        // The leak report is clean once a context is destroyed, whatever was left in it: what
+        // shows that the runtime freed everything itself is that the destruction took nothing.
+        let reclaimed = sim.reclaimed_by_destroy();
+        ensure!(
+            reclaimed.is_clean(),
+            "the context's destruction reclaimed what the runtime left: {reclaimed}"
+        );
         ensure!(
             sim.rejected_frees().is_empty(),
             "{:?}",
