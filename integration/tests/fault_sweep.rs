@@ -19,8 +19,13 @@
 //! - destroying a context reclaims nothing emm still held, but for the memory a faulted
 //!   release left behind: `SimDriver::reclaimed_by_destroy`, which sees what the leak report
 //!   after the context's end cannot;
+//! - the first flush afterwards returns an error only where it names a faulted call;
 //! - the runtime still works: a fresh allocation and copy succeed afterwards;
 //! - once the runtime is dropped, the simulator holds nothing.
+//!
+//! Those runs end their faults before the runtime is dropped; a third sweep faults each call of
+//! `Runtime::drop` itself (resets, the teardown flush, the contexts' release) with memory of
+//! every kind still held, and checks what the contexts' destruction reclaimed after it.
 //!
 //! The sweep fails when any `Driver` operation (`Op::ALL`) was never faulted by it. It prints
 //! how many injected faults were survived. Simulator only; it runs in CI.
@@ -462,8 +467,19 @@ fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, Strin
         // faulted release).
         if let Some(queue) = ctx.deallocations() {
             // The first flush reports what failed in a drop earlier (emm keeps such errors for
-            // the next flush); a second has nothing left to report.
-            let _ = queue.flush();
+            // the next flush): one of the faulted calls, named; a second flush has nothing
+            // left to report.
+            if let Err(e) = queue.flush() {
+                let text = e.to_string();
+                if !faulted
+                    .iter()
+                    .any(|op| text.contains(&format!("cu{op:?} failed")))
+                {
+                    return Err(format!(
+                        "the first flush after the faults {faulted:?} reported an error none of them explains: {text}"
+                    ));
+                }
+            }
             queue
                 .flush()
                 .map_err(|e| format!("a second flush after the fault: {e}"))?;
@@ -718,4 +734,178 @@ fn out_of_memory_on_an_allocation_is_retried() {
     let rt = runtime(&sim, "default").unwrap();
     sim.inject(Fault::nth(Op::MemAlloc, 1, ErrorKind::OutOfMemory));
     workload(&sim, &rt, &mut Vec::new(), &[]).expect("the retry hides the fault");
+}
+
+/// What a faulted teardown left: the calls `Runtime::drop` made, the faulted operation, and
+/// how many objects the contexts' destruction reclaimed.
+struct Teardown {
+    calls: usize,
+    faulted: Option<Op>,
+    reclaimed: usize,
+    report: String,
+}
+
+/// The workload, then objects of every kind held across the runtime's end (device memory and
+/// mapped pinned memory, which the manager tracks and its reset frees; unmapped pinned memory,
+/// a stream and an event, which it does not track, as Numba does not, and which the context's
+/// destruction takes), then `Runtime::drop` with the `fault` (the nth call of the teardown
+/// failing) injected. Checks that the fault fires and nothing panics; that the driver refused
+/// no release; that what was held across the end reaches no driver when dropped; and that the
+/// simulator holds nothing at the end. What the destruction reclaimed (read after the drop) is
+/// returned for the caller to compare with a clean teardown's.
+fn teardown(manager: &str, fault: Option<(u64, ErrorKind)>) -> Result<Teardown, String> {
+    let sim = Arc::new(machine());
+    let rt = runtime(&sim, manager).map_err(|e| format!("runtime: {e}"))?;
+    workload(&sim, &rt, &mut Vec::new(), &[]).map_err(|e| format!("clean workload: {e}"))?;
+    let ctx = rt.context(0).map_err(|e| e.to_string())?;
+    let block = ctx.memalloc(4096).map_err(|e| e.to_string())?;
+    let mapped = ctx
+        .memhostalloc(64, true, false, false)
+        .map_err(|e| e.to_string())?;
+    let pinned = ctx
+        .memhostalloc(64, false, false, false)
+        .map_err(|e| e.to_string())?;
+    let stream = ctx.create_stream().map_err(|e| e.to_string())?;
+    let event = ctx.create_event(false).map_err(|e| e.to_string())?;
+    let before = sim.total_calls();
+    if let Some((nth, kind)) = fault {
+        sim.inject(Fault::nth_call(nth, kind));
+    }
+    let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(rt)));
+    if dropped.is_err() {
+        return Err("the runtime's drop panicked".into());
+    }
+    let log = sim.calls();
+    let calls = log.len() - before;
+    let faulted: Vec<Op> = log[before..]
+        .iter()
+        .filter(|c| c.injected)
+        .map(|c| c.op)
+        .collect();
+    sim.clear_faults();
+    if faulted.len() != usize::from(fault.is_some()) {
+        return Err(format!(
+            "{} of {} injected faults fired in the teardown's {calls} calls",
+            faulted.len(),
+            usize::from(fault.is_some())
+        ));
+    }
+    let after_drop = sim.total_calls();
+    drop((block, mapped, pinned, stream, event, ctx));
+    if sim.total_calls() != after_drop {
+        return Err(format!(
+            "memory held across the runtime's end reached the driver when dropped: {:?}",
+            &sim.ops()[after_drop..]
+        ));
+    }
+    let refused = sim.failed_releases();
+    if !refused.is_empty() {
+        return Err(format!(
+            "the driver refused release calls in the teardown: {refused:?}"
+        ));
+    }
+    let reclaimed = sim.reclaimed_by_destroy();
+    let held = reclaimed.allocations.len()
+        + reclaimed.host_allocations.len()
+        + reclaimed.host_registrations.len()
+        + reclaimed.ipc_mappings.len()
+        + reclaimed.physical.len()
+        + reclaimed.reservations.len()
+        + reclaimed.streams
+        + reclaimed.events
+        + reclaimed.modules
+        + reclaimed.pools;
+    // The test's own plugin (`immediate`) frees a block only when its pointer drops, as a
+    // plugin may: a block held across the runtime's end is its context's to take.
+    let tracked = manager != "immediate";
+    if tracked
+        && fault.is_none()
+        && !(reclaimed.allocations.is_empty() && reclaimed.physical.is_empty())
+    {
+        return Err(format!(
+            "the clean teardown left device memory to the context's destruction: {reclaimed}"
+        ));
+    }
+    let leaks = sim.leak_report();
+    if !leaks.is_clean() {
+        return Err(format!("left behind after the runtime's end: {leaks}"));
+    }
+    Ok(Teardown {
+        calls,
+        faulted: faulted.first().copied(),
+        reclaimed: held,
+        report: reclaimed.to_string(),
+    })
+}
+
+/// `Runtime::drop` (each context's reset, the teardown flush, the destruction of what the
+/// runtime made, the primary context's release) with each of its calls failing in turn, for
+/// every manager: the faults above end before the drop, so this is where the teardown's own
+/// error paths are faulted.
+#[test]
+fn the_runtimes_teardown_survives_a_fault_at_every_call() {
+    let mut failures = Vec::new();
+    let mut runs = 0usize;
+    let mut reached = std::collections::BTreeSet::new();
+    for (manager, in_other) in CONFIGS {
+        if in_other {
+            continue; // the importer's runtime ends inside the workload
+        }
+        let clean = teardown(manager, None)
+            .unwrap_or_else(|e| panic!("{manager}: the clean teardown failed: {e}"));
+        assert!(
+            clean.calls >= 3,
+            "{manager}: the teardown made only {} driver calls",
+            clean.calls
+        );
+        for nth in 1..=clean.calls as u64 {
+            for kind in [ErrorKind::InvalidValue, ErrorKind::ContextDestroyed] {
+                runs += 1;
+                match teardown(manager, Some((nth, kind))) {
+                    Ok(t) => {
+                        reached.extend(t.faulted);
+                        // A faulted release leaves its object to the destruction, with what
+                        // only it would have freed: a driver pool with the blocks held in it
+                        // (the three this test holds at most), a mapping with the reservation
+                        // it sits in. Nothing else may be left beyond what the clean teardown
+                        // left.
+                        let explained = match t.faulted {
+                            Some(Op::MemPoolDestroy) => 4,
+                            Some(Op::MemUnmap) => 2,
+                            Some(op) if op.is_release() => 1,
+                            _ => 0,
+                        };
+                        if t.reclaimed > clean.reclaimed + explained {
+                            failures.push(format!(
+                                "{manager}: teardown call {nth} ({:?}) failing with {kind:?}: the context's destruction reclaimed {} objects, the clean teardown's {} and {explained} explained by the fault: {}",
+                                t.faulted, t.reclaimed, clean.reclaimed, t.report
+                            ));
+                        }
+                    }
+                    Err(e) => failures.push(format!(
+                        "{manager}: teardown call {nth} failing with {kind:?}: {e}"
+                    )),
+                }
+            }
+        }
+    }
+    println!(
+        "fault sweep: {runs} faulted teardowns, {} failed; operations faulted there: {reached:?}",
+        failures.len()
+    );
+    assert!(
+        reached.contains(&Op::PrimaryCtxRelease) && reached.contains(&Op::MemFree),
+        "the teardown's releases were not faulted: {reached:?}"
+    );
+    assert!(
+        failures.is_empty(),
+        "{} faulted teardowns failed:\n{}",
+        failures.len(),
+        failures
+            .iter()
+            .take(40)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 }
