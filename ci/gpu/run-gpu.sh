@@ -90,7 +90,10 @@ done
 # A soak, shorter than a manual one: every manager in turn, the stress workload and an IPC
 # round trip to a child process each round, device memory back to the byte every round, host
 # resident memory flat (EMM_GPU_SOAK_SECONDS, default 60; README says how to run longer).
-if [ -x "$here/bin/soak" ]; then
+# The soak and the examples are part of the bundle: one missing fails the job.
+if [ ! -x "$here/bin/soak" ]; then
+    summary+=("$(printf '%-22s FAILED: bin/soak is not in the bundle (rebuild it)' soak)"); status=1
+else
     echo "=== soak" >>"$log"
     out=$(mktemp)
     EMM_DRIVER=cuda EMM_SOAK_SECONDS=${EMM_GPU_SOAK_SECONDS:-60} "$here/bin/soak" >"$out" 2>&1
@@ -101,7 +104,9 @@ if [ -x "$here/bin/soak" ]; then
     rm -f "$out"
 fi
 for ex in quickstart driver_probe array_kernel; do
-    if [ -x "$here/bin/$ex" ]; then
+    if [ ! -x "$here/bin/$ex" ]; then
+        summary+=("$(printf '%-22s FAILED: bin/%s is not in the bundle (rebuild it)' "$ex" "$ex")"); status=1
+    else
         echo "=== $ex" >>"$log"
         if EMM_DRIVER=cuda EMM_REQUIRE_GPU=1 "$here/bin/$ex" >>"$log" 2>&1; then
             summary+=("$(printf '%-22s ok' "$ex")")

@@ -2,7 +2,9 @@
 //!
 //! - `cargo run -p ci -- gpu-bundle [DIR]` builds the release test binaries and examples and
 //!   assembles DIR (default `gpu-bundle/`): `bin/` with the stripped executables and
-//!   `run-gpu.sh`, the one command the GPU machine runs (it needs no Rust toolchain).
+//!   `run-gpu.sh`, the one command the GPU machine runs (it needs no Rust toolchain). The
+//!   bundle is self-contained: the tests that read the repository's files (the sources' layer
+//!   check, the trace corpus's replays on the simulator) are left out; `.ci/run` runs them.
 //!
 //! The CPU job is `.ci/run` (fmt, clippy, tests, loom models).
 
@@ -81,6 +83,9 @@ fn gpu_bundle(dir: &Path) -> Result<(), String> {
     let mut copied = Vec::new();
     for (name, kind, path) in exes {
         let file = match (kind.as_str(), name.as_str()) {
+            // Checks of the repository's files, not of the GPU: they run in `.ci/run`, and
+            // the bundle carries no sources or traces.
+            ("test", "source_checks" | "traces") => continue,
             ("test", "suite") => "suite".to_owned(),
             ("example", _) => name.clone(),
             ("lib", _) => format!("unit-{name}"),

@@ -1,5 +1,6 @@
-//! emm's own tests on the simulator and the mock, in one binary (the loom models and the
-//! test of selection from the process environment run apart: `loom.rs`, `env_selection.rs`).
+//! emm's own tests on the simulator and the mock, in one binary (the loom models, the test of
+//! selection from the process environment and the check of the sources' layers run apart:
+//! `loom.rs`, `env_selection.rs`, `source_checks.rs`).
 //!
 //! Run one group with a filter: `cargo test -p emm --test behaviour pools::`.
 //!
@@ -14,7 +15,6 @@
 //! | `pools` | the pool, the pinned host pool and the adaptors, with a property test of the pool |
 //! | `pool_ipc` | IPC of stream-ordered pools between simulated processes, with a property test |
 //! | `state_machine` | a context against a reference model (proptest state machine) |
-//! | `layers` | no module of emm imports a higher layer |
 //! | `in_flight` | an asynchronous copy that cannot finish leaks its buffers rather than freeing them |
 //! | `stream_reuse` | stream-ordered memory under every shipped manager against a model of stream work (property test) |
 #![cfg(not(emm_loom))]
@@ -24,7 +24,6 @@ mod held_bound;
 mod host_and_ipc;
 mod hostile_input;
 mod in_flight;
-mod layers;
 mod mock_sequences;
 mod pending_policy;
 mod pool_ipc;
