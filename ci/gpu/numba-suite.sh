@@ -15,7 +15,9 @@
 # under Numba's own manager too), so every module with a failing test in the parallel pass runs
 # again alone, one configuration after another; its result then counts. The script fails when a
 # test fails under emm.numba (after the re-run) and not under Numba's own manager, unless the
-# failure is one `explained` below lists with its reason.
+# failure is one `explained` below lists with its reason; when a group gives no result (it timed
+# out or crashed), in any configuration; and when a configuration ran a different number of
+# tests than Numba's own manager did.
 set -u
 out=${OUT:-/tmp}
 shards=${SHARDS:-3}
@@ -37,20 +39,26 @@ fail_lines() { grep -ahE '^(ERROR|FAIL): ' "$@"; }
 # A count from a unittest result line ("FAILED (failures=2, skipped=5)"), 0 when absent.
 v() { grep -oE "[(,] ?$1=[0-9]+" <<<"$tail" | grep -oE '[0-9]+$' || echo 0; }
 start=$(date +%s)
+declare -A pid rc
 for c in "${configs[@]}"; do
     for ((s = 0; s < shards; s++)); do
         group=()
         for ((i = s; i < ${#mods[@]}; i += shards)); do group+=("${mods[$i]}"); done
         env $(setup "$c") PYTHONUNBUFFERED=1 timeout "$limit" \
             python3 -m numba.runtests -v "${group[@]}" >"$work/$c.$s.log" 2>&1 &
+        pid[$c.$s]=$!
     done
 done
-wait
+for k in "${!pid[@]}"; do
+    wait "${pid[$k]}"
+    rc[$k]=$?
+done
 elapsed=$(($(date +%s) - start))
 summary=$out/numba-full-summary.txt
 {
     echo "numba-cuda suite: ${#mods[@]} modules in $shards groups per configuration, $elapsed s"
     printf '%-12s %6s %6s %6s %6s %6s %6s %s\n' config run ok skipped failed errors xfail exits
+    declare -gA ran
     for c in "${configs[@]}"; do
         : >"$out/numba-full-$c.log"
         run=0 skipped=0 failed=0 errors=0 xfail=0 exits=""
@@ -59,7 +67,13 @@ summary=$out/numba-full-summary.txt
             cat "$log" >>"$out/numba-full-$c.log"
             n=$(grep -aoE '^Ran [0-9]+ tests' "$log" | grep -oE '[0-9]+' | tail -1)
             tail=$(grep -aE '^(OK|FAILED)' "$log" | tail -1)
-            [ -n "$n" ] || exits="$exits group$s:no-result"
+            if [ -z "$n" ]; then
+                case ${rc[$c.$s]} in
+                124) exits="$exits group$s:timed-out(${limit}s)" ;;
+                *) exits="$exits group$s:no-result(exit ${rc[$c.$s]})" ;;
+                esac
+                echo "$c group $s" >>"$work/no-result"
+            fi
             run=$((run + ${n:-0}))
             skipped=$((skipped + $(v skipped)))
             failed=$((failed + $(v failures)))
@@ -67,6 +81,7 @@ summary=$out/numba-full-summary.txt
             xfail=$((xfail + $(v 'expected failures')))
         done
         ok=$((run - skipped - failed - errors - xfail))
+        ran[$c]=$run
         printf '%-12s %6d %6d %6d %6d %6d %6d %s\n' "$c" "$run" "$ok" "$skipped" "$failed" "$errors" "$xfail" "${exits:-all groups finished}"
     done
     for c in "${configs[@]}"; do
@@ -105,6 +120,16 @@ explained() {
     esac
 }
 status=0
+if [ -s "$work/no-result" ]; then
+    status=1
+    echo "-- groups that gave no result (timed out or crashed; their tests did not run): $(tr '\n' ';' <"$work/no-result")" >>"$summary"
+fi
+for c in emm-default emm-pool; do
+    if [ "${ran[$c]}" != "${ran[numba]}" ]; then
+        status=1
+        echo "-- $c ran ${ran[$c]} tests where Numba's manager ran ${ran[numba]}: some did not run" >>"$summary"
+    fi
+done
 for c in emm-default emm-pool; do
     extra=$(comm -13 <(echo "${final[numba]}") <(echo "${final[$c]}") | grep .)
     for t in $extra; do
