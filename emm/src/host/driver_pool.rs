@@ -103,7 +103,8 @@ impl DriverHostPool {
     }
 
     /// Waits until the allocation at `ptr` reached the host (the pool's stream ran it); on an
-    /// error the allocation is freed again. The caller holds the liveness.
+    /// error the allocation is freed again, or, where that free fails too, kept live (logged)
+    /// for the manager's reset to free. The caller holds the liveness.
     pub(crate) fn ready(&self, ptr: DevicePtr) -> Result<(), DriverError> {
         let mut state = lock(&self.state);
         let Some((_, stream)) = state.pool else {
@@ -114,7 +115,10 @@ impl DriverHostPool {
         if synced.is_err() && state.live.remove(&ptr.0) {
             // SAFETY: allocated by `allocate` and handed to no one yet, freed once (it left
             // the live set).
-            let _ = unsafe { d.mem_free_async(ctx, ptr, stream) };
+            if let Err(e) = unsafe { d.mem_free_async(ctx, ptr, stream) } {
+                tracing::error!(device = %self.cx.device, error = %e, ptr = %ptr, "freeing host pool memory whose allocation failed also failed; it stays allocated until the manager's reset");
+                state.live.insert(ptr.0);
+            }
         }
         synced
     }

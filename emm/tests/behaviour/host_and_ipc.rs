@@ -395,6 +395,44 @@ fn memhostalloc_from_the_driver_host_pool() {
     assert!(e.to_string().contains("EMM_HOST_MEMORY_POOL"), "{e}");
 }
 
+/// A host pool allocation whose wait fails is freed again; where that free fails too, the
+/// block stays counted live and the manager's reset frees it: nothing is left for the
+/// context's destruction to take.
+#[test]
+fn a_host_pool_block_whose_wait_and_free_fail_is_freed_by_the_reset() {
+    use driver_mock::{Fault, Op};
+    use driver_sys::ErrorKind;
+    let sim = crate::common::sim();
+    let rt = emm::Runtime::builder(sim.clone())
+        .ignore_env()
+        .host_memory_pool(true)
+        .build()
+        .unwrap();
+    let ctx = rt.context(0).unwrap();
+    drop(ctx.memhostalloc(64, true, false, false).unwrap()); // the pool and its stream exist
+    sim.inject(Fault::nth(
+        Op::StreamSynchronize,
+        1,
+        ErrorKind::InvalidValue,
+    ));
+    sim.inject(Fault::nth(Op::MemFreeAsync, 1, ErrorKind::InvalidValue));
+    let frees = sim.count(Op::MemFreeAsync);
+    let e = ctx.memhostalloc(4096, true, false, false).unwrap_err();
+    assert!(e.to_string().contains("memhostalloc"), "{e}");
+    assert_eq!(sim.count(Op::MemFreeAsync), frees + 1, "the free was tried");
+    ctx.reset().unwrap();
+    assert_eq!(
+        sim.count(Op::MemFreeAsync),
+        frees + 2,
+        "the reset freed the block whose free had failed"
+    );
+    drop(ctx);
+    drop(rt);
+    let reclaimed = sim.reclaimed_by_destroy();
+    assert!(reclaimed.is_clean(), "{reclaimed}");
+    assert!(sim.leak_report().is_clean(), "{}", sim.leak_report());
+}
+
 /// An external stream wrapped with its owner: the stream and every memory ordered on it hold
 /// the owner (another library's stream object), so it outlives the last stream-ordered free,
 /// under a manager that frees on the stream and one that does not.
