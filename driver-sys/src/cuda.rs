@@ -108,8 +108,12 @@ unsafe extern "C" fn run_host_fn(data: *mut c_void) {
     // SAFETY: `data` is the `Box<HostFn>` `launch_host_func` leaked for this one call; the
     // driver calls the callback exactly once, so the box is taken back exactly once.
     let f = unsafe { Box::from_raw(data.cast::<HostFn>()) };
-    // A panic must not unwind into the driver's thread.
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    // A panic must not unwind into the driver's thread: it is stopped here and logged.
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+        tracing::error!(
+            "a host function panicked on the driver's thread; the panic was stopped there"
+        );
+    }
 }
 
 fn as_cu_ctx(ctx: ContextHandle) -> sys::CUcontext {

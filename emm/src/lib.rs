@@ -98,7 +98,9 @@ pub use memory::{
     HostReleaseFn, HostReleaseHook, LiveGuard, ManagedMemory, MappedMemory, MemoryPointer,
     OrderedOn, PendingDeallocs, PinnableBuffer, PinnedMemory, ReleaseFn, ReleaseHook, StreamUse,
 };
-pub use objects::{AutoSynchronize, Event, InFlight, Module, Stream, StreamKind};
+pub use objects::{
+    AutoSynchronize, Event, InFlight, Module, Stream, StreamKind, host_function_panics,
+};
 pub use resources::{
     DeviceMemoryResource, DeviceMemoryResourceOptions, ManagedMemoryResource,
     ManagedMemoryResourceOptions, PinnedMemoryResource, PinnedMemoryResourceOptions,

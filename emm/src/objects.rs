@@ -21,6 +21,19 @@ use crate::memory::pending::{Free, PendingDeallocs};
 use crate::memory::pointer::{MemoryPointer, OrderedOn};
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
+/// Host functions launched through [`Stream::launch_host_func`] that panicked: a plain count,
+/// outside the loom models (whose atomics cannot be made in a static).
+static HOST_FUNCTION_PANICS: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
+/// How many host functions launched through [`Stream::launch_host_func`] in this process
+/// panicked. Such a panic happens on a driver thread, where it cannot reach the code that
+/// launched the function: it is stopped there, logged at error level and counted here, and
+/// the stream's later work goes on.
+pub fn host_function_panics() -> usize {
+    HOST_FUNCTION_PANICS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A loaded module (`cuModuleLoadData`); unloaded through the context's queue when dropped or
 /// when the context is reset.
 pub struct Module {
@@ -199,10 +212,24 @@ impl Stream {
     /// Runs `f` when the stream reaches this point (`cuLaunchHostFunc`); later work on the
     /// stream waits for it. `f` runs on a driver thread and must not call CUDA, emm
     /// included (dropping emm memory in it can flush the deferred frees: move it out instead).
+    /// A panic in `f` cannot reach the caller: it is logged at error level and counted
+    /// ([`host_function_panics`]).
     pub fn launch_host_func(&self, f: impl FnOnce() + Send + 'static) -> Result<(), EmmError> {
+        let device = self.cx.device;
+        let guarded = move || {
+            if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                HOST_FUNCTION_PANICS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let why = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic without a message".to_owned());
+                tracing::error!(%device, panic = %why, "a host function panicked on the driver's thread; the stream's later work went on");
+            }
+        };
         call(&self.cx, "launch host function", |cx| {
             cx.driver
-                .launch_host_func(cx.context, self.handle, Box::new(f))
+                .launch_host_func(cx.context, self.handle, Box::new(guarded))
         })
     }
 

@@ -464,3 +464,26 @@ fn an_owned_external_stream_outlives_the_memory_ordered_on_it() {
         drop(theirs);
     }
 }
+
+/// A host function that panics: the panic stays on the thread that ran it (it cannot reach
+/// the caller), is counted, and the stream's later work still runs.
+#[test]
+fn a_panicking_host_function_is_stopped_counted_and_the_stream_goes_on() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let sim = crate::common::sim();
+    let rt = crate::common::runtime_with(&sim, "default");
+    let ctx = rt.context(0).unwrap();
+    let stream = ctx.create_stream().unwrap();
+    let before = emm::host_function_panics();
+    let ran = Arc::new(AtomicBool::new(false));
+    let after = Arc::clone(&ran);
+    stream
+        .launch_host_func(|| panic!("a host function that fails"))
+        .unwrap();
+    stream
+        .launch_host_func(move || after.store(true, Ordering::SeqCst))
+        .unwrap();
+    stream.synchronize().unwrap();
+    assert!(ran.load(Ordering::SeqCst), "the later host function ran");
+    assert_eq!(emm::host_function_panics(), before + 1);
+}
