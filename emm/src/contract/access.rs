@@ -56,7 +56,9 @@ impl ManagerContext {
         });
         if let Err(e) = ready {
             // SAFETY: the caller's contract: created just now, handed to no one.
-            let _ = unsafe { self.driver.mem_pool_destroy(self.context, pool) };
+            self.log_failed_undo("a new memory pool", unsafe {
+                self.driver.mem_pool_destroy(self.context, pool)
+            });
             return Err(e);
         }
         Ok(pool)
@@ -139,6 +141,15 @@ impl ManagerContext {
     /// its driver calls' errors with it (`.map_err(|e| cx.driver_error("memalloc", e))?`).
     pub fn driver_error(&self, what: &'static str, source: DriverError) -> EmmError {
         EmmError::driver(what, self.device, source)
+    }
+
+    /// Logs the failure of an undo: `what` (an object made for a call that then failed) could
+    /// not be destroyed again. The call returns its own error; this one would otherwise
+    /// vanish, and the object stays until the context's destruction takes it.
+    pub(crate) fn log_failed_undo(&self, what: &'static str, undone: Result<(), DriverError>) {
+        if let Err(e) = undone {
+            tracing::error!(device = %self.device, error = %e, "destroying {what} after a failed call failed too; it stays until the context is destroyed");
+        }
     }
 
     /// Enters the context for a driver call: the guard keeps a device reset from destroying

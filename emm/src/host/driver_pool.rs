@@ -76,7 +76,9 @@ impl DriverHostPool {
             }
             Err(e) => {
                 // SAFETY: created just above, handed to no one.
-                let _ = unsafe { d.mem_pool_destroy(ctx, pool) };
+                self.cx.log_failed_undo("a new host memory pool", unsafe {
+                    d.mem_pool_destroy(ctx, pool)
+                });
                 Err(e)
             }
         }

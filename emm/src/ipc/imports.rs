@@ -63,7 +63,9 @@ impl PoolImports {
             .map_err(err)?;
         if let Err(e) = cx.ensure_pool_access(pool, cx.device) {
             // SAFETY: imported just above; no pointer was imported through it.
-            let _ = unsafe { cx.driver.mem_pool_destroy(cx.context, pool) };
+            cx.log_failed_undo("an imported memory pool", unsafe {
+                cx.driver.mem_pool_destroy(cx.context, pool)
+            });
             return Err(err(e));
         }
         tracing::info!(device = %cx.device, pool = %export.id(), handle = ?pool, "stream-ordered pool imported");

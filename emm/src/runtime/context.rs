@@ -422,7 +422,9 @@ impl Context {
             Ok(p) => p,
             Err(e) => {
                 // SAFETY: created just above and not handed out; destroyed once.
-                let _ = unsafe { cx.driver.stream_destroy(cx.context, s) };
+                cx.log_failed_undo("a new stream", unsafe {
+                    cx.driver.stream_destroy(cx.context, s)
+                });
                 return Err(err(e));
             }
         };
