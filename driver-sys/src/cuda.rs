@@ -1351,10 +1351,7 @@ impl Driver for CudaDriver {
         dev: DeviceOrdinal,
     ) -> Result<(), DriverError> {
         let _scope = CtxScope::enter(ctx)?;
-        let desc = sys::CUmemAccessDesc {
-            location: device_location(dev),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
+        let desc = read_write_access(dev);
         // SAFETY: one initialised descriptor, alive for the call; the driver validates the
         // pool handle and the device.
         check("cuMemPoolSetAccess", unsafe {
@@ -1460,10 +1457,7 @@ impl Driver for CudaDriver {
         dev: DeviceOrdinal,
     ) -> Result<(), DriverError> {
         let _scope = CtxScope::enter(ctx)?;
-        let desc = sys::CUmemAccessDesc {
-            location: device_location(dev),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
+        let desc = read_write_access(dev);
         // SAFETY: one initialised descriptor, alive for the call; the driver checks that the
         // range is mapped.
         check("cuMemSetAccess", unsafe {
@@ -1496,6 +1490,14 @@ fn device_memory_prop(dev: DeviceOrdinal) -> sys::CUmemAllocationProp {
 }
 
 /// The location of device `dev`'s memory, for the pool access calls.
+/// Read and write access for device `dev` (`cuMemPoolSetAccess`, `cuMemSetAccess`).
+fn read_write_access(dev: DeviceOrdinal) -> sys::CUmemAccessDesc {
+    sys::CUmemAccessDesc {
+        location: device_location(dev),
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
+}
+
 fn device_location(dev: DeviceOrdinal) -> sys::CUmemLocation {
     // SAFETY: an all-zero `CUmemLocation` is valid (plain integers); both fields are set.
     let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };

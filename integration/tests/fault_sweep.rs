@@ -441,16 +441,7 @@ fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, Strin
             ));
         }
         let reclaimed = process.reclaimed_by_destroy();
-        let held = reclaimed.allocations.len()
-            + reclaimed.host_allocations.len()
-            + reclaimed.host_registrations.len()
-            + reclaimed.ipc_mappings.len()
-            + reclaimed.physical.len()
-            + reclaimed.reservations.len()
-            + reclaimed.streams
-            + reclaimed.events
-            + reclaimed.modules
-            + reclaimed.pools;
+        let held = reclaimed.objects();
         if held > absorbed_releases {
             return Err(format!(
                 "destroying the {who}'s context reclaimed what emm still held ({held} objects, {absorbed_releases} explained by faulted releases): {reclaimed}"
@@ -805,16 +796,7 @@ fn teardown(manager: &str, fault: Option<(u64, ErrorKind)>) -> Result<Teardown, 
         ));
     }
     let reclaimed = sim.reclaimed_by_destroy();
-    let held = reclaimed.allocations.len()
-        + reclaimed.host_allocations.len()
-        + reclaimed.host_registrations.len()
-        + reclaimed.ipc_mappings.len()
-        + reclaimed.physical.len()
-        + reclaimed.reservations.len()
-        + reclaimed.streams
-        + reclaimed.events
-        + reclaimed.modules
-        + reclaimed.pools;
+    let held = reclaimed.objects();
     // The test's own plugin (`immediate`) frees a block only when its pointer drops, as a
     // plugin may: a block held across the runtime's end is its context's to take.
     let tracked = manager != "immediate";

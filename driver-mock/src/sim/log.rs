@@ -363,6 +363,21 @@ impl LeakReport {
             && self.physical.is_empty()
     }
 
+    /// How many objects it lists (allocations, registrations, mappings, physical
+    /// allocations, reservations, streams, events, modules, pools), context references aside.
+    pub fn objects(&self) -> usize {
+        self.allocations.len()
+            + self.host_allocations.len()
+            + self.host_registrations.len()
+            + self.ipc_mappings.len()
+            + self.physical.len()
+            + self.reservations.len()
+            + self.streams
+            + self.events
+            + self.modules
+            + self.pools
+    }
+
     /// Whether nothing at all is held, contexts included.
     pub fn is_clean(&self) -> bool {
         self.no_memory_leaked()

@@ -236,14 +236,7 @@ impl World {
         if new_pages.map_or(0, |(_, n)| n as usize * PAGE_SIZE) > free {
             return Err(code::OUT_OF_MEMORY);
         }
-        let store = self.new_handle();
-        self.stores.insert(
-            store,
-            Store {
-                bytes: SparseBytes::default(),
-                refs: 1,
-            },
-        );
+        let store = self.new_store();
         let d = &mut self.devices[i];
         match new_pages {
             Some((first, 1)) if bytes <= SMALL_MAX => {
@@ -299,6 +292,19 @@ impl World {
         if self.stores.get(&store).is_some_and(|s| s.refs > 1) {
             super::FREED_WHILE_IMPORTED.with(|n| n.set(n.get() + 1));
         }
+    }
+
+    /// A new, empty store of bytes with one reference.
+    pub(super) fn new_store(&mut self) -> u64 {
+        let store = self.new_handle();
+        self.stores.insert(
+            store,
+            Store {
+                bytes: SparseBytes::default(),
+                refs: 1,
+            },
+        );
+        store
     }
 
     pub(super) fn drop_store(&mut self, id: u64) {

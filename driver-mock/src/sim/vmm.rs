@@ -23,7 +23,6 @@ use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, PhysHandle, code};
 
 use super::Note;
 use super::config::PAGE_SIZE;
-use super::memory::{SparseBytes, Store};
 use super::world::{World, context, device_index};
 
 /// The granularity of every size and address.
@@ -240,14 +239,7 @@ impl World {
         if size > self.free_bytes(i) {
             return Err(code::OUT_OF_MEMORY);
         }
-        let store = self.new_handle();
-        self.stores.insert(
-            store,
-            Store {
-                bytes: SparseBytes::default(),
-                refs: 1,
-            },
-        );
+        let store = self.new_store();
         let handle = self.new_handle();
         self.phys.insert(
             handle,
@@ -271,10 +263,15 @@ impl World {
             .get(&handle)
             .is_some_and(|p| p.released && p.mappings == 0);
         if unused {
-            let p = self.phys.remove(&handle).expect("checked");
-            self.devices[p.device].phys_bytes -= p.size;
-            self.drop_store(p.store);
+            self.forget_phys(handle);
         }
+    }
+
+    /// Removes physical allocation `handle`: its device memory and bytes go.
+    fn forget_phys(&mut self, handle: u64) {
+        let p = self.phys.remove(&handle).expect("a physical allocation");
+        self.devices[p.device].phys_bytes -= p.size;
+        self.drop_store(p.store);
     }
 
     /// `cuMemRelease`: [`Driver::mem_release`](driver_sys::Driver::mem_release) in the model.
@@ -409,9 +406,7 @@ impl World {
             r.maps.retain(|_, m| !gone.contains(&m.handle));
         }
         for h in gone {
-            let p = self.phys.remove(&h).expect("listed");
-            self.devices[device].phys_bytes -= p.size;
-            self.drop_store(p.store);
+            self.forget_phys(h);
         }
     }
 }

@@ -38,7 +38,6 @@
 //! given at once (1 220 → 637 instructions a 256 MiB `pool` pair, and 77 → 59 ns on the build
 //! machine's simulated driver; callgrind, 2026-11-26).
 
-use std::cmp::Reverse;
 use std::collections::BTreeMap;
 
 use crate::memory::AddressMap;
@@ -334,17 +333,16 @@ impl Arena {
         }
     }
 
-    /// Where chunks merge: the ends of chunks that no chunk of this arena follows, each with
-    /// the bytes of the free block that ends there (0 where the chunk's last block is in
-    /// use), as (end, free bytes): the largest free first, then the highest end. Memory
-    /// mapped just past such an end extends the free block, or starts one next to the chunk.
-    pub(super) fn tails(&mut self) -> Vec<(u64, usize)> {
+    /// Where chunks merge: of the ends of chunks that no chunk of this arena follows, the one
+    /// with the largest free block ending there (the highest end among equals; 0 bytes where
+    /// the chunk's last block is in use), as (end, free bytes). Memory mapped just past it
+    /// extends that free block, or starts one next to the chunk.
+    pub(super) fn tail(&mut self) -> Option<(u64, usize)> {
         if !self.merge_across {
-            return Vec::new();
+            return None;
         }
         self.settle();
-        let mut found: Vec<(u64, usize)> = self
-            .chunks
+        self.chunks
             .iter()
             .map(|(&base, &size)| base + size as u64)
             .filter(|end| !self.chunks.contains_key(end))
@@ -354,9 +352,7 @@ impl Arena {
                     self.ends.get(&end).map_or(0, |&id| self.nodes[id].size),
                 )
             })
-            .collect();
-        found.sort_unstable_by_key(|&(end, free)| (Reverse(free), Reverse(end)));
-        found
+            .max_by_key(|&(end, free)| (free, end))
     }
 
     /// Whether free space merges across address `at` (a chunk's base stops it unless chunks
@@ -623,10 +619,10 @@ impl Arenas {
         arena.add_chunk(chunk.base, chunk.size);
     }
 
-    /// The free blocks of the arena that serves `size` which memory mapped just past them
-    /// would extend ([`Arena::tails`]).
-    pub(super) fn tails(&mut self, size: usize) -> Vec<(u64, usize)> {
-        self.of(size).tails()
+    /// The free block of the arena that serves `size` that memory mapped just past it would
+    /// extend ([`Arena::tail`]).
+    pub(super) fn tail(&mut self, size: usize) -> Option<(u64, usize)> {
+        self.of(size).tail()
     }
 
     /// Removes every chunk that is wholly free.
@@ -935,7 +931,7 @@ mod tests {
         let used = arena.take(3 << 20).unwrap();
         assert_eq!(used, base);
         // The free 1 MiB at the end is the tail; a chunk mapped just past it extends it.
-        assert_eq!(arena.tails(), vec![(base + (4 << 20), 1 << 20)]);
+        assert_eq!(arena.tail(), Some((base + (4 << 20), 1 << 20)));
         arena.add_chunk(base + (4 << 20), 2 << 20);
         let blocks: Vec<(u64, usize)> = arena.free_blocks().collect();
         assert_eq!(
@@ -945,8 +941,8 @@ mod tests {
         );
         assert_eq!(arena.take(3 << 20), Some(base + (3 << 20)));
         assert_eq!(
-            arena.tails(),
-            vec![(base + (6 << 20), 0)],
+            arena.tail(),
+            Some((base + (6 << 20), 0)),
             "nothing free at the end"
         );
         arena.give(used, 3 << 20);
@@ -963,9 +959,9 @@ mod tests {
     }
 
     #[test]
-    fn chunks_that_do_not_merge_have_no_tails() {
+    fn chunks_that_do_not_merge_have_no_tail() {
         let mut arena = Arena::default();
         arena.add_chunk(0x3000_0000, 4 << 20);
-        assert!(arena.tails().is_empty());
+        assert_eq!(arena.tail(), None);
     }
 }

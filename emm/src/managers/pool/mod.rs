@@ -694,7 +694,7 @@ impl PoolShared {
         self.vmm.as_ref()?;
         let (tail, free, shed) = {
             let mut arena = lock(&self.arena);
-            let (end, free) = arena.tails(size).first().copied()?;
+            let (end, free) = arena.tail(size)?;
             let shed = arena.remove_free_chunks_outside(size, (end - free as u64, end));
             (end, free, shed)
         };

@@ -322,7 +322,7 @@ impl PoolShared {
         let (tail, free) = {
             let mut lists = lock(self.streams.of(stream));
             let mine = lists.list(stream.0)?;
-            let (end, free) = mine.arena.tails(size).first().copied()?;
+            let (end, free) = mine.arena.tail(size)?;
             let shed = mine
                 .arena
                 .remove_free_chunks_outside(size, (end - free as u64, end));

@@ -12,7 +12,8 @@
 //!   taken, the chunk goes at the lowest free range of the reservation that holds it.
 //! - A chunk goes back by `cuMemUnmap` then `cuMemRelease`, made by the pool itself (the
 //!   deferred-deallocation queue holds `cuMemAlloc` memory's frees): at once, or inside
-//!   `defer_cleanup` (the queue suspended) at the first release of chunks after it. Its range is
+//!   `defer_cleanup` (the queue suspended) at the first release or growth after it (a reset
+//!   unmaps at once, guard or not). Its range is
 //!   free for a new mapping once unmapped; a range whose unmapping failed is not used again, and
 //!   leaves the reservation to the context's destruction.
 
@@ -175,7 +176,8 @@ impl PoolShared {
                 .map(|p| (p.0, bytes));
         };
         let (cx, bytes) = (&self.cx, vmm.round(bytes));
-        self.release_waiting(vmm);
+        // Chunks given back inside a defer_cleanup that has since ended go first.
+        self.release_chunks(Vec::new(), false);
         let at = {
             let mut inner = lock(&vmm.inner);
             if inner.reservation.is_none() {
@@ -185,18 +187,9 @@ impl PoolShared {
                 inner.reservation = Some((base.0, vmm.reserve_bytes));
                 inner.free.insert(base.0, vmm.reserve_bytes);
             }
-            let at = match inner.place(bytes) {
-                Some(at) => at,
-                None => {
-                    // Chunks given back inside defer_cleanup may free a range now.
-                    drop(inner);
-                    self.release_chunks(Vec::new(), false);
-                    inner = lock(&vmm.inner);
-                    inner.place(bytes).ok_or_else(|| {
-                        DriverError::from_kind("cuMemAddressReserve", ErrorKind::OutOfMemory)
-                    })?
-                }
-            };
+            let at = inner.place(bytes).ok_or_else(|| {
+                DriverError::from_kind("cuMemAddressReserve", ErrorKind::OutOfMemory)
+            })?;
             inner.growing += 1;
             at
         };
@@ -215,7 +208,8 @@ impl PoolShared {
             return Ok(None);
         };
         let bytes = vmm.round(bytes);
-        self.release_waiting(vmm);
+        // Chunks given back inside a defer_cleanup that has since ended go first.
+        self.release_chunks(Vec::new(), false);
         {
             let mut inner = lock(&vmm.inner);
             if inner.reservation.is_none() || !inner.place_at(at, bytes) {
@@ -224,13 +218,6 @@ impl PoolShared {
             inner.growing += 1;
         }
         self.map_placed(vmm, at, bytes).map(|()| Some(bytes))
-    }
-
-    /// Chunks given back inside a defer_cleanup that has since ended go first.
-    fn release_waiting(&self, vmm: &VmmSpace) {
-        if !lock(&vmm.inner).deferred.is_empty() {
-            self.release_chunks(Vec::new(), false);
-        }
     }
 
     /// Maps `bytes` at `at`, a range taken from the reservation's free ones by a growth
@@ -318,6 +305,8 @@ impl PoolShared {
                 }));
             return;
         };
+        // Read before the space's lock, which is taken after every other.
+        let wait = !now && self.queue.is_disabled();
         let mut inner = lock(&vmm.inner);
         for c in chunks {
             match inner.handles.remove(&c.base) {
@@ -327,7 +316,7 @@ impl PoolShared {
                 }
             }
         }
-        if inner.deferred.is_empty() || (self.queue.is_disabled() && !now) {
+        if inner.deferred.is_empty() || wait {
             return;
         }
         let Some(_live) = self.cx.liveness.enter() else {
