@@ -51,7 +51,7 @@ const DEFAULT_FLUSH_AT: usize = FLUSHED + 1;
 /// recycled record and the pinned pool's per-thread shards then cost `pool` 130 and the
 /// pinned pool 68 instructions back, to take the atomic reference count and the shared lock
 /// off their paths: two threads freeing each other's blocks, or sixteen sharing the pinned
-/// pool, had collapsed to a fraction of one thread's rate on the H100 (BENCHMARKS.md, run I).
+/// pool, had collapsed to a fraction of one thread's rate on the H100 (bench-results/runs.md, run I).
 ///
 /// Lowered 2026-11-24 again: `pool` 533 → 484 (a pool pointer's record is emptied by its
 /// retire and not dropped again; budget 620 → 560); the pinned pool 535 → 527 (its shard
@@ -81,7 +81,7 @@ const DEFAULT_FLUSH_AT: usize = FLUSHED + 1;
 /// its home shard, so that one freed on another thread goes back to its home's inbox. The
 /// compare-exchange that left the path counts as one instruction here but cost more on the
 /// H100's host: the pair was about 5 % faster there, and 8 and 16 threads 1.4 to 1.9 × faster
-/// (BENCHMARKS.md, run U).
+/// (bench-results/runs.md, run U).
 ///
 /// Lowered 2026-11-24: `pool` 466 → 276 (budget 530 → 320; 278 once a pointer that outlives
 /// the pool's allocator stopped parking; then 269, and the pinned pool 576 → 566 and the
@@ -109,7 +109,7 @@ const DEFAULT_FLUSH_AT: usize = FLUSHED + 1;
 /// random workload 507 → 508 an operation for it), then 602 with no shard looked in for a
 /// block too large for one (509). Budget 695.
 ///
-/// At a45260d (2026-11-26, BENCHMARKS.md run X): the shards' lists on 128-byte-aligned
+/// At a45260d (2026-11-26, bench-results/runs.md run X): the shards' lists on 128-byte-aligned
 /// buffers of their own (`lines.rs`, a `Vec` over a raw buffer) took `pool` 270 → 254 and the
 /// pinned pool 423 → 417 (budgets 320 → 295 and 490 → 480); the large pair 602 → 632, its
 /// allocation kept out of `memalloc` (`#[inline(never)]`, a call more), and the random
@@ -152,7 +152,7 @@ const DEFAULT_FLUSH_AT: usize = FLUSHED + 1;
 /// 2026-11-26, later: `pool` 951 → 933 and `async-pool` 2 657 → 2 606 with a new pointer's
 /// stream record reached without its lock; then `async-pool` 13 – 14 dearer on both pairs
 /// (1 955, 2 620) with its per-thread gates, which take four locked instructions a pair off and
-/// made the pair faster on the H200 (BENCHMARKS.md run AC); then, with the context's liveness
+/// made the pair faster on the H200 (bench-results/runs.md run AC); then, with the context's liveness
 /// counted per thread, `async-pool` 2 002 and 2 673, `default` 2 770 (383 beyond its own
 /// sequence), again four locked instructions fewer and faster on the H200. The budgets stand.
 mod budget {
@@ -470,7 +470,7 @@ fn pinned_pool_pair(f: Fixture) -> Fixture {
 
 // A `pool` pair of a block too large for the shards: the arena's take and give (issue 14's
 // 60 ns target above 1 MiB is missed at 256 MiB and 1 GiB: 106 – 108 ns on the H200's host,
-// BENCHMARKS.md run W).
+// bench-results/runs.md run W).
 #[library_benchmark(config = limit(budget::POOL_LARGE, PAIRS))]
 #[bench::pair_256mib(setup = pool_large)]
 fn pool_large_pair(f: Fixture) -> Fixture {

@@ -14,7 +14,7 @@
 //! that can bias them: Linux with `membarrier`) counts its calls in a word of its own, with
 //! plain stores and a compiler fence, where every other thread counts in the shared word: four
 //! locked instructions fewer on every allocation and free of `async-pool`, measured at 2 – 3 %
-//! of its pair on the H200 (BENCHMARKS.md run AC). `kill` pays for it: one `membarrier`, then
+//! of its pair on the H200 (bench-results/runs.md run AC). `kill` pays for it: one `membarrier`, then
 //! a look at every slot.
 
 use crate::sync::{AtomicUsize, Bias, Ordering, yield_now};

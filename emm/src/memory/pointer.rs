@@ -657,7 +657,7 @@ impl MemoryPointer {
     /// hook's [`ReleaseHook::release_on_streams`] (or, with `park`, offers the record, stream
     /// record and all, to [`PoolHook::park`], which frees the block on its streams), and the
     /// hook's clone stays with the recycled record. Threads allocating on one stream then
-    /// share no reference count (measured on the H200: BENCHMARKS.md, run AB).
+    /// share no reference count (measured on the H200: bench-results/runs.md, run AB).
     #[allow(clippy::too_many_arguments)] // the allocation's fields, as `from_parts`
     pub(crate) fn with_stashed_hook_on(
         device: DeviceOrdinal,

@@ -252,7 +252,7 @@ struct Shared {
     /// One per thread shard ([`thread_slots`]): an allocation or a free enters its thread's
     /// (its owner's fast path: no read-modify-write), creation, export and reset take them all.
     /// Measured against the read-write lock they replace (taken for reading by every
-    /// allocation and free), in turns within one process on the H200: BENCHMARKS.md run AC.
+    /// allocation and free), in turns within one process on the H200: bench-results/runs.md run AC.
     gates: Box<[Shard<()>]>,
     /// What creation, export and reset change: locked after every gate.
     state: Mutex<PoolState>,

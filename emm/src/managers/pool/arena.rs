@@ -24,7 +24,7 @@
 //! block taken is at most one bin (6.25 %) larger than the best fit, except when only its own
 //! bin has one. The rest of a block taken is split off and stays free. On RMM's random
 //! workload with blocks up to 64 MiB (peak bytes held over peak bytes live, three seeds;
-//! BENCHMARKS.md, run N and after it) this holds 1.136 – 1.144 at 10 000 allocations and
+//! bench-results/runs.md, run N and after it) this holds 1.136 – 1.144 at 10 000 allocations and
 //! 1.168 – 1.176 at 100 000, where best fit held 1.136 – 1.152 and 1.152 – 1.168, and taking
 //! the larger bin's last block 1.148 – 1.152 and 1.164 – 1.176; eight bins per doubling held
 //! more than sixteen in a trial on the simulator, thirty-two no less.
