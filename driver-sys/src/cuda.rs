@@ -25,9 +25,10 @@ use cudarc::driver::{result, sys};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use crate::{
-    ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
-    HostFn, HostPtr, IpcMemHandle, MemInfo, MemLocation, MemPoolHandle, MemPoolUsage, ModuleHandle,
-    PhysHandle, PoolPtrExportData, StreamHandle,
+    CaptureMode, CaptureStatus, ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver,
+    DriverError, EventHandle, GraphExecHandle, GraphHandle, HostFn, HostPtr, IpcMemHandle, MemInfo,
+    MemLocation, MemPoolHandle, MemPoolUsage, ModuleHandle, PhysHandle, PoolPtrExportData,
+    StreamHandle,
 };
 
 /// The real CUDA driver. Obtain it with [`CudaDriver::load`].
@@ -97,6 +98,14 @@ fn retry_untyped(
 
 fn cu_stream(stream: StreamHandle) -> sys::CUstream {
     stream.0 as usize as sys::CUstream
+}
+
+fn cu_capture_mode(mode: CaptureMode) -> sys::CUstreamCaptureMode {
+    match mode {
+        CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        CaptureMode::ThreadLocal => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+    }
 }
 
 fn cu_event(event: EventHandle) -> sys::CUevent {
@@ -608,6 +617,139 @@ impl Driver for CudaDriver {
         })
     }
 
+    /// [cuStreamBeginCapture](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    fn stream_begin_capture(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        mode: CaptureMode,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the driver validates the stream handle and refuses the legacy stream.
+        check("cuStreamBeginCapture", unsafe {
+            sys::cuStreamBeginCapture_v2(cu_stream(stream), cu_capture_mode(mode))
+        })
+    }
+
+    /// [cuStreamEndCapture](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    fn stream_end_capture(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<GraphHandle, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: `graph` is a valid out-parameter; the driver validates the stream handle.
+        check("cuStreamEndCapture", unsafe {
+            sys::cuStreamEndCapture(cu_stream(stream), &mut graph)
+        })?;
+        Ok(GraphHandle(graph as usize as u64))
+    }
+
+    /// [cuStreamGetCaptureInfo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    fn stream_capture_status(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<CaptureStatus, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id: sys::cuuint64_t = 0;
+        // SAFETY: both out-parameters are valid, the others are null (the driver skips null
+        // outputs); the driver validates the stream handle.
+        check("cuStreamGetCaptureInfo", unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                cu_stream(stream),
+                &mut status,
+                &mut id,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        })?;
+        Ok(match status {
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => {
+                CaptureStatus::Active { id }
+            }
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED => {
+                CaptureStatus::Invalidated { id }
+            }
+        })
+    }
+
+    /// [cuThreadExchangeStreamCaptureMode](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError> {
+        let mut m = cu_capture_mode(mode);
+        // SAFETY: `m` is a valid in/out parameter.
+        check("cuThreadExchangeStreamCaptureMode", unsafe {
+            sys::cuThreadExchangeStreamCaptureMode(&mut m)
+        })?;
+        Ok(match m {
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL => CaptureMode::Global,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL => {
+                CaptureMode::ThreadLocal
+            }
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED => CaptureMode::Relaxed,
+        })
+    }
+
+    /// [cuGraphInstantiateWithFlags](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
+    fn graph_instantiate(
+        &self,
+        ctx: ContextHandle,
+        graph: GraphHandle,
+    ) -> Result<GraphExecHandle, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: `exec` is a valid out-parameter; the driver validates the graph handle.
+        check("cuGraphInstantiateWithFlags", unsafe {
+            sys::cuGraphInstantiateWithFlags(&mut exec, graph.0 as usize as sys::CUgraph, 0)
+        })?;
+        Ok(GraphExecHandle(exec as usize as u64))
+    }
+
+    /// [cuGraphLaunch](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
+    fn graph_launch(
+        &self,
+        ctx: ContextHandle,
+        exec: GraphExecHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the driver validates both handles.
+        check("cuGraphLaunch", unsafe {
+            sys::cuGraphLaunch(exec.0 as usize as sys::CUgraphExec, cu_stream(stream))
+        })
+    }
+
+    /// [cuGraphExecDestroy](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
+    unsafe fn graph_exec_destroy(
+        &self,
+        ctx: ContextHandle,
+        exec: GraphExecHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller does not use `exec` again (this method's contract).
+        check("cuGraphExecDestroy", unsafe {
+            sys::cuGraphExecDestroy(exec.0 as usize as sys::CUgraphExec)
+        })
+    }
+
+    /// [cuGraphDestroy](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
+    unsafe fn graph_destroy(
+        &self,
+        ctx: ContextHandle,
+        graph: GraphHandle,
+    ) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: the caller does not use `graph` again (this method's contract).
+        check("cuGraphDestroy", unsafe {
+            sys::cuGraphDestroy(graph.0 as usize as sys::CUgraph)
+        })
+    }
+
     /// [cuEventRecord](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
     fn event_record(
         &self,
@@ -678,6 +820,23 @@ impl Driver for CudaDriver {
         f: HostFn,
     ) -> Result<(), DriverError> {
         let _scope = CtxScope::enter(ctx)?;
+        // A captured host function would run at every launch of the graph, and `f` runs once:
+        // refused on a captured stream (the trait's rule).
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: `status` is a valid out-parameter; the driver validates the stream handle.
+        check("cuStreamIsCapturing", unsafe {
+            sys::cuStreamIsCapturing(cu_stream(stream), &mut status)
+        })?;
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Err(DriverError::from_code(
+                "cuLaunchHostFunc",
+                crate::code::STREAM_CAPTURE_UNSUPPORTED,
+            )
+            .with_detail(
+                "the stream is being captured, and a host function given to the driver runs \
+                 once, where a graph would run it at every launch",
+            ));
+        }
         let data = Box::into_raw(Box::new(f)).cast::<c_void>();
         // SAFETY: `run_host_fn` matches `CUhostFn`; `data` is a leaked `Box<HostFn>` it takes
         // back once when the driver calls it.

@@ -7,8 +7,9 @@ use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::{
-    ContextHandle, DeviceOrdinal, DevicePtr, DriverError, EventHandle, HostPtr, IpcMemHandle,
-    MemPoolHandle, ModuleHandle, PhysHandle, PoolPtrExportData, StreamHandle,
+    ContextHandle, DeviceOrdinal, DevicePtr, DriverError, EventHandle, GraphExecHandle,
+    GraphHandle, HostPtr, IpcMemHandle, MemPoolHandle, ModuleHandle, PhysHandle, PoolPtrExportData,
+    StreamHandle,
 };
 
 /// `cuMemHostAlloc` flags.
@@ -122,6 +123,49 @@ pub struct MemInfo {
     pub free: usize,
     /// Bytes of device memory in all.
     pub total: usize,
+}
+
+/// How strictly a stream capture forbids calls that are unsafe while work is being captured
+/// (`CUstreamCaptureMode`): `cuMemAlloc`, `cuMemFree`, synchronous calls and queries of the
+/// legacy stream, among others.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CaptureMode {
+    /// `CU_STREAM_CAPTURE_MODE_GLOBAL`: while the capture runs, no thread whose own mode is
+    /// not relaxed may make an unsafe call.
+    Global = 0,
+    /// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`: only the capturing thread is restricted.
+    ThreadLocal = 1,
+    /// `CU_STREAM_CAPTURE_MODE_RELAXED`: unsafe calls are not refused for this capture.
+    Relaxed = 2,
+}
+
+/// Whether a stream is being captured into a graph (`cuStreamGetCaptureInfo`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CaptureStatus {
+    /// Work queued on the stream runs (`CU_STREAM_CAPTURE_STATUS_NONE`).
+    None,
+    /// Work queued on the stream is recorded into the capture `id`'s graph
+    /// (`CU_STREAM_CAPTURE_STATUS_ACTIVE`). Ids are unique within the process.
+    Active {
+        /// The capture's id.
+        id: u64,
+    },
+    /// The capture `id` was invalidated by a refused call; ending it fails
+    /// (`CU_STREAM_CAPTURE_STATUS_INVALIDATED`).
+    Invalidated {
+        /// The capture's id.
+        id: u64,
+    },
+}
+
+impl CaptureStatus {
+    /// The capture's id, unless the stream is not being captured.
+    pub fn id(self) -> Option<u64> {
+        match self {
+            CaptureStatus::None => None,
+            CaptureStatus::Active { id } | CaptureStatus::Invalidated { id } => Some(id),
+        }
+    }
 }
 
 /// One method per CUDA driver call emm makes. Object safe: emm holds an `Arc<dyn Driver>`.
@@ -336,6 +380,76 @@ pub trait Driver: Send + Sync + fmt::Debug {
     /// (`CUDA_ERROR_NOT_READY` is `Ok(false)`).
     fn stream_query(&self, ctx: ContextHandle, stream: StreamHandle) -> Result<bool, DriverError>;
 
+    /// `cuStreamBeginCapture`: work queued on `stream` from now on is recorded into a graph
+    /// instead of run, until [`stream_end_capture`](Driver::stream_end_capture). `mode` says
+    /// which calls the capture forbids meanwhile ([`CaptureMode`]). The legacy default stream
+    /// cannot be captured.
+    fn stream_begin_capture(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        mode: CaptureMode,
+    ) -> Result<(), DriverError>;
+
+    /// `cuStreamEndCapture`: ends the capture begun on `stream` and returns its graph;
+    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` (and no graph) when a refused call invalidated
+    /// it.
+    fn stream_end_capture(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<GraphHandle, DriverError>;
+
+    /// `cuStreamGetCaptureInfo`: whether `stream` is being captured, and the capture's id.
+    /// Allowed during any capture.
+    fn stream_capture_status(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<CaptureStatus, DriverError>;
+
+    /// `cuThreadExchangeStreamCaptureMode`: sets the calling thread's capture mode and returns
+    /// the one it had. A thread in [`CaptureMode::Relaxed`] may make calls a global capture
+    /// elsewhere would otherwise forbid it.
+    fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError>;
+
+    /// `cuGraphInstantiateWithFlags` (no flags): an executable graph of `graph`.
+    fn graph_instantiate(
+        &self,
+        ctx: ContextHandle,
+        graph: GraphHandle,
+    ) -> Result<GraphExecHandle, DriverError>;
+
+    /// `cuGraphLaunch`: queues the executable graph's work on `stream`.
+    fn graph_launch(
+        &self,
+        ctx: ContextHandle,
+        exec: GraphExecHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuGraphExecDestroy`.
+    ///
+    /// # Safety
+    ///
+    /// `exec` is not used again; launches already queued still run.
+    unsafe fn graph_exec_destroy(
+        &self,
+        ctx: ContextHandle,
+        exec: GraphExecHandle,
+    ) -> Result<(), DriverError>;
+
+    /// `cuGraphDestroy`.
+    ///
+    /// # Safety
+    ///
+    /// `graph` is not used again (executable graphs made from it stay valid).
+    unsafe fn graph_destroy(
+        &self,
+        ctx: ContextHandle,
+        graph: GraphHandle,
+    ) -> Result<(), DriverError>;
+
     /// `cuEventRecord`: `event` completes when `stream` reaches this point.
     fn event_record(
         &self,
@@ -369,7 +483,9 @@ pub trait Driver: Send + Sync + fmt::Debug {
     ) -> Result<f32, DriverError>;
 
     /// `cuLaunchHostFunc`: runs `f` when `stream` reaches this point; later work on the stream
-    /// waits for it to return.
+    /// waits for it to return. Refused on a captured stream
+    /// (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, the capture left as it was): `f` runs once,
+    /// and a graph would run it at every launch.
     fn launch_host_func(
         &self,
         ctx: ContextHandle,

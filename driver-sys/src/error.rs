@@ -128,15 +128,15 @@ cuda_codes! {
     MPS_CLIENT_TERMINATED = 810, DeviceUnavailable, "the MPS server terminated this client";
     CDP_NOT_SUPPORTED = 811, NotSupported, "dynamic parallelism is not supported here";
     CDP_VERSION_MISMATCH = 812, NotSupported, "the dynamic-parallelism versions differ";
-    STREAM_CAPTURE_UNSUPPORTED = 900, NotSupported, "the operation is not allowed while the stream is captured";
-    STREAM_CAPTURE_INVALIDATED = 901, Other, "the stream capture was invalidated by an earlier error";
-    STREAM_CAPTURE_MERGE = 902, Other, "the operation would merge two separate captures";
-    STREAM_CAPTURE_UNMATCHED = 903, Other, "the capture was not started in this stream";
-    STREAM_CAPTURE_UNJOINED = 904, Other, "the capture forked a stream that was not joined back";
-    STREAM_CAPTURE_ISOLATION = 905, Other, "the operation would cross a capture's isolation";
-    STREAM_CAPTURE_IMPLICIT = 906, Other, "the operation would wait on the legacy stream during a capture";
-    CAPTURED_EVENT = 907, Other, "the event was recorded during a capture and cannot be used like this";
-    STREAM_CAPTURE_WRONG_THREAD = 908, Other, "the capture was ended from another thread";
+    STREAM_CAPTURE_UNSUPPORTED = 900, StreamCapture, "the operation is not allowed while the stream is captured";
+    STREAM_CAPTURE_INVALIDATED = 901, StreamCapture, "the stream capture was invalidated by an earlier error";
+    STREAM_CAPTURE_MERGE = 902, StreamCapture, "the operation would merge two separate captures";
+    STREAM_CAPTURE_UNMATCHED = 903, StreamCapture, "the capture was not started in this stream";
+    STREAM_CAPTURE_UNJOINED = 904, StreamCapture, "the capture forked a stream that was not joined back";
+    STREAM_CAPTURE_ISOLATION = 905, StreamCapture, "the operation would cross a capture's isolation";
+    STREAM_CAPTURE_IMPLICIT = 906, StreamCapture, "the operation would wait on the legacy stream during a capture";
+    CAPTURED_EVENT = 907, StreamCapture, "the event was recorded during a capture and cannot be used like this";
+    STREAM_CAPTURE_WRONG_THREAD = 908, StreamCapture, "the capture was ended from another thread";
     TIMEOUT = 909, Other, "the wait timed out";
     GRAPH_EXEC_UPDATE_FAILURE = 910, Other, "the graph update broke its rules";
     EXTERNAL_DEVICE = 911, KernelFault, "an external device's async error reached this context";
@@ -193,6 +193,9 @@ pub enum ErrorKind {
     /// The device or a driver service cannot be used now (exclusive mode, MPS, a component
     /// not running).
     DeviceUnavailable,
+    /// A stream capture refused the call, or was invalidated by an earlier refused call
+    /// (`CUDA_ERROR_STREAM_CAPTURE_*`, `CUDA_ERROR_CAPTURED_EVENT`).
+    StreamCapture,
     /// Any other driver error; the raw code says which.
     Other,
 }
@@ -296,6 +299,15 @@ const KINDS: &[(ErrorKind, u32, &str)] = &[
         code::DEVICE_UNAVAILABLE,
         "check the device's compute mode and MPS (nvidia-smi) and that no other process holds \
          it exclusively, then try again",
+    ),
+    (
+        ErrorKind::StreamCapture,
+        code::STREAM_CAPTURE_UNSUPPORTED,
+        "while a stream is being captured in global mode, make none of the calls it forbids \
+         (queries and synchronisation of streams and events, cuMemAlloc, pool attributes) from \
+         the capturing thread, or switch that thread to relaxed mode for them; allocate during \
+         a capture from a graph pool (emm's Context::begin_graph_pool); end an invalidated \
+         capture and capture again",
     ),
     (
         ErrorKind::Other,
@@ -491,6 +503,7 @@ mod tests {
             NotFound,
             KernelFault,
             DeviceUnavailable,
+            StreamCapture,
             Other,
         ] {
             assert_eq!(
@@ -519,7 +532,7 @@ mod tests {
         }
         assert_eq!(
             KINDS.len(),
-            19,
+            20,
             "a kind without a row would panic in advice()"
         );
         assert!(

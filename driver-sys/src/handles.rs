@@ -44,6 +44,14 @@ pub struct MemPoolHandle(pub u64);
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PhysHandle(pub u64);
 
+/// A graph (`CUgraph`), as made by ending a stream capture, as an opaque value. Prints as hex.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct GraphHandle(pub u64);
+
+/// An executable graph (`CUgraphExec`), as an opaque value. Prints as hex.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct GraphExecHandle(pub u64);
+
 /// A loaded module (`CUmodule`), as an opaque value. Prints as hex.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ModuleHandle(pub u64);
@@ -133,7 +141,9 @@ hex_fmt!(
     EventHandle,
     ModuleHandle,
     MemPoolHandle,
-    PhysHandle
+    PhysHandle,
+    GraphHandle,
+    GraphExecHandle
 );
 
 impl fmt::Display for DeviceOrdinal {

@@ -35,11 +35,11 @@ pub use cuda::CudaDriver;
 #[cfg(feature = "mock")]
 pub use driver::MockDriver;
 pub use driver::{
-    DeviceAttribute, Driver, HostFn, MemInfo, MemLocation, MemPoolUsage, event_flags, host_alloc,
-    host_register, mem_attach, stream_flags, wait_value,
+    CaptureMode, CaptureStatus, DeviceAttribute, Driver, HostFn, MemInfo, MemLocation,
+    MemPoolUsage, event_flags, host_alloc, host_register, mem_attach, stream_flags, wait_value,
 };
 pub use error::{DriverError, ErrorKind, code};
 pub use handles::{
-    ContextHandle, DeviceOrdinal, DevicePtr, EventHandle, HostPtr, IpcMemHandle, MemPoolHandle,
-    ModuleHandle, PhysHandle, PoolPtrExportData, StreamHandle,
+    ContextHandle, DeviceOrdinal, DevicePtr, EventHandle, GraphExecHandle, GraphHandle, HostPtr,
+    IpcMemHandle, MemPoolHandle, ModuleHandle, PhysHandle, PoolPtrExportData, StreamHandle,
 };

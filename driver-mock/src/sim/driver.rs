@@ -6,14 +6,15 @@
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 use driver_sys::{
-    ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
-    HostFn, HostPtr, IpcMemHandle, MemInfo, MemLocation, MemPoolHandle, MemPoolUsage, ModuleHandle,
-    PhysHandle, PoolPtrExportData, StreamHandle,
+    CaptureMode, CaptureStatus, ContextHandle, DeviceAttribute, DeviceOrdinal, DevicePtr, Driver,
+    DriverError, EventHandle, GraphExecHandle, GraphHandle, HostFn, HostPtr, IpcMemHandle, MemInfo,
+    MemLocation, MemPoolHandle, MemPoolUsage, ModuleHandle, PhysHandle, PoolPtrExportData,
+    StreamHandle,
 };
 
 use super::SimDriver;
 use super::log::Op;
-use super::world::{Object, context, plausible_image};
+use super::world::{Object, World, context, plausible_image};
 
 impl Driver for SimDriver {
     fn name(&self) -> &'static str {
@@ -245,7 +246,7 @@ impl Driver for SimDriver {
         stream: StreamHandle,
     ) -> Result<DevicePtr, DriverError> {
         self.call(Op::MemAllocFromPoolAsync, |w, pid, note| {
-            w.mem_alloc_from_pool_async(pid, note, ctx, pool, bytes, stream)
+            w.pool_alloc_captured(pid, note, ctx, pool, bytes, stream)
         })
     }
 
@@ -256,7 +257,7 @@ impl Driver for SimDriver {
         stream: StreamHandle,
     ) -> Result<(), DriverError> {
         self.call(Op::MemFreeAsync, |w, pid, note| {
-            w.mem_free_async(pid, note, ctx, ptr, stream)
+            w.pool_free_captured(pid, note, ctx, ptr, stream)
         })
     }
 
@@ -374,6 +375,84 @@ impl Driver for SimDriver {
     fn stream_query(&self, ctx: ContextHandle, stream: StreamHandle) -> Result<bool, DriverError> {
         self.call(Op::StreamQuery, |w, pid, note| {
             w.stream_query(pid, note, ctx, stream)
+        })
+    }
+
+    fn stream_begin_capture(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        mode: CaptureMode,
+    ) -> Result<(), DriverError> {
+        self.call(Op::StreamBeginCapture, |w, pid, note| {
+            w.stream_begin_capture(pid, note, ctx, stream, mode)
+        })
+    }
+
+    fn stream_end_capture(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<GraphHandle, DriverError> {
+        self.call(Op::StreamEndCapture, |w, pid, note| {
+            w.stream_end_capture(pid, note, ctx, stream)
+        })
+    }
+
+    fn stream_capture_status(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+    ) -> Result<CaptureStatus, DriverError> {
+        self.call(Op::StreamGetCaptureInfo, |w, pid, note| {
+            w.stream_capture_status(pid, note, ctx, stream)
+        })
+    }
+
+    fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError> {
+        self.call(Op::ThreadExchangeStreamCaptureMode, |_, _, _| {
+            Ok(World::thread_exchange_capture_mode(mode))
+        })
+    }
+
+    fn graph_instantiate(
+        &self,
+        ctx: ContextHandle,
+        graph: GraphHandle,
+    ) -> Result<GraphExecHandle, DriverError> {
+        self.call(Op::GraphInstantiate, |w, pid, note| {
+            w.graph_instantiate(pid, note, ctx, graph)
+        })
+    }
+
+    fn graph_launch(
+        &self,
+        ctx: ContextHandle,
+        exec: GraphExecHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::GraphLaunch, |w, pid, note| {
+            w.graph_launch(pid, note, ctx, exec, stream)
+        })
+    }
+
+    unsafe fn graph_exec_destroy(
+        &self,
+        ctx: ContextHandle,
+        exec: GraphExecHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::GraphExecDestroy, |w, pid, note| {
+            w.graph_exec_destroy(pid, note, ctx, exec)
+        })
+    }
+
+    unsafe fn graph_destroy(
+        &self,
+        ctx: ContextHandle,
+        graph: GraphHandle,
+    ) -> Result<(), DriverError> {
+        self.call(Op::GraphDestroy, |w, pid, note| {
+            w.graph_destroy(pid, note, ctx, graph)
         })
     }
 

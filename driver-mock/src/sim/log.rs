@@ -80,11 +80,19 @@ pub enum Op {
     MemMap,
     MemSetAccess,
     MemUnmap,
+    StreamBeginCapture,
+    StreamEndCapture,
+    StreamGetCaptureInfo,
+    ThreadExchangeStreamCaptureMode,
+    GraphInstantiate,
+    GraphLaunch,
+    GraphExecDestroy,
+    GraphDestroy,
 }
 
 impl Op {
     /// Every operation, in declaration order (for fault sweeps).
-    pub const ALL: [Op; 71] = [
+    pub const ALL: [Op; 79] = [
         Op::Init,
         Op::DeviceCount,
         Op::DeviceTotalMem,
@@ -156,6 +164,14 @@ impl Op {
         Op::MemMap,
         Op::MemSetAccess,
         Op::MemUnmap,
+        Op::StreamBeginCapture,
+        Op::StreamEndCapture,
+        Op::StreamGetCaptureInfo,
+        Op::ThreadExchangeStreamCaptureMode,
+        Op::GraphInstantiate,
+        Op::GraphLaunch,
+        Op::GraphExecDestroy,
+        Op::GraphDestroy,
     ];
 
     /// Whether the call gives something back to the driver: a free, an unpin, an IPC close, a
@@ -175,6 +191,8 @@ impl Op {
                 | Op::MemUnmap
                 | Op::MemRelease
                 | Op::MemAddressFree
+                | Op::GraphExecDestroy
+                | Op::GraphDestroy
         )
     }
 
@@ -252,6 +270,14 @@ impl Op {
             Op::MemMap => "cuMemMap",
             Op::MemSetAccess => "cuMemSetAccess",
             Op::MemUnmap => "cuMemUnmap",
+            Op::StreamBeginCapture => "cuStreamBeginCapture",
+            Op::StreamEndCapture => "cuStreamEndCapture",
+            Op::StreamGetCaptureInfo => "cuStreamGetCaptureInfo",
+            Op::ThreadExchangeStreamCaptureMode => "cuThreadExchangeStreamCaptureMode",
+            Op::GraphInstantiate => "cuGraphInstantiateWithFlags",
+            Op::GraphLaunch => "cuGraphLaunch",
+            Op::GraphExecDestroy => "cuGraphExecDestroy",
+            Op::GraphDestroy => "cuGraphDestroy",
         }
     }
 }

@@ -8,6 +8,7 @@
 //! | `host` | page-locked and registered host memory |
 //! | `ipc` | IPC handles and mappings in other processes |
 //! | `pools` | stream-ordered pools, stream order, pool export and import |
+//! | `capture` | stream capture, graphs, graph memory, the calls a capture refuses |
 //! | `log` | the operations, the call log, scripted faults, the leak report |
 //! | `driver` | the `Driver` impl: one logged, faultable call into the model per method |
 //!
@@ -26,6 +27,7 @@ use driver_sys::{
     ContextHandle, DeviceOrdinal, DevicePtr, DriverError, ErrorKind, HostPtr, StreamHandle, code,
 };
 
+mod capture;
 mod config;
 mod driver;
 mod host;
@@ -381,7 +383,9 @@ impl SimDriver {
         let result = match faulted {
             Some(kind) => Err(kind.representative_code()),
             None if op != Op::Init && !w.processes[pid].initialized => Err(code::NOT_INITIALIZED),
-            None => body(&mut w, pid, &mut note),
+            None => w
+                .check_capture_unsafe(pid, op)
+                .and_then(|()| body(&mut w, pid, &mut note)),
         };
         let outcome = result
             .as_ref()

@@ -106,6 +106,8 @@ pub(super) struct SimStream {
     /// Whether it synchronises with the legacy default stream.
     pub(super) blocking: bool,
     pub(super) priority: i32,
+    /// The capture it records into (`capture.rs`).
+    pub(super) capture: Option<u64>,
     queue: VecDeque<(u64, Work)>,
     /// Work items queued so far, and run so far (serials count from 1).
     queued: u64,
@@ -119,10 +121,12 @@ pub(super) struct SimEvent {
     /// The serial of its last record, and the records queued but not run yet. Records
     /// complete in any order (an event recorded on a held stream, then on an idle one): a
     /// wait names the record it waits for, as the driver's does.
-    recorded: u64,
-    pending: BTreeSet<u64>,
+    pub(super) recorded: u64,
+    pub(super) pending: BTreeSet<u64>,
     /// The simulated time its last completed record ran at.
     at: Option<f64>,
+    /// The capture its last record was made in, and the stream key recorded on.
+    pub(super) captured: Option<(u64, u64)>,
 }
 
 impl SimEvent {
@@ -169,7 +173,12 @@ fn condition(word: u32, value: u32, flags: u32) -> bool {
 impl World {
     /// The queue for `stream` in context `ctx` of process `pid`, made on first use for the
     /// implicit streams; `CUDA_ERROR_INVALID_HANDLE` for a handle that is no stream of it.
-    fn stream_key(&mut self, pid: usize, device: usize, stream: StreamHandle) -> Result<u64, u32> {
+    pub(super) fn stream_key(
+        &mut self,
+        pid: usize,
+        device: usize,
+        stream: StreamHandle,
+    ) -> Result<u64, u32> {
         let k = key(stream, device);
         let p = &mut self.processes[pid];
         if implicit(stream) {
@@ -220,6 +229,10 @@ impl World {
     /// Forgets a destroyed stream or event. A destroyed stream's queued work still runs (the
     /// driver finishes it); it is left in place until it has.
     pub(super) fn drop_stream_or_event(&mut self, pid: usize, handle: u64) {
+        // A stream destroyed while capturing ends its capture (its graph is never made).
+        self.processes[pid]
+            .captures
+            .retain(|_, c| c.origin != handle);
         let s = &mut self.processes[pid].streams;
         s.events.remove(&handle);
         if s.streams.get(&handle).is_some_and(|q| q.queue.is_empty()) {
@@ -231,6 +244,7 @@ impl World {
     pub(super) fn drop_streams_of(&mut self, pid: usize, device: usize) {
         let s = &mut self.processes[pid].streams;
         s.streams.retain(|_, q| q.device != device);
+        self.drop_graphs_of(pid, device);
     }
 
     /// Queues the point where the pool block of free `id` on `stream` becomes reusable
@@ -246,7 +260,7 @@ impl World {
     }
 
     /// Queues `work` on `stream` with the legacy stream's implicit waits.
-    fn enqueue(
+    pub(super) fn enqueue(
         &mut self,
         pid: usize,
         device: usize,
@@ -255,6 +269,9 @@ impl World {
     ) -> Result<(), u32> {
         let k = self.stream_key(pid, device, stream)?;
         let legacy = key(StreamHandle::NULL, device);
+        let Some(work) = self.capture_work(pid, device, k, k == legacy, work)? else {
+            return Ok(());
+        };
         let s = &self.processes[pid].streams.streams;
         let mut waits = Vec::new();
         if k == legacy {
@@ -467,6 +484,7 @@ impl World {
     ) -> Result<(), u32> {
         let device = context(self, pid, ctx, note)?;
         let k = self.stream_key(pid, device, stream)?;
+        self.refuse_if_captured(pid, k)?;
         if k == key(StreamHandle::NULL, device) {
             return self.settle_legacy(pid, device);
         }
@@ -496,6 +514,7 @@ impl World {
     ) -> Result<bool, u32> {
         let device = context(self, pid, ctx, note)?;
         let k = self.stream_key(pid, device, stream)?;
+        self.refuse_if_captured(pid, k)?;
         Ok(self.drained(pid, k))
     }
 
@@ -517,8 +536,17 @@ impl World {
         stream: StreamHandle,
     ) -> Result<(), u32> {
         let device = context(self, pid, ctx, note)?;
-        self.stream_key(pid, device, stream)?;
+        let k = self.stream_key(pid, device, stream)?;
+        self.event_mut(pid, event)?;
+        if self.capture_event_record(pid, k, event.0) {
+            let work = Work::Record {
+                event: event.0,
+                serial: 0,
+            };
+            return self.enqueue(pid, device, stream, work);
+        }
         let e = self.event_mut(pid, event)?;
+        e.captured = None;
         e.recorded += 1;
         let serial = e.recorded;
         e.pending.insert(serial);
@@ -544,6 +572,8 @@ impl World {
     ) -> Result<(), u32> {
         let device = context(self, pid, ctx, note)?;
         let serial = self.event_mut(pid, event)?.recorded;
+        let k = self.stream_key(pid, device, stream)?;
+        self.capture_event_wait(pid, k, event.0);
         self.enqueue(
             pid,
             device,
@@ -564,6 +594,8 @@ impl World {
         event: EventHandle,
     ) -> Result<bool, u32> {
         context(self, pid, ctx, note)?;
+        self.event_mut(pid, event)?;
+        self.refuse_captured_event(pid, event.0)?;
         let e = self.event_mut(pid, event)?;
         Ok(e.is_done(e.recorded))
     }
@@ -577,6 +609,8 @@ impl World {
         event: EventHandle,
     ) -> Result<(), u32> {
         context(self, pid, ctx, note)?;
+        self.event_mut(pid, event)?;
+        self.refuse_captured_event(pid, event.0)?;
         let target = self.event_mut(pid, event)?.recorded;
         let h = event.0;
         self.wait_until(pid, |w| {

@@ -44,6 +44,12 @@ pub(super) struct Process {
     pub(super) streams: super::streams::Streams,
     /// Address reservations and their mappings (`vmm.rs`).
     pub(super) vm: super::vmm::VmSpace,
+    /// Captures under way, by id (`capture.rs`).
+    pub(super) captures: BTreeMap<u64, super::capture::SimCapture>,
+    /// Graphs by handle, executable graphs (handle → graph), and graph allocations by address.
+    pub(super) graphs: BTreeMap<u64, super::capture::SimGraph>,
+    pub(super) execs: BTreeMap<u64, u64>,
+    pub(super) graph_allocs: BTreeMap<u64, super::capture::GraphAlloc>,
 }
 
 impl Process {
@@ -60,6 +66,10 @@ impl Process {
             reclaimed: LeakReport::default(),
             streams: super::streams::Streams::default(),
             vm: super::vmm::VmSpace::default(),
+            captures: BTreeMap::new(),
+            graphs: BTreeMap::new(),
+            execs: BTreeMap::new(),
+            graph_allocs: BTreeMap::new(),
         }
     }
 }

@@ -44,6 +44,7 @@ mod cuda_only;
 mod deallocations;
 mod driver_conformance;
 mod emm_plugins;
+mod graphs;
 mod host_alloc;
 mod ipc;
 mod multi_device;
@@ -165,6 +166,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     driver_conformance::pool_limits_and_host_pools_conformance,
     driver_conformance::pool_cache_under_pressure,
     driver_conformance::stream_and_event_conformance,
+    driver_conformance::stream_capture_conformance[ProvokesFailedReleases],
     streams::stream_kinds,
     streams::events_host_functions_and_auto_synchronize,
     streams::streams_refuse_work_after_a_reset,
