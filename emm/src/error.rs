@@ -379,6 +379,20 @@ impl EmmError {
 
 impl EmmError {
     /// `memalloc_on` under a manager that does not allocate on streams.
+    /// `memalloc_on` of a stream being captured, by a manager whose allocation would make
+    /// calls the capture forbids.
+    pub(crate) fn captured_stream(manager: &str) -> EmmError {
+        EmmError::NotSupported {
+            operation: "memalloc_on of a stream being captured",
+            manager: manager.into(),
+            advice: "this manager would allocate with driver calls a capture forbids, which \
+                     would invalidate it; allocate during the capture from a graph pool \
+                     (Context::begin_graph_pool on the stream before the capture, \
+                     end_graph_pool after, or Context::capture), or select the 'async-pool' \
+                     manager, whose allocations on a captured stream become the graph's",
+        }
+    }
+
     pub(crate) fn no_stream_ordering(manager: &str) -> EmmError {
         EmmError::NotSupported {
             operation: "memalloc_on",

@@ -106,5 +106,6 @@ pub use resources::{
     ManagedMemoryResourceOptions, PinnedMemoryResource, PinnedMemoryResourceOptions,
 };
 pub use runtime::context::Context;
+pub use runtime::graphs::{Graph, GraphPool, GraphPoolStats};
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use thread_slots::shards_without_locks;

@@ -384,9 +384,14 @@ impl fmt::Debug for Event {
 /// back by [`wait`](InFlight::wait)) and the device memory it touches (kept alive). Dropping it
 /// waits for the work first, so nothing it uses is freed under the copy; forgetting it
 /// (`std::mem::forget`) leaks what it holds instead.
+///
+/// Work queued on a stream being captured is recorded into the graph, not run: its
+/// `InFlight` has nothing to wait for, and the memory it names must outlive the graph's
+/// launches (a graph pool's blocks do, while the graph holds the pool).
 #[must_use = "dropping it waits for the work; wait() gives the host memory back"]
 pub struct InFlight<T> {
-    event: Event,
+    /// `None` for work recorded into a capture.
+    event: Option<Event>,
     value: Option<T>,
     keep: Vec<MemoryPointer>,
 }
@@ -394,20 +399,32 @@ pub struct InFlight<T> {
 impl<T> InFlight<T> {
     pub(crate) fn new(event: Event, value: T, keep: Vec<MemoryPointer>) -> InFlight<T> {
         InFlight {
-            event,
+            event: Some(event),
             value: Some(value),
             keep,
         }
     }
 
-    /// Whether the work is done, without waiting.
+    /// Work recorded into a capture: nothing to wait for.
+    pub(crate) fn recorded(value: T, keep: Vec<MemoryPointer>) -> InFlight<T> {
+        InFlight {
+            event: None,
+            value: Some(value),
+            keep,
+        }
+    }
+
+    /// Whether the work is done, without waiting (work recorded into a capture: `true`, it
+    /// runs at the graph's launches).
     pub fn is_done(&self) -> Result<bool, EmmError> {
-        self.event.query()
+        self.event.as_ref().map_or(Ok(true), Event::query)
     }
 
     /// Waits for the work; returns what it was given (the host memory of a copy).
     pub fn wait(mut self) -> Result<T, EmmError> {
-        self.event.synchronize()?;
+        if let Some(e) = &self.event {
+            e.synchronize()?;
+        }
         self.keep.clear();
         Ok(self.value.take().expect("taken only here"))
     }
@@ -416,10 +433,11 @@ impl<T> InFlight<T> {
 impl<T> Drop for InFlight<T> {
     fn drop(&mut self) {
         if self.value.is_some()
-            && let Err(e) = self.event.synchronize()
+            && let Some(event) = &self.event
+            && let Err(e) = event.synchronize()
         {
             // The work may still use the memory: leak it rather than free it under the work.
-            tracing::error!(device = %self.event.device(), error = %e, "an in-flight copy could not be waited for; its buffers are leaked");
+            tracing::error!(device = %event.device(), error = %e, "an in-flight copy could not be waited for; its buffers are leaked");
             std::mem::forget(self.value.take());
             std::mem::forget(std::mem::take(&mut self.keep));
         }

@@ -34,7 +34,7 @@
 use std::sync::Arc;
 
 use driver_mock::{Fault, Op, SimConfig, SimDeviceConfig, SimDriver};
-use driver_sys::{DeviceOrdinal, ErrorKind};
+use driver_sys::{CaptureMode, DeviceOrdinal, ErrorKind};
 use emm::{
     Adaptor, AllocationKind, DeviceAllocator, EmmError, FnFactory, HostLayer, HostOnly, IpcHandle,
     MemoryInfo, MemoryPointer, PinnableBuffer, PinnedPoolConfig, Runtime,
@@ -216,6 +216,23 @@ fn workload(
         drop((g, h));
         drop(ctx.memalloc_on(64, &fast)?);
         fast.synchronize()?;
+    }
+    // A graph captured on a blocking stream through a graph pool, launched twice.
+    {
+        let input = ctx.memalloc(256)?;
+        ctx.memset(&input, 1, 256)?;
+        let (graph, out) = ctx.capture(&stream, CaptureMode::Global, |s| {
+            let out = ctx.memalloc_on(256, s)?;
+            ctx.copy_device_async(&out, &input, s)?.wait()?;
+            Ok(out)
+        })?;
+        graph.launch(&stream)?;
+        graph.launch(&stream)?;
+        stream.synchronize()?;
+        let mut seen = [0u8; 256];
+        ctx.copy_to_host(&mut seen, &out)?;
+        assert_eq!(seen, [1u8; 256], "bytes through the graph");
+        drop((graph, out, input));
     }
     // A memory resource beside the manager: its own limited pool, a buffer on a stream, the
     // pool's figures, a deallocation on another stream, the close.
@@ -429,13 +446,21 @@ fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, Strin
             return Err(format!("an unhelpful error message: {text:?}"));
         }
     }
+    // A capture whose end failed twice (`Context::capture` tries twice) is still under way:
+    // the driver refuses the frees it forbids until the stream is gone, which is the only
+    // case where a refused release is not emm's fault.
+    let stuck = faulted == [Op::StreamEndCapture, Op::StreamEndCapture];
     // Checked before the runtime goes: what the faulted run's contexts took with them.
     let absorbed_releases = faulted.iter().filter(|op| op.is_release()).count();
     for (who, process) in
         std::iter::once(("exporter", &sim)).chain(others.iter().map(|o| ("importer", o)))
     {
         let refused = process.failed_releases();
-        if !refused.is_empty() {
+        let stuck_capture = stuck
+            && refused
+                .iter()
+                .all(|c| c.outcome == Err(ErrorKind::StreamCapture));
+        if !refused.is_empty() && !stuck_capture {
             return Err(format!(
                 "the driver refused release calls in the {who} (a double free, or a free into a destroyed context): {refused:?}"
             ));
@@ -462,10 +487,11 @@ fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, Strin
             // left to report.
             if let Err(e) = queue.flush() {
                 let text = e.to_string();
-                if !faulted
+                let explained = faulted
                     .iter()
                     .any(|op| text.contains(&format!("cu{op:?} failed")))
-                {
+                    || (stuck && text.contains("CUDA_ERROR_STREAM_CAPTURE"));
+                if !explained {
                     return Err(format!(
                         "the first flush after the faults {faulted:?} reported an error none of them explains: {text}"
                     ));
@@ -508,7 +534,11 @@ fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, Strin
             ));
         }
         let refused = process.failed_releases();
-        if !refused.is_empty() {
+        let stuck_capture = stuck
+            && refused
+                .iter()
+                .all(|c| c.outcome == Err(ErrorKind::StreamCapture));
+        if !refused.is_empty() && !stuck_capture {
             return Err(format!(
                 "the driver refused release calls in the {who} at its runtime's end: {refused:?}"
             ));
@@ -538,6 +568,12 @@ fn may_absorb(op: Op, kind: ErrorKind) -> bool {
         // A statistics read (`pool_stats`): the report then has no device pool, and a
         // warning says why.
         || op == Op::MemPoolGetAttribute
+        // The thread's capture mode relaxed around a slow path: a warning says the capture
+        // may refuse what follows (none is under way in the workload).
+        || op == Op::ThreadExchangeStreamCaptureMode
+        // Whether a stream whose chunks the pool would take back is captured: unanswered, the
+        // chunks stay with the stream (held a little longer, nothing lost).
+        || op == Op::StreamGetCaptureInfo
         // Peer access asked for before a copy between devices: refused, the copy goes through
         // host memory instead (slower, the same bytes), and a warning says why.
         || op == Op::CtxEnablePeerAccess

@@ -18,6 +18,37 @@ use crate::memory::liveness::LiveGuard;
 use crate::memory::pointer::MemoryPointer;
 
 impl ManagerContext {
+    /// Relaxes the calling thread's capture mode until the guard drops: a manager's slow
+    /// path (growth, reclaiming other streams' blocks, flushing) takes it, so that a global
+    /// capture under way on this thread does not refuse those calls and invalidate itself.
+    /// Calls that name a captured stream are refused all the same: check
+    /// [`stream_is_captured`](Self::stream_is_captured) first.
+    pub fn relax_capture(&self) -> RelaxedCapture<'_> {
+        RelaxedCapture::enter(&*self.driver)
+    }
+
+    /// Whether `stream` is being captured into a graph (an invalidated capture counts),
+    /// from `cuStreamGetCaptureInfo`, which every capture allows.
+    pub fn stream_is_captured(&self, stream: StreamHandle) -> Result<bool, DriverError> {
+        self.driver
+            .stream_capture_status(self.context, stream)
+            .map(|s| s != driver_sys::CaptureStatus::None)
+    }
+
+    /// Refuses `memalloc_on` of a captured stream for `manager`, whose allocation would make
+    /// calls the capture forbids ([`EmmError::NotSupported`], naming graph pools).
+    pub fn refuse_captured_allocation(
+        &self,
+        manager: &str,
+        stream: StreamHandle,
+    ) -> Result<(), EmmError> {
+        match self.stream_is_captured(stream) {
+            Ok(false) => Ok(()),
+            Ok(true) => Err(EmmError::captured_stream(manager)),
+            Err(e) => Err(self.driver_error("asking whether the stream is captured", e)),
+        }
+    }
+
     /// Gives device `dev` read-write access to `pool` unless it has it already
     /// (`cuMemPoolGetAccess`, then `cuMemPoolSetAccess`). The caller holds the liveness.
     pub fn ensure_pool_access(
@@ -372,5 +403,37 @@ impl ManagerContext {
         // pointers turned stale before this call; `_live` keeps the context alive.
         unsafe { self.driver.ipc_close_mem_handle(self.context, base) }
             .map_err(|e| self.driver_error("close IPC handle", e))
+    }
+}
+
+/// The thread's capture mode set to relaxed while it lives, so that the calls a global
+/// capture forbids (`cuMemAlloc`, queries of streams that are not captured) go through; the
+/// previous mode comes back on drop.
+#[derive(Debug)]
+pub struct RelaxedCapture<'a> {
+    driver: &'a dyn driver_sys::Driver,
+    was: Option<driver_sys::CaptureMode>,
+}
+
+impl<'a> RelaxedCapture<'a> {
+    fn enter(driver: &'a dyn driver_sys::Driver) -> RelaxedCapture<'a> {
+        let was = match driver.thread_exchange_capture_mode(driver_sys::CaptureMode::Relaxed) {
+            Ok(was) => Some(was),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not relax the thread's capture mode; a capture may refuse the next calls");
+                None
+            }
+        };
+        RelaxedCapture { driver, was }
+    }
+}
+
+impl Drop for RelaxedCapture<'_> {
+    fn drop(&mut self) {
+        if let Some(was) = self.was
+            && let Err(e) = self.driver.thread_exchange_capture_mode(was)
+        {
+            tracing::warn!(error = %e, "could not restore the thread's capture mode");
+        }
     }
 }

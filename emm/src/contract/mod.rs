@@ -18,6 +18,7 @@ pub(crate) mod ipc;
 pub(crate) mod manager;
 pub(crate) mod pool_export;
 
+pub use access::RelaxedCapture;
 pub use factory::{FnFactory, ManagerContext, ManagerFactory};
 pub use info::{KindUsage, MemoryInfo, MemoryKind, PinnedPoolConfig, PoolReport, PoolStats, Usage};
 pub use ipc::{DeviceIdentity, IpcHandle, IpcMemory};

@@ -85,6 +85,8 @@ impl DeviceAllocator for DriverAllocator {
         bytes: usize,
         stream: StreamHandle,
     ) -> Result<MemoryPointer, EmmError> {
+        host.context()
+            .refuse_captured_allocation(DEFAULT_MANAGER, stream)?;
         let base = Self::mem_alloc(host, "memalloc_on", bytes)?;
         Ok(host.track_device_allocation_on(base, bytes, stream))
     }

@@ -9,6 +9,7 @@ use driver_sys::{
     stream_flags,
 };
 
+use super::graphs::GraphRoutes;
 use crate::contract::factory::ManagerContext;
 use crate::contract::info::{MemoryInfo, PoolReport, Usage};
 use crate::contract::ipc::{DeviceIdentity, IpcHandle};
@@ -40,6 +41,8 @@ pub(crate) struct ContextInner {
     pub(crate) can_map_host_memory: bool,
     /// The runtime's table of imported stream-ordered pools (shared by its contexts).
     pub(crate) imports: Arc<PoolImports>,
+    /// Streams whose allocations a graph pool serves (`graphs.rs`).
+    pub(crate) graph_routes: GraphRoutes,
 }
 
 /// A device's context: its primary CUDA context plus the one memory manager that owns all its
@@ -91,7 +94,7 @@ impl Context {
         self.inner.cx.liveness.is_alive()
     }
 
-    fn ensure_alive(&self, what: &'static str) -> Result<(), EmmError> {
+    pub(crate) fn ensure_alive(&self, what: &'static str) -> Result<(), EmmError> {
         self.inner.cx.ensure_alive(what)
     }
 
@@ -124,6 +127,9 @@ impl Context {
     pub fn memalloc_on(&self, bytes: usize, stream: &Stream) -> Result<MemoryPointer, EmmError> {
         check_same_context(&self.inner.cx, stream.context(), "memalloc_on")?;
         self.ensure_alive("memalloc_on")?;
+        if let Some(pool) = self.inner.graph_routes.pool_for(stream.handle()) {
+            return pool.allocate(bytes);
+        }
         let mut mem = self.inner.manager.memalloc_on(bytes, stream.handle())?;
         mem.keep_stream(stream);
         Ok(mem)
@@ -146,6 +152,9 @@ impl Context {
         stream: driver_sys::StreamHandle,
     ) -> Result<MemoryPointer, EmmError> {
         self.ensure_alive("memalloc_on")?;
+        if let Some(pool) = self.inner.graph_routes.pool_for(stream) {
+            return pool.allocate(bytes);
+        }
         self.inner.manager.memalloc_on(bytes, stream)
     }
 
@@ -286,6 +295,7 @@ impl Context {
     /// stale; dropping them frees nothing twice.
     pub fn reset(&self) -> Result<(), EmmError> {
         tracing::info!(device = %self.inner.cx.device, modules = self.inner.modules.len(), "context reset");
+        self.inner.graph_routes.clear();
         let manager = self.inner.manager.reset();
         self.inner.modules.clear();
         let own = self.inner.own.flush().map(|_| ());
@@ -708,6 +718,7 @@ impl Context {
         stream: &Stream,
     ) -> Result<InFlight<HostMemory>, EmmError> {
         const WHAT: &str = "copy to device (async)";
+        self.refuse_captured(WHAT, stream)?;
         let len = dst.size();
         host_fits(WHAT, len, src.size())?;
         let (at, keep) = (src.host_ptr(), vec![dst.clone()]);
@@ -732,6 +743,7 @@ impl Context {
         stream: &Stream,
     ) -> Result<InFlight<HostMemory>, EmmError> {
         const WHAT: &str = "copy to host (async)";
+        self.refuse_captured(WHAT, stream)?;
         let len = src.size();
         host_fits(WHAT, len, dst.size())?;
         let (at, keep) = (dst.host_ptr(), vec![src.clone()]);
@@ -803,6 +815,7 @@ impl Context {
         stream: &Stream,
     ) -> Result<(), EmmError> {
         const WHAT: &str = "copy to device (on a stream)";
+        self.refuse_captured(WHAT, stream)?;
         let at = HostPtr(src.as_ptr() as usize);
         self.queue(
             WHAT,
@@ -835,6 +848,7 @@ impl Context {
         stream: &Stream,
     ) -> Result<(), EmmError> {
         const WHAT: &str = "copy to host (on a stream)";
+        self.refuse_captured(WHAT, stream)?;
         let (at, len) = (HostPtr(dst.as_mut_ptr() as usize), dst.len());
         self.queue(WHAT, stream, (src, len), ((), vec![src.clone()]), |cx| {
             // SAFETY: `src` checked by `queue`; `dst` is exclusively borrowed until this function
@@ -868,15 +882,38 @@ impl Context {
         self.in_flight(stream, value, keep)
     }
 
+    /// Refuses a copy with host memory on a captured stream: the graph would read or write
+    /// the host buffer at every launch, long after the copy's buffer came back.
+    fn refuse_captured(&self, what: &'static str, stream: &Stream) -> Result<(), EmmError> {
+        let captured = self.inner.cx.stream_is_captured(stream.handle());
+        if captured.map_err(|e| self.inner.cx.driver_error(what, e))? {
+            return Err(EmmError::InvalidArgument {
+                what,
+                reason: "the stream is being captured into a graph, which would copy from or \
+                         to the host buffer at every launch after the buffer is handed back; \
+                         capture device-to-device copies and sets only, and copy host memory \
+                         outside the capture"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
     /// Marks the end of work just queued on `stream` with an event, in an [`InFlight`] that
     /// holds `value` and `keep`. If the event cannot be made, the stream is synchronised
-    /// before the error returns, so nothing is freed under the work.
+    /// before the error returns, so nothing is freed under the work. Work recorded into a
+    /// capture gets no event ([`InFlight::recorded`]): it runs at the graph's launches.
     fn in_flight<T>(
         &self,
         stream: &Stream,
         value: T,
         keep: Vec<MemoryPointer>,
     ) -> Result<InFlight<T>, EmmError> {
+        // A stream the driver cannot say about is taken as running: the event and its wait
+        // then report what is wrong.
+        if self.inner.cx.stream_is_captured(stream.handle()) == Ok(true) {
+            return Ok(InFlight::recorded(value, keep));
+        }
         let marked = self.create_event(false).and_then(|e| {
             stream.record(&e)?;
             Ok(e)

@@ -26,6 +26,7 @@ use crate::sync::{Mutex, lock};
 
 pub mod config;
 pub mod context;
+pub mod graphs;
 mod ipc;
 
 use config::{
@@ -411,6 +412,7 @@ impl Runtime {
                 own,
                 can_map_host_memory,
                 imports: Arc::clone(&self.imports),
+                graph_routes: Default::default(),
                 cx,
             }),
         })

@@ -16,10 +16,12 @@
 //! | `pool_ipc` | IPC of stream-ordered pools between simulated processes, with a property test |
 //! | `state_machine` | a context against a reference model (proptest state machine) |
 //! | `in_flight` | an asynchronous copy that cannot finish leaks its buffers rather than freeing them |
+//! | `graphs` | captures through graph pools, launches and ordinary memory on three streams never share a block, under every shipped manager (property test) |
 //! | `stream_reuse` | stream-ordered memory under every shipped manager against a model of stream work (property test) |
 #![cfg(not(emm_loom))]
 
 mod common;
+mod graphs;
 mod held_bound;
 mod host_and_ipc;
 mod hostile_input;

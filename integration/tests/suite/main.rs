@@ -168,6 +168,8 @@ const TESTS: &[SuiteTest] = suite_tests![
     driver_conformance::stream_and_event_conformance,
     driver_conformance::stream_capture_conformance[ProvokesFailedReleases],
     streams::stream_kinds,
+    graphs::capture_and_replay_through_a_graph_pool,
+    graphs::allocation_on_a_captured_stream_outside_a_graph_pool,
     streams::events_host_functions_and_auto_synchronize,
     streams::streams_refuse_work_after_a_reset,
     streams::async_copies_in_stream_order,

@@ -730,6 +730,15 @@ impl PoolShared {
         }
     }
 
+    /// The manager's registered name, for errors.
+    fn manager_name(&self) -> &'static str {
+        if self.vmm.is_some() {
+            VMM_POOL_MANAGER
+        } else {
+            POOL_MANAGER
+        }
+    }
+
     /// Grows the pool by a chunk that holds `size` bytes and takes a block of `size` from it.
     fn grow_and_take(&self, size: usize) -> Result<(u64, u64), DriverError> {
         let chunk = self.new_chunk(size)?;
@@ -746,6 +755,7 @@ impl PoolShared {
         if let Some(found) = lock(&self.arena).take_stamped(size) {
             return Ok(found);
         }
+        let _relaxed = self.cx.relax_capture();
         host.attempt_allocation("memalloc", AllocationKind::Device, size, || {
             // Another thread may have grown the pool meanwhile; or the block it needs may be a
             // thread's oversize block.

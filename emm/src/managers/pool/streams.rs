@@ -226,6 +226,12 @@ impl PoolShared {
         stream: StreamHandle,
         size: usize,
     ) -> Result<(u64, u64), EmmError> {
+        // Growth queries streams and may allocate: refused on a captured stream before any
+        // call the capture would refuse, and made in relaxed mode so that a capture elsewhere
+        // on this thread does not refuse them.
+        self.cx
+            .refuse_captured_allocation(self.manager_name(), stream)?;
+        let _relaxed = self.cx.relax_capture();
         if let Some(found) = self.take_after_adopting(stream, size, None) {
             return Ok(found);
         }
@@ -523,6 +529,15 @@ impl PoolShared {
             let stream = StreamHandle(*s);
             let chunks = mine.arena.remove_free_chunks();
             if chunks.is_empty() {
+                continue;
+            }
+            // A captured stream's work is not the GPU's yet: neither queried nor waited for
+            // (the capture would refuse it); its chunks stay, as they do when the driver
+            // cannot say.
+            if self.cx.stream_is_captured(stream).unwrap_or(true) {
+                for chunk in chunks {
+                    mine.arena.add_chunk(chunk);
+                }
                 continue;
             }
             // A stream with nothing pending has no work left on its free chunks.

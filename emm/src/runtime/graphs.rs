@@ -1,0 +1,546 @@
+//! CUDA graphs over emm memory: graph pools (the private pools of stream capture) and
+//! [`Graph`], a captured, instantiated graph that keeps its pool.
+//!
+//! # The rules
+//!
+//! - While a graph pool is begun on a stream ([`Context::begin_graph_pool`]), every
+//!   [`Context::memalloc_on`] of that stream is served from the pool, under every manager. The
+//!   pool takes whole segments from the context's manager ([`Context::memalloc`]) with the
+//!   calling thread's capture mode relaxed, so that a global capture does not refuse the
+//!   manager's own driver calls; blocks are carved from the segments by best fit and merge
+//!   again when freed.
+//! - A block belongs to the pool. Freed during a capture, it is reused by later allocations of
+//!   the same pool only, so work a graph replays never shares memory with work outside it
+//!   (PyTorch's private pools). Allocations on other streams never see the pool.
+//! - The segments go back to the manager when the pool is unused: no [`GraphPool`] handle
+//!   (every [`Graph`] holds one), no stream routed to it, and every block freed. Drop a graph,
+//!   or the last handle of its pool, only after its last launch completed.
+//! - Outside a graph pool, a manager that would make calls a capture forbids refuses to
+//!   allocate on a captured stream with an error that says so ([`EmmError::NotSupported`]), and
+//!   leaves the capture intact; `async-pool` allocates there with the driver's graph memory
+//!   nodes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+
+use driver_sys::{CaptureMode, DevicePtr, GraphExecHandle, GraphHandle, StreamHandle};
+
+use super::context::{Context, ContextInner};
+use crate::contract::manager::StreamOrdering;
+use crate::error::EmmError;
+use crate::memory::pointer::MemoryPointer;
+use crate::objects::{Stream, check_same_context};
+use crate::sync::{Mutex, lock};
+
+/// Blocks are carved in multiples of this.
+const ALIGN: usize = 512;
+/// The smallest segment, and the rounding of larger ones.
+const SEGMENT: usize = 2 << 20;
+
+static NEXT_POOL: AtomicU64 = AtomicU64::new(1);
+
+/// What a graph pool holds, in bytes and blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphPoolStats {
+    /// Bytes of the segments taken from the manager.
+    pub held_bytes: usize,
+    /// Bytes of blocks handed out and not freed.
+    pub in_use_bytes: usize,
+    /// Blocks handed out and not freed.
+    pub in_use_blocks: usize,
+    /// Segments taken from the manager.
+    pub segments: usize,
+}
+
+struct Block {
+    size: usize,
+    free: bool,
+    segment: usize,
+}
+
+#[derive(Default)]
+struct Carve {
+    /// Segments by index (`None` once given back).
+    segments: Vec<Option<MemoryPointer>>,
+    /// Every block, free or not, by address.
+    blocks: BTreeMap<u64, Block>,
+    /// Free blocks by (size, address), for best fit.
+    free: BTreeSet<(usize, u64)>,
+    stats: GraphPoolStats,
+}
+
+impl Carve {
+    fn take(&mut self, size: usize) -> Option<u64> {
+        let &(have, at) = self.free.range((size, 0)..).next()?;
+        self.free.remove(&(have, at));
+        let b = self.blocks.get_mut(&at).expect("listed");
+        b.free = false;
+        if have - size >= ALIGN {
+            b.size = size;
+            let segment = b.segment;
+            let rest = at + size as u64;
+            self.blocks.insert(
+                rest,
+                Block {
+                    size: have - size,
+                    free: true,
+                    segment,
+                },
+            );
+            self.free.insert((have - size, rest));
+        }
+        let size = self.blocks[&at].size;
+        self.stats.in_use_bytes += size;
+        self.stats.in_use_blocks += 1;
+        Some(at)
+    }
+
+    fn give_back(&mut self, at: u64) {
+        let Some(b) = self.blocks.get_mut(&at) else {
+            return;
+        };
+        debug_assert!(!b.free, "a graph pool block freed twice");
+        b.free = true;
+        let (mut at, mut size, segment) = (at, b.size, b.segment);
+        self.stats.in_use_bytes -= size;
+        self.stats.in_use_blocks -= 1;
+        // Merge with the next block, then the previous one, within the segment.
+        let next = at + size as u64;
+        if let Some(n) = self.blocks.get(&next)
+            && n.free
+            && n.segment == segment
+        {
+            self.free.remove(&(n.size, next));
+            size += n.size;
+            self.blocks.remove(&next);
+        }
+        if let Some((&p, prev)) = self.blocks.range(..at).next_back()
+            && prev.free
+            && prev.segment == segment
+            && p + prev.size as u64 == at
+        {
+            self.free.remove(&(prev.size, p));
+            size += prev.size;
+            self.blocks.remove(&at);
+            at = p;
+        }
+        self.blocks.get_mut(&at).expect("kept").size = size;
+        self.free.insert((size, at));
+    }
+
+    fn add_segment(&mut self, mem: MemoryPointer) {
+        let (at, size) = (mem.device_ptr().0, mem.size());
+        let segment = self.segments.len();
+        self.segments.push(Some(mem));
+        self.blocks.insert(
+            at,
+            Block {
+                size,
+                free: true,
+                segment,
+            },
+        );
+        self.free.insert((size, at));
+        self.stats.held_bytes += size;
+        self.stats.segments += 1;
+    }
+}
+
+/// A segment of `bytes` from the context's manager. A manager over the driver's
+/// stream-ordered pool allocates plain memory on the legacy stream, which a capture of a
+/// blocking stream refuses: the segment is allocated on the context's side stream instead and
+/// waited for, so that every stream may use it.
+fn segment_from(ctx: &Arc<ContextInner>, bytes: usize) -> Result<MemoryPointer, EmmError> {
+    if ctx.manager.stream_ordering() != StreamOrdering::Driver {
+        return ctx.manager.memalloc(bytes);
+    }
+    let side = ctx.graph_routes.side_stream(ctx)?;
+    let mut mem = ctx.manager.memalloc_on(bytes, side.handle())?;
+    mem.keep_stream(&*side);
+    side.synchronize()?;
+    Ok(mem)
+}
+
+struct PoolInner {
+    id: u64,
+    device: driver_sys::DeviceOrdinal,
+    ctx: Weak<ContextInner>,
+    carve: Mutex<Carve>,
+}
+
+impl PoolInner {
+    fn allocate(self: &Arc<Self>, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        let size = bytes.max(1).div_ceil(ALIGN) * ALIGN;
+        let ctx = self.ctx.upgrade().ok_or(EmmError::Stale {
+            what: "a graph pool allocation",
+            device: self.device,
+            reason: "every handle of the pool's context was dropped",
+        })?;
+        let mut carve = lock(&self.carve);
+        let at = match carve.take(size) {
+            Some(at) => at,
+            None => {
+                let segment = if size <= SEGMENT / 2 {
+                    SEGMENT
+                } else {
+                    size.div_ceil(SEGMENT) * SEGMENT
+                };
+                let mem = {
+                    let _relaxed = ctx.cx.relax_capture();
+                    segment_from(&ctx, segment)?
+                };
+                tracing::debug!(device = %ctx.cx.device, pool = self.id, bytes = segment, "graph pool segment");
+                carve.add_segment(mem);
+                carve.take(size).expect("the new segment fits")
+            }
+        };
+        let (device, context) = (ctx.cx.device, ctx.cx.context);
+        drop(carve);
+        let pool = Arc::clone(self);
+        Ok(MemoryPointer::with_release(
+            device,
+            context,
+            DevicePtr(at),
+            size,
+            move |p, _| lock(&pool.carve).give_back(p.0),
+        ))
+    }
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        let mut carve = lock(&self.carve);
+        if carve.stats.segments > 0 {
+            tracing::debug!(
+                pool = self.id,
+                bytes = carve.stats.held_bytes,
+                "graph pool segments back to the manager"
+            );
+        }
+        // Dropping the segments' pointers hands them back to the manager, in relaxed mode: a
+        // capture this thread could not end must not refuse the frees.
+        let ctx = self.ctx.upgrade();
+        let _relaxed = ctx.as_ref().map(|c| c.cx.relax_capture());
+        carve.segments.clear();
+    }
+}
+
+/// A private pool for the allocations of stream capture (PyTorch's graph pools): see the
+/// module's rules. Cheap to clone; the segments go back to the manager when the last clone,
+/// the last routed stream and the last block are gone.
+#[derive(Clone)]
+pub struct GraphPool {
+    inner: Arc<PoolInner>,
+}
+
+impl GraphPool {
+    /// A block of at least `bytes` (see the module's rules).
+    pub(crate) fn allocate(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        self.inner.allocate(bytes)
+    }
+
+    /// The pool's id, unique in the process.
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// What the pool holds now.
+    pub fn stats(&self) -> GraphPoolStats {
+        lock(&self.inner.carve).stats
+    }
+}
+
+impl fmt::Debug for GraphPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GraphPool")
+            .field("id", &self.inner.id)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// A context's streams routed to graph pools.
+#[derive(Default)]
+pub(crate) struct GraphRoutes {
+    /// How many streams are routed: the allocation path reads only this while it is 0.
+    count: AtomicUsize,
+    routes: Mutex<Vec<(StreamHandle, GraphPool)>>,
+    /// A non-blocking stream of the context for segments of stream-ordered managers, made on
+    /// first use.
+    side: Mutex<Option<Arc<Stream>>>,
+}
+
+impl GraphRoutes {
+    /// The side stream ([`segment_from`]), made on first use.
+    fn side_stream(&self, ctx: &Arc<ContextInner>) -> Result<Arc<Stream>, EmmError> {
+        let mut side = lock(&self.side);
+        if let Some(s) = &*side {
+            return Ok(Arc::clone(s));
+        }
+        let ctx = Context {
+            inner: Arc::clone(ctx),
+        };
+        let s = Arc::new(ctx.create_stream_with(true, 0)?);
+        *side = Some(Arc::clone(&s));
+        Ok(s)
+    }
+
+    /// The pool `stream` is routed to, if any.
+    pub(crate) fn pool_for(&self, stream: StreamHandle) -> Option<GraphPool> {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        lock(&self.routes)
+            .iter()
+            .find(|(s, _)| *s == stream)
+            .map(|(_, p)| p.clone())
+    }
+
+    fn begin(&self, stream: StreamHandle, pool: GraphPool) -> Result<(), EmmError> {
+        let mut routes = lock(&self.routes);
+        if routes.iter().any(|(s, _)| *s == stream) {
+            return Err(EmmError::InvalidArgument {
+                what: "begin_graph_pool",
+                reason: format!(
+                    "stream {stream} already allocates from a graph pool; call end_graph_pool \
+                     for it first"
+                ),
+            });
+        }
+        routes.push((stream, pool));
+        self.count.store(routes.len(), Ordering::Release);
+        Ok(())
+    }
+
+    fn end(&self, stream: StreamHandle) -> Result<GraphPool, EmmError> {
+        let mut routes = lock(&self.routes);
+        let Some(i) = routes.iter().position(|(s, _)| *s == stream) else {
+            return Err(EmmError::InvalidArgument {
+                what: "end_graph_pool",
+                reason: format!(
+                    "stream {stream} allocates from no graph pool; call begin_graph_pool first"
+                ),
+            });
+        };
+        let (_, pool) = routes.swap_remove(i);
+        self.count.store(routes.len(), Ordering::Release);
+        Ok(pool)
+    }
+
+    /// Forgets every route (the context is reset).
+    pub(crate) fn clear(&self) {
+        let mut routes = lock(&self.routes);
+        routes.clear();
+        self.count.store(0, Ordering::Release);
+        lock(&self.side).take();
+    }
+}
+
+/// A graph captured on a stream of a context, instantiated, and the graph pool its
+/// allocations came from. Dropping it destroys the executable graph and the graph, then lets
+/// the pool go: drop it only after its last launch completed.
+pub struct Graph {
+    ctx: Context,
+    graph: GraphHandle,
+    exec: GraphExecHandle,
+    pool: GraphPool,
+}
+
+impl Graph {
+    /// Queues the graph's work on `stream`.
+    pub fn launch(&self, stream: &Stream) -> Result<(), EmmError> {
+        check_same_context(&self.ctx.inner.cx, stream.context(), "Graph::launch")?;
+        self.ctx.ensure_alive("Graph::launch")?;
+        let cx = &self.ctx.inner.cx;
+        cx.driver
+            .graph_launch(cx.context, self.exec, stream.handle())
+            .map_err(|e| EmmError::driver("launching a graph", cx.device, e))
+    }
+
+    /// The pool the graph's allocations came from (pass it to
+    /// [`Context::begin_graph_pool_shared`] to capture another graph into the same memory).
+    pub fn pool(&self) -> &GraphPool {
+        &self.pool
+    }
+
+    /// The driver's graph and executable graph.
+    pub fn handles(&self) -> (GraphHandle, GraphExecHandle) {
+        (self.graph, self.exec)
+    }
+}
+
+impl fmt::Debug for Graph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Graph")
+            .field("graph", &self.graph)
+            .field("exec", &self.exec)
+            .field("pool", &self.pool)
+            .finish()
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let cx = &self.ctx.inner.cx;
+        let Some(_live) = cx.liveness.enter() else {
+            return;
+        };
+        // SAFETY: the graph and executable graph are this object's, used by nothing after it;
+        // launches already queued still run (the driver's rule).
+        let results = unsafe {
+            [
+                cx.driver.graph_exec_destroy(cx.context, self.exec),
+                cx.driver.graph_destroy(cx.context, self.graph),
+            ]
+        };
+        for r in results {
+            if let Err(e) = r {
+                tracing::error!(device = %cx.device, error = %e, "destroying a graph");
+            }
+        }
+    }
+}
+
+impl Context {
+    /// Serves every [`memalloc_on`](Self::memalloc_on) of `stream` from a new graph pool
+    /// until [`end_graph_pool`](Self::end_graph_pool): call it before capturing `stream`
+    /// into a graph, under any manager. See the module's rules ([`crate::runtime::graphs`]).
+    ///
+    /// ```
+    /// let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
+    /// let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// let ctx = runtime.context(0)?;
+    /// let s = ctx.create_stream()?;
+    /// let pool = ctx.begin_graph_pool(&s)?;
+    /// let m = ctx.memalloc_on(1024, &s)?;
+    /// ctx.end_graph_pool(&s)?;
+    /// assert_eq!(pool.stats().in_use_blocks, 1);
+    /// drop(m);
+    /// assert_eq!(pool.stats().in_use_blocks, 0);
+    /// # Ok::<(), emm::EmmError>(())
+    /// ```
+    pub fn begin_graph_pool(&self, stream: &Stream) -> Result<GraphPool, EmmError> {
+        check_same_context(&self.inner.cx, stream.context(), "begin_graph_pool")?;
+        let pool = self.new_graph_pool();
+        self.route(stream.handle(), pool.clone())?;
+        Ok(pool)
+    }
+
+    /// As [`begin_graph_pool`](Self::begin_graph_pool), into an existing pool (PyTorch's
+    /// `pool=` of `torch.cuda.graph`): graphs captured into one pool share its memory, and
+    /// must then not run concurrently.
+    pub fn begin_graph_pool_shared(
+        &self,
+        stream: &Stream,
+        pool: &GraphPool,
+    ) -> Result<(), EmmError> {
+        check_same_context(&self.inner.cx, stream.context(), "begin_graph_pool_shared")?;
+        self.route(stream.handle(), pool.clone())
+    }
+
+    /// As [`begin_graph_pool`](Self::begin_graph_pool) (or, with `pool`,
+    /// [`begin_graph_pool_shared`](Self::begin_graph_pool_shared)) for a stream known only by
+    /// its handle (another library's). The stream must be a stream of this context; a
+    /// handle of no stream is refused by no one here, and simply never matches.
+    pub fn begin_graph_pool_raw(
+        &self,
+        stream: StreamHandle,
+        pool: Option<&GraphPool>,
+    ) -> Result<GraphPool, EmmError> {
+        let pool = pool.cloned().unwrap_or_else(|| self.new_graph_pool());
+        self.route(stream, pool.clone())?;
+        Ok(pool)
+    }
+
+    /// Ends what [`begin_graph_pool`](Self::begin_graph_pool) began: `stream`'s allocations
+    /// come from the manager again. The pool keeps its blocks for the graph.
+    pub fn end_graph_pool(&self, stream: &Stream) -> Result<(), EmmError> {
+        self.end_graph_pool_raw(stream.handle()).map(drop)
+    }
+
+    /// As [`end_graph_pool`](Self::end_graph_pool), by handle; returns the pool.
+    pub fn end_graph_pool_raw(&self, stream: StreamHandle) -> Result<GraphPool, EmmError> {
+        self.inner.graph_routes.end(stream)
+    }
+
+    /// Captures the work `record` queues on `stream` into a graph, with every
+    /// [`memalloc_on`](Self::memalloc_on) of `stream` meanwhile served from a new graph pool,
+    /// and instantiates it. `mode` is the capture's ([`CaptureMode::Global`] is what PyTorch
+    /// and CuPy use). The capture ends whatever `record` returns; its error comes first.
+    pub fn capture<T>(
+        &self,
+        stream: &Stream,
+        mode: CaptureMode,
+        record: impl FnOnce(&Stream) -> Result<T, EmmError>,
+    ) -> Result<(Graph, T), EmmError> {
+        self.ensure_alive("capture")?;
+        let pool = self.begin_graph_pool(stream)?;
+        let cx = &self.inner.cx;
+        let err = |what, e| EmmError::driver(what, cx.device, e);
+        if let Err(e) = cx
+            .driver
+            .stream_begin_capture(cx.context, stream.handle(), mode)
+        {
+            self.end_graph_pool(stream)?;
+            return Err(err("beginning a stream capture", e));
+        }
+        let recorded = record(stream);
+        let ended = cx.driver.stream_end_capture(cx.context, stream.handle());
+        if ended.is_err() && cx.stream_is_captured(stream.handle()) != Ok(false) {
+            // A capture left under way would record (and refuse) every later call: ended
+            // once more, its graph (if any) dropped, the first error kept.
+            match cx.driver.stream_end_capture(cx.context, stream.handle()) {
+                Ok(g) => {
+                    // SAFETY: the graph just made, used by nothing.
+                    if let Err(e) = unsafe { cx.driver.graph_destroy(cx.context, g) } {
+                        tracing::error!(device = %cx.device, error = %e, "destroying a graph");
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(device = %cx.device, error = %e, "a stream capture could not be ended; the stream still captures")
+                }
+            }
+        }
+        self.end_graph_pool(stream)?;
+        let value = recorded?;
+        let graph = ended.map_err(|e| err("ending a stream capture", e))?;
+        let exec = match cx.driver.graph_instantiate(cx.context, graph) {
+            Ok(exec) => exec,
+            Err(e) => {
+                // SAFETY: the graph just made, used by nothing else.
+                if let Err(d) = unsafe { cx.driver.graph_destroy(cx.context, graph) } {
+                    tracing::error!(device = %cx.device, error = %d, "destroying a graph");
+                }
+                return Err(err("instantiating a graph", e));
+            }
+        };
+        tracing::debug!(device = %cx.device, pool = pool.id(), "graph captured");
+        Ok((
+            Graph {
+                ctx: self.clone(),
+                graph,
+                exec,
+                pool,
+            },
+            value,
+        ))
+    }
+
+    fn new_graph_pool(&self) -> GraphPool {
+        GraphPool {
+            inner: Arc::new(PoolInner {
+                id: NEXT_POOL.fetch_add(1, Ordering::Relaxed),
+                device: self.inner.cx.device,
+                ctx: Arc::downgrade(&self.inner),
+                carve: Mutex::new(Carve::default()),
+            }),
+        }
+    }
+
+    fn route(&self, stream: StreamHandle, pool: GraphPool) -> Result<(), EmmError> {
+        self.ensure_alive("begin_graph_pool")?;
+        self.inner.graph_routes.begin(stream, pool)
+    }
+}
