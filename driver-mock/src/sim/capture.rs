@@ -21,6 +21,8 @@
 //! - An IPC-enabled pool's `cuMemAllocFromPoolAsync` on a captured stream is refused
 //!   (`CUDA_ERROR_NOT_SUPPORTED`), the capture left as it was.
 //! - Ending an invalidated capture ends it and fails (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`).
+//! - An event whose last record was made in a capture that ended belongs to the graph: querying
+//!   or synchronising it is refused (`CUDA_ERROR_INVALID_VALUE`) until it is recorded again.
 //! - A stream that waits on an event recorded in a capture joins it; ending the capture fails
 //!   (`CUDA_ERROR_STREAM_CAPTURE_UNJOINED`) unless the capturing stream waited on an event
 //!   recorded on each joined stream after its last work.
@@ -422,6 +424,7 @@ impl World {
         for e in p.streams.events.values_mut() {
             if e.captured.is_some_and(|(c, _)| c == id) {
                 e.captured = None;
+                e.in_graph = true;
             }
         }
         let unjoined = c.joined.values().any(|&rejoined| !rejoined);
@@ -530,12 +533,11 @@ impl World {
     /// (`CUDA_ERROR_CAPTURED_EVENT`), or of any event where a capture forbids unsafe calls,
     /// invalidating the capture.
     pub(super) fn refuse_captured_event(&mut self, pid: usize, event: u64) -> Result<(), u32> {
-        let id = self.processes[pid]
-            .streams
-            .events
-            .get(&event)
-            .and_then(|e| e.captured)
-            .map(|(id, _)| id);
+        let e = self.processes[pid].streams.events.get(&event);
+        if e.is_some_and(|e| e.in_graph) {
+            return Err(code::INVALID_VALUE);
+        }
+        let id = e.and_then(|e| e.captured).map(|(id, _)| id);
         match id {
             Some(id) if self.processes[pid].captures.contains_key(&id) => {
                 self.invalidate(pid, id);

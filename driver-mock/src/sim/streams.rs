@@ -127,6 +127,9 @@ pub(super) struct SimEvent {
     at: Option<f64>,
     /// The capture its last record was made in, and the stream key recorded on.
     pub(super) captured: Option<(u64, u64)>,
+    /// Its last record was made in a capture that ended: the record is the graph's, and
+    /// queries are refused until the event is recorded again.
+    pub(super) in_graph: bool,
 }
 
 impl SimEvent {
@@ -547,6 +550,7 @@ impl World {
         }
         let e = self.event_mut(pid, event)?;
         e.captured = None;
+        e.in_graph = false;
         e.recorded += 1;
         let serial = e.recorded;
         e.pending.insert(serial);

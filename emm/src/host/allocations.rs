@@ -187,8 +187,8 @@ impl AllocationTable {
                 waiting.len().min(POLL_BATCH)
             };
             for _ in 0..looks {
-                let entry = waiting.pop_front().expect("counted");
-                match self.fences.finished(&entry.2, wait) {
+                let mut entry = waiting.pop_front().expect("counted");
+                match self.fences.finished(&mut entry.2, wait) {
                     Ok(true) => done.push(entry),
                     Ok(false) => waiting.push_back(entry),
                     Err(e) => {

@@ -11,9 +11,14 @@ use crate::memory::pointer::StreamUse;
 use crate::sync::{Mutex, lock};
 
 /// Events recorded on streams at one moment: done when all of them are.
+///
+/// A stream being captured when the fence was made gets no event then (an event recorded in a
+/// capture is the graph's, and the driver refuses to query it): it is recorded once the capture
+/// ended, so that the fence waits for the work queued there before the capture.
 #[derive(Debug, Default)]
 pub struct Fence {
     events: Vec<EventHandle>,
+    after_capture: Vec<StreamHandle>,
 }
 
 /// A manager's recycled events (created without timing), and the operations on fences.
@@ -49,6 +54,17 @@ impl Fences {
     ) -> Result<Fence, DriverError> {
         let mut fence = Fence::default();
         for stream in streams {
+            match self.cx.stream_is_captured(stream) {
+                Ok(true) => {
+                    fence.after_capture.push(stream);
+                    continue;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    self.recycle(fence);
+                    return Err(e);
+                }
+            }
             let recorded = self.event().and_then(|e| {
                 fence.events.push(e);
                 self.cx.driver.event_record(self.cx.context, e, stream)
@@ -61,8 +77,30 @@ impl Fences {
         Ok(fence)
     }
 
-    /// Whether every event of `fence` completed (no waiting).
-    pub fn is_done(&self, fence: &Fence) -> Result<bool, DriverError> {
+    /// Records the events of the streams of `fence` whose capture ended; whether none is
+    /// left captured.
+    fn settle(&self, fence: &mut Fence) -> Result<bool, DriverError> {
+        while let Some(&stream) = fence.after_capture.last() {
+            if self.cx.stream_is_captured(stream)? {
+                return Ok(false);
+            }
+            let e = self.event()?;
+            if let Err(err) = self.cx.driver.event_record(self.cx.context, e, stream) {
+                lock(&self.idle).push(e);
+                return Err(err);
+            }
+            fence.events.push(e);
+            fence.after_capture.pop();
+        }
+        Ok(true)
+    }
+
+    /// Whether every event of `fence` completed (no waiting); a stream still captured since
+    /// the fence was made is not done.
+    pub fn is_done(&self, fence: &mut Fence) -> Result<bool, DriverError> {
+        if !self.settle(fence)? {
+            return Ok(false);
+        }
         for &e in &fence.events {
             if !self.cx.driver.event_query(self.cx.context, e)? {
                 return Ok(false);
@@ -71,8 +109,19 @@ impl Fences {
         Ok(true)
     }
 
-    /// Waits until every event of `fence` completed.
-    pub fn wait(&self, fence: &Fence) -> Result<(), DriverError> {
+    /// Waits until every event of `fence` completed; refused
+    /// (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`) while a stream of it is still captured, which
+    /// no wait can end.
+    pub fn wait(&self, fence: &mut Fence) -> Result<(), DriverError> {
+        if !self.settle(fence)? {
+            return Err(DriverError::from_code(
+                "cuEventSynchronize",
+                driver_sys::code::STREAM_CAPTURE_UNSUPPORTED,
+            )
+            .with_detail(
+                "a stream that used the memory is being captured; wait after the capture ends",
+            ));
+        }
         for &e in &fence.events {
             self.cx.driver.event_synchronize(self.cx.context, e)?;
         }
@@ -81,7 +130,7 @@ impl Fences {
 
     /// Whether every event of `fence` completed: with `wait`, after waiting for them (so
     /// always, unless the driver fails); without, as they stand now.
-    pub fn finished(&self, fence: &Fence, wait: bool) -> Result<bool, DriverError> {
+    pub fn finished(&self, fence: &mut Fence, wait: bool) -> Result<bool, DriverError> {
         if wait {
             self.wait(fence).map(|()| true)
         } else {

@@ -1251,7 +1251,22 @@ pub fn stream_capture_conformance(target: Target) -> Result<(), Failed> {
     ensure_eq!(status(other)?, CaptureStatus::None, "another stream");
     // SAFETY: see above.
     unsafe { d.memset_d8_async(ctx, DevicePtr(buf.0), 7, 16, s)? };
+    let in_graph = d.event_create(ctx, driver_sys::event_flags::DISABLE_TIMING)?;
+    d.event_record(ctx, in_graph, s)?;
     let g = d.stream_end_capture(ctx, s)?;
+    rows.push((
+        "cuEventQuery, after the capture, of an event recorded in it",
+        outcome(&d.event_query(ctx, in_graph)),
+        "CUDA_ERROR_INVALID_VALUE",
+    ));
+    d.event_record(ctx, in_graph, s)?;
+    rows.push((
+        "cuEventSynchronize of that event recorded again outside",
+        outcome(&d.event_synchronize(ctx, in_graph)),
+        "ok",
+    ));
+    // SAFETY: made above, waited for.
+    unsafe { d.event_destroy(ctx, in_graph)? };
     ensure_eq!(status(s)?, CaptureStatus::None, "status after the capture");
     ensure_eq!(read(0)?, 0, "captured work did not run");
     let exec = d.graph_instantiate(ctx, g)?;

@@ -266,6 +266,12 @@ struct Shared {
     queue: Arc<PendingDeallocs>,
     /// Events for the frees of blocks that other streams used.
     fences: Fences,
+    /// Blocks whose last pointer dropped while their stream was being captured (the driver
+    /// refuses `cuMemFreeAsync` there of memory from outside the capture): kept live, with
+    /// their tag, and freed on their stream once it no longer captures (at an allocation).
+    /// Locked after a gate; counted apart for the allocation path.
+    after_capture: Mutex<Vec<(DevicePtr, StreamHandle, u64)>>,
+    after_capture_count: std::sync::atomic::AtomicUsize,
 }
 
 /// No pool: the value of [`Shared::pool`] before the first use and after a reset (a driver's
@@ -329,8 +335,56 @@ impl Shared {
         // of the live set (once), so it is freed once and not used after but by work already
         // queued, which the freeing stream waits for; the context is alive (`_live`).
         if let Err(e) = unsafe { self.fences.free_async_after(base, stream, after) } {
-            self.keep_unfreed(base, e);
+            self.free_failed(base, stream, e);
         }
+    }
+
+    /// Freeing `base` on `stream` failed: deferred if the stream is being captured, else
+    /// kept ([`keep_unfreed`](Self::keep_unfreed)). The caller holds the thread's gate.
+    #[cold]
+    #[inline(never)]
+    fn free_failed(&self, base: DevicePtr, stream: StreamHandle, e: DriverError) {
+        if self.cx.stream_is_captured(stream) != Ok(true) {
+            return self.keep_unfreed(base, e);
+        }
+        let (slot, _) = self.live.record(base.0, Park::No);
+        let tag = self.generation.load(Ordering::Acquire) | slot;
+        let mut list = lock(&self.after_capture);
+        list.push((base, stream, tag));
+        self.after_capture_count
+            .store(list.len(), Ordering::Release);
+        tracing::debug!(device = %self.cx.device, ptr = %base, "freed while its stream is captured: freed once the capture ends");
+    }
+
+    /// Frees the blocks [`free_failed`](Self::free_failed) deferred whose stream no longer
+    /// captures. The caller holds no gate of this manager.
+    #[cold]
+    #[inline(never)]
+    fn free_after_captures(&self) {
+        let gate = self.gate();
+        let ready: Vec<(DevicePtr, StreamHandle, u64)> = {
+            let mut list = lock(&self.after_capture);
+            let mut ready = Vec::new();
+            list.retain(|&(base, stream, tag)| {
+                if !self.current(tag) {
+                    return false; // a reset freed it
+                }
+                if self.cx.stream_is_captured(stream) != Ok(false) {
+                    return true;
+                }
+                ready.push((base, stream, tag));
+                false
+            });
+            self.after_capture_count
+                .store(list.len(), Ordering::Release);
+            ready
+        };
+        for (base, stream, tag) in ready {
+            if self.live.remove(base.0, tag & SLOT_MASK) {
+                self.free_taken(base, stream, None);
+            }
+        }
+        drop(gate);
     }
 
     /// Freeing `base` failed: nothing was freed, and the block is kept (a reset frees it)
@@ -493,6 +547,8 @@ impl AsyncPoolAllocator {
             generation: AtomicU64::new(0),
             queue: Arc::clone(host.deallocations()),
             fences: Fences::new(host.context()),
+            after_capture: Mutex::new(Vec::new()),
+            after_capture_count: std::sync::atomic::AtomicUsize::new(0),
         });
         AsyncPoolAllocator {
             hook: Arc::clone(&shared) as Arc<dyn PoolHook>,
@@ -671,6 +727,9 @@ impl AsyncPoolAllocator {
         }
         let shared = &self.shared;
         let cx = &shared.cx;
+        if shared.after_capture_count.load(Ordering::Acquire) > 0 {
+            shared.free_after_captures();
+        }
         host.attempt_allocation(what, AllocationKind::Device, bytes, || {
             loop {
                 let gate = shared.gate();

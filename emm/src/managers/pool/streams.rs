@@ -346,7 +346,7 @@ impl PoolShared {
         let mut freed = Vec::new();
         let mut k = 0;
         while k < retiring.len() {
-            match self.fences.finished(&retiring[k].1, wait) {
+            match self.fences.finished(&mut retiring[k].1, wait) {
                 Ok(false) => k += 1,
                 Ok(true) => {
                     let (chunks, fence) = retiring.swap_remove(k);
@@ -472,7 +472,7 @@ impl PoolShared {
         while k < lists.waiting.len() {
             if !self
                 .fences
-                .finished(&lists.waiting[k].3, wait)
+                .finished(&mut lists.waiting[k].3, wait)
                 .map_err(err)?
             {
                 k += 1;
@@ -542,8 +542,8 @@ impl PoolShared {
             }
             // A stream with nothing pending has no work left on its free chunks.
             let done = if wait {
-                self.fences.record([stream]).and_then(|fence| {
-                    let finished = self.fences.finished(&fence, true);
+                self.fences.record([stream]).and_then(|mut fence| {
+                    let finished = self.fences.finished(&mut fence, true);
                     self.fences.recycle(fence);
                     finished
                 })
