@@ -16,6 +16,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use emm::driver_sys::{CudaDriver, DeviceOrdinal, Driver, HostPtr, StreamHandle};
@@ -243,7 +244,53 @@ fn device_context(device: u32) -> PyResult<emm::Context> {
         return Ok(ctx.clone());
     }
     let ctx = runtime()?.context(DeviceOrdinal(device)).map_err(py_err)?;
+    if CAPTURE_POOLS.load(Ordering::Acquire) {
+        ctx.enable_capture_pools();
+    }
     Ok(lock(&CONTEXTS).entry(device).or_insert(ctx).clone())
+}
+
+/// Whether captures that PyTorch or CuPy begin get graph pools (`enable_capture_pools`):
+/// `emm.torch.install()` and `emm.cupy.install()` turn it on for every context.
+static CAPTURE_POOLS: AtomicBool = AtomicBool::new(false);
+
+/// Gives every capture begun on a device's stream by another library a graph pool of its own
+/// (`Context::enable_capture_pools`), on every context now and later.
+#[pyfunction]
+fn enable_capture_pools() {
+    CAPTURE_POOLS.store(true, Ordering::Release);
+    for ctx in lock(&CONTEXTS).values() {
+        ctx.enable_capture_pools();
+    }
+}
+
+/// Lets go of the graph pools of captures that ended, on every context (their memory goes
+/// back to the manager once the graphs' tensors are freed): call it after deleting or
+/// resetting the graphs. Returns how many pools were let go.
+#[pyfunction]
+fn release_capture_pools() -> usize {
+    let contexts: Vec<emm::Context> = lock(&CONTEXTS).values().cloned().collect();
+    contexts
+        .iter()
+        .map(emm::Context::release_capture_pools)
+        .sum()
+}
+
+/// Drops `mem`, in relaxed capture mode while a capture with a graph pool may be under way
+/// on its device: a global capture refuses the calls a manager's free may make (queries,
+/// `cuMemFree`, stream-ordered frees on other streams).
+fn drop_memory(mem: MemoryPointer) {
+    if CAPTURE_POOLS.load(Ordering::Acquire) {
+        let ctx = lock(&CONTEXTS).get(&mem.device().0).cloned();
+        if let Some(ctx) = ctx
+            && ctx.capture_pools_open()
+        {
+            let _relaxed = ctx.relaxed_capture();
+            drop(mem);
+            return;
+        }
+    }
+    drop(mem);
 }
 
 /// Device `device`'s context in the process runtime.
@@ -278,6 +325,14 @@ struct DeviceBuffer {
     /// The device ordinal.
     #[pyo3(get)]
     device: u32,
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if let Some(mem) = lock(&self.mem).take() {
+            drop_memory(mem);
+        }
+    }
 }
 
 impl DeviceBuffer {
@@ -320,7 +375,9 @@ impl DeviceBuffer {
     /// Gives the memory back now rather than when the buffer is collected (memory opened
     /// from another process: closes the mapping).
     fn release(&self) -> PyResult<()> {
-        lock(&self.mem).take();
+        if let Some(mem) = lock(&self.mem).take() {
+            drop_memory(mem);
+        }
         match lock(&self.opened).take() {
             Some(handle) => handle.close().map_err(py_err),
             None => Ok(()),
@@ -1126,7 +1183,7 @@ pub extern "C" fn emm_torch_free(ptr: *mut c_void, size: isize, device: i32, str
             stream.0
         ));
     }
-    drop(mem);
+    drop_memory(mem);
 }
 
 /// The message of the last failed PyTorch allocator call, cleared by reading it.
@@ -1175,6 +1232,8 @@ fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(settings, m)?)?;
     m.add_function(wrap_pyfunction!(context, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(enable_capture_pools, m)?)?;
+    m.add_function(wrap_pyfunction!(release_capture_pools, m)?)?;
     m.add_function(wrap_pyfunction!(torch_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(torch_live, m)?)?;
     m.add_class::<Context>()?;

@@ -127,7 +127,7 @@ impl Context {
     pub fn memalloc_on(&self, bytes: usize, stream: &Stream) -> Result<MemoryPointer, EmmError> {
         check_same_context(&self.inner.cx, stream.context(), "memalloc_on")?;
         self.ensure_alive("memalloc_on")?;
-        if let Some(pool) = self.inner.graph_routes.pool_for(stream.handle()) {
+        if let Some(pool) = self.graph_pool_of(stream.handle())? {
             return pool.allocate(bytes);
         }
         let mut mem = self.inner.manager.memalloc_on(bytes, stream.handle())?;
@@ -152,7 +152,7 @@ impl Context {
         stream: driver_sys::StreamHandle,
     ) -> Result<MemoryPointer, EmmError> {
         self.ensure_alive("memalloc_on")?;
-        if let Some(pool) = self.inner.graph_routes.pool_for(stream) {
+        if let Some(pool) = self.graph_pool_of(stream)? {
             return pool.allocate(bytes);
         }
         self.inner.manager.memalloc_on(bytes, stream)

@@ -25,9 +25,12 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
-use driver_sys::{CaptureMode, DevicePtr, GraphExecHandle, GraphHandle, StreamHandle};
+use driver_sys::{
+    CaptureMode, CaptureStatus, DevicePtr, GraphExecHandle, GraphHandle, StreamHandle,
+};
 
 use super::context::{Context, ContextInner};
+use crate::contract::factory::ManagerContext;
 use crate::contract::manager::StreamOrdering;
 use crate::error::EmmError;
 use crate::memory::pointer::MemoryPointer;
@@ -270,6 +273,20 @@ pub(crate) struct GraphRoutes {
     /// A non-blocking stream of the context for segments of stream-ordered managers, made on
     /// first use.
     side: Mutex<Option<Arc<Stream>>>,
+    /// Whether captures begun by others get graph pools of their own
+    /// ([`Context::enable_capture_pools`]).
+    auto: std::sync::atomic::AtomicBool,
+    /// The pools of those captures, by capture id, with their stream and whether the capture
+    /// is known to have ended; and how many are not known to have ended.
+    auto_pools: Mutex<Vec<AutoPool>>,
+    auto_open: AtomicUsize,
+}
+
+struct AutoPool {
+    capture: u64,
+    stream: StreamHandle,
+    pool: GraphPool,
+    ended: bool,
 }
 
 impl GraphRoutes {
@@ -335,6 +352,29 @@ impl GraphRoutes {
         routes.clear();
         self.count.store(0, Ordering::Release);
         lock(&self.side).take();
+        lock(&self.auto_pools).clear();
+        self.auto_open.store(0, Ordering::Release);
+    }
+
+    /// Whether captures begun by others get graph pools of their own.
+    pub(crate) fn auto(&self) -> bool {
+        self.auto.load(Ordering::Relaxed)
+    }
+
+    /// Marks the pools whose capture is no longer under way as ended; returns how many are
+    /// still open.
+    fn settle(&self, cx: &ManagerContext, pools: &mut [AutoPool]) -> usize {
+        let mut open = 0;
+        for p in pools.iter_mut().filter(|p| !p.ended) {
+            match cx.driver.stream_capture_status(cx.context, p.stream) {
+                Ok(s) if s.id() == Some(p.capture) => open += 1,
+                // Ended, or the stream is gone; a query that failed is asked again later.
+                Ok(_) => p.ended = true,
+                Err(_) => open += 1,
+            }
+        }
+        self.auto_open.store(open, Ordering::Release);
+        open
     }
 }
 
@@ -526,6 +566,101 @@ impl Context {
             },
             value,
         ))
+    }
+
+    /// Gives every capture that another library begins on this context's streams a graph
+    /// pool of its own, found by the capture's id at each
+    /// [`memalloc_on_raw`](Self::memalloc_on_raw) (a `cuStreamGetCaptureInfo` per call while
+    /// on): PyTorch's and CuPy's allocators over emm, which are not told when a capture
+    /// begins, turn it on. The pools keep their memory for the graphs until
+    /// [`release_capture_pools`](Self::release_capture_pools).
+    pub fn enable_capture_pools(&self) {
+        self.inner.graph_routes.auto.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a capture with a pool of [`enable_capture_pools`](Self::enable_capture_pools)
+    /// may still be under way (a capture query per such capture): frees made meanwhile
+    /// should run in [`relaxed`](Self::relaxed_capture) mode, as a global capture refuses
+    /// the calls a manager's free may make.
+    pub fn capture_pools_open(&self) -> bool {
+        let routes = &self.inner.graph_routes;
+        if routes.auto_open.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        routes.settle(&self.inner.cx, &mut lock(&routes.auto_pools)) > 0
+    }
+
+    /// Lets go of the pools of captures that ended ([`enable_capture_pools`]): their
+    /// memory goes back to the manager once every block of theirs is freed. Call it after the
+    /// graphs captured with them are gone (PyTorch: after `graph.reset()` or deleting the
+    /// graph). Returns how many pools were let go.
+    pub fn release_capture_pools(&self) -> usize {
+        let routes = &self.inner.graph_routes;
+        let mut pools = lock(&routes.auto_pools);
+        routes.settle(&self.inner.cx, &mut pools);
+        let before = pools.len();
+        pools.retain(|p| !p.ended);
+        before - pools.len()
+    }
+
+    /// The thread's capture mode relaxed until the guard drops (see
+    /// [`capture_pools_open`](Self::capture_pools_open)).
+    pub fn relaxed_capture(&self) -> crate::contract::RelaxedCapture<'_> {
+        self.inner.cx.relax_capture()
+    }
+
+    /// The graph pool that serves `stream` now: one begun on it, else, with
+    /// [`enable_capture_pools`](Self::enable_capture_pools) on, that of the capture under way
+    /// on it.
+    pub(crate) fn graph_pool_of(
+        &self,
+        stream: StreamHandle,
+    ) -> Result<Option<GraphPool>, EmmError> {
+        let routes = &self.inner.graph_routes;
+        if let Some(pool) = routes.pool_for(stream) {
+            return Ok(Some(pool));
+        }
+        if routes.auto() {
+            return self.capture_pool(stream);
+        }
+        Ok(None)
+    }
+
+    /// The pool of the capture under way on `stream`, if any.
+    fn capture_pool(&self, stream: StreamHandle) -> Result<Option<GraphPool>, EmmError> {
+        let cx = &self.inner.cx;
+        let status = cx
+            .driver
+            .stream_capture_status(cx.context, stream)
+            .map_err(|e| cx.driver_error("asking whether the stream is captured", e))?;
+        let id = match status {
+            CaptureStatus::None => return Ok(None),
+            CaptureStatus::Active { id } => id,
+            CaptureStatus::Invalidated { .. } => {
+                return Err(EmmError::InvalidArgument {
+                    what: "memalloc_on",
+                    reason: format!(
+                        "stream {stream} is being captured and the capture was invalidated by \
+                         an earlier refused call; end it and capture again"
+                    ),
+                });
+            }
+        };
+        let routes = &self.inner.graph_routes;
+        let mut pools = lock(&routes.auto_pools);
+        if let Some(p) = pools.iter().find(|p| p.capture == id) {
+            return Ok(Some(p.pool.clone()));
+        }
+        let pool = self.new_graph_pool();
+        tracing::debug!(device = %cx.device, capture = id, pool = pool.id(), "graph pool for a capture");
+        pools.push(AutoPool {
+            capture: id,
+            stream,
+            pool: pool.clone(),
+            ended: false,
+        });
+        routes.settle(cx, &mut pools);
+        Ok(Some(pool))
     }
 
     fn new_graph_pool(&self) -> GraphPool {

@@ -139,3 +139,72 @@ pub fn allocation_on_a_captured_stream_outside_a_graph_pool(target: Target) -> R
     unsafe { d.graph_destroy(ctx.handle(), graph)? };
     Ok(())
 }
+
+/// A capture another library begins (here through the driver, as PyTorch and CuPy do), with
+/// `enable_capture_pools` on: `memalloc_on_raw` of the captured stream is served from a pool of
+/// that capture, under every manager; launches replay it; frees made while the capture is under
+/// way, in relaxed mode, leave it intact; once the capture ended and its graph and blocks are
+/// gone, `release_capture_pools` gives the memory back. (Under `async-pool`, the free of the
+/// block from before the capture is first tried on its stream, which the capture refuses, then
+/// made once the capture ended: one refused release, on purpose.)
+pub fn captures_begun_elsewhere_get_graph_pools(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    ctx.enable_capture_pools();
+    let d = &t.driver;
+    let s = ctx.create_stream()?;
+    let in_use = |ctx: &emm::Context| ctx.pool_stats().device.map(|d| d.in_use_bytes);
+    let before = (in_use(&ctx), used(&ctx)?);
+    // Memory from before the capture, freed during it (PyTorch frees a temporary).
+    let earlier = ctx.memalloc_on(4096, &s)?;
+    s.synchronize()?;
+    d.stream_begin_capture(ctx.handle(), s.handle(), CaptureMode::Global)?;
+    // SAFETY: `s` is this context's stream, alive for the whole test.
+    let out = unsafe { ctx.memalloc_on_raw(1 << 16, s.handle()) }?;
+    // SAFETY: the same stream.
+    let scratch = unsafe { ctx.memalloc_on_raw(1 << 16, s.handle()) }?;
+    ctx.memset_async(&scratch, 4, &s)?.wait()?;
+    ctx.copy_device_async(&out, &scratch, &s)?.wait()?;
+    ensure!(ctx.capture_pools_open(), "the capture is under way");
+    {
+        let _relaxed = ctx.relaxed_capture();
+        drop(scratch);
+        drop(earlier);
+    }
+    let status = d.stream_capture_status(ctx.handle(), s.handle())?;
+    ensure!(
+        matches!(status, CaptureStatus::Active { .. }),
+        "the capture survived the allocations and frees: {status:?}"
+    );
+    let graph = d.stream_end_capture(ctx.handle(), s.handle())?;
+    ensure!(!ctx.capture_pools_open(), "the capture ended");
+    let exec = d.graph_instantiate(ctx.handle(), graph)?;
+    let mut back = vec![0u8; 1 << 16];
+    for round in 0..10 {
+        ctx.memset(&out, 0, 1 << 16)?;
+        d.graph_launch(ctx.handle(), exec, s.handle())?;
+        s.synchronize()?;
+        ctx.copy_to_host(&mut back, &out)?;
+        ensure!(back.iter().all(|&b| b == 4), "launch {round}");
+    }
+    // After the capture, the stream allocates from the manager again.
+    let after = ctx.memalloc_on(1 << 16, &s)?;
+    ensure!(after.device_ptr() != out.device_ptr());
+    drop(after);
+    // SAFETY: made above, its launches waited for.
+    unsafe {
+        d.graph_exec_destroy(ctx.handle(), exec)?;
+        d.graph_destroy(ctx.handle(), graph)?;
+    }
+    drop(out);
+    ensure_eq!(ctx.release_capture_pools(), 1, "the ended capture's pool");
+    ctx.flush_deallocations()?;
+    s.synchronize()?;
+    ensure_eq!(
+        in_use(&ctx),
+        before.0,
+        "the pool's memory went back to the manager"
+    );
+    let _ = before.1;
+    Ok(())
+}

@@ -170,6 +170,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     streams::stream_kinds,
     graphs::capture_and_replay_through_a_graph_pool,
     graphs::allocation_on_a_captured_stream_outside_a_graph_pool,
+    graphs::captures_begun_elsewhere_get_graph_pools[ProvokesFailedReleases],
     streams::events_host_functions_and_auto_synchronize,
     streams::streams_refuse_work_after_a_reset,
     streams::async_copies_in_stream_order,

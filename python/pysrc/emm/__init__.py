@@ -25,6 +25,8 @@ from ._emm import (
     configure,
     context,
     device_count,
+    enable_capture_pools,
+    release_capture_pools,
     settings,
 )
 
@@ -40,6 +42,8 @@ __all__ = [
     "configure",
     "context",
     "device_count",
+    "enable_capture_pools",
+    "release_capture_pools",
     "settings",
 ]
 

@@ -7,6 +7,11 @@ only once that stream's work is done (``emm.context(d).stream_ordering()`` says 
 a manager that does not allocate on streams (a plugin), emm allocates without a stream, and
 work on a stream that uses the memory must be complete before CuPy drops it. A CuPy stream
 must outlive the memory allocated on it.
+
+CUDA graphs: a stream capture (``Stream.begin_capture`` ... ``end_capture``) is served from a
+graph pool of its own, found by asking the driver at each allocation whether the stream is
+being captured: the graph's memory, reused by that capture alone, kept for its launches.
+``release_graph_pools()`` gives the memory of ended captures back once their graphs are gone.
 """
 
 import cupy
@@ -40,5 +45,17 @@ def allocator(size):
 
 
 def install():
-    """Makes emm CuPy's allocator (``cupy.cuda.set_allocator(allocator)``)."""
+    """Makes emm CuPy's allocator (``cupy.cuda.set_allocator(allocator)``); captures get
+    graph pools (see the module's text)."""
+    from . import enable_capture_pools
+
+    enable_capture_pools()
     cupy.cuda.set_allocator(allocator)
+
+
+def release_graph_pools():
+    """Lets go of the graph pools of captures that ended (see the module's text); returns
+    how many."""
+    from . import release_capture_pools
+
+    return release_capture_pools()

@@ -6,6 +6,14 @@ through Python. PyTorch passes its current stream: emm allocates on it where the
 allocates on streams (``emm.context(d).stream_ordering()``), and frees on it. A failed
 allocation makes PyTorch raise its out-of-memory error; ``last_error()`` gives emm's message. A free of a pointer emm did not hand out, or with a size
 that does not match, is printed and kept for ``last_error()``.
+
+CUDA graphs: ``torch.cuda.graph`` captures work. PyTorch does not tell a pluggable allocator
+that a capture begins, so emm asks the driver at each allocation whether PyTorch's stream is
+being captured, and serves a capture from a graph pool of its own: the graph's memory, reused
+by that capture alone, kept for its replays. Call ``release_graph_pools()`` after deleting (or
+``reset()``-ing) graphs to give their memory back. ``torch.compile(mode="reduce-overhead")``
+needs PyTorch's own allocator (its CUDA-graph trees ask the allocator about its pools, which a
+pluggable allocator cannot answer).
 """
 
 import torch
@@ -21,8 +29,17 @@ def allocator():
 
 
 def install():
-    """Makes emm PyTorch's CUDA allocator; PyTorch allows this only before it allocates."""
+    """Makes emm PyTorch's CUDA allocator; PyTorch allows this only before it allocates.
+    Captures get graph pools (see the module's text)."""
+    _emm.enable_capture_pools()
     torch.cuda.memory.change_current_allocator(allocator())
+
+
+def release_graph_pools():
+    """Lets go of the graph pools of captures that ended: their memory goes back to emm's
+    manager once the graphs' tensors are freed. Call it after the graphs are deleted or reset.
+    Returns how many pools were let go."""
+    return _emm.release_capture_pools()
 
 
 def last_error():
