@@ -177,6 +177,14 @@ fn replay(w: &Work) -> Option<Work> {
 }
 
 impl World {
+    /// Whether process `pid` has no capture under way and no graph memory: every capture rule
+    /// is then moot, and the calls skip them (the simulator's cost per call stays what it was
+    /// for programs that never capture).
+    fn no_captures(&self, pid: usize) -> bool {
+        let p = &self.processes[pid];
+        p.captures.is_empty() && p.graph_allocs.is_empty()
+    }
+
     /// The capture stream key `k` of process `pid` belongs to, if any.
     pub(super) fn capture_of(&self, pid: usize, k: u64) -> Option<u64> {
         self.processes[pid]
@@ -195,6 +203,9 @@ impl World {
 
     /// Refuses call `op` where a capture forbids it to this thread, invalidating that capture.
     pub(super) fn check_capture_unsafe(&mut self, pid: usize, op: Op) -> Result<(), u32> {
+        if self.processes[pid].captures.is_empty() {
+            return Ok(());
+        }
         if op.capture_unsafe() {
             self.forbid_unsafe(pid)
         } else {
@@ -241,6 +252,9 @@ impl World {
     /// Refuses a query or synchronisation of stream key `k` while it is captured, invalidating
     /// the capture.
     pub(super) fn refuse_if_captured(&mut self, pid: usize, k: u64) -> Result<(), u32> {
+        if self.processes[pid].captures.is_empty() {
+            return Ok(());
+        }
         match self.capture_of(pid, k) {
             Some(id) => {
                 self.invalidate(pid, id);
@@ -273,6 +287,9 @@ impl World {
         legacy: bool,
         work: Work,
     ) -> Result<Option<Work>, u32> {
+        if self.processes[pid].captures.is_empty() {
+            return Ok(Some(work));
+        }
         if legacy {
             self.refuse_implicit(pid, device)?;
             return Ok(Some(work));
@@ -308,6 +325,9 @@ impl World {
         bytes: usize,
         stream: StreamHandle,
     ) -> Result<DevicePtr, u32> {
+        if self.no_captures(pid) {
+            return self.mem_alloc_from_pool_async(pid, note, ctx, pool, bytes, stream);
+        }
         let device = context(self, pid, ctx, note)?;
         let k = self.stream_key(pid, device, stream)?;
         if matches!(stream, StreamHandle::NULL | StreamHandle::LEGACY) {
@@ -346,6 +366,9 @@ impl World {
         ptr: DevicePtr,
         stream: StreamHandle,
     ) -> Result<(), u32> {
+        if self.no_captures(pid) {
+            return self.mem_free_async(pid, note, ctx, ptr, stream);
+        }
         note.ptr = Some(ptr);
         let device = context(self, pid, ctx, note)?;
         let k = self.stream_key(pid, device, stream)?;
@@ -491,6 +514,9 @@ impl World {
     /// `cuEventRecord` on a captured stream: the record is the capture's; queries of the event
     /// are refused until the capture ends.
     pub(super) fn capture_event_record(&mut self, pid: usize, k: u64, event: u64) -> bool {
+        if self.processes[pid].captures.is_empty() {
+            return false;
+        }
         let Some(id) = self.capture_of(pid, k) else {
             return false;
         };
@@ -536,6 +562,9 @@ impl World {
         let e = self.processes[pid].streams.events.get(&event);
         if e.is_some_and(|e| e.in_graph) {
             return Err(code::INVALID_VALUE);
+        }
+        if self.processes[pid].captures.is_empty() {
+            return Ok(());
         }
         let id = e.and_then(|e| e.captured).map(|(id, _)| id);
         match id {

@@ -576,8 +576,10 @@ impl World {
     ) -> Result<(), u32> {
         let device = context(self, pid, ctx, note)?;
         let serial = self.event_mut(pid, event)?.recorded;
-        let k = self.stream_key(pid, device, stream)?;
-        self.capture_event_wait(pid, k, event.0);
+        if !self.processes[pid].captures.is_empty() {
+            let k = self.stream_key(pid, device, stream)?;
+            self.capture_event_wait(pid, k, event.0);
+        }
         self.enqueue(
             pid,
             device,

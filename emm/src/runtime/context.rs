@@ -41,8 +41,9 @@ pub(crate) struct ContextInner {
     pub(crate) can_map_host_memory: bool,
     /// The runtime's table of imported stream-ordered pools (shared by its contexts).
     pub(crate) imports: Arc<PoolImports>,
-    /// Streams whose allocations a graph pool serves (`graphs.rs`).
-    pub(crate) graph_routes: GraphRoutes,
+    /// Streams whose allocations a graph pool serves (`graphs.rs`). Boxed: the context's
+    /// allocation path reads the fields above, which stay together in few cache lines.
+    pub(crate) graph_routes: Box<GraphRoutes>,
 }
 
 /// A device's context: its primary CUDA context plus the one memory manager that owns all its

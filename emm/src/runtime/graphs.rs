@@ -612,6 +612,7 @@ impl Context {
     /// The graph pool that serves `stream` now: one begun on it, else, with
     /// [`enable_capture_pools`](Self::enable_capture_pools) on, that of the capture under way
     /// on it.
+    #[inline]
     pub(crate) fn graph_pool_of(
         &self,
         stream: StreamHandle,
@@ -626,7 +627,9 @@ impl Context {
         Ok(None)
     }
 
-    /// The pool of the capture under way on `stream`, if any.
+    /// The pool of the capture under way on `stream`, if any (out of line: a context
+    /// without capture pools never calls it).
+    #[inline(never)]
     fn capture_pool(&self, stream: StreamHandle) -> Result<Option<GraphPool>, EmmError> {
         let cx = &self.inner.cx;
         let status = cx
