@@ -103,7 +103,7 @@ else
     [ "$rc" = 0 ] || status=1
     rm -f "$out"
 fi
-for ex in quickstart driver_probe array_kernel; do
+for ex in quickstart driver_probe array_kernel graph_kernel; do
     if [ ! -x "$here/bin/$ex" ]; then
         summary+=("$(printf '%-22s FAILED: bin/%s is not in the bundle (rebuild it)' "$ex" "$ex")"); status=1
     else
