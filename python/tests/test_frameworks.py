@@ -459,3 +459,33 @@ def test_cupy_stream_capture_launches():
     assert emm.cupy.release_graph_pools() == 1
     """
     )
+
+
+def test_torch_compile_reduce_overhead_in_an_emm_mem_pool():
+    needs_gpu("torch.compile")
+    needs_module("torch")
+    run(
+        """
+    import torch
+    import emm.torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+    ).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    with torch.no_grad():
+        eager = model(x)
+    pool = emm.torch.mem_pool()
+    with torch.no_grad(), torch.cuda.use_mem_pool(pool):
+        compiled = torch.compile(model, mode="reduce-overhead")
+        for _ in range(5):
+            y = compiled(x)
+        torch.cuda.synchronize()
+    assert torch.allclose(y, eager, rtol=1e-5, atol=1e-5), (y - eager).abs().max()
+    # The memory is emm's, and PyTorch's statistics see it.
+    assert emm.torch.live() > 0
+    assert torch.cuda.memory_stats()["reserved_bytes.all.current"] > 0
+    assert emm.torch.last_error() is None, emm.torch.last_error()
+    print("ok")
+    """
+    )

@@ -42,6 +42,31 @@ def release_graph_pools():
     return _emm.release_capture_pools()
 
 
+_mem_pools = {}
+
+
+def mem_pool(device=None):
+    """A ``torch.cuda.MemPool`` whose segments come from emm (one per device, made once), for
+    PyTorch's own caching allocator: under ``with torch.cuda.use_mem_pool(emm.torch.mem_pool()):``
+    the current thread's allocations are PyTorch's (its statistics, graph pools and
+    ``torch.compile(mode="reduce-overhead")`` work), and the memory they sit in is emm's. Use
+    it instead of ``install()``, which makes PyTorch's allocator emm's itself: a MemPool needs
+    PyTorch's own allocator to be the current one. Allocations outside the ``with`` block, and
+    on other threads (autograd's backward), come from PyTorch's ``cudaMalloc``, not emm."""
+    if device is None:
+        device = torch.cuda.current_device()
+    pool = _mem_pools.get(device)
+    if pool is None:
+        if not hasattr(torch.cuda, "MemPool"):
+            raise RuntimeError(
+                "this PyTorch has no torch.cuda.MemPool (PyTorch 2.5 or newer has it); use "
+                "emm.torch.install() instead"
+            )
+        with torch.cuda.device(device):
+            pool = _mem_pools[device] = torch.cuda.MemPool(allocator().allocator())
+    return pool
+
+
 def last_error():
     """The message of the last failed allocator call (``None`` if none), cleared by reading."""
     return _emm.torch_last_error()
