@@ -33,3 +33,13 @@ pub fn cases(default: u32) -> u32 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
 }
+
+/// The seed of a property test's random cases: `PROPTEST_RNG_SEED` when set, else a fixed one,
+/// so that CI's runs are reproducible; set the variable to search further.
+pub fn seed() -> proptest::test_runner::RngSeed {
+    let fixed = std::env::var("PROPTEST_RNG_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x5eed_e33);
+    proptest::test_runner::RngSeed::Fixed(fixed)
+}
