@@ -40,6 +40,6 @@ pub fn seed() -> proptest::test_runner::RngSeed {
     let fixed = std::env::var("PROPTEST_RNG_SEED")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(0x5eed_e33);
+        .unwrap_or(0x05ee_de33);
     proptest::test_runner::RngSeed::Fixed(fixed)
 }
