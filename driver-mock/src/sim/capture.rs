@@ -108,9 +108,8 @@ impl Op {
     /// as measured on an H100 (`stream_capture_conformance`; `cuMemAllocManaged` and the host
     /// calls other than `cuMemHostAlloc` by analogy, not measured). Synchronous copies are not
     /// refused. Event queries and
-    /// synchronisations are unsafe too, checked after the event's own capture
-    /// ([`World::refuse_captured_event`]); stream-ordered allocations and frees are unsafe on a
-    /// stream that is not captured ([`World::pool_alloc_captured`]).
+    /// synchronisations are unsafe too, checked after the event's own capture; stream-ordered
+    /// allocations and frees are unsafe on a stream that is not captured.
     pub fn capture_unsafe(self) -> bool {
         matches!(
             self,

@@ -181,8 +181,8 @@ impl PoolInner {
             device: self.device,
             reason: "every handle of the pool's context was dropped",
         })?;
-        let mut carve = lock(&self.carve);
-        let at = match carve.take(size) {
+        let found = lock(&self.carve).take(size);
+        let at = match found {
             Some(at) => at,
             None => {
                 let segment = if size <= SEGMENT / 2 {
@@ -190,17 +190,19 @@ impl PoolInner {
                 } else {
                     size.div_ceil(SEGMENT) * SEGMENT
                 };
+                // Without the pool's lock: the manager may flush frees, and a block of this
+                // pool among them takes the lock to come back.
                 let mem = {
                     let _relaxed = ctx.cx.relax_capture();
                     segment_from(&ctx, segment)?
                 };
                 tracing::debug!(device = %ctx.cx.device, pool = self.id, bytes = segment, "graph pool segment");
+                let mut carve = lock(&self.carve);
                 carve.add_segment(mem);
                 carve.take(size).expect("the new segment fits")
             }
         };
         let (device, context) = (ctx.cx.device, ctx.cx.context);
-        drop(carve);
         let pool = Arc::clone(self);
         Ok(MemoryPointer::with_release(
             device,
@@ -590,7 +592,8 @@ impl Context {
         routes.settle(&self.inner.cx, &mut lock(&routes.auto_pools)) > 0
     }
 
-    /// Lets go of the pools of captures that ended ([`enable_capture_pools`]): their
+    /// Lets go of the pools of captures that ended
+    /// ([`enable_capture_pools`](Self::enable_capture_pools)): their
     /// memory goes back to the manager once every block of theirs is freed. Call it after the
     /// graphs captured with them are gone (PyTorch: after `graph.reset()` or deleting the
     /// graph). Returns how many pools were let go.
