@@ -46,10 +46,13 @@ def allocator(size):
 
 def install():
     """Makes emm CuPy's allocator (``cupy.cuda.set_allocator(allocator)``); captures get
-    graph pools (see the module's text)."""
+    graph pools (see the module's text) unless ``EMM_CAPTURE_POOLS=0``."""
+    import os
+
     from . import enable_capture_pools
 
-    enable_capture_pools()
+    if os.environ.get("EMM_CAPTURE_POOLS", "1") != "0":
+        enable_capture_pools()
     cupy.cuda.set_allocator(allocator)
 
 

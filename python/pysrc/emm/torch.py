@@ -16,6 +16,8 @@ needs PyTorch's own allocator (its CUDA-graph trees ask the allocator about its 
 pluggable allocator cannot answer).
 """
 
+import os
+
 import torch
 
 from . import _emm
@@ -30,8 +32,10 @@ def allocator():
 
 def install():
     """Makes emm PyTorch's CUDA allocator; PyTorch allows this only before it allocates.
-    Captures get graph pools (see the module's text)."""
-    _emm.enable_capture_pools()
+    Captures get graph pools (see the module's text); ``EMM_CAPTURE_POOLS=0`` leaves them off,
+    saving the driver query each allocation makes, for programs that never capture."""
+    if os.environ.get("EMM_CAPTURE_POOLS", "1") != "0":
+        _emm.enable_capture_pools()
     torch.cuda.memory.change_current_allocator(allocator())
 
 
