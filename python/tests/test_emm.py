@@ -520,3 +520,15 @@ def test_arrays_speak_dlpack(ctx):
         b.__dlpack__(copy=True)
     empty = ctx.device_array((0, 5), "int64")
     assert (empty.ptr, empty.read()) == (0, b"")
+
+
+def test_capture_pools_leave_ordinary_allocations_alone(ctx):
+    # With capture pools on and no stream captured, memalloc_on comes from the manager as
+    # before, frees go back, and there is no ended capture's pool to let go.
+    emm.enable_capture_pools()
+    buf = ctx.memalloc_on(4096, 0)
+    assert buf.stream == 0 and buf.live
+    buf.release()
+    ctx.flush()
+    assert not buf.live
+    assert emm.release_capture_pools() == 0
