@@ -215,14 +215,20 @@ pub fn import_memory<M: ManagedTensorBase + 'static>(
             "the tensor has elements but a null data pointer",
         ));
     }
-    let mem = MemoryPointer::with_release(
-        ctx.device(),
-        ctx.handle(),
-        DevicePtr(base),
-        extent as usize,
-        // The deleter runs once: the closure owns the tensor and runs at most once.
-        move |_, _| drop(tensor),
-    );
+    // SAFETY: a `Managed` tensor exists only through its producer's vouching (dlpark builds one
+    // from a capsule with an unsafe constructor) that its data pointer names the memory its layout
+    // describes; the device, type and extent were checked above, and the closure keeps the tensor,
+    // and so the memory, alive until the last pointer drops.
+    let mem = unsafe {
+        MemoryPointer::with_release(
+            ctx.device(),
+            ctx.handle(),
+            DevicePtr(base),
+            extent as usize,
+            // The deleter runs once: the closure owns the tensor and runs at most once.
+            move |_, _| drop(tensor),
+        )
+    };
     Ok((Some(mem), layout, dtype))
 }
 

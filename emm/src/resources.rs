@@ -338,15 +338,19 @@ impl DeviceMemoryResource {
             .map_err(|e| self.allocation_error(size, e))?;
         state.live.insert(ptr.0);
         drop(state);
-        Ok(MemoryPointer::with_hook_on(
-            cx.device,
-            cx.context,
-            ptr,
-            size,
-            Arc::clone(shared) as Arc<dyn ReleaseHook>,
-            0,
-            stream,
-        ))
+        // SAFETY: `ptr` was just allocated from the resource's pool on `stream` with `size` bytes,
+        // recorded live, and is freed only by the hook.
+        Ok(unsafe {
+            MemoryPointer::with_hook_on(
+                cx.device,
+                cx.context,
+                ptr,
+                size,
+                Arc::clone(shared) as Arc<dyn ReleaseHook>,
+                0,
+                stream,
+            )
+        })
     }
 
     /// The error of an allocation the driver refused (out of memory: twice): past a

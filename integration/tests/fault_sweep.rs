@@ -61,22 +61,19 @@ impl DeviceAllocator for ImmediateFree {
             cx.driver.mem_alloc(cx.context, bytes)
         })?;
         let (device, context) = (cx.device, cx.context);
-        Ok(MemoryPointer::with_release(
-            device,
-            context,
-            base,
-            bytes,
-            move |ptr, _| {
-                let Some(_live) = cx.liveness.enter() else {
-                    return;
-                };
-                // SAFETY: `ptr` was allocated above and this is its only release; the last pointer
-                // to it just dropped; `_live` keeps the context alive.
-                if let Err(e) = unsafe { cx.driver.mem_free(cx.context, ptr) } {
-                    tracing::error!(error = %e, "immediate free failed");
-                }
-            },
-        ))
+        let release = move |ptr, _| {
+            let Some(_live) = cx.liveness.enter() else {
+                return;
+            };
+            // SAFETY: `ptr` was allocated above and this is its only release; the last pointer
+            // to it just dropped; `_live` keeps the context alive.
+            if let Err(e) = unsafe { cx.driver.mem_free(cx.context, ptr) } {
+                tracing::error!(error = %e, "immediate free failed");
+            }
+        };
+        // SAFETY: `base` was just allocated by `cuMemAlloc` for `bytes` bytes; the release
+        // frees it once.
+        Ok(unsafe { MemoryPointer::with_release(device, context, base, bytes, release) })
     }
 
     fn initialize(&self, _: &HostLayer) -> Result<(), EmmError> {

@@ -284,11 +284,10 @@ impl Adapted {
                 let observer = Arc::clone(&self.observer);
                 let device = self.device;
                 let (host, size, owner) = (p.host_ptr(), p.size(), p.owner().cloned());
-                HostMemory::Pinned(PinnedMemory::with_release(
-                    host,
-                    size,
-                    owner,
-                    move |h: HostPtr, s| {
+                // SAFETY: the range is `p`'s page-locked memory, which the release keeps alive (it
+                // owns `p`) and gives back by dropping it.
+                HostMemory::Pinned(unsafe {
+                    PinnedMemory::with_release(host, size, owner, move |h: HostPtr, s| {
                         drop(p);
                         let now = observer.timed().then(Instant::now);
                         observer.freed(&Event {
@@ -300,8 +299,8 @@ impl Adapted {
                             start: now,
                             end: now,
                         });
-                    },
-                ))
+                    })
+                })
             }
         }
     }

@@ -465,7 +465,8 @@ mod tests {
                 || cx.driver.mem_alloc(cx.context, bytes),
             )
             .expect("device memory");
-        host.track_device_allocation(base, bytes)
+        // SAFETY: `base` was just allocated with `cuMemAlloc` for `bytes` bytes.
+        unsafe { host.track_device_allocation(base, bytes) }
     }
 
     fn parked(table: &Weak<AllocationTable>) -> usize {
@@ -532,7 +533,8 @@ mod tests {
             .driver
             .mem_alloc(cx.context, 8192)
             .expect("device memory");
-        let ordered = host.track_device_allocation_on(base, 8192, stream);
+        // SAFETY: `base` was just allocated with `cuMemAlloc` for 8192 bytes.
+        let ordered = unsafe { host.track_device_allocation_on(base, 8192, stream) };
         assert_eq!(parked(&table), 1);
         drop(host); // the parked record goes
         assert_eq!(table.strong_count(), 1, "the stream-ordered pointer's");

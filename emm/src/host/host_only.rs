@@ -39,7 +39,8 @@ use crate::memory::pointer::MemoryPointer;
 ///             .driver
 ///             .mem_alloc(cx.context, bytes)
 ///             .map_err(|e| cx.driver_error("memalloc", e))?;
-///         Ok(host.track_device_allocation(base, bytes))
+///         // SAFETY: `base` was just allocated by `cuMemAlloc` for `bytes` bytes.
+///         Ok(unsafe { host.track_device_allocation(base, bytes) })
 ///     }
 ///
 ///     fn initialize(&self, _host: &HostLayer) -> Result<(), EmmError> {

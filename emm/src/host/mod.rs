@@ -214,7 +214,13 @@ impl HostLayer {
 
     /// Tracks `bytes` of device memory at `base` allocated with `cuMemAlloc`: the returned
     /// pointer queues a `cuMemFree` when its last clone drops, and `reset` frees it.
-    pub fn track_device_allocation(&self, base: DevicePtr, bytes: usize) -> MemoryPointer {
+    ///
+    /// # Safety
+    ///
+    /// `base .. base + bytes` came from `cuMemAlloc` (or `cuMemAllocManaged`) in this
+    /// context, is tracked once, and is freed by nothing else: the pointer's drop frees it, and
+    /// emm's safe copies and sets use the range until then.
+    pub unsafe fn track_device_allocation(&self, base: DevicePtr, bytes: usize) -> MemoryPointer {
         let cx = self.context();
         tracing::debug!(device = %cx.device, bytes, ptr = %base, "device memory allocated");
         self.track_freed_by_mem_free(base, bytes)
@@ -226,7 +232,11 @@ impl HostLayer {
     /// the `cuMemFree` is queued only once those events completed (checked without waiting at
     /// each allocation, waited for when the device is out of memory). The memory itself is
     /// usable on every stream at once.
-    pub fn track_device_allocation_on(
+    ///
+    /// # Safety
+    ///
+    /// As [`track_device_allocation`](Self::track_device_allocation).
+    pub unsafe fn track_device_allocation_on(
         &self,
         base: DevicePtr,
         bytes: usize,
@@ -416,12 +426,11 @@ impl HostLayer {
         // The shard's spare clone of the pool's `Arc` when it had one: the block's drop hands
         // it back (`release_owned`).
         let hook = hook.unwrap_or_else(|| Arc::clone(pool));
-        Ok(HostMemory::Pinned(PinnedMemory::with_hook(
-            block.host,
-            bytes,
-            hook,
-            PinnedPool::tag(generation, &block),
-        )))
+        // SAFETY: the block is page-locked memory of the pool's, handed out once and owned by the
+        // returned value until its drop hands it back.
+        Ok(HostMemory::Pinned(unsafe {
+            PinnedMemory::with_hook(block.host, bytes, hook, PinnedPool::tag(generation, &block))
+        }))
     }
 
     /// Numba's `memallocmanaged`: `cuMemAllocManaged`, attached globally if `attach_global`,
@@ -496,14 +505,13 @@ impl HostLayer {
             return Ok(self.mapped_at(host, device_ptr, bytes, entry, None));
         }
         let queue = Arc::clone(self.deallocations());
-        Ok(HostMemory::Pinned(PinnedMemory::with_release(
-            host,
-            bytes,
-            None,
-            move |ptr, _| {
+        // SAFETY: `host .. host + bytes` was just allocated by `cuMemHostAlloc` and is freed only
+        // by this value's release.
+        Ok(HostMemory::Pinned(unsafe {
+            PinnedMemory::with_release(host, bytes, None, move |ptr, _| {
                 queue.push_from_drop(Free::Host { ptr, bytes: 0 });
-            },
-        )))
+            })
+        }))
     }
 
     /// Numba's `mempin`: page-locks `ptr .. ptr + size` with `cuMemHostRegister` (`DEVICEMAP`
@@ -555,14 +563,13 @@ impl HostLayer {
                 });
         }
         let queue = Arc::clone(self.deallocations());
-        Ok(HostMemory::Pinned(PinnedMemory::with_release(
-            ptr,
-            size,
-            Some(owner),
-            move |p, _| {
+        // SAFETY: `ptr .. ptr + size` was just page-locked (`cuMemHostRegister`) in `owner`'s
+        // buffer, which the value keeps alive until its release unpins it.
+        Ok(HostMemory::Pinned(unsafe {
+            PinnedMemory::with_release(ptr, size, Some(owner), move |p, _| {
                 unpin_now(&cx, &queue, p);
-            },
-        )))
+            })
+        }))
     }
 
     /// Frees everything tracked (device memory, mapped memory, mapped pins), then flushes the
@@ -626,23 +633,26 @@ impl HostLayer {
         tracing::debug!(device = %cx.device, bytes, ptr = %ptr, mapped, "pinned host memory allocated from the host memory pool");
         let host = HostPtr(ptr.0 as usize);
         if mapped {
-            let device = MemoryPointer::with_hook(
-                cx.device,
-                cx.context,
-                ptr,
-                bytes,
-                Arc::clone(release) as Arc<dyn crate::memory::pointer::ReleaseHook>,
-                tag,
-            );
+            // SAFETY: `ptr .. ptr + bytes` was just allocated from the host memory pool, mapped at
+            // this address for every device of the context, and freed only by the hook.
+            let device = unsafe {
+                MemoryPointer::with_hook(
+                    cx.device,
+                    cx.context,
+                    ptr,
+                    bytes,
+                    Arc::clone(release) as Arc<dyn crate::memory::pointer::ReleaseHook>,
+                    tag,
+                )
+            };
             return Ok(HostMemory::Mapped(MappedMemory::new(host, device)));
         }
         let release = Arc::clone(release);
-        Ok(HostMemory::Pinned(PinnedMemory::with_release(
-            host,
-            bytes,
-            None,
-            move |p, _| release.free(p.0 as u64, tag),
-        )))
+        // SAFETY: `host .. host + bytes` was just allocated from the host memory pool and is freed
+        // only by this value's release.
+        Ok(HostMemory::Pinned(unsafe {
+            PinnedMemory::with_release(host, bytes, None, move |p, _| release.free(p.0 as u64, tag))
+        }))
     }
 
     /// Suspends the queue's flushing while the guard lives.

@@ -14,6 +14,7 @@
 //!   the stream it is freed on and on every recorded stream, and the `cuMemFree` is queued
 //!   only once they completed: checked without waiting at each allocation, waited for when
 //!   the device is out of memory. A free never waits for a stream held up by other work.
+#![allow(unsafe_code)]
 
 use driver_sys::{DevicePtr, StreamHandle};
 
@@ -76,7 +77,9 @@ impl DriverAllocator {
 impl DeviceAllocator for DriverAllocator {
     fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
         let base = Self::mem_alloc(host, "memalloc", bytes)?;
-        Ok(host.track_device_allocation(base, bytes))
+        // SAFETY: `base` was just returned by `cuMemAlloc` for `bytes` bytes, and is tracked once
+        // here.
+        Ok(unsafe { host.track_device_allocation(base, bytes) })
     }
 
     fn memalloc_on(
@@ -88,7 +91,9 @@ impl DeviceAllocator for DriverAllocator {
         host.context()
             .refuse_captured_allocation(DEFAULT_MANAGER, stream)?;
         let base = Self::mem_alloc(host, "memalloc_on", bytes)?;
-        Ok(host.track_device_allocation_on(base, bytes, stream))
+        // SAFETY: `base` was just returned by `cuMemAlloc` for `bytes` bytes, and is tracked once
+        // here.
+        Ok(unsafe { host.track_device_allocation_on(base, bytes, stream) })
     }
 
     fn stream_ordering(&self) -> StreamOrdering {

@@ -229,7 +229,12 @@ pub struct PinnedMemory {
 impl PinnedMemory {
     /// Pinned memory at `host`, released by `release` when this value drops; `owner` (if any)
     /// is kept alive until then.
-    pub fn with_release(
+    ///
+    /// # Safety
+    ///
+    /// `host .. host + size` is page-locked host memory the caller owns and keeps valid until
+    /// the release runs: emm's safe reads, writes and copies go through that range.
+    pub unsafe fn with_release(
         host: HostPtr,
         size: usize,
         owner: Option<HostOwner>,
@@ -248,7 +253,12 @@ impl PinnedMemory {
     /// ([`HostReleaseHook::release_owned`], which by default runs `release` and drops the
     /// reference). Unlike [`with_release`](Self::with_release) this allocates nothing per
     /// block.
-    pub fn with_hook(
+    ///
+    /// # Safety
+    ///
+    /// `host .. host + size` is page-locked host memory the caller owns and keeps valid until
+    /// the release runs: emm's safe reads, writes and copies go through that range.
+    pub unsafe fn with_hook(
         host: HostPtr,
         size: usize,
         hook: Arc<dyn HostReleaseHook>,
@@ -272,7 +282,11 @@ impl PinnedMemory {
     /// (measured on the H100 at 4004ff6: the pinned pool made 7.4 M pairs a second on one
     /// thread and 3.4 M on two). A dropped value's clone goes back to the spares of the
     /// dropping thread (at most 64).
-    pub fn with_shared_hook<H: HostReleaseHook + 'static>(
+    ///
+    /// # Safety
+    ///
+    /// As [`with_hook`](Self::with_hook).
+    pub unsafe fn with_shared_hook<H: HostReleaseHook + 'static>(
         host: HostPtr,
         size: usize,
         hook: &Arc<H>,
@@ -615,7 +629,8 @@ mod tests {
     fn a_hook_given_by_the_caller_is_released_and_not_kept_as_a_spare() {
         std::thread::spawn(|| {
             let hook = Arc::new(Recorder::default());
-            let m = PinnedMemory::with_hook(HostPtr(0x1000), 4096, hook.clone(), 3);
+            // SAFETY: the test only drops the value; nothing reads or writes the fake range.
+            let m = unsafe { PinnedMemory::with_hook(HostPtr(0x1000), 4096, hook.clone(), 3) };
             assert_eq!(Arc::strong_count(&hook), 2);
             drop(m);
             assert_eq!(Arc::strong_count(&hook), 1, "the caller's hook is not kept");
@@ -634,11 +649,13 @@ mod tests {
         // A thread of its own: the spare list starts empty and no other test touches it.
         std::thread::spawn(|| {
             let hook = Arc::new(Recorder::default());
-            let a = PinnedMemory::with_shared_hook(HostPtr(0x1000), 4096, &hook, 7);
+            // SAFETY: the test only drops the value; nothing reads or writes the fake range.
+            let a = unsafe { PinnedMemory::with_shared_hook(HostPtr(0x1000), 4096, &hook, 7) };
             assert_eq!(Arc::strong_count(&hook), 2, "a clone per live block");
             drop(a);
             assert_eq!(Arc::strong_count(&hook), 2, "the clone stays as a spare");
-            let b = PinnedMemory::with_shared_hook(HostPtr(0x2000), 8192, &hook, 9);
+            // SAFETY: the test only drops the value; nothing reads or writes the fake range.
+            let b = unsafe { PinnedMemory::with_shared_hook(HostPtr(0x2000), 8192, &hook, 9) };
             assert_eq!(
                 Arc::strong_count(&hook),
                 2,
@@ -647,7 +664,8 @@ mod tests {
             // Another hook does not take this one's spare.
             let other = Arc::new(Recorder::default());
             drop(b);
-            let c = PinnedMemory::with_shared_hook(HostPtr(0x3000), 256, &other, 1);
+            // SAFETY: the test only drops the value; nothing reads or writes the fake range.
+            let c = unsafe { PinnedMemory::with_shared_hook(HostPtr(0x3000), 256, &other, 1) };
             assert_eq!(Arc::strong_count(&other), 2);
             assert_eq!(Arc::strong_count(&hook), 2);
             drop(c);
@@ -661,7 +679,8 @@ mod tests {
             );
             // The spares are bounded.
             let many: Vec<_> = (0..HOOK_SPARES * 2)
-                .map(|i| PinnedMemory::with_shared_hook(HostPtr(i + 1), 1, &hook, 0))
+                // SAFETY: the test only drops the values; nothing reads or writes the fake ranges.
+                .map(|i| unsafe { PinnedMemory::with_shared_hook(HostPtr(i + 1), 1, &hook, 0) })
                 .collect();
             drop(many);
             let spares = SPARE_HOOKS.with(|s| s.borrow().len());

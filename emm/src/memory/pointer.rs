@@ -597,7 +597,15 @@ impl MemoryPointer {
 
     /// Device memory a plugin allocated, released by `release` when the last pointer to it
     /// drops (Numba's `MemoryPointer(context, pointer, size, finalizer=...)`).
-    pub fn with_release(
+    ///
+    /// # Safety
+    ///
+    /// `base .. base + size` is device memory of context `ctx` on `device` (or memory every
+    /// device of it reaches, such as mapped or managed memory), which the caller owns and
+    /// keeps valid until the release runs: emm's safe copies and sets read and write that range
+    /// through the driver, trusting it.
+    #[allow(unsafe_code)] // the constructor's contract; its body is safe
+    pub unsafe fn with_release(
         device: DeviceOrdinal,
         ctx: ContextHandle,
         base: DevicePtr,
@@ -618,7 +626,15 @@ impl MemoryPointer {
     /// pointer drops, `hook.release(base, size, tag)` runs. Unlike
     /// [`with_release`](Self::with_release) this allocates nothing besides the pointer itself,
     /// which is what a pool's hot path wants; `tag` is the plugin's (a generation number, say).
-    pub fn with_hook(
+    ///
+    /// # Safety
+    ///
+    /// `base .. base + size` is device memory of context `ctx` on `device` (or memory every
+    /// device of it reaches, such as mapped or managed memory), which the caller owns and
+    /// keeps valid until the release runs: emm's safe copies and sets read and write that range
+    /// through the driver, trusting it.
+    #[allow(unsafe_code)] // the constructor's contract; its body is safe
+    pub unsafe fn with_hook(
         device: DeviceOrdinal,
         ctx: ContextHandle,
         base: DevicePtr,
@@ -715,7 +731,15 @@ impl MemoryPointer {
     /// `memalloc_on`): the pointer records the streams that use it
     /// ([`record_stream`](Self::record_stream), [`free_on`](Self::free_on)), and the last drop
     /// hands them to [`ReleaseHook::release_on_streams`].
-    pub fn with_hook_on(
+    ///
+    /// # Safety
+    ///
+    /// `base .. base + size` is device memory of context `ctx` on `device` (or memory every
+    /// device of it reaches, such as mapped or managed memory), which the caller owns and
+    /// keeps valid until the release runs: emm's safe copies and sets read and write that range
+    /// through the driver, trusting it.
+    #[allow(unsafe_code)] // the constructor's contract; its body is safe
+    pub unsafe fn with_hook_on(
         device: DeviceOrdinal,
         ctx: ContextHandle,
         base: DevicePtr,

@@ -19,6 +19,7 @@
 //!   allocate on a captured stream with an error that says so ([`EmmError::NotSupported`]), and
 //!   leaves the capture intact; `async-pool` allocates there with the driver's graph memory
 //!   nodes.
+#![allow(unsafe_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -204,13 +205,14 @@ impl PoolInner {
         };
         let (device, context) = (ctx.cx.device, ctx.cx.context);
         let pool = Arc::clone(self);
-        Ok(MemoryPointer::with_release(
-            device,
-            context,
-            DevicePtr(at),
-            size,
-            move |p, _| lock(&pool.carve).give_back(p.0),
-        ))
+        // SAFETY: `at .. at + size` is a block of a segment the pool holds from the manager, handed
+        // out once; the release gives it back to the pool, which keeps the segment until no block
+        // is out.
+        Ok(unsafe {
+            MemoryPointer::with_release(device, context, DevicePtr(at), size, move |p, _| {
+                lock(&pool.carve).give_back(p.0)
+            })
+        })
     }
 }
 

@@ -467,9 +467,11 @@ mod eager {
                 }
             };
             let hook = Arc::clone(&self.free) as Arc<dyn ReleaseHook>;
-            Ok(MemoryPointer::with_hook_on(
-                cx.device, cx.context, base, bytes, hook, 0, stream,
-            ))
+            // SAFETY: `base` came from `cuMemAlloc` (or the plugin's free list of such blocks) for
+            // at least `bytes` bytes, handed out once; the hook takes it back.
+            Ok(unsafe {
+                MemoryPointer::with_hook_on(cx.device, cx.context, base, bytes, hook, 0, stream)
+            })
         }
 
         fn initialize(&self, _host: &HostLayer) -> Result<(), EmmError> {
