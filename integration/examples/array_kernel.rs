@@ -8,8 +8,6 @@
 //! run on the simulated driver. Without one it says why and exits successfully, unless
 //! `EMM_REQUIRE_GPU=1` (the GPU job), which makes a missing GPU a failure.
 
-use std::sync::Arc;
-
 use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 use emm::Runtime;
@@ -27,39 +25,18 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    integration::log_from_env();
-    if let Err(why) = integration::cuda_availability() {
-        if integration::gpu_required()? {
-            return Err(format!("EMM_REQUIRE_GPU=1, but there is no usable GPU: {why}").into());
-        }
-        println!("skipped: a kernel needs a GPU, and there is none here ({why})");
-        return Ok(());
+    if let Some(managers) = integration::on_the_gpu_under_every_manager(launch_under)? {
+        println!(
+            "axpy ran on emm arrays under {} managers: {managers:?}",
+            managers.len()
+        );
     }
-    let driver: Arc<dyn emm::driver_sys::Driver> = Arc::new(emm::driver_sys::CudaDriver::load()?);
-    let managers = Runtime::builder(Arc::clone(&driver))
-        .ignore_env()
-        .build()?
-        .registered_managers();
-    for name in &managers {
-        launch_under(&driver, name)?;
-    }
-    println!(
-        "axpy ran on emm arrays under {} managers: {managers:?}",
-        managers.len()
-    );
     Ok(())
 }
 
 /// One manager: a runtime, the kernel, arrays on a cudarc stream made an emm stream, a launch,
 /// and the checks.
-fn launch_under(
-    driver: &Arc<dyn emm::driver_sys::Driver>,
-    manager: &str,
-) -> Result<(), Box<dyn std::error::Error>> {
-    let runtime = Runtime::builder(Arc::clone(driver))
-        .memory_manager_name(manager)
-        .ignore_env()
-        .build()?;
+fn launch_under(runtime: Runtime, manager: &str) -> Result<(), Box<dyn std::error::Error>> {
     let ctx = runtime.context(0)?;
     // cudarc retains device 0's primary context: the one emm works in.
     let cuda = CudaContext::new(0)?;

@@ -292,7 +292,7 @@ pub fn make_driver(target: Target) -> Result<TargetDriver, DriverError> {
             #[cfg(feature = "cuda")]
             {
                 Ok((
-                    Arc::new(driver_sys::CudaDriver::load()?) as Arc<dyn Driver>,
+                    Arc::new(emm::driver_sys::CudaDriver::load()?) as Arc<dyn Driver>,
                     None,
                 ))
             }
@@ -360,6 +360,35 @@ impl TestCtx {
     pub fn sim(&self) -> Option<&SimDriver> {
         self.sim.as_deref()
     }
+}
+
+/// What the kernel examples share: on the GPU, a runtime under each registered manager in turn,
+/// handed to `each` with the manager's name; returns the managers run. Without a usable GPU it
+/// says why and returns `None`, unless `EMM_REQUIRE_GPU=1`, which makes that an error.
+pub fn on_the_gpu_under_every_manager(
+    mut each: impl FnMut(Runtime, &str) -> Result<(), Box<dyn std::error::Error>>,
+) -> Result<Option<Vec<String>>, Box<dyn std::error::Error>> {
+    log_from_env();
+    if let Err(why) = cuda_availability() {
+        if gpu_required()? {
+            return Err(format!("EMM_REQUIRE_GPU=1, but there is no usable GPU: {why}").into());
+        }
+        println!("skipped: a kernel needs a GPU, and there is none here ({why})");
+        return Ok(None);
+    }
+    let driver: Arc<dyn Driver> = Arc::new(emm::driver_sys::CudaDriver::load()?);
+    let managers = Runtime::builder(Arc::clone(&driver))
+        .ignore_env()
+        .build()?
+        .registered_managers();
+    for name in &managers {
+        let runtime = Runtime::builder(Arc::clone(&driver))
+            .memory_manager_name(name)
+            .ignore_env()
+            .build()?;
+        each(runtime, name)?;
+    }
+    Ok(Some(managers))
 }
 
 /// Ends an example: on an error, prints its message (what happened and what to do) and every
