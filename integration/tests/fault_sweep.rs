@@ -447,17 +447,19 @@ fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, Strin
     // the driver refuses the frees it forbids until the stream is gone, which is the only
     // case where a refused release is not emm's fault.
     let stuck = faulted == [Op::StreamEndCapture, Op::StreamEndCapture];
+    let explained = |refused: &[driver_mock::CallRecord]| {
+        stuck
+            && refused
+                .iter()
+                .all(|c| c.outcome == Err(ErrorKind::StreamCapture))
+    };
     // Checked before the runtime goes: what the faulted run's contexts took with them.
     let absorbed_releases = faulted.iter().filter(|op| op.is_release()).count();
     for (who, process) in
         std::iter::once(("exporter", &sim)).chain(others.iter().map(|o| ("importer", o)))
     {
         let refused = process.failed_releases();
-        let stuck_capture = stuck
-            && refused
-                .iter()
-                .all(|c| c.outcome == Err(ErrorKind::StreamCapture));
-        if !refused.is_empty() && !stuck_capture {
+        if !refused.is_empty() && !explained(&refused) {
             return Err(format!(
                 "the driver refused release calls in the {who} (a double free, or a free into a destroyed context): {refused:?}"
             ));
@@ -531,11 +533,7 @@ fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, Strin
             ));
         }
         let refused = process.failed_releases();
-        let stuck_capture = stuck
-            && refused
-                .iter()
-                .all(|c| c.outcome == Err(ErrorKind::StreamCapture));
-        if !refused.is_empty() && !stuck_capture {
+        if !refused.is_empty() && !explained(&refused) {
             return Err(format!(
                 "the driver refused release calls in the {who} at its runtime's end: {refused:?}"
             ));
