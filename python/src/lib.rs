@@ -280,7 +280,7 @@ fn release_capture_pools() -> usize {
 /// on its device: a global capture refuses the calls a manager's free may make (queries,
 /// `cuMemFree`, stream-ordered frees on other streams).
 fn drop_memory(mem: MemoryPointer) {
-    if CAPTURE_POOLS.load(Ordering::Acquire) {
+    if emm::runtime::graphs::capture_pools_may_be_open() {
         let ctx = lock(&CONTEXTS).get(&mem.device().0).cloned();
         if let Some(ctx) = ctx
             && ctx.capture_pools_open()

@@ -357,7 +357,7 @@ impl GraphRoutes {
         self.count.store(0, Ordering::Release);
         lock(&self.side).take();
         lock(&self.auto_pools).clear();
-        self.auto_open.store(0, Ordering::Release);
+        self.set_open(0);
     }
 
     /// Whether captures begun by others get graph pools of their own.
@@ -377,9 +377,36 @@ impl GraphRoutes {
                 Err(_) => open += 1,
             }
         }
-        self.auto_open.store(open, Ordering::Release);
+        self.set_open(open);
         open
     }
+
+    /// Records how many of this context's capture pools are open, in the process-wide count
+    /// too.
+    fn set_open(&self, open: usize) {
+        let was = self.auto_open.swap(open, Ordering::AcqRel);
+        if open > was {
+            OPEN_CAPTURE_POOLS.fetch_add(open - was, Ordering::AcqRel);
+        } else if was > open {
+            OPEN_CAPTURE_POOLS.fetch_sub(was - open, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for GraphRoutes {
+    fn drop(&mut self) {
+        self.set_open(0);
+    }
+}
+
+/// Capture pools not known to have ended, over every context of the process.
+static OPEN_CAPTURE_POOLS: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether a capture pool of any context may still be open (one atomic load): a framework's
+/// free path asks this before looking up its context's
+/// [`capture_pools_open`](Context::capture_pools_open).
+pub fn capture_pools_may_be_open() -> bool {
+    OPEN_CAPTURE_POOLS.load(Ordering::Acquire) > 0
 }
 
 /// A graph captured on a stream of a context, instantiated, and the graph pool its
