@@ -1,6 +1,7 @@
 """Python-level allocate + free pairs through Numba, CuPy and PyTorch: each framework's own
 allocator, RMM's pool allocators, and emm's (manager from EMM_MEMORY_MANAGER, `pool` by
-default), plus emm's own share (emm.context().memalloc from Python). One process per
+default; for PyTorch both routes: `emm.torch.install()` and PyTorch's allocator over
+`emm.torch.mem_pool()`), plus emm's own share (emm.context().memalloc from Python). One process per
 configuration, as the allocators are chosen before first use; the medians of five batches.
 
     python3 bench_alloc.py            # every configuration, one JSON line each
@@ -23,7 +24,7 @@ WARMUP = int(os.environ.get("BENCH_WARMUP", "0"))
 CONFIGS = [
     "numba", "numba-rmm", "numba-emm",
     "cupy", "cupy-rmm", "cupy-emm",
-    "torch", "torch-rmm", "torch-emm",
+    "torch", "torch-rmm", "torch-emm", "torch-emm-mempool",
     "emm",
 ]
 
@@ -32,6 +33,9 @@ def rmm_pool():
     import rmm
 
     rmm.reinitialize(pool_allocator=True, initial_pool_size=4 << 30)
+
+
+_ROUTE = None
 
 
 def setup(config):
@@ -85,6 +89,14 @@ def setup(config):
             import emm.torch
 
             emm.torch.install()
+        elif config == "torch-emm-mempool":
+            import emm.torch
+
+            # PyTorch's caching allocator in front, its segments from emm, for the whole run
+            # (the context manager kept referenced: collected, it would end the routing).
+            global _ROUTE
+            _ROUTE = emm.torch.use_mem_pool()
+            _ROUTE.__enter__()
         assert int((torch.arange(16, device="cuda") + 1).sum()) == 136  # a kernel first
 
         def pair(n):

@@ -461,6 +461,35 @@ def test_cupy_stream_capture_launches():
     )
 
 
+def test_torch_use_mem_pool_routes_every_thread_to_emm():
+    needs_gpu("PyTorch's caching allocator over emm")
+    needs_module("torch")
+    run(
+        """
+    import torch
+    import emm, emm.torch
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(2048, 2048).cuda()
+    x = torch.randn(128, 2048, device="cuda", requires_grad=True)
+    before = torch.cuda.memory_reserved()
+    with emm.torch.use_mem_pool() as pool:
+        for _ in range(3):
+            lin(x).relu().sum().backward()  # the backward runs on autograd's own thread
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_reserved() - before
+        in_pool = sum(s["total_size"] for s in pool.snapshot())
+    # Everything PyTorch reserved since came through emm, the backward's share included.
+    assert grown > 0 and in_pool == grown, (grown, in_pool)
+    # Each of the pool's segments is one live emm allocation.
+    assert emm.torch.live() == len(pool.snapshot()), (emm.torch.live(), len(pool.snapshot()))
+    # PyTorch's statistics answer (a pluggable allocator refuses them).
+    assert torch.cuda.memory_stats()["allocated_bytes.all.current"] > 0
+    assert emm.torch.last_error() is None, emm.torch.last_error()
+    print("ok")
+    """
+    )
+
+
 def test_torch_compile_reduce_overhead_in_an_emm_mem_pool():
     needs_gpu("torch.compile")
     needs_module("torch")
@@ -475,8 +504,7 @@ def test_torch_compile_reduce_overhead_in_an_emm_mem_pool():
     x = torch.randn(64, 256, device="cuda")
     with torch.no_grad():
         eager = model(x)
-    pool = emm.torch.mem_pool()
-    with torch.no_grad(), torch.cuda.use_mem_pool(pool):
+    with torch.no_grad(), emm.torch.use_mem_pool():
         compiled = torch.compile(model, mode="reduce-overhead")
         for _ in range(5):
             y = compiled(x)

@@ -4,7 +4,9 @@ Each script runs one workload. With ``--allocator emm`` its framework allocates 
 (``emm.torch``, ``emm.cupy``, ``emm.numba``), and the ``log`` adaptor, set by the caller with
 ``EMM_MEMORY_ADAPTORS=log=<file>``, records every allocation and free: that file is the trace.
 With ``--allocator native`` the framework's own allocator runs the same workload, so its memory
-figures and results can be compared. Each script prints one JSON line last, prefixed
+figures and results can be compared. With ``--allocator emm-mempool`` (PyTorch only) PyTorch's
+own caching allocator runs in front of emm: every thread allocates in ``emm.torch.mem_pool()``
+(``emm.torch.use_mem_pool()``), whose segments come from emm. Each script prints one JSON line last, prefixed
 ``RESULT``: the workload's result (losses, checksums), step times, and memory figures.
 """
 
@@ -20,7 +22,7 @@ def parser(description, steps):
     """An argument parser with the options every script takes."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--steps", type=int, default=steps, help="steps (default %(default)s)")
-    p.add_argument("--allocator", choices=["emm", "native"], default="emm")
+    p.add_argument("--allocator", choices=["emm", "emm-mempool", "native"], default="emm")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of shapes")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -53,10 +55,24 @@ class Timer:
         return sum(self.times)
 
 
+_ROUTE = None
+
+
 def install(framework, args):
     """Makes emm the framework's allocator (``torch`` or ``cupy``) when ``--allocator emm`` runs
     on the GPU."""
-    if args.allocator != "emm" or args.device != "cuda":
+    if args.allocator == "native" or args.device != "cuda":
+        return
+    if args.allocator == "emm-mempool":
+        if framework != "torch":
+            fail("--allocator emm-mempool is PyTorch's route only")
+        import emm.torch
+
+        # Entered for the whole run and kept referenced (a context manager collected as
+        # garbage would end the routing): the process ends with the workload.
+        global _ROUTE
+        _ROUTE = emm.torch.use_mem_pool()
+        _ROUTE.__enter__()
         return
     if framework == "torch":
         import emm.torch
@@ -105,6 +121,14 @@ def torch_figures(torch, args, use=None):
         out = {
             "max_allocated": torch.cuda.max_memory_allocated(),
             "max_reserved": torch.cuda.max_memory_reserved(),
+        }
+    elif args.allocator == "emm-mempool":
+        # PyTorch's figures are whole-device; emm's say how much of the reserve came through
+        # emm (all but CUDA graphs' private pools).
+        out = {
+            "max_allocated": torch.cuda.max_memory_allocated(),
+            "max_reserved": torch.cuda.max_memory_reserved(),
+            **emm_figures(),
         }
     else:
         out = emm_figures()

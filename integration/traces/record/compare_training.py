@@ -5,7 +5,11 @@ and without expandable segments were not bit-identical either: kernels that redu
 order the memory layout chooses), and the memory each held is printed beside PyTorch's
 reserve. Exits 1 when a loss differs more or a run fails.
 
-    python3 compare_training.py [--steps N] [--managers default,pool,async-pool]
+    python3 compare_training.py [--steps N] [--managers default,pool,async-pool] [--mempool M]
+
+``--mempool M`` adds the other PyTorch route: PyTorch's own caching allocator in front of
+``emm.torch.mem_pool()`` under manager M. Its memory held is PyTorch's whole reserve (the part
+that came through emm is printed beside it).
 """
 
 import argparse
@@ -17,6 +21,7 @@ import sys
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--steps", type=int, default=100)
 p.add_argument("--managers", default="default,pool,async-pool")
+p.add_argument("--mempool", default="", help="managers for the MemPool route (comma-separated)")
 args = p.parse_args()
 here = os.path.dirname(os.path.abspath(__file__))
 
@@ -40,6 +45,8 @@ runs = [run("torch", "native"),
         run("torch expandable", "native", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")]
 for m in args.managers.split(","):
     runs.append(run(f"emm {m}", "emm", EMM_MEMORY_MANAGER=m, EMM_MEMORY_ADAPTORS="stats"))
+for m in filter(None, args.mempool.split(",")):
+    runs.append(run(f"mempool {m}", "emm-mempool", EMM_MEMORY_MANAGER=m, EMM_MEMORY_ADAPTORS="stats"))
 base = runs[0]
 status = 0 if all(runs) else 1
 if base:
@@ -56,6 +63,8 @@ if base:
         if diff > 1e-3 or len(r["losses"]) != len(base["losses"]):
             status = 1
         held_text = f"{held / 2**20:>9.1f} {held / live:>9.3f}" if held else f"{'-':>9} {'-':>9}"
+        if r["allocator"] == "emm-mempool" and pool.get("peak_held_bytes") is not None:
+            held_text += f" (emm {pool['peak_held_bytes'] / 2**20:.1f})"
         print(f"{r['label']:<20} {r['step_ms_median']:>8.2f} {held_text} "
               f"{mem['peak_used_per_step'] / 2**20:>12.1f}  "
               f"{'identical' if same else f'within {diff:.1e}' if diff <= 1e-3 else f'DIFFER {diff:.1e}'}")

@@ -13,9 +13,10 @@ being captured, and serves a capture from a graph pool of its own: the graph's m
 by that capture alone, kept for its replays. Call ``release_graph_pools()`` after deleting (or
 ``reset()``-ing) graphs to give their memory back. ``torch.compile(mode="reduce-overhead")``
 needs PyTorch's own allocator (its CUDA-graph trees ask the allocator about its pools, which a
-pluggable allocator cannot answer).
+pluggable allocator cannot answer): ``use_mem_pool()`` is the route for it.
 """
 
+import contextlib
 import os
 
 import torch
@@ -56,7 +57,8 @@ def mem_pool(device=None):
     ``torch.compile(mode="reduce-overhead")`` work), and the memory they sit in is emm's. Use
     it instead of ``install()``, which makes PyTorch's allocator emm's itself: a MemPool needs
     PyTorch's own allocator to be the current one. Allocations outside the ``with`` block, and
-    on other threads (autograd's backward), come from PyTorch's ``cudaMalloc``, not emm."""
+    on other threads (autograd's backward), come from PyTorch's ``cudaMalloc``, not emm:
+    ``use_mem_pool()`` routes every thread."""
     if device is None:
         device = torch.cuda.current_device()
     pool = _mem_pools.get(device)
@@ -69,6 +71,35 @@ def mem_pool(device=None):
         with torch.cuda.device(device):
             pool = _mem_pools[device] = torch.cuda.MemPool(allocator().allocator())
     return pool
+
+
+@contextlib.contextmanager
+def use_mem_pool(device=None):
+    """Routes every allocation PyTorch's caching allocator makes on ``device`` (the current
+    one by default), from every thread, autograd's backward included, to ``mem_pool(device)``
+    while the ``with`` block runs; yields the pool. PyTorch's statistics, CUDA graphs (their
+    private pools take segments from ``cudaMalloc``) and ``torch.compile(mode="reduce-overhead")``
+    work as under PyTorch's own allocator. ``torch.cuda.use_mem_pool`` routes only the calling
+    thread; this uses the all-streams form PyTorch keeps for itself
+    (``torch._C._cuda_beginAllocateToPool``), and raises if this PyTorch lacks it."""
+    if device is None:
+        device = torch.cuda.current_device()
+    device = torch.cuda._utils._get_device_index(device)
+    begin = getattr(torch._C, "_cuda_beginAllocateToPool", None)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if begin is None or end is None:
+        raise RuntimeError(
+            "this PyTorch cannot route every thread's allocations to a pool "
+            "(torch._C._cuda_beginAllocateToPool is missing); use "
+            "torch.cuda.use_mem_pool(emm.torch.mem_pool()) for the calling thread's, or "
+            "emm.torch.install()"
+        )
+    pool = mem_pool(device)
+    begin(device, pool.id)
+    try:
+        yield pool
+    finally:
+        end(device, pool.id)
 
 
 def last_error():
