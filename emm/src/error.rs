@@ -1,5 +1,7 @@
 //! [`EmmError`]: every error emm reports. Each message says what happened and what to do.
 
+use std::fmt;
+
 use driver_sys::{DeviceOrdinal, DriverError, ErrorKind};
 
 /// An error from emm.
@@ -19,11 +21,13 @@ pub enum EmmError {
         error: DriverError,
     },
 
-    /// An allocation failed for lack of memory, after the one retry Numba makes.
+    /// An allocation failed for lack of memory, after the one retry Numba makes (and those an
+    /// out-of-memory callback asked for). `Display` prints the report's lines after the first.
     #[error(
         "out of memory on device {device}: could not allocate {requested} bytes \
          ({free} of {total} bytes free after flushing {flushed} pending deallocation(s)); \
-         drop buffers you no longer need, or request less"
+         drop buffers you no longer need, or request less{}",
+        ReportLines(.report)
     )]
     OutOfMemory {
         /// The device.
@@ -36,6 +40,9 @@ pub enum EmmError {
         total: usize,
         /// Pending deallocations flushed before the retry (0 inside `defer_cleanup`).
         flushed: usize,
+        /// What the manager held, used and cached when the allocation failed, filled in by the
+        /// context that refused it (`None` from a manager used without a context).
+        report: Option<Box<OutOfMemoryReport>>,
         /// The driver's error from the retry.
         #[source]
         source: DriverError,
@@ -345,6 +352,15 @@ impl EmmError {
         }
     }
 
+    /// The report an out-of-memory error carries (`None` for other errors, and where no
+    /// context filled one in).
+    pub fn out_of_memory_report(&self) -> Option<&OutOfMemoryReport> {
+        match self {
+            EmmError::OutOfMemory { report, .. } => report.as_deref(),
+            _ => None,
+        }
+    }
+
     /// Whether this is an out-of-memory error (after emm's retry).
     pub fn is_out_of_memory(&self) -> bool {
         matches!(
@@ -404,6 +420,68 @@ impl EmmError {
     }
 }
 
+/// What a context knew when an allocation on it ran out of memory: the manager's pool figures,
+/// where it keeps a pool, and the out-of-memory callback's retries.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OutOfMemoryReport {
+    /// The manager's registered name.
+    pub manager: String,
+    /// Bytes the manager held from the driver (`None`: it keeps no pool).
+    pub held_bytes: Option<usize>,
+    /// Bytes of the manager's blocks in use.
+    pub in_use_bytes: Option<usize>,
+    /// Bytes held and not in use: cached blocks and free space the request did not fit.
+    pub unused_bytes: Option<usize>,
+    /// The largest free block the manager held (`None` where it cannot tell).
+    pub largest_free_bytes: Option<usize>,
+    /// The share of the unused bytes outside the largest free block, 0 to 1: near 1, the
+    /// free space is in pieces too small for large requests.
+    pub fragmentation: Option<f64>,
+    /// Retries the context's out-of-memory callback asked for.
+    pub callback_retries: u32,
+}
+
+/// The lines an [`OutOfMemoryReport`] adds to an out-of-memory error's message.
+struct ReportLines<'a>(&'a Option<Box<OutOfMemoryReport>>);
+
+impl fmt::Display for ReportLines<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(r) = self.0 else {
+            return Ok(());
+        };
+        let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+        match (r.held_bytes, r.in_use_bytes, r.unused_bytes) {
+            (Some(held), Some(used), Some(unused)) => write!(
+                f,
+                "\n  manager `{}` holds {:.1} MiB: {:.1} MiB in use, {:.1} MiB unused",
+                r.manager,
+                mib(held),
+                mib(used),
+                mib(unused)
+            )?,
+            _ => write!(f, "\n  manager `{}` keeps no pool", r.manager)?,
+        }
+        if let Some(largest) = r.largest_free_bytes {
+            write!(f, "\n  largest free block {:.1} MiB", mib(largest))?;
+            if let Some(frag) = r.fragmentation {
+                write!(f, ", fragmentation {frag:.2}")?;
+            }
+            if r.unused_bytes.is_some_and(|u| u > 0) {
+                f.write_str(" (ctx.trim() gives unused memory back to the driver)")?;
+            }
+        }
+        if r.callback_retries > 0 {
+            write!(
+                f,
+                "\n  the out-of-memory callback asked for {} retr{}; none found room",
+                r.callback_retries,
+                if r.callback_retries == 1 { "y" } else { "ies" }
+            )?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(all(test, not(emm_loom)))]
 mod tests {
     use std::error::Error as _;
@@ -437,6 +515,7 @@ mod tests {
             free: 0,
             total: 1 << 30,
             flushed: 0,
+            report: None,
             source: DriverError::from_code("cuMemAlloc", 2),
         };
         assert!(!e.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY"), "{e}");

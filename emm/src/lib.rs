@@ -79,13 +79,14 @@ pub mod runtime;
 pub mod replay;
 
 pub use driver_sys;
-pub use error::EmmError;
+pub use error::{EmmError, OutOfMemoryReport};
 
 pub use adaptors::{Adapted, Adaptor, LOG_HEADER};
 pub use contract::{
-    DeviceIdentity, FnFactory, INTERFACE_VERSION, IpcHandle, IpcMemory, KindUsage, ManagerContext,
-    ManagerFactory, MemoryInfo, MemoryKind, MemoryManager, POOL_DESCRIPTOR_LEN, PinnedPoolConfig,
-    PoolExport, PoolId, PoolReport, PoolStats, StreamOrdering, Usage, check_interface_version,
+    AllocationEvents, DeviceIdentity, FnFactory, INTERFACE_VERSION, IpcHandle, IpcMemory,
+    KindUsage, ManagerContext, ManagerFactory, MemoryInfo, MemoryKind, MemoryManager,
+    OUT_OF_MEMORY_RETRIES, OutOfMemoryCallback, POOL_DESCRIPTOR_LEN, PinnedPoolConfig, PoolExport,
+    PoolId, PoolReport, PoolStats, StreamOrdering, Usage, check_interface_version,
 };
 pub use host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 pub use managers::{

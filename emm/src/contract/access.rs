@@ -111,6 +111,7 @@ impl ManagerContext {
         match alloc() {
             Err(e) if e.kind() == ErrorKind::OutOfMemory => {
                 tracing::warn!(device = %self.device, bytes, ?stream, "stream-ordered pool out of memory; waiting for its frees and retrying");
+                self.events.retried();
                 self.driver.stream_synchronize(self.context, stream)?;
                 if stream != StreamHandle::NULL {
                     self.driver

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use driver_sys::{ContextHandle, DeviceOrdinal, Driver};
 
-use crate::contract::info::PinnedPoolConfig;
+use crate::contract::info::{AllocationEvents, PinnedPoolConfig};
 use crate::contract::manager::{INTERFACE_VERSION, MemoryManager};
 use crate::error::EmmError;
 use crate::memory::liveness::ContextLiveness;
@@ -32,6 +32,8 @@ pub struct ManagerContext {
     /// Whether `memhostalloc` takes its memory from the driver's pool in host memory
     /// (`EMM_HOST_MEMORY_POOL`) instead of `cuMemHostAlloc`.
     pub host_memory_pool: bool,
+    /// The context's out-of-memory counts, shared by its manager and the context.
+    pub events: Arc<AllocationEvents>,
 }
 
 impl ManagerContext {
@@ -66,6 +68,7 @@ impl ManagerContext {
             liveness: Arc::new(ContextLiveness::new()),
             pinned_pool,
             host_memory_pool: false,
+            events: Arc::default(),
         }
     }
 }

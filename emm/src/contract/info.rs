@@ -1,6 +1,12 @@
 //! The plain data the contract's methods return: memory info, what pools hold, what a `stats`
 //! adaptor counted, and the pinned host pool's tuning that a manager is built with.
 
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::OutOfMemoryReport;
+use crate::sync::{AtomicU64, Ordering};
+
 /// Free and total device memory in bytes (Numba's `MemoryInfo(free, total)`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct MemoryInfo {
@@ -55,6 +61,89 @@ impl PoolStats {
     /// Bytes held but not in use: what a trim could give back at best.
     pub fn unused_bytes(&self) -> usize {
         self.held_bytes.saturating_sub(self.in_use_bytes)
+    }
+}
+
+/// A context's out-of-memory callback: called with the bytes of a device allocation the
+/// manager could not serve, after the manager's own retry; it may free memory (drop buffers,
+/// empty caches of its own) and returns `true` to have the allocation tried again, `false` to
+/// let it fail.
+pub type OutOfMemoryCallback = dyn Fn(usize) -> bool + Send + Sync;
+
+/// The most retries an out-of-memory callback may ask for, per allocation: a callback that
+/// keeps answering `true` without freeing anything cannot hold an allocation in a loop.
+pub const OUT_OF_MEMORY_RETRIES: u32 = 3;
+
+/// What makes an out-of-memory error's report: given the callback's retries, the manager's
+/// figures (set by the context that owns the manager).
+pub(crate) type Reporter = dyn Fn(u32) -> OutOfMemoryReport + Send + Sync;
+
+/// One context's out-of-memory events: its callback, and how often its device allocations ran
+/// out of memory, counted by its host layer and pools (retries after freeing what they could)
+/// and when a failure reached the caller. Shared by the context and its manager
+/// ([`ManagerContext::events`](crate::contract::ManagerContext::events)); read and written only
+/// on the paths an allocation takes once it has run out of memory.
+#[derive(Default)]
+pub struct AllocationEvents {
+    retries: AtomicU64,
+    ooms: AtomicU64,
+    callback: std::sync::Mutex<Option<Arc<OutOfMemoryCallback>>>,
+    reporter: std::sync::OnceLock<Box<Reporter>>,
+}
+
+impl fmt::Debug for AllocationEvents {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AllocationEvents")
+            .field("retries", &self.retries())
+            .field("ooms", &self.ooms())
+            .field("callback", &self.callback().is_some())
+            .finish()
+    }
+}
+
+impl AllocationEvents {
+    /// An allocation ran out of memory and is tried again after memory was freed.
+    pub fn retried(&self) {
+        self.retries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A device allocation failed for lack of memory, after every retry.
+    pub fn out_of_memory(&self) {
+        self.ooms.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Retries so far (PyTorch's `num_alloc_retries`).
+    pub fn retries(&self) -> u64 {
+        self.retries.load(Ordering::Relaxed)
+    }
+
+    /// Failures so far (PyTorch's `num_ooms`).
+    pub fn ooms(&self) -> u64 {
+        self.ooms.load(Ordering::Relaxed)
+    }
+
+    /// Sets (or, with `None`, removes) the out-of-memory callback.
+    pub fn set_callback(&self, callback: Option<Arc<OutOfMemoryCallback>>) {
+        *self.callback.lock().unwrap_or_else(|p| p.into_inner()) = callback;
+    }
+
+    /// The out-of-memory callback, if one is set.
+    pub fn callback(&self) -> Option<Arc<OutOfMemoryCallback>> {
+        self.callback
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Sets what makes the report of an out-of-memory error; the first call wins.
+    pub(crate) fn set_reporter(&self, reporter: Box<Reporter>) {
+        let _ = self.reporter.set(reporter);
+    }
+
+    /// The report of an out-of-memory error after `callback_retries` retries the callback
+    /// asked for (`None` where no context set a reporter: a manager used on its own).
+    pub fn report(&self, callback_retries: u32) -> Option<Box<OutOfMemoryReport>> {
+        self.reporter.get().map(|r| Box::new(r(callback_retries)))
     }
 }
 

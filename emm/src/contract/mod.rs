@@ -20,7 +20,10 @@ pub(crate) mod pool_export;
 
 pub use access::RelaxedCapture;
 pub use factory::{FnFactory, ManagerContext, ManagerFactory};
-pub use info::{KindUsage, MemoryInfo, MemoryKind, PinnedPoolConfig, PoolReport, PoolStats, Usage};
+pub use info::{
+    AllocationEvents, KindUsage, MemoryInfo, MemoryKind, OUT_OF_MEMORY_RETRIES,
+    OutOfMemoryCallback, PinnedPoolConfig, PoolReport, PoolStats, Usage,
+};
 pub use ipc::{DeviceIdentity, IpcHandle, IpcMemory};
 pub use manager::{INTERFACE_VERSION, MemoryManager, StreamOrdering, check_interface_version};
 pub use pool_export::{POOL_DESCRIPTOR_LEN, PoolExport, PoolId};

@@ -9,7 +9,7 @@ use driver_sys::{
 };
 
 use crate::contract::factory::ManagerContext;
-use crate::contract::info::PoolStats;
+use crate::contract::info::{OUT_OF_MEMORY_RETRIES, PoolStats};
 use crate::contract::ipc::IpcHandle;
 use crate::error::EmmError;
 use crate::host::allocations::{AllocationTable, Entry, unpin_now};
@@ -187,19 +187,39 @@ impl HostLayer {
             "out of memory; flushing pending deallocations and retrying once"
         );
         let flushed = queue.flush()?;
-        match allocate() {
+        cx.events.retried();
+        let mut made = allocate();
+        // Then the context's callback, for device memory: it may free some and ask again.
+        let mut asked = 0;
+        let out_of_memory = |made: &Result<T, DriverError>| matches!(made, Err(e) if e.kind() == ErrorKind::OutOfMemory);
+        if kind == AllocationKind::Device
+            && out_of_memory(&made)
+            && let Some(callback) = cx.events.callback()
+        {
+            while asked < OUT_OF_MEMORY_RETRIES && out_of_memory(&made) && callback(bytes) {
+                asked += 1;
+                cx.events.retried();
+                tracing::warn!(device = %cx.device, what, bytes, retry = asked, "out of memory; the callback asked for a retry");
+                made = allocate();
+            }
+        }
+        match made {
             Ok(v) => Ok(v),
             Err(e) if e.kind() == ErrorKind::OutOfMemory => Err(match kind {
                 AllocationKind::Device => {
                     let info = cx.driver.mem_get_info(cx.context).unwrap_or_default();
-                    EmmError::OutOfMemory {
+                    cx.events.out_of_memory();
+                    let e = EmmError::OutOfMemory {
                         device: cx.device,
                         requested: bytes,
                         free: info.free,
                         total: info.total,
                         flushed,
+                        report: cx.events.report(asked),
                         source: e,
-                    }
+                    };
+                    tracing::warn!(device = %cx.device, what, bytes, error = %e, "out of memory");
+                    e
                 }
                 AllocationKind::Host => EmmError::OutOfHostMemory {
                     device: cx.device,

@@ -11,11 +11,11 @@ use driver_sys::{
 
 use super::graphs::GraphRoutes;
 use crate::contract::factory::ManagerContext;
-use crate::contract::info::{MemoryInfo, PoolReport, Usage};
+use crate::contract::info::{AllocationEvents, MemoryInfo, OutOfMemoryCallback, PoolReport, Usage};
 use crate::contract::ipc::{DeviceIdentity, IpcHandle};
 use crate::contract::manager::{MemoryManager, StreamOrdering};
 use crate::contract::pool_export::PoolExport;
-use crate::error::EmmError;
+use crate::error::{EmmError, OutOfMemoryReport};
 use crate::ipc::imports::PoolImports;
 use crate::ipc::open::Endpoint;
 use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, ManagedMemory, PinnableBuffer};
@@ -157,6 +157,63 @@ impl Context {
             return pool.allocate(bytes);
         }
         self.inner.manager.memalloc_on(bytes, stream)
+    }
+
+    /// What the manager holds now, for an out-of-memory error.
+    pub(crate) fn out_of_memory_report(
+        inner: &ContextInner,
+        callback_retries: u32,
+    ) -> OutOfMemoryReport {
+        let pool = inner.manager.pool_stats().device;
+        let unused = pool.map(|p| p.unused_bytes());
+        let largest = pool.and_then(|p| p.largest_free_bytes);
+        OutOfMemoryReport {
+            manager: inner.manager_name.clone(),
+            held_bytes: pool.map(|p| p.held_bytes),
+            in_use_bytes: pool.map(|p| p.in_use_bytes),
+            unused_bytes: unused,
+            largest_free_bytes: largest,
+            fragmentation: match (unused, largest) {
+                (Some(u), Some(l)) if u > 0 => Some(1.0 - l.min(u) as f64 / u as f64),
+                (Some(_), Some(_)) => Some(0.0),
+                _ => None,
+            },
+            callback_retries,
+        }
+    }
+
+    /// Sets (or, with `None`, removes) the callback this context calls when a device
+    /// allocation runs out of memory after the manager's own retry ([`OutOfMemoryCallback`]),
+    /// as RMM's failure-callback adaptor does, at most
+    /// [`OUT_OF_MEMORY_RETRIES`](crate::contract::OUT_OF_MEMORY_RETRIES) times an
+    /// allocation. Every device allocation of the shipped managers consults it (the host
+    /// layer's retry, where Numba's one retry is made; a plugin of its own that bypasses
+    /// [`HostLayer::attempt_allocation`](crate::host::HostLayer::attempt_allocation) does
+    /// not). The callback runs on the allocating thread, with no lock of emm's managers held:
+    /// it may free emm memory.
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// let sim = Arc::new(driver_mock::SimDriver::new(driver_mock::SimConfig::single(64 << 20)));
+    /// let runtime = emm::Runtime::builder(sim).ignore_env().build()?;
+    /// let ctx = runtime.context(0)?;
+    /// let spare = Arc::new(Mutex::new(Some(ctx.memalloc(48 << 20)?)));
+    /// let held = Arc::clone(&spare);
+    /// ctx.on_out_of_memory(Some(Arc::new(move |_bytes| held.lock().unwrap().take().is_some())));
+    /// let big = ctx.memalloc(32 << 20)?; // fails once; the callback drops the spare; served
+    /// assert!(spare.lock().unwrap().is_none());
+    /// assert_eq!(ctx.allocation_events().ooms(), 0);
+    /// # drop(big);
+    /// # Ok::<(), emm::EmmError>(())
+    /// ```
+    pub fn on_out_of_memory(&self, callback: Option<Arc<OutOfMemoryCallback>>) {
+        self.inner.cx.events.set_callback(callback);
+    }
+
+    /// How often this context's allocations ran out of memory: retries made after freeing
+    /// memory, and failures its callers saw.
+    pub fn allocation_events(&self) -> &AllocationEvents {
+        &self.inner.cx.events
     }
 
     /// A memory resource over a new driver pool of this context's device (cuda.core's

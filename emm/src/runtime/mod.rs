@@ -378,6 +378,7 @@ impl Runtime {
             liveness: Arc::new(ContextLiveness::new()),
             pinned_pool: self.pinned_pool,
             host_memory_pool: self.host_memory_pool,
+            events: Arc::default(),
         };
         let manager = factory.create(&cx).and_then(|m| {
             check_interface_version(m.interface_version())?;
@@ -404,7 +405,8 @@ impl Runtime {
         tracing::info!(%device, context = %handle, manager = factory.name(), "context created");
         // The context's own queue: its items have no size, so only the count threshold applies.
         let own = Arc::new(cx.new_pending_deallocs());
-        Ok(Context {
+        let events = Arc::clone(&cx.events);
+        let context = Context {
             inner: Arc::new(ContextInner {
                 manager,
                 manager_name: factory.name().to_owned(),
@@ -415,7 +417,16 @@ impl Runtime {
                 graph_routes: Default::default(),
                 cx,
             }),
-        })
+        };
+        // Out-of-memory reports read the manager's figures (a weak reference: the events
+        // live inside the context).
+        let weak = Arc::downgrade(&context.inner);
+        events.set_reporter(Box::new(move |retries| {
+            weak.upgrade().map_or_else(Default::default, |inner| {
+                Context::out_of_memory_report(&inner, retries)
+            })
+        }));
+        Ok(context)
     }
 
     /// Imports a stream-ordered pool another process exported

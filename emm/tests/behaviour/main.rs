@@ -16,6 +16,7 @@
 //! | `pool_ipc` | IPC of stream-ordered pools between simulated processes, with a property test |
 //! | `state_machine` | a context against a reference model (proptest state machine) |
 //! | `in_flight` | an asynchronous copy that cannot finish leaks its buffers rather than freeing them |
+//! | `out_of_memory` | the out-of-memory callback's retries, bounded, and the report a failure carries, under every manager |
 //! | `graphs` | captures through graph pools, launches and ordinary memory on three streams never share a block, under every shipped manager (property test) |
 //! | `stream_reuse` | stream-ordered memory under every shipped manager against a model of stream work (property test) |
 #![cfg(not(emm_loom))]
@@ -27,6 +28,7 @@ mod host_and_ipc;
 mod hostile_input;
 mod in_flight;
 mod mock_sequences;
+mod out_of_memory;
 mod pending_policy;
 mod pool_ipc;
 mod pools;

@@ -64,6 +64,7 @@ pub fn reset_before_initialize(target: Target) -> Result<(), Failed> {
         liveness: std::sync::Arc::new(emm::ContextLiveness::new()),
         pinned_pool: None,
         host_memory_pool: false,
+        events: Default::default(),
     };
     let mm = emm::DefaultManager::default_manager(&mcx);
     use emm::MemoryManager;

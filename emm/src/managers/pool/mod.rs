@@ -666,6 +666,7 @@ impl PoolShared {
                             // Kept for the next flush to return.
                             self.queue.record_error(e);
                         }
+                        self.cx.events.retried();
                         alloc(need)?
                     }
                     Err(e) => return Err(e),

@@ -1,0 +1,135 @@
+//! Out of memory, as a caller sees it: the context's callback may free memory and have the
+//! allocation tried again, a bounded number of times; a failure that stays carries a report of
+//! what the manager holds, and both are counted.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use driver_mock::{SimConfig, SimDriver};
+use emm::{EmmError, OUT_OF_MEMORY_RETRIES};
+
+use crate::common::runtime_with;
+
+/// Every manager a runtime ships that allocates device memory of its own.
+const MANAGERS: [&str; 5] = [
+    "default",
+    "pool",
+    "vmm-pool",
+    "async-pool",
+    "async-pool-ipc",
+];
+
+fn small_device() -> Arc<SimDriver> {
+    Arc::new(SimDriver::new(SimConfig::single(64 << 20)))
+}
+
+#[test]
+fn a_callback_that_frees_memory_gets_the_allocation_served_under_every_manager() {
+    for manager in MANAGERS {
+        let rt = runtime_with(&small_device(), manager);
+        let ctx = rt.context(0).unwrap();
+        let spare = Arc::new(Mutex::new(Some(ctx.memalloc(40 << 20).unwrap())));
+        let calls = Arc::new(AtomicU32::new(0));
+        let (held, counted) = (Arc::clone(&spare), Arc::clone(&calls));
+        ctx.on_out_of_memory(Some(Arc::new(move |bytes| {
+            assert_eq!(bytes, 40 << 20);
+            counted.fetch_add(1, Ordering::Relaxed);
+            held.lock().unwrap().take().is_some()
+        })));
+        let s = ctx.create_stream().unwrap();
+        // The spare fills most of the device: the request fails until the callback drops it.
+        let got = if ctx.stream_ordering() == emm::StreamOrdering::Unsupported {
+            ctx.memalloc(40 << 20)
+        } else {
+            ctx.memalloc_on(40 << 20, &s)
+        };
+        let got = got.unwrap_or_else(|e| panic!("{manager}: {e}"));
+        assert_eq!(got.size(), 40 << 20, "{manager}");
+        assert_eq!(calls.load(Ordering::Relaxed), 1, "{manager}");
+        assert!(spare.lock().unwrap().is_none(), "{manager}");
+        let events = ctx.allocation_events();
+        assert!(events.retries() >= 1, "{manager}");
+        assert_eq!(events.ooms(), 0, "{manager}");
+    }
+}
+
+#[test]
+fn a_callback_that_frees_nothing_is_asked_a_bounded_number_of_times() {
+    for manager in MANAGERS {
+        let rt = runtime_with(&small_device(), manager);
+        let ctx = rt.context(0).unwrap();
+        let calls = Arc::new(AtomicU32::new(0));
+        let counted = Arc::clone(&calls);
+        ctx.on_out_of_memory(Some(Arc::new(move |_| {
+            counted.fetch_add(1, Ordering::Relaxed);
+            true
+        })));
+        let err = ctx.memalloc(100 << 20).unwrap_err();
+        assert!(err.is_out_of_memory(), "{manager}: {err:?}");
+        assert_eq!(
+            calls.load(Ordering::Relaxed),
+            OUT_OF_MEMORY_RETRIES,
+            "{manager}"
+        );
+        assert_eq!(ctx.allocation_events().ooms(), 1, "{manager}");
+        let report = err
+            .out_of_memory_report()
+            .unwrap_or_else(|| panic!("{manager}: no report in {err:?}"));
+        assert_eq!(report.callback_retries, OUT_OF_MEMORY_RETRIES);
+        assert!(
+            err.to_string()
+                .contains("asked for 3 retries; none found room"),
+            "{manager}: {err}"
+        );
+        // Without the callback, the next failure asks no one.
+        ctx.on_out_of_memory(None);
+        let err = ctx.memalloc(100 << 20).unwrap_err();
+        assert_eq!(err.out_of_memory_report().unwrap().callback_retries, 0);
+        assert_eq!(calls.load(Ordering::Relaxed), OUT_OF_MEMORY_RETRIES);
+        assert_eq!(ctx.allocation_events().ooms(), 2, "{manager}");
+    }
+}
+
+#[test]
+fn the_report_says_what_the_pool_holds_uses_and_leaves_unused() {
+    let rt = runtime_with(&small_device(), "pool");
+    let ctx = rt.context(0).unwrap();
+    // Blocks of 1 MiB over the device, every other one freed: 20 MiB unused, in pieces.
+    let blocks: Vec<_> = (0..40).map(|_| ctx.memalloc(1 << 20).unwrap()).collect();
+    let kept: Vec<_> = blocks.into_iter().step_by(2).collect();
+    let err = ctx.memalloc(48 << 20).unwrap_err();
+    let EmmError::OutOfMemory {
+        requested, report, ..
+    } = &err
+    else {
+        panic!("{err:?}")
+    };
+    assert_eq!(*requested, 48 << 20);
+    let report = report.as_deref().expect("a report");
+    let stats = ctx.pool_stats().device.unwrap();
+    assert_eq!(report.manager, "pool");
+    assert_eq!(report.held_bytes, Some(stats.held_bytes));
+    assert_eq!(report.in_use_bytes, Some(stats.in_use_bytes));
+    assert_eq!(report.in_use_bytes, Some(kept.len() << 20));
+    assert_eq!(
+        report.unused_bytes,
+        Some(stats.held_bytes - stats.in_use_bytes)
+    );
+    let largest = report.largest_free_bytes.expect("the pool can tell");
+    assert!(largest < 48 << 20, "{report:?}");
+    let frag = report.fragmentation.unwrap();
+    assert!((0.0..=1.0).contains(&frag), "{report:?}");
+    let text = err.to_string();
+    assert!(text.contains("manager `pool` holds"), "{text}");
+    assert!(text.contains("largest free block"), "{text}");
+    assert!(text.contains("ctx.trim()"), "{text}");
+
+    // The default manager keeps no pool, and says so.
+    let rt = runtime_with(&small_device(), "default");
+    let ctx = rt.context(0).unwrap();
+    let err = ctx.memalloc(100 << 20).unwrap_err();
+    assert!(
+        err.to_string().contains("manager `default` keeps no pool"),
+        "{err}"
+    );
+}
