@@ -1031,6 +1031,34 @@ impl Context {
         py.detach(|| self.inner.trim()).map_err(py_err)
     }
 
+    /// Sets the out-of-memory callback (`None` removes it): `callback(nbytes)` is called when
+    /// an allocation of `nbytes` fails after the manager's own retry; it may free memory and
+    /// returns true to have the allocation tried again (at most three times an allocation).
+    /// An exception in it is printed and counts as false.
+    fn on_out_of_memory(&self, callback: Option<Py<PyAny>>) {
+        self.inner.on_out_of_memory(callback.map(|f| {
+            Arc::new(move |bytes: usize| {
+                Python::attach(|py| match f.call1(py, (bytes,)) {
+                    Ok(v) => v.is_truthy(py).unwrap_or(false),
+                    Err(e) => {
+                        e.write_unraisable(py, Some(f.bind(py)));
+                        false
+                    }
+                })
+            }) as Arc<emm::OutOfMemoryCallback>
+        }));
+    }
+
+    /// How often allocations ran out of memory: `retries` (tried again after memory was
+    /// freed, PyTorch's `num_alloc_retries`) and `ooms` (failures callers saw).
+    fn allocation_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let e = self.inner.allocation_events();
+        let d = PyDict::new(py);
+        d.set_item("retries", e.retries())?;
+        d.set_item("ooms", e.ooms())?;
+        Ok(d)
+    }
+
     /// What the `stats` adaptor counted, per kind (`None` without it): each kind a dict of
     /// `current_bytes`, `peak_bytes`, `total_bytes`, `current_count`, `peak_count`,
     /// `total_count`.
@@ -1225,7 +1253,9 @@ fn stream_ordering_name(o: StreamOrdering) -> &'static str {
 /// The extension module.
 #[pymodule]
 fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Logs go to standard error: a program's output stays its own.
     let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("EMM_LOG"))
         .try_init();
     m.add_function(wrap_pyfunction!(configure, m)?)?;

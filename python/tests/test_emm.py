@@ -532,3 +532,47 @@ def test_capture_pools_leave_ordinary_allocations_alone(ctx):
     ctx.flush()
     assert not buf.live
     assert emm.release_capture_pools() == 0
+
+
+def test_out_of_memory_callback_frees_and_the_allocation_is_retried():
+    out = run_python(
+        """
+import emm
+ctx = emm.context(0)
+spare = [ctx.memalloc(40 << 20)]
+asked = []
+def free_spare(nbytes):
+    asked.append(nbytes)
+    return bool(spare and spare.pop() is not None)
+ctx.on_out_of_memory(free_spare)
+buf = ctx.memalloc(40 << 20)
+assert asked == [40 << 20] and not spare, asked
+assert ctx.allocation_events()["ooms"] == 0
+assert ctx.allocation_events()["retries"] >= 1
+# A callback that frees nothing is asked three times, then the error says so.
+ctx.on_out_of_memory(lambda n: asked.append(n) or True)
+try:
+    ctx.memalloc(100 << 20)
+    raise SystemExit("no error")
+except emm.OutOfMemoryError as e:
+    text = str(e)
+assert len(asked) == 4, asked
+assert "asked for 3 retries" in text and "manager `" in text, text
+assert ctx.allocation_events()["ooms"] == 1
+# An exception in the callback counts as false: one call, no retry.
+def broken(n):
+    raise ValueError("broken callback")
+ctx.on_out_of_memory(broken)
+try:
+    ctx.memalloc(100 << 20)
+except emm.OutOfMemoryError as e:
+    assert "retries" not in str(e), str(e)
+ctx.on_out_of_memory(None)
+print("ok")
+""",
+        EMM_SIM_DEVICE_MEMORY=str(64 << 20),
+        EMM_MEMORY_MANAGER="pool",
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+    assert "broken callback" in out.stderr, out.stderr
+
