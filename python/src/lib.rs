@@ -1129,10 +1129,36 @@ fn host_buffer(mem: HostMemory) -> HostBuffer {
 
 // PyTorch's pluggable allocator: C functions this library exports, over the process runtime.
 
-/// Device memory handed to PyTorch, by address: kept alive until PyTorch frees it.
-static TORCH_LIVE: Mutex<Option<HashMap<u64, MemoryPointer>>> = Mutex::new(None);
+/// What PyTorch holds from emm: its allocations by address (kept alive until PyTorch frees
+/// them) and, per device, the counts `emm.torch.memory_stats()` reports.
+#[derive(Default)]
+struct TorchState {
+    live: HashMap<u64, MemoryPointer>,
+    devices: BTreeMap<u32, TorchCounters>,
+}
+
+/// PyTorch's allocations on one device: bytes and counts now, at their peak (since the last
+/// `reset_peak_memory_stats`), allocated and freed in all, and failures for lack of memory.
+#[derive(Clone, Copy, Default)]
+struct TorchCounters {
+    current_bytes: u64,
+    peak_bytes: u64,
+    allocated_bytes: u64,
+    freed_bytes: u64,
+    current_count: u64,
+    peak_count: u64,
+    allocated_count: u64,
+    freed_count: u64,
+    ooms: u64,
+}
+
+static TORCH: Mutex<Option<TorchState>> = Mutex::new(None);
 /// What went wrong in the last call PyTorch made, for `emm.torch.last_error()`.
 static TORCH_ERROR: Mutex<Option<String>> = Mutex::new(None);
+
+fn torch_state() -> MutexGuard<'static, Option<TorchState>> {
+    lock(&TORCH)
+}
 
 fn torch_error(message: String) {
     tracing::error!(%message, "emm.torch");
@@ -1151,28 +1177,45 @@ pub extern "C" fn emm_torch_malloc(size: isize, device: i32, stream: *mut c_void
         // An empty buffer: a null pointer, without the manager (as PyTorch's own allocator).
         return std::ptr::null_mut();
     }
-    let made = (|| -> Result<MemoryPointer, String> {
-        let size = usize::try_from(size).map_err(|_| format!("a negative size ({size})"))?;
-        let device = u32::try_from(device).map_err(|_| format!("a negative device ({device})"))?;
-        let ctx = device_context(device).map_err(|e| e.to_string())?;
-        if ctx.stream_ordering() == StreamOrdering::Unsupported {
-            return ctx.memalloc(size).map_err(|e| e.to_string());
-        }
-        // SAFETY: PyTorch's stream of this device (its streams live as long as the process;
-        // 0 is the legacy default stream), the one it will use the memory on and pass back
-        // to `free`.
-        unsafe { ctx.memalloc_on_raw(size, StreamHandle(stream as usize as u64)) }
-            .map_err(|e| e.to_string())
+    // The error's text, and whether it was for lack of memory.
+    let made = (|| -> Result<MemoryPointer, (String, bool)> {
+        let size =
+            usize::try_from(size).map_err(|_| (format!("a negative size ({size})"), false))?;
+        let device =
+            u32::try_from(device).map_err(|_| (format!("a negative device ({device})"), false))?;
+        let ctx = device_context(device).map_err(|e| (e.to_string(), false))?;
+        let mem = if ctx.stream_ordering() == StreamOrdering::Unsupported {
+            ctx.memalloc(size)
+        } else {
+            // SAFETY: PyTorch's stream of this device (its streams live as long as the
+            // process; 0 is the legacy default stream), the one it will use the memory on and
+            // pass back to `free`.
+            unsafe { ctx.memalloc_on_raw(size, StreamHandle(stream as usize as u64)) }
+        };
+        mem.map_err(|e| (e.to_string(), e.is_out_of_memory()))
     })();
     match made {
         Ok(mem) => {
             let ptr = mem.device_ptr().0;
-            lock(&TORCH_LIVE)
-                .get_or_insert_with(HashMap::new)
-                .insert(ptr, mem);
+            let bytes = mem.size() as u64;
+            let mut state = torch_state();
+            let state = state.get_or_insert_with(TorchState::default);
+            let c = state.devices.entry(mem.device().0).or_default();
+            c.current_bytes += bytes;
+            c.peak_bytes = c.peak_bytes.max(c.current_bytes);
+            c.allocated_bytes += bytes;
+            c.current_count += 1;
+            c.peak_count = c.peak_count.max(c.current_count);
+            c.allocated_count += 1;
+            state.live.insert(ptr, mem);
             ptr as usize as *mut c_void
         }
-        Err(e) => {
+        Err((e, oom)) => {
+            if oom && let Ok(d) = u32::try_from(device) {
+                let mut state = torch_state();
+                let state = state.get_or_insert_with(TorchState::default);
+                state.devices.entry(d).or_default().ooms += 1;
+            }
             torch_error(format!("malloc of {size} bytes on device {device}: {e}"));
             std::ptr::null_mut()
         }
@@ -1190,7 +1233,25 @@ pub extern "C" fn emm_torch_free(ptr: *mut c_void, size: isize, device: i32, str
         return;
     }
     let addr = ptr as usize as u64;
-    let Some(mem) = lock(&TORCH_LIVE).as_mut().and_then(|m| m.remove(&addr)) else {
+    let mem = {
+        let mut state = torch_state();
+        let Some(state) = state.as_mut() else {
+            drop(state);
+            return torch_error(format!(
+                "free of 0x{addr:x} ({size} bytes, device {device}), which emm did not allocate for PyTorch; nothing was freed"
+            ));
+        };
+        let mem = state.live.remove(&addr);
+        if let Some(mem) = &mem {
+            let c = state.devices.entry(mem.device().0).or_default();
+            c.current_bytes -= mem.size() as u64;
+            c.freed_bytes += mem.size() as u64;
+            c.current_count -= 1;
+            c.freed_count += 1;
+        }
+        mem
+    };
+    let Some(mem) = mem else {
         torch_error(format!(
             "free of 0x{addr:x} ({size} bytes, device {device}), which emm did not allocate for PyTorch (or freed already); nothing was freed"
         ));
@@ -1223,7 +1284,44 @@ fn torch_last_error() -> Option<String> {
 /// How many allocations PyTorch holds from emm now.
 #[pyfunction]
 fn torch_live() -> usize {
-    lock(&TORCH_LIVE).as_ref().map_or(0, HashMap::len)
+    torch_state().as_ref().map_or(0, |s| s.live.len())
+}
+
+/// PyTorch's allocations from emm on `device`: `current_bytes`, `peak_bytes`,
+/// `allocated_bytes`, `freed_bytes`, the same four `_count`s, and `ooms`.
+#[pyfunction]
+fn torch_counters(py: Python<'_>, device: u32) -> PyResult<Bound<'_, PyDict>> {
+    let c = torch_state()
+        .as_ref()
+        .and_then(|s| s.devices.get(&device).copied())
+        .unwrap_or_default();
+    let d = PyDict::new(py);
+    for (k, v) in [
+        ("current_bytes", c.current_bytes),
+        ("peak_bytes", c.peak_bytes),
+        ("allocated_bytes", c.allocated_bytes),
+        ("freed_bytes", c.freed_bytes),
+        ("current_count", c.current_count),
+        ("peak_count", c.peak_count),
+        ("allocated_count", c.allocated_count),
+        ("freed_count", c.freed_count),
+        ("ooms", c.ooms),
+    ] {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}
+
+/// Sets the peaks of PyTorch's allocations on `device` to what is allocated now.
+#[pyfunction]
+fn torch_reset_peaks(device: u32) {
+    if let Some(c) = torch_state()
+        .as_mut()
+        .and_then(|s| s.devices.get_mut(&device))
+    {
+        c.peak_bytes = c.current_bytes;
+        c.peak_count = c.current_count;
+    }
 }
 
 /// A pool's figures as the dict the resources' `attributes()` return.
@@ -1266,6 +1364,8 @@ fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(release_capture_pools, m)?)?;
     m.add_function(wrap_pyfunction!(torch_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(torch_live, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_counters, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_reset_peaks, m)?)?;
     m.add_class::<Context>()?;
     m.add_class::<MemoryResource>()?;
     m.add_class::<PinnedResource>()?;

@@ -576,3 +576,65 @@ print("ok")
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
     assert "broken callback" in out.stderr, out.stderr
 
+
+# A stand-in for PyTorch where it is not installed: emm.torch's statistics need only its
+# device index helpers.
+TORCH_STUB = """
+import sys, types
+if "torch" not in sys.modules:
+    try:
+        import torch
+    except ImportError:
+        torch = types.ModuleType("torch")
+        torch.cuda = types.SimpleNamespace(
+            current_device=lambda: 0,
+            _utils=types.SimpleNamespace(_get_device_index=lambda d, optional=True: int(d)),
+        )
+        sys.modules["torch"] = torch
+"""
+
+
+def test_torch_memory_stats_count_what_pytorch_allocated():
+    if DRIVER == "cuda":
+        pytest.skip("drives emm.torch's C entry points on the simulator; the GPU job runs PyTorch")
+    out = run_python(
+        TORCH_STUB
+        + """
+import ctypes
+import emm, emm.torch
+lib = ctypes.CDLL(emm._emm.__file__)
+lib.emm_torch_malloc.restype = ctypes.c_void_p
+lib.emm_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+lib.emm_torch_free.restype = None
+lib.emm_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+a = lib.emm_torch_malloc(1 << 20, 0, None)
+b = lib.emm_torch_malloc(3 << 20, 0, None)
+lib.emm_torch_free(a, 1 << 20, 0, None)
+st = emm.torch.memory_stats()
+assert st["allocated_bytes.all.current"] == 3 << 20, st
+assert st["allocated_bytes.all.peak"] == 4 << 20, st
+assert st["allocated_bytes.all.allocated"] == 4 << 20, st
+assert st["allocated_bytes.all.freed"] == 1 << 20, st
+assert st["allocation.all.current"] == 1 and st["allocation.all.peak"] == 2, st
+assert st["active_bytes.all.current"] == st["allocated_bytes.all.current"]
+held = emm.context(0).pool_stats()["device"]["held_bytes"]
+assert st["reserved_bytes.all.current"] == held >= 3 << 20, st
+assert emm.torch.memory_allocated() == 3 << 20
+assert emm.torch.max_memory_allocated(0) == 4 << 20
+emm.torch.reset_peak_memory_stats()
+assert emm.torch.max_memory_allocated() == 3 << 20
+assert emm.torch.memory_reserved() == held
+# A failure for lack of memory counts in num_ooms.
+assert not lib.emm_torch_malloc(1 << 40, 0, None)
+assert emm.torch.memory_stats()["num_ooms"] == 1
+summary = emm.torch.memory_summary()
+assert "manager pool" in summary and "3.0 MiB" in summary, summary
+lib.emm_torch_free(b, 3 << 20, 0, None)
+assert emm.torch.memory_allocated() == 0
+assert emm.torch.empty_cache() > 0
+assert emm.torch.memory_reserved() == emm.context(0).pool_stats()["device"]["held_bytes"]
+print("ok")
+""",
+        EMM_MEMORY_MANAGER="pool",
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr

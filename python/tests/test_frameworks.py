@@ -230,6 +230,50 @@ def test_torch_allocates_from_emm():
     assert "torch ok" in out
 
 
+@pytest.mark.parametrize("manager", ["default", "pool", "vmm-pool", "async-pool"])
+def test_torch_memory_stats_under_install(manager):
+    """The statistics PyTorch refuses under a pluggable allocator, from emm.torch: allocated
+    bytes as the tensors', peaks, reserve as the manager's, and the OOM count."""
+    needs_gpu("PyTorch")
+    needs_module("torch")
+    out = run(
+        """
+    import torch, emm, emm.torch
+    emm.torch.install()
+    try:
+        torch.cuda.memory_stats()
+        print("pytorch answered")
+    except RuntimeError as e:
+        assert "getDeviceStats" in str(e), e
+    base = emm.torch.memory_allocated()
+    a = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    b = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+    st = emm.torch.memory_stats()
+    assert st["allocated_bytes.all.current"] - base == 4 << 20, st
+    assert st["reserved_bytes.all.current"] >= st["allocated_bytes.all.current"], st
+    del b
+    torch.cuda.synchronize()
+    assert emm.torch.memory_allocated() - base == 1 << 20
+    assert emm.torch.max_memory_allocated() - base >= 4 << 20
+    emm.torch.reset_peak_memory_stats()
+    assert emm.torch.max_memory_allocated() == emm.torch.memory_allocated()
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        raise SystemExit("no error")
+    except torch.OutOfMemoryError as e:
+        pass
+    assert emm.torch.memory_stats()["num_ooms"] == 1
+    assert "allocated" in emm.torch.memory_summary()
+    del a
+    torch.cuda.synchronize()
+    emm.torch.empty_cache()
+    print("stats ok")
+    """,
+        EMM_MEMORY_MANAGER=manager,
+    )
+    assert "stats ok" in out
+
+
 def test_three_frameworks_share_one_runtime():
     """Numba, CuPy and PyTorch in one process: one manager, one usage(); a Numba kernel reads
     a CuPy array and a torch tensor made by emm."""

@@ -110,3 +110,120 @@ def last_error():
 def live():
     """How many allocations PyTorch holds from emm now."""
     return _emm.torch_live()
+
+
+# PyTorch's memory statistics over emm. Under a pluggable allocator PyTorch refuses
+# torch.cuda.memory_stats() and its kin ("does not yet support getDeviceStats"); these answer
+# with the same keys and meanings, from what emm counted of PyTorch's allocations and what its
+# manager holds. Under use_mem_pool() PyTorch's own functions work and are the ones to call.
+
+
+def _device_index(device):
+    if device is None:
+        return torch.cuda.current_device()
+    return torch.cuda._utils._get_device_index(device, optional=True)
+
+
+def memory_stats(device=None):
+    """``torch.cuda.memory_stats()`` for PyTorch's allocations from emm on ``device``: a dict
+    with PyTorch's keys. ``allocated_bytes`` / ``active_bytes`` / ``requested_bytes`` (emm has
+    no split blocks: all three are the tensors' bytes) and ``allocation`` / ``active`` (counts),
+    each ``.all.current``, ``.all.peak``, ``.all.allocated`` and ``.all.freed``;
+    ``reserved_bytes.all.current`` and ``.peak``: what emm's manager holds from the driver for
+    the device (the allocated bytes, for a manager without a pool), for every user of emm, not
+    PyTorch alone; ``num_alloc_retries`` (allocations emm retried after freeing memory) and
+    ``num_ooms`` (PyTorch's allocations that failed for lack of memory)."""
+    import emm
+
+    device = _device_index(device)
+    c = _emm.torch_counters(device)
+    ctx = emm.context(device)
+    pool = ctx.pool_stats()["device"]
+    events = ctx.allocation_events()
+    out = {}
+    for name in ("allocated_bytes", "active_bytes", "requested_bytes"):
+        out[f"{name}.all.current"] = c["current_bytes"]
+        out[f"{name}.all.peak"] = c["peak_bytes"]
+        out[f"{name}.all.allocated"] = c["allocated_bytes"]
+        out[f"{name}.all.freed"] = c["freed_bytes"]
+    for name in ("allocation", "active"):
+        out[f"{name}.all.current"] = c["current_count"]
+        out[f"{name}.all.peak"] = c["peak_count"]
+        out[f"{name}.all.allocated"] = c["allocated_count"]
+        out[f"{name}.all.freed"] = c["freed_count"]
+    if pool is not None:
+        out["reserved_bytes.all.current"] = pool["held_bytes"]
+        out["reserved_bytes.all.peak"] = pool["peak_held_bytes"]
+        out["segment.all.current"] = pool["chunks"]
+    else:
+        out["reserved_bytes.all.current"] = c["current_bytes"]
+        out["reserved_bytes.all.peak"] = c["peak_bytes"]
+    out["num_alloc_retries"] = events["retries"]
+    out["num_ooms"] = c["ooms"]
+    return dict(sorted(out.items()))
+
+
+def memory_allocated(device=None):
+    """Bytes of PyTorch's tensors emm holds on ``device`` now (``torch.cuda.memory_allocated``)."""
+    return memory_stats(device)["allocated_bytes.all.current"]
+
+
+def max_memory_allocated(device=None):
+    """The peak of ``memory_allocated`` since the start or ``reset_peak_memory_stats``."""
+    return memory_stats(device)["allocated_bytes.all.peak"]
+
+
+def memory_reserved(device=None):
+    """Bytes emm's manager holds from the driver for ``device`` (``torch.cuda.memory_reserved``)."""
+    return memory_stats(device)["reserved_bytes.all.current"]
+
+
+def max_memory_reserved(device=None):
+    """The most bytes emm's manager has held for ``device`` since its context was made
+    (``reset_peak_memory_stats`` does not reset it: the manager keeps one peak for all users)."""
+    return memory_stats(device)["reserved_bytes.all.peak"]
+
+
+def reset_peak_memory_stats(device=None):
+    """Sets the allocated peaks (bytes and counts) of ``device`` to what is allocated now."""
+    _emm.torch_reset_peaks(_device_index(device))
+
+
+def empty_cache():
+    """Gives what emm's managers hold unused back to the driver: the graph pools of ended
+    captures whose memory is free, then every device context's pool (``ctx.trim()``).
+    Returns the bytes the trims released."""
+    import emm
+
+    release_graph_pools()
+    return sum(emm.context(d).trim() for d in range(emm.device_count()))
+
+
+def memory_summary(device=None):
+    """A few lines, as ``torch.cuda.memory_summary`` gives: PyTorch's allocations from emm on
+    ``device`` (now, peak, in all, freed), what emm's manager holds, and the out-of-memory
+    counts."""
+    import emm
+
+    device = _device_index(device)
+    st = memory_stats(device)
+    ctx = emm.context(device)
+
+    def mib(n):
+        return f"{n / 2**20:,.1f} MiB"
+
+    rows = [
+        ("", "now", "peak", "in all", "freed"),
+        ("allocated", mib(st["allocated_bytes.all.current"]), mib(st["allocated_bytes.all.peak"]),
+         mib(st["allocated_bytes.all.allocated"]), mib(st["allocated_bytes.all.freed"])),
+        ("allocations", str(st["allocation.all.current"]), str(st["allocation.all.peak"]),
+         str(st["allocation.all.allocated"]), str(st["allocation.all.freed"])),
+        ("reserved", mib(st["reserved_bytes.all.current"]), mib(st["reserved_bytes.all.peak"]),
+         "", ""),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = [f"emm memory summary, device {device}, manager {ctx.manager}"]
+    lines += ["  " + "  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+    lines.append(f"  retries after out of memory: {st['num_alloc_retries']}; "
+                 f"failed for lack of memory: {st['num_ooms']}")
+    return "\n".join(lines)
