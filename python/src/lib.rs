@@ -1166,16 +1166,53 @@ fn torch_error(message: String) {
     *lock(&TORCH_ERROR) = Some(message);
 }
 
-/// PyTorch's `malloc`: `size` bytes on `device` (0 bytes: a null pointer, no allocation), on
-/// `stream`, the stream PyTorch will use the memory on, where the manager allocates on
-/// streams (else in the order of the legacy default stream). On an error, returns null
-/// (PyTorch then raises its out-of-memory error) and records the message for
-/// `emm.torch.last_error()`.
+unsafe extern "C-unwind" {
+    /// Throws a C++ `std::runtime_error` carrying `message` (copied), through the caller:
+    /// `src/throw.cpp`.
+    fn emm_throw_runtime_error(message: *const std::ffi::c_char) -> !;
+}
+
+/// PyTorch's `malloc` for `emm.torch.install()`: `size` bytes on `device` (0 bytes: a null
+/// pointer, no allocation), on `stream`, the stream PyTorch will use the memory on, where the
+/// manager allocates on streams (else in the order of the legacy default stream). An
+/// allocation that fails throws a C++ exception with emm's message, which PyTorch raises as a
+/// `RuntimeError` (its pluggable allocator would take a null pointer for memory); the message
+/// is also kept for `emm.torch.last_error()`.
 #[unsafe(no_mangle)]
-pub extern "C" fn emm_torch_malloc(size: isize, device: i32, stream: *mut c_void) -> *mut c_void {
+pub extern "C-unwind" fn emm_torch_malloc(
+    size: isize,
+    device: i32,
+    stream: *mut c_void,
+) -> *mut c_void {
+    match torch_allocate(size, device, stream) {
+        Ok(ptr) => ptr,
+        Err(message) => {
+            let message = std::ffi::CString::new(message.replace('\0', " ")).unwrap_or_default();
+            // SAFETY: a NUL-terminated string that lives until the exception has copied it;
+            // this frame is `C-unwind`, its caller PyTorch's C++, which catches the exception.
+            unsafe { emm_throw_runtime_error(message.as_ptr()) }
+        }
+    }
+}
+
+/// PyTorch's `malloc` for `emm.torch.mem_pool()`, where PyTorch's caching allocator calls it
+/// for segments: as [`emm_torch_malloc`], but a failure returns null, which the caching
+/// allocator handles (it frees what it caches, retries, and raises its own out-of-memory
+/// error).
+#[unsafe(no_mangle)]
+pub extern "C" fn emm_torch_pool_malloc(
+    size: isize,
+    device: i32,
+    stream: *mut c_void,
+) -> *mut c_void {
+    torch_allocate(size, device, stream).unwrap_or(std::ptr::null_mut())
+}
+
+/// An allocation for PyTorch, counted; a failure's message is recorded and returned.
+fn torch_allocate(size: isize, device: i32, stream: *mut c_void) -> Result<*mut c_void, String> {
     if size == 0 {
         // An empty buffer: a null pointer, without the manager (as PyTorch's own allocator).
-        return std::ptr::null_mut();
+        return Ok(std::ptr::null_mut());
     }
     // The error's text, and whether it was for lack of memory.
     let made = (|| -> Result<MemoryPointer, (String, bool)> {
@@ -1208,7 +1245,7 @@ pub extern "C" fn emm_torch_malloc(size: isize, device: i32, stream: *mut c_void
             c.peak_count = c.peak_count.max(c.current_count);
             c.allocated_count += 1;
             state.live.insert(ptr, mem);
-            ptr as usize as *mut c_void
+            Ok(ptr as usize as *mut c_void)
         }
         Err((e, oom)) => {
             if oom && let Ok(d) = u32::try_from(device) {
@@ -1216,8 +1253,9 @@ pub extern "C" fn emm_torch_malloc(size: isize, device: i32, stream: *mut c_void
                 let state = state.get_or_insert_with(TorchState::default);
                 state.devices.entry(d).or_default().ooms += 1;
             }
-            torch_error(format!("malloc of {size} bytes on device {device}: {e}"));
-            std::ptr::null_mut()
+            let message = format!("malloc of {size} bytes on device {device}: {e}");
+            torch_error(message.clone());
+            Err(message)
         }
     }
 }

@@ -378,11 +378,31 @@ def test_torch_entry_points_without_torch():
     assert not lib.emm_torch_malloc(0, 0, None)
     lib.emm_torch_free(None, 0, 0, None)
     assert emm._emm.torch_last_error() is None
-    # Failures return null and say why.
-    assert not lib.emm_torch_malloc(-1, 0, None)
+    # The MemPool route's malloc returns null on failure (PyTorch's caching allocator checks)
+    # and says why.
+    lib.emm_torch_pool_malloc.restype = ctypes.c_void_p
+    lib.emm_torch_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    assert not lib.emm_torch_pool_malloc(-1, 0, None)
     assert "negative size" in emm._emm.torch_last_error()
-    assert not lib.emm_torch_malloc(1 << 62, 0, None)
+    assert not lib.emm_torch_pool_malloc(1 << 62, 0, None)
     assert "out of memory" in emm._emm.torch_last_error()
+
+
+def test_torch_malloc_throws_a_cpp_exception_on_failure():
+    """install()'s malloc throws a C++ exception carrying emm's message (PyTorch turns it
+    into a RuntimeError; its pluggable allocator does not check for a null pointer). Called
+    through ctypes, which cannot catch it, the process ends with the C++ runtime's report."""
+    out = run_python(
+        "import ctypes, emm\n"
+        "lib = ctypes.CDLL(emm._emm.__file__)\n"
+        "lib.emm_torch_malloc.restype = ctypes.c_void_p\n"
+        "lib.emm_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]\n"
+        "lib.emm_torch_malloc(1 << 62, 0, None)\n"
+        "print('returned')\n"
+    )
+    assert out.returncode != 0 and "returned" not in out.stdout, out
+    assert "std::runtime_error" in out.stderr, out.stderr
+    assert "malloc of 4611686018427387904 bytes on device 0: out of memory" in out.stderr
 
 
 def test_no_driver_library_is_a_clear_error():
@@ -607,6 +627,8 @@ lib.emm_torch_malloc.restype = ctypes.c_void_p
 lib.emm_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
 lib.emm_torch_free.restype = None
 lib.emm_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+lib.emm_torch_pool_malloc.restype = ctypes.c_void_p
+lib.emm_torch_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
 a = lib.emm_torch_malloc(1 << 20, 0, None)
 b = lib.emm_torch_malloc(3 << 20, 0, None)
 lib.emm_torch_free(a, 1 << 20, 0, None)
@@ -625,7 +647,7 @@ emm.torch.reset_peak_memory_stats()
 assert emm.torch.max_memory_allocated() == 3 << 20
 assert emm.torch.memory_reserved() == held
 # A failure for lack of memory counts in num_ooms.
-assert not lib.emm_torch_malloc(1 << 40, 0, None)
+assert not lib.emm_torch_pool_malloc(1 << 40, 0, None)
 assert emm.torch.memory_stats()["num_ooms"] == 1
 summary = emm.torch.memory_summary()
 assert "manager pool" in summary and "3.0 MiB" in summary, summary

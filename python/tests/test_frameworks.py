@@ -257,11 +257,13 @@ def test_torch_memory_stats_under_install(manager):
     assert emm.torch.max_memory_allocated() - base >= 4 << 20
     emm.torch.reset_peak_memory_stats()
     assert emm.torch.max_memory_allocated() == emm.torch.memory_allocated()
+    # A failed allocation raises (PyTorch's pluggable allocator, left alone, gives a tensor
+    # at address 0), with emm's message.
     try:
-        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
-        raise SystemExit("no error")
-    except torch.OutOfMemoryError as e:
-        pass
+        t = torch.empty(100 << 30, dtype=torch.uint8, device="cuda")
+        raise SystemExit("no error: a tensor at 0x%x" % t.data_ptr())
+    except RuntimeError as e:
+        assert "out of memory on device 0" in str(e), e
     assert emm.torch.memory_stats()["num_ooms"] == 1
     assert "allocated" in emm.torch.memory_summary()
     del a
@@ -529,6 +531,26 @@ def test_torch_use_mem_pool_routes_every_thread_to_emm():
     # PyTorch's statistics answer (a pluggable allocator refuses them).
     assert torch.cuda.memory_stats()["allocated_bytes.all.current"] > 0
     assert emm.torch.last_error() is None, emm.torch.last_error()
+    print("ok")
+    """
+    )
+
+
+def test_torch_out_of_memory_in_an_emm_mem_pool_is_pytorchs_own():
+    needs_gpu("PyTorch's caching allocator over emm")
+    needs_module("torch")
+    run(
+        """
+    import torch
+    import emm, emm.torch
+    with emm.torch.use_mem_pool():
+        a = torch.ones(1 << 20, device="cuda")
+        try:
+            t = torch.empty(100 << 30, dtype=torch.uint8, device="cuda")
+            raise SystemExit("no error: a tensor at 0x%x" % t.data_ptr())
+        except torch.OutOfMemoryError:
+            pass
+        assert float(a.sum()) == 1 << 20
     print("ok")
     """
     )

@@ -4,8 +4,10 @@ It is a ``torch.cuda.memory.CUDAPluggableAllocator`` over two C functions that e
 library exports (``emm_torch_malloc``, ``emm_torch_free``), so PyTorch calls emm without going
 through Python. PyTorch passes its current stream: emm allocates on it where the manager
 allocates on streams (``emm.context(d).stream_ordering()``), and frees on it. A failed
-allocation makes PyTorch raise its out-of-memory error; ``last_error()`` gives emm's message. A free of a pointer emm did not hand out, or with a size
-that does not match, is printed and kept for ``last_error()``.
+allocation raises a ``RuntimeError`` with emm's message (not ``torch.OutOfMemoryError``:
+a pluggable allocator cannot raise PyTorch's own type); ``last_error()`` gives the message.
+A free of a pointer emm did not hand out, or with a size that does not match, is printed and
+kept for ``last_error()``.
 
 CUDA graphs: ``torch.cuda.graph`` captures work. PyTorch does not tell a pluggable allocator
 that a capture begins, so emm asks the driver at each allocation whether PyTorch's stream is
@@ -25,9 +27,20 @@ from . import _emm
 
 
 def allocator():
-    """The pluggable allocator object."""
+    """The pluggable allocator object of ``install()``: a failed allocation raises a
+    ``RuntimeError`` with emm's message (PyTorch's pluggable allocator would otherwise take
+    a null pointer for memory)."""
     return torch.cuda.memory.CUDAPluggableAllocator(
         _emm.__file__, "emm_torch_malloc", "emm_torch_free"
+    )
+
+
+def _pool_allocator():
+    """The allocator object behind ``mem_pool()``: a failure returns null, which PyTorch's
+    caching allocator handles (it frees its cache, retries, then raises
+    ``torch.OutOfMemoryError``)."""
+    return torch.cuda.memory.CUDAPluggableAllocator(
+        _emm.__file__, "emm_torch_pool_malloc", "emm_torch_free"
     )
 
 
@@ -69,7 +82,7 @@ def mem_pool(device=None):
                 "emm.torch.install() instead"
             )
         with torch.cuda.device(device):
-            pool = _mem_pools[device] = torch.cuda.MemPool(allocator().allocator())
+            pool = _mem_pools[device] = torch.cuda.MemPool(_pool_allocator().allocator())
     return pool
 
 
