@@ -23,7 +23,7 @@ BATCH = {256: 2000, 1 << 20: 2000, 64 << 20: 500, 1 << 30: 200}
 WARMUP = int(os.environ.get("BENCH_WARMUP", "0"))
 CONFIGS = [
     "numba", "numba-rmm", "numba-emm",
-    "cupy", "cupy-rmm", "cupy-emm",
+    "cupy", "cupy-rmm", "cupy-emm", "cupy-emm-py",
     "torch", "torch-rmm", "torch-emm", "torch-emm-mempool",
     "emm",
 ]
@@ -68,6 +68,10 @@ def setup(config):
             import emm.cupy
 
             emm.cupy.install()
+        elif config == "cupy-emm-py":
+            import emm.cupy
+
+            emm.cupy.install(c_functions=False)
         # A kernel first, as any CuPy program runs one: without it, emm.cupy's pairs measured
         # 3.5 to 7.4 µs (H100, 2026-11-23), against 2.2 µs after a kernel, and 0.9 µs in a
         # process whose CuPy pool had allocated first: a state of the process, not of emm.

@@ -25,6 +25,7 @@ use emm::{
     StreamOrdering,
 };
 mod array;
+mod cupy;
 
 use pyo3::create_exception;
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
@@ -1403,6 +1404,9 @@ fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(torch_live, m)?)?;
     m.add_function(wrap_pyfunction!(torch_counters, m)?)?;
+    m.add_function(wrap_pyfunction!(cupy::cupy_c_functions, m)?)?;
+    m.add_function(wrap_pyfunction!(cupy::cupy_usage, m)?)?;
+    m.add_function(wrap_pyfunction!(cupy::cupy_allocation, m)?)?;
     m.add_function(wrap_pyfunction!(torch_reset_peaks, m)?)?;
     m.add_class::<Context>()?;
     m.add_class::<MemoryResource>()?;

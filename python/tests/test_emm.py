@@ -444,16 +444,23 @@ def test_threads_allocate_and_free_concurrently(ctx):
     ctx.flush()
 
 
+def run_with_cupy_stub(code):
+    """Runs ``code`` with the stand-in for CuPy (tests/stubs/cupy); it must print only ok."""
+    stubs = os.path.join(os.path.dirname(__file__), "stubs")
+    out = run_python(code, PYTHONPATH=stubs + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok", out.stdout
+
+
 def test_cupy_allocator_on_the_simulator():
     """emm.cupy's allocator over a stand-in for CuPy's hooks (tests/stubs/cupy): the
     pointer's owner keeps the emm buffer alive, it is allocated on CuPy's current stream,
     0 bytes is a null pointer with no allocation, an allocation too large raises emm's
     OutOfMemoryError and holds nothing, and the memory goes back when CuPy's pointer goes."""
-    stubs = os.path.join(os.path.dirname(__file__), "stubs")
     code = (
         "import gc, emm, emm.cupy, cupy\n"
         "emm.configure(adaptors='stats', driver='sim')\n"
-        "emm.cupy.install()\n"
+        "emm.cupy.install(c_functions=False)\n"
         "p = cupy.cuda.alloc(1000)\n"
         "c = emm.context(0)\n"
         "assert p.ptr != 0 and p.mem.size == 1000 and p.mem.owner.live\n"
@@ -475,9 +482,37 @@ def test_cupy_allocator_on_the_simulator():
         "assert c.usage()['device']['current_count'] == 0\n"
         "print('ok')"
     )
-    out = run_python(code, PYTHONPATH=stubs + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    run_with_cupy_stub(code)
+
+
+def test_cupy_c_allocator_on_the_simulator():
+    """emm.cupy's C functions through a stand-in for CuPy's CFunctionAllocator and its
+    current-stream export (tests/stubs/cupy): CuPy's current stream is read in C, the bytes
+    are counted, an allocation too large raises emm's OutOfMemoryError, and the memory goes
+    back when CuPy's pointer goes."""
+    code = (
+        "import gc, emm, emm.cupy, cupy\n"
+        "emm.configure(adaptors='stats', driver='sim', manager='pool')\n"
+        "emm.cupy.install()\n"
+        "c = emm.context(0)\n"
+        "p = cupy.cuda.alloc(1000)\n"
+        "assert p.ptr != 0 and c.usage()['device']['current_count'] == 1\n"
+        "assert emm.cupy.used_bytes() == 1000, emm.cupy.used_bytes()\n"
+        "assert emm.cupy.total_bytes() == c.pool_stats()['device']['held_bytes'] > 0\n"
+        "cupy.cuda.current_stream = cupy.cuda.Stream(2)\n"
+        "q = cupy.cuda.alloc(5000)\n"
+        "assert emm.cupy.used_bytes() == 6000\n"
+        "try:\n"
+        "    cupy.cuda.alloc(1 << 50)\n"
+        "    raise SystemExit('1 PiB was allocated')\n"
+        "except emm.OutOfMemoryError as e:\n"
+        "    assert 'out of memory' in str(e), e\n"
+        "del p, q; gc.collect()\n"
+        "assert emm.cupy.used_bytes() == 0 and c.usage()['device']['current_count'] == 0\n"
+        "assert emm.cupy.free_all_blocks() > 0 and emm.cupy.total_bytes() == 0\n"
+        "print('ok')"
+    )
+    run_with_cupy_stub(code)
 
 
 def test_arrays_speak_dlpack(ctx):

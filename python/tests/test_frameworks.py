@@ -126,13 +126,16 @@ def test_numba_ipc_handle_opens_in_numba_without_emm(manager):
     assert "ipc ok" in out
 
 
-def test_cupy_allocates_from_emm():
+@pytest.mark.parametrize("c_functions", [True, False])
+def test_cupy_allocates_from_emm(c_functions):
     needs_gpu("CuPy")
     needs_module("cupy")
     out = run(
-        """
+        f"""
     import cupy, emm, emm.cupy
-    emm.cupy.install()
+    from emm import _emm
+    c_functions = {c_functions}
+    emm.cupy.install(c_functions=c_functions)
     x = cupy.arange(1000, dtype=cupy.float32)
     assert float((x * 2).sum()) == 999000.0
     assert emm.context(0).usage()["device"]["current_count"] >= 1
@@ -140,9 +143,14 @@ def test_cupy_allocates_from_emm():
     # On a stream of CuPy's: the memory is allocated (and freed) there.
     with cupy.cuda.Stream(non_blocking=True) as s:
         y = cupy.arange(1 << 20, dtype=cupy.float32)
-        # CuPy keeps an UnownedMemory's owner (emm's buffer) in `_owner`.
-        owner = y.data.mem._owner
-        assert owner.stream == s.ptr, (owner.stream, s.ptr)
+        if c_functions:
+            size, stream = _emm.cupy_allocation(y.data.mem.ptr)
+            assert size == 4 << 20 and stream == s.ptr, (size, stream, s.ptr)
+            assert emm.cupy.used_bytes() >= 4 << 20
+        else:
+            # CuPy keeps an UnownedMemory's owner (emm's buffer) in `_owner`.
+            owner = y.data.mem._owner
+            assert owner.stream == s.ptr, (owner.stream, s.ptr)
         z = y * 3
         total = float(z[-1])
         del y, z
@@ -156,6 +164,10 @@ def test_cupy_allocates_from_emm():
     except emm.OutOfMemoryError as e:
         assert "out of" in str(e).lower(), e
     assert emm.context(0).usage()["device"]["current_count"] == before
+    if c_functions:
+        del x, empty
+        assert emm.cupy.used_bytes() == 0, emm.cupy.used_bytes()
+        emm.cupy.free_all_blocks()
     print("cupy ok")
     """
     )

@@ -1,6 +1,10 @@
-"""CuPy's allocator over emm: ``cupy.cuda.set_allocator(emm.cupy.allocator)``.
+"""CuPy's allocator over emm: ``emm.cupy.install()``.
 
-Every CuPy allocation then comes from the process's emm runtime, on CuPy's current device
+``install()`` gives CuPy two C functions of emm's extension (``emm_cupy_malloc``,
+``emm_cupy_free``) through its ``cupy.cuda.memory.CFunctionAllocator``, so no Python runs
+when CuPy allocates or frees; ``install(c_functions=False)`` gives it ``allocator``, the same
+in Python (``cupy.cuda.set_allocator(emm.cupy.allocator)``). Every CuPy allocation then
+comes from the process's emm runtime, on CuPy's current device
 and on CuPy's current stream (``cupy.cuda.get_current_stream()``), as CuPy's own pool does:
 the memory is freed on that stream when CuPy drops it, and the manager reuses it elsewhere
 only once that stream's work is done (``emm.context(d).stream_ordering()`` says how). Under
@@ -16,7 +20,7 @@ being captured: the graph's memory, reused by that capture alone, kept for its l
 
 import cupy
 
-from . import context
+from . import _emm, context
 
 
 # Each device's context and whether its manager allocates on streams, looked up once: the
@@ -44,16 +48,74 @@ def allocator(size):
     return cupy.cuda.MemoryPointer(mem, 0)
 
 
-def install():
-    """Makes emm CuPy's allocator (``cupy.cuda.set_allocator(allocator)``); captures get
-    graph pools (see the module's text) unless ``EMM_CAPTURE_POOLS=0``."""
+def c_allocator():
+    """CuPy's ``CFunctionAllocator`` over emm's C functions. They read CuPy's current stream
+    through the C function CuPy's ``cupy.cuda.stream`` module exports; a CuPy whose export is
+    missing or of another signature is refused with a message naming ``c_functions=False``."""
+    stream_module = getattr(cupy.cuda, "stream", None)
+    capsule = getattr(stream_module, "__pyx_capi__", {}).get("get_current_stream_ptr")
+    factory = getattr(getattr(cupy.cuda, "memory", None), "CFunctionAllocator", None)
+    if capsule is None or factory is None:
+        raise RuntimeError(
+            "this CuPy exports no get_current_stream_ptr or CFunctionAllocator, which emm.cupy's "
+            "C allocator needs; use emm.cupy.install(c_functions=False), the Python allocator"
+        )
+    malloc, free = _emm.cupy_c_functions(capsule)
+    return factory(0, malloc, free, _emm)
+
+
+_installed = None
+
+
+def install(c_functions=True):
+    """Makes emm CuPy's allocator: emm's C functions (``c_allocator()``), or with
+    ``c_functions=False`` the Python ``allocator``. Captures get graph pools (see the module's
+    text) unless ``EMM_CAPTURE_POOLS=0``."""
     import os
 
     from . import enable_capture_pools
 
+    global _installed
     if os.environ.get("EMM_CAPTURE_POOLS", "1") != "0":
         enable_capture_pools()
-    cupy.cuda.set_allocator(allocator)
+    if c_functions:
+        _installed = c_allocator()
+        cupy.cuda.set_allocator(_installed.malloc)
+    else:
+        _installed = allocator
+        cupy.cuda.set_allocator(allocator)
+
+
+def used_bytes(device=None):
+    """Bytes CuPy holds from emm on ``device`` (CuPy's current one by default), as CuPy's
+    ``MemoryPool.used_bytes``; counted for the C allocator ``install()`` gives."""
+    if _installed is allocator:
+        raise RuntimeError(
+            "used_bytes counts the C allocator's memory; under install(c_functions=False) read "
+            "emm.context(device).usage() (EMM_MEMORY_ADAPTORS=stats)"
+        )
+    if device is None:
+        device = cupy.cuda.runtime.getDevice()
+    return _emm.cupy_usage(device)["used_bytes"]
+
+
+def total_bytes(device=None):
+    """Bytes emm's manager holds from the driver for ``device``, for every user of emm, as
+    CuPy's ``MemoryPool.total_bytes`` (the bytes in use, under a manager without a pool)."""
+    if device is None:
+        device = cupy.cuda.runtime.getDevice()
+    pool = context(device).pool_stats()["device"]
+    return pool["held_bytes"] if pool is not None else used_bytes(device)
+
+
+def free_all_blocks():
+    """Gives what emm holds unused back to the driver, as CuPy's
+    ``MemoryPool.free_all_blocks``: the graph pools of ended captures whose memory is free,
+    then every device context's pool. Returns the bytes the trims released."""
+    from . import device_count
+
+    release_graph_pools()
+    return sum(context(d).trim() for d in range(device_count()))
 
 
 def release_graph_pools():

@@ -1,0 +1,156 @@
+//! CuPy's allocator in C: two functions for `cupy.cuda.memory.CFunctionAllocator`, so that no
+//! Python runs when CuPy allocates or frees (the Python allocator of `emm.cupy` built two
+//! CuPy objects per call). CuPy calls them with the GIL held. They allocate on CuPy's current
+//! stream, read through the C function CuPy exports for it (`get_current_stream_ptr` in
+//! `cupy.cuda.stream`'s C API), and keep each allocation alive by address until CuPy frees it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{c_int, c_void};
+use std::sync::Mutex;
+
+use emm::driver_sys::StreamHandle;
+use emm::{MemoryPointer, StreamOrdering};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyCapsuleMethods, PyDict};
+
+use super::{device_context, drop_memory, lock, py_err};
+
+/// The C signature of CuPy's `get_current_stream_ptr`, as its capsule names it.
+const STREAM_GETTER_SIGNATURE: &std::ffi::CStr = c"intptr_t (void)";
+
+/// CuPy's current stream of the calling thread, as a `CUstream`.
+type StreamGetter = unsafe extern "C" fn() -> isize;
+
+/// What CuPy holds from emm: its allocations by address and, per device, their bytes.
+#[derive(Default)]
+struct CupyState {
+    live: HashMap<u64, MemoryPointer>,
+    used: BTreeMap<u32, u64>,
+    stream: Option<StreamGetter>,
+}
+
+static CUPY: Mutex<Option<CupyState>> = Mutex::new(None);
+
+/// The addresses of [`emm_cupy_malloc`] and [`emm_cupy_free`] for CuPy's
+/// `CFunctionAllocator`, after taking CuPy's current-stream function from `stream_api` (the
+/// capsule `cupy.cuda.stream.__pyx_capi__["get_current_stream_ptr"]`). A capsule of another
+/// signature is refused: the functions would call it wrongly.
+#[pyfunction]
+pub(crate) fn cupy_c_functions(stream_api: &Bound<'_, PyCapsule>) -> PyResult<(usize, usize)> {
+    let Ok(ptr) = stream_api.pointer_checked(Some(STREAM_GETTER_SIGNATURE)) else {
+        // SAFETY: the name is read at once, while no Python code runs.
+        let name = stream_api
+            .name()?
+            .map(|n| unsafe { n.as_cstr() }.to_string_lossy().into_owned());
+        return Err(PyRuntimeError::new_err(format!(
+            "CuPy's get_current_stream_ptr capsule is named {name:?}, not {STREAM_GETTER_SIGNATURE:?} \
+             (or holds no function): this CuPy is one emm.cupy's C allocator does not know; use \
+             emm.cupy.install(c_functions=False), the Python allocator"
+        )));
+    };
+    // SAFETY: the capsule is CuPy's C API entry for `get_current_stream_ptr`, whose signature
+    // its name states and was checked above; CuPy's module stays loaded for the process.
+    let getter = unsafe { std::mem::transmute::<*mut c_void, StreamGetter>(ptr.as_ptr()) };
+    lock(&CUPY).get_or_insert_with(CupyState::default).stream = Some(getter);
+    Ok((
+        emm_cupy_malloc as *const () as usize,
+        emm_cupy_free as *const () as usize,
+    ))
+}
+
+/// CuPy's `malloc` (`void *(void *param, size_t size, int device_id)`): `size` bytes on
+/// `device`, on CuPy's current stream where the manager allocates on streams. A failure sets
+/// emm's Python exception and returns the address -1, which CuPy's Cython code checks for an
+/// exception (a null pointer it would take for memory).
+#[unsafe(no_mangle)]
+pub extern "C" fn emm_cupy_malloc(_param: *mut c_void, size: usize, device: c_int) -> *mut c_void {
+    let made = (|| -> PyResult<MemoryPointer> {
+        let device = u32::try_from(device)
+            .map_err(|_| PyRuntimeError::new_err(format!("a negative device ({device})")))?;
+        let ctx = device_context(device)?;
+        if ctx.stream_ordering() == StreamOrdering::Unsupported {
+            return ctx.memalloc(size).map_err(py_err);
+        }
+        let getter = lock(&CUPY).as_ref().and_then(|s| s.stream);
+        let stream = match getter {
+            // SAFETY: CuPy's own function of no arguments (checked by `cupy_c_functions`),
+            // called with the GIL held, as CuPy calls this function.
+            Some(current) => unsafe { current() },
+            None => 0,
+        };
+        // SAFETY: CuPy's current stream of this device; emm.cupy's rule (the README's) is
+        // that a CuPy stream outlives the memory allocated on it.
+        unsafe { ctx.memalloc_on_raw(size, StreamHandle(stream as u64)) }.map_err(py_err)
+    })();
+    match made {
+        Ok(mem) => {
+            let ptr = mem.device_ptr().0;
+            let mut state = lock(&CUPY);
+            let state = state.get_or_insert_with(CupyState::default);
+            *state.used.entry(mem.device().0).or_default() += mem.size() as u64;
+            state.live.insert(ptr, mem);
+            ptr as usize as *mut c_void
+        }
+        Err(e) => {
+            // SAFETY: CuPy calls with the GIL held.
+            Python::attach(|py| e.restore(py));
+            usize::MAX as *mut c_void
+        }
+    }
+}
+
+/// CuPy's `free` (`void (void *param, void *ptr, int device_id)`): gives back memory
+/// [`emm_cupy_malloc`] returned. A pointer emm did not hand out frees nothing and is
+/// reported on standard error (CuPy's free cannot raise).
+#[unsafe(no_mangle)]
+pub extern "C" fn emm_cupy_free(_param: *mut c_void, ptr: *mut c_void, device: c_int) {
+    let addr = ptr as usize as u64;
+    let mem = {
+        let mut state = lock(&CUPY);
+        let state = state.get_or_insert_with(CupyState::default);
+        let mem = state.live.remove(&addr);
+        if let Some(mem) = &mem {
+            *state.used.entry(mem.device().0).or_default() -= mem.size() as u64;
+        }
+        mem
+    };
+    match mem {
+        Some(mem) => drop_memory(mem),
+        None => {
+            tracing::error!(
+                addr,
+                device,
+                "emm.cupy: free of memory emm did not allocate"
+            );
+            eprintln!(
+                "emm.cupy: free of 0x{addr:x} (device {device}), which emm did not allocate for CuPy (or freed already); nothing was freed"
+            );
+        }
+    }
+}
+
+/// CuPy's live allocations from emm through the C functions: on `device`, a dict of
+/// `used_bytes` and `count` (all devices' count).
+#[pyfunction]
+pub(crate) fn cupy_usage(py: Python<'_>, device: u32) -> PyResult<Bound<'_, PyDict>> {
+    let state = lock(&CUPY);
+    let d = PyDict::new(py);
+    let used = state
+        .as_ref()
+        .and_then(|s| s.used.get(&device).copied())
+        .unwrap_or(0);
+    d.set_item("used_bytes", used)?;
+    d.set_item("count", state.as_ref().map_or(0, |s| s.live.len()))?;
+    Ok(d)
+}
+
+/// The allocation CuPy holds at `ptr` through the C functions: `(size, stream)`, the stream
+/// as a `CUstream` (`None` for memory not allocated on a stream); `None` for an address emm
+/// did not hand CuPy.
+#[pyfunction]
+pub(crate) fn cupy_allocation(ptr: u64) -> Option<(usize, Option<u64>)> {
+    let state = lock(&CUPY);
+    let mem = state.as_ref()?.live.get(&ptr)?;
+    Some((mem.size(), mem.stream().map(|s| s.0)))
+}
