@@ -437,6 +437,11 @@ pub struct OutOfMemoryReport {
     /// The share of the unused bytes outside the largest free block, 0 to 1: near 1, the
     /// free space is in pieces too small for large requests.
     pub fragmentation: Option<f64>,
+    /// Free blocks the manager held (`None` where it cannot tell).
+    pub free_blocks: Option<usize>,
+    /// Free bytes in blocks too small for the request (`None` where the manager cannot
+    /// tell).
+    pub unusable_for_request: Option<usize>,
     /// Retries the context's out-of-memory callback asked for.
     pub callback_retries: u32,
 }
@@ -466,8 +471,18 @@ impl fmt::Display for ReportLines<'_> {
             if let Some(frag) = r.fragmentation {
                 write!(f, ", fragmentation {frag:.2}")?;
             }
+            if let Some(blocks) = r.free_blocks {
+                write!(f, ", {blocks} free blocks")?;
+            }
+            if let Some(unusable) = r.unusable_for_request.filter(|&u| u > 0) {
+                write!(
+                    f,
+                    "\n  {:.1} MiB of the free space is in blocks too small for this request",
+                    mib(unusable)
+                )?;
+            }
             if r.unused_bytes.is_some_and(|u| u > 0) {
-                f.write_str(" (ctx.trim() gives unused memory back to the driver)")?;
+                f.write_str("\n  ctx.trim() gives unused memory back to the driver")?;
             }
         }
         if r.callback_retries > 0 {

@@ -83,8 +83,8 @@ pub use error::{EmmError, OutOfMemoryReport};
 
 pub use adaptors::{Adapted, Adaptor, LOG_HEADER};
 pub use contract::{
-    AllocationEvents, DeviceIdentity, FnFactory, INTERFACE_VERSION, IpcHandle, IpcMemory,
-    KindUsage, ManagerContext, ManagerFactory, MemoryInfo, MemoryKind, MemoryManager,
+    AllocationEvents, DeviceIdentity, FnFactory, FreeSpace, INTERFACE_VERSION, IpcHandle,
+    IpcMemory, KindUsage, ManagerContext, ManagerFactory, MemoryInfo, MemoryKind, MemoryManager,
     OUT_OF_MEMORY_RETRIES, OutOfMemoryCallback, POOL_DESCRIPTOR_LEN, PinnedPoolConfig, PoolExport,
     PoolId, PoolReport, PoolStats, StreamOrdering, Usage, check_interface_version,
 };

@@ -1087,6 +1087,33 @@ impl Context {
         Ok(Some(out))
     }
 
+    /// The free space of the manager's device pool (`None` without a pool, or where it cannot
+    /// tell): a dict of `blocks` (their count), `total_bytes`, `largest_bytes`,
+    /// `fragmentation` (the share of free bytes outside the largest block), `histogram` (a
+    /// list of `(upper, count, bytes)`, a bucket per power of two, sizes in `(upper / 2,
+    /// upper]`) and, given `request`, `unusable_bytes`: the free bytes requests of that many
+    /// bytes each cannot use.
+    #[pyo3(signature = (request=None))]
+    fn free_space<'py>(
+        &self,
+        py: Python<'py>,
+        request: Option<usize>,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(space) = py.detach(|| self.inner.free_space()) else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("blocks", space.blocks.len())?;
+        d.set_item("total_bytes", space.total_bytes())?;
+        d.set_item("largest_bytes", space.largest_bytes())?;
+        d.set_item("fragmentation", space.fragmentation())?;
+        d.set_item("histogram", space.histogram())?;
+        if let Some(request) = request {
+            d.set_item("unusable_bytes", space.unusable_for(request))?;
+        }
+        Ok(Some(d))
+    }
+
     /// What the manager's pools hold: `device` and `pinned_host`, each `None` or a dict of
     /// `held_bytes`, `in_use_bytes`, `in_use_blocks`, `cached_bytes`, `peak_held_bytes`,
     /// `chunks`, `grows`, `trimmed_bytes` and `largest_free_bytes` (`None` where the pool

@@ -695,3 +695,29 @@ print("ok")
         EMM_MEMORY_MANAGER="pool",
     )
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+
+
+def test_free_space_of_the_pool():
+    out = run_python(
+        """
+import emm
+ctx = emm.context(0)
+if ctx.manager != "pool":
+    raise SystemExit("not pool")
+bufs = [ctx.memalloc(1 << 20) for _ in range(8)]
+del bufs[::2]
+space = ctx.free_space(request=2 << 20)
+assert space["blocks"] >= 1 and space["total_bytes"] >= 4 << 20, space
+stats = ctx.pool_stats()["device"]
+assert space["total_bytes"] == stats["held_bytes"] - stats["in_use_bytes"], (space, stats)
+assert space["largest_bytes"] == stats["largest_free_bytes"]
+assert sum(c for _, c, _ in space["histogram"]) == space["blocks"]
+assert 0.0 <= space["fragmentation"] <= 1.0
+assert "unusable_bytes" in space and "unusable_bytes" not in ctx.free_space()
+print("ok")
+""",
+        EMM_MEMORY_MANAGER="pool",
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+    out = run_python("import emm; print(emm.context(0).free_space())", EMM_MEMORY_MANAGER="default")
+    assert out.returncode == 0 and out.stdout.strip() == "None", out.stdout + out.stderr

@@ -32,7 +32,7 @@ use driver_sys::{DevicePtr, HostPtr, StreamHandle};
 use driver_sys::DeviceOrdinal;
 
 use crate::contract::factory::{ManagerContext, ManagerFactory};
-use crate::contract::info::{MemoryInfo, MemoryKind, PoolReport, Usage};
+use crate::contract::info::{FreeSpace, MemoryInfo, MemoryKind, PoolReport, Usage};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{MemoryManager, StreamOrdering};
 use crate::contract::pool_export::PoolExport;
@@ -435,6 +435,10 @@ impl MemoryManager for Adapted {
 
     fn pool_stats(&self) -> PoolReport {
         self.inner.pool_stats()
+    }
+
+    fn free_space(&self) -> Option<FreeSpace> {
+        self.inner.free_space()
     }
 
     fn usage(&self) -> Option<Usage> {

@@ -41,6 +41,72 @@ pub struct PoolStats {
     pub largest_free_bytes: Option<usize>,
 }
 
+/// The free space of a manager's device pool, block by block, at one moment: what the pool can
+/// hand out without asking the driver for more ([`MemoryManager::free_space`](crate::contract::MemoryManager::free_space)).
+/// Blocks cached for reuse by one size class (per-thread caches) are listed at their size; the
+/// pool merges them back with their neighbours before it grows.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FreeSpace {
+    /// The sizes of the free blocks, largest first.
+    pub blocks: Vec<usize>,
+}
+
+impl FreeSpace {
+    /// Free space of blocks of these sizes.
+    pub fn from_blocks(mut blocks: Vec<usize>) -> FreeSpace {
+        blocks.retain(|&b| b > 0);
+        blocks.sort_unstable_by(|a, b| b.cmp(a));
+        FreeSpace { blocks }
+    }
+
+    /// Bytes of all free blocks.
+    pub fn total_bytes(&self) -> usize {
+        self.blocks.iter().sum()
+    }
+
+    /// The largest free block (0 when there is none).
+    pub fn largest_bytes(&self) -> usize {
+        self.blocks.first().copied().unwrap_or(0)
+    }
+
+    /// The share of the free bytes outside the largest free block, 0 to 1 (0 without free
+    /// space): near 1, the free space is in pieces too small for large requests.
+    pub fn fragmentation(&self) -> f64 {
+        let total = self.total_bytes();
+        if total == 0 {
+            return 0.0;
+        }
+        1.0 - self.largest_bytes() as f64 / total as f64
+    }
+
+    /// Free bytes that requests of `size` bytes each cannot use: what is left of every block
+    /// after as many such requests as it holds (every free byte, for a size of 0).
+    pub fn unusable_for(&self, size: usize) -> usize {
+        if size == 0 {
+            return self.total_bytes();
+        }
+        self.blocks.iter().map(|&b| b % size).sum()
+    }
+
+    /// The free blocks by size, a bucket per power of two: `(upper, count, bytes)` for each
+    /// bucket that holds a block, where the bucket holds sizes in `(upper / 2, upper]`,
+    /// smallest first.
+    pub fn histogram(&self) -> Vec<(usize, usize, usize)> {
+        let mut out: Vec<(usize, usize, usize)> = Vec::new();
+        for &b in self.blocks.iter().rev() {
+            let upper = b.next_power_of_two();
+            match out.last_mut() {
+                Some(last) if last.0 == upper => {
+                    last.1 += 1;
+                    last.2 += b;
+                }
+                _ => out.push((upper, 1, b)),
+            }
+        }
+        out
+    }
+}
+
 /// What a manager's pools hold: its device pool and its pinned host pool, where it has them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolReport {
@@ -74,9 +140,9 @@ pub type OutOfMemoryCallback = dyn Fn(usize) -> bool + Send + Sync;
 /// keeps answering `true` without freeing anything cannot hold an allocation in a loop.
 pub const OUT_OF_MEMORY_RETRIES: u32 = 3;
 
-/// What makes an out-of-memory error's report: given the callback's retries, the manager's
-/// figures (set by the context that owns the manager).
-pub(crate) type Reporter = dyn Fn(u32) -> OutOfMemoryReport + Send + Sync;
+/// What makes an out-of-memory error's report: given the bytes requested and the callback's
+/// retries, the manager's figures (set by the context that owns the manager).
+pub(crate) type Reporter = dyn Fn(usize, u32) -> OutOfMemoryReport + Send + Sync;
 
 /// One context's out-of-memory events: its callback, and how often its device allocations ran
 /// out of memory, counted by its host layer and pools (retries after freeing what they could)
@@ -140,10 +206,17 @@ impl AllocationEvents {
         let _ = self.reporter.set(reporter);
     }
 
-    /// The report of an out-of-memory error after `callback_retries` retries the callback
-    /// asked for (`None` where no context set a reporter: a manager used on its own).
-    pub fn report(&self, callback_retries: u32) -> Option<Box<OutOfMemoryReport>> {
-        self.reporter.get().map(|r| Box::new(r(callback_retries)))
+    /// The report of an out-of-memory error of a request of `requested` bytes after
+    /// `callback_retries` retries the callback asked for (`None` where no context set a
+    /// reporter: a manager used on its own).
+    pub fn report(
+        &self,
+        requested: usize,
+        callback_retries: u32,
+    ) -> Option<Box<OutOfMemoryReport>> {
+        self.reporter
+            .get()
+            .map(|r| Box::new(r(requested, callback_retries)))
     }
 }
 

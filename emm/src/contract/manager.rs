@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use driver_sys::{HostPtr, StreamHandle};
 
-use crate::contract::info::{MemoryInfo, PoolReport, Usage};
+use crate::contract::info::{FreeSpace, MemoryInfo, PoolReport, Usage};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
@@ -155,6 +155,12 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
     /// What the manager's pools hold (nothing, for a manager without pools).
     fn pool_stats(&self) -> PoolReport {
         PoolReport::default()
+    }
+
+    /// The free space of the manager's device pool, block by block (`None` for a manager
+    /// without a pool, or whose pool cannot tell, as the driver's own pools).
+    fn free_space(&self) -> Option<FreeSpace> {
+        None
     }
 
     /// What a `stats` adaptor around the manager counted (`None` without one).

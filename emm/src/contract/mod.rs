@@ -21,7 +21,7 @@ pub(crate) mod pool_export;
 pub use access::RelaxedCapture;
 pub use factory::{FnFactory, ManagerContext, ManagerFactory};
 pub use info::{
-    AllocationEvents, KindUsage, MemoryInfo, MemoryKind, OUT_OF_MEMORY_RETRIES,
+    AllocationEvents, FreeSpace, KindUsage, MemoryInfo, MemoryKind, OUT_OF_MEMORY_RETRIES,
     OutOfMemoryCallback, PinnedPoolConfig, PoolReport, PoolStats, Usage,
 };
 pub use ipc::{DeviceIdentity, IpcHandle, IpcMemory};

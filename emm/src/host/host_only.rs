@@ -6,7 +6,7 @@ use std::sync::Arc;
 use driver_sys::{HostPtr, StreamHandle};
 
 use crate::contract::factory::ManagerContext;
-use crate::contract::info::{MemoryInfo, PoolReport, PoolStats};
+use crate::contract::info::{FreeSpace, MemoryInfo, PoolReport, PoolStats};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{INTERFACE_VERSION, MemoryManager, StreamOrdering};
 use crate::contract::pool_export::PoolExport;
@@ -142,6 +142,11 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
         None
     }
 
+    /// A pooling allocator's free space, block by block, if it can tell.
+    fn free_space(&self) -> Option<FreeSpace> {
+        None
+    }
+
     /// Exports the allocator's IPC-enabled stream-ordered pool; allocators without one refuse
     /// (the default).
     fn export_pool(&self, host: &HostLayer) -> Result<PoolExport, EmmError> {
@@ -267,6 +272,10 @@ impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
             device: self.device.pool_stats(),
             pinned_host: self.host.pinned_pool_stats(),
         }
+    }
+
+    fn free_space(&self) -> Option<FreeSpace> {
+        self.device.free_space()
     }
 
     fn export_pool(&self) -> Result<PoolExport, EmmError> {

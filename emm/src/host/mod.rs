@@ -215,7 +215,7 @@ impl HostLayer {
                         free: info.free,
                         total: info.total,
                         flushed,
-                        report: cx.events.report(asked),
+                        report: cx.events.report(bytes, asked),
                         source: e,
                     };
                     tracing::warn!(device = %cx.device, what, bytes, error = %e, "out of memory");

@@ -11,7 +11,9 @@ use driver_sys::{
 
 use super::graphs::GraphRoutes;
 use crate::contract::factory::ManagerContext;
-use crate::contract::info::{AllocationEvents, MemoryInfo, OutOfMemoryCallback, PoolReport, Usage};
+use crate::contract::info::{
+    AllocationEvents, FreeSpace, MemoryInfo, OutOfMemoryCallback, PoolReport, Usage,
+};
 use crate::contract::ipc::{DeviceIdentity, IpcHandle};
 use crate::contract::manager::{MemoryManager, StreamOrdering};
 use crate::contract::pool_export::PoolExport;
@@ -162,9 +164,11 @@ impl Context {
     /// What the manager holds now, for an out-of-memory error.
     pub(crate) fn out_of_memory_report(
         inner: &ContextInner,
+        requested: usize,
         callback_retries: u32,
     ) -> OutOfMemoryReport {
         let pool = inner.manager.pool_stats().device;
+        let space = inner.manager.free_space();
         let unused = pool.map(|p| p.unused_bytes());
         let largest = pool.and_then(|p| p.largest_free_bytes);
         OutOfMemoryReport {
@@ -173,11 +177,14 @@ impl Context {
             in_use_bytes: pool.map(|p| p.in_use_bytes),
             unused_bytes: unused,
             largest_free_bytes: largest,
-            fragmentation: match (unused, largest) {
-                (Some(u), Some(l)) if u > 0 => Some(1.0 - l.min(u) as f64 / u as f64),
-                (Some(_), Some(_)) => Some(0.0),
+            fragmentation: match (&space, unused, largest) {
+                (Some(space), _, _) => Some(space.fragmentation()),
+                (None, Some(u), Some(l)) if u > 0 => Some(1.0 - l.min(u) as f64 / u as f64),
+                (None, Some(_), Some(_)) => Some(0.0),
                 _ => None,
             },
+            free_blocks: space.as_ref().map(|s| s.blocks.len()),
+            unusable_for_request: space.as_ref().map(|s| s.unusable_for(requested)),
             callback_retries,
         }
     }
@@ -313,6 +320,13 @@ impl Context {
     /// What the manager's pools hold now.
     pub fn pool_stats(&self) -> PoolReport {
         self.inner.manager.pool_stats()
+    }
+
+    /// The free space of the manager's device pool, block by block: largest block, count,
+    /// histogram, fragmentation, and what requests of a size cannot use ([`FreeSpace`];
+    /// `None` for a manager without a pool, or whose pool cannot tell).
+    pub fn free_space(&self) -> Option<FreeSpace> {
+        self.inner.manager.free_space()
     }
 
     /// What a `stats` adaptor counted, if the manager has one.

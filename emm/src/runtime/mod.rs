@@ -421,9 +421,9 @@ impl Runtime {
         // Out-of-memory reports read the manager's figures (a weak reference: the events
         // live inside the context).
         let weak = Arc::downgrade(&context.inner);
-        events.set_reporter(Box::new(move |retries| {
+        events.set_reporter(Box::new(move |requested, retries| {
             weak.upgrade().map_or_else(Default::default, |inner| {
-                Context::out_of_memory_report(&inner, retries)
+                Context::out_of_memory_report(&inner, requested, retries)
             })
         }));
         Ok(context)

@@ -11,6 +11,7 @@
 //! | `host_and_ipc` | host-side rules and multi-device IPC that one GPU cannot show |
 //! | `selection` | choosing the manager in code, the interface-version check |
 //! | `hostile_input` | garbled IPC handles, pool descriptors and configuration are refused |
+//! | `free_space` | the pool's free space, block by block, adds up to what it holds and does not lend (property test) |
 //! | `held_bound` | device memory held stays bounded by memory live, for random sequences (property test) |
 //! | `pools` | the pool, the pinned host pool and the adaptors, with a property test of the pool |
 //! | `pool_ipc` | IPC of stream-ordered pools between simulated processes, with a property test |
@@ -22,6 +23,7 @@
 #![cfg(not(emm_loom))]
 
 mod common;
+mod free_space;
 mod graphs;
 mod held_bound;
 mod host_and_ipc;

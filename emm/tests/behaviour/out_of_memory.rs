@@ -119,10 +119,16 @@ fn the_report_says_what_the_pool_holds_uses_and_leaves_unused() {
     assert!(largest < 48 << 20, "{report:?}");
     let frag = report.fragmentation.unwrap();
     assert!((0.0..=1.0).contains(&frag), "{report:?}");
+    // Every free block is smaller than the request: all the free space is unusable for it.
+    let space = ctx.free_space().unwrap();
+    assert_eq!(report.free_blocks, Some(space.blocks.len()));
+    assert_eq!(report.unusable_for_request, Some(space.total_bytes()));
+    assert!(space.total_bytes() >= 20 << 20, "{space:?}");
     let text = err.to_string();
     assert!(text.contains("manager `pool` holds"), "{text}");
     assert!(text.contains("largest free block"), "{text}");
     assert!(text.contains("ctx.trim()"), "{text}");
+    assert!(text.contains("too small for this request"), "{text}");
 
     // The default manager keeps no pool, and says so.
     let rt = runtime_with(&small_device(), "default");

@@ -503,7 +503,6 @@ impl Arena {
 
     /// The free blocks, as (start, size), in no order: those in the maps, and the block given
     /// last merged with the neighbours it will merge with when it settles.
-    #[cfg(test)]
     fn free_blocks(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
         let merged = self.recent_merged();
         let (before, after) = merged.map_or((None, None), |(_, _, b, a)| (b, a));
@@ -671,6 +670,13 @@ impl Arenas {
     /// How many chunks they hold.
     pub(super) fn chunks(&self) -> usize {
         self.standard.chunks.len() + self.oversize.chunks.len()
+    }
+
+    /// Adds the sizes of their free blocks to `out`.
+    pub(super) fn free_block_sizes(&self, out: &mut Vec<usize>) {
+        for arena in [&self.standard, &self.oversize] {
+            out.extend(arena.free_blocks().map(|(_, size)| size));
+        }
     }
 
     /// The largest free block.

@@ -78,7 +78,7 @@ use std::sync::Arc;
 use driver_sys::{DevicePtr, DriverError, ErrorKind, StreamHandle};
 
 use crate::contract::factory::{FnFactory, ManagerContext};
-use crate::contract::info::{MemoryInfo, PoolStats};
+use crate::contract::info::{FreeSpace, MemoryInfo, PoolStats};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::StreamOrdering;
 use crate::error::EmmError;
@@ -796,6 +796,27 @@ impl PoolShared {
         })
     }
 
+    /// The free space, block by block: the streams' arenas, the shards' and the depot's cached
+    /// blocks, and the shared arena (locks in the order `stats` takes them).
+    fn free_space(&self) -> FreeSpace {
+        let mut blocks = Vec::new();
+        for shard in self.streams.shards.iter() {
+            lock(&shard.inner).free_block_sizes(&mut blocks);
+        }
+        for lists in thread_slots::lock_all(&self.shards) {
+            lists.cached_block_sizes(&mut blocks);
+        }
+        {
+            let depot = lock(&self.depot);
+            for (class, magazines) in depot.magazines.iter().enumerate() {
+                let count = magazines.iter().map(Vec::len).sum();
+                blocks.extend(std::iter::repeat_n(class_size(class), count));
+            }
+        }
+        lock(&self.arena).free_block_sizes(&mut blocks);
+        FreeSpace::from_blocks(blocks)
+    }
+
     fn stats(&self) -> PoolStats {
         let (mut blocks, mut bytes, mut cached, mut chunks, mut largest) = (0i64, 0i64, 0, 0, 0);
         for shard in self.streams.shards.iter() {
@@ -810,8 +831,15 @@ impl PoolShared {
             blocks += lists.in_use_blocks;
             bytes += lists.in_use_bytes;
             cached += lists.cached_bytes + lists.oversize.as_ref().map_or(0, |b| b.size);
+            largest = largest.max(lists.largest_cached());
         }
-        cached += lock(&self.depot).cached_bytes;
+        {
+            let depot = lock(&self.depot);
+            cached += depot.cached_bytes;
+            if let Some(class) = (0..CLASSES).rev().find(|&c| !depot.magazines[c].is_empty()) {
+                largest = largest.max(class_size(class));
+            }
+        }
         let arena = lock(&self.arena);
         PoolStats {
             held_bytes: self.totals.held.load(Ordering::Relaxed),
@@ -1204,6 +1232,10 @@ impl DeviceAllocator for PoolAllocator {
 
     fn pool_stats(&self) -> Option<PoolStats> {
         Some(self.stats())
+    }
+
+    fn free_space(&self) -> Option<FreeSpace> {
+        Some(self.shared.free_space())
     }
 }
 

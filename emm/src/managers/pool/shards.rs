@@ -71,6 +71,27 @@ impl ShardLists {
         self.in_use_bytes -= size as i64;
     }
 
+    /// Adds the sizes of the blocks this shard caches (per class, large, oversize) to `out`.
+    pub(super) fn cached_block_sizes(&self, out: &mut Vec<usize>) {
+        for class in 0..CLASSES {
+            out.extend(std::iter::repeat_n(class_size(class), self.cached(class)));
+        }
+        out.extend(self.large.iter().map(|b| b.size));
+        out.extend(self.oversize.as_ref().map(|b| b.size));
+    }
+
+    /// The largest block this shard caches (0 when none).
+    pub(super) fn largest_cached(&self) -> usize {
+        let small = (0..CLASSES)
+            .rev()
+            .find(|&c| self.cached(c) > 0)
+            .map_or(0, class_size);
+        let large = self.large.iter().map(|b| b.size).max().unwrap_or(0);
+        small
+            .max(large)
+            .max(self.oversize.as_ref().map_or(0, |b| b.size))
+    }
+
     /// Blocks of `class` cached, parked or not.
     pub(super) fn cached(&self, class: usize) -> usize {
         self.parked[class].len() + self.free[class].len()

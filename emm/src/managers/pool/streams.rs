@@ -96,6 +96,13 @@ impl StreamLists {
             .saturating_sub(self.in_use_bytes.max(0) as usize)
     }
 
+    /// Adds the sizes of the free blocks of this shard's streams' arenas to `out`.
+    pub(super) fn free_block_sizes(&self, out: &mut Vec<usize>) {
+        for (_, l) in &self.per_stream {
+            l.arena.free_block_sizes(out);
+        }
+    }
+
     /// The largest free block of any of this shard's streams.
     pub(super) fn largest_free(&self) -> usize {
         self.per_stream
