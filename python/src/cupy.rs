@@ -4,9 +4,10 @@
 //! stream, read through the C function CuPy exports for it (`get_current_stream_ptr` in
 //! `cupy.cuda.stream`'s C API), and keep each allocation alive by address until CuPy frees it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use emm::driver_sys::StreamHandle;
 use emm::{MemoryPointer, StreamOrdering};
@@ -14,7 +15,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyCapsuleMethods, PyDict};
 
-use super::{device_context, drop_memory, lock, py_err};
+use super::{AddressMap, drop_memory, lock, py_err, with_device_context};
 
 /// The C signature of CuPy's `get_current_stream_ptr`, as its capsule names it.
 const STREAM_GETTER_SIGNATURE: &std::ffi::CStr = c"intptr_t (void)";
@@ -25,12 +26,15 @@ type StreamGetter = unsafe extern "C" fn() -> isize;
 /// What CuPy holds from emm: its allocations by address and, per device, their bytes.
 #[derive(Default)]
 struct CupyState {
-    live: HashMap<u64, MemoryPointer>,
+    live: AddressMap<MemoryPointer>,
     used: BTreeMap<u32, u64>,
-    stream: Option<StreamGetter>,
 }
 
 static CUPY: Mutex<Option<CupyState>> = Mutex::new(None);
+
+/// CuPy's current-stream function ([`StreamGetter`]) as an address, 0 until
+/// [`cupy_c_functions`] takes it.
+static STREAM_GETTER: AtomicUsize = AtomicUsize::new(0);
 
 /// The addresses of [`emm_cupy_malloc`] and [`emm_cupy_free`] for CuPy's
 /// `CFunctionAllocator`, after taking CuPy's current-stream function from `stream_api` (the
@@ -52,7 +56,7 @@ pub(crate) fn cupy_c_functions(stream_api: &Bound<'_, PyCapsule>) -> PyResult<(u
     // SAFETY: the capsule is CuPy's C API entry for `get_current_stream_ptr`, whose signature
     // its name states and was checked above; CuPy's module stays loaded for the process.
     let getter = unsafe { std::mem::transmute::<*mut c_void, StreamGetter>(ptr.as_ptr()) };
-    lock(&CUPY).get_or_insert_with(CupyState::default).stream = Some(getter);
+    STREAM_GETTER.store(getter as usize, Ordering::Release);
     Ok((
         emm_cupy_malloc as *const () as usize,
         emm_cupy_free as *const () as usize,
@@ -68,20 +72,24 @@ pub extern "C" fn emm_cupy_malloc(_param: *mut c_void, size: usize, device: c_in
     let made = (|| -> PyResult<MemoryPointer> {
         let device = u32::try_from(device)
             .map_err(|_| PyRuntimeError::new_err(format!("a negative device ({device})")))?;
-        let ctx = device_context(device)?;
-        if ctx.stream_ordering() == StreamOrdering::Unsupported {
-            return ctx.memalloc(size).map_err(py_err);
-        }
-        let getter = lock(&CUPY).as_ref().and_then(|s| s.stream);
-        let stream = match getter {
-            // SAFETY: CuPy's own function of no arguments (checked by `cupy_c_functions`),
-            // called with the GIL held, as CuPy calls this function.
-            Some(current) => unsafe { current() },
-            None => 0,
+        let getter = STREAM_GETTER.load(Ordering::Acquire);
+        let stream = if getter == 0 {
+            0
+        } else {
+            // SAFETY: the address of CuPy's own function of no arguments, stored by
+            // `cupy_c_functions` after checking its signature; called with the GIL held, as
+            // CuPy calls this function.
+            unsafe { std::mem::transmute::<usize, StreamGetter>(getter)() }
         };
-        // SAFETY: CuPy's current stream of this device; emm.cupy's rule (the README's) is
-        // that a CuPy stream outlives the memory allocated on it.
-        unsafe { ctx.memalloc_on_raw(size, StreamHandle(stream as u64)) }.map_err(py_err)
+        with_device_context(device, |ctx| {
+            if ctx.stream_ordering() == StreamOrdering::Unsupported {
+                return ctx.memalloc(size);
+            }
+            // SAFETY: CuPy's current stream of this device; emm.cupy's rule (the README's) is
+            // that a CuPy stream outlives the memory allocated on it.
+            unsafe { ctx.memalloc_on_raw(size, StreamHandle(stream as u64)) }
+        })?
+        .map_err(py_err)
     })();
     match made {
         Ok(mem) => {

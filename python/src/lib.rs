@@ -251,6 +251,58 @@ fn device_context(device: u32) -> PyResult<emm::Context> {
     Ok(lock(&CONTEXTS).entry(device).or_insert(ctx).clone())
 }
 
+thread_local! {
+    /// The context this thread used last, with its device: the allocators' hot paths take it
+    /// without the map's lock or a clone.
+    static LAST_CONTEXT: std::cell::RefCell<Option<(u32, emm::Context)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` on `device`'s context, the one this thread used last when it is that device's.
+fn with_device_context<T>(device: u32, f: impl FnOnce(&emm::Context) -> T) -> PyResult<T> {
+    LAST_CONTEXT.with(|last| {
+        if let Ok(slot) = last.try_borrow()
+            && let Some((d, ctx)) = &*slot
+            && *d == device
+        {
+            return Ok(f(ctx));
+        }
+        let ctx = device_context(device)?;
+        let out = f(&ctx);
+        // Not cached while an outer call on this thread still reads the slot (a callback
+        // that allocated from inside an allocation).
+        if let Ok(mut slot) = last.try_borrow_mut() {
+            *slot = Some((device, ctx));
+        }
+        Ok(out)
+    })
+}
+
+/// A hasher for device addresses, which are aligned: their bits are mixed so that the low
+/// bits a hash table indexes by differ (the standard hasher costs more than the table).
+#[derive(Default)]
+struct AddressHasher(u64);
+
+impl std::hash::Hasher for AddressHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(self.0.rotate_left(8) ^ u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        let mixed = (x ^ (x >> 17)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = mixed ^ (mixed >> 32);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// Memory handed to a framework, by address.
+type AddressMap<V> = HashMap<u64, V, std::hash::BuildHasherDefault<AddressHasher>>;
+
 /// Whether captures that PyTorch or CuPy begin get graph pools (`enable_capture_pools`):
 /// `emm.torch.install()` and `emm.cupy.install()` turn it on for every context.
 static CAPTURE_POOLS: AtomicBool = AtomicBool::new(false);
@@ -1161,7 +1213,7 @@ fn host_buffer(mem: HostMemory) -> HostBuffer {
 /// them) and, per device, the counts `emm.torch.memory_stats()` reports.
 #[derive(Default)]
 struct TorchState {
-    live: HashMap<u64, MemoryPointer>,
+    live: AddressMap<MemoryPointer>,
     devices: BTreeMap<u32, TorchCounters>,
 }
 
@@ -1248,15 +1300,17 @@ fn torch_allocate(size: isize, device: i32, stream: *mut c_void) -> Result<*mut 
             usize::try_from(size).map_err(|_| (format!("a negative size ({size})"), false))?;
         let device =
             u32::try_from(device).map_err(|_| (format!("a negative device ({device})"), false))?;
-        let ctx = device_context(device).map_err(|e| (e.to_string(), false))?;
-        let mem = if ctx.stream_ordering() == StreamOrdering::Unsupported {
-            ctx.memalloc(size)
-        } else {
-            // SAFETY: PyTorch's stream of this device (its streams live as long as the
-            // process; 0 is the legacy default stream), the one it will use the memory on and
-            // pass back to `free`.
-            unsafe { ctx.memalloc_on_raw(size, StreamHandle(stream as usize as u64)) }
-        };
+        let mem = with_device_context(device, |ctx| {
+            if ctx.stream_ordering() == StreamOrdering::Unsupported {
+                ctx.memalloc(size)
+            } else {
+                // SAFETY: PyTorch's stream of this device (its streams live as long as the
+                // process; 0 is the legacy default stream), the one it will use the memory
+                // on and pass back to `free`.
+                unsafe { ctx.memalloc_on_raw(size, StreamHandle(stream as usize as u64)) }
+            }
+        })
+        .map_err(|e| (e.to_string(), false))?;
         mem.map_err(|e| (e.to_string(), e.is_out_of_memory()))
     })();
     match made {
