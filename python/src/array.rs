@@ -40,29 +40,91 @@ pub(crate) struct Array {
     ctx: emm::Context,
 }
 
-/// The DLPack type of a NumPy-style name.
+/// The DLPack type of a dtype given as NumPy takes one: a name (`"float64"`, `"float"`), a
+/// type string (`"f8"`, `"<f8"`, `"=f8"`, `"|u1"`), a one-letter code (`"d"`), a NumPy dtype
+/// (`np.dtype("f8")`, read through its `str` and `name`) or a scalar type (`np.float64`,
+/// Python's `float`, read through its `__name__`). Big-endian types are refused: device
+/// memory holds the host's (little-endian) order.
+pub(crate) fn dtype_from(obj: &Bound<'_, PyAny>) -> PyResult<DLDataType> {
+    if let Ok(s) = obj.extract::<&str>() {
+        return dtype_of(s);
+    }
+    // A NumPy dtype: its type string names the kind, size and order; a type NumPy has no
+    // code for (ml_dtypes' bfloat16, "<V2") by its name.
+    if let (Ok(typestr), Ok(name)) = (obj.getattr("str"), obj.getattr("name"))
+        && let (Ok(typestr), Ok(name)) = (typestr.extract::<String>(), name.extract::<String>())
+    {
+        return dtype_of(&typestr).or_else(|e| dtype_of(&name).map_err(|_| e));
+    }
+    if let Ok(name) = obj.getattr("__name__")
+        && let Ok(name) = name.extract::<String>()
+    {
+        // NumPy's scalar types end in an underscore where the name is Python's (`bool_`).
+        return dtype_of(name.trim_end_matches('_'));
+    }
+    Err(PyValueError::new_err(format!(
+        "dtype {obj}: give a NumPy dtype, a scalar type such as numpy.float32, or a name such as \
+         \"float32\" or \"f4\""
+    )))
+}
+
+/// The DLPack type of a dtype string (see [`dtype_from`]).
 fn dtype_of(name: &str) -> PyResult<DLDataType> {
+    let unknown = || {
+        PyValueError::new_err(format!(
+            "unknown dtype {name:?}: use a NumPy name such as \"float32\", \"int64\", \
+             \"uint8\", \"bfloat16\" or \"complex64\", or a type string such as \"f4\" or \"<i8\""
+        ))
+    };
     let (code, bits) = match name {
-        "bool" => (DLDataTypeCode::BOOL, 8),
-        "int8" => (DLDataTypeCode::INT, 8),
-        "int16" => (DLDataTypeCode::INT, 16),
-        "int32" => (DLDataTypeCode::INT, 32),
-        "int64" => (DLDataTypeCode::INT, 64),
-        "uint8" => (DLDataTypeCode::UINT, 8),
-        "uint16" => (DLDataTypeCode::UINT, 16),
-        "uint32" => (DLDataTypeCode::UINT, 32),
-        "uint64" => (DLDataTypeCode::UINT, 64),
-        "float16" => (DLDataTypeCode::FLOAT, 16),
-        "float32" => (DLDataTypeCode::FLOAT, 32),
-        "float64" => (DLDataTypeCode::FLOAT, 64),
+        "bool" | "?" => (DLDataTypeCode::BOOL, 8),
+        "int8" | "b" => (DLDataTypeCode::INT, 8),
+        "int16" | "h" => (DLDataTypeCode::INT, 16),
+        "int32" | "i" => (DLDataTypeCode::INT, 32),
+        "int64" | "int" | "l" | "q" => (DLDataTypeCode::INT, 64),
+        "uint8" | "B" => (DLDataTypeCode::UINT, 8),
+        "uint16" | "H" => (DLDataTypeCode::UINT, 16),
+        "uint32" | "I" => (DLDataTypeCode::UINT, 32),
+        "uint64" | "L" | "Q" => (DLDataTypeCode::UINT, 64),
+        "float16" | "half" | "e" => (DLDataTypeCode::FLOAT, 16),
+        "float32" | "single" | "f" => (DLDataTypeCode::FLOAT, 32),
+        "float64" | "float" | "double" | "d" => (DLDataTypeCode::FLOAT, 64),
         "bfloat16" => (DLDataTypeCode::BFLOAT, 16),
-        "complex64" => (DLDataTypeCode::COMPLEX, 64),
-        "complex128" => (DLDataTypeCode::COMPLEX, 128),
+        "complex64" | "F" => (DLDataTypeCode::COMPLEX, 64),
+        "complex128" | "complex" | "D" => (DLDataTypeCode::COMPLEX, 128),
         other => {
-            return Err(PyValueError::new_err(format!(
-                "unknown dtype {other:?}: use a NumPy name such as \"float32\", \"int64\", \
-                 \"uint8\", \"bfloat16\" or \"complex64\""
-            )));
+            // A type string: an optional byte order, the kind, the size in bytes.
+            let rest = match other.as_bytes().first() {
+                Some(b'>') => {
+                    return Err(PyValueError::new_err(format!(
+                        "dtype {other:?} is big-endian: device memory holds little-endian \
+                         values; use \"<{}\"",
+                        &other[1..]
+                    )));
+                }
+                Some(b'<' | b'=' | b'|') => &other[1..],
+                _ => other,
+            };
+            let (kind, size) = rest.split_at_checked(1).ok_or_else(unknown)?;
+            let bytes: u8 = size.parse().map_err(|_| unknown())?;
+            let code = match kind {
+                "b" if bytes == 1 => DLDataTypeCode::BOOL,
+                "i" => DLDataTypeCode::INT,
+                "u" => DLDataTypeCode::UINT,
+                "f" => DLDataTypeCode::FLOAT,
+                "c" => DLDataTypeCode::COMPLEX,
+                _ => return Err(unknown()),
+            };
+            let known = match code {
+                DLDataTypeCode::BOOL => bytes == 1,
+                DLDataTypeCode::FLOAT => matches!(bytes, 2 | 4 | 8),
+                DLDataTypeCode::COMPLEX => matches!(bytes, 8 | 16),
+                _ => matches!(bytes, 1 | 2 | 4 | 8),
+            };
+            if !known {
+                return Err(unknown());
+            }
+            (code, bytes * 8)
         }
     };
     Ok(DLDataType {
@@ -99,10 +161,10 @@ impl Array {
         ctx: &emm::Context,
         py: Python<'_>,
         shape: Vec<usize>,
-        dtype: &str,
+        dtype: &Bound<'_, PyAny>,
         order: &str,
     ) -> PyResult<Array> {
-        let dt = dtype_of(dtype)?;
+        let dt = dtype_from(dtype)?;
         let order = match order {
             "C" => Order::C,
             "F" => Order::F,

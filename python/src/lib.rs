@@ -27,23 +27,31 @@ use emm::{
 mod array;
 mod cupy;
 
-use pyo3::create_exception;
-use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-create_exception!(
-    _emm,
-    PyEmmError,
-    PyRuntimeError,
-    "An emm operation failed; the message says what happened and what to do."
-);
-create_exception!(
-    _emm,
-    OutOfMemoryError,
-    PyMemoryError,
-    "emm ran out of memory, after flushing its deferred frees and retrying."
-);
+/// The package's exceptions, named as Python sees them (`emm.EmmError`,
+/// `emm.OutOfMemoryError`).
+mod exceptions {
+    use pyo3::create_exception;
+    use pyo3::exceptions::{PyMemoryError, PyRuntimeError};
+
+    create_exception!(
+        emm,
+        EmmError,
+        PyRuntimeError,
+        "An emm operation failed; the message says what happened and what to do."
+    );
+    create_exception!(
+        emm,
+        OutOfMemoryError,
+        PyMemoryError,
+        "emm ran out of memory, after flushing its deferred frees and retrying."
+    );
+}
+
+use exceptions::{EmmError as PyEmmError, OutOfMemoryError};
 
 /// The Python exception for an emm error.
 fn py_err(e: EmmError) -> PyErr {
@@ -809,7 +817,7 @@ impl Context {
         &self,
         py: Python<'_>,
         shape: Vec<usize>,
-        dtype: &str,
+        dtype: &Bound<'_, PyAny>,
         order: &str,
     ) -> PyResult<array::Array> {
         array::Array::allocate(&self.inner, py, shape, dtype, order)

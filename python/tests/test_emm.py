@@ -726,3 +726,47 @@ print("ok")
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
     out = run_python("import emm; print(emm.context(0).free_space())", EMM_MEMORY_MANAGER="default")
     assert out.returncode == 0 and out.stdout.strip() == "None", out.stdout + out.stderr
+
+
+def test_device_array_takes_dtypes_as_numpy_does(ctx):
+    """Names, type strings, one-letter codes, NumPy dtypes and scalar types (stand-ins here;
+    the real NumPy where it is installed) give the same array type; big-endian is refused."""
+
+    class Dtype:  # numpy.dtype's two attributes emm reads
+        def __init__(self, typestr, name):
+            self.str, self.name = typestr, name
+
+    class float64:  # noqa: N801 - a scalar type is known by its __name__
+        pass
+
+    forms = ["float64", "float", "double", "d", "f8", "<f8", "=f8", Dtype("<f8", "float64"),
+             float64, float]
+    for form in forms:
+        assert ctx.device_array((2,), form).dtype == "float64", form
+    for form, name in [("i4", "int32"), ("|u1", "uint8"), ("?", "bool"), ("|b1", "bool"),
+                       ("c8", "complex64"), ("e", "float16"), (int, "int64"), (bool, "bool"),
+                       (complex, "complex128"), (Dtype("<V2", "bfloat16"), "bfloat16")]:
+        assert ctx.device_array((2,), form).dtype == name, form
+    for bad, says in [(">f8", "big-endian"), ("f3", "unknown dtype"), ("x8", "unknown dtype"),
+                      ("", "unknown dtype"), (3.5, "dtype 3.5")]:
+        with pytest.raises(ValueError, match=says):
+            ctx.device_array((2,), bad)
+    try:
+        import numpy as np
+    except ImportError:
+        return  # the stand-ins above are NumPy's interface; the GPU job has NumPy
+    for form in [np.float32, np.dtype("f4"), np.dtype("<f4"), "float32"]:
+        assert ctx.device_array((3,), form).dtype == "float32", form
+    with pytest.raises(ValueError, match="big-endian"):
+        ctx.device_array((3,), np.dtype(">f4"))
+
+
+def test_exceptions_are_named_as_the_package_names_them(ctx):
+    assert emm.EmmError.__name__ == "EmmError" and emm.EmmError.__module__ == "emm"
+    assert emm.OutOfMemoryError.__name__ == "OutOfMemoryError"
+    assert issubclass(emm.EmmError, RuntimeError) and issubclass(emm.OutOfMemoryError, MemoryError)
+    buf = ctx.memalloc(64)
+    buf.release()
+    with pytest.raises(emm.EmmError) as e:
+        ctx.copy_to_host(buf)
+    assert type(e.value).__qualname__ == "EmmError" and "PyEmmError" not in repr(e.value)
