@@ -32,17 +32,18 @@
 //! # Layers
 //!
 //! Each module is a layer; a layer imports only the layers below it (a test,
-//! `emm/tests/layers.rs`, keeps it so). `ARCHITECTURE.md` at the repository root has the
+//! `emm/tests/source_checks.rs`, keeps it so: `crate::`, `$crate::` and `super::` paths
+//! alike). `ARCHITECTURE.md` at the repository root has the
 //! picture and the life of one allocation.
 //!
 //! | layer | module | what it holds |
 //! | --- | --- | --- |
-//! | 0 | `error`, `sync`, `size_class`, `slab`, `thread_slots` | [`EmmError`]; the loom shim, the spin lock and the biased lock of the pools' shards; the size classes, the slab the allocation table and the arena name entries in, and the dense per-thread indices both pools use |
+//! | 0 | `error`, `sync`, `size_class`, `slab`, `lines`, `thread_slots`, `units`, `test_config` | [`EmmError`]; the loom shim, the spin lock and the biased lock of the pools' shards; the size classes, the slab the allocation table and the arena name entries in, lists on cache lines of their own, the dense per-thread indices both pools use, byte sizes, the property tests' settings |
 //! | 1 | [`memory`] | memory objects and deallocation: pointers, host memory, the pending queue and its policy, `defer_cleanup`, liveness |
 //! | 2 | [`contract`] | the plugin interface: [`MemoryManager`], its factory and [`ManagerContext`], the data it returns |
 //! | 3 | [`host`] | the host layer: [`HostLayer`], [`DeviceAllocator`] + [`HostOnly`], Numba's allocation table, the pinned host pool |
 //! | 4 | [`managers`], [`adaptors`] | `default`, `pool`, `async-pool`; `stats`, `limit`, `log`, `trace` |
-//! | 5 | [`ipc`], `objects` | opening IPC handles, imported pools, pool transfer; streams, events, modules |
+//! | 5 | [`ipc`], `objects`, `resources` | opening IPC handles, imported pools, pool transfer; streams, events, modules; cuda.core's memory resources |
 //! | 6 | [`runtime`] | [`Runtime`], [`Context`], configuration from the environment |
 //! | 7 | [`replay`] | replaying an allocation log against a context |
 //!

@@ -36,67 +36,224 @@ fn layer_of(module: &str) -> Option<u32> {
     LAYERS.iter().find(|(m, _)| *m == module).map(|(_, l)| *l)
 }
 
-/// The top-level module a file under `src` belongs to (`None` for `lib.rs`, the root).
-fn module_of(relative: &Path) -> Option<String> {
-    let first = relative
+/// The module path of a file under `src` (`managers/pool/mod.rs` and `managers/pool.rs`:
+/// `["managers", "pool"]`; empty for `lib.rs`, the root).
+fn module_path_of(relative: &Path) -> Vec<String> {
+    let mut path: Vec<String> = relative
         .components()
-        .next()?
-        .as_os_str()
-        .to_str()?
-        .to_owned();
-    let name = first.strip_suffix(".rs").unwrap_or(&first).to_owned();
-    (name != "lib").then_some(name)
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    if let Some(last) = path.pop() {
+        let stem = last.strip_suffix(".rs").unwrap_or(&last).to_owned();
+        if stem != "mod" && stem != "lib" {
+            path.push(stem);
+        }
+    }
+    path
 }
 
-/// The violations in one file's text, as `line: what`.
-fn check_source(module: &str, text: &str) -> Vec<String> {
-    let Some(own) = layer_of(module) else {
+/// `text` with comments, string literals and character literals blanked out (replaced by
+/// spaces, lines kept), so that paths in them, and braces in format strings, are not code.
+fn code_only(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = String::with_capacity(text.len());
+    let mut i = 0;
+    let blank = |out: &mut String, b: u8| out.push(if b == b'\n' { '\n' } else { ' ' });
+    while i < bytes.len() {
+        let rest = &text[i..];
+        if rest.starts_with("//") {
+            let end = rest.find('\n').map_or(bytes.len(), |e| i + e);
+            out.extend(std::iter::repeat_n(' ', end - i));
+            i = end;
+        } else if rest.starts_with("/*") {
+            let end = rest.find("*/").map_or(bytes.len(), |e| i + e + 2);
+            for &b in &bytes[i..end] {
+                blank(&mut out, b);
+            }
+            i = end;
+        } else if let Some(hashes) = raw_string_start(rest) {
+            // r"..." or r#"..."#: ends at the quote followed by as many hashes.
+            let close = format!("\"{}", "#".repeat(hashes));
+            let body = i + 2 + hashes;
+            let end = text[body..]
+                .find(&close)
+                .map_or(bytes.len(), |e| body + e + close.len());
+            for &b in &bytes[i..end] {
+                blank(&mut out, b);
+            }
+            i = end;
+        } else if bytes[i] == b'"' {
+            let mut j = i + 1;
+            while j < bytes.len() && bytes[j] != b'"' {
+                j += if bytes[j] == b'\\' { 2 } else { 1 };
+            }
+            let end = (j + 1).min(bytes.len());
+            for &b in &bytes[i..end] {
+                blank(&mut out, b);
+            }
+            i = end;
+        } else if bytes[i] == b'\'' && char_literal_len(rest).is_some() {
+            let len = char_literal_len(rest).unwrap_or(1);
+            out.extend(std::iter::repeat_n(' ', len));
+            i += len;
+        } else {
+            let c = rest.chars().next().unwrap_or(' ');
+            out.push(c);
+            i += c.len_utf8();
+        }
+    }
+    out
+}
+
+/// The number of `#`s of a raw string literal that starts `rest` (`None`: not one).
+fn raw_string_start(rest: &str) -> Option<usize> {
+    let after = rest.strip_prefix('r')?;
+    let hashes = after.chars().take_while(|&c| c == '#').count();
+    after[hashes..].starts_with('"').then_some(hashes)
+}
+
+/// The length of a character literal (`'a'`, `'\n'`, `'{'`) at the start of `rest`; `None`
+/// for a lifetime (`'a`).
+fn char_literal_len(rest: &str) -> Option<usize> {
+    let mut chars = rest.char_indices().skip(1);
+    let (_, first) = chars.next()?;
+    if first == '\\' {
+        // An escape: up to the closing quote.
+        return rest[1..].find('\'').map(|e| e + 2).filter(|&e| e > 2);
+    }
+    let (at, second) = chars.next()?;
+    (second == '\'').then_some(at + 1)
+}
+
+fn is_ident(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_'
+}
+
+/// The violations in one file's text, as `line: what`; `path` is the file's module path.
+fn check_source(path: &[String], text: &str) -> Vec<String> {
+    let Some(own_module) = path.first() else {
+        return Vec::new(); // the root re-exports every layer
+    };
+    let Some(own) = layer_of(own_module) else {
         return vec![format!(
-            "module `{module}` has no layer: add it to LAYERS in emm/tests/layers.rs and to ARCHITECTURE.md"
+            "module `{own_module}` has no layer: add it to LAYERS in emm/tests/source_checks.rs and to ARCHITECTURE.md"
         )];
     };
     let mut found = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        let code = line.trim_start();
-        if code.starts_with("//") {
-            continue;
+    let code = code_only(text);
+    // The inline modules (`mod tests { .. }`) the scan is in, with the brace depth each
+    // closes at: `super::` inside one names the file's module.
+    let mut inline: Vec<(String, usize)> = Vec::new();
+    let mut depth = 0usize;
+    for (n, line) in code.lines().enumerate() {
+        let line_no = n + 1;
+        let mut current: Vec<String> = path.to_vec();
+        current.extend(inline.iter().map(|(m, _)| m.clone()));
+        for target in paths_in(line, &current) {
+            match target {
+                Err(what) => found.push(format!("{line_no}: {what}")),
+                Ok(first) => match layer_of(&first) {
+                    Some(l) if l <= own => {}
+                    Some(l) => found.push(format!(
+                        "{line_no}: `{own_module}` (layer {own}) imports `{first}` (layer {l}), a higher layer"
+                    )),
+                    None if first == "driver_sys" => {}
+                    None => found.push(format!(
+                        "{line_no}: `crate::{first}` is not a layer's module (a root re-export hides which layer it comes from); use its module path"
+                    )),
+                },
+            }
         }
-        let code = code.split(" //").next().unwrap_or(code);
-        let mut rest = code;
-        while let Some(i) = rest.find("crate::") {
-            let after = &rest[i + "crate::".len()..];
-            // `$crate::` in macros and `some_crate::` are not this crate.
-            let before = &rest[..i];
-            let ident: String = after
-                .chars()
-                .take_while(|c| c.is_alphanumeric() || *c == '_')
-                .collect();
-            rest = &after[ident.len()..];
-            if before.ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == '$') {
-                continue;
-            }
-            if ident.is_empty() {
-                found.push(format!(
-                    "{}: `crate::{{..}}` groups several layers in one path; import each layer's items by its module",
-                    n + 1
-                ));
-                continue;
-            }
-            match layer_of(&ident) {
-                Some(l) if l <= own => {}
-                Some(l) => found.push(format!(
-                    "{}: `{module}` (layer {own}) imports `crate::{ident}` (layer {l}), a higher layer",
-                    n + 1
-                )),
-                None if ident == "driver_sys" => {}
-                None => found.push(format!(
-                    "{}: `crate::{ident}` is not a layer's module (a root re-export hides which layer it comes from); use its module path",
-                    n + 1
-                )),
+        // Inline modules opened and closed on this line: `mod name {` opens one at its brace.
+        let words: Vec<(usize, &str)> = line.match_indices(|c: char| is_ident(c)).fold(
+            Vec::new(),
+            |mut words: Vec<(usize, &str)>, (at, _)| {
+                match words.last_mut() {
+                    Some((start, word)) if *start + word.len() == at => {
+                        *word = &line[*start..at + 1];
+                    }
+                    _ => words.push((at, &line[at..at + 1])),
+                }
+                words
+            },
+        );
+        let opens_at = words.windows(2).find(|w| w[0].1 == "mod").and_then(|w| {
+            let after = w[1].0 + w[1].1.len();
+            let brace = after + line[after..].find('{')?;
+            line[after..brace]
+                .trim()
+                .is_empty()
+                .then(|| (brace, w[1].1.to_owned()))
+        });
+        for (at, c) in line.char_indices() {
+            match c {
+                '{' => {
+                    if let Some((brace, name)) = &opens_at
+                        && *brace == at
+                    {
+                        inline.push((name.clone(), depth));
+                    }
+                    depth += 1;
+                }
+                '}' => {
+                    depth = depth.saturating_sub(1);
+                    if inline.last().is_some_and(|(_, d)| *d == depth) {
+                        inline.pop();
+                    }
+                }
+                _ => {}
             }
         }
     }
     found
+}
+
+/// The crate-level module each path on `line` (code only) reaches: the first segment after
+/// `crate::` or `$crate::`, or what a chain of `super::` resolves to from `current` (the
+/// module path the line is in). An error names a path that reaches the root's re-exports
+/// (a group, a glob, or an item), or climbs above it.
+fn paths_in(line: &str, current: &[String]) -> Vec<Result<String, String>> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < line.len() {
+        let rest = &line[i..];
+        let before = line[..i].chars().next_back();
+        let starts_word = !before.is_some_and(|c| is_ident(c) || c == ':');
+        let (base, after): (Vec<String>, &str) = if starts_word && rest.starts_with("crate::") {
+            (Vec::new(), &rest["crate::".len()..])
+        } else if before != Some('$') && starts_word && rest.starts_with("super::") {
+            let mut supers = 0;
+            let mut tail = rest;
+            while let Some(t) = tail.strip_prefix("super::") {
+                supers += 1;
+                tail = t;
+            }
+            if supers > current.len() {
+                out.push(Err(format!(
+                    "`{}` climbs above the crate root",
+                    "super::".repeat(supers)
+                )));
+                i += rest.len() - tail.len();
+                continue;
+            }
+            (current[..current.len() - supers].to_vec(), tail)
+        } else {
+            i += rest.chars().next().map_or(1, char::len_utf8);
+            continue;
+        };
+        // `$crate::` reaches the crate root as `crate::` does.
+        let ident: String = after.chars().take_while(|&c| is_ident(c)).collect();
+        i += rest.len() - after.len() + ident.len();
+        match base.first() {
+            Some(first) => out.push(Ok(first.clone())),
+            None if ident.is_empty() => out.push(Err(
+                "`crate::{..}` (or a glob of the root) groups several layers in one path; import each layer's items by its module"
+                    .to_owned(),
+            )),
+            None => out.push(Ok(ident)),
+        }
+    }
+    out
 }
 
 fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -135,12 +292,13 @@ fn no_layer_imports_a_higher_one() {
     let mut modules = std::collections::BTreeSet::new();
     for file in &files {
         let relative = file.strip_prefix(&src).expect("under src");
-        let Some(module) = module_of(relative) else {
+        let path = module_path_of(relative);
+        let Some(module) = path.first() else {
             continue;
         };
         modules.insert(module.clone());
         let text = std::fs::read_to_string(file).expect("source is UTF-8");
-        let found = check_source(&module, &text);
+        let found = check_source(&path, &text);
         if !found.is_empty() {
             violations.insert(relative.display().to_string(), found);
         }
@@ -157,19 +315,63 @@ fn no_layer_imports_a_higher_one() {
     }
 }
 
+/// A module path from its `::`-separated spelling.
+fn at(path: &str) -> Vec<String> {
+    path.split("::").map(str::to_owned).collect()
+}
+
 #[test]
 fn the_check_sees_upward_root_and_grouped_imports() {
     let upward = "use crate::runtime::context::Context;\n";
-    assert_eq!(check_source("memory", upward).len(), 1);
+    assert_eq!(check_source(&at("memory"), upward).len(), 1);
     let root = "use crate::MemoryPointer;\n";
-    assert_eq!(check_source("runtime", root).len(), 1);
+    assert_eq!(check_source(&at("runtime"), root).len(), 1);
     let grouped = "use crate::{EmmError, Runtime};\n";
-    assert_eq!(check_source("contract", grouped).len(), 1);
+    assert_eq!(check_source(&at("contract"), grouped).len(), 1);
     let inline = "    let x = crate::managers::pool::PoolAllocator::factory();\n";
-    assert_eq!(check_source("host", inline).len(), 1);
+    assert_eq!(check_source(&at("host"), inline).len(), 1);
     let fine = "use crate::memory::pointer::MemoryPointer; // crate::runtime in a comment\n\
                 /// [`Context`](crate::Context) in a doc link\n\
+                let s = \"crate::runtime in a string {\";\n\
                 use driver_sys::DevicePtr;\n";
-    assert!(check_source("contract", fine).is_empty());
-    assert_eq!(check_source("newthing", fine).len(), 1);
+    assert!(check_source(&at("contract"), fine).is_empty());
+    assert_eq!(check_source(&at("newthing"), fine).len(), 1);
+}
+
+#[test]
+fn the_check_resolves_super_chains_and_dollar_crate() {
+    // From a root module, `super::` is the root: its next segment is a layer.
+    let up = "use super::runtime::Context;\n";
+    assert_eq!(check_source(&at("memory"), up).len(), 1);
+    assert!(check_source(&at("replay"), up).is_empty());
+    // Two levels up from memory::pointer::parts is the root.
+    let up2 = "use super::super::super::runtime::Context;\n";
+    assert_eq!(check_source(&at("memory::pointer::parts"), up2).len(), 1);
+    // Within a layer's own tree, `super::` stays there.
+    let sibling = "use super::arena::Arena;\nuse super::super::pool::PoolConfig;\n";
+    assert!(check_source(&at("managers::pool::streams"), sibling).is_empty());
+    // A macro's `$crate::` path is checked as `crate::` is.
+    let dollar = "macro_rules! m { () => { $crate::runtime::Runtime::new() } }\n";
+    assert_eq!(check_source(&at("error"), dollar).len(), 1);
+    // `use super::*` in a file's inline test module names the file's own module; in the root
+    // module's file, a glob of the root is refused.
+    let tests = "pub fn f() {}\n#[cfg(test)]\nmod tests {\n    use super::*;\n    fn g() { let s = \"}\"; }\n}\nuse super::*;\n";
+    let found = check_source(&at("error"), tests);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].starts_with("7:"), "{found:?}");
+    // Climbing above the root is reported.
+    assert_eq!(
+        check_source(&at("memory"), "use super::super::x;\n").len(),
+        1
+    );
+    // A module opened and closed on one line ends there.
+    let one_line = "mod a { fn f() {} }\nuse super::runtime::X;\n";
+    assert_eq!(check_source(&at("memory"), one_line).len(), 1);
+    // Characters and lifetimes: a `'{'` is not a brace, `'a` is not a character.
+    let chars = "fn f<'a>(x: &'a str) -> char { '{' }\nmod t {\n use super::*;\n}\n";
+    assert!(
+        check_source(&at("sync"), chars).is_empty(),
+        "{:?}",
+        check_source(&at("sync"), chars)
+    );
 }
