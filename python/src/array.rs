@@ -54,6 +54,10 @@ pub(crate) fn dtype_from(obj: &Bound<'_, PyAny>) -> PyResult<DLDataType> {
     if let (Ok(typestr), Ok(name)) = (obj.getattr("str"), obj.getattr("name"))
         && let (Ok(typestr), Ok(name)) = (typestr.extract::<String>(), name.extract::<String>())
     {
+        // A byte order other than the host's is refused, whatever the name says.
+        if typestr.starts_with('>') {
+            return dtype_of(&typestr);
+        }
         return dtype_of(&typestr).or_else(|e| dtype_of(&name).map_err(|_| e));
     }
     if let Ok(name) = obj.getattr("__name__")

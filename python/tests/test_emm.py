@@ -747,8 +747,9 @@ def test_device_array_takes_dtypes_as_numpy_does(ctx):
                        ("c8", "complex64"), ("e", "float16"), (int, "int64"), (bool, "bool"),
                        (complex, "complex128"), (Dtype("<V2", "bfloat16"), "bfloat16")]:
         assert ctx.device_array((2,), form).dtype == name, form
-    for bad, says in [(">f8", "big-endian"), ("f3", "unknown dtype"), ("x8", "unknown dtype"),
-                      ("", "unknown dtype"), (3.5, "dtype 3.5")]:
+    for bad, says in [(">f8", "big-endian"), (Dtype(">f8", "float64"), "big-endian"),
+                      ("f3", "unknown dtype"), ("x8", "unknown dtype"), ("", "unknown dtype"),
+                      (3.5, "dtype 3.5")]:
         with pytest.raises(ValueError, match=says):
             ctx.device_array((2,), bad)
     try:
