@@ -439,3 +439,85 @@ mod loom_models {
         });
     }
 }
+
+/// The production protocol run natively: loom and Miri check [`Bias::Fences`], never the
+/// system call, so this test drives [`Bias::available`]'s bias (`membarrier` on Linux where
+/// the kernel allows it) with real threads: an owner entering without the lock while other
+/// threads take it, each hold updating two plain fields that must stay equal and lose no
+/// update. A stress test finds an ordering bug only with some probability; it runs for a
+/// fixed count of holds (`EMM_BIASED_STRESS_ROUNDS` multiplies them).
+#[cfg(all(test, not(emm_loom), not(miri)))]
+mod native_stress {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::{Bias, Biased};
+
+    /// Stays inside a hold a while, with its value in memory, so that a broken protocol lets
+    /// another holder in within the window (without it the window is a few instructions).
+    fn dwell(held: &mut (u64, u64)) {
+        for _ in 0..64 {
+            std::hint::black_box(&mut *held);
+            std::hint::spin_loop();
+        }
+    }
+
+    #[test]
+    fn the_owner_and_the_other_threads_never_hold_the_value_at_once() {
+        let rounds: u64 = std::env::var("EMM_BIASED_STRESS_ROUNDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1);
+        let bias = Bias::available();
+        if cfg!(target_os = "linux") && bias != Bias::Membarrier {
+            eprintln!(
+                "membarrier is not available to this process ({bias:?}): the stress test runs the \
+                 lock path only"
+            );
+        }
+        let value = Arc::new(Biased::new((0u64, 0u64), bias));
+        let (owner_holds, other_holds, others) = (200_000 * rounds, 5_000 * rounds, 3u64);
+        let done = Arc::new(AtomicBool::new(false));
+        let owner = {
+            let (value, done) = (Arc::clone(&value), Arc::clone(&done));
+            std::thread::spawn(move || {
+                let mut n = 0;
+                // The owner keeps entering until the others are done, at least its count.
+                while n < owner_holds || !done.load(Ordering::Relaxed) {
+                    let mut held = value.enter(bias != Bias::None);
+                    let (a, b) = *held;
+                    assert_eq!(a, b, "two threads held the value at once");
+                    // Two writes apart: an overlapping holder would see them differ.
+                    held.0 = a + 1;
+                    dwell(&mut held);
+                    held.1 = b + 1;
+                    n += 1;
+                }
+                n
+            })
+        };
+        let workers: Vec<_> = (0..others)
+            .map(|_| {
+                let value = Arc::clone(&value);
+                std::thread::spawn(move || {
+                    for _ in 0..other_holds {
+                        let mut held = value.lock();
+                        let (a, b) = *held;
+                        assert_eq!(a, b, "two threads held the value at once");
+                        held.0 = a + 1;
+                        dwell(&mut held);
+                        held.1 = b + 1;
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().expect("a locking thread");
+        }
+        done.store(true, Ordering::Relaxed);
+        let owner_count = owner.join().expect("the owner");
+        let (a, b) = *value.lock();
+        assert_eq!(a, b);
+        assert_eq!(a, owner_count + others * other_holds, "an update was lost");
+    }
+}
