@@ -95,7 +95,8 @@ pub struct TraceSummary {
     pub allocations: usize,
     /// Free events that name a live allocation.
     pub frees: usize,
-    /// The most device bytes (device and managed memory, as requested) live at once.
+    /// The most device bytes (device and managed memory, as requested) live at once
+    /// (`usize::MAX` for a log that names more).
     pub peak_live_bytes: usize,
     /// Distinct allocation sizes.
     pub sizes: usize,
@@ -111,7 +112,9 @@ fn is_device(kind: MemoryKind) -> bool {
 /// Reads `events` without replaying them: what the recorded program had live.
 pub fn summarize(events: &[ReplayEvent]) -> TraceSummary {
     let mut live: HashMap<u64, usize> = HashMap::new();
-    let (mut bytes, mut summary) = (0usize, TraceSummary::default());
+    // Counted wide: a log may name more live bytes than a `usize` holds (the peak is then
+    // reported as `usize::MAX`).
+    let (mut bytes, mut summary) = (0u128, TraceSummary::default());
     let mut sizes = std::collections::HashSet::new();
     let mut streams = std::collections::HashSet::new();
     for e in events.iter().filter(|e| is_device(e.kind)) {
@@ -121,14 +124,15 @@ pub fn summarize(events: &[ReplayEvent]) -> TraceSummary {
                 sizes.insert(e.size);
                 streams.extend(e.stream);
                 if let Some(old) = live.insert(e.ptr, e.size) {
-                    bytes -= old;
+                    bytes -= old as u128;
                 }
-                bytes += e.size;
-                summary.peak_live_bytes = summary.peak_live_bytes.max(bytes);
+                bytes += e.size as u128;
+                let now = usize::try_from(bytes).unwrap_or(usize::MAX);
+                summary.peak_live_bytes = summary.peak_live_bytes.max(now);
             }
             Action::Free => {
                 if let Some(size) = live.remove(&e.ptr) {
-                    bytes -= size;
+                    bytes -= size as u128;
                     summary.frees += 1;
                 }
             }

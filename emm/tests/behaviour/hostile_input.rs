@@ -255,3 +255,54 @@ fn a_handle_claiming_more_than_its_allocation_is_refused() {
         );
     }
 }
+
+/// A log that names more live bytes than a `usize` holds (found by the `alloc_log` fuzz
+/// target): its summary saturates at `usize::MAX` instead of overflowing.
+#[test]
+fn a_log_larger_than_memory_summarizes_without_overflow() {
+    let text = "Thread,Time,Action,Pointer,Size,Stream,Kind\n\
+                0,0,allocate,0x10,18446744073709551615,0x0,device\n\
+                0,0,allocate,0x20,18446744073709551615,0x0,device\n\
+                0,0,free,0x10,18446744073709551615,0x0,device\n";
+    let events = emm::replay::parse_log(text).unwrap();
+    let summary = emm::replay::summarize(&events);
+    assert_eq!(summary.peak_live_bytes, usize::MAX);
+    assert_eq!((summary.allocations, summary.frees), (2, 1));
+}
+
+/// Requests near `usize::MAX` (found by the `alloc_log` fuzz target, replaying a log on the
+/// pool): every manager refuses them with a typed error, on a stream and off it, where the
+/// rounding of a block's size overflowed.
+#[test]
+fn requests_near_the_largest_size_are_refused_under_every_manager() {
+    for manager in [
+        "default",
+        "pool",
+        "vmm-pool",
+        "async-pool",
+        "async-pool-ipc",
+    ] {
+        let sim = std::sync::Arc::new(driver_mock::SimDriver::new(driver_mock::SimConfig::single(
+            64 << 20,
+        )));
+        let rt = crate::common::runtime_with(&sim, manager);
+        let ctx = rt.context(0).unwrap();
+        let s = ctx.create_stream().unwrap();
+        for size in [usize::MAX, usize::MAX - 255, usize::MAX / 2 + 1, 1 << 62] {
+            let e = ctx.memalloc(size).expect_err("no device holds it");
+            assert!(
+                e.is_out_of_memory() || matches!(e, emm::EmmError::InvalidArgument { .. }),
+                "{manager} {size}: {e:?}"
+            );
+            if ctx.stream_ordering() != emm::StreamOrdering::Unsupported {
+                let e = ctx.memalloc_on(size, &s).expect_err("no device holds it");
+                assert!(
+                    e.is_out_of_memory() || matches!(e, emm::EmmError::InvalidArgument { .. }),
+                    "{manager} {size} on a stream: {e:?}"
+                );
+            }
+        }
+        // The context still serves ordinary requests.
+        drop(ctx.memalloc_on(1 << 20, &s).unwrap());
+    }
+}

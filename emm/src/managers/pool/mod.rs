@@ -135,6 +135,10 @@ fn take_nonempty<L, T>(lists: &mut [L], take: impl Fn(&mut L) -> Vec<T>) -> Vec<
         .collect()
 }
 
+/// Requests above this many bytes (a quarter of the address space, more than any device holds)
+/// fail as out of memory before the pool rounds them, whose arithmetic they would overflow.
+const MAX_REQUEST: usize = usize::MAX / 4;
+
 /// The block size a request of `bytes` gets.
 fn block_size(bytes: usize, small_max: usize) -> usize {
     if bytes <= small_max {
@@ -1123,6 +1127,19 @@ impl PoolAllocator {
     }
 }
 
+/// The out-of-memory error of a request above [`MAX_REQUEST`], made as the host layer makes
+/// every other (its retry, the context's callback and report), with the driver's own answer.
+#[cold]
+fn too_large(
+    host: &HostLayer,
+    what: &'static str,
+    bytes: usize,
+) -> Result<MemoryPointer, EmmError> {
+    host.attempt_allocation(what, AllocationKind::Device, bytes, || {
+        Err(DriverError::from_kind("cuMemAlloc", ErrorKind::OutOfMemory))
+    })
+}
+
 impl DeviceAllocator for PoolAllocator {
     fn memalloc_on(
         &self,
@@ -1135,6 +1152,9 @@ impl DeviceAllocator for PoolAllocator {
                 what: "memalloc_on",
             });
         }
+        if bytes > MAX_REQUEST {
+            return too_large(host, "memalloc_on", bytes);
+        }
         self.alloc_on(host, bytes, stream)
     }
 
@@ -1145,6 +1165,9 @@ impl DeviceAllocator for PoolAllocator {
     fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
         if bytes == 0 {
             return Err(EmmError::ZeroSize { what: "memalloc" });
+        }
+        if bytes > MAX_REQUEST {
+            return too_large(host, "memalloc", bytes);
         }
         if bytes <= self.shared.config.small_max {
             self.alloc_small(host, bytes)
