@@ -112,9 +112,9 @@ fn is_device(kind: MemoryKind) -> bool {
 /// Reads `events` without replaying them: what the recorded program had live.
 pub fn summarize(events: &[ReplayEvent]) -> TraceSummary {
     let mut live: HashMap<u64, usize> = HashMap::new();
-    // Counted wide: a log may name more live bytes than a `usize` holds (the peak is then
-    // reported as `usize::MAX`).
-    let (mut bytes, mut summary) = (0u128, TraceSummary::default());
+    // Saturating: a log may name more live bytes than a `usize` holds (the peak is then
+    // `usize::MAX`, whatever the log frees after).
+    let (mut bytes, mut summary) = (0usize, TraceSummary::default());
     let mut sizes = std::collections::HashSet::new();
     let mut streams = std::collections::HashSet::new();
     for e in events.iter().filter(|e| is_device(e.kind)) {
@@ -124,15 +124,14 @@ pub fn summarize(events: &[ReplayEvent]) -> TraceSummary {
                 sizes.insert(e.size);
                 streams.extend(e.stream);
                 if let Some(old) = live.insert(e.ptr, e.size) {
-                    bytes -= old as u128;
+                    bytes = bytes.saturating_sub(old);
                 }
-                bytes += e.size as u128;
-                let now = usize::try_from(bytes).unwrap_or(usize::MAX);
-                summary.peak_live_bytes = summary.peak_live_bytes.max(now);
+                bytes = bytes.saturating_add(e.size);
+                summary.peak_live_bytes = summary.peak_live_bytes.max(bytes);
             }
             Action::Free => {
                 if let Some(size) = live.remove(&e.ptr) {
-                    bytes -= size as u128;
+                    bytes = bytes.saturating_sub(size);
                     summary.frees += 1;
                 }
             }
