@@ -1127,16 +1127,23 @@ impl PoolAllocator {
     }
 }
 
-/// The out-of-memory error of a request above [`MAX_REQUEST`], made as the host layer makes
-/// every other (its retry, the context's callback and report), with the driver's own answer.
+/// The out-of-memory error of a request above [`MAX_REQUEST`]: no device holds it, so there is
+/// nothing to flush and no callback to ask; the error carries the context's report as every
+/// other does.
 #[cold]
-fn too_large(
-    host: &HostLayer,
-    what: &'static str,
-    bytes: usize,
-) -> Result<MemoryPointer, EmmError> {
-    host.attempt_allocation(what, AllocationKind::Device, bytes, || {
-        Err(DriverError::from_kind("cuMemAlloc", ErrorKind::OutOfMemory))
+#[inline(never)]
+fn too_large(host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+    let cx = host.context();
+    let info = cx.driver.mem_get_info(cx.context).unwrap_or_default();
+    cx.events.out_of_memory();
+    Err(EmmError::OutOfMemory {
+        device: cx.device,
+        requested: bytes,
+        free: info.free,
+        total: info.total,
+        flushed: 0,
+        report: cx.events.report(bytes, 0),
+        source: DriverError::from_kind("cuMemAlloc", ErrorKind::OutOfMemory),
     })
 }
 
@@ -1153,7 +1160,7 @@ impl DeviceAllocator for PoolAllocator {
             });
         }
         if bytes > MAX_REQUEST {
-            return too_large(host, "memalloc_on", bytes);
+            return too_large(host, bytes);
         }
         self.alloc_on(host, bytes, stream)
     }
@@ -1167,7 +1174,7 @@ impl DeviceAllocator for PoolAllocator {
             return Err(EmmError::ZeroSize { what: "memalloc" });
         }
         if bytes > MAX_REQUEST {
-            return too_large(host, "memalloc", bytes);
+            return too_large(host, bytes);
         }
         if bytes <= self.shared.config.small_max {
             self.alloc_small(host, bytes)
