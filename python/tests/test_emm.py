@@ -771,3 +771,11 @@ def test_exceptions_are_named_as_the_package_names_them(ctx):
     with pytest.raises(emm.EmmError) as e:
         ctx.copy_to_host(buf)
     assert type(e.value).__qualname__ == "EmmError" and "PyEmmError" not in repr(e.value)
+
+
+def test_the_type_stub_matches_the_extension():
+    """``emm/_emm.pyi`` (editors' completion and documentation) is generated from the module;
+    a change to the extension's Python surface regenerates it (``python stubgen.py``)."""
+    stubgen = os.path.join(os.path.dirname(__file__), "..", "stubgen.py")
+    out = subprocess.run([sys.executable, stubgen, "--check"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
