@@ -206,21 +206,7 @@ impl HostLayer {
         match made {
             Ok(v) => Ok(v),
             Err(e) if e.kind() == ErrorKind::OutOfMemory => Err(match kind {
-                AllocationKind::Device => {
-                    let info = cx.driver.mem_get_info(cx.context).unwrap_or_default();
-                    cx.events.out_of_memory();
-                    let e = EmmError::OutOfMemory {
-                        device: cx.device,
-                        requested: bytes,
-                        free: info.free,
-                        total: info.total,
-                        flushed,
-                        report: cx.events.report(bytes, asked),
-                        source: e,
-                    };
-                    tracing::warn!(device = %cx.device, what, bytes, error = %e, "out of memory");
-                    e
-                }
+                AllocationKind::Device => self.out_of_memory(what, bytes, flushed, asked, e),
                 AllocationKind::Host => EmmError::OutOfHostMemory {
                     device: cx.device,
                     requested: bytes,
@@ -230,6 +216,35 @@ impl HostLayer {
             }),
             Err(e) => Err(EmmError::driver(what, cx.device, e)),
         }
+    }
+
+    /// The error of a device allocation of `bytes` that stays out of memory (the driver's
+    /// `source`) after `flushed` deferred frees and `asked` retries of the context's callback:
+    /// counted, with the device's free and total bytes and the context's report.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn out_of_memory(
+        &self,
+        what: &'static str,
+        bytes: usize,
+        flushed: usize,
+        asked: u32,
+        source: DriverError,
+    ) -> EmmError {
+        let cx = self.context();
+        let info = cx.driver.mem_get_info(cx.context).unwrap_or_default();
+        cx.events.out_of_memory();
+        let e = EmmError::OutOfMemory {
+            device: cx.device,
+            requested: bytes,
+            free: info.free,
+            total: info.total,
+            flushed,
+            report: cx.events.report(bytes, asked),
+            source,
+        };
+        tracing::warn!(device = %cx.device, what, bytes, error = %e, "out of memory");
+        e
     }
 
     /// Tracks `bytes` of device memory at `base` allocated with `cuMemAlloc`: the returned

@@ -136,7 +136,8 @@ fn take_nonempty<L, T>(lists: &mut [L], take: impl Fn(&mut L) -> Vec<T>) -> Vec<
 }
 
 /// Requests above this many bytes (a quarter of the address space, more than any device holds)
-/// fail as out of memory before the pool rounds them, whose arithmetic they would overflow.
+/// fail as out of memory at once (no flush, no callback) before the pool rounds them, whose
+/// arithmetic they would overflow.
 const MAX_REQUEST: usize = usize::MAX / 4;
 
 /// The block size a request of `bytes` gets.
@@ -1127,26 +1128,6 @@ impl PoolAllocator {
     }
 }
 
-/// The out-of-memory error of a request above [`MAX_REQUEST`]: no device holds it, so there is
-/// nothing to flush and no callback to ask; the error carries the context's report as every
-/// other does.
-#[cold]
-#[inline(never)]
-fn too_large(host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
-    let cx = host.context();
-    let info = cx.driver.mem_get_info(cx.context).unwrap_or_default();
-    cx.events.out_of_memory();
-    Err(EmmError::OutOfMemory {
-        device: cx.device,
-        requested: bytes,
-        free: info.free,
-        total: info.total,
-        flushed: 0,
-        report: cx.events.report(bytes, 0),
-        source: DriverError::from_kind("cuMemAlloc", ErrorKind::OutOfMemory),
-    })
-}
-
 impl DeviceAllocator for PoolAllocator {
     fn memalloc_on(
         &self,
@@ -1160,7 +1141,9 @@ impl DeviceAllocator for PoolAllocator {
             });
         }
         if bytes > MAX_REQUEST {
-            return too_large(host, bytes);
+            // No device holds it: nothing to flush, no callback to ask.
+            let refused = DriverError::from_kind("cuMemAlloc", ErrorKind::OutOfMemory);
+            return Err(host.out_of_memory("memalloc_on", bytes, 0, 0, refused));
         }
         self.alloc_on(host, bytes, stream)
     }
@@ -1174,7 +1157,8 @@ impl DeviceAllocator for PoolAllocator {
             return Err(EmmError::ZeroSize { what: "memalloc" });
         }
         if bytes > MAX_REQUEST {
-            return too_large(host, bytes);
+            let refused = DriverError::from_kind("cuMemAlloc", ErrorKind::OutOfMemory);
+            return Err(host.out_of_memory("memalloc", bytes, 0, 0, refused));
         }
         if bytes <= self.shared.config.small_max {
             self.alloc_small(host, bytes)
