@@ -66,7 +66,7 @@ impl<T: Pod> DeviceArray<T> {
             });
         }
         if let Some(m) = self.memory() {
-            check_context("cudarc_view", m.context().0, stream.context())?;
+            check_context("cudarc_view", m.context().raw(), stream.context())?;
         }
         Ok(CudarcView {
             array: self,
@@ -138,13 +138,15 @@ unsafe impl<'a, 'b: 'a, T: Pod> PushKernelArg<&'b mut DeviceArray<T>> for Launch
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn emm_stream(ctx: &Context, stream: &Arc<CudaStream>) -> Result<emm::Stream, ArrayError> {
-    check_context("emm_stream", ctx.handle().0, stream.context())?;
-    let handle = StreamHandle(stream.cu_stream() as u64);
+    check_context("emm_stream", ctx.handle().raw(), stream.context())?;
     let owner: emm::HostOwner = Arc::clone(stream) as emm::HostOwner;
     // SAFETY: `handle` is the stream of `stream`, an `Arc<CudaStream>` of this context
     // (checked above) that cudarc destroys only when the last clone drops; `owner` is such a
     // clone, and the returned stream and every memory ordered on it hold it.
-    Ok(unsafe { ctx.external_stream_owned(handle, owner) })
+    Ok(unsafe {
+        let handle = StreamHandle::from_raw(stream.cu_stream() as u64);
+        ctx.external_stream_owned(handle, owner)
+    })
 }
 
 /// Lends emm's `stream` to cudarc as a borrowed `CudaStream` of `cuda` (cudarc never destroys
@@ -174,7 +176,7 @@ pub unsafe fn cudarc_stream(
     ctx: &Context,
     stream: &emm::Stream,
 ) -> Result<Arc<CudaStream>, ArrayError> {
-    check_context("cudarc_stream", ctx.handle().0, cuda)?;
+    check_context("cudarc_stream", ctx.handle().raw(), cuda)?;
     if stream.device() != ctx.device() {
         return Err(invalid(
             "cudarc_stream",
@@ -184,7 +186,7 @@ pub unsafe fn cudarc_stream(
     // SAFETY: the handle is a stream of `ctx`, which is `cuda`'s context (checked above); the
     // caller keeps it alive for as long as the wrapper is used, and cudarc does not destroy a
     // borrowed stream.
-    Ok(unsafe { cuda.wrap_borrowed_stream(stream.handle().0 as sys::CUstream) })
+    Ok(unsafe { cuda.wrap_borrowed_stream(stream.handle().raw() as sys::CUstream) })
 }
 
 /// Refuses a cudarc context other than the emm one with `emm_ctx` as its `CUcontext`.

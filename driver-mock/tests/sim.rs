@@ -159,7 +159,7 @@ fn frees_while_imported_are_counted() {
     assert_eq!(counted(), before + 1, "a free after the close is not");
 
     // Stream-ordered pool memory through cuMemPoolImportPointer.
-    let s0 = StreamHandle(0);
+    let s0 = StreamHandle::NULL;
     let pool = sim.mem_pool_create(ctx, DEV, true).unwrap();
     let fd = sim.mem_pool_export_fd(ctx, pool).unwrap();
     let imported = other

@@ -12,11 +12,11 @@ pub struct HostPtr(pub usize);
 
 /// A CUDA context (`CUcontext`), as an opaque value. Prints as hex.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ContextHandle(pub u64);
+pub struct ContextHandle(pub(crate) u64);
 
 /// A stream (`CUstream`), as an opaque value. Prints as hex.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct StreamHandle(pub u64);
+pub struct StreamHandle(pub(crate) u64);
 
 impl StreamHandle {
     /// The null stream (0): the legacy default stream, unless the program was built for
@@ -32,29 +32,29 @@ impl StreamHandle {
 
 /// An event (`CUevent`), as an opaque value. Prints as hex.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct EventHandle(pub u64);
+pub struct EventHandle(pub(crate) u64);
 
 /// A stream-ordered memory pool (`CUmemoryPool`), as an opaque value. Prints as hex.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct MemPoolHandle(pub u64);
+pub struct MemPoolHandle(pub(crate) u64);
 
 /// A physical memory allocation made by `cuMemCreate` (`CUmemGenericAllocationHandle`), as an
 /// opaque value: memory with no address until it is mapped into a reserved range. Prints as
 /// hex.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct PhysHandle(pub u64);
+pub struct PhysHandle(pub(crate) u64);
 
 /// A graph (`CUgraph`), as made by ending a stream capture, as an opaque value. Prints as hex.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct GraphHandle(pub u64);
+pub struct GraphHandle(pub(crate) u64);
 
 /// An executable graph (`CUgraphExec`), as an opaque value. Prints as hex.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct GraphExecHandle(pub u64);
+pub struct GraphExecHandle(pub(crate) u64);
 
 /// A loaded module (`CUmodule`), as an opaque value. Prints as hex.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ModuleHandle(pub u64);
+pub struct ModuleHandle(pub(crate) u64);
 
 /// The driver's 64-byte IPC handle of a device allocation (`CUipcMemHandle`): plain bytes that
 /// another process passes to `cuIpcOpenMemHandle`. Prints as hex.
@@ -66,6 +66,46 @@ pub struct IpcMemHandle(pub [u8; 64]);
 /// imported the pool passes to `cuMemPoolImportPointer`. Prints as hex.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PoolPtrExportData(pub [u8; 64]);
+
+/// Raw access to the opaque handles. A handle names a driver object that safe code passes
+/// straight to the driver, which dereferences it unchecked (a made-up stream handle crashes
+/// `libcuda`), so only the driver that made the object, or code that vouches for a value it
+/// was given, makes one: [`from_raw`](StreamHandle::from_raw) is `unsafe`. Reading the value is
+/// safe.
+macro_rules! opaque_handle {
+    ($($ty:ident => $what:literal),* $(,)?) => {$(
+        // An unsafe constructor is the point: it makes no unsafe call.
+        #[allow(unsafe_code)]
+        impl $ty {
+            #[doc = concat!("The handle whose raw value is `raw`.")]
+            ///
+            /// # Safety
+            ///
+            #[doc = concat!("`raw` names ", $what, " that is alive, made by the driver this handle")]
+            /// will be passed to (a driver implementation makes its own handles this way), and
+            /// stays alive while the handle is used. Safe code hands handles to the driver
+            /// unchecked, and the driver dereferences them.
+            pub const unsafe fn from_raw(raw: u64) -> $ty {
+                $ty(raw)
+            }
+
+            /// The raw value, as the driver's C API takes it.
+            pub const fn raw(self) -> u64 {
+                self.0
+            }
+        }
+    )*};
+}
+opaque_handle!(
+    ContextHandle => "a CUDA context",
+    StreamHandle => "a stream (or is 0, `CU_STREAM_LEGACY` or `CU_STREAM_PER_THREAD`)",
+    EventHandle => "an event",
+    MemPoolHandle => "a stream-ordered memory pool",
+    PhysHandle => "a physical allocation of `cuMemCreate`",
+    GraphHandle => "a graph",
+    GraphExecHandle => "an executable graph",
+    ModuleHandle => "a loaded module",
+);
 
 /// The driver's opaque byte handles print as their name and hex bytes.
 macro_rules! hex_bytes_debug {

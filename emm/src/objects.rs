@@ -92,7 +92,11 @@ impl Drop for StreamDestroy {
     }
 }
 
-impl OrderedOn for Stream {
+// SAFETY: a `Stream` is alive while it or its `keep` owner is held: emm's own streams are
+// destroyed only when the last of those drops, and the external ones were vouched for by the
+// unsafe `external_stream*` that made them.
+#[allow(unsafe_code)]
+unsafe impl OrderedOn for Stream {
     fn stream_handle(&self) -> StreamHandle {
         self.handle
     }

@@ -707,7 +707,9 @@ impl PinnedMemoryResource {
     /// A host pool's buffer: one address for the host and the device.
     fn host_memory(mem: MemoryPointer) -> HostMemory {
         let host = HostPtr(mem.device_ptr().0 as usize);
-        HostMemory::Mapped(MappedMemory::new(host, mem))
+        // SAFETY: a pinned pool's buffer has one address on the host and the device, and `mem`
+        // keeps it alive.
+        HostMemory::Mapped(unsafe { MappedMemory::new(host, mem) })
     }
 
     /// Frees `memory` on `stream` once its last handle is gone (this one).

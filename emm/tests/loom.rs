@@ -605,7 +605,7 @@ fn async_pool_stale_park_races_a_reset_and_a_new_allocation() {
         let t = thread::spawn(move || drop(a));
         ctx.reset().unwrap();
         // SAFETY: the legacy default stream, alive as long as the context.
-        let b = unsafe { ctx.memalloc_on_raw(256, emm::driver_sys::StreamHandle(0)) }.unwrap();
+        let b = unsafe { ctx.memalloc_on_raw(256, emm::driver_sys::StreamHandle::NULL) }.unwrap();
         t.join().unwrap();
         assert!(b.is_live());
         let calls = sim.calls();

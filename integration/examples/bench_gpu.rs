@@ -208,7 +208,7 @@ fn alloc_free_pairs(driver: &Arc<dyn Driver>) {
     driver
         .mem_pool_set_release_threshold(h, pool, u64::MAX)
         .expect("release threshold");
-    let stream = StreamHandle(0);
+    let stream = StreamHandle::NULL;
     for size in sizes() {
         let ns = per_op(iters_for(size, false), |n| {
             for _ in 0..n {
@@ -259,7 +259,7 @@ fn interleaved_pairs(driver: &Arc<dyn Driver>, simulated: bool) {
         let h = ctx.handle();
         let own = raw_pool(driver.as_ref(), &ctx);
         let s = ctx.create_stream_with(true, 0).expect("stream");
-        let legacy = StreamHandle(0);
+        let legacy = StreamHandle::NULL;
         for size in [256usize, 64 << 10, 1 << 20] {
             let subjects: [(&str, &dyn Fn()); 5] = [
                 ("raw-own-pool legacy", &|| {
@@ -1351,7 +1351,9 @@ fn copies(driver: &Arc<dyn Driver>) {
             }
             // Device-to-device copies return before they finish: the batch ends with a
             // synchronisation, inside the timing.
-            driver.stream_synchronize(h, StreamHandle(0)).expect("sync");
+            driver
+                .stream_synchronize(h, StreamHandle::NULL)
+                .expect("sync");
         });
         out("copy-dtod", "emm", size, 1, gbs(ns), "GB/s");
         let ns = per_op(iters, |n| {
@@ -1360,7 +1362,9 @@ fn copies(driver: &Arc<dyn Driver>) {
                 unsafe { driver.memcpy_dtod(h, dev2.device_ptr(), dev.device_ptr(), size) }
                     .expect("cuMemcpyDtoD");
             }
-            driver.stream_synchronize(h, StreamHandle(0)).expect("sync");
+            driver
+                .stream_synchronize(h, StreamHandle::NULL)
+                .expect("sync");
         });
         out("copy-dtod", "raw", size, 1, gbs(ns), "GB/s");
         typed_copies(&ctx, size, iters);

@@ -518,7 +518,7 @@ fn pool_cache_under_pressure(
 ) -> Result<(), Box<dyn std::error::Error>> {
     use driver_sys::{MemPoolHandle, StreamHandle};
     println!("\n-- a stream-ordered pool's cache under memory pressure");
-    let s0 = StreamHandle(0);
+    let s0 = StreamHandle::NULL;
     let step = |what: &str, pool| {
         let reserved = d.mem_pool_usage(ctx, pool).map(|u| u.reserved);
         let free = d.mem_get_info(ctx).map(|i| i.free);
@@ -602,7 +602,7 @@ fn pool_limits_and_host_pools(
     dev: DeviceOrdinal,
 ) -> Result<(), Box<dyn std::error::Error>> {
     use driver_sys::{MemLocation, StreamHandle};
-    let s0 = StreamHandle(0);
+    let s0 = StreamHandle::NULL;
     let mib = 1usize << 20;
     println!("\n-- a pool's maxSize: 2 MiB blocks until the pool refuses (at most 4 x maxSize)");
     for max in [8 * mib, 64 * mib, 512 * mib] {
@@ -803,10 +803,11 @@ fn default_pool_after_a_new_context(
         "stream" => destroy_stream(d, ctx, d.stream_create(ctx, 1)?)?,
         "pool" => {
             let pool = d.mem_pool_create(ctx, dev, false)?;
-            let p = d.mem_alloc_from_pool_async(ctx, pool, 1 << 20, driver_sys::StreamHandle(0))?;
+            let p =
+                d.mem_alloc_from_pool_async(ctx, pool, 1 << 20, driver_sys::StreamHandle::NULL)?;
             // SAFETY: allocated just above on stream 0, unused, freed once.
-            unsafe { d.mem_free_async(ctx, p, driver_sys::StreamHandle(0))? };
-            d.stream_synchronize(ctx, driver_sys::StreamHandle(0))?;
+            unsafe { d.mem_free_async(ctx, p, driver_sys::StreamHandle::NULL)? };
+            d.stream_synchronize(ctx, driver_sys::StreamHandle::NULL)?;
             // SAFETY: nothing of the pool is outstanding; destroyed once.
             unsafe { d.mem_pool_destroy(ctx, pool)? };
         }

@@ -857,7 +857,7 @@ pub fn raw_pool_importer(
         Ok(()) => "ok".to_owned(),
         Err(err) => format!("{:?}", err.kind()),
     };
-    let s0 = StreamHandle(0);
+    let s0 = StreamHandle::NULL;
     driver.init().map_err(e("cuInit"))?;
     let dev = DeviceOrdinal(0);
     let ctx = driver.primary_ctx_retain(dev).map_err(e("retain"))?;

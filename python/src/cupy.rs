@@ -87,7 +87,7 @@ pub extern "C" fn emm_cupy_malloc(_param: *mut c_void, size: usize, device: c_in
             }
             // SAFETY: CuPy's current stream of this device; emm.cupy's rule (the README's) is
             // that a CuPy stream outlives the memory allocated on it.
-            unsafe { ctx.memalloc_on_raw(size, StreamHandle(stream as u64)) }
+            unsafe { ctx.memalloc_on_raw(size, StreamHandle::from_raw(stream as u64)) }
         })?
         .map_err(py_err)
     })();
@@ -160,5 +160,5 @@ pub(crate) fn cupy_usage(py: Python<'_>, device: u32) -> PyResult<Bound<'_, PyDi
 pub(crate) fn cupy_allocation(ptr: u64) -> Option<(usize, Option<u64>)> {
     let state = lock(&CUPY);
     let mem = state.as_ref()?.live.get(&ptr)?;
-    Some((mem.size(), mem.stream().map(|s| s.0)))
+    Some((mem.size(), mem.stream().map(|s| s.raw())))
 }

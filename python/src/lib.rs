@@ -19,6 +19,8 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use streams::StreamArg;
+
 use emm::driver_sys::{CudaDriver, DeviceOrdinal, Driver, HostPtr, StreamHandle};
 use emm::{
     DeferCleanup, EmmError, HostMemory, IpcHandle, ManagedMemory, MemoryPointer, Runtime,
@@ -26,6 +28,8 @@ use emm::{
 };
 mod array;
 mod cupy;
+mod host_range;
+mod streams;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -424,7 +428,7 @@ impl DeviceBuffer {
         lock(&self.mem)
             .as_ref()
             .and_then(|m| m.stream())
-            .map(|s| s.0)
+            .map(|s| s.raw())
     }
 
     /// Whether the memory is still usable (not released, not freed by a reset).
@@ -617,27 +621,28 @@ impl Deferral {
 #[pyclass(module = "emm._emm", frozen)]
 struct MemoryResource {
     inner: emm::DeviceMemoryResource,
+    ctx: emm::Context,
 }
 
 #[pymethods]
 impl MemoryResource {
     /// `size` bytes on `stream`, freed there when the buffer is released or deallocated.
-    #[pyo3(signature = (size, stream=0))]
-    fn allocate(&self, py: Python<'_>, size: usize, stream: u64) -> PyResult<DeviceBuffer> {
-        // SAFETY: the caller's stream of this device, alive as long as the buffer (the
-        // documented contract of this class).
-        py.detach(|| unsafe { self.inner.allocate_on_raw(size, StreamHandle(stream)) })
+    #[pyo3(signature = (size, stream=StreamArg::NULL), text_signature = "(self, size, stream=0)")]
+    fn allocate(&self, py: Python<'_>, size: usize, stream: StreamArg) -> PyResult<DeviceBuffer> {
+        let stream = stream.stream(&self.ctx);
+        py.detach(|| self.inner.allocate(size, &stream))
             .map(DeviceBuffer::new)
             .map_err(py_err)
     }
 
     /// Frees `buffer` on `stream` (the buffer is released: later use raises); a failed free
     /// raises here.
-    #[pyo3(signature = (buffer, stream=0))]
-    fn deallocate(&self, py: Python<'_>, buffer: &DeviceBuffer, stream: u64) -> PyResult<()> {
+    #[pyo3(signature = (buffer, stream=StreamArg::NULL), text_signature = "(self, buffer, stream=0)")]
+    fn deallocate(&self, py: Python<'_>, buffer: &DeviceBuffer, stream: StreamArg) -> PyResult<()> {
+        let stream = stream.stream(&self.ctx);
         let mem = buffer.pointer()?;
         lock(&buffer.mem).take();
-        py.detach(|| self.inner.deallocate_on(mem, &StreamHandle(stream)))
+        py.detach(|| self.inner.deallocate(mem, &stream))
             .map_err(py_err)
     }
 
@@ -687,26 +692,27 @@ impl MemoryResource {
 #[pyclass(module = "emm._emm", frozen)]
 struct PinnedResource {
     inner: emm::PinnedMemoryResource,
+    ctx: emm::Context,
 }
 
 #[pymethods]
 impl PinnedResource {
     /// `size` bytes of page-locked host memory on `stream` (synchronise the stream before the
     /// host touches them).
-    #[pyo3(signature = (size, stream=0))]
-    fn allocate(&self, py: Python<'_>, size: usize, stream: u64) -> PyResult<HostBuffer> {
-        // SAFETY: the caller's stream of this device, alive as long as the buffer (the
-        // documented contract of this class).
-        py.detach(|| unsafe { self.inner.allocate_on_raw(size, StreamHandle(stream)) })
+    #[pyo3(signature = (size, stream=StreamArg::NULL), text_signature = "(self, size, stream=0)")]
+    fn allocate(&self, py: Python<'_>, size: usize, stream: StreamArg) -> PyResult<HostBuffer> {
+        let stream = stream.stream(&self.ctx);
+        py.detach(|| self.inner.allocate(size, &stream))
             .map(host_buffer)
             .map_err(py_err)
     }
 
     /// Frees `buffer` on `stream` (the buffer is released).
-    #[pyo3(signature = (buffer, stream=0))]
-    fn deallocate(&self, py: Python<'_>, buffer: &HostBuffer, stream: u64) -> PyResult<()> {
+    #[pyo3(signature = (buffer, stream=StreamArg::NULL), text_signature = "(self, buffer, stream=0)")]
+    fn deallocate(&self, py: Python<'_>, buffer: &HostBuffer, stream: StreamArg) -> PyResult<()> {
+        let stream = stream.stream(&self.ctx);
         let mem = take_to_deallocate(&buffer.mem, "HostBuffer")?;
-        py.detach(|| self.inner.deallocate_on(mem, &StreamHandle(stream)))
+        py.detach(|| self.inner.deallocate(mem, &stream))
             .map_err(py_err)
     }
 
@@ -750,18 +756,18 @@ fn take_to_deallocate<T>(slot: &Mutex<Option<T>>, kind: &str) -> PyResult<T> {
 #[pyclass(module = "emm._emm", frozen)]
 struct ManagedResource {
     inner: emm::ManagedMemoryResource,
+    ctx: emm::Context,
 }
 
 #[pymethods]
 impl ManagedResource {
     /// `size` bytes of managed memory on `stream` (synchronise the stream before the host
     /// touches them).
-    #[pyo3(signature = (size, stream=0))]
-    fn allocate(&self, py: Python<'_>, size: usize, stream: u64) -> PyResult<ManagedBuffer> {
-        // SAFETY: the caller's stream of this device, alive as long as the buffer (the
-        // documented contract of this class).
+    #[pyo3(signature = (size, stream=StreamArg::NULL), text_signature = "(self, size, stream=0)")]
+    fn allocate(&self, py: Python<'_>, size: usize, stream: StreamArg) -> PyResult<ManagedBuffer> {
+        let stream = stream.stream(&self.ctx);
         let mem = py
-            .detach(|| unsafe { self.inner.allocate_on_raw(size, StreamHandle(stream)) })
+            .detach(|| self.inner.allocate(size, &stream))
             .map_err(py_err)?;
         Ok(ManagedBuffer {
             ptr: mem.device().device_ptr().0,
@@ -771,10 +777,16 @@ impl ManagedResource {
     }
 
     /// Frees `buffer` on `stream` (the buffer is released: later use raises).
-    #[pyo3(signature = (buffer, stream=0))]
-    fn deallocate(&self, py: Python<'_>, buffer: &ManagedBuffer, stream: u64) -> PyResult<()> {
+    #[pyo3(signature = (buffer, stream=StreamArg::NULL), text_signature = "(self, buffer, stream=0)")]
+    fn deallocate(
+        &self,
+        py: Python<'_>,
+        buffer: &ManagedBuffer,
+        stream: StreamArg,
+    ) -> PyResult<()> {
+        let stream = stream.stream(&self.ctx);
         let mem = take_to_deallocate(&buffer.mem, "ManagedBuffer")?;
-        py.detach(|| self.inner.deallocate_on(mem, &StreamHandle(stream)))
+        py.detach(|| self.inner.deallocate(mem, &stream))
             .map_err(py_err)
     }
 
@@ -839,15 +851,21 @@ impl Context {
             .map_err(py_err)
     }
 
-    /// `size` bytes of device memory for work on the stream whose `CUstream` handle is
-    /// `stream` (an integer: CuPy's `Stream.ptr`, PyTorch's `cuda_stream`; 0 is the legacy
-    /// default stream), freed on that stream when the buffer goes. Under a manager that does
-    /// not allocate on streams this is refused; `stream_ordering` says which kind this is.
-    /// The stream must outlive the buffer (emm cannot keep another library's stream alive).
-    fn memalloc_on(&self, py: Python<'_>, size: usize, stream: u64) -> PyResult<DeviceBuffer> {
-        // SAFETY: the caller's stream of this context, kept alive by its library for as long
-        // as its memory lives (the documented contract of this method).
-        py.detach(|| unsafe { self.inner.memalloc_on_raw(size, StreamHandle(stream)) })
+    /// `size` bytes of device memory for work on `stream`, freed on that stream when the
+    /// buffer goes. `stream` is a stream object (CuPy's, PyTorch's, cuda.core's, Numba's:
+    /// anything with `__cuda_stream__`), which the buffer holds so that the stream outlives
+    /// it; 0, 1 or 2 for the implicit default streams; or an `ExternalStream` for a raw
+    /// handle the caller vouches for. Other integers are refused: the driver would crash on a
+    /// wrong handle. Under a manager that does not allocate on streams this is refused;
+    /// `stream_ordering` says which kind this is.
+    fn memalloc_on(
+        &self,
+        py: Python<'_>,
+        size: usize,
+        stream: StreamArg,
+    ) -> PyResult<DeviceBuffer> {
+        let stream = stream.stream(&self.inner);
+        py.detach(|| self.inner.memalloc_on(size, &stream))
             .map(DeviceBuffer::new)
             .map_err(py_err)
     }
@@ -867,7 +885,10 @@ impl Context {
         };
         self.inner
             .device_memory_resource(options)
-            .map(|inner| MemoryResource { inner })
+            .map(|inner| MemoryResource {
+                inner,
+                ctx: self.inner.clone(),
+            })
             .map_err(py_err)
     }
 
@@ -887,7 +908,10 @@ impl Context {
         };
         self.inner
             .pinned_memory_resource(options)
-            .map(|inner| PinnedResource { inner })
+            .map(|inner| PinnedResource {
+                inner,
+                ctx: self.inner.clone(),
+            })
             .map_err(py_err)
     }
 
@@ -920,7 +944,10 @@ impl Context {
         };
         self.inner
             .managed_memory_resource(options)
-            .map(|inner| ManagedResource { inner })
+            .map(|inner| ManagedResource {
+                inner,
+                ctx: self.inner.clone(),
+            })
             .map_err(py_err)
     }
 
@@ -928,7 +955,10 @@ impl Context {
     fn default_device_memory_resource(&self) -> PyResult<MemoryResource> {
         self.inner
             .default_device_memory_resource()
-            .map(|inner| MemoryResource { inner })
+            .map(|inner| MemoryResource {
+                inner,
+                ctx: self.inner.clone(),
+            })
             .map_err(py_err)
     }
 
@@ -955,10 +985,13 @@ impl Context {
     }
 
     /// Pins `size` bytes at `pointer`, which `owner` keeps alive (Numba's `mempin`); the pin
-    /// holds a reference to `owner` until it is released.
+    /// holds a reference to `owner` until it is released. Where `owner` exports its memory
+    /// (the buffer protocol: a NumPy array, a `bytearray`, a ctypes array), the range must lie
+    /// within it.
     #[pyo3(signature = (owner, pointer, size, mapped=false))]
     fn mempin(
         &self,
+        py: Python<'_>,
         owner: Py<PyAny>,
         pointer: usize,
         size: usize,
@@ -968,6 +1001,18 @@ impl Context {
             return Err(PyValueError::new_err(
                 "mempin of a null pointer: pass the address of the owner's memory",
             ));
+        }
+        let exported = host_range::exported(owner.bind(py))?;
+        if let Some((start, end)) = exported {
+            let inside = pointer >= start && pointer.checked_add(size).is_some_and(|e| e <= end);
+            if !inside {
+                return Err(PyValueError::new_err(format!(
+                    "mempin of {size} bytes at {pointer:#x} reaches outside the {} bytes the \
+                     owner exports at {start:#x}: pass the address and size of the owner's own \
+                     memory (for a NumPy array, a.ctypes.data and a.nbytes)",
+                    end - start
+                )));
+            }
         }
         // The Python object that owns the memory: the pin holds it until the pin ends.
         let keeper: emm::HostOwner = Arc::new(owner);
@@ -1315,7 +1360,7 @@ fn torch_allocate(size: isize, device: i32, stream: *mut c_void) -> Result<*mut 
                 // SAFETY: PyTorch's stream of this device (its streams live as long as the
                 // process; 0 is the legacy default stream), the one it will use the memory
                 // on and pass back to `free`.
-                unsafe { ctx.memalloc_on_raw(size, StreamHandle(stream as usize as u64)) }
+                unsafe { ctx.memalloc_on_raw(size, StreamHandle::from_raw(stream as usize as u64)) }
             }
         })
         .map_err(|e| (e.to_string(), false))?;
@@ -1393,12 +1438,19 @@ pub extern "C" fn emm_torch_free(ptr: *mut c_void, size: isize, device: i32, str
     }
     // PyTorch frees on the stream it allocated on; if it names another, the free goes there
     // (after the allocation stream's work, which the manager orders).
-    let stream = StreamHandle(stream as usize as u64);
-    if mem.stream().is_some_and(|s| s != stream) && mem.free_on(&stream).is_err() {
-        torch_error(format!(
-            "free of 0x{addr:x} on stream 0x{:x}: the memory was not allocated on a stream; freed",
-            stream.0
-        ));
+    let raw = stream as usize as u64;
+    if mem.stream().is_some_and(|s| s.raw() != raw) {
+        let moved = with_device_context(mem.device().0, |ctx| {
+            // SAFETY: PyTorch's stream of this device (its streams live as long as the
+            // process), which PyTorch hands to `free` as the memory's last user.
+            let stream = unsafe { ctx.external_stream(StreamHandle::from_raw(raw)) };
+            mem.free_on(&stream)
+        });
+        if !matches!(moved, Ok(Ok(()))) {
+            torch_error(format!(
+                "free of 0x{addr:x} on stream 0x{raw:x}: the memory was not allocated on a stream; freed"
+            ));
+        }
     }
     drop_memory(mem);
 }
@@ -1497,6 +1549,7 @@ fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cupy::cupy_usage, m)?)?;
     m.add_function(wrap_pyfunction!(cupy::cupy_allocation, m)?)?;
     m.add_function(wrap_pyfunction!(torch_reset_peaks, m)?)?;
+    m.add_class::<streams::ExternalStream>()?;
     m.add_class::<Context>()?;
     m.add_class::<MemoryResource>()?;
     m.add_class::<PinnedResource>()?;

@@ -93,6 +93,101 @@ def test_mempin_holds_its_owner(ctx):
         ctx.mempin(owner, 0, 16)
 
 
+def test_mempin_checks_the_range_against_the_owners_buffer(ctx):
+    """A pin must lie within the memory its owner exports: 1 GiB over a 16-byte bytearray,
+    a range that starts before the buffer or runs past its end are refused before the driver
+    sees them; a range inside it pins."""
+    owner = bytearray(16)
+    address = ctypes.addressof((ctypes.c_char * len(owner)).from_buffer(owner))
+    for pointer, size in [(address, 1 << 30), (address - 8, 16), (address + 8, 9), (1 << 63, 16)]:
+        with pytest.raises(ValueError, match="reaches outside the 16 bytes the owner exports"):
+            ctx.mempin(owner, pointer, size)
+    pin = ctx.mempin(owner, address + 4, 8)
+    pin.write(b"\x09" * 8)
+    assert bytes(owner) == b"\0" * 4 + b"\x09" * 8 + b"\0" * 4
+    pin.release()
+    # A strided view spans its first to its last element.
+    whole = (ctypes.c_int32 * 8)()
+    view = memoryview(whole).cast("B").cast("i")[::2]
+    start = ctypes.addressof(whole)
+    ctx.mempin(view, start, 28).release()
+    with pytest.raises(ValueError, match="reaches outside the 28 bytes"):
+        ctx.mempin(view, start, 32)
+
+
+class _ProtocolStream:
+    """A stream object as other libraries make them: the CUDA stream protocol."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def __cuda_stream__(self):
+        return self.answer
+
+
+@pytest.mark.parametrize("bad", [12345, 3, 1 << 40, 0x7F00_0000_0000])
+def test_raw_stream_handles_are_refused(ctx, bad):
+    """An integer that is not an implicit stream never reaches the driver, which would
+    dereference it: memalloc_on and the resources refuse it and say what to pass."""
+    with pytest.raises(ValueError, match="raw handle emm cannot check.*ExternalStream"):
+        ctx.memalloc_on(256, bad)
+    mr = ctx.default_device_memory_resource()
+    with pytest.raises(ValueError, match="raw handle emm cannot check"):
+        mr.allocate(256, bad)
+    buf = mr.allocate(256, 0)
+    with pytest.raises(ValueError, match="raw handle emm cannot check"):
+        mr.deallocate(buf, bad)
+    assert buf.live, "a refused deallocate leaves the buffer alone"
+    mr.deallocate(buf, 0)
+
+
+def test_stream_arguments_that_are_no_streams_are_refused(ctx):
+    with pytest.raises(ValueError, match="no handle"):
+        ctx.memalloc_on(256, -1)
+    with pytest.raises(TypeError, match="a str is no stream"):
+        ctx.memalloc_on(256, "0")
+    with pytest.raises(TypeError, match="a float is no stream"):
+        ctx.memalloc_on(256, 0.0)
+    with pytest.raises(ValueError, match="version 1 of the CUDA stream protocol"):
+        ctx.memalloc_on(256, _ProtocolStream((1, 0)))
+    with pytest.raises(TypeError, match="not \\(version, handle\\) integers"):
+        ctx.memalloc_on(256, _ProtocolStream("stream"))
+    with pytest.raises(ValueError, match="implicit default streams"):
+        emm.ExternalStream(2)
+    s = emm.ExternalStream(0xABC0)
+    assert (s.handle, s.__cuda_stream__(), repr(s)) == (0xABC0, (0, 0xABC0), "emm.ExternalStream(0xabc0)")
+
+
+def test_a_stream_object_outlives_the_memory_on_it():
+    """The buffer holds the stream object it was allocated on (so another library's stream
+    is not destroyed under it), and lets it go once the memory is freed."""
+    code = (
+        "import gc, weakref, emm\n"
+        "emm.configure(manager='pool', driver='sim')\n"
+        "c = emm.context(0)\n"
+        "class S:\n"
+        "    def __cuda_stream__(self):\n"
+        "        return (0, 2)\n"
+        "s = S()\n"
+        "alive = weakref.ref(s)\n"
+        "b = c.memalloc_on(4096, s)\n"
+        "assert b.stream == 2\n"
+        "del s\n"
+        "gc.collect()\n"
+        "assert alive() is not None, 'held by the buffer'\n"
+        "b.release()\n"
+        "del b\n"
+        "c.flush()\n"
+        "c.trim()\n"
+        "gc.collect()\n"
+        "assert alive() is None, 'let go once the memory is freed'\n"
+        "print('ok')"
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
 def test_managed_memory(ctx):
     m = ctx.memallocmanaged(512)
     m.write(bytes(range(256)) * 2)

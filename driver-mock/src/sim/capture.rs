@@ -341,7 +341,7 @@ impl World {
             Some(_)
                 if self.processes[pid]
                     .pools
-                    .get(&pool.0)
+                    .get(&pool.raw())
                     .is_some_and(|p| p.ipc) =>
             {
                 return Err(code::NOT_SUPPORTED);
@@ -483,7 +483,7 @@ impl World {
                 execs: 0,
             },
         );
-        Ok(GraphHandle(h))
+        Ok(crate::sim::made(GraphHandle::from_raw, h))
     }
 
     /// `cuStreamGetCaptureInfo`.
@@ -655,12 +655,12 @@ impl World {
         let p = &mut self.processes[pid];
         let g = p
             .graphs
-            .get_mut(&graph.0)
+            .get_mut(&graph.raw())
             .filter(|g| !g.destroyed)
             .ok_or(code::INVALID_VALUE)?;
         g.execs += 1;
-        p.execs.insert(h, graph.0);
-        Ok(GraphExecHandle(h))
+        p.execs.insert(h, graph.raw());
+        Ok(crate::sim::made(GraphExecHandle::from_raw, h))
     }
 
     /// `cuGraphLaunch`.
@@ -674,7 +674,7 @@ impl World {
     ) -> Result<(), u32> {
         let device = context(self, pid, ctx, note)?;
         let p = &self.processes[pid];
-        let graph = *p.execs.get(&exec.0).ok_or(code::INVALID_VALUE)?;
+        let graph = *p.execs.get(&exec.raw()).ok_or(code::INVALID_VALUE)?;
         let g = &p.graphs[&graph];
         if g.device != device {
             return Err(code::INVALID_VALUE);
@@ -730,7 +730,7 @@ impl World {
         context(self, pid, ctx, note)?;
         let graph = self.processes[pid]
             .execs
-            .remove(&exec.0)
+            .remove(&exec.raw())
             .ok_or(code::INVALID_VALUE)?;
         if let Some(g) = self.processes[pid].graphs.get_mut(&graph) {
             g.execs -= 1;
@@ -750,11 +750,11 @@ impl World {
         context(self, pid, ctx, note)?;
         let g = self.processes[pid]
             .graphs
-            .get_mut(&graph.0)
+            .get_mut(&graph.raw())
             .filter(|g| !g.destroyed)
             .ok_or(code::INVALID_VALUE)?;
         g.destroyed = true;
-        self.collect_graph(pid, graph.0);
+        self.collect_graph(pid, graph.raw());
         Ok(())
     }
 

@@ -595,13 +595,13 @@ impl Driver for SimDriver {
         ctx: ContextHandle,
         stream: StreamHandle,
     ) -> Result<(), DriverError> {
-        self.destroy_object(Op::StreamDestroy, ctx, Object::Stream, stream.0)
+        self.destroy_object(Op::StreamDestroy, ctx, Object::Stream, stream.raw())
     }
 
     fn event_create(&self, ctx: ContextHandle, flags: u32) -> Result<EventHandle, DriverError> {
         let h = self.create_object(Op::EventCreate, ctx, Object::Event, flags & !0xf == 0)?;
         self.lock().add_event(self.pid, h, flags);
-        Ok(EventHandle(h))
+        Ok(crate::sim::made(EventHandle::from_raw, h))
     }
 
     unsafe fn event_destroy(
@@ -609,7 +609,7 @@ impl Driver for SimDriver {
         ctx: ContextHandle,
         event: EventHandle,
     ) -> Result<(), DriverError> {
-        self.destroy_object(Op::EventDestroy, ctx, Object::Event, event.0)
+        self.destroy_object(Op::EventDestroy, ctx, Object::Event, event.raw())
     }
 
     fn module_load_data(
@@ -623,7 +623,7 @@ impl Driver for SimDriver {
             Object::Module,
             plausible_image(image),
         )
-        .map(ModuleHandle)
+        .map(|h| crate::sim::made(ModuleHandle::from_raw, h))
     }
 
     unsafe fn module_unload(
@@ -631,7 +631,7 @@ impl Driver for SimDriver {
         ctx: ContextHandle,
         module: ModuleHandle,
     ) -> Result<(), DriverError> {
-        self.destroy_object(Op::ModuleUnload, ctx, Object::Module, module.0)
+        self.destroy_object(Op::ModuleUnload, ctx, Object::Module, module.raw())
     }
 
     fn ipc_get_mem_handle(

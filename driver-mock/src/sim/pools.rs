@@ -169,7 +169,7 @@ impl World {
     pub(super) fn pool_mut(&mut self, pid: usize, h: MemPoolHandle) -> Result<&mut SimPool, u32> {
         self.processes[pid]
             .pools
-            .get_mut(&h.0)
+            .get_mut(&h.raw())
             .ok_or(code::INVALID_VALUE)
     }
 
@@ -190,7 +190,7 @@ impl World {
         ctx: ContextHandle,
         stream: StreamHandle,
     ) -> Result<(), u32> {
-        self.check_stream(pid, stream.0)?;
+        self.check_stream(pid, stream.raw())?;
         // The stream's queued work runs first (`streams`; frees in it make their blocks
         // reusable on every stream), then pools release what they reserve above their
         // threshold.
@@ -221,11 +221,11 @@ impl World {
         }
         let p = &self.processes[pid];
         if let Some((&h, _)) = p.pools.iter().find(|(_, q)| q.is_default && q.device == i) {
-            return Ok(MemPoolHandle(h));
+            return Ok(crate::sim::made(MemPoolHandle::from_raw, h));
         }
         let h = self.new_handle();
         self.processes[pid].pools.insert(h, SimPool::new(i, true));
-        Ok(MemPoolHandle(h))
+        Ok(crate::sim::made(MemPoolHandle::from_raw, h))
     }
 
     /// `cuMemPoolCreate`: [`Driver::mem_pool_create`](driver_sys::Driver::mem_pool_create) in the model.
@@ -263,7 +263,7 @@ impl World {
         // driver 580: a maxSize of 8 MiB let 32 MiB be allocated; 64 and 512 MiB held exactly).
         pool.max_size = max_size.div_ceil(MAX_SIZE_GRAIN) * MAX_SIZE_GRAIN;
         self.processes[pid].pools.insert(h, pool);
-        Ok(MemPoolHandle(h))
+        Ok(crate::sim::made(MemPoolHandle::from_raw, h))
     }
 
     /// `cuMemPoolCreate` of managed memory: [`Driver::mem_pool_create_managed`](driver_sys::Driver::mem_pool_create_managed) in the
@@ -294,7 +294,7 @@ impl World {
         pool.host = true;
         pool.managed = true;
         self.processes[pid].pools.insert(h, pool);
-        Ok(MemPoolHandle(h))
+        Ok(crate::sim::made(MemPoolHandle::from_raw, h))
     }
 
     /// `cuMemPoolDestroy`: [`Driver::mem_pool_destroy`](driver_sys::Driver::mem_pool_destroy) in the model.
@@ -306,11 +306,14 @@ impl World {
         pool: MemPoolHandle,
     ) -> Result<(), u32> {
         context(self, pid, ctx, note)?;
-        match self.processes[pid].pools.get(&pool.0) {
+        match self.processes[pid].pools.get(&pool.raw()) {
             Some(p) if !p.is_default && !p.destroyed => {}
             _ => return Err(code::INVALID_VALUE),
         }
-        let mut p = self.processes[pid].pools.remove(&pool.0).expect("checked");
+        let mut p = self.processes[pid]
+            .pools
+            .remove(&pool.raw())
+            .expect("checked");
         for b in std::mem::take(&mut p.free) {
             self.free_pool_block(pid, p.host, b.addr);
         }
@@ -318,7 +321,7 @@ impl World {
         // they are freed (cuMemFreeAsync); until then the pool lingers, destroyed.
         if !p.live.is_empty() {
             p.destroyed = true;
-            self.processes[pid].pools.insert(pool.0, p);
+            self.processes[pid].pools.insert(pool.raw(), p);
         }
         Ok(())
     }
@@ -349,7 +352,7 @@ impl World {
     ) -> Result<(), u32> {
         context(self, pid, ctx, note)?;
         self.pool_mut(pid, pool)?;
-        self.pool_release(pid, pool.0, keep);
+        self.pool_release(pid, pool.raw(), keep);
         Ok(())
     }
 
@@ -400,7 +403,7 @@ impl World {
     ) -> Result<DevicePtr, u32> {
         note.bytes = Some(bytes);
         let i = context(self, pid, ctx, note)?;
-        self.check_stream(pid, stream.0)?;
+        self.check_stream(pid, stream.raw())?;
         let p = self.pool_mut(pid, pool)?;
         // A destroyed pool that lingers until its allocations are freed makes no new ones (its
         // handle is invalid to the caller from the destroy on); an imported pool makes none
@@ -416,7 +419,7 @@ impl World {
             .free
             .iter()
             .enumerate()
-            .filter(|(_, b)| fits(b.size) && (b.ready || b.stream == stream.0))
+            .filter(|(_, b)| fits(b.size) && (b.ready || b.stream == stream.raw()))
             .min_by_key(|(_, b)| b.size)
             .map(|(k, _)| k);
         if let Some(k) = found {
@@ -431,8 +434,8 @@ impl World {
         // past its limit; past it, the allocation is out of memory.
         if p.max_size > 0 && p.reserved + bytes > p.max_size {
             let keep = p.max_size.saturating_sub(bytes);
-            self.pool_release(pid, pool.0, keep);
-            let p = self.processes[pid].pools.get(&pool.0).expect("checked");
+            self.pool_release(pid, pool.raw(), keep);
+            let p = self.processes[pid].pools.get(&pool.raw()).expect("checked");
             if p.reserved + bytes > p.max_size {
                 return Err(code::OUT_OF_MEMORY);
             }
@@ -440,9 +443,12 @@ impl World {
         // No free block fits: the driver maps the physical memory of the free blocks whose
         // frees ran into the new allocation rather than growing by all of it. Modelled by
         // giving those blocks back before the new one takes its pages.
-        let (host, _) = p_host(self, pid, pool.0);
+        let (host, _) = p_host(self, pid, pool.raw());
         if !host {
-            let p = self.processes[pid].pools.get_mut(&pool.0).expect("checked");
+            let p = self.processes[pid]
+                .pools
+                .get_mut(&pool.raw())
+                .expect("checked");
             let mut reusable = Vec::new();
             p.free.retain(|b| {
                 // A block whose free has not run yet may still be written by earlier work: its
@@ -454,18 +460,24 @@ impl World {
                 !take
             });
             for (addr, size) in reusable {
-                let p = self.processes[pid].pools.get_mut(&pool.0).expect("checked");
+                let p = self.processes[pid]
+                    .pools
+                    .get_mut(&pool.raw())
+                    .expect("checked");
                 p.reserved -= size;
                 let _ = self.free_device(pid, addr);
             }
         }
         // Out of pages, this takes back what the process's pools cache, this one included.
-        let addr = if let (true, managed) = p_host(self, pid, pool.0) {
+        let addr = if let (true, managed) = p_host(self, pid, pool.raw()) {
             self.alloc_pooled_host(pid, i, bytes, managed)?
         } else {
             self.alloc_device(i, pid, bytes)?
         };
-        let p = self.processes[pid].pools.get_mut(&pool.0).expect("checked");
+        let p = self.processes[pid]
+            .pools
+            .get_mut(&pool.raw())
+            .expect("checked");
         p.reserved += bytes;
         p.used += bytes;
         p.reserved_high = p.reserved_high.max(p.reserved);
@@ -486,7 +498,7 @@ impl World {
     ) -> Result<(), u32> {
         note.ptr = Some(ptr);
         let i = context(self, pid, ctx, note)?;
-        self.check_stream(pid, stream.0)?;
+        self.check_stream(pid, stream.raw())?;
         // A pointer imported from another process's pool: the mapping goes.
         if self.processes[pid]
             .ipc
@@ -539,7 +551,7 @@ impl World {
         p.free.push(FreeBlock {
             addr: ptr.0,
             size,
-            stream: stream.0,
+            stream: stream.raw(),
             ready: false,
             id,
         });
@@ -568,7 +580,7 @@ impl World {
         let (reader, _writer) = std::io::pipe().map_err(|_| code::OUT_OF_MEMORY)?;
         let fd = OwnedFd::from(reader);
         let ino = inode(fd.as_fd()).ok_or(code::OUT_OF_MEMORY)?;
-        self.pool_exports.insert(ino, (pid, pool.0));
+        self.pool_exports.insert(ino, (pid, pool.raw()));
         Ok(fd)
     }
 
@@ -599,7 +611,7 @@ impl World {
         imported.imported_from = Some((exporter, h));
         let handle = self.new_handle();
         self.processes[pid].pools.insert(handle, imported);
-        Ok(MemPoolHandle(handle))
+        Ok(crate::sim::made(MemPoolHandle::from_raw, handle))
     }
 
     /// `cuMemPoolExportPointer`: [`Driver::mem_pool_export_pointer`](driver_sys::Driver::mem_pool_export_pointer) in the model.
@@ -665,11 +677,11 @@ impl World {
         let known = self.processes[pid]
             .ipc
             .iter()
-            .find(|(_, m)| m.store == store && m.pool == Some(pool.0))
+            .find(|(_, m)| m.store == store && m.pool == Some(pool.raw()))
             .map(|(&at, _)| at);
         let at = match known {
             Some(at) => at,
-            None => self.map_store(pid, device, store, size, Some(pool.0)),
+            None => self.map_store(pid, device, store, size, Some(pool.raw())),
         };
         note.ptr = Some(DevicePtr(at));
         note.bytes = Some(size);

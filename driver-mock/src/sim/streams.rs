@@ -151,7 +151,7 @@ pub(super) struct Streams {
 
 /// The queue key of `stream` in a context of `device`.
 fn key(stream: StreamHandle, device: usize) -> u64 {
-    match stream.0 {
+    match stream.raw() {
         0 | 1 => LEGACY + ((device as u64) << 2),
         2 => PER_THREAD + ((device as u64) << 2),
         h => h,
@@ -160,7 +160,7 @@ fn key(stream: StreamHandle, device: usize) -> u64 {
 
 /// Whether `stream` names one of the implicit streams (not a created one).
 fn implicit(stream: StreamHandle) -> bool {
-    stream.0 <= 2
+    stream.raw() <= 2
 }
 
 /// Whether the wait condition holds.
@@ -187,12 +187,12 @@ impl World {
         if implicit(stream) {
             p.streams.streams.entry(k).or_insert_with(|| SimStream {
                 device,
-                blocking: stream.0 != 2,
+                blocking: stream.raw() != 2,
                 ..SimStream::default()
             });
             return Ok(k);
         }
-        match p.objects.get(&stream.0) {
+        match p.objects.get(&stream.raw()) {
             Some((Object::Stream, _)) => Ok(k),
             _ => Err(code::INVALID_HANDLE),
         }
@@ -525,7 +525,7 @@ impl World {
         self.processes[pid]
             .streams
             .events
-            .get_mut(&event.0)
+            .get_mut(&event.raw())
             .ok_or(code::INVALID_HANDLE)
     }
 
@@ -541,9 +541,9 @@ impl World {
         let device = context(self, pid, ctx, note)?;
         let k = self.stream_key(pid, device, stream)?;
         self.event_mut(pid, event)?;
-        if self.capture_event_record(pid, k, event.0) {
+        if self.capture_event_record(pid, k, event.raw()) {
             let work = Work::Record {
-                event: event.0,
+                event: event.raw(),
                 serial: 0,
             };
             return self.enqueue(pid, device, stream, work);
@@ -559,7 +559,7 @@ impl World {
             device,
             stream,
             Work::Record {
-                event: event.0,
+                event: event.raw(),
                 serial,
             },
         )
@@ -578,14 +578,14 @@ impl World {
         let serial = self.event_mut(pid, event)?.recorded;
         if !self.processes[pid].captures.is_empty() {
             let k = self.stream_key(pid, device, stream)?;
-            self.capture_event_wait(pid, k, event.0);
+            self.capture_event_wait(pid, k, event.raw());
         }
         self.enqueue(
             pid,
             device,
             stream,
             Work::WaitEvent {
-                event: event.0,
+                event: event.raw(),
                 serial,
             },
         )
@@ -601,7 +601,7 @@ impl World {
     ) -> Result<bool, u32> {
         context(self, pid, ctx, note)?;
         self.event_mut(pid, event)?;
-        self.refuse_captured_event(pid, event.0)?;
+        self.refuse_captured_event(pid, event.raw())?;
         let e = self.event_mut(pid, event)?;
         Ok(e.is_done(e.recorded))
     }
@@ -616,9 +616,9 @@ impl World {
     ) -> Result<(), u32> {
         context(self, pid, ctx, note)?;
         self.event_mut(pid, event)?;
-        self.refuse_captured_event(pid, event.0)?;
+        self.refuse_captured_event(pid, event.raw())?;
         let target = self.event_mut(pid, event)?.recorded;
-        let h = event.0;
+        let h = event.raw();
         self.wait_until(pid, |w| {
             w.processes[pid]
                 .streams

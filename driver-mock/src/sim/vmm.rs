@@ -253,7 +253,7 @@ impl World {
             },
         );
         self.devices[i].phys_bytes += size;
-        Ok(PhysHandle(handle))
+        Ok(crate::sim::made(PhysHandle::from_raw, handle))
     }
 
     /// Forgets physical allocation `handle` if it is released and unmapped.
@@ -283,14 +283,14 @@ impl World {
         handle: PhysHandle,
     ) -> Result<(), u32> {
         context(self, pid, ctx, note)?;
-        match self.phys.get_mut(&handle.0) {
+        match self.phys.get_mut(&handle.raw()) {
             Some(p) if p.owner == pid && !p.released => {
                 note.bytes = Some(p.size);
                 p.released = true;
             }
             _ => return Err(code::INVALID_VALUE),
         }
-        self.drop_phys_if_unused(handle.0);
+        self.drop_phys_if_unused(handle.raw());
         Ok(())
     }
 
@@ -307,7 +307,7 @@ impl World {
         note.ptr = Some(ptr);
         note.bytes = Some(size);
         context(self, pid, ctx, note)?;
-        let p = match self.phys.get(&handle.0) {
+        let p = match self.phys.get(&handle.raw()) {
             Some(p) if p.owner == pid && !p.released => p,
             _ => return Err(code::INVALID_HANDLE),
         };
@@ -332,11 +332,11 @@ impl World {
             ptr.0,
             VmMap {
                 size,
-                handle: handle.0,
+                handle: handle.raw(),
                 access: 0,
             },
         );
-        self.phys.get_mut(&handle.0).expect("checked").mappings += 1;
+        self.phys.get_mut(&handle.raw()).expect("checked").mappings += 1;
         Ok(())
     }
 

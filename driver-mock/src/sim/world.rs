@@ -116,7 +116,7 @@ pub(super) fn context(
     note: &mut Note,
 ) -> Result<usize, u32> {
     let index = ctx
-        .0
+        .raw()
         .checked_sub(CONTEXT_HANDLE_BASE)
         .filter(|off| off % 0x100 == 0)
         .map(|off| (off / 0x100) as usize)
@@ -248,8 +248,11 @@ impl World {
             .iter()
             .filter(|(_, ph)| ph.owner == pid && on(ph.device))
         {
-            r.physical
-                .push((DeviceOrdinal(ph.device as u32), PhysHandle(handle), ph.size));
+            r.physical.push((
+                DeviceOrdinal(ph.device as u32),
+                crate::sim::made(PhysHandle::from_raw, handle),
+                ph.size,
+            ));
         }
         for (&base, res) in p.vm.reservations.iter().filter(|(_, res)| on(res.device)) {
             r.reservations.push((DevicePtr(base), res.size));
@@ -372,7 +375,10 @@ impl World {
         let c = &mut self.processes[pid].contexts[i];
         c.refcount += 1;
         c.live = true;
-        Ok(ContextHandle(CONTEXT_HANDLE_BASE + i as u64 * 0x100))
+        Ok(crate::sim::made(
+            ContextHandle::from_raw,
+            CONTEXT_HANDLE_BASE + i as u64 * 0x100,
+        ))
     }
 
     /// `cuDevicePrimaryCtxRelease`: [`Driver::primary_ctx_release`](driver_sys::Driver::primary_ctx_release) in the model.

@@ -106,11 +106,11 @@ impl Log {
         let key = (e.device.0, e.addr.unwrap_or(0));
         let stream = match (action, e.stream) {
             ("allocate", Some(s)) => {
-                f.streams.insert(key, s.0);
-                Some(s.0)
+                f.streams.insert(key, s.raw());
+                Some(s.raw())
             }
             ("free", _) => f.streams.remove(&key),
-            (_, s) => s.map(|s| s.0),
+            (_, s) => s.map(|s| s.raw()),
         };
         let stream = Stream(stream);
         let line = format!(

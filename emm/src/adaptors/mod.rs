@@ -278,7 +278,9 @@ impl Adapted {
             HostMemory::Mapped(m) => {
                 let host = m.host_ptr();
                 let device = self.wrap_device(m.device().clone(), kind);
-                HostMemory::Mapped(MappedMemory::new(host, device))
+                // SAFETY: the host side of mapped memory whose device side `device` wraps, and
+                // so keeps alive.
+                HostMemory::Mapped(unsafe { MappedMemory::new(host, device) })
             }
             HostMemory::Pinned(p) => {
                 let observer = Arc::clone(&self.observer);

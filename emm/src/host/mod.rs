@@ -384,7 +384,9 @@ impl HostLayer {
             },
             owner,
         );
-        HostMemory::Mapped(MappedMemory::new(host, device))
+        // SAFETY: `host` was allocated mapped at `device_ptr` with `bytes` bytes, and `device`
+        // releases it.
+        HostMemory::Mapped(unsafe { MappedMemory::new(host, device) })
     }
 
     /// `cuMemHostAlloc` of `bytes` with `flags`, under Numba's rules (mapped memory retries
@@ -680,7 +682,10 @@ impl HostLayer {
                     tag,
                 )
             };
-            return Ok(HostMemory::Mapped(MappedMemory::new(host, device)));
+            // SAFETY: as above: `host` is mapped at `ptr`, and `device` releases it.
+            return Ok(HostMemory::Mapped(unsafe {
+                MappedMemory::new(host, device)
+            }));
         }
         let release = Arc::clone(release);
         // SAFETY: `host .. host + bytes` was just allocated from the host memory pool and is freed

@@ -40,7 +40,7 @@ impl fmt::Debug for PoolImports {
     }
 }
 
-const STREAM: StreamHandle = StreamHandle(0);
+const STREAM: StreamHandle = StreamHandle::NULL;
 
 impl PoolImports {
     /// Imports `export` in `cx` (its source device's context) and grants that device access;

@@ -411,7 +411,14 @@ pub struct MappedMemory {
 impl MappedMemory {
     /// Mapped memory whose device side is `device` (which carries the release action and keeps
     /// any owner alive).
-    pub fn new(host: HostPtr, device: MemoryPointer) -> MappedMemory {
+    ///
+    /// # Safety
+    ///
+    /// `host .. host + device.size()` is page-locked host memory mapped at `device`'s address,
+    /// alive as long as `device` is: [`write`](Self::write) and [`read`](Self::read) copy
+    /// through `host` with no further check.
+    #[allow(unsafe_code)] // the contract above
+    pub unsafe fn new(host: HostPtr, device: MemoryPointer) -> MappedMemory {
         MappedMemory { host, device }
     }
 

@@ -236,9 +236,20 @@ pub struct StreamUse {
 }
 
 /// A stream as the memory layer sees it: its handle, and what keeps it alive. emm's
-/// [`Stream`](crate::Stream) keeps itself alive while memory ordered on it needs it; a raw
-/// [`StreamHandle`] is the caller's to keep alive.
-pub trait OrderedOn {
+/// [`Stream`](crate::Stream) keeps itself alive while memory ordered on it needs it. A raw
+/// [`StreamHandle`] is no `OrderedOn`: wrap another library's stream with
+/// [`Context::external_stream_owned`](crate::Context::external_stream_owned) (or
+/// `external_stream`), which is where the caller vouches for it.
+///
+/// # Safety
+///
+/// [`stream_handle`](Self::stream_handle) names a stream of the memory's context (or an
+/// implicit one) that stays alive while the value, or the owner
+/// [`keep_alive`](Self::keep_alive) returns, is held: emm queues frees and waits on it as long
+/// as it holds that owner (with `None`, as long as the memory ordered on it lives), and the
+/// driver takes the handle unchecked.
+#[allow(unsafe_code)] // the trait's contract is the point: implementing it vouches for a stream
+pub unsafe trait OrderedOn {
     /// The stream's handle.
     fn stream_handle(&self) -> StreamHandle;
 
@@ -246,12 +257,6 @@ pub trait OrderedOn {
     /// stream emm does not destroy).
     fn keep_alive(&self) -> Option<HostOwner> {
         None
-    }
-}
-
-impl OrderedOn for StreamHandle {
-    fn stream_handle(&self) -> StreamHandle {
-        *self
     }
 }
 
@@ -785,7 +790,14 @@ impl MemoryPointer {
     }
 
     /// Device memory owned by someone else; emm never releases it.
-    pub fn unowned(
+    ///
+    /// # Safety
+    ///
+    /// `base .. base + size` is device memory of context `ctx` on `device` that stays allocated
+    /// while the pointer and its clones live: emm's copies and memsets through it check only
+    /// the range it claims.
+    #[allow(unsafe_code)] // the contract above
+    pub unsafe fn unowned(
         device: DeviceOrdinal,
         ctx: ContextHandle,
         base: DevicePtr,

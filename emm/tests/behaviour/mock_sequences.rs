@@ -9,7 +9,8 @@ use driver_sys::{ContextHandle, DeviceOrdinal, DevicePtr, DriverError, ErrorKind
 use emm::{EmmError, Runtime};
 use mockall::{Sequence, predicate::eq};
 
-const CTX: ContextHandle = ContextHandle(0xc7c);
+// SAFETY: only the mock sees this context, and it dereferences nothing.
+const CTX: ContextHandle = unsafe { ContextHandle::from_raw(0xc7c) };
 const TOTAL: usize = 1 << 30;
 
 /// A mock that lets a runtime start, create device 0's context and initialise it.

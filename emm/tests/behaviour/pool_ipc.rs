@@ -159,12 +159,16 @@ fn the_exporter_refuses_foreign_memory_and_its_own_open() {
     let sim = Arc::new(SimDriver::new(SimConfig::default()));
     let rt = runtime_with(&sim, "async-pool-ipc");
     let ctx = rt.context(0).unwrap();
-    let foreign = MemoryPointer::unowned(
-        ctx.device(),
-        ctx.handle(),
-        emm::driver_sys::DevicePtr(0x1000),
-        64,
-    );
+    // SAFETY: the pointer is only handed to `get_ipc_handle`, which reads no memory through
+    // it (it refuses it as not a live allocation of its pool).
+    let foreign = unsafe {
+        MemoryPointer::unowned(
+            ctx.device(),
+            ctx.handle(),
+            emm::driver_sys::DevicePtr(0x1000),
+            64,
+        )
+    };
     let e = ctx.get_ipc_handle(&foreign).unwrap_err();
     assert!(matches!(e, EmmError::InvalidArgument { .. }), "{e:?}");
     assert!(e.to_string().contains("not a live allocation"), "{e}");

@@ -421,7 +421,7 @@ pub fn ipc_and_peer_conformance(target: Target) -> Result<(), Failed> {
 pub fn pool_export_conformance(target: Target) -> Result<(), Failed> {
     let raw = Raw::new(target)?;
     let (d, ctx, dev) = (&raw.driver, raw.ctx, DeviceOrdinal(0));
-    let stream = driver_sys::StreamHandle(0);
+    let stream = driver_sys::StreamHandle::NULL;
     let plain = d.mem_pool_create(ctx, dev, false)?;
     expect_kind(
         "exporting a pool created without a handle type",
@@ -522,7 +522,7 @@ pub fn stream_ordered_pool_conformance(target: Target) -> Result<(), Failed> {
     use driver_sys::StreamHandle;
     let raw = Raw::new(target)?;
     let (d, ctx, dev) = (&raw.driver, raw.ctx, DeviceOrdinal(0));
-    let s0 = StreamHandle(0);
+    let s0 = StreamHandle::NULL;
     let pool = d.mem_pool_create(ctx, dev, false)?;
     let usage = d.mem_pool_usage(ctx, pool)?;
     ensure_eq!(
@@ -697,7 +697,7 @@ pub fn pool_cache_under_pressure(target: Target) -> Result<(), Failed> {
     use driver_sys::{MemPoolHandle, StreamHandle};
     let raw = Raw::new(target)?;
     let (d, ctx, dev) = (&raw.driver, raw.ctx, DeviceOrdinal(0));
-    let s0 = StreamHandle(0);
+    let s0 = StreamHandle::NULL;
     let total = d.mem_get_info(ctx)?.total;
     let cached = (256 << 20).min(total / 8 / PAGE * PAGE);
     let reserved = |pool| d.mem_pool_usage(ctx, pool).map(|u| u.reserved);
@@ -1041,7 +1041,7 @@ pub fn pool_limits_and_host_pools_conformance(target: Target) -> Result<(), Fail
     use driver_sys::{DeviceAttribute, MemLocation, StreamHandle};
     let raw = Raw::new(target)?;
     let (d, ctx, dev) = (&raw.driver, raw.ctx, DeviceOrdinal(0));
-    let s0 = StreamHandle(0);
+    let s0 = StreamHandle::NULL;
     let mib = 1usize << 20;
     let pool = d.mem_pool_create_limited(ctx, MemLocation::Device(dev), false, 8 * mib)?;
     let mut held = Vec::new();

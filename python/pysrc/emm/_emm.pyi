@@ -140,11 +140,13 @@ class Context:
         ...
 
     def memalloc_on(self, size, stream) -> Any:
-        """`size` bytes of device memory for work on the stream whose `CUstream` handle is
-        `stream` (an integer: CuPy's `Stream.ptr`, PyTorch's `cuda_stream`; 0 is the legacy
-        default stream), freed on that stream when the buffer goes. Under a manager that does
-        not allocate on streams this is refused; `stream_ordering` says which kind this is.
-        The stream must outlive the buffer (emm cannot keep another library's stream alive)."""
+        """`size` bytes of device memory for work on `stream`, freed on that stream when the
+        buffer goes. `stream` is a stream object (CuPy's, PyTorch's, cuda.core's, Numba's:
+        anything with `__cuda_stream__`), which the buffer holds so that the stream outlives
+        it; 0, 1 or 2 for the implicit default streams; or an `ExternalStream` for a raw
+        handle the caller vouches for. Other integers are refused: the driver would crash on a
+        wrong handle. Under a manager that does not allocate on streams this is refused;
+        `stream_ordering` says which kind this is."""
         ...
 
     def memallocmanaged(self, size, attach_global=True) -> Any:
@@ -157,7 +159,9 @@ class Context:
 
     def mempin(self, owner, pointer, size, mapped=False) -> Any:
         """Pins `size` bytes at `pointer`, which `owner` keeps alive (Numba's `mempin`); the pin
-        holds a reference to `owner` until it is released."""
+        holds a reference to `owner` until it is released. Where `owner` exports its memory
+        (the buffer protocol: a NumPy array, a `bytearray`, a ctypes array), the range must lie
+        within it."""
         ...
 
     def on_out_of_memory(self, callback) -> Any:
@@ -256,6 +260,18 @@ class DeviceBuffer:
 
 class EmmError(RuntimeError):
     """An emm operation failed; the message says what happened and what to do."""
+
+
+class ExternalStream:
+    """A raw `CUstream` handle the caller vouches for: a live stream of the device's context that
+    outlives every buffer allocated or freed on it, or that `owner` (held by those buffers)
+    keeps alive. emm cannot check a raw handle: a wrong one crashes the process. Prefer passing
+    the stream object itself (CuPy's, PyTorch's, cuda.core's), which emm keeps alive."""
+
+    @property
+    def handle(self) -> Any:
+        """The `CUstream` handle, as an integer."""
+        ...
 
 
 class HostBuffer:

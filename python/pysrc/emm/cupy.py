@@ -41,7 +41,7 @@ def allocator(size):
         entry = _contexts[device] = (ctx, ctx.stream_ordering() != "unsupported")
     ctx, on_streams = entry
     if on_streams:
-        buf = ctx.memalloc_on(size, cupy.cuda.get_current_stream().ptr)
+        buf = ctx.memalloc_on(size, cupy.cuda.get_current_stream())
     else:
         buf = ctx.memalloc(size)
     mem = cupy.cuda.UnownedMemory(buf.ptr, size, buf, device)

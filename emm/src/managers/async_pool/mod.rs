@@ -100,7 +100,7 @@ pub const ASYNC_POOL_IPC_MANAGER: &str = "async-pool-ipc";
 /// address for the host and every device, preferably kept on the context's device.
 pub const ASYNC_POOL_MANAGED_MANAGER: &str = "async-pool-managed";
 
-const STREAM: StreamHandle = StreamHandle(0);
+const STREAM: StreamHandle = StreamHandle::NULL;
 
 /// What goes with the pool ([`Shared::pool`]), changed only with every gate held
 /// ([`Shared::exclusive`]): allocations and frees hold their own thread's gate across their
@@ -281,7 +281,9 @@ const NO_POOL: u64 = 0;
 /// The pool a value of [`Shared::pool`] names, if any.
 #[inline(always)]
 fn pool_of(raw: u64) -> Option<MemPoolHandle> {
-    (raw != NO_POOL).then_some(MemPoolHandle(raw))
+    // SAFETY: `Shared::pool` holds only NO_POOL or the raw value of a pool handle the
+    // driver returned, and a reset destroys the pool only after storing NO_POOL.
+    (raw != NO_POOL).then_some(unsafe { MemPoolHandle::from_raw(raw) })
 }
 
 impl Shared {
@@ -611,7 +613,7 @@ impl AsyncPoolAllocator {
             cx.driver
                 .mem_pool_create(cx.context, cx.device, self.shared.ipc)?
         };
-        if pool.0 == NO_POOL {
+        if pool.raw() == NO_POOL {
             // A null handle would read as "no pool" under the gates, and allocations would
             // make pools forever.
             return Err(DriverError::from_kind(
@@ -628,7 +630,7 @@ impl AsyncPoolAllocator {
         state.id = self.shared.ipc.then(PoolId::fresh);
         state.exported = false;
         tracing::debug!(device = %cx.device, ?pool, id = ?state.id, "stream-ordered pool created");
-        self.shared.pool.store(pool.0, Ordering::Release);
+        self.shared.pool.store(pool.raw(), Ordering::Release);
         Ok(pool)
     }
 
@@ -972,13 +974,24 @@ mod tests {
         let_the_spares_go(&host, &shared, 2);
     }
 
+    /// The legacy default stream, as the memory layer takes a stream.
+    struct Legacy;
+
+    // SAFETY: the null stream is never destroyed.
+    #[allow(unsafe_code)]
+    unsafe impl crate::memory::pointer::OrderedOn for Legacy {
+        fn stream_handle(&self) -> StreamHandle {
+            STREAM
+        }
+    }
+
     #[test]
     fn a_stream_ordered_pointers_record_is_parked_and_serves_the_next_one() {
         let (host, device, shared) = allocator();
         let cx = host.context();
         let other = cx.driver.stream_create(cx.context, 0).expect("a stream");
         let first = device.memalloc_on(&host, 4096, other).expect("memory");
-        first.record_stream(&STREAM).expect("recorded");
+        first.record_stream(&Legacy).expect("recorded");
         let refs = shared.strong_count();
         drop(first);
         assert_eq!(parked_on_total(&shared), 1, "the record is kept");

@@ -50,10 +50,10 @@ pub(super) struct PerStream {
 #[derive(Default)]
 pub(super) struct StreamLists {
     /// Per stream (a short list, searched in order): its arena.
-    per_stream: Vec<(u64, PerStream)>,
+    per_stream: Vec<(StreamHandle, PerStream)>,
     /// Blocks that go back to their stream's arena once their fence is done:
     /// (stream, address, size, fence).
-    waiting: Vec<(u64, u64, usize, Fence)>,
+    waiting: Vec<(StreamHandle, u64, usize, Fence)>,
     /// Blocks handed out on this shard's streams and not yet freed.
     pub(super) in_use_blocks: i64,
     /// Their bytes.
@@ -61,7 +61,7 @@ pub(super) struct StreamLists {
 }
 
 impl StreamLists {
-    fn list(&mut self, stream: u64) -> Option<&mut PerStream> {
+    fn list(&mut self, stream: StreamHandle) -> Option<&mut PerStream> {
         self.per_stream
             .iter_mut()
             .find(|(s, _)| *s == stream)
@@ -70,7 +70,12 @@ impl StreamLists {
 
     /// `stream`'s memory, made empty (requests above `limit` bytes in chunks of their own;
     /// free space merging across chunks with `merge_across`) if it has none yet.
-    fn list_or_new(&mut self, stream: u64, limit: usize, merge_across: bool) -> &mut PerStream {
+    fn list_or_new(
+        &mut self,
+        stream: StreamHandle,
+        limit: usize,
+        merge_across: bool,
+    ) -> &mut PerStream {
         let k = match self.per_stream.iter().position(|(s, _)| *s == stream) {
             Some(k) => k,
             None => {
@@ -156,7 +161,7 @@ impl StreamCache {
     /// The index of `stream`'s shard (handles are aligned pointers: their bits are mixed
     /// first).
     pub(super) fn index(&self, stream: StreamHandle) -> usize {
-        let k = (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60) as usize;
+        let k = (stream.raw().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60) as usize;
         k % self.shards.len()
     }
 
@@ -218,7 +223,7 @@ impl PoolShared {
     /// large enough, counted as in use, with its generation.
     pub(super) fn take_on_stream(&self, stream: StreamHandle, size: usize) -> Option<(u64, u64)> {
         let mut lists = lock(self.streams.of(stream));
-        let addr = lists.list(stream.0)?.arena.take(size)?;
+        let addr = lists.list(stream)?.arena.take(size)?;
         lists.in_use_blocks += 1;
         lists.in_use_bytes += size as i64;
         Some((addr, self.generation.load(Ordering::Acquire)))
@@ -295,7 +300,7 @@ impl PoolShared {
             if let Err(e) = self.settle_fences(&mut lists, false) {
                 self.queue.record_error(e);
             }
-            if let Some(mine) = lists.list(stream.0) {
+            if let Some(mine) = lists.list(stream) {
                 let shed = mine.arena.remove_free_chunks();
                 self.retire(stream, mine, shed);
             }
@@ -334,7 +339,7 @@ impl PoolShared {
         self.vmm.as_ref()?;
         let (tail, free) = {
             let mut lists = lock(self.streams.of(stream));
-            let mine = lists.list(stream.0)?;
+            let mine = lists.list(stream)?;
             let (end, free) = mine.arena.tail(size)?;
             let shed = mine
                 .arena
@@ -403,17 +408,15 @@ impl PoolShared {
         let k = self.streams.index(stream);
         let mut lists = lock(&self.streams.shards[k].inner);
         let generation = self.generation.load(Ordering::Acquire);
-        if lists.list(stream.0).is_none() {
+        if lists.list(stream).is_none() {
             lists.list_or_new(
-                stream.0,
+                stream,
                 self.config.oversize_above(self.vmm.is_some()),
                 self.vmm.is_some(),
             );
             self.streams.mark(k, &lists);
         }
-        let mine = lists
-            .list(stream.0)
-            .expect("made above if it had no memory");
+        let mine = lists.list(stream).expect("made above if it had no memory");
         // A new chunk joins the arena even where another thread's free on this stream made
         // room since the miss.
         if let Some(chunk) = chunk {
@@ -442,10 +445,10 @@ impl PoolShared {
         lists.in_use_blocks -= 1;
         lists.in_use_bytes -= size as i64;
         let owner = streams.owner_of(streams.stream).cloned();
-        let Some(mine) = lists.list(streams.stream.0) else {
+        let Some(mine) = lists.list(streams.stream) else {
             // A stream's arena holds the chunk of every block it handed out until the block
             // comes back; a block with no arena was not handed out here.
-            tracing::error!(device = %self.cx.device, ptr = addr, stream = streams.stream.0, "a stream-ordered block came back to a pool stream that holds no memory; it is left out of use");
+            tracing::error!(device = %self.cx.device, ptr = addr, stream = streams.stream.raw(), "a stream-ordered block came back to a pool stream that holds no memory; it is left out of use");
             return;
         };
         if mine._owner.is_none() {
@@ -460,7 +463,7 @@ impl PoolShared {
         };
         let on = std::iter::once(streams.free_on).chain(streams.other_streams());
         match self.fences.record(on) {
-            Ok(fence) => lists.waiting.push((streams.stream.0, addr, size, fence)),
+            Ok(fence) => lists.waiting.push((streams.stream, addr, size, fence)),
             Err(e) => {
                 // Without a fence the block cannot be known to be unused: it stays out of
                 // circulation, its chunk held, until the pool's reset.
@@ -530,10 +533,10 @@ impl PoolShared {
         let err = |e| EmmError::driver("reclaiming stream-ordered blocks", self.cx.device, e);
         let mut freed: Vec<Chunk> = Vec::new();
         for (s, mine) in lists.per_stream.iter_mut() {
-            if Some(*s) == keep.map(|h| h.0) {
+            if Some(*s) == keep {
                 continue;
             }
-            let stream = StreamHandle(*s);
+            let stream = *s;
             let chunks = mine.arena.remove_free_chunks();
             if chunks.is_empty() {
                 continue;
