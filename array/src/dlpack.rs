@@ -200,7 +200,10 @@ pub fn import_memory<M: ManagedTensorBase + 'static>(
             .ok_or_else(|| dlpack_error("from_dlpack", "a stride overflows"))?;
         strides.push(bytes);
     }
-    let layout = Layout::with_strides(&shape, &strides, itemsize)?;
+    let layout = Layout::with_strides(&shape, &strides, itemsize).map_err(|e| match e {
+        ArrayError::Invalid { reason, .. } => dlpack_error("from_dlpack", reason),
+        other => other,
+    })?;
     let (_, extent) = layout.extent();
     let base = (checked.data_ptr() as u64)
         .checked_add(checked.byte_offset())

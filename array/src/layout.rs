@@ -67,13 +67,15 @@ impl Layout {
         })
     }
 
-    /// A layout with the given strides (in bytes), checked only for its element count.
+    /// A layout with the given strides (in bytes), checked for its element count and for the
+    /// bytes it reaches, which must fit an `isize` either side of the first element.
     ///
     /// ```
     /// # use emm_array::{Layout, Order};
     /// let l = Layout::with_strides(&[2, 3], &[4, 8], 4)?; // F order, 4-byte elements
     /// assert!(l.is_contiguous(Order::F));
     /// assert!(Layout::with_strides(&[2], &[4, 4], 4).is_err()); // one stride per dimension
+    /// assert!(Layout::with_strides(&[3], &[isize::MAX / 2], 4).is_err()); // reaches too far
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn with_strides(
@@ -92,6 +94,15 @@ impl Layout {
             });
         }
         Layout::contiguous(shape, Order::C, itemsize)?;
+        if reach(shape, strides, itemsize).is_none() {
+            return Err(ArrayError::Invalid {
+                what: "strides",
+                reason: format!(
+                    "strides {strides:?} over shape {shape:?} reach more than isize::MAX bytes \
+                     from the first element; no array spans that much memory"
+                ),
+            });
+        }
         Ok(Layout {
             shape: shape.to_vec(),
             strides: strides.to_vec(),
@@ -176,19 +187,8 @@ impl Layout {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn extent(&self) -> (isize, isize) {
-        if self.size() == 0 {
-            return (0, 0);
-        }
-        let (mut lo, mut hi) = (0isize, 0isize);
-        for (&n, &s) in self.shape.iter().zip(&self.strides) {
-            let far = s * (n as isize - 1);
-            if far < 0 {
-                lo += far;
-            } else {
-                hi += far;
-            }
-        }
-        (lo, hi + self.itemsize as isize)
+        reach(&self.shape, &self.strides, self.itemsize)
+            .expect("every constructor keeps a layout's reach within isize")
     }
 
     /// Whether the elements are contiguous in `order`. Dimensions of length 1 do not count,
@@ -331,4 +331,22 @@ impl Layout {
             .map(|(&i, &s)| i as isize * s)
             .sum()
     }
+}
+
+/// The byte offsets `strides` over `shape` reach from the first element, `lo..hi` (`(0, 0)`
+/// without elements), or `None` when they do not fit an `isize`.
+fn reach(shape: &[usize], strides: &[isize], itemsize: usize) -> Option<(isize, isize)> {
+    if shape.contains(&0) {
+        return Some((0, 0));
+    }
+    let (mut lo, mut hi) = (0isize, isize::try_from(itemsize).ok()?);
+    for (&n, &s) in shape.iter().zip(strides) {
+        let far = s.checked_mul(isize::try_from(n).ok()? - 1)?;
+        if far < 0 {
+            lo = lo.checked_add(far)?;
+        } else {
+            hi = hi.checked_add(far)?;
+        }
+    }
+    Some((lo, hi))
 }

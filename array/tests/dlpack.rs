@@ -213,6 +213,14 @@ fn refused_imports_say_why_and_delete_once() {
             "device type 1",
         ),
         (
+            // Found by the `dlpack_import` fuzz target: the extent overflowed.
+            "strides reaching past isize::MAX",
+            DLDataType::I32,
+            DLDevice::cuda(0),
+            vec![i64::MAX / 8, i64::MAX / 8],
+            "reach more than isize::MAX bytes",
+        ),
+        (
             "negative stride",
             DLDataType::I32,
             DLDevice::cuda(0),
