@@ -6,6 +6,11 @@
 //!   bundle is self-contained: the tests that read the repository's files (the sources' layer
 //!   check, the trace corpus's replays on the simulator) are left out; `.ci/run` runs them.
 //!
+//! - `cargo run -p ci -- readme-figures [--check]` writes README's account of the fault sweep
+//!   (between its `<!-- figures: fault-sweep` markers) from the figures the sweep's last run
+//!   left in the target directory; with `--check` it changes nothing and fails when README
+//!   differs, which `.ci/run` does after the tests.
+//!
 //! The CPU job is `.ci/run` (fmt, clippy, tests, loom models).
 
 use std::path::{Path, PathBuf};
@@ -17,7 +22,12 @@ fn main() -> ExitCode {
         Some("gpu-bundle") => {
             gpu_bundle(Path::new(args.get(1).map_or("gpu-bundle", String::as_str)))
         }
-        _ => Err("usage: cargo run -p ci -- gpu-bundle [DIR]".to_owned()),
+        Some("readme-figures") => {
+            readme_figures(args.get(1).map(String::as_str) == Some("--check"))
+        }
+        _ => {
+            Err("usage: cargo run -p ci -- gpu-bundle [DIR] | readme-figures [--check]".to_owned())
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -124,4 +134,88 @@ fn gpu_bundle(dir: &Path) -> Result<(), String> {
     println!("bundle {}: {}", dir.display(), copied.join(", "));
     println!("on the GPU machine: bash {}/run-gpu.sh", dir.display());
     Ok(())
+}
+
+/// Where README's generated account of the fault sweep begins and ends.
+const FIGURES_BEGIN: &str = "<!-- figures: fault-sweep";
+const FIGURES_END: &str = "<!-- /figures -->";
+
+/// README's fault-sweep account, from the figures the sweep's three tests wrote; written into
+/// README.md, or with `check` compared with it.
+fn readme_figures(check: bool) -> Result<(), String> {
+    let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
+    let dir = Path::new(&target).join("tmp/fault_sweep_figures");
+    let mut figures = std::collections::BTreeMap::new();
+    for test in ["single", "pairs", "teardown"] {
+        let path = dir.join(format!("{test}.txt"));
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            format!(
+                "reading {}: {e}; run the fault sweep first (cargo test -p integration --test fault_sweep)",
+                path.display()
+            )
+        })?;
+        for line in text.lines() {
+            let (k, v) = line
+                .split_once('=')
+                .ok_or_else(|| format!("{}: a line without '=': {line}", path.display()))?;
+            figures.insert(k.to_owned(), v.to_owned());
+        }
+    }
+    let get = |k: &str| {
+        figures
+            .get(k)
+            .cloned()
+            .ok_or_else(|| format!("the sweep's figures lack {k}; run the fault sweep again"))
+    };
+    let configurations = get("configurations")?;
+    let count = configurations.split(", ").count();
+    let body = format!(
+        "{FIGURES_BEGIN} (written by `cargo run -p ci -- readme-figures` from the sweep's last \
+         run; `.ci/run` checks it) -->\n  \
+         The last run injected {} single faults ({} error kinds at every call) in {count} \
+         configurations ({configurations}), {} runs with a second fault, and {} faulted \
+         teardowns. The operations emm never calls, which no workload of emm's can fault: \
+         {}.\n  {FIGURES_END}",
+        grouped(&get("single_faults")?),
+        get("error_kinds")?,
+        grouped(&get("pair_runs")?),
+        grouped(&get("teardown_runs")?),
+        get("never_called")?,
+    );
+    let readme =
+        std::fs::read_to_string("README.md").map_err(|e| format!("reading README.md: {e}"))?;
+    let (Some(start), Some(end)) = (readme.find(FIGURES_BEGIN), readme.find(FIGURES_END)) else {
+        return Err(format!(
+            "README.md has no {FIGURES_BEGIN} ... {FIGURES_END} section"
+        ));
+    };
+    let current = &readme[start..end + FIGURES_END.len()];
+    if current == body {
+        return Ok(());
+    }
+    if check {
+        return Err(format!(
+            "README.md's fault-sweep figures differ from the sweep's run; run `cargo run -p ci -- \
+             readme-figures` and commit README.md.\nREADME says:\n{current}\nthe run says:\n{body}"
+        ));
+    }
+    let updated = format!(
+        "{}{body}{}",
+        &readme[..start],
+        &readme[end + FIGURES_END.len()..]
+    );
+    std::fs::write("README.md", updated).map_err(|e| format!("writing README.md: {e}"))
+}
+
+/// `1234567` as `1 234 567`, as README writes numbers.
+fn grouped(digits: &str) -> String {
+    let n = digits.len();
+    let mut out = String::with_capacity(n + n / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (n - i).is_multiple_of(3) {
+            out.push(' ');
+        }
+        out.push(c);
+    }
+    out
 }

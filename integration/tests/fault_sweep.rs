@@ -301,6 +301,17 @@ fn workload(
     Ok(())
 }
 
+/// Writes one test's figures (`key=value` lines) where `cargo run -p ci -- readme-figures`
+/// reads them to check, or write, README's account of the sweep: figures come from this run,
+/// never by hand.
+fn record_figures(test: &str, figures: &[(&str, String)]) {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("fault_sweep_figures");
+    let text: String = figures.iter().map(|(k, v)| format!("{k}={v}\n")).collect();
+    std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(dir.join(format!("{test}.txt")), text))
+        .unwrap_or_else(|e| panic!("writing the sweep's figures to {}: {e}", dir.display()));
+}
+
 /// Two peer devices, so that IPC opens cross devices (direct, with pool access granted, and
 /// staged).
 fn machine() -> SimDriver {
@@ -624,6 +635,7 @@ fn every_driver_call_fails_once_and_emm_survives() {
     let mut failures = Vec::new();
     let mut absorbed: std::collections::BTreeMap<String, usize> = Default::default();
     let mut reached = std::collections::BTreeSet::new();
+    let mut single_faults = 0u64;
     for (manager, in_other) in CONFIGS {
         let clean = run(manager, &[], in_other)
             .unwrap_or_else(|e| panic!("{manager}: the clean run failed: {e}"));
@@ -638,6 +650,7 @@ fn every_driver_call_fails_once_and_emm_survives() {
         let n = clean.calls as u64;
         assert!(n > 20, "{manager}: the workload made only {n} driver calls");
         let process = if in_other { "importer" } else { "exporter" };
+        single_faults += n * KINDS.len() as u64;
         for nth in 1..=n {
             for kind in KINDS {
                 match run(manager, &[Fault::nth_call(nth, kind)], in_other) {
@@ -695,6 +708,20 @@ fn every_driver_call_fails_once_and_emm_survives() {
         "fault sweep: {survived} injected faults survived, {} failed",
         failures.len()
     );
+    let configurations: Vec<String> = CONFIGS
+        .iter()
+        .map(|(m, other)| format!("{m}{}", if *other { " (importer)" } else { "" }))
+        .collect();
+    let never: Vec<&str> = not_called_by_emm().map(Op::call_name).collect();
+    record_figures(
+        "single",
+        &[
+            ("configurations", configurations.join(", ")),
+            ("error_kinds", KINDS.len().to_string()),
+            ("single_faults", single_faults.to_string()),
+            ("never_called", never.join(", ")),
+        ],
+    );
     assert!(
         failures.is_empty(),
         "{} of the injected faults were not survived:\n{}",
@@ -735,6 +762,7 @@ fn cleanup_after_a_fault_survives_a_second_fault() {
         "fault sweep: {runs} runs with a second fault, {} failed",
         failures.len()
     );
+    record_figures("pairs", &[("pair_runs", runs.to_string())]);
     assert!(
         failures.is_empty(),
         "{} runs with a second fault failed:\n{}",
@@ -906,6 +934,7 @@ fn the_runtimes_teardown_survives_a_fault_at_every_call() {
         "fault sweep: {runs} faulted teardowns, {} failed; operations faulted there: {reached:?}",
         failures.len()
     );
+    record_figures("teardown", &[("teardown_runs", runs.to_string())]);
     assert!(
         reached.contains(&Op::PrimaryCtxRelease) && reached.contains(&Op::MemFree),
         "the teardown's releases were not faulted: {reached:?}"
