@@ -304,8 +304,18 @@ fn workload(
 /// Writes one test's figures (`key=value` lines) where `cargo run -p ci -- readme-figures`
 /// reads them to check, or write, README's account of the sweep: figures come from this run,
 /// never by hand.
+/// A binary run away from its build tree (the GPU bundle) has no target directory: it says so
+/// and writes nothing, since only `.ci/run` checks README.
 fn record_figures(test: &str, figures: &[(&str, String)]) {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("fault_sweep_figures");
+    let target = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    if !target.is_dir() {
+        println!(
+            "fault sweep: {} is not here (a copied binary); its figures are not written",
+            target.display()
+        );
+        return;
+    }
+    let dir = target.join("fault_sweep_figures");
     let text: String = figures.iter().map(|(k, v)| format!("{k}={v}\n")).collect();
     std::fs::create_dir_all(&dir)
         .and_then(|()| std::fs::write(dir.join(format!("{test}.txt")), text))
