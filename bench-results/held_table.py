@@ -1,7 +1,12 @@
-"""Prints BENCHMARKS.md's table of memory held on the trace corpus, from the run files named
-below: peak device memory held over peak live bytes, per trace and allocator.
+"""Prints BENCHMARKS.md's table of memory held on the trace corpus, from one GPU run's files:
+peak device memory held over peak live bytes, per trace and allocator.
 
     python3 bench-results/held_table.py
+
+Every figure is the device memory `cudaMemGetInfo` counts as used, read after each allocation,
+over what the process used before the trace; `async-pool-managed`'s is its pool's own peak
+(`pool_peak_held_bytes`), since managed memory not yet resident on the device is not counted
+as used there.
 """
 
 import csv
@@ -9,32 +14,40 @@ import json
 import os
 
 here = os.path.dirname(os.path.abspath(__file__))
-FRAMEWORKS = "h200-2026-11-27-corpus-frameworks.jsonl"  # PyTorch, CuPy (H200, f4bdb83's run)
-EMM_H200 = "h200-2026-11-27-corpus-emm-cuda-f4bdb83.csv"  # default, async-pool (H200)
-EMM_H100 = "h100-2026-11-27-corpus-emm-cuda-378c180.csv"  # pool, vmm-pool (H100)
+RUN = "h100-2026-11-27-corpus-{}-8386f46"
+FRAMEWORKS = RUN.format("frameworks") + ".jsonl"
+EMM = RUN.format("emm-cuda") + ".csv"
 
 cols = [
-    ("PyTorch", FRAMEWORKS, "torch"),
-    ("PyTorch expandable", FRAMEWORKS, "torch-expandable"),
-    ("CuPy pool", FRAMEWORKS, "cupy"),
-    ("emm default", EMM_H200, "default"),
-    ("emm async-pool", EMM_H200, "async-pool"),
-    ("emm pool", EMM_H100, "pool"),
-    ("emm vmm-pool", EMM_H100, "vmm-pool"),
+    ("PyTorch", "torch"),
+    ("PyTorch expandable", "torch-expandable"),
+    ("CuPy pool", "cupy"),
+    ("RMM pool", "rmm-pool"),
+    ("RMM arena", "rmm-arena"),
+    ("RMM async", "rmm-async"),
+    ("emm default", "default"),
+    ("emm pool", "pool"),
+    ("emm vmm-pool", "vmm-pool"),
+    ("emm async-pool", "async-pool"),
+    ("emm async-pool-ipc", "async-pool-ipc"),
+    ("emm async-pool-managed", "async-pool-managed"),
 ]
 table = {}
 for line in open(os.path.join(here, FRAMEWORKS)):
-    r = json.loads(line[len("RESULT "):] if line.startswith("RESULT ") else line)
-    table[(r["trace"], FRAMEWORKS, r["allocator"])] = r["held_over_live"]
-for name in (EMM_H200, EMM_H100):
-    for r in csv.DictReader(open(os.path.join(here, name))):
-        table[(r["trace"], name, r["manager"])] = float(r["held_over_live"])
-traces = sorted({t for t, _, _ in table})
-print("| trace | " + " | ".join(c for c, _, _ in cols) + " |")
+    if line.startswith("RESULT "):
+        r = json.loads(line[len("RESULT "):])
+        table[(r["trace"], r["allocator"])] = r["held_over_live"]
+for r in csv.DictReader(open(os.path.join(here, EMM))):
+    held = int(r["peak_held_bytes"])
+    if r["manager"] == "async-pool-managed":
+        held = int(r["pool_peak_held_bytes"])
+    table[(r["trace"], r["manager"])] = held / int(r["peak_live_bytes"])
+traces = sorted({t for t, _ in table})
+print("| trace | " + " | ".join(c for c, _ in cols) + " |")
 print("| --- |" + " ---: |" * len(cols))
 for t in traces:
     cells = []
-    for _, f, a in cols:
-        v = table.get((t, f, a))
+    for _, a in cols:
+        v = table.get((t, a))
         cells.append("-" if v is None else f"{v:.3f}")
     print(f"| {t} | " + " | ".join(cells) + " |")
