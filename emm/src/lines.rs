@@ -5,9 +5,9 @@
 //! out next. A shard outlives the threads that grew its lists, and glibc gives a finished
 //! thread's arena to the next thread it starts: that thread's own objects then land on the
 //! cache lines of lists that another thread (the shard's new owner) writes on every pair, and
-//! the two cores pass the lines back and forth. On the H200's host, two threads of cached
-//! `pool` pairs made 1.0 to 1.2 times one thread's rate whenever that happened (BENCHMARKS.md,
-//! run X). A `Lines` buffer is aligned to 128 bytes and sized a multiple of them (two cache
+//! the two cores pass the lines back and forth, and two threads of cached `pool` pairs then
+//! make little more than one thread's rate (bench-results/runs.md, run X). A `Lines` buffer is
+//! aligned to 128 bytes and sized a multiple of them (two cache
 //! lines: the adjacent-line prefetcher fetches them in pairs), so whatever thread grows it, no
 //! other allocation shares a line with its elements. Its operations cost what a `Vec`'s do.
 

@@ -28,8 +28,8 @@ impl<T> Default for Slab<T> {
 
 impl<T> Slab<T> {
     /// Stores `value`; returns its index. Always inlined, the slab's growth out of line: a
-    /// call here cost the default manager's pair about 40 instructions (the value copied
-    /// twice on its way to the entry).
+    /// call here copies the value twice on its way to the entry, on the default manager's
+    /// hot path.
     #[inline(always)]
     pub(crate) fn insert(&mut self, value: T) -> u32 {
         match self.vacant.pop() {

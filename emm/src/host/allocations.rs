@@ -79,8 +79,8 @@ const PARKED: usize = 64;
 /// What the table's lock guards.
 #[derive(Default)]
 struct Live {
-    /// The live entries; a pointer keeps its entry's index (recording and releasing one
-    /// hashes nothing: the default manager's pair spent about 100 instructions hashing).
+    /// The live entries; a pointer keeps its entry's index, so that recording and releasing
+    /// one hashes nothing on the default manager's pair.
     entries: Slab<Entry>,
     /// Records of plain device allocations whose last pointer dropped, each holding a clone
     /// of the table, revived by the next device allocations: no record to find on the

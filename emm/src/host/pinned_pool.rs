@@ -146,8 +146,8 @@ const REFILL: usize = 16;
 /// One thread's free lists.
 #[derive(Default)]
 struct Lists {
-    /// Free blocks by list ([`Kind::list`]): size class, then flags (a plain index, not a hash
-    /// map: a hashed key cost about 400 instructions of the 1 000 a cached pair took). The
+    /// Free blocks by list ([`Kind::list`]): size class, then flags (a plain index: no hashing
+    /// on a cached pair). The
     /// lists and their blocks are on lines no other allocation shares (`Lines`): the lists
     /// outlive the threads that grew them, and a thread written beside them would slow their
     /// owner's every pair.
@@ -551,10 +551,9 @@ impl PinnedPool {
     ///
     /// The shards are taken to the end, their owners out, before any inbox: an owner inside
     /// its shard may wait for an inbox (`refill`, and the spill in `give_back`), so holding
-    /// an inbox while waiting for an owner deadlocks. Taking all of them in one `lock_all`
-    /// did, on a 16-core host (`shard_owners_race_trims_and_counts_from_another_thread` hung
-    /// in the GPU job at e033ff5: a thread refilling from an inbox with its shard entered, the
-    /// trim holding that inbox and waiting for the thread to leave its shard).
+    /// an inbox while waiting for an owner deadlocks (a thread refilling from an inbox with
+    /// its shard entered, against a trim holding that inbox and waiting for the thread to leave
+    /// its shard: `shard_owners_race_trims_and_counts_from_another_thread` checks it).
     fn lock_every_list(&self) -> Vec<BiasedGuard<'_, Lists>> {
         let mut all = Biased::lock_all(self.shards.iter().map(|s| &s.inner));
         // Inboxes have no owner (`Bias::None`): their `lock_all` waits for nobody.
@@ -690,8 +689,8 @@ impl HostReleaseHook for PinnedPool {
         // Freed away from home (or not cached): the reference goes to this thread's own
         // spares all the same, for the next block this thread takes. A thread that frees
         // what others allocate would otherwise drop a reference every pair while its own
-        // allocations cloned one, two updates of one shared count (8 threads freeing each
-        // other's blocks made 0.46 × the pairs of thread-local spares in run W).
+        // allocations cloned one, two updates of one shared count (bench-results/runs.md,
+        // run W).
         let (shard, owner) = thread_shard();
         let mut lists = pool.shards[shard].inner.enter(owner);
         // SAFETY: `lists` stays entered until this function returns, and `pool` is not used

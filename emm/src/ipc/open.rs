@@ -139,10 +139,11 @@ pub(crate) fn open_staged(
     let mut opened = lock(&handle.opened);
     check_openable(handle, &opened)?;
     let size = handle.size();
-    // No peer access is asked for here, unlike `Context::copy_peer`: on two H200s joined by
-    // NVLink the staged copy ran at 37 GB/s with it granted, before or after the mapping, where
-    // a plain copy between the devices ran at 395 GB/s (bench-results/runs.md, run M). The copy from a
-    // mapping of another process's memory does not take the peer path, for a reason not found.
+    // No peer access is asked for here, unlike `Context::copy_peer`: granting it, before or
+    // after the mapping, did not speed the staged copy, which runs at host-memory speed where
+    // a plain copy between the devices takes the peer path (bench-results/runs.md, run M). The
+    // copy from a mapping of another process's memory does not take the peer path, for a
+    // reason not found.
     let mapping = map_checked(handle, source)?;
     let src = DevicePtr(mapping.base.0 + handle.offset() as u64);
     let copied = to

@@ -12,10 +12,9 @@
 //!
 //! A thread that owns a per-thread slot ([`thread_slots`](crate::thread_slots), in a process
 //! that can bias them: Linux with `membarrier`) counts its calls in a word of its own, with
-//! plain stores and a compiler fence, where every other thread counts in the shared word: four
-//! locked instructions fewer on every allocation and free of `async-pool`, measured at 2 – 3 %
-//! of its pair on the H200 (bench-results/runs.md run AC). `kill` pays for it: one `membarrier`, then
-//! a look at every slot.
+//! plain stores and a compiler fence, where every other thread counts in the shared word: no
+//! locked instruction on an owner's allocations and frees. `kill` pays for it: one
+//! `membarrier`, then a look at every slot.
 
 use crate::sync::{AtomicUsize, Bias, Ordering, yield_now};
 use crate::thread_slots::{shard_count, thread_shard};

@@ -27,8 +27,8 @@ pub use policy::{DeallocConfig, ENV_MAX_PENDING_COUNT, ENV_MAX_PENDING_RATIO};
 
 /// A set of device or host addresses, hashed with foldhash's fixed-seed hasher instead of
 /// SipHash: the keys are addresses the driver chose, not input an attacker picks, and the
-/// allocation hot paths insert and remove one per pair (SipHash cost about 200 instructions a
-/// pair there, measured with callgrind).
+/// allocation hot paths insert and remove one per pair, where SipHash would be a large share of
+/// the pair.
 pub(crate) type AddressSet = std::collections::HashSet<u64, foldhash::fast::FixedState>;
 
 /// A map keyed by address, hashed as [`AddressSet`].

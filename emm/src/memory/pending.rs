@@ -245,10 +245,9 @@ impl PendingDeallocs {
     }
 
     /// [`push_all_without_flush`](Self::push_all_without_flush) of one free (a pointer's
-    /// release: no iterator to go through). Always inlined into the tables' releases (a call
-    /// more cost their pair about 15 instructions). Its append is `enqueue`'s loop body
-    /// written out: a helper shared by both, even always inlined, cost the default manager's
-    /// pair 6 instructions (callgrind).
+    /// release: no iterator to go through). Always inlined into the tables' releases, which
+    /// are on every pair. Its append is `enqueue`'s loop body written out: a helper shared by
+    /// both compiles to a longer pair, even always inlined.
     #[inline(always)]
     pub(crate) fn push_one_without_flush(&self, item: Free) -> bool {
         let mut inner = lock(&self.inner);

@@ -463,8 +463,8 @@ impl Allocation {
     }
 
     /// [`park`](Self::park) of a tracked pointer with no streams and no owner: offers the
-    /// record to its table ([`AllocationOwner::park`]). Out of line: inlined, it made the
-    /// record's drop too large to be inlined itself, which cost a `pool` pair 15 instructions.
+    /// record to its table ([`AllocationOwner::park`]). Out of line, so that the record's drop
+    /// stays small enough to be inlined into the `pool` pair.
     #[inline(never)]
     #[allow(unsafe_code)] // the table reached through the record it is handed
     fn park_tracked(record: Parked<Allocation>) -> Option<Parked<Allocation>> {
@@ -678,7 +678,7 @@ impl MemoryPointer {
     /// hook's [`ReleaseHook::release_on_streams`] (or, with `park`, offers the record, stream
     /// record and all, to [`PoolHook::park`], which frees the block on its streams), and the
     /// hook's clone stays with the recycled record. Threads allocating on one stream then
-    /// share no reference count (measured on the H200: bench-results/runs.md, run AB).
+    /// share no reference count (bench-results/runs.md, run AB).
     #[allow(clippy::too_many_arguments)] // the allocation's fields, as `from_parts`
     pub(crate) fn with_stashed_hook_on(
         device: DeviceOrdinal,
@@ -707,9 +707,8 @@ impl MemoryPointer {
         stream: Option<StreamHandle>,
     ) -> MemoryPointer {
         // Built here, not through `from_parts`: the hook clone is only known once the spare
-        // record is taken, while `from_parts` builds its value before (routing both through
-        // one constructor that builds after cost the default manager 37 instructions a pair,
-        // callgrind).
+        // record is taken, while `from_parts` builds its value before (one constructor that
+        // builds after would lengthen the default manager's pair).
         MemoryPointer {
             alloc: Record::new_with(|kept| Allocation {
                 device,

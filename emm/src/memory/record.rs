@@ -3,7 +3,7 @@
 //!
 //! `std::sync::Arc` would do the counting, but an `Arc` frees its box when the count reaches
 //! zero, so every allocation a manager hands out would cost a heap allocation and a heap free
-//! (about 150 of the `pool` pair's 590 instructions, measured with callgrind). [`Record`]
+//! (a large share of a cached `pool` pair). [`Record`]
 //! counts the same way (`Relaxed` increments, a `Release` decrement and an `Acquire` fence
 //! before the value is dropped) and, once the value is dropped, keeps the empty box in a short
 //! per-thread list for the next pointer made on that thread. The last owner also skips the
@@ -17,9 +17,8 @@
 //! a heap allocation; boxes beyond it are freed), and a thread whose list is empty takes a batch
 //! from there before it allocates: when one thread makes the pointers and another drops them,
 //! the boxes (and the release-hook clones they keep) travel back in batches, one lock per
-//! [`SPARES`]` / 2` pointers, instead of being allocated on one thread and freed on the other
-//! (measured on the H100 at 4004ff6: two threads dropping each other's `pool` pointers made
-//! 2.6 M pairs a second where one thread alone made 9.2 M).
+//! [`SPARES`]` / 2` pointers, instead of being allocated on one thread and freed on the other,
+//! which cost such a pair of threads most of their throughput.
 //! A type may also keep a record whole when its last owner drops ([`Recycle::park`]): the
 //! `pool` manager keeps a small block's record, value and all, with the block, and revives it
 //! for the next allocation of that size ([`Parked::revive`]).
@@ -40,11 +39,9 @@ use crate::sync::{AtomicUsize, Ordering, fence};
 /// The most spare boxes one thread keeps.
 const SPARES: usize = 64;
 
-/// The most batches of [`SPARES`]` / 2` spare boxes the depot of one type keeps. At 64 (2 048
-/// boxes), RMM's random workload at 10 000 allocations (4 600 live at its peak) made about a
-/// third of its pointers in new boxes; at 512 it makes none after its first run, and its
-/// operations took 70 – 79 ns instead of 83 – 92 on the simulator (four interleaved runs
-/// each, with boxes from `malloc`: [`LineBox`]).
+/// The most batches of [`SPARES`]` / 2` spare boxes the depot of one type keeps: enough that a
+/// program holding ten thousand pointers (RMM's random workload at 10 000 allocations holds
+/// 4 600 at its peak) makes no new box after its first run.
 const DEPOT_BATCHES: usize = 512;
 
 /// The process-wide batches of spare boxes of one [`Recycle`] type.
@@ -162,11 +159,9 @@ pub(crate) struct Spare<T: Recycle>(LineBox<T>, Option<T::Keep>);
 
 /// The memory of one record's box: an `Inner<T>`'s size, at its alignment (128 bytes), carved
 /// out of a plain `malloc` block one alignment larger, not allocated with `posix_memalign`.
-/// glibc serves an over-aligned request by splitting a larger chunk and freeing the ends: in
-/// a heap that holds thousands of live pointers that cost 543 instructions a box, and this
-/// 183 (callgrind, RMM's random workload at 10 000 allocations on the simulator). At 100 000
-/// allocations the workload's operations took 214 – 226 ns instead of 234 – 277 (four
-/// interleaved runs each, on the build machine). The box shares no cache line with another
+/// glibc serves an over-aligned request by splitting a larger chunk and freeing the ends,
+/// which in a heap of thousands of live pointers costs several times this carving. The box
+/// shares no cache line with another
 /// allocation either way; the block's start is kept in the word after the box, so that the
 /// box alone frees it.
 pub(crate) struct LineBox<T> {
@@ -265,8 +260,8 @@ unsafe impl<T: Recycle> Send for Record<T> {}
 unsafe impl<T: Recycle> Sync for Record<T> {}
 
 impl<T: Recycle> Record<T> {
-    /// A record holding `value`, with one owner. Kept out of line: inlined into its callers
-    /// (the tracked managers' pointers), it made their pairs about 40 instructions dearer.
+    /// A record holding `value`, with one owner. Kept out of line: its callers (the tracked
+    /// managers' pointers) are on the pair's path, and inlining it there lengthens it.
     #[inline(never)]
     pub(crate) fn new(value: T) -> Record<T> {
         Self::new_with(|_| value)
@@ -274,7 +269,7 @@ impl<T: Recycle> Record<T> {
 
     /// A record holding the value `make` returns, with one owner; `make` is handed what the
     /// recycled box kept of its last value, if anything (dropping it is fine). Always inlined:
-    /// a pool's pointer is made through it, and the call cost that pair 20 instructions.
+    /// a pool's pointer is made through it, on the cached pair's path.
     #[inline(always)]
     pub(crate) fn new_with(make: impl FnOnce(Option<T::Keep>) -> T) -> Record<T> {
         let spare = if cfg!(emm_loom) {

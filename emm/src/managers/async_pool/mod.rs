@@ -251,8 +251,8 @@ struct Shared {
     pool: AtomicU64,
     /// One per thread shard ([`thread_slots`]): an allocation or a free enters its thread's
     /// (its owner's fast path: no read-modify-write), creation, export and reset take them all.
-    /// Measured against the read-write lock they replace (taken for reading by every
-    /// allocation and free), in turns within one process on the H200: bench-results/runs.md run AC.
+    /// A read-write lock taken for reading by every allocation and free would put a shared
+    /// read-modify-write on each (bench-results/runs.md, run AC).
     gates: Box<[Shard<()>]>,
     /// What creation, export and reset change: locked after every gate.
     state: Mutex<PoolState>,
@@ -439,7 +439,8 @@ unsafe impl PoolHook for Shared {
 impl Shared {
     /// [`PoolHook::park`] of a `memalloc_on` pointer's record: its streams are taken out for
     /// the free (the record keeps its stream record, emptied), and it is kept in `parked_on`.
-    /// Out of line: inlined, it made the `memalloc` pair 44 instructions dearer (callgrind).
+    /// Out of line, so that the `memalloc` pair, which never parks a stream's record, does not
+    /// carry its code.
     #[inline(never)]
     fn park_on(&self, mut record: ParkedPointer, tag: u64) -> Option<ParkedPointer> {
         let base = record.base();

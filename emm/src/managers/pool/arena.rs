@@ -4,18 +4,15 @@
 //! Free blocks are kept in bins by size: sixteen bins per doubling (a block's bin is its size's
 //! top five bits in 256-byte units, as a two-level segregated fit allocator indexes them), a
 //! bitmap of the bins that are not empty, and two address maps, one by start and one by end,
-//! so that a freed block finds both neighbours with two hash lookups. The ordered maps this
-//! replaces (one by size and one by address, seven B-tree operations to free a block) cost
-//! 1 400 – 2 000 instructions per arena operation with thousands of free blocks, which RMM's
-//! random workload pays on about half of its operations (callgrind, 2026-11-24).
+//! so that a freed block finds both neighbours with two hash lookups, where ordered maps by
+//! size and by address would take several tree operations per block with thousands of free
+//! blocks.
 //!
 //! The bins and both maps name a free block by its index in a slab of nodes, which holds its
 //! extent and its place in its bin. A split keeps the block's node and its end (one hash map
 //! entry moves, the start), a merge keeps the surviving neighbour's node, and a block moved
 //! within its bin is renumbered in the slab, not in a map: a take with a split makes two hash
-//! map operations where it made five, and a give with one free neighbour four where it made
-//! seven (485 → 364 and 627 → 545 instructions per take and give on RMM's random workload,
-//! callgrind, 2026-11-24).
+//! map operations, and a give with one free neighbour four.
 //!
 //! **Fit.** A request takes the first block large enough among the last [`SCAN`] of its own
 //! bin, else the smallest of the last [`SCAN`] blocks of the smallest larger bin that is not
@@ -23,11 +20,8 @@
 //! own bin: a request fails only when no free block is large enough, as with best fit, and the
 //! block taken is at most one bin (6.25 %) larger than the best fit, except when only its own
 //! bin has one. The rest of a block taken is split off and stays free. On RMM's random
-//! workload with blocks up to 64 MiB (peak bytes held over peak bytes live, three seeds;
-//! bench-results/runs.md, run N and after it) this holds 1.136 – 1.144 at 10 000 allocations and
-//! 1.168 – 1.176 at 100 000, where best fit held 1.136 – 1.152 and 1.152 – 1.168, and taking
-//! the larger bin's last block 1.148 – 1.152 and 1.164 – 1.176; eight bins per doubling held
-//! more than sixteen in a trial on the simulator, thirty-two no less.
+//! workload this holds as little as best fit does (bench-results/runs.md, run N and after
+//! it), and sixteen bins per doubling hold less than eight and no more than thirty-two.
 //!
 //! **The block given last** waits outside the bins and maps ([`Arena::recent`]) until the next
 //! operation: a take of exactly its size gets it back at once (a best fit), so that a program
@@ -35,8 +29,7 @@
 //! and allocates one large size in turn (above the shards' bound, every pair an arena
 //! round trip) makes no hash map operation; any other take, give, trim or reset first puts it in,
 //! merged with its neighbours as any freed block, so fits and merges are those of a block
-//! given at once (1 220 → 637 instructions a 256 MiB `pool` pair, and 77 → 59 ns on the build
-//! machine's simulated driver; callgrind, 2026-11-26).
+//! given at once.
 
 use std::collections::BTreeMap;
 

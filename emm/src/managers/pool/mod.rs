@@ -57,8 +57,8 @@
 //!   (*parked*, up to 256 per shard, within the class's and the shard's cache bounds, large
 //!   blocks' and the oversize block's too): the next allocation of the class (or of the large
 //!   block's size) on that thread takes both and makes its pointer by setting
-//!   its size and generation, which halves the instructions of a cached alloc + free pair
-//!   (466 → 276, callgrind). A parked record holds a clone of the pool's hook, so trim, reset
+//!   its size and generation, which halves the work of a cached alloc + free pair. A parked
+//!   record holds a clone of the pool's hook, so trim, reset
 //!   and the pool's drop let every parked record go (their blocks back to the arena), or the
 //!   pool would keep itself alive.
 //! - **Memory held back** is reported by [`PoolAllocator::stats`] at all times. [`trim`]
@@ -119,8 +119,8 @@ const CLASSES: usize = 44;
 
 /// The most free blocks above `small_max` one shard keeps (exact sizes, most recent first
 /// reused): a thread that frees and again allocates the same large sizes takes no lock but its
-/// own shard's (measured on the H100 at 4004ff6 with 2 to 16 MiB blocks: 4.1 M pairs a second
-/// on one thread, 0.48 M on two, all through the arena's lock). Within the shard's byte bound;
+/// own shard's, where two such threads would otherwise queue on the arena's lock. Within the
+/// shard's byte bound;
 /// besides them, one block above the bound waits in the shard's oversize slot.
 const LARGE_SLOTS: usize = 8;
 
@@ -1046,9 +1046,9 @@ impl PoolAllocator {
         Ok(self.pointer(addr, bytes, generation))
     }
 
-    /// Kept out of `memalloc`: inlined there, a five-line change to it (f3ec5ef) moved the
-    /// small sizes' code about and made their cached pair 30 % slower on the H200's host and
-    /// here (21 → 28 ns, the same instruction count), a cost of layout that no count shows.
+    /// Kept out of `memalloc`: inlined there, changes to it move the small sizes' code about
+    /// and slow their cached pair through code layout alone, which no instruction count
+    /// shows.
     #[inline(never)]
     fn alloc_large(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
         let pool = &*self.shared;

@@ -185,9 +185,9 @@ impl Depot {
 /// clone stays with the pointer's record when the record is recycled, so that in the steady
 /// state it costs no atomic operation: `MemoryPointer::with_stashed_hook`). A block goes back
 /// to the shard of the thread that drops its last pointer (as in tcmalloc), not to the shard
-/// it came from: a thread that frees what another allocated then takes no lock but its own
-/// (measured on the H100 before this: two threads freeing each other's blocks made 2.5 M
-/// pairs a second where one thread alone made 14.5 M). A small block's record is parked with
+/// it came from: a thread that frees what another allocated then takes no lock but its own,
+/// where returning blocks home made two such threads contend on every pair. A small block's
+/// record is parked with
 /// it there ([`PoolHook::park`]) while the shard has room.
 pub(super) struct ShardHook {
     pub(super) pool: Arc<PoolShared>,
