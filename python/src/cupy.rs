@@ -15,7 +15,8 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyCapsuleMethods, PyDict};
 
-use super::{AddressMap, drop_memory, lock, py_err, with_device_context};
+use crate::py_err;
+use crate::runtime::{AddressMap, drop_memory, lock, with_device_context};
 
 /// The C signature of CuPy's `get_current_stream_ptr`, as its capsule names it.
 const STREAM_GETTER_SIGNATURE: &std::ffi::CStr = c"intptr_t (void)";

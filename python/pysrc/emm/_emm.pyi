@@ -58,6 +58,8 @@ class Array:
 
 
 class Context:
+    """One device's context in the process runtime: every allocation of the package goes
+    through it."""
 
     def allocation_events(self) -> Any:
         """How often allocations ran out of memory: `retries` (tried again after memory was
@@ -389,11 +391,9 @@ class ManagedResource:
 
 
 class MemoryResource:
-    """One device's context in the process runtime: every allocation of the package goes
-    through it.
-    A stream-ordered memory resource (cuda.core's `DeviceMemoryResource`): a driver pool of
-    emm's, or the device's default pool. Streams are `CUstream` handles as integers (0: the
-    legacy default stream) that must outlive the buffers allocated on them."""
+    """A stream-ordered memory resource (cuda.core's `DeviceMemoryResource`): a driver pool of
+    emm's, or the device's default pool. Streams are taken as `Context.memalloc_on` takes them:
+    a stream object (held by the buffer), 0, 1 or 2, or an `ExternalStream`."""
 
     def allocate(self, size, stream=0) -> Any:
         """`size` bytes on `stream`, freed there when the buffer is released or deallocated."""
