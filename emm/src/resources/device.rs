@@ -1,23 +1,16 @@
-//! cuda.core's memory resources as emm types: [`DeviceMemoryResource`], stream-ordered device
-//! memory from a driver pool that emm creates (with `max_size` and `ipc_enabled`) or from the
-//! device's default pool, which emm does not own.
-//!
-//! A resource is not a memory manager: it allocates alongside the context's manager, for code
-//! written against cuda.core's interface (`allocate(size, stream)`, `deallocate`, the pool's
-//! attributes, `is_handle_owned`, `close`). Its buffers are [`MemoryPointer`]s, stream-ordered
-//! as the managers' `memalloc_on` memory is: freed on their stream when the last pointer drops
-//! (or on the stream given to [`MemoryPointer::free_on`]), after the streams recorded with
-//! [`MemoryPointer::record_stream`]. The `async-pool` manager is the same pool behind the
-//! manager interface.
+//! [`DeviceMemoryResource`]: stream-ordered device memory from a driver pool that emm creates
+//! (with `max_size` and `ipc_enabled`) or from the device's default pool, which emm does not
+//! own.
 
+// Raw-handle calls (allocations on a stream handle, mapped host memory); each block says why
+// it holds.
 #![allow(unsafe_code)]
 
 use std::fmt;
 use std::sync::Arc;
 
 use driver_sys::{
-    DeviceAttribute, DeviceOrdinal, DevicePtr, DriverError, HostPtr, MemLocation, MemPoolHandle,
-    MemPoolUsage, StreamHandle,
+    DeviceOrdinal, DevicePtr, DriverError, MemLocation, MemPoolHandle, MemPoolUsage, StreamHandle,
 };
 
 use crate::contract::factory::ManagerContext;
@@ -28,7 +21,6 @@ use crate::contract::pool_export::PoolId;
 use crate::error::EmmError;
 use crate::host::fences::Fences;
 use crate::memory::AddressSet;
-use crate::memory::host::{HostMemory, ManagedMemory, MappedMemory};
 use crate::memory::pointer::{MemoryPointer, OrderedOn, ReleaseHook, StreamUse};
 use crate::objects::{Stream, check_same_context};
 use crate::sync::{Mutex, lock};
@@ -204,7 +196,7 @@ impl DeviceMemoryResource {
 
     /// A resource over a new pool at `location`; a pool in host memory is made usable by the
     /// context's device.
-    fn create_at(
+    pub(super) fn create_at(
         cx: &ManagerContext,
         location: MemLocation,
         options: DeviceMemoryResourceOptions,
@@ -255,8 +247,14 @@ impl DeviceMemoryResource {
         ))
     }
 
+    /// Refuses a stream of another context for `what` (the pinned and managed resources'
+    /// calls, which allocate through this one).
+    pub(super) fn check_stream(&self, stream: &Stream, what: &'static str) -> Result<(), EmmError> {
+        check_same_context(&self.shared.cx, stream.context(), what)
+    }
+
     /// `mapped_id`: the id of an imported pool (which makes the resource a mapped one).
-    fn over(
+    pub(super) fn over(
         cx: &ManagerContext,
         pool: MemPoolHandle,
         owned: bool,
@@ -596,344 +594,5 @@ impl fmt::Debug for DeviceMemoryResource {
             .field("mapped", &self.shared.mapped)
             .field("options", &self.shared.options)
             .finish()
-    }
-}
-
-/// How [`Context::pinned_memory_resource`](crate::Context::pinned_memory_resource) makes its
-/// pool (cuda.core's `PinnedMemoryResourceOptions`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PinnedMemoryResourceOptions {
-    /// The most bytes the pool may reserve; 0: no limit.
-    pub max_size: usize,
-    /// Whether the pool's memory can be exported to other processes. The pool is then made at
-    /// a host NUMA node (`numa_id`, or the device's `host_numa_id` attribute).
-    pub ipc_enabled: bool,
-    /// The host NUMA node to make the pool on (`CU_MEM_LOCATION_TYPE_HOST_NUMA`); `None`:
-    /// host memory at large (`CU_MEM_LOCATION_TYPE_HOST`), unless `ipc_enabled`.
-    pub numa_id: Option<i32>,
-}
-
-/// Stream-ordered page-locked host memory from a driver pool in host memory (cuda.core's
-/// `PinnedMemoryResource`, `cuMemPoolCreate` at `CU_MEM_LOCATION_TYPE_HOST` or `HOST_NUMA`):
-/// each buffer is one address for the host and the device, a [`HostMemory::Mapped`] whose
-/// host side reads and writes and whose device side is a stream-ordered [`MemoryPointer`].
-/// Drivers without host memory pools (before CUDA 12.6) refuse it; the legacy pinned memory
-/// (`Context::memhostalloc`, `cuMemHostAlloc`) works everywhere.
-#[derive(Clone, Debug)]
-pub struct PinnedMemoryResource {
-    inner: DeviceMemoryResource,
-    numa_id: Option<i32>,
-}
-
-impl PinnedMemoryResource {
-    pub(crate) fn create(
-        cx: &ManagerContext,
-        options: PinnedMemoryResourceOptions,
-    ) -> Result<PinnedMemoryResource, EmmError> {
-        const WHAT: &str = "pinned_memory_resource";
-        let attr = |a| {
-            cx.driver
-                .device_attribute(cx.device, a)
-                .map_err(|e| cx.driver_error(WHAT, e))
-        };
-        let numa_id = match (options.numa_id, options.ipc_enabled) {
-            (Some(n), _) => Some(n),
-            (None, true) => Some(attr(DeviceAttribute::HostNumaId)?),
-            (None, false) => None,
-        };
-        let (capability, name) = if numa_id.is_some() {
-            (
-                DeviceAttribute::HostNumaMemoryPoolsSupported,
-                "host NUMA memory pools",
-            )
-        } else {
-            (
-                DeviceAttribute::HostMemoryPoolsSupported,
-                "host memory pools",
-            )
-        };
-        if attr(capability)? != 1 {
-            return Err(EmmError::DeviceCannot {
-                what: WHAT,
-                device: cx.device,
-                advice: format!(
-                    "its driver has no {name}; use the legacy pinned memory \
-                     (Context::memhostalloc, cuMemHostAlloc), which every driver has"
-                ),
-            });
-        }
-        if numa_id.is_some_and(|n| n < 0) {
-            return Err(EmmError::DeviceCannot {
-                what: WHAT,
-                device: cx.device,
-                advice: "the device has no host NUMA node (host_numa_id is -1), which an \
-                         IPC-enabled pinned pool needs; give numa_id, or leave ipc_enabled off"
-                    .into(),
-            });
-        }
-        let location = numa_id.map_or(MemLocation::Host, MemLocation::HostNuma);
-        let device_options = DeviceMemoryResourceOptions {
-            max_size: options.max_size,
-            ipc_enabled: options.ipc_enabled,
-        };
-        let inner = DeviceMemoryResource::create_at(cx, location, device_options, WHAT)?;
-        Ok(PinnedMemoryResource { inner, numa_id })
-    }
-
-    /// `size` bytes of page-locked host memory on `stream`: usable by work queued on `stream`
-    /// from now on, and by the host once that work is done (synchronise first); freed on
-    /// `stream` when the last handle to it drops.
-    pub fn allocate(&self, size: usize, stream: &Stream) -> Result<HostMemory, EmmError> {
-        let mem = self.inner.allocate(size, stream)?;
-        Ok(Self::host_memory(mem))
-    }
-
-    /// As [`allocate`](Self::allocate), on a stream known only by its handle.
-    ///
-    /// # Safety
-    ///
-    /// As [`DeviceMemoryResource::allocate_on_raw`]: `stream` is a stream of this context
-    /// (or an implicit one) that outlives the buffer.
-    pub unsafe fn allocate_on_raw(
-        &self,
-        size: usize,
-        stream: StreamHandle,
-    ) -> Result<HostMemory, EmmError> {
-        // SAFETY: the caller's contract, passed on.
-        let mem = unsafe { self.inner.allocate_on_raw(size, stream) }?;
-        Ok(Self::host_memory(mem))
-    }
-
-    /// A host pool's buffer: one address for the host and the device.
-    fn host_memory(mem: MemoryPointer) -> HostMemory {
-        let host = HostPtr(mem.device_ptr().0 as usize);
-        // SAFETY: a pinned pool's buffer has one address on the host and the device, and `mem`
-        // keeps it alive.
-        HostMemory::Mapped(unsafe { MappedMemory::new(host, mem) })
-    }
-
-    /// Frees `memory` on `stream` once its last handle is gone (this one).
-    pub fn deallocate(&self, memory: HostMemory, stream: &Stream) -> Result<(), EmmError> {
-        check_same_context(&self.inner.shared.cx, stream.context(), "deallocate")?;
-        self.deallocate_on(memory, stream)
-    }
-
-    /// As [`deallocate`](Self::deallocate), on a stream given as any [`OrderedOn`].
-    pub fn deallocate_on(
-        &self,
-        memory: HostMemory,
-        stream: &(impl OrderedOn + ?Sized),
-    ) -> Result<(), EmmError> {
-        let HostMemory::Mapped(mapped) = memory else {
-            return Err(EmmError::InvalidArgument {
-                what: "PinnedMemoryResource::deallocate",
-                reason: "this memory is not a buffer of a pinned memory resource".into(),
-            });
-        };
-        let device = mapped.device().clone();
-        drop(mapped);
-        self.inner.deallocate_on(device, stream)
-    }
-
-    /// The host NUMA node of the pool, if it was made on one.
-    pub fn numa_id(&self) -> Option<i32> {
-        self.numa_id
-    }
-
-    /// The pool's figures, as [`DeviceMemoryResource::attributes`].
-    pub fn attributes(&self) -> Result<MemPoolUsage, EmmError> {
-        self.inner.attributes()
-    }
-
-    /// Starts the high-water marks again from the current figures.
-    pub fn reset_high_water(&self) -> Result<(), EmmError> {
-        self.inner.reset_high_water()
-    }
-
-    /// Whether emm made the pool (always, for a pinned resource).
-    pub fn is_handle_owned(&self) -> bool {
-        self.inner.is_handle_owned()
-    }
-
-    /// Whether the pool's memory can be exported to other processes.
-    pub fn is_ipc_enabled(&self) -> bool {
-        self.inner.is_ipc_enabled()
-    }
-
-    /// The driver's pool handle.
-    pub fn handle(&self) -> MemPoolHandle {
-        self.inner.handle()
-    }
-
-    /// The pool as a [`PoolExport`] for other processes, as
-    /// [`DeviceMemoryResource::allocation_handle`].
-    #[cfg(unix)]
-    pub fn allocation_handle(&self) -> Result<PoolExport, EmmError> {
-        self.inner.allocation_handle()
-    }
-
-    /// An IPC handle for `memory` (a buffer of this resource), which opens in a process that
-    /// imported the pool ([`allocation_handle`](Self::allocation_handle)), as
-    /// [`DeviceMemoryResource::get_ipc_handle`]: the buffer's stream is synchronised first.
-    /// The importer opens it as device memory ([`IpcHandle::open`]), which work on its streams
-    /// and copies use.
-    pub fn get_ipc_handle(&self, memory: &HostMemory) -> Result<IpcHandle, EmmError> {
-        let HostMemory::Mapped(mapped) = memory else {
-            return Err(EmmError::InvalidArgument {
-                what: "memory passed to PinnedMemoryResource::get_ipc_handle",
-                reason: "this memory is not a buffer of a pinned memory resource; export \
-                         memory it allocated"
-                    .into(),
-            });
-        };
-        self.inner.get_ipc_handle(mapped.device())
-    }
-
-    /// The pool's name across processes, for an IPC-enabled resource.
-    pub fn pool_id(&self) -> Option<PoolId> {
-        self.inner.pool_id()
-    }
-
-    /// Closes the resource, as [`DeviceMemoryResource::close`].
-    pub fn close(&self) -> Result<(), EmmError> {
-        self.inner.close()
-    }
-}
-
-/// How [`Context::managed_memory_resource`](crate::Context::managed_memory_resource) makes its
-/// pool (cuda.core's `ManagedMemoryResourceOptions`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ManagedMemoryResourceOptions {
-    /// Where the driver prefers to keep the memory: a device, host memory, or a host NUMA
-    /// node; `None`: no preference (the driver migrates on demand).
-    pub preferred_location: Option<MemLocation>,
-}
-
-/// Stream-ordered managed memory from a managed-memory pool (cuda.core's
-/// `ManagedMemoryResource`; `cuMemPoolCreate` with `CU_MEM_ALLOCATION_TYPE_MANAGED`, CUDA 13
-/// on): one address for the host and every device, migrated on demand. Where the driver has
-/// no managed pools it is refused, naming `memallocmanaged` (`cuMemAllocManaged`), which every
-/// driver with managed memory has. Managed pools are not exported (cuda.core neither).
-#[derive(Clone, Debug)]
-pub struct ManagedMemoryResource {
-    inner: DeviceMemoryResource,
-    preferred: Option<MemLocation>,
-}
-
-impl ManagedMemoryResource {
-    pub(crate) fn create(
-        cx: &ManagerContext,
-        options: ManagedMemoryResourceOptions,
-    ) -> Result<ManagedMemoryResource, EmmError> {
-        const WHAT: &str = "managed_memory_resource";
-        let _live = cx.enter(WHAT)?;
-        let cannot = |advice: String| EmmError::DeviceCannot {
-            what: WHAT,
-            device: cx.device,
-            advice,
-        };
-        let managed = cx
-            .driver
-            .device_attribute(cx.device, DeviceAttribute::ManagedMemory)
-            .map_err(|e| cx.driver_error(WHAT, e))?;
-        if managed != 1 {
-            return Err(cannot(
-                "the device has no managed memory; use device memory and copies".into(),
-            ));
-        }
-        let pool = match cx
-            .driver
-            .mem_pool_create_managed(cx.context, options.preferred_location)
-        {
-            Ok(pool) => pool,
-            Err(e) if e.kind() == driver_sys::ErrorKind::NotSupported => {
-                return Err(cannot(format!(
-                    "its driver has no managed memory pools ({e}); use memallocmanaged \
-                     (cuMemAllocManaged), which is not stream-ordered"
-                )));
-            }
-            Err(e) => return Err(cx.driver_error(WHAT, e)),
-        };
-        // SAFETY: created just above, handed to no one.
-        let pool =
-            unsafe { cx.adopt_new_pool(pool, false) }.map_err(|e| cx.driver_error(WHAT, e))?;
-        let inner = DeviceMemoryResource::over(
-            cx,
-            pool,
-            true,
-            DeviceMemoryResourceOptions::default(),
-            None,
-        );
-        Ok(ManagedMemoryResource {
-            inner,
-            preferred: options.preferred_location,
-        })
-    }
-
-    /// `size` bytes of managed memory on `stream`, attached globally: usable by work queued on
-    /// `stream` from now on, by the host once that work is done; freed on `stream` when the
-    /// last handle drops.
-    pub fn allocate(&self, size: usize, stream: &Stream) -> Result<ManagedMemory, EmmError> {
-        Ok(ManagedMemory::new(self.inner.allocate(size, stream)?, true))
-    }
-
-    /// As [`allocate`](Self::allocate), on a stream known only by its handle.
-    ///
-    /// # Safety
-    ///
-    /// As [`DeviceMemoryResource::allocate_on_raw`]: `stream` is a stream of this context
-    /// (or an implicit one) that outlives the buffer.
-    pub unsafe fn allocate_on_raw(
-        &self,
-        size: usize,
-        stream: StreamHandle,
-    ) -> Result<ManagedMemory, EmmError> {
-        // SAFETY: the caller's contract, passed on.
-        let mem = unsafe { self.inner.allocate_on_raw(size, stream) }?;
-        Ok(ManagedMemory::new(mem, true))
-    }
-
-    /// Frees `memory` on `stream` once its last handle is gone (this one).
-    pub fn deallocate(&self, memory: ManagedMemory, stream: &Stream) -> Result<(), EmmError> {
-        let device = memory.device().clone();
-        drop(memory);
-        self.inner.deallocate(device, stream)
-    }
-
-    /// As [`deallocate`](Self::deallocate), on a stream given as any [`OrderedOn`] (another
-    /// library's stream by its handle, for one).
-    pub fn deallocate_on(
-        &self,
-        memory: ManagedMemory,
-        stream: &(impl OrderedOn + ?Sized),
-    ) -> Result<(), EmmError> {
-        let device = memory.device().clone();
-        drop(memory);
-        self.inner.deallocate_on(device, stream)
-    }
-
-    /// Where the driver prefers to keep the memory (`None`: no preference).
-    pub fn preferred_location(&self) -> Option<MemLocation> {
-        self.preferred
-    }
-
-    /// The pool's figures, as [`DeviceMemoryResource::attributes`].
-    pub fn attributes(&self) -> Result<MemPoolUsage, EmmError> {
-        self.inner.attributes()
-    }
-
-    /// Whether emm made the pool (always, for a managed resource).
-    pub fn is_handle_owned(&self) -> bool {
-        self.inner.is_handle_owned()
-    }
-
-    /// The driver's pool handle.
-    pub fn handle(&self) -> MemPoolHandle {
-        self.inner.handle()
-    }
-
-    /// Closes the resource, as [`DeviceMemoryResource::close`].
-    pub fn close(&self) -> Result<(), EmmError> {
-        self.inner.close()
     }
 }
