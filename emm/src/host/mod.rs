@@ -107,10 +107,20 @@ impl HostLayer {
         self.pinned.as_ref().map(|p| p.stats())
     }
 
-    /// Frees every cached block of the pinned host pool; returns the bytes released (queued,
-    /// inside `defer_cleanup`).
+    /// Frees every cached block of the pinned host pool, and the stream-ordered frees whose
+    /// streams finished their work (no waiting); returns the pinned bytes released (queued,
+    /// inside `defer_cleanup`). A trim thus leaves nothing the layer holds for lack of a later
+    /// allocation to notice it.
     pub fn trim(&self) -> Result<usize, EmmError> {
+        let polled = if self.table.waiting_for_streams() > 0 {
+            self.poll_stream_frees()?
+        } else {
+            0
+        };
         let Some(pool) = &self.pinned else {
+            if polled > 0 {
+                self.deallocations().flush()?;
+            }
             return Ok(0);
         };
         let (frees, bytes) = pool.drain(false);
