@@ -174,18 +174,30 @@ impl AllocationTable {
         self.poll_waiting(wait)
     }
 
+    /// Queues the `cuMemFree` of every waiting stream-ordered allocation whose streams are
+    /// done, looking at each of them once, without waiting (a trim's poll). Returns how many
+    /// were queued. The caller holds the context's liveness.
+    pub(crate) fn poll_every_stream_free(&self) -> Result<usize, EmmError> {
+        if self.waiting_for_streams() == 0 {
+            return Ok(0);
+        }
+        self.poll_some(false, usize::MAX)
+    }
+
     /// [`poll_stream_frees`](Self::poll_stream_frees) once some are waiting (out of line: an
     /// allocation with none waiting pays one atomic load).
     #[inline(never)]
     fn poll_waiting(&self, wait: bool) -> Result<usize, EmmError> {
+        self.poll_some(wait, if wait { usize::MAX } else { POLL_BATCH })
+    }
+
+    /// Looks at up to `most` waiting frees, oldest first (waiting for each with `wait`), and
+    /// queues those done.
+    fn poll_some(&self, wait: bool, most: usize) -> Result<usize, EmmError> {
         let done = {
             let mut waiting = lock(&self.waiting);
             let mut done = Vec::new();
-            let looks = if wait {
-                waiting.len()
-            } else {
-                waiting.len().min(POLL_BATCH)
-            };
+            let looks = waiting.len().min(most);
             for _ in 0..looks {
                 let mut entry = waiting.pop_front().expect("counted");
                 match self.fences.finished(&mut entry.2, wait) {

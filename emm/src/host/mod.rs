@@ -113,7 +113,8 @@ impl HostLayer {
     /// allocation to notice it.
     pub fn trim(&self) -> Result<usize, EmmError> {
         let polled = if self.table.waiting_for_streams() > 0 {
-            self.poll_stream_frees()?
+            let _live = self.context().enter("trim")?;
+            self.table.poll_every_stream_free()?
         } else {
             0
         };
@@ -293,11 +294,11 @@ impl HostLayer {
     }
 
     /// Queues the `cuMemFree` of each stream-ordered free whose streams finished their work
-    /// (no waiting); returns how many. Allocations do this by themselves.
+    /// (no waiting); returns how many. Allocations do this by themselves, a batch at a time.
     pub fn poll_stream_frees(&self) -> Result<usize, EmmError> {
         let cx = self.context();
         let _live = cx.enter("poll_stream_frees")?;
-        self.table.poll_stream_frees(false)
+        self.table.poll_every_stream_free()
     }
 
     /// Stream-ordered frees still waiting for their streams.

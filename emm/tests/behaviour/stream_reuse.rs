@@ -668,3 +668,28 @@ fn a_trim_releases_stream_frees_whose_streams_finished() {
         "the freed block is still held"
     );
 }
+
+/// More finished stream frees than an allocation's poll looks at: a trim releases every one
+/// (it once looked at one batch and left the ninth block allocated; found by the
+/// `stream_lifetimes` fuzz target).
+#[test]
+fn a_trim_releases_every_finished_stream_free() {
+    let sim = sim();
+    let rt = runtime_with(&sim, "default");
+    let ctx = rt.context(0).unwrap();
+    let s = ctx.legacy_default_stream();
+    let before = ctx.get_memory_info().unwrap().free;
+    let blocks: Vec<_> = [5824, 5824, 5824, 10880, 5312, 5312, 5312, 5312, 1 << 21]
+        .into_iter()
+        .map(|size| ctx.memalloc_on(size, &s).unwrap())
+        .collect();
+    drop(blocks);
+    sim.run_streams();
+    ctx.trim().unwrap();
+    assert_eq!(
+        ctx.get_memory_info().unwrap().free,
+        before,
+        "{}",
+        sim.leak_report()
+    );
+}
