@@ -1,10 +1,10 @@
 //! `emm._emm`: the extension module behind the `emm` Python package.
 //!
-//! One emm [`Runtime`] per process (`configure`, or the environment at first use), shared by
-//! everything the package offers: Numba's EMM plugin (`emm.numba`), CuPy's allocator
-//! (`emm.cupy`) and PyTorch's pluggable allocator (`emm.torch`, through the C functions
-//! [`emm_torch_malloc`] and [`emm_torch_free`] this library exports). Memory from all three
-//! comes from one manager and shows in one `usage()`.
+//! One emm [`Runtime`](emm::Runtime) per process (`configure`, or the environment at first
+//! use), shared by everything the package offers: Numba's EMM plugin (`emm.numba`), CuPy's
+//! allocator (`emm.cupy`) and PyTorch's pluggable allocator (`emm.torch`, through the C
+//! functions `emm_torch_malloc` and `emm_torch_free` this library exports, in `torch.rs`).
+//! Memory from all three comes from one manager and shows in one `usage()`.
 //!
 //! Calls that may wait for the GPU or the driver (allocations, which may flush deferred frees;
 //! copies; resets; flushes; trims; memory info) release the GIL while they run.
