@@ -139,11 +139,13 @@ def measure(config):
 
 
 def main():
+    # `pool` unless the environment names a manager, whether one configuration runs here or
+    # every one in a process of its own (the runtime reads it when first used).
+    os.environ.setdefault("EMM_MEMORY_MANAGER", "pool")
     if len(sys.argv) > 1:
         measure(sys.argv[1])
         return
     env = dict(os.environ)
-    env.setdefault("EMM_MEMORY_MANAGER", "pool")
     for config in CONFIGS:
         r = subprocess.run(
             [sys.executable, __file__, config], env=env, capture_output=True, text=True, timeout=120
