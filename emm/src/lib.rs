@@ -86,8 +86,8 @@ pub use adaptors::{Adapted, Adaptor, LOG_HEADER};
 pub use contract::{
     AllocationEvents, DeviceIdentity, FnFactory, FreeSpace, INTERFACE_VERSION, IpcHandle,
     IpcMemory, KindUsage, ManagerContext, ManagerFactory, MemoryInfo, MemoryKind, MemoryManager,
-    OUT_OF_MEMORY_RETRIES, OutOfMemoryCallback, POOL_DESCRIPTOR_LEN, PinnedPoolConfig, PoolExport,
-    PoolId, PoolReport, PoolStats, StreamOrdering, Usage, check_interface_version,
+    OUT_OF_MEMORY_RETRIES, OutOfMemoryCallback, PinnedPoolConfig, PoolExport, PoolId, PoolReport,
+    PoolStats, StreamOrdering, Usage, check_interface_version,
 };
 pub use host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 pub use managers::{
@@ -97,8 +97,8 @@ pub use managers::{
 };
 pub use memory::{
     ContextLiveness, DeallocConfig, DeferCleanup, Free, HostAllocFlags, HostMemory, HostOwner,
-    HostReleaseFn, HostReleaseHook, LiveGuard, ManagedMemory, MappedMemory, MemoryPointer,
-    OrderedOn, PendingDeallocs, PinnableBuffer, PinnedMemory, ReleaseFn, ReleaseHook, StreamUse,
+    HostReleaseHook, ManagedMemory, MappedMemory, MemoryPointer, OrderedOn, PendingDeallocs,
+    PinnableBuffer, PinnedMemory, ReleaseFn, ReleaseHook, StreamUse,
 };
 pub use objects::{
     AutoSynchronize, Event, InFlight, Module, Stream, StreamKind, host_function_panics,
@@ -110,4 +110,3 @@ pub use resources::{
 pub use runtime::context::Context;
 pub use runtime::graphs::{Graph, GraphPool, GraphPoolStats};
 pub use runtime::{Runtime, RuntimeBuilder};
-pub use thread_slots::shards_without_locks;

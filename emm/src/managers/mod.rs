@@ -4,17 +4,19 @@
 //! | module | `EMM_MEMORY_MANAGER` | device memory |
 //! | --- | --- | --- |
 //! | `default` | `default` | `cuMemAlloc` per allocation, deferred `cuMemFree` ([`DefaultManager`]) |
-//! | `pool` | `pool` | chunks carved by size-class shards and a coalescing arena ([`PoolManager`]) |
-//! | `async_pool` | `async-pool`, `async-pool-ipc` | the driver's stream-ordered pool ([`AsyncPoolManager`]), optionally exported to other processes |
+//! | `pool` | `pool`, `vmm-pool` | chunks carved by size-class shards and a coalescing arena ([`PoolManager`]); `vmm-pool` maps its chunks side by side in one address reservation |
+//! | `async_pool` | `async-pool`, `async-pool-ipc`, `async-pool-managed` | the driver's stream-ordered pool ([`AsyncPoolManager`]), optionally exported to other processes, or of managed memory |
 //!
-//! None of them is stream-aware yet: memory is allocated and freed on the legacy default
-//! stream (`async-pool`) or returned to the pool at once when its last pointer drops (`pool`),
-//! so work on other streams must be complete before the memory is dropped.
+//! How each orders memory allocated on a stream (`memalloc_on`) is its
+//! [`StreamOrdering`](crate::StreamOrdering): `default` fences the free, `pool` keeps an arena
+//! per stream, the `async-pool` managers leave it to the driver. `emm/IMPLEMENTATION.md`
+//! explains the pool's machinery.
 
 pub(crate) mod async_pool;
 pub(crate) mod default;
 pub(crate) mod pool;
 
+pub use crate::thread_slots::shards_without_locks;
 pub use async_pool::{
     ASYNC_POOL_IPC_MANAGER, ASYNC_POOL_MANAGED_MANAGER, ASYNC_POOL_MANAGER, AsyncPoolAllocator,
     AsyncPoolManager,

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use driver_mock::{SimConfig, SimDriver};
 use driver_sys::{IpcMemHandle, PoolPtrExportData};
 use emm::{
-    DeallocConfig, DeviceIdentity, EmmError, IpcHandle, IpcMemory, POOL_DESCRIPTOR_LEN,
-    PinnableBuffer, PoolExport, PoolId, Runtime,
+    DeallocConfig, DeviceIdentity, EmmError, IpcHandle, IpcMemory, PinnableBuffer, PoolExport,
+    PoolId, Runtime,
 };
 use proptest::prelude::*;
 
@@ -103,7 +103,7 @@ proptest! {
         bytes in prop::collection::vec(any::<u8>(), 0..64),
         id in prop::array::uniform16(any::<u8>()),
         source in identity(),
-        cut in 0usize..POOL_DESCRIPTOR_LEN,
+        cut in 0usize..emm::contract::POOL_DESCRIPTOR_LEN,
     ) {
         match PoolExport::from_descriptor(&bytes, some_fd()) {
             Ok(e) => prop_assert_eq!(e.descriptor().to_vec(), bytes),

@@ -187,7 +187,8 @@ fn the_exporter_refuses_foreign_memory_and_its_own_open() {
 #[test]
 fn malformed_transfers_are_refused() {
     let (mut a, b) = UnixStream::pair().unwrap();
-    a.write_all(&[0u8; emm::POOL_DESCRIPTOR_LEN]).unwrap();
+    a.write_all(&[0u8; emm::contract::POOL_DESCRIPTOR_LEN])
+        .unwrap();
     let e = PoolExport::receive(&b).unwrap_err();
     assert!(e.to_string().contains("exactly one file descriptor"), "{e}");
     drop(a);
