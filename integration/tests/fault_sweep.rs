@@ -37,7 +37,7 @@ use driver_mock::{Fault, Op, SimConfig, SimDeviceConfig, SimDriver};
 use driver_sys::{CaptureMode, DeviceOrdinal, ErrorKind};
 use emm::{
     Adaptor, AllocationKind, DeviceAllocator, EmmError, FnFactory, HostLayer, HostOnly, IpcHandle,
-    MemoryInfo, MemoryPointer, PinnableBuffer, PinnedPoolConfig, Runtime,
+    MemoryPointer, PinnableBuffer, PinnedPoolConfig, Runtime,
 };
 
 const PTX: &str =
@@ -78,18 +78,6 @@ impl DeviceAllocator for ImmediateFree {
 
     fn initialize(&self, _: &HostLayer) -> Result<(), EmmError> {
         Ok(())
-    }
-
-    fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError> {
-        emm::DriverAllocator.get_memory_info(host)
-    }
-
-    fn get_ipc_handle(
-        &self,
-        host: &HostLayer,
-        memory: &MemoryPointer,
-    ) -> Result<IpcHandle, EmmError> {
-        host.ipc_handle(memory)
     }
 }
 

@@ -46,19 +46,7 @@ use crate::memory::pointer::MemoryPointer;
 ///     fn initialize(&self, _host: &HostLayer) -> Result<(), EmmError> {
 ///         Ok(())
 ///     }
-///
-///     fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError> {
-///         let cx = host.context();
-///         let info = cx
-///             .driver
-///             .mem_get_info(cx.context)
-///             .map_err(|e| cx.driver_error("get_memory_info", e))?;
-///         Ok(MemoryInfo { free: info.free, total: info.total })
-///     }
-///
-///     fn get_ipc_handle(&self, host: &HostLayer, memory: &MemoryPointer) -> Result<IpcHandle, EmmError> {
-///         host.ipc_handle(memory)
-///     }
+///     // Memory info and IPC handles: the defaults (the driver's figures, cuIpcGetMemHandle).
 /// }
 ///
 /// // Selected like any manager: `emm::HostOnly::new(cx, Plain)` in a factory.
@@ -103,15 +91,31 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
     /// Prepares for use; called on every use of the context, idempotent.
     fn initialize(&self, host: &HostLayer) -> Result<(), EmmError>;
 
-    /// Free and total memory as the allocator sees it.
-    fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError>;
+    /// Free and total memory as the allocator sees it: by default the device's, as the driver
+    /// reports them (`cuMemGetInfo`).
+    fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError> {
+        let cx = host.context();
+        let _live = cx.enter("get_memory_info")?;
+        let info = cx
+            .driver
+            .mem_get_info(cx.context)
+            .map_err(|e| cx.driver_error("get_memory_info", e))?;
+        Ok(MemoryInfo {
+            free: info.free,
+            total: info.total,
+        })
+    }
 
-    /// An IPC handle for `memory`. [`HostLayer::ipc_handle`] does it for `cuMemAlloc` memory.
+    /// An IPC handle for `memory`: by default [`HostLayer::ipc_handle`]'s, which exports
+    /// `cuMemAlloc` memory (`cuIpcGetMemHandle`); an allocator whose memory is of another kind
+    /// exports it its own way or refuses.
     fn get_ipc_handle(
         &self,
         host: &HostLayer,
         memory: &MemoryPointer,
-    ) -> Result<IpcHandle, EmmError>;
+    ) -> Result<IpcHandle, EmmError> {
+        host.ipc_handle(memory)
+    }
 
     /// Frees the allocator's own memory. Runs after the host layer's reset.
     fn reset(&self, host: &HostLayer) -> Result<(), EmmError> {

@@ -19,8 +19,6 @@
 use driver_sys::{DevicePtr, StreamHandle};
 
 use crate::contract::factory::{FnFactory, ManagerContext};
-use crate::contract::info::MemoryInfo;
-use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::StreamOrdering;
 use crate::error::EmmError;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
@@ -109,26 +107,5 @@ impl DeviceAllocator for DriverAllocator {
             }
         }
         Ok(())
-    }
-
-    fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError> {
-        let cx = host.context();
-        let _live = cx.enter("get_memory_info")?;
-        let info = cx
-            .driver
-            .mem_get_info(cx.context)
-            .map_err(|e| cx.driver_error("get_memory_info", e))?;
-        Ok(MemoryInfo {
-            free: info.free,
-            total: info.total,
-        })
-    }
-
-    fn get_ipc_handle(
-        &self,
-        host: &HostLayer,
-        memory: &MemoryPointer,
-    ) -> Result<IpcHandle, EmmError> {
-        host.ipc_handle(memory)
     }
 }

@@ -409,8 +409,8 @@ mod eager {
 
     use emm::driver_sys::{DevicePtr, StreamHandle};
     use emm::{
-        DeviceAllocator, EmmError, FnFactory, HostLayer, HostOnly, IpcHandle, ManagerContext,
-        MemoryInfo, MemoryPointer, ReleaseHook, StreamUse,
+        DeviceAllocator, EmmError, FnFactory, HostLayer, HostOnly, ManagerContext, MemoryPointer,
+        ReleaseHook, StreamUse,
     };
 
     #[derive(Debug, Default)]
@@ -476,18 +476,6 @@ mod eager {
 
         fn initialize(&self, _host: &HostLayer) -> Result<(), EmmError> {
             Ok(())
-        }
-
-        fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError> {
-            emm::DriverAllocator.get_memory_info(host)
-        }
-
-        fn get_ipc_handle(
-            &self,
-            host: &HostLayer,
-            memory: &MemoryPointer,
-        ) -> Result<IpcHandle, EmmError> {
-            host.ipc_handle(memory)
         }
 
         fn reset(&self, _host: &HostLayer) -> Result<(), EmmError> {

@@ -70,7 +70,7 @@ use std::sync::Arc;
 use driver_sys::{DevicePtr, DriverError, MemPoolHandle, StreamHandle};
 
 use crate::contract::factory::{FnFactory, ManagerContext};
-use crate::contract::info::{MemoryInfo, PoolStats};
+use crate::contract::info::PoolStats;
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::StreamOrdering;
 use crate::contract::pool_export::{PoolExport, PoolId};
@@ -803,10 +803,6 @@ impl DeviceAllocator for AsyncPoolAllocator {
         self.pool(&mut state)
             .map(|_| ())
             .map_err(self.err("initialize"))
-    }
-
-    fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError> {
-        DriverAllocator.get_memory_info(host)
     }
 
     fn get_ipc_handle(

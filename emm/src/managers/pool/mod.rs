@@ -78,7 +78,7 @@ use std::sync::Arc;
 use driver_sys::{DevicePtr, DriverError, ErrorKind, StreamHandle};
 
 use crate::contract::factory::{FnFactory, ManagerContext};
-use crate::contract::info::{FreeSpace, MemoryInfo, PoolStats};
+use crate::contract::info::{FreeSpace, PoolStats};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::StreamOrdering;
 use crate::error::EmmError;
@@ -1169,10 +1169,6 @@ impl DeviceAllocator for PoolAllocator {
 
     fn initialize(&self, host: &HostLayer) -> Result<(), EmmError> {
         DriverAllocator.initialize(host)
-    }
-
-    fn get_memory_info(&self, host: &HostLayer) -> Result<MemoryInfo, EmmError> {
-        DriverAllocator.get_memory_info(host)
     }
 
     fn get_ipc_handle(
