@@ -200,6 +200,32 @@ pub enum ErrorKind {
     Other,
 }
 
+impl ErrorKind {
+    /// Every kind, in declaration order: for tests and fault injection that go through them all.
+    pub const ALL: [ErrorKind; 20] = [
+        ErrorKind::OutOfMemory,
+        ErrorKind::DriverUnavailable,
+        ErrorKind::NoDevice,
+        ErrorKind::InvalidDevice,
+        ErrorKind::NotInitialized,
+        ErrorKind::InvalidValue,
+        ErrorKind::InvalidContext,
+        ErrorKind::ContextDestroyed,
+        ErrorKind::InvalidHandle,
+        ErrorKind::NotSupported,
+        ErrorKind::MapFailed,
+        ErrorKind::AlreadyMapped,
+        ErrorKind::HostMemoryAlreadyRegistered,
+        ErrorKind::HostMemoryNotRegistered,
+        ErrorKind::PeerAccess,
+        ErrorKind::NotFound,
+        ErrorKind::KernelFault,
+        ErrorKind::DeviceUnavailable,
+        ErrorKind::StreamCapture,
+        ErrorKind::Other,
+    ];
+}
+
 /// For each kind: the raw code that stands for it when a kind is scripted (fault injection),
 /// and what a user can do about it. One row per kind.
 const KINDS: &[(ErrorKind, u32, &str)] = &[
@@ -530,10 +556,40 @@ mod tests {
             assert_eq!(ErrorKind::from_code(*raw), *kind, "{kind:?}");
             assert!(!advice.is_empty());
         }
+        // A kind without a row would panic in advice(); a kind missing from ALL, or a match
+        // below without a new variant's arm, fails to compile or fails here.
+        for kind in ErrorKind::ALL {
+            assert!(
+                KINDS.iter().any(|(k, _, _)| *k == kind),
+                "{kind:?} has no row"
+            );
+            match kind {
+                ErrorKind::OutOfMemory
+                | ErrorKind::DriverUnavailable
+                | ErrorKind::NoDevice
+                | ErrorKind::InvalidDevice
+                | ErrorKind::NotInitialized
+                | ErrorKind::InvalidValue
+                | ErrorKind::InvalidContext
+                | ErrorKind::ContextDestroyed
+                | ErrorKind::InvalidHandle
+                | ErrorKind::NotSupported
+                | ErrorKind::MapFailed
+                | ErrorKind::AlreadyMapped
+                | ErrorKind::HostMemoryAlreadyRegistered
+                | ErrorKind::HostMemoryNotRegistered
+                | ErrorKind::PeerAccess
+                | ErrorKind::NotFound
+                | ErrorKind::KernelFault
+                | ErrorKind::DeviceUnavailable
+                | ErrorKind::StreamCapture
+                | ErrorKind::Other => {}
+            }
+        }
         assert_eq!(
             KINDS.len(),
-            20,
-            "a kind without a row would panic in advice()"
+            ErrorKind::ALL.len(),
+            "a row for a kind not in ALL"
         );
         assert!(
             CODES.len() >= 106,
