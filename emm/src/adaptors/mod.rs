@@ -37,7 +37,9 @@ use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{MemoryManager, StreamOrdering};
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
-use crate::memory::host::{HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory};
+use crate::memory::host::{
+    HostAllocFlags, HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory,
+};
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::{MemoryPointer, ReleaseHook};
 use crate::sync::{AtomicUsize, Mutex, lock};
@@ -345,20 +347,14 @@ impl MemoryManager for Adapted {
         self.inner.stream_ordering()
     }
 
-    fn memhostalloc(
-        &self,
-        bytes: usize,
-        mapped: bool,
-        portable: bool,
-        wc: bool,
-    ) -> Result<HostMemory, EmmError> {
-        let kind = host_kind(mapped);
+    fn memhostalloc(&self, bytes: usize, flags: HostAllocFlags) -> Result<HostMemory, EmmError> {
+        let kind = host_kind(flags.mapped);
         let m = self.observe(
             "memhostalloc",
             kind,
             bytes,
             None,
-            || self.inner.memhostalloc(bytes, mapped, portable, wc),
+            || self.inner.memhostalloc(bytes, flags),
             |m| m.host_ptr().0 as u64,
         )?;
         Ok(self.wrap_host(m, kind))

@@ -11,7 +11,7 @@ use crate::contract::info::{FreeSpace, MemoryInfo, PoolReport, Usage};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
-use crate::memory::host::{HostMemory, HostOwner, ManagedMemory};
+use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, ManagedMemory};
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::MemoryPointer;
 
@@ -94,17 +94,9 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
     fn memallocmanaged(&self, bytes: usize, attach_global: bool)
     -> Result<ManagedMemory, EmmError>;
 
-    /// Allocates page-locked host memory: `mapped` maps it into the device
-    /// (`CU_MEMHOSTALLOC_DEVICEMAP`), `portable` makes it pinned for every context
-    /// (`CU_MEMHOSTALLOC_PORTABLE`), `wc` makes it write-combined
-    /// (`CU_MEMHOSTALLOC_WRITECOMBINED`).
-    fn memhostalloc(
-        &self,
-        bytes: usize,
-        mapped: bool,
-        portable: bool,
-        wc: bool,
-    ) -> Result<HostMemory, EmmError>;
+    /// Allocates page-locked host memory (`cuMemHostAlloc` with `flags`: mapped into the
+    /// device, pinned for every context, write-combined).
+    fn memhostalloc(&self, bytes: usize, flags: HostAllocFlags) -> Result<HostMemory, EmmError>;
 
     /// Page-locks the existing host range `ptr .. ptr + size`, which `owner` keeps alive;
     /// `mapped` also maps it into the device.

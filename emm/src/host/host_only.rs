@@ -12,7 +12,7 @@ use crate::contract::manager::{INTERFACE_VERSION, MemoryManager, StreamOrdering}
 use crate::contract::pool_export::PoolExport;
 use crate::error::EmmError;
 use crate::host::HostLayer;
-use crate::memory::host::{HostMemory, HostOwner, ManagedMemory};
+use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, ManagedMemory};
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::MemoryPointer;
 
@@ -206,14 +206,8 @@ impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
         self.device.stream_ordering()
     }
 
-    fn memhostalloc(
-        &self,
-        bytes: usize,
-        mapped: bool,
-        portable: bool,
-        wc: bool,
-    ) -> Result<HostMemory, EmmError> {
-        self.host.memhostalloc(bytes, mapped, portable, wc)
+    fn memhostalloc(&self, bytes: usize, flags: HostAllocFlags) -> Result<HostMemory, EmmError> {
+        self.host.memhostalloc(bytes, flags)
     }
 
     fn memallocmanaged(

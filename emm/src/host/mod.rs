@@ -15,7 +15,9 @@ use crate::error::EmmError;
 use crate::host::allocations::{AllocationTable, Entry, unpin_now};
 use crate::host::driver_pool::{DriverHostPool, DriverHostRelease};
 use crate::host::pinned_pool::{Kind, PinnedBlock, PinnedPool, Taken};
-use crate::memory::host::{HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory};
+use crate::memory::host::{
+    HostAllocFlags, HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory,
+};
 use crate::memory::pending::{DeferCleanup, Free, PendingDeallocs};
 use crate::memory::pointer::{AllocationOwner, MemoryPointer, Release};
 
@@ -511,16 +513,20 @@ impl HostLayer {
         ))
     }
 
-    /// Numba's `memhostalloc`: `cuMemHostAlloc` with `DEVICEMAP` if `mapped`, `PORTABLE` if
-    /// `portable`, `WRITECOMBINED` if `wc`. Mapped memory retries after out-of-memory and is
-    /// tracked; unmapped memory is not, and its free counts as 0 bytes.
+    /// Numba's `memhostalloc`: `cuMemHostAlloc` with `DEVICEMAP` if `flags.mapped`, `PORTABLE`
+    /// if `flags.portable`, `WRITECOMBINED` if `flags.write_combined`. Mapped memory retries
+    /// after out-of-memory and is tracked; unmapped memory is not, and its free counts as 0
+    /// bytes.
     pub fn memhostalloc(
         &self,
         bytes: usize,
-        mapped: bool,
-        portable: bool,
-        wc: bool,
+        flags: HostAllocFlags,
     ) -> Result<HostMemory, EmmError> {
+        let HostAllocFlags {
+            mapped,
+            portable,
+            write_combined: wc,
+        } = flags;
         if bytes == 0 {
             // The driver would hand back a null pointer, which cannot be mapped or freed usefully.
             return Err(EmmError::ZeroSize {

@@ -731,6 +731,7 @@ mod tests {
     use super::*;
     use crate::contract::factory::ManagerContext;
     use crate::host::HostLayer;
+    use crate::memory::host::HostAllocFlags;
 
     /// A host layer with the pinned pool on a simulated GPU (no runtime: this module sits
     /// below it), and a weak reference to its pool.
@@ -743,7 +744,7 @@ mod tests {
     }
 
     fn pinned(host: &HostLayer, bytes: usize) -> crate::memory::HostMemory {
-        host.memhostalloc(bytes, false, false, false)
+        host.memhostalloc(bytes, HostAllocFlags::PINNED)
             .expect("pinned memory")
     }
 
@@ -779,7 +780,9 @@ mod tests {
         assert_eq!(spares(&pool), HOOKS_PER_SHARD, "bounded");
         assert_eq!(pool.strong_count(), 1 + HOOKS_PER_SHARD);
         // Mapped blocks take no spare (their entry in the layer's table holds the pool).
-        let mapped = host.memhostalloc(4096, true, false, false).expect("mapped");
+        let mapped = host
+            .memhostalloc(4096, HostAllocFlags::MAPPED)
+            .expect("mapped");
         assert_eq!(spares(&pool), HOOKS_PER_SHARD);
         drop(mapped);
         drop(host);

@@ -383,14 +383,19 @@ impl Context {
         portable: bool,
         wc: bool,
     ) -> Result<HostMemory, EmmError> {
-        self.ensure_alive("memhostalloc")?;
-        self.inner.manager.memhostalloc(bytes, mapped, portable, wc)
+        let flags = HostAllocFlags {
+            mapped,
+            portable,
+            write_combined: wc,
+        };
+        self.host_alloc(bytes, flags)
     }
 
     /// Allocates page-locked host memory with named flags: [`memhostalloc`](Self::memhostalloc)
     /// without three booleans in a row.
     pub fn host_alloc(&self, bytes: usize, flags: HostAllocFlags) -> Result<HostMemory, EmmError> {
-        self.memhostalloc(bytes, flags.mapped, flags.portable, flags.write_combined)
+        self.ensure_alive("memhostalloc")?;
+        self.inner.manager.memhostalloc(bytes, flags)
     }
 
     /// Page-locks an existing host range through the manager (Numba's `Context.mempin`);
