@@ -110,27 +110,41 @@ pub(crate) struct HostBuffer {
     pub(crate) size: usize,
 }
 
-#[pymethods]
-impl HostBuffer {
-    /// Copies `data` into the memory at `offset`.
-    #[pyo3(signature = (data, offset=0))]
-    fn write(&self, data: &[u8], offset: usize) -> PyResult<()> {
-        with_live(&self.mem, |m| m.write(offset, data))
-    }
+/// The methods of the buffers the host reads and writes (page-locked and managed memory):
+/// one definition for both classes.
+macro_rules! host_side_methods {
+    ($ty:ident) => {
+        #[pymethods]
+        impl $ty {
+            /// Copies `data` into the memory at `offset`, from the host.
+            #[pyo3(signature = (data, offset=0))]
+            fn write(&self, data: &[u8], offset: usize) -> PyResult<()> {
+                with_live(&self.mem, |m| m.write(offset, data))
+            }
 
-    /// `n` bytes from `offset`.
-    #[pyo3(signature = (n, offset=0))]
-    fn read<'py>(&self, py: Python<'py>, n: usize, offset: usize) -> PyResult<Bound<'py, PyBytes>> {
-        let mut out = vec![0u8; n];
-        with_live(&self.mem, |m| m.read(offset, &mut out))?;
-        Ok(PyBytes::new(py, &out))
-    }
+            /// `n` bytes from `offset`, read on the host.
+            #[pyo3(signature = (n, offset=0))]
+            fn read<'py>(
+                &self,
+                py: Python<'py>,
+                n: usize,
+                offset: usize,
+            ) -> PyResult<Bound<'py, PyBytes>> {
+                let mut out = vec![0u8; n];
+                with_live(&self.mem, |m| m.read(offset, &mut out))?;
+                Ok(PyBytes::new(py, &out))
+            }
 
-    /// Gives the memory back (or unpins it) now.
-    fn release(&self) {
-        lock(&self.mem).take();
-    }
+            /// Gives the memory back (or unpins it) now; later use raises.
+            fn release(&self) {
+                lock(&self.mem).take();
+            }
+        }
+    };
 }
+
+host_side_methods!(HostBuffer);
+host_side_methods!(ManagedBuffer);
 
 /// Runs `f` on a buffer's memory, unless the buffer was released.
 pub(crate) fn with_live<M, T>(
@@ -154,28 +168,6 @@ pub(crate) struct ManagedBuffer {
     /// Bytes.
     #[pyo3(get)]
     pub(crate) size: usize,
-}
-
-#[pymethods]
-impl ManagedBuffer {
-    /// Copies `data` into the memory at `offset`, from the host.
-    #[pyo3(signature = (data, offset=0))]
-    fn write(&self, data: &[u8], offset: usize) -> PyResult<()> {
-        with_live(&self.mem, |m| m.write(offset, data))
-    }
-
-    /// `n` bytes from `offset`, read on the host.
-    #[pyo3(signature = (n, offset=0))]
-    fn read<'py>(&self, py: Python<'py>, n: usize, offset: usize) -> PyResult<Bound<'py, PyBytes>> {
-        let mut out = vec![0u8; n];
-        with_live(&self.mem, |m| m.read(offset, &mut out))?;
-        Ok(PyBytes::new(py, &out))
-    }
-
-    /// Gives the memory back now.
-    fn release(&self) {
-        lock(&self.mem).take();
-    }
 }
 
 pub(crate) fn host_buffer(mem: HostMemory) -> HostBuffer {

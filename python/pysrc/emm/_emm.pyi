@@ -291,11 +291,11 @@ class HostBuffer:
         ...
 
     def read(self, n, offset=0) -> Any:
-        """`n` bytes from `offset`."""
+        """`n` bytes from `offset`, read on the host."""
         ...
 
     def release(self) -> Any:
-        """Gives the memory back (or unpins it) now."""
+        """Gives the memory back (or unpins it) now; later use raises."""
         ...
 
     @property
@@ -304,7 +304,7 @@ class HostBuffer:
         ...
 
     def write(self, data, offset=0) -> Any:
-        """Copies `data` into the memory at `offset`."""
+        """Copies `data` into the memory at `offset`, from the host."""
         ...
 
 
@@ -353,7 +353,7 @@ class ManagedBuffer:
         ...
 
     def release(self) -> Any:
-        """Gives the memory back now."""
+        """Gives the memory back (or unpins it) now; later use raises."""
         ...
 
     @property
