@@ -39,15 +39,17 @@
 //! | layer | module | what it holds |
 //! | --- | --- | --- |
 //! | 0 | `error`, `sync`, `size_class`, `slab`, `lines`, `thread_slots`, `units`, `test_config` | [`EmmError`]; the loom shim, the spin lock and the biased lock of the pools' shards; the size classes, the slab the allocation table and the arena name entries in, lists on cache lines of their own, the dense per-thread indices both pools use, byte sizes, the property tests' settings |
-//! | 1 | [`memory`] | memory objects and deallocation: pointers, host memory, the pending queue and its policy, `defer_cleanup`, liveness |
+//! | 1 | `memory` | memory objects and deallocation: pointers, host memory, the pending queue and its policy, `defer_cleanup`, liveness |
 //! | 2 | [`contract`] | the plugin interface: [`MemoryManager`], its factory and [`ManagerContext`], the data it returns |
-//! | 3 | [`host`] | the host layer: [`HostLayer`], [`DeviceAllocator`] + [`HostOnly`], Numba's allocation table, the pinned host pool |
-//! | 4 | [`managers`], [`adaptors`] | `default`, `pool`, `async-pool`; `stats`, `limit`, `log`, `trace` |
-//! | 5 | [`ipc`], `objects`, `resources` | opening IPC handles, imported pools, pool transfer; streams, events, modules; cuda.core's memory resources |
-//! | 6 | [`runtime`] | [`Runtime`], [`Context`], configuration from the environment |
+//! | 3 | `host` | the host layer: [`HostLayer`], [`DeviceAllocator`] + [`HostOnly`], Numba's allocation table, the pinned host pool |
+//! | 4 | `managers`, `adaptors` | `default`, `pool`, `async-pool`; `stats`, `limit`, `log`, `trace` |
+//! | 5 | `ipc`, `objects`, `resources` | opening IPC handles, imported pools, pool transfer; streams, events, modules; cuda.core's memory resources |
+//! | 6 | `runtime` | [`Runtime`], [`Context`], configuration from the environment |
 //! | 7 | [`replay`] | replaying an allocation log against a context |
 //!
-//! The items of every layer are also re-exported here, at the crate root.
+//! The layers' modules are the crate's own, except `contract` (the plugin interface) and
+//! `replay`: what an embedder uses is re-exported here, at the crate root, and what emm's
+//! tests and tools reach beneath it is in [`internals`].
 #![deny(unsafe_code)]
 
 // Layer 0: foundations.
@@ -62,20 +64,20 @@ mod thread_slots;
 mod units;
 
 // Layer 1.
-pub mod memory;
+pub(crate) mod memory;
 // Layer 2.
 pub mod contract;
 // Layer 3.
-pub mod host;
+pub(crate) mod host;
 // Layer 4.
-pub mod adaptors;
-pub mod managers;
+pub(crate) mod adaptors;
+pub(crate) mod managers;
 // Layer 5.
-pub mod ipc;
+pub(crate) mod ipc;
 mod objects;
-pub mod resources;
+pub(crate) mod resources;
 // Layer 6.
-pub mod runtime;
+pub(crate) mod runtime;
 // Layer 7.
 pub mod replay;
 
@@ -90,6 +92,8 @@ pub use contract::{
     PoolStats, StreamOrdering, Usage, check_interface_version,
 };
 pub use host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
+#[cfg(unix)]
+pub use ipc::{PeerPolicy, bind_owner_only};
 pub use managers::{
     ASYNC_POOL_IPC_MANAGER, ASYNC_POOL_MANAGED_MANAGER, ASYNC_POOL_MANAGER, AsyncPoolAllocator,
     AsyncPoolManager, DEFAULT_MANAGER, DefaultManager, DriverAllocator, MAX_SMALL, POOL_ALIGNMENT,
@@ -110,3 +114,15 @@ pub use resources::{
 pub use runtime::context::Context;
 pub use runtime::graphs::{Graph, GraphPool, GraphPoolStats};
 pub use runtime::{Runtime, RuntimeBuilder};
+
+/// What emm's own tests, tools and the Python package reach beneath the embedding API:
+/// configuration parsing (`config`), whether a capture pool may be open anywhere in the
+/// process, whether the pools' shards are entered without a lock, and two memory types of the
+/// host layer's internals. Not part of the API an embedder relies on: it changes with the
+/// implementation.
+pub mod internals {
+    pub use crate::memory::{HostReleaseFn, LiveGuard};
+    pub use crate::runtime::config;
+    pub use crate::runtime::graphs::capture_pools_may_be_open;
+    pub use crate::thread_slots::shards_without_locks;
+}

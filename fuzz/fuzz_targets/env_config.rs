@@ -14,9 +14,9 @@ fuzz_target!(|data: &[u8]| {
         parts.next().unwrap_or("").to_owned(),
     );
     let lookup = |var: &str| match var {
-        emm::runtime::config::ENV_MAX_PENDING_COUNT => Some(count.clone()),
-        emm::runtime::config::ENV_MAX_PENDING_RATIO => Some(ratio.clone()),
-        emm::runtime::config::ENV_MEMORY_MANAGER => Some(name.clone()),
+        emm::internals::config::ENV_MAX_PENDING_COUNT => Some(count.clone()),
+        emm::internals::config::ENV_MAX_PENDING_RATIO => Some(ratio.clone()),
+        emm::internals::config::ENV_MEMORY_MANAGER => Some(name.clone()),
         _ => None,
     };
     match emm::DeallocConfig::from_lookup(lookup) {
@@ -30,7 +30,7 @@ fuzz_target!(|data: &[u8]| {
             assert!(msg.starts_with("EMM_MAX_PENDING_DEALLOCS_"), "{msg}");
         }
     }
-    match emm::runtime::config::manager_name_from_lookup(lookup) {
+    match emm::internals::config::manager_name_from_lookup(lookup) {
         Ok(Some(n)) => assert_eq!(n, name.trim()),
         Ok(None) => unreachable!("the variable is set"),
         Err(e) => {

@@ -573,7 +573,7 @@ fn spawn_child(env: &[(&str, String)], pool: Option<&emm::PoolExport>) -> Result
     let listener = match pool {
         Some(_) => {
             let path = socket_path();
-            let listener = emm::ipc::bind_owner_only(&path)
+            let listener = emm::bind_owner_only(&path)
                 .map_err(|e| format!("binding {}: {e}", path.display()))?;
             cmd.env(IPC_POOL_SOCKET_ENV, &path);
             Some((listener, path))

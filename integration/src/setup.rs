@@ -237,11 +237,11 @@ pub fn host_calls_direct() -> bool {
 pub fn suite_setup() -> Result<SuiteSetup, String> {
     let env = |n: &str| std::env::var(n).ok();
     Ok(SuiteSetup {
-        manager: emm::runtime::config::manager_name_from_lookup(env)
+        manager: emm::internals::config::manager_name_from_lookup(env)
             .map_err(|e| e.to_string())?
             .unwrap_or_else(|| emm::DEFAULT_MANAGER.to_owned()),
-        adaptors: emm::runtime::config::adaptors_from_lookup(env).map_err(|e| e.to_string())?,
-        pinned_pool: emm::runtime::config::pinned_pool_from_lookup(env)
+        adaptors: emm::internals::config::adaptors_from_lookup(env).map_err(|e| e.to_string())?,
+        pinned_pool: emm::internals::config::pinned_pool_from_lookup(env)
             .map_err(|e| e.to_string())?,
     })
 }

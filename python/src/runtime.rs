@@ -45,7 +45,7 @@ pub(crate) fn sim_memory_arg(value: Option<&Bound<'_, PyAny>>) -> PyResult<Optio
             "sim_memory must be a byte count (an int) or a size such as \"80GiB\", not {value}"
         ))
     })?;
-    emm::runtime::config::parse_bytes(&text)
+    emm::internals::config::parse_bytes(&text)
         .map(Some)
         .map_err(|e| PyValueError::new_err(format!("sim_memory: {e}")))
 }
@@ -97,8 +97,8 @@ pub(crate) fn build(settings: &Settings) -> PyResult<Runtime> {
         builder = builder.memory_manager_name(name.clone());
     }
     if let Some(list) = &settings.adaptors {
-        let adaptors = emm::runtime::config::adaptors_from_lookup(|k| {
-            (k == emm::runtime::config::ENV_MEMORY_ADAPTORS).then(|| list.clone())
+        let adaptors = emm::internals::config::adaptors_from_lookup(|k| {
+            (k == emm::internals::config::ENV_MEMORY_ADAPTORS).then(|| list.clone())
         })
         .map_err(py_err)?;
         builder = builder.adaptors(adaptors);
@@ -115,7 +115,7 @@ pub(crate) fn runtime() -> PyResult<Arc<Runtime>> {
     let driver = std::env::var("EMM_PYTHON_DRIVER").unwrap_or_else(|_| "cuda".to_owned());
     let sim_memory = match std::env::var(ENV_SIM_DEVICE_MEMORY) {
         // Read only for the simulator: a GPU run ignores a size left in the environment.
-        Ok(v) if driver == "sim" => Some(emm::runtime::config::parse_bytes(&v).map_err(|e| {
+        Ok(v) if driver == "sim" => Some(emm::internals::config::parse_bytes(&v).map_err(|e| {
             PyEmmError::new_err(format!(
                 "{ENV_SIM_DEVICE_MEMORY}={v:?} is not a byte size ({e}); set it as \"80GiB\" \
                  or unset it"
@@ -295,7 +295,7 @@ pub(crate) fn release_capture_pools() -> usize {
 /// on its device: a global capture refuses the calls a manager's free may make (queries,
 /// `cuMemFree`, stream-ordered frees on other streams).
 pub(crate) fn drop_memory(mem: MemoryPointer) {
-    if emm::runtime::graphs::capture_pools_may_be_open() {
+    if emm::internals::capture_pools_may_be_open() {
         let ctx = lock(&CONTEXTS).get(&mem.device().0).cloned();
         if let Some(ctx) = ctx
             && ctx.capture_pools_open()

@@ -16,7 +16,6 @@ pub(crate) mod async_pool;
 pub(crate) mod default;
 pub(crate) mod pool;
 
-pub use crate::thread_slots::shards_without_locks;
 pub use async_pool::{
     ASYNC_POOL_IPC_MANAGER, ASYNC_POOL_MANAGED_MANAGER, ASYNC_POOL_MANAGER, AsyncPoolAllocator,
     AsyncPoolManager,

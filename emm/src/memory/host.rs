@@ -15,7 +15,7 @@ use crate::memory::pointer::MemoryPointer;
 /// three booleans ([`Context::host_alloc`](crate::Context::host_alloc)).
 ///
 /// ```
-/// use emm::memory::HostAllocFlags;
+/// use emm::HostAllocFlags;
 /// let flags = HostAllocFlags::MAPPED.portable();
 /// assert!(flags.mapped && flags.portable && !flags.write_combined);
 /// ```

@@ -23,7 +23,7 @@ pub use host::{
 pub use liveness::{ContextLiveness, LiveGuard};
 pub use pending::{DeferCleanup, Free, PendingDeallocs};
 pub use pointer::{MemoryPointer, OrderedOn, ReleaseFn, ReleaseHook, StreamUse};
-pub use policy::{DeallocConfig, ENV_MAX_PENDING_COUNT, ENV_MAX_PENDING_RATIO};
+pub use policy::DeallocConfig;
 
 /// A set of device or host addresses, hashed with foldhash's fixed-seed hasher instead of
 /// SipHash: the keys are addresses the driver chose, not input an attacker picks, and the

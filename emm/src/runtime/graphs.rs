@@ -1,24 +1,7 @@
 //! CUDA graphs over emm memory: graph pools (the private pools of stream capture) and
 //! [`Graph`], a captured, instantiated graph that keeps its pool.
 //!
-//! # The rules
-//!
-//! - While a graph pool is begun on a stream ([`Context::begin_graph_pool`]), every
-//!   [`Context::memalloc_on`] of that stream is served from the pool, under every manager. The
-//!   pool takes whole segments from the context's manager ([`Context::memalloc`]) with the
-//!   calling thread's capture mode relaxed, so that a global capture does not refuse the
-//!   manager's own driver calls; blocks are carved from the segments by best fit and merge
-//!   again when freed.
-//! - A block belongs to the pool. Freed during a capture, it is reused by later allocations of
-//!   the same pool only, so work a graph replays never shares memory with work outside it
-//!   (PyTorch's private pools). Allocations on other streams never see the pool.
-//! - The segments go back to the manager when the pool is unused: no [`GraphPool`] handle
-//!   (every [`Graph`] holds one), no stream routed to it, and every block freed. Drop a graph,
-//!   or the last handle of its pool, only after its last launch completed.
-//! - Outside a graph pool, a manager that would make calls a capture forbids refuses to
-//!   allocate on a captured stream with an error that says so ([`EmmError::NotSupported`]), and
-//!   leaves the capture intact; `async-pool` allocates there with the driver's graph memory
-//!   nodes.
+//! The rules are [`GraphPool`]'s.
 #![allow(unsafe_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -234,9 +217,28 @@ impl Drop for PoolInner {
     }
 }
 
-/// A private pool for the allocations of stream capture (PyTorch's graph pools): see the
-/// module's rules. Cheap to clone; the segments go back to the manager when the last clone,
-/// the last routed stream and the last block are gone.
+/// A private pool for the allocations of stream capture (PyTorch's graph pools). Cheap to
+/// clone; the segments go back to the manager when the last clone, the last routed stream and
+/// the last block are gone.
+///
+/// # The rules
+///
+/// - While a graph pool is begun on a stream ([`Context::begin_graph_pool`]), every
+///   [`Context::memalloc_on`] of that stream is served from the pool, under every manager. The
+///   pool takes whole segments from the context's manager ([`Context::memalloc`]) with the
+///   calling thread's capture mode relaxed, so that a global capture does not refuse the
+///   manager's own driver calls; blocks are carved from the segments by best fit and merge
+///   again when freed.
+/// - A block belongs to the pool. Freed during a capture, it is reused by later allocations of
+///   the same pool only, so work a graph replays never shares memory with work outside it
+///   (PyTorch's private pools). Allocations on other streams never see the pool.
+/// - The segments go back to the manager when the pool is unused: no [`GraphPool`] handle
+///   (every [`Graph`] holds one), no stream routed to it, and every block freed. Drop a graph,
+///   or the last handle of its pool, only after its last launch completed.
+/// - Outside a graph pool, a manager that would make calls a capture forbids refuses to
+///   allocate on a captured stream with an error that says so ([`EmmError::NotSupported`]), and
+///   leaves the capture intact; `async-pool` allocates there with the driver's graph memory
+///   nodes.
 #[derive(Clone)]
 pub struct GraphPool {
     inner: Arc<PoolInner>,
@@ -477,7 +479,7 @@ impl Drop for Graph {
 impl Context {
     /// Serves every [`memalloc_on`](Self::memalloc_on) of `stream` from a new graph pool
     /// until [`end_graph_pool`](Self::end_graph_pool): call it before capturing `stream`
-    /// into a graph, under any manager. See the module's rules ([`crate::runtime::graphs`]).
+    /// into a graph, under any manager. The rules are [`GraphPool`]'s.
     ///
     /// ```
     /// let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));

@@ -388,10 +388,10 @@ fn memhostalloc_from_the_driver_host_pool() {
         .build()
         .unwrap_err();
     assert!(e.to_string().contains("choose one"), "{e}");
-    let on = emm::runtime::config::host_memory_pool_from_lookup(|_| Some("on".into())).unwrap();
+    let on = emm::internals::config::host_memory_pool_from_lookup(|_| Some("on".into())).unwrap();
     assert!(on);
     let e =
-        emm::runtime::config::host_memory_pool_from_lookup(|_| Some("maybe".into())).unwrap_err();
+        emm::internals::config::host_memory_pool_from_lookup(|_| Some("maybe".into())).unwrap_err();
     assert!(e.to_string().contains("EMM_HOST_MEMORY_POOL"), "{e}");
 }
 

@@ -138,7 +138,7 @@ proptest! {
             }
             Err(e) => prop_assert!(e.to_string().contains("or unset it"), "{}", e),
         }
-        match emm::runtime::config::manager_name_from_lookup(lookup) {
+        match emm::internals::config::manager_name_from_lookup(lookup) {
             Ok(n) => prop_assert_eq!(n, Some(name.trim().to_owned())),
             Err(e) => prop_assert!(name.trim().is_empty(), "{}", e),
         }

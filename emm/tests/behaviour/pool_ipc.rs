@@ -388,7 +388,7 @@ fn peer_receives() {
 fn send_to_user(
     export: &PoolExport,
     uid: u32,
-    policy: &emm::ipc::PeerPolicy,
+    policy: &emm::PeerPolicy,
 ) -> (Result<(), EmmError>, String) {
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::process::CommandExt;
@@ -461,7 +461,7 @@ fn a_process_of_another_user_is_refused_on_both_sides_unless_allowed() {
     let ctx = rt.context(0).unwrap();
     let export = ctx.export_pool().unwrap();
     let nobody = 65534;
-    let (sent, line) = send_to_user(&export, nobody, &emm::ipc::PeerPolicy::SameUser);
+    let (sent, line) = send_to_user(&export, nobody, &emm::PeerPolicy::SameUser);
     let e = sent.unwrap_err();
     assert!(matches!(e, EmmError::PoolTransfer { .. }), "{e:?}");
     let text = e.to_string();
@@ -474,7 +474,7 @@ fn a_process_of_another_user_is_refused_on_both_sides_unless_allowed() {
         line.contains("does not let this process (uid 65534) import its pool"),
         "{line}"
     );
-    let (sent, line) = send_to_user(&export, nobody, &emm::ipc::PeerPolicy::Uids(vec![nobody]));
+    let (sent, line) = send_to_user(&export, nobody, &emm::PeerPolicy::Uids(vec![nobody]));
     sent.unwrap();
     assert_eq!(line, format!("ok {}", export.id()));
 }

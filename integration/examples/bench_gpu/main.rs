@@ -72,7 +72,7 @@ fn main() {
     );
     eprintln!(
         "bench_gpu: pool shards entered without a lock (membarrier): {}",
-        emm::managers::shards_without_locks()
+        emm::internals::shards_without_locks()
     );
     let (driver, simulated) = (choice.driver, choice.simulated);
     // On the simulator, one device of an H100's memory (the suite's simulated device has 256

@@ -167,7 +167,7 @@ pub fn captures_begun_elsewhere_get_graph_pools(target: Target) -> Result<(), Fa
     ctx.copy_device_async(&out, &scratch, &s)?.wait()?;
     ensure!(ctx.capture_pools_open(), "the capture is under way");
     ensure!(
-        emm::runtime::graphs::capture_pools_may_be_open(),
+        emm::internals::capture_pools_may_be_open(),
         "the process-wide count sees it"
     );
     {
