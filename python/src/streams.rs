@@ -53,14 +53,13 @@ impl ExternalStream {
 
 /// A stream argument, resolved: its handle and what keeps it alive.
 pub(crate) enum StreamArg {
-    /// 0 (the legacy default stream as the null handle), 1 (`CU_STREAM_LEGACY`) or 2
-    /// (`CU_STREAM_PER_THREAD`): never destroyed.
-    Implicit(StreamHandle),
+    /// A stream nothing needs to hold: 0 (the legacy default stream as the null handle), 1
+    /// (`CU_STREAM_LEGACY`) or 2 (`CU_STREAM_PER_THREAD`), never destroyed; or an
+    /// `ExternalStream` with no owner, alive while the memory is, its maker said.
+    Unheld(StreamHandle),
     /// A stream named by an object: another library's stream, or an `ExternalStream` with
     /// its owner. The object is held while memory ordered on the stream needs it.
     Held(StreamHandle, Py<PyAny>),
-    /// An `ExternalStream` with no owner: alive, its maker said, while the memory is.
-    Vouched(StreamHandle),
 }
 
 /// What every refusal says a caller may pass.
@@ -127,7 +126,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for StreamArg {
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<StreamArg> {
         if obj.is_none() {
-            return Ok(StreamArg::Implicit(StreamHandle::NULL));
+            return Ok(StreamArg::Unheld(StreamHandle::NULL));
         }
         if let Ok(external) = obj.cast::<ExternalStream>() {
             let e = external.get();
@@ -136,11 +135,11 @@ impl<'a, 'py> FromPyObject<'a, 'py> for StreamArg {
             let handle = unsafe { StreamHandle::from_raw(e.handle) };
             return Ok(match &e.owner {
                 Some(owner) => StreamArg::Held(handle, owner.clone_ref(obj.py())),
-                None => StreamArg::Vouched(handle),
+                None => StreamArg::Unheld(handle),
             });
         }
         if let Ok(raw) = obj.extract::<u64>() {
-            return implicit(raw).map(StreamArg::Implicit).ok_or_else(|| {
+            return implicit(raw).map(StreamArg::Unheld).ok_or_else(|| {
                 PyValueError::new_err(format!(
                     "stream {raw:#x} is a raw handle emm cannot check, and the driver would \
                      crash on a wrong one: {WHAT_TO_PASS}"
@@ -172,14 +171,14 @@ impl<'a, 'py> FromPyObject<'a, 'py> for StreamArg {
 
 impl StreamArg {
     /// The null stream (the legacy default stream), where a stream argument is left out.
-    pub(crate) const NULL: StreamArg = StreamArg::Implicit(StreamHandle::NULL);
+    pub(crate) const NULL: StreamArg = StreamArg::Unheld(StreamHandle::NULL);
 
     /// The stream as `ctx` orders memory on it, holding what keeps it alive.
     pub(crate) fn stream(self, ctx: &emm::Context) -> emm::Stream {
         match self {
             // SAFETY: the implicit streams are never destroyed, and a vouched handle is alive
             // while the memory is (`ExternalStream`'s contract).
-            StreamArg::Implicit(h) | StreamArg::Vouched(h) => unsafe { ctx.external_stream(h) },
+            StreamArg::Unheld(h) => unsafe { ctx.external_stream(h) },
             // SAFETY: `owner` keeps the stream alive (see `extract`), and the stream and every
             // memory ordered on it hold `owner`.
             StreamArg::Held(h, owner) => unsafe {

@@ -115,8 +115,7 @@ impl HostLayer {
     /// allocation to notice it.
     pub fn trim(&self) -> Result<usize, EmmError> {
         let polled = if self.table.waiting_for_streams() > 0 {
-            let _live = self.context().enter("trim")?;
-            self.table.poll_every_stream_free()?
+            self.poll_stream_frees()?
         } else {
             0
         };
