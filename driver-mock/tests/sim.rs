@@ -548,3 +548,32 @@ mod streams {
         assert_eq!(*seen.lock().unwrap(), vec![7]);
     }
 }
+
+/// A stream destroyed with work queued keeps its queue until that work has run, and not after:
+/// a long-lived simulator that makes and destroys busy streams keeps no queue per stream it
+/// ever made (the `stream_lifetimes` fuzz target slowed down as they piled up).
+#[test]
+fn a_destroyed_streams_queue_goes_once_its_work_has_run() {
+    let (sim, ctx) = started(SimConfig::default());
+    let p = sim.mem_alloc(ctx, 4096).unwrap();
+    let before = sim.stream_queues();
+    for round in 0..3 {
+        let s = sim.stream_create(ctx, 0).unwrap();
+        // SAFETY: `p` is this context's memory, live until the end of the test.
+        unsafe { sim.memset_d8_async(ctx, p, 7, 4096, s).unwrap() };
+        // SAFETY: `s` is a stream of `ctx`, used by nothing after.
+        unsafe { sim.stream_destroy(ctx, s).unwrap() };
+        assert_eq!(
+            sim.stream_queues(),
+            before + 1,
+            "round {round}: its work is queued"
+        );
+        assert_eq!(sim.run_streams(), 0);
+        assert_eq!(
+            sim.stream_queues(),
+            before,
+            "round {round}: its work has run"
+        );
+    }
+    free(&sim, ctx, p).unwrap();
+}

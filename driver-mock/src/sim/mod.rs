@@ -517,6 +517,13 @@ impl SimDriver {
         w.run_streams(self.pid)
     }
 
+    /// How many stream queues this process's simulated driver keeps: its created streams not
+    /// destroyed, destroyed ones whose queued work has not run yet, and the implicit streams
+    /// it has used. A destroyed stream's queue goes once its work has run.
+    pub fn stream_queues(&self) -> usize {
+        self.lock().processes[self.pid].streams.streams.len()
+    }
+
     fn take_fault(p: &mut Process, op: Op) -> Option<ErrorKind> {
         let mut fired = None;
         for (fault, seen) in p.faults.iter_mut() {

@@ -109,6 +109,8 @@ pub(super) struct SimStream {
     /// The capture it records into (`capture.rs`).
     pub(super) capture: Option<u64>,
     queue: VecDeque<(u64, Work)>,
+    /// Destroyed while work was queued: the queue goes once that work has run.
+    destroyed: bool,
     /// Work items queued so far, and run so far (serials count from 1).
     queued: u64,
     done: u64,
@@ -238,8 +240,12 @@ impl World {
             .retain(|_, c| c.origin != handle);
         let s = &mut self.processes[pid].streams;
         s.events.remove(&handle);
-        if s.streams.get(&handle).is_some_and(|q| q.queue.is_empty()) {
-            s.streams.remove(&handle);
+        match s.streams.get_mut(&handle) {
+            Some(q) if q.queue.is_empty() => {
+                s.streams.remove(&handle);
+            }
+            Some(q) => q.destroyed = true,
+            None => {}
         }
     }
 
@@ -338,6 +344,11 @@ impl World {
         let device = q.device;
         let (serial, work) = q.queue.pop_front().expect("runnable");
         q.done = serial;
+        if q.destroyed && q.queue.is_empty() {
+            // A destroyed stream's last work: nothing can queue more, and a wait on it finds
+            // no queue, which counts as drained.
+            s.streams.remove(&k);
+        }
         s.clock += 0.001;
         let clock = s.clock;
         let by = Accessor { pid, device };
