@@ -56,5 +56,31 @@ fn managers(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, managers);
+/// A snapshot of a million live blocks under `pool` with the `history` adaptor (issue 42's
+/// target: under a second), and the cached `pool` pair with and without the adaptor.
+fn snapshots(c: &mut Criterion) {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(64 << 30)));
+    let rt = Runtime::builder(sim.clone())
+        .ignore_env()
+        .memory_manager_name("pool")
+        .adaptors(vec![emm::Adaptor::parse("history=1000").expect("adaptor")])
+        .build()
+        .expect("runtime");
+    let ctx = rt.context(0).expect("context");
+    c.bench_function("history/pool_pair_256B", |b| {
+        b.iter(|| drop(ctx.memalloc(black_box(256)).expect("alloc")))
+    });
+    let live: Vec<_> = (0..1_000_000)
+        .map(|_| ctx.memalloc(256).expect("alloc"))
+        .collect();
+    let mut group = c.benchmark_group("snapshot");
+    group.sample_size(10);
+    group.bench_function("pool_1M_live_blocks", |b| {
+        b.iter(|| black_box(ctx.snapshot().segments.len()))
+    });
+    group.finish();
+    drop(live);
+}
+
+criterion_group!(benches, managers, snapshots);
 criterion_main!(benches);

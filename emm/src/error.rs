@@ -444,6 +444,22 @@ pub struct OutOfMemoryReport {
     pub unusable_for_request: Option<usize>,
     /// Retries the context's out-of-memory callback asked for.
     pub callback_retries: u32,
+    /// Who holds the live memory: the tags with the most live bytes, largest first, at most
+    /// five (empty without the `history` adaptor, which records tags).
+    pub live_by_tag: Vec<LiveByTag>,
+}
+
+/// Live allocations of one tag, for an [`OutOfMemoryReport`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LiveByTag {
+    /// The tag's name (`torch`, `cupy`, `numba`, an embedder's own, or `untagged`).
+    pub tag: String,
+    /// Bytes its live allocations asked for.
+    pub bytes: usize,
+    /// How many live allocations it has.
+    pub allocations: usize,
+    /// The largest of them, in bytes.
+    pub largest: usize,
 }
 
 /// The lines an [`OutOfMemoryReport`] adds to an out-of-memory error's message.
@@ -484,6 +500,22 @@ impl fmt::Display for ReportLines<'_> {
             if r.unused_bytes.is_some_and(|u| u > 0) {
                 f.write_str("\n  ctx.trim() gives unused memory back to the driver")?;
             }
+        }
+        for (i, t) in r.live_by_tag.iter().enumerate() {
+            write!(
+                f,
+                "{}{} {:.1} MiB in {} allocation{} (largest {:.1} MiB)",
+                if i == 0 {
+                    "\n  live memory by tag: "
+                } else {
+                    "; "
+                },
+                t.tag,
+                mib(t.bytes),
+                t.allocations,
+                if t.allocations == 1 { "" } else { "s" },
+                mib(t.largest)
+            )?;
         }
         if r.callback_retries > 0 {
             write!(

@@ -82,7 +82,7 @@ pub(crate) mod runtime;
 pub mod replay;
 
 pub use driver_sys;
-pub use error::{EmmError, OutOfMemoryReport};
+pub use error::{EmmError, LiveByTag, OutOfMemoryReport};
 
 pub use adaptors::{Adapted, Adaptor, LOG_HEADER};
 pub use contract::{
@@ -91,6 +91,7 @@ pub use contract::{
     OUT_OF_MEMORY_RETRIES, OutOfMemoryCallback, PinnedPoolConfig, PoolExport, PoolId, PoolReport,
     PoolStats, StreamOrdering, Usage, check_interface_version,
 };
+pub use contract::{MemorySnapshot, Tag, TagScope};
 pub use host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 #[cfg(unix)]
 pub use ipc::{PeerPolicy, bind_owner_only};

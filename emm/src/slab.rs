@@ -80,6 +80,13 @@ impl<T> Slab<T> {
     }
 
     /// How many values the slab holds.
+    /// The entries with their indices, in index order.
+    pub(crate) fn iter_indexed(&self) -> impl Iterator<Item = (u32, &T)> {
+        (0u32..)
+            .zip(self.entries.iter())
+            .filter_map(|(i, e)| e.as_ref().map(|e| (i, e)))
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.len
     }

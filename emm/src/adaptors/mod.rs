@@ -16,6 +16,7 @@
 //! | [`Adaptor::Limit`] | refuses device allocations that would bring the bytes in use past the cap ([`EmmError::OverLimit`]) | one atomic addition |
 //! | [`Adaptor::Log`] | one CSV line per allocation and free ([`LOG_HEADER`]); replay it with [`crate::replay`] | a clock read and a buffered write under a lock |
 //! | [`Adaptor::Trace`] | a `tracing` span (`emm.memalloc`, ...) around each call, and events for frees | nothing when the level is off |
+//! | [`Adaptor::History`] | every live device allocation with its tag, stream, time (and stack with `history-stacks`), and a ring of the last events, for [`Context::snapshot`](crate::Context::snapshot) and out-of-memory reports | a clock read and a hash-map update under a lock (a stack capture with stacks) |
 //!
 //! The wrapping costs one allocation per memory object (the wrapper); managers with no
 //! adaptor pay nothing.
@@ -34,8 +35,9 @@ use driver_sys::DeviceOrdinal;
 use crate::contract::factory::{ManagerContext, ManagerFactory};
 use crate::contract::info::{FreeSpace, MemoryInfo, MemoryKind, PoolReport, Usage};
 use crate::contract::ipc::IpcHandle;
-use crate::contract::manager::{MemoryManager, StreamOrdering};
+use crate::contract::manager::{HistoryRecord, MemoryManager, StreamOrdering};
 use crate::contract::pool_export::PoolExport;
+use crate::contract::snapshot::HeldSegment;
 use crate::error::EmmError;
 use crate::memory::host::{
     HostAllocFlags, HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory,
@@ -44,11 +46,14 @@ use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::{MemoryPointer, ReleaseHook};
 use crate::sync::{AtomicUsize, Mutex, lock};
 
+mod history;
 mod limit;
 pub(crate) mod log;
 mod stats;
 mod trace;
 
+use history::DEFAULT_HISTORY_EVENTS;
+use history::History;
 use limit::Limit;
 pub use log::LOG_HEADER;
 use log::{Log, LogObserver};
@@ -67,6 +72,15 @@ pub enum Adaptor {
     Log(PathBuf),
     /// `trace`: `tracing` spans around each call.
     Trace,
+    /// `history[=<events>]`, or `history-stacks[=<events>]` to keep each allocation's stack
+    /// too: live allocations and a ring of the last `events` events (default
+    /// 100 000), for snapshots.
+    History {
+        /// The most events the ring keeps.
+        events: usize,
+        /// Whether each allocation keeps its stack (a backtrace per allocation: slow).
+        stacks: bool,
+    },
 }
 
 impl Adaptor {
@@ -78,6 +92,18 @@ impl Adaptor {
         };
         match (name, arg) {
             ("stats", None) => Ok(Adaptor::Stats),
+            ("history" | "history-stacks", events) => {
+                let events = match events {
+                    None => DEFAULT_HISTORY_EVENTS,
+                    Some(n) => n.parse().map_err(|_| {
+                        format!("{name}={n}: the number of events to keep, such as {name}=100000")
+                    })?,
+                };
+                Ok(Adaptor::History {
+                    events,
+                    stacks: name == "history-stacks",
+                })
+            }
             ("trace", None) => Ok(Adaptor::Trace),
             ("limit", Some(bytes)) => crate::units::parse_bytes(bytes)
                 .map(Adaptor::Limit)
@@ -87,7 +113,8 @@ impl Adaptor {
                 "'{name}' needs a value: limit=<bytes> (such as limit=8GiB), log=<path>"
             )),
             (other, _) => Err(format!(
-                "unknown adaptor '{other}'; the adaptors are stats, limit=<bytes>, log=<path> and trace"
+                "unknown adaptor '{other}'; the adaptors are stats, limit=<bytes>, log=<path>, trace, \
+                 history[=<events>] and history-stacks[=<events>]"
             )),
         }
     }
@@ -99,6 +126,8 @@ impl Adaptor {
             Adaptor::Limit(_) => "limit",
             Adaptor::Log(_) => "log",
             Adaptor::Trace => "trace",
+            Adaptor::History { stacks: false, .. } => "history",
+            Adaptor::History { stacks: true, .. } => "history-stacks",
         }
     }
 }
@@ -129,6 +158,10 @@ pub(crate) trait Observer: Send + Sync + fmt::Debug {
     }
     /// The `stats` adaptor's report.
     fn usage(&self) -> Option<Usage> {
+        None
+    }
+    /// The `history` adaptor's record.
+    fn history(&self) -> Option<HistoryRecord> {
         None
     }
     /// Whether events need their times.
@@ -211,6 +244,7 @@ impl Adapted {
                 in_use: AtomicUsize::new(0),
             }),
             Adaptor::Trace => Arc::new(Trace),
+            Adaptor::History { events, stacks } => Arc::new(History::new(*events, *stacks)),
             Adaptor::Log(_) => {
                 let weak = Arc::downgrade(&inner);
                 Arc::new(LogObserver {
@@ -441,6 +475,14 @@ impl MemoryManager for Adapted {
 
     fn usage(&self) -> Option<Usage> {
         self.observer.usage().or_else(|| self.inner.usage())
+    }
+
+    fn segments(&self) -> Option<Vec<HeldSegment>> {
+        self.inner.segments()
+    }
+
+    fn history(&self) -> Option<HistoryRecord> {
+        self.observer.history().or_else(|| self.inner.history())
     }
 
     fn export_pool(&self) -> Result<PoolExport, EmmError> {

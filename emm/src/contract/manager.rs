@@ -10,6 +10,7 @@ use driver_sys::{HostPtr, StreamHandle};
 use crate::contract::info::{FreeSpace, MemoryInfo, PoolReport, Usage};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::pool_export::PoolExport;
+use crate::contract::snapshot::{HeldSegment, HistoryEvent};
 use crate::error::EmmError;
 use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, ManagedMemory};
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
@@ -155,6 +156,20 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Every segment the manager holds from the driver, with the blocks in it that are not in
+    /// use (free, cached, waiting to be freed; for a segment of one allocation, its in-use
+    /// block), for snapshots ([`Context::snapshot`](crate::Context::snapshot)). `None` for a
+    /// manager that cannot list them (the default).
+    fn segments(&self) -> Option<Vec<HeldSegment>> {
+        None
+    }
+
+    /// The live allocations and last events a `history` adaptor recorded (`None` without
+    /// one): each live allocation's address and size with what history knows of it.
+    fn history(&self) -> Option<HistoryRecord> {
+        None
+    }
+
     /// What a `stats` adaptor around the manager counted (`None` without one).
     fn usage(&self) -> Option<Usage> {
         None
@@ -166,6 +181,15 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
     fn export_pool(&self) -> Result<PoolExport, EmmError> {
         Err(EmmError::no_pool_export(std::any::type_name_of_val(self)))
     }
+}
+
+/// What a `history` adaptor recorded ([`MemoryManager::history`]).
+#[derive(Clone, Debug, Default)]
+pub struct HistoryRecord {
+    /// Live allocations: address, size, and what history knows of each.
+    pub live: Vec<(u64, usize, crate::contract::snapshot::AllocationInfo)>,
+    /// The last events, oldest first.
+    pub events: Vec<HistoryEvent>,
 }
 
 /// Checks a plugin's interface version (Numba's message on mismatch).

@@ -10,6 +10,7 @@
 //! | `info` | [`MemoryInfo`], [`PoolStats`], [`PoolReport`], [`Usage`] / [`KindUsage`] / [`MemoryKind`], [`PinnedPoolConfig`] |
 //! | `ipc` | [`IpcHandle`] (what `get_ipc_handle` returns), [`IpcMemory`], [`DeviceIdentity`] |
 //! | `pool_export` | [`PoolExport`] (what `export_pool` returns) and [`PoolId`] |
+//! | `snapshot` | [`HeldSegment`] (what `segments` returns), [`Tag`], [`MemorySnapshot`] and its exports |
 
 pub(crate) mod access;
 pub(crate) mod factory;
@@ -17,6 +18,7 @@ pub(crate) mod info;
 pub(crate) mod ipc;
 pub(crate) mod manager;
 pub(crate) mod pool_export;
+pub(crate) mod snapshot;
 
 pub use access::RelaxedCapture;
 pub use factory::{FnFactory, ManagerContext, ManagerFactory};
@@ -25,5 +27,11 @@ pub use info::{
     OutOfMemoryCallback, PinnedPoolConfig, PoolReport, PoolStats, Usage,
 };
 pub use ipc::{DeviceIdentity, IpcHandle, IpcMemory};
-pub use manager::{INTERFACE_VERSION, MemoryManager, StreamOrdering, check_interface_version};
+pub use manager::{
+    HistoryRecord, INTERFACE_VERSION, MemoryManager, StreamOrdering, check_interface_version,
+};
 pub use pool_export::{POOL_DESCRIPTOR_LEN, PoolExport, PoolId};
+pub use snapshot::{
+    AllocationInfo, Block, BlockState, HeldBlock, HeldSegment, HistoryAction, HistoryEvent,
+    MemorySnapshot, Segment, SegmentKind, Tag, TagScope, TagUsage,
+};

@@ -27,6 +27,7 @@ use std::sync::Arc;
 use driver_sys::{DevicePtr, HostPtr};
 
 use crate::contract::factory::ManagerContext;
+use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::error::EmmError;
 use crate::host::fences::{Fence, Fences};
 use crate::host::pinned_pool::{PinnedBlock, PinnedPool};
@@ -270,6 +271,25 @@ impl AllocationTable {
         ((u64::from(key), self.generation()), table.parked.pop())
     }
 
+    /// The live device allocations as segments of one block each: in use, or waiting for the
+    /// streams that used them (a stream-ordered free not yet queued).
+    pub(crate) fn device_segments(&self) -> Vec<HeldSegment> {
+        let waiting: Vec<u64> = lock(&self.waiting).iter().map(|w| w.0).collect();
+        let table = lock(&self.table);
+        let mut out = Vec::with_capacity(table.entries.len());
+        for (key, entry) in table.entries.iter_indexed() {
+            if let Entry::Device { ptr, bytes } = entry {
+                let state = if waiting.contains(&u64::from(key)) {
+                    BlockState::PendingFree
+                } else {
+                    BlockState::InUse
+                };
+                out.push(one_block_segment(ptr.0, *bytes, state));
+            }
+        }
+        out
+    }
+
     /// Number of live tracked allocations.
     pub(crate) fn live(&self) -> usize {
         lock(&self.table).entries.len()
@@ -413,6 +433,21 @@ impl AllocationTable {
 
 /// `cuMemHostUnregister` now, for a pin whose last owner dropped; an error cannot be returned
 /// from a destructor, so it is recorded on the queue and returned by its next flush.
+/// A driver allocation of one block, as a snapshot's segment.
+pub(crate) fn one_block_segment(address: u64, bytes: usize, state: BlockState) -> HeldSegment {
+    HeldSegment {
+        address,
+        bytes,
+        kind: SegmentKind::DriverAllocation,
+        stream: None,
+        blocks: vec![HeldBlock {
+            address,
+            bytes,
+            state,
+        }],
+    }
+}
+
 pub(crate) fn unpin_now(cx: &ManagerContext, queue: &PendingDeallocs, ptr: HostPtr) {
     if let Err(e) = unpin(cx, ptr) {
         tracing::error!(device = %cx.device, error = %e, "unpinning host memory failed; the error is returned by the next flush");

@@ -10,6 +10,7 @@ use crate::contract::info::{FreeSpace, MemoryInfo, PoolReport, PoolStats};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{INTERFACE_VERSION, MemoryManager, StreamOrdering};
 use crate::contract::pool_export::PoolExport;
+use crate::contract::snapshot::HeldSegment;
 use crate::error::EmmError;
 use crate::host::HostLayer;
 use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, ManagedMemory};
@@ -151,6 +152,13 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
         None
     }
 
+    /// The segments the allocator holds, with their blocks that are not in use
+    /// ([`MemoryManager::segments`]); `None` where it cannot tell (the default).
+    fn segments(&self, host: &HostLayer) -> Option<Vec<HeldSegment>> {
+        let _ = host;
+        None
+    }
+
     /// Exports the allocator's IPC-enabled stream-ordered pool; allocators without one refuse
     /// (the default).
     fn export_pool(&self, host: &HostLayer) -> Result<PoolExport, EmmError> {
@@ -274,6 +282,12 @@ impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
 
     fn free_space(&self) -> Option<FreeSpace> {
         self.device.free_space()
+    }
+
+    fn segments(&self) -> Option<Vec<HeldSegment>> {
+        let mut segments = self.device.segments(&self.host)?;
+        segments.extend(self.host.queued_device_segments());
+        Some(segments)
     }
 
     fn export_pool(&self) -> Result<PoolExport, EmmError> {

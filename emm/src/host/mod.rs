@@ -11,6 +11,7 @@ use driver_sys::{
 use crate::contract::factory::ManagerContext;
 use crate::contract::info::{OUT_OF_MEMORY_RETRIES, PoolStats};
 use crate::contract::ipc::IpcHandle;
+use crate::contract::snapshot::{BlockState, HeldSegment};
 use crate::error::EmmError;
 use crate::host::allocations::{AllocationTable, Entry, unpin_now};
 use crate::host::driver_pool::{DriverHostPool, DriverHostRelease};
@@ -140,6 +141,29 @@ impl HostLayer {
     /// The deferred-deallocation queue.
     pub fn deallocations(&self) -> &Arc<PendingDeallocs> {
         self.table.queue()
+    }
+
+    /// The live device allocations the table tracks, as segments of one block each (the
+    /// default manager's segments).
+    pub(crate) fn tracked_device_segments(&self) -> Vec<HeldSegment> {
+        self.table.device_segments()
+    }
+
+    /// Device memory whose `cuMemFree` waits in the deferred queue, as segments of one
+    /// pending block each: memory still held from the driver.
+    pub(crate) fn queued_device_segments(&self) -> Vec<HeldSegment> {
+        self.deallocations()
+            .snapshot()
+            .into_iter()
+            .filter_map(|f| match f {
+                Free::Device { ptr, bytes } => Some(allocations::one_block_segment(
+                    ptr.0,
+                    bytes,
+                    BlockState::PendingFree,
+                )),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Number of tracked allocations (device, mapped, mapped pins) not yet released.

@@ -20,6 +20,7 @@ use driver_sys::{DevicePtr, StreamHandle};
 
 use crate::contract::factory::{FnFactory, ManagerContext};
 use crate::contract::manager::StreamOrdering;
+use crate::contract::snapshot::HeldSegment;
 use crate::error::EmmError;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::memory::pointer::MemoryPointer;
@@ -96,6 +97,10 @@ impl DeviceAllocator for DriverAllocator {
 
     fn stream_ordering(&self) -> StreamOrdering {
         StreamOrdering::Fenced
+    }
+
+    fn segments(&self, host: &HostLayer) -> Option<Vec<HeldSegment>> {
+        Some(host.tracked_device_segments())
     }
 
     fn initialize(&self, host: &HostLayer) -> Result<(), EmmError> {

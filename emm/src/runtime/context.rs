@@ -9,15 +9,18 @@ use driver_sys::{
     stream_flags,
 };
 
-use super::graphs::GraphRoutes;
+use super::graphs::{GraphPoolSegment, GraphRoutes};
 use crate::contract::factory::ManagerContext;
 use crate::contract::info::{
     AllocationEvents, FreeSpace, MemoryInfo, OutOfMemoryCallback, PoolReport, Usage,
 };
 use crate::contract::ipc::{DeviceIdentity, IpcHandle};
-use crate::contract::manager::{MemoryManager, StreamOrdering};
+use crate::contract::manager::{HistoryRecord, MemoryManager, StreamOrdering};
 use crate::contract::pool_export::PoolExport;
-use crate::error::{EmmError, OutOfMemoryReport};
+use crate::contract::snapshot::{
+    self, Block, BlockState, MemorySnapshot, Segment, SegmentKind, Tag,
+};
+use crate::error::{EmmError, LiveByTag, OutOfMemoryReport};
 use crate::ipc::imports::PoolImports;
 use crate::ipc::open::Endpoint;
 use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, ManagedMemory, PinnableBuffer};
@@ -186,7 +189,41 @@ impl Context {
             free_blocks: space.as_ref().map(|s| s.blocks.len()),
             unusable_for_request: space.as_ref().map(|s| s.unusable_for(requested)),
             callback_retries,
+            live_by_tag: Self::live_by_tag(inner),
         }
+    }
+
+    /// The five tags with the most live bytes, from the `history` adaptor's live allocations.
+    fn live_by_tag(inner: &ContextInner) -> Vec<LiveByTag> {
+        let Some(history) = inner.manager.history() else {
+            return Vec::new();
+        };
+        let mut tags: Vec<(Tag, LiveByTag)> = Vec::new();
+        for (_, _, a) in &history.live {
+            let i = match tags.iter().position(|(t, _)| *t == a.tag) {
+                Some(i) => i,
+                None => {
+                    tags.push((
+                        a.tag,
+                        LiveByTag {
+                            tag: a.tag.name().to_string(),
+                            bytes: 0,
+                            allocations: 0,
+                            largest: 0,
+                        },
+                    ));
+                    tags.len() - 1
+                }
+            };
+            let t = &mut tags[i].1;
+            t.bytes += a.requested;
+            t.allocations += 1;
+            t.largest = t.largest.max(a.requested);
+        }
+        let mut tags: Vec<LiveByTag> = tags.into_iter().map(|(_, t)| t).collect();
+        tags.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.tag.cmp(&b.tag)));
+        tags.truncate(5);
+        tags
     }
 
     /// Sets (or, with `None`, removes) the callback this context calls when a device
@@ -327,6 +364,53 @@ impl Context {
     /// `None` for a manager without a pool, or whose pool cannot tell).
     pub fn free_space(&self) -> Option<FreeSpace> {
         self.inner.manager.free_space()
+    }
+
+    /// Everything the manager holds, segment by segment and block by block: in use, cached
+    /// for a thread or a stream, free, or waiting to be freed ([`MemorySnapshot`]). With the
+    /// `history` adaptor ([`Adaptor::History`](crate::Adaptor::History)), each in-use block
+    /// carries its allocation's tag, stream, time (and stack with `history-stacks`), and the
+    /// snapshot the last events; it exports to PyTorch's format
+    /// ([`MemorySnapshot::to_torch_json`]) and to an HTML page ([`MemorySnapshot::to_html`]).
+    ///
+    /// The manager's lists are read one lock at a time: taken while other threads allocate,
+    /// a snapshot may show a block that moved between two lists in both or in neither.
+    pub fn snapshot(&self) -> MemorySnapshot {
+        let manager = &self.inner.manager;
+        let held = manager.segments();
+        let history = manager.history();
+        let history_on = history.is_some();
+        let HistoryRecord { live, events } = history.unwrap_or_default();
+        let segments_known = held.is_some();
+        let (mut segments, mut unplaced) = snapshot::assemble(held.unwrap_or_default(), live);
+        if !segments_known {
+            segments = std::mem::take(&mut unplaced)
+                .into_iter()
+                .map(|b| Segment {
+                    address: b.address,
+                    bytes: b.bytes,
+                    kind: SegmentKind::DriverAllocation,
+                    stream: b.allocation.as_ref().and_then(|a| a.stream),
+                    blocks: vec![b],
+                })
+                .collect();
+        }
+        segments.sort_by_key(|s| s.address);
+        for graph in self.inner.graph_routes.pool_segments() {
+            carve_graph_segment(&mut segments, &graph);
+        }
+        MemorySnapshot {
+            device: self.inner.cx.device.0,
+            manager: self.inner.manager_name.clone(),
+            time_us: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64),
+            segments,
+            segments_known,
+            history_on,
+            history: events,
+            unplaced,
+        }
     }
 
     /// What a `stats` adaptor counted, if the manager has one.
@@ -1042,4 +1126,49 @@ impl Context {
             None => Ok(0),
         }
     }
+}
+
+/// Replaces the in-use block of `segments` that holds graph pool segment `graph` (a graph pool
+/// takes whole segments from the manager) with the pool's carved blocks: in use, or free
+/// (kept for the pool's graphs, so cached). The block's allocation stays on the first.
+fn carve_graph_segment(segments: &mut [Segment], graph: &GraphPoolSegment) {
+    let i = segments.partition_point(|s| s.address <= graph.address);
+    let Some(segment) = i.checked_sub(1).map(|i| &mut segments[i]) else {
+        return;
+    };
+    let Some(at) = segment
+        .blocks
+        .iter()
+        .position(|b| b.address == graph.address && b.state == BlockState::InUse)
+    else {
+        return;
+    };
+    let outer = segment.blocks[at].clone();
+    let mut carved: Vec<Block> = graph
+        .blocks
+        .iter()
+        .map(|&(address, bytes, free)| Block {
+            address,
+            bytes,
+            state: if free {
+                BlockState::Cached
+            } else {
+                BlockState::InUse
+            },
+            allocation: None,
+            graph_pool: Some(graph.pool),
+        })
+        .collect();
+    if let Some(first) = carved.first_mut() {
+        first.allocation = outer.allocation.clone();
+    }
+    let end = graph.address + graph.bytes as u64;
+    let outer_end = outer.address + outer.bytes as u64;
+    if let Some(last) = carved.last_mut()
+        && outer_end > end
+    {
+        // The manager's rounding past the pool's segment goes with its last block.
+        last.bytes += (outer_end - end) as usize;
+    }
+    segment.blocks.splice(at..=at, carved);
 }

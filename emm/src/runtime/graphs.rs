@@ -286,6 +286,17 @@ pub(crate) struct GraphRoutes {
     /// is known to have ended; and how many are not known to have ended.
     auto_pools: Mutex<Vec<AutoPool>>,
     auto_open: AtomicUsize,
+    /// Every graph pool made for the context, while it lives (for snapshots).
+    made: Mutex<Vec<Weak<PoolInner>>>,
+}
+
+/// A segment a graph pool took from the manager, with its carved blocks.
+pub(crate) struct GraphPoolSegment {
+    pub(crate) pool: u64,
+    pub(crate) address: u64,
+    pub(crate) bytes: usize,
+    /// (address, size, free), by address.
+    pub(crate) blocks: Vec<(u64, usize, bool)>,
 }
 
 struct AutoPool {
@@ -296,6 +307,32 @@ struct AutoPool {
 }
 
 impl GraphRoutes {
+    /// The segments of every live graph pool of the context: (pool id, segment address,
+    /// segment size, its blocks as (address, size, free)).
+    pub(crate) fn pool_segments(&self) -> Vec<GraphPoolSegment> {
+        let pools: Vec<Arc<PoolInner>> =
+            lock(&self.made).iter().filter_map(Weak::upgrade).collect();
+        let mut out = Vec::new();
+        for pool in pools {
+            let carve = lock(&pool.carve);
+            for (index, mem) in carve.segments.iter().enumerate() {
+                let Some(mem) = mem else { continue };
+                out.push(GraphPoolSegment {
+                    pool: pool.id,
+                    address: mem.device_ptr().0,
+                    bytes: mem.size(),
+                    blocks: carve
+                        .blocks
+                        .iter()
+                        .filter(|(_, b)| b.segment == index)
+                        .map(|(&at, b)| (at, b.size, b.free))
+                        .collect(),
+                });
+            }
+        }
+        out
+    }
+
     /// The side stream ([`segment_from`]), made on first use.
     fn side_stream(&self, ctx: &Arc<ContextInner>) -> Result<Arc<Stream>, EmmError> {
         let mut side = lock(&self.side);
@@ -701,14 +738,16 @@ impl Context {
     }
 
     fn new_graph_pool(&self) -> GraphPool {
-        GraphPool {
-            inner: Arc::new(PoolInner {
-                id: NEXT_POOL.fetch_add(1, Ordering::Relaxed),
-                device: self.inner.cx.device,
-                ctx: Arc::downgrade(&self.inner),
-                carve: Mutex::new(Carve::default()),
-            }),
-        }
+        let inner = Arc::new(PoolInner {
+            id: NEXT_POOL.fetch_add(1, Ordering::Relaxed),
+            device: self.inner.cx.device,
+            ctx: Arc::downgrade(&self.inner),
+            carve: Mutex::new(Carve::default()),
+        });
+        let mut made = lock(&self.inner.graph_routes.made);
+        made.retain(|p| p.strong_count() > 0);
+        made.push(Arc::downgrade(&inner));
+        GraphPool { inner }
     }
 
     fn route(&self, stream: StreamHandle, pool: GraphPool) -> Result<(), EmmError> {

@@ -35,5 +35,6 @@ mod pending_policy;
 mod pool_ipc;
 mod pools;
 mod selection;
+mod snapshots;
 mod state_machine;
 mod stream_reuse;

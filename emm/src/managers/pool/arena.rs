@@ -33,6 +33,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::memory::AddressMap;
 use crate::slab::Slab;
 
@@ -510,6 +511,18 @@ impl Arena {
     }
 }
 
+/// Puts each of `blocks` in the segment of `segments` (sorted by address) that holds its
+/// start; a block outside every segment is left out (debug builds stop on it).
+pub(super) fn place(segments: &mut [HeldSegment], blocks: impl IntoIterator<Item = HeldBlock>) {
+    for b in blocks {
+        let i = segments.partition_point(|s| s.address <= b.address);
+        match i.checked_sub(1).map(|i| &mut segments[i]) {
+            Some(s) if b.address < s.address + s.bytes as u64 => s.blocks.push(b),
+            _ => debug_assert!(false, "block {b:?} outside the pool's segments"),
+        }
+    }
+}
+
 /// A chunk: one driver allocation, wholly the pool's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Chunk {
@@ -663,6 +676,44 @@ impl Arenas {
     /// How many chunks they hold.
     pub(super) fn chunks(&self) -> usize {
         self.standard.chunks.len() + self.oversize.chunks.len()
+    }
+
+    /// Adds their chunks to `out` as segments of `kind` serving `stream`, with their free
+    /// blocks (chunks mapped next to each other with free space merging across them make one
+    /// segment, as their free blocks may span them).
+    pub(super) fn held_segments(
+        &self,
+        kind: SegmentKind,
+        stream: Option<u64>,
+        out: &mut Vec<HeldSegment>,
+    ) {
+        for arena in [&self.standard, &self.oversize] {
+            let first = out.len();
+            for (&base, &size) in &arena.chunks {
+                match out[first..].last_mut() {
+                    Some(last)
+                        if arena.merge_across && last.address + last.bytes as u64 == base =>
+                    {
+                        last.bytes += size;
+                    }
+                    _ => out.push(HeldSegment {
+                        address: base,
+                        bytes: size,
+                        kind,
+                        stream,
+                        blocks: Vec::new(),
+                    }),
+                }
+            }
+            place(
+                &mut out[first..],
+                arena.free_blocks().map(|(addr, size)| HeldBlock {
+                    address: addr,
+                    bytes: size,
+                    state: BlockState::Free,
+                }),
+            );
+        }
     }
 
     /// Adds the sizes of their free blocks to `out`.

@@ -81,6 +81,7 @@ use crate::contract::factory::{FnFactory, ManagerContext};
 use crate::contract::info::{FreeSpace, PoolStats};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::StreamOrdering;
+use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::error::EmmError;
 use crate::host::fences::{Fence, Fences};
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
@@ -822,6 +823,57 @@ impl PoolShared {
         FreeSpace::from_blocks(blocks)
     }
 
+    /// Every chunk as a segment, with its free, cached and waiting blocks (locks in the order
+    /// `stats` takes them).
+    fn segments(&self) -> Vec<HeldSegment> {
+        let kind = if self.vmm.is_some() {
+            SegmentKind::VirtualRange
+        } else {
+            SegmentKind::Chunk
+        };
+        let mut streams = Vec::new();
+        for shard in self.streams.shards.iter() {
+            lock(&shard.inner).held_segments(kind, &mut streams);
+        }
+        let mut cached = Vec::new();
+        for lists in thread_slots::lock_all(&self.shards) {
+            lists.cached_blocks(&mut cached);
+        }
+        {
+            let depot = lock(&self.depot);
+            for (class, magazines) in depot.magazines.iter().enumerate() {
+                let size = class_size(class);
+                cached.extend(magazines.iter().flatten().map(|&a| (a, size)));
+            }
+        }
+        let mut shared = Vec::new();
+        lock(&self.arena).held_segments(kind, None, &mut shared);
+        shared.sort_by_key(|s| s.address);
+        arena::place(
+            &mut shared,
+            cached.into_iter().map(|(address, bytes)| HeldBlock {
+                address,
+                bytes,
+                state: BlockState::Cached,
+            }),
+        );
+        shared.extend(streams);
+        for (chunks, _) in lock(&self.retiring).iter() {
+            shared.extend(chunks.iter().map(|c| HeldSegment {
+                address: c.base,
+                bytes: c.size,
+                kind,
+                stream: None,
+                blocks: vec![HeldBlock {
+                    address: c.base,
+                    bytes: c.size,
+                    state: BlockState::PendingFree,
+                }],
+            }));
+        }
+        shared
+    }
+
     fn stats(&self) -> PoolStats {
         let (mut blocks, mut bytes, mut cached, mut chunks, mut largest) = (0i64, 0i64, 0, 0, 0);
         for shard in self.streams.shards.iter() {
@@ -1246,6 +1298,10 @@ impl DeviceAllocator for PoolAllocator {
 
     fn free_space(&self) -> Option<FreeSpace> {
         Some(self.shared.free_space())
+    }
+
+    fn segments(&self, _host: &HostLayer) -> Option<Vec<HeldSegment>> {
+        Some(self.shared.segments())
     }
 }
 

@@ -80,6 +80,18 @@ impl ShardLists {
         out.extend(self.oversize.as_ref().map(|b| b.size));
     }
 
+    /// Adds the blocks this shard caches (per class, parked or not, large, oversize) to `out`
+    /// as (address, size).
+    pub(super) fn cached_blocks(&self, out: &mut Vec<(u64, usize)>) {
+        for class in 0..CLASSES {
+            let size = class_size(class);
+            out.extend(self.parked[class].iter().map(|p| (p.base(), size)));
+            out.extend(self.free[class].iter().map(|&a| (a, size)));
+        }
+        out.extend(self.large.iter().map(|b| (b.addr, b.size)));
+        out.extend(self.oversize.as_ref().map(|b| (b.addr, b.size)));
+    }
+
     /// The largest block this shard caches (0 when none).
     pub(super) fn largest_cached(&self) -> usize {
         let small = (0..CLASSES)

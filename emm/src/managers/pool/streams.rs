@@ -21,8 +21,9 @@
 
 use driver_sys::{DevicePtr, StreamHandle};
 
-use super::arena::{Arenas, Chunk};
+use super::arena::{Arenas, Chunk, place};
 use super::{POOL_ALIGNMENT, PoolShared};
+use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::error::EmmError;
 use crate::host::HostLayer;
 use crate::host::fences::Fence;
@@ -105,6 +106,25 @@ impl StreamLists {
     pub(super) fn free_block_sizes(&self, out: &mut Vec<usize>) {
         for (_, l) in &self.per_stream {
             l.arena.free_block_sizes(out);
+        }
+    }
+
+    /// Adds this shard's streams' chunks to `out` as segments of `kind`, with their free
+    /// blocks and the blocks waiting for their fences.
+    pub(super) fn held_segments(&self, kind: SegmentKind, out: &mut Vec<HeldSegment>) {
+        for (stream, l) in &self.per_stream {
+            let first = out.len();
+            l.arena.held_segments(kind, Some(stream.raw()), out);
+            out[first..].sort_by_key(|s| s.address);
+            let waiting = self.waiting.iter().filter(|w| w.0 == *stream);
+            place(
+                &mut out[first..],
+                waiting.map(|&(_, address, bytes, _)| HeldBlock {
+                    address,
+                    bytes,
+                    state: BlockState::PendingFree,
+                }),
+            );
         }
     }
 
