@@ -442,6 +442,16 @@ impl Context {
         }));
     }
 
+    /// Everything the manager holds, segment by segment and block by block (`emm.Snapshot`):
+    /// export it with `dump_torch(path)` for PyTorch's memory_viz, or `save_html(path)`.
+    /// Tags, streams, times (and stacks with `history-stacks`) need the `history` adaptor:
+    /// `EMM_MEMORY_ADAPTORS=history`.
+    fn snapshot(&self, py: Python<'_>) -> crate::snapshot::Snapshot {
+        crate::snapshot::Snapshot {
+            inner: py.detach(|| self.inner.snapshot()),
+        }
+    }
+
     /// How often allocations ran out of memory: `retries` (tried again after memory was
     /// freed, PyTorch's `num_alloc_retries`) and `ooms` (failures callers saw).
     fn allocation_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -22,6 +22,7 @@ mod cupy;
 mod host_range;
 mod resources;
 mod runtime;
+mod snapshot;
 mod streams;
 mod torch;
 
@@ -94,6 +95,8 @@ fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cupy::cupy_allocation, m)?)?;
     m.add_function(wrap_pyfunction!(torch::torch_reset_peaks, m)?)?;
     m.add_class::<streams::ExternalStream>()?;
+    m.add_class::<snapshot::Snapshot>()?;
+    m.add_class::<snapshot::TagBlock>()?;
     m.add_class::<Context>()?;
     m.add_class::<MemoryResource>()?;
     m.add_class::<PinnedResource>()?;

@@ -580,6 +580,50 @@ def test_cupy_allocator_on_the_simulator():
     run_with_cupy_stub(code)
 
 
+def test_snapshot_with_history_on_the_simulator():
+    """Context.snapshot() under the history adaptor: the in-use blocks are the live
+    allocations, tagged by emm.tag and by emm.cupy's C allocator; the PyTorch-format export
+    round-trips through pickle as memory_viz reads it; the HTML page is written; and the
+    out-of-memory error names the largest holders by tag."""
+    code = (
+        "import gc, os, pickle, tempfile, emm, emm.cupy, cupy\n"
+        "emm.configure(adaptors='history', driver='sim', manager='pool')\n"
+        "emm.cupy.install()\n"
+        "c = emm.context(0)\n"
+        "p = cupy.cuda.alloc(1000)\n"
+        "with emm.tag('loader'):\n"
+        "    b = c.memalloc(3 << 20)\n"
+        "q = c.memalloc(5000)\n"
+        "s = c.snapshot()\n"
+        "assert s.history_on and s.manager == 'history(pool)', s\n"
+        "tags = {t['tag']: (t['bytes'], t['allocations']) for t in s.by_tag()}\n"
+        "assert tags == {'cupy': (1000, 1), 'loader': (3 << 20, 1), 'untagged': (5000, 1)}, tags\n"
+        "used = [k for g in s.segments() for k in g['blocks'] if k['state'] == 'in-use']\n"
+        "assert {k['address'] for k in used} == {p.ptr, b.ptr, q.ptr}, used\n"
+        "assert all('tag' in k for k in used)\n"
+        "assert s.held_bytes == sum(g['bytes'] for g in s.segments())\n"
+        "assert s.held_bytes == c.pool_stats()['device']['held_bytes']\n"
+        "d = s.to_torch()\n"
+        "assert len(d['segments']) == len(s.segments()) and len(d['device_traces'][0]) == 3\n"
+        "assert d['device_traces'][0][1]['action'] == 'alloc', d['device_traces']\n"
+        "with tempfile.TemporaryDirectory() as t:\n"
+        "    s.dump_torch(os.path.join(t, 'snap.pickle'))\n"
+        "    with open(os.path.join(t, 'snap.pickle'), 'rb') as f:\n"
+        "        assert pickle.load(f) == d\n"
+        "    s.save_html(os.path.join(t, 'snap.html'))\n"
+        "    with open(os.path.join(t, 'snap.html')) as f:\n"
+        "        assert f.read().count('<svg') == len(d['segments'])\n"
+        "try:\n"
+        "    c.memalloc(1 << 40)\n"
+        "    raise SystemExit('1 TiB was allocated')\n"
+        "except emm.OutOfMemoryError as e:\n"
+        "    assert 'live memory by tag: loader 3.0 MiB in 1 allocation' in str(e), str(e)\n"
+        "assert c.snapshot().to_torch()['device_traces'][0][-1]['action'] == 'oom'\n"
+        "print('ok')"
+    )
+    run_with_cupy_stub(code)
+
+
 def test_cupy_c_allocator_on_the_simulator():
     """emm.cupy's C functions through a stand-in for CuPy's CFunctionAllocator and its
     current-stream export (tests/stubs/cupy): CuPy's current stream is read in C, the bytes

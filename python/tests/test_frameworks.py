@@ -14,7 +14,8 @@ from conftest import needs_gpu, needs_module
 
 
 def run(code, **env):
-    full = dict(os.environ, EMM_PYTHON_DRIVER="cuda", EMM_MEMORY_ADAPTORS="stats", **env)
+    full = dict(os.environ, EMM_PYTHON_DRIVER="cuda", EMM_MEMORY_ADAPTORS="stats")
+    full.update(env)
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
@@ -286,6 +287,59 @@ def test_torch_memory_stats_under_install(manager):
         EMM_MEMORY_MANAGER=manager,
     )
     assert "stats ok" in out
+
+
+@pytest.mark.parametrize("manager", ["pool", "vmm-pool", "async-pool"])
+def test_torch_snapshot_loads_in_memory_viz(manager):
+    """A snapshot taken in the middle of a training step (history on): PyTorch's own
+    _memory_viz functions read emm's PyTorch-format export, every block of every segment is
+    there, the tensors' blocks are tagged torch, and the pickle and HTML files are written."""
+    needs_gpu("PyTorch")
+    needs_module("torch")
+    out = run(
+        """
+    import os, pickle, tempfile, torch, emm, emm.torch
+    from torch.cuda import _memory_viz as viz
+    emm.torch.install()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(),
+                                torch.nn.Linear(2048, 512)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    for step in range(3):
+        x = torch.randn(64 * (step + 1), 512, device="cuda")
+        loss = model(x).square().mean()
+        loss.backward()
+        if step == 2:
+            snap = emm.torch.memory_snapshot()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    assert snap["segments"], snap
+    for seg in snap["segments"]:
+        assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"], seg
+    tags = {t for t in snap["emm"]["tags"]}
+    assert tags == {"torch"}, tags
+    active = sum(b["size"] for s in snap["segments"] for b in s["blocks"]
+                 if b["state"] == "active_allocated")
+    assert active >= sum(p.numel() * 4 for p in model.parameters()), active
+    assert any(e["action"] == "alloc" for e in snap["device_traces"][0])
+    text = viz.segsum(snap)
+    assert "Summary of segments" in text or "SEGMENT" in text, text[:200]
+    for name in ("trace_plot", "segment_plot"):
+        if hasattr(viz, name):
+            html = getattr(viz, name)(snap)
+            assert "<" in html and len(html) > 1000, (name, html[:200])
+    d = tempfile.mkdtemp()
+    emm.torch.dump_snapshot(os.path.join(d, "snap.pickle"))
+    with open(os.path.join(d, "snap.pickle"), "rb") as f:
+        assert pickle.load(f)["segments"]
+    emm.context(0).snapshot().save_html(os.path.join(d, "snap.html"))
+    print("viz ok", len(snap["segments"]), "segments", active, "bytes active")
+    """,
+        EMM_MEMORY_MANAGER=manager,
+        EMM_MEMORY_ADAPTORS="history",
+    )
+    assert "viz ok" in out
 
 
 def test_three_frameworks_share_one_runtime():

@@ -23,12 +23,14 @@ from ._emm import (
     Ipc,
     ManagedBuffer,
     OutOfMemoryError,
+    Snapshot,
     configure,
     context,
     device_count,
     enable_capture_pools,
     release_capture_pools,
     settings,
+    tag,
 )
 
 __all__ = [
@@ -41,12 +43,14 @@ __all__ = [
     "ManagedBuffer",
     "OutOfMemoryError",
     "Runtime",
+    "Snapshot",
     "configure",
     "context",
     "device_count",
     "enable_capture_pools",
     "release_capture_pools",
     "settings",
+    "tag",
 ]
 
 

@@ -199,6 +199,13 @@ class Context:
         """Frees everything the manager allocated in the context (buffers become unusable)."""
         ...
 
+    def snapshot(self) -> Any:
+        """Everything the manager holds, segment by segment and block by block (`emm.Snapshot`):
+        export it with `dump_torch(path)` for PyTorch's memory_viz, or `save_html(path)`.
+        Tags, streams, times (and stacks with `history-stacks`) need the `history` adaptor:
+        `EMM_MEMORY_ADAPTORS=history`."""
+        ...
+
     def stream_ordering(self) -> Any:
         """How the manager orders memory allocated on streams: "fenced", "per-stream", "driver",
         or "unsupported"."""
@@ -475,6 +482,65 @@ class PinnedResource:
         ...
 
 
+class Snapshot:
+    """Everything a context's manager held when `Context.snapshot()` was called, segment by
+    segment and block by block, with the `history` adaptor's allocations and events."""
+
+    def by_tag(self) -> Any:
+        """Live bytes per tag, largest first: a list of dicts with `tag`, `bytes`,
+        `allocations` and `largest`."""
+        ...
+
+    def bytes_by_state(self) -> Any:
+        """Bytes per block state: `in-use`, `cached`, `free`, `pending-free`."""
+        ...
+
+    @property
+    def device(self) -> Any:
+        """The device."""
+        ...
+
+    def dump_torch(self, path) -> Any:
+        """Writes the PyTorch-format snapshot to `path` as a pickle, the file PyTorch's
+        memory_viz page (https://pytorch.org/memory_viz) and `python -m
+        torch.cuda._memory_viz` open."""
+        ...
+
+    @property
+    def held_bytes(self) -> Any:
+        """Bytes of every segment."""
+        ...
+
+    @property
+    def history_on(self) -> Any:
+        """Whether the `history` adaptor recorded allocations (tags, streams, times, stacks)."""
+        ...
+
+    @property
+    def manager(self) -> Any:
+        """The manager's registered name."""
+        ...
+
+    def save_html(self, path) -> Any:
+        """Writes [`to_html`](Self::to_html)'s page to `path`."""
+        ...
+
+    def segments(self) -> Any:
+        """The segments: a list of dicts with `address`, `bytes`, `kind`, `stream` and `blocks`,
+        each block a dict with `address`, `bytes`, `state`, and for a recorded allocation
+        `requested`, `tag`, `stream`, `time_us` and `stack`."""
+        ...
+
+    def to_html(self) -> Any:
+        """A self-contained HTML page that draws every segment and its blocks (no server)."""
+        ...
+
+    def to_torch(self) -> Any:
+        """The snapshot in PyTorch's format (`torch.cuda.memory._snapshot()`): a dict with
+        `segments` and `device_traces`, which `torch.cuda._memory_viz` reads."""
+        ...
+
+
 def configure(manager=None, adaptors=None, driver="cuda", sim_memory=None) -> Any:
     """Makes the process runtime: `manager` (a name, as `EMM_MEMORY_MANAGER` takes), `adaptors`
     (as `EMM_MEMORY_ADAPTORS` takes), `driver` "cuda" or "sim", and for "sim" `sim_memory`, the
@@ -532,6 +598,24 @@ def settings() -> Any:
     """The process runtime's settings: `manager`, `adaptors`, `driver`, `sim_memory` (the
     simulated device's bytes; `None` on the GPU); `None` before it exists."""
     ...
+
+
+class tag:
+    """A tag for the allocations made in a `with` block on this thread: `with emm.tag("loader"):
+    ...`. Snapshots, the out-of-memory report and `Snapshot.by_tag()` group live memory by tag
+    when the runtime has the `history` adaptor (`EMM_MEMORY_ADAPTORS=history`). `emm.torch`,
+    `emm.cupy` and `emm.numba` tag their allocations `torch`, `cupy` and `numba`."""
+
+    def __enter__(self) -> Any:
+        ...
+
+    def __exit__(self, *_args) -> Any:
+        ...
+
+    @property
+    def name(self) -> Any:
+        """The tag's name."""
+        ...
 
 
 def torch_counters(device) -> Any:

@@ -25,6 +25,10 @@ from numba import cuda
 from numba.cuda.cudadrv import driver as _drv
 
 from . import context as _emm_context
+from . import tag as _tag
+
+# Numba's allocations carry this tag in snapshots and out-of-memory reports.
+_NUMBA = _tag("numba")
 
 try:
     from cuda.bindings import driver as _binding
@@ -82,7 +86,8 @@ class EmmNumbaManager(cuda.BaseCUDAMemoryManager):
         ctx = weakref.proxy(self.context)
         if size == 0:
             return _drv.MemoryPointer(ctx, _device_ptr(0), 0)
-        buf = self._emm().memalloc(size)
+        with _NUMBA:
+            buf = self._emm().memalloc(size)
         address = buf.ptr
         self._buffers[address] = buf
         buffers = self._buffers
@@ -115,7 +120,8 @@ class EmmNumbaManager(cuda.BaseCUDAMemoryManager):
         return _drv.PinnedMemory(ctx, address, size, owner=owner, finalizer=buf.release)
 
     def memallocmanaged(self, size, attach_global=True):
-        buf = self._emm().memallocmanaged(size, attach_global=attach_global)
+        with _NUMBA:
+            buf = self._emm().memallocmanaged(size, attach_global=attach_global)
         ctx = weakref.proxy(self.context)
         mem = _drv.ManagedMemory(
             ctx, _device_ptr(buf.ptr), size, finalizer=self._releaser(buf.ptr, buf)

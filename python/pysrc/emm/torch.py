@@ -240,3 +240,23 @@ def memory_summary(device=None):
     lines.append(f"  retries after out of memory: {st['num_alloc_retries']}; "
                  f"failed for lack of memory: {st['num_ooms']}")
     return "\n".join(lines)
+
+
+def memory_snapshot(device=None):
+    """The drop-in for ``torch.cuda.memory._snapshot()`` under emm: device ``device``'s
+    segments and blocks in PyTorch's snapshot format (a dict with ``segments`` and
+    ``device_traces``), which ``torch.cuda._memory_viz`` reads. The blocks carry tags (PyTorch's
+    are ``torch``) and the trace the last events when the runtime has the ``history``
+    adaptor (``EMM_MEMORY_ADAPTORS=history``; ``history-stacks`` adds each allocation's
+    stack)."""
+    import emm
+
+    return emm.context(_device_index(device)).snapshot().to_torch()
+
+
+def dump_snapshot(path, device=None):
+    """Writes :func:`memory_snapshot` to ``path`` as a pickle, the file PyTorch's memory_viz
+    page opens (as ``torch.cuda.memory._dump_snapshot`` does)."""
+    import emm
+
+    emm.context(_device_index(device)).snapshot().dump_torch(path)

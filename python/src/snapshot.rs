@@ -1,0 +1,221 @@
+//! `emm.Snapshot` (what `Context.snapshot()` returns) and `emm.tag`, the allocation tags the
+//! `history` adaptor records.
+
+use std::sync::OnceLock;
+
+use emm::{MemorySnapshot, Tag};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use emm::contract::BlockState;
+
+/// The tag PyTorch's allocations through `emm.torch` get.
+pub(crate) fn torch_tag() -> Tag {
+    static TAG: OnceLock<Tag> = OnceLock::new();
+    *TAG.get_or_init(|| Tag::named("torch"))
+}
+
+/// The tag CuPy's allocations through `emm.cupy` get.
+pub(crate) fn cupy_tag() -> Tag {
+    static TAG: OnceLock<Tag> = OnceLock::new();
+    *TAG.get_or_init(|| Tag::named("cupy"))
+}
+
+/// Runs `f` with this thread's allocation tag set to `tag`, then restores the one before.
+pub(crate) fn tagged<T>(tag: Tag, f: impl FnOnce() -> T) -> T {
+    let previous = Tag::set_current(tag);
+    let out = f();
+    Tag::set_current(previous);
+    out
+}
+
+/// A tag for the allocations made in a `with` block on this thread: `with emm.tag("loader"):
+/// ...`. Snapshots, the out-of-memory report and `Snapshot.by_tag()` group live memory by tag
+/// when the runtime has the `history` adaptor (`EMM_MEMORY_ADAPTORS=history`). `emm.torch`,
+/// `emm.cupy` and `emm.numba` tag their allocations `torch`, `cupy` and `numba`.
+#[pyclass(module = "emm", name = "tag", unsendable)]
+#[derive(Debug)]
+pub struct TagBlock {
+    tag: Tag,
+    previous: Vec<Tag>,
+}
+
+#[pymethods]
+impl TagBlock {
+    #[new]
+    fn new(name: &str) -> TagBlock {
+        TagBlock {
+            tag: Tag::named(name),
+            previous: Vec::new(),
+        }
+    }
+
+    fn __enter__(mut slf: PyRefMut<'_, Self>) -> PyRefMut<'_, Self> {
+        let previous = Tag::set_current(slf.tag);
+        slf.previous.push(previous);
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&mut self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        if let Some(previous) = self.previous.pop() {
+            Tag::set_current(previous);
+        }
+        false
+    }
+
+    /// The tag's name.
+    #[getter]
+    fn name(&self) -> String {
+        self.tag.name().to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("emm.tag({:?})", &*self.tag.name())
+    }
+}
+
+/// Everything a context's manager held when `Context.snapshot()` was called, segment by
+/// segment and block by block, with the `history` adaptor's allocations and events.
+#[pyclass(module = "emm", frozen)]
+#[derive(Debug)]
+pub struct Snapshot {
+    pub(crate) inner: MemorySnapshot,
+}
+
+#[pymethods]
+impl Snapshot {
+    /// The device.
+    #[getter]
+    fn device(&self) -> u32 {
+        self.inner.device
+    }
+
+    /// The manager's registered name.
+    #[getter]
+    fn manager(&self) -> &str {
+        &self.inner.manager
+    }
+
+    /// Whether the `history` adaptor recorded allocations (tags, streams, times, stacks).
+    #[getter]
+    fn history_on(&self) -> bool {
+        self.inner.history_on
+    }
+
+    /// Bytes of every segment.
+    #[getter]
+    fn held_bytes(&self) -> usize {
+        self.inner.held_bytes()
+    }
+
+    /// Bytes per block state: `in-use`, `cached`, `free`, `pending-free`.
+    fn bytes_by_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for state in [
+            BlockState::InUse,
+            BlockState::Cached,
+            BlockState::Free,
+            BlockState::PendingFree,
+        ] {
+            d.set_item(state.name(), self.inner.bytes_in(state))?;
+        }
+        Ok(d)
+    }
+
+    /// Live bytes per tag, largest first: a list of dicts with `tag`, `bytes`,
+    /// `allocations` and `largest`.
+    fn by_tag<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for t in self.inner.by_tag() {
+            let d = PyDict::new(py);
+            d.set_item("tag", &*t.tag.name())?;
+            d.set_item("bytes", t.bytes)?;
+            d.set_item("allocations", t.allocations)?;
+            d.set_item("largest", t.largest)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    /// The segments: a list of dicts with `address`, `bytes`, `kind`, `stream` and `blocks`,
+    /// each block a dict with `address`, `bytes`, `state`, and for a recorded allocation
+    /// `requested`, `tag`, `stream`, `time_us` and `stack`.
+    fn segments<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for s in &self.inner.segments {
+            let d = PyDict::new(py);
+            d.set_item("address", s.address)?;
+            d.set_item("bytes", s.bytes)?;
+            d.set_item("kind", s.kind.name())?;
+            d.set_item("stream", s.stream)?;
+            let blocks = PyList::empty(py);
+            for b in &s.blocks {
+                let bd = PyDict::new(py);
+                bd.set_item("address", b.address)?;
+                bd.set_item("bytes", b.bytes)?;
+                bd.set_item("state", b.state.name())?;
+                if let Some(a) = &b.allocation {
+                    bd.set_item("requested", a.requested)?;
+                    bd.set_item("tag", &*a.tag.name())?;
+                    bd.set_item("stream", a.stream)?;
+                    bd.set_item("time_us", a.time_us)?;
+                    bd.set_item("stack", a.stack.as_deref())?;
+                }
+                blocks.append(bd)?;
+            }
+            d.set_item("blocks", blocks)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    /// The snapshot in PyTorch's format (`torch.cuda.memory._snapshot()`): a dict with
+    /// `segments` and `device_traces`, which `torch.cuda._memory_viz` reads.
+    fn to_torch<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let json = py.detach(|| self.inner.to_torch_json());
+        py.import("json")?.call_method1("loads", (json,))
+    }
+
+    /// Writes the PyTorch-format snapshot to `path` as a pickle, the file PyTorch's
+    /// memory_viz page (https://pytorch.org/memory_viz) and `python -m
+    /// torch.cuda._memory_viz` open.
+    fn dump_torch(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<()> {
+        let data = self.to_torch(py)?;
+        let file = py.import("builtins")?.call_method1("open", (path, "wb"))?;
+        let result = py
+            .import("pickle")?
+            .call_method1("dump", (data, file.clone()));
+        file.call_method0("close")?;
+        result.map(|_| ())
+    }
+
+    /// A self-contained HTML page that draws every segment and its blocks (no server).
+    fn to_html(&self, py: Python<'_>) -> String {
+        py.detach(|| self.inner.to_html())
+    }
+
+    /// Writes [`to_html`](Self::to_html)'s page to `path`.
+    fn save_html(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
+        let html = py.detach(|| self.inner.to_html());
+        std::fs::write(&path, html).map_err(|e| {
+            pyo3::exceptions::PyOSError::new_err(format!(
+                "writing the snapshot's page to {}: {e}",
+                path.display()
+            ))
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<emm.Snapshot device={} manager={:?}: {} segments, {} bytes held, {} in use, \
+             history {}>",
+            self.inner.device,
+            self.inner.manager,
+            self.inner.segments.len(),
+            self.inner.held_bytes(),
+            self.inner.bytes_in(BlockState::InUse),
+            if self.inner.history_on { "on" } else { "off" }
+        )
+    }
+}
