@@ -260,8 +260,11 @@ fn exports_carry_every_segment_block_and_event() {
         .find(|b| b.address == kept.device_ptr().0)
         .unwrap();
     let stack = block.allocation.as_ref().unwrap().stack.as_deref().unwrap();
+    assert!(stack.lines().count() >= 3, "{stack}");
+    // A stripped binary (the GPU bundle's) captures the frames but cannot name them.
+    let symbolised = !stack.contains("<unknown>");
     assert!(
-        stack.contains("exports_carry_every_segment_block_and_event"),
+        !symbolised || stack.contains("exports_carry_every_segment_block_and_event"),
         "{stack}"
     );
     let json = snapshot.to_torch_json();
