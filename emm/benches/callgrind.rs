@@ -46,10 +46,10 @@ mod budget {
     pub const SIM_RAW_DEFERRED: u64 = 2_750;
     pub const SIM_POOL_RAW: u64 = 1_750;
     pub const DEFAULT: u64 = 3_150;
-    pub const POOL: u64 = 295;
+    pub const POOL: u64 = 340;
     pub const ASYNC_POOL: u64 = 2_230;
     pub const PINNED_POOL: u64 = 480;
-    pub const POOL_LARGE: u64 = 340;
+    pub const POOL_LARGE: u64 = 375;
     pub const POOL_MID: u64 = 420;
     pub const FLUSH: u64 = 11_500;
     pub const RANDOM_POOL: u64 = 585;

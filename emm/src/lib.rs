@@ -53,6 +53,7 @@
 #![deny(unsafe_code)]
 
 // Layer 0: foundations.
+mod clock;
 mod error;
 mod lines;
 mod size_class;

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 /// Every top-level module of `emm/src`, by layer, bottom first.
 const LAYERS: &[(&str, u32)] = &[
+    ("clock", 0),
     ("error", 0),
     ("sync", 0),
     ("size_class", 0),

@@ -121,6 +121,7 @@ impl Observer for History {
                 .map(|(&addr, (bytes, info))| (addr, *bytes, info.clone()))
                 .collect(),
             events: state.events.iter().cloned().collect(),
+            complete: true,
         })
     }
 

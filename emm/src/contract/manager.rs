@@ -164,8 +164,9 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
         None
     }
 
-    /// The live allocations and last events a `history` adaptor recorded (`None` without
-    /// one): each live allocation's address and size with what history knows of it.
+    /// The live allocations and last events the manager's history recorded: a `history`
+    /// adaptor's (every allocation), or a manager's own (`pool` and `vmm-pool`: the window
+    /// of each thread's last events). `None` for a manager that keeps none (the default).
     fn history(&self) -> Option<HistoryRecord> {
         None
     }
@@ -190,6 +191,10 @@ pub struct HistoryRecord {
     pub live: Vec<(u64, usize, crate::contract::snapshot::AllocationInfo)>,
     /// The last events, oldest first.
     pub events: Vec<HistoryEvent>,
+    /// Whether `live` is every live allocation (a `history` adaptor's record). A manager's
+    /// own window may name allocations already freed: a snapshot keeps only those whose
+    /// address lies in in-use space.
+    pub complete: bool,
 }
 
 /// Checks a plugin's interface version (Numba's message on mismatch).

@@ -7,9 +7,11 @@
 //! the blocks that are not in use (free in an arena, cached for a thread or a stream, waiting
 //! for a deferred free). Whatever else a segment holds is in use. The `history` adaptor
 //! ([`Adaptor::History`](crate::Adaptor::History)) knows each live allocation (address, size,
-//! stream, tag, time, and a stack when asked for) and the last events; the context splits the
-//! in-use space into those allocations. Space in use that no recorded allocation covers
-//! (allocated before history was on) stays one block per run, marked unrecorded.
+//! stream, tag, time, and a stack when asked for) and the last events; without it, `pool` and
+//! `vmm-pool` give their own history, each thread's last events
+//! ([`MemoryManager::history`](super::MemoryManager::history)). The context splits the in-use
+//! space into the recorded allocations. Space in use that no recorded allocation covers
+//! (allocated before the history's window) stays one block per run, marked unrecorded.
 
 use std::fmt::{self, Write as _};
 use std::sync::{Arc, OnceLock};
@@ -129,6 +131,17 @@ impl Tag {
         }
         names.push(Arc::from(name));
         Tag((names.len() - 1) as u32)
+    }
+
+    /// The tag's number (what a manager's own history keeps).
+    #[inline(always)]
+    pub(crate) fn raw(self) -> u32 {
+        self.0
+    }
+
+    /// The tag of number `raw` ([`raw`](Self::raw)).
+    pub(crate) fn from_raw(raw: u32) -> Tag {
+        Tag(raw)
     }
 
     /// The tag's name.

@@ -8,7 +8,7 @@ use driver_sys::{HostPtr, StreamHandle};
 use crate::contract::factory::ManagerContext;
 use crate::contract::info::{FreeSpace, MemoryInfo, PoolReport, PoolStats};
 use crate::contract::ipc::IpcHandle;
-use crate::contract::manager::{INTERFACE_VERSION, MemoryManager, StreamOrdering};
+use crate::contract::manager::{HistoryRecord, INTERFACE_VERSION, MemoryManager, StreamOrdering};
 use crate::contract::pool_export::PoolExport;
 use crate::contract::snapshot::HeldSegment;
 use crate::error::EmmError;
@@ -159,6 +159,13 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
         None
     }
 
+    /// The allocator's own history of allocations and frees ([`MemoryManager::history`]), if
+    /// it keeps one (the default keeps none).
+    fn history(&self, host: &HostLayer) -> Option<HistoryRecord> {
+        let _ = host;
+        None
+    }
+
     /// Exports the allocator's IPC-enabled stream-ordered pool; allocators without one refuse
     /// (the default).
     fn export_pool(&self, host: &HostLayer) -> Result<PoolExport, EmmError> {
@@ -282,6 +289,10 @@ impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
 
     fn free_space(&self) -> Option<FreeSpace> {
         self.device.free_space()
+    }
+
+    fn history(&self) -> Option<HistoryRecord> {
+        self.device.history(&self.host)
     }
 
     fn segments(&self) -> Option<Vec<HeldSegment>> {

@@ -17,9 +17,7 @@ use crate::contract::info::{
 use crate::contract::ipc::{DeviceIdentity, IpcHandle};
 use crate::contract::manager::{HistoryRecord, MemoryManager, StreamOrdering};
 use crate::contract::pool_export::PoolExport;
-use crate::contract::snapshot::{
-    self, Block, BlockState, MemorySnapshot, Segment, SegmentKind, Tag,
-};
+use crate::contract::snapshot::{self, Block, BlockState, MemorySnapshot, Segment, SegmentKind};
 use crate::error::{EmmError, LiveByTag, OutOfMemoryReport};
 use crate::ipc::imports::PoolImports;
 use crate::ipc::open::Endpoint;
@@ -193,35 +191,22 @@ impl Context {
         }
     }
 
-    /// The five tags with the most live bytes, from the `history` adaptor's live allocations.
+    /// The five tags with the most live bytes, from the allocations the manager's history
+    /// recorded (every one with the `history` adaptor; the recent ones of `pool`'s own).
     fn live_by_tag(inner: &ContextInner) -> Vec<LiveByTag> {
-        let Some(history) = inner.manager.history() else {
+        if inner.manager.history().is_none() {
             return Vec::new();
-        };
-        let mut tags: Vec<(Tag, LiveByTag)> = Vec::new();
-        for (_, _, a) in &history.live {
-            let i = match tags.iter().position(|(t, _)| *t == a.tag) {
-                Some(i) => i,
-                None => {
-                    tags.push((
-                        a.tag,
-                        LiveByTag {
-                            tag: a.tag.name().to_string(),
-                            bytes: 0,
-                            allocations: 0,
-                            largest: 0,
-                        },
-                    ));
-                    tags.len() - 1
-                }
-            };
-            let t = &mut tags[i].1;
-            t.bytes += a.requested;
-            t.allocations += 1;
-            t.largest = t.largest.max(a.requested);
         }
-        let mut tags: Vec<LiveByTag> = tags.into_iter().map(|(_, t)| t).collect();
-        tags.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.tag.cmp(&b.tag)));
+        let mut tags: Vec<LiveByTag> = Self::snapshot_of(inner)
+            .by_tag()
+            .into_iter()
+            .map(|t| LiveByTag {
+                tag: t.tag.name().to_string(),
+                bytes: t.bytes,
+                allocations: t.allocations,
+                largest: t.largest,
+            })
+            .collect();
         tags.truncate(5);
         tags
     }
@@ -376,13 +361,26 @@ impl Context {
     /// The manager's lists are read one lock at a time: taken while other threads allocate,
     /// a snapshot may show a block that moved between two lists in both or in neither.
     pub fn snapshot(&self) -> MemorySnapshot {
-        let manager = &self.inner.manager;
+        Self::snapshot_of(&self.inner)
+    }
+
+    fn snapshot_of(inner: &ContextInner) -> MemorySnapshot {
+        let manager = &inner.manager;
         let held = manager.segments();
         let history = manager.history();
         let history_on = history.is_some();
-        let HistoryRecord { live, events } = history.unwrap_or_default();
+        let HistoryRecord {
+            live,
+            events,
+            complete,
+        } = history.unwrap_or_default();
         let segments_known = held.is_some();
         let (mut segments, mut unplaced) = snapshot::assemble(held.unwrap_or_default(), live);
+        if !complete {
+            // A manager's own window may name allocations freed since: only those in in-use
+            // space are live.
+            unplaced.clear();
+        }
         if !segments_known {
             segments = std::mem::take(&mut unplaced)
                 .into_iter()
@@ -396,12 +394,12 @@ impl Context {
                 .collect();
         }
         segments.sort_by_key(|s| s.address);
-        for graph in self.inner.graph_routes.pool_segments() {
+        for graph in inner.graph_routes.pool_segments() {
             carve_graph_segment(&mut segments, &graph);
         }
         MemorySnapshot {
-            device: self.inner.cx.device.0,
-            manager: self.inner.manager_name.clone(),
+            device: inner.cx.device.0,
+            manager: inner.manager_name.clone(),
             time_us: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_micros() as u64),

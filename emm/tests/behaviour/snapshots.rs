@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use driver_mock::{SimConfig, SimDriver};
 use emm::contract::{BlockState, HistoryAction};
-use emm::{Adaptor, MemorySnapshot, Runtime, Tag};
+use emm::{Adaptor, Context, MemoryPointer, MemorySnapshot, Runtime, Stream, Tag};
 use proptest::prelude::*;
 
 use crate::common::{cases, seed};
@@ -59,6 +59,90 @@ fn with_history(sim: &Arc<SimDriver>, manager: &str) -> Runtime {
         .unwrap()
 }
 
+/// What the program believes is live: address -> (requested bytes, stream, tag).
+type Truth = BTreeMap<u64, (usize, Option<u64>, Tag)>;
+
+/// Runs `step` on `ctx` (allocations on `stream` where the step says so and a stream is
+/// given), keeping `live` and `truth` up to date.
+fn apply(
+    ctx: &Context,
+    stream: Option<&Stream>,
+    step: &Step,
+    tags: &[Tag; 3],
+    live: &mut Vec<MemoryPointer>,
+    truth: &mut Truth,
+) {
+    match *step {
+        Step::Alloc {
+            log2_tenths,
+            on_stream,
+            tag,
+        } => {
+            let size = 2f64.powf(f64::from(log2_tenths) / 10.0) as usize;
+            let _tag = tags[tag].scope();
+            let on = stream.filter(|_| on_stream);
+            let made = match on {
+                Some(s) => ctx.memalloc_on(size, s),
+                None => ctx.memalloc(size),
+            }
+            .unwrap();
+            let on = on.map(|s| s.handle().raw());
+            truth.insert(made.device_ptr().0, (size, on, tags[tag]));
+            live.push(made);
+        }
+        Step::Free(i) if !live.is_empty() => {
+            let n = live.len();
+            let gone = live.swap_remove(i % n);
+            truth.remove(&gone.device_ptr().0);
+        }
+        Step::Free(_) => {}
+        Step::Trim => {
+            ctx.trim().unwrap();
+        }
+        Step::Flush => {
+            if let Some(s) = stream {
+                s.synchronize().unwrap();
+            }
+            ctx.flush_deallocations().unwrap();
+        }
+    }
+}
+
+/// Under `pool` and `vmm-pool` without the adaptor (their own ring of each thread's last
+/// events): every recorded in-use block is a live allocation with its size and tag, and the
+/// blocks tile the segments.
+fn ring_only_agrees(steps: &[Step], manager: &str, tags: &[Tag; 3]) -> Result<(), TestCaseError> {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(4 << 30)));
+    let rt = crate::common::runtime_with(&sim, manager);
+    let ctx = rt.context(0).unwrap();
+    let mut truth = Truth::new();
+    let mut live = Vec::new();
+    for step in steps {
+        apply(&ctx, None, step, tags, &mut live, &mut truth);
+        let snapshot = ctx.snapshot();
+        covered(&snapshot)?;
+        for b in snapshot.blocks().filter(|b| b.state == BlockState::InUse) {
+            if let Some(a) = &b.allocation {
+                prop_assert_eq!(
+                    truth.get(&b.address),
+                    Some(&(a.requested, None, a.tag)),
+                    "{}",
+                    manager
+                );
+            }
+        }
+        let stats = ctx.pool_stats().device.unwrap();
+        let queued: usize = ctx.deallocations().map_or(0, |q| q.pending_bytes());
+        prop_assert_eq!(
+            snapshot.held_bytes(),
+            stats.held_bytes + queued,
+            "{}",
+            manager
+        );
+    }
+    Ok(())
+}
+
 /// Each segment's blocks cover it, in address order, with no gap and no overlap.
 fn covered(snapshot: &MemorySnapshot) -> Result<(), TestCaseError> {
     for s in &snapshot.segments {
@@ -90,38 +174,10 @@ proptest! {
             let rt = with_history(&sim, manager);
             let ctx = rt.context(0).unwrap();
             let stream = ctx.create_stream().unwrap();
-            // address -> (requested bytes, stream, tag)
-            let mut truth: BTreeMap<u64, (usize, Option<u64>, Tag)> = BTreeMap::new();
+            let mut truth = Truth::new();
             let mut live = Vec::new();
             for step in &steps {
-                match *step {
-                    Step::Alloc { log2_tenths, on_stream, tag } => {
-                        let size = 2f64.powf(f64::from(log2_tenths) / 10.0) as usize;
-                        let _tag = tags[tag].scope();
-                        let made = if on_stream {
-                            ctx.memalloc_on(size, &stream)
-                        } else {
-                            ctx.memalloc(size)
-                        }
-                        .unwrap();
-                        let on = on_stream.then(|| stream.handle().raw());
-                        truth.insert(made.device_ptr().0, (size, on, tags[tag]));
-                        live.push(made);
-                    }
-                    Step::Free(i) if !live.is_empty() => {
-                        let n = live.len();
-                        let gone = live.swap_remove(i % n);
-                        truth.remove(&gone.device_ptr().0);
-                    }
-                    Step::Free(_) => {}
-                    Step::Trim => {
-                        ctx.trim().unwrap();
-                    }
-                    Step::Flush => {
-                        stream.synchronize().unwrap();
-                        ctx.flush_deallocations().unwrap();
-                    }
-                }
+                apply(&ctx, Some(&stream), step, &tags, &mut live, &mut truth);
                 let snapshot = ctx.snapshot();
                 prop_assert!(snapshot.history_on);
                 covered(&snapshot)?;
@@ -167,6 +223,9 @@ proptest! {
                     }
                 }
             }
+            if manager.contains("pool") && !manager.starts_with("async") {
+                ring_only_agrees(&steps, manager, &tags)?;
+            }
             // The ring saw every allocation and free, in order.
             let history = ctx.snapshot().history;
             let allocs = history.iter().filter(|e| e.action == HistoryAction::Alloc).count();
@@ -177,23 +236,58 @@ proptest! {
     }
 }
 
-/// Without the `history` adaptor a pool's snapshot still lists every segment and block; the
-/// in-use blocks carry no allocation.
+/// Without the `history` adaptor a pool keeps its own history, a ring of each thread's last
+/// events: a snapshot still lists every segment and block, the recent allocations carry their
+/// tags, and allocations whose events fell out of the window show as unrecorded in-use space.
 #[test]
-fn without_history_in_use_space_is_one_unrecorded_block_per_run() {
+fn the_pools_own_history_covers_its_recent_allocations() {
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
     let rt = crate::common::runtime_with(&sim, "pool");
     let ctx = rt.context(0).unwrap();
-    let a = ctx.memalloc(3 << 20).unwrap();
-    let _b = ctx.memalloc(5 << 20).unwrap();
-    drop(a);
+    let old = {
+        let _t = Tag::named("weights").scope();
+        ctx.memalloc(3 << 20).unwrap()
+    };
+    let recent = {
+        let _t = Tag::named("activations").scope();
+        ctx.memalloc(5 << 20).unwrap()
+    };
+    let tag_at = |snapshot: &MemorySnapshot, addr: u64| {
+        snapshot.blocks().find(|b| b.address == addr).and_then(|b| {
+            b.allocation
+                .as_ref()
+                .map(|a| (a.tag.name().to_string(), a.requested))
+        })
+    };
     let snapshot = ctx.snapshot();
-    assert!(!snapshot.history_on && snapshot.history.is_empty());
-    assert!(snapshot.segments_known);
+    assert!(snapshot.history_on, "the pool's own history is always on");
+    assert!(snapshot.unplaced.is_empty());
+    assert_eq!(
+        tag_at(&snapshot, old.device_ptr().0),
+        Some(("weights".to_string(), 3 << 20))
+    );
+    assert_eq!(
+        tag_at(&snapshot, recent.device_ptr().0),
+        Some(("activations".to_string(), 5 << 20))
+    );
+    // Many pairs later the two allocations' events are out of the window: their blocks are
+    // in use, unrecorded, and nothing else is.
+    for _ in 0..1000 {
+        drop(ctx.memalloc(256).unwrap());
+    }
+    let snapshot = ctx.snapshot();
+    covered(&snapshot).unwrap();
+    assert!(snapshot.unplaced.is_empty());
+    assert_eq!(tag_at(&snapshot, old.device_ptr().0), None);
+    assert_eq!(tag_at(&snapshot, recent.device_ptr().0), None);
     let stats = ctx.pool_stats().device.unwrap();
     assert_eq!(snapshot.held_bytes(), stats.held_bytes);
     assert_eq!(snapshot.bytes_in(BlockState::InUse), stats.in_use_bytes);
-    assert!(snapshot.blocks().all(|b| b.allocation.is_none()));
+    assert!(snapshot.history.len() <= 128, "one thread's ring");
+    assert!(
+        snapshot.history.iter().all(|e| e.bytes == 256),
+        "only the last pairs are in the window"
+    );
 }
 
 /// The out-of-memory report names who holds the live memory, largest first.
@@ -348,4 +442,59 @@ fn graph_pools_show_their_carved_blocks() {
         let after = ctx.snapshot();
         assert!(after.blocks().all(|b| b.graph_pool.is_none()), "{manager}");
     }
+}
+
+/// The pool's rings are per thread: with threads allocating and freeing each other's memory,
+/// the merged window still names only live allocations, each with its thread's tag, and
+/// leaves nothing outside the segments.
+#[test]
+fn the_pools_own_history_merges_the_threads_rings() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = crate::common::runtime_with(&sim, "pool");
+    let ctx = rt.context(0).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let kept: Vec<_> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..4)
+            .map(|t| {
+                let (ctx, tx) = (ctx.clone(), tx.clone());
+                s.spawn(move || {
+                    let tag = Tag::named(&format!("thread-{t}"));
+                    let _t = tag.scope();
+                    let mut kept = Vec::new();
+                    for i in 0..300usize {
+                        let m = ctx.memalloc(256 << (i % 9)).unwrap();
+                        match i % 3 {
+                            0 => kept.push((m, tag)),
+                            1 => tx.send(m).unwrap(), // freed by the main thread
+                            _ => drop(m),
+                        }
+                    }
+                    kept
+                })
+            })
+            .collect();
+        drop(tx);
+        for m in rx {
+            drop(m);
+        }
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap())
+            .collect()
+    });
+    let truth: BTreeMap<u64, (usize, Tag)> = kept
+        .iter()
+        .map(|(m, tag)| (m.device_ptr().0, (m.size(), *tag)))
+        .collect();
+    let snapshot = ctx.snapshot();
+    covered(&snapshot).unwrap();
+    assert!(snapshot.unplaced.is_empty());
+    let mut recorded = 0;
+    for b in snapshot.blocks().filter(|b| b.state == BlockState::InUse) {
+        if let Some(a) = &b.allocation {
+            assert_eq!(truth.get(&b.address), Some(&(a.requested, a.tag)), "{b:?}");
+            recorded += 1;
+        }
+    }
+    assert!(recorded > 0, "the window holds the last allocations");
 }

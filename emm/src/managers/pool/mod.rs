@@ -80,7 +80,7 @@ use driver_sys::{DevicePtr, DriverError, ErrorKind, StreamHandle};
 use crate::contract::factory::{FnFactory, ManagerContext};
 use crate::contract::info::{FreeSpace, PoolStats};
 use crate::contract::ipc::IpcHandle;
-use crate::contract::manager::StreamOrdering;
+use crate::contract::manager::{HistoryRecord, StreamOrdering};
 use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::error::EmmError;
 use crate::host::fences::{Fence, Fences};
@@ -94,6 +94,7 @@ use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
 use crate::thread_slots::{self, Shard, thread_shard};
 
 mod arena;
+mod history;
 mod shards;
 mod streams;
 mod vmm;
@@ -345,6 +346,7 @@ impl PoolShared {
         lists.returned(size);
         lists.cached_bytes += size;
         lists.park_room -= 1;
+        lists.history.free(record.base());
         lists.parked[class].push(record);
         None
     }
@@ -371,6 +373,7 @@ impl PoolShared {
             }
             lists.park_room -= 1;
             lists.returned(size);
+            lists.history.free(record.base());
             let block = Large {
                 addr: record.base(),
                 size,
@@ -443,12 +446,7 @@ impl PoolShared {
 
     fn release(&self, (shard, owner): (usize, bool), addr: u64, bytes: usize, tag: u64) {
         if bytes > self.config.small_max {
-            self.release_large(
-                (shard, owner),
-                addr,
-                block_size(bytes, self.config.small_max),
-                tag,
-            );
+            self.release_large((shard, owner), addr, bytes, tag);
             return;
         }
         let class = class_of(bytes);
@@ -459,6 +457,7 @@ impl PoolShared {
                 return;
             }
             lists.returned(size);
+            lists.history.free(addr);
             lists.cached_bytes += size;
             let over_shard = lists.cached_bytes > self.config.cache_bytes_per_shard;
             lists.free[class].push(addr);
@@ -499,13 +498,15 @@ impl PoolShared {
     /// A block above `small_max` goes to the freeing thread's shard, which keeps the last
     /// [`LARGE_SLOTS`] it was given (within its byte bound, so a block larger than the bound
     /// goes to the arena at once); the oldest go to the arena, where they coalesce.
-    fn release_large(&self, (shard, owner): (usize, bool), addr: u64, size: usize, tag: u64) {
+    fn release_large(&self, (shard, owner): (usize, bool), addr: u64, bytes: usize, tag: u64) {
+        let size = block_size(bytes, self.config.small_max);
         let evicted: Vec<(u64, usize)> = {
             let mut lists = self.shards[shard].inner.enter(owner);
             if self.generation.load(Ordering::Acquire) != tag {
                 return; // a reset freed its chunk
             }
             lists.returned(size);
+            lists.history.free(addr);
             if size > self.config.cache_bytes_per_shard {
                 drop(lists);
                 return self.to_arena(tag, [(addr, size)]);
@@ -524,7 +525,12 @@ impl PoolShared {
 
     /// A cached block of exactly `size` bytes (above `small_max`) from `shard`, counted as in
     /// use, with its generation.
-    fn take_large(&self, (shard, owner): (usize, bool), size: usize) -> Option<(Large, u64)> {
+    fn take_large(
+        &self,
+        (shard, owner): (usize, bool),
+        size: usize,
+        bytes: usize,
+    ) -> Option<(Large, u64)> {
         let mut lists = self.shards[shard].inner.enter(owner);
         let block = if size > self.config.cache_bytes_per_shard {
             // Only the oversize slot holds blocks above the bound (outside `cached_bytes`).
@@ -536,15 +542,22 @@ impl PoolShared {
         };
         lists.give_back_room(&block);
         lists.lent(size);
+        lists.history.alloc(block.addr, bytes);
         Some((block, self.generation.load(Ordering::Acquire)))
     }
 
-    /// Counts a block of `size` bytes that `shard`'s thread took from the arena as in use,
-    /// unless a reset since `generation` forgot it.
-    fn count_in_use(&self, (shard, owner): (usize, bool), size: usize, generation: u64) {
+    /// Counts the block at `addr` of `size` bytes (for a request of `bytes`) that `shard`'s
+    /// thread took from the arena as in use, unless a reset since `generation` forgot it.
+    fn count_in_use(
+        &self,
+        (shard, owner): (usize, bool),
+        (addr, size, bytes): (u64, usize, usize),
+        generation: u64,
+    ) {
         let mut lists = self.shards[shard].inner.enter(owner);
         if self.generation.load(Ordering::Acquire) == generation {
             lists.lent(size);
+            lists.history.alloc(addr, bytes);
         }
     }
 
@@ -985,6 +998,8 @@ impl PoolAllocator {
                 reason: "0 bytes; give the pool a growth size (the default is 64 MiB)".into(),
             });
         }
+        // The history's stamps convert to times from here on.
+        crate::clock::start();
         let shared = Arc::new(PoolShared {
             cx: host.context().clone(),
             config,
@@ -1054,6 +1069,7 @@ impl PoolAllocator {
                 lists.park_room += 1;
                 lists.cached_bytes -= size;
                 lists.lent(size);
+                lists.history.alloc(parked.base(), bytes);
                 let generation = pool.generation.load(Ordering::Acquire);
                 drop(lists);
                 return Ok(parked.revive(bytes, generation));
@@ -1061,6 +1077,7 @@ impl PoolAllocator {
             if let Some(addr) = lists.free[class].pop() {
                 lists.cached_bytes -= size;
                 lists.lent(size);
+                lists.history.alloc(addr, bytes);
                 let generation = pool.generation.load(Ordering::Acquire);
                 drop(lists);
                 return Ok(self.pointer(addr, bytes, generation));
@@ -1073,6 +1090,7 @@ impl PoolAllocator {
             let mut lists = pool.shards[shard].inner.enter(owner);
             if pool.generation.load(Ordering::Acquire) == generation {
                 lists.lent(size);
+                lists.history.alloc(addr, bytes);
                 lists.cached_bytes += magazine.len() * size;
                 lists.free[class].extend(magazine);
             }
@@ -1091,6 +1109,7 @@ impl PoolAllocator {
         let mut lists = pool.shards[shard].inner.enter(owner);
         if pool.generation.load(Ordering::Acquire) == generation {
             lists.lent(size);
+            lists.history.alloc(addr, bytes);
             lists.free[class].extend((1..got).map(|i| addr + (i * size) as u64));
             lists.cached_bytes += (got - 1) * size;
         }
@@ -1106,14 +1125,14 @@ impl PoolAllocator {
         let pool = &*self.shared;
         let size = block_size(bytes, pool.config.small_max);
         let shard = thread_shard();
-        if let Some((block, generation)) = pool.take_large(shard, size) {
+        if let Some((block, generation)) = pool.take_large(shard, size, bytes) {
             return Ok(match block.record {
                 Some(record) => record.revive(bytes, generation),
                 None => self.pointer(block.addr, bytes, generation),
             });
         }
         let (addr, generation) = pool.take_from_arena(host, size)?;
-        pool.count_in_use(shard, size, generation);
+        pool.count_in_use(shard, (addr, size, bytes), generation);
         Ok(self.pointer(addr, bytes, generation))
     }
 
@@ -1257,6 +1276,7 @@ impl DeviceAllocator for PoolAllocator {
             }
             depot.cached_bytes = 0;
             for lists in &mut shards {
+                lists.history.clear();
                 parked.push(lists.take_parked());
                 for l in &mut lists.free {
                     l.clear();
@@ -1302,6 +1322,11 @@ impl DeviceAllocator for PoolAllocator {
 
     fn segments(&self, _host: &HostLayer) -> Option<Vec<HeldSegment>> {
         Some(self.shared.segments())
+    }
+
+    fn history(&self, _host: &HostLayer) -> Option<HistoryRecord> {
+        let shards = thread_slots::lock_all(&self.shared.shards);
+        Some(history::merge(shards.iter().map(|lists| &lists.history)))
     }
 }
 

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use driver_sys::DevicePtr;
 
+use super::history::Ring;
 use super::{CLASSES, PoolShared};
 use crate::lines::Lines;
 use crate::memory::pointer::{ParkedPointer, PoolHook, ReleaseHook};
@@ -40,6 +41,8 @@ pub(super) struct ShardLists {
     /// shard and returned to another makes both drift, their sums stay right.
     pub(super) in_use_blocks: i64,
     pub(super) in_use_bytes: i64,
+    /// This shard's thread's last allocations and frees (`history.rs`).
+    pub(super) history: Ring,
 }
 
 impl ShardLists {
@@ -56,6 +59,7 @@ impl ShardLists {
             cached_bytes: 0,
             in_use_blocks: 0,
             in_use_bytes: 0,
+            history: Ring::new(),
         }
     }
 
