@@ -9,7 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use crate::adaptors::{Event, Observer};
 use crate::contract::info::MemoryKind;
 use crate::contract::manager::HistoryRecord;
-use crate::contract::snapshot::{AllocationInfo, HistoryAction, HistoryEvent, Tag};
+use crate::contract::snapshot::{AllocationInfo, HistoryAction, HistoryEvent, Tag, host_stack};
 use crate::sync::{Mutex, lock};
 
 /// Events the ring keeps when `history` is given no number.
@@ -61,9 +61,13 @@ impl Observer for History {
         if e.kind != MemoryKind::Device && e.kind != MemoryKind::Managed {
             return;
         }
-        let stack: Option<Arc<str>> = self
-            .stacks
-            .then(|| Arc::from(std::backtrace::Backtrace::force_capture().to_string()));
+        let stack: Option<Arc<str>> = self.stacks.then(|| {
+            let rust = std::backtrace::Backtrace::force_capture().to_string();
+            match host_stack() {
+                Some(host) => Arc::from(format!("{host}\n{rust}")),
+                None => Arc::from(rust),
+            }
+        });
         let info = AllocationInfo {
             requested: e.bytes,
             stream: e.stream.map(|s| s.raw()),
@@ -123,6 +127,10 @@ impl Observer for History {
             events: state.events.iter().cloned().collect(),
             complete: true,
         })
+    }
+
+    fn stacks(&self) -> bool {
+        self.stacks
     }
 
     fn reset(&self) {

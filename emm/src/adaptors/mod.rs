@@ -164,6 +164,10 @@ pub(crate) trait Observer: Send + Sync + fmt::Debug {
     fn history(&self) -> Option<HistoryRecord> {
         None
     }
+    /// Whether the `history` adaptor keeps each allocation's stack.
+    fn stacks(&self) -> bool {
+        false
+    }
     /// Whether events need their times.
     fn timed(&self) -> bool {
         false
@@ -483,6 +487,10 @@ impl MemoryManager for Adapted {
 
     fn history(&self) -> Option<HistoryRecord> {
         self.observer.history().or_else(|| self.inner.history())
+    }
+
+    fn records_stacks(&self) -> bool {
+        self.observer.stacks() || self.inner.records_stacks()
     }
 
     fn export_pool(&self) -> Result<PoolExport, EmmError> {

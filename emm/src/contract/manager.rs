@@ -171,6 +171,13 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Whether the manager's history keeps each allocation's stack (a `history-stacks`
+    /// adaptor): a host runtime then passes its own language's stack
+    /// ([`with_host_stack`](crate::contract::with_host_stack)).
+    fn records_stacks(&self) -> bool {
+        false
+    }
+
     /// What a `stats` adaptor around the manager counted (`None` without one).
     fn usage(&self) -> Option<Usage> {
         None

@@ -117,6 +117,29 @@ fn tag_names() -> &'static Mutex<Vec<Arc<str>>> {
 
 thread_local! {
     static CURRENT: std::cell::Cell<Tag> = const { std::cell::Cell::new(Tag::UNTAGGED) };
+    static HOST_STACK: std::cell::RefCell<Option<Arc<str>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` with `stack` as this thread's stack in the host's own language (the Python
+/// package passes the Python frames, innermost first, one per line in `traceback`'s
+/// `File "...", line N, in name` form): the `history-stacks` adaptor puts it before the Rust
+/// backtrace of the allocations `f` makes. Pass it only when
+/// [`Context::records_stacks`](crate::Context::records_stacks) says stacks are kept.
+pub fn with_host_stack<T>(stack: Arc<str>, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<Arc<str>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let previous = self.0.take();
+            HOST_STACK.with(|s| *s.borrow_mut() = previous);
+        }
+    }
+    let _restore = Restore(HOST_STACK.with(|s| s.borrow_mut().replace(stack)));
+    f()
+}
+
+/// This thread's host-language stack, set by [`with_host_stack`].
+pub(crate) fn host_stack() -> Option<Arc<str>> {
+    HOST_STACK.with(|s| s.borrow().clone())
 }
 
 impl Tag {
@@ -592,18 +615,31 @@ impl MemorySnapshot {
     }
 }
 
-/// PyTorch's frames for a stack: one per line (`name` is the line, with no file or number).
+/// PyTorch's frames for a stack, one per line: a line in `traceback`'s form (`File "f.py",
+/// line 12, in step`, the Python package's frames) gives its file, line and name; any other
+/// line (a Rust backtrace's) is the name, with no file or number.
 fn frames_json(out: &mut String, stack: Option<&str>) {
     out.push('[');
     for (i, line) in stack.into_iter().flat_map(str::lines).enumerate() {
         if i > 0 {
             out.push(',');
         }
-        out.push_str("{\"filename\":\"\",\"line\":0,\"name\":");
-        json_string(out, line.trim());
+        let (file, number, name) = traceback_line(line.trim()).unwrap_or(("", 0, line.trim()));
+        out.push_str("{\"filename\":");
+        json_string(out, file);
+        let _ = write!(out, ",\"line\":{number},\"name\":");
+        json_string(out, name);
         out.push('}');
     }
     out.push(']');
+}
+
+/// The file, line and name of a line in `traceback`'s form.
+fn traceback_line(line: &str) -> Option<(&str, u64, &str)> {
+    let rest = line.strip_prefix("File \"")?;
+    let (file, rest) = rest.split_once("\", line ")?;
+    let (number, name) = rest.split_once(", in ")?;
+    Some((file, number.parse().ok()?, name))
 }
 
 /// `s` as a JSON string.
@@ -802,6 +838,25 @@ mod tests {
         );
         assert_eq!(unplaced.len(), 1);
         assert_eq!(unplaced[0].address, 0x9000);
+    }
+
+    #[test]
+    fn python_frames_keep_their_file_and_line() {
+        let mut out = String::new();
+        frames_json(
+            &mut out,
+            Some("File \"/x/train.py\", line 42, in step\n   3: emm::Context::memalloc"),
+        );
+        assert_eq!(
+            out,
+            r#"[{"filename":"/x/train.py","line":42,"name":"step"},{"filename":"","line":0,"name":"3: emm::Context::memalloc"}]"#
+        );
+        let stack: Arc<str> = Arc::from("File \"a.py\", line 1, in f");
+        assert_eq!(host_stack(), None);
+        with_host_stack(stack.clone(), || {
+            assert_eq!(host_stack(), Some(stack.clone()))
+        });
+        assert_eq!(host_stack(), None);
     }
 
     #[test]

@@ -411,6 +411,12 @@ impl Context {
         }
     }
 
+    /// Whether allocations keep their stacks (the `history-stacks` adaptor): worth passing
+    /// the host language's stack then ([`with_host_stack`](crate::contract::with_host_stack)).
+    pub fn records_stacks(&self) -> bool {
+        self.inner.manager.records_stacks()
+    }
+
     /// What a `stats` adaptor counted, if the manager has one.
     pub fn usage(&self) -> Option<Usage> {
         self.inner.manager.usage()
