@@ -1,6 +1,7 @@
 //! `emm.Context`: one device's context in the process runtime, and the IPC handles and
 //! deferral guards it gives out.
 
+use crate::snapshot::with_python_stack;
 use std::sync::{Arc, Mutex};
 
 use crate::buffers::{DeviceBuffer, HostBuffer, ManagedBuffer, host_buffer};
@@ -133,7 +134,7 @@ impl Context {
 
     /// `size` bytes of device memory.
     fn memalloc(&self, py: Python<'_>, size: usize) -> PyResult<DeviceBuffer> {
-        py.detach(|| self.inner.memalloc(size))
+        with_python_stack(py, &self.inner, || py.detach(|| self.inner.memalloc(size)))
             .map(DeviceBuffer::new)
             .map_err(py_err)
     }
@@ -152,9 +153,11 @@ impl Context {
         stream: StreamArg,
     ) -> PyResult<DeviceBuffer> {
         let stream = stream.stream(&self.inner);
-        py.detach(|| self.inner.memalloc_on(size, &stream))
-            .map(DeviceBuffer::new)
-            .map_err(py_err)
+        with_python_stack(py, &self.inner, || {
+            py.detach(|| self.inner.memalloc_on(size, &stream))
+        })
+        .map(DeviceBuffer::new)
+        .map_err(py_err)
     }
 
     /// A memory resource over a new driver pool of this device (cuda.core's
@@ -319,9 +322,10 @@ impl Context {
         size: usize,
         attach_global: bool,
     ) -> PyResult<ManagedBuffer> {
-        let mem = py
-            .detach(|| self.inner.memallocmanaged(size, attach_global))
-            .map_err(py_err)?;
+        let mem = with_python_stack(py, &self.inner, || {
+            py.detach(|| self.inner.memallocmanaged(size, attach_global))
+        })
+        .map_err(py_err)?;
         Ok(ManagedBuffer {
             ptr: mem.device().device_ptr().0,
             size: mem.size(),

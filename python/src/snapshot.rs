@@ -1,7 +1,7 @@
 //! `emm.Snapshot` (what `Context.snapshot()` returns) and `emm.tag`, the allocation tags the
 //! `history` adaptor records.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use emm::{MemorySnapshot, Tag};
 use pyo3::prelude::*;
@@ -19,6 +19,46 @@ pub(crate) fn torch_tag() -> Tag {
 pub(crate) fn cupy_tag() -> Tag {
     static TAG: OnceLock<Tag> = OnceLock::new();
     *TAG.get_or_init(|| Tag::named("cupy"))
+}
+
+/// The calling Python code's stack, innermost frame first, one line per frame in
+/// `traceback`'s form (`File "train.py", line 12, in step`), at most 64 frames; `None` where
+/// Python cannot give it.
+pub(crate) fn python_stack(py: Python<'_>) -> Option<Arc<str>> {
+    let mut frame = py
+        .import("sys")
+        .ok()?
+        .call_method1("_getframe", (0,))
+        .ok()?;
+    let mut lines = Vec::new();
+    for _ in 0..64 {
+        let code = frame.getattr("f_code").ok()?;
+        let file: String = code.getattr("co_filename").ok()?.extract().ok()?;
+        let name: String = code.getattr("co_name").ok()?.extract().ok()?;
+        let line: i64 = frame
+            .getattr("f_lineno")
+            .ok()
+            .and_then(|l| l.extract().ok())
+            .unwrap_or(0);
+        lines.push(format!("File \"{file}\", line {line}, in {name}"));
+        let back = frame.getattr("f_back").ok()?;
+        if back.is_none() {
+            break;
+        }
+        frame = back;
+    }
+    Some(Arc::from(lines.join("\n")))
+}
+
+/// Runs `f` (an allocation on `ctx`) with the calling Python code's stack passed to emm,
+/// where `ctx` keeps each allocation's stack (`EMM_MEMORY_ADAPTORS=history-stacks`).
+pub(crate) fn with_python_stack<T>(py: Python<'_>, ctx: &emm::Context, f: impl FnOnce() -> T) -> T {
+    if ctx.records_stacks()
+        && let Some(stack) = python_stack(py)
+    {
+        return emm::contract::with_host_stack(stack, f);
+    }
+    f()
 }
 
 /// Runs `f` with this thread's allocation tag set to `tag`, then restores the one before.

@@ -624,6 +624,30 @@ def test_snapshot_with_history_on_the_simulator():
     run_with_cupy_stub(code)
 
 
+def test_snapshot_stacks_name_the_python_caller():
+    """With history-stacks, a block's stack starts with the Python frames that allocated it
+    (innermost first), and PyTorch's export gives them their file, line and name."""
+    code = (
+        "import emm\n"
+        "emm.configure(adaptors='history-stacks', driver='sim', manager='pool')\n"
+        "c = emm.context(0)\n"
+        "def my_alloc_site():\n"
+        "    return c.memalloc(4096)\n"
+        "b = my_alloc_site()\n"
+        "s = c.snapshot()\n"
+        "blk = [k for g in s.segments() for k in g['blocks'] if k['address'] == b.ptr][0]\n"
+        "assert blk['stack'].startswith('File \"<string>\", line 5, in my_alloc_site'), blk['stack'][:300]\n"
+        "d = s.to_torch()\n"
+        "frames = [k for g in d['segments'] for k in g['blocks'] if k['address'] == b.ptr][0]['frames']\n"
+        "assert frames[0] == {'filename': '<string>', 'line': 5, 'name': 'my_alloc_site'}, frames[:2]\n"
+        "assert frames[1]['name'] == '<module>', frames[:2]\n"
+        "print('ok')"
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok", out.stdout
+
+
 def test_cupy_c_allocator_on_the_simulator():
     """emm.cupy's C functions through a stand-in for CuPy's CFunctionAllocator and its
     current-stream export (tests/stubs/cupy): CuPy's current stream is read in C, the bytes
