@@ -139,7 +139,7 @@ unsafe impl<'a, 'b: 'a, T: Pod> PushKernelArg<&'b mut DeviceArray<T>> for Launch
 /// ```
 pub fn emm_stream(ctx: &Context, stream: &Arc<CudaStream>) -> Result<emm::Stream, ArrayError> {
     check_context("emm_stream", ctx.handle().raw(), stream.context())?;
-    let owner: emm::HostOwner = Arc::clone(stream) as emm::HostOwner;
+    let owner: emm::plugin::HostOwner = Arc::clone(stream) as emm::plugin::HostOwner;
     // SAFETY: `handle` is the stream of `stream`, an `Arc<CudaStream>` of this context
     // (checked above) that cudarc destroys only when the last clone drops; `owner` is such a
     // clone, and the returned stream and every memory ordered on it hold it.

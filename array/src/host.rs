@@ -383,7 +383,7 @@ pub fn with_pinned<T: Pod, R>(
         ));
     }
     let at = emm::driver_sys::HostPtr(host.as_mut_ptr() as usize);
-    let owner: emm::HostOwner = std::sync::Arc::new(());
+    let owner: emm::plugin::HostOwner = std::sync::Arc::new(());
     // SAFETY: the range is `host`, exclusively borrowed for this whole function, so it stays
     // alive and unmoved until the pin (inside the `PinnedSlice`) is dropped below, before the
     // borrow ends; the owner is a placeholder because the borrow, not an owner, keeps it alive.

@@ -795,7 +795,7 @@ impl<T: Pod> DeviceArray<T> {
         // H200s: the peer copy fails with CUDA_ERROR_INVALID_VALUE).
         let pooled = [ctx, src_ctx]
             .iter()
-            .any(|c| c.stream_ordering() == emm::StreamOrdering::Driver);
+            .any(|c| c.stream_ordering() == emm::contract::StreamOrdering::Driver);
         let route = match route {
             Route::Auto if !pooled && ctx.can_access_peer(src_ctx.device())? => Route::Peer,
             Route::Auto => Route::Staged,

@@ -247,7 +247,7 @@ fn queued() -> Fixture {
     f
 }
 
-fn queue(ctx: &Context) -> &Arc<emm::PendingDeallocs> {
+fn queue(ctx: &Context) -> &Arc<emm::plugin::PendingDeallocs> {
     ctx.deallocations()
         .expect("the default manager has a deferred queue")
 }

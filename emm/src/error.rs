@@ -109,7 +109,7 @@ pub enum EmmError {
         detail: &'static str,
     },
 
-    /// Sending or receiving a [`PoolExport`](crate::PoolExport) over a socket failed.
+    /// Sending or receiving a [`PoolExport`](crate::contract::PoolExport) over a socket failed.
     /// (The operating system's error is in the message, and not also `source()`.)
     #[error(
         "{what}: {error}; both ends must use PoolExport::send and PoolExport::receive on a \

@@ -18,13 +18,13 @@
 //! | --- | --- |
 //! | [`Runtime`] | the driver, the manager choice (in code or `EMM_MEMORY_MANAGER`), one [`Context`] per device, device reset |
 //! | [`Context`] | a device's primary context: memory through its manager, copies, streams, events, modules, IPC, `defer_cleanup`, reset in Numba's order |
-//! | [`MemoryManager`] | the plugin interface (all NBEP 7 members) |
-//! | [`DeviceAllocator`] + [`HostOnly`] | a device-only plugin, completed by the [`HostLayer`] (pinned and mapped memory, its queue, reset, `defer_cleanup`) |
-//! | [`DefaultManager`] | emm's own manager, `HostOnly<DriverAllocator>` |
+//! | [`MemoryManager`](contract::MemoryManager) | the plugin interface (all NBEP 7 members) |
+//! | [`DeviceAllocator`](plugin::DeviceAllocator) + [`HostOnly`](plugin::HostOnly) | a device-only plugin, completed by the [`HostLayer`](plugin::HostLayer) (pinned and mapped memory, its queue, reset, `defer_cleanup`) |
+//! | [`DefaultManager`](plugin::DefaultManager) | emm's own manager, `HostOnly<DriverAllocator>` |
 //! | [`MemoryPointer`], [`MappedMemory`], [`PinnedMemory`] | memory; released through its owner when the last handle drops |
-//! | [`PendingDeallocs`] / [`DeferCleanup`] | deferred deallocation and its suspension |
+//! | [`PendingDeallocs`](plugin::PendingDeallocs) / [`DeferCleanup`](plugin::DeferCleanup) | deferred deallocation and its suspension |
 //! | [`IpcHandle`] | export, transport as bytes, open directly or staged, close |
-//! | [`PoolExport`] | an IPC-enabled stream-ordered pool (`async-pool-ipc`) on its way to another process, which imports it with [`Runtime::import_pool`] |
+//! | [`PoolExport`](contract::PoolExport) | an IPC-enabled stream-ordered pool (`async-pool-ipc`) on its way to another process, which imports it with [`Runtime::import_pool`] |
 //!
 //! emm never names cudarc or the simulator: it talks to an `Arc<dyn Driver>`
 //! ([`driver_sys::Driver`]).
@@ -40,16 +40,17 @@
 //! | --- | --- | --- |
 //! | 0 | `error`, `sync`, `size_class`, `slab`, `lines`, `thread_slots`, `units`, `test_config` | [`EmmError`]; the loom shim, the spin lock and the biased lock of the pools' shards; the size classes, the slab the allocation table and the arena name entries in, lists on cache lines of their own, the dense per-thread indices both pools use, byte sizes, the property tests' settings |
 //! | 1 | `memory` | memory objects and deallocation: pointers, host memory, the pending queue and its policy, `defer_cleanup`, liveness |
-//! | 2 | [`contract`] | the plugin interface: [`MemoryManager`], its factory and [`ManagerContext`], the data it returns |
-//! | 3 | `host` | the host layer: [`HostLayer`], [`DeviceAllocator`] + [`HostOnly`], Numba's allocation table, the pinned host pool |
+//! | 2 | [`contract`] | the plugin interface: [`MemoryManager`](contract::MemoryManager), its factory and [`ManagerContext`](contract::ManagerContext), the data it returns |
+//! | 3 | `host` | the host layer: [`HostLayer`](plugin::HostLayer), [`DeviceAllocator`](plugin::DeviceAllocator) + [`HostOnly`](plugin::HostOnly), Numba's allocation table, the pinned host pool |
 //! | 4 | `managers`, `adaptors` | `default`, `pool`, `async-pool`; `stats`, `limit`, `log`, `trace` |
 //! | 5 | `ipc`, `objects`, `resources` | opening IPC handles, imported pools, pool transfer; streams, events, modules; cuda.core's memory resources |
 //! | 6 | `runtime` | [`Runtime`], [`Context`], configuration from the environment |
 //! | 7 | [`replay`] | replaying an allocation log against a context |
 //!
 //! The layers' modules are the crate's own, except `contract` (the plugin interface) and
-//! `replay`: what an embedder uses is re-exported here, at the crate root, and what emm's
-//! tests and tools reach beneath it is in [`internals`].
+//! `replay`. The crate root re-exports what an embedder uses (about thirty names); the
+//! building blocks of managers are in [`plugin`], the finer stream types in [`streams`], and
+//! what emm's tests and tools reach beneath the API in [`internals`].
 #![deny(unsafe_code)]
 
 // Layer 0: foundations.
@@ -85,30 +86,16 @@ pub mod replay;
 pub use driver_sys;
 pub use error::{EmmError, LiveByTag, OutOfMemoryReport};
 
-pub use adaptors::{Adapted, Adaptor, LOG_HEADER};
-pub use contract::{
-    AllocationEvents, DeviceIdentity, FnFactory, FreeSpace, INTERFACE_VERSION, IpcHandle,
-    IpcMemory, KindUsage, ManagerContext, ManagerFactory, MemoryInfo, MemoryKind, MemoryManager,
-    OUT_OF_MEMORY_RETRIES, OutOfMemoryCallback, PinnedPoolConfig, PoolExport, PoolId, PoolReport,
-    PoolStats, StreamOrdering, Usage, check_interface_version,
-};
-pub use contract::{MemorySnapshot, Tag, TagScope};
-pub use host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
+pub use adaptors::Adaptor;
+pub use contract::{IpcHandle, MemoryInfo, MemorySnapshot, PinnedPoolConfig, PoolStats, Tag};
 #[cfg(unix)]
 pub use ipc::{PeerPolicy, bind_owner_only};
-pub use managers::{
-    ASYNC_POOL_IPC_MANAGER, ASYNC_POOL_MANAGED_MANAGER, ASYNC_POOL_MANAGER, AsyncPoolAllocator,
-    AsyncPoolManager, DEFAULT_MANAGER, DefaultManager, DriverAllocator, MAX_SMALL, POOL_ALIGNMENT,
-    POOL_MANAGER, PoolAllocator, PoolConfig, PoolManager, VMM_POOL_MANAGER,
-};
+pub use managers::PoolConfig;
 pub use memory::{
-    ContextLiveness, DeallocConfig, DeferCleanup, Free, HostAllocFlags, HostMemory, HostOwner,
-    HostReleaseHook, ManagedMemory, MappedMemory, MemoryPointer, OrderedOn, PendingDeallocs,
-    PinnableBuffer, PinnedMemory, ReleaseFn, ReleaseHook, StreamUse,
+    HostAllocFlags, HostMemory, ManagedMemory, MappedMemory, MemoryPointer, PinnableBuffer,
+    PinnedMemory,
 };
-pub use objects::{
-    AutoSynchronize, Event, InFlight, Module, Stream, StreamKind, host_function_panics,
-};
+pub use objects::{Event, InFlight, Module, Stream};
 pub use resources::{
     DeviceMemoryResource, DeviceMemoryResourceOptions, ManagedMemoryResource,
     ManagedMemoryResourceOptions, PinnedMemoryResource, PinnedMemoryResourceOptions,
@@ -116,6 +103,33 @@ pub use resources::{
 pub use runtime::context::Context;
 pub use runtime::graphs::{Graph, GraphPool, GraphPoolStats};
 pub use runtime::{Runtime, RuntimeBuilder};
+
+/// The building blocks of memory managers, for a host runtime that writes or composes its
+/// own (the plugin interface itself is [`contract`]): the shipped managers, their names and
+/// allocators; the host layer a manager is made of ([`HostOnly`](plugin::HostOnly) over a
+/// [`DeviceAllocator`](plugin::DeviceAllocator)); release hooks; the deferred-deallocation
+/// queue; and the adaptors' wrapper.
+pub mod plugin {
+    pub use crate::adaptors::{Adapted, LOG_HEADER};
+    pub use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
+    pub use crate::managers::{
+        ASYNC_POOL_IPC_MANAGER, ASYNC_POOL_MANAGED_MANAGER, ASYNC_POOL_MANAGER, AsyncPoolAllocator,
+        AsyncPoolManager, DEFAULT_MANAGER, DefaultManager, DriverAllocator, MAX_SMALL,
+        POOL_ALIGNMENT, POOL_MANAGER, PoolAllocator, PoolManager, VMM_POOL_MANAGER,
+    };
+    pub use crate::memory::{
+        ContextLiveness, DeallocConfig, DeferCleanup, Free, HostOwner, HostReleaseHook,
+        PendingDeallocs, ReleaseFn, ReleaseHook,
+    };
+}
+
+/// What streams and the memory ordered on them are made of, beyond [`Stream`] and
+/// [`Event`]: a stream's kind, the trait of what memory can be ordered on, a host
+/// function's panic count, and the synchronising guard.
+pub mod streams {
+    pub use crate::memory::{OrderedOn, StreamUse};
+    pub use crate::objects::{AutoSynchronize, StreamKind, host_function_panics};
+}
 
 /// What emm's own tests, tools and the Python package reach beneath the embedding API:
 /// configuration parsing (`config`), whether a capture pool may be open anywhere in the

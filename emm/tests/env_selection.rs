@@ -6,7 +6,9 @@
 use std::sync::Arc;
 
 use driver_mock::{SimConfig, SimDriver};
-use emm::{DefaultManager, EmmError, FnFactory, Runtime};
+use emm::contract::FnFactory;
+use emm::plugin::DefaultManager;
+use emm::{EmmError, Runtime};
 
 fn set(var: &str, value: Option<&str>) {
     // SAFETY: this binary holds one test, which runs alone on its thread before it starts any

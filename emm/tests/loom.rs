@@ -12,7 +12,8 @@
 use std::sync::Arc;
 
 use driver_mock::{Op, SimConfig, SimDriver};
-use emm::{ContextLiveness, DeallocConfig, Runtime};
+use emm::Runtime;
+use emm::plugin::{ContextLiveness, DeallocConfig};
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::thread;
 
@@ -377,7 +378,7 @@ fn pool_runtime() -> (Arc<SimDriver>, Runtime) {
     };
     let rt = Runtime::builder(sim.clone())
         .ignore_env()
-        .memory_manager(emm::PoolAllocator::factory_with("pool", config))
+        .memory_manager(emm::plugin::PoolAllocator::factory_with("pool", config))
         .build()
         .expect("runtime");
     (sim, rt)

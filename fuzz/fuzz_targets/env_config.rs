@@ -19,7 +19,7 @@ fuzz_target!(|data: &[u8]| {
         emm::internals::config::ENV_MEMORY_MANAGER => Some(name.clone()),
         _ => None,
     };
-    match emm::DeallocConfig::from_lookup(lookup) {
+    match emm::plugin::DeallocConfig::from_lookup(lookup) {
         Ok(c) => {
             assert_eq!(Some(c.max_count), count.trim().parse::<usize>().ok());
             assert!(c.max_ratio.is_finite() && c.max_ratio >= 0.0);

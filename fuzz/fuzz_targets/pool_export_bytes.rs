@@ -8,7 +8,8 @@
 use std::sync::{Arc, OnceLock};
 
 use driver_mock::{SimConfig, SimDriver};
-use emm::{PoolExport, Runtime};
+use emm::Runtime;
+use emm::contract::PoolExport;
 use libfuzzer_sys::fuzz_target;
 
 struct World {

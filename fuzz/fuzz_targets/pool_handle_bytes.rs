@@ -30,7 +30,7 @@ fn world() -> &'static std::sync::Mutex<World> {
         let sim = Arc::new(SimDriver::new(SimConfig::default()));
         let exporter = Runtime::builder(sim.clone())
             .ignore_env()
-            .memory_manager_name(emm::ASYNC_POOL_IPC_MANAGER)
+            .memory_manager_name(emm::plugin::ASYNC_POOL_IPC_MANAGER)
             .build()
             .unwrap();
         let ctx = exporter.context(0).unwrap();

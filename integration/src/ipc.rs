@@ -38,7 +38,7 @@ pub fn ipc_child(
     bytes: &[u8],
     mode: IpcMode,
     device: u32,
-    pool: Option<emm::PoolExport>,
+    pool: Option<emm::contract::PoolExport>,
 ) -> Result<Vec<u8>, String> {
     let rt = child_runtime(driver, pool)?;
     let ctx = rt.context(device).map_err(|e| e.to_string())?;
@@ -108,7 +108,7 @@ pub const IPC_CHILD_MANY_ENV: &str = "EMM_IPC_CHILD_MANY";
 /// The runtime of an IPC test's other process, with `pool` (if any) imported.
 fn child_runtime(
     driver: Arc<dyn Driver>,
-    pool: Option<emm::PoolExport>,
+    pool: Option<emm::contract::PoolExport>,
 ) -> Result<Runtime, String> {
     let rt = Runtime::builder(driver)
         .ignore_env()
@@ -139,7 +139,7 @@ fn child_runtime(
 pub fn ipc_child_many(
     driver: Arc<dyn Driver>,
     handles: &[Vec<u8>],
-    pool: Option<emm::PoolExport>,
+    pool: Option<emm::contract::PoolExport>,
 ) -> Result<Vec<u8>, String> {
     let rt = child_runtime(driver, pool)?;
     let ctx = rt.context(0).map_err(|e| e.to_string())?;
@@ -180,8 +180,8 @@ pub fn open_many_in_other_process(t: &TestCtx, handles: &[Vec<u8>]) -> Result<Ve
     let first = emm::IpcHandle::from_bytes(handles.first().ok_or("no handles")?)
         .map_err(|e| e.to_string())?;
     let pool = match first.handle() {
-        emm::IpcMemory::PoolAllocation { .. } => Some(export_pool_of(t, &first)?),
-        emm::IpcMemory::Allocation(_) => None,
+        emm::contract::IpcMemory::PoolAllocation { .. } => Some(export_pool_of(t, &first)?),
+        emm::contract::IpcMemory::Allocation(_) => None,
     };
     match &t.sim {
         Some(sim) => in_sim_process(sim, |other| ipc_child_many(other, handles, pool)),
@@ -468,10 +468,10 @@ pub fn raw_pool_importer(
 pub fn raw_pool_import_in_other_process(
     sim: Option<&Arc<SimDriver>>,
     handle: &[u8],
-    export: &emm::PoolExport,
+    export: &emm::contract::PoolExport,
 ) -> Result<String, String> {
     let parsed = emm::IpcHandle::from_bytes(handle).map_err(|e| e.to_string())?;
-    let emm::IpcMemory::PoolAllocation { data, .. } = parsed.handle() else {
+    let emm::contract::IpcMemory::PoolAllocation { data, .. } = parsed.handle() else {
         return Err("not a handle of pool memory".into());
     };
     let bytes = match sim {
@@ -509,7 +509,7 @@ const IPC_POOL_SOCKET_ENV: &str = "EMM_IPC_POOL_SOCKET";
 /// or on the GPU a real child process (this executable, re-run with [`IPC_CHILD_ENV`] set; its
 /// `main` must call [`run_ipc_child_if_requested`] first). A handle of stream-ordered pool
 /// memory takes its pool along: the exporting context exports it, and a real child receives
-/// it over a Unix socket ([`emm::PoolExport::send`]).
+/// it over a Unix socket ([`emm::contract::PoolExport::send`]).
 pub fn open_in_other_process(
     t: &TestCtx,
     bytes: &[u8],
@@ -518,15 +518,18 @@ pub fn open_in_other_process(
 ) -> Result<Vec<u8>, String> {
     let handle = emm::IpcHandle::from_bytes(bytes).map_err(|e| e.to_string())?;
     let pool = match handle.handle() {
-        emm::IpcMemory::PoolAllocation { .. } => Some(export_pool_of(t, &handle)?),
-        emm::IpcMemory::Allocation(_) => None,
+        emm::contract::IpcMemory::PoolAllocation { .. } => Some(export_pool_of(t, &handle)?),
+        emm::contract::IpcMemory::Allocation(_) => None,
     };
     open_in_other_process_with(t, bytes, mode, device, pool)
 }
 
 /// The pool export for a pool handle: from the context of the handle's source device (device
 /// 0 for a handle without one).
-pub fn export_pool_of(t: &TestCtx, handle: &emm::IpcHandle) -> Result<emm::PoolExport, String> {
+pub fn export_pool_of(
+    t: &TestCtx,
+    handle: &emm::IpcHandle,
+) -> Result<emm::contract::PoolExport, String> {
     let device = match handle.source() {
         Some(id) => t
             .runtime
@@ -547,7 +550,7 @@ pub fn open_in_other_process_with(
     bytes: &[u8],
     mode: IpcMode,
     device: u32,
-    pool: Option<emm::PoolExport>,
+    pool: Option<emm::contract::PoolExport>,
 ) -> Result<Vec<u8>, String> {
     match &t.sim {
         Some(sim) => in_sim_process(sim, |other| ipc_child(other, bytes, mode, device, pool)),
@@ -564,7 +567,10 @@ pub fn open_in_other_process_with(
 
 /// Runs this executable again as a child process with `env` set, sends it `pool` (if any)
 /// over a fresh Unix socket, and returns what it reported ([`child_result`]).
-fn spawn_child(env: &[(&str, String)], pool: Option<&emm::PoolExport>) -> Result<Vec<u8>, String> {
+fn spawn_child(
+    env: &[(&str, String)],
+    pool: Option<&emm::contract::PoolExport>,
+) -> Result<Vec<u8>, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut cmd = std::process::Command::new(exe);
     cmd.envs(env.iter().map(|(k, v)| (k, v)))
@@ -624,7 +630,7 @@ fn socket_path() -> std::path::PathBuf {
 fn send_to_child(
     listener: &std::os::unix::net::UnixListener,
     child: &mut std::process::Child,
-    export: &emm::PoolExport,
+    export: &emm::contract::PoolExport,
 ) -> Result<(), String> {
     listener
         .set_nonblocking(true)
@@ -673,7 +679,7 @@ pub fn run_ipc_child_if_requested() {
             let export = receive_pool()?.ok_or("no pool export socket was named")?;
             let bytes = unhex(&bytes)?;
             let handle = emm::IpcHandle::from_bytes(&bytes).map_err(|e| e.to_string())?;
-            let emm::IpcMemory::PoolAllocation { data, .. } = handle.handle() else {
+            let emm::contract::IpcMemory::PoolAllocation { data, .. } = handle.handle() else {
                 return Err("not a handle of pool memory".into());
             };
             let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
@@ -726,11 +732,11 @@ pub fn run_ipc_child_if_requested() {
 
 /// In a child process: the pool export its parent sends over the socket it names, if it
 /// names one.
-fn receive_pool() -> Result<Option<emm::PoolExport>, String> {
+fn receive_pool() -> Result<Option<emm::contract::PoolExport>, String> {
     match std::env::var(IPC_POOL_SOCKET_ENV) {
         Ok(path) => std::os::unix::net::UnixStream::connect(&path)
             .map_err(|e| format!("connecting to {path}: {e}"))
-            .and_then(|s| emm::PoolExport::receive(&s).map_err(|e| e.to_string()))
+            .and_then(|s| emm::contract::PoolExport::receive(&s).map_err(|e| e.to_string()))
             .map(Some),
         Err(_) => Ok(None),
     }

@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use driver_mock::{SimConfig, SimDeviceConfig, SimDriver};
 use driver_sys::{DeviceOrdinal, Driver, DriverError};
-use emm::{DeallocConfig, Runtime, RuntimeBuilder};
+use emm::plugin::DeallocConfig;
+use emm::{Runtime, RuntimeBuilder};
 
 use crate::examples_support::log_from_env;
 
@@ -155,7 +156,7 @@ impl SuiteSetup {
     /// Whether the suite runs emm's default manager with no adaptor and no pinned pool: the
     /// configuration whose driver calls the Numba tests count.
     pub fn is_plain_default(&self) -> bool {
-        self.manager == emm::DEFAULT_MANAGER
+        self.manager == emm::plugin::DEFAULT_MANAGER
             && self.adaptors.is_empty()
             && self.pinned_pool.is_none()
     }
@@ -180,7 +181,7 @@ impl SuiteSetup {
 /// `cuMemFree` per allocation (emm's `default` manager, adaptors or not): the behaviour Numba's
 /// deallocation tests count. A pool returns blocks to itself instead.
 pub fn defers_device_frees() -> bool {
-    suite_setup().is_ok_and(|s| s.manager == emm::DEFAULT_MANAGER)
+    suite_setup().is_ok_and(|s| s.manager == emm::plugin::DEFAULT_MANAGER)
 }
 
 /// Whether the suite's manager hands out managed memory (`async-pool-managed`), whose device
@@ -188,7 +189,7 @@ pub fn defers_device_frees() -> bool {
 /// memory as used until later (measured on an H100: 32 MiB came back only after the next
 /// pool's reset).
 pub fn hands_out_managed_memory() -> bool {
-    suite_setup().is_ok_and(|s| s.manager == emm::ASYNC_POOL_MANAGED_MANAGER)
+    suite_setup().is_ok_and(|s| s.manager == emm::plugin::ASYNC_POOL_MANAGED_MANAGER)
 }
 
 /// Checks that the device's free memory is back at `baseline` after a test gave everything
@@ -216,16 +217,16 @@ pub fn ensure_memory_back(free: usize, baseline: usize, what: &str) -> Result<()
 /// `cuIpcGetMemHandle`; `async-pool-ipc` does).
 pub fn exports_ipc_handles() -> bool {
     suite_setup().is_ok_and(|s| {
-        s.manager != emm::ASYNC_POOL_MANAGER
-            && s.manager != emm::ASYNC_POOL_MANAGED_MANAGER
-            && s.manager != emm::VMM_POOL_MANAGER
+        s.manager != emm::plugin::ASYNC_POOL_MANAGER
+            && s.manager != emm::plugin::ASYNC_POOL_MANAGED_MANAGER
+            && s.manager != emm::plugin::VMM_POOL_MANAGER
     })
 }
 
 /// Whether the suite's manager hands out device memory, which `cuMemGetInfo` counts at once:
 /// all but `async-pool-managed`, whose managed memory the driver places on first touch.
 pub fn allocates_device_memory() -> bool {
-    suite_setup().is_ok_and(|s| s.manager != emm::ASYNC_POOL_MANAGED_MANAGER)
+    suite_setup().is_ok_and(|s| s.manager != emm::plugin::ASYNC_POOL_MANAGED_MANAGER)
 }
 
 /// Whether host allocations reach the driver one call each (no pinned host pool).
@@ -239,7 +240,7 @@ pub fn suite_setup() -> Result<SuiteSetup, String> {
     Ok(SuiteSetup {
         manager: emm::internals::config::manager_name_from_lookup(env)
             .map_err(|e| e.to_string())?
-            .unwrap_or_else(|| emm::DEFAULT_MANAGER.to_owned()),
+            .unwrap_or_else(|| emm::plugin::DEFAULT_MANAGER.to_owned()),
         adaptors: emm::internals::config::adaptors_from_lookup(env).map_err(|e| e.to_string())?,
         pinned_pool: emm::internals::config::pinned_pool_from_lookup(env)
             .map_err(|e| e.to_string())?,

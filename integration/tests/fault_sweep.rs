@@ -35,10 +35,9 @@ use std::sync::Arc;
 
 use driver_mock::{Fault, Op, SimConfig, SimDeviceConfig, SimDriver};
 use driver_sys::{CaptureMode, DeviceOrdinal, ErrorKind};
-use emm::{
-    Adaptor, AllocationKind, DeviceAllocator, EmmError, FnFactory, HostLayer, HostOnly, IpcHandle,
-    MemoryPointer, PinnableBuffer, PinnedPoolConfig, Runtime,
-};
+use emm::contract::FnFactory;
+use emm::plugin::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
+use emm::{Adaptor, EmmError, IpcHandle, MemoryPointer, PinnableBuffer, PinnedPoolConfig, Runtime};
 
 const PTX: &str =
     ".version 8.0\n.target sm_90\n.address_size 64\n\n.visible .entry emm_noop()\n{\n\tret;\n}\n";
@@ -186,7 +185,7 @@ fn workload(
     // Stream-ordered memory: allocated on one stream, used by another (recorded), freed on a
     // third; a second block freed where it was allocated; then allocations on other streams
     // (the pool takes other streams' blocks back here) and a synchronisation.
-    if ctx.stream_ordering() != emm::StreamOrdering::Unsupported {
+    if ctx.stream_ordering() != emm::contract::StreamOrdering::Unsupported {
         let e = ctx.memalloc_on(4096, &fast)?;
         ctx.memset_async(&e, 2, &fast)?.wait()?;
         e.record_stream(&stream)?;
@@ -263,9 +262,9 @@ fn workload(
     // nor under `vmm-pool`, whose mapped memory the driver does not export by IPC handle:
     // get_ipc_handle refuses there (the suite checks how).
     let exports = ![
-        emm::ASYNC_POOL_MANAGER,
-        emm::ASYNC_POOL_MANAGED_MANAGER,
-        emm::VMM_POOL_MANAGER,
+        emm::plugin::ASYNC_POOL_MANAGER,
+        emm::plugin::ASYNC_POOL_MANAGED_MANAGER,
+        emm::plugin::VMM_POOL_MANAGER,
     ]
     .contains(&ctx.memory_manager_name());
     if exports {
@@ -273,7 +272,7 @@ fn workload(
     }
     // A copy to the second device, a peer, which asks for peer access first (not of the
     // driver's stream-ordered pool memory, which a peer copy cannot reach).
-    if ctx.stream_ordering() != emm::StreamOrdering::Driver {
+    if ctx.stream_ordering() != emm::contract::StreamOrdering::Driver {
         let second = rt.context(1)?;
         let copy = second.memalloc(b.size())?;
         second.copy_peer(&copy, &ctx, &b, b.size())?;
@@ -354,7 +353,7 @@ fn ipc_round_trip(
     }
     {
         let other_rt = Runtime::builder(other.clone()).ignore_env().build()?;
-        if ctx.memory_manager_name() == emm::ASYNC_POOL_IPC_MANAGER {
+        if ctx.memory_manager_name() == emm::plugin::ASYNC_POOL_IPC_MANAGER {
             // Pool memory opens once the other process imported the pool.
             other_rt.import_pool(ctx.export_pool()?)?;
         }

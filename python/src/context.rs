@@ -10,8 +10,9 @@ use crate::runtime::{lock, runtime};
 use crate::streams::StreamArg;
 use crate::{array, host_range};
 use crate::{py_err, stream_ordering_name};
+use emm::IpcHandle;
 use emm::driver_sys::{DeviceOrdinal, HostPtr};
-use emm::{DeferCleanup, IpcHandle};
+use emm::plugin::DeferCleanup;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -30,8 +31,8 @@ impl Ipc {
     #[getter]
     fn handle<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         let bytes: &[u8] = match self.handle.handle() {
-            emm::IpcMemory::Allocation(h) => &h.0,
-            emm::IpcMemory::PoolAllocation { data, .. } => &data.0,
+            emm::contract::IpcMemory::Allocation(h) => &h.0,
+            emm::contract::IpcMemory::PoolAllocation { data, .. } => &data.0,
         };
         PyBytes::new(py, bytes)
     }
@@ -40,7 +41,10 @@ impl Ipc {
     /// `False` for stream-ordered pool memory (`async-pool-ipc`), which needs emm's import.
     #[getter]
     fn is_driver_handle(&self) -> bool {
-        matches!(self.handle.handle(), emm::IpcMemory::Allocation(_))
+        matches!(
+            self.handle.handle(),
+            emm::contract::IpcMemory::Allocation(_)
+        )
     }
 
     /// The offset of the exported memory in its allocation.
@@ -305,7 +309,7 @@ impl Context {
             }
         }
         // The Python object that owns the memory: the pin holds it until the pin ends.
-        let keeper: emm::HostOwner = Arc::new(owner);
+        let keeper: emm::plugin::HostOwner = Arc::new(owner);
         // SAFETY: the caller (Numba's contract for `mempin`) passes `pointer .. pointer + size`
         // as memory `owner` keeps alive, and the pin holds `owner`; emm makes no references to
         // that memory.
@@ -442,7 +446,7 @@ impl Context {
                         false
                     }
                 })
-            }) as Arc<emm::OutOfMemoryCallback>
+            }) as Arc<emm::contract::OutOfMemoryCallback>
         }));
     }
 

@@ -9,8 +9,9 @@ use std::ffi::{c_int, c_void};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use emm::MemoryPointer;
+use emm::contract::StreamOrdering;
 use emm::driver_sys::StreamHandle;
-use emm::{MemoryPointer, StreamOrdering};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyCapsuleMethods, PyDict};

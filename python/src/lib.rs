@@ -14,7 +14,8 @@
 //! when memory ran out.
 #![allow(unsafe_code)]
 
-use emm::{EmmError, StreamOrdering};
+use emm::EmmError;
+use emm::contract::StreamOrdering;
 mod array;
 mod buffers;
 mod context;

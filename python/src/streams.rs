@@ -182,7 +182,7 @@ impl StreamArg {
             // SAFETY: `owner` keeps the stream alive (see `extract`), and the stream and every
             // memory ordered on it hold `owner`.
             StreamArg::Held(h, owner) => unsafe {
-                ctx.external_stream_owned(h, Arc::new(owner) as emm::HostOwner)
+                ctx.external_stream_owned(h, Arc::new(owner) as emm::plugin::HostOwner)
             },
         }
     }

@@ -6,8 +6,9 @@ use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
 
 use crate::runtime::{AddressMap, drop_memory, lock, with_device_context};
+use emm::MemoryPointer;
+use emm::contract::StreamOrdering;
 use emm::driver_sys::StreamHandle;
-use emm::{MemoryPointer, StreamOrdering};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 

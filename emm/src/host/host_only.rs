@@ -26,7 +26,8 @@ use crate::memory::pointer::MemoryPointer;
 /// become [`EmmError`]s with [`ManagerContext::driver_error`], so `?` works:
 ///
 /// ```
-/// use emm::{DeviceAllocator, EmmError, HostLayer, IpcHandle, MemoryInfo, MemoryPointer};
+/// use emm::{EmmError, IpcHandle, MemoryInfo, MemoryPointer};
+/// use emm::plugin::{DeviceAllocator, HostLayer};
 ///
 /// /// Device memory straight from `cuMemAlloc`, tracked by the host layer.
 /// #[derive(Debug)]
@@ -50,12 +51,12 @@ use crate::memory::pointer::MemoryPointer;
 ///     // Memory info and IPC handles: the defaults (the driver's figures, cuIpcGetMemHandle).
 /// }
 ///
-/// // Selected like any manager: `emm::HostOnly::new(cx, Plain)` in a factory.
+/// // Selected like any manager: `emm::plugin::HostOnly::new(cx, Plain)` in a factory.
 /// let sim = std::sync::Arc::new(driver_mock::SimDriver::new(Default::default()));
 /// let runtime = emm::Runtime::builder(sim)
 ///     .ignore_env()
-///     .memory_manager(emm::FnFactory::new("plain", |cx| {
-///         Ok(Box::new(emm::HostOnly::new(cx, Plain)))
+///     .memory_manager(emm::contract::FnFactory::new("plain", |cx| {
+///         Ok(Box::new(emm::plugin::HostOnly::new(cx, Plain)))
 ///     }))
 ///     .build()?;
 /// let ctx = runtime.context(0)?;

@@ -1,6 +1,6 @@
 //! The pinned host pool: reuses page-locked host memory (`cuMemHostAlloc` costs hundreds of
 //! microseconds), in the manner of cuda.core's `PinnedMemoryResource`. It lives in the
-//! [`HostLayer`](crate::HostLayer), so every manager built on it (the default manager, the
+//! [`HostLayer`](crate::plugin::HostLayer), so every manager built on it (the default manager, the
 //! pool, a plugin's `HostOnly<_>`) gets it when the runtime asks for it
 //! ([`RuntimeBuilder::pinned_host_pool`](crate::RuntimeBuilder::pinned_host_pool) or
 //! `EMM_PINNED_HOST_POOL`).

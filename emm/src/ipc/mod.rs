@@ -1,8 +1,8 @@
 //! Layer 5, IPC at work: opening handles directly or staged (`open`), the runtime's table of
-//! imported stream-ordered pools (`imports`), and a [`PoolExport`](crate::PoolExport)'s trip
+//! imported stream-ordered pools (`imports`), and a [`PoolExport`](crate::contract::PoolExport)'s trip
 //! over a Unix socket to the processes the exporter allows (`transfer`: [`PeerPolicy`],
 //! [`bind_owner_only`]). What the contract returns ([`IpcHandle`](crate::IpcHandle),
-//! [`PoolExport`](crate::PoolExport)) is data in `crate::contract`; this layer does the work.
+//! [`PoolExport`](crate::contract::PoolExport)) is data in `crate::contract`; this layer does the work.
 
 pub(crate) mod imports;
 pub(crate) mod open;

@@ -8,7 +8,7 @@
 //! | `async_pool` | `async-pool`, `async-pool-ipc`, `async-pool-managed` | the driver's stream-ordered pool ([`AsyncPoolManager`]), optionally exported to other processes, or of managed memory |
 //!
 //! How each orders memory allocated on a stream (`memalloc_on`) is its
-//! [`StreamOrdering`](crate::StreamOrdering): `default` fences the free, `pool` keeps an arena
+//! [`StreamOrdering`](crate::contract::StreamOrdering): `default` fences the free, `pool` keeps an arena
 //! per stream, the `async-pool` managers leave it to the driver. `emm/IMPLEMENTATION.md`
 //! explains the pool's machinery.
 

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use driver_mock::{SimConfig, SimDriver};
-use emm::FreeSpace;
+use emm::contract::FreeSpace;
 use proptest::prelude::*;
 
 use crate::common::{cases, runtime_with, seed};

@@ -199,12 +199,12 @@ proptest! {
         steps in prop::collection::vec(step(), 1..40),
     ) {
         for manager in [
-            emm::DEFAULT_MANAGER,
-            emm::POOL_MANAGER,
-            emm::VMM_POOL_MANAGER,
-            emm::ASYNC_POOL_MANAGER,
-            emm::ASYNC_POOL_IPC_MANAGER,
-            emm::ASYNC_POOL_MANAGED_MANAGER,
+            emm::plugin::DEFAULT_MANAGER,
+            emm::plugin::POOL_MANAGER,
+            emm::plugin::VMM_POOL_MANAGER,
+            emm::plugin::ASYNC_POOL_MANAGER,
+            emm::plugin::ASYNC_POOL_IPC_MANAGER,
+            emm::plugin::ASYNC_POOL_MANAGED_MANAGER,
         ] {
             run(manager, &steps)?;
         }

@@ -24,7 +24,7 @@
 use std::sync::Arc;
 
 use driver_mock::{SimConfig, SimDriver};
-use emm::MemoryKind;
+use emm::contract::MemoryKind;
 use emm::replay::{Action, ReplayEvent, Replayer};
 use proptest::prelude::*;
 

@@ -110,7 +110,7 @@ fn context_defer_cleanup_covers_both_queues() {
     let sim = Arc::new(SimDriver::new(SimConfig::default()));
     let rt = Runtime::builder(sim.clone())
         .ignore_env()
-        .dealloc_config(emm::DeallocConfig {
+        .dealloc_config(emm::plugin::DeallocConfig {
             max_count: 0,
             max_ratio: 0.2,
         })
@@ -446,7 +446,7 @@ fn an_owned_external_stream_outlives_the_memory_ordered_on_it() {
         let owner: Arc<()> = Arc::new(());
         // SAFETY: `theirs` is a stream of this context that outlives `owner` (dropped last).
         let s = unsafe { ctx.external_stream_owned(theirs.handle(), owner.clone()) };
-        assert_eq!(s.kind(), emm::StreamKind::External);
+        assert_eq!(s.kind(), emm::streams::StreamKind::External);
         let mem = ctx.memalloc_on(64, &s).unwrap();
         drop(s);
         assert_eq!(
@@ -474,7 +474,7 @@ fn a_panicking_host_function_is_stopped_counted_and_the_stream_goes_on() {
     let rt = crate::common::runtime_with(&sim, "default");
     let ctx = rt.context(0).unwrap();
     let stream = ctx.create_stream().unwrap();
-    let before = emm::host_function_panics();
+    let before = emm::streams::host_function_panics();
     let ran = Arc::new(AtomicBool::new(false));
     let after = Arc::clone(&ran);
     stream
@@ -485,5 +485,5 @@ fn a_panicking_host_function_is_stopped_counted_and_the_stream_goes_on() {
         .unwrap();
     stream.synchronize().unwrap();
     assert!(ran.load(Ordering::SeqCst), "the later host function ran");
-    assert_eq!(emm::host_function_panics(), before + 1);
+    assert_eq!(emm::streams::host_function_panics(), before + 1);
 }

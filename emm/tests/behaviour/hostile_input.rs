@@ -7,10 +7,9 @@ use std::sync::Arc;
 
 use driver_mock::{SimConfig, SimDriver};
 use driver_sys::{IpcMemHandle, PoolPtrExportData};
-use emm::{
-    DeallocConfig, DeviceIdentity, EmmError, IpcHandle, IpcMemory, PinnableBuffer, PoolExport,
-    PoolId, Runtime,
-};
+use emm::contract::{DeviceIdentity, IpcMemory, PoolExport, PoolId};
+use emm::plugin::DeallocConfig;
+use emm::{EmmError, IpcHandle, PinnableBuffer, Runtime};
 use proptest::prelude::*;
 
 /// What a handle names: a `cuIpcGetMemHandle` allocation or a pool allocation.
@@ -294,7 +293,7 @@ fn requests_near_the_largest_size_are_refused_under_every_manager() {
                 e.is_out_of_memory() || matches!(e, emm::EmmError::InvalidArgument { .. }),
                 "{manager} {size}: {e:?}"
             );
-            if ctx.stream_ordering() != emm::StreamOrdering::Unsupported {
+            if ctx.stream_ordering() != emm::contract::StreamOrdering::Unsupported {
                 let e = ctx.memalloc_on(size, &s).expect_err("no device holds it");
                 assert!(
                     e.is_out_of_memory() || matches!(e, emm::EmmError::InvalidArgument { .. }),

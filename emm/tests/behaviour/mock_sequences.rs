@@ -225,10 +225,10 @@ fn a_release_that_fails_once_succeeds_on_the_retry() {
 #[derive(Debug)]
 struct CountingPlugin;
 
-impl emm::DeviceAllocator for CountingPlugin {
+impl emm::plugin::DeviceAllocator for CountingPlugin {
     fn memalloc(
         &self,
-        host: &emm::HostLayer,
+        host: &emm::plugin::HostLayer,
         bytes: usize,
     ) -> Result<emm::MemoryPointer, EmmError> {
         let cx = host.context();
@@ -244,15 +244,15 @@ impl emm::DeviceAllocator for CountingPlugin {
             )
         })
     }
-    fn initialize(&self, _: &emm::HostLayer) -> Result<(), EmmError> {
+    fn initialize(&self, _: &emm::plugin::HostLayer) -> Result<(), EmmError> {
         Ok(())
     }
-    fn get_memory_info(&self, _: &emm::HostLayer) -> Result<emm::MemoryInfo, EmmError> {
+    fn get_memory_info(&self, _: &emm::plugin::HostLayer) -> Result<emm::MemoryInfo, EmmError> {
         Ok(emm::MemoryInfo { free: 1, total: 2 })
     }
     fn get_ipc_handle(
         &self,
-        h: &emm::HostLayer,
+        h: &emm::plugin::HostLayer,
         m: &emm::MemoryPointer,
     ) -> Result<emm::IpcHandle, EmmError> {
         h.ipc_handle(m)
@@ -266,8 +266,8 @@ fn no_mem_alloc_while_a_plugin_owns_device_memory() {
     m.expect_primary_ctx_release()
         .times(1)
         .returning(|_| Ok(()));
-    let plugin = emm::FnFactory::new("plugin", |cx| {
-        Ok(Box::new(emm::HostOnly::new(cx, CountingPlugin)))
+    let plugin = emm::contract::FnFactory::new("plugin", |cx| {
+        Ok(Box::new(emm::plugin::HostOnly::new(cx, CountingPlugin)))
     });
     let rt = Runtime::builder(Arc::new(m))
         .ignore_env()

@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use driver_mock::{SimConfig, SimDriver};
-use emm::{EmmError, OUT_OF_MEMORY_RETRIES};
+use emm::EmmError;
+use emm::contract::OUT_OF_MEMORY_RETRIES;
 
 use crate::common::runtime_with;
 
@@ -38,7 +39,7 @@ fn a_callback_that_frees_memory_gets_the_allocation_served_under_every_manager()
         })));
         let s = ctx.create_stream().unwrap();
         // The spare fills most of the device: the request fails until the callback drops it.
-        let got = if ctx.stream_ordering() == emm::StreamOrdering::Unsupported {
+        let got = if ctx.stream_ordering() == emm::contract::StreamOrdering::Unsupported {
             ctx.memalloc(40 << 20)
         } else {
             ctx.memalloc_on(40 << 20, &s)

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use driver_mock::{Fault, Op, SimConfig, SimDriver};
 use driver_sys::{ContextHandle, DeviceOrdinal, Driver, ErrorKind};
-use emm::{ContextLiveness, DeallocConfig, Free, PendingDeallocs};
+use emm::plugin::{ContextLiveness, DeallocConfig, Free, PendingDeallocs};
 
 struct Setup {
     sim: Arc<SimDriver>,
@@ -171,7 +171,9 @@ fn nested_guards_and_plugin_parts_release_together() {
     let inner = s
         .queue
         .defer_cleanup()
-        .join(emm::DeferCleanup::plugin(Box::new(Flag(dropped.clone()))));
+        .join(emm::plugin::DeferCleanup::plugin(Box::new(Flag(
+            dropped.clone(),
+        ))));
     drop(inner);
     assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
     assert!(s.queue.is_disabled(), "the outer guard still holds");

@@ -9,7 +9,8 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
 use driver_mock::{Op, SimConfig, SimDeviceConfig, SimDriver};
-use emm::{EmmError, IpcHandle, IpcMemory, MemoryPointer, PoolExport};
+use emm::contract::{IpcMemory, PoolExport};
+use emm::{EmmError, IpcHandle, MemoryPointer};
 use proptest::prelude::*;
 
 use crate::common::runtime_with;

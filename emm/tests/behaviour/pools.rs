@@ -6,10 +6,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use driver_mock::{Op, SimConfig, SimDriver};
+use emm::contract::MemoryKind;
 use emm::driver_sys::Driver;
 use emm::{
-    Adaptor, Context, EmmError, MemoryKind, MemoryPointer, PinnedPoolConfig, PoolConfig, Runtime,
-    replay,
+    Adaptor, Context, EmmError, MemoryPointer, PinnedPoolConfig, PoolConfig, Runtime, replay,
 };
 use proptest::prelude::*;
 
@@ -27,7 +27,7 @@ fn pinned_runtime(sim: &Arc<SimDriver>, config: PinnedPoolConfig) -> Runtime {
 fn small_pool_runtime(sim: &Arc<SimDriver>, config: PoolConfig) -> Runtime {
     Runtime::builder(sim.clone())
         .ignore_env()
-        .memory_manager(emm::PoolAllocator::factory_with("pool", config))
+        .memory_manager(emm::plugin::PoolAllocator::factory_with("pool", config))
         .build()
         .unwrap()
 }
@@ -862,7 +862,7 @@ fn a_logged_run_replays() {
     }
     let text = std::fs::read_to_string(&path).unwrap();
     let mut lines = text.lines();
-    assert_eq!(lines.next(), Some(emm::LOG_HEADER));
+    assert_eq!(lines.next(), Some(emm::plugin::LOG_HEADER));
     assert_eq!(text.lines().count(), 1 + 8, "{text}");
     let events = replay::parse_log(&text).unwrap();
     assert_eq!(events.len(), 8);
@@ -968,9 +968,9 @@ fn async_pool_managed_gives_managed_memory() {
     use driver_mock::{SimConfig, SimDeviceConfig, SimDriver};
     use std::sync::Arc;
     let sim = crate::common::sim();
-    let rt = crate::common::runtime_with(&sim, emm::ASYNC_POOL_MANAGED_MANAGER);
+    let rt = crate::common::runtime_with(&sim, emm::plugin::ASYNC_POOL_MANAGED_MANAGER);
     let ctx = rt.context(0).unwrap();
-    assert_eq!(ctx.stream_ordering(), emm::StreamOrdering::Driver);
+    assert_eq!(ctx.stream_ordering(), emm::contract::StreamOrdering::Driver);
     let mem = ctx.to_device(&[8u8; 4096]).unwrap();
     let mut back = [0u8; 4096];
     ctx.copy_to_host(&mut back, &mem).unwrap();
@@ -986,7 +986,7 @@ fn async_pool_managed_gives_managed_memory() {
     let none = Arc::new(SimDriver::new(SimConfig::with_devices(vec![
         SimDeviceConfig::new(256 << 20).managed_memory(false),
     ])));
-    let nrt = crate::common::runtime_with(&none, emm::ASYNC_POOL_MANAGED_MANAGER);
+    let nrt = crate::common::runtime_with(&none, emm::plugin::ASYNC_POOL_MANAGED_MANAGER);
     let e = nrt.context(0).and_then(|c| c.memalloc(64)).unwrap_err();
     assert!(e.to_string().contains("NOT_SUPPORTED"), "{e}");
 }

@@ -2,7 +2,9 @@
 //! and the rule that the choice is fixed once a context exists.
 
 use crate::common::sim;
-use emm::{DefaultManager, EmmError, FnFactory, Runtime};
+use emm::contract::FnFactory;
+use emm::plugin::DefaultManager;
+use emm::{EmmError, Runtime};
 
 #[test]
 fn default_is_chosen_unless_told_otherwise() {

@@ -376,9 +376,9 @@ pub(crate) fn default_fairly(driver: &Arc<dyn Driver>) {
     let deferral_off = Runtime::builder(Arc::clone(driver))
         .ignore_env()
         .memory_manager_name("default")
-        .dealloc_config(emm::DeallocConfig {
+        .dealloc_config(emm::plugin::DeallocConfig {
             max_count: 0,
-            ..emm::DeallocConfig::default()
+            ..emm::plugin::DeallocConfig::default()
         })
         .build()
         .expect("runtime");

@@ -1,7 +1,8 @@
 //! Deferred deallocation (Numba's `test_deallocations.py`) and the out-of-memory retry.
 
 use driver_mock::Op;
-use emm::{DeallocConfig, EmmError, MemoryPointer};
+use emm::plugin::DeallocConfig;
+use emm::{EmmError, MemoryPointer};
 use integration::{Target, TestCtx};
 use libtest_mimic::Failed;
 

@@ -5,10 +5,10 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use driver_mock::Op;
+use emm::contract::FnFactory;
 use emm::driver_sys::{DevicePtr, IpcMemHandle};
-use emm::{
-    DeviceAllocator, EmmError, FnFactory, HostLayer, HostOnly, IpcHandle, MemoryInfo, MemoryPointer,
-};
+use emm::plugin::{DeviceAllocator, HostLayer, HostOnly};
+use emm::{EmmError, IpcHandle, MemoryInfo, MemoryPointer};
 use integration::{Target, TestCtx};
 use libtest_mimic::Failed;
 
@@ -185,7 +185,7 @@ pub fn test_get_ipc_handle(target: Target) -> Result<(), Failed> {
     let ctx = t.context()?;
     let mem = ctx.memalloc(16)?;
     let handle = ctx.get_ipc_handle(&mem)?;
-    let emm::IpcMemory::Allocation(raw) = handle.handle() else {
+    let emm::contract::IpcMemory::Allocation(raw) = handle.handle() else {
         return Err(format!("the plugin's handle came back as {:?}", handle.handle()).into());
     };
     let text = String::from_utf8_lossy(&raw.0);

@@ -2,7 +2,7 @@
 //! graph pool and replay, the pool's memory kept for the graph and flat over replays, and
 //! what each manager does with an allocation on a captured stream outside a graph pool.
 
-use emm::StreamOrdering;
+use emm::contract::StreamOrdering;
 use emm::driver_sys::{CaptureMode, CaptureStatus};
 use integration::{Target, TestCtx};
 use libtest_mimic::Failed;

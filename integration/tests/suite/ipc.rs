@@ -216,13 +216,13 @@ pub fn pool_export_per_manager(target: Target) -> Result<(), Failed> {
     let ctx = t.context()?;
     let data = arange(64);
     let mem = ctx.to_device(&data)?;
-    if ctx.memory_manager_name() != emm::ASYNC_POOL_IPC_MANAGER {
+    if ctx.memory_manager_name() != emm::plugin::ASYNC_POOL_IPC_MANAGER {
         let e = ctx
             .export_pool()
             .expect_err("only async-pool-ipc exports a pool");
         ensure!(matches!(e, EmmError::NotSupported { .. }), "{e:?}");
         ensure!(e.to_string().contains("async-pool-ipc"), "{e}");
-        if ctx.memory_manager_name() == emm::ASYNC_POOL_MANAGER {
+        if ctx.memory_manager_name() == emm::plugin::ASYNC_POOL_MANAGER {
             let e = ctx
                 .get_ipc_handle(&mem)
                 .expect_err("async-pool exports no memory");
@@ -236,7 +236,7 @@ pub fn pool_export_per_manager(target: Target) -> Result<(), Failed> {
     let view = mem.view(8, Some(200))?;
     let handle = ctx.get_ipc_handle(&view)?;
     ensure!(
-        matches!(handle.handle(), emm::IpcMemory::PoolAllocation { pool, .. } if *pool == export.id()),
+        matches!(handle.handle(), emm::contract::IpcMemory::PoolAllocation { pool, .. } if *pool == export.id()),
         "the handle names the exported pool: {handle:?}"
     );
     ensure_eq!(handle.offset(), 8);

@@ -169,7 +169,7 @@ pub fn arrays_across_devices(target: Target) -> Result<(), Failed> {
                 vec![elements]
             };
             let a = DeviceArray::to_device(&c0, &data, &shape, Order::F)?;
-            let pooled = c0.stream_ordering() == emm::StreamOrdering::Driver;
+            let pooled = c0.stream_ordering() == emm::contract::StreamOrdering::Driver;
             // A new array of `to` holding `src` (an array of `from`), copied by `route` and read
             // back.
             let copy = |to: &emm::Context, from: &emm::Context, src: &DeviceArray<u32>, route| {
@@ -191,7 +191,7 @@ pub fn arrays_across_devices(target: Target) -> Result<(), Failed> {
             // Mapped memory (`vmm-pool`) is granted only to the devices that can reach it as
             // peers: a peer copy from another device is refused, as the driver refuses one of
             // memory it was not granted.
-            let mapped = c0.memory_manager_name() == emm::VMM_POOL_MANAGER && !peers;
+            let mapped = c0.memory_manager_name() == emm::plugin::VMM_POOL_MANAGER && !peers;
             for route in [Route::Peer, Route::Staged, Route::Auto] {
                 if mapped && route == Route::Peer {
                     let b = DeviceArray::<u32>::new(&c1, &shape, Order::F)?;

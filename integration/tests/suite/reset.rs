@@ -56,18 +56,18 @@ pub fn reset_frees_everything(target: Target) -> Result<(), Failed> {
 /// NBEP 7: `reset` may come before `initialize`.
 pub fn reset_before_initialize(target: Target) -> Result<(), Failed> {
     let t = TestCtx::new(target)?;
-    let mcx = emm::ManagerContext {
+    let mcx = emm::contract::ManagerContext {
         driver: t.driver.clone(),
         device: 0.into(),
         context: t.driver.primary_ctx_retain(0.into())?,
-        dealloc_config: emm::DeallocConfig::default(),
-        liveness: std::sync::Arc::new(emm::ContextLiveness::new()),
+        dealloc_config: emm::plugin::DeallocConfig::default(),
+        liveness: std::sync::Arc::new(emm::plugin::ContextLiveness::new()),
         pinned_pool: None,
         host_memory_pool: false,
         events: Default::default(),
     };
-    let mm = emm::DefaultManager::default_manager(&mcx);
-    use emm::MemoryManager;
+    let mm = emm::plugin::DefaultManager::default_manager(&mcx);
+    use emm::contract::MemoryManager;
     mm.reset()?;
     mm.initialize()?;
     let mem = mm.memalloc(128)?;

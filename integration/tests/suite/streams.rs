@@ -5,8 +5,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use emm::EmmError;
 use emm::driver_sys::{Driver, StreamHandle, wait_value};
-use emm::{EmmError, StreamKind};
+use emm::streams::StreamKind;
 use integration::{Target, TestCtx};
 use libtest_mimic::Failed;
 
@@ -371,7 +372,7 @@ pub fn cross_stream_reuse(target: Target) -> Result<(), Failed> {
                 seen.intact,
                 "{manager} ({ordering:?}), {how:?}: stream B's bytes were overwritten by A's held work"
             );
-            let strict = ordering != emm::StreamOrdering::Driver || t.sim().is_some();
+            let strict = ordering != emm::contract::StreamOrdering::Driver || t.sim().is_some();
             ensure!(
                 !(strict && seen.overlapped),
                 "{manager} ({ordering:?}), {how:?}: stream B received memory A may still use"
@@ -407,11 +408,11 @@ pub fn cross_stream_check_catches_early_reuse(target: Target) -> Result<(), Fail
 mod eager {
     use std::sync::{Arc, Mutex};
 
+    use emm::contract::{FnFactory, ManagerContext};
     use emm::driver_sys::{DevicePtr, StreamHandle};
-    use emm::{
-        DeviceAllocator, EmmError, FnFactory, HostLayer, HostOnly, ManagerContext, MemoryPointer,
-        ReleaseHook, StreamUse,
-    };
+    use emm::plugin::{DeviceAllocator, HostLayer, HostOnly, ReleaseHook};
+    use emm::streams::StreamUse;
+    use emm::{EmmError, MemoryPointer};
 
     #[derive(Debug, Default)]
     struct Free(Mutex<Vec<(u64, usize)>>);
@@ -706,25 +707,26 @@ pub fn memory_resources_between_processes(target: Target) -> Result<(), Failed> 
     let data = pattern(len, 41);
     let (off, n) = (4096, 64 << 10);
     let devices = t.runtime.device_count()?;
-    let check =
-        |what: &str, bytes: Vec<u8>, export: &dyn Fn() -> Result<emm::PoolExport, EmmError>| {
-            for device in 0..devices {
-                for mode in [integration::IpcMode::Auto, integration::IpcMode::Staged] {
-                    let seen = integration::open_in_other_process_with(
-                        &t,
-                        &bytes,
-                        mode,
-                        device,
-                        Some(export()?),
-                    )?;
-                    ensure!(
-                        seen == data[off..off + n],
-                        "{what}: the other process read other bytes on device {device} ({mode:?})"
-                    );
-                }
+    let check = |what: &str,
+                 bytes: Vec<u8>,
+                 export: &dyn Fn() -> Result<emm::contract::PoolExport, EmmError>| {
+        for device in 0..devices {
+            for mode in [integration::IpcMode::Auto, integration::IpcMode::Staged] {
+                let seen = integration::open_in_other_process_with(
+                    &t,
+                    &bytes,
+                    mode,
+                    device,
+                    Some(export()?),
+                )?;
+                ensure!(
+                    seen == data[off..off + n],
+                    "{what}: the other process read other bytes on device {device} ({mode:?})"
+                );
             }
-            Ok::<(), Failed>(())
-        };
+        }
+        Ok::<(), Failed>(())
+    };
 
     let mr = ctx.device_memory_resource(emm::DeviceMemoryResourceOptions {
         max_size: 0,

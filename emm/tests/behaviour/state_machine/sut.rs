@@ -5,9 +5,10 @@ use std::sync::Arc;
 
 use driver_mock::{SimConfig, SimDriver};
 use driver_sys::DeviceOrdinal;
+use emm::plugin::{DeallocConfig, DeferCleanup};
 use emm::{
-    Context, DeallocConfig, DeferCleanup, HostMemory, InFlight, IpcHandle, ManagedMemory,
-    MemoryPointer, PinnableBuffer, Runtime, Stream,
+    Context, HostMemory, InFlight, IpcHandle, ManagedMemory, MemoryPointer, PinnableBuffer,
+    Runtime, Stream,
 };
 use proptest_state_machine::StateMachineTest;
 
