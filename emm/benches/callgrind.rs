@@ -354,9 +354,8 @@ fn pinned_pool_pair(f: Fixture) -> Fixture {
     f
 }
 
-// A `pool` pair of a block too large for the shards: the arena's take and give (issue 14's
-// 60 ns target above 1 MiB is missed at 256 MiB and 1 GiB: 106 – 108 ns on the H200's host,
-// bench-results/runs.md run W).
+// A `pool` pair of a block too large for the shards' caches: the arena's take and give. Its
+// time on the GPU hosts against issue 14's target is in BENCHMARKS.md.
 #[library_benchmark(config = limit(budget::POOL_LARGE, PAIRS))]
 #[bench::pair_256mib(setup = pool_large)]
 fn pool_large_pair(f: Fixture) -> Fixture {
