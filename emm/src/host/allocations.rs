@@ -431,8 +431,6 @@ impl AllocationTable {
     }
 }
 
-/// `cuMemHostUnregister` now, for a pin whose last owner dropped; an error cannot be returned
-/// from a destructor, so it is recorded on the queue and returned by its next flush.
 /// A driver allocation of one block, as a snapshot's segment.
 pub(crate) fn one_block_segment(address: u64, bytes: usize, state: BlockState) -> HeldSegment {
     HeldSegment {
@@ -448,6 +446,8 @@ pub(crate) fn one_block_segment(address: u64, bytes: usize, state: BlockState) -
     }
 }
 
+/// `cuMemHostUnregister` now, for a pin whose last owner dropped; an error cannot be returned
+/// from a destructor, so it is recorded on the queue and returned by its next flush.
 pub(crate) fn unpin_now(cx: &ManagerContext, queue: &PendingDeallocs, ptr: HostPtr) {
     if let Err(e) = unpin(cx, ptr) {
         tracing::error!(device = %cx.device, error = %e, "unpinning host memory failed; the error is returned by the next flush");
