@@ -291,6 +291,7 @@ impl HostLayer {
     /// `base .. base + bytes` came from `cuMemAlloc` (or `cuMemAllocManaged`) in this
     /// context, is tracked once, and is freed by nothing else: the pointer's drop frees it, and
     /// emm's safe copies and sets use the range until then.
+    #[inline(always)]
     pub unsafe fn track_device_allocation(&self, base: DevicePtr, bytes: usize) -> MemoryPointer {
         let cx = self.context();
         tracing::debug!(device = %cx.device, bytes, ptr = %base, "device memory allocated");
