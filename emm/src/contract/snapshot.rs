@@ -241,6 +241,24 @@ pub struct AllocationInfo {
     pub stack: Option<Arc<str>>,
 }
 
+impl HeldSegment {
+    /// A segment of `kind` that is one block in `state` (a driver allocation of its own, or a
+    /// chunk waiting to be freed).
+    pub fn whole(address: u64, bytes: usize, kind: SegmentKind, state: BlockState) -> HeldSegment {
+        HeldSegment {
+            address,
+            bytes,
+            kind,
+            stream: None,
+            blocks: vec![HeldBlock {
+                address,
+                bytes,
+                state,
+            }],
+        }
+    }
+}
+
 /// A block of a [`MemorySnapshot`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Block {

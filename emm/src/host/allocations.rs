@@ -27,7 +27,7 @@ use std::sync::Arc;
 use driver_sys::{DevicePtr, HostPtr};
 
 use crate::contract::factory::ManagerContext;
-use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
+use crate::contract::snapshot::{BlockState, HeldSegment, SegmentKind};
 use crate::error::EmmError;
 use crate::host::fences::{Fence, Fences};
 use crate::host::pinned_pool::{PinnedBlock, PinnedPool};
@@ -284,7 +284,12 @@ impl AllocationTable {
                 } else {
                     BlockState::InUse
                 };
-                out.push(one_block_segment(ptr.0, *bytes, state));
+                out.push(HeldSegment::whole(
+                    ptr.0,
+                    *bytes,
+                    SegmentKind::DriverAllocation,
+                    state,
+                ));
             }
         }
         out
@@ -428,21 +433,6 @@ impl AllocationTable {
             Some(e) => Err(e),
             None => flushed.map(|_| n),
         }
-    }
-}
-
-/// A driver allocation of one block, as a snapshot's segment.
-pub(crate) fn one_block_segment(address: u64, bytes: usize, state: BlockState) -> HeldSegment {
-    HeldSegment {
-        address,
-        bytes,
-        kind: SegmentKind::DriverAllocation,
-        stream: None,
-        blocks: vec![HeldBlock {
-            address,
-            bytes,
-            state,
-        }],
     }
 }
 

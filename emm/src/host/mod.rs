@@ -11,7 +11,7 @@ use driver_sys::{
 use crate::contract::factory::ManagerContext;
 use crate::contract::info::{OUT_OF_MEMORY_RETRIES, PoolStats};
 use crate::contract::ipc::IpcHandle;
-use crate::contract::snapshot::{BlockState, HeldSegment};
+use crate::contract::snapshot::{BlockState, HeldSegment, SegmentKind};
 use crate::error::EmmError;
 use crate::host::allocations::{AllocationTable, Entry, unpin_now};
 use crate::host::driver_pool::{DriverHostPool, DriverHostRelease};
@@ -156,9 +156,10 @@ impl HostLayer {
             .snapshot()
             .into_iter()
             .filter_map(|f| match f {
-                Free::Device { ptr, bytes } => Some(allocations::one_block_segment(
+                Free::Device { ptr, bytes } => Some(HeldSegment::whole(
                     ptr.0,
                     bytes,
+                    SegmentKind::DriverAllocation,
                     BlockState::PendingFree,
                 )),
                 _ => None,

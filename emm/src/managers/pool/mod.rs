@@ -872,17 +872,11 @@ impl PoolShared {
         );
         shared.extend(streams);
         for (chunks, _) in lock(&self.retiring).iter() {
-            shared.extend(chunks.iter().map(|c| HeldSegment {
-                address: c.base,
-                bytes: c.size,
-                kind,
-                stream: None,
-                blocks: vec![HeldBlock {
-                    address: c.base,
-                    bytes: c.size,
-                    state: BlockState::PendingFree,
-                }],
-            }));
+            shared.extend(
+                chunks
+                    .iter()
+                    .map(|c| HeldSegment::whole(c.base, c.size, kind, BlockState::PendingFree)),
+            );
         }
         shared
     }
