@@ -6,15 +6,19 @@
 use std::sync::OnceLock;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+/// Microseconds since the Unix epoch, now (0 on a clock set before it).
+pub(crate) fn unix_now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
 /// The first reading: (stamp, instant, microseconds since the Unix epoch).
 fn origin() -> &'static (u64, Instant, u64) {
     static ORIGIN: OnceLock<(u64, Instant, u64)> = OnceLock::new();
     ORIGIN.get_or_init(|| {
         let now = Instant::now();
-        let unix = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_micros() as u64);
-        (raw(now), now, unix)
+        (raw(now), now, unix_now_us())
     })
 }
 
@@ -95,10 +99,7 @@ mod tests {
         assert!(b > a);
         let convert = to_unix_us();
         let (ua, ub) = (convert(a), convert(b));
-        let unix_now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_micros() as u64;
+        let unix_now = unix_now_us();
         assert!((15_000..200_000).contains(&(ub - ua)), "{ua} {ub}");
         // The conversion measures the counter's rate between two readings: a stamp maps to
         // within a few microseconds of the time it was read.

@@ -4,9 +4,9 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::adaptors::{Event, Observer};
+use crate::clock::unix_now_us;
 use crate::contract::info::MemoryKind;
 use crate::contract::manager::HistoryRecord;
 use crate::contract::snapshot::{AllocationInfo, HistoryAction, HistoryEvent, Tag, host_stack};
@@ -28,12 +28,6 @@ pub(super) struct History {
     /// Whether each allocation keeps its stack.
     stacks: bool,
     state: Mutex<State>,
-}
-
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
 }
 
 impl History {
@@ -72,7 +66,7 @@ impl Observer for History {
             requested: e.bytes,
             stream: e.stream.map(|s| s.raw()),
             tag: Tag::current(),
-            time_us: now_us(),
+            time_us: unix_now_us(),
             stack,
         };
         let event = HistoryEvent {
@@ -110,7 +104,7 @@ impl Observer for History {
             bytes,
             stream: info.stream,
             tag: info.tag,
-            time_us: now_us(),
+            time_us: unix_now_us(),
             stack: None,
         };
         self.push(&mut state, event);

@@ -400,9 +400,7 @@ impl Context {
         MemorySnapshot {
             device: inner.cx.device.0,
             manager: inner.manager_name.clone(),
-            time_us: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_micros() as u64),
+            time_us: crate::clock::unix_now_us(),
             segments,
             segments_known,
             history_on,
