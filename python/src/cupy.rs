@@ -87,14 +87,13 @@ pub extern "C" fn emm_cupy_malloc(_param: *mut c_void, size: usize, device: c_in
             // SAFETY: CuPy calls this function with the GIL held (as for the stream getter).
             let py = unsafe { Python::assume_attached() };
             crate::snapshot::with_python_stack(py, ctx, || {
-                crate::snapshot::tagged(crate::snapshot::cupy_tag(), || {
-                    if ctx.stream_ordering() == StreamOrdering::Unsupported {
-                        return ctx.memalloc(size);
-                    }
-                    // SAFETY: CuPy's current stream of this device; emm.cupy's rule (the README's)
-                    // is that a CuPy stream outlives the memory allocated on it.
-                    unsafe { ctx.memalloc_on_raw(size, StreamHandle::from_raw(stream as u64)) }
-                })
+                let _tag = crate::snapshot::cupy_tag().scope();
+                if ctx.stream_ordering() == StreamOrdering::Unsupported {
+                    return ctx.memalloc(size);
+                }
+                // SAFETY: CuPy's current stream of this device; emm.cupy's rule (the README's)
+                // is that a CuPy stream outlives the memory allocated on it.
+                unsafe { ctx.memalloc_on_raw(size, StreamHandle::from_raw(stream as u64)) }
             })
         })?
         .map_err(py_err)

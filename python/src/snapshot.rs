@@ -61,14 +61,6 @@ pub(crate) fn with_python_stack<T>(py: Python<'_>, ctx: &emm::Context, f: impl F
     f()
 }
 
-/// Runs `f` with this thread's allocation tag set to `tag`, then restores the one before.
-pub(crate) fn tagged<T>(tag: Tag, f: impl FnOnce() -> T) -> T {
-    let previous = Tag::set_current(tag);
-    let out = f();
-    Tag::set_current(previous);
-    out
-}
-
 /// A tag for the allocations made in a `with` block on this thread: `with emm.tag("loader"):
 /// ...`. Snapshots, the out-of-memory report and `Snapshot.by_tag()` group live memory by tag
 /// when the runtime has the `history` adaptor (`EMM_MEMORY_ADAPTORS=history`). `emm.torch`,

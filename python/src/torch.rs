@@ -110,18 +110,15 @@ pub(crate) fn torch_allocate(
         let device =
             u32::try_from(device).map_err(|_| (format!("a negative device ({device})"), false))?;
         let mem = with_device_context(device, |ctx| {
-            crate::snapshot::tagged(crate::snapshot::torch_tag(), || {
-                if ctx.stream_ordering() == StreamOrdering::Unsupported {
-                    ctx.memalloc(size)
-                } else {
-                    // SAFETY: PyTorch's stream of this device (its streams live as long as the
-                    // process; 0 is the legacy default stream), the one it will use the memory
-                    // on and pass back to `free`.
-                    unsafe {
-                        ctx.memalloc_on_raw(size, StreamHandle::from_raw(stream as usize as u64))
-                    }
-                }
-            })
+            let _tag = crate::snapshot::torch_tag().scope();
+            if ctx.stream_ordering() == StreamOrdering::Unsupported {
+                ctx.memalloc(size)
+            } else {
+                // SAFETY: PyTorch's stream of this device (its streams live as long as the
+                // process; 0 is the legacy default stream), the one it will use the memory on
+                // and pass back to `free`.
+                unsafe { ctx.memalloc_on_raw(size, StreamHandle::from_raw(stream as usize as u64)) }
+            }
         })
         .map_err(|e| (e.to_string(), false))?;
         mem.map_err(|e| (e.to_string(), e.is_out_of_memory()))
