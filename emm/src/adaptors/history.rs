@@ -17,7 +17,7 @@ pub(super) const DEFAULT_HISTORY_EVENTS: usize = 100_000;
 
 #[derive(Debug, Default)]
 struct State {
-    live: HashMap<u64, (usize, AllocationInfo), foldhash::fast::RandomState>,
+    live: HashMap<u64, AllocationInfo, foldhash::fast::RandomState>,
     events: VecDeque<HistoryEvent>,
 }
 
@@ -84,7 +84,7 @@ impl Observer for History {
         };
         let mut state = lock(&self.state);
         if let Some(addr) = e.addr {
-            state.live.insert(addr, (e.bytes, info));
+            state.live.insert(addr, info);
         }
         self.push(&mut state, event);
     }
@@ -95,13 +95,13 @@ impl Observer for History {
         }
         let Some(addr) = e.addr else { return };
         let mut state = lock(&self.state);
-        let Some((bytes, info)) = state.live.remove(&addr) else {
+        let Some(info) = state.live.remove(&addr) else {
             return;
         };
         let event = HistoryEvent {
             action: HistoryAction::Free,
             address: addr,
-            bytes,
+            bytes: info.requested,
             stream: info.stream,
             tag: info.tag,
             time_us: unix_now_us(),
@@ -116,7 +116,7 @@ impl Observer for History {
             live: state
                 .live
                 .iter()
-                .map(|(&addr, (bytes, info))| (addr, *bytes, info.clone()))
+                .map(|(&addr, info)| (addr, info.clone()))
                 .collect(),
             events: state.events.iter().cloned().collect(),
             complete: true,

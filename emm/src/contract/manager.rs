@@ -194,8 +194,8 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
 /// What a `history` adaptor recorded ([`MemoryManager::history`]).
 #[derive(Clone, Debug, Default)]
 pub struct HistoryRecord {
-    /// Live allocations: address, size, and what history knows of each.
-    pub live: Vec<(u64, usize, crate::contract::snapshot::AllocationInfo)>,
+    /// Live allocations: address, and what history knows of each (its size among it).
+    pub live: Vec<(u64, crate::contract::snapshot::AllocationInfo)>,
     /// The last events, oldest first.
     pub events: Vec<HistoryEvent>,
     /// Whether `live` is every live allocation (a `history` adaptor's record). A manager's

@@ -687,13 +687,13 @@ fn html_escape(s: &str) -> String {
 }
 
 /// Builds the snapshot's segments from what a manager listed and the live allocations history
-/// recorded (address → info and placed size), so that blocks cover each segment in address
+/// recorded (address → info), so that blocks cover each segment in address
 /// order: the manager's blocks as given, recorded allocations where they fall in the rest, and
 /// whatever in-use space is left as unrecorded in-use blocks. Returns the segments and the
 /// recorded allocations no segment holds.
 pub(crate) fn assemble(
     mut held: Vec<HeldSegment>,
-    mut live: Vec<(u64, usize, AllocationInfo)>,
+    mut live: Vec<(u64, AllocationInfo)>,
 ) -> (Vec<Segment>, Vec<Block>) {
     held.sort_by_key(|s| s.address);
     live.sort_by_key(|l| l.0);
@@ -714,7 +714,7 @@ pub(crate) fn assemble(
             let mut at = from;
             let mut open: Option<usize> = None;
             while *next_live < live.len() && live[*next_live].0 < to {
-                let (addr, _, ref info) = live[*next_live];
+                let (addr, ref info) = live[*next_live];
                 if addr >= at {
                     match open {
                         Some(i) => blocks[i].bytes = (addr - blocks[i].address) as usize,
@@ -777,9 +777,9 @@ pub(crate) fn assemble(
         .into_iter()
         .zip(placed)
         .filter(|(_, p)| !p)
-        .map(|((address, bytes, info), _)| Block {
+        .map(|((address, info), _)| Block {
             address,
-            bytes,
+            bytes: info.requested,
             state: BlockState::InUse,
             allocation: Some(info),
             graph_pool: None,
@@ -834,9 +834,9 @@ mod tests {
             ],
         }];
         let live = vec![
-            (0x1200, 0x100, info(t, 0xf0)),
-            (0x1c00, 0x400, info(t, 0x400)),
-            (0x9000, 0x10, info(t, 0x10)),
+            (0x1200, info(t, 0xf0)),
+            (0x1c00, info(t, 0x400)),
+            (0x9000, info(t, 0x10)),
         ];
         let (segments, unplaced) = assemble(held, live);
         let blocks = &segments[0].blocks;

@@ -112,10 +112,10 @@ pub(super) fn merge<'a>(rings: impl IntoIterator<Item = &'a Ring>) -> HistoryRec
     // By stamp; a free after the allocation it shares a stamp with on its ring.
     events.sort_by_key(|&(e, ring, i)| (e.stamp, ring, i));
     let to_us = clock::to_unix_us();
-    // Live candidates by address: (end, ring, allocation).
-    let mut live: BTreeMap<u64, (u64, usize, AllocationInfo)> = BTreeMap::new();
+    // Live candidates by address.
+    let mut live: BTreeMap<u64, AllocationInfo> = BTreeMap::new();
     let mut out = Vec::with_capacity(events.len());
-    for (e, ring, _) in events {
+    for (e, _, _) in events {
         let time_us = to_us(e.stamp);
         if e.bytes > 0 {
             let end = e.addr + e.bytes;
@@ -123,7 +123,7 @@ pub(super) fn merge<'a>(rings: impl IntoIterator<Item = &'a Ring>) -> HistoryRec
             let overlapping: Vec<u64> = live
                 .range(..end)
                 .rev()
-                .take_while(|(_, (other_end, _, _))| *other_end > e.addr)
+                .take_while(|(a, other)| **a + other.requested as u64 > e.addr)
                 .map(|(&a, _)| a)
                 .collect();
             for a in overlapping {
@@ -137,7 +137,7 @@ pub(super) fn merge<'a>(rings: impl IntoIterator<Item = &'a Ring>) -> HistoryRec
                 time_us,
                 stack: None,
             };
-            live.insert(e.addr, (end, ring, info));
+            live.insert(e.addr, info);
             out.push(HistoryEvent {
                 action: HistoryAction::Alloc,
                 address: e.addr,
@@ -150,27 +150,22 @@ pub(super) fn merge<'a>(rings: impl IntoIterator<Item = &'a Ring>) -> HistoryRec
         } else {
             // A free on the allocating thread's ring ends its allocation for sure; one on
             // another thread's (its stamp a lower bound) only if it sorts after it.
-            let Some((end, _, info)) = live.get(&e.addr) else {
+            let Some(info) = live.remove(&e.addr) else {
                 continue; // its allocation is older than the window
             };
-            let (bytes, tag) = ((end - e.addr) as usize, info.tag);
-            live.remove(&e.addr);
             out.push(HistoryEvent {
                 action: HistoryAction::Free,
                 address: e.addr,
-                bytes,
+                bytes: info.requested,
                 stream: None,
-                tag,
+                tag: info.tag,
                 time_us,
                 stack: None,
             });
         }
     }
     HistoryRecord {
-        live: live
-            .into_iter()
-            .map(|(addr, (end, _, info))| (addr, (end - addr) as usize, info))
-            .collect(),
+        live: live.into_iter().collect(),
         events: out,
         complete: false,
     }
