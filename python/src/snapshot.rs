@@ -161,7 +161,7 @@ impl Snapshot {
         let out = PyList::empty(py);
         for t in self.inner.by_tag() {
             let d = PyDict::new(py);
-            d.set_item("tag", &*t.tag.name())?;
+            d.set_item("tag", &t.tag)?;
             d.set_item("bytes", t.bytes)?;
             d.set_item("allocations", t.allocations)?;
             d.set_item("largest", t.largest)?;

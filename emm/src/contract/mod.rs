@@ -33,5 +33,5 @@ pub use manager::{
 pub use pool_export::{POOL_DESCRIPTOR_LEN, PoolExport, PoolId};
 pub use snapshot::{
     AllocationInfo, Block, BlockState, HeldBlock, HeldSegment, HistoryAction, HistoryEvent,
-    MemorySnapshot, Segment, SegmentKind, Tag, TagScope, TagUsage, with_host_stack,
+    MemorySnapshot, Segment, SegmentKind, Tag, TagScope, with_host_stack,
 };

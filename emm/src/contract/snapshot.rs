@@ -16,6 +16,7 @@
 use std::fmt::{self, Write as _};
 use std::sync::{Arc, OnceLock};
 
+use crate::error::LiveByTag;
 use crate::sync::{Mutex, lock};
 
 /// What kind of driver memory a segment is.
@@ -344,19 +345,6 @@ pub struct HistoryEvent {
     pub stack: Option<Arc<str>>,
 }
 
-/// Live bytes and allocations of one tag.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TagUsage {
-    /// The tag.
-    pub tag: Tag,
-    /// Bytes its live allocations asked for.
-    pub bytes: usize,
-    /// Its live allocations.
-    pub allocations: usize,
-    /// The largest of them, in bytes.
-    pub largest: usize,
-}
-
 /// Everything a context's manager holds, block by block, with the history's allocations and
 /// events ([`Context::snapshot`](crate::Context::snapshot)).
 #[derive(Clone, Debug, PartialEq)]
@@ -402,25 +390,30 @@ impl MemorySnapshot {
             .chain(self.unplaced.iter())
     }
 
-    /// Live bytes per tag, largest first (from history's allocations).
-    pub fn by_tag(&self) -> Vec<TagUsage> {
-        let mut tags: Vec<TagUsage> = Vec::new();
+    /// Live bytes per tag, largest first, ties by name (from history's allocations).
+    pub fn by_tag(&self) -> Vec<LiveByTag> {
+        let mut tags: Vec<(Tag, LiveByTag)> = Vec::new();
         for a in self.blocks().filter_map(|b| b.allocation.as_ref()) {
-            match tags.iter_mut().find(|t| t.tag == a.tag) {
-                Some(t) => {
-                    t.bytes += a.requested;
-                    t.allocations += 1;
-                    t.largest = t.largest.max(a.requested);
+            let i = match tags.iter().position(|(t, _)| *t == a.tag) {
+                Some(i) => i,
+                None => {
+                    let usage = LiveByTag {
+                        tag: a.tag.name().to_string(),
+                        bytes: 0,
+                        allocations: 0,
+                        largest: 0,
+                    };
+                    tags.push((a.tag, usage));
+                    tags.len() - 1
                 }
-                None => tags.push(TagUsage {
-                    tag: a.tag,
-                    bytes: a.requested,
-                    allocations: 1,
-                    largest: a.requested,
-                }),
-            }
+            };
+            let t = &mut tags[i].1;
+            t.bytes += a.requested;
+            t.allocations += 1;
+            t.largest = t.largest.max(a.requested);
         }
-        tags.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.tag.cmp(&b.tag)));
+        let mut tags: Vec<LiveByTag> = tags.into_iter().map(|(_, t)| t).collect();
+        tags.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.tag.cmp(&b.tag)));
         tags
     }
 
@@ -436,6 +429,7 @@ impl MemorySnapshot {
                 out.push(',');
             }
             let small = s.kind == SegmentKind::Chunk && s.bytes <= 2 << 20;
+            let in_use = s.bytes_in(BlockState::InUse);
             let _ = write!(
                 out,
                 "{{\"device\":{},\"address\":{},\"total_size\":{},\"allocated_size\":{},\
@@ -444,8 +438,8 @@ impl MemorySnapshot {
                 self.device,
                 s.address,
                 s.bytes,
-                s.bytes_in(BlockState::InUse),
-                s.bytes_in(BlockState::InUse) + s.bytes_in(BlockState::PendingFree),
+                in_use,
+                in_use + s.bytes_in(BlockState::PendingFree),
                 s.blocks
                     .iter()
                     .filter(|b| b.state == BlockState::InUse)
@@ -515,7 +509,7 @@ impl MemorySnapshot {
             if i > 0 {
                 out.push(',');
             }
-            json_string(&mut out, &t.tag.name());
+            json_string(&mut out, &t.tag);
             let _ = write!(
                 out,
                 ":{{\"bytes\":{},\"allocations\":{}}}",
@@ -573,7 +567,7 @@ impl MemorySnapshot {
             let _ = write!(
                 out,
                 "<tr><td>{}</td><td>{:.2}</td><td>{}</td><td>{:.2}</td></tr>",
-                html_escape(&t.tag.name()),
+                html_escape(&t.tag),
                 mib(t.bytes),
                 t.allocations,
                 mib(t.largest)

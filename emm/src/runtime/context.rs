@@ -194,19 +194,11 @@ impl Context {
     /// The five tags with the most live bytes, from the allocations the manager's history
     /// recorded (every one with the `history` adaptor; the recent ones of `pool`'s own).
     fn live_by_tag(inner: &ContextInner) -> Vec<LiveByTag> {
-        if inner.manager.history().is_none() {
+        // Without a history no allocation is recorded: the snapshot's walk is not needed.
+        let Some(history) = inner.manager.history() else {
             return Vec::new();
-        }
-        let mut tags: Vec<LiveByTag> = Self::snapshot_of(inner)
-            .by_tag()
-            .into_iter()
-            .map(|t| LiveByTag {
-                tag: t.tag.name().to_string(),
-                bytes: t.bytes,
-                allocations: t.allocations,
-                largest: t.largest,
-            })
-            .collect();
+        };
+        let mut tags = Self::snapshot_with(inner, Some(history)).by_tag();
         tags.truncate(5);
         tags
     }
@@ -365,9 +357,12 @@ impl Context {
     }
 
     fn snapshot_of(inner: &ContextInner) -> MemorySnapshot {
-        let manager = &inner.manager;
-        let held = manager.segments();
-        let history = manager.history();
+        Self::snapshot_with(inner, inner.manager.history())
+    }
+
+    /// The snapshot of `inner`'s manager, with `history` (its manager's, read once).
+    fn snapshot_with(inner: &ContextInner, history: Option<HistoryRecord>) -> MemorySnapshot {
+        let held = inner.manager.segments();
         let history_on = history.is_some();
         let HistoryRecord {
             live,
