@@ -209,6 +209,102 @@ fn frees_while_imported_are_counted() {
     close(m);
 }
 
+/// Physical memory exported as a file descriptor: only a shareable allocation exports, only an
+/// exported descriptor imports, and the memory (the same bytes in both processes, counted once)
+/// lives until the last handle and mapping of it go, also past its exporter's context.
+#[test]
+fn shared_physical_memory_lives_until_its_last_handle() {
+    let (sim, ctx) = started(SimConfig::default());
+    let other = sim.spawn_process();
+    other.init().unwrap();
+    let octx = other.primary_ctx_retain(DEV).unwrap();
+    let g = sim.mem_vmm_granularity(DEV).unwrap();
+    let free0 = sim.mem_get_info(ctx).unwrap().free;
+
+    let plain = sim.mem_create(ctx, DEV, g, false).unwrap();
+    assert_eq!(
+        sim.mem_export_fd(ctx, plain).unwrap_err().kind(),
+        ErrorKind::InvalidValue,
+        "an allocation made without the handle type"
+    );
+    // SAFETY: made above, never mapped, released once.
+    unsafe { sim.mem_release(ctx, plain) }.unwrap();
+    let (stranger, _writer) = std::io::pipe().unwrap();
+    assert_eq!(
+        other
+            .mem_import_fd(octx, std::os::fd::AsFd::as_fd(&stranger))
+            .unwrap_err()
+            .kind(),
+        ErrorKind::InvalidValue,
+        "a descriptor nothing was exported as"
+    );
+
+    let a = sim.mem_create(ctx, DEV, g, true).unwrap();
+    let fd = sim.mem_export_fd(ctx, a).unwrap();
+    let b = other
+        .mem_import_fd(octx, std::os::fd::AsFd::as_fd(&fd))
+        .unwrap();
+    drop(fd);
+    let (va, vb) = (
+        sim.mem_address_reserve(ctx, g).unwrap(),
+        other.mem_address_reserve(octx, g).unwrap(),
+    );
+    // SAFETY: each process maps into its own new reservation, where nothing is mapped.
+    unsafe {
+        sim.mem_map(ctx, va, g, a).unwrap();
+        other.mem_map(octx, vb, g, b).unwrap();
+    }
+    sim.mem_set_access(ctx, va, g, DEV).unwrap();
+    other.mem_set_access(octx, vb, g, DEV).unwrap();
+    let mut back = [0u8; 4];
+    // SAFETY: four bytes at the start of each process's accessible mapping.
+    unsafe {
+        sim.memcpy_htod(ctx, va, &[1, 2, 3, 4]).unwrap();
+        other.memcpy_dtoh(octx, &mut back, vb).unwrap();
+    }
+    assert_eq!(
+        back,
+        [1, 2, 3, 4],
+        "the importer reads what the exporter wrote"
+    );
+    assert_eq!(
+        free0 - sim.mem_get_info(ctx).unwrap().free,
+        g,
+        "counted once"
+    );
+
+    // The exporter's context goes, its handle and mapping with it; the importer's stay.
+    // SAFETY: ends the test's use of the exporter's context.
+    unsafe { sim.primary_ctx_reset(DEV) }.unwrap();
+    let mut again = [0u8; 4];
+    // SAFETY: the importer's mapping, still accessible.
+    unsafe { other.memcpy_dtoh(octx, &mut again, vb) }.unwrap();
+    assert_eq!(again, [1, 2, 3, 4], "the memory outlives its exporter");
+    assert_eq!(free0 - other.mem_get_info(octx).unwrap().free, g);
+    assert!(
+        sim.leak_report().no_memory_leaked(),
+        "{}",
+        sim.leak_report()
+    );
+
+    // SAFETY: the importer's last mapping and handle, used by no work.
+    unsafe {
+        other.mem_unmap(octx, vb, g).unwrap();
+        other.mem_release(octx, b).unwrap();
+        other.mem_address_free(octx, vb, g).unwrap();
+    }
+    assert_eq!(
+        other.mem_get_info(octx).unwrap().free,
+        free0,
+        "gone with the last handle"
+    );
+    assert!(
+        other.leak_report().no_memory_leaked(),
+        "{}",
+        other.leak_report()
+    );
+}
+
 #[test]
 fn devices_are_separate_and_attributes_configurable() {
     let config = SimConfig::with_devices(vec![

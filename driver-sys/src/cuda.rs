@@ -311,6 +311,9 @@ impl Driver for CudaDriver {
             DeviceAttribute::VirtualMemoryManagement => {
                 A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
             }
+            DeviceAttribute::HandleTypePosixFileDescriptor => {
+                A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+            }
             #[cfg(not(feature = "cuda-13000"))]
             DeviceAttribute::HostNumaMemoryPoolsSupported
             | DeviceAttribute::HostMemoryPoolsSupported => {
@@ -1409,14 +1412,8 @@ impl Driver for CudaDriver {
                 0,
             )
         })?;
-        if fd < 0 {
-            return Err(DriverError::from_code(
-                "cuMemPoolExportToShareableHandle",
-                crate::code::INVALID_VALUE,
-            ));
-        }
-        // SAFETY: the call succeeded and opened `fd` for the caller; nothing else owns it.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        // SAFETY: the call succeeded and wrote `fd`, opened for the caller.
+        unsafe { exported_fd("cuMemPoolExportToShareableHandle", fd) }
     }
 
     /// [cuMemPoolImportFromShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
@@ -1569,13 +1566,62 @@ impl Driver for CudaDriver {
         ctx: ContextHandle,
         dev: DeviceOrdinal,
         size: usize,
+        shareable: bool,
     ) -> Result<PhysHandle, DriverError> {
         let _scope = CtxScope::enter(ctx)?;
-        let prop = device_memory_prop(dev);
+        let mut prop = device_memory_prop(dev);
+        if shareable {
+            prop.requestedHandleTypes =
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        }
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `prop` is initialised and alive for the call; the driver writes one handle.
         check("cuMemCreate", unsafe {
             sys::cuMemCreate(&raw mut handle, size, &raw const prop, 0)
+        })?;
+        Ok(PhysHandle(handle))
+    }
+
+    /// [cuMemExportToShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+    #[cfg(unix)]
+    fn mem_export_fd(
+        &self,
+        ctx: ContextHandle,
+        handle: PhysHandle,
+    ) -> Result<OwnedFd, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut fd: i32 = -1;
+        // SAFETY: for POSIX file descriptors the driver writes one int through the handle
+        // pointer, and `fd` is that int; the driver validates the allocation handle.
+        check("cuMemExportToShareableHandle", unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&raw mut fd).cast::<c_void>(),
+                handle.0,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        // SAFETY: the call succeeded and wrote `fd`, opened for the caller.
+        unsafe { exported_fd("cuMemExportToShareableHandle", fd) }
+    }
+
+    /// [cuMemImportFromShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+    #[cfg(unix)]
+    fn mem_import_fd(
+        &self,
+        ctx: ContextHandle,
+        fd: BorrowedFd<'_>,
+    ) -> Result<PhysHandle, DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: for POSIX file descriptors the handle argument is the descriptor's value
+        // itself; `fd` is open for the whole call; the driver writes one handle.
+        check("cuMemImportFromShareableHandle", unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &raw mut handle,
+                fd.as_raw_fd() as usize as *mut c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
         })?;
         Ok(PhysHandle(handle))
     }
@@ -1639,6 +1685,21 @@ impl Driver for CudaDriver {
 
 /// The properties of pinned memory on device `dev`, as `cuMemCreate` and
 /// `cuMemGetAllocationGranularity` take them (no shareable handle type).
+/// The descriptor an export call (`call`) wrote: owned by the caller, or an error where the
+/// driver reported success and wrote no descriptor.
+///
+/// # Safety
+///
+/// `fd`, if not negative, was opened by the call for the caller and nothing else owns it.
+#[cfg(unix)]
+unsafe fn exported_fd(call: &'static str, fd: i32) -> Result<OwnedFd, DriverError> {
+    if fd < 0 {
+        return Err(DriverError::from_code(call, crate::code::INVALID_VALUE));
+    }
+    // SAFETY: the caller vouches that `fd` is the call's new descriptor, owned by no one else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 fn device_memory_prop(dev: DeviceOrdinal) -> sys::CUmemAllocationProp {
     // SAFETY: an all-zero `CUmemAllocationProp` is valid (integers, enums whose zero is a
     // variant, a null pointer); the type and location are set below.

@@ -103,6 +103,9 @@ pub enum DeviceAttribute {
     /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`: 1 if the device takes
     /// virtual memory management (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`).
     VirtualMemoryManagement = 102,
+    /// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`: 1 if physical
+    /// allocations (`cuMemCreate`) can be exported as POSIX file descriptors.
+    HandleTypePosixFileDescriptor = 103,
 }
 
 /// Where a stream-ordered pool's memory lives (`CUmemLocation`).
@@ -885,12 +888,37 @@ pub trait Driver: Send + Sync + fmt::Debug {
     ) -> Result<(), DriverError>;
 
     /// `cuMemCreate`: `size` bytes (a multiple of the granularity) of pinned memory on `dev`,
-    /// with no address until mapped.
+    /// with no address until mapped. With `shareable`, the allocation may be exported as a
+    /// POSIX file descriptor ([`mem_export_fd`](Self::mem_export_fd); its
+    /// `requestedHandleTypes`), which needs
+    /// [`DeviceAttribute::HandleTypePosixFileDescriptor`].
     fn mem_create(
         &self,
         ctx: ContextHandle,
         dev: DeviceOrdinal,
         size: usize,
+        shareable: bool,
+    ) -> Result<PhysHandle, DriverError>;
+
+    /// `cuMemExportToShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)`: a new file
+    /// descriptor naming the physical allocation `handle` (made `shareable`), for a process to
+    /// import. The caller owns it; closing it does not affect the allocation.
+    #[cfg(unix)]
+    fn mem_export_fd(&self, ctx: ContextHandle, handle: PhysHandle)
+    -> Result<OwnedFd, DriverError>;
+
+    /// `cuMemImportFromShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)`: a handle of
+    /// this process to the physical allocation exported as `fd` (by this process or another),
+    /// to map like one of its own and give up with [`mem_release`](Self::mem_release). The
+    /// memory lives while any process holds a handle to it or a mapping of it. The caller may
+    /// close `fd` afterwards.
+    #[cfg(unix)]
+    // The named lifetime is for mockall's `automock`, which does not take `'_` here.
+    #[allow(clippy::needless_lifetimes)]
+    fn mem_import_fd<'a>(
+        &self,
+        ctx: ContextHandle,
+        fd: BorrowedFd<'a>,
     ) -> Result<PhysHandle, DriverError>;
 
     /// `cuMemRelease`: gives up the handle; the memory goes once no mapping of it is left.

@@ -761,9 +761,32 @@ impl Driver for SimDriver {
         ctx: ContextHandle,
         dev: DeviceOrdinal,
         size: usize,
+        shareable: bool,
     ) -> Result<PhysHandle, DriverError> {
         self.call(Op::MemCreate, |w, pid, note| {
-            w.mem_create(pid, note, ctx, dev, size)
+            w.mem_create(pid, note, ctx, dev, size, shareable)
+        })
+    }
+
+    #[cfg(unix)]
+    fn mem_export_fd(
+        &self,
+        ctx: ContextHandle,
+        handle: PhysHandle,
+    ) -> Result<OwnedFd, DriverError> {
+        self.call(Op::MemExportToShareableHandle, |w, pid, note| {
+            w.mem_export_fd(pid, note, ctx, handle)
+        })
+    }
+
+    #[cfg(unix)]
+    fn mem_import_fd(
+        &self,
+        ctx: ContextHandle,
+        fd: BorrowedFd<'_>,
+    ) -> Result<PhysHandle, DriverError> {
+        self.call(Op::MemImportFromShareableHandle, |w, pid, note| {
+            w.mem_import_fd(pid, note, ctx, fd)
         })
     }
 

@@ -76,6 +76,8 @@ pub enum Op {
     MemAddressReserve,
     MemAddressFree,
     MemCreate,
+    MemExportToShareableHandle,
+    MemImportFromShareableHandle,
     MemRelease,
     MemMap,
     MemSetAccess,
@@ -92,7 +94,7 @@ pub enum Op {
 
 impl Op {
     /// Every operation, in declaration order (for fault sweeps).
-    pub const ALL: [Op; 79] = [
+    pub const ALL: [Op; 81] = [
         Op::Init,
         Op::DeviceCount,
         Op::DeviceTotalMem,
@@ -160,6 +162,8 @@ impl Op {
         Op::MemAddressReserve,
         Op::MemAddressFree,
         Op::MemCreate,
+        Op::MemExportToShareableHandle,
+        Op::MemImportFromShareableHandle,
         Op::MemRelease,
         Op::MemMap,
         Op::MemSetAccess,
@@ -266,6 +270,8 @@ impl Op {
             Op::MemAddressReserve => "cuMemAddressReserve",
             Op::MemAddressFree => "cuMemAddressFree",
             Op::MemCreate => "cuMemCreate",
+            Op::MemExportToShareableHandle => "cuMemExportToShareableHandle",
+            Op::MemImportFromShareableHandle => "cuMemImportFromShareableHandle",
             Op::MemRelease => "cuMemRelease",
             Op::MemMap => "cuMemMap",
             Op::MemSetAccess => "cuMemSetAccess",

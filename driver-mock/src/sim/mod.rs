@@ -192,6 +192,7 @@ impl SimDriver {
             pinned: 0,
             next_handle: 0,
             pool_exports: BTreeMap::new(),
+            phys_exports: BTreeMap::new(),
             phys: BTreeMap::new(),
         };
         SimDriver {

@@ -109,6 +109,16 @@ pub(super) fn inode(fd: BorrowedFd<'_>) -> Option<u64> {
     file.metadata().ok().map(|m| m.ino())
 }
 
+/// A new descriptor for an export, and the inode that names it: a real descriptor, so that it
+/// travels like the driver's (one end of a pipe).
+#[cfg(unix)]
+pub(super) fn export_descriptor() -> Result<(OwnedFd, u64), u32> {
+    let (reader, _writer) = std::io::pipe().map_err(|_| code::OUT_OF_MEMORY)?;
+    let fd = OwnedFd::from(reader);
+    let ino = inode(fd.as_fd()).ok_or(code::OUT_OF_MEMORY)?;
+    Ok((fd, ino))
+}
+
 /// The step to which the driver rounds a pool's maxSize up.
 const MAX_SIZE_GRAIN: usize = 32 << 20;
 
@@ -575,11 +585,7 @@ impl World {
             return Err(code::INVALID_VALUE);
         }
         p.exported = true;
-        // A real descriptor, so it travels like the driver's: one end of a pipe, known
-        // by its inode.
-        let (reader, _writer) = std::io::pipe().map_err(|_| code::OUT_OF_MEMORY)?;
-        let fd = OwnedFd::from(reader);
-        let ino = inode(fd.as_fd()).ok_or(code::OUT_OF_MEMORY)?;
+        let (fd, ino) = export_descriptor()?;
         self.pool_exports.insert(ino, (pid, pool.raw()));
         Ok(fd)
     }

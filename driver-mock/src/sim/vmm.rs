@@ -41,7 +41,18 @@ pub(super) struct Phys {
     pub(super) store: u64,
     pub(super) released: bool,
     pub(super) mappings: usize,
+    /// Made with a POSIX file descriptor as a requested handle type: it may be exported.
+    pub(super) shareable: bool,
+    /// For a handle imported from a descriptor: the handle made by `cuMemCreate`, which
+    /// counts the device's bytes. The memory goes with the last handle and mapping.
+    pub(super) origin: Option<u64>,
+    /// For a handle made by `cuMemCreate`: how many imported handles refer to it.
+    pub(super) imports: usize,
 }
+
+/// No process: the owner of a physical allocation whose context was destroyed while another
+/// process still holds a handle imported from it.
+const ORPHAN: usize = usize::MAX;
 
 /// One mapping of a physical allocation in a reservation.
 #[derive(Debug)]
@@ -227,6 +238,7 @@ impl World {
         ctx: ContextHandle,
         dev: DeviceOrdinal,
         size: usize,
+        shareable: bool,
     ) -> Result<PhysHandle, u32> {
         note.bytes = Some(size);
         context(self, pid, ctx, note)?;
@@ -250,28 +262,112 @@ impl World {
                 store,
                 released: false,
                 mappings: 0,
+                shareable,
+                origin: None,
+                imports: 0,
             },
         );
         self.devices[i].phys_bytes += size;
         Ok(crate::sim::made(PhysHandle::from_raw, handle))
     }
 
-    /// Forgets physical allocation `handle` if it is released and unmapped.
+    /// `cuMemExportToShareableHandle`: [`Driver::mem_export_fd`](driver_sys::Driver::mem_export_fd) in the model.
+    #[cfg(unix)]
+    pub(super) fn mem_export_fd(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        handle: PhysHandle,
+    ) -> Result<std::os::fd::OwnedFd, u32> {
+        context(self, pid, ctx, note)?;
+        let origin = match self.phys.get(&handle.raw()) {
+            Some(p) if p.owner == pid && !p.released => {
+                note.bytes = Some(p.size);
+                // An imported handle exports the allocation it names, as the driver's does.
+                if !p.shareable {
+                    return Err(code::INVALID_VALUE);
+                }
+                p.origin.unwrap_or(handle.raw())
+            }
+            _ => return Err(code::INVALID_VALUE),
+        };
+        let (fd, ino) = super::pools::export_descriptor()?;
+        self.phys_exports.insert(ino, origin);
+        Ok(fd)
+    }
+
+    /// `cuMemImportFromShareableHandle`: [`Driver::mem_import_fd`](driver_sys::Driver::mem_import_fd) in the model.
+    #[cfg(unix)]
+    pub(super) fn mem_import_fd(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<PhysHandle, u32> {
+        let ino = super::pools::inode(fd);
+        context(self, pid, ctx, note)?;
+        let origin = *ino
+            .and_then(|ino| self.phys_exports.get(&ino))
+            .ok_or(code::INVALID_VALUE)?;
+        // The allocation is gone once its last handle and mapping went, whatever descriptors
+        // still name it.
+        let Some(root) = self.phys.get_mut(&origin) else {
+            return Err(code::INVALID_VALUE);
+        };
+        root.imports += 1;
+        let (device, size, store) = (root.device, root.size, root.store);
+        note.bytes = Some(size);
+        note.device = Some(DeviceOrdinal(device as u32));
+        self.stores
+            .get_mut(&store)
+            .expect("a live allocation's store")
+            .refs += 1;
+        let handle = self.new_handle();
+        self.phys.insert(
+            handle,
+            Phys {
+                owner: pid,
+                device,
+                size,
+                store,
+                released: false,
+                mappings: 0,
+                shareable: true,
+                origin: Some(origin),
+                imports: 0,
+            },
+        );
+        Ok(crate::sim::made(PhysHandle::from_raw, handle))
+    }
+
+    /// Forgets physical allocation `handle` if it is released and unmapped (and, for one made
+    /// by `cuMemCreate`, no imported handle refers to it).
     fn drop_phys_if_unused(&mut self, handle: u64) {
         let unused = self
             .phys
             .get(&handle)
-            .is_some_and(|p| p.released && p.mappings == 0);
+            .is_some_and(|p| p.released && p.mappings == 0 && p.imports == 0);
         if unused {
             self.forget_phys(handle);
         }
     }
 
-    /// Removes physical allocation `handle`: its device memory and bytes go.
+    /// Removes physical allocation `handle`: an imported handle goes, and with the last handle
+    /// to it the memory and its bytes go.
     fn forget_phys(&mut self, handle: u64) {
         let p = self.phys.remove(&handle).expect("a physical allocation");
-        self.devices[p.device].phys_bytes -= p.size;
         self.drop_store(p.store);
+        match p.origin {
+            Some(origin) => {
+                if let Some(root) = self.phys.get_mut(&origin) {
+                    root.imports -= 1;
+                }
+                self.drop_phys_if_unused(origin);
+            }
+            None => self.devices[p.device].phys_bytes -= p.size,
+        }
     }
 
     /// `cuMemRelease`: [`Driver::mem_release`](driver_sys::Driver::mem_release) in the model.
@@ -406,7 +502,16 @@ impl World {
             r.maps.retain(|_, m| !gone.contains(&m.handle));
         }
         for h in gone {
-            self.forget_phys(h);
+            // Memory another process imported lives on, with no owner, until its last
+            // imported handle goes.
+            let p = self.phys.get_mut(&h).expect("listed above");
+            if p.imports > 0 {
+                p.owner = ORPHAN;
+                p.released = true;
+                p.mappings = 0;
+            } else {
+                self.forget_phys(h);
+            }
         }
     }
 }

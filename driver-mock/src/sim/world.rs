@@ -95,8 +95,13 @@ pub(super) struct World {
     /// The descriptors are real (pipes), so they can be passed like the driver's.
     #[cfg_attr(not(unix), allow(dead_code))]
     pub(super) pool_exports: BTreeMap<u64, (usize, u64)>,
-    /// Physical allocations (`cuMemCreate`) by handle (`vmm.rs`).
+    /// Physical allocations (`cuMemCreate`, and handles imported from descriptors) by handle
+    /// (`vmm.rs`).
     pub(super) phys: BTreeMap<u64, super::vmm::Phys>,
+    /// Physical allocations exported as file descriptors: the descriptor's inode → the
+    /// handle `cuMemCreate` made. Real descriptors (pipes), as for pools.
+    #[cfg_attr(not(unix), allow(dead_code))]
+    pub(super) phys_exports: BTreeMap<u64, u64>,
 }
 
 pub(super) fn device_index(w: &World, dev: DeviceOrdinal) -> Result<usize, u32> {
@@ -246,7 +251,11 @@ impl World {
         for (&handle, ph) in self
             .phys
             .iter()
-            .filter(|(_, ph)| ph.owner == pid && on(ph.device))
+            // Released and unmapped, an allocation another process imported is that
+            // process's to give up, not this one's leak.
+            .filter(|(_, ph)| {
+                ph.owner == pid && on(ph.device) && !(ph.released && ph.mappings == 0)
+            })
         {
             r.physical.push((
                 DeviceOrdinal(ph.device as u32),
@@ -321,7 +330,8 @@ impl World {
             DeviceAttribute::HostNumaId => c.host_numa_id,
             DeviceAttribute::HostMemoryPoolsSupported
             | DeviceAttribute::HostNumaMemoryPoolsSupported => i32::from(c.host_memory_pools),
-            DeviceAttribute::VirtualMemoryManagement => i32::from(c.vmm),
+            DeviceAttribute::VirtualMemoryManagement
+            | DeviceAttribute::HandleTypePosixFileDescriptor => i32::from(c.vmm),
         })
     }
 

@@ -1146,8 +1146,8 @@ pub fn virtual_memory_conformance(target: Target) -> Result<(), Failed> {
         free0,
         "a reservation takes no memory"
     );
-    let a = d.mem_create(ctx, dev, g)?;
-    let b = d.mem_create(ctx, dev, 2 * g)?;
+    let a = d.mem_create(ctx, dev, g, false)?;
+    let b = d.mem_create(ctx, dev, 2 * g, false)?;
     ensure_eq!(
         free0 - d.mem_get_info(ctx)?.free,
         3 * g,
@@ -1198,6 +1198,91 @@ pub fn virtual_memory_conformance(target: Target) -> Result<(), Failed> {
         d.mem_address_free(ctx, base, 8 * g)?;
     }
     ensure_eq!(d.mem_get_info(ctx)?.free, free0, "everything came back");
+    Ok(())
+}
+
+/// Physical memory shared through POSIX file descriptors, as `vmm-pool`'s IPC uses it: the
+/// device supports the handle type; only an allocation made shareable exports; an imported
+/// handle maps the same memory (written through one mapping, read through the other), which
+/// counts once on the device and lives until the last handle and mapping of it go.
+pub fn shareable_physical_memory_conformance(target: Target) -> Result<(), Failed> {
+    let raw = Raw::new(target)?;
+    let (d, ctx, dev) = (&raw.driver, raw.ctx, DeviceOrdinal(0));
+    ensure_eq!(
+        d.device_attribute(
+            dev,
+            driver_sys::DeviceAttribute::HandleTypePosixFileDescriptor
+        )?,
+        1,
+        "the device exports physical memory as POSIX file descriptors"
+    );
+    let g = d.mem_vmm_granularity(dev)?;
+    let plain = d.mem_create(ctx, dev, g, false)?;
+    let refused = d.mem_export_fd(ctx, plain);
+    ensure!(
+        refused.is_err(),
+        "an allocation made without the handle type was exported: {refused:?}"
+    );
+    // SAFETY: made above, never mapped, released once.
+    unsafe { d.mem_release(ctx, plain)? };
+    let free0 = d.mem_get_info(ctx)?.free;
+    let a = d.mem_create(ctx, dev, g, true)?;
+    let fd = d.mem_export_fd(ctx, a)?;
+    let b = d.mem_import_fd(ctx, std::os::fd::AsFd::as_fd(&fd))?;
+    // The descriptor is not needed once imported.
+    drop(fd);
+    ensure_eq!(
+        free0 - d.mem_get_info(ctx)?.free,
+        g,
+        "an imported handle costs no memory of its own"
+    );
+    let base = d.mem_address_reserve(ctx, 2 * g)?;
+    let other = DevicePtr(base.0 + g as u64);
+    // SAFETY: both ranges lie in this test's reservation, where nothing is mapped.
+    unsafe {
+        d.mem_map(ctx, base, g, a)?;
+        d.mem_map(ctx, other, g, b)?;
+    }
+    d.mem_set_access(ctx, base, 2 * g, dev)?;
+    let data: Vec<u8> = (0..64).map(|i| i as u8 ^ 0x5a).collect();
+    let mut back = [0u8; 64];
+    // SAFETY: 64 bytes at the start of each of this test's two accessible mappings.
+    unsafe {
+        d.memcpy_htod(ctx, base, &data)?;
+        d.memcpy_dtoh(ctx, &mut back, other)?;
+    }
+    ensure_eq!(
+        &back[..],
+        &data[..],
+        "bytes written through the exporter's mapping, read through the imported one"
+    );
+    // The exporter's handle and mapping go; the imported ones keep the memory.
+    // SAFETY: `a` released once; its mapping is unmapped and used by no work.
+    unsafe {
+        d.mem_release(ctx, a)?;
+        d.mem_unmap(ctx, base, g)?;
+    }
+    let mut again = [0u8; 64];
+    // SAFETY: the imported mapping, still accessible.
+    unsafe { d.memcpy_dtoh(ctx, &mut again, other)? };
+    ensure_eq!(
+        &again[..],
+        &data[..],
+        "the memory lives while an imported handle maps it"
+    );
+    ensure_eq!(free0 - d.mem_get_info(ctx)?.free, g, "still counted once");
+    // SAFETY: this test's last mapping and handle, used by no work; the reservation is empty
+    // afterwards.
+    unsafe {
+        d.mem_unmap(ctx, other, g)?;
+        d.mem_release(ctx, b)?;
+        d.mem_address_free(ctx, base, 2 * g)?;
+    }
+    ensure_eq!(
+        d.mem_get_info(ctx)?.free,
+        free0,
+        "the memory goes with its last handle"
+    );
     Ok(())
 }
 
@@ -1453,7 +1538,7 @@ pub fn stream_capture_conformance(target: Target) -> Result<(), Failed> {
             Box::new(|| {
                 let gran = d.mem_vmm_granularity(dev)?;
                 let va = d.mem_address_reserve(ctx, gran)?;
-                let h = d.mem_create(ctx, dev, gran)?;
+                let h = d.mem_create(ctx, dev, gran, false)?;
                 // SAFETY: this probe's own reservation and memory, used by no work.
                 unsafe {
                     d.mem_map(ctx, va, gran, h)?;

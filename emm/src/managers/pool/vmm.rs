@@ -250,9 +250,10 @@ impl PoolShared {
     #[allow(unsafe_code)]
     fn map_chunk(&self, at: u64, bytes: usize) -> Result<PhysHandle, (DriverError, bool)> {
         let cx = &self.cx;
+        // Not shareable: vmm-pool refuses IPC, so nothing exports its memory.
         let handle = cx
             .driver
-            .mem_create(cx.context, cx.device, bytes)
+            .mem_create(cx.context, cx.device, bytes, false)
             .map_err(|e| (e, true))?;
         let undo = |what: &'static str, r: Result<(), DriverError>| {
             if let Err(e) = &r {
