@@ -180,8 +180,11 @@ impl ParkedPointer {
         let base = self.0.value().base;
         // Owns nothing more once its hook and streams are out (a pool's pointer has no owner).
         self.0.retire_with(|a| {
-            drop(a.streams.take());
-            a.take_pool_hook().map(|(hook, _)| hook)
+            let emptied = a.streams.take().map(|record| empty_stream_record(record).1);
+            a.take_pool_hook().map(|(hook, _)| KeptHook {
+                hook,
+                streams: emptied,
+            })
         });
         base
     }
@@ -192,11 +195,38 @@ impl ParkedPointer {
 /// depot does not keep the manager's shared state alive.
 pub(crate) fn forget_hooks<'a>(hooks: impl IntoIterator<Item = &'a Arc<dyn PoolHook>>) {
     let hooks: Vec<&Arc<dyn PoolHook>> = hooks.into_iter().collect();
-    forget_kept::<Allocation>(|kept| hooks.iter().any(|h| Arc::ptr_eq(kept, h)));
+    forget_kept::<Allocation>(|kept| hooks.iter().any(|h| Arc::ptr_eq(&kept.hook, h)));
 }
 
 /// A stream-ordered allocation's [`StreamUse`], as its pointers share it.
 pub(crate) type StreamRecord = Box<Mutex<StreamUse>>;
+
+/// What a pool pointer's recycled box keeps for the next pointer made in it: its clone of the
+/// pool's release hook, and the emptied stream-use record of a stream-ordered pointer, so that
+/// the next pointer made on a stream allocates no record of its own.
+pub(crate) struct KeptHook {
+    pub(crate) hook: Arc<dyn PoolHook>,
+    streams: Option<StreamRecord>,
+}
+
+/// The stream use out of `record`, and the record left holding an empty use (no streams, no
+/// owners) to be filled again.
+fn empty_stream_record(mut record: StreamRecord) -> (StreamUse, StreamRecord) {
+    let taken = std::mem::replace(use_mut(&mut record), StreamUse::on(StreamHandle::NULL));
+    (taken, record)
+}
+
+/// A stream-use record for memory allocated on `stream`: `kept` filled anew, or a new one.
+#[inline(always)]
+fn stream_record_on(kept: Option<StreamRecord>, stream: StreamHandle) -> StreamRecord {
+    match kept {
+        Some(mut record) => {
+            *use_mut(&mut record) = StreamUse::on(stream);
+            record
+        }
+        None => Box::new(Mutex::new(StreamUse::on(stream))),
+    }
+}
 
 /// The stream use out of its record (unboxed), ignoring poison (a record is plain data).
 pub(crate) fn into_stream_use(record: Mutex<StreamUse>) -> StreamUse {
@@ -403,25 +433,29 @@ pub(crate) struct Allocation {
     _owner: Option<HostOwner>,
 }
 
-recycle_per_thread!(
-    Allocation,
-    Arc<dyn PoolHook>,
-    Allocation::retire,
-    Allocation::park
-);
+recycle_per_thread!(Allocation, KeptHook, Allocation::retire, Allocation::park);
 
 impl Allocation {
-    /// For a pool's pointer (`stash`): runs the hook's release and hands the hook's clone to
-    /// the recycled record, for the next pointer made in it, leaving the allocation empty
-    /// (no release, no streams, no owner: the record skips its drop). Anything else releases
-    /// in `drop`.
-    fn retire(&mut self) -> Option<Arc<dyn PoolHook>> {
+    /// For a pool's pointer (`stash`): runs the hook's release and hands the hook's clone and
+    /// the emptied stream-use record to the recycled record, for the next pointer made in it,
+    /// leaving the allocation empty (no release, no streams, no owner: the record skips its
+    /// drop). Anything else releases in `drop`.
+    fn retire(&mut self) -> Option<KeptHook> {
         let (hook, tag) = self.take_pool_hook()?;
-        let streams = self.take_streams();
+        let (streams, emptied) = match self.streams.take() {
+            Some(record) => {
+                let (streams, emptied) = empty_stream_record(record);
+                (Some(streams), Some(emptied))
+            }
+            None => (None, None),
+        };
         run_hook(&*hook, self.base, self.size, tag, streams);
         // Dropped after the release, as the fields would drop after `Drop::drop`.
         drop(self._owner.take());
-        Some(hook)
+        Some(KeptHook {
+            hook,
+            streams: emptied,
+        })
     }
 
     /// A pool's pointer: its hook and tag, the release left `Unowned` (nothing to run when the
@@ -489,12 +523,6 @@ impl Allocation {
         unsafe { &*table }
             .park(ParkedPointer(record), key, generation)
             .map(|p| p.0)
-    }
-
-    /// The stream-use record, taken out for the release.
-    #[inline]
-    fn take_streams(&mut self) -> Option<StreamUse> {
-        self.streams.take().map(|s| into_stream_use(*s))
     }
 }
 
@@ -710,21 +738,27 @@ impl MemoryPointer {
         // record is taken, while `from_parts` builds its value before (one constructor that
         // builds after would lengthen the default manager's pair).
         MemoryPointer {
-            alloc: Record::new_with(|kept| Allocation {
-                device,
-                ctx,
-                base,
-                size,
-                release: Release::Pool {
-                    hook: match kept {
-                        Some(kept) if Arc::ptr_eq(&kept, hook) => kept,
-                        _ => Arc::clone(hook),
+            alloc: Record::new_with(|kept| {
+                let (kept_hook, kept_streams) = match kept {
+                    Some(KeptHook { hook, streams }) => (Some(hook), streams),
+                    None => (None, None),
+                };
+                Allocation {
+                    device,
+                    ctx,
+                    base,
+                    size,
+                    release: Release::Pool {
+                        hook: match kept_hook {
+                            Some(kept) if Arc::ptr_eq(&kept, hook) => kept,
+                            _ => Arc::clone(hook),
+                        },
+                        tag,
+                        park,
                     },
-                    tag,
-                    park,
-                },
-                streams: stream.map(|s| Box::new(Mutex::new(StreamUse::on(s)))),
-                _owner: None,
+                    streams: stream.map(|s| stream_record_on(kept_streams, s)),
+                    _owner: None,
+                }
             }),
             offset: 0,
             size,
@@ -889,6 +923,13 @@ impl MemoryPointer {
     /// The stream the memory was allocated on, for a stream-ordered allocation.
     pub fn stream(&self) -> Option<StreamHandle> {
         self.stream_record().map(|s| lock_use(s).stream)
+    }
+
+    /// The address of the stream-use record and a copy of what it holds (tests of its reuse).
+    #[cfg(all(test, not(emm_loom)))]
+    pub(crate) fn stream_use_record(&self) -> Option<(usize, StreamUse)> {
+        self.stream_record()
+            .map(|s| (std::ptr::from_ref(s) as usize, lock_use(s).clone()))
     }
 
     /// Records that work queued on `stream` uses this memory (PyTorch's `record_stream`):

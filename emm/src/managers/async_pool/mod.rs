@@ -857,7 +857,7 @@ mod tests {
 
     use super::*;
     use crate::contract::factory::ManagerContext;
-    use crate::memory::pointer::Allocation;
+    use crate::memory::pointer::{Allocation, KeptHook};
     use crate::memory::record::depot_keeps;
 
     /// An `async-pool` allocator over a host layer on a simulated GPU, and a weak reference to
@@ -1052,7 +1052,7 @@ mod tests {
         // (Other tests' threads may take some of those boxes meanwhile: only the depot's own
         // are counted.)
         let hook = Arc::as_ptr(&device.hook).cast::<()>();
-        let ours = |k: &Arc<dyn PoolHook>| Arc::as_ptr(k).cast::<()>() == hook;
+        let ours = |k: &KeptHook| Arc::as_ptr(&k.hook).cast::<()>() == hook;
         assert!(
             depot_keeps::<Allocation>(ours) > 0,
             "the depot keeps clones"

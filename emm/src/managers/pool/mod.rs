@@ -1354,6 +1354,42 @@ mod tests {
             .sum()
     }
 
+    /// A stream of the simulator's, as the memory layer sees one.
+    struct OnStream(StreamHandle);
+
+    // SAFETY: a stream the test created and never destroys.
+    #[allow(unsafe_code)]
+    unsafe impl crate::memory::pointer::OrderedOn for OnStream {
+        fn stream_handle(&self) -> StreamHandle {
+            self.0
+        }
+    }
+
+    /// A stream-ordered pointer's stream-use record stays in its recycled box: the next
+    /// pointer made on a stream fills it anew (allocating none of its own), with nothing of
+    /// the last pointer's use left in it.
+    #[test]
+    fn a_stream_pointers_use_record_is_reused_by_the_next_one() {
+        let (host, alloc) = pool();
+        let stream = StreamHandle::NULL;
+        let a = alloc.memalloc_on(&host, 256, stream).unwrap();
+        let (record, _) = a.stream_use_record().expect("a stream-ordered pointer");
+        let cx = host.context().clone();
+        let other = OnStream(cx.driver.stream_create(cx.context, 0).unwrap());
+        a.record_stream(&other).unwrap();
+        assert_eq!(a.stream_use_record().unwrap().1.recorded, vec![other.0]);
+        drop(a);
+        // Takes the heap's most recently freed block of the record's size, which a record
+        // given back to the heap would be.
+        let decoy = Box::new(Mutex::new(crate::memory::pointer::StreamUse::on(stream)));
+        let b = alloc.memalloc_on(&host, 256, stream).unwrap();
+        let (again, used) = b.stream_use_record().expect("a stream-ordered pointer");
+        assert_eq!(again, record, "the record's box is reused");
+        assert_eq!((used.stream, used.free_on), (stream, stream));
+        assert!(used.recorded.is_empty());
+        drop(decoy);
+    }
+
     #[test]
     fn a_small_blocks_record_is_parked_with_it_and_revived_by_the_next_allocation() {
         let (host, alloc) = pool();
