@@ -1,5 +1,5 @@
 //! A cheap timestamp for events on hot paths ([`stamp`]), and its conversion to wall-clock
-//! time ([`unix_us`]). On x86-64 a stamp is the time-stamp counter (one instruction; the
+//! time ([`to_unix_us`]). On x86-64 a stamp is the time-stamp counter (one instruction; the
 //! counter runs at a constant rate on the CPUs CUDA supports, and is synchronised across
 //! cores); elsewhere, and under Miri and loom, nanoseconds since the first stamp.
 
@@ -47,7 +47,7 @@ fn raw(now: Instant) -> u64 {
 static ORIGIN_INSTANT: OnceLock<Instant> = OnceLock::new();
 
 /// A timestamp for an event: comparable with every other stamp of the process, convertible
-/// with [`unix_us`].
+/// with [`to_unix_us`].
 #[inline(always)]
 pub(crate) fn stamp() -> u64 {
     #[cfg(all(target_arch = "x86_64", not(miri), not(emm_loom)))]

@@ -705,8 +705,9 @@ impl MemoryPointer {
     /// [`with_hook_on`](Self::with_hook_on) makes it: the last drop hands the streams to the
     /// hook's [`ReleaseHook::release_on_streams`] (or, with `park`, offers the record, stream
     /// record and all, to [`PoolHook::park`], which frees the block on its streams), and the
-    /// hook's clone stays with the recycled record. Threads allocating on one stream then
-    /// share no reference count (bench-results/runs.md, run AB).
+    /// hook's clone and the emptied stream-use record stay with the recycled record
+    /// ([`KeptHook`]). Threads allocating on one stream then share no reference count, and the
+    /// next pointer made on a stream allocates no stream-use record.
     #[allow(clippy::too_many_arguments)] // the allocation's fields, as `from_parts`
     pub(crate) fn with_stashed_hook_on(
         device: DeviceOrdinal,

@@ -51,7 +51,7 @@
 //!   most shards × that (plus a magazine each), and the depot at most twice a shard's share
 //!   per class (`stats().cached_bytes` says how much now; `trim` returns it all).
 //! - **Release.** A pointer's last drop returns its block to the dropping thread's shard, with
-//!   no driver call; its pointer carries a shared [`ReleaseHook`], and its record comes from
+//!   no driver call; its pointer carries a shared [`ReleaseHook`](crate::memory::pointer::ReleaseHook), and its record comes from
 //!   a per-thread list of recycled ones (`memory/record.rs`), so a cached allocation
 //!   allocates nothing on the heap. A block's record stays with it in the shard
 //!   (*parked*, up to 256 per shard, within the class's and the shard's cache bounds, large
