@@ -105,6 +105,24 @@ pub struct HeldSegment {
     pub blocks: Vec<HeldBlock>,
 }
 
+impl HeldSegment {
+    /// A segment of `kind` that is one block in `state` (a driver allocation of its own, or a
+    /// chunk waiting to be freed).
+    pub fn whole(address: u64, bytes: usize, kind: SegmentKind, state: BlockState) -> HeldSegment {
+        HeldSegment {
+            address,
+            bytes,
+            kind,
+            stream: None,
+            blocks: vec![HeldBlock {
+                address,
+                bytes,
+                state,
+            }],
+        }
+    }
+}
+
 /// Who allocated: a framework (`numba`, `cupy`, `torch`) or the embedder's own name. Tags are
 /// interned: a tag is a small number, set per thread ([`Tag::scope`]) and read by the
 /// `history` adaptor at each allocation.
@@ -240,24 +258,6 @@ pub struct AllocationInfo {
     pub time_us: u64,
     /// The allocating stack, when the adaptor records stacks.
     pub stack: Option<Arc<str>>,
-}
-
-impl HeldSegment {
-    /// A segment of `kind` that is one block in `state` (a driver allocation of its own, or a
-    /// chunk waiting to be freed).
-    pub fn whole(address: u64, bytes: usize, kind: SegmentKind, state: BlockState) -> HeldSegment {
-        HeldSegment {
-            address,
-            bytes,
-            kind,
-            stream: None,
-            blocks: vec![HeldBlock {
-                address,
-                bytes,
-                state,
-            }],
-        }
-    }
 }
 
 /// A block of a [`MemorySnapshot`].
