@@ -50,6 +50,9 @@ pub struct SimDeviceConfig {
     /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`: whether the virtual memory
     /// calls (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`) work on the device.
     pub vmm: bool,
+    /// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED` (where `vmm` is on):
+    /// whether physical memory can be made shareable as a POSIX file descriptor.
+    pub posix_fd_handles: bool,
 }
 
 impl SimDeviceConfig {
@@ -67,6 +70,7 @@ impl SimDeviceConfig {
             host_memory_pools: true,
             host_numa_id: 0,
             vmm: true,
+            posix_fd_handles: true,
         }
     }
 
@@ -82,6 +86,15 @@ impl SimDeviceConfig {
     #[must_use]
     pub fn vmm(mut self, yes: bool) -> SimDeviceConfig {
         self.vmm = yes;
+        self
+    }
+
+    /// Sets whether physical memory can be made shareable as a POSIX file descriptor (a
+    /// driver without it refuses `cuMemCreate` with that handle type with
+    /// `CUDA_ERROR_NOT_SUPPORTED`).
+    #[must_use]
+    pub fn posix_fd_handles(mut self, yes: bool) -> SimDeviceConfig {
+        self.posix_fd_handles = yes;
         self
     }
 

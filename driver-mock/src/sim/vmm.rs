@@ -245,6 +245,9 @@ impl World {
         let i = device_index(self, dev)?;
         note.device = Some(dev);
         self.check_vmm(i)?;
+        if shareable && !self.devices[i].config.posix_fd_handles {
+            return Err(code::NOT_SUPPORTED);
+        }
         if size == 0 || !aligned(size as u64) {
             return Err(code::INVALID_VALUE);
         }

@@ -330,8 +330,10 @@ impl World {
             DeviceAttribute::HostNumaId => c.host_numa_id,
             DeviceAttribute::HostMemoryPoolsSupported
             | DeviceAttribute::HostNumaMemoryPoolsSupported => i32::from(c.host_memory_pools),
-            DeviceAttribute::VirtualMemoryManagement
-            | DeviceAttribute::HandleTypePosixFileDescriptor => i32::from(c.vmm),
+            DeviceAttribute::VirtualMemoryManagement => i32::from(c.vmm),
+            DeviceAttribute::HandleTypePosixFileDescriptor => {
+                i32::from(c.vmm && c.posix_fd_handles)
+            }
         })
     }
 
