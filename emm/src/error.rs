@@ -382,6 +382,16 @@ impl EmmError {
         }
     }
 
+    /// `export_mapped` asked of a manager whose memory is not mapped physical memory.
+    pub(crate) fn no_mapped_export(manager: impl Into<String>) -> Self {
+        EmmError::NotSupported {
+            operation: "export_mapped",
+            manager: manager.into(),
+            advice: "only memory mapped into reserved addresses ('vmm-pool') is exported as \
+                     file descriptors; share this manager's memory with get_ipc_handle",
+        }
+    }
+
     /// `export_pool` asked of a manager without a pool created for export.
     pub(crate) fn no_pool_export(manager: impl Into<String>) -> Self {
         EmmError::NotSupported {

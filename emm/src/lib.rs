@@ -25,6 +25,7 @@
 //! | [`PendingDeallocs`](plugin::PendingDeallocs) / [`DeferCleanup`](plugin::DeferCleanup) | deferred deallocation and its suspension |
 //! | [`IpcHandle`] | export, transport as bytes, open directly or staged, close |
 //! | [`PoolExport`](contract::PoolExport) | an IPC-enabled stream-ordered pool (`async-pool-ipc`) on its way to another process, which imports it with [`Runtime::import_pool`] |
+//! | [`MappedExport`](contract::MappedExport) | an allocation of `vmm-pool` as file descriptors of its physical memory, on its way to another process, which maps it with [`Context::open_mapped`] |
 //!
 //! emm never names cudarc or the simulator: it talks to an `Arc<dyn Driver>`
 //! ([`driver_sys::Driver`]).

@@ -36,6 +36,7 @@ use crate::contract::factory::{ManagerContext, ManagerFactory};
 use crate::contract::info::{FreeSpace, MemoryInfo, MemoryKind, PoolReport, Usage};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{HistoryRecord, MemoryManager, StreamOrdering};
+use crate::contract::mapped_export::MappedExport;
 use crate::contract::pool_export::PoolExport;
 use crate::contract::snapshot::HeldSegment;
 use crate::error::EmmError;
@@ -495,6 +496,10 @@ impl MemoryManager for Adapted {
 
     fn export_pool(&self) -> Result<PoolExport, EmmError> {
         self.inner.export_pool()
+    }
+
+    fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
+        self.inner.export_mapped(memory)
     }
 }
 

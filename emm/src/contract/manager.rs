@@ -9,6 +9,7 @@ use driver_sys::{HostPtr, StreamHandle};
 
 use crate::contract::info::{FreeSpace, MemoryInfo, PoolReport, Usage};
 use crate::contract::ipc::IpcHandle;
+use crate::contract::mapped_export::MappedExport;
 use crate::contract::pool_export::PoolExport;
 use crate::contract::snapshot::{HeldSegment, HistoryEvent};
 use crate::error::EmmError;
@@ -188,6 +189,16 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
     /// [`EmmError::NotSupported`]).
     fn export_pool(&self) -> Result<PoolExport, EmmError> {
         Err(EmmError::no_pool_export(std::any::type_name_of_val(self)))
+    }
+
+    /// Exports `memory` (an allocation of this manager) as the physical memory behind it, file
+    /// descriptors that another process maps ([`MappedExport`]): only a manager whose memory is
+    /// physical memory mapped into reserved addresses can (`vmm-pool`); the others refuse with
+    /// [`EmmError::NotSupported`], and their memory travels as
+    /// [`get_ipc_handle`](Self::get_ipc_handle)'s handles.
+    fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
+        let _ = memory;
+        Err(EmmError::no_mapped_export(std::any::type_name_of_val(self)))
     }
 }
 

@@ -9,6 +9,7 @@
 //! | `access` | [`ManagerContext`]'s guarded driver calls: liveness, the stale-context error, copies, mappings |
 //! | `info` | [`MemoryInfo`], [`PoolStats`], [`PoolReport`], [`Usage`] / [`KindUsage`] / [`MemoryKind`], [`PinnedPoolConfig`] |
 //! | `ipc` | [`IpcHandle`] (what `get_ipc_handle` returns), [`IpcMemory`], [`DeviceIdentity`] |
+//! | `mapped_export` | [`MappedExport`] (what `export_mapped` returns: `vmm-pool` memory as file descriptors) |
 //! | `pool_export` | [`PoolExport`] (what `export_pool` returns) and [`PoolId`] |
 //! | `snapshot` | [`HeldSegment`] (what `segments` returns), [`Tag`], [`MemorySnapshot`] and its exports |
 
@@ -17,6 +18,7 @@ pub(crate) mod factory;
 pub(crate) mod info;
 pub(crate) mod ipc;
 pub(crate) mod manager;
+pub(crate) mod mapped_export;
 pub(crate) mod pool_export;
 pub(crate) mod snapshot;
 
@@ -30,6 +32,7 @@ pub use ipc::{DeviceIdentity, IpcHandle, IpcMemory};
 pub use manager::{
     HistoryRecord, INTERFACE_VERSION, MemoryManager, StreamOrdering, check_interface_version,
 };
+pub use mapped_export::MappedExport;
 pub use pool_export::{POOL_DESCRIPTOR_LEN, PoolExport, PoolId};
 pub use snapshot::{
     AllocationInfo, Block, BlockState, HeldBlock, HeldSegment, HistoryAction, HistoryEvent,

@@ -133,20 +133,7 @@ impl PoolExport {
             what: "pool export descriptor",
             reason,
         };
-        if bytes.len() < 9 || &bytes[..7] != EXPORT_MAGIC {
-            return Err(bad(
-                "the bytes do not start with an emm pool export's marker; pass the bytes \
-                 PoolExport::descriptor produced"
-                    .into(),
-            ));
-        }
-        let version = u16::from_le_bytes([bytes[7], bytes[8]]);
-        if version != EXPORT_VERSION {
-            return Err(bad(format!(
-                "format version {version}, and this emm reads version {EXPORT_VERSION}; export \
-                 and import with the same emm release"
-            )));
-        }
+        check_header(bytes, EXPORT_MAGIC, EXPORT_VERSION, "PoolExport").map_err(bad)?;
         if bytes.len() != POOL_DESCRIPTOR_LEN {
             return Err(bad(format!(
                 "{} bytes instead of {POOL_DESCRIPTOR_LEN}",
@@ -164,6 +151,30 @@ impl PoolExport {
             fd,
         })
     }
+}
+
+/// Checks that `bytes` start with an export descriptor's `magic` and this emm's `version` of
+/// the format, where `kind` names the export's type; the reason they do not, as the error.
+pub(crate) fn check_header(
+    bytes: &[u8],
+    magic: &[u8; 7],
+    version: u16,
+    kind: &str,
+) -> Result<(), String> {
+    if bytes.len() < 9 || &bytes[..7] != magic {
+        return Err(format!(
+            "the bytes do not start with the marker of an emm {kind}; pass the bytes \
+             {kind}::descriptor produced"
+        ));
+    }
+    let got = u16::from_le_bytes([bytes[7], bytes[8]]);
+    if got != version {
+        return Err(format!(
+            "format version {got}, and this emm reads version {version}; export and import \
+             with the same emm release"
+        ));
+    }
+    Ok(())
 }
 
 impl PoolExport {

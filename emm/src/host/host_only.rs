@@ -9,6 +9,7 @@ use crate::contract::factory::ManagerContext;
 use crate::contract::info::{FreeSpace, MemoryInfo, PoolReport, PoolStats};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{HistoryRecord, INTERFACE_VERSION, MemoryManager, StreamOrdering};
+use crate::contract::mapped_export::MappedExport;
 use crate::contract::pool_export::PoolExport;
 use crate::contract::snapshot::HeldSegment;
 use crate::error::EmmError;
@@ -167,6 +168,18 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Exports `memory` as the physical memory behind it
+    /// ([`MemoryManager::export_mapped`]); allocators whose memory is not mapped physical
+    /// memory refuse (the default).
+    fn export_mapped(
+        &self,
+        host: &HostLayer,
+        memory: &MemoryPointer,
+    ) -> Result<MappedExport, EmmError> {
+        let _ = (host, memory);
+        Err(EmmError::no_mapped_export(std::any::type_name_of_val(self)))
+    }
+
     /// Exports the allocator's IPC-enabled stream-ordered pool; allocators without one refuse
     /// (the default).
     fn export_pool(&self, host: &HostLayer) -> Result<PoolExport, EmmError> {
@@ -304,5 +317,9 @@ impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
 
     fn export_pool(&self) -> Result<PoolExport, EmmError> {
         self.device.export_pool(&self.host)
+    }
+
+    fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
+        self.device.export_mapped(&self.host, memory)
     }
 }

@@ -16,6 +16,7 @@ use crate::contract::info::{
 };
 use crate::contract::ipc::{DeviceIdentity, IpcHandle};
 use crate::contract::manager::{HistoryRecord, MemoryManager, StreamOrdering};
+use crate::contract::mapped_export::MappedExport;
 use crate::contract::pool_export::PoolExport;
 use crate::contract::snapshot::{self, Block, BlockState, MemorySnapshot, Segment, SegmentKind};
 use crate::error::{EmmError, LiveByTag, OutOfMemoryReport};
@@ -541,6 +542,35 @@ impl Context {
             });
         }
         self.inner.manager.export_pool()
+    }
+
+    /// Exports `memory` (an allocation of `vmm-pool`, or a view of one) as the physical memory
+    /// behind it, for another process: send the [`MappedExport`] with
+    /// [`MappedExport::send`]; that process opens it with [`open_mapped`](Self::open_mapped).
+    /// Other managers refuse with [`EmmError::NotSupported`] (their memory travels as
+    /// [`get_ipc_handle`](Self::get_ipc_handle)'s handles), as does a driver that does not share
+    /// physical memory as POSIX file descriptors. The exporter keeps `memory` until the other
+    /// processes dropped their pointers, as with any IPC.
+    pub fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
+        self.check_usable("export_mapped", memory)?;
+        if !cfg!(target_os = "linux") {
+            return Err(EmmError::NotSupported {
+                operation: "export_mapped",
+                manager: self.inner.manager_name.clone(),
+                advice: "memory is exported as POSIX file descriptors, which needs Linux",
+            });
+        }
+        self.inner.manager.export_mapped(memory)
+    }
+
+    /// Maps memory another process exported with [`export_mapped`](Self::export_mapped) into
+    /// this context, which must be on the exporting device, and returns a pointer to it. The
+    /// mapping is undone when the pointer's last clone (or view) drops; drop it before the
+    /// exporter frees the memory.
+    #[cfg(unix)]
+    pub fn open_mapped(&self, export: MappedExport) -> Result<MemoryPointer, EmmError> {
+        self.ensure_alive("open_mapped")?;
+        crate::ipc::mapped::open_mapped(&self.inner.cx, export)
     }
 
     /// Creates a stream (`cuStreamCreate`, default flags: blocking, priority 0); it is

@@ -38,3 +38,5 @@ mod selection;
 mod snapshots;
 mod state_machine;
 mod stream_reuse;
+#[cfg(unix)]
+mod vmm_ipc;

@@ -81,6 +81,7 @@ use crate::contract::factory::{FnFactory, ManagerContext};
 use crate::contract::info::{FreeSpace, PoolStats};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{HistoryRecord, StreamOrdering};
+use crate::contract::mapped_export::MappedExport;
 use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::error::EmmError;
 use crate::host::fences::{Fence, Fences};
@@ -1246,12 +1247,23 @@ impl DeviceAllocator for PoolAllocator {
                 operation: "get_ipc_handle",
                 manager: VMM_POOL_MANAGER.into(),
                 advice: "its memory is physical memory mapped into reserved addresses, which \
-                         cuIpcGetMemHandle does not export; allocate memory to share between \
-                         processes under 'pool' or 'async-pool-ipc'",
+                         cuIpcGetMemHandle does not export; export it as file descriptors with \
+                         Context::export_mapped, send that over a Unix socket \
+                         (MappedExport::send) and open it with Context::open_mapped in the \
+                         other process",
             });
         }
         // The handle names the chunk; its offset is the block's distance from the chunk base.
         host.ipc_handle(memory)
+    }
+
+    fn export_mapped(
+        &self,
+        _host: &HostLayer,
+        memory: &MemoryPointer,
+    ) -> Result<MappedExport, EmmError> {
+        self.shared
+            .export_mapped(memory.device_ptr().0, memory.size())
     }
 
     fn reset(&self, host: &HostLayer) -> Result<(), EmmError> {

@@ -16,14 +16,19 @@
 //!   unmaps at once, guard or not). Its range is
 //!   free for a new mapping once unmapped; a range whose unmapping failed is not used again, and
 //!   leaves the reservation to the context's destruction.
+//! - Where the driver shares physical memory as POSIX file descriptors
+//!   (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`), chunks are made
+//!   shareable, and an allocation is exported as the chunks it lies across
+//!   ([`MappedExport`]); elsewhere its export is refused.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use driver_sys::{DeviceAttribute, DeviceOrdinal, DevicePtr, DriverError, ErrorKind, PhysHandle};
 
 use super::PoolShared;
 use super::arena::Chunk;
 use crate::contract::factory::ManagerContext;
+use crate::contract::mapped_export::MappedExport;
 use crate::error::EmmError;
 use crate::memory::pending::Free;
 use crate::sync::{Mutex, lock};
@@ -37,6 +42,8 @@ pub(super) struct VmmSpace {
     pub(super) granularity: usize,
     /// The devices granted access to every chunk: this one and its peers.
     access: Vec<DeviceOrdinal>,
+    /// Chunks are made exportable as POSIX file descriptors.
+    shareable: bool,
     reserve_bytes: usize,
     inner: Mutex<VmmInner>,
 }
@@ -49,8 +56,8 @@ struct VmmInner {
     free: BTreeMap<u64, usize>,
     /// Chunks given back inside `defer_cleanup`: unmapped and released after it.
     deferred: Vec<(u64, usize, PhysHandle)>,
-    /// The physical allocation behind each chunk, by the chunk's base.
-    handles: HashMap<u64, PhysHandle>,
+    /// The size of each chunk and the physical allocation behind it, by the chunk's base.
+    handles: BTreeMap<u64, (usize, PhysHandle)>,
     /// A failed growth could not unmap what it mapped: the reservation cannot be freed.
     stranded: bool,
     /// Growths between taking a range and recording (or giving back) what they mapped there:
@@ -101,9 +108,16 @@ impl VmmSpace {
                 }
             }
         }
+        let shareable = cfg!(unix)
+            && cx
+                .driver
+                .device_attribute(cx.device, DeviceAttribute::HandleTypePosixFileDescriptor)
+                .map_err(|e| EmmError::driver("cuDeviceGetAttribute", cx.device, e))?
+                == 1;
         Ok(VmmSpace {
             granularity,
             access,
+            shareable,
             reserve_bytes,
             inner: Mutex::new(VmmInner::default()),
         })
@@ -229,7 +243,7 @@ impl PoolShared {
         inner.growing -= 1;
         match mapped {
             Ok(handle) => {
-                inner.handles.insert(at, handle);
+                inner.handles.insert(at, (bytes, handle));
                 Ok(())
             }
             Err((e, free_again)) => {
@@ -250,10 +264,10 @@ impl PoolShared {
     #[allow(unsafe_code)]
     fn map_chunk(&self, at: u64, bytes: usize) -> Result<PhysHandle, (DriverError, bool)> {
         let cx = &self.cx;
-        // Not shareable: vmm-pool refuses IPC, so nothing exports its memory.
+        let shareable = self.vmm.as_ref().is_some_and(|v| v.shareable);
         let handle = cx
             .driver
-            .mem_create(cx.context, cx.device, bytes, false)
+            .mem_create(cx.context, cx.device, bytes, shareable)
             .map_err(|e| (e, true))?;
         let undo = |what: &'static str, r: Result<(), DriverError>| {
             if let Err(e) = &r {
@@ -311,7 +325,7 @@ impl PoolShared {
         let mut inner = lock(&vmm.inner);
         for c in chunks {
             match inner.handles.remove(&c.base) {
-                Some(handle) => inner.deferred.push((c.base, c.size, handle)),
+                Some((_, handle)) => inner.deferred.push((c.base, c.size, handle)),
                 None => {
                     tracing::warn!(device = %self.cx.device, ptr = c.base, "a chunk of a reservation given up by a reset is not unmapped again")
                 }
@@ -329,6 +343,74 @@ impl PoolShared {
             } else {
                 inner.stranded = true;
             }
+        }
+    }
+
+    /// `vmm-pool`: the `len` bytes at `ptr` (a live allocation of the pool) as the chunks they
+    /// lie across, each exported as a file descriptor. Refused where the chunks are not
+    /// shareable, and for memory that is not in the pool's chunks.
+    pub(super) fn export_mapped(&self, ptr: u64, len: usize) -> Result<MappedExport, EmmError> {
+        let cx = &self.cx;
+        let Some(vmm) = &self.vmm else {
+            return Err(EmmError::no_mapped_export(super::POOL_MANAGER));
+        };
+        if !vmm.shareable {
+            return Err(EmmError::NotSupported {
+                operation: "export_mapped",
+                manager: super::VMM_POOL_MANAGER.into(),
+                advice: "the driver does not share this device's physical memory as POSIX file \
+                         descriptors (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED \
+                         is 0); allocate memory to share between processes under 'pool' or \
+                         'async-pool-ipc'",
+            });
+        }
+        let source = cx.device_identity()?;
+        let _live = cx.enter("export_mapped")?;
+        // Under the space's lock: no chunk goes while its descriptor is made.
+        let inner = lock(&vmm.inner);
+        let end = ptr.saturating_add(len as u64);
+        let first = inner.handles.range(..=ptr).next_back().map(|(&b, _)| b);
+        let mut pieces = Vec::new();
+        let mut covered = first.unwrap_or(ptr);
+        for (&base, &(size, handle)) in inner.handles.range(first.unwrap_or(u64::MAX)..) {
+            if covered >= end || base != covered {
+                break;
+            }
+            #[cfg(unix)]
+            {
+                let fd = cx
+                    .driver
+                    .mem_export_fd(cx.context, handle)
+                    .map_err(|e| EmmError::driver("cuMemExportToShareableHandle", cx.device, e))?;
+                pieces.push((size, fd));
+            }
+            #[cfg(not(unix))]
+            let _ = (size, handle);
+            covered = base + size as u64;
+        }
+        let Some(first) = first.filter(|_| covered >= end && len > 0) else {
+            return Err(EmmError::InvalidArgument {
+                what: "memory to export",
+                reason: format!(
+                    "{len} bytes at {ptr:#x} are not all in vmm-pool's mapped chunks; export \
+                     memory this pool allocated, while it is live"
+                ),
+            });
+        };
+        #[cfg(unix)]
+        {
+            tracing::debug!(device = %cx.device, ptr, len, pieces = pieces.len(), "vmm-pool memory exported as file descriptors");
+            Ok(MappedExport::new(
+                source,
+                (ptr - first) as usize,
+                len,
+                pieces,
+            ))
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = (source, first, pieces);
+            Err(EmmError::no_mapped_export(super::VMM_POOL_MANAGER))
         }
     }
 
