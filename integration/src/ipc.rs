@@ -187,7 +187,10 @@ pub fn open_many_in_other_process(t: &TestCtx, handles: &[Vec<u8>]) -> Result<Ve
         Some(sim) => in_sim_process(sim, |other| ipc_child_many(other, handles, pool)),
         None => {
             let list: Vec<String> = handles.iter().map(|h| hex(h)).collect();
-            spawn_child(&[(IPC_CHILD_MANY_ENV, list.join(","))], pool.as_ref())
+            spawn_child(
+                &[(IPC_CHILD_MANY_ENV, list.join(","))],
+                pool.as_ref().map(Outgoing::Pool),
+            )
         }
     }
 }
@@ -478,7 +481,10 @@ pub fn raw_pool_import_in_other_process(
         Some(sim) => in_sim_process(sim, |other| {
             raw_pool_importer(&*other, export.fd(), data, parsed.size()).map(String::into_bytes)
         })?,
-        None => spawn_child(&[(RAW_POOL_CHILD_ENV, hex(handle))], Some(export))?,
+        None => spawn_child(
+            &[(RAW_POOL_CHILD_ENV, hex(handle))],
+            Some(Outgoing::Pool(export)),
+        )?,
     };
     String::from_utf8(bytes).map_err(|e| e.to_string())
 }
@@ -504,6 +510,75 @@ pub fn fill_device(
 
 /// The variable that tells the IPC child where to receive a pool export (a Unix socket path).
 const IPC_POOL_SOCKET_ENV: &str = "EMM_IPC_POOL_SOCKET";
+
+/// The variable that makes the suite binary the other process of [`mapped_child`]: it
+/// receives a mapped export over the socket [`IPC_POOL_SOCKET_ENV`] names.
+const IPC_MAPPED_CHILD_ENV: &str = "EMM_IPC_MAPPED_CHILD";
+
+/// What a test sends its child process over the socket.
+enum Outgoing<'a> {
+    Pool(&'a emm::contract::PoolExport),
+    Mapped(&'a emm::contract::MappedExport),
+}
+
+/// The byte the other process of [`mapped_child`] writes over the first 16 bytes it opened.
+pub const MAPPED_CHILD_MARK: u8 = 0xa5;
+
+/// What the other process does with a mapped export (`vmm-pool` memory as file descriptors):
+/// builds its own runtime on `driver`, opens the export in the context of its source device,
+/// checks the size, reads the bytes, writes [`MAPPED_CHILD_MARK`] over the first 16 of them
+/// (the exporter then sees the write) and drops the mapping. Returns the bytes read.
+pub fn mapped_child(
+    driver: Arc<dyn Driver>,
+    export: emm::contract::MappedExport,
+) -> Result<Vec<u8>, String> {
+    let rt = child_runtime(driver, None)?;
+    let device = rt
+        .device_with_identity(&export.source())
+        .map_err(|e| e.to_string())?;
+    let ctx = rt.context(device).map_err(|e| e.to_string())?;
+    let size = export.size();
+    let mem = ctx
+        .open_mapped(export)
+        .map_err(|e| format!("open_mapped: {e}"))?;
+    if mem.size() != size {
+        return Err(format!(
+            "opened {} bytes, the export says {size}",
+            mem.size()
+        ));
+    }
+    let mut data = vec![0u8; size];
+    ctx.copy_to_host(&mut data, &mem)
+        .map_err(|e| format!("reading the opened memory: {e}"))?;
+    let mark = mem.view(0, Some(size.min(16))).map_err(|e| e.to_string())?;
+    ctx.copy_to_device(&mark, &vec![MAPPED_CHILD_MARK; mark.size()])
+        .map_err(|e| format!("writing the opened memory: {e}"))?;
+    drop((mark, mem));
+    Ok(data)
+}
+
+/// Runs [`mapped_child`] on `target`'s other process (a simulated one, or this executable run
+/// again as a real child, which receives the export over a Unix socket); returns the bytes it
+/// read.
+pub fn open_mapped_in_other_process(
+    t: &TestCtx,
+    export: emm::contract::MappedExport,
+) -> Result<Vec<u8>, String> {
+    match &t.sim {
+        Some(sim) => {
+            // Across a socket, as between real processes.
+            let (a, b) = std::os::unix::net::UnixStream::pair().map_err(|e| e.to_string())?;
+            export.send(&a).map_err(|e| e.to_string())?;
+            drop(export);
+            let received = emm::contract::MappedExport::receive(&b).map_err(|e| e.to_string())?;
+            in_sim_process(sim, |other| mapped_child(other, received))
+        }
+        None => spawn_child(
+            &[(IPC_MAPPED_CHILD_ENV, "1".to_owned())],
+            Some(Outgoing::Mapped(&export)),
+        ),
+    }
+}
 
 /// Runs [`ipc_child`] on `target`'s other process: a process spawned on the simulated machine,
 /// or on the GPU a real child process (this executable, re-run with [`IPC_CHILD_ENV`] set; its
@@ -560,17 +635,14 @@ pub fn open_in_other_process_with(
                 ("EMM_IPC_MODE", mode.name().to_owned()),
                 ("EMM_IPC_DEVICE", device.to_string()),
             ],
-            pool.as_ref(),
+            pool.as_ref().map(Outgoing::Pool),
         ),
     }
 }
 
-/// Runs this executable again as a child process with `env` set, sends it `pool` (if any)
-/// over a fresh Unix socket, and returns what it reported ([`child_result`]).
-fn spawn_child(
-    env: &[(&str, String)],
-    pool: Option<&emm::contract::PoolExport>,
-) -> Result<Vec<u8>, String> {
+/// Runs this executable again as a child process with `env` set, sends it `pool` (an export,
+/// if any) over a fresh Unix socket, and returns what it reported ([`child_result`]).
+fn spawn_child(env: &[(&str, String)], pool: Option<Outgoing<'_>>) -> Result<Vec<u8>, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut cmd = std::process::Command::new(exe);
     cmd.envs(env.iter().map(|(k, v)| (k, v)))
@@ -625,12 +697,12 @@ fn socket_path() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("emm-ipc-{}-{n}.sock", std::process::id()))
 }
 
-/// Waits (up to a minute) for the child to connect, then sends it the pool export. Gives up
-/// early if the child exits first.
+/// Waits (up to a minute) for the child to connect, then sends it the export. Gives up early
+/// if the child exits first.
 fn send_to_child(
     listener: &std::os::unix::net::UnixListener,
     child: &mut std::process::Child,
-    export: &emm::contract::PoolExport,
+    export: Outgoing<'_>,
 ) -> Result<(), String> {
     listener
         .set_nonblocking(true)
@@ -642,7 +714,11 @@ fn send_to_child(
                 stream
                     .set_nonblocking(false)
                     .map_err(|e| format!("socket: {e}"))?;
-                return export.send(&stream).map_err(|e| e.to_string());
+                return match export {
+                    Outgoing::Pool(e) => e.send(&stream),
+                    Outgoing::Mapped(e) => e.send(&stream),
+                }
+                .map_err(|e| e.to_string());
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if let Ok(Some(status)) = child.try_wait() {
@@ -684,6 +760,19 @@ pub fn run_ipc_child_if_requested() {
             };
             let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
             raw_pool_importer(&*driver, export.fd(), data, handle.size()).map(String::into_bytes)
+        })();
+        report_to_parent(result);
+    }
+    if std::env::var(IPC_MAPPED_CHILD_ENV).is_ok() {
+        let result = (|| -> Result<Vec<u8>, String> {
+            let path = std::env::var(IPC_POOL_SOCKET_ENV)
+                .map_err(|_| format!("{IPC_POOL_SOCKET_ENV} names no socket"))?;
+            let socket = std::os::unix::net::UnixStream::connect(&path)
+                .map_err(|e| format!("connecting to {path}: {e}"))?;
+            let export =
+                emm::contract::MappedExport::receive(&socket).map_err(|e| e.to_string())?;
+            let (driver, _) = make_driver(Target::Cuda).map_err(|e| e.to_string())?;
+            mapped_child(driver, export)
         })();
         report_to_parent(result);
     }

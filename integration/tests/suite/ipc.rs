@@ -3,7 +3,8 @@
 
 use emm::{EmmError, IpcHandle};
 use integration::{
-    IpcMode, Target, TestCtx, export_pool_of, open_in_other_process, open_in_other_process_with,
+    IpcMode, MAPPED_CHILD_MARK, Target, TestCtx, export_pool_of, open_in_other_process,
+    open_in_other_process_with, open_mapped_in_other_process,
 };
 use libtest_mimic::Failed;
 
@@ -267,5 +268,54 @@ pub fn pool_export_per_manager(target: Target) -> Result<(), Failed> {
     let seen =
         open_in_other_process_with(&t, &handle.to_bytes(), IpcMode::Staged, 0, Some(export))?;
     ensure_eq!(seen, data);
+    Ok(())
+}
+
+/// Mapped export under every manager. `vmm-pool`: a view of an allocation that lies across
+/// two chunks (the second grew the pool in place) is exported as file descriptors, sent over
+/// a Unix socket and mapped by the other process, which reads exactly the view's bytes; its
+/// write lands in the exporter's memory. Every other manager refuses `export_mapped` with
+/// advice naming `get_ipc_handle`.
+pub fn mapped_export_per_manager(target: Target) -> Result<(), Failed> {
+    let t = TestCtx::new(target)?;
+    let ctx = t.context()?;
+    if ctx.memory_manager_name() != emm::plugin::VMM_POOL_MANAGER {
+        let mem = ctx.to_device(&arange(64))?;
+        let e = ctx
+            .export_mapped(&mem)
+            .expect_err("only vmm-pool exports mapped memory");
+        ensure!(matches!(e, EmmError::NotSupported { .. }), "{e:?}");
+        ensure!(e.to_string().contains("get_ipc_handle"), "{e}");
+        return Ok(());
+    }
+    let _first = ctx.memalloc(1 << 20)?;
+    // Past the first chunk's free end: the pool grows in place, and the block lies across
+    // that chunk and the next.
+    let size = 100 << 20;
+    let big = ctx.memalloc(size)?;
+    let data: Vec<u8> = (0..size).map(|i| (i % 253) as u8).collect();
+    ctx.copy_to_device(&big, &data)?;
+    let (start, stop) = (4096, size - 8192);
+    let export = ctx.export_mapped(&big.view(start, Some(stop))?)?;
+    ensure!(
+        export.pieces().len() >= 2,
+        "the allocation lies across chunks of {:?} bytes",
+        export.pieces()
+    );
+    ensure_eq!(export.size(), stop - start);
+    ensure_eq!(export.source(), ctx.device_identity()?);
+    let seen = open_mapped_in_other_process(&t, export)?;
+    ensure!(
+        seen == data[start..stop],
+        "the other process read other bytes"
+    );
+    let mut back = vec![0u8; 32];
+    ctx.copy_to_host(&mut back, &big.view(start, Some(start + 32))?)?;
+    ensure_eq!(
+        &back[..16],
+        &[MAPPED_CHILD_MARK; 16][..],
+        "the other process's write"
+    );
+    ensure_eq!(&back[16..], &data[start + 16..start + 32]);
     Ok(())
 }

@@ -157,6 +157,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     ipc::test_ipc_overlapping_views[IpcExport],
     ipc::ipc_handle_errors[IpcExport],
     ipc::pool_export_per_manager,
+    ipc::mapped_export_per_manager,
     stress::stress_mixed_operations,
     driver_conformance::alignment_of_allocations,
     driver_conformance::pool_export_conformance,
@@ -325,7 +326,7 @@ fn main() {
             ),
             (
                 Need::IpcExport,
-                "it does not export memory to other processes (a stream-ordered pool not created for export, or mapped physical memory; 'pool' and 'async-pool-ipc' do that)",
+                "it does not export memory by IPC handle (a stream-ordered pool not created for export, or mapped physical memory, which vmm-pool exports as file descriptors instead: mapped_export_per_manager); 'pool' and 'async-pool-ipc' do that",
             ),
             (
                 Need::DeviceMemory,
