@@ -108,24 +108,25 @@ fn apply(
     }
 }
 
-/// Under `pool` and `vmm-pool` without the adaptor (their own ring of each thread's last
-/// events): every recorded in-use block is a live allocation with its size and tag, and the
-/// blocks tile the segments.
+/// Under `pool` and `vmm-pool` without the adaptor (their own rings of each thread's and
+/// each stream shard's last events): every recorded in-use block is a live allocation with
+/// its size, stream and tag, and the blocks tile the segments.
 fn ring_only_agrees(steps: &[Step], manager: &str, tags: &[Tag; 3]) -> Result<(), TestCaseError> {
     let sim = Arc::new(SimDriver::new(SimConfig::single(4 << 30)));
     let rt = crate::common::runtime_with(&sim, manager);
     let ctx = rt.context(0).unwrap();
+    let stream = ctx.create_stream().unwrap();
     let mut truth = Truth::new();
     let mut live = Vec::new();
     for step in steps {
-        apply(&ctx, None, step, tags, &mut live, &mut truth);
+        apply(&ctx, Some(&stream), step, tags, &mut live, &mut truth);
         let snapshot = ctx.snapshot();
         covered(&snapshot)?;
         for b in snapshot.blocks().filter(|b| b.state == BlockState::InUse) {
             if let Some(a) = &b.allocation {
                 prop_assert_eq!(
                     truth.get(&b.address),
-                    Some(&(a.requested, None, a.tag)),
+                    Some(&(a.requested, a.stream, a.tag)),
                     "{}",
                     manager
                 );
@@ -288,6 +289,57 @@ fn the_pools_own_history_covers_its_recent_allocations() {
         snapshot.history.iter().all(|e| e.bytes == 256),
         "only the last pairs are in the window"
     );
+}
+
+/// The pool's own history has its stream-ordered allocations too, under `pool` and
+/// `vmm-pool`: a block allocated on a stream (found in the stream's arena, or after a growth)
+/// carries its stream, requested size and tag, and its free on the stream is an event with
+/// the stream.
+#[test]
+fn the_pools_own_history_has_stream_ordered_allocations() {
+    for manager in ["pool", "vmm-pool"] {
+        let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+        let rt = crate::common::runtime_with(&sim, manager);
+        let ctx = rt.context(0).unwrap();
+        let s = ctx.create_stream().unwrap();
+        let raw = s.handle().raw();
+        // The first grows the stream's arena; the second is found in it.
+        let (grown, found) = {
+            let _t = Tag::named("kv-cache").scope();
+            (
+                ctx.memalloc_on(3 << 20, &s).unwrap(),
+                ctx.memalloc_on(1000, &s).unwrap(),
+            )
+        };
+        let snapshot = ctx.snapshot();
+        for (mem, bytes) in [(&grown, 3 << 20), (&found, 1000)] {
+            let info = snapshot
+                .blocks()
+                .find(|b| b.address == mem.device_ptr().0)
+                .and_then(|b| b.allocation.clone())
+                .unwrap_or_else(|| panic!("{manager}: no record of a stream allocation"));
+            assert_eq!(
+                (info.requested, info.stream, &*info.tag.name()),
+                (bytes, Some(raw), "kv-cache"),
+                "{manager}"
+            );
+        }
+        let addr = found.device_ptr().0;
+        drop(found);
+        let snapshot = ctx.snapshot();
+        assert!(
+            snapshot
+                .history
+                .iter()
+                .any(|e| e.action == HistoryAction::Free
+                    && e.address == addr
+                    && e.stream == Some(raw)
+                    && e.bytes == 1000),
+            "{manager}: the free on the stream is in the history: {:?}",
+            snapshot.history
+        );
+        drop(grown);
+    }
 }
 
 /// The out-of-memory report names who holds the live memory, largest first.

@@ -23,6 +23,10 @@ use crate::contract::snapshot::{AllocationInfo, HistoryAction, HistoryEvent, Tag
 /// Events one shard keeps: 32 bytes each.
 pub(super) const EVENTS_PER_SHARD: usize = 128;
 
+/// An event's stream where the allocation was not stream-ordered (no stream handle is all
+/// ones: the legacy and per-thread default streams are 0, 1 and 2).
+const NO_STREAM: u64 = u64::MAX;
+
 /// One event of a ring: an allocation (its tag in `tag`) or a free (`bytes` is 0: the
 /// allocation's event has the size).
 #[derive(Clone, Copy, Debug, Default)]
@@ -31,15 +35,24 @@ pub(super) struct Event {
     stamp: u64,
     bytes: u64,
     tag: u64,
+    /// The stream of a stream-ordered allocation ([`NO_STREAM`]: none).
+    stream: u64,
 }
 
 /// A shard's last [`EVENTS_PER_SHARD`] events.
+#[derive(Clone)]
 pub(super) struct Ring {
     events: Box<[Event; EVENTS_PER_SHARD]>,
     /// Events written so far; the next goes to `next % EVENTS_PER_SHARD`.
     next: usize,
     /// The stamp of the ring's last allocation: a free's stamp.
     last: u64,
+}
+
+impl Default for Ring {
+    fn default() -> Ring {
+        Ring::new()
+    }
 }
 
 impl Ring {
@@ -54,6 +67,13 @@ impl Ring {
     /// Records an allocation of `bytes` (more than 0) at `addr` by this shard's thread.
     #[inline(always)]
     pub(super) fn alloc(&mut self, addr: u64, bytes: usize) {
+        self.alloc_on(addr, bytes, NO_STREAM);
+    }
+
+    /// Records an allocation of `bytes` (more than 0) at `addr` on `stream` ([`NO_STREAM`]:
+    /// none).
+    #[inline(always)]
+    pub(super) fn alloc_on(&mut self, addr: u64, bytes: usize, stream: u64) {
         let stamp = clock::stamp();
         self.last = stamp;
         self.events[self.next % EVENTS_PER_SHARD] = Event {
@@ -61,6 +81,7 @@ impl Ring {
             stamp,
             bytes: bytes as u64,
             tag: u64::from(Tag::current().raw()),
+            stream,
         };
         self.next += 1;
     }
@@ -130,9 +151,10 @@ pub(super) fn merge<'a>(rings: impl IntoIterator<Item = &'a Ring>) -> HistoryRec
                 live.remove(&a);
             }
             let tag = Tag::from_raw(e.tag as u32);
+            let stream = (e.stream != NO_STREAM).then_some(e.stream);
             let info = AllocationInfo {
                 requested: e.bytes as usize,
-                stream: None,
+                stream,
                 tag,
                 time_us,
                 stack: None,
@@ -142,7 +164,7 @@ pub(super) fn merge<'a>(rings: impl IntoIterator<Item = &'a Ring>) -> HistoryRec
                 action: HistoryAction::Alloc,
                 address: e.addr,
                 bytes: e.bytes as usize,
-                stream: None,
+                stream,
                 tag,
                 time_us,
                 stack: None,
@@ -157,7 +179,7 @@ pub(super) fn merge<'a>(rings: impl IntoIterator<Item = &'a Ring>) -> HistoryRec
                 action: HistoryAction::Free,
                 address: e.addr,
                 bytes: info.requested,
-                stream: None,
+                stream: info.stream,
                 tag: info.tag,
                 time_us,
                 stack: None,

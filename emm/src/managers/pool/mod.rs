@@ -1176,9 +1176,13 @@ impl PoolAllocator {
     ) -> Result<MemoryPointer, EmmError> {
         let pool = &*self.shared;
         let size = stream_block_size(bytes);
-        let (addr, generation) = match pool.take_on_stream(stream, size) {
+        let (addr, generation) = match pool.take_on_stream(stream, size, bytes) {
             Some(found) => found,
-            None => pool.grow_stream(host, stream, size)?,
+            None => {
+                let grown = pool.grow_stream(host, stream, size)?;
+                pool.note_grown(stream, grown.0, bytes);
+                grown
+            }
         };
         let cx = &pool.cx;
         Ok(MemoryPointer::with_stashed_hook_on(
@@ -1271,6 +1275,9 @@ impl DeviceAllocator for PoolAllocator {
         let (mut parked, mut large) = (Vec::new(), Vec::new());
         let chunks = {
             let mut streams: Vec<_> = pool.streams.shards.iter().map(|s| lock(&s.inner)).collect();
+            for lists in &mut streams {
+                lists.history.clear();
+            }
             let mut arena = lock(&pool.arena);
             let mut shards = thread_slots::lock_all(&pool.shards);
             let mut depot = lock(&pool.depot);
@@ -1331,8 +1338,16 @@ impl DeviceAllocator for PoolAllocator {
     }
 
     fn history(&self, _host: &HostLayer) -> Option<HistoryRecord> {
+        // Copied out one stream shard at a time (their locks come before the others').
+        let streams: Vec<history::Ring> = (self.shared.streams.shards.iter())
+            .map(|s| lock(&s.inner).history.clone())
+            .collect();
         let shards = thread_slots::lock_all(&self.shared.shards);
-        Some(history::merge(shards.iter().map(|lists| &lists.history)))
+        Some(history::merge(
+            streams
+                .iter()
+                .chain(shards.iter().map(|lists| &lists.history)),
+        ))
     }
 }
 

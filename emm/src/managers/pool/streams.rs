@@ -22,6 +22,7 @@
 use driver_sys::{DevicePtr, StreamHandle};
 
 use super::arena::{Arenas, Chunk, place};
+use super::history::Ring;
 use super::{POOL_ALIGNMENT, PoolShared};
 use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::error::EmmError;
@@ -59,6 +60,9 @@ pub(super) struct StreamLists {
     pub(super) in_use_blocks: i64,
     /// Their bytes.
     pub(super) in_use_bytes: i64,
+    /// The last allocations and frees on this shard's streams (`history.rs`), in the order
+    /// this shard's lock saw them.
+    pub(super) history: Ring,
 }
 
 impl StreamLists {
@@ -239,14 +243,28 @@ impl ReleaseHook for StreamHook {
 unsafe impl PoolHook for StreamHook {}
 
 impl PoolShared {
-    /// A block of `size` bytes (a [`stream_block_size`]) from `stream`'s arena, if it has one
-    /// large enough, counted as in use, with its generation.
-    pub(super) fn take_on_stream(&self, stream: StreamHandle, size: usize) -> Option<(u64, u64)> {
+    /// A block of `size` bytes (a [`stream_block_size`], for a request of `bytes`) from
+    /// `stream`'s arena, if it has one large enough, counted as in use, with its generation.
+    pub(super) fn take_on_stream(
+        &self,
+        stream: StreamHandle,
+        size: usize,
+        bytes: usize,
+    ) -> Option<(u64, u64)> {
         let mut lists = lock(self.streams.of(stream));
         let addr = lists.list(stream)?.arena.take(size)?;
         lists.in_use_blocks += 1;
         lists.in_use_bytes += size as i64;
+        lists.history.alloc_on(addr, bytes, stream.raw());
         Some((addr, self.generation.load(Ordering::Acquire)))
+    }
+
+    /// Records in `stream`'s shard's history an allocation of `bytes` at `addr` that a
+    /// growth served (the path that finds a block records its own under the lock it holds).
+    pub(super) fn note_grown(&self, stream: StreamHandle, addr: u64, bytes: usize) {
+        lock(self.streams.of(stream))
+            .history
+            .alloc_on(addr, bytes, stream.raw());
     }
 
     /// Gives `stream` a chunk that holds a block of `size` bytes and takes the block from it:
@@ -464,6 +482,7 @@ impl PoolShared {
         }
         lists.in_use_blocks -= 1;
         lists.in_use_bytes -= size as i64;
+        lists.history.free(addr);
         let owner = streams.owner_of(streams.stream).cloned();
         let Some(mine) = lists.list(streams.stream) else {
             // A stream's arena holds the chunk of every block it handed out until the block
