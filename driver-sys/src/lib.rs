@@ -23,6 +23,7 @@
 //!   what to do.
 #![deny(unsafe_code)]
 
+mod calls;
 mod driver;
 mod error;
 mod handles;

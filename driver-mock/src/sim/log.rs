@@ -5,288 +5,43 @@ use std::fmt;
 
 use driver_sys::{DeviceOrdinal, DevicePtr, ErrorKind, HostPtr, PhysHandle};
 
-/// A driver operation, as logged and as named by [`Fault`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-#[allow(missing_docs)] // each variant is the driver call of the same name
-pub enum Op {
-    Init,
-    DeviceCount,
-    DeviceTotalMem,
-    DeviceAttribute,
-    DeviceCanAccessPeer,
-    CtxEnablePeerAccess,
-    PrimaryCtxRetain,
-    PrimaryCtxRelease,
-    PrimaryCtxReset,
-    MemAlloc,
-    MemFree,
-    MemGetInfo,
-    MemGetAddressRange,
-    MemcpyHtoD,
-    MemcpyDtoH,
-    MemcpyDtoD,
-    MemsetD8,
-    MemHostAlloc,
-    MemFreeHost,
-    MemHostRegister,
-    MemHostUnregister,
-    MemHostGetDevicePointer,
-    StreamCreate,
-    StreamDestroy,
-    EventCreate,
-    EventDestroy,
-    ModuleLoadData,
-    ModuleUnload,
-    IpcGetMemHandle,
-    IpcOpenMemHandle,
-    IpcCloseMemHandle,
-    StreamSynchronize,
-    DeviceGetDefaultMemPool,
-    MemPoolCreate,
-    MemPoolDestroy,
-    MemPoolSetAttribute,
-    MemPoolTrimTo,
-    MemPoolGetAttribute,
-    MemAllocFromPoolAsync,
-    MemFreeAsync,
-    MemPoolExportToShareableHandle,
-    MemPoolImportFromShareableHandle,
-    MemPoolExportPointer,
-    MemPoolImportPointer,
-    MemPoolGetAccess,
-    MemPoolSetAccess,
-    MemAllocManaged,
-    StreamQuery,
-    EventRecord,
-    StreamWaitEvent,
-    EventQuery,
-    EventSynchronize,
-    EventElapsedTime,
-    LaunchHostFunc,
-    StreamWaitValue32,
-    StreamWriteValue32,
-    MemcpyHtoDAsync,
-    MemcpyDtoHAsync,
-    MemcpyDtoDAsync,
-    MemsetD8Async,
-    StreamCreateWithPriority,
-    CtxGetStreamPriorityRange,
-    StreamGetPriority,
-    MemGetAllocationGranularity,
-    MemAddressReserve,
-    MemAddressFree,
-    MemCreate,
-    MemExportToShareableHandle,
-    MemImportFromShareableHandle,
-    MemRelease,
-    MemMap,
-    MemSetAccess,
-    MemUnmap,
-    StreamBeginCapture,
-    StreamEndCapture,
-    StreamGetCaptureInfo,
-    ThreadExchangeStreamCaptureMode,
-    GraphInstantiate,
-    GraphLaunch,
-    GraphExecDestroy,
-    GraphDestroy,
-}
-
-impl Op {
-    /// Every operation, in declaration order (for fault sweeps).
-    pub const ALL: [Op; 81] = [
-        Op::Init,
-        Op::DeviceCount,
-        Op::DeviceTotalMem,
-        Op::DeviceAttribute,
-        Op::DeviceCanAccessPeer,
-        Op::CtxEnablePeerAccess,
-        Op::PrimaryCtxRetain,
-        Op::PrimaryCtxRelease,
-        Op::PrimaryCtxReset,
-        Op::MemAlloc,
-        Op::MemFree,
-        Op::MemGetInfo,
-        Op::MemGetAddressRange,
-        Op::MemcpyHtoD,
-        Op::MemcpyDtoH,
-        Op::MemcpyDtoD,
-        Op::MemsetD8,
-        Op::MemHostAlloc,
-        Op::MemFreeHost,
-        Op::MemHostRegister,
-        Op::MemHostUnregister,
-        Op::MemHostGetDevicePointer,
-        Op::StreamCreate,
-        Op::StreamDestroy,
-        Op::EventCreate,
-        Op::EventDestroy,
-        Op::ModuleLoadData,
-        Op::ModuleUnload,
-        Op::IpcGetMemHandle,
-        Op::IpcOpenMemHandle,
-        Op::IpcCloseMemHandle,
-        Op::StreamSynchronize,
-        Op::DeviceGetDefaultMemPool,
-        Op::MemPoolCreate,
-        Op::MemPoolDestroy,
-        Op::MemPoolSetAttribute,
-        Op::MemPoolTrimTo,
-        Op::MemPoolGetAttribute,
-        Op::MemAllocFromPoolAsync,
-        Op::MemFreeAsync,
-        Op::MemPoolExportToShareableHandle,
-        Op::MemPoolImportFromShareableHandle,
-        Op::MemPoolExportPointer,
-        Op::MemPoolImportPointer,
-        Op::MemPoolGetAccess,
-        Op::MemPoolSetAccess,
-        Op::MemAllocManaged,
-        Op::StreamQuery,
-        Op::EventRecord,
-        Op::StreamWaitEvent,
-        Op::EventQuery,
-        Op::EventSynchronize,
-        Op::EventElapsedTime,
-        Op::LaunchHostFunc,
-        Op::StreamWaitValue32,
-        Op::StreamWriteValue32,
-        Op::MemcpyHtoDAsync,
-        Op::MemcpyDtoHAsync,
-        Op::MemcpyDtoDAsync,
-        Op::MemsetD8Async,
-        Op::StreamCreateWithPriority,
-        Op::CtxGetStreamPriorityRange,
-        Op::StreamGetPriority,
-        Op::MemGetAllocationGranularity,
-        Op::MemAddressReserve,
-        Op::MemAddressFree,
-        Op::MemCreate,
-        Op::MemExportToShareableHandle,
-        Op::MemImportFromShareableHandle,
-        Op::MemRelease,
-        Op::MemMap,
-        Op::MemSetAccess,
-        Op::MemUnmap,
-        Op::StreamBeginCapture,
-        Op::StreamEndCapture,
-        Op::StreamGetCaptureInfo,
-        Op::ThreadExchangeStreamCaptureMode,
-        Op::GraphInstantiate,
-        Op::GraphLaunch,
-        Op::GraphExecDestroy,
-        Op::GraphDestroy,
-    ];
-
-    /// Whether the call gives something back to the driver: a free, an unpin, an IPC close, a
-    /// destroy or an unload.
-    pub fn is_release(self) -> bool {
-        matches!(
-            self,
-            Op::MemFree
-                | Op::MemFreeHost
-                | Op::MemHostUnregister
-                | Op::MemFreeAsync
-                | Op::IpcCloseMemHandle
-                | Op::StreamDestroy
-                | Op::EventDestroy
-                | Op::ModuleUnload
-                | Op::MemPoolDestroy
-                | Op::MemUnmap
-                | Op::MemRelease
-                | Op::MemAddressFree
-                | Op::GraphExecDestroy
-                | Op::GraphDestroy
-        )
-    }
-
-    /// The CUDA driver call this operation stands for.
-    pub fn call_name(self) -> &'static str {
-        match self {
-            Op::Init => "cuInit",
-            Op::DeviceCount => "cuDeviceGetCount",
-            Op::DeviceTotalMem => "cuDeviceTotalMem",
-            Op::DeviceAttribute => "cuDeviceGetAttribute",
-            Op::DeviceCanAccessPeer => "cuDeviceCanAccessPeer",
-            Op::CtxEnablePeerAccess => "cuCtxEnablePeerAccess",
-            Op::PrimaryCtxRetain => "cuDevicePrimaryCtxRetain",
-            Op::PrimaryCtxRelease => "cuDevicePrimaryCtxRelease",
-            Op::PrimaryCtxReset => "cuDevicePrimaryCtxReset",
-            Op::MemAlloc => "cuMemAlloc",
-            Op::MemFree => "cuMemFree",
-            Op::MemGetInfo => "cuMemGetInfo",
-            Op::MemGetAddressRange => "cuMemGetAddressRange",
-            Op::MemcpyHtoD => "cuMemcpyHtoD",
-            Op::MemcpyDtoH => "cuMemcpyDtoH",
-            Op::MemcpyDtoD => "cuMemcpyDtoD",
-            Op::MemsetD8 => "cuMemsetD8",
-            Op::MemHostAlloc => "cuMemHostAlloc",
-            Op::MemFreeHost => "cuMemFreeHost",
-            Op::MemHostRegister => "cuMemHostRegister",
-            Op::MemHostUnregister => "cuMemHostUnregister",
-            Op::MemHostGetDevicePointer => "cuMemHostGetDevicePointer",
-            Op::StreamCreate => "cuStreamCreate",
-            Op::StreamDestroy => "cuStreamDestroy",
-            Op::EventCreate => "cuEventCreate",
-            Op::EventDestroy => "cuEventDestroy",
-            Op::ModuleLoadData => "cuModuleLoadData",
-            Op::ModuleUnload => "cuModuleUnload",
-            Op::IpcGetMemHandle => "cuIpcGetMemHandle",
-            Op::IpcOpenMemHandle => "cuIpcOpenMemHandle",
-            Op::IpcCloseMemHandle => "cuIpcCloseMemHandle",
-            Op::StreamSynchronize => "cuStreamSynchronize",
-            Op::DeviceGetDefaultMemPool => "cuDeviceGetDefaultMemPool",
-            Op::MemPoolCreate => "cuMemPoolCreate",
-            Op::MemPoolDestroy => "cuMemPoolDestroy",
-            Op::MemPoolSetAttribute => "cuMemPoolSetAttribute",
-            Op::MemPoolTrimTo => "cuMemPoolTrimTo",
-            Op::MemPoolGetAttribute => "cuMemPoolGetAttribute",
-            Op::MemAllocFromPoolAsync => "cuMemAllocFromPoolAsync",
-            Op::MemPoolExportToShareableHandle => "cuMemPoolExportToShareableHandle",
-            Op::MemPoolImportFromShareableHandle => "cuMemPoolImportFromShareableHandle",
-            Op::MemPoolExportPointer => "cuMemPoolExportPointer",
-            Op::MemPoolImportPointer => "cuMemPoolImportPointer",
-            Op::MemPoolGetAccess => "cuMemPoolGetAccess",
-            Op::MemPoolSetAccess => "cuMemPoolSetAccess",
-            Op::MemFreeAsync => "cuMemFreeAsync",
-            Op::MemAllocManaged => "cuMemAllocManaged",
-            Op::StreamQuery => "cuStreamQuery",
-            Op::EventRecord => "cuEventRecord",
-            Op::StreamWaitEvent => "cuStreamWaitEvent",
-            Op::EventQuery => "cuEventQuery",
-            Op::EventSynchronize => "cuEventSynchronize",
-            Op::EventElapsedTime => "cuEventElapsedTime",
-            Op::LaunchHostFunc => "cuLaunchHostFunc",
-            Op::StreamWaitValue32 => "cuStreamWaitValue32",
-            Op::StreamWriteValue32 => "cuStreamWriteValue32",
-            Op::MemcpyHtoDAsync => "cuMemcpyHtoDAsync",
-            Op::MemcpyDtoHAsync => "cuMemcpyDtoHAsync",
-            Op::MemcpyDtoDAsync => "cuMemcpyDtoDAsync",
-            Op::MemsetD8Async => "cuMemsetD8Async",
-            Op::StreamCreateWithPriority => "cuStreamCreateWithPriority",
-            Op::CtxGetStreamPriorityRange => "cuCtxGetStreamPriorityRange",
-            Op::StreamGetPriority => "cuStreamGetPriority",
-            Op::MemGetAllocationGranularity => "cuMemGetAllocationGranularity",
-            Op::MemAddressReserve => "cuMemAddressReserve",
-            Op::MemAddressFree => "cuMemAddressFree",
-            Op::MemCreate => "cuMemCreate",
-            Op::MemExportToShareableHandle => "cuMemExportToShareableHandle",
-            Op::MemImportFromShareableHandle => "cuMemImportFromShareableHandle",
-            Op::MemRelease => "cuMemRelease",
-            Op::MemMap => "cuMemMap",
-            Op::MemSetAccess => "cuMemSetAccess",
-            Op::MemUnmap => "cuMemUnmap",
-            Op::StreamBeginCapture => "cuStreamBeginCapture",
-            Op::StreamEndCapture => "cuStreamEndCapture",
-            Op::StreamGetCaptureInfo => "cuStreamGetCaptureInfo",
-            Op::ThreadExchangeStreamCaptureMode => "cuThreadExchangeStreamCaptureMode",
-            Op::GraphInstantiate => "cuGraphInstantiateWithFlags",
-            Op::GraphLaunch => "cuGraphLaunch",
-            Op::GraphExecDestroy => "cuGraphExecDestroy",
-            Op::GraphDestroy => "cuGraphDestroy",
+/// The table's callback that defines [`Op`]: one variant per CUDA operation of
+/// `driver_sys::driver_calls!`, with its CUDA name and whether it gives something back.
+macro_rules! define_ops {
+    (ops [$($op:ident = $cu:literal $($release:ident)?,)*] methods [$($methods:tt)*]) => {
+        /// A driver operation, as logged and as named by [`Fault`]. Several `Driver` methods
+        /// may make one (`cuMemPoolCreate` makes pools of three kinds).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub enum Op {
+            $(
+                #[doc = concat!("`", $cu, "`.")]
+                $op,
+            )*
         }
-    }
+
+        impl Op {
+            /// Every operation, in the table's order (for fault sweeps).
+            pub const ALL: [Op; [$(stringify!($op)),*].len()] = [$(Op::$op),*];
+
+            /// Whether the call gives something back to the driver: a free, an unpin, an IPC
+            /// close, a destroy, an unmap or an unload.
+            pub fn is_release(self) -> bool {
+                match self {
+                    $(Op::$op => driver_sys::__is_release!($($release)?),)*
+                }
+            }
+
+            /// The CUDA driver call this operation stands for.
+            pub fn call_name(self) -> &'static str {
+                match self {
+                    $(Op::$op => $cu,)*
+                }
+            }
+        }
+    };
 }
+
+driver_sys::driver_calls!(define_ops);
 
 /// One entry of the call log.
 #[derive(Clone, Debug, PartialEq, Eq)]
