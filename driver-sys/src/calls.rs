@@ -3,13 +3,15 @@
 //! signatures and the operation each makes. From this one table come
 //!
 //! - the [`Driver`](crate::Driver) trait itself (`driver.rs`);
+//! - [`CudaDriver`](crate::CudaDriver)'s implementation, which hands each call to the method
+//!   of the same name in `cuda/`'s file for its area (`cuda/mod.rs`);
 //! - in `driver-mock`, the simulator's `Op` list (each operation's CUDA name, whether it gives
 //!   something back to the driver) and its dispatch: a method runs the model's rule of the
 //!   same name with the same arguments, unless the table marks it `[custom]` (then a method of
 //!   the simulator's `SimCalls` does more).
 //!
 //! A new driver call is one entry here (and its operation, if new), its CUDA body in
-//! `cuda.rs`, and its rule in the simulator's model; the compiler names whatever is missing.
+//! `cuda/`, and its rule in the simulator's model; the compiler names whatever is missing.
 //!
 //! The table's shape: `ops [Name = "cuName" (release)?, ...]`, then `methods [...]`, each
 //! method
@@ -26,9 +28,9 @@
 //!   needs there.
 
 /// Calls the macro `$callback` with the table of every driver call (the module's
-/// documentation says its shape). driver-sys builds the [`Driver`](crate::Driver) trait from
-/// it; the simulator its operations and
-/// its dispatch.
+/// documentation says its shape). driver-sys builds the [`Driver`](crate::Driver) trait and
+/// [`CudaDriver`](crate::CudaDriver)'s implementation from it, and the simulator its
+/// operations and its dispatch.
 #[macro_export]
 macro_rules! driver_calls {
     ($callback:ident) => {
