@@ -27,7 +27,9 @@ use std::fmt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 use crate::contract::ipc::DeviceIdentity;
+#[cfg(unix)]
 use crate::contract::pool_export::check_header;
+#[cfg(unix)]
 use crate::error::EmmError;
 
 const MAGIC: &[u8; 7] = b"EMMMAPD";
@@ -37,6 +39,7 @@ const VERSION: u16 = 1;
 const HEADER_LEN: usize = 7 + 2 + 12 + 8 + 8 + 4;
 /// The most pieces an export may have: a forged count must not make the importer wait for
 /// descriptors without end. A block of `vmm-pool` lies across a handful of chunks.
+#[cfg(unix)]
 pub(crate) const MAX_PIECES: usize = 4096;
 
 /// One allocation of `vmm-pool`, exported for another process: a file descriptor per physical
@@ -130,6 +133,7 @@ impl MappedExport {
 
     /// Reads [`descriptor`](Self::descriptor)'s bytes: the source, offset, size and the
     /// pieces' sizes, checked to be consistent (the memory lies inside the pieces).
+    #[cfg(unix)]
     pub(crate) fn parse_descriptor(
         bytes: &[u8],
     ) -> Result<(DeviceIdentity, usize, usize, Vec<usize>), EmmError> {

@@ -155,6 +155,7 @@ impl PoolExport {
 
 /// Checks that `bytes` start with an export descriptor's `magic` and this emm's `version` of
 /// the format, where `kind` names the export's type; the reason they do not, as the error.
+#[cfg(unix)]
 pub(crate) fn check_header(
     bytes: &[u8],
     magic: &[u8; 7],

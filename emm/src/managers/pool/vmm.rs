@@ -349,6 +349,7 @@ impl PoolShared {
     /// `vmm-pool`: the `len` bytes at `ptr` (a live allocation of the pool) as the chunks they
     /// lie across, each exported as a file descriptor. Refused where the chunks are not
     /// shareable, and for memory that is not in the pool's chunks.
+    #[cfg(unix)]
     pub(super) fn export_mapped(&self, ptr: u64, len: usize) -> Result<MappedExport, EmmError> {
         let cx = &self.cx;
         let Some(vmm) = &self.vmm else {
@@ -376,16 +377,11 @@ impl PoolShared {
             if covered >= end || base != covered {
                 break;
             }
-            #[cfg(unix)]
-            {
-                let fd = cx
-                    .driver
-                    .mem_export_fd(cx.context, handle)
-                    .map_err(|e| EmmError::driver("cuMemExportToShareableHandle", cx.device, e))?;
-                pieces.push((size, fd));
-            }
-            #[cfg(not(unix))]
-            let _ = (size, handle);
+            let fd = cx
+                .driver
+                .mem_export_fd(cx.context, handle)
+                .map_err(|e| EmmError::driver("cuMemExportToShareableHandle", cx.device, e))?;
+            pieces.push((size, fd));
             covered = base + size as u64;
         }
         let Some(first) = first.filter(|_| covered >= end && len > 0) else {
@@ -397,21 +393,19 @@ impl PoolShared {
                 ),
             });
         };
-        #[cfg(unix)]
-        {
-            tracing::debug!(device = %cx.device, ptr, len, pieces = pieces.len(), "vmm-pool memory exported as file descriptors");
-            Ok(MappedExport::new(
-                source,
-                (ptr - first) as usize,
-                len,
-                pieces,
-            ))
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = (source, first, pieces);
-            Err(EmmError::no_mapped_export(super::VMM_POOL_MANAGER))
-        }
+        tracing::debug!(device = %cx.device, ptr, len, pieces = pieces.len(), "vmm-pool memory exported as file descriptors");
+        Ok(MappedExport::new(
+            source,
+            (ptr - first) as usize,
+            len,
+            pieces,
+        ))
+    }
+
+    /// Off Unix there are no file descriptors to export memory as: refused.
+    #[cfg(not(unix))]
+    pub(super) fn export_mapped(&self, _ptr: u64, _len: usize) -> Result<MappedExport, EmmError> {
+        Err(EmmError::no_mapped_export(super::VMM_POOL_MANAGER))
     }
 
     /// Unmaps and releases one chunk; whether its range is free again.
