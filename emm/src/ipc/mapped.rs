@@ -10,7 +10,6 @@ use crate::contract::factory::ManagerContext;
 use crate::contract::mapped_export::MappedExport;
 use crate::error::EmmError;
 use crate::memory::pointer::{MemoryPointer, Release};
-use crate::sync::Mutex;
 
 const WHAT: &str = "open_mapped";
 
@@ -130,7 +129,7 @@ pub(crate) fn open_mapped(
         cx.context,
         base,
         span,
-        Release::Custom(Mutex::new(Some(Box::new(move |_, _| drop(mapped))))),
+        Release::custom(move |_, _| drop(mapped)),
         None,
     );
     tracing::debug!(device = %cx.device, %base, span, offset, size, "mapped export opened");

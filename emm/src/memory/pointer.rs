@@ -409,6 +409,11 @@ pub(crate) enum Release {
 }
 
 impl Release {
+    /// A release by `action`, run once with the allocation's base and size.
+    pub(crate) fn custom(action: impl FnOnce(DevicePtr, usize) + Send + 'static) -> Release {
+        Release::Custom(Mutex::new(Some(Box::new(action))))
+    }
+
     /// The hook and tag of a `Hook` or `Pool` release.
     fn shared_hook(&self) -> Option<(&dyn ReleaseHook, u64)> {
         match self {
@@ -645,14 +650,7 @@ impl MemoryPointer {
         size: usize,
         release: impl FnOnce(DevicePtr, usize) + Send + 'static,
     ) -> MemoryPointer {
-        Self::from_release(
-            device,
-            ctx,
-            base,
-            size,
-            Release::Custom(Mutex::new(Some(Box::new(release)))),
-            None,
-        )
+        Self::from_release(device, ctx, base, size, Release::custom(release), None)
     }
 
     /// Device memory a plugin allocated and releases through a shared `hook`: when the last
