@@ -4,7 +4,6 @@
 //! stream, read through the C function CuPy exports for it (`get_current_stream_ptr` in
 //! `cupy.cuda.stream`'s C API), and keep each allocation alive by address until CuPy frees it.
 
-use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -29,7 +28,19 @@ type StreamGetter = unsafe extern "C" fn() -> isize;
 #[derive(Default)]
 struct CupyState {
     live: AddressMap<MemoryPointer>,
-    used: BTreeMap<u32, u64>,
+    /// Bytes live on each device, by ordinal (grown to the highest device seen).
+    used: Vec<u64>,
+}
+
+impl CupyState {
+    /// The bytes live on `device`, counted from here on.
+    fn used_on(&mut self, device: u32) -> &mut u64 {
+        let k = device as usize;
+        if self.used.len() <= k {
+            self.used.resize(k + 1, 0);
+        }
+        &mut self.used[k]
+    }
 }
 
 static CUPY: Mutex<Option<CupyState>> = Mutex::new(None);
@@ -103,7 +114,7 @@ pub extern "C" fn emm_cupy_malloc(_param: *mut c_void, size: usize, device: c_in
             let ptr = mem.device_ptr().0;
             let mut state = lock(&CUPY);
             let state = state.get_or_insert_with(CupyState::default);
-            *state.used.entry(mem.device().0).or_default() += mem.size() as u64;
+            *state.used_on(mem.device().0) += mem.size() as u64;
             state.live.insert(ptr, mem);
             ptr as usize as *mut c_void
         }
@@ -126,7 +137,7 @@ pub extern "C" fn emm_cupy_free(_param: *mut c_void, ptr: *mut c_void, device: c
         let state = state.get_or_insert_with(CupyState::default);
         let mem = state.live.remove(&addr);
         if let Some(mem) = &mem {
-            *state.used.entry(mem.device().0).or_default() -= mem.size() as u64;
+            *state.used_on(mem.device().0) -= mem.size() as u64;
         }
         mem
     };
@@ -153,7 +164,7 @@ pub(crate) fn cupy_usage(py: Python<'_>, device: u32) -> PyResult<Bound<'_, PyDi
     let d = PyDict::new(py);
     let used = state
         .as_ref()
-        .and_then(|s| s.used.get(&device).copied())
+        .and_then(|s| s.used.get(device as usize).copied())
         .unwrap_or(0);
     d.set_item("used_bytes", used)?;
     d.set_item("count", state.as_ref().map_or(0, |s| s.live.len()))?;
