@@ -54,7 +54,7 @@ mod budget {
     pub const FLUSH: u64 = 11_500;
     pub const RANDOM_POOL: u64 = 585;
     pub const RANDOM_POOL_LARGE: u64 = 690;
-    pub const POOL_ON: u64 = 1_100;
+    pub const POOL_ON: u64 = 720;
     pub const ASYNC_POOL_ON: u64 = 2_900;
 }
 

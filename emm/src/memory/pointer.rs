@@ -109,6 +109,14 @@ impl ParkedPointer {
         self.0.value().streams.is_some()
     }
 
+    /// The stream of a stream-ordered record that no other stream used and that is freed on
+    /// the stream it was allocated on; `None` for any other record.
+    #[inline(always)]
+    pub(crate) fn single_stream(&mut self) -> Option<StreamHandle> {
+        let use_ = use_mut(self.0.value_mut().streams.as_mut()?);
+        use_.other_streams().next().is_none().then_some(use_.stream)
+    }
+
     /// A stream-ordered record's streams, taken out for its free: the record keeps its stream
     /// record, emptied (no stream recorded, none kept alive), for its revival. `None` for a
     /// record without streams.

@@ -937,6 +937,7 @@ impl Drop for PoolAllocator {
     /// dropped later parks its record.
     fn drop(&mut self) {
         self.shared.drain_shards(true);
+        self.shared.close_stream_spares();
         // The depot's spare boxes hold clones of the hooks too.
         forget_hooks(std::iter::once(&self.hook).chain(self.stream_hooks.iter()));
     }
@@ -1177,7 +1178,10 @@ impl PoolAllocator {
         let pool = &*self.shared;
         let size = stream_block_size(bytes);
         let (addr, generation) = match pool.take_on_stream(stream, size, bytes) {
-            Some(found) => found,
+            Some((addr, generation, Some(spare))) => {
+                return Ok(spare.revive_on(DevicePtr(addr), bytes, generation, stream));
+            }
+            Some((addr, generation, None)) => (addr, generation),
             None => {
                 let grown = pool.grow_stream(host, stream, size)?;
                 pool.note_grown(stream, grown.0, bytes);
@@ -1193,7 +1197,7 @@ impl PoolAllocator {
             &self.stream_hooks[pool.streams.index(stream)],
             generation,
             stream,
-            false,
+            true,
         ))
     }
 }
@@ -1273,7 +1277,7 @@ impl DeviceAllocator for PoolAllocator {
     fn reset(&self, host: &HostLayer) -> Result<(), EmmError> {
         let pool = &*self.shared;
         let (mut parked, mut large) = (Vec::new(), Vec::new());
-        let chunks = {
+        let (chunks, spares) = {
             let mut streams: Vec<_> = pool.streams.shards.iter().map(|s| lock(&s.inner)).collect();
             for lists in &mut streams {
                 lists.history.clear();
@@ -1300,11 +1304,12 @@ impl DeviceAllocator for PoolAllocator {
                 lists.in_use_blocks = 0;
                 lists.in_use_bytes = 0;
             }
-            let mut chunks = pool.clear_stream_shards(&mut streams);
+            let (mut chunks, spares) = pool.clear_stream_shards(&mut streams);
             chunks.extend(arena.clear());
-            chunks
+            (chunks, spares)
         };
         // Let go with no shard entered; their blocks were in the chunks just released.
+        streams::let_go(spares);
         parked.into_iter().flat_map(unparked).for_each(drop);
         large.into_iter().map(Large::into_block).for_each(drop);
         let bytes = chunks.iter().map(|c| c.size).sum::<usize>();
@@ -1415,6 +1420,56 @@ mod tests {
         assert_eq!((used.stream, used.free_on), (stream, stream));
         assert!(used.recorded.is_empty());
         drop(decoy);
+    }
+
+    /// Spare records kept in every stream shard.
+    fn spares(pool: &PoolShared) -> usize {
+        pool.streams
+            .shards
+            .iter()
+            .map(|s| lock(&s.inner).spare_records())
+            .sum()
+    }
+
+    #[test]
+    fn a_stream_pointers_record_is_kept_as_a_spare_for_the_next_allocation() {
+        let (host, alloc) = pool();
+        let pool = &*alloc.shared;
+        let stream = StreamHandle::NULL;
+        let a = alloc.memalloc_on(&host, 256, stream).unwrap();
+        let addr = a.device_ptr();
+        let view = a.view(0, Some(10)).unwrap();
+        drop(a);
+        assert_eq!(spares(pool), 0, "a view keeps the allocation");
+        drop(view);
+        assert_eq!(spares(pool), 1);
+        let stats = pool.stats();
+        assert_eq!(
+            stats.in_use_blocks, 0,
+            "the block is back in its stream's arena"
+        );
+        // The next allocation on a stream of the shard: a block from the arena, as ever, and
+        // the spare record revived for it.
+        let b = alloc.memalloc_on(&host, 200, stream).unwrap();
+        assert_eq!(
+            (b.device_ptr(), b.size(), b.stream()),
+            (addr, 200, Some(stream))
+        );
+        assert!(b.is_live());
+        assert_eq!(spares(pool), 0);
+        // A block another stream used goes behind a fence, and its record is not kept.
+        let cx = host.context().clone();
+        let other = OnStream(cx.driver.stream_create(cx.context, 0).unwrap());
+        b.record_stream(&other).unwrap();
+        drop(b);
+        assert_eq!(spares(pool), 0);
+        // A reset lets the spares go without releasing anything.
+        drop(alloc.memalloc_on(&host, 256, stream).unwrap());
+        assert_eq!(spares(pool), 1);
+        alloc.reset(&host).unwrap();
+        assert_eq!(spares(pool), 0);
+        let c = alloc.memalloc_on(&host, 256, stream).unwrap();
+        assert!(c.is_live());
     }
 
     #[test]

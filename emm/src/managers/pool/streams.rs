@@ -29,7 +29,7 @@ use crate::error::EmmError;
 use crate::host::HostLayer;
 use crate::host::fences::Fence;
 use crate::memory::host::HostOwner;
-use crate::memory::pointer::{PoolHook, ReleaseHook, StreamUse};
+use crate::memory::pointer::{ParkedPointer, PoolHook, ReleaseHook, StreamUse};
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering, lock};
 
 /// The block size a stream-ordered request of `bytes` gets: a multiple of 256 bytes (the
@@ -63,7 +63,18 @@ pub(super) struct StreamLists {
     /// The last allocations and frees on this shard's streams (`history.rs`), in the order
     /// this shard's lock saw them.
     pub(super) history: Ring,
+    /// Records of pointers whose blocks went back to their streams' arenas at once
+    /// ([`PoolShared::park_on_stream`]), for the next allocation on a stream of this shard:
+    /// the block comes from the arena as it would, and its pointer is this record revived.
+    /// At most [`SPARES_PER_SHARD`]; they hold no memory.
+    spares: Vec<ParkedPointer>,
+    /// Set by the allocator's drop: no record is kept here any more (a kept record holds a
+    /// clone of the pool's hook, and so of the pool).
+    closed: bool,
 }
+
+/// The most spare records one stream shard keeps.
+const SPARES_PER_SHARD: usize = 8;
 
 impl StreamLists {
     fn list(&mut self, stream: StreamHandle) -> Option<&mut PerStream> {
@@ -139,6 +150,12 @@ impl StreamLists {
             .map(|(_, l)| l.arena.largest_free())
             .max()
             .unwrap_or(0)
+    }
+
+    /// Spare records this shard keeps.
+    #[cfg(test)]
+    pub(super) fn spare_records(&self) -> usize {
+        self.spares.len()
     }
 
     /// Chunks this shard's streams hold.
@@ -237,10 +254,15 @@ impl ReleaseHook for StreamHook {
     }
 }
 
-// SAFETY: the default `park`, which hands every record back (stream-ordered pointers are made
-// without `park`, so it is not even called).
+// SAFETY: `PoolShared::park_on_stream` keeps the record in a stream shard or returns it; it
+// drops none.
 #[allow(unsafe_code)]
-unsafe impl PoolHook for StreamHook {}
+unsafe impl PoolHook for StreamHook {
+    #[inline]
+    fn park(&self, record: ParkedPointer, size: usize, tag: u64) -> Option<ParkedPointer> {
+        self.pool.park_on_stream(record, size, tag)
+    }
+}
 
 impl PoolShared {
     /// A block of `size` bytes (a [`stream_block_size`], for a request of `bytes`) from
@@ -250,13 +272,65 @@ impl PoolShared {
         stream: StreamHandle,
         size: usize,
         bytes: usize,
-    ) -> Option<(u64, u64)> {
+    ) -> Option<(u64, u64, Option<ParkedPointer>)> {
         let mut lists = lock(self.streams.of(stream));
         let addr = lists.list(stream)?.arena.take(size)?;
         lists.in_use_blocks += 1;
         lists.in_use_bytes += size as i64;
         lists.history.alloc_on(addr, bytes, stream.raw());
-        Some((addr, self.generation.load(Ordering::Acquire)))
+        let spare = lists.spares.pop();
+        Some((addr, self.generation.load(Ordering::Acquire), spare))
+    }
+
+    /// [`PoolHook::park`] of a stream-ordered pointer's record: where its block was freed on
+    /// the stream it was allocated on and no other stream used it, the block goes back to that
+    /// stream's arena at once (as [`release_on_streams`](Self::release_on_streams) would put
+    /// it) and the record is kept as a spare of the stream's shard, so that the next
+    /// allocation there makes its pointer without building one. Otherwise (or when the shard
+    /// has its spares, or the pool was reset since) hands the record back, to be released as
+    /// usual.
+    pub(super) fn park_on_stream(
+        &self,
+        mut record: ParkedPointer,
+        bytes: usize,
+        tag: u64,
+    ) -> Option<ParkedPointer> {
+        let Some(stream) = record.single_stream() else {
+            return Some(record);
+        };
+        let size = stream_block_size(bytes);
+        let streams = {
+            let mut lists = lock(self.streams.of(stream));
+            // A block whose stream holds no memory was not handed out here: its release
+            // reports it.
+            if lists.closed
+                || lists.spares.len() >= SPARES_PER_SHARD
+                || self.generation.load(Ordering::Acquire) != tag
+                || lists.list(stream).is_none()
+            {
+                return Some(record);
+            }
+            let Some(streams) = record.take_stream_use() else {
+                return Some(record);
+            };
+            let addr = record.base();
+            let owner = streams.owner_of(stream).cloned();
+            if let Some(mine) = lists.list(stream) {
+                if mine._owner.is_none() {
+                    mine._owner = owner;
+                }
+                mine.arena.give(addr, size);
+            }
+            lists.in_use_blocks -= 1;
+            lists.in_use_bytes -= size as i64;
+            lists.history.free(addr);
+            lists.spares.push(record);
+            streams
+        };
+        // What kept the streams alive goes with no shard entered (its drop may run anything,
+        // a stream's destruction included).
+        drop(streams);
+        None
     }
 
     /// Records in `stream`'s shard's history an allocation of `bytes` at `addr` that a
@@ -627,13 +701,28 @@ impl PoolShared {
         Ok(bytes)
     }
 
+    /// The allocator's drop: lets every shard's spare records go, and keeps none from now on
+    /// (each holds a clone of the pool's hook, and so of the pool, which would never be freed).
+    pub(super) fn close_stream_spares(&self) {
+        for shard in self.streams.shards.iter() {
+            let spares = {
+                let mut lists = lock(&shard.inner);
+                lists.closed = true;
+                std::mem::take(&mut lists.spares)
+            };
+            let_go(spares);
+        }
+    }
+
     /// Empties every shard (a reset, with `shards` the locked shards), returning the chunks
-    /// the streams held.
+    /// the streams held and the shards' spare records (the caller lets them go with no shard
+    /// entered: [`let_go`]).
     pub(super) fn clear_stream_shards(
         &self,
         shards: &mut [MutexGuard<'_, StreamLists>],
-    ) -> Vec<Chunk> {
+    ) -> (Vec<Chunk>, Vec<ParkedPointer>) {
         let mut chunks = Vec::new();
+        let mut spares = Vec::new();
         for (retired, fence) in std::mem::take(&mut *lock(&self.retiring)) {
             self.fences.recycle(fence);
             chunks.extend(retired);
@@ -645,9 +734,20 @@ impl PoolShared {
             for (_, mine) in &mut lists.per_stream {
                 chunks.extend(mine.arena.clear());
             }
+            spares.append(&mut lists.spares);
+            let closed = lists.closed;
             **lists = StreamLists::default();
+            lists.closed = closed;
         }
         self.streams.occupied.store(0, Ordering::Release);
-        chunks
+        (chunks, spares)
+    }
+}
+
+/// Lets go of spare records (their boxes go to this thread's spares, their blocks long back in
+/// the arenas or freed by a reset: [`ParkedPointer::into_base`]).
+pub(super) fn let_go(records: Vec<ParkedPointer>) {
+    for record in records {
+        record.into_base();
     }
 }
