@@ -41,6 +41,9 @@ const HEADER_LEN: usize = 7 + 2 + 12 + 8 + 8 + 4;
 /// descriptors without end. A block of `vmm-pool` lies across a handful of chunks.
 #[cfg(unix)]
 pub(crate) const MAX_PIECES: usize = 4096;
+/// The longest descriptor an export has: its header and [`MAX_PIECES`] sizes.
+#[cfg(unix)]
+pub(crate) const MAX_DESCRIPTOR_LEN: usize = HEADER_LEN + 8 * MAX_PIECES;
 
 /// One allocation of `vmm-pool`, exported for another process: a file descriptor per physical
 /// allocation it lies across (`cuMemExportToShareableHandle`), their sizes, and where the

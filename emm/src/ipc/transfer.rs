@@ -15,7 +15,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 
-use crate::contract::mapped_export::{MAX_PIECES, MappedExport};
+use crate::contract::mapped_export::{MAX_DESCRIPTOR_LEN, MappedExport};
 use crate::contract::pool_export::{POOL_DESCRIPTOR_LEN, PoolExport};
 
 /// `sendmsg` flags: on Linux, a closed peer is an error rather than a SIGPIPE. Elsewhere the
@@ -412,9 +412,6 @@ impl MappedExport {
         Ok(export)
     }
 }
-
-/// The longest descriptor a mapped export has.
-const MAX_DESCRIPTOR_LEN: usize = 41 + 8 * MAX_PIECES;
 
 /// `bytes` after their length (4 bytes, little-endian).
 fn framed(bytes: &[u8]) -> Vec<u8> {
