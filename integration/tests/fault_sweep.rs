@@ -339,6 +339,27 @@ fn not_called_by_emm() -> impl Iterator<Item = Op> {
     .into_iter()
 }
 
+/// The driver objects a faulted call of `op` leaves to its context's destruction: a release
+/// leaves its object; an unmapping leaves the mapping and the reservation it sits in, which
+/// cannot be freed around it; any other call leaves nothing.
+fn left_by_fault(op: Op) -> usize {
+    match op {
+        Op::MemUnmap => 2,
+        op if op.is_release() => 1,
+        _ => 0,
+    }
+}
+
+/// Checks the bytes another process read through IPC from the workload's view of `b` at byte
+/// 64: the copied ones up to 100, then the set ones.
+fn check_view_bytes(seen: &[u8], route: &str) {
+    assert_eq!(seen[..36], [1u8; 36], "bytes seen through {route}");
+    assert!(
+        seen[36..].iter().all(|&x| x == 7),
+        "bytes seen through {route}"
+    );
+}
+
 /// A new process of `sim`'s machine with `faults` injected, pushed on `others`.
 fn other_process(
     sim: &Arc<SimDriver>,
@@ -373,12 +394,7 @@ fn mapped_round_trip(
     let mem = other_ctx.open_mapped(received)?;
     let mut seen = vec![0u8; mem.size()];
     other_ctx.copy_to_host(&mut seen, &mem)?;
-    // The exported view starts at byte 64: the copied ones up to 100, then the set ones.
-    assert_eq!(seen[..36], [1u8; 36], "bytes seen through a mapped export");
-    assert!(
-        seen[36..].iter().all(|&x| x == 7),
-        "bytes seen through a mapped export"
-    );
+    check_view_bytes(&seen, "a mapped export");
     Ok(())
 }
 
@@ -412,9 +428,7 @@ fn ipc_round_trip(
             };
             let mut seen = vec![0u8; mem.size()];
             other_ctx.copy_to_host(&mut seen, &mem)?;
-            // The exported view starts at byte 64: the copied ones up to 100, then the set ones.
-            assert_eq!(seen[..36], [1u8; 36], "bytes seen through IPC");
-            assert!(seen[36..].iter().all(|&x| x == 7), "bytes seen through IPC");
+            check_view_bytes(&seen, "IPC");
             imported.close()?;
         }
     }
@@ -507,14 +521,7 @@ fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, Strin
     // Checked before the runtime goes: what the faulted run's contexts took with them. A
     // faulted release leaves its object; a faulted unmapping leaves the mapping and the
     // reservation it sits in, which cannot be freed around it.
-    let absorbed_releases: usize = faulted
-        .iter()
-        .map(|op| match op {
-            Op::MemUnmap => 2,
-            op if op.is_release() => 1,
-            _ => 0,
-        })
-        .sum();
+    let absorbed_releases: usize = faulted.iter().map(|&op| left_by_fault(op)).sum();
     for (who, process) in
         std::iter::once(("exporter", &sim)).chain(others.iter().map(|o| ("importer", o)))
     {
@@ -967,9 +974,8 @@ fn the_runtimes_teardown_survives_a_fault_at_every_call() {
                         // left.
                         let explained = match t.faulted {
                             Some(Op::MemPoolDestroy) => 4,
-                            Some(Op::MemUnmap) => 2,
-                            Some(op) if op.is_release() => 1,
-                            _ => 0,
+                            Some(op) => left_by_fault(op),
+                            None => 0,
                         };
                         if t.reclaimed > clean.reclaimed + explained {
                             failures.push(format!(
