@@ -12,7 +12,13 @@
 //!   more: emm does not choose what the driver's pool holds; `default` no more than PyTorch;
 //! - no later pass holds more, at its peak or after it (its deferred frees issued), than the
 //!   first, beyond [`slack`], and the last pass's peak is no higher than an earlier pass's
-//!   (within 2 MiB, a page): held memory is bounded when live memory is, and has settled;
+//!   (within 2 MiB, a page): held memory is bounded when live memory is, and has settled.
+//!   Not for the managers over the driver's pool: on the GPU the driver's own pool holds more
+//!   pass over pass (torch_cnn's five passes peak at 1.24, 1.39, 1.54, 1.64 and 1.68 x peak
+//!   live; `bench-results/h200-2026-11-28-driver-pool-passes-3158ea0.txt`);
+//! - under `async-pool`, the simulator's model of the driver's pool holds at the first pass's
+//!   peak within 10 % of what the driver's pool held replaying the trace on the GPU
+//!   (`corpus.csv`): the model the other checks of those managers rest on;
 //! - every allocation of the trace succeeds.
 //!
 //! `cargo run --release -p integration --example replay -- --corpus --passes 5` prints the
@@ -36,6 +42,15 @@ fn bound(manager: &str, entry: &CorpusEntry) -> f64 {
         _ => entry.torch_reserved_over_live,
     }
 }
+
+/// Whether `manager`'s memory is the driver's stream-ordered pool's: what it holds pass over
+/// pass is the driver's choice, not emm's.
+fn over_the_driver_pool(manager: &str) -> bool {
+    manager.starts_with("async-pool")
+}
+
+/// How far the simulator's model of the driver's pool may be from the driver's own figure.
+const MODEL_TOLERANCE: f64 = 0.10;
 
 /// How much more than the first pass a later one may hold: where blocks land differs between
 /// passes (a pool's chunks, the driver's 2 MiB pages shared by small blocks), by a page or a
@@ -68,6 +83,18 @@ fn check(name: &str) {
             first.peak_live_bytes, live,
             "{name} under {manager}: the replay's peak live differs from the trace's"
         );
+        if manager == "async-pool" {
+            let model = first.peak_held_bytes as f64 / live as f64;
+            let off = model / entry.driver_pool_over_live - 1.0;
+            if off.abs() > MODEL_TOLERANCE {
+                failures.push(format!(
+                    "{manager}: the simulator's pool held {model:.3} x peak live at the first pass's peak, the driver's {:.3} on the GPU ({:+.1} %, more than {} %): the model of the driver's pool no longer matches it",
+                    entry.driver_pool_over_live,
+                    off * 100.0,
+                    MODEL_TOLERANCE * 100.0
+                ));
+            }
+        }
         for (k, p) in r.passes.iter().enumerate() {
             if p.failures > 0 {
                 failures.push(format!(
@@ -88,6 +115,9 @@ fn check(name: &str) {
             // What a pool keeps after a pass is what its last growths left cached: by up to a
             // growth step (a chunk, 128 MiB) more or less than the first pass left.
             let after_slack = slack(manager, live).max(128 << 20);
+            if over_the_driver_pool(manager) {
+                continue;
+            }
             if p.peak_held_bytes > first.peak_held_bytes + slack(manager, live)
                 || p.held_after_bytes > first.held_after_bytes + after_slack
             {
@@ -108,7 +138,7 @@ fn check(name: &str) {
             .map(|p| p.peak_held_bytes)
             .max()
             .unwrap_or(0);
-        if last > before + (2 << 20) {
+        if last > before + (2 << 20) && !over_the_driver_pool(manager) {
             failures.push(format!(
                 "{manager}: the last pass peaked at {last} bytes, above every earlier pass (at most {before}): held memory has not settled"
             ));

@@ -17,6 +17,13 @@ pub(super) const DEVICE_SPACE_STRIDE: u64 = 1 << 40;
 /// IPC mappings of a device live in the upper half of its range.
 pub(super) const IPC_SPACE_OFFSET: u64 = 1 << 39;
 
+/// The device's stream-ordered pools place their blocks in the quarter of its range below the
+/// IPC mappings; its own pages lie below that, so a device has at most this many bytes.
+pub(super) const POOL_SPACE_OFFSET: u64 = 1 << 38;
+
+/// The length of the pools' space.
+pub(super) const POOL_SPACE_LEN: u64 = IPC_SPACE_OFFSET - POOL_SPACE_OFFSET;
+
 pub(super) const CONTEXT_HANDLE_BASE: u64 = 0x5c00_0000_0000;
 
 pub(super) const HANDLE_BASE: u64 = 0x5d00_0000_0000;

@@ -10,6 +10,7 @@ use super::Note;
 use super::config::{
     DEVICE_SPACE_BASE, DEVICE_SPACE_STRIDE, IPC_SPACE_OFFSET, PAGE_SIZE, SMALL_MAX, SimDeviceConfig,
 };
+use super::pool_space::PoolSpace;
 use super::world::{World, context};
 
 #[derive(Debug)]
@@ -20,6 +21,9 @@ pub(super) struct SimAlloc {
     pub(super) span: usize,
     pub(super) store: u64,
     pub(super) owner: usize,
+    /// A block of a stream-ordered pool: it lies in the device's pool space, whose pages its
+    /// pool holds ([`PoolSpace`]).
+    pub(super) pooled: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +43,8 @@ pub(super) struct DeviceMem {
     pub(super) pages: BTreeMap<u64, Page>,
     /// Bytes of physical allocations (`cuMemCreate`) alive on the device.
     pub(super) phys_bytes: usize,
+    /// Where the device's stream-ordered pools place their blocks, and the pages they hold.
+    pub(super) pool_space: PoolSpace,
 }
 
 impl DeviceMem {
@@ -100,7 +106,9 @@ impl DeviceMem {
     pub(super) fn remove(&mut self, ordinal: usize, base: u64) -> Option<SimAlloc> {
         let alloc = self.allocs.remove(&base)?;
         let first = Self::page_of(ordinal, base);
-        if alloc.size <= SMALL_MAX {
+        if alloc.pooled {
+            self.pool_space.remove(base);
+        } else if alloc.size <= SMALL_MAX {
             if let Some(Page::Small(count)) = self.pages.get_mut(&first) {
                 *count -= 1;
                 if *count == 0 {
@@ -195,23 +203,26 @@ impl World {
     /// it needs; the simulator takes every such block (a modelling choice).
     pub(super) fn alloc_device(&mut self, i: usize, pid: usize, bytes: usize) -> Result<u64, u32> {
         match self.alloc_device_now(i, pid, bytes) {
-            Err(code::OUT_OF_MEMORY) => {
-                let caching: Vec<u64> = self.processes[pid]
-                    .pools
-                    .iter()
-                    .filter(|(_, p)| p.device == i && !p.host && p.free.iter().any(|b| b.ready))
-                    .map(|(&h, _)| h)
-                    .collect();
-                if caching.is_empty() {
-                    return Err(code::OUT_OF_MEMORY);
-                }
-                for h in caching {
-                    self.pool_release(pid, h, 0);
-                }
+            Err(code::OUT_OF_MEMORY) if self.take_back_pool_caches(i, pid) => {
                 self.alloc_device_now(i, pid, bytes)
             }
             other => other,
         }
+    }
+
+    /// Releases every block that process `pid`'s device pools on device `i` cache and whose
+    /// free the host has observed; false when none cached such a block.
+    pub(super) fn take_back_pool_caches(&mut self, i: usize, pid: usize) -> bool {
+        let caching: Vec<u64> = self.processes[pid]
+            .pools
+            .iter()
+            .filter(|(_, p)| p.device == i && !p.host && p.free.iter().any(|b| b.ready))
+            .map(|(&h, _)| h)
+            .collect();
+        for &h in &caching {
+            self.pool_release(pid, h, 0);
+        }
+        !caching.is_empty()
     }
 
     /// [`alloc_device`](Self::alloc_device) without taking back what pools cache.
@@ -261,6 +272,7 @@ impl World {
                 span,
                 store,
                 owner: pid,
+                pooled: false,
             },
         );
         Ok(addr)
@@ -278,6 +290,9 @@ impl World {
         let Some(i) = i else {
             return self.free_managed(pid, ptr).ok_or(code::INVALID_VALUE);
         };
+        if self.devices[i].allocs[&ptr].pooled {
+            return self.free_pool_allocation(pid, ptr);
+        }
         let a = self.devices[i].remove(i, ptr).expect("found above");
         self.note_if_imported(a.store);
         self.drop_store(a.store);
@@ -319,6 +334,7 @@ impl World {
     pub(super) fn free_bytes(&self, device: usize) -> usize {
         let d = &self.devices[device];
         let used = d.pages.len() * PAGE_SIZE
+            + d.pool_space.held_bytes()
             + d.phys_bytes
             + d.config.context_overhead * self.live_contexts(device);
         d.config.total_mem.saturating_sub(used)

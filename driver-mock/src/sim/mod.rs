@@ -34,6 +34,7 @@ mod host;
 mod ipc;
 mod log;
 mod memory;
+mod pool_space;
 mod pools;
 mod streams;
 mod vmm;
@@ -175,11 +176,21 @@ impl SimDriver {
                 if c.pci_bus_id == 0 {
                     c.pci_bus_id = i as i32 + 1;
                 }
+                assert!(
+                    c.total_mem as u64 <= config::POOL_SPACE_OFFSET,
+                    "a simulated device has at most {} bytes, got {}",
+                    config::POOL_SPACE_OFFSET,
+                    c.total_mem
+                );
                 DeviceMem {
                     config: c,
                     allocs: BTreeMap::new(),
                     pages: BTreeMap::new(),
                     phys_bytes: 0,
+                    pool_space: pool_space::PoolSpace::new(
+                        DeviceMem::base(i) + config::POOL_SPACE_OFFSET,
+                        config::POOL_SPACE_LEN,
+                    ),
                 }
             })
             .collect();

@@ -22,6 +22,7 @@ fn p_host(w: &World, pid: usize, h: u64) -> (bool, bool) {
 
 use super::Note;
 use super::config::PAGE_SIZE;
+use super::memory::SimAlloc;
 use super::world::{Object, World, context, device_index};
 
 /// A block freed to a stream-ordered pool: reusable at once on the stream it was freed on,
@@ -144,12 +145,37 @@ pub(super) fn decode_pool_ptr(d: &PoolPtrExportData) -> Option<(usize, u64, u64)
 }
 
 impl World {
-    /// Gives a pool's block back: device memory, or a host pool's pinned host memory.
-    fn free_pool_block(&mut self, pid: usize, host: bool, addr: u64) {
+    /// Gives a block of pool `h` back to the system: a device pool's block leaves the pool
+    /// space (its pages unmapped once no other block of the pool lies in them), a host pool's
+    /// is pinned host memory. The pool (if it is still listed) reserves what is left.
+    fn free_pool_block(&mut self, pid: usize, h: u64, host: bool, addr: u64, size: usize) {
         if host {
             let _ = self.free_pooled_host(pid, addr);
-        } else {
-            let _ = self.free_device(pid, addr);
+            if let Some(p) = self.processes[pid].pools.get_mut(&h) {
+                p.reserved -= size;
+            }
+            return;
+        }
+        let device = (0..self.devices.len()).find(|&i| {
+            self.devices[i]
+                .allocs
+                .get(&addr)
+                .is_some_and(|a| a.owner == pid && a.pooled)
+        });
+        if let Some(i) = device {
+            let a = self.devices[i].remove(i, addr).expect("found above");
+            self.note_if_imported(a.store);
+            self.drop_store(a.store);
+            self.note_pool_pages(pid, h, i);
+        }
+    }
+
+    /// Device pool `h` of process `pid` reserves the pages it holds on device `i`.
+    fn note_pool_pages(&mut self, pid: usize, h: u64, i: usize) {
+        let bytes = self.devices[i].pool_space.pool_bytes(h);
+        if let Some(p) = self.processes[pid].pools.get_mut(&h) {
+            p.reserved = bytes;
+            p.reserved_high = p.reserved_high.max(bytes);
         }
     }
 
@@ -160,19 +186,108 @@ impl World {
             return;
         };
         let host = pool.host;
-        let mut release = Vec::new();
+        let mut ready = Vec::new();
         pool.free.retain(|b| {
-            if b.ready && pool.reserved > keep {
-                pool.reserved -= b.size;
-                release.push(b.addr);
+            if b.ready {
+                ready.push(*b);
                 false
             } else {
                 true
             }
         });
-        for addr in release {
-            self.free_pool_block(pid, host, addr);
+        let mut ready = ready.into_iter();
+        for b in ready.by_ref() {
+            if self.processes[pid].pools[&h].reserved <= keep {
+                self.processes[pid]
+                    .pools
+                    .get_mut(&h)
+                    .expect("listed")
+                    .free
+                    .push(b);
+                break;
+            }
+            self.free_pool_block(pid, h, host, b.addr, b.size);
         }
+        let pool = self.processes[pid].pools.get_mut(&h).expect("listed");
+        pool.free.extend(ready);
+    }
+
+    /// A new block of `bytes` for device pool `h` of process `pid` on device `i`, placed in
+    /// the device's pool space. Where the device lacks the pages it needs, the driver first
+    /// takes back what this process's pools on the device cache, as for `cuMemAlloc`
+    /// ([`alloc_device`](Self::alloc_device)).
+    fn alloc_pool_block(&mut self, i: usize, pid: usize, h: u64, bytes: usize) -> Result<u64, u32> {
+        match self.alloc_pool_block_now(i, pid, h, bytes) {
+            Err(code::OUT_OF_MEMORY) if self.take_back_pool_caches(i, pid) => {
+                self.alloc_pool_block_now(i, pid, h, bytes)
+            }
+            other => other,
+        }
+    }
+
+    /// [`alloc_pool_block`](Self::alloc_pool_block) without taking back what pools cache.
+    fn alloc_pool_block_now(
+        &mut self,
+        i: usize,
+        pid: usize,
+        h: u64,
+        bytes: usize,
+    ) -> Result<u64, u32> {
+        let d = &self.devices[i];
+        let span = bytes
+            .checked_next_multiple_of(d.config.alignment)
+            .ok_or(code::OUT_OF_MEMORY)?;
+        let addr = d
+            .pool_space
+            .find(h, span as u64)
+            .ok_or(code::OUT_OF_MEMORY)?;
+        let added = d.pool_space.pages_added(h, addr, span as u64) as usize * PAGE_SIZE;
+        if added > self.free_bytes(i) {
+            return Err(code::OUT_OF_MEMORY);
+        }
+        let store = self.new_store();
+        let d = &mut self.devices[i];
+        d.pool_space.insert(h, addr, span as u64);
+        d.allocs.insert(
+            addr,
+            SimAlloc {
+                size: bytes,
+                span,
+                store,
+                owner: pid,
+                pooled: true,
+            },
+        );
+        self.note_pool_pages(pid, h, i);
+        Ok(addr)
+    }
+
+    /// `cuMemFree` of a pool's allocation at `ptr` (device `i`): the block goes back to its
+    /// pool, reusable on every stream (the driver synchronises first); a destroyed pool's goes
+    /// back to the system.
+    pub(super) fn free_pool_allocation(&mut self, pid: usize, ptr: u64) -> Result<usize, u32> {
+        let (&h, p) = self.processes[pid]
+            .pools
+            .iter_mut()
+            .find(|(_, p)| p.live.contains_key(&ptr))
+            .ok_or(code::INVALID_VALUE)?;
+        let size = p.live.remove(&ptr).expect("found");
+        p.used -= size;
+        if p.destroyed {
+            self.free_pool_block(pid, h, false, ptr, size);
+            self.processes[pid]
+                .pools
+                .retain(|_, p| !(p.destroyed && p.live.is_empty()));
+        } else {
+            p.free.push(FreeBlock {
+                addr: ptr,
+                size,
+                stream: 0,
+                ready: true,
+                id: 0,
+            });
+        }
+        Ok(size)
     }
 
     /// Pool `h` of process `pid` (`CUDA_ERROR_INVALID_VALUE` when it has none such).
@@ -325,7 +440,7 @@ impl World {
             .remove(&pool.raw())
             .expect("checked");
         for b in std::mem::take(&mut p.free) {
-            self.free_pool_block(pid, p.host, b.addr);
+            self.free_pool_block(pid, pool.raw(), p.host, b.addr, b.size);
         }
         // The driver releases the memory of allocations still outstanding only when
         // they are freed (cuMemFreeAsync); until then the pool lingers, destroyed.
@@ -423,7 +538,8 @@ impl World {
         }
         // Best fit among the blocks this stream may reuse. The driver splits blocks; the
         // simulator reuses whole ones, up to three times the request, which with the remapping
-        // below holds what the driver's pool holds on the trace corpus (`corpus.csv`).
+        // below and the pages of the pool space (`pool_space`) holds what the driver's pool
+        // holds at the first pass of each trace of the corpus, within 10 % (`corpus.csv`).
         let fits = |size: usize| size >= bytes && size <= (3 * bytes).max(PAGE_SIZE);
         let found = p
             .free
@@ -453,7 +569,7 @@ impl World {
         // No free block fits: the driver maps the physical memory of the free blocks whose
         // frees ran into the new allocation rather than growing by all of it. Modelled by
         // giving those blocks back before the new one takes its pages.
-        let (host, _) = p_host(self, pid, pool.raw());
+        let (host, managed) = p_host(self, pid, pool.raw());
         if !host {
             let p = self.processes[pid]
                 .pools
@@ -470,25 +586,25 @@ impl World {
                 !take
             });
             for (addr, size) in reusable {
-                let p = self.processes[pid]
-                    .pools
-                    .get_mut(&pool.raw())
-                    .expect("checked");
-                p.reserved -= size;
-                let _ = self.free_device(pid, addr);
+                self.free_pool_block(pid, pool.raw(), false, addr, size);
             }
         }
         // Out of pages, this takes back what the process's pools cache, this one included.
-        let addr = if let (true, managed) = p_host(self, pid, pool.raw()) {
-            self.alloc_pooled_host(pid, i, bytes, managed)?
+        let addr = if host {
+            let addr = self.alloc_pooled_host(pid, i, bytes, managed)?;
+            self.processes[pid]
+                .pools
+                .get_mut(&pool.raw())
+                .expect("checked")
+                .reserved += bytes;
+            addr
         } else {
-            self.alloc_device(i, pid, bytes)?
+            self.alloc_pool_block(i, pid, pool.raw(), bytes)?
         };
         let p = self.processes[pid]
             .pools
             .get_mut(&pool.raw())
             .expect("checked");
-        p.reserved += bytes;
         p.used += bytes;
         p.reserved_high = p.reserved_high.max(p.reserved);
         p.used_high = p.used_high.max(p.used);
@@ -524,33 +640,24 @@ impl World {
             note.bytes = Some(size);
             return Ok(());
         }
-        let device = self.processes[pid]
+        let (h, device) = self.processes[pid]
             .pools
-            .values()
-            .find(|p| p.live.contains_key(&ptr.0))
-            .ok_or(code::INVALID_VALUE)?
-            .device;
+            .iter()
+            .find(|(_, p)| p.live.contains_key(&ptr.0))
+            .map(|(&h, p)| (h, p.device))
+            .ok_or(code::INVALID_VALUE)?;
         if let Some(a) = self.devices[device].allocs.get(&ptr.0) {
             self.note_if_imported(a.store);
         }
         let id = self.new_handle();
-        let p = self.processes[pid]
-            .pools
-            .values_mut()
-            .find(|p| p.live.contains_key(&ptr.0))
-            .expect("found above");
+        let p = self.processes[pid].pools.get_mut(&h).expect("found above");
         let size = p.live.remove(&ptr.0).expect("found");
         note.bytes = Some(size);
         p.used -= size;
         if p.destroyed {
             let gone = p.live.is_empty();
             let host = p.host;
-            if host {
-                self.free_pooled_host(pid, ptr.0)
-                    .ok_or(code::INVALID_VALUE)?;
-            } else {
-                self.free_device(pid, ptr.0)?;
-            }
+            self.free_pool_block(pid, h, host, ptr.0, size);
             if gone {
                 self.processes[pid]
                     .pools
