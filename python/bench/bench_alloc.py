@@ -23,7 +23,7 @@ BATCH = {256: 2000, 1 << 20: 2000, 64 << 20: 500, 1 << 30: 200}
 WARMUP = int(os.environ.get("BENCH_WARMUP", "0"))
 CONFIGS = [
     "numba", "numba-rmm", "numba-emm",
-    "cupy", "cupy-rmm", "cupy-emm", "cupy-emm-py",
+    "cupy", "cupy-rmm", "cupy-emm", "cupy-emm-py", "cupy-cfloor",
     "torch", "torch-rmm", "torch-emm", "torch-emm-mempool",
     "emm",
 ]
@@ -36,6 +36,26 @@ def rmm_pool():
 
 
 _ROUTE = None
+_FLOOR = None
+_FLOOR_ALLOCATOR = None
+
+
+def cfloor_allocator(cupy):
+    """CuPy's CFunctionAllocator over cfloor.c's functions, which hand back one device
+    allocation of the largest size and free nothing: what CuPy's own side of a C allocator
+    costs, the floor under emm.cupy's pair. The library's path is in EMM_BENCH_CFLOOR (build it
+    with the command in cfloor.c)."""
+    import ctypes
+
+    path = os.environ.get("EMM_BENCH_CFLOOR")
+    if not path:
+        raise SystemExit("cupy-cfloor needs EMM_BENCH_CFLOOR, the path of cfloor.c built as a shared library")
+    global _FLOOR
+    lib = ctypes.CDLL(path)
+    base = cupy.cuda.runtime.malloc(max(SIZES))
+    _FLOOR = (lib, base)  # kept for the process: the allocator hands out this allocation
+    addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value
+    return cupy.cuda.memory.CFunctionAllocator(base, addr(lib.cfloor_malloc), addr(lib.cfloor_free), lib)
 
 
 def setup(config):
@@ -72,6 +92,10 @@ def setup(config):
             import emm.cupy
 
             emm.cupy.install(c_functions=False)
+        elif config == "cupy-cfloor":
+            global _FLOOR_ALLOCATOR
+            _FLOOR_ALLOCATOR = cfloor_allocator(cupy)
+            cupy.cuda.set_allocator(_FLOOR_ALLOCATOR.malloc)
         # A kernel first, as any CuPy program runs one: without it, emm.cupy's pairs measured
         # 3.5 to 7.4 µs (H100, 2026-11-23), against 2.2 µs after a kernel, and 0.9 µs in a
         # process whose CuPy pool had allocated first: a state of the process, not of emm.
