@@ -682,7 +682,7 @@ impl Context {
 
     /// The graph pool that serves `stream` now: one begun on it, else, with
     /// [`enable_capture_pools`](Self::enable_capture_pools) on, that of the capture under way
-    /// on it.
+    /// on it (the legacy default stream has none).
     #[inline]
     pub(crate) fn graph_pool_of(
         &self,
@@ -692,7 +692,10 @@ impl Context {
         if let Some(pool) = routes.pool_for(stream) {
             return Ok(Some(pool));
         }
-        if routes.auto() {
+        // The legacy default stream is never captured (the driver refuses to begin a capture
+        // there, and asking it while another stream captures is an error), so an allocation
+        // on it asks the driver nothing.
+        if routes.auto() && !matches!(stream, StreamHandle::NULL | StreamHandle::LEGACY) {
             return self.capture_pool(stream);
         }
         Ok(None)

@@ -10,8 +10,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use driver_mock::{SimConfig, SimDriver};
-use emm::driver_sys::CaptureMode;
+use driver_mock::{Op, SimConfig, SimDriver};
+use emm::driver_sys::{CaptureMode, StreamHandle};
 use emm::{Context, Graph, MemoryPointer, Stream};
 use proptest::prelude::*;
 
@@ -208,5 +208,52 @@ proptest! {
         ] {
             run(manager, &steps)?;
         }
+    }
+}
+
+/// With capture pools on, an allocation on the legacy default stream asks the driver nothing
+/// about captures: that stream is never captured, and the question costs a driver call per
+/// allocation (CuPy and PyTorch allocate there by default). A created stream is still asked,
+/// once an allocation.
+#[test]
+fn the_legacy_stream_is_not_asked_about_captures() {
+    for manager in [
+        emm::plugin::POOL_MANAGER,
+        emm::plugin::VMM_POOL_MANAGER,
+        emm::plugin::ASYNC_POOL_MANAGER,
+    ] {
+        let sim = Arc::new(SimDriver::new(SimConfig::default()));
+        let rt = runtime_with(&sim, manager);
+        let ctx: Context = rt.context(0).unwrap();
+        ctx.enable_capture_pools();
+        let stream = ctx.create_stream().unwrap();
+        // SAFETY: the legacy default stream outlives the runtime.
+        let on_legacy = |legacy| unsafe { ctx.memalloc_on_raw(4096, legacy) }.unwrap();
+        // The first allocations grow the pool, a slow path that asks (growth is refused on a
+        // captured stream); held at once, each stream grows its own, and what follows is
+        // served from what they left.
+        let warm = [
+            ctx.memalloc_on(4096, &stream).unwrap(),
+            on_legacy(StreamHandle::NULL),
+            on_legacy(StreamHandle::LEGACY),
+        ];
+        drop(warm);
+        sim.clear_calls();
+        for legacy in [StreamHandle::NULL, StreamHandle::LEGACY] {
+            for _ in 0..4 {
+                drop(on_legacy(legacy));
+            }
+        }
+        assert_eq!(
+            sim.count(Op::StreamGetCaptureInfo),
+            0,
+            "{manager}: allocations on the legacy stream asked about captures"
+        );
+        drop(ctx.memalloc_on(4096, &stream).unwrap());
+        assert_eq!(
+            sim.count(Op::StreamGetCaptureInfo),
+            1,
+            "{manager}: an allocation on a created stream asks once"
+        );
     }
 }
