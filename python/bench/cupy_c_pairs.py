@@ -28,6 +28,8 @@ PyCapsule_New = ctypes.pythonapi.PyCapsule_New
 PyCapsule_New.restype = ctypes.py_object
 PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 cap = PyCapsule_New(getter, b"intptr_t (void)", None)
+# As emm.cupy.install() does: allocations on a stream under capture get graph pools.
+_emm.enable_capture_pools()
 malloc_addr, free_addr = _emm.cupy_c_functions(cap)
 MALLOC = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(malloc_addr)
 FREE = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)(free_addr)
