@@ -271,9 +271,10 @@ def test_torch_memory_stats_under_install(manager):
     emm.torch.reset_peak_memory_stats()
     assert emm.torch.max_memory_allocated() == emm.torch.memory_allocated()
     # A failed allocation raises (PyTorch's pluggable allocator, left alone, gives a tensor
-    # at address 0), with emm's message.
+    # at address 0), with emm's message: twice the device's memory, on any card.
     try:
-        t = torch.empty(100 << 30, dtype=torch.uint8, device="cuda")
+        too_much = 2 * torch.cuda.get_device_properties(0).total_memory
+        t = torch.empty(too_much, dtype=torch.uint8, device="cuda")
         raise SystemExit("no error: a tensor at 0x%x" % t.data_ptr())
     except RuntimeError as e:
         assert "out of memory on device 0" in str(e), e
@@ -612,7 +613,9 @@ def test_torch_out_of_memory_in_an_emm_mem_pool_is_pytorchs_own():
     with emm.torch.use_mem_pool():
         a = torch.ones(1 << 20, device="cuda")
         try:
-            t = torch.empty(100 << 30, dtype=torch.uint8, device="cuda")
+            # Twice the device's memory, on any card.
+            too_much = 2 * torch.cuda.get_device_properties(0).total_memory
+            t = torch.empty(too_much, dtype=torch.uint8, device="cuda")
             raise SystemExit("no error: a tensor at 0x%x" % t.data_ptr())
         except torch.OutOfMemoryError:
             pass
