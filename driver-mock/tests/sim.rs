@@ -673,3 +673,45 @@ fn a_destroyed_streams_queue_goes_once_its_work_has_run() {
     }
     free(&sim, ctx, p).unwrap();
 }
+
+/// Stream-ordered pool memory: blocks of a device pool share its 2 MiB pages (what the pool
+/// reserves and the device counts as used is pages, not blocks), a page goes when its last
+/// block is released, and `cuMemFree` of a pool's block gives it back to the pool, not to the
+/// system.
+#[test]
+fn pool_blocks_share_pages_and_cu_mem_free_returns_them_to_their_pool() {
+    use driver_sys::StreamHandle;
+    let (sim, ctx) = started(SimConfig::default());
+    let pool = sim.device_default_mem_pool(DEV).unwrap();
+    let used = |sim: &SimDriver| {
+        let info = sim.mem_get_info(ctx).unwrap();
+        info.total - info.free
+    };
+    let base = used(&sim);
+    let s = StreamHandle::NULL;
+    let a = sim.mem_alloc_from_pool_async(ctx, pool, 4096, s).unwrap();
+    let b = sim.mem_alloc_from_pool_async(ctx, pool, 4096, s).unwrap();
+    assert_eq!(b.0, a.0 + 4096, "packed");
+    let usage = sim.mem_pool_usage(ctx, pool).unwrap();
+    assert_eq!((usage.used, usage.reserved), (8192, PAGE_SIZE as u64));
+    assert_eq!(used(&sim) - base, PAGE_SIZE, "one page for both blocks");
+
+    free(&sim, ctx, a).unwrap();
+    let usage = sim.mem_pool_usage(ctx, pool).unwrap();
+    assert_eq!(
+        usage.used, 4096,
+        "cuMemFree gave the block back to the pool"
+    );
+    let c = sim.mem_alloc_from_pool_async(ctx, pool, 4096, s).unwrap();
+    assert_eq!(c, a, "and the pool serves it again");
+
+    // SAFETY: each block is freed once; nothing uses them.
+    unsafe {
+        sim.mem_free_async(ctx, b, s).unwrap();
+        sim.mem_free_async(ctx, c, s).unwrap();
+    }
+    sim.stream_synchronize(ctx, s).unwrap();
+    sim.mem_pool_trim_to(ctx, pool, 0).unwrap();
+    assert_eq!(sim.mem_pool_usage(ctx, pool).unwrap().reserved, 0);
+    assert_eq!(used(&sim), base, "the page went with the last block");
+}

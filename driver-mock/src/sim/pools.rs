@@ -262,9 +262,9 @@ impl World {
         Ok(addr)
     }
 
-    /// `cuMemFree` of a pool's allocation at `ptr` (device `i`): the block goes back to its
-    /// pool, reusable on every stream (the driver synchronises first); a destroyed pool's goes
-    /// back to the system.
+    /// `cuMemFree` of a pool's allocation at `ptr`: the block goes back to its pool, reusable
+    /// on every stream at once (the driver documents that it does not synchronise: the caller
+    /// must have finished with the memory); a destroyed pool's goes back to the system.
     pub(super) fn free_pool_allocation(&mut self, pid: usize, ptr: u64) -> Result<usize, u32> {
         let (&h, p) = self.processes[pid]
             .pools
