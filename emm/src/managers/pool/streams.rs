@@ -303,24 +303,23 @@ impl PoolShared {
             let mut lists = lock(self.streams.of(stream));
             // A block whose stream holds no memory was not handed out here: its release
             // reports it.
-            if lists.closed
-                || lists.spares.len() >= SPARES_PER_SHARD
-                || self.generation.load(Ordering::Acquire) != tag
-                || lists.list(stream).is_none()
-            {
+            let k = lists.per_stream.iter().position(|(s, _)| *s == stream);
+            let Some(k) = k.filter(|_| {
+                !lists.closed
+                    && lists.spares.len() < SPARES_PER_SHARD
+                    && self.generation.load(Ordering::Acquire) == tag
+            }) else {
                 return Some(record);
-            }
+            };
             let Some(streams) = record.take_stream_use() else {
                 return Some(record);
             };
             let addr = record.base();
-            let owner = streams.owner_of(stream).cloned();
-            if let Some(mine) = lists.list(stream) {
-                if mine._owner.is_none() {
-                    mine._owner = owner;
-                }
-                mine.arena.give(addr, size);
+            let mine = &mut lists.per_stream[k].1;
+            if mine._owner.is_none() {
+                mine._owner = streams.owner_of(stream).cloned();
             }
+            mine.arena.give(addr, size);
             lists.in_use_blocks -= 1;
             lists.in_use_bytes -= size as i64;
             lists.history.free(addr);
