@@ -36,7 +36,7 @@ fn bound(manager: &str, entry: &CorpusEntry) -> f64 {
         // 1.102 - 1.134 (Numba, RMM, transformer; one pass: RMM, 1.113). This bound keeps
         // what the pool does now from getting worse.
         "vmm-pool" => 1.15,
-        m if over_the_driver_pool(m) => entry
+        m if m.starts_with("async-pool") => entry
             .torch_reserved_over_live
             .max(entry.driver_pool_over_live * 1.1),
         _ => entry.torch_reserved_over_live,

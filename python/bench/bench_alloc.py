@@ -36,6 +36,7 @@ def rmm_pool():
 
 
 _ROUTE = None
+_FLOOR = None
 _FLOOR_ALLOCATOR = None
 
 
@@ -49,8 +50,10 @@ def cfloor_allocator(cupy):
     path = os.environ.get("EMM_BENCH_CFLOOR")
     if not path:
         raise SystemExit("cupy-cfloor needs EMM_BENCH_CFLOOR, the path of cfloor.c built as a shared library")
-    lib = ctypes.CDLL(path)  # the allocator's owner: kept with it
-    base = cupy.cuda.runtime.malloc(max(SIZES))  # never freed: handed out for the process
+    global _FLOOR
+    lib = ctypes.CDLL(path)
+    base = cupy.cuda.runtime.malloc(max(SIZES))
+    _FLOOR = (lib, base)  # kept for the process: the allocator hands out this allocation
     addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value
     return cupy.cuda.memory.CFunctionAllocator(base, addr(lib.cfloor_malloc), addr(lib.cfloor_free), lib)
 

@@ -168,8 +168,11 @@ impl PoolSpace {
             .get_mut(&b.pool)
             .expect("a placed block's pool has pages");
         let before = p.count();
-        let edges = if first == last { 1 } else { 2 };
-        for pg in [first, last].into_iter().take(edges) {
+        for pg in if first == last {
+            vec![first]
+        } else {
+            vec![first, last]
+        } {
             let n = p
                 .edges
                 .get_mut(&pg)

@@ -145,18 +145,10 @@ pub(super) fn decode_pool_ptr(d: &PoolPtrExportData) -> Option<(usize, u64, u64)
 }
 
 impl World {
-    /// Gives a block of pool `h` (on `device`, in host memory where `host`) back to the
-    /// system: a device pool's block leaves the pool space (its pages unmapped once no other
-    /// block of the pool lies in them), a host pool's is pinned host memory. The pool (if it
-    /// is still listed) reserves what is left.
-    fn free_pool_block(
-        &mut self,
-        pid: usize,
-        h: u64,
-        (device, host): (usize, bool),
-        b: (u64, usize),
-    ) {
-        let (addr, size) = b;
+    /// Gives a block of pool `h` back to the system: a device pool's block leaves the pool
+    /// space (its pages unmapped once no other block of the pool lies in them), a host pool's
+    /// is pinned host memory. The pool (if it is still listed) reserves what is left.
+    fn free_pool_block(&mut self, pid: usize, h: u64, host: bool, addr: u64, size: usize) {
         if host {
             let _ = self.free_pooled_host(pid, addr);
             if let Some(p) = self.processes[pid].pools.get_mut(&h) {
@@ -164,10 +156,17 @@ impl World {
             }
             return;
         }
-        if let Some(a) = self.devices[device].remove(device, addr) {
+        let device = (0..self.devices.len()).find(|&i| {
+            self.devices[i]
+                .allocs
+                .get(&addr)
+                .is_some_and(|a| a.owner == pid && a.pooled)
+        });
+        if let Some(i) = device {
+            let a = self.devices[i].remove(i, addr).expect("found above");
             self.note_if_imported(a.store);
             self.drop_store(a.store);
-            self.note_pool_pages(pid, h, device);
+            self.note_pool_pages(pid, h, i);
         }
     }
 
@@ -186,18 +185,28 @@ impl World {
         let Some(pool) = self.processes[pid].pools.get_mut(&h) else {
             return;
         };
-        let at = (pool.device, pool.host);
+        let host = pool.host;
         let mut ready = Vec::new();
         pool.free.retain(|b| {
             if b.ready {
                 ready.push(*b);
+                false
+            } else {
+                true
             }
-            !b.ready
         });
         let mut ready = ready.into_iter();
-        while self.processes[pid].pools[&h].reserved > keep {
-            let Some(b) = ready.next() else { break };
-            self.free_pool_block(pid, h, at, (b.addr, b.size));
+        for b in ready.by_ref() {
+            if self.processes[pid].pools[&h].reserved <= keep {
+                self.processes[pid]
+                    .pools
+                    .get_mut(&h)
+                    .expect("listed")
+                    .free
+                    .push(b);
+                break;
+            }
+            self.free_pool_block(pid, h, host, b.addr, b.size);
         }
         let pool = self.processes[pid].pools.get_mut(&h).expect("listed");
         pool.free.extend(ready);
@@ -253,41 +262,23 @@ impl World {
         Ok(addr)
     }
 
-    /// Ends pool allocation `ptr` of process `pid`: its pool no longer counts it as used, and
-    /// a destroyed pool's block goes back to the system (the pool with its last one). Returns
-    /// the pool, the block's size, and whether the block stays in the pool (for the caller to
-    /// list as free).
-    fn end_pool_allocation(&mut self, pid: usize, ptr: u64) -> Result<(u64, usize, bool), u32> {
-        let (h, device) = self.processes[pid]
-            .pools
-            .iter()
-            .find(|(_, p)| p.live.contains_key(&ptr))
-            .map(|(&h, p)| (h, p.device))
-            .ok_or(code::INVALID_VALUE)?;
-        if let Some(a) = self.devices[device].allocs.get(&ptr) {
-            self.note_if_imported(a.store);
-        }
-        let p = self.processes[pid].pools.get_mut(&h).expect("found above");
-        let size = p.live.remove(&ptr).expect("found");
-        p.used -= size;
-        if !p.destroyed {
-            return Ok((h, size, true));
-        }
-        let at = (p.device, p.host);
-        self.free_pool_block(pid, h, at, (ptr, size));
-        self.processes[pid]
-            .pools
-            .retain(|_, p| !(p.destroyed && p.live.is_empty()));
-        Ok((h, size, false))
-    }
-
     /// `cuMemFree` of a pool's allocation at `ptr`: the block goes back to its pool, reusable
     /// on every stream at once (the driver documents that it does not synchronise: the caller
     /// must have finished with the memory); a destroyed pool's goes back to the system.
     pub(super) fn free_pool_allocation(&mut self, pid: usize, ptr: u64) -> Result<usize, u32> {
-        let (h, size, kept) = self.end_pool_allocation(pid, ptr)?;
-        if kept {
-            let p = self.processes[pid].pools.get_mut(&h).expect("kept");
+        let (&h, p) = self.processes[pid]
+            .pools
+            .iter_mut()
+            .find(|(_, p)| p.live.contains_key(&ptr))
+            .ok_or(code::INVALID_VALUE)?;
+        let size = p.live.remove(&ptr).expect("found");
+        p.used -= size;
+        if p.destroyed {
+            self.free_pool_block(pid, h, false, ptr, size);
+            self.processes[pid]
+                .pools
+                .retain(|_, p| !(p.destroyed && p.live.is_empty()));
+        } else {
             p.free.push(FreeBlock {
                 addr: ptr,
                 size,
@@ -449,7 +440,7 @@ impl World {
             .remove(&pool.raw())
             .expect("checked");
         for b in std::mem::take(&mut p.free) {
-            self.free_pool_block(pid, pool.raw(), (p.device, p.host), (b.addr, b.size));
+            self.free_pool_block(pid, pool.raw(), p.host, b.addr, b.size);
         }
         // The driver releases the memory of allocations still outstanding only when
         // they are freed (cuMemFreeAsync); until then the pool lingers, destroyed.
@@ -578,11 +569,25 @@ impl World {
         // No free block fits: the driver maps the physical memory of the free blocks whose
         // frees ran into the new allocation rather than growing by all of it. Modelled by
         // giving those blocks back before the new one takes its pages.
-        // A block whose free has not run yet may still be written by earlier work: its memory
-        // goes to no other allocation until it ran (`pool_release` takes ready blocks only).
         let (host, managed) = p_host(self, pid, pool.raw());
         if !host {
-            self.pool_release(pid, pool.raw(), 0);
+            let p = self.processes[pid]
+                .pools
+                .get_mut(&pool.raw())
+                .expect("checked");
+            let mut reusable = Vec::new();
+            p.free.retain(|b| {
+                // A block whose free has not run yet may still be written by earlier work: its
+                // memory goes to no other allocation until it ran.
+                let take = b.ready;
+                if take {
+                    reusable.push((b.addr, b.size));
+                }
+                !take
+            });
+            for (addr, size) in reusable {
+                self.free_pool_block(pid, pool.raw(), false, addr, size);
+            }
         }
         // Out of pages, this takes back what the process's pools cache, this one included.
         let addr = if host {
@@ -635,13 +640,31 @@ impl World {
             note.bytes = Some(size);
             return Ok(());
         }
-        let (h, size, kept) = self.end_pool_allocation(pid, ptr.0)?;
-        note.bytes = Some(size);
-        if !kept {
-            return Ok(());
+        let (h, device) = self.processes[pid]
+            .pools
+            .iter()
+            .find(|(_, p)| p.live.contains_key(&ptr.0))
+            .map(|(&h, p)| (h, p.device))
+            .ok_or(code::INVALID_VALUE)?;
+        if let Some(a) = self.devices[device].allocs.get(&ptr.0) {
+            self.note_if_imported(a.store);
         }
         let id = self.new_handle();
-        let p = self.processes[pid].pools.get_mut(&h).expect("kept");
+        let p = self.processes[pid].pools.get_mut(&h).expect("found above");
+        let size = p.live.remove(&ptr.0).expect("found");
+        note.bytes = Some(size);
+        p.used -= size;
+        if p.destroyed {
+            let gone = p.live.is_empty();
+            let host = p.host;
+            self.free_pool_block(pid, h, host, ptr.0, size);
+            if gone {
+                self.processes[pid]
+                    .pools
+                    .retain(|_, p| !(p.destroyed && p.live.is_empty()));
+            }
+            return Ok(());
+        }
         p.free.push(FreeBlock {
             addr: ptr.0,
             size,
