@@ -5,14 +5,14 @@
 //!
 //! - the peak device memory held (what the driver counts as used, read after every allocation)
 //!   over the trace's peak live bytes stays within the manager's bound: `pool` 1.25,
-//!   `vmm-pool` 1.15; the
+//!   `vmm-pool` 1.10; the
 //!   managers over the driver's stream-ordered pool (`async-pool` and its kin) no more than
 //!   PyTorch's caching allocator reserved replaying the same trace on the GPU, or than the
 //!   driver's pool itself held there with the simulator's 10 % (`corpus.csv`), whichever is
 //!   more: emm does not choose what the driver's pool holds; `default` no more than PyTorch;
 //! - no later pass holds more, at its peak or after it (its deferred frees issued), than the
 //!   first, beyond [`slack`], and the last pass's peak is no higher than an earlier pass's
-//!   (within 2 MiB, a page): held memory is bounded when live memory is, and has settled.
+//!   (within [`settle_slack`]): held memory is bounded when live memory is, and has settled.
 //!   Not for the managers over the driver's pool: on the GPU the driver's own pool holds more
 //!   pass over pass (torch_cnn's five passes peak at 1.24, 1.39, 1.54, 1.64 and 1.68 x peak
 //!   live; `bench-results/h200-2026-11-28-driver-pool-passes-3158ea0.txt`);
@@ -32,10 +32,7 @@ const PASSES: usize = 5;
 fn bound(manager: &str, entry: &CorpusEntry) -> f64 {
     match manager {
         "pool" => 1.25,
-        // Issue 39's target is 1.10; over five passes on the simulator three traces reach
-        // 1.102 - 1.134 (Numba, RMM, transformer; one pass: RMM, 1.113). This bound keeps
-        // what the pool does now from getting worse.
-        "vmm-pool" => 1.15,
+        "vmm-pool" => 1.10,
         m if m.starts_with("async-pool") => entry
             .torch_reserved_over_live
             .max(entry.driver_pool_over_live * 1.1),
@@ -54,16 +51,27 @@ const MODEL_TOLERANCE: f64 = 0.10;
 
 /// How much more than the first pass a later one may hold: where blocks land differs between
 /// passes (a pool's chunks, the driver's 2 MiB pages shared by small blocks), by a page or a
-/// chunk, not by a pass's worth: 2 MiB, or 1/64 of peak live when that is more; 1/6 under
-/// `vmm-pool`, which grows the free block at the end of its memory in place: where a pass's
-/// large blocks land around the blocks the threads cache decides how much it extends, and
-/// on the Numba trace a later pass peaked 12.6 % of peak live above a first pass that held
-/// 1.008 × (the passes 224, 244, 252, 252, 236 MiB: settled, and within the bound). A
-/// manager whose held memory grew with each pass, as `pool`'s did by its whole peak, fails,
-/// as does one whose last pass peaks above every earlier one.
+/// chunk, not by a pass's worth: 2 MiB, or 1/64 of peak live when that is more; 1/16 under
+/// `vmm-pool`, which keeps free pieces until they come to a sixteenth of what it holds, so
+/// that where a pass's growths find them decides how much it maps (on the LLM trace the
+/// passes peak at 808, 832 and 834 MiB for 778 MiB live: settled, and within the bound). A
+/// manager whose held memory grew with each pass, as `pool`'s did by its whole peak, fails.
 fn slack(manager: &str, live: usize) -> usize {
-    let share = if manager == "vmm-pool" { 6 } else { 64 };
+    let share = if manager == "vmm-pool" { 16 } else { 64 };
     (2 << 20).max(live / share)
+}
+
+/// How much higher than every earlier pass the last one may peak and still count as
+/// settled: a page, or under `vmm-pool` 1/64 of peak live, as the moment its free pieces go
+/// back moves its peak by a few pieces either way (on the CuPy trace the passes peak at 6650,
+/// 6650, 6616, 6616 and 6682 MiB for 6505 MiB live). A manager whose held memory still grows
+/// at the last pass fails.
+fn settle_slack(manager: &str, live: usize) -> usize {
+    if manager == "vmm-pool" {
+        (2 << 20).max(live / 64)
+    } else {
+        2 << 20
+    }
 }
 
 fn check(name: &str) {
@@ -138,7 +146,7 @@ fn check(name: &str) {
             .map(|p| p.peak_held_bytes)
             .max()
             .unwrap_or(0);
-        if last > before + (2 << 20) && !over_the_driver_pool(manager) {
+        if last > before + settle_slack(manager, live) && !over_the_driver_pool(manager) {
             failures.push(format!(
                 "{manager}: the last pass peaked at {last} bytes, above every earlier pass (at most {before}): held memory has not settled"
             ));

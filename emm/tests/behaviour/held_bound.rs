@@ -1,25 +1,22 @@
 //! Held memory bounded by live memory, for random sequences: whatever a program allocates and
 //! frees (sizes spread evenly in log scale from 256 bytes to 256 MiB, without a stream and on
 //! one or three streams, up to 1 GiB live), `pool` never holds more device memory than 2.25
-//! times the most the program had live, and `vmm-pool` 2.75 times, plus the pool's largest
+//! times the most the program had live, and `vmm-pool` 1.5 times, plus the pool's largest
 //! growth step (128 MiB), on any of three passes of the sequence in a row: what they hold does
 //! not grow with what they have seen.
 //!
 //! CI runs a fixed seed (`PROPTEST_RNG_SEED` picks another): larger searches find sequences
-//! over both bounds, an open defect (issue 39). With `PROPTEST_CASES=2000`, seed 3 finds one
-//! for `pool` on three streams and seed 2 one for `vmm-pool`; a random search found `vmm-pool`
-//! holding 671 MB for 177 MB live (3.8 times) on its second pass.
+//! over `pool`'s bound, an open defect (issue 39): with `PROPTEST_CASES=2000`, seed 3 finds one
+//! on three streams. `vmm-pool` passed 2000 cases at each of seeds 1 to 4; at 1.25 times
+//! (seed 1) it did not.
 //!
 //! Such sequences are harsher than real programs: over 600 of them (`PROPTEST_CASES=300`) the
 //! pool held a median 1.30 - 1.37 times peak live, 1.56 - 1.66 at the 95th percentile and
 //! at most 2.01, per pass; a pool that kept every freed block on its stream filled the 16 GiB
-//! device. `vmm-pool` serves every size from one address range, whose free space merges
-//! across chunks and grows in place: on real programs that holds less and calls the driver
-//! far less than chunks of their own for large requests, and on these sequences, where large
-//! blocks freed at random are split by smaller ones, it holds more: over 300 sequences on
-//! three streams a median 1.53, 2.07 at the 95th percentile and up to 2.61 per pass (a median
-//! 1.40 and 1.80 at the 95th percentile on one stream). The trace corpus holds every manager to tighter bounds on
-//! real programs (`integration/tests/traces.rs`).
+//! device. Large blocks freed at random and split by smaller ones leave holes between live
+//! blocks; `vmm-pool` maps its memory in 2 MiB pieces and gives back those that holes leave
+//! free, so its bound is the tighter. The trace corpus holds every manager to tighter bounds
+//! on real programs (`integration/tests/traces.rs`).
 
 use std::sync::Arc;
 
@@ -133,9 +130,9 @@ fn held_stays_bounded(manager: &str, steps: &[Step]) -> Result<(), TestCaseError
 /// a fresh pool.
 const PASSES: usize = 3;
 
-/// The bound's share of live bytes, in quarters: 2.25 for `pool`, 2.75 for `vmm-pool`.
+/// The bound's share of live bytes, in quarters: 2.25 for `pool`, 1.5 for `vmm-pool`.
 fn share(manager: &str) -> usize {
-    if manager == "vmm-pool" { 11 } else { 9 }
+    if manager == "vmm-pool" { 6 } else { 9 }
 }
 
 /// What the bound allows beyond its share of live bytes: the pool's largest growth step.

@@ -1192,6 +1192,54 @@ fn vmm_pool_unmaps_after_defer_cleanup() {
 /// maps only what it lacks just past that block, so the block keeps its address; and a loop
 /// whose sizes vary from step to step (as a training loop's with shapes drawn per step) maps
 /// memory in its first round of shapes, then neither maps nor unmaps any.
+/// `vmm-pool` maps memory in pieces of 2 MiB: the pieces a hole between live blocks leaves
+/// free go back to the driver before the pool grows, once they come to a sixteenth of what it
+/// holds, and not before.
+#[test]
+fn vmm_pool_gives_back_the_pieces_a_hole_leaves_free() {
+    const MIB: usize = 1 << 20;
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime_with(&sim, "vmm-pool");
+    let ctx = rt.context(0).unwrap();
+    let held = || ctx.pool_stats().device.unwrap().held_bytes;
+    // 64 MiB, then 3 MiB past it (a growth in place of 4 MiB): 34 pieces.
+    let a = ctx.memalloc(64 * MIB).unwrap();
+    let pin = ctx.memalloc(3 * MIB).unwrap();
+    assert_eq!(held(), 68 * MIB);
+    assert_eq!(sim.count(Op::MemCreate), 34);
+    // A hole of 32 pieces before the pinned block; 80 MiB fits in no free block.
+    drop(a);
+    let big = ctx.memalloc(80 * MIB).unwrap();
+    assert_eq!(
+        sim.count(Op::MemUnmap),
+        32,
+        "the hole's pieces went back before the growth"
+    );
+    assert_eq!(
+        held(),
+        84 * MIB,
+        "4 MiB kept, 80 MiB mapped past the 1 MiB free at the end"
+    );
+    // A hole of 2 pieces (4 MiB of 84) is below a sixteenth of what the pool holds: kept.
+    let small = ctx.memalloc(4 * MIB).unwrap();
+    let after = ctx.memalloc(2 * MIB).unwrap();
+    let unmapped = sim.count(Op::MemUnmap);
+    drop(small);
+    let more = ctx.memalloc(6 * MIB).unwrap();
+    assert_eq!(
+        sim.count(Op::MemUnmap),
+        unmapped,
+        "a small hole stays mapped"
+    );
+    drop((pin, big, after, more));
+    ctx.trim().unwrap();
+    assert_eq!(held(), 0);
+    drop(ctx);
+    drop(rt);
+    let leaks = sim.leak_report();
+    assert!(leaks.is_clean(), "{leaks}");
+}
+
 #[test]
 fn vmm_pool_grows_in_place_and_a_varying_loop_settles() {
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
@@ -1202,7 +1250,11 @@ fn vmm_pool_grows_in_place_and_a_varying_loop_settles() {
     drop(a);
     let b = ctx.memalloc(40 << 20).unwrap();
     assert_eq!(b.device_ptr(), at, "the free block grew in place");
-    assert_eq!(sim.count(Op::MemCreate), 2);
+    assert_eq!(
+        sim.count(Op::MemCreate),
+        20,
+        "40 MiB mapped in pieces of 2 MiB, the granularity"
+    );
     assert_eq!(sim.count(Op::MemUnmap), 0);
     drop(b);
     // Five step shapes in turn: blocks of 2 – 30 MiB, all freed at the step's end.

@@ -49,6 +49,9 @@ const BINS: usize = SUBS + (usize::BITS - UNIT_SHIFT - SUB_BITS) as usize * SUBS
 const WORDS: usize = BINS.div_ceil(64);
 /// Blocks of the request's own bin looked at before a larger bin is tried.
 const SCAN: usize = 8;
+/// Where chunks merge, their wholly free pieces go back before a growth once they come to
+/// this fraction of what the arena holds (a sixteenth).
+const SHED_DIVISOR: usize = 16;
 
 /// The bin of a free block of `size` bytes; bins grow with size.
 fn bin_of(size: usize) -> usize {
@@ -97,6 +100,12 @@ pub(super) struct Arena {
     /// Free space merges across the bases of chunks (chunks mapped next to each other in one
     /// address reservation: `vmm-pool`); otherwise a chunk's base starts a chunk.
     merge_across: bool,
+    /// Where chunks merge, the size of each physical piece a growth maps: a chunk added is
+    /// recorded as its pieces, so that each goes back to the driver once wholly free.
+    piece: usize,
+    /// Where chunks merge, the runs of chunks side by side: start -> end. Their ends are
+    /// where memory mapped next extends the arena's free space ([`tail`](Self::tail)).
+    runs: BTreeMap<u64, u64>,
 }
 
 impl Default for Arena {
@@ -111,6 +120,8 @@ impl Default for Arena {
             recent: None,
             held: 0,
             merge_across: false,
+            piece: usize::MAX,
+            runs: BTreeMap::new(),
         }
     }
 }
@@ -317,9 +328,19 @@ impl Arena {
     /// chunks merge, its free space runs on into free neighbours' (a chunk mapped just past a
     /// free block extends it).
     pub(super) fn add_chunk(&mut self, base: u64, size: usize) {
-        self.chunks.insert(base, size);
+        let mut at = 0;
+        while at < size {
+            let len = self.piece.min(size - at);
+            self.chunks.insert(base + at as u64, len);
+            at += len;
+        }
         self.held += size;
         if self.merge_across {
+            debug_assert!(
+                base.is_multiple_of(self.piece as u64) && size.is_multiple_of(self.piece),
+                "a chunk that merges is whole pieces, at a multiple of their size"
+            );
+            self.add_run(base, base + size as u64);
             self.settle();
             self.give_now(base, size);
         } else {
@@ -336,17 +357,47 @@ impl Arena {
             return None;
         }
         self.settle();
-        self.chunks
-            .iter()
-            .map(|(&base, &size)| base + size as u64)
-            .filter(|end| !self.chunks.contains_key(end))
-            .map(|end| {
+        self.runs
+            .values()
+            .map(|&end| {
                 (
                     end,
                     self.ends.get(&end).map_or(0, |&id| self.nodes[id].size),
                 )
             })
             .max_by_key(|&(end, free)| (free, end))
+    }
+
+    /// Records the chunks `start .. end` in the runs, joined with the runs they touch.
+    fn add_run(&mut self, start: u64, end: u64) {
+        let (mut start, mut end) = (start, end);
+        if let Some((&before, &until)) = self.runs.range(..start).next_back()
+            && until == start
+        {
+            self.runs.remove(&before);
+            start = before;
+        }
+        if let Some(until) = self.runs.remove(&end) {
+            end = until;
+        }
+        self.runs.insert(start, end);
+    }
+
+    /// Takes the chunk `start .. end` out of its run, which it splits.
+    fn remove_run(&mut self, start: u64, end: u64) {
+        let (&first, &last) = self
+            .runs
+            .range(..=start)
+            .next_back()
+            .expect("a chunk of a merging arena lies in a run");
+        debug_assert!(end <= last, "a chunk lies in one run");
+        self.runs.remove(&first);
+        if first < start {
+            self.runs.insert(first, start);
+        }
+        if end < last {
+            self.runs.insert(end, last);
+        }
     }
 
     /// Whether free space merges across address `at` (a chunk's base stops it unless chunks
@@ -372,8 +423,7 @@ impl Arena {
                 .collect();
         }
         let mut found = Vec::new();
-        for &id in self.free.values() {
-            let Node { addr, size, .. } = self.nodes[id];
+        for (addr, size) in self.large_free_blocks() {
             let end = addr + size as u64;
             found.extend(
                 self.chunks
@@ -383,6 +433,17 @@ impl Arena {
             );
         }
         found
+    }
+
+    /// Where chunks merge, the free blocks that may cover a piece, as (start, size): those of a
+    /// piece or more, found in the bins from the piece's (the block given last settled
+    /// first).
+    fn large_free_blocks(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
+        (bin_of(self.piece)..BINS)
+            .filter(|&bin| self.nonempty[bin / 64] & (1 << (bin % 64)) != 0)
+            .flat_map(|bin| &self.bins[bin])
+            .filter(|&&(size, _)| size >= self.piece)
+            .map(|&(_, id)| (self.nodes[id].addr, self.nodes[id].size))
     }
 
     /// Removes the wholly free chunks `chunks` (from [`free_chunks`](Self::free_chunks)):
@@ -401,6 +462,9 @@ impl Arena {
                     self.insert_free(at, (base - at) as usize);
                 }
                 self.chunks.remove(&base);
+                if self.merge_across {
+                    self.remove_run(base, base + chunk as u64);
+                }
                 self.held -= chunk;
                 at = base + chunk as u64;
                 k += 1;
@@ -421,9 +485,17 @@ impl Arena {
         out
     }
 
-    /// Removes every chunk that is wholly free and lies outside `keep` (start, end).
-    pub(super) fn remove_free_chunks_outside(&mut self, keep: (u64, u64)) -> Vec<(u64, usize)> {
+    /// Before a growth, removes the wholly free chunks outside the free block `keep` (start,
+    /// end; empty for none) that go back to the driver: every one, except where chunks
+    /// merge, whose free pieces go only once they come to a [`SHED_DIVISOR`]th of what the
+    /// arena holds. A growth then maps memory anew where holes left pieces free, so that the
+    /// arena holds little it does not use, while a loop whose holes fill and empty again does
+    /// not unmap and map the same pieces at every growth.
+    pub(super) fn shed_free_chunks(&mut self, keep: (u64, u64)) -> Vec<(u64, usize)> {
         self.settle();
+        if self.merge_across && self.free_piece_bytes(keep) < self.held / SHED_DIVISOR {
+            return Vec::new();
+        }
         let free: Vec<_> = self
             .free_chunks()
             .into_iter()
@@ -434,16 +506,55 @@ impl Arena {
         out
     }
 
-    /// Removes the smallest wholly free chunk of at least `size` bytes, for another arena.
+    /// Where chunks merge, the bytes of the wholly free pieces outside the free block `keep`.
+    /// Pieces lie at multiples of their size (mapped at the granularity): counted, not listed.
+    fn free_piece_bytes(&self, keep: (u64, u64)) -> usize {
+        let piece = self.piece as u64;
+        self.large_free_blocks()
+            .filter(|&(addr, _)| addr != keep.0)
+            .map(|(addr, size)| {
+                let (first, end) = (addr.next_multiple_of(piece), (addr + size as u64) / piece);
+                (end * piece).saturating_sub(first) as usize
+            })
+            .sum()
+    }
+
+    /// Removes the smallest wholly free chunk of at least `size` bytes, for another arena, as
+    /// (base, size). Where chunks merge, the shortest run of wholly free pieces in one free
+    /// block that holds `size` bytes, taken from the run that fits best (the other arena
+    /// records it as the same pieces).
     pub(super) fn take_free_chunk(&mut self, size: usize) -> Option<(u64, usize)> {
         self.settle();
-        let chunk = self
-            .free_chunks()
-            .into_iter()
-            .filter(|&(_, got, _)| got >= size)
-            .min_by_key(|&(_, got, _)| got)?;
-        self.remove_chunks(vec![chunk]);
-        Some((chunk.0, chunk.1))
+        let free = self.free_chunks();
+        if !self.merge_across {
+            let chunk = free
+                .into_iter()
+                .filter(|&(_, got, _)| got >= size)
+                .min_by_key(|&(_, got, _)| got)?;
+            self.remove_chunks(vec![chunk]);
+            return Some((chunk.0, chunk.1));
+        }
+        // The pieces inside one free block lie side by side: a block's run is all of them.
+        let mut runs: BTreeMap<u64, (u64, usize)> = BTreeMap::new();
+        for &(base, len, block) in &free {
+            let run = runs.entry(block).or_insert((base, 0));
+            run.0 = run.0.min(base);
+            run.1 += len;
+        }
+        let (&block, &(start, _)) = runs
+            .iter()
+            .filter(|&(_, &(_, got))| got >= size)
+            .min_by_key(|&(_, &(_, got))| got)?;
+        let mut taken: Vec<_> = free.into_iter().filter(|c| c.2 == block).collect();
+        taken.sort_unstable_by_key(|c| c.0);
+        let mut got = 0;
+        taken.retain(|c| {
+            let keep = got < size;
+            got += if keep { c.1 } else { 0 };
+            keep
+        });
+        self.remove_chunks(taken);
+        Some((start, got))
     }
 
     /// Whether the arena holds no chunk.
@@ -492,6 +603,7 @@ impl Arena {
         }
         self.nonempty = [0; WORDS];
         self.held = 0;
+        self.runs.clear();
         std::mem::take(&mut self.chunks)
     }
 
@@ -572,10 +684,12 @@ pub(super) struct Arenas {
 
 impl Arenas {
     /// Empty arenas that serve requests up to `limit` bytes from standard chunks; free space
-    /// merges across chunks where `merge_across` (chunks mapped next to each other).
-    pub(super) fn new(limit: usize, merge_across: bool) -> Arenas {
+    /// merges across chunks where they are mapped next to each other, in pieces of `pieces`
+    /// bytes each.
+    pub(super) fn new(limit: usize, pieces: Option<usize>) -> Arenas {
         let arena = || Arena {
-            merge_across,
+            merge_across: pieces.is_some(),
+            piece: pieces.unwrap_or(usize::MAX),
             ..Arena::default()
         };
         Arenas {
@@ -636,15 +750,19 @@ impl Arenas {
         Chunk::of_kinds(standard, self.oversize.remove_free_chunks())
     }
 
-    /// Removes the wholly free chunks of the arena that serves `size` that lie outside `keep`
-    /// (start, end).
-    pub(super) fn remove_free_chunks_outside(
-        &mut self,
-        size: usize,
-        keep: (u64, u64),
-    ) -> Vec<Chunk> {
+    /// Before a growth, removes the wholly free chunks that go back to the driver
+    /// ([`Arena::shed_free_chunks`]).
+    pub(super) fn shed_free_chunks(&mut self) -> Vec<Chunk> {
+        let standard = self.standard.shed_free_chunks((0, 0));
+        Chunk::of_kinds(standard, self.oversize.shed_free_chunks((0, 0)))
+    }
+
+    /// Before a growth in place, removes the wholly free chunks of the arena that serves
+    /// `size` that lie outside the free block `keep` (start, end) and go back to the driver
+    /// ([`Arena::shed_free_chunks`]).
+    pub(super) fn shed_free_chunks_outside(&mut self, size: usize, keep: (u64, u64)) -> Vec<Chunk> {
         let oversize = self.is_oversize(size);
-        let removed = self.of(size).remove_free_chunks_outside(keep);
+        let removed = self.of(size).shed_free_chunks(keep);
         if oversize {
             Chunk::of_kinds([], removed)
         } else {
@@ -948,6 +1066,179 @@ mod tests {
         }
     }
 
+    /// The piece of the merging arenas below.
+    const PIECE: usize = 2 << 20;
+
+    /// Checks a merging arena against the blocks `lent`: its chunks are pieces at multiples of
+    /// their size, its runs are the runs of chunks side by side, its held bytes theirs, and
+    /// free and lent blocks tile each run with no two free blocks side by side.
+    fn check_merging(arena: &Arena, lent: &[(u64, usize)]) {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for (&base, &size) in &arena.chunks {
+            assert_eq!(size, PIECE, "a chunk is one piece");
+            assert!(
+                base.is_multiple_of(PIECE as u64),
+                "a piece at a multiple of its size"
+            );
+            match runs.last_mut() {
+                Some((_, end)) if *end == base => *end += size as u64,
+                _ => runs.push((base, base + size as u64)),
+            }
+        }
+        let recorded: Vec<(u64, u64)> = arena.runs.iter().map(|(&a, &b)| (a, b)).collect();
+        assert_eq!(recorded, runs, "the runs");
+        assert_eq!(arena.held, arena.chunks.len() * PIECE);
+        let mut blocks: Vec<(u64, usize, bool)> =
+            lent.iter().map(|&(a, s)| (a, s, false)).collect();
+        blocks.extend(arena.free_blocks().map(|(a, s)| (a, s, true)));
+        blocks.sort();
+        let mut at = blocks.iter().peekable();
+        for (start, end) in runs {
+            let (mut next, mut last_free) = (start, false);
+            while next < end {
+                let &(addr, size, free) = at.next().expect("blocks cover every run");
+                assert_eq!(
+                    addr, next,
+                    "blocks tile the run {start:#x}..{end:#x}: {blocks:x?}"
+                );
+                assert!(
+                    !(free && last_free),
+                    "free neighbours left unmerged at {addr:#x}"
+                );
+                (next, last_free) = (addr + size as u64, free);
+            }
+            assert_eq!(next, end, "a block crosses a run's end");
+        }
+        assert!(at.next().is_none(), "a block outside every run");
+    }
+
+    /// The wholly free pieces of a merging arena, counted block by block.
+    fn free_pieces(arena: &Arena) -> usize {
+        let blocks: Vec<(u64, usize)> = arena.free_blocks().collect();
+        arena
+            .chunks
+            .keys()
+            .filter(|&&b| {
+                blocks
+                    .iter()
+                    .any(|&(a, s)| a <= b && b + PIECE as u64 <= a + s as u64)
+            })
+            .count()
+    }
+
+    #[derive(Clone, Debug)]
+    enum MergingStep {
+        Take(usize),
+        Give(usize),
+        /// Maps this many pieces past the tail (or at a new place when there is none).
+        Grow(usize),
+        /// Sheds, keeping the tail's free block or nothing.
+        Shed(bool),
+        /// Moves the pieces of a request of this size to another arena.
+        Adopt(usize),
+    }
+
+    fn merging_step() -> impl proptest::strategy::Strategy<Value = MergingStep> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (1usize..=64).prop_map(|u| MergingStep::Take(u << 16)),
+            1 => (1usize..=12).prop_map(|u| MergingStep::Take(u << 20)),
+            5 => any::<usize>().prop_map(MergingStep::Give),
+            1 => (1usize..=4).prop_map(MergingStep::Grow),
+            1 => any::<bool>().prop_map(MergingStep::Shed),
+            1 => (1usize..=6).prop_map(|u| MergingStep::Adopt(u << 20)),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(crate::test_config::proptest_config())]
+
+        /// Random takes, gives, growths, sheds and adoptions on an arena whose chunks merge
+        /// and are recorded as pieces: after every step it is consistent (`check_merging`), a
+        /// shed gives back every wholly free piece outside the kept block once they come to
+        /// a sixteenth of what it holds and none before, and an adoption moves a run of
+        /// wholly free pieces that holds the request. 256 cases (`PROPTEST_CASES=N` for more).
+        #[test]
+        fn merging_arenas_keep_their_pieces_runs_and_blocks_consistent(
+            steps in proptest::collection::vec(merging_step(), 1..STEPS)
+        ) {
+            let new = || Arena { merge_across: true, piece: PIECE, ..Arena::default() };
+            let (mut arena, mut other) = (new(), new());
+            arena.add_chunk(1 << 32, 4 * PIECE);
+            let mut lent: Vec<(u64, usize)> = Vec::new();
+            let mut elsewhere = 1u64 << 40;
+            for step in steps {
+                match step {
+                    MergingStep::Take(size) => {
+                        if let Some(addr) = arena.take(size) {
+                            lent.push((addr, size));
+                        }
+                    }
+                    MergingStep::Give(k) if !lent.is_empty() => {
+                        let (addr, size) = lent.swap_remove(k % lent.len());
+                        arena.give(addr, size);
+                    }
+                    MergingStep::Give(_) => {}
+                    MergingStep::Grow(n) => {
+                        // Past the tail where nothing is mapped there, as the reservation
+                        // allows; else elsewhere.
+                        let tail = arena.tail();
+                        let unmapped = |at: u64| {
+                            let range = at..at + (n * PIECE) as u64;
+                            arena.chunks.range(range.clone()).next().is_none()
+                                && other.chunks.range(range).next().is_none()
+                        };
+                        let at = match tail {
+                            Some((end, _)) if unmapped(end) => end,
+                            _ => {
+                                elsewhere += 1 << 30;
+                                elsewhere
+                            }
+                        };
+                        arena.add_chunk(at, n * PIECE);
+                    }
+                    MergingStep::Shed(keep_tail) => {
+                        let keep = match arena.tail() {
+                            Some((end, free)) if keep_tail => (end - free as u64, end),
+                            _ => (0, 0),
+                        };
+                        let kept = arena
+                            .chunks
+                            .keys()
+                            .filter(|&&b| b >= keep.0 && b + PIECE as u64 <= keep.1)
+                            .count();
+                        let wholly_free = free_pieces(&arena);
+                        let outside = wholly_free
+                            - if keep.1 > keep.0 { kept } else { 0 };
+                        let due = outside * PIECE >= arena.held / SHED_DIVISOR;
+                        let shed = arena.shed_free_chunks(keep);
+                        proptest::prop_assert_eq!(shed.len(), if due { outside } else { 0 });
+                        proptest::prop_assert!(
+                            shed.iter().all(|&(b, _)| b + PIECE as u64 <= keep.0 || b >= keep.1)
+                        );
+                    }
+                    MergingStep::Adopt(size) => {
+                        if let Some((base, got)) = arena.take_free_chunk(size) {
+                            proptest::prop_assert!(got >= size && got < size + PIECE);
+                            proptest::prop_assert!(
+                                lent.iter().all(|&(a, s)| a + s as u64 <= base || a >= base + got as u64),
+                                "an adopted run holds no lent block"
+                            );
+                            other.add_chunk(base, got);
+                            check_merging(&other, &[]);
+                        }
+                    }
+                }
+                check_merging(&arena, &lent);
+                // Counted over the settled blocks, as the sheds count them.
+                if arena.recent.is_none() {
+                    let brute = free_pieces(&arena) * PIECE;
+                    proptest::prop_assert_eq!(arena.free_piece_bytes((0, 0)), brute);
+                }
+            }
+        }
+    }
+
     #[test]
     fn freed_neighbours_merge_within_a_chunk_but_not_across_chunks() {
         let mut arena = Arena::default();
@@ -974,6 +1265,7 @@ mod tests {
     fn chunks_that_merge_extend_the_free_block_they_are_added_after() {
         let mut arena = Arena {
             merge_across: true,
+            piece: 2 << 20,
             ..Arena::default()
         };
         let base = 0x2000_0000u64;
@@ -997,15 +1289,29 @@ mod tests {
         );
         arena.give(used, 3 << 20);
         // Two chunks elsewhere, wholly free: the one outside the kept range goes, the one
-        // inside it stays.
+        // inside it stays; so does the wholly free first piece of the block given back, and
+        // the rest of that block stays free.
         arena.add_chunk(base + (64 << 20), 2 << 20);
         arena.add_chunk(base + (96 << 20), 2 << 20);
-        let removed = arena.remove_free_chunks_outside((base + (90 << 20), base + (100 << 20)));
-        assert_eq!(removed, vec![(base + (64 << 20), 2 << 20)]);
+        let mut removed = arena.shed_free_chunks((base + (90 << 20), base + (100 << 20)));
+        removed.sort();
+        assert_eq!(removed, vec![(base, 2 << 20), (base + (64 << 20), 2 << 20)]);
         assert_eq!(arena.chunks.len(), 3);
+        assert_eq!(arena.held, 6 << 20);
         let mut blocks: Vec<(u64, usize)> = arena.free_blocks().collect();
         blocks.sort();
-        assert_eq!(blocks, vec![(base, 3 << 20), (base + (96 << 20), 2 << 20)]);
+        assert_eq!(
+            blocks,
+            vec![(base + (2 << 20), 1 << 20), (base + (96 << 20), 2 << 20)]
+        );
+        assert_eq!(
+            arena.runs.iter().map(|(&a, &b)| (a, b)).collect::<Vec<_>>(),
+            vec![
+                (base + (2 << 20), base + (6 << 20)),
+                (base + (96 << 20), base + (98 << 20))
+            ],
+            "the runs split where pieces went"
+        );
     }
 
     #[test]

@@ -15,15 +15,20 @@
 //!   [`PoolConfig::chunk_size`], by an eighth of what it holds (at least 2 MiB, at most the
 //!   chunk size, at least the request); a larger request gets a chunk of its own, which serves
 //!   only requests above the chunk size (`arena.rs`, `Arenas`). `vmm-pool` maps its chunks
-//!   side by side in one address range instead (`vmm.rs`): their free space merges, every
-//!   size is served from it, and a growth extends the free block at the end in place. Every
-//!   block is a multiple of 256 bytes and 256-byte aligned, as `cuMemAlloc`'s are.
+//!   side by side in one address range instead (`vmm.rs`), each growth as pieces of one
+//!   granularity (2 MiB) of physical memory: their free space merges, every size is served
+//!   from it, a growth extends the free block at the end in place, and a piece that a hole
+//!   leaves wholly free can go back on its own. Every block is a multiple of 256 bytes and
+//!   256-byte aligned, as `cuMemAlloc`'s are.
 //! - **Memory held is bounded by memory in use.** Before it grows, the pool takes back what the
 //!   shards cache and the free chunks of streams with no work pending, tries again, and then
 //!   gives every chunk with nothing in use back to the driver (a growing stream's own once its
-//!   work is done): a pool never grows while it holds a chunk it does not use (`vmm-pool`,
-//!   growing in place, keeps the chunks under the block it extends). The trace corpus test
-//!   (`integration/tests/traces.rs`) holds `pool` to 1.25 times peak live, `vmm-pool` to 1.15.
+//!   work is done): a pool never grows while it holds a chunk it does not use. `vmm-pool`
+//!   keeps the pieces under the block it extends, and gives its other free pieces back once
+//!   they come to a sixteenth of what it holds, so that it maps memory anew rather than keep
+//!   holes, without unmapping and mapping the same pieces at every growth of a loop. The
+//!   trace corpus test (`integration/tests/traces.rs`) holds `pool` to 1.25 times peak live,
+//!   `vmm-pool` to 1.10.
 //! - **The arena** holds the free space of all chunks in bins by size (sixteen per doubling,
 //!   with a bitmap of the non-empty ones) and in two address maps (by start and by end):
 //!   finding a block, splitting it and merging a freed block with its free neighbours take
@@ -626,7 +631,7 @@ impl PoolShared {
     /// streams' too, those whose work is done; with `wait`, every stream's after waiting for
     /// its work); returns the bytes queued. The caller flushes.
     fn trim_to_queue(&self, wait: bool) -> usize {
-        if let Err(e) = self.release_idle_stream_chunks(None, wait) {
+        if let Err(e) = self.release_idle_stream_chunks(None, wait, false) {
             tracing::warn!(device = %self.cx.device, error = %e, "returning the streams' free chunks to the pool failed; the trim leaves them out");
             self.queue.record_error(e);
         }
@@ -716,7 +721,7 @@ impl PoolShared {
         let (tail, free, shed) = {
             let mut arena = lock(&self.arena);
             let (end, free) = arena.tail(size)?;
-            let shed = arena.remove_free_chunks_outside(size, (end - free as u64, end));
+            let shed = arena.shed_free_chunks_outside(size, (end - free as u64, end));
             (end, free, shed)
         };
         self.free_chunks(shed, "before growing in place");
@@ -749,6 +754,11 @@ impl PoolShared {
                 None
             }
         }
+    }
+
+    /// `vmm-pool`: the bytes of each piece of physical memory its growths map.
+    fn pieces(&self) -> Option<usize> {
+        self.vmm.as_ref().map(|v| v.granularity)
     }
 
     /// The manager's registered name, for errors.
@@ -789,7 +799,7 @@ impl PoolShared {
                 return Ok(found);
             }
             // Or it may be free in a stream's arena, on a stream whose work is done.
-            match self.release_idle_stream_chunks(None, false) {
+            match self.release_idle_stream_chunks(None, false, true) {
                 Ok(0) => {}
                 Ok(_) => {
                     if let Some(found) = lock(&self.arena).take_stamped(size) {
@@ -1003,7 +1013,7 @@ impl PoolAllocator {
             generation: AtomicU64::new(0),
             arena: Mutex::new(Arenas::new(
                 config.oversize_above(vmm.is_some()),
-                vmm.is_some(),
+                vmm.as_ref().map(|v| v.granularity),
             )),
             shards: Shard::all(ShardLists::new),
             depot: Mutex::new(Depot::new()),

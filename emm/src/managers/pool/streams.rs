@@ -85,18 +85,19 @@ impl StreamLists {
     }
 
     /// `stream`'s memory, made empty (requests above `limit` bytes in chunks of their own;
-    /// free space merging across chunks with `merge_across`) if it has none yet.
+    /// free space merging across chunks mapped in pieces of `pieces` bytes) if it has none
+    /// yet.
     fn list_or_new(
         &mut self,
         stream: StreamHandle,
         limit: usize,
-        merge_across: bool,
+        pieces: Option<usize>,
     ) -> &mut PerStream {
         let k = match self.per_stream.iter().position(|(s, _)| *s == stream) {
             Some(k) => k,
             None => {
                 let mine = PerStream {
-                    arena: Arenas::new(limit, merge_across),
+                    arena: Arenas::new(limit, pieces),
                     _owner: None,
                 };
                 self.per_stream.push((stream, mine));
@@ -360,7 +361,7 @@ impl PoolShared {
         }
         // The free chunks of streams with no work pending (this one's too) are every
         // stream's.
-        if self.release_idle_stream_chunks(None, false)? > 0
+        if self.release_idle_stream_chunks(None, false, true)? > 0
             && let Some(found) = self.take_after_adopting(stream, size, None)
         {
             return Ok(found);
@@ -397,22 +398,25 @@ impl PoolShared {
 
     /// Before the pool grows for a request no free block holds: every wholly free chunk goes
     /// back to the driver (none holds the request, or it would have been taken), so that a
-    /// pool holds no chunk it does not use while it grows. The shared arena's go at once;
-    /// those of `growing`, a stream with work pending, once that work is done (behind a
-    /// fence, freed by a later growth, trim or reset); chunks whose fences completed go too.
+    /// pool holds no chunk it does not use while it grows (`vmm-pool`: its free pieces, once
+    /// they come to a sixteenth of what the arena holds;
+    /// [`Arena::shed_free_chunks`](super::arena::Arena::shed_free_chunks)). The shared arena's
+    /// go at once; those of `growing`, a stream with work pending, once that work is done
+    /// (behind a fence, freed by a later growth, trim or reset); chunks whose fences completed
+    /// go too.
     pub(super) fn shed_free_chunks(&self, growing: Option<StreamHandle>) {
         let Some(_live) = self.cx.liveness.enter() else {
             return;
         };
         let mut freed = self.retired_chunks(false);
-        freed.extend(lock(&self.arena).remove_free_chunks());
+        freed.extend(lock(&self.arena).shed_free_chunks());
         if let Some(stream) = growing {
             let mut lists = lock(self.streams.of(stream));
             if let Err(e) = self.settle_fences(&mut lists, false) {
                 self.queue.record_error(e);
             }
             if let Some(mine) = lists.list(stream) {
-                let shed = mine.arena.remove_free_chunks();
+                let shed = mine.arena.shed_free_chunks();
                 self.retire(stream, mine, shed);
             }
         }
@@ -444,8 +448,8 @@ impl PoolShared {
 
     /// `vmm-pool`: grows the largest free block of `stream`'s arena that ends where mapped
     /// memory does, as [`grow_in_place`](PoolShared::grow_in_place) does the shared arena's;
-    /// the stream's wholly free chunks outside that block go to the driver once its work is
-    /// done. `None` where no block can grow so.
+    /// the stream's free pieces it sheds go to the driver once its work is done. `None` where
+    /// no block can grow so.
     fn grow_stream_in_place(&self, stream: StreamHandle, size: usize) -> Option<(u64, u64)> {
         self.vmm.as_ref()?;
         let (tail, free) = {
@@ -454,7 +458,7 @@ impl PoolShared {
             let (end, free) = mine.arena.tail(size)?;
             let shed = mine
                 .arena
-                .remove_free_chunks_outside(size, (end - free as u64, end));
+                .shed_free_chunks_outside(size, (end - free as u64, end));
             self.retire(stream, mine, shed);
             (end, free)
         };
@@ -523,7 +527,7 @@ impl PoolShared {
             lists.list_or_new(
                 stream,
                 self.config.oversize_above(self.vmm.is_some()),
-                self.vmm.is_some(),
+                self.pieces(),
             );
             self.streams.mark(k, &lists);
         }
@@ -612,18 +616,20 @@ impl PoolShared {
 
     /// Moves the wholly free chunks of every stream (but `keep`) whose work is done to the
     /// shared arena: streams with nothing pending, or with `wait`, every stream after its
-    /// work. Returns the bytes moved.
+    /// work. Before a growth (`growing`) a stream gives up only the chunks worth giving back
+    /// ([`Arenas::shed_free_chunks`]); a trim takes all. Returns the bytes moved.
     pub(super) fn release_idle_stream_chunks(
         &self,
         keep: Option<StreamHandle>,
         wait: bool,
+        growing: bool,
     ) -> Result<usize, EmmError> {
         let Some(_live) = self.cx.liveness.enter() else {
             return Ok(0);
         };
         let mut bytes = 0;
         for k in self.streams.occupied() {
-            bytes += self.release_shard(k, keep, wait)?;
+            bytes += self.release_shard(k, keep, wait, growing)?;
         }
         if bytes > 0 {
             tracing::debug!(device = %self.cx.device, bytes, wait, "streams' free chunks back in the shared pool");
@@ -636,6 +642,7 @@ impl PoolShared {
         k: usize,
         keep: Option<StreamHandle>,
         wait: bool,
+        growing: bool,
     ) -> Result<usize, EmmError> {
         let mut lists = lock(&self.streams.shards[k].inner);
         if lists.per_stream.is_empty() {
@@ -649,7 +656,11 @@ impl PoolShared {
                 continue;
             }
             let stream = *s;
-            let chunks = mine.arena.remove_free_chunks();
+            let chunks = if growing {
+                mine.arena.shed_free_chunks()
+            } else {
+                mine.arena.remove_free_chunks()
+            };
             if chunks.is_empty() {
                 continue;
             }

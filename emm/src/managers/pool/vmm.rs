@@ -4,12 +4,15 @@
 //! - The reservation is made at the first growth (four times the device's memory, so that
 //!   freed ranges leave room) and queued for `cuMemAddressFree` by a reset, after the frees of
 //!   its mappings; the next growth reserves anew.
-//! - A chunk is one `cuMemCreate` of a multiple of the granularity, mapped (`cuMemMap`) and
-//!   made accessible to the device (`cuMemSetAccess`). Chunks mapped next to each other merge
-//!   their free space in the arenas, which serve every size from one address range. A growth
-//!   maps just past the arena's largest free block that ends at a chunk's end, so that block
-//!   grows in place by what the request lacks (`grow_in_place`); where the range after it is
-//!   taken, the chunk goes at the lowest free range of the reservation that holds it.
+//! - A growth maps a multiple of the granularity as chunks of one granularity each (pieces:
+//!   a `cuMemCreate` and a `cuMemMap` each), then makes the whole range accessible to the
+//!   device and its peers with one `cuMemSetAccess` each. Chunks mapped next to each other
+//!   merge their free space in the arenas, which serve every size from one address range,
+//!   and a piece that the blocks around it leave wholly free can go back on its own, so that
+//!   holes between live blocks hold no memory once the pool sheds them. A growth maps just
+//!   past the arena's largest free block that ends at a chunk's end, so that block grows in
+//!   place by what the request lacks (`grow_in_place`); where the range after it is taken,
+//!   the growth goes at the lowest free range of the reservation that holds it.
 //! - A chunk goes back by `cuMemUnmap` then `cuMemRelease`, made by the pool itself (the
 //!   deferred-deallocation queue holds `cuMemAlloc` memory's frees): at once, or inside
 //!   `defer_cleanup` (the queue suspended) at the first release or growth after it (a reset
@@ -19,7 +22,9 @@
 //! - Where the driver shares physical memory as POSIX file descriptors
 //!   (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`), chunks are made
 //!   shareable, and an allocation is exported as the chunks it lies across
-//!   ([`MappedExport`]); elsewhere its export is refused.
+//!   ([`MappedExport`]): one file descriptor per 2 MiB, at most
+//!   [`MAX_PIECES`](crate::contract::mapped_export::MAX_PIECES) (8 GiB) per export; elsewhere
+//!   its export is refused.
 
 use std::collections::BTreeMap;
 
@@ -28,6 +33,8 @@ use driver_sys::{DeviceAttribute, DeviceOrdinal, DevicePtr, DriverError, ErrorKi
 use super::PoolShared;
 use super::arena::Chunk;
 use crate::contract::factory::ManagerContext;
+#[cfg(unix)]
+use crate::contract::mapped_export::MAX_PIECES;
 use crate::contract::mapped_export::MappedExport;
 use crate::error::EmmError;
 use crate::memory::pending::Free;
@@ -235,75 +242,73 @@ impl PoolShared {
     }
 
     /// Maps `bytes` at `at`, a range taken from the reservation's free ones by a growth
-    /// (counted in `growing`), and records the chunk; on failure the range is free again
-    /// unless a mapping could not be undone.
+    /// (counted in `growing`), as pieces of one granularity each, and records them; on failure
+    /// the range is free again unless a mapping could not be undone.
     fn map_placed(&self, vmm: &VmmSpace, at: u64, bytes: usize) -> Result<(), DriverError> {
-        let mapped = self.map_chunk(at, bytes);
+        let mut pieces = Vec::with_capacity(bytes / vmm.granularity);
+        let mapped = self.map_pieces(vmm, at, bytes, &mut pieces);
+        if mapped.is_ok() {
+            let mut inner = lock(&vmm.inner);
+            inner.growing -= 1;
+            for (base, handle) in pieces {
+                inner.handles.insert(base, (vmm.granularity, handle));
+            }
+            return Ok(());
+        }
+        // Undone piece by piece: a piece left mapped strands the range.
+        let mut free_again = true;
+        for (base, handle) in pieces {
+            free_again &= self.unmap_chunk(base, vmm.granularity, handle);
+        }
         let mut inner = lock(&vmm.inner);
         inner.growing -= 1;
-        match mapped {
-            Ok(handle) => {
-                inner.handles.insert(at, (bytes, handle));
-                Ok(())
-            }
-            Err((e, free_again)) => {
-                if free_again {
-                    inner.give(at, bytes);
-                } else {
-                    inner.stranded = true;
-                }
-                Err(e)
-            }
+        if free_again {
+            inner.give(at, bytes);
+        } else {
+            inner.stranded = true;
         }
+        mapped
     }
 
-    /// Makes `bytes` of physical memory and maps it, accessible to the device, at `at` (a free
-    /// range of the reservation). On failure, undoes what it did, and says whether the range is
-    /// free again: a failed undo is logged and recorded for the next flush to return, and a
-    /// range left mapped is not used again.
+    /// Makes and maps the pieces of `bytes` at `at` (a free range of the reservation), adding
+    /// each mapped one to `pieces`, then makes the whole range accessible to the device and
+    /// its peers with one call each. On failure the caller undoes `pieces`.
     #[allow(unsafe_code)]
-    fn map_chunk(&self, at: u64, bytes: usize) -> Result<PhysHandle, (DriverError, bool)> {
+    fn map_pieces(
+        &self,
+        vmm: &VmmSpace,
+        at: u64,
+        bytes: usize,
+        pieces: &mut Vec<(u64, PhysHandle)>,
+    ) -> Result<(), DriverError> {
         let cx = &self.cx;
-        let shareable = self.vmm.as_ref().is_some_and(|v| v.shareable);
-        let handle = cx
-            .driver
-            .mem_create(cx.context, cx.device, bytes, shareable)
-            .map_err(|e| (e, true))?;
-        let undo = |what: &'static str, r: Result<(), DriverError>| {
-            if let Err(e) = &r {
-                tracing::error!(device = %cx.device, error = %e, ptr = at, "{what} failed while undoing a growth of the pool");
-                self.queue
-                    .record_error(EmmError::driver(what, cx.device, e.clone()));
+        for base in (at..at + bytes as u64).step_by(vmm.granularity) {
+            let handle =
+                cx.driver
+                    .mem_create(cx.context, cx.device, vmm.granularity, vmm.shareable)?;
+            // SAFETY: `base .. base + granularity` lies in a range taken from the
+            // reservation's free ones, with nothing mapped there.
+            let mapped = unsafe {
+                cx.driver
+                    .mem_map(cx.context, DevicePtr(base), vmm.granularity, handle)
+            };
+            if let Err(e) = mapped {
+                // SAFETY: made above and never mapped.
+                if let Err(undo) = unsafe { cx.driver.mem_release(cx.context, handle) } {
+                    tracing::error!(device = %cx.device, error = %undo, ptr = base, "cuMemRelease failed while undoing a growth of the pool");
+                    self.queue
+                        .record_error(EmmError::driver("cuMemRelease", cx.device, undo));
+                }
+                return Err(e);
             }
-            r.is_ok()
-        };
-        // SAFETY: `at .. at + bytes` was taken from the reservation's free ranges, so it lies
-        // in the reservation with nothing mapped there.
-        if let Err(e) = unsafe { cx.driver.mem_map(cx.context, DevicePtr(at), bytes, handle) } {
-            // SAFETY: made above and never mapped.
-            undo("cuMemRelease", unsafe {
-                cx.driver.mem_release(cx.context, handle)
-            });
-            return Err((e, true));
+            pieces.push((base, handle));
         }
         // The device itself, and every device that can reach its memory as a peer (as it can
-        // `cuMemAlloc` memory once peer access is on).
-        let granted = self.vmm.as_ref().map_or(&[][..], |v| &v.access[..]);
-        if let Err(e) = granted.iter().try_for_each(|&d| {
+        // `cuMemAlloc` memory once peer access is on): one call covers every piece.
+        vmm.access.iter().try_for_each(|&d| {
             cx.driver
                 .mem_set_access(cx.context, DevicePtr(at), bytes, d)
-        }) {
-            // SAFETY: mapped above and reached by nothing: it was never accessible.
-            let unmapped = undo("cuMemUnmap", unsafe {
-                cx.driver.mem_unmap(cx.context, DevicePtr(at), bytes)
-            });
-            // SAFETY: made above; its memory goes once its mapping does.
-            undo("cuMemRelease", unsafe {
-                cx.driver.mem_release(cx.context, handle)
-            });
-            return Err((e, unmapped));
-        }
-        Ok(handle)
+        })
     }
 
     /// Gives `chunks` back to their source: `cuMemAlloc` chunks through the deferred queue
@@ -376,6 +381,18 @@ impl PoolShared {
         for (&base, &(size, handle)) in inner.handles.range(first.unwrap_or(u64::MAX)..) {
             if covered >= end || base != covered {
                 break;
+            }
+            if pieces.len() == MAX_PIECES {
+                return Err(EmmError::InvalidArgument {
+                    what: "memory to export",
+                    reason: format!(
+                        "{len} bytes at {ptr:#x} lie across more than {MAX_PIECES} pieces of \
+                         physical memory, the most one export carries (one file descriptor per \
+                         {} bytes); export less at once, or share large allocations through \
+                         'async-pool-ipc'",
+                        vmm.granularity
+                    ),
+                });
             }
             let fd = cx
                 .driver
