@@ -100,6 +100,26 @@ fn an_opened_export_keeps_its_memory_past_the_exporter() {
     assert!(other.leak_report().is_clean(), "{}", other.leak_report());
 }
 
+/// An export carries one file descriptor per 2 MiB piece, at most 4096 of them: a larger
+/// allocation is refused with advice, and a view within the limit exports.
+#[test]
+fn an_export_of_more_pieces_than_one_carries_is_refused_with_advice() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(16 << 30)));
+    let rt = runtime_with(&sim, "vmm-pool");
+    let ctx = rt.context(0).unwrap();
+    let size = (8 << 30) + (4 << 20);
+    let big = ctx.memalloc(size).unwrap();
+    let e = ctx.export_mapped(&big).unwrap_err();
+    assert!(matches!(e, EmmError::InvalidArgument { .. }), "{e}");
+    let text = e.to_string();
+    assert!(text.contains("more than 4096 pieces"), "{e}");
+    assert!(text.contains("export views of at most"), "{e}");
+    assert!(text.contains("async-pool-ipc"), "{e}");
+    let view = big.view(0, Some(64 << 20)).unwrap();
+    let export = ctx.export_mapped(&view).unwrap();
+    assert_eq!(export.pieces().len(), 32, "64 MiB in pieces of 2 MiB");
+}
+
 /// Every refusal says what to do: managers other than `vmm-pool`, a driver that does not share
 /// physical memory as file descriptors (where `vmm-pool` still allocates), `get_ipc_handle`
 /// under `vmm-pool`, and an open in a context of another device (which maps nothing).

@@ -388,9 +388,10 @@ impl PoolShared {
                     reason: format!(
                         "{len} bytes at {ptr:#x} lie across more than {MAX_PIECES} pieces of \
                          physical memory, the most one export carries (one file descriptor per \
-                         {} bytes); export less at once, or share large allocations through \
-                         'async-pool-ipc'",
-                        vmm.granularity
+                         {} bytes); export views of at most {} bytes, or allocate memory to \
+                         share at once under 'async-pool-ipc'",
+                        vmm.granularity,
+                        (MAX_PIECES - 1) * vmm.granularity
                     ),
                 });
             }
