@@ -212,6 +212,16 @@ impl PoolConfig {
     }
 }
 
+/// Empty arenas for a pool of `config`: requests above its chunk size in chunks of their own,
+/// except under `vmm-pool` (`vmm`), whose chunks merge their free space and are recorded as
+/// pieces of the granularity.
+fn empty_arenas(config: &PoolConfig, vmm: Option<&VmmSpace>) -> Arenas {
+    Arenas::new(
+        config.oversize_above(vmm.is_some()),
+        vmm.map(|v| v.granularity),
+    )
+}
+
 impl Default for PoolConfig {
     fn default() -> PoolConfig {
         PoolConfig {
@@ -756,9 +766,9 @@ impl PoolShared {
         }
     }
 
-    /// `vmm-pool`: the bytes of each piece of physical memory its growths map.
-    fn pieces(&self) -> Option<usize> {
-        self.vmm.as_ref().map(|v| v.granularity)
+    /// Empty arenas for this pool's chunks: a stream's ([`empty_arenas`]).
+    fn new_arenas(&self) -> Arenas {
+        empty_arenas(&self.config, self.vmm.as_ref())
     }
 
     /// The manager's registered name, for errors.
@@ -1011,10 +1021,7 @@ impl PoolAllocator {
             config,
             cache_limits: PoolShared::cache_limits(&config),
             generation: AtomicU64::new(0),
-            arena: Mutex::new(Arenas::new(
-                config.oversize_above(vmm.is_some()),
-                vmm.as_ref().map(|v| v.granularity),
-            )),
+            arena: Mutex::new(empty_arenas(&config, vmm.as_ref())),
             shards: Shard::all(ShardLists::new),
             depot: Mutex::new(Depot::new()),
             queue: Arc::clone(host.deallocations()),

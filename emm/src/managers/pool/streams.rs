@@ -84,20 +84,13 @@ impl StreamLists {
             .map(|(_, l)| l)
     }
 
-    /// `stream`'s memory, made empty (requests above `limit` bytes in chunks of their own;
-    /// free space merging across chunks mapped in pieces of `pieces` bytes) if it has none
-    /// yet.
-    fn list_or_new(
-        &mut self,
-        stream: StreamHandle,
-        limit: usize,
-        pieces: Option<usize>,
-    ) -> &mut PerStream {
+    /// `stream`'s memory, made of the empty arenas `empty` if it has none yet.
+    fn list_or_new(&mut self, stream: StreamHandle, empty: Arenas) -> &mut PerStream {
         let k = match self.per_stream.iter().position(|(s, _)| *s == stream) {
             Some(k) => k,
             None => {
                 let mine = PerStream {
-                    arena: Arenas::new(limit, pieces),
+                    arena: empty,
                     _owner: None,
                 };
                 self.per_stream.push((stream, mine));
@@ -524,11 +517,7 @@ impl PoolShared {
         let mut lists = lock(&self.streams.shards[k].inner);
         let generation = self.generation.load(Ordering::Acquire);
         if lists.list(stream).is_none() {
-            lists.list_or_new(
-                stream,
-                self.config.oversize_above(self.vmm.is_some()),
-                self.pieces(),
-            );
+            lists.list_or_new(stream, self.new_arenas());
             self.streams.mark(k, &lists);
         }
         let mine = lists.list(stream).expect("made above if it had no memory");
