@@ -520,6 +520,72 @@ fn pool_reset_frees_every_chunk_and_old_pointers_stay_stale() {
     assert_eq!(ctx.pool_stats().device.unwrap().in_use_blocks, 1);
 }
 
+/// A stream whose arena has no room takes free space of a shared chunk that a live block
+/// keeps from going back whole: the pool does not grow for it. The lent block goes back to the
+/// shared arena once the stream is done with it, so that the chunk is freed whole once its
+/// live block goes; a reset frees the chunk once, not the block lent out of it.
+#[test]
+fn a_stream_borrows_free_space_of_a_chunk_a_live_block_keeps() {
+    const MIB: usize = 1 << 20;
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime_with(&sim, "pool");
+    let ctx = rt.context(0).unwrap();
+    let held = || ctx.pool_stats().device.unwrap().held_bytes;
+    // One 60 MiB chunk, a 4 MiB block kept live in it: 56 MiB free, not a free chunk.
+    drop(ctx.memalloc(60 * MIB).unwrap());
+    let pin = ctx.memalloc(4 * MIB).unwrap();
+    assert_eq!(held(), 60 * MIB);
+    let allocs = sim.count(Op::MemAlloc);
+    let stream = ctx.create_stream().unwrap();
+    let on = ctx.memalloc_on(32 * MIB, &stream).unwrap();
+    assert_eq!(sim.count(Op::MemAlloc), allocs, "served without a growth");
+    assert_eq!(held(), 60 * MIB);
+    // The snapshot shows the lent block as the stream's segment, cut out of the chunk's.
+    let snapshot = ctx.snapshot();
+    let total: usize = snapshot.segments.iter().map(|s| s.bytes).sum();
+    assert_eq!(total, 60 * MIB, "{:?}", snapshot.segments);
+    let mine: Vec<_> = snapshot
+        .segments
+        .iter()
+        .filter(|s| s.stream == Some(stream.handle().raw()))
+        .collect();
+    assert_eq!(mine.len(), 1, "{:?}", snapshot.segments);
+    assert!(
+        mine[0]
+            .blocks
+            .iter()
+            .any(|b| b.address == on.device_ptr().0)
+    );
+    // Freed and its stream done, the block goes back before the shared arena grows: a 50 MiB
+    // request fits the chunk's free space again.
+    drop(on);
+    stream.synchronize().unwrap();
+    let big = ctx.memalloc(50 * MIB).unwrap();
+    assert_eq!(sim.count(Op::MemAlloc), allocs, "the lent block came back");
+    drop(big);
+    // Lent again, then a reset: the chunk is freed once, the block lent out of it not at all.
+    let on = ctx.memalloc_on(16 * MIB, &stream).unwrap();
+    assert_eq!(sim.count(Op::MemAlloc), allocs);
+    ctx.reset().unwrap();
+    assert_eq!(held(), 0);
+    assert_eq!(sim.count(Op::MemFree), sim.count(Op::MemAlloc));
+    drop((pin, on, stream));
+    // Again to the end of a trim: nothing lent stays out.
+    let pin = ctx.memalloc(60 * MIB).unwrap();
+    drop(pin);
+    let pin = ctx.memalloc(4 * MIB).unwrap();
+    let stream = ctx.create_stream().unwrap();
+    drop(ctx.memalloc_on(32 * MIB, &stream).unwrap());
+    stream.synchronize().unwrap();
+    drop(pin);
+    ctx.trim().unwrap();
+    assert_eq!(held(), 0);
+    drop((stream, ctx));
+    drop(rt);
+    let leaks = sim.leak_report();
+    assert!(leaks.is_clean(), "{leaks}");
+}
+
 /// Every byte of every block of `blocks` is `tag` (what its thread wrote): no block was handed
 /// to two threads at once.
 fn assert_filled(ctx: &emm::Context, blocks: &[emm::MemoryPointer], tag: u8) {

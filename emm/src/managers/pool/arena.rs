@@ -31,7 +31,7 @@
 //! merged with its neighbours as any freed block, so fits and merges are those of a block
 //! given at once.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::memory::AddressMap;
@@ -523,13 +523,13 @@ impl Arena {
     /// (base, size). Where chunks merge, the shortest run of wholly free pieces in one free
     /// block that holds `size` bytes, taken from the run that fits best (the other arena
     /// records it as the same pieces).
-    pub(super) fn take_free_chunk(&mut self, size: usize) -> Option<(u64, usize)> {
+    pub(super) fn take_free_chunk(&mut self, size: usize, most: usize) -> Option<(u64, usize)> {
         self.settle();
         let free = self.free_chunks();
         if !self.merge_across {
             let chunk = free
                 .into_iter()
-                .filter(|&(_, got, _)| got >= size)
+                .filter(|&(_, got, _)| got >= size && got <= most)
                 .min_by_key(|&(_, got, _)| got)?;
             self.remove_chunks(vec![chunk]);
             return Some((chunk.0, chunk.1));
@@ -635,7 +635,53 @@ pub(super) fn place(segments: &mut [HeldSegment], blocks: impl IntoIterator<Item
     }
 }
 
-/// A chunk: one driver allocation, wholly the pool's.
+/// Cuts the blocks `lent` (start, bytes) out of the segments `segments` (sorted by address,
+/// each block inside one): a block lent to a stream's arena is a segment of that arena's, so
+/// the segment it lies in is split around it, keeping its blocks on their sides.
+pub(super) fn cut_out(
+    segments: &mut Vec<HeldSegment>,
+    lent: impl IntoIterator<Item = (u64, usize)>,
+) {
+    for (start, bytes) in lent {
+        let end = start + bytes as u64;
+        let i = segments.partition_point(|s| s.address <= start);
+        let Some(i) = i.checked_sub(1).filter(|&i| {
+            let s = &segments[i];
+            end <= s.address + s.bytes as u64
+        }) else {
+            debug_assert!(
+                false,
+                "lent block {start:#x}+{bytes} outside the shared segments"
+            );
+            continue;
+        };
+        let seg = &mut segments[i];
+        let seg_end = seg.address + seg.bytes as u64;
+        let after_blocks = seg.blocks.extract_if(.., |b| b.address >= end).collect();
+        seg.blocks.retain(|b| b.address < start);
+        let after = HeldSegment {
+            address: end,
+            bytes: (seg_end - end) as usize,
+            kind: seg.kind,
+            stream: seg.stream,
+            blocks: after_blocks,
+        };
+        seg.bytes = (start - seg.address) as usize;
+        let before_empty = seg.bytes == 0;
+        let mut at = i;
+        if before_empty {
+            segments.remove(i);
+        } else {
+            at += 1;
+        }
+        if after.bytes > 0 {
+            segments.insert(at, after);
+        }
+    }
+}
+
+/// A chunk: one driver allocation, wholly the pool's; or, `lent`, a block of a chunk of the
+/// shared arena that a stream's arena holds as a chunk of its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Chunk {
     /// Its address.
@@ -644,6 +690,9 @@ pub(super) struct Chunk {
     pub(super) size: usize,
     /// Made for one request above the standard limit, and serving only such requests.
     pub(super) oversize: bool,
+    /// Lent by the shared arena ([`Arenas::lend`]): it goes back there
+    /// ([`Arenas::restore`]), never to the driver, whose allocation is the chunk it lies in.
+    pub(super) lent: bool,
 }
 
 impl Chunk {
@@ -657,6 +706,7 @@ impl Chunk {
                 base,
                 size,
                 oversize,
+                lent: false,
             }
         };
         standard
@@ -680,6 +730,12 @@ pub(super) struct Arenas {
     limit: usize,
     standard: Arena,
     oversize: Arena,
+    /// The bases of the chunks these arenas hold that another arena lent them (a stream's
+    /// arenas: blocks of the shared arena's chunks).
+    borrowed: BTreeSet<u64>,
+    /// The blocks these arenas lent to others (the shared arena's), start -> bytes: taken from
+    /// the free space, and no chunk of the driver's, until they come back.
+    lent_out: BTreeMap<u64, usize>,
 }
 
 impl Arenas {
@@ -697,6 +753,8 @@ impl Arenas {
             limit,
             standard: arena(),
             oversize: arena(),
+            borrowed: BTreeSet::new(),
+            lent_out: BTreeMap::new(),
         }
     }
 
@@ -730,6 +788,9 @@ impl Arenas {
 
     /// Adds a wholly free chunk to the arena of its kind.
     pub(super) fn add_chunk(&mut self, chunk: Chunk) {
+        if chunk.lent {
+            self.borrowed.insert(chunk.base);
+        }
         let arena = if chunk.oversize {
             &mut self.oversize
         } else {
@@ -744,17 +805,66 @@ impl Arenas {
         self.of(size).tail()
     }
 
+    /// Marks the chunks of `chunks` that were lent to these arenas, which no longer hold them.
+    fn marked(&mut self, mut chunks: Vec<Chunk>) -> Vec<Chunk> {
+        if !self.borrowed.is_empty() {
+            for c in &mut chunks {
+                c.lent = self.borrowed.remove(&c.base);
+            }
+        }
+        chunks
+    }
+
     /// Removes every chunk that is wholly free.
     pub(super) fn remove_free_chunks(&mut self) -> Vec<Chunk> {
         let standard = self.standard.remove_free_chunks();
-        Chunk::of_kinds(standard, self.oversize.remove_free_chunks())
+        let chunks = Chunk::of_kinds(standard, self.oversize.remove_free_chunks());
+        self.marked(chunks)
     }
 
     /// Before a growth, removes the wholly free chunks that go back to the driver
-    /// ([`Arena::shed_free_chunks`]).
+    /// ([`Arena::shed_free_chunks`]), or to the arena that lent them.
     pub(super) fn shed_free_chunks(&mut self) -> Vec<Chunk> {
         let standard = self.standard.shed_free_chunks((0, 0));
-        Chunk::of_kinds(standard, self.oversize.shed_free_chunks((0, 0)))
+        let chunks = Chunk::of_kinds(standard, self.oversize.shed_free_chunks((0, 0)));
+        self.marked(chunks)
+    }
+
+    /// Lends another arena (a stream's) a block of `want` bytes, or failing that of `need`
+    /// (at most `want`), from the free space of the standard chunks, as a chunk of its own:
+    /// where a chunk is not wholly free, its free space still serves the streams. `None`
+    /// where chunks merge (their pieces move whole, [`take_free_chunk`](Self::take_free_chunk)),
+    /// for a request served from chunks of its own, or where no free block holds `need`.
+    pub(super) fn lend(&mut self, need: usize, want: usize) -> Option<Chunk> {
+        if self.standard.merge_across || self.is_oversize(need) {
+            return None;
+        }
+        let (base, size) = [want, need]
+            .into_iter()
+            .find_map(|size| Some((self.standard.take(size)?, size)))?;
+        self.lent_out.insert(base, size);
+        Some(Chunk {
+            base,
+            size,
+            oversize: false,
+            lent: true,
+        })
+    }
+
+    /// Takes back a chunk another arena gave up: a block these arenas lent goes back to their
+    /// free space; any other chunk joins them ([`add_chunk`](Self::add_chunk)).
+    pub(super) fn restore(&mut self, chunk: Chunk) {
+        if !chunk.lent {
+            return self.add_chunk(chunk);
+        }
+        let lent = self.lent_out.remove(&chunk.base);
+        debug_assert_eq!(lent, Some(chunk.size), "a lent block comes back as it went");
+        self.standard.give(chunk.base, chunk.size);
+    }
+
+    /// The blocks lent to other arenas, as (start, bytes).
+    pub(super) fn lent_out(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
+        self.lent_out.iter().map(|(&a, &s)| (a, s))
     }
 
     /// Before a growth in place, removes the wholly free chunks of the arena that serves
@@ -763,21 +873,23 @@ impl Arenas {
     pub(super) fn shed_free_chunks_outside(&mut self, size: usize, keep: (u64, u64)) -> Vec<Chunk> {
         let oversize = self.is_oversize(size);
         let removed = self.of(size).shed_free_chunks(keep);
-        if oversize {
+        let chunks = if oversize {
             Chunk::of_kinds([], removed)
         } else {
             Chunk::of_kinds(removed, [])
-        }
+        };
+        self.marked(chunks)
     }
 
     /// Removes the smallest wholly free chunk that can serve a request of `size` bytes.
-    pub(super) fn take_free_chunk(&mut self, size: usize) -> Option<Chunk> {
+    pub(super) fn take_free_chunk(&mut self, size: usize, most: usize) -> Option<Chunk> {
         let oversize = self.is_oversize(size);
-        let (base, size) = self.of(size).take_free_chunk(size)?;
+        let (base, size) = self.of(size).take_free_chunk(size, most)?;
         Some(Chunk {
             base,
             size,
             oversize,
+            lent: false,
         })
     }
 
@@ -791,9 +903,9 @@ impl Arenas {
         self.standard.held + self.oversize.held
     }
 
-    /// How many chunks they hold.
+    /// How many of the driver's chunks they hold (not those another arena lent them).
     pub(super) fn chunks(&self) -> usize {
-        self.standard.chunks.len() + self.oversize.chunks.len()
+        self.standard.chunks.len() + self.oversize.chunks.len() - self.borrowed.len()
     }
 
     /// Adds their chunks to `out` as segments of `kind` serving `stream`, with their free
@@ -848,10 +960,15 @@ impl Arenas {
             .max(self.oversize.largest_free())
     }
 
-    /// Forgets every chunk and free block (a reset freed them), returning the chunks.
+    /// Forgets every chunk and free block (a reset freed them), returning the driver's chunks
+    /// (not those lent to them: the lender's chunk holds each).
     pub(super) fn clear(&mut self) -> Vec<Chunk> {
         let standard = self.standard.clear();
-        Chunk::of_kinds(standard, self.oversize.clear())
+        let mut chunks = Chunk::of_kinds(standard, self.oversize.clear());
+        let borrowed = std::mem::take(&mut self.borrowed);
+        chunks.retain(|c| !borrowed.contains(&c.base));
+        self.lent_out.clear();
+        chunks
     }
 }
 
@@ -1218,7 +1335,7 @@ mod tests {
                         );
                     }
                     MergingStep::Adopt(size) => {
-                        if let Some((base, got)) = arena.take_free_chunk(size) {
+                        if let Some((base, got)) = arena.take_free_chunk(size, usize::MAX) {
                             proptest::prop_assert!(got >= size && got < size + PIECE);
                             proptest::prop_assert!(
                                 lent.iter().all(|&(a, s)| a + s as u64 <= base || a >= base + got as u64),
@@ -1237,6 +1354,112 @@ mod tests {
                 }
             }
         }
+    }
+
+    fn chunk(base: u64, size: usize) -> Chunk {
+        Chunk {
+            base,
+            size,
+            oversize: false,
+            lent: false,
+        }
+    }
+
+    /// A block lent out of a chunk that a live block keeps serves the borrowing arena as a
+    /// chunk of its own; it comes back marked as lent, goes back into the lender's free space,
+    /// and the lender's chunk is then wholly free once its own block goes.
+    #[test]
+    fn a_lent_block_comes_back_to_the_free_space_it_left() {
+        const MIB: usize = 1 << 20;
+        let mut shared = Arenas::new(128 * MIB, None);
+        shared.add_chunk(chunk(1 << 32, 64 * MIB));
+        let pin = shared.take(MIB).unwrap();
+        assert_eq!(shared.take_free_chunk(8 * MIB, usize::MAX), None);
+        // Twice the request where the free space holds it; the request where only that fits.
+        let lent = shared.lend(8 * MIB, 16 * MIB).unwrap();
+        assert!(lent.lent && lent.size == 16 * MIB && !lent.oversize);
+        assert_eq!(
+            shared.lent_out().collect::<Vec<_>>(),
+            [(lent.base, 16 * MIB)]
+        );
+        assert_eq!(shared.lend(40 * MIB, 50 * MIB).unwrap().size, 40 * MIB);
+        assert_eq!(shared.lend(8 * MIB, 16 * MIB), None, "7 MiB free");
+        let mut stream = Arenas::new(128 * MIB, None);
+        stream.add_chunk(lent);
+        assert_eq!(stream.chunks(), 0, "a lent chunk is not the driver's");
+        assert_eq!(stream.held(), 16 * MIB);
+        let a = stream.take(10 * MIB).unwrap();
+        assert!(stream.remove_free_chunks().is_empty());
+        stream.give(a, 10 * MIB);
+        let back = stream.remove_free_chunks();
+        assert_eq!(back, [lent]);
+        assert!(stream.is_empty() && stream.borrowed.is_empty());
+        shared.restore(back[0]);
+        assert_eq!(shared.lent_out().count(), 1);
+        assert!(
+            shared.remove_free_chunks().is_empty(),
+            "the pinned block keeps it"
+        );
+        // The other lent block back, then the pinned one: the chunk is free, whole.
+        let second = shared.lent_out().next().unwrap();
+        shared.restore(Chunk {
+            lent: true,
+            ..chunk(second.0, second.1)
+        });
+        shared.give(pin, MIB);
+        assert_eq!(shared.remove_free_chunks(), [chunk(1 << 32, 64 * MIB)]);
+        assert_eq!(shared.held(), 0);
+    }
+
+    /// A reset frees the lender's chunk, not the blocks lent out of it; merging arenas and
+    /// requests served from chunks of their own lend nothing.
+    #[test]
+    fn a_reset_frees_only_the_drivers_chunks_and_merging_arenas_lend_nothing() {
+        const MIB: usize = 1 << 20;
+        let mut shared = Arenas::new(128 * MIB, None);
+        shared.add_chunk(chunk(1 << 32, 64 * MIB));
+        assert_eq!(shared.lend(256 * MIB, 256 * MIB), None, "oversize");
+        let lent = shared.lend(MIB, 2 * MIB).unwrap();
+        let mut stream = Arenas::new(128 * MIB, None);
+        stream.add_chunk(lent);
+        stream.add_chunk(chunk(1 << 40, 8 * MIB));
+        assert_eq!(stream.chunks(), 1);
+        assert_eq!(stream.clear(), [chunk(1 << 40, 8 * MIB)]);
+        assert_eq!(shared.clear(), [chunk(1 << 32, 64 * MIB)]);
+        assert_eq!(shared.lent_out().count(), 0);
+        let mut merging = Arenas::new(usize::MAX, Some(2 * MIB));
+        merging.add_chunk(chunk(1 << 32, 8 * MIB));
+        assert_eq!(merging.lend(MIB, 2 * MIB), None);
+    }
+
+    /// A stream's lent segment is cut out of the shared segment it lies in; the blocks on
+    /// either side stay on their side.
+    #[test]
+    fn lent_blocks_are_cut_out_of_the_shared_segments() {
+        let block = |address, bytes| HeldBlock {
+            address,
+            bytes,
+            state: BlockState::Free,
+        };
+        let mut segments = vec![HeldSegment {
+            address: 0x1000,
+            bytes: 0x1000,
+            kind: SegmentKind::Chunk,
+            stream: None,
+            blocks: vec![block(0x1000, 0x100), block(0x1800, 0x800)],
+        }];
+        cut_out(&mut segments, [(0x1100, 0x100), (0x1000, 0x100)]);
+        let got: Vec<_> = segments
+            .iter()
+            .map(|s| (s.address, s.bytes, s.blocks.len()))
+            .collect();
+        assert_eq!(got, [(0x1200, 0xe00, 1)], "{segments:?}");
+        cut_out(&mut segments, [(0x1400, 0x100)]);
+        let got: Vec<_> = segments
+            .iter()
+            .map(|s| (s.address, s.bytes, s.blocks.len()))
+            .collect();
+        assert_eq!(got, [(0x1200, 0x200, 0), (0x1500, 0xb00, 1)]);
     }
 
     #[test]

@@ -646,8 +646,10 @@ impl PoolShared {
             self.queue.record_error(e);
         }
         self.drain_shards(false);
-        let mut chunks = lock(&self.arena).remove_free_chunks();
-        chunks.extend(self.retired_chunks(wait));
+        // First the streams' retired chunks: those lent go back to the shared arena, whose
+        // chunks they lie in may then be wholly free.
+        let mut chunks = self.retired_chunks(wait);
+        chunks.extend(lock(&self.arena).remove_free_chunks());
         let bytes = chunks.iter().map(|c| c.size).sum();
         if !chunks.is_empty() {
             self.totals.released(bytes, true);
@@ -715,6 +717,7 @@ impl PoolShared {
             base,
             size: got,
             oversize: size > self.config.oversize_above(self.vmm.is_some()),
+            lent: false,
         })
     }
 
@@ -756,6 +759,7 @@ impl PoolShared {
                     base: tail,
                     size: got,
                     oversize: size > self.config.oversize_above(true),
+                    lent: false,
                 })
             }
             Ok(None) => None,
@@ -881,8 +885,12 @@ impl PoolShared {
             }
         }
         let mut shared = Vec::new();
-        lock(&self.arena).held_segments(kind, None, &mut shared);
-        shared.sort_by_key(|s| s.address);
+        {
+            let arena = lock(&self.arena);
+            arena.held_segments(kind, None, &mut shared);
+            shared.sort_by_key(|s| s.address);
+            arena::cut_out(&mut shared, arena.lent_out());
+        }
         arena::place(
             &mut shared,
             cached.into_iter().map(|(address, bytes)| HeldBlock {

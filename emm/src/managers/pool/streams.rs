@@ -10,10 +10,16 @@
 //!   other than the one it was allocated on) waits behind a fence, events recorded at the free
 //!   on those streams, and goes back to its stream's arena once they completed.
 //! - When S's arena has no block large enough, S takes a wholly free chunk of the shared
-//!   arena; failing that, the wholly free chunks of streams with no work pending move to the
-//!   shared arena (they are safe for every stream) and S tries again; failing that, the pool
-//!   grows by a chunk for S. Blocks are never handed from one stream's arena to another's
-//!   while the first stream may still use them.
+//!   arena, no larger than the pool would grow by for the request; else the shared arena lends
+//!   S a block of its free space (the request rounded up to 2 MiB) as a chunk of S's, so that
+//!   free space beside a block that keeps a shared chunk from going back whole still serves
+//!   the streams; failing that, the wholly free chunks of streams with no work pending move to
+//!   the shared arena (they are safe for every stream; a lent one goes back into the free space
+//!   it came from) and S tries again; failing that, the pool grows by a chunk for S. Blocks
+//!   are never handed from one stream's arena to another's while the first stream may still
+//!   use them.
+//! - A lent chunk never goes to the driver: where a stream gives it up (moved, shed, trimmed)
+//!   it returns to the shared arena, and a reset frees only the chunk it lies in.
 //! - `trim` frees the wholly free chunks of streams with no work pending; out of memory, the
 //!   pool waits for every stream's work first.
 //!
@@ -23,7 +29,7 @@ use driver_sys::{DevicePtr, StreamHandle};
 
 use super::arena::{Arenas, Chunk, place};
 use super::history::Ring;
-use super::{POOL_ALIGNMENT, PoolShared};
+use super::{GROW_GRANULARITY, POOL_ALIGNMENT, PoolShared};
 use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::error::EmmError;
 use crate::host::HostLayer;
@@ -460,8 +466,22 @@ impl PoolShared {
     }
 
     /// Takes the chunks whose fences completed (with `wait`, every chunk, after its fence)
-    /// off the retiring list.
+    /// off the retiring list, and returns those of the driver's; those the shared arena lent go
+    /// back to it.
     pub(super) fn retired_chunks(&self, wait: bool) -> Vec<Chunk> {
+        let mut freed = self.retired_or_lent(wait);
+        if freed.iter().any(|c| c.lent) {
+            let mut arena = lock(&self.arena);
+            for chunk in freed.extract_if(.., |c| c.lent) {
+                arena.restore(chunk);
+            }
+        }
+        freed
+    }
+
+    /// Takes the chunks whose fences completed (with `wait`, every chunk, after its fence)
+    /// off the retiring list, lent ones included.
+    fn retired_or_lent(&self, wait: bool) -> Vec<Chunk> {
         let mut retiring = lock(&self.retiring);
         let mut freed = Vec::new();
         let mut k = 0;
@@ -529,7 +549,7 @@ impl PoolShared {
         let addr = match mine.arena.take(size) {
             Some(addr) => addr,
             None => {
-                let chunk = lock(&self.arena).take_free_chunk(size)?;
+                let chunk = self.adopt(size)?;
                 mine.arena.add_chunk(chunk);
                 mine.arena.take(size).expect("the chunk holds the request")
             }
@@ -537,6 +557,22 @@ impl PoolShared {
         lists.in_use_blocks += 1;
         lists.in_use_bytes += size as i64;
         Some((addr, generation))
+    }
+
+    /// A chunk for a stream's arena that holds `size` bytes, from the shared arena: its
+    /// smallest wholly free chunk that does and is no larger than the pool would grow by for
+    /// the request, else a block of its free space lent as a chunk (the request rounded up to
+    /// the growth granularity). A stream takes no more than it would have grown by: a small
+    /// request that took a large free chunk whole would keep it from the next large request
+    /// for as long as its block lives, and the pool would grow for that one.
+    fn adopt(&self, size: usize) -> Option<Chunk> {
+        let most = self.growth(size);
+        let mut arena = lock(&self.arena);
+        if let Some(chunk) = arena.take_free_chunk(size, most) {
+            return Some(chunk);
+        }
+        let need = size.div_ceil(POOL_ALIGNMENT) * POOL_ALIGNMENT;
+        arena.lend(need, need.next_multiple_of(GROW_GRANULARITY))
     }
 
     pub(super) fn release_on_streams(&self, addr: u64, bytes: usize, tag: u64, streams: StreamUse) {
@@ -695,7 +731,7 @@ impl PoolShared {
         let bytes = freed.iter().map(|c| c.size).sum();
         let mut arena = lock(&self.arena);
         for chunk in freed {
-            arena.add_chunk(chunk);
+            arena.restore(chunk);
         }
         Ok(bytes)
     }
@@ -724,7 +760,8 @@ impl PoolShared {
         let mut spares = Vec::new();
         for (retired, fence) in std::mem::take(&mut *lock(&self.retiring)) {
             self.fences.recycle(fence);
-            chunks.extend(retired);
+            // A lent chunk lies in one of the shared arena's, which the reset frees.
+            chunks.extend(retired.into_iter().filter(|c| !c.lent));
         }
         for lists in shards.iter_mut() {
             for (_, _, _, fence) in std::mem::take(&mut lists.waiting) {
