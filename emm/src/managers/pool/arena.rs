@@ -667,13 +667,12 @@ pub(super) fn cut_out(
             blocks: after_blocks,
         };
         seg.bytes = (start - seg.address) as usize;
-        let before_empty = seg.bytes == 0;
-        let mut at = i;
-        if before_empty {
+        let at = if seg.bytes == 0 {
             segments.remove(i);
+            i
         } else {
-            at += 1;
-        }
+            i + 1
+        };
         if after.bytes > 0 {
             segments.insert(at, after);
         }

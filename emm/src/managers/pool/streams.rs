@@ -469,10 +469,11 @@ impl PoolShared {
     /// off the retiring list, and returns those of the driver's; those the shared arena lent go
     /// back to it.
     pub(super) fn retired_chunks(&self, wait: bool) -> Vec<Chunk> {
-        let mut freed = self.retired_or_lent(wait);
-        if freed.iter().any(|c| c.lent) {
+        let (lent, freed): (Vec<Chunk>, Vec<Chunk>) =
+            self.retired_or_lent(wait).into_iter().partition(|c| c.lent);
+        if !lent.is_empty() {
             let mut arena = lock(&self.arena);
-            for chunk in freed.extract_if(.., |c| c.lent) {
+            for chunk in lent {
                 arena.restore(chunk);
             }
         }
@@ -525,8 +526,8 @@ impl PoolShared {
     }
 
     /// Takes a block of `size` bytes for `stream`: from its arena, after adding `chunk` (a new
-    /// one from the driver) or, with none, the smallest wholly free chunk of the shared arena
-    /// that holds it. `None` when there is no such chunk.
+    /// one from the driver) or, with none, a chunk the shared arena gives up for it
+    /// ([`adopt`](Self::adopt)). `None` when it has none.
     fn take_after_adopting(
         &self,
         stream: StreamHandle,
@@ -559,7 +560,8 @@ impl PoolShared {
         Some((addr, generation))
     }
 
-    /// A chunk for a stream's arena that holds `size` bytes, from the shared arena: its
+    /// A chunk for a stream's arena that holds `size` bytes (a [`stream_block_size`], so a
+    /// multiple of the pool's alignment), from the shared arena: its
     /// smallest wholly free chunk that does and is no larger than the pool would grow by for
     /// the request, else a block of its free space lent as a chunk (the request rounded up to
     /// the growth granularity). A stream takes no more than it would have grown by: a small
@@ -571,8 +573,7 @@ impl PoolShared {
         if let Some(chunk) = arena.take_free_chunk(size, most) {
             return Some(chunk);
         }
-        let need = size.div_ceil(POOL_ALIGNMENT) * POOL_ALIGNMENT;
-        arena.lend(need, need.next_multiple_of(GROW_GRANULARITY))
+        arena.lend(size, size.next_multiple_of(GROW_GRANULARITY))
     }
 
     pub(super) fn release_on_streams(&self, addr: u64, bytes: usize, tag: u64, streams: StreamUse) {
