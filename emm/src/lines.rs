@@ -283,12 +283,16 @@ mod tests {
         ]
     }
 
+    /// Operations per case: fewer under Miri, where each costs a hundred times more and the
+    /// unsafe paths are all reached within a few dozen.
+    const OPS: usize = if cfg!(miri) { 60 } else { 200 };
+
     proptest! {
         #![proptest_config(crate::test_config::proptest_config())]
 
         /// A list behaves as a `Vec` under every operation, element by element.
         #[test]
-        fn a_list_is_a_vec(ops in proptest::collection::vec(op(), 0..200)) {
+        fn a_list_is_a_vec(ops in proptest::collection::vec(op(), 0..OPS)) {
             let (mut list, mut model) = (Lines::<u64>::new(), Vec::<u64>::new());
             for op in ops {
                 match op {

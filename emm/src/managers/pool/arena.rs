@@ -1145,6 +1145,11 @@ mod tests {
         /// arena is consistent (see `check`), and a take fails exactly when no free block is
         /// large enough. 256 cases (`PROPTEST_CASES=N` for more).
         #[test]
+        #[cfg_attr(
+            miri,
+            ignore = "the arena is bookkeeping without unsafe code, which Miri has nothing to check \
+                      in; the native run covers it"
+        )]
         fn takes_and_gives_keep_the_arena_consistent_and_fail_only_when_nothing_fits(
             steps in proptest::collection::vec(step(), 1..STEPS)
         ) {
@@ -1275,6 +1280,11 @@ mod tests {
         /// a sixteenth of what it holds and none before, and an adoption moves a run of
         /// wholly free pieces that holds the request. 256 cases (`PROPTEST_CASES=N` for more).
         #[test]
+        #[cfg_attr(
+            miri,
+            ignore = "the arena is bookkeeping without unsafe code, which Miri has nothing to check \
+                      in; the native run covers it"
+        )]
         fn merging_arenas_keep_their_pieces_runs_and_blocks_consistent(
             steps in proptest::collection::vec(merging_step(), 1..STEPS)
         ) {
