@@ -4,8 +4,8 @@
 //! stream, read through the C function CuPy exports for it (`get_current_stream_ptr` in
 //! `cupy.cuda.stream`'s C API), and keep each allocation alive by address until CuPy frees it.
 
+use std::cell::RefCell;
 use std::ffi::{c_int, c_void};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use emm::MemoryPointer;
@@ -16,7 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyCapsuleMethods, PyDict};
 
 use crate::py_err;
-use crate::runtime::{AddressMap, drop_memory, lock, with_device_context};
+use crate::runtime::{AddressMap, drop_memory, with_device_context};
 
 /// The C signature of CuPy's `get_current_stream_ptr`, as its capsule names it.
 const STREAM_GETTER_SIGNATURE: &std::ffi::CStr = c"intptr_t (void)";
@@ -43,7 +43,26 @@ impl CupyState {
     }
 }
 
-static CUPY: Mutex<Option<CupyState>> = Mutex::new(None);
+/// State that only a thread holding the GIL touches, with the GIL as its lock: CuPy calls
+/// its allocator's functions with the GIL held, as Python calls the functions that read the
+/// state. (A mutex cost two atomic read-modify-writes a call on CuPy's allocation path,
+/// where CuPy's own pool has none.) The package is built for CPython's stable ABI, which
+/// free-threaded CPython does not load, so there is always a GIL to hold.
+struct GilGuarded<T>(RefCell<T>);
+
+// SAFETY: the value is reached only through `with`, whose `Python` token shows that the
+// calling thread holds the GIL; so one thread at a time reaches it, and the `RefCell`
+// refuses a borrow reentered on that thread.
+unsafe impl<T: Send> Sync for GilGuarded<T> {}
+
+impl<T> GilGuarded<T> {
+    /// `f` on the value, by the thread that holds the GIL (`_py`).
+    fn with<R>(&self, _py: Python<'_>, f: impl FnOnce(&mut T) -> R) -> R {
+        f(&mut self.0.borrow_mut())
+    }
+}
+
+static CUPY: GilGuarded<Option<CupyState>> = GilGuarded(RefCell::new(None));
 
 /// CuPy's current-stream function ([`StreamGetter`]) as an address, 0 until
 /// [`cupy_c_functions`] takes it.
@@ -82,6 +101,8 @@ pub(crate) fn cupy_c_functions(stream_api: &Bound<'_, PyCapsule>) -> PyResult<(u
 /// exception (a null pointer it would take for memory).
 #[unsafe(no_mangle)]
 pub extern "C" fn emm_cupy_malloc(_param: *mut c_void, size: usize, device: c_int) -> *mut c_void {
+    // SAFETY: CuPy calls this function with the GIL held.
+    let py = unsafe { Python::assume_attached() };
     let made = (|| -> PyResult<MemoryPointer> {
         let device = u32::try_from(device)
             .map_err(|_| PyRuntimeError::new_err(format!("a negative device ({device})")))?;
@@ -95,8 +116,6 @@ pub extern "C" fn emm_cupy_malloc(_param: *mut c_void, size: usize, device: c_in
             unsafe { std::mem::transmute::<usize, StreamGetter>(getter)() }
         };
         with_device_context(device, |ctx| {
-            // SAFETY: CuPy calls this function with the GIL held (as for the stream getter).
-            let py = unsafe { Python::assume_attached() };
             crate::snapshot::with_python_stack(py, ctx, || {
                 let _tag = crate::snapshot::cupy_tag().scope();
                 if ctx.stream_ordering() == StreamOrdering::Unsupported {
@@ -112,15 +131,17 @@ pub extern "C" fn emm_cupy_malloc(_param: *mut c_void, size: usize, device: c_in
     match made {
         Ok(mem) => {
             let ptr = mem.device_ptr().0;
-            let mut state = lock(&CUPY);
-            let state = state.get_or_insert_with(CupyState::default);
-            *state.used_on(mem.device().0) += mem.size() as u64;
-            state.live.insert(ptr, mem);
+            let displaced = CUPY.with(py, |state| {
+                let state = state.get_or_insert_with(CupyState::default);
+                *state.used_on(mem.device().0) += mem.size() as u64;
+                state.live.insert(ptr, mem)
+            });
+            // An address the manager handed out twice while live; dropped outside the state.
+            drop(displaced);
             ptr as usize as *mut c_void
         }
         Err(e) => {
-            // SAFETY: CuPy calls with the GIL held.
-            Python::attach(|py| e.restore(py));
+            e.restore(py);
             usize::MAX as *mut c_void
         }
     }
@@ -132,15 +153,16 @@ pub extern "C" fn emm_cupy_malloc(_param: *mut c_void, size: usize, device: c_in
 #[unsafe(no_mangle)]
 pub extern "C" fn emm_cupy_free(_param: *mut c_void, ptr: *mut c_void, device: c_int) {
     let addr = ptr as usize as u64;
-    let mem = {
-        let mut state = lock(&CUPY);
+    // SAFETY: CuPy calls this function with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    let mem = CUPY.with(py, |state| {
         let state = state.get_or_insert_with(CupyState::default);
         let mem = state.live.remove(&addr);
         if let Some(mem) = &mem {
             *state.used_on(mem.device().0) -= mem.size() as u64;
         }
         mem
-    };
+    });
     match mem {
         Some(mem) => drop_memory(mem),
         None => {
@@ -160,14 +182,17 @@ pub extern "C" fn emm_cupy_free(_param: *mut c_void, ptr: *mut c_void, device: c
 /// `used_bytes` and `count` (all devices' count).
 #[pyfunction]
 pub(crate) fn cupy_usage(py: Python<'_>, device: u32) -> PyResult<Bound<'_, PyDict>> {
-    let state = lock(&CUPY);
+    let (used, count) = CUPY.with(py, |state| {
+        state.as_ref().map_or((0, 0), |s| {
+            (
+                s.used.get(device as usize).copied().unwrap_or(0),
+                s.live.len(),
+            )
+        })
+    });
     let d = PyDict::new(py);
-    let used = state
-        .as_ref()
-        .and_then(|s| s.used.get(device as usize).copied())
-        .unwrap_or(0);
     d.set_item("used_bytes", used)?;
-    d.set_item("count", state.as_ref().map_or(0, |s| s.live.len()))?;
+    d.set_item("count", count)?;
     Ok(d)
 }
 
@@ -175,8 +200,9 @@ pub(crate) fn cupy_usage(py: Python<'_>, device: u32) -> PyResult<Bound<'_, PyDi
 /// as a `CUstream` (`None` for memory not allocated on a stream); `None` for an address emm
 /// did not hand CuPy.
 #[pyfunction]
-pub(crate) fn cupy_allocation(ptr: u64) -> Option<(usize, Option<u64>)> {
-    let state = lock(&CUPY);
-    let mem = state.as_ref()?.live.get(&ptr)?;
-    Some((mem.size(), mem.stream().map(|s| s.raw())))
+pub(crate) fn cupy_allocation(py: Python<'_>, ptr: u64) -> Option<(usize, Option<u64>)> {
+    CUPY.with(py, |state| {
+        let mem = state.as_ref()?.live.get(&ptr)?;
+        Some((mem.size(), mem.stream().map(|s| s.raw())))
+    })
 }

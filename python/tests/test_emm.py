@@ -651,8 +651,8 @@ def test_snapshot_stacks_name_the_python_caller():
 def test_cupy_c_allocator_on_the_simulator():
     """emm.cupy's C functions through a stand-in for CuPy's CFunctionAllocator and its
     current-stream export (tests/stubs/cupy): CuPy's current stream is read in C, the bytes
-    are counted, an allocation too large raises emm's OutOfMemoryError, and the memory goes
-    back when CuPy's pointer goes."""
+    are counted, memory allocated on one thread is freed on another, an allocation too large
+    raises emm's OutOfMemoryError, and the memory goes back when CuPy's pointer goes."""
     code = (
         "import gc, emm, emm.cupy, cupy\n"
         "emm.configure(adaptors='stats', driver='sim', manager='pool')\n"
@@ -665,6 +665,13 @@ def test_cupy_c_allocator_on_the_simulator():
         "cupy.cuda.current_stream = cupy.cuda.Stream(2)\n"
         "q = cupy.cuda.alloc(5000)\n"
         "assert emm.cupy.used_bytes() == 6000\n"
+        "import threading\n"
+        "box = []\n"
+        "t = threading.Thread(target=lambda: box.append(cupy.cuda.alloc(300)))\n"
+        "t.start(); t.join()\n"
+        "assert emm.cupy.used_bytes() == 6300\n"
+        "box.clear()\n"
+        "assert emm.cupy.used_bytes() == 6000, 'freed on another thread than its own'\n"
         "try:\n"
         "    cupy.cuda.alloc(1 << 50)\n"
         "    raise SystemExit('1 PiB was allocated')\n"
