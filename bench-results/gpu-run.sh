@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One benchmark run for BENCHMARKS.md on the GPU machine, in two device calls (each under the
+# One benchmark run for BENCHMARKS.md on the GPU machine, in three device calls (each under the
 # device tool's 10 minutes), from the repository root there. Carry the bundle
 # (`cargo run -p ci -- gpu-bundle .gpu/bundle`; BUNDLE names another folder, such as one that
 # holds only its bench-gpu.sh, bench_peers.py, bin/bench_gpu and bin/replay, to stay within
@@ -9,16 +9,22 @@
 #
 #     bash bench-results/gpu-run.sh 1    # bench_gpu (cut at 300 s), the corpus replays
 #     bash bench-results/gpu-run.sh 2    # the Python pairs, cupy_ab.py, quick bench_gpu, peers
+#     bash bench-results/gpu-run.sh 3    # PyTorch's pool and emm.torch, alternate processes
+#
+# PyTorch takes its allocator once per process, so the two cannot be interleaved in one as
+# cupy_ab.py interleaves CuPy's; call 3 alternates their processes for five rounds, whose
+# ratios the page takes the median of (a process lands in a fast or a slow phase of the host,
+# which moves one figure by up to 2 x).
 #
 # Each call leaves one archive, $OUT/call-N.tar.gz (a device call returns a few files only);
-# unpack both into bench-results/run-DATE-GPU-COMMIT/, write its run.txt, and run
+# unpack them into bench-results/run-DATE-GPU-COMMIT/, write its run.txt, and run
 # make_benchmarks.py on it.
 set -u
 bundle=${BUNDLE:-.gpu/bundle}
-part=${1:?which call: 1 or 2}
+part=${1:?which call: 1, 2 or 3}
 out=${OUT:?the device tool sets OUT}/call-$part
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheel/*.whl .gpu/rmm/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpu/wheel/*.whl .gpu/rmm/*.whl || exit 1
 export PYTHONPATH=/tmp/site EMM_MEMORY_MANAGER=pool
 start=$SECONDS
 case $part in
@@ -41,8 +47,16 @@ case $part in
         "$bundle/bin/bench_gpu" >"$out/bench-quick.csv" 2>"$out/bench-quick.err"
     python3 "$bundle/bench_peers.py" >"$out/peers.csv" 2>"$out/peers.err"
     ;;
+3)
+    for round in 1 2 3 4 5; do
+        for config in torch torch-emm; do
+            python3 python/bench/bench_alloc.py "$config" |
+                sed "s/^{/{\"round\": $round, /" >>"$out/python-rounds.jsonl" 2>>"$out/python-rounds.err"
+        done
+    done
+    ;;
 *)
-    echo "call 1 or 2, not $part" >&2
+    echo "call 1, 2 or 3, not $part" >&2
     exit 2
     ;;
 esac
