@@ -12,9 +12,9 @@
 #     bash bench-results/gpu-run.sh 3    # PyTorch's pool and emm.torch, alternate processes
 #
 # PyTorch takes its allocator once per process, so the two cannot be interleaved in one as
-# cupy_ab.py interleaves CuPy's; call 3 alternates their processes for five rounds, whose
-# ratios the page takes the median of (a process lands in a fast or a slow phase of the host,
-# which moves one figure by up to 2 x).
+# cupy_ab.py interleaves CuPy's; call 3 alternates their processes for eight rounds. A
+# process lands in a fast or a slow phase of the host, which adds up to 2 x to its figures:
+# the page compares the fastest process of each.
 #
 # Each call leaves one archive, $OUT/call-N.tar.gz (a device call returns a few files only);
 # unpack them into bench-results/run-DATE-GPU-COMMIT/, write its run.txt, and run
@@ -48,7 +48,7 @@ case $part in
     python3 "$bundle/bench_peers.py" >"$out/peers.csv" 2>"$out/peers.err"
     ;;
 3)
-    for round in 1 2 3 4 5; do
+    for round in 1 2 3 4 5 6 7 8; do
         for config in torch torch-emm; do
             python3 python/bench/bench_alloc.py "$config" |
                 sed "s/^{/{\"round\": $round, /" >>"$out/python-rounds.jsonl" 2>>"$out/python-rounds.err"
