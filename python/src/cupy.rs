@@ -45,9 +45,10 @@ impl CupyState {
 
 /// State that only a thread holding the GIL touches, with the GIL as its lock: CuPy calls
 /// its allocator's functions with the GIL held, as Python calls the functions that read the
-/// state. (A mutex cost two atomic read-modify-writes a call on CuPy's allocation path,
-/// where CuPy's own pool has none.) The package is built for CPython's stable ABI, which
-/// free-threaded CPython does not load, so there is always a GIL to hold.
+/// state, so a lock of its own would only add atomic read-modify-writes to every call on
+/// CuPy's allocation path (where CuPy's own pool has none). The package is built for
+/// CPython's stable ABI, which free-threaded CPython does not load, so there is always a GIL
+/// to hold.
 struct GilGuarded<T>(RefCell<T>);
 
 // SAFETY: the value is reached only through `with`, whose `Python` token shows that the
