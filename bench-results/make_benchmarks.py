@@ -130,24 +130,25 @@ def met(ok):
 
 pool_corpus, _, pool_hi = span([held.get((t, "pool")) for t in traces])
 vmm_corpus, _, vmm_hi = span([held.get((t, "vmm-pool")) for t in traces])
-cupy_ratio = [py["cupy-emm"][s] / py["cupy"][s] for s in ("256", "1048576", "67108864", "1073741824")]
+# The sizes of the Python pairs (python/bench/bench_alloc.py's SIZES), as their files key them.
+py_cols = ("256", "1048576", "67108864", "1073741824")
+cupy_ratio = [py["cupy-emm"][s] / py["cupy"][s] for s in py_cols]
 # CuPy's pool and emm.cupy interleaved in one process (python/bench/cupy_ab.py), where the run
 # has it: each ratio from one phase of the host, so the target is read from it.
 ab_path = os.path.join(run, "cupy-ab.jsonl")
 ab = [json.loads(line) for line in open(ab_path)] if os.path.exists(ab_path) else []
 if ab:
-    cupy_ratio = [r["ratio"][s] for r in ab for s in ("256", "1048576", "67108864", "1073741824")]
+    cupy_ratio = [r["ratio"][s] for r in ab for s in py_cols]
     cupy_how = f" (interleaved in one process, {len(ab)} run{'s' if len(ab) > 1 else ''} of cupy_ab.py)"
 else:
     cupy_how = ""
-torch_ratio = [py["torch-emm"][s] / py["torch"][s] for s in ("256", "1048576", "67108864", "1073741824")]
+torch_ratio = [py["torch-emm"][s] / py["torch"][s] for s in py_cols]
 # PyTorch's pool and emm.torch in alternate processes (gpu-run.sh's call 3), where the run has
 # them: per size, the fastest process of each over the fastest of the other. A process runs in
 # a fast or a slow phase of the host, about 2 x apart, which only adds time: the fastest of
 # several is the allocator's cost, where one process's figure is its phase's.
 prounds_path = os.path.join(run, "python-rounds.jsonl")
 prounds = [json.loads(line) for line in open(prounds_path)] if os.path.exists(prounds_path) else []
-py_cols = ("256", "1048576", "67108864", "1073741824")
 if prounds:
     by_round = {}
     for r in prounds:
@@ -306,7 +307,7 @@ names = {"numba": "Numba's own", "numba-rmm": "Numba over RMM's pool", "numba-em
 for c, label in names.items():
     r = py.get(c)
     if r:
-        w(f"| {label} | " + " | ".join(f"{r[s]:.3f}" for s in ("256", "1048576", "67108864", "1073741824")) + " |")
+        w(f"| {label} | " + " | ".join(f"{r[s]:.3f}" for s in py_cols) + " |")
 rounds_path = os.path.join(run, "python-cupy-rounds.jsonl")
 if os.path.exists(rounds_path):
     rs = [json.loads(line) for line in open(rounds_path)]
@@ -324,12 +325,11 @@ if ab:
     w("")
     w("| run | allocator | 256 B | 1 MiB | 64 MiB | 1 GiB |")
     w("| --- | --- | ---: | ---: | ---: | ---: |")
-    cols = ("256", "1048576", "67108864", "1073741824")
     for i, r in enumerate(ab, 1):
         for key, label in (("cupy", "CuPy's pool"), ("cupy-emm", "`emm.cupy`"), ("cupy-cfloor", "cfloor")):
             if key in r:
-                w(f"| {i} | {label} | " + " | ".join(f"{r[key][c]:.3f}" for c in cols) + " |")
-        w(f"| {i} | ratio, `emm.cupy` over CuPy's pool ({r['rounds']} rounds) | " + " | ".join(f"{r['ratio'][c]:.3f} ×" for c in cols) + " |")
+                w(f"| {i} | {label} | " + " | ".join(f"{r[key][c]:.3f}" for c in py_cols) + " |")
+        w(f"| {i} | ratio, `emm.cupy` over CuPy's pool ({r['rounds']} rounds) | " + " | ".join(f"{r['ratio'][c]:.3f} ×" for c in py_cols) + " |")
     w("")
 
 if prounds:

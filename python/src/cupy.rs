@@ -25,7 +25,6 @@ const STREAM_GETTER_SIGNATURE: &std::ffi::CStr = c"intptr_t (void)";
 type StreamGetter = unsafe extern "C" fn() -> isize;
 
 /// What CuPy holds from emm: its allocations by address and, per device, their bytes.
-#[derive(Default)]
 struct CupyState {
     live: AddressMap<MemoryPointer>,
     /// Bytes live on each device, by ordinal (grown to the highest device seen).
@@ -63,7 +62,10 @@ impl<T> GilGuarded<T> {
     }
 }
 
-static CUPY: GilGuarded<Option<CupyState>> = GilGuarded(RefCell::new(None));
+static CUPY: GilGuarded<CupyState> = GilGuarded(RefCell::new(CupyState {
+    live: AddressMap::with_hasher(std::hash::BuildHasherDefault::new()),
+    used: Vec::new(),
+}));
 
 /// CuPy's current-stream function ([`StreamGetter`]) as an address, 0 until
 /// [`cupy_c_functions`] takes it.
@@ -133,7 +135,6 @@ pub extern "C" fn emm_cupy_malloc(_param: *mut c_void, size: usize, device: c_in
         Ok(mem) => {
             let ptr = mem.device_ptr().0;
             let displaced = CUPY.with(py, |state| {
-                let state = state.get_or_insert_with(CupyState::default);
                 *state.used_on(mem.device().0) += mem.size() as u64;
                 state.live.insert(ptr, mem)
             });
@@ -157,7 +158,6 @@ pub extern "C" fn emm_cupy_free(_param: *mut c_void, ptr: *mut c_void, device: c
     // SAFETY: CuPy calls this function with the GIL held.
     let py = unsafe { Python::assume_attached() };
     let mem = CUPY.with(py, |state| {
-        let state = state.get_or_insert_with(CupyState::default);
         let mem = state.live.remove(&addr);
         if let Some(mem) = &mem {
             *state.used_on(mem.device().0) -= mem.size() as u64;
@@ -184,12 +184,8 @@ pub extern "C" fn emm_cupy_free(_param: *mut c_void, ptr: *mut c_void, device: c
 #[pyfunction]
 pub(crate) fn cupy_usage(py: Python<'_>, device: u32) -> PyResult<Bound<'_, PyDict>> {
     let (used, count) = CUPY.with(py, |state| {
-        state.as_ref().map_or((0, 0), |s| {
-            (
-                s.used.get(device as usize).copied().unwrap_or(0),
-                s.live.len(),
-            )
-        })
+        let used = state.used.get(device as usize).copied().unwrap_or(0);
+        (used, state.live.len())
     });
     let d = PyDict::new(py);
     d.set_item("used_bytes", used)?;
@@ -203,7 +199,7 @@ pub(crate) fn cupy_usage(py: Python<'_>, device: u32) -> PyResult<Bound<'_, PyDi
 #[pyfunction]
 pub(crate) fn cupy_allocation(py: Python<'_>, ptr: u64) -> Option<(usize, Option<u64>)> {
     CUPY.with(py, |state| {
-        let mem = state.as_ref()?.live.get(&ptr)?;
+        let mem = state.live.get(&ptr)?;
         Some((mem.size(), mem.stream().map(|s| s.raw())))
     })
 }
