@@ -5,7 +5,8 @@
 //! other and against emm's locks.
 //!
 //! Run: `RUSTFLAGS="--cfg emm_loom" LOOM_MAX_PREEMPTIONS=4 CARGO_TARGET_DIR=target/loom \
-//!       cargo test -p emm --release --test loom` (`.ci/run` does; about 12 s on two cores).
+//!       cargo test -p emm --profile loom --test loom` (`.ci/run` does; the `loom` profile
+//!       optimises emm, loom and the simulator, not the test crates).
 //! Raise the preemption bound for a deeper search (5 takes about a minute).
 #![cfg(emm_loom)]
 
@@ -626,71 +627,78 @@ fn async_pool_stale_park_races_a_reset_and_a_new_allocation() {
 /// the block still pending), dropped on one thread while another allocates the same size on
 /// stream B and a third trims. Under `pool` and `default`, whatever the interleaving, B never
 /// receives A's block while A is held; once A ran, nothing was lost (the pool's stats, the
-/// default manager's frees).
-#[test]
-fn stream_ordered_free_races_an_allocation_on_another_stream() {
+/// default manager's frees). One test per manager, so that the two models run side by side.
+fn stream_ordered_free_races_an_allocation_on_another_stream(manager: &'static str) {
     use emm::driver_sys::{Driver, wait_value};
-    for manager in ["pool", "default"] {
-        loom::model(move || {
-            let (sim, rt) = if manager == "pool" {
-                pool_runtime()
-            } else {
-                runtime(10)
-            };
-            let ctx = rt.context(0).unwrap();
-            let (a, b) = (
-                ctx.create_stream_with(true, 0).unwrap(),
-                ctx.create_stream_with(true, 0).unwrap(),
-            );
-            let flag = ctx.memhostalloc(64, true, false, false).unwrap();
-            flag.write(0, &0u32.to_le_bytes()).unwrap();
-            let at = flag.mapped().unwrap().device().device_ptr();
-            sim.stream_wait_value32(ctx.handle(), a.handle(), at, 1, wait_value::EQ)
-                .unwrap();
-            let x = ctx.memalloc_on(4096, &a).unwrap();
-            let held = x.device_ptr();
-            let t = thread::spawn(move || drop(x));
-            let trimmer = {
-                let ctx = ctx.clone();
-                thread::spawn(move || {
-                    ctx.trim().unwrap();
-                })
-            };
-            let y = ctx.memalloc_on(4096, &b).unwrap();
-            t.join().unwrap();
-            trimmer.join().unwrap();
-            let z = ctx.memalloc_on(4096, &b).unwrap();
-            assert_ne!(
-                y.device_ptr(),
-                held,
-                "{manager}: B got A's block while A was held"
-            );
-            assert_ne!(
-                z.device_ptr(),
-                held,
-                "{manager}: B got A's block while A was held"
-            );
-            flag.write(0, &1u32.to_le_bytes()).unwrap();
-            a.synchronize().unwrap();
-            drop((y, z));
-            b.synchronize().unwrap();
-            if manager == "pool" {
+    loom::model(move || {
+        let (sim, rt) = if manager == "pool" {
+            pool_runtime()
+        } else {
+            runtime(10)
+        };
+        let ctx = rt.context(0).unwrap();
+        let (a, b) = (
+            ctx.create_stream_with(true, 0).unwrap(),
+            ctx.create_stream_with(true, 0).unwrap(),
+        );
+        let flag = ctx.memhostalloc(64, true, false, false).unwrap();
+        flag.write(0, &0u32.to_le_bytes()).unwrap();
+        let at = flag.mapped().unwrap().device().device_ptr();
+        sim.stream_wait_value32(ctx.handle(), a.handle(), at, 1, wait_value::EQ)
+            .unwrap();
+        let x = ctx.memalloc_on(4096, &a).unwrap();
+        let held = x.device_ptr();
+        let t = thread::spawn(move || drop(x));
+        let trimmer = {
+            let ctx = ctx.clone();
+            thread::spawn(move || {
                 ctx.trim().unwrap();
-                ctx.trim().unwrap();
-                let stats = ctx.pool_stats().device.unwrap();
-                assert_eq!((stats.in_use_blocks, stats.held_bytes), (0, 0), "{stats:?}");
-            } else {
-                // The frees whose streams are done are queued by the next allocation; a flush
-                // frees all three blocks, each once.
-                drop(ctx.memalloc(256).unwrap());
-                ctx.flush_deallocations().unwrap();
-                let frees = sim
-                    .calls()
-                    .into_iter()
-                    .filter(|c| c.op == Op::MemFree)
-                    .count();
-                assert!(frees >= 3, "{frees} frees");
-            }
-        });
-    }
+            })
+        };
+        let y = ctx.memalloc_on(4096, &b).unwrap();
+        t.join().unwrap();
+        trimmer.join().unwrap();
+        let z = ctx.memalloc_on(4096, &b).unwrap();
+        assert_ne!(
+            y.device_ptr(),
+            held,
+            "{manager}: B got A's block while A was held"
+        );
+        assert_ne!(
+            z.device_ptr(),
+            held,
+            "{manager}: B got A's block while A was held"
+        );
+        flag.write(0, &1u32.to_le_bytes()).unwrap();
+        a.synchronize().unwrap();
+        drop((y, z));
+        b.synchronize().unwrap();
+        if manager == "pool" {
+            ctx.trim().unwrap();
+            ctx.trim().unwrap();
+            let stats = ctx.pool_stats().device.unwrap();
+            assert_eq!((stats.in_use_blocks, stats.held_bytes), (0, 0), "{stats:?}");
+        } else {
+            // The frees whose streams are done are queued by the next allocation; a flush
+            // frees all three blocks, each once.
+            drop(ctx.memalloc(256).unwrap());
+            ctx.flush_deallocations().unwrap();
+            let frees = sim
+                .calls()
+                .into_iter()
+                .filter(|c| c.op == Op::MemFree)
+                .count();
+            assert!(frees >= 3, "{frees} frees");
+        }
+    });
+}
+
+#[test]
+fn stream_ordered_free_races_an_allocation_on_another_stream_under_pool() {
+    stream_ordered_free_races_an_allocation_on_another_stream("pool");
+}
+
+#[test]
+fn stream_ordered_free_races_an_allocation_on_another_stream_under_default() {
+    stream_ordered_free_races_an_allocation_on_another_stream("default");
 }
