@@ -2,7 +2,9 @@
 //! gungraun: a regression fails `.ci/run` deterministically, however noisy the machine.
 //!
 //! `cargo bench -p emm --bench callgrind` (needs valgrind and `gungraun-runner` of the same
-//! version as the `gungraun` dev-dependency on `PATH`; `.ci/run` installs it). Each benchmark
+//! version as the `gungraun` dev-dependency on `PATH`; `.ci/run` installs it, and adds
+//! `--profile callgrind`, which builds the counted crates as `bench` does and the rest
+//! unoptimised). Each benchmark
 //! makes [`PAIRS`] alloc + free pairs (or one flush of [`FLUSHED`] frees) on a runtime that the
 //! setup made and warmed up, so the count is the steady state, not the first allocation; the
 //! budget is per pair, checked as a hard limit on the whole function. The simulator's own
