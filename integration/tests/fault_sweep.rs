@@ -794,11 +794,40 @@ fn every_driver_call_fails_once_and_emm_survives() {
 
 /// The cleanup a first fault sets off (drops, closes, resets, the runtime's end) is faulted
 /// too: for each first fault, every later call of that run fails in turn.
+/// `f` for each of [`CONFIGS`], on as many threads as the machine runs at once (each run has a
+/// simulated machine of its own), the results in the order of [`CONFIGS`].
+fn per_config<T: Send>(f: impl Fn(&'static str, bool) -> T + Sync) -> Vec<T> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut done: Vec<(usize, T)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads.min(CONFIGS.len()))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(manager, in_other)) = CONFIGS.get(i) else {
+                            return mine;
+                        };
+                        mine.push((i, f(manager, in_other)));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a sweep thread panicked"))
+            .collect()
+    });
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, t)| t).collect()
+}
+
 #[test]
 fn cleanup_after_a_fault_survives_a_second_fault() {
-    let mut runs = 0usize;
-    let mut failures = Vec::new();
-    for (manager, in_other) in CONFIGS {
+    let swept = per_config(|manager, in_other| {
+        let mut runs = 0usize;
+        let mut failures = Vec::new();
         let n = run(manager, &[], in_other).expect("clean run").calls as u64;
         for first in 1..=n {
             let one = [Fault::nth_call(first, ErrorKind::InvalidValue)];
@@ -819,7 +848,10 @@ fn cleanup_after_a_fault_survives_a_second_fault() {
                 }
             }
         }
-    }
+        (runs, failures)
+    });
+    let runs: usize = swept.iter().map(|(r, _)| r).sum();
+    let failures: Vec<String> = swept.into_iter().flat_map(|(_, f)| f).collect();
     println!(
         "fault sweep: {runs} runs with a second fault, {} failed",
         failures.len()
