@@ -360,14 +360,23 @@ fn cases(default: u32) -> u32 {
 }
 
 /// Where the property test writes its tag: the whole of a small allocation, or 64 bytes at
-/// each end of a large one (enough to catch overlap, cheap enough for many cases).
+/// each end of a large one (enough to catch overlap, cheap enough for many cases). Under Miri,
+/// which interprets every byte compared, 64 bytes at each end of any allocation above 64.
 fn stamps(bytes: usize) -> Vec<(u64, usize)> {
-    if bytes <= 4096 {
+    if bytes <= WHOLE_STAMP {
         vec![(0, bytes)]
     } else {
         vec![(0, 64), ((bytes - 64) as u64, 64)]
     }
 }
+
+/// The largest allocation the property test tags whole.
+const WHOLE_STAMP: usize = if cfg!(miri) { 128 } else { 4096 };
+
+/// The most steps of a property test case: under Miri, which checks every live allocation
+/// after every step a thousand times slower, fewer, so that its time does not hang on the
+/// lengths drawn.
+const MOST_STEPS: usize = if cfg!(miri) { 24 } else { 60 };
 
 proptest! {
     // 64 cases in CI; PROPTEST_CASES=N runs more.
@@ -378,7 +387,7 @@ proptest! {
     /// allocations touch; out-of-memory happens only when the pages needed are not free; every
     /// allocation still holds the bytes written to it.
     #[test]
-    fn page_model_invariants(steps in prop::collection::vec(step(), 1..60)) {
+    fn page_model_invariants(steps in prop::collection::vec(step(), 1..MOST_STEPS)) {
         let total = 24 << 20;
         let (sim, ctx) = started(SimConfig::single(total));
         let mut live: Vec<(DevicePtr, usize, u8)> = Vec::new();
