@@ -520,15 +520,22 @@ fn pool_reset_frees_every_chunk_and_old_pointers_stay_stale() {
     assert_eq!(ctx.pool_stats().device.unwrap().in_use_blocks, 1);
 }
 
+const MIB: usize = 1 << 20;
+
+/// A simulated device of 1 GiB and a runtime over it under `pool`.
+fn pool_on_a_gib() -> (Arc<SimDriver>, Runtime) {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime_with(&sim, "pool");
+    (sim, rt)
+}
+
 /// A stream whose arena has no room takes free space of a shared chunk that a live block
 /// keeps from going back whole: the pool does not grow for it. The lent block goes back to the
 /// shared arena once the stream is done with it, so that the chunk is freed whole once its
 /// live block goes; a reset frees the chunk once, not the block lent out of it.
 #[test]
 fn a_stream_borrows_free_space_of_a_chunk_a_live_block_keeps() {
-    const MIB: usize = 1 << 20;
-    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime_with(&sim, "pool");
+    let (sim, rt) = pool_on_a_gib();
     let ctx = rt.context(0).unwrap();
     let held = || ctx.pool_stats().device.unwrap().held_bytes;
     // One 60 MiB chunk, a 4 MiB block kept live in it: 56 MiB free, not a free chunk.
@@ -581,6 +588,37 @@ fn a_stream_borrows_free_space_of_a_chunk_a_live_block_keeps() {
     ctx.trim().unwrap();
     assert_eq!(held(), 0);
     drop((stream, ctx));
+    drop(rt);
+    let leaks = sim.leak_report();
+    assert!(leaks.is_clean(), "{leaks}");
+}
+
+/// A small block on a stream whose arena holds a large wholly free chunk (a large block freed
+/// there) comes from the shared arena's free space instead, so that the chunk can go back to
+/// the driver before the pool grows for a request it cannot serve: the case the held-bound
+/// property test found (seed 5), where one 256-byte block kept each stream's 112 MiB chunk.
+#[test]
+fn a_small_block_on_a_stream_leaves_its_large_free_chunk_whole() {
+    let (sim, rt) = pool_on_a_gib();
+    let ctx = rt.context(0).unwrap();
+    let held = || ctx.pool_stats().device.unwrap().held_bytes;
+    // The shared arena: one 60 MiB chunk, half of it live.
+    drop(ctx.memalloc(60 * MIB).unwrap());
+    let pin = ctx.memalloc(30 * MIB).unwrap();
+    let stream = ctx.create_stream().unwrap();
+    drop(ctx.memalloc_on(100 * MIB, &stream).unwrap());
+    stream.synchronize().unwrap();
+    assert_eq!(held(), 160 * MIB, "the stream's 100 MiB chunk, wholly free");
+    let small = ctx.memalloc_on(256, &stream).unwrap();
+    assert!(
+        (pin.device_ptr().0..pin.device_ptr().0 + 60 * MIB as u64).contains(&small.device_ptr().0),
+        "the small block lies in the shared chunk's free space"
+    );
+    stream.synchronize().unwrap();
+    // A request no chunk serves: the stream's free chunk goes back before the pool grows.
+    let big = ctx.memalloc(200 * MIB).unwrap();
+    assert_eq!(held(), 260 * MIB);
+    drop((small, big, pin, stream, ctx));
     drop(rt);
     let leaks = sim.leak_report();
     assert!(leaks.is_clean(), "{leaks}");
@@ -1263,7 +1301,6 @@ fn vmm_pool_unmaps_after_defer_cleanup() {
 /// holds, and not before.
 #[test]
 fn vmm_pool_gives_back_the_pieces_a_hole_leaves_free() {
-    const MIB: usize = 1 << 20;
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
     let rt = runtime_with(&sim, "vmm-pool");
     let ctx = rt.context(0).unwrap();

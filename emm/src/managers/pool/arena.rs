@@ -52,6 +52,11 @@ const SCAN: usize = 8;
 /// Where chunks merge, their wholly free pieces go back before a growth once they come to
 /// this fraction of what the arena holds (a sixteenth).
 const SHED_DIVISOR: usize = 16;
+/// [`Arena::take_sparing`] spares only chunks larger than this (the smallest growth), so that
+/// a pool of small chunks finds its free ones as [`Arena::take`] does.
+const SPARED_ABOVE: usize = 2 << 20;
+/// Free blocks [`Arena::take_sparing`] looks at for one that is not a spared chunk.
+const SPARING_SCAN: usize = 256;
 
 /// The bin of a free block of `size` bytes; bins grow with size.
 fn bin_of(size: usize) -> usize {
@@ -219,13 +224,76 @@ impl Arena {
 
     /// A free block of at least `size` bytes (see the module's note on fit), split.
     pub(super) fn take(&mut self, size: usize) -> Option<u64> {
-        if let Some((addr, given)) = self.recent {
-            if given == size {
-                self.recent = None;
-                return Some(addr);
-            }
-            self.settle();
+        if let Some(addr) = self.take_recent(size) {
+            return Some(addr);
         }
+        let found = self.find(size)?;
+        Some(self.split(found, size))
+    }
+
+    /// [`take`](Self::take), sparing wholly free chunks larger than `most()` bytes (what the
+    /// pool would grow by for the request): where the block found is such a chunk, another
+    /// free block that holds `size` is taken instead, and with none, nothing (the caller may
+    /// look elsewhere, then [`take`](Self::take) the chunk). A small block placed in a large
+    /// free chunk keeps it from going back to the driver and from serving a large request for
+    /// as long as it lives; partly used chunks serve it as well.
+    pub(super) fn take_sparing(
+        &mut self,
+        size: usize,
+        most: impl FnOnce() -> usize,
+    ) -> Option<u64> {
+        if let Some(addr) = self.take_recent(size) {
+            return Some(addr);
+        }
+        let mut found = self.find(size)?;
+        let Node {
+            addr, size: len, ..
+        } = self.nodes[found];
+        if !self.merge_across && len > SPARED_ABOVE {
+            let most = most();
+            if len > most && self.chunks.get(&addr) == Some(&len) {
+                found = self.find_unspared(size, most)?;
+            }
+        }
+        Some(self.split(found, size))
+    }
+
+    /// A free block of at least `size` bytes that is not a wholly free chunk larger than
+    /// `most`: the first of the bins from the request's own up, at most [`SPARING_SCAN`]
+    /// blocks looked at.
+    #[cold]
+    fn find_unspared(&self, size: usize, most: usize) -> Option<NodeId> {
+        let mut bin = bin_of(size);
+        let mut looked = 0;
+        loop {
+            for &(len, id) in self.bins[bin].iter().rev() {
+                looked += 1;
+                if looked > SPARING_SCAN {
+                    return None;
+                }
+                let addr = self.nodes[id].addr;
+                if len >= size && (len <= most || self.chunks.get(&addr) != Some(&len)) {
+                    return Some(id);
+                }
+            }
+            bin = self.next_nonempty(bin)?;
+        }
+    }
+
+    /// The block given last, if it is of exactly `size` bytes (a best fit at once); else it
+    /// goes into the bins and maps first.
+    fn take_recent(&mut self, size: usize) -> Option<u64> {
+        let (addr, given) = self.recent?;
+        if given == size {
+            self.recent = None;
+            return Some(addr);
+        }
+        self.settle();
+        None
+    }
+
+    /// The free block a request of `size` bytes takes (see the module's note on fit).
+    fn find(&self, size: usize) -> Option<NodeId> {
         let bin = bin_of(size);
         let own = &self.bins[bin];
         let fits = |&&(s, _): &&(usize, NodeId)| s >= size;
@@ -245,6 +313,11 @@ impl Arena {
                 None => own.iter().rev().skip(SCAN).find(fits)?.1,
             },
         };
+        Some(found)
+    }
+
+    /// Takes `size` bytes from the start of free block `found`; the rest stays free.
+    fn split(&mut self, found: NodeId, size: usize) -> u64 {
         let Node {
             addr,
             size: found_size,
@@ -260,7 +333,7 @@ impl Arena {
             self.ends.remove(&(addr + size as u64));
             self.drop_node(found);
         }
-        Some(addr)
+        addr
     }
 
     /// Returns a block: it waits as the block given last, and the one that waited goes into
@@ -780,6 +853,19 @@ impl Arenas {
         Some((self.take(size)?, self.generation))
     }
 
+    /// [`Arena::take_sparing`] in the arena that serves `size` (chunks made for one request
+    /// each are spared nothing: they serve only requests larger than the limit).
+    pub(super) fn take_sparing(
+        &mut self,
+        size: usize,
+        most: impl FnOnce() -> usize,
+    ) -> Option<u64> {
+        if self.is_oversize(size) {
+            return self.oversize.take(size);
+        }
+        self.standard.take_sparing(size, most)
+    }
+
     /// Returns a block of `size` bytes taken earlier with that size.
     pub(super) fn give(&mut self, addr: u64, size: usize) {
         self.of(size).give(addr, size);
@@ -833,14 +919,15 @@ impl Arenas {
     /// (at most `want`), from the free space of the standard chunks, as a chunk of its own:
     /// where a chunk is not wholly free, its free space still serves the streams. `None`
     /// where chunks merge (their pieces move whole, [`take_free_chunk`](Self::take_free_chunk)),
-    /// for a request served from chunks of its own, or where no free block holds `need`.
-    pub(super) fn lend(&mut self, need: usize, want: usize) -> Option<Chunk> {
+    /// for a request served from chunks of its own, or where no free block holds `need` but
+    /// wholly free chunks larger than `most` ([`Arena::take_sparing`]).
+    pub(super) fn lend(&mut self, need: usize, want: usize, most: usize) -> Option<Chunk> {
         if self.standard.merge_across || self.is_oversize(need) {
             return None;
         }
         let (base, size) = [want, need]
             .into_iter()
-            .find_map(|size| Some((self.standard.take(size)?, size)))?;
+            .find_map(|size| Some((self.standard.take_sparing(size, || most)?, size)))?;
         self.lent_out.insert(base, size);
         Some(Chunk {
             base,
@@ -995,6 +1082,28 @@ mod tests {
                 last = bin;
             }
         }
+    }
+
+    #[test]
+    fn a_sparing_take_leaves_large_free_chunks_whole() {
+        const MIB: usize = 1 << 20;
+        let (whole, used) = (1u64 << 30, 2u64 << 30);
+        let mut arena = Arena::default();
+        arena.add_chunk(whole, 64 * MIB);
+        // Only the large free chunk holds the request: spared, unless it is no larger than
+        // what the pool would grow by.
+        assert_eq!(arena.take_sparing(256, || 8 * MIB), None);
+        assert_eq!(arena.take_sparing(256, || 64 * MIB), Some(whole));
+        arena.give(whole, 256);
+        // A chunk a live block keeps serves it instead.
+        arena.add_chunk(used, 8 * MIB);
+        assert_eq!(arena.take(8 * MIB - 4096), Some(used));
+        let small = arena.take_sparing(256, || 8 * MIB).unwrap();
+        assert!((used..used + 8 * MIB as u64).contains(&small), "{small:#x}");
+        // A chunk of the smallest growth is never spared.
+        let mut small_chunks = Arena::default();
+        small_chunks.add_chunk(whole, SPARED_ABOVE);
+        assert_eq!(small_chunks.take_sparing(256, || 0), Some(whole));
     }
 
     #[test]
@@ -1385,14 +1494,21 @@ mod tests {
         let pin = shared.take(MIB).unwrap();
         assert_eq!(shared.take_free_chunk(8 * MIB, usize::MAX), None);
         // Twice the request where the free space holds it; the request where only that fits.
-        let lent = shared.lend(8 * MIB, 16 * MIB).unwrap();
+        let lent = shared.lend(8 * MIB, 16 * MIB, usize::MAX).unwrap();
         assert!(lent.lent && lent.size == 16 * MIB && !lent.oversize);
         assert_eq!(
             shared.lent_out().collect::<Vec<_>>(),
             [(lent.base, 16 * MIB)]
         );
-        assert_eq!(shared.lend(40 * MIB, 50 * MIB).unwrap().size, 40 * MIB);
-        assert_eq!(shared.lend(8 * MIB, 16 * MIB), None, "7 MiB free");
+        assert_eq!(
+            shared.lend(40 * MIB, 50 * MIB, usize::MAX).unwrap().size,
+            40 * MIB
+        );
+        assert_eq!(
+            shared.lend(8 * MIB, 16 * MIB, usize::MAX),
+            None,
+            "7 MiB free"
+        );
         let mut stream = Arenas::new(128 * MIB, None);
         stream.add_chunk(lent);
         assert_eq!(stream.chunks(), 0, "a lent chunk is not the driver's");
@@ -1427,8 +1543,12 @@ mod tests {
         const MIB: usize = 1 << 20;
         let mut shared = Arenas::new(128 * MIB, None);
         shared.add_chunk(chunk(1 << 32, 64 * MIB));
-        assert_eq!(shared.lend(256 * MIB, 256 * MIB), None, "oversize");
-        let lent = shared.lend(MIB, 2 * MIB).unwrap();
+        assert_eq!(
+            shared.lend(256 * MIB, 256 * MIB, usize::MAX),
+            None,
+            "oversize"
+        );
+        let lent = shared.lend(MIB, 2 * MIB, usize::MAX).unwrap();
         let mut stream = Arenas::new(128 * MIB, None);
         stream.add_chunk(lent);
         stream.add_chunk(chunk(1 << 40, 8 * MIB));
@@ -1438,7 +1558,7 @@ mod tests {
         assert_eq!(shared.lent_out().count(), 0);
         let mut merging = Arenas::new(usize::MAX, Some(2 * MIB));
         merging.add_chunk(chunk(1 << 32, 8 * MIB));
-        assert_eq!(merging.lend(MIB, 2 * MIB), None);
+        assert_eq!(merging.lend(MIB, 2 * MIB, usize::MAX), None);
     }
 
     /// A stream's lent segment is cut out of the shared segment it lies in; the blocks on

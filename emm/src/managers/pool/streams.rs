@@ -18,6 +18,10 @@
 //!   it came from) and S tries again; failing that, the pool grows by a chunk for S. Blocks
 //!   are never handed from one stream's arena to another's while the first stream may still
 //!   use them.
+//! - A stream's wholly free chunk larger than the pool would grow by for a request (one a large
+//!   block left) serves that request last: a chunk of the shared arena's, or its free space
+//!   lent, serves it first (`Arena::take_sparing`). A small block placed there would keep the
+//!   chunk from going back to the driver before a larger request grows the pool.
 //! - A lent chunk never goes to the driver: where a stream gives it up (moved, shed, trimmed)
 //!   it returns to the shared arena, and a reset frees only the chunk it lies in.
 //! - `trim` frees the wholly free chunks of streams with no work pending; out of memory, the
@@ -274,7 +278,10 @@ impl PoolShared {
         bytes: usize,
     ) -> Option<(u64, u64, Option<ParkedPointer>)> {
         let mut lists = lock(self.streams.of(stream));
-        let addr = lists.list(stream)?.arena.take(size)?;
+        let addr = lists
+            .list(stream)?
+            .arena
+            .take_sparing(size, || self.growth(size))?;
         lists.in_use_blocks += 1;
         lists.in_use_bytes += size as i64;
         lists.history.alloc_on(addr, bytes, stream.raw());
@@ -547,13 +554,17 @@ impl PoolShared {
         if let Some(chunk) = chunk {
             mine.arena.add_chunk(chunk);
         }
-        let addr = match mine.arena.take(size) {
+        // A large wholly free chunk of the stream's is its last resort for a small request
+        // ([`Arenas::take_sparing`]): a chunk of the shared arena's serves it first.
+        let addr = match mine.arena.take_sparing(size, || self.growth(size)) {
             Some(addr) => addr,
-            None => {
-                let chunk = self.adopt(size)?;
-                mine.arena.add_chunk(chunk);
-                mine.arena.take(size).expect("the chunk holds the request")
-            }
+            None => match self.adopt(size) {
+                Some(chunk) => {
+                    mine.arena.add_chunk(chunk);
+                    mine.arena.take(size).expect("the chunk holds the request")
+                }
+                None => mine.arena.take(size)?,
+            },
         };
         lists.in_use_blocks += 1;
         lists.in_use_bytes += size as i64;
@@ -573,7 +584,7 @@ impl PoolShared {
         if let Some(chunk) = arena.take_free_chunk(size, most) {
             return Some(chunk);
         }
-        arena.lend(size, size.next_multiple_of(GROW_GRANULARITY))
+        arena.lend(size, size.next_multiple_of(GROW_GRANULARITY), most)
     }
 
     pub(super) fn release_on_streams(&self, addr: u64, bytes: usize, tag: u64, streams: StreamUse) {
