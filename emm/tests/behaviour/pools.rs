@@ -624,6 +624,31 @@ fn a_small_block_on_a_stream_leaves_its_large_free_chunk_whole() {
     assert!(leaks.is_clean(), "{leaks}");
 }
 
+/// A captured stream may not grow or borrow, but its own large free chunk, which an
+/// uncaptured small request would spare, still serves it.
+#[test]
+fn a_captured_stream_is_served_by_its_own_large_free_chunk() {
+    use emm::driver_sys::CaptureMode;
+    let (sim, rt) = pool_on_a_gib();
+    let ctx = rt.context(0).unwrap();
+    drop(ctx.memalloc(60 * MIB).unwrap());
+    let pin = ctx.memalloc(30 * MIB).unwrap();
+    let stream = ctx.create_stream().unwrap();
+    let chunk = ctx.memalloc_on(100 * MIB, &stream).unwrap();
+    let base = chunk.device_ptr().0;
+    drop(chunk);
+    stream.synchronize().unwrap();
+    sim.stream_begin_capture(ctx.handle(), stream.handle(), CaptureMode::Global)
+        .unwrap();
+    let small = ctx.memalloc_on(256, &stream).unwrap();
+    assert!((base..base + 100 * MIB as u64).contains(&small.device_ptr().0));
+    drop(small);
+    sim.stream_end_capture(ctx.handle(), stream.handle())
+        .unwrap();
+    drop((pin, stream, ctx));
+    drop(rt);
+}
+
 /// Every byte of every block of `blocks` is `tag` (what its thread wrote): no block was handed
 /// to two threads at once.
 fn assert_filled(ctx: &emm::Context, blocks: &[emm::MemoryPointer], tag: u8) {

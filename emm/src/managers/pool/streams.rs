@@ -359,8 +359,14 @@ impl PoolShared {
         // Growth queries streams and may allocate: refused on a captured stream before any
         // call the capture would refuse, and made in relaxed mode so that a capture elsewhere
         // on this thread does not refuse them.
-        self.cx
-            .refuse_captured_allocation(self.manager_name(), stream)?;
+        if let Err(refused) = self
+            .cx
+            .refuse_captured_allocation(self.manager_name(), stream)
+        {
+            // A captured stream neither grows nor borrows; a large free chunk of its own,
+            // spared by the first try, still serves it.
+            return self.take_own(stream, size).ok_or(refused);
+        }
         let _relaxed = self.cx.relax_capture();
         if let Some(found) = self.take_after_adopting(stream, size, None) {
             return Ok(found);
@@ -400,6 +406,15 @@ impl PoolShared {
                     .expect("a new chunk holds the request"))
             },
         )
+    }
+
+    /// A block of `size` bytes from `stream`'s own arena, sparing nothing, counted as in use.
+    fn take_own(&self, stream: StreamHandle, size: usize) -> Option<(u64, u64)> {
+        let mut lists = lock(self.streams.of(stream));
+        let addr = lists.list(stream)?.arena.take(size)?;
+        lists.in_use_blocks += 1;
+        lists.in_use_bytes += size as i64;
+        Some((addr, self.generation.load(Ordering::Acquire)))
     }
 
     /// Before the pool grows for a request no free block holds: every wholly free chunk goes
