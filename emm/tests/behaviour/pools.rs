@@ -9,7 +9,8 @@ use driver_mock::{Op, SimConfig, SimDriver};
 use emm::contract::MemoryKind;
 use emm::driver_sys::Driver;
 use emm::{
-    Adaptor, Context, EmmError, MemoryPointer, PinnedPoolConfig, PoolConfig, Runtime, replay,
+    Adaptor, Context, EmmError, MemoryPointer, PinnedPoolConfig, PoolConfig, Runtime, Stream,
+    replay,
 };
 use proptest::prelude::*;
 
@@ -593,6 +594,19 @@ fn a_stream_borrows_free_space_of_a_chunk_a_live_block_keeps() {
     assert!(leaks.is_clean(), "{leaks}");
 }
 
+/// A shared chunk of 60 MiB with its first 30 MiB live (the pointer returned), and a stream
+/// whose arena holds a wholly free 100 MiB chunk (at the address returned), its work done.
+fn a_stream_with_a_large_free_chunk(ctx: &Context) -> (MemoryPointer, Stream, u64) {
+    drop(ctx.memalloc(60 * MIB).unwrap());
+    let pin = ctx.memalloc(30 * MIB).unwrap();
+    let stream = ctx.create_stream().unwrap();
+    let chunk = ctx.memalloc_on(100 * MIB, &stream).unwrap();
+    let base = chunk.device_ptr().0;
+    drop(chunk);
+    stream.synchronize().unwrap();
+    (pin, stream, base)
+}
+
 /// A small block on a stream whose arena holds a large wholly free chunk (a large block freed
 /// there) comes from the shared arena's free space instead, so that the chunk can go back to
 /// the driver before the pool grows for a request it cannot serve: the case the held-bound
@@ -602,12 +616,7 @@ fn a_small_block_on_a_stream_leaves_its_large_free_chunk_whole() {
     let (sim, rt) = pool_on_a_gib();
     let ctx = rt.context(0).unwrap();
     let held = || ctx.pool_stats().device.unwrap().held_bytes;
-    // The shared arena: one 60 MiB chunk, half of it live.
-    drop(ctx.memalloc(60 * MIB).unwrap());
-    let pin = ctx.memalloc(30 * MIB).unwrap();
-    let stream = ctx.create_stream().unwrap();
-    drop(ctx.memalloc_on(100 * MIB, &stream).unwrap());
-    stream.synchronize().unwrap();
+    let (pin, stream, _) = a_stream_with_a_large_free_chunk(&ctx);
     assert_eq!(held(), 160 * MIB, "the stream's 100 MiB chunk, wholly free");
     let small = ctx.memalloc_on(256, &stream).unwrap();
     assert!(
@@ -631,13 +640,7 @@ fn a_captured_stream_is_served_by_its_own_large_free_chunk() {
     use emm::driver_sys::CaptureMode;
     let (sim, rt) = pool_on_a_gib();
     let ctx = rt.context(0).unwrap();
-    drop(ctx.memalloc(60 * MIB).unwrap());
-    let pin = ctx.memalloc(30 * MIB).unwrap();
-    let stream = ctx.create_stream().unwrap();
-    let chunk = ctx.memalloc_on(100 * MIB, &stream).unwrap();
-    let base = chunk.device_ptr().0;
-    drop(chunk);
-    stream.synchronize().unwrap();
+    let (pin, stream, base) = a_stream_with_a_large_free_chunk(&ctx);
     sim.stream_begin_capture(ctx.handle(), stream.handle(), CaptureMode::Global)
         .unwrap();
     let small = ctx.memalloc_on(256, &stream).unwrap();
