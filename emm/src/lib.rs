@@ -47,6 +47,7 @@
 //! | 5 | `ipc`, `objects`, `resources` | opening IPC handles, imported pools, pool transfer; streams, events, modules; cuda.core's memory resources |
 //! | 6 | `runtime` | [`Runtime`], [`Context`], configuration from the environment |
 //! | 7 | [`replay`] | replaying an allocation log against a context |
+//! | 8 | `loom_models` | loom models of the public API: test code of the loom build only |
 //!
 //! The layers' modules are the crate's own, except `contract` (the plugin interface) and
 //! `replay`. The crate root re-exports what an embedder uses (about thirty names); the
@@ -83,6 +84,13 @@ pub(crate) mod resources;
 pub(crate) mod runtime;
 // Layer 7.
 pub mod replay;
+
+// Above every layer, in the loom build only: loom models of the public API, written against
+// `emm::` as an embedder's code is.
+#[cfg(all(test, emm_loom))]
+extern crate self as emm;
+#[cfg(all(test, emm_loom))]
+mod loom_models;
 
 pub use driver_sys;
 pub use error::{EmmError, LiveByTag, OutOfMemoryReport};

@@ -318,6 +318,10 @@ impl<T> Biased<T> {
 
 /// The value of an entered [`Biased`]; dropping it leaves.
 pub(crate) struct BiasedGuard<'a, T> {
+    #[cfg_attr(
+        emm_loom,
+        allow(dead_code, reason = "under loom the value is reached through `access`")
+    )]
     cell: &'a Biased<T>,
     /// The flag whose Release store of false leaves: the owner's `busy`, or `locked`.
     leave: &'a AtomicBool,
@@ -361,7 +365,7 @@ impl<T> Drop for BiasedGuard<'_, T> {
     }
 }
 
-/// loom models of [`Biased`] (run with the crate's loom models: see `tests/loom.rs`). Under
+/// loom models of [`Biased`] (run with the crate's loom models: see `loom_models.rs`). Under
 /// loom both sides' fences are real sequentially consistent fences ([`Bias::Fences`]), which
 /// loom models exactly; in a process, the owner's is a compiler fence and the other side's a
 /// `membarrier`, which makes every running thread execute a full fence, the same order.

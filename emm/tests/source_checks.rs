@@ -31,6 +31,8 @@ const LAYERS: &[(&str, u32)] = &[
     ("resources", 5),
     ("runtime", 6),
     ("replay", 7),
+    // Test code of the loom build, over the public API.
+    ("loom_models", 8),
 ];
 
 fn layer_of(module: &str) -> Option<u32> {

@@ -866,7 +866,7 @@ mod tests {
     }
 }
 
-/// loom models of the count: run with the crate's loom models (see `tests/loom.rs`).
+/// loom models of the count: run with the crate's loom models (see `loom_models.rs`).
 #[cfg(all(test, emm_loom))]
 mod loom_models {
     use super::*;

@@ -157,7 +157,7 @@ impl StreamLists {
     }
 
     /// Spare records this shard keeps.
-    #[cfg(test)]
+    #[cfg(all(test, not(emm_loom)))]
     pub(super) fn spare_records(&self) -> usize {
         self.spares.len()
     }

@@ -4,11 +4,15 @@
 //! machine is a scheduling point ([`machine`]), so loom also orders driver calls against each
 //! other and against emm's locks.
 //!
+//! These models use only emm's public API (through `emm::`, the crate's name for itself in
+//! its loom build), as an embedder would; they live in the library's test build with the
+//! library's own models (`loom_models` in `sync` and `memory::record`) so that the `loom`
+//! profile compiles emm once.
+//!
 //! Run: `RUSTFLAGS="--cfg emm_loom" LOOM_MAX_PREEMPTIONS=4 CARGO_TARGET_DIR=target/loom \
-//!       cargo test -p emm --profile loom --test loom` (`.ci/run` does; the `loom` profile
-//!       optimises emm, loom and the simulator, not the test crates).
+//!       cargo test -p emm --profile loom --lib -- loom_models` (`.ci/run` does; the `loom`
+//!       profile optimises emm, loom and the simulator, not the test crates).
 //! Raise the preemption bound for a deeper search (5 takes about a minute).
-#![cfg(emm_loom)]
 
 use std::sync::Arc;
 
@@ -599,6 +603,7 @@ fn async_pool_reset_races_a_drop_and_an_allocation() {
 /// (its generation is checked under the pool's read lock), the new allocation stays live, and
 /// every allocation is freed exactly once.
 #[test]
+#[allow(unsafe_code)]
 fn async_pool_stale_park_races_a_reset_and_a_new_allocation() {
     loom::model(|| {
         let (sim, rt) = async_pool_runtime();
