@@ -5,7 +5,7 @@
 //!   bytes (copies move data), allocation alignment and out-of-memory as the real driver has
 //!   them, the real driver's error codes for misuse, a call log, a leak report and scripted
 //!   faults. The same calls give the same addresses, errors and log, every run.
-//! - `MockDriver` (feature `mock`, on by default): a mockall expectation mock of the trait,
+//! - `MockDriver` (feature `mock`, off by default): a mockall expectation mock of the trait,
 //!   for call-sequence tests ("exactly one `mem_alloc` per `memalloc`").
 //!
 //! The simulator is opt-in: nothing in emm falls back to it. Tests and examples choose it.

@@ -1,13 +1,14 @@
-//! emm's own tests on the simulator and the mock, in one binary (the loom models, the test of
-//! selection from the process environment and the check of the sources' layers run apart:
-//! `loom.rs`, `env_selection.rs`, `source_checks.rs`).
+//! emm's own tests on the simulator, in one binary (the test of selection from the process
+//! environment and the check of the sources' layers run apart: `env_selection.rs`,
+//! `source_checks.rs`; the loom models are in the library, `loom_models`; the call sequences
+//! against the mockall mock in `integration/tests/mock_sequences.rs`, so that emm's own test
+//! builds, loom's, Miri's and the benchmarks', leave the mock out).
 //!
 //! Run one group with a filter: `cargo test -p emm --test behaviour pools::`.
 //!
 //! | module | what it proves |
 //! | --- | --- |
 //! | `pending_policy` | the deferred-deallocation policy, one test per rule |
-//! | `mock_sequences` | call sequences against the mockall mock: one `cuMemAlloc` per `memalloc`, one retry after out-of-memory, reset frees before it releases |
 //! | `host_and_ipc` | host-side rules and multi-device IPC that one GPU cannot show |
 //! | `selection` | choosing the manager in code, the interface-version check |
 //! | `hostile_input` | garbled IPC handles, pool descriptors and configuration are refused |
@@ -29,7 +30,6 @@ mod held_bound;
 mod host_and_ipc;
 mod hostile_input;
 mod in_flight;
-mod mock_sequences;
 mod out_of_memory;
 mod pending_policy;
 mod pool_ipc;

@@ -1,5 +1,8 @@
 //! Call sequences, checked with the mockall mock of the driver: exactly the driver calls NBEP 7
-//! implies, in the order it implies.
+//! implies, in the order it implies (`cargo test -p integration --test mock_sequences`).
+//!
+//! Here rather than among emm's own tests: the mock (driver-mock's feature `mock`) is a large
+//! build, which only this crate's tests ask for.
 #![allow(unsafe_code)]
 
 use std::sync::Arc;
