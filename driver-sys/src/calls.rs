@@ -8,7 +8,8 @@
 //! - in `driver-mock`, the simulator's `Op` list (each operation's CUDA name, whether it gives
 //!   something back to the driver) and its dispatch: a method runs the model's rule of the
 //!   same name with the same arguments, unless the table marks it `[custom]` (then a method of
-//!   the simulator's `SimCalls` does more).
+//!   the simulator's `SimCalls` does more); and, with its feature `mock`, the mockall mock
+//!   `MockDriver`.
 //!
 //! A new driver call is one entry here (and its operation, if new), its CUDA body in
 //! `cuda/`, and its rule in the simulator's model; the compiler names whatever is missing.
@@ -23,8 +24,8 @@
 //! - its return type is the `Ok` type of its `Result<_, DriverError>`;
 //! - the documentation goes on the trait only; attributes marked `@` (`cfg`, lints) go on the
 //!   implementations too;
-//! - types are bracketed so that they reach attribute macros (mockall's `automock`) as plain
-//!   tokens, and a method that takes a file descriptor names its lifetime, which `automock`
+//! - types are bracketed so that they reach mockall's `mock!` (driver-mock's `MockDriver`) as
+//!   plain tokens, and a method that takes a file descriptor names its lifetime, which `mock!`
 //!   needs there.
 
 /// Calls the macro `$callback` with the table of every driver call (the module's

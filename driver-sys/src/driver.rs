@@ -196,7 +196,6 @@ macro_rules! declare_driver_trait {
         /// host memory included: the CUDA driver's typed copies (`cuMemcpyHtoD` and the like) refuse
         /// such addresses, so the real implementation copies them with `cuMemcpy` instead, and the
         /// simulator takes them.
-        #[cfg_attr(feature = "mock", mockall::automock)]
         pub trait Driver: Send + Sync + fmt::Debug {
             /// A short name for messages: `"cuda"` or `"sim"`.
             fn name(&self) -> &'static str;
@@ -221,18 +220,7 @@ macro_rules! declare_driver_trait {
     };
 }
 
-/// The trait, and with feature `mock` its mock, in a module of their own: the mock's
-/// generated expectation types have no `Debug`, which the crate's lints ask of every type.
-mod declared {
-    #![cfg_attr(feature = "mock", allow(missing_debug_implementations))]
-    use super::*;
-
-    crate::driver_calls!(declare_driver_trait);
-}
-
-pub use declared::Driver;
-#[cfg(feature = "mock")]
-pub use declared::MockDriver;
+crate::driver_calls!(declare_driver_trait);
 
 /// What a stream-ordered pool holds (`cuMemPoolGetAttribute`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

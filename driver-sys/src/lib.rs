@@ -33,8 +33,6 @@ mod cuda;
 
 #[cfg(feature = "cuda")]
 pub use cuda::CudaDriver;
-#[cfg(feature = "mock")]
-pub use driver::MockDriver;
 pub use driver::{
     CaptureMode, CaptureStatus, DeviceAttribute, Driver, HostFn, MemInfo, MemLocation,
     MemPoolUsage, event_flags, host_alloc, host_register, mem_attach, stream_flags, wait_value,
