@@ -1320,10 +1320,6 @@ fn vmm_pool_unmaps_after_defer_cleanup() {
     assert!(leaks.is_clean(), "{leaks}");
 }
 
-/// `vmm-pool` grows in place: a request larger than the free block at the end of its memory
-/// maps only what it lacks just past that block, so the block keeps its address; and a loop
-/// whose sizes vary from step to step (as a training loop's with shapes drawn per step) maps
-/// memory in its first round of shapes, then neither maps nor unmaps any.
 /// `vmm-pool` maps memory in pieces of 2 MiB: the pieces a hole between live blocks leaves
 /// free go back to the driver before the pool grows, once they come to a sixteenth of what it
 /// holds, and not before.
@@ -1371,6 +1367,10 @@ fn vmm_pool_gives_back_the_pieces_a_hole_leaves_free() {
     assert!(leaks.is_clean(), "{leaks}");
 }
 
+/// `vmm-pool` grows in place: a request larger than the free block at the end of its memory
+/// maps only what it lacks just past that block, so the block keeps its address; and a loop
+/// whose sizes vary from step to step (as a training loop's with shapes drawn per step) maps
+/// memory in its first round of shapes, then neither maps nor unmaps any.
 #[test]
 fn vmm_pool_grows_in_place_and_a_varying_loop_settles() {
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
