@@ -87,6 +87,20 @@ pub(super) struct StreamLists {
 const SPARES_PER_SHARD: usize = 8;
 
 impl StreamLists {
+    /// Counts a block of `size` bytes taken from a stream's arena as in use.
+    #[inline]
+    fn took(&mut self, size: usize) {
+        self.in_use_blocks += 1;
+        self.in_use_bytes += size as i64;
+    }
+
+    /// Counts a block of `size` bytes given back to a stream's arena as no longer in use.
+    #[inline]
+    fn gave(&mut self, size: usize) {
+        self.in_use_blocks -= 1;
+        self.in_use_bytes -= size as i64;
+    }
+
     fn list(&mut self, stream: StreamHandle) -> Option<&mut PerStream> {
         self.per_stream
             .iter_mut()
@@ -282,8 +296,7 @@ impl PoolShared {
             .list(stream)?
             .arena
             .take_sparing(size, || self.growth(size))?;
-        lists.in_use_blocks += 1;
-        lists.in_use_bytes += size as i64;
+        lists.took(size);
         lists.history.alloc_on(addr, bytes, stream.raw());
         let spare = lists.spares.pop();
         Some((addr, self.generation.load(Ordering::Acquire), spare))
@@ -327,8 +340,7 @@ impl PoolShared {
                 mine._owner = streams.owner_of(stream).cloned();
             }
             mine.arena.give(addr, size);
-            lists.in_use_blocks -= 1;
-            lists.in_use_bytes -= size as i64;
+            lists.gave(size);
             lists.history.free(addr);
             lists.spares.push(record);
             streams
@@ -412,8 +424,7 @@ impl PoolShared {
     fn take_own(&self, stream: StreamHandle, size: usize) -> Option<(u64, u64)> {
         let mut lists = lock(self.streams.of(stream));
         let addr = lists.list(stream)?.arena.take(size)?;
-        lists.in_use_blocks += 1;
-        lists.in_use_bytes += size as i64;
+        lists.took(size);
         Some((addr, self.generation.load(Ordering::Acquire)))
     }
 
@@ -581,8 +592,7 @@ impl PoolShared {
                 None => mine.arena.take(size)?,
             },
         };
-        lists.in_use_blocks += 1;
-        lists.in_use_bytes += size as i64;
+        lists.took(size);
         Some((addr, generation))
     }
 
@@ -609,8 +619,7 @@ impl PoolShared {
         if self.generation.load(Ordering::Acquire) != tag {
             return;
         }
-        lists.in_use_blocks -= 1;
-        lists.in_use_bytes -= size as i64;
+        lists.gave(size);
         lists.history.free(addr);
         let owner = streams.owner_of(streams.stream).cloned();
         let Some(mine) = lists.list(streams.stream) else {
