@@ -132,10 +132,6 @@ impl<T> Lines<T> {
     /// down to `from`.
     fn move_out(&mut self, from: usize, n: usize, to: &mut Vec<T>) {
         debug_assert!(from + n <= self.len);
-        // Nothing to move: a pool drains every list of every shard, most of them empty.
-        if n == 0 {
-            return;
-        }
         to.reserve(n);
         // SAFETY: `from..from + n` are elements of this vector; they are copied to `to`'s
         // spare capacity (reserved above, a different allocation) and then count as `to`'s.
@@ -193,6 +189,7 @@ impl<T> Lines<T> {
 
     /// Takes every element out, in order, and frees the buffer.
     pub(crate) fn take_all(&mut self) -> Vec<T> {
+        // A pool drains every list of every shard, most of them empty: nothing to move.
         if self.len == 0 {
             self.free_buffer();
             return Vec::new();
