@@ -1367,6 +1367,58 @@ fn vmm_pool_gives_back_the_pieces_a_hole_leaves_free() {
     assert!(leaks.is_clean(), "{leaks}");
 }
 
+/// `vmm-pool`: before a stream's arena grows in place, the shared arena's wholly free pieces
+/// go back to the driver once they come to at least what the growth maps: no run of them
+/// held the request, or the stream would have taken it. The case the held-bound property
+/// test found (seed 11), where a stream grew by 436 MiB while the shared arena kept 375 MiB
+/// free in pieces too short for it.
+#[test]
+fn vmm_pool_a_stream_growing_in_place_gives_back_the_shared_free_pieces() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime_with(&sim, "vmm-pool");
+    let ctx = rt.context(0).unwrap();
+    let held = || ctx.pool_stats().device.unwrap().held_bytes;
+    let stream = ctx.create_stream().unwrap();
+    // The shared arena's two 40 MiB blocks apart, then the stream's 5 MiB.
+    let a = ctx.memalloc(40 * MIB).unwrap();
+    let pin = ctx.memalloc(2 * MIB).unwrap();
+    let b = ctx.memalloc(40 * MIB).unwrap();
+    let on = ctx.memalloc_on(5 * MIB, &stream).unwrap();
+    assert_eq!(held(), 88 * MIB);
+    // 40 MiB free is less than the 48 MiB the stream grows by for 48 MiB: it stays mapped.
+    drop(a);
+    let unmapped = sim.count(Op::MemUnmap);
+    let first = ctx.memalloc_on(48 * MIB, &stream).unwrap();
+    assert_eq!(
+        first.device_ptr().0,
+        on.device_ptr().0 + 5 * MIB as u64,
+        "the stream's free block grew in place"
+    );
+    assert_eq!(
+        sim.count(Op::MemUnmap),
+        unmapped,
+        "less free than the growth stays"
+    );
+    assert_eq!(held(), 136 * MIB);
+    // 80 MiB free in two runs, neither holding 48 MiB: they go back before the growth.
+    drop(b);
+    let second = ctx.memalloc_on(48 * MIB, &stream).unwrap();
+    assert_eq!(
+        sim.count(Op::MemUnmap) - unmapped,
+        40,
+        "the shared pieces went back"
+    );
+    assert_eq!(held(), 104 * MIB);
+    drop((pin, on, first, second));
+    stream.synchronize().unwrap();
+    ctx.trim().unwrap();
+    assert_eq!(held(), 0);
+    drop((stream, ctx));
+    drop(rt);
+    let leaks = sim.leak_report();
+    assert!(leaks.is_clean(), "{leaks}");
+}
+
 /// `vmm-pool` grows in place: a request larger than the free block at the end of its memory
 /// maps only what it lacks just past that block, so the block keeps its address; and a loop
 /// whose sizes vary from step to step (as a training loop's with shapes drawn per step) maps

@@ -579,6 +579,16 @@ impl Arena {
         out
     }
 
+    /// Where chunks merge, removes every wholly free piece once they come to `least` bytes
+    /// or more; nothing otherwise.
+    pub(super) fn shed_free_pieces_from(&mut self, least: usize) -> Vec<(u64, usize)> {
+        self.settle();
+        if !self.merge_across || self.free_piece_bytes((0, 0)) < least.max(1) {
+            return Vec::new();
+        }
+        self.remove_free_chunks()
+    }
+
     /// Where chunks merge, the bytes of the wholly free pieces outside the free block `keep`.
     /// Pieces lie at multiples of their size (mapped at the granularity): counted, not listed.
     fn free_piece_bytes(&self, keep: (u64, u64)) -> usize {
@@ -913,6 +923,13 @@ impl Arenas {
         let standard = self.standard.shed_free_chunks((0, 0));
         let chunks = Chunk::of_kinds(standard, self.oversize.shed_free_chunks((0, 0)));
         self.marked(chunks)
+    }
+
+    /// Where chunks merge, removes the standard arena's wholly free pieces once they come to
+    /// `least` bytes or more ([`Arena::shed_free_pieces_from`]).
+    pub(super) fn shed_free_pieces_from(&mut self, least: usize) -> Vec<Chunk> {
+        let standard = self.standard.shed_free_pieces_from(least);
+        self.marked(Chunk::of_kinds(standard, []))
     }
 
     /// Lends another arena (a stream's) a block of `want` bytes, or failing that of `need`
@@ -1364,6 +1381,8 @@ mod tests {
         Grow(usize),
         /// Sheds, keeping the tail's free block or nothing.
         Shed(bool),
+        /// Sheds every wholly free piece once they come to this many pieces.
+        ShedFrom(usize),
         /// Moves the pieces of a request of this size to another arena.
         Adopt(usize),
     }
@@ -1376,6 +1395,7 @@ mod tests {
             5 => any::<usize>().prop_map(MergingStep::Give),
             1 => (1usize..=4).prop_map(MergingStep::Grow),
             1 => any::<bool>().prop_map(MergingStep::Shed),
+            1 => (1usize..=8).prop_map(MergingStep::ShedFrom),
             1 => (1usize..=6).prop_map(|u| MergingStep::Adopt(u << 20)),
         ]
     }
@@ -1386,7 +1406,8 @@ mod tests {
         /// Random takes, gives, growths, sheds and adoptions on an arena whose chunks merge
         /// and are recorded as pieces: after every step it is consistent (`check_merging`), a
         /// shed gives back every wholly free piece outside the kept block once they come to
-        /// a sixteenth of what it holds and none before, and an adoption moves a run of
+        /// a sixteenth of what it holds and none before (a shed from a size: once they come to
+        /// that size), and an adoption moves a run of
         /// wholly free pieces that holds the request. 256 cases (`PROPTEST_CASES=N` for more).
         #[test]
         #[cfg_attr(
@@ -1451,6 +1472,13 @@ mod tests {
                         proptest::prop_assert!(
                             shed.iter().all(|&(b, _)| b + PIECE as u64 <= keep.0 || b >= keep.1)
                         );
+                    }
+                    MergingStep::ShedFrom(n) => {
+                        let wholly_free = free_pieces(&arena);
+                        let shed = arena.shed_free_pieces_from(n * PIECE);
+                        let due = if wholly_free >= n { wholly_free } else { 0 };
+                        proptest::prop_assert_eq!(shed.len(), due);
+                        proptest::prop_assert_eq!(free_pieces(&arena), wholly_free - due);
                     }
                     MergingStep::Adopt(size) => {
                         if let Some((base, got)) = arena.take_free_chunk(size, usize::MAX) {

@@ -678,6 +678,12 @@ impl PoolShared {
         need.max(step.clamp(GROW_GRANULARITY, self.config.chunk_size))
     }
 
+    /// The bytes a growth in place maps past a free block of `free` bytes for a request of
+    /// `size` bytes: what the block lacks, as a growth step ([`growth`](Self::growth)).
+    fn growth_after(&self, free: usize, size: usize) -> usize {
+        self.growth(size.saturating_sub(free).max(1))
+    }
+
     /// A new chunk from the driver that holds `size` bytes, of [`growth`](Self::growth) bytes
     /// (or `size` rounded up to 2 MiB, when the driver cannot give that). Out of memory, the
     /// pool first gives back every chunk with nothing in use, the streams' after their work,
@@ -750,7 +756,7 @@ impl PoolShared {
     /// range of the reservation is not free or the mapping failed (the caller's growth
     /// reports it, and out of memory frees what it can and retries).
     fn map_after(&self, tail: u64, free: usize, size: usize) -> Option<Chunk> {
-        let want = self.growth(size.saturating_sub(free).max(1));
+        let want = self.growth_after(free, size);
         match self.allocate_chunk_at(tail, want) {
             Ok(Some(got)) => {
                 self.totals.grew(got);

@@ -480,8 +480,10 @@ impl PoolShared {
 
     /// `vmm-pool`: grows the largest free block of `stream`'s arena that ends where mapped
     /// memory does, as [`grow_in_place`](PoolShared::grow_in_place) does the shared arena's;
-    /// the stream's free pieces it sheds go to the driver once its work is done. `None` where
-    /// no block can grow so.
+    /// the stream's free pieces it sheds go to the driver once its work is done. The shared
+    /// arena's wholly free pieces go at once where they come to what the growth maps: no run
+    /// of them held the request, or the stream would have adopted it, and keeping them would
+    /// let the pool hold that much more than it uses. `None` where no block can grow so.
     fn grow_stream_in_place(&self, stream: StreamHandle, size: usize) -> Option<(u64, u64)> {
         self.vmm.as_ref()?;
         let (tail, free) = {
@@ -494,6 +496,8 @@ impl PoolShared {
             self.retire(stream, mine, shed);
             (end, free)
         };
+        let shared = lock(&self.arena).shed_free_pieces_from(self.growth_after(free, size));
+        self.free_chunks(shared, "before a stream grows in place");
         let chunk = self.map_after(tail, free, size)?;
         self.take_after_adopting(stream, size, Some(chunk))
     }
