@@ -9,7 +9,8 @@
 #
 #     bash bench-results/gpu-run.sh 1    # bench_gpu (cut at 300 s), the corpus replays
 #     bash bench-results/gpu-run.sh 2    # the Python pairs, cupy_ab.py, quick bench_gpu, peers
-#     bash bench-results/gpu-run.sh 3    # PyTorch's pool and emm.torch, alternate processes
+#     bash bench-results/gpu-run.sh 3    # PyTorch's pool and emm.torch, alternate processes;
+#                                         # then the corpus's training loop, three rounds
 #
 # PyTorch takes its allocator once per process, so the two cannot be interleaved in one as
 # cupy_ab.py interleaves CuPy's; call 3 alternates their processes for eight rounds. A
@@ -53,6 +54,13 @@ case $part in
             python3 python/bench/bench_alloc.py "$config" |
                 sed "s/^{/{\"round\": $round, /" >>"$out/python-rounds.jsonl" 2>>"$out/python-rounds.err"
         done
+    done
+    # The transformer training loop under PyTorch's allocator (with and without expandable
+    # segments), `pool` and `vmm-pool`, one process each in turn, three rounds.
+    for round in 1 2 3; do
+        python3 integration/traces/record/compare_training.py --steps 100 --managers pool,vmm-pool \
+            >"$out/training-$round.txt" 2>&1
+        sed -n "s/^COMPARE {/{\"round\": $round, /p" "$out/training-$round.txt" >>"$out/training.jsonl"
     done
     ;;
 *)

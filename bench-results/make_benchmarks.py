@@ -6,7 +6,8 @@ here, never edited by hand.
 The run directory holds `run.txt` (machine, date, commit, the calls made), `bench-full.csv`
 and `bench-quick.csv` (bench_gpu: section,subject,param,threads,value,unit), `peers.csv`
 (bench_peers.py), `python.jsonl` (python/bench/bench_alloc.py), `corpus-frameworks.jsonl`
-(integration/traces/record/replay_frameworks.py) and `corpus-emm.csv` (the replay example).
+(integration/traces/record/replay_frameworks.py), `corpus-emm.csv` (the replay example) and,
+where the run has it, `training.jsonl` (compare_training.py's rounds).
 Every table puts emm beside its anchor from the same run, with the ratio and the target from
 `shared/docs/performance.md`.
 """
@@ -130,6 +131,24 @@ def met(ok):
 
 pool_corpus, _, pool_hi = span([held.get((t, "pool")) for t in traces])
 vmm_corpus, _, vmm_hi = span([held.get((t, "vmm-pool")) for t in traces])
+# Every emm manager against PyTorch's caching allocator on the same trace: (trace, manager,
+# emm's figure, PyTorch's) wherever emm holds more.
+emm_managers = list(dict.fromkeys(r["manager"] for r in rows("corpus-emm.csv")))
+over_torch = [(t, m, held[(t, m)], held[(t, "torch")]) for t in traces for m in emm_managers
+              if held.get((t, m)) is not None and held.get((t, "torch")) is not None
+              and held[(t, m)] > held[(t, "torch")]]
+over_managers = list(dict.fromkeys(m for _, m, _, _ in over_torch))
+under_managers = [m for m in emm_managers if m not in over_managers]
+# The corpus's transformer training loop through emm.torch against PyTorch's own allocator
+# (compare_training.py, gpu-run.sh's call 3), where the run has it: rounds of one process per
+# configuration in turn; per configuration the fastest round's median step, over PyTorch's
+# fastest, as for the Python pairs (a process's host phase only adds time).
+train_path = os.path.join(run, "training.jsonl")
+training = [json.loads(line) for line in open(train_path)] if os.path.exists(train_path) else []
+train = {}
+for r in training:
+    train.setdefault(r["label"], []).append(r)
+train_fast = {label: min(x["step_ms_median"] for x in rs) for label, rs in train.items()}
 # The sizes of the Python pairs (python/bench/bench_alloc.py's SIZES), as their files key them.
 py_cols = ("256", "1048576", "67108864", "1073741824")
 cupy_ratio = [py["cupy-emm"][s] / py["cupy"][s] for s in py_cols]
@@ -168,6 +187,25 @@ w(f"| `pool`, 8 / 16 threads, aggregate over one thread | ≥ 7 × / ≥ 12 × |
 w(f"| `async-pool` pair over the raw driver pool's, interleaved in one process | ≤ 1.1 × | `memalloc` {min(inter):.3f} – {max(inter):.3f} ×; `memalloc_on` {min(inter_on):.3f} – {max(inter_on):.3f} × | {met(max(inter) <= 1.1)} for `memalloc`; {met(max(inter_on) <= 1.1)} for `memalloc_on` |")
 w(f"| `pool`, RMM's random workload up to 1 MiB | ≤ 0.15 µs per operation | {min(rnd):.0f} – {max(rnd):.0f} ns at 10 000 allocations, {min(rnd100k):.0f} – {max(rnd100k):.0f} ns at 100 000 (five seeds, quick run) | {met(max(rnd) <= 150)} at 10 000; {met(max(rnd100k) <= 150)} at 100 000 |")
 w(f"| memory held over peak live, corpus | `pool` ≤ 1.25, `vmm-pool` ≤ 1.10 | `pool` {pool_corpus}; `vmm-pool` {vmm_corpus} | `pool` {met(pool_hi <= 1.25)}; `vmm-pool` {met(vmm_hi <= 1.10)} |")
+if over_torch:
+    # Managers over PyTorch by the same figure on a trace (the async-pool family shares the
+    # driver's pool) are named together, with RMM's async resource where it holds the same.
+    groups = {}
+    for t, m, v, p in over_torch:
+        groups.setdefault((t, round(v, 3), p), []).append(m)
+    over_text = "; ".join(
+        f"{t} {v:.3f} ({', '.join(f'`{m}`' for m in ms)}"
+        + (", as RMM's async resource" if held.get((t, "rmm-async")) is not None and round(held[(t, "rmm-async")], 3) == v else "")
+        + f") against {p:.3f}" for (t, v, p), ms in groups.items())
+    w(f"| every manager's held over peak live, corpus | never above PyTorch's caching allocator on the same trace | above it: {over_text}; every other figure at or below | "
+      + ", ".join(f"`{m}`" for m in under_managers) + " **met**; " + ", ".join(f"`{m}`" for m in over_managers) + " **missed** |")
+elif emm_managers:
+    w("| every manager's held over peak live, corpus | never above PyTorch's caching allocator on the same trace | every figure at or below PyTorch's | **met** |")
+if "torch" in train_fast:
+    step = {m: train_fast[f"emm {m}"] / train_fast["torch"] for m in ("pool", "vmm-pool") if f"emm {m}" in train_fast}
+    w("| training loop step time (corpus transformer, 100 steps), over PyTorch's own allocator | ≤ 1.03 × | "
+      + "; ".join(f"`{m}` {v:.3f} ×" for m, v in step.items())
+      + f" (the fastest of {len(train['torch'])} rounds each) | " + "; ".join(f"`{m}` {met(v <= 1.03)}" for m, v in step.items()) + " |")
 w(f"| pinned host pool, cached pair | ≤ 40 ns | {pinned_small:.1f} ns at 4 KiB | {met(pinned_small <= 40)} |")
 w(f"| copies through the runtime, pinned host to device / device to device, largest size | ≥ 97 % of raw | {100 * htod[0] / htod[1]:.0f} % at {size(big_copy)} / {100 * dtod[0] / dtod[1]:.0f} % at {size(big_dtod)} | {met(htod[0] / htod[1] >= 0.97 and dtod[0] / dtod[1] >= 0.97)} |")
 w(f"| a framework through emm over its own pool, from Python | CuPy ≤ 1.15 ×, PyTorch ≤ 1.1 × | CuPy {min(cupy_ratio):.2f} – {max(cupy_ratio):.2f} ×{cupy_how}; PyTorch {min(torch_ratio):.2f} – {max(torch_ratio):.2f} ×{torch_how} | CuPy {met(max(cupy_ratio) <= 1.15)}; PyTorch {met(max(torch_ratio) <= 1.1)} |")
@@ -367,6 +405,29 @@ w("| --- |" + " ---: |" * len(cols))
 for t in traces:
     w(f"| {t} | " + " | ".join("-" if held.get((t, a)) is None else f"{held[(t, a)]:.3f}" for _, a in cols) + " |")
 w("")
+
+# ---- training loop ------------------------------------------------------------------------
+if training:
+    live = train["torch"][0]["memory"]["max_allocated"]
+    w("## A training loop through `emm.torch` (call 3)")
+    w("")
+    w("The corpus's transformer (`integration/traces/record/torch_transformer.py`: 4 encoder layers,")
+    w("batch and sequence drawn per step, fixed seeds), 100 steps, one process per configuration in")
+    w(f"turn, {len(train['torch'])} rounds (`compare_training.py --managers pool,vmm-pool`). Step: the median step")
+    w("of each round; held: the most the allocator held (PyTorch's `max_memory_reserved()`, emm's pool")
+    w("peak), over PyTorch's `max_memory_allocated()`; losses: the largest relative difference from")
+    w("PyTorch's own allocator's over all steps and rounds.")
+    w("")
+    w("| run | step ms per round | fastest over PyTorch's | held MiB | held / live | losses |")
+    w("| --- | --- | ---: | ---: | ---: | ---: |")
+    names = {"torch": "PyTorch", "torch expandable": "PyTorch, expandable segments",
+             "emm pool": "`pool`", "emm vmm-pool": "`vmm-pool`"}
+    for label, rs in train.items():
+        steps = " / ".join(f"{x['step_ms_median']:.2f}" for x in rs)
+        peak = max(x["held_bytes"] or 0 for x in rs)
+        diff = max(x["loss_rel_diff"] for x in rs)
+        w(f"| {names.get(label, label)} | {steps} | {train_fast[label] / train_fast['torch']:.3f} × | {peak / 2**20:.0f} | {peak / live:.3f} | {diff:.1e} |")
+    w("")
 
 # ---- callgrind ----------------------------------------------------------------------------
 w("## Instruction counts (checked in CI)")

@@ -68,6 +68,7 @@ if base:
         print(f"{r['label']:<20} {r['step_ms_median']:>8.2f} {held_text} "
               f"{mem['peak_used_per_step'] / 2**20:>12.1f}  "
               f"{'identical' if same else f'within {diff:.1e}' if diff <= 1e-3 else f'DIFFER {diff:.1e}'}")
-        print("COMPARE " + json.dumps({k: v for k, v in r.items() if k != "losses"}))
+        print("COMPARE " + json.dumps({**{k: v for k, v in r.items() if k != "losses"},
+                                       "held_bytes": held, "loss_rel_diff": diff}))
 print("training comparison:", "PASS" if status == 0 else "FAIL")
 sys.exit(status)
