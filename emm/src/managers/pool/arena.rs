@@ -551,11 +551,7 @@ impl Arena {
 
     /// Removes every chunk that is wholly free.
     pub(super) fn remove_free_chunks(&mut self) -> Vec<(u64, usize)> {
-        self.settle();
-        let free = self.free_chunks();
-        let out = free.iter().map(|&(b, s, _)| (b, s)).collect();
-        self.remove_chunks(free);
-        out
+        self.remove_free_chunks_outside((0, 0), 0)
     }
 
     /// Before a growth, removes the wholly free chunks outside the free block `keep` (start,
@@ -565,8 +561,24 @@ impl Arena {
     /// arena holds little it does not use, while a loop whose holes fill and empty again does
     /// not unmap and map the same pieces at every growth.
     pub(super) fn shed_free_chunks(&mut self, keep: (u64, u64)) -> Vec<(u64, usize)> {
+        self.remove_free_chunks_outside(keep, self.held / SHED_DIVISOR)
+    }
+
+    /// Where chunks merge, removes every wholly free piece once they come to `least` bytes
+    /// or more; nothing otherwise.
+    pub(super) fn shed_free_pieces_from(&mut self, least: usize) -> Vec<(u64, usize)> {
+        if !self.merge_across {
+            return Vec::new();
+        }
+        self.remove_free_chunks_outside((0, 0), least)
+    }
+
+    /// Removes the wholly free chunks outside the free block `keep` (start, end; empty for
+    /// none), as (base, size); where chunks merge, only once their free pieces there come to
+    /// `least` bytes.
+    fn remove_free_chunks_outside(&mut self, keep: (u64, u64), least: usize) -> Vec<(u64, usize)> {
         self.settle();
-        if self.merge_across && self.free_piece_bytes(keep) < self.held / SHED_DIVISOR {
+        if self.merge_across && self.free_piece_bytes(keep) < least {
             return Vec::new();
         }
         let free: Vec<_> = self
@@ -577,16 +589,6 @@ impl Arena {
         let out = free.iter().map(|&(b, s, _)| (b, s)).collect();
         self.remove_chunks(free);
         out
-    }
-
-    /// Where chunks merge, removes every wholly free piece once they come to `least` bytes
-    /// or more; nothing otherwise.
-    pub(super) fn shed_free_pieces_from(&mut self, least: usize) -> Vec<(u64, usize)> {
-        self.settle();
-        if !self.merge_across || self.free_piece_bytes((0, 0)) < least.max(1) {
-            return Vec::new();
-        }
-        self.remove_free_chunks()
     }
 
     /// Where chunks merge, the bytes of the wholly free pieces outside the free block `keep`.
