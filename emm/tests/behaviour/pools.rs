@@ -340,8 +340,7 @@ proptest! {
 
 #[test]
 fn pool_reuses_blocks_without_driver_calls() {
-    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime_with(&sim, "pool");
+    let (sim, rt) = on_a_gib("pool");
     let ctx = rt.context(0).unwrap();
     drop(ctx.memalloc(1000).unwrap());
     let calls = sim.calls().len();
@@ -471,8 +470,7 @@ fn pool_trims_itself_when_the_driver_runs_out() {
 /// An IPC handle of a pool block names the chunk, with the block's offset.
 #[test]
 fn pool_ipc_handles_carry_the_offset_in_the_chunk() {
-    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime_with(&sim, "pool");
+    let (sim, rt) = on_a_gib("pool");
     let ctx = rt.context(0).unwrap();
     let _first = ctx.memalloc(5000).unwrap();
     let mem = ctx.to_device(&[7u8; 3000]).unwrap();
@@ -505,8 +503,7 @@ fn pool_ipc_handles_carry_the_offset_in_the_chunk() {
 
 #[test]
 fn pool_reset_frees_every_chunk_and_old_pointers_stay_stale() {
-    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime_with(&sim, "pool");
+    let (_sim, rt) = on_a_gib("pool");
     let ctx = rt.context(0).unwrap();
     let baseline = ctx.get_memory_info().unwrap().free;
     let a = ctx.memalloc(100).unwrap();
@@ -523,10 +520,10 @@ fn pool_reset_frees_every_chunk_and_old_pointers_stay_stale() {
 
 const MIB: usize = 1 << 20;
 
-/// A simulated device of 1 GiB and a runtime over it under `pool`.
-fn pool_on_a_gib() -> (Arc<SimDriver>, Runtime) {
+/// A simulated device of 1 GiB and a runtime over it under `manager`.
+fn on_a_gib(manager: &str) -> (Arc<SimDriver>, Runtime) {
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime_with(&sim, "pool");
+    let rt = runtime_with(&sim, manager);
     (sim, rt)
 }
 
@@ -536,7 +533,7 @@ fn pool_on_a_gib() -> (Arc<SimDriver>, Runtime) {
 /// live block goes; a reset frees the chunk once, not the block lent out of it.
 #[test]
 fn a_stream_borrows_free_space_of_a_chunk_a_live_block_keeps() {
-    let (sim, rt) = pool_on_a_gib();
+    let (sim, rt) = on_a_gib("pool");
     let ctx = rt.context(0).unwrap();
     let held = || ctx.pool_stats().device.unwrap().held_bytes;
     // One 60 MiB chunk, a 4 MiB block kept live in it: 56 MiB free, not a free chunk.
@@ -613,7 +610,7 @@ fn a_stream_with_a_large_free_chunk(ctx: &Context) -> (MemoryPointer, Stream, u6
 /// property test found (seed 5), where one 256-byte block kept each stream's 112 MiB chunk.
 #[test]
 fn a_small_block_on_a_stream_leaves_its_large_free_chunk_whole() {
-    let (sim, rt) = pool_on_a_gib();
+    let (sim, rt) = on_a_gib("pool");
     let ctx = rt.context(0).unwrap();
     let held = || ctx.pool_stats().device.unwrap().held_bytes;
     let (pin, stream, _) = a_stream_with_a_large_free_chunk(&ctx);
@@ -638,7 +635,7 @@ fn a_small_block_on_a_stream_leaves_its_large_free_chunk_whole() {
 #[test]
 fn a_captured_stream_is_served_by_its_own_large_free_chunk() {
     use emm::driver_sys::CaptureMode;
-    let (sim, rt) = pool_on_a_gib();
+    let (sim, rt) = on_a_gib("pool");
     let ctx = rt.context(0).unwrap();
     let (pin, stream, base) = a_stream_with_a_large_free_chunk(&ctx);
     sim.stream_begin_capture(ctx.handle(), stream.handle(), CaptureMode::Global)
@@ -668,8 +665,7 @@ fn assert_filled(ctx: &emm::Context, blocks: &[emm::MemoryPointer], tag: u8) {
 /// Threads allocate and free at once; no block is handed out twice.
 #[test]
 fn pool_is_safe_across_threads() {
-    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime_with(&sim, "pool");
+    let (sim, rt) = on_a_gib("pool");
     let ctx = rt.context(0).unwrap();
     std::thread::scope(|s| {
         for t in 0..8u8 {
@@ -798,8 +794,7 @@ fn shard_owners_race_trims_and_counts_from_another_thread() {
 
 #[test]
 fn async_pool_caches_frees_and_trims_on_request() {
-    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime_with(&sim, "async-pool");
+    let (sim, rt) = on_a_gib("async-pool");
     let ctx = rt.context(0).unwrap();
     let baseline = ctx.get_memory_info().unwrap().free;
     let mem = ctx.to_device(&[3u8; 1 << 20]).unwrap();
@@ -998,8 +993,7 @@ fn a_logged_run_replays() {
     assert_eq!(text.lines().count(), 1 + 8, "{text}");
     let events = replay::parse_log(&text).unwrap();
     assert_eq!(events.len(), 8);
-    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime_with(&sim, "pool");
+    let (_sim, rt) = on_a_gib("pool");
     let report = replay::replay(&rt.context(0).unwrap(), &events).unwrap();
     assert_eq!(
         (report.allocations, report.frees, report.failures),
@@ -1258,8 +1252,7 @@ fn vmm_pool_is_refused_without_virtual_memory_management() {
         assert!(text.contains(needle), "{needle:?} missing from: {text}");
     }
     // Where it has it, the pool works, grows in place and gives everything back.
-    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime_with(&sim, "vmm-pool");
+    let (sim, rt) = on_a_gib("vmm-pool");
     let ctx = rt.context(0).unwrap();
     let blocks: Vec<_> = (0..8)
         .map(|i| ctx.memalloc((3 << 20) + i).unwrap())
@@ -1287,8 +1280,7 @@ fn vmm_pool_is_refused_without_virtual_memory_management() {
 /// inside the guard gives up every block, so its chunks go at once; nothing leaks.
 #[test]
 fn vmm_pool_unmaps_after_defer_cleanup() {
-    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime_with(&sim, "vmm-pool");
+    let (sim, rt) = on_a_gib("vmm-pool");
     let ctx = rt.context(0).unwrap();
     let blocks: Vec<_> = (0..4).map(|_| ctx.memalloc(16 << 20).unwrap()).collect();
     let guard = ctx.defer_cleanup().unwrap();
@@ -1325,8 +1317,7 @@ fn vmm_pool_unmaps_after_defer_cleanup() {
 /// holds, and not before.
 #[test]
 fn vmm_pool_gives_back_the_pieces_a_hole_leaves_free() {
-    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime_with(&sim, "vmm-pool");
+    let (sim, rt) = on_a_gib("vmm-pool");
     let ctx = rt.context(0).unwrap();
     let held = || ctx.pool_stats().device.unwrap().held_bytes;
     // 64 MiB, then 3 MiB past it (a growth in place of 4 MiB): 34 pieces.
@@ -1374,8 +1365,7 @@ fn vmm_pool_gives_back_the_pieces_a_hole_leaves_free() {
 /// free in pieces too short for it.
 #[test]
 fn vmm_pool_a_stream_growing_in_place_gives_back_the_shared_free_pieces() {
-    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime_with(&sim, "vmm-pool");
+    let (sim, rt) = on_a_gib("vmm-pool");
     let ctx = rt.context(0).unwrap();
     let held = || ctx.pool_stats().device.unwrap().held_bytes;
     let stream = ctx.create_stream().unwrap();
@@ -1425,8 +1415,7 @@ fn vmm_pool_a_stream_growing_in_place_gives_back_the_shared_free_pieces() {
 /// memory in its first round of shapes, then neither maps nor unmaps any.
 #[test]
 fn vmm_pool_grows_in_place_and_a_varying_loop_settles() {
-    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = runtime_with(&sim, "vmm-pool");
+    let (sim, rt) = on_a_gib("vmm-pool");
     let ctx = rt.context(0).unwrap();
     let a = ctx.memalloc(12 << 20).unwrap();
     let at = a.device_ptr();
