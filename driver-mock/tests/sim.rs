@@ -724,3 +724,42 @@ fn pool_blocks_share_pages_and_cu_mem_free_returns_them_to_their_pool() {
     assert_eq!(sim.mem_pool_usage(ctx, pool).unwrap().reserved, 0);
     assert_eq!(used(&sim), base, "the page went with the last block");
 }
+
+/// Stand-in work of a recorded program (`launch_recorded`) holds its stream until the stream's
+/// progress (`reach_recorded`) passes its time: queries say busy, an event recorded behind it
+/// is not done, and running the streams does not pass it. A synchronisation passes it (the
+/// host waited for the GPU), and so does a `cuMemFree`, which waits for the device's work.
+#[test]
+fn recorded_work_holds_its_stream_until_it_is_reached() {
+    let (sim, ctx) = started(SimConfig::single(1 << 30));
+    let stream = sim.stream_create(ctx, 0).unwrap();
+    let event = sim.event_create(ctx, 0).unwrap();
+    sim.launch_recorded(ctx, stream, 100).unwrap();
+    sim.event_record(ctx, event, stream).unwrap();
+    sim.run_streams();
+    assert!(!sim.stream_query(ctx, stream).unwrap());
+    assert!(!sim.event_query(ctx, event).unwrap());
+    sim.reach_recorded(ctx, stream, 50).unwrap();
+    assert!(!sim.event_query(ctx, event).unwrap(), "not reached yet");
+    sim.reach_recorded(ctx, stream, 100).unwrap();
+    assert!(sim.event_query(ctx, event).unwrap());
+    assert!(sim.stream_query(ctx, stream).unwrap());
+    // Progress never goes back; a synchronisation passes what is queued.
+    sim.reach_recorded(ctx, stream, 10).unwrap();
+    sim.launch_recorded(ctx, stream, 200).unwrap();
+    assert!(!sim.stream_query(ctx, stream).unwrap());
+    sim.stream_synchronize(ctx, stream).unwrap();
+    assert!(sim.stream_query(ctx, stream).unwrap());
+    // A free waits for the device's work.
+    let p = sim.mem_alloc(ctx, 4096).unwrap();
+    sim.launch_recorded(ctx, stream, 300).unwrap();
+    free(&sim, ctx, p).unwrap();
+    assert!(
+        sim.stream_query(ctx, stream).unwrap(),
+        "the free waited for the device"
+    );
+    // A handle the process does not have is refused.
+    // SAFETY: a made-up handle, which the simulator looks up and refuses.
+    let stranger = unsafe { driver_sys::StreamHandle::from_raw(0xdead_0000) };
+    assert!(sim.launch_recorded(ctx, stranger, 1).is_err());
+}

@@ -9,6 +9,15 @@
 //! kept for the replayer's life.
 //! Under a manager that does not allocate on streams they are replayed with `memalloc`, as
 //! the frameworks' allocators over emm do.
+//!
+//! **The GPU's progress.** A program's frees reach the allocator long before the GPU reaches
+//! them, and a stream that a manager queries while it grows is busy in a real run. A log that
+//! says how far the GPU had got when each event came (the `log` adaptor's `Reached` column)
+//! replays with that progress where the driver can queue stand-in work
+//! ([`Replayer::pass_recorded`], with a [`RecordedWork`]): after each event on a stream, work
+//! launched up to the next event's time; before each, the stream's progress moved to the
+//! recorded figure. What a manager queues behind the stand-ins (its fences) then completes
+//! when it did in the recorded run, and its queries see the streams busy as they were.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -21,6 +30,7 @@ use crate::memory::host::HostMemory;
 use crate::memory::pointer::MemoryPointer;
 use crate::objects::Stream;
 use crate::runtime::context::Context;
+use driver_sys::StreamHandle;
 
 /// What one log line asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,6 +55,13 @@ pub struct ReplayEvent {
     pub stream: Option<u64>,
     /// The kind of memory.
     pub kind: MemoryKind,
+    /// When the event came in the recorded run, in nanoseconds since its log opened, where the
+    /// log says.
+    pub at: Option<u64>,
+    /// How far the GPU had got through the event's stream when it came: the time (as
+    /// [`at`](Self::at)) up to which the work the program had launched there was complete,
+    /// where the log says (the `log` adaptor's `Reached` column).
+    pub reached: Option<u64>,
 }
 
 /// Parses a log. A header line says where the columns stand (by name: `Action`, `Pointer`,
@@ -83,6 +100,8 @@ pub fn parse_log(text: &str) -> Result<Vec<ReplayEvent>, EmmError> {
             size: parsed.size,
             stream: parsed.stream,
             kind: parsed.kind,
+            at: parsed.at,
+            reached: parsed.reached,
         });
     }
     Ok(events)
@@ -185,6 +204,18 @@ impl ReplayReport {
     }
 }
 
+/// How a replay reproduces the GPU's progress through the recorded program's work, on a driver
+/// that can queue stand-in work (the simulator's `launch_recorded` and `reach_recorded`). Log
+/// times are nanoseconds; a replayer shifts each pass's past the last's.
+pub trait RecordedWork {
+    /// The recorded program launched work on `stream` until log time `at`: a stand-in that
+    /// completes once the stream's progress reaches `at` is queued there.
+    fn launched(&mut self, stream: StreamHandle, at: u64) -> Result<(), EmmError>;
+
+    /// The GPU had finished the work launched on `stream` up to log time `at`.
+    fn reached(&mut self, stream: StreamHandle, at: u64) -> Result<(), EmmError>;
+}
+
 enum Live {
     Device(#[allow(dead_code)] MemoryPointer, usize),
     Host(#[allow(dead_code)] HostMemory),
@@ -198,6 +229,9 @@ pub struct Replayer<'c> {
     on_streams: bool,
     /// Streams made for recorded handles other than the implicit ones.
     streams: HashMap<u64, Stream>,
+    /// Added to a log's times in a pass with recorded work: past every time of the passes
+    /// before, so that progress, which never goes back, applies to each pass afresh.
+    time_base: u64,
 }
 
 impl std::fmt::Debug for Replayer<'_> {
@@ -219,6 +253,7 @@ impl<'c> Replayer<'c> {
             baseline: info.total.saturating_sub(info.free),
             on_streams: ctx.stream_ordering() != StreamOrdering::Unsupported,
             streams: HashMap::new(),
+            time_base: 0,
         })
     }
 
@@ -231,25 +266,37 @@ impl<'c> Replayer<'c> {
             .saturating_sub(self.baseline))
     }
 
+    /// The replay's stream for the recorded handle `handle`, made at its first use.
+    fn stream(&mut self, handle: u64) -> Result<&Stream, EmmError> {
+        if !self.streams.contains_key(&handle) {
+            let made = match handle {
+                // The legacy default stream by either of its names.
+                0 | 1 => self.ctx.legacy_default_stream(),
+                2 => self.ctx.per_thread_default_stream(),
+                _ => self.ctx.create_stream()?,
+            };
+            self.streams.insert(handle, made);
+        }
+        Ok(&self.streams[&handle])
+    }
+
     /// Allocates device memory for `e`, on its stream where it has one and the manager
     /// allocates on streams.
     fn allocate_device(&mut self, e: &ReplayEvent) -> Result<MemoryPointer, EmmError> {
         let Some(handle) = e.stream.filter(|_| self.on_streams) else {
             return self.ctx.memalloc(e.size);
         };
-        let stream = match self.streams.get(&handle) {
-            Some(s) => s,
-            None => {
-                let made = match handle {
-                    // The legacy default stream by either of its names.
-                    0 | 1 => self.ctx.legacy_default_stream(),
-                    2 => self.ctx.per_thread_default_stream(),
-                    _ => self.ctx.create_stream()?,
-                };
-                self.streams.entry(handle).or_insert(made)
-            }
-        };
-        self.ctx.memalloc_on(e.size, stream)
+        let ctx = self.ctx;
+        ctx.memalloc_on(e.size, self.stream(handle)?)
+    }
+
+    /// The replay's stream handle for `e`'s recorded stream, where the event is stream-ordered
+    /// device memory replayed on a stream.
+    fn stream_of(&mut self, e: &ReplayEvent) -> Result<Option<StreamHandle>, EmmError> {
+        match e.stream.filter(|_| self.on_streams && is_device(e.kind)) {
+            Some(handle) => Ok(Some(self.stream(handle)?.handle())),
+            None => Ok(None),
+        }
     }
 
     /// Replays `events` once. Memory still live at the end of the log is freed before it
@@ -264,8 +311,39 @@ impl<'c> Replayer<'c> {
     pub fn pass_with(
         &mut self,
         events: &[ReplayEvent],
+        between: impl FnMut(),
+    ) -> Result<ReplayReport, EmmError> {
+        self.run(events, None, between)
+    }
+
+    /// [`pass_with`](Self::pass_with), reproducing the GPU's progress the log recorded
+    /// through `work` (see the module's text): before each stream-ordered event its stream's
+    /// progress moves to the event's [`reached`](ReplayEvent::reached), and after it work
+    /// launched until the next event's time is queued there. Events without times replay as
+    /// `pass_with` replays them. At the end of the pass every stream's work completes (the
+    /// program ended).
+    pub fn pass_recorded(
+        &mut self,
+        events: &[ReplayEvent],
+        work: &mut dyn RecordedWork,
+        between: impl FnMut(),
+    ) -> Result<ReplayReport, EmmError> {
+        self.run(events, Some(work), between)
+    }
+
+    fn run(
+        &mut self,
+        events: &[ReplayEvent],
+        mut work: Option<&mut dyn RecordedWork>,
         mut between: impl FnMut(),
     ) -> Result<ReplayReport, EmmError> {
+        let base = self.time_base;
+        let last = events.iter().filter_map(|e| e.at).max().unwrap_or(0);
+        // (stream, the latest time work was launched there) of the streams this pass used.
+        let mut used: Vec<(StreamHandle, u64)> = Vec::new();
+        if work.is_some() {
+            self.time_base = base.saturating_add(last).saturating_add(1);
+        }
         // By recorded address, with the event's index: what is left at the end is freed in the
         // order it was allocated, so that a pass leaves the same state every time.
         let mut live: HashMap<u64, (usize, Live)> = HashMap::new();
@@ -273,6 +351,13 @@ impl<'c> Replayer<'c> {
         let mut live_bytes = 0usize;
         let mut busy = Duration::ZERO;
         for (index, e) in events.iter().enumerate() {
+            let recorded = match &mut work {
+                Some(_) => self.stream_of(e)?,
+                None => None,
+            };
+            if let (Some(stream), Some(w), Some(reached)) = (recorded, &mut work, e.reached) {
+                w.reached(stream, base.saturating_add(reached))?;
+            }
             match e.action {
                 Action::Allocate => {
                     let start = Instant::now();
@@ -339,7 +424,32 @@ impl<'c> Replayer<'c> {
                     None => report.unmatched_frees += 1,
                 },
             }
+            if let (Some(stream), Some(w)) = (recorded, &mut work) {
+                // The work the program launched there before its next call to the allocator
+                // (threads log in the order they took the log's lock, so a later line may
+                // carry an earlier time: a stream's launches never go back).
+                let next = events[index + 1..].iter().find_map(|n| n.at);
+                let until = next.max(e.at);
+                let slot = match used.iter().position(|&(s, _)| s == stream) {
+                    Some(k) => k,
+                    None => {
+                        used.push((stream, 0));
+                        used.len() - 1
+                    }
+                };
+                if let Some(at) = until {
+                    let at = at.max(used[slot].1);
+                    used[slot].1 = at;
+                    w.launched(stream, base.saturating_add(at))?;
+                }
+            }
             between();
+        }
+        if let Some(w) = &mut work {
+            // The program ended: the GPU finished its work.
+            for &(stream, launched) in &used {
+                w.reached(stream, base.saturating_add(last.max(launched)))?;
+            }
         }
         let mut left: Vec<(usize, Live)> = live.into_values().collect();
         left.sort_unstable_by_key(|(index, _)| *index);

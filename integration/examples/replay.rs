@@ -12,7 +12,13 @@
 //!   --device-memory SIZE  the simulated device's memory (default 80GiB, an H100's)
 //!   --passes N            replay each log N times in a row on one runtime (default 1)
 //!   --csv FILE            also write the rows to FILE
+//!   --lag MS              on the simulator, replay as if the GPU had run MS milliseconds
+//!                         behind the host (each stream-ordered event's progress is its time
+//!                         less MS), in place of what the log recorded
 //! ```
+//!
+//! On the simulator, a log with the `log` adaptor's `Reached` column replays with the GPU's
+//! progress it recorded: streams busy where they were, fenced frees reusable when they were.
 //!
 //! Each row: the trace, the manager, its peak live bytes (from the replay), the peak device
 //! memory the driver counted as used (`total - free`, read after every allocation) and its
@@ -35,10 +41,11 @@ struct Options {
     device_memory: usize,
     passes: usize,
     csv: Option<PathBuf>,
+    lag_ns: Option<u64>,
 }
 
 const USAGE: &str = "usage: replay [--corpus] [--manager M[,M...]] [--driver sim|cuda] \
-                     [--device-memory SIZE] [--passes N] [--csv FILE] [LOG ...]";
+                     [--device-memory SIZE] [--passes N] [--csv FILE] [--lag MS] [LOG ...]";
 
 fn parse_size(text: &str) -> Result<usize, String> {
     let t = text.trim();
@@ -72,6 +79,7 @@ fn options() -> Result<Options, String> {
         device_memory: traces::H100_MEMORY,
         passes: 1,
         csv: None,
+        lag_ns: None,
     };
     let mut args = std::env::args().skip(1);
     let value = |args: &mut dyn Iterator<Item = String>, flag: &str| {
@@ -107,6 +115,14 @@ fn options() -> Result<Options, String> {
                     .ok_or("--passes takes a count of at least 1")?
             }
             "--csv" => o.csv = Some(PathBuf::from(value(&mut args, "--csv")?)),
+            "--lag" => {
+                let ms: f64 = value(&mut args, "--lag")?
+                    .parse()
+                    .ok()
+                    .filter(|ms: &f64| ms.is_finite() && *ms >= 0.0)
+                    .ok_or("--lag takes milliseconds, such as 5 or 0.5")?;
+                o.lag_ns = Some((ms * 1e6) as u64);
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -210,7 +226,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut csv = String::from(HEADER);
     csv.push('\n');
     for path in &o.logs {
-        let events = traces::load(path)?;
+        let mut events = traces::load(path)?;
+        if let Some(lag) = o.lag_ns {
+            if o.cuda {
+                return Err("--lag replays on the simulator only".into());
+            }
+            events = traces::with_lag(&events, lag);
+        }
         let summary = emm::replay::summarize(&events);
         let name = traces::trace_name(path);
         println!(

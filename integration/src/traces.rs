@@ -12,9 +12,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use driver_mock::{Op, SimConfig, SimDriver};
-use driver_sys::{DeviceOrdinal, Driver};
-use emm::Runtime;
-use emm::replay::{ReplayEvent, ReplayReport, Replayer};
+use driver_sys::{ContextHandle, DeviceOrdinal, Driver, StreamHandle};
+use emm::replay::{RecordedWork, ReplayEvent, ReplayReport, Replayer};
+use emm::{EmmError, Runtime};
 
 /// Where the corpus lives.
 pub const TRACE_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
@@ -133,6 +133,8 @@ pub struct ManagerReplay {
     /// Driver allocations and frees over all passes (device memory, pool and mapping calls),
     /// where the driver counts them (the simulator does; the real driver does not).
     pub driver_calls: Option<(usize, usize)>,
+    /// The driver allocations of each pass, in order, where the driver counts them.
+    pub pass_driver_allocations: Vec<usize>,
     /// The most the manager's device pool said it held, where it has one.
     pub pool_peak_held: Option<usize>,
 }
@@ -151,8 +153,54 @@ const ALLOCATING: [Op; 4] = [
 ];
 const FREEING: [Op; 3] = [Op::MemFree, Op::MemFreeAsync, Op::MemRelease];
 
+/// The simulator's stand-in work for a replay that reproduces the GPU's progress
+/// ([`RecordedWork`]): `launch_recorded` and `reach_recorded` on the replay's context.
+struct SimRecordedWork<'s> {
+    sim: &'s SimDriver,
+    ctx: ContextHandle,
+}
+
+impl RecordedWork for SimRecordedWork<'_> {
+    fn launched(&mut self, stream: StreamHandle, at: u64) -> Result<(), EmmError> {
+        self.sim
+            .launch_recorded(self.ctx, stream, at)
+            .map_err(|e| EmmError::driver("queueing recorded work", DeviceOrdinal(0), e))
+    }
+
+    fn reached(&mut self, stream: StreamHandle, at: u64) -> Result<(), EmmError> {
+        self.sim
+            .reach_recorded(self.ctx, stream, at)
+            .map_err(|e| EmmError::driver("moving recorded progress", DeviceOrdinal(0), e))
+    }
+}
+
+/// `events` as if the GPU had run `lag_ns` behind the host throughout: each stream-ordered
+/// event's progress is its time less the lag (a what-if for logs recorded without progress,
+/// or to see how a manager fares with more work in flight). Events without a time are left
+/// as they are.
+pub fn with_lag(events: &[ReplayEvent], lag_ns: u64) -> Vec<ReplayEvent> {
+    events
+        .iter()
+        .map(|e| ReplayEvent {
+            reached: match (e.stream, e.at) {
+                (Some(_), Some(at)) => Some(at.saturating_sub(lag_ns)),
+                _ => e.reached,
+            },
+            ..*e
+        })
+        .collect()
+}
+
+/// Whether a log says how far the GPU had got (the `log` adaptor's `Reached` column).
+pub fn has_progress(events: &[ReplayEvent]) -> bool {
+    events.iter().any(|e| e.reached.is_some())
+}
+
 /// Replays `events` `passes` times under `manager` on a fresh runtime over `driver` (`sim`
-/// is the same driver, when it is the simulator, for its call counts).
+/// is the same driver, when it is the simulator, for its call counts). On the simulator, a log
+/// that says how far the GPU had got replays with that progress ([`Replayer::pass_recorded`]):
+/// streams are busy where they were, and the frees of fenced memory become reusable when they
+/// did; other logs replay with every stream's work done after each event.
 pub fn replay_under(
     driver: Arc<dyn Driver>,
     sim: Option<&SimDriver>,
@@ -171,19 +219,32 @@ pub fn replay_under(
     let before = sim.map(|s| (s.total_calls(), count(s, &ALLOCATING), count(s, &FREEING)));
     let mut replayer = Replayer::new(&ctx).map_err(|e| format!("{manager}: {e}"))?;
     let mut reports = Vec::with_capacity(passes);
+    let progress = has_progress(events);
+    let mut pass_driver_allocations = Vec::with_capacity(passes);
     for _ in 0..passes {
+        let allocated = sim.map(|s| count(s, &ALLOCATING));
         // The simulator runs streams' queued work when asked: after every event, as a GPU
-        // keeps up with a program that gives it no work of its own.
+        // keeps up with a program that gives it no work of its own (or, with the log's
+        // progress, as far as the stand-ins of the program's work let it).
         let run = || {
             if let Some(s) = sim {
                 s.run_streams();
             }
         };
-        reports.push(
-            replayer
-                .pass_with(events, run)
-                .map_err(|e| format!("{manager}: {e}"))?,
-        );
+        let report = match sim.filter(|_| progress) {
+            Some(s) => {
+                let mut work = SimRecordedWork {
+                    sim: s,
+                    ctx: ctx.handle(),
+                };
+                replayer.pass_recorded(events, &mut work, run)
+            }
+            None => replayer.pass_with(events, run),
+        };
+        reports.push(report.map_err(|e| format!("{manager}: {e}"))?);
+        if let (Some(s), Some(before)) = (sim, allocated) {
+            pass_driver_allocations.push(count(s, &ALLOCATING) - before);
+        }
     }
     let driver_calls = sim
         .zip(before)
@@ -195,6 +256,7 @@ pub fn replay_under(
         manager: manager.to_owned(),
         passes: reports,
         driver_calls,
+        pass_driver_allocations,
         pool_peak_held,
     })
 }

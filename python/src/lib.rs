@@ -74,6 +74,13 @@ fn stream_ordering_name(o: StreamOrdering) -> &'static str {
     }
 }
 
+/// Writes out what the `log` adaptor buffered (the package calls it at exit: the process's
+/// runtime lives until then, and a buffered line would be lost).
+#[pyfunction]
+fn flush_logs() {
+    emm::Adaptor::flush_logs();
+}
+
 /// The extension module.
 #[pymodule]
 fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -88,6 +95,7 @@ fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runtime::device_count, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::enable_capture_pools, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::release_capture_pools, m)?)?;
+    m.add_function(wrap_pyfunction!(flush_logs, m)?)?;
     m.add_function(wrap_pyfunction!(torch::torch_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(torch::torch_live, m)?)?;
     m.add_function(wrap_pyfunction!(torch::torch_counters, m)?)?;

@@ -949,3 +949,26 @@ def test_the_type_stub_matches_the_extension():
     stubgen = os.path.join(os.path.dirname(__file__), "..", "stubgen.py")
     out = subprocess.run([sys.executable, stubgen, "--check"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_log_keeps_every_line_when_the_interpreter_exits(tmp_path):
+    """The process's runtime lives until the interpreter exits and is never dropped: the
+    package writes out what the log adaptor buffered at exit, so the last lines are kept (a
+    log cut short would replay with its last frees missing)."""
+    log = tmp_path / "run.csv"
+    code = (
+        "import emm\n"
+        "ctx = emm.context(0)\n"
+        "bufs = [ctx.memalloc_on(1000 * (k + 1), 0) for k in range(5)]\n"
+        "del bufs\n"
+        "b = ctx.memalloc(100)\n"
+        "del b\n"
+    )
+    out = run_python(code, EMM_MEMORY_MANAGER="pool", EMM_MEMORY_ADAPTORS=f"log={log}")
+    assert out.returncode == 0, out.stderr
+    lines = log.read_text().splitlines()
+    assert lines[0].endswith(",Kind,Reached"), lines[0]
+    assert len(lines) == 1 + 12, lines
+    assert [l.split(",")[2] for l in lines[1:]].count("free") == 6, lines
+    # Stream-ordered memory says how far the GPU had got; memory without a stream says '-'.
+    assert lines[1].split(",")[-1] != "-" and lines[-1].split(",")[-1] == "-", lines

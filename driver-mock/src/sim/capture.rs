@@ -169,7 +169,10 @@ fn replay(w: &Work) -> Option<Work> {
             addr: *addr,
             value: *value,
         },
-        Work::WaitEvent { .. } | Work::WaitStream { .. } | Work::PoolFreed { .. } => return None,
+        Work::WaitEvent { .. }
+        | Work::WaitStream { .. }
+        | Work::PoolFreed { .. }
+        | Work::Recorded { .. } => return None,
         // Refused in a capture (see the module's rules).
         Work::Host(_) => return None,
     })

@@ -484,10 +484,11 @@ impl World {
         ptr: DevicePtr,
     ) -> Result<(), u32> {
         note.ptr = Some(ptr);
-        context(self, pid, ctx, note)?;
+        let device = context(self, pid, ctx, note)?;
         if ptr.is_null() {
             return Ok(());
         }
+        self.settle_recorded(pid, device)?;
         note.bytes = Some(self.free_device(pid, ptr.0)?);
         Ok(())
     }

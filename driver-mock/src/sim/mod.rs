@@ -529,6 +529,38 @@ impl SimDriver {
         w.run_streams(self.pid)
     }
 
+    /// Queues on `stream` a stand-in for the work a recorded program launched there before log
+    /// time `at` (nanoseconds): it completes once [`reach_recorded`](Self::reach_recorded)
+    /// moves the stream's progress to `at` or past it, and everything queued behind it (an
+    /// event a manager records, a free's point of reuse) waits for it. A synchronisation that
+    /// waits for it lets it complete (the host waited for the GPU), and so does every
+    /// `cuMemFree` and `cuMemUnmap` of the device while such work is queued, as on a GPU, where
+    /// they wait for the device's work. For replaying a log with its GPU progress
+    /// (`emm::replay`); an error for a context or stream the process does not have.
+    pub fn launch_recorded(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        at: u64,
+    ) -> Result<(), DriverError> {
+        let mut w = self.lock();
+        w.launch_recorded(self.pid, &mut Note::default(), ctx, stream, at)
+            .map_err(|c| DriverError::from_code("SimDriver::launch_recorded", c))
+    }
+
+    /// Moves `stream`'s progress through recorded work to log time `at` (never back): the
+    /// stand-ins queued up to `at` complete, and what waited behind them runs.
+    pub fn reach_recorded(
+        &self,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        at: u64,
+    ) -> Result<(), DriverError> {
+        let mut w = self.lock();
+        w.reach_recorded(self.pid, &mut Note::default(), ctx, stream, at)
+            .map_err(|c| DriverError::from_code("SimDriver::reach_recorded", c))
+    }
+
     /// How many stream queues this process's simulated driver keeps: its created streams not
     /// destroyed, destroyed ones whose queued work has not run yet, and the implicit streams
     /// it has used. A destroyed stream's queue goes once its work has run.

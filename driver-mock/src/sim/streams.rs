@@ -91,6 +91,14 @@ pub(super) enum Work {
         addr: u64,
         value: u32,
     },
+    /// Stand-in for the kernels a recorded program launched on the stream before log time
+    /// `at` (nanoseconds): done once the stream's progress ([`SimStream::reached`]) passes
+    /// `at`, or a synchronisation waits for it ([`SimDriver::launch_recorded`]).
+    ///
+    /// [`SimDriver::launch_recorded`]: super::SimDriver::launch_recorded
+    Recorded {
+        at: u64,
+    },
     /// A `cuMemFreeAsync` reached in stream order: the pool block it freed (free `id`)
     /// becomes reusable on every stream (the driver's opportunistic reuse; its inserted
     /// dependencies are not modelled, so other streams wait until the free has run).
@@ -114,6 +122,11 @@ pub(super) struct SimStream {
     /// Work items queued so far, and run so far (serials count from 1).
     queued: u64,
     done: u64,
+    /// How far the GPU got through the recorded program's work on this stream (log
+    /// nanoseconds): [`Work::Recorded`] items up to it can run.
+    reached: u64,
+    /// [`Work::Recorded`] items queued and not run.
+    recorded: usize,
 }
 
 /// One event's state.
@@ -325,6 +338,7 @@ impl World {
                 s.events.get(event).is_none_or(|e| e.is_done(*serial))
             }
             Work::WaitStream { key, upto } => s.streams.get(key).is_none_or(|q| q.done >= *upto),
+            Work::Recorded { at } => *at <= s.streams[&k].reached,
             Work::WaitValue { addr, value, flags } => {
                 let mut word = [0u8; 4];
                 // SAFETY: the caller of `cuStreamWaitValue32` keeps the word live (the driver
@@ -344,6 +358,9 @@ impl World {
         let device = q.device;
         let (serial, work) = q.queue.pop_front().expect("runnable");
         q.done = serial;
+        if matches!(work, Work::Recorded { .. }) {
+            q.recorded -= 1;
+        }
         if q.destroyed && q.queue.is_empty() {
             // A destroyed stream's last work: nothing can queue more, and a wait on it finds
             // no queue, which counts as drained.
@@ -419,7 +436,10 @@ impl World {
                     }
                 }
             }
-            Work::WaitEvent { .. } | Work::WaitStream { .. } | Work::WaitValue { .. } => {}
+            Work::WaitEvent { .. }
+            | Work::WaitStream { .. }
+            | Work::WaitValue { .. }
+            | Work::Recorded { .. } => {}
         }
         Ok(())
     }
@@ -478,11 +498,18 @@ impl World {
     /// and every blocking stream of the context. `CUDA_ERROR_ILLEGAL_STATE` where that work
     /// waits on something nothing will provide (the GPU would hang).
     pub(super) fn settle_legacy(&mut self, pid: usize, device: usize) -> Result<(), u32> {
+        self.drain_device(pid, device, true)
+    }
+
+    /// Runs work until every stream of `device` (the blocking ones alone, with `blocking`) is
+    /// drained; `CUDA_ERROR_ILLEGAL_STATE` where that work waits on something nothing will
+    /// provide.
+    fn drain_device(&mut self, pid: usize, device: usize, blocking: bool) -> Result<(), u32> {
         let keys: Vec<u64> = self.processes[pid]
             .streams
             .streams
             .iter()
-            .filter(|(_, q)| q.device == device && q.blocking)
+            .filter(|(_, q)| q.device == device && (q.blocking || !blocking))
             .map(|(&k, _)| k)
             .collect();
         self.wait_until(pid, |w| keys.iter().all(|&k| w.drained(pid, k)))
@@ -908,11 +935,84 @@ impl World {
     /// Runs work until `done` holds; `CUDA_ERROR_ILLEGAL_STATE` where it never can (the GPU
     /// would hang).
     fn wait_until(&mut self, pid: usize, done: impl Fn(&World) -> bool) -> Result<(), u32> {
-        if self.run_until(pid, done) {
-            Ok(())
-        } else {
-            Err(code::ILLEGAL_STATE)
+        if self.run_until(pid, &done) {
+            return Ok(());
         }
+        // The host waits for the GPU: the recorded program's work queued so far completes.
+        if self.pass_recorded(pid, None) && self.run_until(pid, &done) {
+            return Ok(());
+        }
+        Err(code::ILLEGAL_STATE)
+    }
+
+    /// Lets every [`Work::Recorded`] item queued so far on process `pid`'s streams (those of
+    /// `device` alone, where given) run: a synchronisation waited for the GPU. Returns whether
+    /// any was waiting.
+    pub(super) fn pass_recorded(&mut self, pid: usize, device: Option<usize>) -> bool {
+        let mut any = false;
+        for q in self.processes[pid].streams.streams.values_mut() {
+            if q.recorded == 0 || device.is_some_and(|d| d != q.device) {
+                continue;
+            }
+            any = true;
+            let latest = q.queue.iter().filter_map(|(_, w)| match w {
+                Work::Recorded { at } => Some(*at),
+                _ => None,
+            });
+            q.reached = q.reached.max(latest.max().unwrap_or(0));
+        }
+        any
+    }
+
+    /// Where a recorded program's work is queued on `device` (the replay of a log with its
+    /// GPU progress): the GPU finishes it before a call that waits for the whole device
+    /// returns, as `cuMemFree` and `cuMemUnmap` do on a GPU. Elsewhere nothing runs.
+    pub(super) fn settle_recorded(&mut self, pid: usize, device: usize) -> Result<(), u32> {
+        if !self.pass_recorded(pid, Some(device)) {
+            return Ok(());
+        }
+        self.drain_device(pid, device, false)
+    }
+
+    /// Queues a [`Work::Recorded`] item at log time `at` on `stream`.
+    pub(super) fn launch_recorded(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        at: u64,
+    ) -> Result<(), u32> {
+        let device = context(self, pid, ctx, note)?;
+        let k = self.stream_key(pid, device, stream)?;
+        // A replay does not capture: a captured stream's work would be the graph's.
+        if self.processes[pid].streams.streams[&k].capture.is_some() {
+            return Err(code::INVALID_VALUE);
+        }
+        self.enqueue(pid, device, stream, Work::Recorded { at })?;
+        if let Some(q) = self.processes[pid].streams.streams.get_mut(&k) {
+            q.recorded += 1;
+        }
+        Ok(())
+    }
+
+    /// Moves `stream`'s progress through the recorded program's work to log time `at` (never
+    /// back), then runs what can run.
+    pub(super) fn reach_recorded(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+        stream: StreamHandle,
+        at: u64,
+    ) -> Result<(), u32> {
+        let device = context(self, pid, ctx, note)?;
+        let k = self.stream_key(pid, device, stream)?;
+        if let Some(q) = self.processes[pid].streams.streams.get_mut(&k) {
+            q.reached = q.reached.max(at);
+        }
+        self.run_until(pid, |_| false);
+        Ok(())
     }
 
     /// `cuStreamCreateWithPriority`: priorities are clamped into the range, as the driver does.

@@ -219,7 +219,8 @@ impl World {
     ) -> Result<(), u32> {
         note.ptr = Some(ptr);
         note.bytes = Some(size);
-        context(self, pid, ctx, note)?;
+        let device = context(self, pid, ctx, note)?;
+        self.settle_recorded(pid, device)?;
         let space = &mut self.processes[pid].vm;
         match space.reservations.get(&ptr.0) {
             Some(r) if r.size == size && r.maps.is_empty() => {
@@ -473,7 +474,8 @@ impl World {
     ) -> Result<(), u32> {
         note.ptr = Some(ptr);
         note.bytes = Some(size);
-        context(self, pid, ctx, note)?;
+        let device = context(self, pid, ctx, note)?;
+        self.settle_recorded(pid, device)?;
         let space = &mut self.processes[pid].vm;
         let (base, maps) = space.whole_maps(ptr.0, size).ok_or(code::INVALID_VALUE)?;
         let r = space.reservations.get_mut(&base).expect("found");

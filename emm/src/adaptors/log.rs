@@ -1,14 +1,17 @@
 //! The `log` adaptor: one CSV line per allocation and free, in RMM's replay columns and more,
 //! and the parser [`crate::replay`] reads such logs (and RMM's) with.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use driver_sys::{EventHandle, StreamHandle};
+
 use crate::adaptors::{Event, Observer};
+use crate::contract::factory::ManagerContext;
 use crate::contract::info::{MemoryInfo, MemoryKind};
 use crate::error::EmmError;
 use crate::sync::{Mutex, lock};
@@ -17,9 +20,14 @@ use crate::sync::{Mutex, lock};
 /// (`Stream` is the handle of the stream a `memalloc_on` allocation was made on, in
 /// hexadecimal, on its allocation's line and its free's; `-` for memory allocated without a
 /// stream), followed by the device, the manager's free and total memory, the allocations live after
-/// the event, its start and end (nanoseconds since the log opened), its duration, and the
-/// kind of memory.
-pub const LOG_HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream,Device,Free,Total,Current allocations,Start,End,Elapsed,Kind";
+/// the event, its start and end (nanoseconds since the log opened), its duration, the
+/// kind of memory, and `Reached`: how far the GPU had got through the stream's work when the
+/// event came, as the start time (nanoseconds since the log opened) of the latest logged
+/// event whose work on that stream had completed (`-` for memory without a stream, and while
+/// the stream is captured). A replay queues work on its streams with these times so that
+/// frees become reusable elsewhere when they did in the recorded run
+/// ([`Replayer`](crate::replay::Replayer)).
+pub const LOG_HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream,Device,Free,Total,Current allocations,Start,End,Elapsed,Kind,Reached";
 
 pub(super) struct LogFile {
     pub(super) out: std::io::BufWriter<std::fs::File>,
@@ -52,6 +60,29 @@ thread_local! {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     };
+}
+
+/// Every log this process opened, so that [`flush_all`] reaches them: a process that ends
+/// without dropping its runtime (a Python interpreter's) would lose what they buffered.
+static OPEN_LOGS: std::sync::Mutex<Vec<std::sync::Weak<Log>>> = std::sync::Mutex::new(Vec::new());
+
+/// Writes out what every open log buffered.
+pub(crate) fn flush_all() {
+    let logs: Vec<Arc<Log>> = {
+        let mut open = OPEN_LOGS.lock().unwrap_or_else(|p| p.into_inner());
+        open.retain(|l| l.strong_count() > 0);
+        open.iter().filter_map(std::sync::Weak::upgrade).collect()
+    };
+    for log in logs {
+        log.flush();
+    }
+}
+
+/// Registers `log` for [`flush_all`].
+pub(super) fn register(log: &Arc<Log>) {
+    let mut open = OPEN_LOGS.lock().unwrap_or_else(|p| p.into_inner());
+    open.retain(|l| l.strong_count() > 0);
+    open.push(Arc::downgrade(log));
 }
 
 impl Log {
@@ -87,6 +118,7 @@ impl Log {
         e: &Event,
         info: impl FnOnce() -> Option<MemoryInfo>,
         delta: isize,
+        progress: Option<&Progress>,
     ) {
         let ns =
             |t: Option<Instant>| t.map_or(0, |t| t.duration_since(self.opened).as_nanos() as u64);
@@ -112,9 +144,17 @@ impl Log {
             ("free", _) => f.streams.remove(&key),
             (_, s) => s.map(|s| s.raw()),
         };
+        // An allocation's stream is live (its caller's promise for the call); a free's may be
+        // gone, so a free's line reads the markers already recorded there, with no new one.
+        let reached = match (stream, progress, e.stream) {
+            (Some(_), Some(p), Some(live)) if action == "allocate" => p.reached(live, start),
+            (Some(s), Some(p), _) => p.last_reached(s),
+            _ => None,
+        };
+        let reached = Reached(reached);
         let stream = Stream(stream);
         let line = format!(
-            "{thread},{:.9},{action},{:#x},{},{stream},{},{},{},{live},{start},{end},{},{}\n",
+            "{thread},{:.9},{action},{:#x},{},{stream},{},{},{},{live},{start},{end},{},{},{reached}\n",
             start as f64 / 1e9,
             e.addr.unwrap_or(0),
             e.bytes,
@@ -132,10 +172,166 @@ impl Log {
         }
     }
 
-    fn flush(&self) {
+    pub(super) fn flush(&self) {
         let mut f = lock(&self.file);
         if let Err(e) = f.out.flush() {
             tracing::error!(path = %f.path.display(), error = %e, "the log adaptor cannot flush its file");
+        }
+    }
+}
+
+/// The `Reached` column of a line: nanoseconds, or `-` where the log cannot say.
+struct Reached(Option<u64>);
+
+impl fmt::Display for Reached {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(ns) => write!(f, "{ns}"),
+            None => f.write_str("-"),
+        }
+    }
+}
+
+/// A new marker is recorded on a stream once this many nanoseconds passed since its last: the
+/// `Reached` column's resolution, at a few driver calls per marker.
+const MARKER_GAP_NS: u64 = 20_000;
+
+/// The most markers one stream has waiting: past it (a GPU that lags the host by more than
+/// [`MARKER_GAP_NS`] times this, or a simulated one whose streams run only when synchronised)
+/// the column's resolution coarsens instead of the events piling up.
+const MAX_PENDING_MARKERS: usize = 1024;
+
+/// Markers waiting on one stream, oldest first, with the log time each was recorded at, and
+/// the time of the latest one found complete.
+#[derive(Default)]
+struct StreamMarks {
+    pending: VecDeque<(EventHandle, u64)>,
+    reached: u64,
+}
+
+/// How far the GPU got through each stream's work, for the log's `Reached` column: an event
+/// (a marker) recorded on the stream every [`MARKER_GAP_NS`] at most, and queried, oldest first,
+/// at each line of that stream. One per context; its lock is a leaf under the log file's, and
+/// its driver calls are made inside the context's liveness.
+pub(super) struct Progress {
+    cx: ManagerContext,
+    state: Mutex<ProgressState>,
+}
+
+#[derive(Default)]
+struct ProgressState {
+    streams: HashMap<u64, StreamMarks>,
+    /// Markers that completed, for the next ones.
+    spare: Vec<EventHandle>,
+    /// A driver call failed: the column says `-` from then on (logged once).
+    failed: bool,
+}
+
+impl Progress {
+    pub(super) fn new(cx: ManagerContext) -> Progress {
+        Progress {
+            cx,
+            state: Mutex::new(ProgressState::default()),
+        }
+    }
+
+    /// How far the GPU got through the stream of handle `stream`, from the markers already
+    /// recorded there (event queries only: the stream itself may be gone by now, as it may be
+    /// when its memory is freed).
+    fn last_reached(&self, stream: u64) -> Option<u64> {
+        let mut state = lock(&self.state);
+        if state.failed {
+            return None;
+        }
+        let _live = self.cx.liveness.enter()?;
+        let ProgressState { streams, spare, .. } = &mut *state;
+        let marks = streams.get_mut(&stream)?;
+        let polled = poll(&*self.cx.driver, self.cx.context, marks, spare);
+        match polled {
+            Ok(reached) => Some(reached),
+            Err(e) => {
+                tracing::warn!(device = %self.cx.device, error = %e, "the log adaptor cannot follow the GPU's progress; its Reached column says '-' from now on");
+                state.failed = true;
+                None
+            }
+        }
+    }
+
+    /// The log time of the latest marker on `stream` that completed, after recording a new
+    /// marker at `now` (log nanoseconds) where the last is older than [`MARKER_GAP_NS`].
+    /// `None` where the stream is captured (a marker would join the graph), the context is
+    /// gone, or the driver refused a call.
+    fn reached(&self, stream: StreamHandle, now: u64) -> Option<u64> {
+        let mut state = lock(&self.state);
+        if state.failed {
+            return None;
+        }
+        let _live = self.cx.liveness.enter()?;
+        let (driver, ctx) = (&self.cx.driver, self.cx.context);
+        let result = (|| -> Result<Option<u64>, driver_sys::DriverError> {
+            if self.cx.stream_is_captured(stream)? {
+                return Ok(None);
+            }
+            let ProgressState { streams, spare, .. } = &mut *state;
+            let marks = streams.entry(stream.raw()).or_default();
+            poll(&**driver, ctx, marks, spare)?;
+            let last = marks.pending.back().map_or(marks.reached, |&(_, at)| at);
+            let due = marks.pending.is_empty() || now.saturating_sub(last) >= MARKER_GAP_NS;
+            if due && marks.pending.len() < MAX_PENDING_MARKERS {
+                let event = match spare.pop() {
+                    Some(e) => e,
+                    None => driver.event_create(ctx, driver_sys::event_flags::DISABLE_TIMING)?,
+                };
+                if let Err(e) = driver.event_record(ctx, event, stream) {
+                    spare.push(event);
+                    return Err(e);
+                }
+                marks.pending.push_back((event, now));
+            }
+            Ok(Some(marks.reached))
+        })();
+        result.unwrap_or_else(|e| {
+            tracing::warn!(device = %self.cx.device, error = %e, "the log adaptor cannot follow the GPU's progress; its Reached column says '-' from now on");
+            state.failed = true;
+            None
+        })
+    }
+}
+
+/// Takes the completed markers off the front of `marks` (into `spare`), oldest first; returns
+/// the time of the latest one complete.
+fn poll(
+    driver: &dyn driver_sys::Driver,
+    ctx: driver_sys::ContextHandle,
+    marks: &mut StreamMarks,
+    spare: &mut Vec<EventHandle>,
+) -> Result<u64, driver_sys::DriverError> {
+    while let Some(&(event, at)) = marks.pending.front() {
+        if !driver.event_query(ctx, event)? {
+            break;
+        }
+        marks.pending.pop_front();
+        marks.reached = at;
+        spare.push(event);
+    }
+    Ok(marks.reached)
+}
+
+impl Drop for Progress {
+    #[allow(unsafe_code)]
+    fn drop(&mut self) {
+        let state = std::mem::take(&mut *lock(&self.state));
+        let Some(_live) = self.cx.liveness.enter() else {
+            // The context's destruction took the events.
+            return;
+        };
+        let pending = state.streams.into_values().flat_map(|m| m.pending);
+        for event in state.spare.into_iter().chain(pending.map(|(e, _)| e)) {
+            // SAFETY: an event this probe created and destroys once; a pending one may still
+            // be recorded on its stream, which the driver allows (it is freed once complete).
+            if let Err(e) = unsafe { self.cx.driver.event_destroy(self.cx.context, event) } {
+                tracing::debug!(device = %self.cx.device, error = %e, "destroying a log marker failed");
+            }
         }
     }
 }
@@ -155,11 +351,13 @@ impl fmt::Display for Stream {
 
 pub(super) type InfoFn = dyn Fn() -> Option<MemoryInfo> + Send + Sync;
 
-/// The log observer of one context: the shared file plus the manager, for free and total.
+/// The log observer of one context: the shared file plus the manager, for free and total, and
+/// the context's streams' progress.
 pub(super) struct LogObserver {
     pub(super) log: Arc<Log>,
     /// Reads the inner manager's memory info.
     pub(super) info: Box<InfoFn>,
+    pub(super) progress: Progress,
 }
 
 impl fmt::Debug for LogObserver {
@@ -183,11 +381,13 @@ impl Observer for LogObserver {
         } else {
             ("allocate failure", 0)
         };
-        self.log.write(action, e, || self.info(), delta);
+        self.log
+            .write(action, e, || self.info(), delta, Some(&self.progress));
     }
 
     fn freed(&self, e: &Event) {
-        self.log.write("free", e, || self.info(), -1);
+        self.log
+            .write("free", e, || self.info(), -1, Some(&self.progress));
     }
 
     fn timed(&self) -> bool {
@@ -215,6 +415,11 @@ pub(crate) struct LogColumns {
     size: usize,
     stream: Option<usize>,
     kind: Option<usize>,
+    /// `Time` (seconds) and `Start` (nanoseconds): when the event came.
+    time: Option<usize>,
+    start: Option<usize>,
+    /// `Reached`: how far the GPU had got through the event's stream (nanoseconds).
+    reached: Option<usize>,
 }
 
 /// One data line of a log, parsed.
@@ -230,6 +435,10 @@ pub(crate) struct LogLine {
     pub(crate) stream: Option<u64>,
     /// The kind of memory (device memory when the log has no kind column).
     pub(crate) kind: MemoryKind,
+    /// When the event came, in nanoseconds since the log opened (`Start`, else `Time`).
+    pub(crate) at: Option<u64>,
+    /// The `Reached` column: nanoseconds, or `None` for `-` or a log without it.
+    pub(crate) reached: Option<u64>,
 }
 
 impl LogColumns {
@@ -240,6 +449,9 @@ impl LogColumns {
         size: 4,
         stream: Some(5),
         kind: None,
+        time: Some(1),
+        start: None,
+        reached: None,
     };
 
     /// The columns a header line names, or `None` when `line` is not a header (its first field
@@ -270,6 +482,9 @@ impl LogColumns {
                 size: need("size")?,
                 stream: find("stream"),
                 kind: find("kind"),
+                time: find("time"),
+                start: find("start"),
+                reached: find("reached"),
             })
         })())
     }
@@ -322,11 +537,36 @@ pub(crate) fn parse_log_line(line: &str, cols: &LogColumns) -> Result<LogLine, S
         }
         None => MemoryKind::Device,
     };
+    let number = |i: Option<usize>, name: &str| -> Result<Option<u64>, String> {
+        match i.and_then(|i| fields.get(i).copied()) {
+            None | Some("" | "-") => Ok(None),
+            Some(text) => text
+                .parse()
+                .map(Some)
+                .map_err(|e| format!("{name} {text:?} is not a count of nanoseconds ({e})")),
+        }
+    };
+    let at = match number(cols.start, "Start")? {
+        Some(ns) => Some(ns),
+        None => match cols.time.and_then(|i| fields.get(i).copied()) {
+            None | Some("" | "-") => None,
+            // Seconds, as emm writes it; RMM's logs write a clock time, which says nothing a
+            // replay uses.
+            Some(text) => text
+                .parse::<f64>()
+                .ok()
+                .filter(|s| s.is_finite() && *s >= 0.0)
+                .map(|s| (s * 1e9) as u64),
+        },
+    };
+    let reached = number(cols.reached, "Reached")?;
     Ok(LogLine {
         action,
         ptr,
         size,
         stream,
         kind,
+        at,
+        reached,
     })
 }

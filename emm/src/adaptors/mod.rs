@@ -120,6 +120,14 @@ impl Adaptor {
         }
     }
 
+    /// Writes out the lines every open `log` adaptor of this process has buffered. A log
+    /// writes its file through a buffer, flushed when its runtime's contexts go; a process that
+    /// ends without dropping its runtime (an interpreter that keeps one for its life) calls
+    /// this at exit, or the last lines are lost.
+    pub fn flush_logs() {
+        log::flush_all();
+    }
+
     /// The adaptor's name in `EMM_MEMORY_ADAPTORS`.
     pub fn name(&self) -> &'static str {
         match self {
@@ -239,9 +247,10 @@ impl Adapted {
     fn new(
         inner: Arc<dyn MemoryManager>,
         adaptor: &Adaptor,
-        device: DeviceOrdinal,
+        cx: &ManagerContext,
         log: Option<Arc<Log>>,
     ) -> Adapted {
+        let device = cx.device;
         let observer: Arc<dyn Observer> = match adaptor {
             Adaptor::Stats => Arc::new(Stats::default()),
             Adaptor::Limit(limit) => Arc::new(Limit {
@@ -266,6 +275,7 @@ impl Adapted {
                             }
                         }
                     }),
+                    progress: log::Progress::new(cx.clone()),
                 })
             }
         };
@@ -540,6 +550,7 @@ impl AdaptedFactory {
             return Ok(Arc::clone(log));
         }
         let log = Arc::new(Log::create(path)?);
+        log::register(&log);
         logs.push((path.clone(), Arc::clone(&log)));
         Ok(log)
     }
@@ -560,7 +571,7 @@ impl ManagerFactory for AdaptedFactory {
                 Adaptor::Log(path) => Some(self.log(path)?),
                 _ => None,
             };
-            Ok(Adapted::new(inner, adaptor, cx.device, log))
+            Ok(Adapted::new(inner, adaptor, cx, log))
         };
         let (outermost, inner_adaptors) = self
             .adaptors

@@ -84,6 +84,8 @@ fn events(steps: &[Step]) -> Vec<ReplayEvent> {
                     size,
                     stream,
                     kind: MemoryKind::Device,
+                    at: None,
+                    reached: None,
                 });
                 live.push((next, size, stream));
                 bytes += size;
@@ -98,6 +100,8 @@ fn events(steps: &[Step]) -> Vec<ReplayEvent> {
                     size,
                     stream,
                     kind: MemoryKind::Device,
+                    at: None,
+                    reached: None,
                 });
             }
             Step::Free(_) => {}

@@ -14,6 +14,8 @@ simulated GPU), or explicitly, once, before the first allocation::
     buf = ctx.memalloc(1 << 20)
 """
 
+import atexit as _atexit
+
 from ._emm import (
     Context,
     DeviceBuffer,
@@ -32,6 +34,12 @@ from ._emm import (
     settings,
     tag,
 )
+
+from ._emm import flush_logs as _flush_logs
+
+# The process's runtime is never dropped: the log adaptor's buffered lines are written out at
+# exit.
+_atexit.register(_flush_logs)
 
 __all__ = [
     "Context",

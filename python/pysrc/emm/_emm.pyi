@@ -587,6 +587,12 @@ def enable_capture_pools() -> Any:
     ...
 
 
+def flush_logs() -> Any:
+    """Writes out what the `log` adaptor buffered (the package calls it at exit: the process's
+    runtime lives until then, and a buffered line would be lost)."""
+    ...
+
+
 def release_capture_pools() -> Any:
     """Lets go of the graph pools of captures that ended, on every context (their memory goes
     back to the manager once the graphs' tensors are freed): call it after deleting or
