@@ -526,8 +526,8 @@ impl Context {
 
     /// What the manager's pools hold: `device` and `pinned_host`, each `None` or a dict of
     /// `held_bytes`, `in_use_bytes`, `in_use_blocks`, `cached_bytes`, `peak_held_bytes`,
-    /// `chunks`, `grows`, `trimmed_bytes` and `largest_free_bytes` (`None` where the pool
-    /// cannot tell).
+    /// `chunks`, `grows`, `driver_allocations`, `driver_frees`, `trimmed_bytes` and
+    /// `largest_free_bytes` (`None` where the pool cannot tell).
     fn pool_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let report = self.inner.pool_stats();
         let out = PyDict::new(py);
@@ -545,6 +545,8 @@ impl Context {
                     d.set_item("peak_held_bytes", s.peak_held_bytes)?;
                     d.set_item("chunks", s.chunks)?;
                     d.set_item("grows", s.grows)?;
+                    d.set_item("driver_allocations", s.driver_allocations)?;
+                    d.set_item("driver_frees", s.driver_frees)?;
                     d.set_item("trimmed_bytes", s.trimmed_bytes)?;
                     d.set_item("largest_free_bytes", s.largest_free_bytes)?;
                     out.set_item(name, d)?;

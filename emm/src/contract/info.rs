@@ -31,8 +31,15 @@ pub struct PoolStats {
     pub peak_held_bytes: usize,
     /// Chunks held.
     pub chunks: usize,
-    /// Times the pool grew (driver allocations).
+    /// Times the pool grew (each growth is one or more driver allocations).
     pub grows: u64,
+    /// Driver allocations the pool made for its memory: `cuMemAlloc` calls, or `cuMemCreate`
+    /// calls under `vmm-pool` (one per piece mapped). Zero where the pool does not count them
+    /// (the driver's own pools).
+    pub driver_allocations: u64,
+    /// Driver frees the pool made: `cuMemFree` calls, or `cuMemRelease` calls under
+    /// `vmm-pool`. Each one waits for the device's work to finish.
+    pub driver_frees: u64,
     /// Bytes released to the driver by trims, out-of-memory retries and, in a pool that sheds
     /// its unused chunks before it grows, by growths (not by resets).
     pub trimmed_bytes: u64,

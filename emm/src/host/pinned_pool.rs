@@ -211,6 +211,8 @@ struct Totals {
     peak_held: usize,
     grows: u64,
     trimmed: u64,
+    /// Blocks given back to the driver (`cuMemFreeHost`), by eviction, trim or reset.
+    frees: u64,
     /// The sum of the shards' allowances, at most `max_cached`.
     allowed: usize,
 }
@@ -483,6 +485,7 @@ impl PinnedPool {
         if block.size > self.config.max_cached {
             totals.held -= block.size;
             totals.trimmed += block.size as u64;
+            totals.frees += 1;
             return vec![Self::free_of(&block)];
         }
         for lists in all.iter_mut() {
@@ -516,6 +519,7 @@ impl PinnedPool {
                     totals.allowed -= b.size;
                     totals.held -= b.size;
                     totals.trimmed += b.size as u64;
+                    totals.frees += 1;
                     room += b.size;
                     evicted.push(b);
                 }
@@ -619,6 +623,7 @@ impl PinnedPool {
             }
         }
         let bytes: usize = blocks.iter().map(|b| b.size).sum();
+        totals.frees += blocks.len() as u64;
         totals.allowed = 0;
         totals.held -= bytes;
         if reset {
@@ -650,6 +655,8 @@ impl PinnedPool {
             peak_held_bytes: totals.peak_held,
             chunks: free_blocks + in_use_blocks,
             grows: totals.grows,
+            driver_allocations: totals.grows,
+            driver_frees: totals.frees,
             trimmed_bytes: totals.trimmed,
             // Size-class lists: no block is split or merged, so no one figure says it.
             largest_free_bytes: None,

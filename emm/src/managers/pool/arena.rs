@@ -49,9 +49,6 @@ const BINS: usize = SUBS + (usize::BITS - UNIT_SHIFT - SUB_BITS) as usize * SUBS
 const WORDS: usize = BINS.div_ceil(64);
 /// Blocks of the request's own bin looked at before a larger bin is tried.
 const SCAN: usize = 8;
-/// Where chunks merge, their wholly free pieces go back before a growth once they come to
-/// this fraction of what the arena holds (a sixteenth).
-const SHED_DIVISOR: usize = 16;
 /// [`Arena::take_sparing`] spares only chunks larger than this (the smallest growth), so that
 /// a pool of small chunks finds its free ones as [`Arena::take`] does.
 const SPARED_ABOVE: usize = 2 << 20;
@@ -551,40 +548,44 @@ impl Arena {
 
     /// Removes every chunk that is wholly free.
     pub(super) fn remove_free_chunks(&mut self) -> Vec<(u64, usize)> {
-        self.remove_free_chunks_outside((0, 0), 0)
+        self.remove_free_chunks_outside((0, 0), usize::MAX)
     }
 
     /// Before a growth, removes the wholly free chunks outside the free block `keep` (start,
-    /// end; empty for none) that go back to the driver: every one, except where chunks
-    /// merge, whose free pieces go only once they come to a [`SHED_DIVISOR`]th of what the
-    /// arena holds. A growth then maps memory anew where holes left pieces free, so that the
-    /// arena holds little it does not use, while a loop whose holes fill and empty again does
-    /// not unmap and map the same pieces at every growth.
-    pub(super) fn shed_free_chunks(&mut self, keep: (u64, u64)) -> Vec<(u64, usize)> {
-        self.remove_free_chunks_outside(keep, self.held / SHED_DIVISOR)
+    /// end; empty for none): every one, except where chunks merge, whose wholly free pieces go
+    /// only up to `most` bytes (what the growth maps; the last piece may pass it). A `pool`
+    /// gives its chunks back to the driver and grows anew; `vmm-pool` maps the pieces again
+    /// where the growth needs them, so that memory moves in the reservation rather than going
+    /// back to the driver and coming again, and the free pieces it keeps serve the next
+    /// requests without a growth.
+    pub(super) fn shed_free_chunks(&mut self, keep: (u64, u64), most: usize) -> Vec<(u64, usize)> {
+        let most = if self.merge_across { most } else { usize::MAX };
+        self.remove_free_chunks_outside(keep, most)
     }
 
-    /// Where chunks merge, removes every wholly free piece once they come to `least` bytes
-    /// or more; nothing otherwise.
-    pub(super) fn shed_free_pieces_from(&mut self, least: usize) -> Vec<(u64, usize)> {
+    /// Where chunks merge, removes wholly free pieces up to `most` bytes (the last may pass
+    /// it); nothing otherwise.
+    pub(super) fn shed_free_pieces(&mut self, most: usize) -> Vec<(u64, usize)> {
         if !self.merge_across {
             return Vec::new();
         }
-        self.remove_free_chunks_outside((0, 0), least)
+        self.remove_free_chunks_outside((0, 0), most)
     }
 
     /// Removes the wholly free chunks outside the free block `keep` (start, end; empty for
-    /// none), as (base, size); where chunks merge, only once their free pieces there come to
-    /// `least` bytes.
-    fn remove_free_chunks_outside(&mut self, keep: (u64, u64), least: usize) -> Vec<(u64, usize)> {
+    /// none), as (base, size), in address order until they come to `most` bytes.
+    fn remove_free_chunks_outside(&mut self, keep: (u64, u64), most: usize) -> Vec<(u64, usize)> {
         self.settle();
-        if self.merge_across && self.free_piece_bytes(keep) < least {
-            return Vec::new();
-        }
+        let mut taken = 0usize;
         let free: Vec<_> = self
             .free_chunks()
             .into_iter()
             .filter(|&(base, size, _)| base + size as u64 <= keep.0 || base >= keep.1)
+            .take_while(|&(_, size, _)| {
+                let more = taken < most;
+                taken = taken.saturating_add(size);
+                more
+            })
             .collect();
         let out = free.iter().map(|&(b, s, _)| (b, s)).collect();
         self.remove_chunks(free);
@@ -593,6 +594,7 @@ impl Arena {
 
     /// Where chunks merge, the bytes of the wholly free pieces outside the free block `keep`.
     /// Pieces lie at multiples of their size (mapped at the granularity): counted, not listed.
+    #[cfg(test)]
     fn free_piece_bytes(&self, keep: (u64, u64)) -> usize {
         let piece = self.piece as u64;
         self.large_free_blocks()
@@ -919,18 +921,19 @@ impl Arenas {
         self.marked(chunks)
     }
 
-    /// Before a growth, removes the wholly free chunks that go back to the driver
-    /// ([`Arena::shed_free_chunks`]), or to the arena that lent them.
-    pub(super) fn shed_free_chunks(&mut self) -> Vec<Chunk> {
-        let standard = self.standard.shed_free_chunks((0, 0));
-        let chunks = Chunk::of_kinds(standard, self.oversize.shed_free_chunks((0, 0)));
+    /// Before a growth of `most` bytes, removes the wholly free chunks that go back to the
+    /// driver (where chunks merge, pieces up to `most` bytes, which the growth maps again:
+    /// [`Arena::shed_free_chunks`]), or to the arena that lent them.
+    pub(super) fn shed_free_chunks(&mut self, most: usize) -> Vec<Chunk> {
+        let standard = self.standard.shed_free_chunks((0, 0), most);
+        let chunks = Chunk::of_kinds(standard, self.oversize.shed_free_chunks((0, 0), most));
         self.marked(chunks)
     }
 
-    /// Where chunks merge, removes the standard arena's wholly free pieces once they come to
-    /// `least` bytes or more ([`Arena::shed_free_pieces_from`]).
-    pub(super) fn shed_free_pieces_from(&mut self, least: usize) -> Vec<Chunk> {
-        let standard = self.standard.shed_free_pieces_from(least);
+    /// Where chunks merge, removes wholly free pieces of the standard arena up to `most` bytes
+    /// ([`Arena::shed_free_pieces`]).
+    pub(super) fn shed_free_pieces(&mut self, most: usize) -> Vec<Chunk> {
+        let standard = self.standard.shed_free_pieces(most);
         self.marked(Chunk::of_kinds(standard, []))
     }
 
@@ -975,9 +978,14 @@ impl Arenas {
     /// Before a growth in place, removes the wholly free chunks of the arena that serves
     /// `size` that lie outside the free block `keep` (start, end) and go back to the driver
     /// ([`Arena::shed_free_chunks`]).
-    pub(super) fn shed_free_chunks_outside(&mut self, size: usize, keep: (u64, u64)) -> Vec<Chunk> {
+    pub(super) fn shed_free_chunks_outside(
+        &mut self,
+        size: usize,
+        keep: (u64, u64),
+        most: usize,
+    ) -> Vec<Chunk> {
         let oversize = self.is_oversize(size);
-        let removed = self.of(size).shed_free_chunks(keep);
+        let removed = self.of(size).shed_free_chunks(keep, most);
         let chunks = if oversize {
             Chunk::of_kinds([], removed)
         } else {
@@ -986,16 +994,18 @@ impl Arenas {
         self.marked(chunks)
     }
 
-    /// Removes the smallest wholly free chunk that can serve a request of `size` bytes.
+    /// Removes the smallest wholly free chunk that can serve a request of `size` bytes (a
+    /// chunk these arenas were lent says so: it goes back to its lender, never the driver).
     pub(super) fn take_free_chunk(&mut self, size: usize, most: usize) -> Option<Chunk> {
         let oversize = self.is_oversize(size);
         let (base, size) = self.of(size).take_free_chunk(size, most)?;
-        Some(Chunk {
+        let chunk = Chunk {
             base,
             size,
             oversize,
             lent: false,
-        })
+        };
+        self.marked(vec![chunk]).pop()
     }
 
     /// Whether the arenas hold no chunk.
@@ -1381,10 +1391,10 @@ mod tests {
         Give(usize),
         /// Maps this many pieces past the tail (or at a new place when there is none).
         Grow(usize),
-        /// Sheds, keeping the tail's free block or nothing.
-        Shed(bool),
-        /// Sheds every wholly free piece once they come to this many pieces.
-        ShedFrom(usize),
+        /// Sheds up to this many pieces, keeping the tail's free block or nothing.
+        Shed(bool, usize),
+        /// Sheds wholly free pieces, up to this many.
+        ShedPieces(usize),
         /// Moves the pieces of a request of this size to another arena.
         Adopt(usize),
     }
@@ -1396,8 +1406,8 @@ mod tests {
             1 => (1usize..=12).prop_map(|u| MergingStep::Take(u << 20)),
             5 => any::<usize>().prop_map(MergingStep::Give),
             1 => (1usize..=4).prop_map(MergingStep::Grow),
-            1 => any::<bool>().prop_map(MergingStep::Shed),
-            1 => (1usize..=8).prop_map(MergingStep::ShedFrom),
+            1 => (any::<bool>(), 1usize..=8).prop_map(|(k, n)| MergingStep::Shed(k, n)),
+            1 => (1usize..=8).prop_map(MergingStep::ShedPieces),
             1 => (1usize..=6).prop_map(|u| MergingStep::Adopt(u << 20)),
         ]
     }
@@ -1407,9 +1417,8 @@ mod tests {
 
         /// Random takes, gives, growths, sheds and adoptions on an arena whose chunks merge
         /// and are recorded as pieces: after every step it is consistent (`check_merging`), a
-        /// shed gives back every wholly free piece outside the kept block once they come to
-        /// a sixteenth of what it holds and none before (a shed from a size: once they come to
-        /// that size), and an adoption moves a run of
+        /// shed of up to n pieces gives back n wholly free pieces outside the kept block, or
+        /// all of them where there are fewer, and an adoption moves a run of
         /// wholly free pieces that holds the request. 256 cases (`PROPTEST_CASES=N` for more).
         #[test]
         #[cfg_attr(
@@ -1455,7 +1464,7 @@ mod tests {
                         };
                         arena.add_chunk(at, n * PIECE);
                     }
-                    MergingStep::Shed(keep_tail) => {
+                    MergingStep::Shed(keep_tail, most) => {
                         let keep = match arena.tail() {
                             Some((end, free)) if keep_tail => (end - free as u64, end),
                             _ => (0, 0),
@@ -1468,17 +1477,16 @@ mod tests {
                         let wholly_free = free_pieces(&arena);
                         let outside = wholly_free
                             - if keep.1 > keep.0 { kept } else { 0 };
-                        let due = outside * PIECE >= arena.held / SHED_DIVISOR;
-                        let shed = arena.shed_free_chunks(keep);
-                        proptest::prop_assert_eq!(shed.len(), if due { outside } else { 0 });
+                        let shed = arena.shed_free_chunks(keep, most * PIECE);
+                        proptest::prop_assert_eq!(shed.len(), outside.min(most));
                         proptest::prop_assert!(
                             shed.iter().all(|&(b, _)| b + PIECE as u64 <= keep.0 || b >= keep.1)
                         );
                     }
-                    MergingStep::ShedFrom(n) => {
+                    MergingStep::ShedPieces(n) => {
                         let wholly_free = free_pieces(&arena);
-                        let shed = arena.shed_free_pieces_from(n * PIECE);
-                        let due = if wholly_free >= n { wholly_free } else { 0 };
+                        let shed = arena.shed_free_pieces(n * PIECE);
+                        let due = wholly_free.min(n);
                         proptest::prop_assert_eq!(shed.len(), due);
                         proptest::prop_assert_eq!(free_pieces(&arena), wholly_free - due);
                     }
@@ -1675,7 +1683,8 @@ mod tests {
         // the rest of that block stays free.
         arena.add_chunk(base + (64 << 20), 2 << 20);
         arena.add_chunk(base + (96 << 20), 2 << 20);
-        let mut removed = arena.shed_free_chunks((base + (90 << 20), base + (100 << 20)));
+        let held = arena.held;
+        let mut removed = arena.shed_free_chunks((base + (90 << 20), base + (100 << 20)), held);
         removed.sort();
         assert_eq!(removed, vec![(base, 2 << 20), (base + (64 << 20), 2 << 20)]);
         assert_eq!(arena.chunks.len(), 3);

@@ -18,17 +18,20 @@
 //!   side by side in one address range instead (`vmm.rs`), each growth as pieces of one
 //!   granularity (2 MiB) of physical memory: their free space merges, every size is served
 //!   from it, a growth extends the free block at the end in place, and a piece that a hole
-//!   leaves wholly free can go back on its own. Every block is a multiple of 256 bytes and
+//!   leaves wholly free can move to where a growth needs it. Every block is a multiple of 256 bytes and
 //!   256-byte aligned, as `cuMemAlloc`'s are.
 //! - **Memory held is bounded by memory in use.** Before it grows, the pool takes back what the
-//!   shards cache and the free chunks of streams with no work pending, tries again, and then
-//!   gives every chunk with nothing in use back to the driver (a growing stream's own once its
-//!   work is done): a pool never grows while it holds a chunk it does not use. `vmm-pool`
-//!   keeps the pieces under the block it extends, and gives its other free pieces back once
-//!   they come to a sixteenth of what it holds, so that it maps memory anew rather than keep
-//!   holes, without unmapping and mapping the same pieces at every growth of a loop. The
-//!   trace corpus test (`integration/tests/traces.rs`) holds `pool` to 1.25 times peak live,
-//!   `vmm-pool` to 1.10.
+//!   shards cache and the free chunks of streams with no work pending, then the wholly free
+//!   chunks of busy streams (the growing stream waits for their work on the GPU), tries again,
+//!   and then gives every chunk with nothing in use back to the driver: the growing stream's
+//!   own after the pool has waited for that stream's work, so that it never holds the chunks
+//!   it gives back and the one it grows by at once. `vmm-pool` gives nothing back when it
+//!   grows: it keeps the pieces under the block it extends and moves free pieces elsewhere
+//!   (up to what the growth maps) to where the growth needs them, unmapped and mapped again,
+//!   making new physical memory only for the rest; its memory goes back to the driver on a
+//!   trim, out of memory, or a reset. The trace corpus test (`integration/tests/traces.rs`)
+//!   holds `pool` to 1.25 times peak live, `vmm-pool` to 1.10, on logs of programs recorded
+//!   on the GPU with the work they had in flight too.
 //! - **The arena** holds the free space of all chunks in bins by size (sixteen per doubling,
 //!   with a bitmap of the non-empty ones) and in two address maps (by start and by end):
 //!   finding a block, splitting it and merging a freed block with its free neighbours take
@@ -89,7 +92,7 @@ use crate::contract::manager::{HistoryRecord, StreamOrdering};
 use crate::contract::mapped_export::MappedExport;
 use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::error::EmmError;
-use crate::host::fences::{Fence, Fences};
+use crate::host::fences::Fences;
 use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
 use crate::lines::Lines;
 use crate::managers::default::DriverAllocator;
@@ -254,9 +257,6 @@ struct PoolShared {
     fences: Fences,
     /// What the pool holds from the driver, over the shared arena and the streams' arenas.
     totals: Totals,
-    /// Wholly free chunks of streams that had work pending when the pool shed them, freed
-    /// once the fence recorded then completed (`streams.rs`). Its lock is taken last.
-    retiring: Mutex<Vec<(Vec<Chunk>, Fence)>>,
     /// `vmm-pool`'s address reservation, where its chunks are mapped (`vmm.rs`); `None` for a
     /// pool of `cuMemAlloc` chunks. Its lock is taken after every other.
     vmm: Option<VmmSpace>,
@@ -270,6 +270,10 @@ struct Totals {
     peak_held: AtomicUsize,
     grows: AtomicU64,
     trimmed: AtomicU64,
+    /// Driver allocations (`cuMemAlloc`, or `cuMemCreate` per piece) and frees (`cuMemFree`,
+    /// or `cuMemRelease` per piece) made for the pool's memory.
+    driver_allocations: AtomicU64,
+    driver_frees: AtomicU64,
 }
 
 impl Totals {
@@ -646,10 +650,7 @@ impl PoolShared {
             self.queue.record_error(e);
         }
         self.drain_shards(false);
-        // First the streams' retired chunks: those lent go back to the shared arena, whose
-        // chunks they lie in may then be wholly free.
-        let mut chunks = self.retired_chunks(wait);
-        chunks.extend(lock(&self.arena).remove_free_chunks());
+        let chunks = lock(&self.arena).remove_free_chunks();
         let bytes = chunks.iter().map(|c| c.size).sum();
         if !chunks.is_empty() {
             self.totals.released(bytes, true);
@@ -740,7 +741,12 @@ impl PoolShared {
         let (tail, free, shed) = {
             let mut arena = lock(&self.arena);
             let (end, free) = arena.tail(size)?;
-            let shed = arena.shed_free_chunks_outside(size, (end - free as u64, end));
+            let most = self.growth_after(free, size);
+            // Nothing moves for a growth that cannot map there.
+            if !self.can_map_at(end, most) {
+                return None;
+            }
+            let shed = arena.shed_free_chunks_outside(size, (end - free as u64, end), most);
             (end, free, shed)
         };
         self.free_chunks(shed, "before growing in place");
@@ -807,7 +813,7 @@ impl PoolShared {
             return Ok(found);
         }
         let _relaxed = self.cx.relax_capture();
-        host.attempt_allocation("memalloc", AllocationKind::Device, size, || {
+        let grown = host.attempt_allocation("memalloc", AllocationKind::Device, size, || {
             // Another thread may have grown the pool meanwhile; or the block it needs may be a
             // thread's oversize block.
             if let Some(found) = lock(&self.arena).take_stamped(size) {
@@ -841,9 +847,11 @@ impl PoolShared {
             if let Some(found) = self.grow_in_place(size) {
                 return Ok(found);
             }
-            self.shed_free_chunks(None);
+            self.shed_free_chunks(None, size);
             self.grow_and_take(size)
-        })
+        });
+        self.release_spares();
+        grown
     }
 
     /// The free space, block by block: the streams' arenas, the shards' and the depot's cached
@@ -906,13 +914,6 @@ impl PoolShared {
             }),
         );
         shared.extend(streams);
-        for (chunks, _) in lock(&self.retiring).iter() {
-            shared.extend(
-                chunks
-                    .iter()
-                    .map(|c| HeldSegment::whole(c.base, c.size, kind, BlockState::PendingFree)),
-            );
-        }
         shared
     }
 
@@ -948,6 +949,8 @@ impl PoolShared {
             peak_held_bytes: self.totals.peak_held.load(Ordering::Relaxed),
             chunks: chunks + arena.chunks(),
             grows: self.totals.grows.load(Ordering::Relaxed),
+            driver_allocations: self.totals.driver_allocations.load(Ordering::Relaxed),
+            driver_frees: self.totals.driver_frees.load(Ordering::Relaxed),
             trimmed_bytes: self.totals.trimmed.load(Ordering::Relaxed),
             largest_free_bytes: Some(largest.max(arena.largest_free())),
         }
@@ -1042,7 +1045,6 @@ impl PoolAllocator {
             streams: StreamCache::new(),
             fences: Fences::new(host.context()),
             totals: Totals::default(),
-            retiring: Mutex::new(Vec::new()),
             vmm,
         });
         let stream_hooks = (0..shared.streams.len())

@@ -15,15 +15,21 @@
 //!   free space beside a block that keeps a shared chunk from going back whole still serves
 //!   the streams; failing that, the wholly free chunks of streams with no work pending move to
 //!   the shared arena (they are safe for every stream; a lent one goes back into the free space
-//!   it came from) and S tries again; failing that, the pool grows by a chunk for S. Blocks
-//!   are never handed from one stream's arena to another's while the first stream may still
-//!   use them.
+//!   it came from) and S tries again; failing that, S takes a wholly free chunk of a stream T
+//!   whose work is still running, after making S's work wait on the GPU for the work queued on
+//!   T so far (an event recorded on T, `cuStreamWaitEvent` on S), so that nothing S queues on
+//!   the memory runs before T's last use of it; failing that, the pool grows by a chunk for S.
+//!   A block moves from one stream's arena to another's only once the first stream's work is
+//!   done, or behind such a wait.
 //! - A stream's wholly free chunk larger than the pool would grow by for a request (one a large
 //!   block left) serves that request last: a chunk of the shared arena's, or its free space
 //!   lent, serves it first (`Arena::take_sparing`). A small block placed there would keep the
 //!   chunk from going back to the driver before a larger request grows the pool.
 //! - A lent chunk never goes to the driver: where a stream gives it up (moved, shed, trimmed)
 //!   it returns to the shared arena, and a reset frees only the chunk it lies in.
+//! - Before the pool grows for S, S's own wholly free chunks go back to the driver once the
+//!   pool has waited for S's work (`give_back_after`): a `cuMemFree` waits for the device in any
+//!   case, and freeing them later would have the pool hold them and the new chunk at once.
 //! - `trim` frees the wholly free chunks of streams with no work pending; out of memory, the
 //!   pool waits for every stream's work first.
 //!
@@ -390,7 +396,14 @@ impl PoolShared {
         {
             return Ok(found);
         }
-        host.attempt_allocation(
+        // A wholly free chunk of a stream whose work is still running, once this stream's
+        // work waits for that work on the GPU.
+        if let Some(chunk) = self.take_from_busy_stream(stream, size)
+            && let Some(found) = self.take_after_adopting(stream, size, Some(chunk))
+        {
+            return Ok(found);
+        }
+        let grown = host.attempt_allocation(
             "memalloc_on",
             crate::host::AllocationKind::Device,
             size,
@@ -411,13 +424,55 @@ impl PoolShared {
                 if let Some(found) = self.grow_stream_in_place(stream, size) {
                     return Ok(found);
                 }
-                self.shed_free_chunks(Some(stream));
+                self.shed_free_chunks(Some(stream), size);
                 let chunk = self.new_chunk(size)?;
                 Ok(self
                     .take_after_adopting(stream, size, Some(chunk))
                     .expect("a new chunk holds the request"))
             },
-        )
+        );
+        self.release_spares();
+        grown
+    }
+
+    /// A wholly free chunk of another stream's arena that holds `size` bytes (no larger than
+    /// the pool would grow by for the request), for `stream`, whose work from now on waits on
+    /// the GPU for the work queued so far on the stream that gave it up (an event recorded
+    /// there, waited for with `cuStreamWaitEvent`): a free chunk of a busy stream serves
+    /// another stream without the host waiting and without the pool growing. A stream that is
+    /// being captured gives nothing (its work is not the GPU's yet). `None` where no stream
+    /// has such a chunk, or the driver refused the event (the chunk stays where it was).
+    fn take_from_busy_stream(&self, stream: StreamHandle, size: usize) -> Option<Chunk> {
+        let _live = self.cx.liveness.enter()?;
+        let most = self.growth(size);
+        for k in self.streams.occupied() {
+            let mut lists = lock(&self.streams.shards[k].inner);
+            for (other, mine) in lists.per_stream.iter_mut() {
+                if *other == stream || self.cx.stream_is_captured(*other).unwrap_or(true) {
+                    continue;
+                }
+                let Some(chunk) = mine.arena.take_free_chunk(size, most) else {
+                    continue;
+                };
+                let ordered = self.fences.record([*other]).and_then(|fence| {
+                    let waited = self.fences.wait_on(&fence, stream);
+                    self.fences.recycle(fence);
+                    waited
+                });
+                match ordered {
+                    Ok(()) => {
+                        tracing::debug!(device = %self.cx.device, bytes = chunk.size, from = other.raw(), to = stream.raw(), "a busy stream's free chunk moved to another stream behind its work");
+                        return Some(chunk);
+                    }
+                    Err(e) => {
+                        mine.arena.add_chunk(chunk);
+                        tracing::warn!(device = %self.cx.device, error = %e, "ordering a stream after another's work failed; the pool grows instead");
+                        return None;
+                    }
+                }
+            }
+        }
+        None
     }
 
     /// A block of `size` bytes from `stream`'s own arena, sparing nothing, counted as in use.
@@ -428,122 +483,118 @@ impl PoolShared {
         Some((addr, self.generation.load(Ordering::Acquire)))
     }
 
-    /// Before the pool grows for a request no free block holds: every wholly free chunk goes
-    /// back to the driver (none holds the request, or it would have been taken), so that a
-    /// pool holds no chunk it does not use while it grows (`vmm-pool`: its free pieces, once
-    /// they come to a sixteenth of what the arena holds;
+    /// Before the pool grows for a request of `size` bytes that no free block holds: every
+    /// wholly free chunk goes back to the driver (none holds the request, or it would have been
+    /// taken), so that a pool holds no chunk it does not use while it grows (`vmm-pool`: its
+    /// free pieces, up to what the growth maps, which maps them again;
     /// [`Arena::shed_free_chunks`](super::arena::Arena::shed_free_chunks)). The shared arena's
-    /// go at once; those of `growing`, a stream with work pending, once that work is done
-    /// (behind a fence, freed by a later growth, trim or reset); chunks whose fences completed
-    /// go too.
-    pub(super) fn shed_free_chunks(&self, growing: Option<StreamHandle>) {
+    /// go at once; those of `growing`, the stream that grows, once its work is done: the pool
+    /// waits for that work here ([`give_back_after`](Self::give_back_after)), so that it never
+    /// holds the chunks it gives back and the one it grows by at once.
+    pub(super) fn shed_free_chunks(&self, growing: Option<StreamHandle>, size: usize) {
         let Some(_live) = self.cx.liveness.enter() else {
             return;
         };
-        let mut freed = self.retired_chunks(false);
-        freed.extend(lock(&self.arena).shed_free_chunks());
-        if let Some(stream) = growing {
-            let mut lists = lock(self.streams.of(stream));
-            if let Err(e) = self.settle_fences(&mut lists, false) {
-                self.queue.record_error(e);
-            }
-            if let Some(mine) = lists.list(stream) {
-                let shed = mine.arena.shed_free_chunks();
-                self.retire(stream, mine, shed);
-            }
-        }
+        // `vmm-pool` moves at most what the growth maps (`Arena::shed_free_chunks`).
+        let most = self.growth(size);
+        let freed = lock(&self.arena).shed_free_chunks(most);
+        let most = most.saturating_sub(freed.iter().map(|c| c.size).sum());
         self.free_chunks(freed, "before growing");
+        if let Some(stream) = growing {
+            let shed = {
+                let mut lists = lock(self.streams.of(stream));
+                if let Err(e) = self.settle_fences(&mut lists, false) {
+                    self.queue.record_error(e);
+                }
+                lists
+                    .list(stream)
+                    .map(|mine| mine.arena.shed_free_chunks(most))
+                    .unwrap_or_default()
+            };
+            self.give_back_after(stream, shed);
+        }
     }
 
-    /// Wholly free chunks `shed` of `stream`'s arena `mine` go to the driver once the stream's
-    /// work is done (behind a fence, freed by a later growth, trim or reset); where no fence
-    /// can be recorded they stay with the stream, which may still use them.
-    fn retire(&self, stream: StreamHandle, mine: &mut PerStream, shed: Vec<Chunk>) {
+    /// Gives back `shed`, wholly free chunks taken out of `stream`'s arena, once the work
+    /// queued on `stream` so far is done: the pool waits for it (an event recorded there now),
+    /// then frees its chunks and returns those the shared arena lent to it. A free on the
+    /// driver waits for the device's work in any case (`cuMemFree`, `cuMemUnmap`); waiting
+    /// first orders it after the stream's work by rule rather than by the driver's habit, and
+    /// frees the chunks before the pool grows instead of at a later growth. Where the wait
+    /// fails, the chunks go back to the stream, which may still use them. The caller holds
+    /// the context's liveness and no lock of the pool's.
+    fn give_back_after(&self, stream: StreamHandle, shed: Vec<Chunk>) {
         if shed.is_empty() {
             return;
         }
-        match self.fences.record([stream]) {
-            Ok(fence) => lock(&self.retiring).push((shed, fence)),
-            Err(e) => {
-                for chunk in shed {
-                    mine.arena.add_chunk(chunk);
-                }
-                tracing::warn!(device = %self.cx.device, error = %e, "a growing stream's free chunks stay with it");
-                self.queue.record_error(EmmError::driver(
-                    "fencing a stream's free chunks",
-                    self.cx.device,
-                    e,
-                ));
-            }
-        }
-    }
-
-    /// `vmm-pool`: grows the largest free block of `stream`'s arena that ends where mapped
-    /// memory does, as [`grow_in_place`](PoolShared::grow_in_place) does the shared arena's;
-    /// the stream's free pieces it sheds go to the driver once its work is done. The shared
-    /// arena's wholly free pieces go at once where they come to what the growth maps: no run
-    /// of them held the request, or the stream would have adopted it, and keeping them would
-    /// let the pool hold that much more than it uses. `None` where no block can grow so.
-    fn grow_stream_in_place(&self, stream: StreamHandle, size: usize) -> Option<(u64, u64)> {
-        self.vmm.as_ref()?;
-        let (tail, free) = {
+        let waited = self.fences.record([stream]).and_then(|mut fence| {
+            let done = self.fences.wait(&mut fence);
+            self.fences.recycle(fence);
+            done
+        });
+        if let Err(e) = waited {
+            tracing::warn!(device = %self.cx.device, error = %e, "waiting for a growing stream's work failed; its free chunks stay with it");
             let mut lists = lock(self.streams.of(stream));
-            let mine = lists.list(stream)?;
-            let (end, free) = mine.arena.tail(size)?;
-            let shed = mine
-                .arena
-                .shed_free_chunks_outside(size, (end - free as u64, end));
-            self.retire(stream, mine, shed);
-            (end, free)
-        };
-        let shared = lock(&self.arena).shed_free_pieces_from(self.growth_after(free, size));
-        self.free_chunks(shared, "before a stream grows in place");
-        let chunk = self.map_after(tail, free, size)?;
-        self.take_after_adopting(stream, size, Some(chunk))
-    }
-
-    /// Takes the chunks whose fences completed (with `wait`, every chunk, after its fence)
-    /// off the retiring list, and returns those of the driver's; those the shared arena lent go
-    /// back to it.
-    pub(super) fn retired_chunks(&self, wait: bool) -> Vec<Chunk> {
-        let (lent, freed): (Vec<Chunk>, Vec<Chunk>) =
-            self.retired_or_lent(wait).into_iter().partition(|c| c.lent);
+            let k = self.streams.index(stream);
+            let mine = lists.list_or_new(stream, self.new_arenas());
+            for chunk in shed {
+                mine.arena.add_chunk(chunk);
+            }
+            self.streams.mark(k, &lists);
+            self.queue.record_error(EmmError::driver(
+                "waiting for a stream's work before giving its free chunks back",
+                self.cx.device,
+                e,
+            ));
+            return;
+        }
+        let (lent, freed): (Vec<Chunk>, Vec<Chunk>) = shed.into_iter().partition(|c| c.lent);
         if !lent.is_empty() {
             let mut arena = lock(&self.arena);
             for chunk in lent {
                 arena.restore(chunk);
             }
         }
-        freed
+        self.free_chunks(freed, "before a stream grows");
     }
 
-    /// Takes the chunks whose fences completed (with `wait`, every chunk, after its fence)
-    /// off the retiring list, lent ones included.
-    fn retired_or_lent(&self, wait: bool) -> Vec<Chunk> {
-        let mut retiring = lock(&self.retiring);
-        let mut freed = Vec::new();
-        let mut k = 0;
-        while k < retiring.len() {
-            match self.fences.finished(&mut retiring[k].1, wait) {
-                Ok(false) => k += 1,
-                Ok(true) => {
-                    let (chunks, fence) = retiring.swap_remove(k);
-                    self.fences.recycle(fence);
-                    freed.extend(chunks);
-                }
-                Err(e) => {
-                    // A fence that cannot be read keeps its chunks until the reset.
-                    tracing::warn!(device = %self.cx.device, error = %e, "reading the fence of a stream's free chunks failed; they stay held until the pool's reset");
-                    self.queue.record_error(EmmError::driver(
-                        "reading a stream's fence",
-                        self.cx.device,
-                        e,
-                    ));
-                    k += 1;
-                }
+    /// `vmm-pool`: grows the largest free block of `stream`'s arena that ends where mapped
+    /// memory does, as [`grow_in_place`](PoolShared::grow_in_place) does the shared arena's;
+    /// the stream's free pieces it sheds go to the driver once its work is done
+    /// ([`give_back_after`](Self::give_back_after)). The shared arena's wholly free pieces go
+    /// at once where they come to what the growth maps: no run of them held the request, or
+    /// the stream would have adopted it, and keeping them would let the pool hold that much
+    /// more than it uses. `None` where no block can grow so.
+    fn grow_stream_in_place(&self, stream: StreamHandle, size: usize) -> Option<(u64, u64)> {
+        self.vmm.as_ref()?;
+        let (tail, free, shed) = {
+            let mut lists = lock(self.streams.of(stream));
+            let mine = lists.list(stream)?;
+            let (end, free) = mine.arena.tail(size)?;
+            let most = self.growth_after(free, size);
+            // Nothing moves for a growth that cannot map there.
+            if !self.can_map_at(end, most) {
+                return None;
             }
+            let shed = mine
+                .arena
+                .shed_free_chunks_outside(size, (end - free as u64, end), most);
+            (end, free, shed)
+        };
+        // The shared arena's free pieces move too, up to what the growth still lacks (no run
+        // of them held the request, or the stream would have taken it).
+        let moved: usize = shed.iter().map(|c| c.size).sum();
+        let most = self.growth_after(free, size).saturating_sub(moved);
+        let shared = lock(&self.arena).shed_free_pieces(most);
+        self.free_chunks(shared, "before a stream grows in place");
+        if let Some(_live) = self.cx.liveness.enter() {
+            self.give_back_after(stream, shed);
+        } else {
+            // The context is gone: its reset frees every chunk; these are no longer held.
+            return None;
         }
-        freed
+        let chunk = self.map_after(tail, free, size)?;
+        self.take_after_adopting(stream, size, Some(chunk))
     }
 
     /// Frees `chunks` through the deferred-deallocation queue, at once (inside
@@ -556,7 +607,8 @@ impl PoolShared {
         let bytes = chunks.iter().map(|c| c.size).sum();
         self.totals.released(bytes, true);
         tracing::debug!(device = %self.cx.device, chunks = chunks.len(), bytes, why, "pool gave chunks back");
-        self.release_chunks(chunks, false);
+        // Every caller is about to grow: `vmm-pool` keeps the pieces for the growth to map.
+        self.release_or_spare(chunks, false, true);
         if let Err(e) = self.queue.flush() {
             self.queue.record_error(e);
         }
@@ -722,7 +774,7 @@ impl PoolShared {
             }
             let stream = *s;
             let chunks = if growing {
-                mine.arena.shed_free_chunks()
+                mine.arena.shed_free_chunks(usize::MAX)
             } else {
                 mine.arena.remove_free_chunks()
             };
@@ -798,11 +850,6 @@ impl PoolShared {
     ) -> (Vec<Chunk>, Vec<ParkedPointer>) {
         let mut chunks = Vec::new();
         let mut spares = Vec::new();
-        for (retired, fence) in std::mem::take(&mut *lock(&self.retiring)) {
-            self.fences.recycle(fence);
-            // A lent chunk lies in one of the shared arena's, which the reset frees.
-            chunks.extend(retired.into_iter().filter(|c| !c.lent));
-        }
         for lists in shards.iter_mut() {
             for (_, _, _, fence) in std::mem::take(&mut lists.waiting) {
                 self.fences.recycle(fence);
