@@ -290,6 +290,48 @@ def test_torch_memory_stats_under_install(manager):
     assert "stats ok" in out
 
 
+@pytest.mark.parametrize("manager", ["pool", "vmm-pool"])
+def test_framework_words_give_memory_back(manager):
+    """``torch.cuda.empty_cache()`` under ``emm.torch.install()`` and
+    ``cupy.get_default_memory_pool().free_all_blocks()`` under ``emm.cupy.install()`` give
+    back what emm's pool holds unused, as they do under the frameworks' own allocators."""
+    needs_gpu("PyTorch and CuPy")
+    needs_module("torch")
+    needs_module("cupy")
+    out = run(
+        """
+    import cupy, torch
+    import emm, emm.cupy, emm.torch
+    emm.torch.install()
+    emm.cupy.install()
+    ctx = emm.context(0)
+    def held():
+        return ctx.pool_stats()["device"]["held_bytes"]
+    xs = [torch.empty(64 << 20, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    torch.cuda.synchronize()
+    assert held() >= 256 << 20, held()
+    del xs
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert held() < 64 << 20, ("torch.cuda.empty_cache() kept", held())
+    assert torch.cuda.empty_cache.__wrapped__ is not None
+    ys = [cupy.empty(64 << 20, dtype=cupy.uint8) for _ in range(4)]
+    cupy.cuda.Device().synchronize()
+    assert held() >= 256 << 20, held()
+    pool = cupy.get_default_memory_pool()
+    assert pool.used_bytes() >= 256 << 20, pool.used_bytes()
+    del ys
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    assert held() < 64 << 20, ("free_all_blocks() kept", held())
+    assert pool.total_bytes() == held()
+    print("emptied ok")
+    """,
+        EMM_MEMORY_MANAGER=manager,
+    )
+    assert "emptied ok" in out
+
+
 @pytest.mark.parametrize("manager", ["pool", "vmm-pool", "async-pool"])
 def test_torch_snapshot_loads_in_memory_viz(manager):
     """A snapshot taken in the middle of a training step (history on): PyTorch's own

@@ -84,6 +84,55 @@ def install(c_functions=True):
     else:
         _installed = allocator
         cupy.cuda.set_allocator(allocator)
+    _route_default_pool()
+
+
+class DefaultPoolOverEmm:
+    """What ``cupy.get_default_memory_pool()`` returns once ``install()`` ran: CuPy's own pool
+    (no longer allocated from) answering in emm's words where a program asks what the pool
+    holds or to empty it: ``free_all_blocks()`` gives emm's unused memory back
+    (:func:`free_all_blocks`), ``used_bytes()`` and ``total_bytes()`` read emm's figures. Every
+    other attribute is CuPy's pool's."""
+
+    def __init__(self, pool):
+        self._pool = pool
+
+    def free_all_blocks(self, stream=None):
+        """CuPy's pool's ``free_all_blocks``, then emm's (:func:`free_all_blocks`)."""
+        self._pool.free_all_blocks(stream=stream)
+        free_all_blocks()
+
+    def used_bytes(self):
+        """Bytes CuPy holds from emm on the current device (:func:`used_bytes`)."""
+        return used_bytes()
+
+    def total_bytes(self):
+        """Bytes emm's manager holds for the current device (:func:`total_bytes`)."""
+        return total_bytes()
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+
+_framework_default_pool = None
+
+
+def _route_default_pool():
+    """Points ``cupy.get_default_memory_pool`` at a view of CuPy's pool that empties emm
+    (:class:`DefaultPoolOverEmm`); once per process. A reference to CuPy's pool taken before
+    ``install()`` stays CuPy's alone."""
+    global _framework_default_pool
+    if _framework_default_pool is not None or not hasattr(cupy, "get_default_memory_pool"):
+        # Routed already, or a CuPy without a default pool: nothing to answer for.
+        return
+    _framework_default_pool = cupy.get_default_memory_pool
+    view = DefaultPoolOverEmm(_framework_default_pool())
+
+    def get_default_memory_pool():
+        """CuPy's default pool, as emm's :class:`DefaultPoolOverEmm` sees it."""
+        return view
+
+    cupy.get_default_memory_pool = get_default_memory_pool
 
 
 def used_bytes(device=None):

@@ -47,10 +47,39 @@ def _pool_allocator():
 def install():
     """Makes emm PyTorch's CUDA allocator; PyTorch allows this only before it allocates.
     Captures get graph pools (see the module's text); ``EMM_CAPTURE_POOLS=0`` leaves them off,
-    saving the driver query each allocation makes, for programs that never capture."""
+    saving the driver query each allocation makes, for programs that never capture.
+
+    ``torch.cuda.empty_cache()`` then gives back what emm holds unused too (PyTorch's
+    pluggable allocator does nothing on it): ``install()`` wraps ``torch.cuda.empty_cache``
+    and ``torch.cuda.memory.empty_cache`` so that they call PyTorch's own and then
+    :func:`empty_cache`. Code that took a reference to the function before ``install()``
+    (``from torch.cuda import empty_cache``) keeps PyTorch's alone."""
     if os.environ.get("EMM_CAPTURE_POOLS", "1") != "0":
         _emm.enable_capture_pools()
     torch.cuda.memory.change_current_allocator(allocator())
+    _route_empty_cache()
+
+
+_framework_empty_cache = None
+
+
+def _route_empty_cache():
+    """Points ``torch.cuda.empty_cache`` (and ``torch.cuda.memory.empty_cache``) at a function
+    that calls PyTorch's own, then emm's :func:`empty_cache`; once per process."""
+    global _framework_empty_cache
+    if _framework_empty_cache is not None:
+        return
+    _framework_empty_cache = torch.cuda.memory.empty_cache
+
+    def empty_cache_through_emm():
+        """PyTorch's ``empty_cache``, then emm's (``emm.torch.empty_cache``): what emm's
+        managers hold unused goes back to the driver."""
+        _framework_empty_cache()
+        empty_cache()
+
+    empty_cache_through_emm.__wrapped__ = _framework_empty_cache
+    torch.cuda.memory.empty_cache = empty_cache_through_emm
+    torch.cuda.empty_cache = empty_cache_through_emm
 
 
 def release_graph_pools():
