@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The Python half of the GPU job: the emm wheel's tests with Numba, CuPy and PyTorch, then
-# numba-cuda's own suite (cudadrv and cudapy, `numba-suite.sh`) with Numba's manager and with
+# The Python half of the GPU job: the emm wheel's tests with Numba, CuPy and PyTorch, the real
+# programs (`run-programs.sh`), then numba-cuda's own suite (cudadrv and cudapy, `numba-suite.sh`) with Numba's manager and with
 # emm.numba under emm's default and pool managers. Run from the repository root on the GPU machine, with
 # WHEELS naming a folder that holds the emm wheel (`cd python && maturin build --release -o
 # DIR`), numpy 2.3.5 for CPython 3.12 (numba-cuda 0.30.4 does not compile kernels with numpy
@@ -26,6 +26,9 @@ status=0
 (cd integration/traces/record && EMM_PYTHON_DRIVER=cuda python3 compare_training.py \
     --managers default,pool,vmm-pool,async-pool,async-pool-ipc) >"$out/compare-training.txt" 2>&1 || status=1
 cat "$out/compare-training.txt"
+# Real programs on the GPU under PyTorch's allocator and emm's pools: the memory section of
+# BENCHMARKS.md (`run-programs.sh`; fails when a run fails or its results differ).
+OUT=$out bash "$(dirname "$0")/run-programs.sh" || status=1
 # numba-cuda's whole suite under Numba's manager and under emm.numba (default, pool): fails when
 # a test fails under emm.numba and not under Numba's own manager.
 OUT=$out bash "$(dirname "$0")/numba-suite.sh" || status=1

@@ -137,6 +137,66 @@ def torch_figures(torch, args, use=None):
     return out
 
 
+def counters(torch, args):
+    """What the allocator did so far, under PyTorch's allocator or emm's: allocations served,
+    live bytes now and at their peak, bytes held from the driver now and at their peak, driver
+    allocations and frees, and the bytes given back to the driver (``{}`` on the CPU)."""
+    if args.device != "cuda":
+        return {}
+    if args.allocator == "native":
+        st = torch.cuda.memory_stats()
+        return {
+            "allocations": st.get("allocation.all.allocated", 0),
+            "live_bytes": st.get("allocated_bytes.all.current", 0),
+            "peak_live_bytes": st.get("allocated_bytes.all.peak", 0),
+            "held_bytes": st.get("reserved_bytes.all.current", 0),
+            "peak_held_bytes": st.get("reserved_bytes.all.peak", 0),
+            "driver_allocations": st.get("num_device_alloc", 0),
+            "driver_frees": st.get("num_device_free", 0),
+            "given_back_bytes": st.get("reserved_bytes.all.freed", 0),
+        }
+    import emm
+    import emm.torch
+
+    st = emm.torch.memory_stats()
+    pool = emm.context(0).pool_stats()["device"] or {}
+    return {
+        "allocations": st["allocation.all.allocated"],
+        "live_bytes": st["allocated_bytes.all.current"],
+        "peak_live_bytes": st["allocated_bytes.all.peak"],
+        "held_bytes": pool.get("held_bytes", 0),
+        "peak_held_bytes": pool.get("peak_held_bytes", 0),
+        "driver_allocations": pool.get("driver_allocations", 0),
+        "driver_frees": pool.get("driver_frees", 0),
+        "given_back_bytes": pool.get("trimmed_bytes", 0),
+    }
+
+
+class Counters:
+    """The allocator's counters at the end of warm-up and at the end of the run, for the
+    result line: driver calls per allocation after warm-up come from their difference."""
+
+    def __init__(self, torch, args):
+        self.torch, self.args = torch, args
+        self.warm = None
+
+    def warmed(self):
+        """Call once the warm-up steps are done (after a synchronisation)."""
+        if self.args.device == "cuda":
+            self.torch.cuda.synchronize()
+        self.warm = counters(self.torch, self.args)
+
+    def fields(self):
+        if self.args.device == "cuda":
+            self.torch.cuda.synchronize()
+        return {"counters": counters(self.torch, self.args), "counters_warm": self.warm}
+
+
+def warmup_steps(steps):
+    """The steps a program counts as warm-up: a tenth of the run, at least 3."""
+    return max(3, steps // 10)
+
+
 def finish(workload, args, timer, memory, **fields):
     """Prints the result line of a run of ``--steps`` steps timed by ``timer``."""
     report(

@@ -51,7 +51,10 @@ model = nn.Sequential(
 ).to(dev)
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 losses, timer = [], common.Timer()
+counts = common.Counters(torch, args)
 for step in range(args.steps):
+    if step == common.warmup_steps(args.steps):
+        counts.warmed()
     b, px = shapes.randint(8, 64), shapes.choice([64, 96, 128, 160, 192, 224])
     if args.device == "cpu":
         b, px = 2, 32
@@ -61,4 +64,7 @@ for step in range(args.steps):
     loss = nn.functional.cross_entropy(model(x), y)
     common.train(opt, loss, losses)
     timer.end()
-common.finish("torch_cnn", args, timer, common.torch_figures(torch, args), losses=losses)
+common.finish(
+    "torch_cnn", args, timer, common.torch_figures(torch, args), losses=losses,
+    **counts.fields(),
+)

@@ -20,7 +20,10 @@ params = list(model.parameters()) + list(head.parameters())
 opt = torch.optim.AdamW(params, lr=1e-4)
 losses, timer = [], common.Timer()
 use = common.DeviceUse(torch, args)
+counts = common.Counters(torch, args)
 for step in range(args.steps):
+    if step == common.warmup_steps(args.steps):
+        counts.warmed()
     b, s = shapes.randint(4, 32), shapes.randint(64, 512)
     if args.device == "cpu":
         b, s = max(1, b // 8), max(8, s // 16)
@@ -31,4 +34,7 @@ for step in range(args.steps):
     common.train(opt, loss, losses)
     timer.end()
     use.read()
-common.finish("torch_transformer", args, timer, common.torch_figures(torch, args, use), losses=losses)
+common.finish(
+    "torch_transformer", args, timer, common.torch_figures(torch, args, use), losses=losses,
+    **counts.fields(),
+)
