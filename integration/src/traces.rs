@@ -80,47 +80,90 @@ pub struct CorpusEntry {
     pub driver_pool_over_live: f64,
 }
 
-/// The corpus: every trace `corpus.csv` lists, with its file, which must exist.
-pub fn corpus() -> Result<Vec<(CorpusEntry, PathBuf)>, String> {
-    let index = Path::new(TRACE_DIR).join("corpus.csv");
+/// The rows of the index `file` of [`TRACE_DIR`] (a header line, then `columns` fields a row,
+/// the first the trace's name), each with its trace's file, which must exist.
+fn read_index(file: &str, columns: &str) -> Result<Vec<(Vec<String>, PathBuf)>, String> {
+    let index = Path::new(TRACE_DIR).join(file);
     let text = std::fs::read_to_string(&index)
         .map_err(|e| format!("cannot read {}: {e}", index.display()))?;
-    let mut entries = Vec::new();
+    let want = columns.split(',').count();
+    let mut rows = Vec::new();
     for (n, line) in text.lines().enumerate().skip(1) {
         if line.trim().is_empty() {
             continue;
         }
-        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
-        let [name, workload, torch, driver] = fields[..] else {
+        let fields: Vec<String> = line.split(',').map(|f| f.trim().to_owned()).collect();
+        if fields.len() != want {
             return Err(format!(
-                "{} line {}: want name,workload,torch_reserved_over_live,driver_pool_over_live",
+                "{} line {}: want {columns}",
                 index.display(),
                 n + 1
             ));
-        };
-        let ratio = |text: &str| {
-            text.parse::<f64>()
-                .map_err(|e| format!("{} line {}: {text:?}: {e}", index.display(), n + 1))
-        };
-        let path = Path::new(TRACE_DIR).join(format!("{name}.csv.gz"));
+        }
+        let path = Path::new(TRACE_DIR).join(format!("{}.csv.gz", fields[0]));
         if !path.is_file() {
             return Err(format!(
-                "{} lists {name}, but {} is missing",
+                "{} lists {}, but {} is missing",
                 index.display(),
+                fields[0],
                 path.display()
             ));
         }
-        entries.push((
+        rows.push((fields, path));
+    }
+    Ok(rows)
+}
+
+/// The corpus: every trace `corpus.csv` lists, with its file, which must exist.
+pub fn corpus() -> Result<Vec<(CorpusEntry, PathBuf)>, String> {
+    let ratio = |text: &str| {
+        text.parse::<f64>()
+            .map_err(|e| format!("corpus.csv: {text:?}: {e}"))
+    };
+    read_index(
+        "corpus.csv",
+        "name,workload,torch_reserved_over_live,driver_pool_over_live",
+    )?
+    .into_iter()
+    .map(|(f, path)| {
+        Ok((
             CorpusEntry {
-                name: name.to_owned(),
-                workload: workload.to_owned(),
-                torch_reserved_over_live: ratio(torch)?,
-                driver_pool_over_live: ratio(driver)?,
+                torch_reserved_over_live: ratio(&f[2])?,
+                driver_pool_over_live: ratio(&f[3])?,
+                name: f[0].clone(),
+                workload: f[1].clone(),
             },
             path,
-        ));
-    }
-    Ok(entries)
+        ))
+    })
+    .collect()
+}
+
+/// One row of `programs.csv`: a log of a program of `record/programs.py`, recorded on the GPU
+/// under `pool` with the `log` adaptor's `Reached` column (how far the GPU had got), so that
+/// its replay sees the work in flight the program had.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProgramTrace {
+    /// The trace's name (`traces/<name>.csv.gz`).
+    pub name: String,
+    /// What the recorded program does, and which part of it the trace keeps.
+    pub workload: String,
+}
+
+/// The program traces: every trace `programs.csv` lists, with its file, which must exist.
+pub fn programs() -> Result<Vec<(ProgramTrace, PathBuf)>, String> {
+    Ok(read_index("programs.csv", "name,workload,steps_recorded")?
+        .into_iter()
+        .map(|(f, path)| {
+            (
+                ProgramTrace {
+                    name: f[0].clone(),
+                    workload: f[1].clone(),
+                },
+                path,
+            )
+        })
+        .collect())
 }
 
 /// What replaying a trace under one manager gave, pass by pass.

@@ -74,6 +74,22 @@ fn settle_slack(manager: &str, live: usize) -> usize {
     }
 }
 
+/// A failure where the last of `r`'s passes peaked higher than every earlier one (beyond
+/// [`settle_slack`]): held memory that has not settled.
+fn unsettled(manager: &str, live: usize, r: &traces::ManagerReplay) -> Option<String> {
+    let last = r.passes[PASSES - 1].peak_held_bytes;
+    let before = r.passes[..PASSES - 1]
+        .iter()
+        .map(|p| p.peak_held_bytes)
+        .max()
+        .unwrap_or(0);
+    (last > before + settle_slack(manager, live)).then(|| {
+        format!(
+            "{manager}: the last pass peaked at {last} bytes, above every earlier pass (at most {before}): held memory has not settled"
+        )
+    })
+}
+
 fn check(name: &str) {
     let corpus = traces::corpus().expect("the corpus index");
     let (entry, path) = corpus
@@ -140,16 +156,8 @@ fn check(name: &str) {
                 ));
             }
         }
-        let last = r.passes[PASSES - 1].peak_held_bytes;
-        let before = r.passes[..PASSES - 1]
-            .iter()
-            .map(|p| p.peak_held_bytes)
-            .max()
-            .unwrap_or(0);
-        if last > before + settle_slack(manager, live) && !over_the_driver_pool(manager) {
-            failures.push(format!(
-                "{manager}: the last pass peaked at {last} bytes, above every earlier pass (at most {before}): held memory has not settled"
-            ));
+        if !over_the_driver_pool(manager) {
+            failures.extend(unsettled(manager, live, &r));
         }
     }
     assert!(
@@ -190,14 +198,112 @@ fn torch_transformer() {
     check("torch_transformer");
 }
 
-/// Every trace of the directory is in the index, and every trace of the index has a test above.
+/// The most driver allocations `manager` may make per 100 allocations once a program's log has
+/// been replayed once (passes 2 to 5: the same program again, whose memory the pool already
+/// holds). `vmm-pool` meets the target of one (`performance.md`); `pool` is held to what it
+/// does now, three, as it misses the target on the phase-change program (2.0 on the GPU and
+/// here: its large blocks change size from step to step, and each size gets a chunk of its
+/// own; BENCHMARKS.md).
+fn driver_allocations_per_100(manager: &str) -> f64 {
+    if manager == "vmm-pool" { 1.0 } else { 3.0 }
+}
+
+/// A program's log recorded on the GPU with its progress (`programs.csv`), replayed five times
+/// with that progress under `pool` and `vmm-pool`: peak held within the manager's bound on
+/// every pass, passes that hold little more than the first and settle, and, once a pass has
+/// been replayed,
+/// at most [`driver_allocations_per_100`] driver allocations per 100 allocations. Replayed
+/// without the progress, these programs' logs showed none of what `pool` did on the GPU (1.7
+/// to 2.6 times peak live, a driver allocation and free per dozen allocations): the progress
+/// is what makes the stream busy when the pool decides. The other managers are not held to
+/// these bounds: `default` frees each block once the GPU has passed it (on the phase-change
+/// program it holds 3.4 times peak live while the GPU lags), and the `async-pool` family holds
+/// what the driver's pool decides; the corpus above holds them to PyTorch's figures.
+fn check_program(name: &str) {
+    let programs = traces::programs().expect("the program index");
+    let (entry, path) = programs
+        .iter()
+        .find(|(e, _)| e.name == name)
+        .unwrap_or_else(|| panic!("programs.csv lists no trace {name}"));
+    let events = traces::load(path).expect("the trace parses");
+    assert!(traces::has_progress(&events), "{name} records no progress");
+    let live = emm::replay::summarize(&events).peak_live_bytes;
+    let mut failures = Vec::new();
+    for manager in ["pool", "vmm-pool"] {
+        let r = traces::replay_on_sim(manager, &events, traces::H100_MEMORY, PASSES)
+            .unwrap_or_else(|e| panic!("{name} under {manager}: {e}"));
+        let first = r.passes[0];
+        for (k, p) in r.passes.iter().enumerate() {
+            let ratio = p.peak_held_bytes as f64 / live as f64;
+            let most = if manager == "pool" { 1.25 } else { 1.10 };
+            if p.failures > 0 || ratio > most {
+                failures.push(format!(
+                    "{manager}: pass {}: held {ratio:.3} x peak live (bound {most}), {} allocations refused",
+                    k + 1,
+                    p.failures
+                ));
+            }
+            // Where a pass's large blocks land decides which chunks it keeps: `pool` peaks at
+            // 6506, 6590 and then 6718 MiB on the phase-change program (5685 MiB live), within
+            // a sixteenth of live of the first pass and settled; growth past that is not.
+            if p.peak_held_bytes > first.peak_held_bytes + live / 16 {
+                failures.push(format!(
+                    "{manager}: pass {} peaked at {} bytes, above the first pass's {} by more than a sixteenth of peak live: held memory grows while live memory does not",
+                    k + 1,
+                    p.peak_held_bytes,
+                    first.peak_held_bytes
+                ));
+            }
+        }
+        failures.extend(unsettled(manager, live, &r));
+        let later: usize = r.pass_driver_allocations[1..].iter().sum();
+        let allocations: usize = r.passes[1..].iter().map(|p| p.allocations).sum();
+        let per_100 = 100.0 * later as f64 / allocations.max(1) as f64;
+        if per_100 > driver_allocations_per_100(manager) {
+            failures.push(format!(
+                "{manager}: {later} driver allocations for {allocations} allocations after the first pass, {per_100:.2} per 100 (at most {})",
+                driver_allocations_per_100(manager)
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{name} ({}), peak live {live} bytes:\n{}",
+        entry.workload,
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn program_transformer() {
+    check_program("program_transformer");
+}
+
+#[test]
+fn program_cnn() {
+    check_program("program_cnn");
+}
+
+#[test]
+fn program_phase() {
+    check_program("program_phase");
+}
+
+/// Every trace of the directory is in an index, and every trace of the indexes has a test above.
 #[test]
 fn the_corpus_index_lists_every_trace() {
-    let listed: Vec<String> = traces::corpus()
+    let mut listed: Vec<String> = traces::corpus()
         .expect("the corpus index")
         .into_iter()
         .map(|(e, _)| e.name)
+        .chain(
+            traces::programs()
+                .expect("the program index")
+                .into_iter()
+                .map(|(e, _)| e.name),
+        )
         .collect();
+    listed.sort();
     let mut on_disk: Vec<String> = std::fs::read_dir(traces::TRACE_DIR)
         .expect("the trace directory")
         .filter_map(|e| {
@@ -206,11 +312,17 @@ fn the_corpus_index_lists_every_trace() {
         })
         .collect();
     on_disk.sort();
-    assert_eq!(listed, on_disk, "corpus.csv and the .csv.gz files differ");
+    assert_eq!(
+        listed, on_disk,
+        "corpus.csv and programs.csv together and the .csv.gz files differ"
+    );
     let tested = [
         "cupy_work",
         "llm_inference",
         "numba_pipeline",
+        "program_cnn",
+        "program_phase",
+        "program_transformer",
         "rmm_random",
         "torch_cnn",
         "torch_transformer",
