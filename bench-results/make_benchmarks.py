@@ -2,7 +2,7 @@
 here, never edited by hand.
 
     python3 bench-results/make_benchmarks.py bench-results/run-2026-11-27-h100-8386f46 \
-        [--programs bench-results/run-2026-12-06-h100-16c26b3]
+        [--programs bench-results/run-2026-12-06-h100-bbf760e]
 
 The run directory holds `run.txt` (machine, date, commit, the calls made), `bench-full.csv`
 and `bench-quick.csv` (bench_gpu: section,subject,param,threads,value,unit), `peers.csv`
