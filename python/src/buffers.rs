@@ -130,6 +130,9 @@ macro_rules! host_side_methods {
                 n: usize,
                 offset: usize,
             ) -> PyResult<Bound<'py, PyBytes>> {
+                // Bounded by the memory before anything is allocated for it: a size the host
+                // cannot allocate would end the process.
+                check_span("read", n, offset, self.size)?;
                 let mut out = vec![0u8; n];
                 with_live(&self.mem, |m| m.read(offset, &mut out))?;
                 Ok(PyBytes::new(py, &out))
@@ -145,6 +148,19 @@ macro_rules! host_side_methods {
 
 host_side_methods!(HostBuffer);
 host_side_methods!(ManagedBuffer);
+
+/// Refuses `n` bytes at `offset` of a buffer of `size` bytes that do not lie in it, with
+/// Python's `ValueError`, before anything is allocated for them.
+pub(crate) fn check_span(what: &str, n: usize, offset: usize, size: usize) -> PyResult<()> {
+    if offset > size || n > size - offset {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "{what} of {n} bytes at offset {offset}: the buffer holds {size} bytes; ask for at \
+             most {} bytes from there",
+            size.saturating_sub(offset)
+        )));
+    }
+    Ok(())
+}
 
 /// Runs `f` on a buffer's memory, unless the buffer was released.
 pub(crate) fn with_live<M, T>(

@@ -362,8 +362,11 @@ impl Context {
         offset: usize,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let mem = buffer.pointer()?;
+        crate::buffers::check_span("copy_to_host", n.unwrap_or(0), offset, mem.size())?;
         let view = mem.view(offset, None).map_err(py_err)?;
-        let mut out = vec![0u8; n.unwrap_or(view.size())];
+        let n = n.unwrap_or(view.size());
+        crate::buffers::check_span("copy_to_host", n, 0, view.size())?;
+        let mut out = vec![0u8; n];
         py.detach(|| self.inner.copy_to_host(&mut out, &view))
             .map_err(py_err)?;
         Ok(PyBytes::new(py, &out))

@@ -972,3 +972,22 @@ def test_the_log_keeps_every_line_when_the_interpreter_exits(tmp_path):
     assert [l.split(",")[2] for l in lines[1:]].count("free") == 6, lines
     # Stream-ordered memory says how far the GPU had got; memory without a stream says '-'.
     assert lines[1].split(",")[-1] != "-" and lines[-1].split(",")[-1] == "-", lines
+
+
+@pytest.mark.parametrize("n", [1 << 62, (1 << 63) - 1, 4097])
+def test_a_size_past_the_memory_is_refused_before_anything_is_allocated(ctx, n):
+    """``copy_to_host`` and ``HostBuffer.read`` ask for at most what the memory holds: a larger
+    ``n`` raises ``ValueError`` and leaves the interpreter alive (a size the host cannot
+    allocate used to end the process)."""
+    buf = ctx.memalloc(4096)
+    host = ctx.memhostalloc(4096)
+    with pytest.raises(ValueError, match="holds 4096 bytes"):
+        ctx.copy_to_host(buf, n)
+    with pytest.raises(ValueError, match="holds 4096 bytes"):
+        host.read(n)
+    with pytest.raises(ValueError, match="at most 96 bytes"):
+        host.read(100, offset=4000)
+    with pytest.raises(ValueError):
+        ctx.copy_to_host(buf, 1, offset=5000)
+    assert len(ctx.copy_to_host(buf, 96, offset=4000)) == 96
+    assert len(host.read(96, offset=4000)) == 96
