@@ -66,18 +66,20 @@ impl Ipc {
     }
 }
 
-/// A `defer_cleanup` guard as a Python context manager.
+/// A `defer_cleanup` guard as a Python context manager. The same object may be entered again
+/// inside its own `with` (`with d: with d:`): each entry holds a guard of its own, and each
+/// exit lets go of the latest, so deferral lasts until the outermost exit.
 #[pyclass(module = "emm._emm", frozen)]
 pub(crate) struct Deferral {
     pub(crate) ctx: emm::Context,
-    pub(crate) guard: Mutex<Option<DeferCleanup>>,
+    pub(crate) guards: Mutex<Vec<DeferCleanup>>,
 }
 
 #[pymethods]
 impl Deferral {
     fn __enter__(slf: PyRef<'_, Self>) -> PyResult<PyRef<'_, Self>> {
         let guard = slf.ctx.defer_cleanup().map_err(py_err)?;
-        *lock(&slf.guard) = Some(guard);
+        lock(&slf.guards).push(guard);
         Ok(slf)
     }
 
@@ -87,7 +89,8 @@ impl Deferral {
         _value: Option<&Bound<'_, PyAny>>,
         _tb: Option<&Bound<'_, PyAny>>,
     ) -> bool {
-        lock(&self.guard).take();
+        let guard = lock(&self.guards).pop();
+        drop(guard);
         false
     }
 }
@@ -414,7 +417,7 @@ impl Context {
     fn defer_cleanup(&self) -> Deferral {
         Deferral {
             ctx: self.inner.clone(),
-            guard: Mutex::new(None),
+            guards: Mutex::new(Vec::new()),
         }
     }
 

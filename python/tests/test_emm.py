@@ -68,6 +68,24 @@ def test_defer_cleanup_holds_frees_until_it_exits(ctx):
     assert ctx.pending == 0
 
 
+def test_a_deferral_entered_again_lasts_until_its_outermost_exit(ctx):
+    """``with d: with d:`` on one object: the inner exit lets go of the inner entry only, so
+    frees still wait until the outer one exits."""
+    if ctx.manager != "default":
+        pytest.skip("counts the default manager's deferred cuMemFree calls")
+    ctx.flush()
+    d = ctx.defer_cleanup()
+    with d:
+        with d:
+            pass
+        gone = ctx.memalloc(100)
+        del gone
+        ctx.flush()
+        assert ctx.pending == 1, "the inner exit ended the deferral"
+    ctx.flush()
+    assert ctx.pending == 0
+
+
 def test_pinned_and_mapped_host_memory(ctx):
     mapped = ctx.memhostalloc(256, mapped=True)
     assert mapped.device_ptr is not None and mapped.host_ptr != 0

@@ -223,7 +223,9 @@ class Context:
 
 
 class Deferral:
-    """A `defer_cleanup` guard as a Python context manager."""
+    """A `defer_cleanup` guard as a Python context manager. The same object may be entered again
+    inside its own `with` (`with d: with d:`): each entry holds a guard of its own, and each
+    exit lets go of the latest, so deferral lasts until the outermost exit."""
 
     def __enter__(self) -> Any:
         ...
