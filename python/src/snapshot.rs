@@ -75,11 +75,18 @@ pub struct TagBlock {
 #[pymethods]
 impl TagBlock {
     #[new]
-    fn new(name: &str) -> TagBlock {
-        TagBlock {
-            tag: Tag::named(name),
+    fn new(name: &str) -> PyResult<TagBlock> {
+        let tag = Tag::try_named(name).ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "emm.tag({name:?}): the process already has {} tag names, which it keeps for its \
+                 life; name what allocates (a loader, a model), not each step or request",
+                Tag::MAX_NAMES
+            ))
+        })?;
+        Ok(TagBlock {
+            tag,
             previous: Vec::new(),
-        }
+        })
     }
 
     fn __enter__(mut slf: PyRefMut<'_, Self>) -> PyRefMut<'_, Self> {

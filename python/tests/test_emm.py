@@ -1009,3 +1009,27 @@ def test_a_size_past_the_memory_is_refused_before_anything_is_allocated(ctx, n):
         ctx.copy_to_host(buf, 1, offset=5000)
     assert len(ctx.copy_to_host(buf, 96, offset=4000)) == 96
     assert len(host.read(96, offset=4000)) == 96
+
+
+def test_tag_names_are_bounded():
+    """Tag names live as long as the process, so their number is bounded: past 4096 distinct
+    names ``emm.tag`` raises ``ValueError`` with advice, and the names already made still
+    work (in a fresh interpreter: the names are process-wide)."""
+    code = (
+        "import emm\n"
+        "made = 0\n"
+        "try:\n"
+        "    for i in range(5000):\n"
+        "        emm.tag(f'step-{i}')\n"
+        "        made += 1\n"
+        "    raise SystemExit('no limit')\n"
+        "except ValueError as e:\n"
+        "    assert 'tag names' in str(e) and 'not each step' in str(e), e\n"
+        "assert 4000 < made < 4096, made\n"
+        "with emm.tag('step-0') as t:\n"
+        "    assert t.name == 'step-0'\n"
+        "print('ok')\n"
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok", out.stdout

@@ -129,10 +129,27 @@ impl HeldSegment {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Tag(u32);
 
-fn tag_names() -> &'static Mutex<Vec<Arc<str>>> {
-    static NAMES: OnceLock<Mutex<Vec<Arc<str>>>> = OnceLock::new();
-    NAMES.get_or_init(|| Mutex::new(vec![Arc::from("untagged")]))
+/// The names of the tags, by number, and the number of each name.
+struct TagNames {
+    names: Vec<Arc<str>>,
+    numbers: std::collections::HashMap<Arc<str>, u32>,
 }
+
+fn tag_names() -> &'static Mutex<TagNames> {
+    static NAMES: OnceLock<Mutex<TagNames>> = OnceLock::new();
+    NAMES.get_or_init(|| {
+        let names: Vec<Arc<str>> = vec![Arc::from("untagged"), Arc::from(OTHER_TAGS)];
+        let numbers = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (Arc::clone(n), i as u32))
+            .collect();
+        Mutex::new(TagNames { names, numbers })
+    })
+}
+
+/// The name of the tag that the names past [`Tag::MAX_NAMES`] share.
+const OTHER_TAGS: &str = "other tags";
 
 thread_local! {
     static CURRENT: std::cell::Cell<Tag> = const { std::cell::Cell::new(Tag::UNTAGGED) };
@@ -165,14 +182,33 @@ impl Tag {
     /// Allocations made outside any [`Tag::scope`].
     pub const UNTAGGED: Tag = Tag(0);
 
-    /// The tag named `name` (the same tag for the same name, process-wide).
+    /// The most distinct names a process's tags have: names are kept for the process's life,
+    /// so a program that made a name per step or per request would grow them without end. A
+    /// name past the limit gets the tag every such name shares, named `other tags`
+    /// ([`try_named`](Self::try_named) refuses it instead).
+    pub const MAX_NAMES: usize = 4096;
+
+    /// The tag named `name` (the same tag for the same name, process-wide); past
+    /// [`MAX_NAMES`](Self::MAX_NAMES) distinct names, the tag they share.
     pub fn named(name: &str) -> Tag {
-        let mut names = lock(tag_names());
-        if let Some(i) = names.iter().position(|n| &**n == name) {
-            return Tag(i as u32);
+        Tag::try_named(name).unwrap_or(Tag(1))
+    }
+
+    /// The tag named `name`, or `None` where it would be a new name past
+    /// [`MAX_NAMES`](Self::MAX_NAMES).
+    pub fn try_named(name: &str) -> Option<Tag> {
+        let mut tags = lock(tag_names());
+        if let Some(&i) = tags.numbers.get(name) {
+            return Some(Tag(i));
         }
-        names.push(Arc::from(name));
-        Tag((names.len() - 1) as u32)
+        if tags.names.len() >= Tag::MAX_NAMES {
+            return None;
+        }
+        let name: Arc<str> = Arc::from(name);
+        let i = tags.names.len() as u32;
+        tags.names.push(Arc::clone(&name));
+        tags.numbers.insert(name, i);
+        Some(Tag(i))
     }
 
     /// The tag's number (what a manager's own history keeps).
@@ -188,8 +224,8 @@ impl Tag {
 
     /// The tag's name.
     pub fn name(self) -> Arc<str> {
-        let names = lock(tag_names());
-        names
+        let tags = lock(tag_names());
+        tags.names
             .get(self.0 as usize)
             .cloned()
             .unwrap_or_else(|| Arc::from("untagged"))
