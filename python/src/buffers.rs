@@ -108,6 +108,9 @@ pub(crate) struct HostBuffer {
     /// Bytes.
     #[pyo3(get)]
     pub(crate) size: usize,
+    /// Pinned from memory its owner exports read-only (`bytes`): `write` refuses.
+    #[pyo3(get)]
+    pub(crate) read_only: bool,
 }
 
 /// The methods of the buffers the host reads and writes (page-locked and managed memory):
@@ -116,9 +119,17 @@ macro_rules! host_side_methods {
     ($ty:ident) => {
         #[pymethods]
         impl $ty {
-            /// Copies `data` into the memory at `offset`, from the host.
+            /// Copies `data` into the memory at `offset`, from the host; refused for memory
+            /// pinned from a read-only owner.
             #[pyo3(signature = (data, offset=0))]
             fn write(&self, data: &[u8], offset: usize) -> PyResult<()> {
+                if self.read_only {
+                    return Err(pyo3::exceptions::PyValueError::new_err(
+                        "write to memory pinned from a read-only owner (such as bytes): its \
+                         owner does not let it change; pin a writable buffer (a bytearray, a \
+                         NumPy array) to write",
+                    ));
+                }
                 with_live(&self.mem, |m| m.write(offset, data))
             }
 
@@ -184,13 +195,16 @@ pub(crate) struct ManagedBuffer {
     /// Bytes.
     #[pyo3(get)]
     pub(crate) size: usize,
+    /// Always false: emm allocates managed memory itself (the shared methods ask).
+    pub(crate) read_only: bool,
 }
 
-pub(crate) fn host_buffer(mem: HostMemory) -> HostBuffer {
+pub(crate) fn host_buffer(mem: HostMemory, read_only: bool) -> HostBuffer {
     HostBuffer {
         host_ptr: mem.host_ptr().0,
         device_ptr: mem.mapped().map(|m| m.device().device_ptr().0),
         size: mem.size(),
+        read_only,
         mem: Mutex::new(Some(mem)),
     }
 }

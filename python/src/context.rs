@@ -278,7 +278,7 @@ impl Context {
         let mem = py
             .detach(|| self.inner.memhostalloc(size, mapped, portable, wc))
             .map_err(py_err)?;
-        Ok(host_buffer(mem))
+        Ok(host_buffer(mem, false))
     }
 
     /// Pins `size` bytes at `pointer`, which `owner` keeps alive (Numba's `mempin`); the pin
@@ -299,17 +299,25 @@ impl Context {
                 "mempin of a null pointer: pass the address of the owner's memory",
             ));
         }
-        let exported = host_range::exported(owner.bind(py))?;
-        if let Some((start, end)) = exported {
-            let inside = pointer >= start && pointer.checked_add(size).is_some_and(|e| e <= end);
-            if !inside {
-                return Err(PyValueError::new_err(format!(
-                    "mempin of {size} bytes at {pointer:#x} reaches outside the {} bytes the \
-                     owner exports at {start:#x}: pass the address and size of the owner's own \
-                     memory (for a NumPy array, a.ctypes.data and a.nbytes)",
-                    end - start
-                )));
-            }
+        // The owner must say where its memory lies (the buffer protocol), or nothing tells the
+        // pointer and size apart from any address of the process.
+        let Some(exported) = host_range::exported(owner.bind(py))? else {
+            return Err(PyValueError::new_err(format!(
+                "mempin of {size} bytes at {pointer:#x}: the owner ({}) exports no buffer, so \
+                 emm cannot check that the range is its memory; pass an owner that exports its \
+                 memory through the buffer protocol (a NumPy array, a bytearray, a memoryview)",
+                owner.bind(py).get_type().name()?
+            )));
+        };
+        let (start, end) = (exported.start, exported.end);
+        let inside = pointer >= start && pointer.checked_add(size).is_some_and(|e| e <= end);
+        if !inside {
+            return Err(PyValueError::new_err(format!(
+                "mempin of {size} bytes at {pointer:#x} reaches outside the {} bytes the \
+                 owner exports at {start:#x}: pass the address and size of the owner's own \
+                 memory (for a NumPy array, a.ctypes.data and a.nbytes)",
+                end - start
+            )));
         }
         // The Python object that owns the memory: the pin holds it until the pin ends.
         let keeper: emm::plugin::HostOwner = Arc::new(owner);
@@ -318,7 +326,7 @@ impl Context {
         // that memory.
         let mem =
             unsafe { self.inner.mempin(keeper, HostPtr(pointer), size, mapped) }.map_err(py_err)?;
-        Ok(host_buffer(mem))
+        Ok(host_buffer(mem, exported.read_only))
     }
 
     /// `size` bytes of managed memory, attached globally unless `attach_global` is false.
@@ -336,6 +344,7 @@ impl Context {
         Ok(ManagedBuffer {
             ptr: mem.device().device_ptr().0,
             size: mem.size(),
+            read_only: false,
             mem: Mutex::new(Some(mem)),
         })
     }

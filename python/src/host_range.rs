@@ -4,9 +4,17 @@
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-/// `[start, end)`: the bytes `obj` exports (every element of a strided view lies within it),
-/// or `None` when `obj` exports no buffer. An empty buffer gives an empty range.
-pub(crate) fn exported(obj: &Bound<'_, PyAny>) -> PyResult<Option<(usize, usize)>> {
+/// What `obj` exports through the buffer protocol: `[start, end)`, the bytes every element of
+/// a strided view lies within (an empty buffer gives an empty range), and whether the buffer is
+/// read-only.
+pub(crate) struct Exported {
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    pub(crate) read_only: bool,
+}
+
+/// What `obj` exports ([`Exported`]), or `None` when it exports no buffer.
+pub(crate) fn exported(obj: &Bound<'_, PyAny>) -> PyResult<Option<Exported>> {
     let mut view = std::mem::MaybeUninit::<ffi::Py_buffer>::zeroed();
     // SAFETY: `obj` is a live object (the GIL is held through `obj`), and `view` is storage
     // for one `Py_buffer`, which a successful call fills and `PyBuffer_Release` below frees.
@@ -19,10 +27,15 @@ pub(crate) fn exported(obj: &Bound<'_, PyAny>) -> PyResult<Option<(usize, usize)
     }
     // SAFETY: filled by the successful call above.
     let mut view = unsafe { view.assume_init() };
-    let range = extent(&view);
+    let (start, end) = extent(&view);
+    let read_only = view.readonly != 0;
     // SAFETY: `view` came from `PyObject_GetBuffer` and is released once.
     unsafe { ffi::PyBuffer_Release(&mut view) };
-    Ok(Some(range))
+    Ok(Some(Exported {
+        start,
+        end,
+        read_only,
+    }))
 }
 
 /// The address range a filled `Py_buffer` spans.

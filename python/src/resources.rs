@@ -98,7 +98,7 @@ impl PinnedResource {
     fn allocate(&self, py: Python<'_>, size: usize, stream: StreamArg) -> PyResult<HostBuffer> {
         let stream = stream.stream(&self.ctx);
         py.detach(|| self.inner.allocate(size, &stream))
-            .map(host_buffer)
+            .map(|m| host_buffer(m, false))
             .map_err(py_err)
     }
 
@@ -167,6 +167,7 @@ impl ManagedResource {
         Ok(ManagedBuffer {
             ptr: mem.device().device_ptr().0,
             size: mem.size(),
+            read_only: false,
             mem: Mutex::new(Some(mem)),
         })
     }

@@ -133,6 +133,27 @@ def test_mempin_checks_the_range_against_the_owners_buffer(ctx):
         ctx.mempin(view, start, 32)
 
 
+def test_mempin_refuses_an_owner_that_says_nothing_and_keeps_read_only_memory_read_only(ctx):
+    """An owner that exports no buffer cannot vouch for the range (any address of the process
+    would do), so the pin is refused; memory pinned from a read-only owner (``bytes``) pins
+    and reads, and refuses writes, which its owner does not allow."""
+    owner = bytearray(64)
+    address = ctypes.addressof((ctypes.c_char * len(owner)).from_buffer(owner))
+    with pytest.raises(ValueError, match="exports no buffer"):
+        ctx.mempin(object(), address, 64)
+    data = bytes(range(64))
+    start = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+    pin = ctx.mempin(data, start, 64)
+    assert pin.read_only and pin.read(4) == bytes(range(4))
+    with pytest.raises(ValueError, match="read-only owner"):
+        pin.write(b"\xff")
+    assert data == bytes(range(64))
+    pin.release()
+    writable = ctx.mempin(owner, address, 64)
+    assert not writable.read_only
+    writable.release()
+
+
 class _ProtocolStream:
     """A stream object as other libraries make them: the CUDA stream protocol."""
 

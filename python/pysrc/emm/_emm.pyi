@@ -303,6 +303,11 @@ class HostBuffer:
         """`n` bytes from `offset`, read on the host."""
         ...
 
+    @property
+    def read_only(self) -> Any:
+        """Pinned from memory its owner exports read-only (`bytes`): `write` refuses."""
+        ...
+
     def release(self) -> Any:
         """Gives the memory back (or unpins it) now; later use raises."""
         ...
@@ -313,7 +318,8 @@ class HostBuffer:
         ...
 
     def write(self, data, offset=0) -> Any:
-        """Copies `data` into the memory at `offset`, from the host."""
+        """Copies `data` into the memory at `offset`, from the host; refused for memory
+        pinned from a read-only owner."""
         ...
 
 
@@ -371,7 +377,8 @@ class ManagedBuffer:
         ...
 
     def write(self, data, offset=0) -> Any:
-        """Copies `data` into the memory at `offset`, from the host."""
+        """Copies `data` into the memory at `offset`, from the host; refused for memory
+        pinned from a read-only owner."""
         ...
 
 
