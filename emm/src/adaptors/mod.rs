@@ -423,7 +423,8 @@ impl MemoryManager for Adapted {
             |m| m.device().device_ptr().0,
         )?;
         let device = self.wrap_device(m.device().clone(), MemoryKind::Managed);
-        Ok(ManagedMemory::new(device, attach_global))
+        // SAFETY: the inner manager's managed memory, wrapped: the same memory and size.
+        Ok(unsafe { ManagedMemory::new(device, attach_global) })
     }
 
     unsafe fn mempin(

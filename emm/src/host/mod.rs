@@ -532,10 +532,10 @@ impl HostLayer {
                 cx.driver.mem_alloc_managed(cx.context, bytes, flags)
             })?;
         tracing::debug!(device = %cx.device, bytes, %ptr, attach_global, "managed memory allocated");
-        Ok(ManagedMemory::new(
-            self.track_freed_by_mem_free(ptr, bytes),
-            attach_global,
-        ))
+        let device = self.track_freed_by_mem_free(ptr, bytes);
+        // SAFETY: `ptr` is the `cuMemAllocManaged` allocation of `bytes` made above, which
+        // `device` frees.
+        Ok(unsafe { ManagedMemory::new(device, attach_global) })
     }
 
     /// Numba's `memhostalloc`: `cuMemHostAlloc` with `DEVICEMAP` if `flags.mapped`, `PORTABLE`

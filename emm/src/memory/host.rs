@@ -521,7 +521,31 @@ pub struct ManagedMemory {
 impl ManagedMemory {
     /// Managed memory whose device side is `device` (which carries the release action);
     /// `attach_global` records the attach flag it was allocated with.
-    pub fn new(device: MemoryPointer, attach_global: bool) -> ManagedMemory {
+    ///
+    /// # Safety
+    ///
+    /// `device` is managed memory (`cuMemAllocManaged`, or a managed-memory pool) of its whole
+    /// size, which the host reaches at its device address for as long as `device` lives:
+    /// [`write`](Self::write) and [`read`](Self::read) copy through host slices there. Device
+    /// memory that is not managed would be written as if it were host memory.
+    ///
+    /// A plugin that hands out managed memory of its own wraps it so:
+    ///
+    /// ```no_run
+    /// fn wrap(managed: emm::MemoryPointer) -> emm::ManagedMemory {
+    ///     // SAFETY: `managed` came from `cuMemAllocManaged` and carries its release.
+    ///     unsafe { emm::ManagedMemory::new(managed, true) }
+    /// }
+    /// ```
+    ///
+    /// and safe code cannot make one of any pointer:
+    ///
+    /// ```compile_fail,E0133
+    /// fn wrap(device: emm::MemoryPointer) -> emm::ManagedMemory {
+    ///     emm::ManagedMemory::new(device, true)
+    /// }
+    /// ```
+    pub unsafe fn new(device: MemoryPointer, attach_global: bool) -> ManagedMemory {
         ManagedMemory {
             device,
             attach_global,

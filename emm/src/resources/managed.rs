@@ -89,7 +89,9 @@ impl ManagedMemoryResource {
     /// `stream` from now on, by the host once that work is done; freed on `stream` when the
     /// last handle drops.
     pub fn allocate(&self, size: usize, stream: &Stream) -> Result<ManagedMemory, EmmError> {
-        Ok(ManagedMemory::new(self.inner.allocate(size, stream)?, true))
+        let mem = self.inner.allocate(size, stream)?;
+        // SAFETY: a block of this resource's pool, which lies in managed memory.
+        Ok(unsafe { ManagedMemory::new(mem, true) })
     }
 
     /// As [`allocate`](Self::allocate), on a stream known only by its handle.
@@ -105,7 +107,8 @@ impl ManagedMemoryResource {
     ) -> Result<ManagedMemory, EmmError> {
         // SAFETY: the caller's contract, passed on.
         let mem = unsafe { self.inner.allocate_on_raw(size, stream) }?;
-        Ok(ManagedMemory::new(mem, true))
+        // SAFETY: a block of this resource's pool, which lies in managed memory.
+        Ok(unsafe { ManagedMemory::new(mem, true) })
     }
 
     /// Frees `memory` on `stream` once its last handle is gone (this one).
