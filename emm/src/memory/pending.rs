@@ -222,12 +222,43 @@ impl PendingDeallocs {
     }
 
     /// Queues a free and flushes if a threshold is crossed (Numba's `add_item`).
-    pub fn push(&self, item: Free) -> Result<(), EmmError> {
-        self.push_all(std::iter::once(item))
+    ///
+    /// # Safety
+    ///
+    /// As [`push_all`](Self::push_all), for `item`.
+    pub unsafe fn push(&self, item: Free) -> Result<(), EmmError> {
+        // SAFETY: the caller's contract, for the one item.
+        unsafe { self.push_all(std::iter::once(item)) }
     }
 
     /// Queues several frees, then applies the thresholds once.
-    pub fn push_all(&self, items: impl IntoIterator<Item = Free>) -> Result<(), EmmError> {
+    ///
+    /// # Safety
+    ///
+    /// Each item names a resource of this queue's context that the caller owns and gives up
+    /// here: the allocation, stream, event or module was made in that context, is queued once,
+    /// and nothing uses it once queued (the flush hands it to the driver's free or destroy
+    /// call, which would otherwise free what someone else owns). A [`Free`] is plain data:
+    /// safe code can build one naming any address or handle.
+    ///
+    /// A plugin queues the free of memory it allocated so:
+    ///
+    /// ```no_run
+    /// fn give_up(queue: &emm::plugin::PendingDeallocs, ptr: emm::driver_sys::DevicePtr) {
+    ///     // SAFETY: `ptr` is this plugin's `cuMemAlloc` allocation of 1 byte in the queue's
+    ///     // context, no longer used, queued once.
+    ///     unsafe { queue.push(emm::plugin::Free::Device { ptr, bytes: 1 }) }.unwrap();
+    /// }
+    /// ```
+    ///
+    /// and safe code cannot queue one:
+    ///
+    /// ```compile_fail,E0133
+    /// fn free_anything(queue: &emm::plugin::PendingDeallocs, ptr: emm::driver_sys::DevicePtr) {
+    ///     queue.push(emm::plugin::Free::Device { ptr, bytes: 1 }).unwrap();
+    /// }
+    /// ```
+    pub unsafe fn push_all(&self, items: impl IntoIterator<Item = Free>) -> Result<(), EmmError> {
         let mut inner = lock(&self.inner);
         if self.enqueue(&mut inner, items) && self.over_threshold(&inner) {
             self.flush_locked(&mut inner)?;

@@ -38,6 +38,14 @@ fn setup(config: DeallocConfig, capacity: usize) -> Setup {
 }
 
 impl Setup {
+    /// Queues `item` on the queue.
+    fn push(&self, item: Free) -> Result<(), emm::EmmError> {
+        // SAFETY: every free these tests queue names memory the test allocated in the queue's
+        // context for it and queues once (`device_free`), or is queued after the context died,
+        // when nothing reaches the driver.
+        unsafe { self.queue.push(item) }
+    }
+
     fn device_free(&self, bytes: usize) -> Free {
         let ptr = self.sim.mem_alloc(self.ctx, bytes).unwrap();
         Free::Device { ptr, bytes }
@@ -48,10 +56,10 @@ impl Setup {
 fn eleventh_item_flushes() {
     let s = setup(DeallocConfig::default(), 1 << 30);
     for i in 1..=10 {
-        s.queue.push(s.device_free(8)).unwrap();
+        s.push(s.device_free(8)).unwrap();
         assert_eq!(s.queue.len(), i);
     }
-    s.queue.push(s.device_free(8)).unwrap();
+    s.push(s.device_free(8)).unwrap();
     assert_eq!(s.queue.len(), 0);
     assert_eq!(s.sim.count(Op::MemFree), 11);
     assert!(s.sim.leak_report().no_memory_leaked());
@@ -67,9 +75,9 @@ fn exactly_max_bytes_does_not_flush_one_more_does() {
         2000,
     );
     assert_eq!(s.queue.max_pending_bytes(), 1000);
-    s.queue.push(s.device_free(1000)).unwrap();
+    s.push(s.device_free(1000)).unwrap();
     assert_eq!(s.queue.len(), 1, "equal to the budget: no flush");
-    s.queue.push(s.device_free(1)).unwrap();
+    s.push(s.device_free(1)).unwrap();
     assert_eq!(s.queue.len(), 0, "over the budget: flush");
     assert_eq!(s.queue.pending_bytes(), 0);
 }
@@ -78,7 +86,7 @@ fn exactly_max_bytes_does_not_flush_one_more_does() {
 fn unknown_capacity_flushes_any_sized_free_at_once() {
     let s = setup(DeallocConfig::default(), 0);
     assert_eq!(s.queue.max_pending_bytes(), 0);
-    s.queue.push(s.device_free(1)).unwrap();
+    s.push(s.device_free(1)).unwrap();
     assert_eq!(s.queue.len(), 0);
 }
 
@@ -95,7 +103,7 @@ fn disabled_queue_grows_without_flushing_and_resuming_does_not_flush() {
     let s = setup(DeallocConfig::default(), 1 << 30);
     let guard = s.queue.defer_cleanup();
     for _ in 0..25 {
-        s.queue.push(s.device_free(8)).unwrap();
+        s.push(s.device_free(8)).unwrap();
     }
     assert_eq!(s.queue.len(), 25);
     assert_eq!(s.queue.flush().unwrap(), 0);
@@ -110,7 +118,7 @@ fn a_failed_free_leaves_the_queue_later_ones_stay_and_bytes_are_kept() {
     let s = setup(DeallocConfig::default(), 1 << 30);
     let guard = s.queue.defer_cleanup();
     for _ in 0..4 {
-        s.queue.push(s.device_free(100)).unwrap();
+        s.push(s.device_free(100)).unwrap();
     }
     drop(guard);
     s.sim
@@ -139,16 +147,15 @@ fn a_failed_free_leaves_the_queue_later_ones_stay_and_bytes_are_kept() {
 #[test]
 fn dead_context_discards_instead_of_freeing() {
     let s = setup(DeallocConfig::default(), 1 << 30);
-    s.queue.push(s.device_free(8)).unwrap();
+    s.push(s.device_free(8)).unwrap();
     s.liveness.kill();
     assert_eq!(s.queue.flush().unwrap(), 0);
     assert_eq!(s.queue.len(), 0);
-    s.queue
-        .push(Free::Device {
-            ptr: driver_sys::DevicePtr(0x1234),
-            bytes: 8,
-        })
-        .unwrap();
+    s.push(Free::Device {
+        ptr: driver_sys::DevicePtr(0x1234),
+        bytes: 8,
+    })
+    .unwrap();
     assert_eq!(
         s.queue.len(),
         0,
