@@ -34,8 +34,8 @@ pub fn cases(default: u32) -> u32 {
         .unwrap_or(default)
 }
 
-/// The seed of a property test's random cases: `PROPTEST_RNG_SEED` when set, else a fixed one,
-/// so that CI's runs are reproducible; set the variable to search further.
+/// The seed of a property test's random cases: `PROPTEST_RNG_SEED` when set (`.ci/run` draws a
+/// fresh one each run and prints it), else a fixed one, so that a local run repeats itself.
 pub fn seed() -> proptest::test_runner::RngSeed {
     let fixed = std::env::var("PROPTEST_RNG_SEED")
         .ok()

@@ -5,9 +5,10 @@
 //! growth step (128 MiB), on any of three passes of the sequence in a row: what they hold does
 //! not grow with what they have seen.
 //!
-//! CI runs a fixed seed (`PROPTEST_RNG_SEED` picks another). With `PROPTEST_CASES=2000`,
-//! `pool` passes seeds 1 to 16 (seeds 5 and 9 found sequences where a small block on a stream,
-//! placed in a large wholly free chunk of the stream's, kept the chunk from going back before
+//! CI draws a fresh seed each run and prints it (`PROPTEST_RNG_SEED` reruns one). With
+//! `PROPTEST_CASES=2000`, `pool` passes seeds 1 to 16 (seeds 5 and 9 found sequences where a
+//! small block on a stream, placed in a large wholly free chunk of the stream's, kept the
+//! chunk from going back before
 //! a larger request grew the pool; such a block now comes from a partly used chunk:
 //! `pools::a_small_block_on_a_stream_leaves_its_large_free_chunk_whole`). `vmm-pool` passes
 //! seeds 1 to 16 (seed 11 found a sequence where a stream grew in place by 436 MiB while the
