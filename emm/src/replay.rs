@@ -446,9 +446,9 @@ impl<'c> Replayer<'c> {
             between();
         }
         if let Some(w) = &mut work {
-            // The program ended: the GPU finished its work.
-            for &(stream, launched) in &used {
-                w.reached(stream, base.saturating_add(last.max(launched)))?;
+            // The program ended: the GPU finished its work (launched by the last event's time).
+            for &(stream, _) in &used {
+                w.reached(stream, base.saturating_add(last))?;
             }
         }
         let mut left: Vec<(usize, Live)> = live.into_values().collect();

@@ -184,8 +184,28 @@ impl Fences {
         streams: &StreamUse,
         stream: StreamHandle,
     ) -> Result<(), DriverError> {
-        let fence = self.record(streams.other_streams())?;
+        self.order_after(streams.other_streams(), stream)
+    }
+
+    /// Makes work queued on `stream` from now on wait, on the GPU, for the work queued so far
+    /// on each of `after` (events recorded there now, reused at once: a wait captures the
+    /// record it waits for). The caller holds the context's liveness.
+    pub fn order_after(
+        &self,
+        after: impl IntoIterator<Item = StreamHandle>,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let fence = self.record(after)?;
         let waited = self.wait_on(&fence, stream);
+        self.recycle(fence);
+        waited
+    }
+
+    /// Waits, on the host, until the work queued so far on `stream` is done (an event
+    /// recorded there now). The caller holds the context's liveness.
+    pub fn wait_for_stream(&self, stream: StreamHandle) -> Result<(), DriverError> {
+        let mut fence = self.record([stream])?;
+        let waited = self.wait(&mut fence);
         self.recycle(fence);
         waited
     }

@@ -645,7 +645,7 @@ impl PoolShared {
     /// streams' too, those whose work is done; with `wait`, every stream's after waiting for
     /// its work); returns the bytes queued. The caller flushes.
     fn trim_to_queue(&self, wait: bool) -> usize {
-        if let Err(e) = self.release_idle_stream_chunks(None, wait, false) {
+        if let Err(e) = self.release_idle_stream_chunks(None, wait) {
             tracing::warn!(device = %self.cx.device, error = %e, "returning the streams' free chunks to the pool failed; the trim leaves them out");
             self.queue.record_error(e);
         }
@@ -825,7 +825,7 @@ impl PoolShared {
                 return Ok(found);
             }
             // Or it may be free in a stream's arena, on a stream whose work is done.
-            match self.release_idle_stream_chunks(None, false, true) {
+            match self.release_idle_stream_chunks(None, false) {
                 Ok(0) => {}
                 Ok(_) => {
                     if let Some(found) = lock(&self.arena).take_stamped(size) {

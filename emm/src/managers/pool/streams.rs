@@ -391,7 +391,7 @@ impl PoolShared {
         }
         // The free chunks of streams with no work pending (this one's too) are every
         // stream's.
-        if self.release_idle_stream_chunks(None, false, true)? > 0
+        if self.release_idle_stream_chunks(None, false)? > 0
             && let Some(found) = self.take_after_adopting(stream, size, None)
         {
             return Ok(found);
@@ -454,12 +454,7 @@ impl PoolShared {
                 let Some(chunk) = mine.arena.take_free_chunk(size, most) else {
                     continue;
                 };
-                let ordered = self.fences.record([*other]).and_then(|fence| {
-                    let waited = self.fences.wait_on(&fence, stream);
-                    self.fences.recycle(fence);
-                    waited
-                });
-                match ordered {
+                match self.fences.order_after([*other], stream) {
                     Ok(()) => {
                         tracing::debug!(device = %self.cx.device, bytes = chunk.size, from = other.raw(), to = stream.raw(), "a busy stream's free chunk moved to another stream behind its work");
                         return Some(chunk);
@@ -527,12 +522,7 @@ impl PoolShared {
         if shed.is_empty() {
             return;
         }
-        let waited = self.fences.record([stream]).and_then(|mut fence| {
-            let done = self.fences.wait(&mut fence);
-            self.fences.recycle(fence);
-            done
-        });
-        if let Err(e) = waited {
+        if let Err(e) = self.fences.wait_for_stream(stream) {
             tracing::warn!(device = %self.cx.device, error = %e, "waiting for a growing stream's work failed; its free chunks stay with it");
             let mut lists = lock(self.streams.of(stream));
             let k = self.streams.index(stream);
@@ -559,14 +549,14 @@ impl PoolShared {
     }
 
     /// `vmm-pool`: grows the largest free block of `stream`'s arena that ends where mapped
-    /// memory does, as [`grow_in_place`](PoolShared::grow_in_place) does the shared arena's;
-    /// the stream's free pieces it sheds go to the driver once its work is done
-    /// ([`give_back_after`](Self::give_back_after)). The shared arena's wholly free pieces go
-    /// at once where they come to what the growth maps: no run of them held the request, or
-    /// the stream would have adopted it, and keeping them would let the pool hold that much
-    /// more than it uses. `None` where no block can grow so.
+    /// memory does, as [`grow_in_place`](PoolShared::grow_in_place) does the shared arena's.
+    /// Free pieces, up to what the growth maps, move to it: the stream's own once its work is
+    /// done ([`give_back_after`](Self::give_back_after)), then the shared arena's (no run of
+    /// them held the request, or the stream would have adopted it). `None` where no block can
+    /// grow so, or the context is gone.
     fn grow_stream_in_place(&self, stream: StreamHandle, size: usize) -> Option<(u64, u64)> {
         self.vmm.as_ref()?;
+        let _live = self.cx.liveness.enter()?;
         let (tail, free, shed) = {
             let mut lists = lock(self.streams.of(stream));
             let mine = lists.list(stream)?;
@@ -587,12 +577,7 @@ impl PoolShared {
         let most = self.growth_after(free, size).saturating_sub(moved);
         let shared = lock(&self.arena).shed_free_pieces(most);
         self.free_chunks(shared, "before a stream grows in place");
-        if let Some(_live) = self.cx.liveness.enter() {
-            self.give_back_after(stream, shed);
-        } else {
-            // The context is gone: its reset frees every chunk; these are no longer held.
-            return None;
-        }
+        self.give_back_after(stream, shed);
         let chunk = self.map_after(tail, free, size)?;
         self.take_after_adopting(stream, size, Some(chunk))
     }
@@ -733,20 +718,18 @@ impl PoolShared {
 
     /// Moves the wholly free chunks of every stream (but `keep`) whose work is done to the
     /// shared arena: streams with nothing pending, or with `wait`, every stream after its
-    /// work. Before a growth (`growing`) a stream gives up only the chunks worth giving back
-    /// ([`Arenas::shed_free_chunks`]); a trim takes all. Returns the bytes moved.
+    /// work. Returns the bytes moved.
     pub(super) fn release_idle_stream_chunks(
         &self,
         keep: Option<StreamHandle>,
         wait: bool,
-        growing: bool,
     ) -> Result<usize, EmmError> {
         let Some(_live) = self.cx.liveness.enter() else {
             return Ok(0);
         };
         let mut bytes = 0;
         for k in self.streams.occupied() {
-            bytes += self.release_shard(k, keep, wait, growing)?;
+            bytes += self.release_shard(k, keep, wait)?;
         }
         if bytes > 0 {
             tracing::debug!(device = %self.cx.device, bytes, wait, "streams' free chunks back in the shared pool");
@@ -759,7 +742,6 @@ impl PoolShared {
         k: usize,
         keep: Option<StreamHandle>,
         wait: bool,
-        growing: bool,
     ) -> Result<usize, EmmError> {
         let mut lists = lock(&self.streams.shards[k].inner);
         if lists.per_stream.is_empty() {
@@ -773,11 +755,7 @@ impl PoolShared {
                 continue;
             }
             let stream = *s;
-            let chunks = if growing {
-                mine.arena.shed_free_chunks(usize::MAX)
-            } else {
-                mine.arena.remove_free_chunks()
-            };
+            let chunks = mine.arena.remove_free_chunks();
             if chunks.is_empty() {
                 continue;
             }
@@ -792,11 +770,7 @@ impl PoolShared {
             }
             // A stream with nothing pending has no work left on its free chunks.
             let done = if wait {
-                self.fences.record([stream]).and_then(|mut fence| {
-                    let finished = self.fences.finished(&mut fence, true);
-                    self.fences.recycle(fence);
-                    finished
-                })
+                self.fences.wait_for_stream(stream).map(|()| true)
             } else {
                 self.cx.driver.stream_query(self.cx.context, stream)
             };

@@ -46,13 +46,6 @@ use crate::sync::{Mutex, Ordering, lock};
 /// The reservation is this many times the device's memory.
 const RESERVE_FACTOR: usize = 4;
 
-/// The size of each piece of physical memory the pool maps, moves and gives back (rounded up
-/// to the driver's granularity, 2 MiB on every GPU emm has met): a growth makes one
-/// `cuMemCreate` per piece it cannot move, and a hole's memory moves in whole pieces. Larger
-/// pieces make fewer driver calls and leave more of each hole mapped; the trace corpus holds
-/// `vmm-pool` to 1.10 times peak live with 2 MiB pieces, which 4 MiB pieces miss.
-const PIECE_BYTES: usize = 2 << 20;
-
 /// A pool's address reservation and what is mapped in it.
 pub(super) struct VmmSpace {
     /// The unit of every size and address (`cuMemGetAllocationGranularity`).
@@ -104,11 +97,10 @@ impl VmmSpace {
                 "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0".into(),
             ));
         }
-        let driver_granularity = cx
+        let granularity = cx
             .driver
             .mem_vmm_granularity(cx.device)
             .map_err(|e| refused(format!("reading its granularity failed: {e}")))?;
-        let granularity = PIECE_BYTES.div_ceil(driver_granularity) * driver_granularity;
         let total = cx
             .driver
             .device_total_mem(cx.device)
@@ -162,15 +154,18 @@ impl VmmInner {
         Some(start)
     }
 
+    /// The free range (start, size) that holds all of `size` bytes at `at`, if one does.
+    fn free_range_holding(&self, at: u64, size: usize) -> Option<(u64, usize)> {
+        let (&start, &got) = self.free.range(..=at).next_back()?;
+        (at + size as u64 <= start + got as u64).then_some((start, got))
+    }
+
     /// Takes `size` bytes at `at`, when all of them are free.
     fn place_at(&mut self, at: u64, size: usize) -> bool {
-        let Some((&start, &got)) = self.free.range(..=at).next_back() else {
+        let Some((start, got)) = self.free_range_holding(at, size) else {
             return false;
         };
         let (end, taken_end) = (start + got as u64, at + size as u64);
-        if taken_end > end {
-            return false;
-        }
         self.free.remove(&start);
         if at > start {
             self.free.insert(start, (at - start) as usize);
@@ -221,13 +216,7 @@ impl PoolShared {
                     .driver
                     .mem_address_reserve(cx.context, vmm.reserve_bytes)?;
                 inner.reservation = Some((base.0, vmm.reserve_bytes));
-                // Pieces lie at multiples of their size (the arenas count them so); the driver
-                // aligns a reservation to its granularity alone.
-                let start = base.0.next_multiple_of(vmm.granularity as u64);
-                let skipped = (start - base.0) as usize;
-                inner
-                    .free
-                    .insert(start, vmm.reserve_bytes.saturating_sub(skipped));
+                inner.free.insert(base.0, vmm.reserve_bytes);
             }
             let at = inner.place(bytes).ok_or_else(|| {
                 DriverError::from_kind("cuMemAddressReserve", ErrorKind::OutOfMemory)
@@ -245,13 +234,8 @@ impl PoolShared {
         let Some(vmm) = &self.vmm else {
             return false;
         };
-        let bytes = vmm.round(bytes) as u64;
-        let inner = lock(&vmm.inner);
-        inner
-            .free
-            .range(..=at)
-            .next_back()
-            .is_some_and(|(&start, &len)| at + bytes <= start + len as u64)
+        let bytes = vmm.round(bytes);
+        lock(&vmm.inner).free_range_holding(at, bytes).is_some()
     }
 
     /// `vmm-pool`: a chunk of at least `bytes` bytes mapped at `at` exactly (just past a
@@ -423,7 +407,6 @@ impl PoolShared {
 
     /// `vmm-pool`: releases the physical pieces a growth's shedding left unmapped and did not
     /// map again (`cuMemRelease`). Called when a growth is over, whether it succeeded or not.
-    #[allow(unsafe_code)]
     pub(super) fn release_spares(&self) {
         let Some(vmm) = &self.vmm else {
             return;
@@ -437,15 +420,9 @@ impl PoolShared {
             return;
         };
         tracing::debug!(device = %self.cx.device, pieces = spare.len(), "pieces a growth moved and did not map went back to the driver");
+        // Unmapped by the shedding that kept them, and mapped nowhere since.
         for handle in spare {
-            self.totals.driver_frees.fetch_add(1, Ordering::Relaxed);
-            // SAFETY: made by this pool, unmapped by the shedding that kept it, and mapped
-            // nowhere since: released once, here.
-            if let Err(e) = unsafe { self.cx.driver.mem_release(self.cx.context, handle) } {
-                tracing::error!(device = %self.cx.device, error = %e, "cuMemRelease of a spare piece of the pool failed");
-                self.queue
-                    .record_error(EmmError::driver("cuMemRelease", self.cx.device, e));
-            }
+            self.release_piece(handle);
         }
     }
 
@@ -524,11 +501,14 @@ impl PoolShared {
         Err(EmmError::no_mapped_export(super::VMM_POOL_MANAGER))
     }
 
-    /// Unmaps one chunk, keeping its physical memory; whether it was unmapped.
+    /// Unmaps one chunk, keeping its physical memory; whether it was unmapped (a failure is
+    /// logged and recorded for the next flush to return).
     #[allow(unsafe_code)]
     fn unmap_only(&self, base: u64, size: usize) -> bool {
         let cx = &self.cx;
-        // SAFETY: as in `unmap_chunk`: a chunk of this pool with nothing in use, unmapped once.
+        // SAFETY: a chunk of this pool with nothing in use (the stream work that used it is
+        // done: the shed and trim rules), or one a reset gave up, whose blocks the reset's
+        // contract says are no longer used; the mapping is this pool's, unmapped once here.
         match unsafe { cx.driver.mem_unmap(cx.context, DevicePtr(base), size) } {
             Ok(()) => true,
             Err(e) => {
@@ -540,29 +520,26 @@ impl PoolShared {
         }
     }
 
-    /// Unmaps and releases one chunk; whether its range is free again.
+    /// Releases one piece of physical memory, mapped nowhere now (or whose mapping is being
+    /// given up with it); a failure is logged and recorded for the next flush to return.
     #[allow(unsafe_code)]
-    fn unmap_chunk(&self, base: u64, size: usize, handle: PhysHandle) -> bool {
+    fn release_piece(&self, handle: PhysHandle) {
         let cx = &self.cx;
-        let failed = |what: &'static str, e: DriverError| {
-            tracing::error!(device = %cx.device, error = %e, ptr = base, "{what} of a pool chunk failed");
-            self.queue
-                .record_error(EmmError::driver(what, cx.device, e));
-        };
-        // SAFETY: a chunk of this pool with nothing in use (the stream work that used it is
-        // done: the shed and trim rules), or one a reset gave up, whose blocks the reset's
-        // contract says are no longer used; the mapping is this pool's, unmapped once here.
-        let unmapped = unsafe { cx.driver.mem_unmap(cx.context, DevicePtr(base), size) };
-        if let Err(e) = &unmapped {
-            failed("cuMemUnmap", e.clone());
-        }
         self.totals.driver_frees.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: made by this pool for this chunk and released once, here; its memory goes
-        // once its mapping does.
+        // SAFETY: made by this pool and released once, here; its memory goes once its mapping
+        // does.
         if let Err(e) = unsafe { cx.driver.mem_release(cx.context, handle) } {
-            failed("cuMemRelease", e);
+            tracing::error!(device = %cx.device, error = %e, "cuMemRelease of a pool piece failed");
+            self.queue
+                .record_error(EmmError::driver("cuMemRelease", cx.device, e));
         }
-        unmapped.is_ok()
+    }
+
+    /// Unmaps and releases one chunk; whether its range is free again.
+    fn unmap_chunk(&self, base: u64, size: usize, handle: PhysHandle) -> bool {
+        let unmapped = self.unmap_only(base, size);
+        self.release_piece(handle);
+        unmapped
     }
 
     /// A reset, after its chunks were given back: the reservation is freed, once
