@@ -50,14 +50,22 @@ fn over_the_driver_pool(manager: &str) -> bool {
 const MODEL_TOLERANCE: f64 = 0.10;
 
 /// How much more than the first pass a later one may hold: where blocks land differs between
-/// passes (a pool's chunks, the driver's 2 MiB pages shared by small blocks), by a page or a
-/// chunk, not by a pass's worth: 2 MiB, or 1/64 of peak live when that is more; 1/16 under
-/// `vmm-pool`, which keeps free pieces until they come to a sixteenth of what it holds, so
-/// that where a pass's growths find them decides how much it maps (on the LLM trace the
-/// passes peak at 808, 832 and 834 MiB for 778 MiB live: settled, and within the bound). A
-/// manager whose held memory grew with each pass, as `pool`'s did by its whole peak, fails.
+/// passes (the driver's 2 MiB pages shared by small blocks), by a page, not by a pass's
+/// worth: 2 MiB, or more for the pools, which keep free memory through a growth by rule.
+/// `vmm-pool` keeps free pieces until they come to a sixteenth of what it holds, so that where
+/// a pass's growths find them decides how much it maps (on the LLM trace the passes peak at
+/// 808, 832 and 834 MiB for 778 MiB live: settled, and within the bound): 1/16 of peak live.
+/// `pool` keeps wholly free chunks while it holds at most an eighth more than the most in use
+/// at a growth, so a later pass may keep what the first gave back: 1/8 of peak live (on the
+/// CNN trace the passes peak at 1596, 1596, 1594, 1718 and 1718 MiB for 1520 MiB live). A
+/// manager whose held memory grew with each pass, as `pool`'s once did by its whole peak,
+/// fails, and so does one still growing at the last pass ([`unsettled`]).
 fn slack(manager: &str, live: usize) -> usize {
-    let share = if manager == "vmm-pool" { 16 } else { 64 };
+    let share = match manager {
+        "vmm-pool" => 16,
+        "pool" => 8,
+        _ => 64,
+    };
     (2 << 20).max(live / share)
 }
 
@@ -198,21 +206,16 @@ fn torch_transformer() {
     check("torch_transformer");
 }
 
-/// The most driver allocations `manager` may make per 100 allocations once a program's log has
+/// The most driver allocations a pool may make per 100 allocations once a program's log has
 /// been replayed once (passes 2 to 5: the same program again, whose memory the pool already
-/// holds). `vmm-pool` meets the target of one (`performance.md`); `pool` is held to what it
-/// does now, three, as it misses the target on the phase-change program (2.0 on the GPU and
-/// here: its large blocks change size from step to step, and each size gets a chunk of its
-/// own; BENCHMARKS.md).
-fn driver_allocations_per_100(manager: &str) -> f64 {
-    if manager == "vmm-pool" { 1.0 } else { 3.0 }
-}
+/// holds): the target of `performance.md`, one, for `pool` and `vmm-pool` alike.
+const DRIVER_ALLOCATIONS_PER_100: f64 = 1.0;
 
 /// A program's log recorded on the GPU with its progress (`programs.csv`), replayed five times
 /// with that progress under `pool` and `vmm-pool`: peak held within the manager's bound on
 /// every pass, passes that hold little more than the first and settle, and, once a pass has
 /// been replayed,
-/// at most [`driver_allocations_per_100`] driver allocations per 100 allocations. Replayed
+/// at most [`DRIVER_ALLOCATIONS_PER_100`] driver allocations per 100 allocations. Replayed
 /// without the progress, these programs' logs showed none of what `pool` did on the GPU (1.7
 /// to 2.6 times peak live, a driver allocation and free per dozen allocations): the progress
 /// is what makes the stream busy when the pool decides. The other managers are not held to
@@ -259,10 +262,10 @@ fn check_program(name: &str) {
         let later: usize = r.pass_driver_allocations[1..].iter().sum();
         let allocations: usize = r.passes[1..].iter().map(|p| p.allocations).sum();
         let per_100 = 100.0 * later as f64 / allocations.max(1) as f64;
-        if per_100 > driver_allocations_per_100(manager) {
+        if per_100 > DRIVER_ALLOCATIONS_PER_100 {
             failures.push(format!(
                 "{manager}: {later} driver allocations for {allocations} allocations after the first pass, {per_100:.2} per 100 (at most {})",
-                driver_allocations_per_100(manager)
+                DRIVER_ALLOCATIONS_PER_100
             ));
         }
     }

@@ -630,6 +630,59 @@ fn a_small_block_on_a_stream_leaves_its_large_free_chunk_whole() {
     assert!(leaks.is_clean(), "{leaks}");
 }
 
+/// Before it grows, `pool` keeps wholly free chunks while it would then hold at most an eighth
+/// more than the most it had in use at a growth: a program whose large blocks change size from
+/// step to step finds its chunks again at the next step, where giving every free chunk back
+/// made a `cuMemFree` and a `cuMemAlloc` each step. What it gives back is the least it must
+/// (the smaller chunk), and a trim gives back everything and forgets the most in use.
+#[test]
+fn pool_keeps_free_chunks_through_a_growth_within_an_eighth_of_its_most_in_use() {
+    let (sim, rt) = on_a_gib("pool");
+    let ctx = rt.context(0).unwrap();
+    let stream = ctx.create_stream().unwrap();
+    let stats = || ctx.pool_stats().device.unwrap();
+    // Step one: 150 and 170 MiB live at once, each a chunk of its own (above the 128 MiB
+    // chunk size); 320 MiB in use at the second growth.
+    let step = [150, 170].map(|m| ctx.memalloc_on(m * MIB, &stream).unwrap());
+    drop(step);
+    stream.synchronize().unwrap();
+    assert_eq!(stats().held_bytes, 320 * MIB);
+    // Step two: 190 MiB, which neither free chunk holds. Grown, the pool may hold 9/8 of
+    // 320 MiB, 360: it keeps the 170 MiB chunk beside the new one and gives back the other.
+    let c = ctx.memalloc_on(190 * MIB, &stream).unwrap();
+    let after = stats();
+    assert_eq!(after.held_bytes, 360 * MIB);
+    assert_eq!((after.driver_allocations, after.driver_frees), (3, 1));
+    drop(c);
+    stream.synchronize().unwrap();
+    // Step three: sizes in between, served by the chunks kept with no driver call: 185 MiB
+    // by the stream's 190 MiB chunk, 165 by the 170 MiB one, which the stream gave to the
+    // shared arena when its work was done and takes back whole (the smallest free chunk
+    // that holds a large request).
+    let step = [185, 165].map(|m| ctx.memalloc_on(m * MIB, &stream).unwrap());
+    let calls = (sim.count(Op::MemAlloc), sim.count(Op::MemFree));
+    assert_eq!((stats().driver_allocations, stats().driver_frees), (3, 1));
+    drop(step);
+    stream.synchronize().unwrap();
+    // A trim gives every free chunk back; the next growth keeps nothing it gives back.
+    ctx.trim().unwrap();
+    assert_eq!(stats().held_bytes, 0);
+    let one = ctx.memalloc_on(150 * MIB, &stream).unwrap();
+    drop(one);
+    stream.synchronize().unwrap();
+    let two = ctx.memalloc_on(170 * MIB, &stream).unwrap();
+    assert_eq!(
+        stats().held_bytes,
+        170 * MIB,
+        "after the trim, the most in use is 170 MiB: the 150 MiB chunk went back"
+    );
+    assert_eq!(sim.count(Op::MemAlloc), calls.0 + 2);
+    drop((two, stream, ctx));
+    drop(rt);
+    let leaks = sim.leak_report();
+    assert!(leaks.is_clean(), "{leaks}");
+}
+
 /// A wholly free chunk of a stream whose work is still queued serves another stream's request
 /// without the pool growing: the other stream first waits, on the GPU, for the work queued on
 /// the first (`cuStreamWaitEvent`), so nothing it queues on the memory runs before that work.

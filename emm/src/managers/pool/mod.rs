@@ -23,9 +23,15 @@
 //! - **Memory held is bounded by memory in use.** Before it grows, the pool takes back what the
 //!   shards cache and the free chunks of streams with no work pending, then the wholly free
 //!   chunks of busy streams (the growing stream waits for their work on the GPU), tries again,
-//!   and then gives every chunk with nothing in use back to the driver: the growing stream's
-//!   own after the pool has waited for that stream's work, so that it never holds the chunks
-//!   it gives back and the one it grows by at once. `vmm-pool` gives nothing back when it
+//!   and then gives the chunks with nothing in use back to the driver, but for those it may
+//!   keep: the largest first, while it would then hold at most an eighth more than the most
+//!   it had in use at a growth since its last trim (`KEPT_DIVISOR`). A program whose large
+//!   blocks change size from step to step finds its chunks again at the next step, where
+//!   giving back every free chunk made a `cuMemFree` and a `cuMemAlloc` at each step. The
+//!   growing stream's chunks go back after the pool has waited for that stream's work, so
+//!   that it never holds the chunks it gives back and the one it grows by at once. A stream
+//!   takes a wholly free chunk of the shared arena for a request above the chunk size
+//!   whatever its size (the smallest that holds it). `vmm-pool` gives nothing back when it
 //!   grows: it keeps the pieces under the block it extends and moves free pieces elsewhere
 //!   (up to what the growth maps) to where the growth needs them, unmapped and mapped again,
 //!   making new physical memory only for the rest; its memory goes back to the driver on a
@@ -171,6 +177,11 @@ const GROWTH_DIVISOR: usize = 8;
 /// the pool sheds; a growth in place maps what the request lacks, rounded up to this step.
 const VMM_GROWTH_DIVISOR: usize = 32;
 
+/// Before `pool` grows, it keeps wholly free chunks while it would then hold at most
+/// `1 / KEPT_DIVISOR` more than the most in use with a request at a growth since its last
+/// trim (an eighth): [`PoolShared::kept_through_growth`].
+const KEPT_DIVISOR: usize = 8;
+
 /// The pool's tuning.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
@@ -274,6 +285,9 @@ struct Totals {
     /// or `cuMemRelease` per piece) made for the pool's memory.
     driver_allocations: AtomicU64,
     driver_frees: AtomicU64,
+    /// The most bytes in use with a request seen at a growth since the last trim or reset
+    /// ([`PoolShared::kept_through_growth`]).
+    in_use_mark: AtomicUsize,
 }
 
 impl Totals {
@@ -645,6 +659,7 @@ impl PoolShared {
     /// streams' too, those whose work is done; with `wait`, every stream's after waiting for
     /// its work); returns the bytes queued. The caller flushes.
     fn trim_to_queue(&self, wait: bool) -> usize {
+        self.totals.in_use_mark.store(0, Ordering::Relaxed);
         if let Err(e) = self.release_idle_stream_chunks(None, wait) {
             tracing::warn!(device = %self.cx.device, error = %e, "returning the streams' free chunks to the pool failed; the trim leaves them out");
             self.queue.record_error(e);
@@ -658,6 +673,40 @@ impl PoolShared {
             self.release_chunks(chunks, false);
         }
         bytes
+    }
+
+    /// The bytes of wholly free chunks, of `free` about to go back to the driver before a
+    /// growth for `size` bytes, that `pool` may keep: as many as leave the pool, once grown,
+    /// holding at most an eighth ([`KEPT_DIVISOR`]) more than the most in use with a request
+    /// at a growth since the last trim (or reset), this one's included. A program that frees
+    /// its step's memory and allocates it again at the next step, in other sizes, finds its
+    /// chunks again instead of giving them back and taking them anew; the pool's peak held
+    /// stays within that eighth of the peak in use, or what shedding every free chunk would
+    /// have held where the chunks in use hold more free space than that already.
+    fn kept_through_growth(&self, size: usize, free: usize) -> usize {
+        let wanted = self.in_use_bytes().saturating_add(size);
+        let mark = self
+            .totals
+            .in_use_mark
+            .fetch_max(wanted, Ordering::Relaxed)
+            .max(wanted);
+        let bound = mark.saturating_add(mark / KEPT_DIVISOR);
+        let held = self.totals.held.load(Ordering::Relaxed);
+        let least = held.saturating_sub(free).saturating_add(self.growth(size));
+        bound.saturating_sub(least).min(free)
+    }
+
+    /// The bytes of blocks in use, over the shards and the streams (every lock in turn: for a
+    /// growth, never an allocation's path).
+    fn in_use_bytes(&self) -> usize {
+        let streams: i64 = (self.streams.shards.iter())
+            .map(|shard| lock(&shard.inner).in_use_bytes)
+            .sum();
+        let shards: i64 = thread_slots::lock_all(&self.shards)
+            .iter()
+            .map(|lists| lists.in_use_bytes)
+            .sum();
+        (streams + shards).max(0) as usize
     }
 
     /// The bytes the pool grows by for a request of `size` bytes: `size` rounded up to 2 MiB
@@ -1347,6 +1396,7 @@ impl DeviceAllocator for PoolAllocator {
         large.into_iter().map(Large::into_block).for_each(drop);
         let bytes = chunks.iter().map(|c| c.size).sum::<usize>();
         pool.totals.released(bytes, false);
+        pool.totals.in_use_mark.store(0, Ordering::Relaxed);
         tracing::info!(device = %pool.cx.device, chunks = chunks.len(), bytes, "pool reset");
         if let Some(_live) = pool.cx.liveness.enter() {
             pool.fences.destroy_idle();

@@ -10,7 +10,8 @@
 //!   other than the one it was allocated on) waits behind a fence, events recorded at the free
 //!   on those streams, and goes back to its stream's arena once they completed.
 //! - When S's arena has no block large enough, S takes a wholly free chunk of the shared
-//!   arena, no larger than the pool would grow by for the request; else the shared arena lends
+//!   arena, no larger than the pool would grow by for the request (any size for a request
+//!   above the chunk size: the smallest that holds it); else the shared arena lends
 //!   S a block of its free space (the request rounded up to 2 MiB) as a chunk of S's, so that
 //!   free space beside a block that keeps a shared chunk from going back whole still serves
 //!   the streams; failing that, the wholly free chunks of streams with no work pending move to
@@ -27,9 +28,10 @@
 //!   chunk from going back to the driver before a larger request grows the pool.
 //! - A lent chunk never goes to the driver: where a stream gives it up (moved, shed, trimmed)
 //!   it returns to the shared arena, and a reset frees only the chunk it lies in.
-//! - Before the pool grows for S, S's own wholly free chunks go back to the driver once the
-//!   pool has waited for S's work (`give_back_after`): a `cuMemFree` waits for the device in any
-//!   case, and freeing them later would have the pool hold them and the new chunk at once.
+//! - Before the pool grows for S, the wholly free chunks it does not keep
+//!   (`PoolShared::kept_through_growth`) go back to the driver, S's own once the pool has
+//!   waited for S's work (`give_back_after`): a `cuMemFree` waits for the device in any case,
+//!   and freeing them later would have the pool hold them and the new chunk at once.
 //! - `trim` frees the wholly free chunks of streams with no work pending; out of memory, the
 //!   pool waits for every stream's work first.
 //!
@@ -478,25 +480,29 @@ impl PoolShared {
         Some((addr, self.generation.load(Ordering::Acquire)))
     }
 
-    /// Before the pool grows for a request of `size` bytes that no free block holds: every
-    /// wholly free chunk goes back to the driver (none holds the request, or it would have been
-    /// taken), so that a pool holds no chunk it does not use while it grows (`vmm-pool`: its
-    /// free pieces, up to what the growth maps, which maps them again;
-    /// [`Arena::shed_free_chunks`](super::arena::Arena::shed_free_chunks)). The shared arena's
-    /// go at once; those of `growing`, the stream that grows, once its work is done: the pool
-    /// waits for that work here ([`give_back_after`](Self::give_back_after)), so that it never
-    /// holds the chunks it gives back and the one it grows by at once.
+    /// Before the pool grows for a request of `size` bytes that no free block holds: the
+    /// wholly free chunks (none holds the request, or it would have been taken) go back to the
+    /// driver, except those the pool may keep through the growth
+    /// ([`kept_through_growth`](PoolShared::kept_through_growth)): the largest first, while
+    /// the pool, grown, holds at most an eighth more than is in use with the request. A
+    /// program whose requests vary from step to step finds them again at its next step instead
+    /// of the driver's `cuMemFree` and `cuMemAlloc` at every step, and what the pool holds
+    /// beyond what is in use stays bounded all the same. `vmm-pool` keeps nothing so: its free
+    /// pieces, up to what the growth maps, are mapped again there
+    /// ([`Arena::shed_free_chunks`](super::arena::Arena::shed_free_chunks)). The shared
+    /// arena's go at once; those of `growing`, the stream that grows, once its work is done:
+    /// the pool waits for that work here ([`give_back_after`](Self::give_back_after)), so
+    /// that it never holds the chunks it gives back and the one it grows by at once.
     pub(super) fn shed_free_chunks(&self, growing: Option<StreamHandle>, size: usize) {
         let Some(_live) = self.cx.liveness.enter() else {
             return;
         };
         // `vmm-pool` moves at most what the growth maps (`Arena::shed_free_chunks`).
         let most = self.growth(size);
-        let freed = lock(&self.arena).shed_free_chunks(most);
+        let mut freed = lock(&self.arena).shed_free_chunks(most);
         let most = most.saturating_sub(freed.iter().map(|c| c.size).sum());
-        self.free_chunks(freed, "before growing");
-        if let Some(stream) = growing {
-            let shed = {
+        let mut shed = match growing {
+            Some(stream) => {
                 let mut lists = lock(self.streams.of(stream));
                 if let Err(e) = self.settle_fences(&mut lists, false) {
                     self.queue.record_error(e);
@@ -505,8 +511,69 @@ impl PoolShared {
                     .list(stream)
                     .map(|mine| mine.arena.shed_free_chunks(most))
                     .unwrap_or_default()
-            };
+            }
+            None => Vec::new(),
+        };
+        if self.vmm.is_none() {
+            self.keep_some(growing, size, &mut freed, &mut shed);
+        }
+        self.free_chunks(freed, "before growing");
+        if let Some(stream) = growing {
             self.give_back_after(stream, shed);
+        }
+    }
+
+    /// `pool`: of the wholly free chunks about to go back before a growth for `size` bytes,
+    /// the shared arena's `freed` and `growing`'s `shed`, puts back those the pool may keep
+    /// ([`kept_through_growth`](PoolShared::kept_through_growth)), the largest first; a chunk
+    /// the shared arena lent goes back to it in any case, at no driver call.
+    fn keep_some(
+        &self,
+        growing: Option<StreamHandle>,
+        size: usize,
+        freed: &mut Vec<Chunk>,
+        shed: &mut Vec<Chunk>,
+    ) {
+        let free = (freed.iter().chain(shed.iter()))
+            .filter(|c| !c.lent)
+            .map(|c| c.size)
+            .sum();
+        let mut budget = self.kept_through_growth(size, free);
+        if budget == 0 {
+            return;
+        }
+        let mut all: Vec<(Chunk, bool)> = (freed.drain(..).map(|c| (c, false)))
+            .chain(shed.drain(..).map(|c| (c, true)))
+            .collect();
+        // The largest first: a chunk made for a large request serves most of the next step's.
+        all.sort_unstable_by_key(|(c, _)| std::cmp::Reverse(c.size));
+        let (mut kept_freed, mut kept_shed) = (Vec::new(), Vec::new());
+        for (chunk, own) in all {
+            let keep = !chunk.lent && chunk.size <= budget;
+            if keep {
+                budget -= chunk.size;
+            }
+            match (keep, own) {
+                (true, false) => kept_freed.push(chunk),
+                (true, true) => kept_shed.push(chunk),
+                (false, false) => freed.push(chunk),
+                (false, true) => shed.push(chunk),
+            }
+        }
+        if !kept_freed.is_empty() {
+            let mut arena = lock(&self.arena);
+            for chunk in kept_freed {
+                arena.add_chunk(chunk);
+            }
+        }
+        if let Some(stream) = growing.filter(|_| !kept_shed.is_empty()) {
+            let k = self.streams.index(stream);
+            let mut lists = lock(&self.streams.shards[k].inner);
+            let mine = lists.list_or_new(stream, self.new_arenas());
+            for chunk in kept_shed {
+                mine.arena.add_chunk(chunk);
+            }
+            self.streams.mark(k, &lists);
         }
     }
 
@@ -643,10 +710,17 @@ impl PoolShared {
     /// the request, else a block of its free space lent as a chunk (the request rounded up to
     /// the growth granularity). A stream takes no more than it would have grown by: a small
     /// request that took a large free chunk whole would keep it from the next large request
-    /// for as long as its block lives, and the pool would grow for that one.
+    /// for as long as its block lives, and the pool would grow for that one. A request above
+    /// the chunk size takes the smallest that holds it, whatever its size: such chunks serve
+    /// only such requests, and one the pool kept through a growth
+    /// ([`kept_through_growth`](PoolShared::kept_through_growth)) is there for the next.
     fn adopt(&self, size: usize) -> Option<Chunk> {
-        let most = self.growth(size);
         let mut arena = lock(&self.arena);
+        let most = if arena.is_oversize(size) {
+            usize::MAX
+        } else {
+            self.growth(size)
+        };
         if let Some(chunk) = arena.take_free_chunk(size, most) {
             return Some(chunk);
         }
