@@ -54,6 +54,24 @@ pub(crate) unsafe trait PoolHook: ReleaseHook {
         let _ = (size, tag);
         Some(record)
     }
+
+    /// The release of a pointer's block (`size` bytes at `base`, stamped `tag`, on `streams`
+    /// if it was stream ordered) with the history stamp its allocation was given
+    /// ([`ParkedPointer::stamp`]), for a pool whose history orders the free after it. The
+    /// default releases through [`ReleaseHook`] and drops the stamp.
+    fn release_stamped(
+        &self,
+        base: DevicePtr,
+        size: usize,
+        (tag, stamp): (u64, u64),
+        streams: Option<StreamUse>,
+    ) {
+        let _ = stamp;
+        match streams {
+            Some(streams) => self.release_on_streams(base, size, tag, streams),
+            None => self.release(base, size, tag),
+        }
+    }
 }
 
 /// A built-in pool's pointer whose last clone dropped, its record kept whole with the block
@@ -63,11 +81,18 @@ pub(crate) unsafe trait PoolHook: ReleaseHook {
 pub(crate) struct ParkedPointer(Parked<Allocation>);
 
 impl ParkedPointer {
-    /// A pointer to the block again, of `size` bytes (at most the block's), stamped `tag`.
+    /// A pointer to the block again, of `size` bytes (at most the block's), stamped `tag`, its
+    /// allocation's history stamp `stamp` ([`stamp`](Self::stamp)).
     #[inline(always)]
-    pub(crate) fn revive(mut self, size: usize, tag: u64) -> MemoryPointer {
+    pub(crate) fn revive(mut self, size: usize, tag: u64, stamp: u64) -> MemoryPointer {
         self.0.value_mut().size = size;
-        self.set_tag(tag);
+        if let Release::Pool {
+            tag: t, stamp: s, ..
+        } = &mut self.0.value_mut().release
+        {
+            *t = tag;
+            *s = stamp;
+        }
         MemoryPointer {
             alloc: self.0.revive(),
             offset: 0,
@@ -77,22 +102,29 @@ impl ParkedPointer {
 
     /// A pointer again to a block that may be elsewhere than the record's last one (a
     /// stream-ordered pool's: the driver hands out the addresses): `size` bytes at `base`,
-    /// stamped `tag`.
+    /// stamped `tag` and `stamp`.
     #[inline(always)]
-    pub(crate) fn revive_at(mut self, base: DevicePtr, size: usize, tag: u64) -> MemoryPointer {
+    pub(crate) fn revive_at(
+        mut self,
+        base: DevicePtr,
+        size: usize,
+        tag: u64,
+        stamp: u64,
+    ) -> MemoryPointer {
         self.0.value_mut().base = base;
-        self.revive(size, tag)
+        self.revive(size, tag, stamp)
     }
 
     /// A stream-ordered pointer again ([`MemoryPointer::with_stashed_hook_on`]'s record,
-    /// parked with its stream record emptied): `size` bytes at `base`, stamped `tag`,
-    /// allocated and to be freed on `stream`, used by no other stream yet.
+    /// parked with its stream record emptied): `size` bytes at `base`, stamped `tag` and
+    /// `stamp`, allocated and to be freed on `stream`, used by no other stream yet.
     #[inline(always)]
     pub(crate) fn revive_on(
         mut self,
         base: DevicePtr,
         size: usize,
         tag: u64,
+        stamp: u64,
         stream: StreamHandle,
     ) -> MemoryPointer {
         if let Some(record) = &mut self.0.value_mut().streams {
@@ -100,7 +132,18 @@ impl ParkedPointer {
             use_.stream = stream;
             use_.free_on = stream;
         }
-        self.revive_at(base, size, tag)
+        self.revive_at(base, size, tag, stamp)
+    }
+
+    /// The history stamp a pool gave the allocation of a pool record (its history ring's
+    /// clock then: `managers::pool::history`), 0 for any other record: a free of the block,
+    /// on whichever thread, is stamped later than it.
+    #[inline(always)]
+    pub(crate) fn stamp(&self) -> u64 {
+        match &self.0.value().release {
+            Release::Pool { stamp, .. } => *stamp,
+            _ => 0,
+        }
     }
 
     /// Whether the record is a stream-ordered pointer's.
@@ -189,7 +232,7 @@ impl ParkedPointer {
         // Owns nothing more once its hook and streams are out (a pool's pointer has no owner).
         self.0.retire_with(|a| {
             let emptied = a.streams.take().map(|record| empty_stream_record(record).1);
-            a.take_pool_hook().map(|(hook, _)| KeptHook {
+            a.take_pool_hook().map(|(hook, ..)| KeptHook {
                 hook,
                 streams: emptied,
             })
@@ -404,6 +447,8 @@ pub(crate) enum Release {
         hook: Arc<dyn PoolHook>,
         tag: u64,
         park: bool,
+        /// The allocation's stamp in the pool's history ([`ParkedPointer::stamp`]).
+        stamp: u64,
     },
     /// An adaptor's wrapper around another manager's pointer: the hook is told, then the inner
     /// pointer drops (and releases the memory its own way).
@@ -454,7 +499,7 @@ impl Allocation {
     /// leaving the allocation empty (no release, no streams, no owner: the record skips its
     /// drop). Anything else releases in `drop`.
     fn retire(&mut self) -> Option<KeptHook> {
-        let (hook, tag) = self.take_pool_hook()?;
+        let (hook, tag, stamp) = self.take_pool_hook()?;
         let (streams, emptied) = match self.streams.take() {
             Some(record) => {
                 let (streams, emptied) = empty_stream_record(record);
@@ -462,7 +507,7 @@ impl Allocation {
             }
             None => (None, None),
         };
-        run_hook(&*hook, self.base, self.size, tag, streams);
+        hook.release_stamped(self.base, self.size, (tag, stamp), streams);
         // Dropped after the release, as the fields would drop after `Drop::drop`.
         drop(self._owner.take());
         Some(KeptHook {
@@ -471,15 +516,17 @@ impl Allocation {
         })
     }
 
-    /// A pool's pointer: its hook and tag, the release left `Unowned` (nothing to run when the
+    /// A pool's pointer: its hook, tag and history stamp, the release left `Unowned` (nothing to run when the
     /// allocation drops). Anything else: `None`, the release untouched.
     #[inline(always)]
-    fn take_pool_hook(&mut self) -> Option<(Arc<dyn PoolHook>, u64)> {
+    fn take_pool_hook(&mut self) -> Option<(Arc<dyn PoolHook>, u64, u64)> {
         if !matches!(self.release, Release::Pool { .. }) {
             return None;
         }
         match std::mem::replace(&mut self.release, Release::Unowned) {
-            Release::Pool { hook, tag, .. } => Some((hook, tag)),
+            Release::Pool {
+                hook, tag, stamp, ..
+            } => Some((hook, tag, stamp)),
             _ => unreachable!("matched above"),
         }
     }
@@ -494,6 +541,7 @@ impl Allocation {
             hook,
             tag,
             park: true,
+            ..
         } = &a.release
         else {
             return Self::park_tracked(record);
@@ -692,7 +740,9 @@ impl MemoryPointer {
     /// shares). A hook may so outlive its last pointer in up to 64 spare records per thread,
     /// until they are reused or the thread exits, and in the spare boxes threads handed to the
     /// process-wide depot, until its manager drops ([`forget_hooks`]). With `park`, the last
-    /// drop first offers the whole record to the hook ([`PoolHook::park`]).
+    /// drop first offers the whole record to the hook ([`PoolHook::park`]). The pointer is
+    /// tagged `tag` for the hook, and carries `stamp`, its allocation's place in the pool's
+    /// history ([`ParkedPointer::stamp`]; 0 for a manager that keeps none).
     #[allow(clippy::too_many_arguments)] // the allocation's fields, as `from_parts`
     #[inline(always)]
     pub(crate) fn with_stashed_hook(
@@ -701,10 +751,10 @@ impl MemoryPointer {
         base: DevicePtr,
         size: usize,
         hook: &Arc<dyn PoolHook>,
-        tag: u64,
+        (tag, stamp): (u64, u64),
         park: bool,
     ) -> MemoryPointer {
-        Self::stashed(device, ctx, base, size, hook, tag, park, None)
+        Self::stashed(device, ctx, base, size, hook, (tag, stamp), park, None)
     }
 
     /// As [`with_stashed_hook`](Self::with_stashed_hook), for memory allocated on `stream`, as
@@ -721,11 +771,20 @@ impl MemoryPointer {
         base: DevicePtr,
         size: usize,
         hook: &Arc<dyn PoolHook>,
-        tag: u64,
+        (tag, stamp): (u64, u64),
         stream: StreamHandle,
         park: bool,
     ) -> MemoryPointer {
-        Self::stashed(device, ctx, base, size, hook, tag, park, Some(stream))
+        Self::stashed(
+            device,
+            ctx,
+            base,
+            size,
+            hook,
+            (tag, stamp),
+            park,
+            Some(stream),
+        )
     }
 
     /// The constructor of both: with `stream`, the pointer records its streams.
@@ -737,7 +796,7 @@ impl MemoryPointer {
         base: DevicePtr,
         size: usize,
         hook: &Arc<dyn PoolHook>,
-        tag: u64,
+        (tag, stamp): (u64, u64),
         park: bool,
         stream: Option<StreamHandle>,
     ) -> MemoryPointer {
@@ -762,6 +821,7 @@ impl MemoryPointer {
                         },
                         tag,
                         park,
+                        stamp,
                     },
                     streams: stream.map(|s| stream_record_on(kept_streams, s)),
                     _owner: None,

@@ -550,3 +550,41 @@ fn the_pools_own_history_merges_the_threads_rings() {
     }
     assert!(recorded > 0, "the window holds the last allocations");
 }
+
+/// A block allocated on one thread and freed on another, then allocated again there from that
+/// thread's cache, is named by its last allocation: the free's history stamp follows the
+/// allocation's (which the pointer carries) whatever the freeing thread's clock said, and the
+/// allocation after it follows the free, though neither read the time-stamp counter.
+#[test]
+fn a_block_freed_on_another_thread_is_named_by_its_last_allocation() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = crate::common::runtime_with(&sim, "pool");
+    let ctx = rt.context(0).unwrap();
+    let consumer = Tag::named("consumer");
+    let _t = consumer.scope();
+    // This thread's ring reads the counter at its first allocation, then counts.
+    drop(ctx.memalloc(4096).unwrap());
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    let produced = std::thread::scope(|s| {
+        s.spawn(|| {
+            let _t = Tag::named("producer").scope();
+            ctx.memalloc(4096).unwrap()
+        })
+        .join()
+        .unwrap()
+    });
+    let at = produced.device_ptr().0;
+    drop(produced); // cached on this thread
+    let again = ctx.memalloc(4096).unwrap();
+    assert_eq!(
+        again.device_ptr().0,
+        at,
+        "the block freed last comes back first"
+    );
+    let snapshot = ctx.snapshot();
+    let named = snapshot
+        .blocks()
+        .find(|b| b.address == at)
+        .and_then(|b| b.allocation.as_ref().map(|a| a.tag));
+    assert_eq!(named, Some(consumer), "{:?}", snapshot.history);
+}

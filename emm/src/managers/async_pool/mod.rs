@@ -757,11 +757,17 @@ impl DeviceAllocator for AsyncPoolAllocator {
     fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
         let (ptr, tag, parked) = self.alloc(host, "memalloc", bytes, STREAM, Park::Plain)?;
         if let Some(parked) = parked {
-            return Ok(parked.revive_at(ptr, bytes, tag));
+            return Ok(parked.revive_at(ptr, bytes, tag, 0));
         }
         let cx = &self.shared.cx;
         Ok(MemoryPointer::with_stashed_hook(
-            cx.device, cx.context, ptr, bytes, &self.hook, tag, true,
+            cx.device,
+            cx.context,
+            ptr,
+            bytes,
+            &self.hook,
+            (tag, 0),
+            true,
         ))
     }
 
@@ -784,11 +790,18 @@ impl DeviceAllocator for AsyncPoolAllocator {
                 r => r?,
             };
         if let Some(parked) = parked {
-            return Ok(parked.revive_on(ptr, bytes, tag, stream));
+            return Ok(parked.revive_on(ptr, bytes, tag, 0, stream));
         }
         let cx = &self.shared.cx;
         Ok(MemoryPointer::with_stashed_hook_on(
-            cx.device, cx.context, ptr, bytes, &self.hook, tag, stream, true,
+            cx.device,
+            cx.context,
+            ptr,
+            bytes,
+            &self.hook,
+            (tag, 0),
+            stream,
+            true,
         ))
     }
 

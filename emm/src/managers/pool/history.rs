@@ -1,31 +1,46 @@
 //! The pool's own history, always on: each shard keeps a ring of its thread's last
 //! allocations and frees, written under the shard the path enters anyway. An allocation's
-//! event has its address, size, tag and [`clock::stamp`]; a free's has the address and, for
-//! order, the ring's last allocation stamp (a second counter read per pair would cost the
-//! cached pair more than the rest of the history together).
+//! event has its address, size, tag and stamp; a free's has the address and its stamp.
+//!
+//! **Stamps.** Each ring keeps a clock, a [`clock::stamp`] read at the ring's first event and
+//! every [`REFRESH`] events after it, counted up by one at each event in between (reading the
+//! time-stamp counter at every allocation cost the cached pair more than the rest of the
+//! pool's work together). A free is stamped above both its ring's clock and its
+//! allocation's stamp, which its pointer carries ([`ParkedPointer::stamp`]): on whichever
+//! thread a block is freed, the free sorts after its allocation, and the next allocation of
+//! the block after the free, so that the order of the events on one block is exact across
+//! rings. A block that moves from one shard to another does so through the depot or the
+//! arena, and the shard that takes it reads the counter then (a refill is never a cached
+//! allocation). A stamp is never later than the counter when its event happened (the clocks
+//! count up by one an event, far slower than the counter), so an event's time in a snapshot
+//! is at most its ring's [`REFRESH`] events early.
 //!
 //! A snapshot merges the rings by stamp and keeps the window after every full ring's oldest
 //! event, so that no allocation in it is missing. The allocations made in the window that
 //! are still live carry their tag and time; older ones show as unrecorded in-use space. Which
 //! are still live comes from the allocations alone, with the pool's lists: a later
-//! allocation that overlaps an earlier one's block ends it, a free on the allocating thread
-//! ends it, and the snapshot keeps only those whose address lies in in-use space (a free on
-//! another thread has only a lower bound of its time, so it may sort before its allocation:
-//! the freed block is then cached, free, or another allocation's, and is dropped there).
-//! The `history` adaptor, where present, gives every allocation instead.
+//! allocation that overlaps an earlier one's block ends it, a free ends it, and the snapshot
+//! keeps only those whose address lies in in-use space.
+//! The `history` adaptor, where present, gives every allocation instead, each with its time.
 
 use std::collections::BTreeMap;
 
 use crate::clock;
 use crate::contract::manager::HistoryRecord;
 use crate::contract::snapshot::{AllocationInfo, HistoryAction, HistoryEvent, Tag};
+#[cfg(doc)]
+use crate::memory::pointer::ParkedPointer;
 
-/// Events one shard keeps: 32 bytes each.
+/// Events one shard keeps: 40 bytes each.
 pub(super) const EVENTS_PER_SHARD: usize = 128;
+
+/// A ring reads the time-stamp counter at its first allocation and every this many events
+/// after it (and at every refill from outside its shard: [`Ring::alloc_fresh`]).
+pub(super) const REFRESH: usize = 32;
 
 /// An event's stream where the allocation was not stream-ordered (no stream handle is all
 /// ones: the legacy and per-thread default streams are 0, 1 and 2).
-const NO_STREAM: u64 = u64::MAX;
+pub(super) const NO_STREAM: u64 = u64::MAX;
 
 /// One event of a ring: an allocation (its tag in `tag`) or a free (`bytes` is 0: the
 /// allocation's event has the size).
@@ -45,8 +60,8 @@ pub(super) struct Ring {
     events: Box<[Event; EVENTS_PER_SHARD]>,
     /// Events written so far; the next goes to `next % EVENTS_PER_SHARD`.
     next: usize,
-    /// The stamp of the ring's last allocation: a free's stamp.
-    last: u64,
+    /// The ring's clock: its last event's stamp (see the module's note).
+    clock: u64,
 }
 
 impl Default for Ring {
@@ -60,22 +75,46 @@ impl Ring {
         Ring {
             events: Box::new([Event::default(); EVENTS_PER_SHARD]),
             next: 0,
-            last: 0,
+            clock: 0,
         }
     }
 
-    /// Records an allocation of `bytes` (more than 0) at `addr` by this shard's thread.
+    /// Records an allocation of `bytes` (more than 0) at `addr` by this shard's thread;
+    /// returns its stamp, for the pointer to carry.
     #[inline(always)]
-    pub(super) fn alloc(&mut self, addr: u64, bytes: usize) {
-        self.alloc_on(addr, bytes, NO_STREAM);
+    pub(super) fn alloc(&mut self, addr: u64, bytes: usize) -> u64 {
+        self.alloc_on(addr, bytes, NO_STREAM)
     }
 
     /// Records an allocation of `bytes` (more than 0) at `addr` on `stream` ([`NO_STREAM`]:
-    /// none).
+    /// none); returns its stamp.
     #[inline(always)]
-    pub(super) fn alloc_on(&mut self, addr: u64, bytes: usize, stream: u64) {
-        let stamp = clock::stamp();
-        self.last = stamp;
+    pub(super) fn alloc_on(&mut self, addr: u64, bytes: usize, stream: u64) -> u64 {
+        let stamp = if self.next.is_multiple_of(REFRESH) {
+            self.read_clock()
+        } else {
+            self.clock + 1
+        };
+        self.write(addr, stamp, bytes, stream)
+    }
+
+    /// [`alloc`](Self::alloc) of a block that came from outside the shard (the depot, the
+    /// arena, a growth): the counter is read, so that the allocation sorts after whatever
+    /// another ring did with the block before.
+    pub(super) fn alloc_fresh(&mut self, addr: u64, bytes: usize, stream: u64) -> u64 {
+        let stamp = self.read_clock();
+        self.write(addr, stamp, bytes, stream)
+    }
+
+    /// The counter now, or one above the ring's clock where that is later.
+    #[cold]
+    fn read_clock(&self) -> u64 {
+        clock::stamp().max(self.clock + 1)
+    }
+
+    #[inline(always)]
+    fn write(&mut self, addr: u64, stamp: u64, bytes: usize, stream: u64) -> u64 {
+        self.clock = stamp;
         self.events[self.next % EVENTS_PER_SHARD] = Event {
             addr,
             stamp,
@@ -84,14 +123,19 @@ impl Ring {
             stream,
         };
         self.next += 1;
+        stamp
     }
 
-    /// Records the free of the allocation at `addr` by this shard's thread.
+    /// Records the free, by this shard's thread, of the allocation at `addr` stamped
+    /// `allocated` (its pointer's [`ParkedPointer::stamp`]; a fresh [`clock::stamp`] where the
+    /// pointer is not at hand).
     #[inline(always)]
-    pub(super) fn free(&mut self, addr: u64) {
+    pub(super) fn free(&mut self, addr: u64, allocated: u64) {
+        let stamp = self.clock.max(allocated) + 1;
+        self.clock = stamp;
         let slot = &mut self.events[self.next % EVENTS_PER_SHARD];
         slot.addr = addr;
-        slot.stamp = self.last;
+        slot.stamp = stamp;
         slot.bytes = 0;
         self.next += 1;
     }
@@ -130,7 +174,7 @@ pub(super) fn merge<'a>(rings: impl IntoIterator<Item = &'a Ring>) -> HistoryRec
         .flat_map(|(k, r)| r.kept(k))
         .filter(|(e, _, _)| horizon == 0 || e.stamp > horizon)
         .collect();
-    // By stamp; a free after the allocation it shares a stamp with on its ring.
+    // By stamp; a free sorts after its allocation on whichever ring (the module's note).
     events.sort_by_key(|&(e, ring, i)| (e.stamp, ring, i));
     let to_us = clock::to_unix_us();
     // Live candidates by address.
@@ -170,8 +214,7 @@ pub(super) fn merge<'a>(rings: impl IntoIterator<Item = &'a Ring>) -> HistoryRec
                 stack: None,
             });
         } else {
-            // A free on the allocating thread's ring ends its allocation for sure; one on
-            // another thread's (its stamp a lower bound) only if it sorts after it.
+            // A free ends its allocation.
             let Some(info) = live.remove(&e.addr) else {
                 continue; // its allocation is older than the window
             };

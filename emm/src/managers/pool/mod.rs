@@ -115,6 +115,7 @@ mod streams;
 mod vmm;
 
 use arena::{Arenas, Chunk};
+use history::NO_STREAM;
 use shards::{Depot, Large, ShardHook, ShardLists, unparked};
 use streams::{StreamCache, StreamHook, stream_block_size};
 use vmm::VmmSpace;
@@ -380,7 +381,7 @@ impl PoolShared {
         lists.returned(size);
         lists.cached_bytes += size;
         lists.park_room -= 1;
-        lists.history.free(record.base());
+        lists.history.free(record.base(), record.stamp());
         lists.parked[class].push(record);
         None
     }
@@ -407,7 +408,7 @@ impl PoolShared {
             }
             lists.park_room -= 1;
             lists.returned(size);
-            lists.history.free(record.base());
+            lists.history.free(record.base(), record.stamp());
             let block = Large {
                 addr: record.base(),
                 size,
@@ -478,9 +479,15 @@ impl PoolShared {
         evicted.into_iter().map(|b| lists.let_go(b)).collect()
     }
 
-    fn release(&self, (shard, owner): (usize, bool), addr: u64, bytes: usize, tag: u64) {
+    fn release(
+        &self,
+        (shard, owner): (usize, bool),
+        addr: u64,
+        bytes: usize,
+        (tag, stamp): (u64, u64),
+    ) {
         if bytes > self.config.small_max {
-            self.release_large((shard, owner), addr, bytes, tag);
+            self.release_large((shard, owner), addr, bytes, (tag, stamp));
             return;
         }
         let class = class_of(bytes);
@@ -491,7 +498,7 @@ impl PoolShared {
                 return;
             }
             lists.returned(size);
-            lists.history.free(addr);
+            lists.history.free(addr, stamp);
             lists.cached_bytes += size;
             let over_shard = lists.cached_bytes > self.config.cache_bytes_per_shard;
             lists.free[class].push(addr);
@@ -532,7 +539,13 @@ impl PoolShared {
     /// A block above `small_max` goes to the freeing thread's shard, which keeps the last
     /// [`LARGE_SLOTS`] it was given (within its byte bound, so a block larger than the bound
     /// goes to the arena at once); the oldest go to the arena, where they coalesce.
-    fn release_large(&self, (shard, owner): (usize, bool), addr: u64, bytes: usize, tag: u64) {
+    fn release_large(
+        &self,
+        (shard, owner): (usize, bool),
+        addr: u64,
+        bytes: usize,
+        (tag, stamp): (u64, u64),
+    ) {
         let size = block_size(bytes, self.config.small_max);
         let evicted: Vec<(u64, usize)> = {
             let mut lists = self.shards[shard].inner.enter(owner);
@@ -540,7 +553,7 @@ impl PoolShared {
                 return; // a reset freed its chunk
             }
             lists.returned(size);
-            lists.history.free(addr);
+            lists.history.free(addr, stamp);
             if size > self.config.cache_bytes_per_shard {
                 drop(lists);
                 return self.to_arena(tag, [(addr, size)]);
@@ -558,13 +571,13 @@ impl PoolShared {
     }
 
     /// A cached block of exactly `size` bytes (above `small_max`) from `shard`, counted as in
-    /// use, with its generation.
+    /// use, with its generation and its history stamp.
     fn take_large(
         &self,
         (shard, owner): (usize, bool),
         size: usize,
         bytes: usize,
-    ) -> Option<(Large, u64)> {
+    ) -> Option<(Large, u64, u64)> {
         let mut lists = self.shards[shard].inner.enter(owner);
         let block = if size > self.config.cache_bytes_per_shard {
             // Only the oversize slot holds blocks above the bound (outside `cached_bytes`).
@@ -576,23 +589,25 @@ impl PoolShared {
         };
         lists.give_back_room(&block);
         lists.lent(size);
-        lists.history.alloc(block.addr, bytes);
-        Some((block, self.generation.load(Ordering::Acquire)))
+        let stamp = lists.history.alloc(block.addr, bytes);
+        Some((block, self.generation.load(Ordering::Acquire), stamp))
     }
 
     /// Counts the block at `addr` of `size` bytes (for a request of `bytes`) that `shard`'s
-    /// thread took from the arena as in use, unless a reset since `generation` forgot it.
+    /// thread took from the arena as in use, unless a reset since `generation` forgot it;
+    /// returns its history stamp (0 for a block the reset forgot).
     fn count_in_use(
         &self,
         (shard, owner): (usize, bool),
         (addr, size, bytes): (u64, usize, usize),
         generation: u64,
-    ) {
+    ) -> u64 {
         let mut lists = self.shards[shard].inner.enter(owner);
-        if self.generation.load(Ordering::Acquire) == generation {
-            lists.lent(size);
-            lists.history.alloc(addr, bytes);
+        if self.generation.load(Ordering::Acquire) != generation {
+            return 0;
         }
+        lists.lent(size);
+        lists.history.alloc_fresh(addr, bytes, NO_STREAM)
     }
 
     /// Gives `blocks` (address, size) back to the arena, unless a reset since `generation`
@@ -1123,7 +1138,7 @@ impl PoolAllocator {
         self.shared.config
     }
 
-    fn pointer(&self, addr: u64, bytes: usize, generation: u64) -> MemoryPointer {
+    fn pointer(&self, addr: u64, bytes: usize, generation: u64, stamp: u64) -> MemoryPointer {
         let cx = &self.shared.cx;
         MemoryPointer::with_stashed_hook(
             cx.device,
@@ -1131,7 +1146,7 @@ impl PoolAllocator {
             DevicePtr(addr),
             bytes,
             &self.hook,
-            generation,
+            (generation, stamp),
             true,
         )
     }
@@ -1147,18 +1162,18 @@ impl PoolAllocator {
                 lists.park_room += 1;
                 lists.cached_bytes -= size;
                 lists.lent(size);
-                lists.history.alloc(parked.base(), bytes);
+                let stamp = lists.history.alloc(parked.base(), bytes);
                 let generation = pool.generation.load(Ordering::Acquire);
                 drop(lists);
-                return Ok(parked.revive(bytes, generation));
+                return Ok(parked.revive(bytes, generation, stamp));
             }
             if let Some(addr) = lists.free[class].pop() {
                 lists.cached_bytes -= size;
                 lists.lent(size);
-                lists.history.alloc(addr, bytes);
+                let stamp = lists.history.alloc(addr, bytes);
                 let generation = pool.generation.load(Ordering::Acquire);
                 drop(lists);
-                return Ok(self.pointer(addr, bytes, generation));
+                return Ok(self.pointer(addr, bytes, generation, stamp));
             }
         }
         // Refill: a magazine another shard handed to the depot, else one arena block split
@@ -1166,14 +1181,15 @@ impl PoolAllocator {
         if let Some((mut magazine, generation)) = pool.take_magazine(class) {
             let addr = magazine.pop().expect("magazines are never empty");
             let mut lists = pool.shards[shard].inner.enter(owner);
+            let mut stamp = 0;
             if pool.generation.load(Ordering::Acquire) == generation {
                 lists.lent(size);
-                lists.history.alloc(addr, bytes);
+                stamp = lists.history.alloc_fresh(addr, bytes, NO_STREAM);
                 lists.cached_bytes += magazine.len() * size;
                 lists.free[class].extend(magazine);
             }
             drop(lists);
-            return Ok(self.pointer(addr, bytes, generation));
+            return Ok(self.pointer(addr, bytes, generation, stamp));
         }
         let batch = PoolShared::batch(class);
         let (addr, generation, got) = match pool.take_from_arena(host, size * batch) {
@@ -1185,14 +1201,15 @@ impl PoolAllocator {
             Err(e) => return Err(e),
         };
         let mut lists = pool.shards[shard].inner.enter(owner);
+        let mut stamp = 0;
         if pool.generation.load(Ordering::Acquire) == generation {
             lists.lent(size);
-            lists.history.alloc(addr, bytes);
+            stamp = lists.history.alloc_fresh(addr, bytes, NO_STREAM);
             lists.free[class].extend((1..got).map(|i| addr + (i * size) as u64));
             lists.cached_bytes += (got - 1) * size;
         }
         drop(lists);
-        Ok(self.pointer(addr, bytes, generation))
+        Ok(self.pointer(addr, bytes, generation, stamp))
     }
 
     /// Kept out of `memalloc`: inlined there, changes to it move the small sizes' code about
@@ -1203,15 +1220,15 @@ impl PoolAllocator {
         let pool = &*self.shared;
         let size = block_size(bytes, pool.config.small_max);
         let shard = thread_shard();
-        if let Some((block, generation)) = pool.take_large(shard, size, bytes) {
+        if let Some((block, generation, stamp)) = pool.take_large(shard, size, bytes) {
             return Ok(match block.record {
-                Some(record) => record.revive(bytes, generation),
-                None => self.pointer(block.addr, bytes, generation),
+                Some(record) => record.revive(bytes, generation, stamp),
+                None => self.pointer(block.addr, bytes, generation, stamp),
             });
         }
         let (addr, generation) = pool.take_from_arena(host, size)?;
-        pool.count_in_use(shard, (addr, size, bytes), generation);
-        Ok(self.pointer(addr, bytes, generation))
+        let stamp = pool.count_in_use(shard, (addr, size, bytes), generation);
+        Ok(self.pointer(addr, bytes, generation, stamp))
     }
 
     /// Frees every chunk with nothing in use, after returning cached blocks to the arena;
@@ -1259,15 +1276,14 @@ impl PoolAllocator {
     ) -> Result<MemoryPointer, EmmError> {
         let pool = &*self.shared;
         let size = stream_block_size(bytes);
-        let (addr, generation) = match pool.take_on_stream(stream, size, bytes) {
-            Some((addr, generation, Some(spare))) => {
-                return Ok(spare.revive_on(DevicePtr(addr), bytes, generation, stream));
+        let (addr, generation, stamp) = match pool.take_on_stream(stream, size, bytes) {
+            Some((addr, generation, stamp, Some(spare))) => {
+                return Ok(spare.revive_on(DevicePtr(addr), bytes, generation, stamp, stream));
             }
-            Some((addr, generation, None)) => (addr, generation),
+            Some((addr, generation, stamp, None)) => (addr, generation, stamp),
             None => {
-                let grown = pool.grow_stream(host, stream, size)?;
-                pool.note_grown(stream, grown.0, bytes);
-                grown
+                let (addr, generation) = pool.grow_stream(host, stream, size)?;
+                (addr, generation, pool.note_grown(stream, addr, bytes))
             }
         };
         let cx = &pool.cx;
@@ -1277,7 +1293,7 @@ impl PoolAllocator {
             DevicePtr(addr),
             bytes,
             &self.stream_hooks[pool.streams.index(stream)],
-            generation,
+            (generation, stamp),
             stream,
             true,
         ))

@@ -8,7 +8,7 @@ use driver_sys::DevicePtr;
 use super::history::Ring;
 use super::{CLASSES, PoolShared};
 use crate::lines::Lines;
-use crate::memory::pointer::{ParkedPointer, PoolHook, ReleaseHook};
+use crate::memory::pointer::{ParkedPointer, PoolHook, ReleaseHook, StreamUse};
 use crate::size_class::class_size;
 use crate::sync::Ordering;
 use crate::thread_slots::thread_shard;
@@ -210,8 +210,12 @@ pub(super) struct ShardHook {
 }
 
 impl ReleaseHook for ShardHook {
+    /// A release without its allocation's history stamp (not reached from a pool pointer's
+    /// drop, which gives it: [`PoolHook::release_stamped`]): the free is stamped with the
+    /// time-stamp counter, later than any allocation before it.
     fn release(&self, base: DevicePtr, size: usize, tag: u64) {
-        self.pool.release(thread_shard(), base.0, size, tag);
+        let stamped = (tag, crate::clock::stamp());
+        self.pool.release(thread_shard(), base.0, size, stamped);
     }
 
     fn is_live(&self, tag: u64) -> bool {
@@ -225,5 +229,17 @@ unsafe impl PoolHook for ShardHook {
     #[inline]
     fn park(&self, record: ParkedPointer, size: usize, tag: u64) -> Option<ParkedPointer> {
         self.pool.park(thread_shard(), record, size, tag)
+    }
+
+    fn release_stamped(
+        &self,
+        base: DevicePtr,
+        size: usize,
+        stamped: (u64, u64),
+        streams: Option<StreamUse>,
+    ) {
+        // The shards' pointers have no streams (`memalloc`).
+        debug_assert!(streams.is_none(), "a shard's block has no streams");
+        self.pool.release(thread_shard(), base.0, size, stamped);
     }
 }

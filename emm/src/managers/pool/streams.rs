@@ -271,8 +271,12 @@ impl ReleaseHook for StreamHook {
         self.release_on_streams(base, size, tag, StreamUse::on(StreamHandle::NULL));
     }
 
+    /// A release without its allocation's history stamp (not reached from a pool pointer's
+    /// drop, which gives it: [`PoolHook::release_stamped`]): the free is stamped with the
+    /// time-stamp counter, later than any allocation before it.
     fn release_on_streams(&self, base: DevicePtr, size: usize, tag: u64, streams: StreamUse) {
-        self.pool.release_on_streams(base.0, size, tag, streams);
+        let stamped = (tag, crate::clock::stamp());
+        self.pool.release_on_streams(base.0, size, stamped, streams);
     }
 
     fn is_live(&self, tag: u64) -> bool {
@@ -288,26 +292,39 @@ unsafe impl PoolHook for StreamHook {
     fn park(&self, record: ParkedPointer, size: usize, tag: u64) -> Option<ParkedPointer> {
         self.pool.park_on_stream(record, size, tag)
     }
+
+    fn release_stamped(
+        &self,
+        base: DevicePtr,
+        size: usize,
+        stamped: (u64, u64),
+        streams: Option<StreamUse>,
+    ) {
+        // Only a pointer made without streams has none, which the pool does not make.
+        let streams = streams.unwrap_or_else(|| StreamUse::on(StreamHandle::NULL));
+        self.pool.release_on_streams(base.0, size, stamped, streams);
+    }
 }
 
 impl PoolShared {
     /// A block of `size` bytes (a [`stream_block_size`], for a request of `bytes`) from
-    /// `stream`'s arena, if it has one large enough, counted as in use, with its generation.
+    /// `stream`'s arena, if it has one large enough, counted as in use, with its generation,
+    /// its history stamp and a spare record of the shard's.
     pub(super) fn take_on_stream(
         &self,
         stream: StreamHandle,
         size: usize,
         bytes: usize,
-    ) -> Option<(u64, u64, Option<ParkedPointer>)> {
+    ) -> Option<(u64, u64, u64, Option<ParkedPointer>)> {
         let mut lists = lock(self.streams.of(stream));
         let addr = lists
             .list(stream)?
             .arena
             .take_sparing(size, || self.growth(size))?;
         lists.took(size);
-        lists.history.alloc_on(addr, bytes, stream.raw());
+        let stamp = lists.history.alloc_on(addr, bytes, stream.raw());
         let spare = lists.spares.pop();
-        Some((addr, self.generation.load(Ordering::Acquire), spare))
+        Some((addr, self.generation.load(Ordering::Acquire), stamp, spare))
     }
 
     /// [`PoolHook::park`] of a stream-ordered pointer's record: where its block was freed on
@@ -349,7 +366,7 @@ impl PoolShared {
             }
             mine.arena.give(addr, size);
             lists.gave(size);
-            lists.history.free(addr);
+            lists.history.free(addr, record.stamp());
             lists.spares.push(record);
             streams
         };
@@ -360,11 +377,12 @@ impl PoolShared {
     }
 
     /// Records in `stream`'s shard's history an allocation of `bytes` at `addr` that a
-    /// growth served (the path that finds a block records its own under the lock it holds).
-    pub(super) fn note_grown(&self, stream: StreamHandle, addr: u64, bytes: usize) {
+    /// growth served, its block from outside the stream's arena, and returns its stamp (the
+    /// path that finds a block records its own under the lock it holds).
+    pub(super) fn note_grown(&self, stream: StreamHandle, addr: u64, bytes: usize) -> u64 {
         lock(self.streams.of(stream))
             .history
-            .alloc_on(addr, bytes, stream.raw());
+            .alloc_fresh(addr, bytes, stream.raw())
     }
 
     /// Gives `stream` a chunk that holds a block of `size` bytes and takes the block from it:
@@ -727,7 +745,13 @@ impl PoolShared {
         arena.lend(size, size.next_multiple_of(GROW_GRANULARITY), most)
     }
 
-    pub(super) fn release_on_streams(&self, addr: u64, bytes: usize, tag: u64, streams: StreamUse) {
+    pub(super) fn release_on_streams(
+        &self,
+        addr: u64,
+        bytes: usize,
+        (tag, stamp): (u64, u64),
+        streams: StreamUse,
+    ) {
         let size = stream_block_size(bytes);
         // The block belongs to the arena of the stream it was allocated on.
         let mut lists = lock(self.streams.of(streams.stream));
@@ -735,7 +759,7 @@ impl PoolShared {
             return;
         }
         lists.gave(size);
-        lists.history.free(addr);
+        lists.history.free(addr, stamp);
         let owner = streams.owner_of(streams.stream).cloned();
         let Some(mine) = lists.list(streams.stream) else {
             // A stream's arena holds the chunk of every block it handed out until the block
