@@ -12,6 +12,12 @@ where the run has it, `training.jsonl` (compare_training.py's rounds).
 Every table puts emm beside its anchor from the same run, with the ratio and the target from
 `shared/docs/performance.md`.
 
+With `--host DIR`, the host-side figures of a later run of bench_gpu (`pairs.csv`: the pair
+section of each build it compared, `build,round,` before the usual columns, the build `head`
+being the commit named; `host.csv`: the `live` and `overhead` sections; `run.txt`) replace the
+main run's pair table and target and add the history ring's cost, the pair beside many live
+blocks and the random workload's memory overhead.
+
 With `--programs DIR`, the memory section comes from a run of the real programs on the GPU
 (`ci/gpu/run-programs.sh`: `run.txt`, `programs.jsonl`, and where the run logged programs,
 `programs-logged.jsonl` with `replay-sim.csv`, their logs replayed on the simulator) in place
@@ -25,6 +31,11 @@ import os
 import sys
 
 args = sys.argv[1:]
+host_run = None
+if "--host" in args:
+    k = args.index("--host")
+    host_run = args[k + 1].rstrip("/")
+    del args[k:k + 2]
 programs_run = None
 if "--programs" in args:
     k = args.index("--programs")
@@ -42,6 +53,15 @@ def rows(name):
 
 
 full, quick = rows("bench-full.csv"), rows("bench-quick.csv")
+# The pair section the page reports: the host run's `head` build, first round, where given.
+host_pairs, host_rows = [], []
+if host_run:
+    all_pairs = list(csv.DictReader(open(os.path.join(host_run, "pairs.csv"))))
+    host_pairs = [r for r in all_pairs if r["build"] == "head" and r["round"] == "1"]
+    host_rows = list(csv.DictReader(open(os.path.join(host_run, "host.csv"))))
+    hinfo = dict(line.rstrip("\n").split("=", 1) for line in open(os.path.join(host_run, "run.txt")))
+pair_src = host_pairs or full
+pair_from = "host run" if host_run else "call 1"
 peers = list(csv.reader(open(os.path.join(run, "peers.csv"))))
 
 
@@ -99,17 +119,24 @@ if programs_run:
     w(f"- **Memory held by real programs** (its section and target rows) comes from a run of its own:")
     w(f"  {pinfo['machine']}; {pinfo['date']}, {pinfo['commit']}: {pinfo['call']}.")
     w(f"  Files: [`{rel_programs}/`]({rel_programs}/).")
-    w(f"- **Files:** [`{rel_run}/`]({rel_run}/); this page: `python3 bench-results/make_benchmarks.py {rel_run} --programs {rel_programs}`.")
+    page_args = f" --programs {rel_programs}"
 else:
-    w(f"- **Files:** [`{rel_run}/`]({rel_run}/); this page: `python3 bench-results/make_benchmarks.py {rel_run}`.")
+    page_args = ""
+if host_run:
+    rel_host = os.path.relpath(os.path.abspath(host_run), root)
+    w("- **Host run** (the pair table and its target, the history ring's cost, pairs beside live")
+    w(f"  blocks, the random workload's memory overhead): {hinfo['machine']}; {hinfo['date']},")
+    w(f"  {hinfo['commit']}: {hinfo['call']}. Files: [`{rel_host}/`]({rel_host}/).")
+    page_args += f" --host {rel_host}"
+w(f"- **Files:** [`{rel_run}/`]({rel_run}/); this page: `python3 bench-results/make_benchmarks.py {rel_run}{page_args}`.")
 w("- The earlier pages' run-by-run record is [`bench-results/HISTORY.md`](bench-results/HISTORY.md)")
 w("  and [`bench-results/runs.md`](bench-results/runs.md).")
 w("")
 
 # ---- targets summary -------------------------------------------------------------------
 sizes = ["256", "4096", "65536", "1048576", "16777216", "268435456", "1073741824"]
-pool_small = [value(full, "pair", "pool", s) for s in sizes[:4]]
-pool_large = [value(full, "pair", "pool", s) for s in sizes[4:]]
+pool_small = [value(pair_src, "pair", "pool", s) for s in sizes[:4]]
+pool_large = [value(pair_src, "pair", "pool", s) for s in sizes[4:]]
 t1 = value(full, "threads", "pool", threads=1)
 t8 = value(full, "threads", "pool", threads=8)
 t16 = value(full, "threads", "pool", threads=16)
@@ -231,7 +258,16 @@ w("## Targets")
 w("")
 w("| measure | target | this run | |")
 w("| --- | --- | --- | --- |")
-w(f"| `pool` cached pair, one thread | ≤ 25 ns up to 1 MiB, ≤ 60 ns above | {min(pool_small):.1f} – {max(pool_small):.1f} ns up to 1 MiB, {min(pool_large):.1f} – {max(pool_large):.1f} ns above | {met(max(pool_small) <= 25)} up to 1 MiB; {met(max(pool_large) <= 60)} above |")
+w(f"| `pool` cached pair, one thread{' (host run)' if host_run else ''} | ≤ 25 ns up to 1 MiB, ≤ 60 ns above | {min(pool_small):.1f} – {max(pool_small):.1f} ns up to 1 MiB, {min(pool_large):.1f} – {max(pool_large):.1f} ns above | {met(max(pool_small) <= 25)} up to 1 MiB; {met(max(pool_large) <= 60)} above |")
+if host_run:
+    live_pool = [float(r["value"]) for r in host_rows if r["section"] == "live-blocks" and r["subject"] == "pool"
+                 and r["param"].endswith(" live 256 B") and not r["param"].startswith("0 live")]
+    live_zero = value(host_rows, "live-blocks", "pool", "0 live 256 B")
+    w(f"| `pool` pair beside 10 000 to 1 000 000 live blocks (host run) | flat in the number of live blocks | {min(live_pool):.1f} – {max(live_pool):.1f} ns at 256 B, against {live_zero:.1f} ns with none live | {met(max(live_pool) <= 1.1 * live_zero)} (within 10 %) |")
+    over = [float(r["value"]) for r in host_rows if r["section"] == "overhead" and r["subject"] == "pool"]
+    over_over = sorted({r["param"].rsplit(" seed=", 1)[0] for r in host_rows if r["section"] == "overhead"
+                        and r["subject"] == "pool" and float(r["value"]) > 1.15})
+    w(f"| memory held by `pool` over memory live, RMM's random workload (host run) | ≤ 1.15 at the peak | {min(over):.3f} – {max(over):.3f} (four workloads, three seeds) | {met(not over_over)}" + (f" ({', '.join(over_over)} over)" if over_over else "") + " |")
 w(f"| `pool`, 8 / 16 threads, aggregate over one thread | ≥ 7 × / ≥ 12 × | {t8 / t1:.1f} × / {t16 / t1:.1f} × (the host's `malloc`: {value(full, 'threads', 'host malloc', threads=8) / value(full, 'threads', 'host malloc', threads=1):.1f} × / {value(full, 'threads', 'host malloc', threads=16) / value(full, 'threads', 'host malloc', threads=1):.1f} ×) | {met(t8 / t1 >= 7 and t16 / t1 >= 12)} |")
 w(f"| `async-pool` pair over the raw driver pool's, interleaved in one process | ≤ 1.1 × | `memalloc` {min(inter):.3f} – {max(inter):.3f} ×; `memalloc_on` {min(inter_on):.3f} – {max(inter_on):.3f} × | {met(max(inter) <= 1.1)} for `memalloc`; {met(max(inter_on) <= 1.1)} for `memalloc_on` |")
 w(f"| `pool`, RMM's random workload up to 1 MiB | ≤ 0.15 µs per operation | {min(rnd):.0f} – {max(rnd):.0f} ns at 10 000 allocations, {min(rnd100k):.0f} – {max(rnd100k):.0f} ns at 100 000 (five seeds, quick run) | {met(max(rnd) <= 150)} at 10 000; {met(max(rnd100k) <= 150)} at 100 000 |")
@@ -312,16 +348,16 @@ w("400 instructions a pair on the simulator in CI instead (below).")
 w("")
 
 # ---- pairs --------------------------------------------------------------------------------
-w("## Alloc + free pair, one thread (call 1)")
+w(f"## Alloc + free pair, one thread ({pair_from})")
 w("")
 subjects = ["pool", "async-pool", "default", "driver-pool", "cuMemAlloc"]
 w("| size | " + " | ".join(f"`{s}`" if s in ("pool", "async-pool", "default") else s for s in subjects) + " | `pool` under the driver pool |")
 w("| --- |" + " ---: |" * (len(subjects) + 1))
 for s in sizes:
-    vals = [value(full, "pair", sub, s) for sub in subjects]
-    w(f"| {size(s)} | " + " | ".join(ns(v) for v in vals) + f" | {value(full, 'pair', 'driver-pool', s) / value(full, 'pair', 'pool', s):.0f} × |")
-host = value(full, "pair", "host malloc", 256)
-sim = value(full, "pair", "pool on the simulator", 256)
+    vals = [value(pair_src, "pair", sub, s) for sub in subjects]
+    w(f"| {size(s)} | " + " | ".join(ns(v) for v in vals) + f" | {value(pair_src, 'pair', 'driver-pool', s) / value(pair_src, 'pair', 'pool', s):.0f} × |")
+host = value(pair_src, "pair", "host malloc", 256)
+sim = value(pair_src, "pair", "pool on the simulator", 256)
 w("")
 w(f"Beside them: the host's own `malloc` + `free` of 256 B, {host:.1f} ns; the `pool` pair on the simulated")
 w(f"driver, {sim:.1f} ns; PyTorch's and CuPy's own pools from Python (`bench_peers.py`, call 2):")
@@ -331,6 +367,49 @@ w(f"{ns(min(pt.values()))} – {ns(max(pt.values()))} and {ns(min(cp.values()))}
 w("")
 w("![alloc + free latency per size](bench-results/pair-latency.svg)")
 w("")
+if host_run:
+    w("## The pool's history ring: three builds on one host (host run)")
+    w("")
+    w("The `pool` pair of three builds of bench_gpu, each run twice in turn on one machine: `old`")
+    w("reads the time-stamp counter at every allocation, `head` every 32 events of a thread and at")
+    w("refills, `noring` records no history at all (built for this measurement only).")
+    w("")
+    w("| build, round | 256 B | 4 KiB | 64 KiB | 1 MiB | host `malloc` + `free`, 256 B |")
+    w("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for build in ("old", "head", "noring"):
+        for rnd_ in ("1", "2"):
+            sel = [r for r in all_pairs if r["build"] == build and r["round"] == rnd_]
+            cells = [value(sel, "pair", "pool", sz) for sz in sizes[:4]]
+            w(f"| `{build}`, {rnd_} | " + " | ".join(ns(c) for c in cells) + f" | {ns(value(sel, 'pair', 'host malloc', 256))} |")
+    w("")
+    w("## The `pool` pair beside many live blocks (host run)")
+    w("")
+    w("256 B blocks held, then pairs of 256 B and 64 KiB beside them (median of 5 batches); the")
+    w("first row holds a million heap boxes of 112 B instead of blocks (the host's side alone).")
+    w("")
+    w("| live blocks | `pool` 256 B | `pool` 64 KiB | `async-pool` 256 B | `async-pool` 64 KiB |")
+    w("| --- | ---: | ---: | ---: | ---: |")
+    live_params = list(dict.fromkeys(r["param"].replace(" 256 B", "").replace(" 65536 B", "")
+                                      for r in host_rows if r["section"] == "live-blocks" and " again" not in r["param"]))
+    for lp in live_params:
+        def lv(sub, b):
+            return value(host_rows, "live-blocks", sub, lp.replace(" live", f" live {b} B", 1))
+        w(f"| {lp} | {ns(lv('pool', 256))} | {ns(lv('pool', 65536))} | {ns(lv('async-pool', 256))} | {ns(lv('async-pool', 65536))} |")
+    w("")
+    w("## Memory held over peak live, RMM's random workload (host run)")
+    w("")
+    w("Peak bytes held from the driver over peak bytes asked for, three seeds each; the raw driver")
+    w("pool ran the same sequence in the same run (its reserved and used high marks).")
+    w("")
+    w("| workload | `pool` | `async-pool` | raw driver pool, reserved high | raw driver pool, used high |")
+    w("| --- | --- | --- | --- | --- |")
+    for wl in dict.fromkeys(r["param"].rsplit(" seed=", 1)[0] for r in host_rows if r["section"] == "overhead"):
+        def ov(sub):
+            vs = [r["value"] for r in host_rows if r["section"] == "overhead" and r["subject"] == sub
+                  and r["param"].startswith(wl + " seed=")]
+            return " / ".join(f"{float(v):.3f}" for v in vs)
+        w(f"| {wl.replace('n=', '').replace(' max=', ' allocations, up to ')} | {ov('pool')} | {ov('async-pool')} | {ov('raw pool reserved')} | {ov('raw pool used')} |")
+    w("")
 
 # ---- interleaved --------------------------------------------------------------------------
 w("## `async-pool` against the raw driver pool, interleaved (call 1)")
@@ -602,10 +681,11 @@ open(os.path.join(root, "BENCHMARKS.md"), "w").write("\n".join(out) + "\n")
 
 # ---- the plot: latency per size per subject, log-log, as SVG --------------------------------
 series = {}
-for r in full:
+for r in pair_src:
     if r["section"] == "pair" and r["param"].isdigit() and r["subject"] in subjects:
         series.setdefault(r["subject"], []).append((int(r["param"]), float(r["value"])))
-for name, label in (("pytorch", "PyTorch (Python)"), ("cupy", "CuPy (Python)")):
+peer_run = " (call 2)" if host_run else ""
+for name, label in (("pytorch", f"PyTorch (Python){peer_run}"), ("cupy", f"CuPy (Python){peer_run}")):
     series[label] = [(int(r[2]), float(r[4])) for r in peers if len(r) > 4 and r[1] == name]
 W, H, L, B = 760, 420, 70, 50
 xs = [x for pts in series.values() for x, _ in pts]
