@@ -4,6 +4,13 @@
 //! cuda.core or Numba, anything with `__cuda_stream__`), which the memory then holds so that
 //! the stream outlives it, or as an `emm.ExternalStream`, where the caller vouches for a raw
 //! handle.
+//!
+//! Vouching is the stream protocol's contract (as CuPy's and Numba's): emm cannot ask the driver
+//! about a handle without the driver dereferencing it. What it can check it does: a handle
+//! other than 0, 1 and 2 is the address of the driver's stream object, so one that is not
+//! 8-byte aligned, or lies outside user space, is refused with a `ValueError` before any call
+//! ([`check_shape`]). An aligned made-up handle still reaches the driver: the object's maker
+//! answers for it.
 
 use std::sync::Arc;
 
@@ -32,6 +39,7 @@ impl ExternalStream {
                  the integer itself where a stream is asked for"
             )));
         }
+        check_shape(handle, || format!("ExternalStream({handle:#x})"))?;
         Ok(ExternalStream { handle, owner })
     }
 
@@ -66,6 +74,24 @@ pub(crate) enum StreamArg {
 const WHAT_TO_PASS: &str = "pass the stream object (a CuPy, PyTorch, cuda.core or Numba \
      stream, or anything with __cuda_stream__), 0, 1 or 2 for the implicit default streams, \
      or emm.ExternalStream(handle) for a raw handle you vouch for";
+
+/// The most a user-space address can be on the 64-bit platforms CUDA runs on (47 bits).
+const USER_SPACE_END: u64 = 1 << 47;
+
+/// Refuses `raw`, a handle other than the implicit streams' that `what` names, where it cannot
+/// be the address of the driver's stream object: not 8-byte aligned (the driver allocates
+/// them), or outside user space. The driver would dereference it and crash the process.
+fn check_shape(raw: u64, what: impl FnOnce() -> String) -> PyResult<()> {
+    if raw.is_multiple_of(8) && raw < USER_SPACE_END {
+        return Ok(());
+    }
+    Err(PyValueError::new_err(format!(
+        "{} names stream handle {raw:#x}, which no CUDA stream has (a handle is the address \
+         of the driver's stream object: 8-byte aligned, in user space); the driver would crash \
+         on it: check where the handle came from, or {WHAT_TO_PASS}",
+        what()
+    )))
+}
 
 /// The handle of an implicit stream, if `raw` is one.
 fn implicit(raw: u64) -> Option<StreamHandle> {
@@ -154,6 +180,9 @@ impl<'a, 'py> FromPyObject<'a, 'py> for StreamArg {
         }
         match handle_of_object(&obj)? {
             Some(raw) => {
+                if implicit(raw).is_none() {
+                    check_shape(raw, || format!("a {}", type_name(&obj)))?;
+                }
                 // SAFETY: the stream object's library made the handle and keeps the stream
                 // alive while the object lives (CuPy and cuda.core destroy a stream when its
                 // object goes; PyTorch never destroys its streams); the memory holds the

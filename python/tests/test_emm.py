@@ -197,6 +197,19 @@ def test_stream_arguments_that_are_no_streams_are_refused(ctx):
     assert (s.handle, s.__cuda_stream__(), repr(s)) == (0xABC0, (0, 0xABC0), "emm.ExternalStream(0xabc0)")
 
 
+@pytest.mark.parametrize("junk", [12345, 0xABC1, 1 << 50, (1 << 64) - 8])
+def test_stream_objects_naming_no_possible_handle_are_refused(ctx, junk):
+    """A stream object (or ExternalStream) is trusted for its handle, but one that cannot be
+    the address of the driver's stream object (unaligned, or outside user space) is refused
+    before the driver dereferences it."""
+    with pytest.raises(ValueError, match="which no CUDA stream has"):
+        ctx.memalloc_on(256, _ProtocolStream((0, junk)))
+    with pytest.raises(ValueError, match="which no CUDA stream has"):
+        emm.ExternalStream(junk)
+    # The implicit streams stay as they were, through the protocol too.
+    ctx.memalloc_on(256, _ProtocolStream((0, 2))).release()
+
+
 def test_a_stream_object_outlives_the_memory_on_it():
     """The buffer holds the stream object it was allocated on (so another library's stream
     is not destroyed under it), and lets it go once the memory is freed."""
