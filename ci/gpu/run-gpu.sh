@@ -3,8 +3,14 @@
 # machine. It builds nothing. Every test binary runs with EMM_REQUIRE_GPU=1, so a missing GPU
 # fails the job instead of skipping; the full log goes to $EMM_GPU_LOG (default
 # DIR/gpu-job.log) and a short summary is printed last.
+#
+# Both halves run, and anything missing fails the job by name: every binary `bin/MANIFEST`
+# lists (the bundle writes it), then the Python half (`ci/gpu/run-python.sh`, from the
+# checkout at $EMM_REPO, default the working directory, with the wheels in DIR/wheels: the
+# emm wheel, numpy and filecheck, which the GPU workflow's bundle job adds).
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
+repo=${EMM_REPO:-$PWD}
 log=${EMM_GPU_LOG:-$here/gpu-job.log}
 export EMM_REQUIRE_GPU=1
 : >"$log"
@@ -40,6 +46,20 @@ run() {
 }
 
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } >>"$log" 2>&1 || true
+# Every binary the bundle was made with must be here.
+listed=()
+if [ ! -f "$here/bin/MANIFEST" ]; then
+    summary+=("bundle                 FAILED: bin/MANIFEST is missing (make the bundle with cargo run -p ci -- gpu-bundle)")
+    status=1
+else
+    mapfile -t listed <"$here/bin/MANIFEST"
+    for b in "${listed[@]}"; do
+        if [ ! -x "$here/bin/$b" ]; then
+            summary+=("$(printf '%-22s FAILED: bin/%s is listed in bin/MANIFEST but missing (rebuild the bundle)' "$b" "$b")")
+            status=1
+        fi
+    done
+fi
 run "suite sim" "$here/bin/suite" --test-threads 2 sim::
 # The stress test at full size on the GPU: a million operations on 16 threads.
 export EMM_STRESS_OPS=${EMM_GPU_STRESS_OPS:-1000000}
@@ -84,9 +104,20 @@ else
     [ "$rc" = 0 ] || status=1
     rm -f "$out"
 fi
-for t in "$here"/bin/unit-* "$here"/bin/test-*; do
-    [ -e "$t" ] && run "$(basename "$t")" "$t"
+# Every library's and test target's binary the manifest lists (a missing one failed above).
+tests=0
+for b in "${listed[@]}"; do
+    case "$b" in
+        unit-* | test-*)
+            tests=$((tests + 1))
+            [ -x "$here/bin/$b" ] && run "$b" "$here/bin/$b"
+            ;;
+    esac
 done
+if [ "$tests" = 0 ]; then
+    summary+=("unit and test binaries  FAILED: bin/MANIFEST lists none (rebuild the bundle)")
+    status=1
+fi
 # A soak, shorter than a manual one: every manager in turn, the stress workload and an IPC
 # round trip to a child process each round, device memory back to the byte every round, host
 # resident memory flat (EMM_GPU_SOAK_SECONDS, default 60; README says how to run longer).
@@ -115,6 +146,23 @@ for ex in quickstart driver_probe array_kernel graph_kernel; do
         fi
     fi
 done
+
+# The Python half: the wheel's tests with Numba, CuPy and PyTorch, the training loop, the real
+# programs and numba-cuda's suite (`ci/gpu/run-python.sh`).
+if ! compgen -G "$here/wheels/emm-*.whl" >/dev/null; then
+    summary+=("python                 FAILED: no emm wheel in $here/wheels (the GPU workflow's bundle job builds it: cd python && maturin build --release -o DIR/wheels)")
+    status=1
+elif [ ! -f "$repo/ci/gpu/run-python.sh" ]; then
+    summary+=("python                 FAILED: no checkout at $repo (set EMM_REPO to the repository the bundle was made from)")
+    status=1
+else
+    echo "=== python" >>"$log"
+    pyout=$(mktemp -d)
+    (cd "$repo" && WHEELS="$here/wheels" OUT="$pyout" bash ci/gpu/run-python.sh) >>"$log" 2>&1
+    rc=$?
+    summary+=("$(printf '%-22s exit %d (run-python.sh; its pytest, training, programs and numba-cuda results are in the log)' python "$rc")")
+    [ "$rc" = 0 ] || status=1
+fi
 
 echo "full log: $log"
 echo "---- emm GPU job summary ----"

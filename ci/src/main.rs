@@ -1,8 +1,10 @@
 //! emm's CI entry points that are more than a list of cargo commands.
 //!
 //! - `cargo run -p ci -- gpu-bundle [DIR]` builds the release test binaries and examples and
-//!   assembles DIR (default `gpu-bundle/`): `bin/` with the stripped executables and
-//!   `run-gpu.sh`, the one command the GPU machine runs (it needs no Rust toolchain). The
+//!   assembles DIR (default `gpu-bundle/`): `bin/` with the stripped executables and their
+//!   list (`bin/MANIFEST`), and `run-gpu.sh`, the one command the GPU machine runs (it needs
+//!   no Rust toolchain; its Python half needs a checkout and `wheels/`, which the GPU
+//!   workflow's bundle job adds: `.github/workflows/gpu.yml`). The
 //!   bundle is self-contained: the tests that read the repository's files (the sources' layer
 //!   check, the trace corpus's replays on the simulator) are left out; `.ci/run` runs them.
 //!
@@ -98,7 +100,8 @@ fn gpu_bundle(dir: &Path) -> Result<(), String> {
             ("test", "source_checks" | "traces") => continue,
             ("test", "suite") => "suite".to_owned(),
             ("example", _) => name.clone(),
-            ("lib", _) => format!("unit-{name}"),
+            // A library's unit tests: an `rlib`'s, or the Python crate's (`cdylib` first).
+            ("lib" | "cdylib" | "rlib", _) => format!("unit-{name}"),
             ("test", _) => format!("test-{name}"),
             _ => continue,
         };
@@ -131,6 +134,15 @@ fn gpu_bundle(dir: &Path) -> Result<(), String> {
     if !copied.iter().any(|c| c.starts_with("suite")) {
         return Err("the integration suite binary was not built".into());
     }
+    // What run-gpu.sh must find: every binary copied, one a line. A bundle whose binaries went
+    // missing on the way fails the job by name instead of running less.
+    let manifest: String = copied
+        .iter()
+        .filter_map(|c| c.split(' ').next())
+        .map(|name| format!("{name}\n"))
+        .collect();
+    std::fs::write(bin.join("MANIFEST"), manifest)
+        .map_err(|e| format!("writing {}: {e}", bin.join("MANIFEST").display()))?;
     println!("bundle {}: {}", dir.display(), copied.join(", "));
     println!("on the GPU machine: bash {}/run-gpu.sh", dir.display());
     Ok(())
