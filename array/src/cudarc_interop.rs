@@ -4,7 +4,10 @@
 //!   kernel gets the first element's device address, as it gets a `CudaSlice`'s.
 //! - [`DeviceArray::cudarc_view`] lends a contiguous array to cudarc's copies and memsets
 //!   (`CudaStream::memcpy_htod`, `memcpy_dtoh`, `memset_zeros`) as a [`CudarcView`], which
-//!   implements cudarc's `DevicePtr` and `DevicePtrMut`.
+//!   implements cudarc's `DevicePtr` and `DevicePtrMut`. Each such copy or memset has finished
+//!   when cudarc's call returns (cudarc synchronises its stream as the view's guard drops): emm
+//!   memory records no cudarc event, and the array may be dropped, its block handed to the
+//!   next allocation, at once.
 //! - [`emm_stream`] makes a cudarc stream an emm stream (allocations and stream-ordered frees
 //!   on it keep the cudarc stream alive), and [`cudarc_stream`] lends an emm stream to cudarc.
 //!
@@ -86,18 +89,21 @@ impl<T: Pod> DeviceSlice<T> for CudarcView<'_, T> {
 }
 
 impl<T: Pod> DevicePtr<T> for CudarcView<'_, T> {
-    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        // No event to record: emm memory is ordered by the caller's streams.
-        (self.array.addr, SyncOnDrop::Sync(None))
+    /// The array's address, and a guard that synchronises `stream` when cudarc's operation
+    /// has queued its work: emm memory records no cudarc event, so nothing else would keep
+    /// the array's block from being freed and handed out again while the work still runs.
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.array.addr, SyncOnDrop::sync_stream(stream))
     }
 }
 
 impl<T: Pod> DevicePtrMut<T> for CudarcView<'_, T> {
+    /// As [`device_ptr`](DevicePtr::device_ptr): the work is done when the guard drops.
     fn device_ptr_mut<'a>(
         &'a mut self,
-        _stream: &'a CudaStream,
+        stream: &'a CudaStream,
     ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        (self.array.addr, SyncOnDrop::Sync(None))
+        (self.array.addr, SyncOnDrop::sync_stream(stream))
     }
 }
 

@@ -70,6 +70,20 @@ fn launch_under(runtime: Runtime, manager: &str) -> Result<(), Box<dyn std::erro
     stream.synchronize()?;
     check(manager, "read through cudarc", &through_cudarc, &expect)?;
 
+    // A copy through a view has finished when cudarc's call returns: the array may go (its
+    // block to the next allocation) at once.
+    let scratch = DeviceArray::<f32>::new(&ctx, &[N], Order::C)?;
+    stream.memcpy_htod(&x_host, &mut scratch.cudarc_view(&stream)?)?;
+    // SAFETY: `cu_stream` is cudarc's live stream; a query reads nothing else.
+    let done = unsafe { cudarc::driver::sys::cuStreamQuery(stream.cu_stream()) };
+    if done != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        return Err(format!(
+            "{manager}: a cudarc copy into a view returned with its stream still busy ({done:?})"
+        )
+        .into());
+    }
+    drop(scratch);
+
     // The other direction: a stream emm created, lent to cudarc for one more launch.
     let emm_made = ctx.create_stream()?;
     {
