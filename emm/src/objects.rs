@@ -390,8 +390,10 @@ impl fmt::Debug for Event {
 /// (`std::mem::forget`) leaks what it holds instead.
 ///
 /// Work queued on a stream being captured is recorded into the graph, not run: its
-/// `InFlight` has nothing to wait for, and the memory it names must outlive the graph's
-/// launches (a graph pool's blocks do, while the graph holds the pool).
+/// `InFlight` has nothing to wait for, and the device memory it uses is kept by the context
+/// for the graph (by the [`Graph`](crate::Graph) that [`Context::capture`](crate::Context::capture)
+/// makes, for as long as it lives; for a capture another library began, until
+/// [`Context::release_capture_pools`](crate::Context::release_capture_pools) after it ended).
 #[must_use = "dropping it waits for the work; wait() gives the host memory back"]
 pub struct InFlight<T> {
     /// `None` for work recorded into a capture.

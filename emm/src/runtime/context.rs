@@ -1090,7 +1090,8 @@ impl Context {
     /// Marks the end of work just queued on `stream` with an event, in an [`InFlight`] that
     /// holds `value` and `keep`. If the event cannot be made, the stream is synchronised
     /// before the error returns, so nothing is freed under the work. Work recorded into a
-    /// capture gets no event ([`InFlight::recorded`]): it runs at the graph's launches.
+    /// capture gets no event ([`InFlight::recorded`]): it runs at the graph's launches, and
+    /// the memory it uses is kept for the graph (`GraphRoutes::keep_captured`).
     fn in_flight<T>(
         &self,
         stream: &Stream,
@@ -1100,7 +1101,9 @@ impl Context {
         // A stream the driver cannot say about is taken as running: the event and its wait
         // then report what is wrong.
         if self.inner.cx.stream_is_captured(stream.handle()) == Ok(true) {
-            return Ok(InFlight::recorded(value, keep));
+            // The graph's launches use the memory: it lives as long as the graph.
+            self.inner.graph_routes.keep_captured(stream.handle(), keep);
+            return Ok(InFlight::recorded(value, Vec::new()));
         }
         let marked = self.create_event(false).and_then(|e| {
             stream.record(&e)?;

@@ -288,6 +288,13 @@ pub(crate) struct GraphRoutes {
     auto_open: AtomicUsize,
     /// Every graph pool made for the context, while it lives (for snapshots).
     made: Mutex<Vec<Weak<PoolInner>>>,
+    /// The device memory that work recorded into a capture uses (a copy's, a set's), by the
+    /// captured stream: the graph's launches read and write it, so it lives as long as the
+    /// graph. [`Context::capture`] hands its stream's to the graph it makes; a capture begun
+    /// by another library leaves them here until
+    /// [`release_capture_pools`](Context::release_capture_pools) (once that capture ended) or
+    /// a reset.
+    captured: Mutex<Vec<(StreamHandle, Vec<MemoryPointer>)>>,
 }
 
 /// A segment a graph pool took from the manager, with its carved blocks.
@@ -307,6 +314,21 @@ struct AutoPool {
 }
 
 impl GraphRoutes {
+    /// The address ranges (start, end) of every live graph pool's segments.
+    fn pool_ranges(&self) -> Vec<(u64, u64)> {
+        let pools: Vec<Arc<PoolInner>> =
+            lock(&self.made).iter().filter_map(Weak::upgrade).collect();
+        let mut out = Vec::new();
+        for pool in pools {
+            let carve = lock(&pool.carve);
+            out.extend(carve.segments.iter().flatten().map(|mem| {
+                let start = mem.device_ptr().0;
+                (start, start + mem.size() as u64)
+            }));
+        }
+        out
+    }
+
     /// The segments of every live graph pool of the context: (pool id, segment address,
     /// segment size, its blocks as (address, size, free)).
     pub(crate) fn pool_segments(&self) -> Vec<GraphPoolSegment> {
@@ -397,6 +419,43 @@ impl GraphRoutes {
         lock(&self.side).take();
         lock(&self.auto_pools).clear();
         self.set_open(0);
+        drop(routes);
+        // Dropped with no lock of the routes held (a pointer's release runs its manager).
+        drop(std::mem::take(&mut *lock(&self.captured)));
+    }
+
+    /// Keeps `memory`, which work just recorded into a capture of `stream` uses, until the
+    /// graph is known to be gone ([`GraphRoutes::captured`]).
+    /// A graph pool's blocks are not kept: the pool keeps them for its graphs, and a block
+    /// freed during the capture serves the capture's next allocation, in the graph's order.
+    pub(crate) fn keep_captured(&self, stream: StreamHandle, mut memory: Vec<MemoryPointer>) {
+        if memory.is_empty() {
+            return;
+        }
+        let pooled = self.pool_ranges();
+        memory.retain(|m| {
+            let at = m.device_ptr().0;
+            !pooled
+                .iter()
+                .any(|&(start, end)| (start..end).contains(&at))
+        });
+        if memory.is_empty() {
+            return;
+        }
+        let mut captured = lock(&self.captured);
+        match captured.iter_mut().find(|(s, _)| *s == stream) {
+            Some((_, kept)) => kept.extend(memory),
+            None => captured.push((stream, memory)),
+        }
+    }
+
+    /// The memory kept for work recorded into captures of `stream` (the graph takes it).
+    fn take_captured(&self, stream: StreamHandle) -> Vec<MemoryPointer> {
+        let mut captured = lock(&self.captured);
+        match captured.iter().position(|(s, _)| *s == stream) {
+            Some(k) => captured.swap_remove(k).1,
+            None => Vec::new(),
+        }
     }
 
     /// Whether captures begun by others get graph pools of their own.
@@ -456,6 +515,10 @@ pub struct Graph {
     graph: GraphHandle,
     exec: GraphExecHandle,
     pool: GraphPool,
+    /// The device memory the captured work reads and writes (copies' and sets' operands):
+    /// every launch uses it, so it is freed only after the graph (its pool's blocks are kept
+    /// by `pool`). Declared last: dropped after the graph is destroyed.
+    _uses: Vec<MemoryPointer>,
 }
 
 impl Graph {
@@ -626,13 +689,15 @@ impl Context {
                 return Err(err("instantiating a graph", e));
             }
         };
-        tracing::debug!(device = %cx.device, pool = pool.id(), "graph captured");
+        let uses = self.inner.graph_routes.take_captured(stream.handle());
+        tracing::debug!(device = %cx.device, pool = pool.id(), kept = uses.len(), "graph captured");
         Ok((
             Graph {
                 ctx: self.clone(),
                 graph,
                 exec,
                 pool,
+                _uses: uses,
             },
             value,
         ))
@@ -664,14 +729,30 @@ impl Context {
     /// ([`enable_capture_pools`](Self::enable_capture_pools)): their
     /// memory goes back to the manager once every block of theirs is freed. Call it after the
     /// graphs captured with them are gone (PyTorch: after `graph.reset()` or deleting the
-    /// graph). Returns how many pools were let go.
+    /// graph). The memory that emm's copies and sets recorded into captures other than
+    /// [`capture`](Self::capture)'s used, kept for their graphs, goes too where the capture
+    /// ended. Returns how many pools were let go.
     pub fn release_capture_pools(&self) -> usize {
         let routes = &self.inner.graph_routes;
-        let mut pools = lock(&routes.auto_pools);
-        routes.settle(&self.inner.cx, &mut pools);
-        let before = pools.len();
-        pools.retain(|p| !p.ended);
-        before - pools.len()
+        let released = {
+            let mut pools = lock(&routes.auto_pools);
+            routes.settle(&self.inner.cx, &mut pools);
+            let before = pools.len();
+            pools.retain(|p| !p.ended);
+            before - pools.len()
+        };
+        // The memory that work recorded into those captures used goes too, but that of a
+        // capture still under way (or whose stream the driver cannot say about).
+        let ended: Vec<Vec<MemoryPointer>> = {
+            let mut captured = lock(&routes.captured);
+            let (ended, open): (Vec<_>, Vec<_>) = std::mem::take(&mut *captured)
+                .into_iter()
+                .partition(|(s, _)| self.inner.cx.stream_is_captured(*s) == Ok(false));
+            *captured = open;
+            ended.into_iter().map(|(_, m)| m).collect()
+        };
+        drop(ended);
+        released
     }
 
     /// The thread's capture mode relaxed until the guard drops (see

@@ -257,3 +257,53 @@ fn the_legacy_stream_is_not_asked_about_captures() {
         );
     }
 }
+
+/// A graph keeps the memory its captured work uses: a block set by a captured `memset_async`
+/// and dropped after the capture is not handed to the next allocation while the graph lives,
+/// so a launch writes the graph's block, not the next owner's (under `pool` the freed block
+/// came back at once, and a launch overwrote it). Once the graph is dropped, the block goes.
+#[test]
+fn a_graph_keeps_the_memory_its_captured_work_writes() {
+    for manager in [
+        emm::plugin::POOL_MANAGER,
+        emm::plugin::VMM_POOL_MANAGER,
+        emm::plugin::ASYNC_POOL_MANAGER,
+        "default",
+    ] {
+        let sim = Arc::new(SimDriver::new(SimConfig::default()));
+        let rt = runtime_with(&sim, manager);
+        let ctx: Context = rt.context(0).unwrap();
+        let stream = ctx.create_stream().unwrap();
+        let m = ctx.memalloc(4096).unwrap();
+        let at = m.device_ptr().0;
+        let (graph, ()) = ctx
+            .capture(&stream, CaptureMode::Global, |s| {
+                ctx.memset_async(&m, 0xAB, s)?.wait()?;
+                Ok(())
+            })
+            .unwrap();
+        drop(m);
+        ctx.flush_deallocations().unwrap();
+        let victim = ctx.memalloc(4096).unwrap();
+        assert_ne!(
+            victim.device_ptr().0,
+            at,
+            "{manager}: the graph's block went to another"
+        );
+        ctx.memset(&victim, 0, 4096).unwrap();
+        graph.launch(&stream).unwrap();
+        stream.synchronize().unwrap();
+        let mut back = vec![0xFFu8; 4096];
+        ctx.copy_to_host(&mut back, &victim).unwrap();
+        assert!(
+            back.iter().all(|&b| b == 0),
+            "{manager}: a launch wrote another's memory"
+        );
+        drop((graph, victim));
+        drop(stream);
+        drop(ctx);
+        drop(rt);
+        let leaks = sim.leak_report();
+        assert!(leaks.is_clean(), "{manager}: {leaks}");
+    }
+}
