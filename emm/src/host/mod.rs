@@ -233,7 +233,13 @@ impl HostLayer {
             && out_of_memory(&made)
             && let Some(callback) = cx.events.callback()
         {
-            while asked < OUT_OF_MEMORY_RETRIES && out_of_memory(&made) && callback(bytes) {
+            // The callback runs inside this call of the context: a reset of its device from
+            // there is refused (`Runtime::reset_device`), where it would wait for this call.
+            let called_back = |bytes| {
+                let _mark = cx.liveness.calling_back();
+                callback(bytes)
+            };
+            while asked < OUT_OF_MEMORY_RETRIES && out_of_memory(&made) && called_back(bytes) {
                 asked += 1;
                 cx.events.retried();
                 tracing::warn!(device = %cx.device, what, bytes, retry = asked, "out of memory; the callback asked for a retry");

@@ -16,8 +16,17 @@
 //! locked instruction on an owner's allocations and frees. `kill` pays for it: one
 //! `membarrier`, then a look at every slot.
 
+use std::cell::RefCell;
+
 use crate::sync::{AtomicUsize, Bias, Ordering, yield_now};
 use crate::thread_slots::{shard_count, thread_shard};
+
+std::thread_local! {
+    /// The contexts (their liveness, by address) whose calls this thread has left to run a
+    /// user's callback, innermost last: the call is still in flight, so the callback must not
+    /// kill its context ([`ContextLiveness::calling_back`]).
+    static CALLING_BACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
 
 /// The high bit of the state word: the context is dead.
 const DEAD: usize = 1 << (usize::BITS - 1);
@@ -102,6 +111,23 @@ impl ContextLiveness {
         self.state.load(Ordering::Acquire) & DEAD == 0
     }
 
+    /// Marks this thread, inside a call of this context, as running a user's callback (the
+    /// out-of-memory callback) until the returned guard drops: [`kill`](Self::kill) from the
+    /// callback would wait for the call the callback runs in, forever, and whoever would kill
+    /// the context asks [`called_back_here`](Self::called_back_here) first.
+    pub(crate) fn calling_back(&self) -> CallingBack {
+        let at = self as *const ContextLiveness as usize;
+        CALLING_BACK.with(|c| c.borrow_mut().push(at));
+        CallingBack(at)
+    }
+
+    /// Whether this thread runs a user's callback from inside a call of this context
+    /// ([`calling_back`](Self::calling_back)): it must not kill the context.
+    pub(crate) fn called_back_here(&self) -> bool {
+        let at = self as *const ContextLiveness as usize;
+        CALLING_BACK.with(|c| c.borrow().contains(&at))
+    }
+
     /// Marks the context dead and waits until no call entered before is still in flight.
     /// Everything those calls did happens-before this returns.
     ///
@@ -122,6 +148,22 @@ impl ContextLiveness {
                 yield_now();
             }
         }
+    }
+}
+
+/// This thread's mark of running a callback from inside a context's call
+/// ([`ContextLiveness::calling_back`]), taken off when dropped.
+#[must_use = "the mark lasts while the guard lives"]
+pub(crate) struct CallingBack(usize);
+
+impl Drop for CallingBack {
+    fn drop(&mut self) {
+        CALLING_BACK.with(|c| {
+            let mut c = c.borrow_mut();
+            if let Some(k) = c.iter().rposition(|&at| at == self.0) {
+                c.remove(k);
+            }
+        });
     }
 }
 

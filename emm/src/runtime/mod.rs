@@ -502,10 +502,26 @@ impl Runtime {
     /// 3. the primary context is released, and then reset **whatever happened before**.
     ///
     /// The next [`context`](Self::context) call for the device builds a new context with a new
-    /// manager. The first error is returned after all steps ran.
+    /// manager. The first error is returned after all steps ran. Called from inside the
+    /// device context's out-of-memory callback ([`Context::on_out_of_memory`]), whose
+    /// allocation is still under way, it refuses with [`EmmError::InvalidArgument`] and
+    /// changes nothing.
     pub fn reset_device(&self, device: impl Into<DeviceOrdinal>) -> Result<(), EmmError> {
         let device = device.into();
         let mut state = lock(&self.state);
+        if let Some(ctx) = state.contexts.get(&device)
+            && ctx.inner.cx.liveness.called_back_here()
+        {
+            return Err(EmmError::InvalidArgument {
+                what: "Runtime::reset_device",
+                reason: format!(
+                    "it was called from inside an out-of-memory callback of device {device}'s \
+                     context, whose allocation is still under way and would wait for the reset \
+                     while the reset waits for it; return from the callback (false lets the \
+                     allocation fail) and reset the device after the allocation returns"
+                ),
+            });
+        }
         tracing::info!(%device, "device reset");
         let before = match state.contexts.remove(&device) {
             Some(ctx) => self.retire(&ctx),

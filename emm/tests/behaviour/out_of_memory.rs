@@ -140,3 +140,33 @@ fn the_report_says_what_the_pool_holds_uses_and_leaves_unused() {
         "{err}"
     );
 }
+
+/// A callback that resets the device it is called for is refused with an error that says why,
+/// where the reset waited forever for the allocation the callback runs in; the allocation then
+/// fails as out of memory, and a reset after it works.
+#[test]
+fn a_device_reset_from_inside_the_callback_is_refused_not_hung() {
+    let sim = small_device();
+    let rt = Arc::new(runtime_with(&sim, "pool"));
+    let ctx = rt.context(0).unwrap();
+    let seen: Arc<Mutex<Option<Result<(), EmmError>>>> = Arc::new(Mutex::new(None));
+    let (runtime, result) = (Arc::downgrade(&rt), Arc::clone(&seen));
+    ctx.on_out_of_memory(Some(Arc::new(move |_bytes| {
+        let rt = runtime
+            .upgrade()
+            .expect("the runtime outlives the allocation");
+        *result.lock().unwrap() = Some(rt.reset_device(0));
+        false
+    })));
+    let too_big = ctx.memalloc(1 << 30).expect_err("the device is smaller");
+    assert!(too_big.is_out_of_memory(), "{too_big}");
+    let refused = seen.lock().unwrap().take().expect("the callback ran");
+    let e = refused.expect_err("a reset from inside the callback is refused");
+    assert!(e.to_string().contains("out-of-memory callback"), "{e}");
+    // The context is still whole; a reset after the allocation returned works.
+    let m = ctx.memalloc(4096).unwrap();
+    drop(m);
+    ctx.on_out_of_memory(None);
+    drop(ctx);
+    rt.reset_device(0).unwrap();
+}
