@@ -711,11 +711,12 @@ impl PoolShared {
         bound.saturating_sub(least).min(free)
     }
 
-    /// The bytes of blocks in use, over the shards and the streams (every lock in turn: for a
-    /// growth, never an allocation's path).
+    /// The bytes of blocks in use, over the shards and the streams that hold memory (every
+    /// such lock in turn: for a growth that has free chunks to keep, never an allocation's
+    /// path).
     fn in_use_bytes(&self) -> usize {
-        let streams: i64 = (self.streams.shards.iter())
-            .map(|shard| lock(&shard.inner).in_use_bytes)
+        let streams: i64 = (self.streams.occupied())
+            .map(|k| lock(&self.streams.shards[k].inner).in_use_bytes)
             .sum();
         let shards: i64 = thread_slots::lock_all(&self.shards)
             .iter()

@@ -247,7 +247,7 @@ impl StreamCache {
     }
 
     /// The shards that held a stream's memory when last marked.
-    fn occupied(&self) -> impl Iterator<Item = usize> + '_ {
+    pub(super) fn occupied(&self) -> impl Iterator<Item = usize> + '_ {
         let bits = self.occupied.load(Ordering::Acquire);
         (0..self.shards.len()).filter(move |k| bits & (1 << k) != 0)
     }
@@ -552,10 +552,13 @@ impl PoolShared {
         freed: &mut Vec<Chunk>,
         shed: &mut Vec<Chunk>,
     ) {
-        let free = (freed.iter().chain(shed.iter()))
+        let free: usize = (freed.iter().chain(shed.iter()))
             .filter(|c| !c.lent)
             .map(|c| c.size)
             .sum();
+        if free == 0 {
+            return;
+        }
         let mut budget = self.kept_through_growth(size, free);
         if budget == 0 {
             return;
