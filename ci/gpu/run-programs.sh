@@ -21,7 +21,7 @@ out=${OUT:?set OUT to a folder for the results}
 record=integration/traces/record
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$out/programs-gpu.txt" 2>&1
 status=0
-timeout "${PROGRAMS_TIMEOUT:-540}" python3 "$record/programs.py" --out "$out/programs.jsonl" \
+timeout "${PROGRAMS_TIMEOUT:-900}" python3 "$record/programs.py" --out "$out/programs.jsonl" \
     >"$out/programs.txt" 2>&1 || status=1
 grep -v '^#' "$out/programs.txt"
 if [ -n "${PROGRAMS_LOGS:-}" ]; then
