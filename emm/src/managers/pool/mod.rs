@@ -692,14 +692,14 @@ impl PoolShared {
 
     /// The bytes of wholly free chunks, of `free` about to go back to the driver before a
     /// growth for `size` bytes, that `pool` may keep: as many as leave the pool, once grown,
-    /// holding at most an eighth ([`KEPT_DIVISOR`]) more than the most in use with a request
-    /// at a growth since the last trim (or reset), this one's included. A program that frees
+    /// holding at most an eighth ([`KEPT_DIVISOR`]) more than the most in use on streams with
+    /// a request at a growth since the last trim (or reset), this one's included. A program that frees
     /// its step's memory and allocates it again at the next step, in other sizes, finds its
     /// chunks again instead of giving them back and taking them anew; the pool's peak held
     /// stays within that eighth of the peak in use, or what shedding every free chunk would
     /// have held where the chunks in use hold more free space than that already.
     fn kept_through_growth(&self, size: usize, free: usize) -> usize {
-        let wanted = self.in_use_bytes().saturating_add(size);
+        let wanted = self.stream_in_use_bytes().saturating_add(size);
         let mark = self
             .totals
             .in_use_mark
@@ -711,18 +711,15 @@ impl PoolShared {
         bound.saturating_sub(least).min(free)
     }
 
-    /// The bytes of blocks in use, over the shards and the streams that hold memory (every
-    /// such lock in turn: for a growth that has free chunks to keep, never an allocation's
-    /// path).
-    fn in_use_bytes(&self) -> usize {
+    /// The bytes of stream-ordered blocks in use (a lock of each stream shard that holds
+    /// memory). The blocks of `memalloc` are left out: counting them takes every thread's
+    /// shard at once, which a growth does not do, so a pool used through `memalloc` alone keeps
+    /// no free chunk through a growth ([`kept_through_growth`](Self::kept_through_growth)).
+    fn stream_in_use_bytes(&self) -> usize {
         let streams: i64 = (self.streams.occupied())
             .map(|k| lock(&self.streams.shards[k].inner).in_use_bytes)
             .sum();
-        let shards: i64 = thread_slots::lock_all(&self.shards)
-            .iter()
-            .map(|lists| lists.in_use_bytes)
-            .sum();
-        (streams + shards).max(0) as usize
+        streams.max(0) as usize
     }
 
     /// The bytes the pool grows by for a request of `size` bytes: `size` rounded up to 2 MiB

@@ -556,7 +556,9 @@ impl PoolShared {
             .filter(|c| !c.lent)
             .map(|c| c.size)
             .sum();
-        if free == 0 {
+        // Every growth raises the mark of what is in use on streams, free chunks or not; with
+        // neither free chunks nor stream-ordered memory, there is nothing to keep or count.
+        if free == 0 && self.streams.occupied().next().is_none() {
             return;
         }
         let mut budget = self.kept_through_growth(size, free);
