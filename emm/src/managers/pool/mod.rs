@@ -25,7 +25,8 @@
 //!   chunks of busy streams (the growing stream waits for their work on the GPU), tries again,
 //!   and then gives the chunks with nothing in use back to the driver, but for those it may
 //!   keep: the largest first, while it would then hold at most an eighth more than the most
-//!   it had in use at a growth since its last trim (`KEPT_DIVISOR`). A program whose large
+//!   stream-ordered memory it had in use at a growth since its last trim (`KEPT_DIVISOR`; a
+//!   pool used through `memalloc` alone keeps none). A program whose large
 //!   blocks change size from step to step finds its chunks again at the next step, where
 //!   giving back every free chunk made a `cuMemFree` and a `cuMemAlloc` at each step. The
 //!   growing stream's chunks go back after the pool has waited for that stream's work, so
@@ -179,8 +180,8 @@ const GROWTH_DIVISOR: usize = 8;
 const VMM_GROWTH_DIVISOR: usize = 32;
 
 /// Before `pool` grows, it keeps wholly free chunks while it would then hold at most
-/// `1 / KEPT_DIVISOR` more than the most in use with a request at a growth since its last
-/// trim (an eighth): [`PoolShared::kept_through_growth`].
+/// `1 / KEPT_DIVISOR` more than the most stream-ordered memory in use with a request at a
+/// growth since its last trim (an eighth): [`PoolShared::kept_through_growth`].
 const KEPT_DIVISOR: usize = 8;
 
 /// The pool's tuning.

@@ -502,7 +502,8 @@ impl PoolShared {
     /// wholly free chunks (none holds the request, or it would have been taken) go back to the
     /// driver, except those the pool may keep through the growth
     /// ([`kept_through_growth`](PoolShared::kept_through_growth)): the largest first, while
-    /// the pool, grown, holds at most an eighth more than is in use with the request. A
+    /// the pool, grown, holds at most an eighth more than the most stream-ordered memory in
+    /// use at a growth. A
     /// program whose requests vary from step to step finds them again at its next step instead
     /// of the driver's `cuMemFree` and `cuMemAlloc` at every step, and what the pool holds
     /// beyond what is in use stays bounded all the same. `vmm-pool` keeps nothing so: its free
