@@ -54,7 +54,7 @@ mod budget {
     pub const POOL_LARGE: u64 = 375;
     pub const POOL_MID: u64 = 420;
     pub const FLUSH: u64 = 11_500;
-    pub const RANDOM_POOL: u64 = 585;
+    pub const RANDOM_POOL: u64 = 620;
     pub const RANDOM_POOL_LARGE: u64 = 720;
     pub const POOL_ON: u64 = 720;
     pub const ASYNC_POOL_ON: u64 = 2_900;
