@@ -59,7 +59,7 @@ def check_fn(item, path, out):
         if r:
             raws.append(f"{name}: {', '.join(sorted(r))}")
     if raws:
-        out.add(f"{path}({'; '.join(raws)})")
+        out.add((path.split("::")[0].lstrip("<"), item["id"], f"{path}({'; '.join(raws)})"))
 
 
 def methods(type_item, path, out):
@@ -128,12 +128,12 @@ for package, crate in (("emm", "emm"), ("driver-sys", "driver_sys")):
     doc = json.load(open(os.path.join(target, "doc", f"{crate}.json")))
     index = doc["index"]
     walk(doc["root"], crate, frozenset(), found)
-# An item reachable by several paths is listed once, by its shortest.
-by_tail = {}
-for line in found:
-    key = line.split("::")[-1] + line[line.index("("):]
-    by_tail.setdefault(key, []).append(line)
-lines = sorted(min(v, key=len) for v in by_tail.values())
+# An item reachable by several paths is listed once, by its shortest (the first in order
+# among equals).
+by_item = {}
+for crate_id, item_id, line in found:
+    by_item.setdefault((crate_id, item_id), []).append(line)
+lines = sorted(min(v, key=lambda l: (len(l), l)) for v in by_item.values())
 text = (
     "# Safe public functions of emm that take a raw address or driver handle from their caller:\n"
     "# written by `python3 ci/raw_inputs.py --write`; `.ci/run` checks it. Each must check what\n"
