@@ -10,27 +10,13 @@ Methods and trait items are not listed: their types are. Every path an item is r
 is listed, so an item re-exported at the crate root shows twice.
 """
 
-import json
-import os
-import subprocess
-import sys
+from rustdoc_lists import kind_of, rustdoc_json, write_or_check
 
-root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-target = os.environ.get("CARGO_TARGET_DIR", os.path.join(root_dir, "target"))
-subprocess.run(
-    ["cargo", "+nightly", "rustdoc", "-q", "--locked", "-p", "emm", "--lib", "--",
-     "-Z", "unstable-options", "--output-format", "json"],
-    cwd=root_dir, check=True,
-)
-doc = json.load(open(os.path.join(target, "doc", "emm.json")))
+doc = rustdoc_json("emm", "emm")
 index = doc["index"]
 KINDS = {"struct", "enum", "trait", "function", "constant", "static", "type_alias", "macro",
          "union", "trait_alias"}
 lines = set()
-
-
-def kind_of(item):
-    return next(iter(item["inner"]))
 
 
 def walk(module_id, path, seen):
@@ -71,17 +57,8 @@ text = (
     f"# {len(ordered)} paths, {at_root} of them at the crate root.\n"
     + "\n".join(ordered) + "\n"
 )
-listed = os.path.join(root_dir, "emm", "public-api.txt")
-if "--write" in sys.argv:
-    open(listed, "w").write(text)
-elif "--check" in sys.argv:
-    old = open(listed).read() if os.path.exists(listed) else ""
-    if old != text:
-        import difflib
-        sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), text.splitlines(True),
-                                                   "emm/public-api.txt", "the code"))
-        sys.exit("emm's public API changed: if that is meant, run `python3 ci/public_api.py "
-                 "--write` and commit emm/public-api.txt (a reviewer sees what embedders gain "
-                 "or lose)")
-else:
-    sys.stdout.write(text)
+write_or_check(
+    "emm/public-api.txt", text,
+    "emm's public API changed: if that is meant, run `python3 ci/public_api.py --write` and "
+    "commit emm/public-api.txt (a reviewer sees what embedders gain or lose)",
+)

@@ -11,13 +11,8 @@ list is stale.
     python3 ci/raw_inputs.py --check    # fails when emm/raw-inputs.txt differs
 """
 
-import json
-import os
-import subprocess
-import sys
+from rustdoc_lists import kind_of, rustdoc_json, write_or_check
 
-root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-target = os.environ.get("CARGO_TARGET_DIR", os.path.join(root_dir, "target"))
 # What a caller can make up: the driver's handles and raw addresses.
 RAW = {"DevicePtr", "StreamHandle", "ContextHandle", "EventHandle", "GraphHandle",
        "GraphExecHandle", "ModuleHandle", "FunctionHandle", "MemPoolHandle", "HostPtr",
@@ -43,10 +38,6 @@ def raw_in(ty):
         for v in ty:
             found |= raw_in(v)
     return found
-
-
-def kind_of(item):
-    return next(iter(item["inner"]))
 
 
 def check_fn(item, path, out):
@@ -120,12 +111,7 @@ found = set()
 # emm, and the driver trait it re-exports (`emm::driver_sys`, reachable through
 # `Runtime::driver`).
 for package, crate in (("emm", "emm"), ("driver-sys", "driver_sys")):
-    subprocess.run(
-        ["cargo", "+nightly", "rustdoc", "-q", "--locked", "-p", package, "--lib", "--",
-         "-Z", "unstable-options", "--output-format", "json"],
-        cwd=root_dir, check=True,
-    )
-    doc = json.load(open(os.path.join(target, "doc", f"{crate}.json")))
+    doc = rustdoc_json(package, crate)
     index = doc["index"]
     walk(doc["root"], crate, frozenset(), found)
 # An item reachable by several paths is listed once, by its shortest (the first in order
@@ -140,18 +126,10 @@ text = (
     "# it is given before the driver sees it (emm/IMPLEMENTATION.md, \"What safe code can reach\").\n"
     + "\n".join(lines) + "\n"
 )
-listed = os.path.join(root_dir, "emm", "raw-inputs.txt")
-if "--write" in sys.argv:
-    open(listed, "w").write(text)
-elif "--check" in sys.argv:
-    old = open(listed).read() if os.path.exists(listed) else ""
-    if old != text:
-        import difflib
-        sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), text.splitlines(True),
-                                                   "emm/raw-inputs.txt", "the code"))
-        sys.exit("a safe public function of emm takes a raw address or handle that it did not "
-                 "before (or no longer does): check that it validates what it is given or make "
-                 "it unsafe with a # Safety contract, then run `python3 ci/raw_inputs.py "
-                 "--write` and commit emm/raw-inputs.txt")
-else:
-    sys.stdout.write(text)
+write_or_check(
+    "emm/raw-inputs.txt", text,
+    "a safe public function of emm takes a raw address or handle that it did not before (or "
+    "no longer does): check that it validates what it is given or make it unsafe with a "
+    "# Safety contract, then run `python3 ci/raw_inputs.py --write` and commit "
+    "emm/raw-inputs.txt",
+)
