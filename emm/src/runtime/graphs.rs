@@ -314,12 +314,15 @@ struct AutoPool {
 }
 
 impl GraphRoutes {
+    /// Every graph pool made for the context that still lives.
+    fn live_pools(&self) -> Vec<Arc<PoolInner>> {
+        lock(&self.made).iter().filter_map(Weak::upgrade).collect()
+    }
+
     /// The address ranges (start, end) of every live graph pool's segments.
     fn pool_ranges(&self) -> Vec<(u64, u64)> {
-        let pools: Vec<Arc<PoolInner>> =
-            lock(&self.made).iter().filter_map(Weak::upgrade).collect();
         let mut out = Vec::new();
-        for pool in pools {
+        for pool in self.live_pools() {
             let carve = lock(&pool.carve);
             out.extend(carve.segments.iter().flatten().map(|mem| {
                 let start = mem.device_ptr().0;
@@ -332,10 +335,8 @@ impl GraphRoutes {
     /// The segments of every live graph pool of the context: (pool id, segment address,
     /// segment size, its blocks as (address, size, free)).
     pub(crate) fn pool_segments(&self) -> Vec<GraphPoolSegment> {
-        let pools: Vec<Arc<PoolInner>> =
-            lock(&self.made).iter().filter_map(Weak::upgrade).collect();
         let mut out = Vec::new();
-        for pool in pools {
+        for pool in self.live_pools() {
             let carve = lock(&pool.carve);
             for (index, mem) in carve.segments.iter().enumerate() {
                 let Some(mem) = mem else { continue };
