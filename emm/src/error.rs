@@ -454,6 +454,9 @@ pub struct OutOfMemoryReport {
     pub unusable_for_request: Option<usize>,
     /// Retries the context's out-of-memory callback asked for.
     pub callback_retries: u32,
+    /// The allocation was made from inside the context's out-of-memory callback, on the
+    /// thread that runs it: the callback was not called again for it.
+    pub inside_callback: bool,
     /// Who holds the live memory: the tags with the most live bytes, largest first, at most
     /// five (empty without the `history` adaptor, which records tags).
     pub live_by_tag: Vec<LiveByTag>,
@@ -525,6 +528,13 @@ impl fmt::Display for ReportLines<'_> {
                 t.allocations,
                 if t.allocations == 1 { "" } else { "s" },
                 mib(t.largest)
+            )?;
+        }
+        if r.inside_callback {
+            f.write_str(
+                "\n  this allocation was made from inside the out-of-memory callback, which is \
+                 not called again for it: free memory there without allocating, or allocate \
+                 after the callback returns",
             )?;
         }
         if r.callback_retries > 0 {

@@ -849,6 +849,22 @@ try:
     ctx.memalloc(100 << 20)
 except emm.OutOfMemoryError as e:
     assert "retries" not in str(e), str(e)
+# A callback that allocates: its own allocation that runs out of memory does not call it
+# again (it recursed until the stack overflowed); it raises, saying why.
+inner = []
+def allocating(n):
+    try:
+        ctx.memalloc(n)
+    except emm.OutOfMemoryError as e:
+        inner.append(str(e))
+    return False
+ctx.on_out_of_memory(allocating)
+try:
+    ctx.memalloc(100 << 20)
+    raise SystemExit("no error")
+except emm.OutOfMemoryError as e:
+    assert "inside the out-of-memory callback" not in str(e), str(e)
+assert len(inner) == 1 and "inside the out-of-memory callback" in inner[0], inner
 ctx.on_out_of_memory(None)
 print("ok")
 """,

@@ -229,8 +229,12 @@ impl HostLayer {
         // Then the context's callback, for device memory: it may free some and ask again.
         let mut asked = 0;
         let out_of_memory = |made: &Result<T, DriverError>| matches!(made, Err(e) if e.kind() == ErrorKind::OutOfMemory);
+        // An allocation made from inside the callback (on this thread, in this context) does
+        // not call it again: it would recurse with every allocation the callback makes.
+        let inside = cx.liveness.called_back_here();
         if kind == AllocationKind::Device
             && out_of_memory(&made)
+            && !inside
             && let Some(callback) = cx.events.callback()
         {
             // The callback runs inside this call of the context: a reset of its device from
@@ -249,7 +253,19 @@ impl HostLayer {
         match made {
             Ok(v) => Ok(v),
             Err(e) if e.kind() == ErrorKind::OutOfMemory => Err(match kind {
-                AllocationKind::Device => self.out_of_memory(what, bytes, flushed, asked, e),
+                AllocationKind::Device => {
+                    let mut e = self.out_of_memory(what, bytes, flushed, asked, e);
+                    if inside && cx.events.callback().is_some() {
+                        tracing::warn!(device = %cx.device, what, bytes, "out of memory inside the out-of-memory callback; the callback is not called again");
+                        if let EmmError::OutOfMemory {
+                            report: Some(r), ..
+                        } = &mut e
+                        {
+                            r.inside_callback = true;
+                        }
+                    }
+                    e
+                }
                 AllocationKind::Host => EmmError::OutOfHostMemory {
                     device: cx.device,
                     requested: bytes,

@@ -188,6 +188,7 @@ impl Context {
             free_blocks: space.as_ref().map(|s| s.blocks.len()),
             unusable_for_request: space.as_ref().map(|s| s.unusable_for(requested)),
             callback_retries,
+            inside_callback: false,
             live_by_tag: Self::live_by_tag(inner),
         }
     }
@@ -212,7 +213,9 @@ impl Context {
     /// layer's retry, where Numba's one retry is made; a plugin of its own that bypasses
     /// [`HostLayer::attempt_allocation`](crate::host::HostLayer::attempt_allocation) does
     /// not). The callback runs on the allocating thread, with no lock of emm's managers held:
-    /// it may free emm memory.
+    /// it may free emm memory. It may allocate too, but an allocation of this context that
+    /// runs out of memory inside it does not call it again (the error says so), and a reset
+    /// of this context's device from inside it is refused.
     ///
     /// ```
     /// use std::sync::{Arc, Mutex};

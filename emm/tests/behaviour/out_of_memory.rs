@@ -141,6 +141,48 @@ fn the_report_says_what_the_pool_holds_uses_and_leaves_unused() {
     );
 }
 
+/// An allocation from inside the out-of-memory callback that runs out of memory too does not
+/// call the callback again (it recursed, one level per allocation the callback made): it fails
+/// at once, its error saying why, and the outer allocation goes on with the callback's answer.
+#[test]
+fn an_allocation_inside_the_callback_does_not_call_it_again() {
+    let sim = small_device();
+    let rt = runtime_with(&sim, "pool");
+    let ctx = rt.context(0).unwrap();
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let (inner_ctx, seen) = (ctx.clone(), Arc::clone(&calls));
+    ctx.on_out_of_memory(Some(Arc::new(move |bytes| {
+        let inner = inner_ctx.memalloc(bytes).map(drop);
+        seen.lock().unwrap().push((bytes, inner));
+        false
+    })));
+    let outer = ctx.memalloc(1 << 30).expect_err("the device is smaller");
+    assert!(outer.is_out_of_memory(), "{outer}");
+    let calls = std::mem::take(&mut *calls.lock().unwrap());
+    assert_eq!(
+        calls.len(),
+        1,
+        "called once, not again from inside: {calls:?}"
+    );
+    let inner = calls[0]
+        .1
+        .as_ref()
+        .expect_err("the inner allocation is as large");
+    assert!(inner.is_out_of_memory(), "{inner}");
+    assert!(
+        inner.out_of_memory_report().unwrap().inside_callback
+            && inner
+                .to_string()
+                .contains("from inside the out-of-memory callback"),
+        "{inner}"
+    );
+    assert!(
+        !outer.out_of_memory_report().unwrap().inside_callback,
+        "{outer}"
+    );
+    ctx.on_out_of_memory(None);
+}
+
 /// A callback that resets the device it is called for is refused with an error that says why,
 /// where the reset waited forever for the allocation the callback runs in; the allocation then
 /// fails as out of memory, and a reset after it works.
