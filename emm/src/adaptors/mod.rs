@@ -41,7 +41,7 @@ use crate::contract::pool_export::PoolExport;
 use crate::contract::snapshot::HeldSegment;
 use crate::error::EmmError;
 use crate::memory::host::{
-    HostAllocFlags, HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory,
+    HostAllocFlags, HostKeeper, HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory,
 };
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::{MemoryPointer, ReleaseHook};
@@ -337,9 +337,13 @@ impl Adapted {
                 let observer = Arc::clone(&self.observer);
                 let device = self.device;
                 let (host, size, owner) = (p.host_ptr(), p.size(), p.owner().cloned());
-                // SAFETY: the range is `p`'s page-locked memory, which the release keeps alive (it
-                // owns `p`) and gives back by dropping it.
-                HostMemory::Pinned(unsafe {
+                // `p` answers for its memory during accesses (`PinnedMemory::access`): the
+                // wrapper's keeper is `p` itself, which the wrapper's drop lets go last.
+                let p = Arc::new(p);
+                let keeper = Arc::clone(&p) as Arc<dyn HostKeeper>;
+                // SAFETY: the range is `p`'s page-locked memory, which the release and the
+                // keeper keep alive (they own `p`) and give back by dropping it.
+                let wrapped = unsafe {
                     PinnedMemory::with_release(host, size, owner, move |h: HostPtr, s| {
                         drop(p);
                         let now = observer.timed().then(Instant::now);
@@ -353,7 +357,8 @@ impl Adapted {
                             end: now,
                         });
                     })
-                })
+                };
+                HostMemory::Pinned(wrapped.kept_by(keeper, 0))
             }
         }
     }

@@ -18,11 +18,14 @@
 
 use std::sync::Arc;
 
-use driver_sys::{DevicePtr, DriverError, MemLocation, MemPoolHandle, StreamHandle, stream_flags};
+use driver_sys::{
+    DevicePtr, DriverError, HostPtr, MemLocation, MemPoolHandle, StreamHandle, stream_flags,
+};
 
 use crate::contract::factory::ManagerContext;
 use crate::error::EmmError;
 use crate::memory::AddressSet;
+use crate::memory::host::HostKeeper;
 use crate::memory::pointer::ReleaseHook;
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
@@ -146,6 +149,36 @@ impl DriverHostPool {
         pool_done
             .and(stream_done)
             .map_err(|e| self.cx.driver_error("reset of the host memory pool", e))
+    }
+}
+
+/// An access to the pool's memory holds the pool's lock (a free or a reset waits for it) and
+/// its context's liveness; memory a reset freed (an older generation) or whose context is gone
+/// is refused.
+impl HostKeeper for DriverHostRelease {
+    fn keep_while(
+        &self,
+        host: HostPtr,
+        tag: u64,
+        what: &'static str,
+        access: &mut dyn FnMut(),
+    ) -> Result<(), EmmError> {
+        let pool = &self.pool;
+        let state = lock(&pool.state);
+        if pool.generation.load(Ordering::Acquire) != tag || !state.live.contains(&(host.0 as u64))
+        {
+            return Err(EmmError::Stale {
+                what,
+                device: pool.cx.device,
+                reason: "a reset of its manager freed the driver's host memory pool it came from",
+            });
+        }
+        let Some(_live) = pool.cx.liveness.enter() else {
+            return Err(pool.cx.stale(what));
+        };
+        access();
+        drop(state);
+        Ok(())
     }
 }
 

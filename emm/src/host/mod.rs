@@ -17,7 +17,8 @@ use crate::host::allocations::{AllocationTable, Entry, unpin_now};
 use crate::host::driver_pool::{DriverHostPool, DriverHostRelease};
 use crate::host::pinned_pool::{Kind, PinnedBlock, PinnedPool, Taken};
 use crate::memory::host::{
-    HostAllocFlags, HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory,
+    ContextKeeper, HostAllocFlags, HostKeeper, HostMemory, HostOwner, ManagedMemory, MappedMemory,
+    PinnedMemory,
 };
 use crate::memory::pending::{DeferCleanup, Free, PendingDeallocs};
 use crate::memory::pointer::{AllocationOwner, MemoryPointer, Release};
@@ -136,6 +137,16 @@ impl HostLayer {
     /// The context the layer serves.
     pub fn context(&self) -> &ManagerContext {
         self.table.context()
+    }
+
+    /// What keeps host memory that lives as long as this layer's context allocated during an
+    /// access ([`ContextKeeper`]).
+    fn context_keeper(&self) -> Arc<dyn HostKeeper> {
+        let cx = self.context();
+        Arc::new(ContextKeeper {
+            liveness: Arc::clone(&cx.liveness),
+            device: cx.device,
+        })
     }
 
     /// The deferred-deallocation queue.
@@ -607,12 +618,13 @@ impl HostLayer {
         }
         let queue = Arc::clone(self.deallocations());
         // SAFETY: `host .. host + bytes` was just allocated by `cuMemHostAlloc` and is freed only
-        // by this value's release.
-        Ok(HostMemory::Pinned(unsafe {
+        // by this value's release, or with its context, which the keeper answers for.
+        let pinned = unsafe {
             PinnedMemory::with_release(host, bytes, None, move |ptr, _| {
                 queue.push_from_drop(Free::Host { ptr, bytes: 0 });
             })
-        }))
+        };
+        Ok(HostMemory::Pinned(pinned.kept_by(self.context_keeper(), 0)))
     }
 
     /// Numba's `mempin`: page-locks `ptr .. ptr + size` with `cuMemHostRegister` (`DEVICEMAP`
@@ -751,12 +763,15 @@ impl HostLayer {
                 MappedMemory::new(host, device)
             }));
         }
+        let keeper = Arc::clone(release) as Arc<dyn HostKeeper>;
         let release = Arc::clone(release);
         // SAFETY: `host .. host + bytes` was just allocated from the host memory pool and is freed
-        // only by this value's release.
-        Ok(HostMemory::Pinned(unsafe {
+        // by this value's release, or by the pool's reset or its context's end, which the
+        // keeper (the release) answers for.
+        let pinned = unsafe {
             PinnedMemory::with_release(host, bytes, None, move |p, _| release.free(p.0 as u64, tag))
-        }))
+        };
+        Ok(HostMemory::Pinned(pinned.kept_by(keeper, tag)))
     }
 
     /// Suspends the queue's flushing while the guard lives.

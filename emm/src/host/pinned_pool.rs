@@ -39,6 +39,7 @@ use std::sync::Arc;
 use driver_sys::{DevicePtr, HostPtr};
 
 use crate::contract::info::{PinnedPoolConfig, PoolStats};
+use crate::error::EmmError;
 use crate::lines::Lines;
 use crate::memory::HostReleaseHook;
 use crate::memory::pending::{Free, PendingDeallocs};
@@ -670,6 +671,21 @@ impl HostReleaseHook for PinnedPool {
         let (block, generation) = Self::untag(host, tag);
         let frees = self.give_back(block, generation);
         self.queue_frees(frees);
+    }
+
+    /// A block in use stays allocated through a reset (its free waits for its drop); only
+    /// its context's end frees it underneath: an access holds the context's liveness.
+    fn keep_while(
+        &self,
+        _host: HostPtr,
+        _tag: u64,
+        what: &'static str,
+        access: &mut dyn FnMut(),
+    ) -> Result<(), EmmError> {
+        let keeper = self.queue.context_keeper();
+        let _live = keeper.liveness.enter().ok_or_else(|| keeper.gone(what))?;
+        access();
+        Ok(())
     }
 
     /// As `release`, and the block's clone of the pool's `Arc` goes to the freeing thread's

@@ -6,9 +6,10 @@ use std::cell::UnsafeCell;
 use std::fmt;
 use std::sync::Arc;
 
-use driver_sys::HostPtr;
+use driver_sys::{DeviceOrdinal, HostPtr};
 
 use crate::error::EmmError;
+use crate::memory::liveness::ContextLiveness;
 use crate::memory::pointer::MemoryPointer;
 
 /// How `memhostalloc` allocates page-locked host memory, as named flags rather than Numba's
@@ -80,6 +81,86 @@ pub trait HostReleaseHook: Send + Sync {
     /// releases and drops it.
     fn release_owned(self: Arc<Self>, host: HostPtr, size: usize, tag: u64) {
         self.release(host, size, tag);
+    }
+
+    /// Runs `access` (a read, write or copy named `what`) while the memory at `host` stamped
+    /// `tag` stays allocated, or returns the error that says why it no longer is. The default
+    /// runs it: a caller's own hook vouched, in [`PinnedMemory::with_hook`]'s contract, that
+    /// the memory lives until the release. emm's pools answer for what frees memory under a
+    /// live block (a context destroyed with its runtime).
+    fn keep_while(
+        &self,
+        host: HostPtr,
+        tag: u64,
+        what: &'static str,
+        access: &mut dyn FnMut(),
+    ) -> Result<(), EmmError> {
+        let _ = (host, tag, what);
+        access();
+        Ok(())
+    }
+}
+
+/// What keeps the memory of a [`PinnedMemory`] emm made with a release closure allocated while
+/// a read, write or copy goes through it: the context it was allocated in (destroyed with its
+/// runtime, the driver frees its host allocations with it), and for some memory the pool it
+/// came from (a reset frees the driver's host memory pool).
+pub(crate) trait HostKeeper: Send + Sync {
+    /// As [`HostReleaseHook::keep_while`].
+    fn keep_while(
+        &self,
+        host: HostPtr,
+        tag: u64,
+        what: &'static str,
+        access: &mut dyn FnMut(),
+    ) -> Result<(), EmmError>;
+}
+
+/// Memory that wraps other pinned memory (an adaptor's) is kept as that memory is.
+impl HostKeeper for PinnedMemory {
+    fn keep_while(
+        &self,
+        _host: HostPtr,
+        _tag: u64,
+        what: &'static str,
+        access: &mut dyn FnMut(),
+    ) -> Result<(), EmmError> {
+        self.access(what, access)
+    }
+}
+
+/// Keeps host memory that lives as long as its context (`cuMemHostAlloc`): an access enters
+/// the context's liveness, so that the context's teardown waits for it, and is refused after.
+pub(crate) struct ContextKeeper {
+    /// The context's liveness.
+    pub(crate) liveness: Arc<ContextLiveness>,
+    /// Its device, for the error.
+    pub(crate) device: DeviceOrdinal,
+}
+
+impl ContextKeeper {
+    /// The error of an access to host memory whose context is gone.
+    pub(crate) fn gone(&self, what: &'static str) -> EmmError {
+        EmmError::Stale {
+            what,
+            device: self.device,
+            reason: "its context was torn down (its runtime dropped, or its device reset), and \
+                     the driver freed the page-locked memory with it",
+        }
+    }
+}
+
+impl HostKeeper for ContextKeeper {
+    fn keep_while(
+        &self,
+        _host: HostPtr,
+        _tag: u64,
+        what: &'static str,
+        access: &mut dyn FnMut(),
+    ) -> Result<(), EmmError> {
+        let _live = self.liveness.enter().ok_or_else(|| self.gone(what))?;
+        access();
+        Ok(())
     }
 }
 
@@ -224,6 +305,9 @@ pub struct PinnedMemory {
     size: usize,
     owner: Option<HostOwner>,
     release: HostRelease,
+    /// For memory released by a closure: what keeps it allocated during an access, and the
+    /// tag it knows the memory by ([`HostKeeper`]). A hook answers for its own memory.
+    keeper: Option<(Arc<dyn HostKeeper>, u64)>,
 }
 
 impl PinnedMemory {
@@ -245,6 +329,7 @@ impl PinnedMemory {
             size,
             owner,
             release: HostRelease::Fn(Box::new(release)),
+            keeper: None,
         }
     }
 
@@ -273,6 +358,7 @@ impl PinnedMemory {
                 tag,
                 spare: false,
             },
+            keeper: None,
         }
     }
 
@@ -310,6 +396,7 @@ impl PinnedMemory {
                 tag,
                 spare: true,
             },
+            keeper: None,
         }
     }
 
@@ -328,21 +415,53 @@ impl PinnedMemory {
         self.owner.as_ref()
     }
 
+    /// Has `keeper` answer for the memory during accesses, knowing it by `tag`.
+    pub(crate) fn kept_by(mut self, keeper: Arc<dyn HostKeeper>, tag: u64) -> PinnedMemory {
+        self.keeper = Some((keeper, tag));
+        self
+    }
+
+    /// Runs `access` (named `what`) while the memory stays allocated: the memory's keeper or
+    /// hook holds what would free it meanwhile, and refuses memory already freed under this
+    /// value (its context torn down, its pool reset).
+    pub(crate) fn access<R>(
+        &self,
+        what: &'static str,
+        access: impl FnOnce() -> R,
+    ) -> Result<R, EmmError> {
+        let mut access = Some(access);
+        let mut out = None;
+        let mut run = || out = access.take().map(|f| f());
+        match (&self.release, &self.keeper) {
+            (_, Some((keeper, tag))) => keeper.keep_while(self.host, *tag, what, &mut run)?,
+            (HostRelease::Hook { hook, tag, .. }, None) => {
+                hook.keep_while(self.host, *tag, what, &mut run)?
+            }
+            _ => run(),
+        }
+        Ok(out.expect("a keeper that returns Ok ran the access"))
+    }
+
     /// Copies `src` into the memory at `offset`.
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), EmmError> {
-        host_range_check("write to pinned memory", offset, src.len(), self.size)?;
-        // SAFETY: the memory is live while `self` is, emm hands out no references to it, and
-        // the range was checked.
-        unsafe { host_write(self.host, offset, src) };
-        Ok(())
+        const WHAT: &str = "write to pinned memory";
+        host_range_check(WHAT, offset, src.len(), self.size)?;
+        self.access(WHAT, || {
+            // SAFETY: the memory stays allocated during the access (its keeper holds what
+            // would free it, and refused memory already freed), emm hands out no references
+            // to it, and the range was checked.
+            unsafe { host_write(self.host, offset, src) }
+        })
     }
 
     /// Copies bytes at `offset` into `dst`.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), EmmError> {
-        host_range_check("read from pinned memory", offset, dst.len(), self.size)?;
-        // SAFETY: as for `write`.
-        unsafe { host_read(self.host, offset, dst) };
-        Ok(())
+        const WHAT: &str = "read from pinned memory";
+        host_range_check(WHAT, offset, dst.len(), self.size)?;
+        self.access(WHAT, || {
+            // SAFETY: as for `write`.
+            unsafe { host_read(self.host, offset, dst) }
+        })
     }
 }
 
@@ -637,6 +756,22 @@ impl HostMemory {
         match self {
             HostMemory::Pinned(p) => p.read(offset, dst),
             HostMemory::Mapped(m) => m.read(offset, dst),
+        }
+    }
+
+    /// Runs `access` (a copy through the memory, named `what`) while the memory stays
+    /// allocated ([`PinnedMemory::access`]); mapped memory a reset released is refused.
+    pub(crate) fn access<R>(
+        &self,
+        what: &'static str,
+        access: impl FnOnce() -> R,
+    ) -> Result<R, EmmError> {
+        match self {
+            HostMemory::Pinned(p) => p.access(what, access),
+            HostMemory::Mapped(m) => {
+                check_live(&m.device, what)?;
+                Ok(access())
+            }
         }
     }
 }

@@ -143,6 +143,15 @@ impl fmt::Debug for PendingDeallocs {
 }
 
 impl PendingDeallocs {
+    /// What keeps host memory of this queue's context allocated during an access: its
+    /// liveness ([`ContextKeeper`](crate::memory::host::ContextKeeper)).
+    pub(crate) fn context_keeper(&self) -> crate::memory::host::ContextKeeper {
+        crate::memory::host::ContextKeeper {
+            liveness: Arc::clone(&self.liveness),
+            device: self.device,
+        }
+    }
+
     /// An empty queue for the context `ctx` of `device`, capacity unset.
     pub fn new(
         driver: Arc<dyn Driver>,

@@ -769,10 +769,13 @@ impl Context {
                 size: src.size(),
             });
         }
-        // SAFETY: `src` is live page-locked memory of at least `bytes` bytes (checked above) to
-        // which emm hands out no references; the slice lives only for this synchronous copy.
-        let host = unsafe { std::slice::from_raw_parts(src.host_ptr().0 as *const u8, bytes) };
-        self.copy_to_device(dst, host)
+        src.access("copy from pinned memory", || {
+            // SAFETY: `src` is page-locked memory of at least `bytes` bytes (checked above),
+            // kept allocated during the access, to which emm hands out no references; the
+            // slice lives only for this synchronous copy.
+            let host = unsafe { std::slice::from_raw_parts(src.host_ptr().0 as *const u8, bytes) };
+            self.copy_to_device(dst, host)
+        })?
     }
 
     /// Copies the first `bytes` bytes of `src` into page-locked host memory `dst`.
@@ -790,10 +793,14 @@ impl Context {
                 size: dst.size(),
             });
         }
-        // SAFETY: `dst` is live page-locked memory of at least `bytes` bytes (checked above) to
-        // which emm hands out no references; the slice lives only for this synchronous copy.
-        let host = unsafe { std::slice::from_raw_parts_mut(dst.host_ptr().0 as *mut u8, bytes) };
-        self.copy_to_host(host, src)
+        dst.access("copy into pinned memory", || {
+            // SAFETY: `dst` is page-locked memory of at least `bytes` bytes (checked above),
+            // kept allocated during the access, to which emm hands out no references; the
+            // slice lives only for this synchronous copy.
+            let host =
+                unsafe { std::slice::from_raw_parts_mut(dst.host_ptr().0 as *mut u8, bytes) };
+            self.copy_to_host(host, src)
+        })?
     }
 
     /// Sets the first `bytes` bytes of `dst` to `value` (`cuMemsetD8`, synchronous; Numba's
@@ -912,6 +919,8 @@ impl Context {
         self.refuse_captured(WHAT, stream)?;
         let len = dst.size();
         host_fits(WHAT, len, src.size())?;
+        // Memory already freed under `src` (its context torn down, its pool reset) is refused.
+        src.access(WHAT, || ())?;
         let (at, keep) = (src.host_ptr(), vec![dst.clone()]);
         self.queue(WHAT, stream, (dst, len), (src, keep), |cx| {
             // SAFETY: `queue` checked `dst` (live, this context, `len` bytes) and entered the
@@ -937,6 +946,8 @@ impl Context {
         self.refuse_captured(WHAT, stream)?;
         let len = src.size();
         host_fits(WHAT, len, dst.size())?;
+        // Memory already freed under `dst` is refused, as in `copy_to_device_async`.
+        dst.access(WHAT, || ())?;
         let (at, keep) = (dst.host_ptr(), vec![src.clone()]);
         self.queue(WHAT, stream, (src, len), (dst, keep), |cx| {
             // SAFETY: as for `copy_to_device_async`, with the roles swapped: `dst` is owned by

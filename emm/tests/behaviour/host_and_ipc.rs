@@ -487,3 +487,69 @@ fn a_panicking_host_function_is_stopped_counted_and_the_stream_goes_on() {
     assert!(ran.load(Ordering::SeqCst), "the later host function ran");
     assert_eq!(emm::streams::host_function_panics(), before + 1);
 }
+
+/// Page-locked memory outlives nothing that frees it: once the runtime that made it is gone
+/// (its contexts destroyed, and the driver's host allocations with them), reads and writes
+/// are refused, for memory from the driver, from the pinned host pool and mapped memory
+/// alike, and through an adaptor that wraps it; while the runtime lives they work.
+#[test]
+fn pinned_memory_is_refused_after_its_runtime_is_gone() {
+    for (pinned_pool, stats) in [(false, false), (true, false), (false, true), (true, true)] {
+        let sim = Arc::new(SimDriver::new(SimConfig::default()));
+        let mut builder = emm::Runtime::builder(sim.clone()).ignore_env();
+        if pinned_pool {
+            builder = builder.pinned_host_pool(Some(emm::PinnedPoolConfig::default()));
+        }
+        if stats {
+            builder = builder.adaptors(vec![emm::Adaptor::Stats]);
+        }
+        let rt = builder.build().unwrap();
+        let ctx = rt.context(0).unwrap();
+        let pinned = ctx.memhostalloc(4096, false, false, false).unwrap();
+        let mapped = ctx.memhostalloc(4096, true, false, false).unwrap();
+        for m in [&pinned, &mapped] {
+            m.write(0, &[7; 16]).unwrap();
+            let mut back = [0u8; 16];
+            m.read(0, &mut back).unwrap();
+            assert_eq!(back, [7; 16]);
+        }
+        drop(ctx);
+        drop(rt);
+        for (what, m) in [("pinned", &pinned), ("mapped", &mapped)] {
+            let e = m
+                .write(0, &[1; 16])
+                .expect_err("a write after the runtime is gone");
+            assert!(
+                matches!(e, EmmError::Stale { .. }),
+                "{what} (pinned pool {pinned_pool}, stats {stats}): {e}"
+            );
+            let mut back = [0u8; 16];
+            assert!(
+                m.read(0, &mut back).is_err(),
+                "{what}: a read after the runtime"
+            );
+        }
+    }
+}
+
+/// Memory of the driver's host memory pool that a reset freed is refused, not written.
+#[test]
+fn host_pool_memory_is_refused_after_a_reset() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = emm::Runtime::builder(sim.clone())
+        .ignore_env()
+        .host_memory_pool(true)
+        .build()
+        .unwrap();
+    let ctx = rt.context(0).unwrap();
+    let pinned = ctx.memhostalloc(4096, false, false, false).unwrap();
+    pinned.write(0, &[3; 8]).unwrap();
+    ctx.reset().unwrap();
+    let e = pinned
+        .write(0, &[1; 8])
+        .expect_err("the reset freed the memory");
+    assert!(matches!(e, EmmError::Stale { .. }), "{e}");
+    let dst = ctx.memalloc(8).unwrap();
+    assert!(ctx.copy_pinned_to_device(&dst, &pinned, 8).is_err());
+    assert!(ctx.copy_device_to_pinned(&pinned, &dst, 8).is_err());
+}
