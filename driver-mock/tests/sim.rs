@@ -212,6 +212,26 @@ fn frees_while_imported_are_counted() {
 /// Physical memory exported as a file descriptor: only a shareable allocation exports, only an
 /// exported descriptor imports, and the memory (the same bytes in both processes, counted once)
 /// lives until the last handle and mapping of it go, also past its exporter's context.
+/// A reservation larger than the process's address space, up to the largest aligned size, is
+/// out of memory, as the driver says; the model's arithmetic does not overflow (the
+/// `mapped_export_bytes` fuzz target found a forged export's span that did).
+#[test]
+fn a_reservation_past_the_address_space_is_out_of_memory() {
+    let (sim, ctx) = started(SimConfig::default());
+    let g = sim.mem_vmm_granularity(DEV).unwrap();
+    // One reservation first: the next lies past it, where the sum overflowed.
+    let small = sim.mem_address_reserve(ctx, g).unwrap();
+    for size in [usize::MAX - g + 1, 1 << 62, 1 << 48] {
+        assert_eq!(
+            sim.mem_address_reserve(ctx, size).unwrap_err().kind(),
+            ErrorKind::OutOfMemory,
+            "{size} bytes"
+        );
+    }
+    // SAFETY: reserved above, nothing mapped, freed once.
+    unsafe { sim.mem_address_free(ctx, small, g) }.unwrap();
+}
+
 #[test]
 fn shared_physical_memory_lives_until_its_last_handle() {
     let (sim, ctx) = started(SimConfig::default());

@@ -191,7 +191,10 @@ impl World {
         }
         let space = &mut self.processes[pid].vm;
         let base = VMM_SPACE_BASE + pid as u64 * VMM_SPACE_STRIDE + space.next;
-        if space.next + size as u64 > VMM_SPACE_STRIDE {
+        // A size past the process's address space (however large: the driver refuses, it does
+        // not wrap) is out of memory.
+        let end = (space.next).checked_add(size as u64);
+        if end.is_none_or(|end| end > VMM_SPACE_STRIDE) {
             return Err(code::OUT_OF_MEMORY);
         }
         // A page between reservations, so that none is adjacent to the next.
