@@ -195,6 +195,13 @@ impl Array {
     /// Imports `obj` (anything with `__dlpack__`) as memory of `ctx`.
     pub(crate) fn import(ctx: &emm::Context, obj: &Bound<'_, PyAny>) -> PyResult<Array> {
         let py = obj.py();
+        if !obj.hasattr("__dlpack__")? {
+            return Err(PyTypeError::new_err(format!(
+                "from_dlpack takes an array that exports DLPack (has __dlpack__: a torch \
+                 tensor, a CuPy or NumPy array...), not a {}",
+                obj.get_type().name()?
+            )));
+        }
         // Stream 1: the producer orders its work before the legacy default stream, which emm's
         // synchronous copies use. DLPack 1.x when the producer knows it.
         let kwargs = [("stream", 1i64.into_pyobject(py)?.into_any())];

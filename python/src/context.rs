@@ -451,7 +451,16 @@ impl Context {
     /// an allocation of `nbytes` fails after the manager's own retry; it may free memory and
     /// returns true to have the allocation tried again (at most three times an allocation).
     /// An exception in it is printed and counts as false.
-    fn on_out_of_memory(&self, callback: Option<Py<PyAny>>) {
+    fn on_out_of_memory(&self, py: Python<'_>, callback: Option<Py<PyAny>>) -> PyResult<()> {
+        if let Some(f) = &callback
+            && !f.bind(py).is_callable()
+        {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "on_out_of_memory takes a callable (called with the bytes requested, returning \
+                 whether to retry) or None, not a {}",
+                f.bind(py).get_type().name()?
+            )));
+        }
         self.inner.on_out_of_memory(callback.map(|f| {
             Arc::new(move |bytes: usize| {
                 Python::attach(|py| match f.call1(py, (bytes,)) {
@@ -463,6 +472,7 @@ impl Context {
                 })
             }) as Arc<emm::contract::OutOfMemoryCallback>
         }));
+        Ok(())
     }
 
     /// Everything the manager holds, segment by segment and block by block (`emm.Snapshot`):

@@ -1083,3 +1083,110 @@ def test_tag_names_are_bounded():
     out = run_python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok", out.stdout
+
+
+HOSTILE_SCRIPT = r"""
+import itertools, math, sys
+import emm
+
+ctx = emm.context(0)
+ALLOWED = (emm.EmmError, emm.OutOfMemoryError, ValueError, TypeError, OverflowError)
+
+
+class BadStream:
+    def __init__(self, answer):
+        self.answer = answer
+
+    def __cuda_stream__(self):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+INTS = [-1, 0, 1, 7, 2**31, 2**48, 2**62, 2**63 - 1, 2**63, 2**64, -(2**63), 10**30]
+OTHERS = [None, 1.5, math.nan, "8", b"\0" * 7, object(), [1, 2], {"a": 1}]
+STREAMS = [BadStream(a) for a in [(0, 12345), (0, 2**64 - 8), (0, -1), (1,), (0,), None,
+                                   "junk", (0, 7), (0, "x"), ValueError("no stream")]]
+VALUES = INTS + OTHERS + STREAMS
+
+buf = ctx.memalloc(4096)
+host = ctx.memhostalloc(4096)
+mr = ctx.device_memory_resource()
+
+calls = {
+    "memalloc(size)": lambda v: ctx.memalloc(v),
+    "memalloc_on(size, 0)": lambda v: ctx.memalloc_on(v, 0),
+    "memalloc_on(64, stream)": lambda v: ctx.memalloc_on(64, v),
+    "memhostalloc(size)": lambda v: ctx.memhostalloc(v),
+    "memhostalloc(64, mapped=v)": lambda v: ctx.memhostalloc(64, mapped=v),
+    "memallocmanaged(size)": lambda v: ctx.memallocmanaged(v),
+    "mempin(bytearray, ptr, 64)": lambda v: ctx.mempin(bytearray(64), v, 64),
+    "mempin(bytearray, None, size)": lambda v: ctx.mempin(bytearray(64), None, v),
+    "mempin(owner, None, 8)": lambda v: ctx.mempin(v, None, 8),
+    "copy_to_device(buf, data)": lambda v: ctx.copy_to_device(buf, v),
+    "copy_to_device(buf, b, offset)": lambda v: ctx.copy_to_device(buf, b"x" * 8, v),
+    "copy_to_host(buf, n)": lambda v: ctx.copy_to_host(buf, v),
+    "copy_to_host(buf, 8, offset)": lambda v: ctx.copy_to_host(buf, 8, v),
+    "copy_to_host(obj)": lambda v: ctx.copy_to_host(v),
+    "get_ipc_handle(buf, offset)": lambda v: ctx.get_ipc_handle(buf, v),
+    "get_ipc_handle(buf, 0, size)": lambda v: ctx.get_ipc_handle(buf, 0, v),
+    "open_ipc(data)": lambda v: ctx.open_ipc(v),
+    "device_array(shape, u8)": lambda v: ctx.device_array(v, "uint8"),
+    "device_array((v, v), f4)": lambda v: ctx.device_array((v, v), "float32"),
+    "device_array(4, dtype)": lambda v: ctx.device_array(4, v),
+    "from_dlpack(obj)": lambda v: ctx.from_dlpack(v),
+    "host.write(b, offset)": lambda v: host.write(b"y" * 8, v),
+    "host.write(data)": lambda v: host.write(v),
+    "host.read(n)": lambda v: host.read(v),
+    "host.read(8, offset)": lambda v: host.read(8, v),
+    "resource.allocate(size, 0)": lambda v: mr.allocate(v, 0),
+    "resource.allocate(64, stream)": lambda v: mr.allocate(64, v),
+    "resource.deallocate(obj, 0)": lambda v: mr.deallocate(v, 0),
+    "tag(name)": lambda v: emm.tag(v).__enter__(),
+    "on_out_of_memory(callback)": lambda v: ctx.on_out_of_memory(v),
+}
+typed = 0
+for (name, call), value in itertools.product(calls.items(), VALUES):
+    print(f"{name} with {value!r:.60}", flush=True)
+    try:
+        result = call(value)
+    except ALLOWED:
+        typed += 1
+        continue
+    except BaseException as e:
+        print(f"UNTYPED {type(e).__name__}: {e}", flush=True)
+        sys.exit(3)
+    # What was accepted is released again, so that the next call has room.
+    for attr in ("release", "close"):
+        getattr(result, attr, lambda: None)()
+ctx.on_out_of_memory(None)
+# A callback that cannot be called is refused when it is set, not at the out-of-memory.
+try:
+    ctx.on_out_of_memory(5)
+    sys.exit("a non-callable callback was taken")
+except TypeError as e:
+    assert "callable" in str(e), e
+# The interpreter and the context still work.
+ctx.copy_to_device(buf, b"z" * 16)
+assert ctx.copy_to_host(buf, 16) == b"z" * 16
+print(f"ok {len(calls) * len(VALUES)} calls, {typed} refused with a typed error")
+"""
+
+
+def test_hostile_values_raise_typed_errors_and_the_interpreter_lives():
+    # Every entry point above, each argument given every value of the table (ints from -1 to
+    # past 2**64, other types, stream objects whose protocol lies or raises): each call works
+    # or raises emm.EmmError, emm.OutOfMemoryError, ValueError, TypeError or OverflowError (Python's own for an int
+    # that does not fit), and nothing aborts or corrupts the interpreter, which must still
+    # copy memory at the end. In a subprocess: an abort shows as its exit status, and the
+    # last line printed names the call.
+    if DRIVER == "cuda":
+        pytest.skip(
+            "allocates up to the simulated device's limits with forged values; the GPU runs "
+            "the typed refusals' own tests"
+        )
+    out = run_python(HOSTILE_SCRIPT, EMM_SIM_DEVICE_MEMORY=str(256 << 20))
+    last = out.stdout.strip().splitlines()[-1:] or ["(nothing printed)"]
+    assert out.returncode == 0 and last[0].startswith("ok "), (
+        f"exit {out.returncode} at: {last[0]}\n{out.stderr[-3000:]}"
+    )
