@@ -710,3 +710,33 @@ fn stream_ordered_free_races_an_allocation_on_another_stream_under_pool() {
 fn stream_ordered_free_races_an_allocation_on_another_stream_under_default() {
     stream_ordered_free_races_an_allocation_on_another_stream("default");
 }
+
+/// A host-side write of mapped memory on one thread races `Context::reset`, which frees the
+/// memory, on another. The write either lands before the free or is refused as stale; it never
+/// lands after (the simulator keeps freed host blocks poisoned, and a write after the free
+/// would show there). Checking the memory's generation and then writing, as the write did
+/// before, let the reset free the memory between the two.
+#[test]
+fn mapped_write_races_a_reset() {
+    loom::model(|| {
+        let (sim, rt) = runtime(10);
+        sim.quarantine_host_frees();
+        let ctx = rt.context(0).unwrap();
+        let mapped = Arc::new(ctx.memhostalloc(64, true, false, false).unwrap());
+        let writer = {
+            let mapped = Arc::clone(&mapped);
+            thread::spawn(move || mapped.write(0, &[0xAB; 64]))
+        };
+        ctx.reset().unwrap();
+        let wrote = writer.join().unwrap();
+        assert!(
+            sim.freed_host_untouched(),
+            "the write landed after the reset freed the memory (it returned {wrote:?})"
+        );
+        assert!(
+            matches!(wrote, Ok(()) | Err(emm::EmmError::Stale { .. })),
+            "{wrote:?}"
+        );
+        host_frees_exactly(&sim, 1);
+    });
+}

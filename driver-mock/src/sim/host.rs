@@ -38,7 +38,25 @@ unsafe impl Sync for HostBlock {}
 /// The alignment of the simulator's host blocks: a page, as the driver gives.
 const HOST_ALIGN: usize = 4096;
 
+/// The byte a quarantined block is filled with when freed
+/// ([`SimDriver::quarantine_host_frees`](super::SimDriver::quarantine_host_frees)).
+pub(super) const QUARANTINE_BYTE: u8 = 0xDD;
+
 impl HostBlock {
+    /// Fills the block with `byte`.
+    fn fill(&mut self, byte: u8) {
+        // SAFETY: `bytes` is this block's own memory of `layout.size()` bytes, reached here
+        // under the machine's lock.
+        unsafe { std::ptr::write_bytes(self.bytes, byte, self.layout.size()) };
+    }
+
+    /// Whether every byte of the block is `byte`.
+    pub(super) fn all(&self, byte: u8) -> bool {
+        // SAFETY: as for `fill`; read only.
+        let bytes = unsafe { std::slice::from_raw_parts(self.bytes, self.layout.size()) };
+        bytes.iter().all(|&b| b == byte)
+    }
+
     /// `len` (at least 1) zeroed, page-aligned bytes, and their address.
     fn zeroed(len: usize) -> (HostBlock, usize) {
         let layout = std::alloc::Layout::from_size_align(len.max(1), HOST_ALIGN)
@@ -104,7 +122,7 @@ impl Drop for HostBlock {
 #[derive(Debug)]
 pub(super) enum HostKind {
     /// `cuMemHostAlloc` memory, owned by the simulator.
-    Alloc(#[allow(dead_code)] HostBlock),
+    Alloc(HostBlock),
     /// A caller's range, `cuMemHostRegister`ed.
     Registered,
     /// `cuMemAllocManaged` memory: bytes the simulator owns, reached at the same address from
@@ -298,7 +316,12 @@ impl World {
         if !kind_matches {
             return None;
         }
-        let size = host.remove(&ptr.0)?.size;
+        let range = host.remove(&ptr.0)?;
+        let size = range.size;
+        if let (Some(kept), HostKind::Alloc(mut block)) = (self.quarantine.as_mut(), range.kind) {
+            block.fill(QUARANTINE_BYTE);
+            kept.push(block);
+        }
         self.pinned -= size;
         note.bytes = Some(size);
         Some(())

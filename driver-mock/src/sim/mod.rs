@@ -205,6 +205,7 @@ impl SimDriver {
             pool_exports: BTreeMap::new(),
             phys_exports: BTreeMap::new(),
             phys: BTreeMap::new(),
+            quarantine: None,
         };
         SimDriver {
             world: Arc::new(Mutex::new(world)),
@@ -229,6 +230,25 @@ impl SimDriver {
             self.hook.set(hook).is_ok(),
             "SimDriver::set_call_hook: a hook is already set on this machine; set one hook that does everything wanted"
         );
+    }
+
+    /// From now on keeps the host blocks `cuMemFreeHost` frees (`cuMemHostAlloc` memory),
+    /// filled with a poison byte, instead of giving them back: a host write after the free
+    /// lands there and [`freed_host_untouched`](Self::freed_host_untouched) says so. For tests
+    /// of races between host-side writes and frees; the blocks are given back when the machine
+    /// drops.
+    pub fn quarantine_host_frees(&self) {
+        self.lock().quarantine.get_or_insert_with(Vec::new);
+    }
+
+    /// Whether every block kept by [`quarantine_host_frees`](Self::quarantine_host_frees)
+    /// still holds only the poison byte: no write reached it after its free.
+    pub fn freed_host_untouched(&self) -> bool {
+        let w = self.lock();
+        w.quarantine
+            .iter()
+            .flatten()
+            .all(|b| b.all(host::QUARANTINE_BYTE))
     }
 
     /// Another process on the same simulated machine: it shares the devices and their memory

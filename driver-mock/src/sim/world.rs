@@ -102,6 +102,11 @@ pub(super) struct World {
     /// handle `cuMemCreate` made. Real descriptors (pipes), as for pools.
     #[cfg_attr(not(unix), allow(dead_code))]
     pub(super) phys_exports: BTreeMap<u64, u64>,
+    /// With [`SimDriver::quarantine_host_frees`](super::SimDriver::quarantine_host_frees):
+    /// `cuMemHostAlloc` blocks `cuMemFreeHost` freed, kept filled with
+    /// [`QUARANTINE_BYTE`](super::host::QUARANTINE_BYTE) rather than given back, so that a
+    /// write after the free shows.
+    pub(super) quarantine: Option<Vec<super::host::HostBlock>>,
 }
 
 pub(super) fn device_index(w: &World, dev: DeviceOrdinal) -> Result<usize, u32> {

@@ -37,7 +37,7 @@ use crate::memory::pointer::{
     AllocationOwner, ParkedPointer, StreamRecord, StreamUse, into_stream_use,
 };
 use crate::slab::Slab;
-use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, RwLock, lock};
 
 /// How a tracked allocation is released.
 #[derive(Clone)]
@@ -116,6 +116,10 @@ pub(crate) struct AllocationTable {
     /// them) until the fence is done; then their `cuMemFree` is queued.
     waiting: Mutex<std::collections::VecDeque<(u64, u64, Fence)>>,
     waiting_count: AtomicUsize,
+    /// Held shared by host-side reads and writes of tracked memory (mapped, managed) while
+    /// they copy, and exclusively by a reset while it bumps the generation: a reset never
+    /// frees memory under an access, and an access after the bump sees it and is refused.
+    host_access: RwLock<()>,
 }
 
 impl AllocationTable {
@@ -128,6 +132,7 @@ impl AllocationTable {
             fences: Fences::new(cx),
             waiting: Mutex::new(std::collections::VecDeque::new()),
             waiting_count: AtomicUsize::new(0),
+            host_access: RwLock::new(()),
         }
     }
 
@@ -394,7 +399,15 @@ impl AllocationTable {
         let mut unpins = Vec::new();
         let n = {
             let mut table = lock(&self.table);
-            self.generation.fetch_add(1, Ordering::AcqRel);
+            {
+                // No host-side access is in flight once this is held; those that come after
+                // see the new generation.
+                let _accesses = self
+                    .host_access
+                    .write()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+                self.generation.fetch_add(1, Ordering::AcqRel);
+            }
             // Waiting stream-ordered frees are in the table: freed with the rest.
             for (_, _, fence) in std::mem::take(&mut *lock(&self.waiting)) {
                 self.fences.recycle(fence);
@@ -469,6 +482,18 @@ unsafe impl AllocationOwner for AllocationTable {
 
     fn generation(&self) -> u64 {
         AllocationTable::generation(self)
+    }
+
+    fn keep_while(&self, generation: u64, access: &mut dyn FnMut()) -> bool {
+        let _access = self
+            .host_access
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let live = self.generation() == generation;
+        if live {
+            access();
+        }
+        live
     }
 
     fn park(&self, record: ParkedPointer, key: u64, generation: u64) -> Option<ParkedPointer> {

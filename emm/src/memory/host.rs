@@ -578,16 +578,12 @@ impl MappedMemory {
     }
 }
 
-/// Refuses access to memory whose device side a reset released.
-fn check_live(device: &MemoryPointer, what: &'static str) -> Result<(), EmmError> {
-    if device.is_live() {
-        Ok(())
-    } else {
-        Err(EmmError::Stale {
-            what,
-            device: device.device(),
-            reason: "the memory was freed by a reset of its manager",
-        })
+/// The error of an access to memory whose device side a reset released.
+fn stale(device: &MemoryPointer, what: &'static str) -> EmmError {
+    EmmError::Stale {
+        what,
+        device: device.device(),
+        reason: "the memory was freed by a reset of its manager",
     }
 }
 
@@ -600,13 +596,15 @@ fn device_backed_write(
     offset: usize,
     src: &[u8],
 ) -> Result<(), EmmError> {
-    check_live(device, what)?;
     host_range_check(what, offset, src.len(), device.size())?;
-    // SAFETY: the memory is live (the device pointer keeps the allocation, and the check above
-    // refuses memory a reset released), emm hands out no references to it, and the range was
-    // checked.
-    unsafe { host_write(host, offset, src) };
-    Ok(())
+    device
+        .keep_while(|| {
+            // SAFETY: the memory is live (the device pointer keeps the allocation, and
+            // `keep_while` refuses memory a reset released and holds off a reset meanwhile),
+            // emm hands out no references to it, and the range was checked.
+            unsafe { host_write(host, offset, src) }
+        })
+        .ok_or_else(|| stale(device, what))
 }
 
 /// A host-side read of memory as in [`device_backed_write`].
@@ -617,11 +615,13 @@ fn device_backed_read(
     offset: usize,
     dst: &mut [u8],
 ) -> Result<(), EmmError> {
-    check_live(device, what)?;
     host_range_check(what, offset, dst.len(), device.size())?;
-    // SAFETY: as for `device_backed_write`.
-    unsafe { host_read(host, offset, dst) };
-    Ok(())
+    device
+        .keep_while(|| {
+            // SAFETY: as for `device_backed_write`.
+            unsafe { host_read(host, offset, dst) }
+        })
+        .ok_or_else(|| stale(device, what))
 }
 
 /// Managed memory (`cuMemAllocManaged`; Numba's `ManagedMemory`): one address for the host and
@@ -768,10 +768,10 @@ impl HostMemory {
     ) -> Result<R, EmmError> {
         match self {
             HostMemory::Pinned(p) => p.access(what, access),
-            HostMemory::Mapped(m) => {
-                check_live(&m.device, what)?;
-                Ok(access())
-            }
+            HostMemory::Mapped(m) => m
+                .device
+                .keep_while(access)
+                .ok_or_else(|| stale(&m.device, what)),
         }
     }
 }

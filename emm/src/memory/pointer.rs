@@ -404,6 +404,17 @@ pub(crate) unsafe trait AllocationOwner: Send + Sync {
     /// The table's current generation (a reset bumps it).
     fn generation(&self) -> u64;
 
+    /// Runs `access` (a host-side read or write of the memory) if memory stamped `generation`
+    /// is still the table's, holding off a reset, which frees it, until the access is done;
+    /// returns whether it ran. The default checks the generation only.
+    fn keep_while(&self, generation: u64, access: &mut dyn FnMut()) -> bool {
+        let live = self.generation() == generation;
+        if live {
+            access();
+        }
+        live
+    }
+
     /// Offered the record of a plain tracked pointer (no streams, no owner) whose last clone
     /// dropped, recorded under `key` at `generation`: a table that releases the entry and
     /// keeps the record, to revive it for its next allocation
@@ -1077,6 +1088,25 @@ impl MemoryPointer {
         match &self.alloc.release {
             Release::Wrapped { inner, .. } => inner.hook_tag(),
             release => release.shared_hook().map(|(_, tag)| tag),
+        }
+    }
+
+    /// Runs `access` (a host-side read or write through the memory: mapped and managed
+    /// memory) if the memory is live ([`is_live`](Self::is_live)), and for memory a built-in
+    /// manager tracks, with its reset held off until the access is done; `None` where the
+    /// memory is no longer live. Memory another owner answers for is checked, then accessed.
+    pub(crate) fn keep_while<R>(&self, access: impl FnOnce() -> R) -> Option<R> {
+        match &self.alloc.release {
+            Release::Tracked {
+                table, generation, ..
+            } => {
+                let mut access = Some(access);
+                let mut out = None;
+                table.keep_while(*generation, &mut || out = access.take().map(|f| f()));
+                out
+            }
+            Release::Wrapped { inner, .. } => inner.keep_while(access),
+            _ => self.is_live().then(access),
         }
     }
 
