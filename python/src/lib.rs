@@ -98,6 +98,7 @@ fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(flush_logs, m)?)?;
     m.add_function(wrap_pyfunction!(torch::torch_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(torch::torch_live, m)?)?;
+    m.add_function(wrap_pyfunction!(torch::torch_record_stream, m)?)?;
     m.add_function(wrap_pyfunction!(torch::torch_counters, m)?)?;
     m.add_function(wrap_pyfunction!(cupy::cupy_c_functions, m)?)?;
     m.add_function(wrap_pyfunction!(cupy::cupy_usage, m)?)?;

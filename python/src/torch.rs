@@ -6,6 +6,7 @@ use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
 
 use crate::runtime::{AddressMap, drop_memory, lock, with_device_context};
+use crate::streams::StreamArg;
 use emm::MemoryPointer;
 use emm::contract::StreamOrdering;
 use emm::driver_sys::StreamHandle;
@@ -210,6 +211,30 @@ pub extern "C" fn emm_torch_free(ptr: *mut c_void, size: isize, device: i32, str
         }
     }
     drop_memory(mem);
+}
+
+/// PyTorch's `Tensor.record_stream` under `emm.torch.install()` (PyTorch does not pass it to
+/// a pluggable allocator; `install()` routes the method here): the allocation PyTorch got at
+/// `ptr` is used by work queued on `stream` too, so that its free is not reused before that
+/// work is done. Returns false where `ptr` is not an allocation emm made for PyTorch (memory
+/// from elsewhere: nothing to record). Memory of a manager that does not allocate on streams
+/// is refused: its frees are not stream ordered, so the program must synchronise before the
+/// tensor is freed.
+#[pyfunction]
+pub(crate) fn torch_record_stream(py: Python<'_>, ptr: u64, stream: StreamArg) -> PyResult<bool> {
+    let mem = torch_state()
+        .as_ref()
+        .and_then(|s| s.live.get(&ptr).cloned());
+    let Some(mem) = mem else {
+        return Ok(false);
+    };
+    let recorded = with_device_context(mem.device().0, |ctx| {
+        let stream = stream.stream(ctx);
+        py.detach(|| mem.record_stream(&stream))
+    })?;
+    recorded.map_err(crate::py_err)?;
+    drop_memory(mem);
+    Ok(true)
 }
 
 /// The message of the last failed PyTorch allocator call, cleared by reading it.

@@ -290,6 +290,47 @@ def test_torch_memory_stats_under_install(manager):
     assert "stats ok" in out
 
 
+@pytest.mark.parametrize("manager", ["default", "pool", "vmm-pool", "async-pool"])
+def test_torch_record_stream_keeps_memory_from_reuse(manager):
+    """Under ``install()``, a tensor read on a side stream, ``record_stream``-ed and freed while
+    that stream's work is still queued keeps its memory from the next allocation on the default
+    stream, whose write would land before the side stream's read. The same program without the
+    record is the control: its figures are printed (whether the block was reused, what the side
+    stream read), showing the hazard the record prevents on this GPU."""
+    needs_gpu("PyTorch")
+    needs_module("torch")
+    out = run(
+        """
+    import torch, emm, emm.torch
+    emm.torch.install()
+    n = 1 << 22
+
+    def trial(record):
+        side = torch.cuda.Stream()
+        x = torch.full((n,), 3.0, device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)  # the read below waits behind this
+            out = x * 1.0
+        if record:
+            x.record_stream(side)
+        addr = x.data_ptr()
+        del x
+        y = torch.full((n,), 7.0, device="cuda")  # the default stream, at once
+        reused = y.data_ptr() == addr
+        side.synchronize()
+        torch.cuda.synchronize()
+        return out.min().item(), out.max().item(), reused
+
+    read = trial(True)
+    assert read[:2] == (3.0, 3.0), read
+    print("record ok", read, "control", trial(False))
+    """,
+        EMM_MEMORY_MANAGER=manager,
+    )
+    assert "record ok" in out
+
+
 @pytest.mark.parametrize("manager", ["pool", "vmm-pool"])
 def test_framework_words_give_memory_back(manager):
     """``torch.cuda.empty_cache()`` under ``emm.torch.install()`` and

@@ -53,11 +53,41 @@ def install():
     pluggable allocator does nothing on it): ``install()`` wraps ``torch.cuda.empty_cache``
     and ``torch.cuda.memory.empty_cache`` so that they call PyTorch's own and then
     :func:`empty_cache`. Code that took a reference to the function before ``install()``
-    (``from torch.cuda import empty_cache``) keeps PyTorch's alone."""
+    (``from torch.cuda import empty_cache``) keeps PyTorch's alone.
+
+    ``Tensor.record_stream(stream)`` is honoured too (PyTorch does not pass it to a pluggable
+    allocator): ``install()`` wraps the method so that emm records the stream on the tensor's
+    allocation, whose free then waits for the work queued on that stream. Calls PyTorch makes
+    from C++ (not through the Python method) still do not reach emm."""
     if os.environ.get("EMM_CAPTURE_POOLS", "1") != "0":
         _emm.enable_capture_pools()
     torch.cuda.memory.change_current_allocator(allocator())
     _route_empty_cache()
+    _route_record_stream()
+
+
+_framework_record_stream = None
+
+
+def _route_record_stream():
+    """Points ``torch.Tensor.record_stream`` at a function that calls PyTorch's own, then
+    records the stream on the emm allocation under the tensor's storage; once per process."""
+    global _framework_record_stream
+    if _framework_record_stream is not None:
+        return
+    _framework_record_stream = torch.Tensor.record_stream
+
+    def record_stream(self, stream):
+        """PyTorch's ``record_stream``, then emm's: the memory under this tensor is not
+        reused after its free until the work queued on ``stream`` so far is done."""
+        _framework_record_stream(self, stream)
+        if self.is_cuda:
+            ptr = self.untyped_storage().data_ptr()
+            if ptr:
+                _emm.torch_record_stream(ptr, _emm.ExternalStream(stream.cuda_stream, stream))
+
+    record_stream.__wrapped__ = _framework_record_stream
+    torch.Tensor.record_stream = record_stream
 
 
 _framework_empty_cache = None
