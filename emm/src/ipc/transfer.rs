@@ -1,7 +1,8 @@
 //! A [`PoolExport`] or a [`MappedExport`] between processes: its bytes and its file
 //! descriptors over a Unix stream socket (`SCM_RIGHTS`), to the processes the exporter allows
 //! ([`PeerPolicy`]: the same user, or a list of user ids), checked with the connecting
-//! process's credentials.
+//! process's credentials; and from the processes the importer allows, checked the same way
+//! before anything is read.
 //!
 //! A pool export is one message: its fixed-length descriptor with its one file descriptor. A
 //! mapped export is its descriptor's length (4 bytes, little-endian) and the descriptor,
@@ -33,9 +34,10 @@ const RECV_FLAGS: libc::c_int = libc::MSG_CMSG_CLOEXEC;
 const RECV_FLAGS: libc::c_int = 0;
 use crate::error::EmmError;
 
-/// Which processes may receive a pool's file descriptor (and so reach all of the pool's
-/// memory): checked against the credentials of the process at the other end of the socket
-/// (`SO_PEERCRED`) before anything is sent.
+/// Which processes may receive an export (a pool's file descriptor reaches all of the pool's
+/// memory), or, on the importing side, which processes an export is taken from: checked
+/// against the credentials of the process at the other end of the socket (`SO_PEERCRED`)
+/// before anything is sent, or read.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum PeerPolicy {
     /// Processes of the exporter's own (effective) user. The default.
@@ -145,6 +147,38 @@ fn admit(
              it with {kind}::send_to(socket, &PeerPolicy::Uids(vec![{peer}]))",
             match policy {
                 PeerPolicy::SameUser => format!("this process's user (uid {me})"),
+                PeerPolicy::Uids(list) => format!("uid {me} and {list:?}"),
+            }
+        ),
+    ))
+}
+
+/// Checks the process at the other end of `socket` against `policy` before an export of type
+/// `kind` is taken from it: memory a process of another user sends could be anything that
+/// process chose, under this process's name.
+fn accept_sender(socket: &UnixStream, policy: &PeerPolicy, kind: &str) -> io::Result<()> {
+    sender_allowed(peer_uid(socket)?, my_uid(), policy, kind)
+}
+
+/// Whether an export of type `kind` from a process of `peer` is taken by this process of `me`
+/// under `policy`; the error names both users and how to allow the sender.
+fn sender_allowed(peer: u32, me: u32, policy: &PeerPolicy, kind: &str) -> io::Result<()> {
+    if policy.allows(peer, me) {
+        return Ok(());
+    }
+    tracing::warn!(
+        peer,
+        kind,
+        "an export from a process of another user was refused"
+    );
+    Err(io::Error::new(
+        io::ErrorKind::PermissionDenied,
+        format!(
+            "the sending process runs as uid {peer}, and this process takes a {kind} from {} \
+             only; take it with {kind}::receive_from(socket, &PeerPolicy::Uids(vec![{peer}])) \
+             if that user is trusted",
+            match policy {
+                PeerPolicy::SameUser => format!("its own user (uid {me})"),
                 PeerPolicy::Uids(list) => format!("uid {me} and {list:?}"),
             }
         ),
@@ -315,13 +349,21 @@ impl PoolExport {
         Ok(())
     }
 
-    /// Receives one export that [`send`](Self::send) sent over `socket`. Blocks until it
-    /// arrives (or the socket's read timeout passes).
+    /// Receives one export that [`send`](Self::send) sent over `socket` from a process of this
+    /// user. Blocks until it arrives (or the socket's read timeout passes). A process of
+    /// another user is refused before anything is read; take exports from others with
+    /// [`receive_from`](Self::receive_from).
     pub fn receive(socket: &UnixStream) -> Result<PoolExport, EmmError> {
+        Self::receive_from(socket, &PeerPolicy::SameUser)
+    }
+
+    /// As [`receive`](Self::receive), from the processes `policy` allows.
+    pub fn receive_from(socket: &UnixStream, policy: &PeerPolicy) -> Result<PoolExport, EmmError> {
         let fail = |error| EmmError::PoolTransfer {
             what: "receiving a pool export",
             error,
         };
+        accept_sender(socket, policy, "PoolExport").map_err(fail)?;
         let mut payload = [0u8; POOL_DESCRIPTOR_LEN];
         let fds = recv_with_fds(socket, &mut payload).map_err(fail)?;
         if let Some(refused) = denial(&payload, "pool") {
@@ -373,13 +415,24 @@ impl MappedExport {
         Ok(())
     }
 
-    /// Receives one export that [`send`](Self::send) sent over `socket`. Blocks until it
-    /// arrives (or the socket's read timeout passes).
+    /// Receives one export that [`send`](Self::send) sent over `socket` from a process of this
+    /// user. Blocks until it arrives (or the socket's read timeout passes). A process of
+    /// another user is refused before anything is read; take exports from others with
+    /// [`receive_from`](Self::receive_from).
     pub fn receive(socket: &UnixStream) -> Result<MappedExport, EmmError> {
+        Self::receive_from(socket, &PeerPolicy::SameUser)
+    }
+
+    /// As [`receive`](Self::receive), from the processes `policy` allows.
+    pub fn receive_from(
+        socket: &UnixStream,
+        policy: &PeerPolicy,
+    ) -> Result<MappedExport, EmmError> {
         let fail = |error| EmmError::PoolTransfer {
             what: "receiving a mapped export",
             error,
         };
+        accept_sender(socket, policy, "MappedExport").map_err(fail)?;
         let mut len = [0u8; 4];
         let mut fds = recv_with_fds(socket, &mut len).map_err(fail)?;
         let len = u32::from_le_bytes(len) as usize;
@@ -507,6 +560,28 @@ mod tests {
             drop(OwnedFd::from_raw_fd(fds[1]));
             std::fs::File::from_raw_fd(fds[0])
         }
+    }
+
+    /// An export from a process of another user is refused before anything is read, saying
+    /// who sent it and how to take it; the importer's own user and the users its policy lists
+    /// are taken. (A socket pair is always of one user: the decision is tested with the users
+    /// given, and `receive` itself with a pair.)
+    #[test]
+    fn an_export_from_another_user_is_refused_unless_allowed() {
+        let e = sender_allowed(1234, 99, &PeerPolicy::SameUser, "MappedExport").unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
+        let text = e.to_string();
+        assert!(
+            text.contains("uid 1234") && text.contains("uid 99") && text.contains("receive_from"),
+            "{text}"
+        );
+        sender_allowed(99, 99, &PeerPolicy::SameUser, "MappedExport").unwrap();
+        sender_allowed(1234, 99, &PeerPolicy::Uids(vec![1234]), "PoolExport").unwrap();
+        assert!(sender_allowed(5, 99, &PeerPolicy::Uids(vec![1234]), "PoolExport").is_err());
+        // Through a socket pair (one user), the check passes and the export is read.
+        let (a, b) = UnixStream::pair().unwrap();
+        accept_sender(&b, &PeerPolicy::SameUser, "MappedExport").unwrap();
+        drop(a);
     }
 
     /// A refused importer learns why from the exporter's refusal.
