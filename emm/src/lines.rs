@@ -6,7 +6,7 @@
 //! thread's arena to the next thread it starts: that thread's own objects then land on the
 //! cache lines of lists that another thread (the shard's new owner) writes on every pair, and
 //! the two cores pass the lines back and forth, and two threads of cached `pool` pairs then
-//! make little more than one thread's rate (bench-results/runs.md, run X). A `Lines` buffer is
+//! make little more than one thread's rate. A `Lines` buffer is
 //! aligned to 128 bytes and sized a multiple of them (two cache
 //! lines: the adjacent-line prefetcher fetches them in pairs), so whatever thread grows it, no
 //! other allocation shares a line with its elements. Its operations cost what a `Vec`'s do.

@@ -323,9 +323,9 @@ fn pinned_pool_shards_race_a_take_and_a_reset() {
 /// The pinned host pool: this thread takes a block back from its inbox (where another thread
 /// returned it) with its own shard entered, while a third thread trims, which takes every
 /// shard and every inbox. The trim must wait for this thread to leave its shard before it
-/// holds any inbox: holding them all first and then waiting deadlocked (the GPU job at
-/// e033ff5; this model, on that code, fails with loom's "Model exceeded maximum number of
-/// branches", both threads spinning on each other). Whatever the
+/// holds any inbox: holding them all first and then waiting deadlocked on the GPU (on that
+/// order, this model fails with loom's "Model exceeded maximum number of branches", both
+/// threads spinning on each other). Whatever the
 /// interleaving, both finish, no block is handed out twice, and every block is freed once.
 #[test]
 fn pinned_pool_refill_from_an_inbox_races_a_trim() {

@@ -133,8 +133,7 @@ pub(crate) fn shard_count() -> usize {
 /// when the kernel lets the process register for `membarrier`'s private expedited command
 /// (Linux 4.14 and later, unless a seccomp policy forbids it); false elsewhere, where every
 /// operation on a shard takes its spin lock (one uncontended compare-exchange). Decided once
-/// per process; the `pool` manager's cached pairs are faster with it (bench-results/runs.md,
-/// run T).
+/// per process; the `pool` manager's cached pairs are faster with it.
 pub fn shards_without_locks() -> bool {
     Bias::available() == Bias::Membarrier
 }

@@ -328,8 +328,8 @@ impl ManagerContext {
     /// Before a copy issued in this context from memory of `peer`'s device: enables peer access
     /// from this context to `peer` where the two devices can be peers, so that the copy goes
     /// device to device. Without it the driver still copies through unified addressing, but
-    /// through host memory, about a tenth as fast between two H200s joined by NVLink
-    /// (bench-results/runs.md, run M). Asked before every such copy (one driver call: it
+    /// through host memory, several times slower between devices joined by NVLink. Asked
+    /// before every such copy (one driver call: it
     /// answers "already enabled" once granted, until either context is reset, and "unsupported"
     /// for devices that cannot be peers); any other refusal is logged, and the copy then goes
     /// ahead the slow way, still correct.

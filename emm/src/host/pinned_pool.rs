@@ -712,8 +712,7 @@ impl HostReleaseHook for PinnedPool {
         // Freed away from home (or not cached): the reference goes to this thread's own
         // spares all the same, for the next block this thread takes. A thread that frees
         // what others allocate would otherwise drop a reference every pair while its own
-        // allocations cloned one, two updates of one shared count (bench-results/runs.md,
-        // run W).
+        // allocations cloned one, two updates of one shared count.
         let (shard, owner) = thread_shard();
         let mut lists = pool.shards[shard].inner.enter(owner);
         // SAFETY: `lists` stays entered until this function returns, and `pool` is not used

@@ -141,7 +141,7 @@ pub(crate) fn open_staged(
     let size = handle.size();
     // No peer access is asked for here, unlike `Context::copy_peer`: granting it, before or
     // after the mapping, did not speed the staged copy, which runs at host-memory speed where
-    // a plain copy between the devices takes the peer path (bench-results/runs.md, run M). The
+    // a plain copy between the devices takes the peer path. The
     // copy from a mapping of another process's memory does not take the peer path, for a
     // reason not found.
     let mapping = map_checked(handle, source)?;

@@ -87,7 +87,7 @@ pub(crate) fn interleaved_pairs(driver: &Arc<dyn Driver>, simulated: bool) {
                     drop(ctx.memalloc_on(size, &s).expect("memalloc_on"))
                 }),
                 // Through the stream's handle: no owner kept and no context check, the two
-                // things `memalloc_on` does beyond it (bench-results/runs.md run AD).
+                // things `memalloc_on` does beyond it.
                 ("async-pool memalloc_on_raw", &|| {
                     // SAFETY: `s` outlives every block (synchronised before it drops below),
                     // and is a stream of `ctx`'s context.

@@ -252,7 +252,7 @@ struct Shared {
     /// One per thread shard ([`thread_slots`]): an allocation or a free enters its thread's
     /// (its owner's fast path: no read-modify-write), creation, export and reset take them all.
     /// A read-write lock taken for reading by every allocation and free would put a shared
-    /// read-modify-write on each (bench-results/runs.md, run AC).
+    /// read-modify-write on each.
     gates: Box<[Shard<()>]>,
     /// What creation, export and reset change: locked after every gate.
     state: Mutex<PoolState>,

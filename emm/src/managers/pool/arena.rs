@@ -20,8 +20,8 @@
 //! own bin: a request fails only when no free block is large enough, as with best fit, and the
 //! block taken is at most one bin (6.25 %) larger than the best fit, except when only its own
 //! bin has one. The rest of a block taken is split off and stays free. On RMM's random
-//! workload this holds as little as best fit does (bench-results/runs.md, run N and after
-//! it), and sixteen bins per doubling hold less than eight and no more than thirty-two.
+//! workload this holds as little as best fit does, and sixteen bins per doubling hold less
+//! than eight and no more than thirty-two.
 //!
 //! **The block given last** waits outside the bins and maps ([`Arena::recent`]) until the next
 //! operation: a take of exactly its size gets it back at once (a best fit), so that a program
