@@ -39,7 +39,7 @@
 //!
 //! | layer | module | what it holds |
 //! | --- | --- | --- |
-//! | 0 | `error`, `sync`, `size_class`, `slab`, `lines`, `thread_slots`, `units`, `test_config` | [`EmmError`]; the loom shim, the spin lock and the biased lock of the pools' shards; the size classes, the slab the allocation table and the arena name entries in, lists on cache lines of their own, the dense per-thread indices both pools use, byte sizes, the property tests' settings |
+//! | 0 | `clock`, `error`, `sync`, `size_class`, `slab`, `lines`, `thread_slots`, `units`, `test_config` | the time-stamp counter the pools' histories stamp events with; [`EmmError`]; the loom shim, the spin lock and the biased lock of the pools' shards; the size classes, the slab the allocation table and the arena name entries in, lists on cache lines of their own, the dense per-thread indices both pools use, byte sizes, the property tests' settings |
 //! | 1 | `memory` | memory objects and deallocation: pointers, host memory, the pending queue and its policy, `defer_cleanup`, liveness |
 //! | 2 | [`contract`] | the plugin interface: [`MemoryManager`](contract::MemoryManager), its factory and [`ManagerContext`](contract::ManagerContext), the data it returns |
 //! | 3 | `host` | the host layer: [`HostLayer`](plugin::HostLayer), [`DeviceAllocator`](plugin::DeviceAllocator) + [`HostOnly`](plugin::HostOnly), Numba's allocation table, the pinned host pool |

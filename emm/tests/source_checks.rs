@@ -378,3 +378,68 @@ fn the_check_resolves_super_chains_and_dollar_crate() {
         check_source(&at("sync"), chars)
     );
 }
+
+/// The file at `relative` under the repository (beside emm's manifest, or under the working
+/// directory on a machine that has a copy of the repository), read whole.
+fn repository_file(relative: &str) -> String {
+    let candidates = [
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(relative),
+        PathBuf::from(relative),
+    ];
+    let found = candidates.iter().find(|p| p.is_file()).unwrap_or_else(|| {
+        panic!("{relative} is not at {candidates:?}: run this test from the repository's root")
+    });
+    std::fs::read_to_string(found).expect("readable")
+}
+
+/// The docs that list the layers name every module of `LAYERS` (lib.rs's table and
+/// ARCHITECTURE.md's diagram), so that a module added to the check is added to them too.
+#[test]
+fn the_layer_lists_of_the_docs_name_every_module() {
+    let lib = repository_file("emm/src/lib.rs");
+    let table: String = lib
+        .lines()
+        .filter(|l| {
+            l.strip_prefix("//! | ")
+                .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let architecture = repository_file("ARCHITECTURE.md");
+    let diagram = architecture
+        .split("## emm in layers")
+        .nth(1)
+        .and_then(|s| s.split("```").nth(1))
+        .expect("ARCHITECTURE.md has its layer diagram under \"## emm in layers\"");
+    let mut missing = Vec::new();
+    for (module, _) in LAYERS {
+        if !table.contains(&format!("`{module}`")) {
+            missing.push(format!("emm/src/lib.rs's layer table lacks `{module}`"));
+        }
+        let named = diagram
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .any(|w| w == *module);
+        if !named {
+            missing.push(format!("ARCHITECTURE.md's layer diagram lacks {module}"));
+        }
+    }
+    assert!(missing.is_empty(), "{}", missing.join("\n"));
+}
+
+/// The behaviour binary's module table (its `main.rs`) has a row for every module it declares.
+#[test]
+fn the_behaviour_binarys_table_lists_every_module() {
+    let main = repository_file("emm/tests/behaviour/main.rs");
+    let missing: Vec<&str> = main
+        .lines()
+        .filter_map(|l| l.strip_prefix("mod ")?.strip_suffix(';'))
+        .filter(|m| *m != "common")
+        .filter(|m| !main.contains(&format!("//! | `{m}` |")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "emm/tests/behaviour/main.rs's module table lacks {missing:?}: add a row saying what each proves"
+    );
+}
