@@ -2,6 +2,10 @@
 //!
 //! The cfg is crate-specific because `RUSTFLAGS` are global: a plain `--cfg loom` would also
 //! switch every dependency that checks `cfg(loom)`.
+//!
+//! Every atomic and lock of emm comes from here, but process-wide statics (ids, counts of
+//! threads' slots and of capture pools, a panic count), which loom's atomics cannot be: those
+//! are std's, named in full where they are declared, each with the reason.
 
 #[cfg(emm_loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};

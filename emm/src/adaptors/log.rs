@@ -57,6 +57,7 @@ impl fmt::Debug for Log {
 
 thread_local! {
     static LOG_THREAD: u64 = {
+        // A static, so std's atomic (loom's cannot be one); it orders nothing else.
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     };

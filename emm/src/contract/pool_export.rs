@@ -37,6 +37,7 @@ impl PoolId {
     /// A new id: this process's id, a per-process counter and the time, so ids of different
     /// processes and of successive pools of one process differ.
     pub(crate) fn fresh() -> PoolId {
+        // A static, so std's atomic (loom's cannot be one); it orders nothing else.
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let count = NEXT.fetch_add(1, Ordering::Relaxed);
         let nanos = std::time::SystemTime::now()

@@ -6,7 +6,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use driver_sys::{
@@ -19,14 +18,16 @@ use crate::contract::manager::StreamOrdering;
 use crate::error::EmmError;
 use crate::memory::pointer::MemoryPointer;
 use crate::objects::{Stream, check_same_context};
-use crate::sync::{Mutex, lock};
+use crate::sync::{AtomicBool, AtomicUsize, Mutex, Ordering, lock};
 
 /// Blocks are carved in multiples of this.
 const ALIGN: usize = 512;
 /// The smallest segment, and the rounding of larger ones.
 const SEGMENT: usize = 2 << 20;
 
-static NEXT_POOL: AtomicU64 = AtomicU64::new(1);
+/// The next graph pool's id, process-wide: a static, which loom's atomics cannot be (the
+/// only order it needs is that two pools get different ids).
+static NEXT_POOL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// What a graph pool holds, in bytes and blocks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -281,7 +282,7 @@ pub(crate) struct GraphRoutes {
     side: Mutex<Option<Arc<Stream>>>,
     /// Whether captures begun by others get graph pools of their own
     /// ([`Context::enable_capture_pools`]).
-    auto: std::sync::atomic::AtomicBool,
+    auto: AtomicBool,
     /// The pools of those captures, by capture id, with their stream and whether the capture
     /// is known to have ended; and how many are not known to have ended.
     auto_pools: Mutex<Vec<AutoPool>>,
@@ -498,8 +499,9 @@ impl Drop for GraphRoutes {
     }
 }
 
-/// Capture pools not known to have ended, over every context of the process.
-static OPEN_CAPTURE_POOLS: AtomicUsize = AtomicUsize::new(0);
+/// Capture pools not known to have ended, over every context of the process: a static, which
+/// loom's atomics cannot be (each context's own count, `auto_open`, is loom's).
+static OPEN_CAPTURE_POOLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Whether a capture pool of any context may still be open (one atomic load): a framework's
 /// free path asks this before looking up its context's

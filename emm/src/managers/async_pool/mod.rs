@@ -83,7 +83,7 @@ use crate::memory::pointer::{
     MemoryPointer, ParkedPointer, PoolHook, ReleaseHook, StreamUse, forget_hooks,
 };
 use crate::slab::Slab;
-use crate::sync::{AtomicU64, BiasedGuard, Mutex, MutexGuard, Ordering, lock};
+use crate::sync::{AtomicU64, AtomicUsize, BiasedGuard, Mutex, MutexGuard, Ordering, lock};
 use crate::thread_slots::{self, Shard, thread_shard};
 
 #[cfg(unix)]
@@ -271,7 +271,7 @@ struct Shared {
     /// their tag, and freed on their stream once it no longer captures (at an allocation).
     /// Locked after a gate; counted apart for the allocation path.
     after_capture: Mutex<Vec<(DevicePtr, StreamHandle, u64)>>,
-    after_capture_count: std::sync::atomic::AtomicUsize,
+    after_capture_count: AtomicUsize,
 }
 
 /// No pool: the value of [`Shared::pool`] before the first use and after a reset (a driver's
@@ -551,7 +551,7 @@ impl AsyncPoolAllocator {
             queue: Arc::clone(host.deallocations()),
             fences: Fences::new(host.context()),
             after_capture: Mutex::new(Vec::new()),
-            after_capture_count: std::sync::atomic::AtomicUsize::new(0),
+            after_capture_count: AtomicUsize::new(0),
         });
         AsyncPoolAllocator {
             hook: Arc::clone(&shared) as Arc<dyn PoolHook>,
