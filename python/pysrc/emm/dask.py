@@ -1,0 +1,265 @@
+"""emm on Dask workers: one line sets every worker up, and the cluster's memory is one report.
+
+::
+
+    from distributed import Client
+    import emm.dask
+
+    client = Client(cluster)
+    client.register_plugin(emm.dask.EmmSetup(manager="pool", maximum="20GiB"))
+    ...
+    emm.dask.memory_report(client).save_html("memory.html")
+
+``EmmSetup`` runs in every worker process (those that join later, and a worker again after it
+restarts), before the worker's first CUDA allocation must happen: it makes the process's emm
+runtime with the manager and adaptors given, and installs emm for the frameworks the worker can
+import (PyTorch's allocator, CuPy's, Numba's memory manager). Each worker then reports emm's
+figures in its metrics (``worker.metrics["emm"]``), which reach the scheduler with every
+heartbeat. For ``dask worker`` and ``dask cuda worker``, ``--preload emm.dask`` does the same from
+the environment (``EMM_MEMORY_MANAGER``, ``EMM_MEMORY_ADAPTORS``, ``EMM_DASK_MAXIMUM``,
+``EMM_DASK_LOG_DIRECTORY``, ``EMM_DASK_FRAMEWORKS``).
+
+dask-cuda's RMM options, and what takes their place here:
+
+========================================  ==========================================================
+dask-cuda (``LocalCUDACluster``)          emm (``EmmSetup``)
+========================================  ==========================================================
+``rmm_pool_size``                         ``manager="pool"`` (or ``"vmm-pool"``): the pool grows as
+                                          needed and keeps what it grew; no size to give up front
+``rmm_maximum_pool_size``                 ``maximum="20GiB"`` (the ``limit`` adaptor: device bytes
+                                          in use through emm, refused past it)
+``rmm_managed_memory``                    not applicable: emm's managers allocate device memory;
+                                          managed memory is ``ctx.memallocmanaged`` per call
+``rmm_async``                             ``manager="async-pool"`` (the driver's stream-ordered
+                                          pool)
+``rmm_release_threshold``                 not yet: emm's ``async-pool`` trims on ``trim()`` and
+                                          out of memory, not at a threshold
+``rmm_log_directory``                     ``log_directory=DIR`` (the ``log`` adaptor, one CSV per
+                                          worker: ``DIR/emm-<worker name>.csv``)
+``rmm_track_allocations``                 ``adaptors="stats"`` (on by default here: the metrics'
+                                          live and peak figures) or ``"history"`` (every live
+                                          allocation with its tag, for snapshots)
+``rmm_allocator_external_lib_list``       ``frameworks=("torch", "cupy", "numba")``: the
+                                          frameworks emm is installed for
+========================================  ==========================================================
+
+Not yet here (issue 62): spilling on out-of-memory, emm's figures in the dashboard's RMM panel,
+Ray.
+"""
+
+import html
+import importlib.util
+import os
+import re
+
+from distributed import WorkerPlugin
+
+import emm
+
+__all__ = ["EmmSetup", "MemoryReport", "dask_setup", "memory_report", "worker_figures"]
+
+#: The name of the worker metric emm's figures are reported under.
+METRIC = "emm"
+
+FRAMEWORKS = ("torch", "cupy", "numba")
+
+
+class EmmSetup(WorkerPlugin):
+    """Sets emm up in each worker process: the runtime (``manager``, ``adaptors`` as
+    ``EMM_MEMORY_ADAPTORS`` takes them, ``maximum`` as the ``limit`` adaptor, ``log_directory``
+    for a per-worker log), emm installed for each of ``frameworks`` the worker can import, and
+    the ``emm`` metric. ``driver`` is ``"cuda"`` or ``"sim"`` (default: ``EMM_PYTHON_DRIVER``,
+    else ``"cuda"``). Values left out come from the worker's environment, as for
+    ``emm.configure``. The worker's runtime must not exist yet (no emm allocation before the
+    plugin): a runtime made with other settings is refused with ``emm.EmmError``."""
+
+    name = "emm-setup"
+    idempotent = True
+
+    def __init__(
+        self,
+        manager=None,
+        adaptors="stats",
+        maximum=None,
+        log_directory=None,
+        frameworks=FRAMEWORKS,
+        driver=None,
+    ):
+        unknown = [f for f in frameworks if f not in FRAMEWORKS]
+        if unknown:
+            raise ValueError(
+                f"emm installs itself for {', '.join(FRAMEWORKS)}; {unknown} is not one of them"
+            )
+        self.manager = manager
+        self.adaptors = adaptors
+        self.maximum = maximum
+        self.log_directory = log_directory
+        self.frameworks = tuple(frameworks)
+        self.driver = driver
+
+    def adaptors_for(self, worker_name):
+        """The adaptor list for the worker named ``worker_name``."""
+        parts = [a for a in (self.adaptors or "").split(",") if a.strip()]
+        if self.maximum is not None:
+            parts.append(f"limit={self.maximum}")
+        if self.log_directory is not None:
+            safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(worker_name))
+            parts.append(f"log={os.path.join(self.log_directory, f'emm-{safe}.csv')}")
+        return ",".join(parts) or None
+
+    def setup(self, worker):
+        driver = self.driver or os.environ.get("EMM_PYTHON_DRIVER", "cuda")
+        sim_memory = os.environ.get("EMM_SIM_DEVICE_MEMORY") if driver == "sim" else None
+        if self.log_directory is not None:
+            os.makedirs(self.log_directory, exist_ok=True)
+        emm.configure(
+            manager=self.manager,
+            adaptors=self.adaptors_for(worker.name),
+            driver=driver,
+            sim_memory=sim_memory,
+        )
+        installed = []
+        for framework in self.frameworks:
+            if _install(framework):
+                installed.append(framework)
+        worker.metrics[METRIC] = worker_figures
+        worker.emm_frameworks = installed
+
+
+def _install(framework):
+    """Installs emm for ``framework`` if this process can import it; whether it did."""
+    if framework == "numba":
+        if importlib.util.find_spec("numba") is None:
+            return False
+        # Numba reads its memory manager when its CUDA driver starts.
+        os.environ["NUMBA_CUDA_MEMORY_MANAGER"] = "emm.numba"
+        return True
+    if importlib.util.find_spec(framework) is None:
+        return False
+    if framework == "torch":
+        import emm.torch
+
+        emm.torch.install()
+    else:
+        import emm.cupy
+
+        emm.cupy.install()
+    return True
+
+
+def worker_figures(worker=None):
+    """emm's figures in this process (the ``emm`` worker metric): the manager, device memory
+    live, its peak, held, the most held, the largest free block, out-of-memory retries and
+    failures. Figures a configuration cannot give are ``None`` (live and peak need the
+    ``stats`` adaptor; held, the pools)."""
+    ctx = emm.context(0)
+    usage = ctx.usage()
+    device = usage["device"] if usage else None
+    pool = ctx.pool_stats()["device"]
+    events = ctx.allocation_events()
+    return {
+        "manager": ctx.manager,
+        "live_bytes": device["current_bytes"] if device else None,
+        "peak_live_bytes": device["peak_bytes"] if device else None,
+        "held_bytes": pool["held_bytes"] if pool else None,
+        "peak_held_bytes": pool["peak_held_bytes"] if pool else None,
+        "largest_free_bytes": pool["largest_free_bytes"] if pool else None,
+        "oom_retries": events["retries"],
+        "ooms": events["ooms"],
+    }
+
+
+def dask_setup(worker):
+    """``--preload emm.dask``: :class:`EmmSetup` from the environment (``EMM_MEMORY_MANAGER``,
+    ``EMM_MEMORY_ADAPTORS``, ``EMM_DASK_MAXIMUM``, ``EMM_DASK_LOG_DIRECTORY``,
+    ``EMM_DASK_FRAMEWORKS``, a comma-separated list)."""
+    frameworks = os.environ.get("EMM_DASK_FRAMEWORKS")
+    EmmSetup(
+        adaptors=os.environ.get("EMM_MEMORY_ADAPTORS", "stats"),
+        maximum=os.environ.get("EMM_DASK_MAXIMUM"),
+        log_directory=os.environ.get("EMM_DASK_LOG_DIRECTORY"),
+        frameworks=tuple(f for f in frameworks.split(",") if f) if frameworks else FRAMEWORKS,
+    ).setup(worker)
+
+
+def _worker_report():
+    """One worker's part of :func:`memory_report` (run in the worker)."""
+    ctx = emm.context(0)
+    snapshot = ctx.snapshot()
+    segments = [
+        {"bytes": s["bytes"], "kind": s["kind"], "blocks": [(b["bytes"], b["state"]) for b in s["blocks"]]}
+        for s in snapshot.segments()
+    ]
+    largest = max(
+        (b[0] for s in segments for b in s["blocks"] if b[1] == "in-use"), default=0
+    )
+    return {
+        "figures": worker_figures(),
+        "segments": segments,
+        "by_tag": snapshot.by_tag(),
+        "largest_live_block": largest,
+    }
+
+
+class MemoryReport:
+    """Every worker's emm figures and memory, gathered by :func:`memory_report`: ``rows`` (one
+    dict per worker, its address first), ``table()`` (the same as text), ``to_html()`` and
+    ``save_html(path)`` (a page with a row of segments per worker)."""
+
+    def __init__(self, workers):
+        self.workers = workers
+        self.rows = [
+            {"worker": address, **w["figures"], "largest_live_block": w["largest_live_block"]}
+            for address, w in sorted(workers.items())
+        ]
+
+    def table(self):
+        """The rows as aligned text, one line per worker."""
+        columns = ["worker", "manager", "live_bytes", "peak_live_bytes", "held_bytes",
+                   "peak_held_bytes", "largest_free_bytes", "largest_live_block", "oom_retries",
+                   "ooms"]
+        text = [[str(r.get(c)) for c in columns] for r in self.rows]
+        widths = [max(len(c), *(len(t[i]) for t in text)) for i, c in enumerate(columns)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(t, widths)) for t in text]
+        return "\n".join(lines)
+
+    def to_html(self):
+        """A self-contained page: the table, then each worker's segments as bars, blocks
+        coloured by state, and its live memory by tag."""
+        colour = {"in-use": "#c0392b", "cached": "#e67e22", "free": "#27ae60",
+                  "pending-free": "#8e44ad"}
+        parts = ["<!doctype html><meta charset=utf-8><title>emm memory report</title>",
+                 "<h1>emm memory report</h1>", "<pre>", html.escape(self.table()), "</pre>"]
+        for address, w in sorted(self.workers.items()):
+            parts.append(f"<h2>{html.escape(address)}</h2><div class=segments>")
+            for s in w["segments"]:
+                total = max(s["bytes"], 1)
+                cells = "".join(
+                    f"<span title='{b} bytes, {st}' style='display:inline-block;height:14px;"
+                    f"width:{100 * b / total:.3f}%;background:{colour.get(st, '#999')}'></span>"
+                    for b, st in s["blocks"]
+                )
+                parts.append(
+                    f"<div class=segment title='{s['bytes']} bytes, {html.escape(s['kind'])}' "
+                    f"style='width:100%;border:1px solid #333;margin:2px 0'>{cells}</div>"
+                )
+            parts.append("</div><ul>")
+            for t in w["by_tag"]:
+                parts.append(
+                    f"<li>{html.escape(t['tag'])}: {t['bytes']} bytes in {t['allocations']} "
+                    f"allocations (largest {t['largest']})</li>"
+                )
+            parts.append("</ul>")
+        return "\n".join(parts)
+
+    def save_html(self, path):
+        """Writes :meth:`to_html` to ``path``."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_html())
+
+
+def memory_report(client):
+    """Every worker's emm figures, segments and live memory by tag, as a :class:`MemoryReport`
+    (a worker without emm set up raises ``emm.EmmError`` there, which this raises)."""
+    return MemoryReport(client.run(_worker_report))

@@ -1,0 +1,170 @@
+"""emm on a real Dask cluster (``distributed.LocalCluster``, worker processes, no mocks), on
+emm's simulated GPU: the plugin sets every worker up, the metrics reach the scheduler, the
+memory report gathers every worker, a restarted worker is set up again, and a worker that dies
+mid-task leaves the rest of the cluster and its results alone."""
+
+import time
+
+import pytest
+
+import emm
+
+from conftest import DRIVER
+# The tasks the workers run: a module of their own, which the workers import (this one imports
+# conftest, which makes a runtime of the test process's settings).
+from dask_tasks import die, hold
+
+distributed = pytest.importorskip(
+    "distributed",
+    reason="emm.dask's tests need distributed (ci/test installs it into .venv-test)",
+)
+import emm.dask  # noqa: E402  (needs distributed)
+
+MIB = 1 << 20
+
+
+def local_cluster(workers, **more):
+    """A LocalCluster of ``workers`` worker processes of one thread, no dashboards."""
+    return distributed.LocalCluster(
+        n_workers=workers,
+        processes=True,
+        threads_per_worker=1,
+        dashboard_address=None,
+        worker_dashboard_address=None,
+        **more,
+    )
+
+
+@pytest.fixture
+def cluster(monkeypatch, tmp_path):
+    if DRIVER != "sim":
+        pytest.skip("the workers run on emm's simulated GPU here; the GPU job runs its own")
+    # Worker processes inherit the environment: the simulated driver, a small device.
+    monkeypatch.setenv("EMM_PYTHON_DRIVER", "sim")
+    monkeypatch.setenv("EMM_SIM_DEVICE_MEMORY", str(1 << 30))
+    import dask
+
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        with local_cluster(2) as c, distributed.Client(c) as client:
+            yield c, client
+
+
+def emm_metrics(client):
+    """The ``emm`` metric of every worker, as the scheduler last heard it."""
+    return client.run_on_scheduler(
+        lambda dask_scheduler: {
+            a: ws.metrics.get("emm") for a, ws in dask_scheduler.workers.items()
+        }
+    )
+
+
+def wait_for(check, what, timeout=30):
+    """Polls ``check()`` until it returns a true value; returns it."""
+    end = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: not seen within {timeout} s")
+        time.sleep(0.2)
+
+
+def test_every_worker_is_set_up_reports_its_figures_and_is_in_the_report(cluster, tmp_path):
+    c, client = cluster
+    logs = tmp_path / "logs"
+    client.register_plugin(
+        emm.dask.EmmSetup(manager="pool", maximum="256MiB", log_directory=str(logs))
+    )
+    workers = sorted(client.scheduler_info()["workers"])
+    assert len(workers) == 2
+    sizes = {workers[0]: 8 * MIB, workers[1]: 24 * MIB}
+    for w, n in sizes.items():
+        assert client.submit(hold, n, workers=[w], pure=False).result() == n
+    # Each worker's figures reach the scheduler with its heartbeats.
+    seen = wait_for(
+        lambda: (m := emm_metrics(client))
+        and all(m.get(w) and m[w]["live_bytes"] == n for w, n in sizes.items())
+        and m,
+        "each worker's live bytes in the scheduler's metrics",
+    )
+    for w, n in sizes.items():
+        figures = seen[w]
+        assert figures["manager"] == "log(limit(stats(pool)))", figures
+        assert figures["held_bytes"] >= n and figures["peak_live_bytes"] >= n, figures
+        assert figures["ooms"] == 0, figures
+    # The maximum is the limit adaptor's: past it, the task fails with emm's error.
+    too_much = client.submit(hold, 300 * MIB, workers=[workers[0]], pure=False)
+    with pytest.raises(Exception, match="limit"):
+        too_much.result()
+    # One log per worker, named after it.
+    emm_logs = sorted(p.name for p in logs.iterdir())
+    assert len(emm_logs) == 2 and all(n.startswith("emm-") for n in emm_logs), emm_logs
+    report = emm.dask.memory_report(client)
+    assert [r["worker"] for r in report.rows] == workers
+    assert {r["worker"]: r["largest_live_block"] for r in report.rows} == sizes
+    table = report.table()
+    assert all(w in table for w in workers), table
+    page = tmp_path / "memory.html"
+    report.save_html(page)
+    text = page.read_text()
+    assert text.count("<h2>") == 2 and "class=segment" in text, text[:500]
+
+
+def test_a_restarted_worker_is_set_up_again(cluster):
+    c, client = cluster
+    client.register_plugin(emm.dask.EmmSetup(manager="vmm-pool"))
+    w = sorted(client.scheduler_info()["workers"])[0]
+    client.submit(hold, 4 * MIB, workers=[w], pure=False).result()
+    client.restart()
+    # New processes: the plugin ran again in each, nothing is held.
+    seen = wait_for(
+        lambda: (m := emm_metrics(client))
+        and len(m) == 2
+        and all(f and f["manager"] == "stats(vmm-pool)" and f["live_bytes"] == 0 for f in m.values())
+        and m,
+        "both restarted workers set up under vmm-pool",
+    )
+    assert len(seen) == 2
+
+
+def test_a_worker_that_dies_mid_task_leaves_the_cluster_and_its_results(cluster):
+    c, client = cluster
+    client.register_plugin(emm.dask.EmmSetup(manager="pool"))
+    a, b = sorted(client.scheduler_info()["workers"])
+    kept = client.submit(hold, 16 * MIB, workers=[b], pure=False)
+    assert kept.result() == 16 * MIB
+
+    doomed = client.submit(die, 8 * MIB, workers=[a], pure=False)
+    with pytest.raises(distributed.KilledWorker):
+        doomed.result(timeout=60)
+    # The other worker's result and memory are untouched; the dead one is replaced and set up.
+    assert kept.result() == 16 * MIB
+    seen = wait_for(
+        lambda: (m := emm_metrics(client))
+        and len(m) == 2
+        and all(f and f["manager"] == "stats(pool)" for f in m.values())
+        and m,
+        "the replacement worker set up",
+    )
+    assert 16 * MIB in [f["live_bytes"] for f in seen.values()], seen
+
+
+def test_the_preload_sets_a_worker_up_from_its_environment(monkeypatch):
+    if DRIVER != "sim":
+        pytest.skip("the workers run on emm's simulated GPU here; the GPU job runs its own")
+    monkeypatch.setenv("EMM_PYTHON_DRIVER", "sim")
+    monkeypatch.setenv("EMM_MEMORY_MANAGER", "pool")
+    monkeypatch.setenv("EMM_DASK_MAXIMUM", "64MiB")
+    monkeypatch.setenv("EMM_DASK_FRAMEWORKS", "torch")
+    with local_cluster(1, preload=["emm.dask"]) as c, distributed.Client(c) as client:
+        client.submit(hold, MIB, pure=False).result()
+        seen = wait_for(
+            lambda: (m := emm_metrics(client))
+            and all(f and f["live_bytes"] == MIB for f in m.values())
+            and m,
+            "the preloaded worker's figures",
+        )
+        (figures,) = seen.values()
+        assert figures["manager"] == "limit(stats(pool))", figures
+        assert figures["live_bytes"] == MIB, figures
