@@ -369,6 +369,8 @@ fn staged_opens_on_another_device_go_through_the_host() {
 
 /// The variables that make this binary the other process of the cross-user tests.
 const PEER_SOCKET_ENV: &str = "EMM_TEST_PEER_SOCKET";
+/// Set for the peer that takes exports from the exporter's user: that uid.
+const PEER_ACCEPTS_ENV: &str = "EMM_TEST_PEER_ACCEPTS";
 
 /// The other process of the cross-user tests (run by them as another user, with
 /// `--ignored --exact pool_ipc::peer_receives`): connects to the socket the test names and
@@ -378,18 +380,28 @@ const PEER_SOCKET_ENV: &str = "EMM_TEST_PEER_SOCKET";
 fn peer_receives() {
     let path = std::env::var(PEER_SOCKET_ENV).expect("run by the cross-user tests");
     let socket = UnixStream::connect(&path).expect("connecting to the exporter");
-    match PoolExport::receive(&socket) {
+    // The exporter's user, where the test has this side take exports from it.
+    let received = match std::env::var(PEER_ACCEPTS_ENV) {
+        Ok(uid) => {
+            let uid = uid.parse().expect("a uid");
+            PoolExport::receive_from(&socket, &emm::PeerPolicy::Uids(vec![uid]))
+        }
+        Err(_) => PoolExport::receive(&socket),
+    };
+    match received {
         Ok(export) => println!("EMM_PEER_RESULT ok {}", export.id()),
         Err(e) => println!("EMM_PEER_RESULT err {e}"),
     }
 }
 
-/// Runs [`peer_receives`] as user `uid` against a listener at a fresh path, has the exporter
+/// Runs [`peer_receives`] as user `uid` against a listener at a fresh path (taking exports
+/// from this process's user where `accepts`, else from its own user only), has the exporter
 /// send under `policy`; returns the exporter's result and the peer's line.
 fn send_to_user(
     export: &PoolExport,
     uid: u32,
     policy: &emm::PeerPolicy,
+    accepts: bool,
 ) -> (Result<(), EmmError>, String) {
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::process::CommandExt;
@@ -401,7 +413,12 @@ fn send_to_user(
     // Open to everyone here, so that the credential check, not the file mode, is what decides.
     let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let child = std::process::Command::new(std::env::current_exe().unwrap())
+    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    if accepts {
+        // SAFETY: geteuid has no preconditions.
+        command.env(PEER_ACCEPTS_ENV, unsafe { libc::geteuid() }.to_string());
+    }
+    let child = command
         .args([
             "--ignored",
             "--exact",
@@ -436,7 +453,8 @@ fn send_to_user(
 
 /// Who may import a pool: a process of another user is refused on both sides (the exporter's
 /// error names both users and the way to allow it; the importer's says the exporter refused
-/// it), and receives the pool once the exporter allows its uid. Needs root, to run the other
+/// it), and receives the pool once the exporter allows its uid and it takes exports from the
+/// exporter's user; taking exports from its own user only, it refuses the exporter's. Needs root, to run the other
 /// process as another user (`nobody`, uid 65534); CI runs as root. Elsewhere it fails unless
 /// `EMM_SKIP_CROSS_USER` says why it is not run.
 #[test]
@@ -462,7 +480,7 @@ fn a_process_of_another_user_is_refused_on_both_sides_unless_allowed() {
     let ctx = rt.context(0).unwrap();
     let export = ctx.export_pool().unwrap();
     let nobody = 65534;
-    let (sent, line) = send_to_user(&export, nobody, &emm::PeerPolicy::SameUser);
+    let (sent, line) = send_to_user(&export, nobody, &emm::PeerPolicy::SameUser, true);
     let e = sent.unwrap_err();
     assert!(matches!(e, EmmError::PoolTransfer { .. }), "{e:?}");
     let text = e.to_string();
@@ -475,9 +493,17 @@ fn a_process_of_another_user_is_refused_on_both_sides_unless_allowed() {
         line.contains("does not let this process (uid 65534) import its pool"),
         "{line}"
     );
-    let (sent, line) = send_to_user(&export, nobody, &emm::PeerPolicy::Uids(vec![nobody]));
+    let (sent, line) = send_to_user(&export, nobody, &emm::PeerPolicy::Uids(vec![nobody]), true);
     sent.unwrap();
     assert_eq!(line, format!("ok {}", export.id()));
+    // The importer refuses a sender of another user unless it names it: here the exporter
+    // allows the peer, and the peer, taking exports from its own user only, reads nothing.
+    let (_, line) = send_to_user(&export, nobody, &emm::PeerPolicy::Uids(vec![nobody]), false);
+    assert!(
+        line.starts_with("err ") && line.contains("the sending process runs as uid 0"),
+        "{line}"
+    );
+    assert!(line.contains("receive_from"), "{line}");
 }
 
 /// A device memory resource made with `ipc_enabled`: its pool goes to another process as an
