@@ -382,6 +382,17 @@ impl EmmError {
         }
     }
 
+    /// `memalloc_shared` asked of a manager that cannot make memory to share as file
+    /// descriptors.
+    pub(crate) fn no_shared_allocation(manager: impl Into<String>) -> Self {
+        EmmError::NotSupported {
+            operation: "memalloc_shared",
+            manager: manager.into(),
+            advice: "only 'vmm-pool' allocates memory to share as file descriptors \
+                     (Context::export_mapped); share this manager's memory with get_ipc_handle",
+        }
+    }
+
     /// `export_mapped` asked of a manager whose memory is not mapped physical memory.
     pub(crate) fn no_mapped_export(manager: impl Into<String>) -> Self {
         EmmError::NotSupported {

@@ -374,9 +374,10 @@ fn other_process(
     other
 }
 
-/// The workload's IPC step under `vmm-pool`: a view of `b` exported as file descriptors, sent
-/// over a socket pair, mapped in another process (pushed on `others`, with `other_faults`
-/// injected) on the exporting device; the bytes must arrive.
+/// The workload's IPC step under `vmm-pool`: `b`'s bytes copied into memory allocated to
+/// share, a view of it exported as file descriptors, sent over a socket pair, mapped in
+/// another process (pushed on `others`, with `other_faults` injected) on the exporting device;
+/// the bytes must arrive.
 fn mapped_round_trip(
     sim: &Arc<SimDriver>,
     ctx: &emm::Context,
@@ -384,7 +385,9 @@ fn mapped_round_trip(
     others: &mut Vec<Arc<SimDriver>>,
     other_faults: &[Fault],
 ) -> Result<(), EmmError> {
-    let export = ctx.export_mapped(&b.view(64, None)?)?;
+    let shared = ctx.memalloc_shared(b.size())?;
+    ctx.copy_device(&shared, b, b.size())?;
+    let export = ctx.export_mapped(&shared.view(64, None)?)?;
     let (tx, rx) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
     export.send(&tx)?;
     let received = emm::contract::MappedExport::receive(&rx)?;

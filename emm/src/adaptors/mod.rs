@@ -517,6 +517,18 @@ impl MemoryManager for Adapted {
     fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
         self.inner.export_mapped(memory)
     }
+
+    fn memalloc_shared(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        let p = self.observe(
+            "memalloc_shared",
+            MemoryKind::Device,
+            bytes,
+            None,
+            || self.inner.memalloc_shared(bytes),
+            |p| p.device_ptr().0,
+        )?;
+        Ok(self.wrap_device(p, MemoryKind::Device))
+    }
 }
 
 /// A factory whose managers are the inner factory's, wrapped in adaptors (innermost first).

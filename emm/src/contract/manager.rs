@@ -191,6 +191,19 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
         Err(EmmError::no_pool_export(std::any::type_name_of_val(self)))
     }
 
+    /// Allocates `bytes` of device memory to share with other processes as file descriptors
+    /// ([`export_mapped`](Self::export_mapped)): physical memory of its own, which no other
+    /// allocation shares and which is not handed out again after its free. Only a manager whose
+    /// memory is physical memory mapped into reserved addresses can (`vmm-pool`); the default
+    /// refuses with [`EmmError::NotSupported`] (share other managers' memory with
+    /// [`get_ipc_handle`](Self::get_ipc_handle)).
+    fn memalloc_shared(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        let _ = bytes;
+        Err(EmmError::no_shared_allocation(std::any::type_name_of_val(
+            self,
+        )))
+    }
+
     /// Exports `memory` (an allocation of this manager) as the physical memory behind it, file
     /// descriptors that another process maps ([`MappedExport`]): only a manager whose memory is
     /// physical memory mapped into reserved addresses can (`vmm-pool`); the others refuse with

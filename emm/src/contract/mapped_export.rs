@@ -8,19 +8,24 @@
 //! cannot travel as an [`IpcHandle`](crate::IpcHandle)'s bytes. Its physical memory travels
 //! instead, as file descriptors (`cuMemExportToShareableHandle`):
 //!
-//! 1. The exporter calls [`Context::export_mapped`](crate::Context::export_mapped) for the
-//!    allocation and sends the [`MappedExport`] with [`MappedExport::send`] over a connected
-//!    Unix stream socket. An allocation of `vmm-pool` may lie across several of the pool's
-//!    chunks, each its own physical allocation: the export carries one descriptor per chunk,
-//!    their sizes in order, and where the allocation starts in the first.
-//! 2. The other process calls [`MappedExport::receive`], then
+//! 1. The exporter allocates the memory to share with
+//!    [`Context::memalloc_shared`](crate::Context::memalloc_shared) (`vmm-pool`: physical
+//!    memory of its own, which no other allocation shares), calls
+//!    [`Context::export_mapped`](crate::Context::export_mapped) for it (or a view of it) and
+//!    sends the [`MappedExport`] with [`MappedExport::send`] over a connected Unix stream
+//!    socket. The export carries one descriptor per physical allocation, their sizes in order,
+//!    and where the memory starts in the first.
+//! 2. The other process calls [`MappedExport::receive`], which takes exports from processes
+//!    of its own user only ([`MappedExport::receive_from`] names others), then
 //!    [`Context::open_mapped`](crate::Context::open_mapped) in a context of the exporting
-//!    device. That reserves addresses for the chunks, maps each in order and makes them
+//!    device. That reserves addresses for the pieces, maps each in order and makes them
 //!    accessible; the pointer it returns unmaps them when its last clone drops.
 //!
-//! The rule is the driver's IPC rule: the importer drops its pointer before the exporter frees
-//! the allocation. Physical memory lives while any process maps it, so an importer that keeps
-//! its mapping longer reads whatever the exporter's pool puts there next, never freed memory.
+//! Physical memory lives while any process maps it. The exporter's shared allocation is
+//! unmapped and released at its free and never handed to another allocation, so an importer
+//! that keeps its mapping longer still reads only what the allocation held, never another
+//! allocation's data. `vmm-pool`'s own blocks are refused for export: their pieces hold other
+//! allocations, and the pool reuses them.
 
 use std::fmt;
 #[cfg(unix)]

@@ -168,6 +168,15 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Allocates memory to share with other processes ([`MemoryManager::memalloc_shared`]);
+    /// allocators whose memory is not mapped physical memory refuse (the default).
+    fn memalloc_shared(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        let _ = (host, bytes);
+        Err(EmmError::no_shared_allocation(std::any::type_name_of_val(
+            self,
+        )))
+    }
+
     /// Exports `memory` as the physical memory behind it
     /// ([`MemoryManager::export_mapped`]); allocators whose memory is not mapped physical
     /// memory refuse (the default).
@@ -321,5 +330,9 @@ impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
 
     fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
         self.device.export_mapped(&self.host, memory)
+    }
+
+    fn memalloc_shared(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        self.device.memalloc_shared(&self.host, bytes)
     }
 }

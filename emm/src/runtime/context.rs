@@ -547,13 +547,26 @@ impl Context {
         self.inner.manager.export_pool()
     }
 
-    /// Exports `memory` (an allocation of `vmm-pool`, or a view of one) as the physical memory
-    /// behind it, for another process: send the [`MappedExport`] with
+    /// Allocates `bytes` of device memory to share with other processes
+    /// ([`export_mapped`](Self::export_mapped)): physical memory of its own, which no other
+    /// allocation shares, unmapped and released when its last pointer drops and never handed
+    /// to another allocation, so that a process that opened it reaches this memory and nothing
+    /// else, even after this process freed it. Only `vmm-pool` makes it (its size rounded up to
+    /// the granularity, 2 MiB); other managers refuse with [`EmmError::NotSupported`]. A reset
+    /// leaves it alone: another process may map it.
+    pub fn memalloc_shared(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        self.ensure_alive("memalloc_shared")?;
+        self.inner.manager.memalloc_shared(bytes)
+    }
+
+    /// Exports `memory` (an allocation of [`memalloc_shared`](Self::memalloc_shared), or a view
+    /// of one) as the physical memory behind it, for another process: send the [`MappedExport`] with
     /// [`MappedExport::send`]; that process opens it with [`open_mapped`](Self::open_mapped).
     /// Other managers refuse with [`EmmError::NotSupported`] (their memory travels as
     /// [`get_ipc_handle`](Self::get_ipc_handle)'s handles), as does a driver that does not share
-    /// physical memory as POSIX file descriptors. The exporter keeps `memory` until the other
-    /// processes dropped their pointers, as with any IPC.
+    /// physical memory as POSIX file descriptors, and `vmm-pool`'s own blocks (their physical
+    /// memory holds other allocations too). The other process keeps what it opened for as long
+    /// as it maps it, whatever this process frees meanwhile.
     pub fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
         self.check_usable("export_mapped", memory)?;
         if !cfg!(target_os = "linux") {

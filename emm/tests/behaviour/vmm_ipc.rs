@@ -1,7 +1,8 @@
-//! IPC of `vmm-pool`'s memory between simulated processes: an allocation exported as the file
-//! descriptors of the chunks it lies across, sent over a real Unix socket, mapped by the
-//! other process; the refusals where that cannot work; and a property test of random exports,
-//! opens and drops.
+//! IPC of `vmm-pool`'s memory between simulated processes: memory allocated to share
+//! (`memalloc_shared`) exported as the file descriptor of its physical memory, sent over a
+//! real Unix socket, mapped by the other process, which reaches that memory and nothing else;
+//! the refusals where that cannot work (the pool's own blocks among them); and a property test
+//! of random exports, opens and drops.
 //!
 //! `PROPTEST_CASES` sets the number of cases of the property test (CI: 32).
 
@@ -28,27 +29,27 @@ fn read(ctx: &Context, memory: &MemoryPointer) -> Vec<u8> {
     out
 }
 
-/// An allocation that lies across two chunks (the second grew the pool in place) reaches the
-/// other process whole: it reads the exporter's bytes, its write lands in the exporter's
-/// memory, and once it drops its pointer it holds nothing.
+/// Memory allocated to share reaches the other process whole, as a view of it: it reads the
+/// exporter's bytes, its write lands in the exporter's memory, and once it drops its pointer
+/// it holds nothing.
 #[test]
-fn an_allocation_across_chunks_opens_in_the_other_process() {
+fn shared_memory_opens_in_the_other_process() {
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
     let rt = runtime_with(&sim, "vmm-pool");
     let ctx = rt.context(0).unwrap();
     let _first = ctx.memalloc(1 << 20).unwrap();
     let size = 100 << 20;
-    let big = ctx.memalloc(size).unwrap();
+    let big = ctx.memalloc_shared(size).unwrap();
     let bytes: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
     ctx.copy_to_device(&big, &bytes).unwrap();
     let view = big.view(4096, Some(size - 4096)).unwrap();
     let export = ctx.export_mapped(&view).unwrap();
-    assert!(
-        export.pieces().len() >= 2,
-        "the allocation lies across {:?}",
-        export.pieces()
+    assert_eq!(
+        export.pieces(),
+        [size],
+        "one piece: the allocation's own memory"
     );
-    assert_eq!(export.size(), size - 8192);
+    assert_eq!((export.offset(), export.size()), (4096, size - 8192));
     let received = across(&export);
     drop(export);
 
@@ -85,7 +86,8 @@ fn an_opened_export_keeps_its_memory_past_the_exporter() {
         let theirs = {
             let rt = runtime_with(&sim, "vmm-pool");
             let ctx = rt.context(0).unwrap();
-            let mem = ctx.to_device(&[3u8; 8192]).unwrap();
+            let mem = ctx.memalloc_shared(8192).unwrap();
+            ctx.copy_to_device(&mem, &[3u8; 8192]).unwrap();
             let export = ctx.export_mapped(&mem).unwrap();
             let theirs = octx.open_mapped(across(&export)).unwrap();
             drop(mem);
@@ -100,24 +102,80 @@ fn an_opened_export_keeps_its_memory_past_the_exporter() {
     assert!(other.leak_report().is_clean(), "{}", other.leak_report());
 }
 
-/// An export carries one file descriptor per 2 MiB piece, at most 4096 of them: a larger
-/// allocation is refused with advice, and a view within the limit exports.
+/// The other process reaches the exported allocation and nothing else: memory allocated to
+/// share is a piece of its own, which the pool's allocations made before and after it never
+/// share, and which no later allocation reuses after the exporter frees it. The importer that
+/// keeps its mapping past that free reads the allocation's last bytes, never a neighbour's or
+/// a later allocation's. The pool's own blocks, whose pieces hold other allocations, are
+/// refused with advice.
 #[test]
-fn an_export_of_more_pieces_than_one_carries_is_refused_with_advice() {
-    let sim = Arc::new(SimDriver::new(SimConfig::single(16 << 30)));
+fn an_importer_reaches_the_export_and_never_a_neighbour() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
     let rt = runtime_with(&sim, "vmm-pool");
     let ctx = rt.context(0).unwrap();
-    let size = (8 << 30) + (4 << 20);
-    let big = ctx.memalloc(size).unwrap();
-    let e = ctx.export_mapped(&big).unwrap_err();
+    let before = ctx.memalloc(64).unwrap();
+    ctx.memset(&before, 0xB1, 64).unwrap();
+    let shared = ctx.memalloc_shared(64).unwrap();
+    ctx.memset(&shared, 0x5A, 64).unwrap();
+    let after = ctx.memalloc(64).unwrap();
+    ctx.memset(&after, 0xA2, 64).unwrap();
+    // A pool block is refused: its piece holds `before` and `after` too.
+    let e = ctx.export_mapped(&before).unwrap_err();
     assert!(matches!(e, EmmError::InvalidArgument { .. }), "{e}");
-    let text = e.to_string();
-    assert!(text.contains("more than 4096 pieces"), "{e}");
-    assert!(text.contains("export views of at most"), "{e}");
-    assert!(text.contains("async-pool-ipc"), "{e}");
-    let view = big.view(0, Some(64 << 20)).unwrap();
-    let export = ctx.export_mapped(&view).unwrap();
-    assert_eq!(export.pieces().len(), 32, "64 MiB in pieces of 2 MiB");
+    assert!(e.to_string().contains("Context::memalloc_shared"), "{e}");
+
+    let export = ctx.export_mapped(&shared).unwrap();
+    let piece = export.pieces()[0];
+    assert_eq!(piece, 2 << 20, "the granularity: a piece of its own");
+    let other = Arc::new(sim.spawn_process());
+    {
+        let ort = runtime_with(&other, "default");
+        let octx = ort.context(0).unwrap();
+        let theirs = octx.open_mapped(across(&export)).unwrap();
+        drop(export);
+        assert_eq!(read(&octx, &theirs), vec![0x5A; 64]);
+        // The whole piece the other process could map holds the export's bytes and zeros:
+        // neither neighbour's.
+        let whole = octx.memalloc(piece).unwrap();
+        let piece_view = unsafe_whole_piece(&octx, &theirs, piece);
+        octx.copy_device(&whole, &piece_view, piece).unwrap();
+        drop(piece_view);
+        let seen = read(&octx, &whole);
+        assert!(seen[..64].iter().all(|&b| b == 0x5A));
+        assert!(
+            seen[64..].iter().all(|&b| b == 0),
+            "the piece holds nothing else"
+        );
+        // The exporter frees the shared allocation; new allocations of every size never land
+        // in its piece, and the importer keeps reading the allocation's bytes.
+        drop(shared);
+        let later: Vec<_> = (0..8)
+            .map(|k| {
+                let m = ctx.memalloc(1 << (12 + k)).unwrap();
+                ctx.memset(&m, 0xEE, m.size()).unwrap();
+                m
+            })
+            .collect();
+        let again = ctx.memalloc_shared(64).unwrap();
+        ctx.memset(&again, 0xEE, 64).unwrap();
+        assert_eq!(
+            read(&octx, &theirs),
+            vec![0x5A; 64],
+            "no later allocation reached it"
+        );
+        drop((later, again, theirs, whole));
+    }
+    assert!(other.leak_report().is_clean(), "{}", other.leak_report());
+    drop((before, after));
+}
+
+/// The other process's view of the whole piece an export maps (the importer's own mapping,
+/// extended to the piece: what a process that maps the descriptor itself reaches).
+fn unsafe_whole_piece(octx: &Context, theirs: &MemoryPointer, piece: usize) -> MemoryPointer {
+    // SAFETY: `open_mapped` maps the export's whole piece at its reservation, which starts at
+    // the opened pointer (the export's offset is 0); `theirs` keeps the mapping, and the view
+    // is dropped before it.
+    unsafe { MemoryPointer::unowned(octx.device(), octx.handle(), theirs.device_ptr(), piece) }
 }
 
 /// Every refusal says what to do: managers other than `vmm-pool`, a driver that does not share
@@ -138,7 +196,7 @@ fn what_cannot_be_exported_or_opened_is_refused_with_advice() {
     ])));
     let rt = runtime_with(&no_fds, "vmm-pool");
     let ctx = rt.context(0).unwrap();
-    let mem = ctx.to_device(&[1u8; 4096]).unwrap();
+    let mem = ctx.memalloc_shared(4096).unwrap();
     let e = ctx.export_mapped(&mem).unwrap_err();
     assert!(
         e.to_string()
@@ -146,14 +204,21 @@ fn what_cannot_be_exported_or_opened_is_refused_with_advice() {
         "{e}"
     );
     let e = ctx.get_ipc_handle(&mem).unwrap_err();
-    assert!(e.to_string().contains("Context::export_mapped"), "{e}");
+    assert!(e.to_string().contains("Context::memalloc_shared"), "{e}");
+    let e = runtime_with(&sim, "pool")
+        .context(0)
+        .unwrap()
+        .memalloc_shared(64)
+        .unwrap_err();
+    assert!(matches!(e, EmmError::NotSupported { .. }), "{e}");
+    assert!(e.to_string().contains("vmm-pool"), "{e}");
 
     let two = Arc::new(SimDriver::new(SimConfig::with_devices(vec![
         SimDeviceConfig::new(256 << 20),
         SimDeviceConfig::new(256 << 20),
     ])));
     let rt = runtime_with(&two, "vmm-pool");
-    let mem = rt.context(0).unwrap().memalloc(4096).unwrap();
+    let mem = rt.context(0).unwrap().memalloc_shared(4096).unwrap();
     let export = rt.context(0).unwrap().export_mapped(&mem).unwrap();
     let other = Arc::new(two.spawn_process());
     let ort = runtime_with(&other, "default");
@@ -202,9 +267,10 @@ proptest! {
         ..ProptestConfig::default()
     })]
 
-    /// Whatever is allocated, exported, opened and dropped: every open reads its allocation's
-    /// bytes, and once everything is dropped the other process holds nothing and the pool
-    /// gives back every chunk at a trim.
+    /// Whatever is allocated to share, exported, opened and dropped, in any order: every open
+    /// reads its allocation's bytes (also after the exporter freed it and allocated more), and
+    /// once everything is dropped the other process holds nothing and every physical
+    /// allocation was released.
     #[test]
     fn random_exports_open_to_the_exporters_bytes(steps in prop::collection::vec(step(), 1..40)) {
         let sim = Arc::new(SimDriver::new(SimConfig::single(2 << 30)));
@@ -223,7 +289,7 @@ proptest! {
                     Step::Alloc(k) => {
                         let bytes = if k > 2048 { (k as usize - 2048) << 13 } else { (k as usize) << 10 };
                         fill = fill.wrapping_add(1);
-                        let mem = ctx.memalloc(bytes).unwrap();
+                        let mem = ctx.memalloc_shared(bytes).unwrap();
                         ctx.memset(&mem, fill, bytes).unwrap();
                         live.push((mem, fill));
                     }
@@ -239,10 +305,9 @@ proptest! {
                         prop_assert!(seen.iter().all(|&b| b == f), "an open saw other bytes than its allocation's");
                     }
                     Step::Free(i) if !live.is_empty() => {
-                        let (mem, f) = live.swap_remove(i % live.len());
-                        // The driver's rule: the importer closes before the exporter frees.
-                        opens.retain(|(_, g)| *g != f);
-                        drop(mem);
+                        // Opens may outlive the free: they keep reading the allocation's
+                        // bytes, whatever the exporter allocates next.
+                        drop(live.swap_remove(i % live.len()));
                     }
                     _ => {}
                 }

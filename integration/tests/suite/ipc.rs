@@ -271,11 +271,12 @@ pub fn pool_export_per_manager(target: Target) -> Result<(), Failed> {
     Ok(())
 }
 
-/// Mapped export under every manager. `vmm-pool`: a view of an allocation that lies across
-/// two chunks (the second grew the pool in place) is exported as file descriptors, sent over
+/// Mapped export under every manager. `vmm-pool`: a view of memory allocated to share
+/// (`memalloc_shared`, physical memory of its own) is exported as a file descriptor, sent over
 /// a Unix socket and mapped by the other process, which reads exactly the view's bytes; its
-/// write lands in the exporter's memory. Every other manager refuses `export_mapped` with
-/// advice naming `get_ipc_handle`.
+/// write lands in the exporter's memory. The pool's own blocks are refused for export (their
+/// physical memory holds other allocations). Every other manager refuses `memalloc_shared` and
+/// `export_mapped` with advice naming `get_ipc_handle`.
 pub fn mapped_export_per_manager(target: Target) -> Result<(), Failed> {
     let t = TestCtx::new(target)?;
     let ctx = t.context()?;
@@ -286,21 +287,27 @@ pub fn mapped_export_per_manager(target: Target) -> Result<(), Failed> {
             .expect_err("only vmm-pool exports mapped memory");
         ensure!(matches!(e, EmmError::NotSupported { .. }), "{e:?}");
         ensure!(e.to_string().contains("get_ipc_handle"), "{e}");
+        let e = ctx
+            .memalloc_shared(64)
+            .expect_err("only vmm-pool allocates memory to share");
+        ensure!(e.to_string().contains("get_ipc_handle"), "{e}");
         return Ok(());
     }
-    let _first = ctx.memalloc(1 << 20)?;
-    // Past the first chunk's free end: the pool grows in place, and the block lies across
-    // that chunk and the next.
+    let pooled = ctx.memalloc(1 << 20)?;
+    let e = ctx
+        .export_mapped(&pooled)
+        .expect_err("a pool block shares its physical memory");
+    ensure!(e.to_string().contains("memalloc_shared"), "{e}");
     let size = 100 << 20;
-    let big = ctx.memalloc(size)?;
+    let big = ctx.memalloc_shared(size)?;
     let data: Vec<u8> = (0..size).map(|i| (i % 253) as u8).collect();
     ctx.copy_to_device(&big, &data)?;
     let (start, stop) = (4096, size - 8192);
     let export = ctx.export_mapped(&big.view(start, Some(stop))?)?;
-    ensure!(
-        export.pieces().len() >= 2,
-        "the allocation lies across chunks of {:?} bytes",
-        export.pieces()
+    ensure_eq!(
+        export.pieces().len(),
+        1,
+        "the allocation's own physical memory"
     );
     ensure_eq!(export.size(), stop - start);
     ensure_eq!(export.source(), ctx.device_identity()?);

@@ -1352,7 +1352,8 @@ impl DeviceAllocator for PoolAllocator {
                 operation: "get_ipc_handle",
                 manager: VMM_POOL_MANAGER.into(),
                 advice: "its memory is physical memory mapped into reserved addresses, which \
-                         cuIpcGetMemHandle does not export; export it as file descriptors with \
+                         cuIpcGetMemHandle does not export; allocate memory to share with \
+                         Context::memalloc_shared, export it as file descriptors with \
                          Context::export_mapped, send that over a Unix socket \
                          (MappedExport::send) and open it with Context::open_mapped in the \
                          other process",
@@ -1369,6 +1370,38 @@ impl DeviceAllocator for PoolAllocator {
     ) -> Result<MappedExport, EmmError> {
         self.shared
             .export_mapped(memory.device_ptr().0, memory.size())
+    }
+
+    /// `vmm-pool`: physical memory of its own for the request, outside the pool
+    /// (`PoolShared::allocate_shared`), through the host layer's out-of-memory rule; its
+    /// pointer gives it back when the last clone drops.
+    fn memalloc_shared(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        if self.shared.vmm.is_none() {
+            return Err(EmmError::no_shared_allocation(POOL_MANAGER));
+        }
+        if bytes == 0 {
+            return Err(EmmError::ZeroSize {
+                what: "memalloc_shared",
+            });
+        }
+        let (base, _) =
+            host.attempt_allocation("memalloc_shared", AllocationKind::Device, bytes, || {
+                self.shared.allocate_shared(bytes)
+            })?;
+        let (cx, pool) = (&self.shared.cx, Arc::clone(&self.shared));
+        // SAFETY: `base .. base + bytes` lies in physical memory mapped for this allocation
+        // alone, which stays mapped until this pointer's release unmaps it.
+        #[allow(unsafe_code)]
+        let mem = unsafe {
+            MemoryPointer::with_release(
+                cx.device,
+                cx.context,
+                DevicePtr(base),
+                bytes,
+                move |p, _| pool.release_shared(p.0),
+            )
+        };
+        Ok(mem)
     }
 
     fn reset(&self, host: &HostLayer) -> Result<(), EmmError> {

@@ -22,12 +22,17 @@
 //!   unmaps at once, guard or not). Its range is
 //!   free for a new mapping once unmapped; a range whose unmapping failed is not used again, and
 //!   leaves the reservation to the context's destruction.
-//! - Where the driver shares physical memory as POSIX file descriptors
-//!   (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`), chunks are made
-//!   shareable, and an allocation is exported as the chunks it lies across
-//!   ([`MappedExport`]): one file descriptor per 2 MiB, at most
-//!   [`MAX_PIECES`](crate::contract::mapped_export::MAX_PIECES) (8 GiB) per export; elsewhere
-//!   its export is refused.
+//! - Memory to share with other processes (`memalloc_shared`) is not the pool's: each such
+//!   allocation is physical memory of its own (its size rounded up to the granularity, one
+//!   `cuMemCreate`), mapped in an address reservation of its own, and unmapped and released
+//!   when its last pointer drops, never handed to another allocation. Where the driver shares
+//!   physical memory as POSIX file descriptors
+//!   (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`), it is exported as
+//!   that one piece ([`MappedExport`]): the other process reaches this allocation and nothing
+//!   else, and keeps it past the exporter's free without seeing anyone's later data. The
+//!   pool's own blocks are refused for export: their pieces hold other allocations, and the
+//!   pool reuses them after a free. A reset leaves shared allocations alone (another process
+//!   may map them); they go at their last pointer's drop.
 
 use std::collections::BTreeMap;
 
@@ -36,8 +41,6 @@ use driver_sys::{DeviceAttribute, DeviceOrdinal, DevicePtr, DriverError, ErrorKi
 use super::PoolShared;
 use super::arena::Chunk;
 use crate::contract::factory::ManagerContext;
-#[cfg(unix)]
-use crate::contract::mapped_export::MAX_PIECES;
 use crate::contract::mapped_export::MappedExport;
 use crate::error::EmmError;
 use crate::memory::pending::Free;
@@ -56,6 +59,10 @@ pub(super) struct VmmSpace {
     shareable: bool,
     reserve_bytes: usize,
     inner: Mutex<VmmInner>,
+    /// Allocations to share (`memalloc_shared`), each its own physical memory mapped at its
+    /// own reservation: (size, physical handle) by base. Apart from `inner`, which a reset
+    /// clears: they outlive resets.
+    shared: Mutex<BTreeMap<u64, (usize, PhysHandle)>>,
 }
 
 #[derive(Default)]
@@ -134,6 +141,7 @@ impl VmmSpace {
             shareable,
             reserve_bytes,
             inner: Mutex::new(VmmInner::default()),
+            shared: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -225,6 +233,90 @@ impl PoolShared {
             at
         };
         self.map_placed(vmm, at, bytes).map(|()| (at, bytes))
+    }
+
+    /// `vmm-pool`: memory to share with other processes, of at least `bytes` bytes: physical
+    /// memory of its own (`bytes` rounded up to the granularity), mapped in a reservation of
+    /// its own and made accessible to the device and its peers, as (base, size). Nothing else
+    /// ever lies in it; [`release_shared`](Self::release_shared) gives it back.
+    #[allow(unsafe_code)]
+    pub(super) fn allocate_shared(&self, bytes: usize) -> Result<(u64, usize), DriverError> {
+        let vmm = self
+            .vmm
+            .as_ref()
+            .expect("only vmm-pool allocates shared memory");
+        let (cx, size) = (&self.cx, vmm.round(bytes.max(1)));
+        let handle = cx
+            .driver
+            .mem_create(cx.context, cx.device, size, vmm.shareable)?;
+        self.totals
+            .driver_allocations
+            .fetch_add(1, Ordering::Relaxed);
+        let undo_create = |e: DriverError| {
+            self.release_piece(handle);
+            e
+        };
+        let base = cx
+            .driver
+            .mem_address_reserve(cx.context, size)
+            .map_err(undo_create)?;
+        let undo_reserve = |e: DriverError| {
+            // SAFETY: reserved just above, with nothing mapped in it (or its mapping undone).
+            if let Err(undo) = unsafe { cx.driver.mem_address_free(cx.context, base, size) } {
+                tracing::error!(device = %cx.device, error = %undo, ptr = base.0, "freeing the reservation of a failed shared allocation failed");
+            }
+            undo_create(e)
+        };
+        // SAFETY: `base .. base + size` is the reservation made above, with nothing mapped.
+        unsafe { cx.driver.mem_map(cx.context, base, size, handle) }.map_err(undo_reserve)?;
+        let accessible = vmm
+            .access
+            .iter()
+            .try_for_each(|&d| cx.driver.mem_set_access(cx.context, base, size, d));
+        if let Err(e) = accessible {
+            let unmapped = self.unmap_only(base.0, size);
+            if !unmapped {
+                // The range stays mapped: its reservation is left to the context's end.
+                self.release_piece(handle);
+                return Err(e);
+            }
+            return Err(undo_reserve(e));
+        }
+        lock(&vmm.shared).insert(base.0, (size, handle));
+        tracing::debug!(device = %cx.device, bytes = size, ptr = base.0, "vmm-pool memory to share allocated");
+        Ok((base.0, size))
+    }
+
+    /// Gives back the shared allocation at `base` ([`allocate_shared`](Self::allocate_shared)),
+    /// whose last pointer dropped: unmapped, its reservation freed and its physical memory
+    /// released (another process that opened it keeps that memory until it unmaps it). Once
+    /// the context is gone there is nothing to do.
+    #[allow(unsafe_code)]
+    pub(super) fn release_shared(&self, base: u64) {
+        let Some(vmm) = self.vmm.as_ref() else {
+            return;
+        };
+        let Some((size, handle)) = lock(&vmm.shared).remove(&base) else {
+            return;
+        };
+        let Some(_live) = self.cx.liveness.enter() else {
+            return;
+        };
+        if !self.unmap_chunk(base, size, handle) {
+            // Freeing a reservation with a mapping in it is refused: the context's end takes it.
+            return;
+        }
+        // SAFETY: the allocation's own reservation, unmapped above, freed once here (its
+        // record was taken above).
+        if let Err(e) = unsafe {
+            self.cx
+                .driver
+                .mem_address_free(self.cx.context, DevicePtr(base), size)
+        } {
+            tracing::error!(device = %self.cx.device, error = %e, ptr = base, "freeing a shared allocation's reservation failed");
+            self.queue
+                .record_error(EmmError::driver("cuMemAddressFree", self.cx.device, e));
+        }
     }
 
     /// `vmm-pool`: whether `bytes` (rounded up to the piece) at `at` are free in the
@@ -426,9 +518,11 @@ impl PoolShared {
         }
     }
 
-    /// `vmm-pool`: the `len` bytes at `ptr` (a live allocation of the pool) as the chunks they
-    /// lie across, each exported as a file descriptor. Refused where the chunks are not
-    /// shareable, and for memory that is not in the pool's chunks.
+    /// `vmm-pool`: exports `len` bytes at `ptr`, which must lie in one shared allocation
+    /// ([`allocate_shared`](Self::allocate_shared)), as its physical memory: one file
+    /// descriptor for the allocation's one piece, and where the bytes lie in it. The pool's
+    /// own blocks are refused: their pieces hold other allocations and are reused after a free,
+    /// which another process that mapped them would see.
     #[cfg(unix)]
     pub(super) fn export_mapped(&self, ptr: u64, len: usize) -> Result<MappedExport, EmmError> {
         let cx = &self.cx;
@@ -447,51 +541,34 @@ impl PoolShared {
         }
         let source = cx.device_identity()?;
         let _live = cx.enter("export_mapped")?;
-        // Under the space's lock: no chunk goes while its descriptor is made.
-        let inner = lock(&vmm.inner);
+        // Under the lock: the allocation is not released while its descriptor is made.
+        let shared = lock(&vmm.shared);
         let end = ptr.saturating_add(len as u64);
-        let first = inner.handles.range(..=ptr).next_back().map(|(&b, _)| b);
-        let mut pieces = Vec::new();
-        let mut covered = first.unwrap_or(ptr);
-        for (&base, &(size, handle)) in inner.handles.range(first.unwrap_or(u64::MAX)..) {
-            if covered >= end || base != covered {
-                break;
-            }
-            if pieces.len() == MAX_PIECES {
-                return Err(EmmError::InvalidArgument {
-                    what: "memory to export",
-                    reason: format!(
-                        "{len} bytes at {ptr:#x} lie across more than {MAX_PIECES} pieces of \
-                         physical memory, the most one export carries (one file descriptor per \
-                         {} bytes); export views of at most {} bytes, or allocate memory to \
-                         share at once under 'async-pool-ipc'",
-                        vmm.granularity,
-                        (MAX_PIECES - 1) * vmm.granularity
-                    ),
-                });
-            }
-            let fd = cx
-                .driver
-                .mem_export_fd(cx.context, handle)
-                .map_err(|e| EmmError::driver("cuMemExportToShareableHandle", cx.device, e))?;
-            pieces.push((size, fd));
-            covered = base + size as u64;
-        }
-        let Some(first) = first.filter(|_| covered >= end && len > 0) else {
+        let found = shared
+            .range(..=ptr)
+            .next_back()
+            .filter(|(base, (size, _))| len > 0 && end <= **base + *size as u64);
+        let Some((&base, &(size, handle))) = found else {
             return Err(EmmError::InvalidArgument {
                 what: "memory to export",
                 reason: format!(
-                    "{len} bytes at {ptr:#x} are not all in vmm-pool's mapped chunks; export \
-                     memory this pool allocated, while it is live"
+                    "{len} bytes at {ptr:#x} are not memory allocated to share: vmm-pool's own \
+                     blocks lie in physical memory with other allocations, which the other \
+                     process would reach, and which the pool hands out again after a free; \
+                     allocate memory to share with Context::memalloc_shared and export that"
                 ),
             });
         };
-        tracing::debug!(device = %cx.device, ptr, len, pieces = pieces.len(), "vmm-pool memory exported as file descriptors");
+        let fd = cx
+            .driver
+            .mem_export_fd(cx.context, handle)
+            .map_err(|e| EmmError::driver("cuMemExportToShareableHandle", cx.device, e))?;
+        tracing::debug!(device = %cx.device, ptr, len, "vmm-pool shared memory exported as a file descriptor");
         Ok(MappedExport::new(
             source,
-            (ptr - first) as usize,
+            (ptr - base) as usize,
             len,
-            pieces,
+            vec![(size, fd)],
         ))
     }
 
