@@ -23,3 +23,18 @@ def die(nbytes):
     """Allocates ``nbytes``, then ends the worker's process without a word."""
     emm.context(0).memalloc(nbytes)
     os._exit(1)
+
+
+def make(nbytes, value):
+    """A device buffer of ``nbytes`` holding ``value`` in every byte."""
+    ctx = emm.context(0)
+    buf = ctx.memalloc(nbytes)
+    ctx.copy_to_device(buf, bytes([value]) * nbytes)
+    return buf
+
+
+def first_and_last(buf):
+    """The first and last bytes of a device buffer (brought back to the device first, where it
+    was spilled)."""
+    ctx = emm.context(0)
+    return ctx.copy_to_host(buf, 1)[0], ctx.copy_to_host(buf, 1, buf.size - 1)[0]

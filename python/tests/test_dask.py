@@ -12,7 +12,7 @@ import emm
 from conftest import DRIVER
 # The tasks the workers run: a module of their own, which the workers import (this one imports
 # conftest, which makes a runtime of the test process's settings).
-from dask_tasks import die, hold
+from dask_tasks import die, first_and_last, hold, make
 
 distributed = pytest.importorskip(
     "distributed",
@@ -168,3 +168,38 @@ def test_the_preload_sets_a_worker_up_from_its_environment(monkeypatch):
         (figures,) = seen.values()
         assert figures["manager"] == "limit(stats(pool))", figures
         assert figures["live_bytes"] == MIB, figures
+
+
+@pytest.mark.parametrize("spill", [True, False])
+def test_results_past_the_device_spill_or_fail_with_emms_report(monkeypatch, tmp_path, spill):
+    """Twelve results of 40 MiB on a 256 MiB device: with spilling, the out-of-memory callback
+    has the worker pickle its oldest results to disk, the computation completes and every
+    result comes back with its bytes; without, the task that finds no room fails with emm's
+    out-of-memory error (its report), and the worker goes on."""
+    if DRIVER != "sim":
+        pytest.skip("the workers run on emm's simulated GPU here; the GPU job runs its own")
+    monkeypatch.setenv("EMM_PYTHON_DRIVER", "sim")
+    monkeypatch.setenv("EMM_SIM_DEVICE_MEMORY", str(256 * MIB))
+    import dask
+
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), local_cluster(
+        1, memory_limit="4GiB", local_directory=str(tmp_path)
+    ) as c, distributed.Client(c) as client:
+        client.register_plugin(emm.dask.EmmSetup(manager="default", spill=spill))
+        futures = [client.submit(make, 40 * MIB, k + 1, pure=False) for k in range(12)]
+        if not spill:
+            with pytest.raises(emm.OutOfMemoryError, match="out of memory on device 0"):
+                client.gather(futures)
+            # The worker is alive and serves what fits.
+            assert client.submit(first_and_last, futures[0]).result() == (1, 1)
+            return
+        distributed.wait(futures)
+        back = [client.submit(first_and_last, f, pure=False).result() for f in futures]
+        assert back == [(k + 1, k + 1) for k in range(12)], back
+        figures = wait_for(
+            lambda: (m := emm_metrics(client)) and all(m.values()) and m,
+            "the worker's figures",
+        )
+        (f,) = figures.values()
+        assert f["oom_retries"] > 0 and f["ooms"] == 0, f
+

@@ -43,10 +43,19 @@ dask-cuda (``LocalCUDACluster``)          emm (``EmmSetup``)
                                           frameworks emm is installed for
 ========================================  ==========================================================
 
-Not yet here (issue 62): spilling on out-of-memory, emm's figures in the dashboard's RMM panel,
-Ray.
+Spilling (``spill=True``): when an allocation runs out of device memory, emm's out-of-memory
+callback has the worker evict its oldest results (``worker.data.evict()``: distributed's spill
+buffer, which pickles them to disk, or dask-cuda's device-host file) until as many bytes went,
+then flushes emm's deferred frees, and the allocation is tried again. emm's ``DeviceBuffer``
+pickles as its bytes (and comes back as a new buffer of the worker's device), and counts its
+device bytes in the worker's memory (``dask.sizeof``), so that the worker evicts it like any
+result; a worker started with ``memory_limit=0`` keeps no spill buffer and spills nothing.
+Without spilling, the allocation fails with emm's out-of-memory error, which the task raises.
+
+Not yet here (issue 62): emm's figures in the dashboard's RMM panel, Ray.
 """
 
+import copyreg
 import html
 import importlib.util
 import os
@@ -84,6 +93,7 @@ class EmmSetup(WorkerPlugin):
         log_directory=None,
         frameworks=FRAMEWORKS,
         driver=None,
+        spill=False,
     ):
         unknown = [f for f in frameworks if f not in FRAMEWORKS]
         if unknown:
@@ -96,6 +106,7 @@ class EmmSetup(WorkerPlugin):
         self.log_directory = log_directory
         self.frameworks = tuple(frameworks)
         self.driver = driver
+        self.spill = spill
 
     def adaptors_for(self, worker_name):
         """The adaptor list for the worker named ``worker_name``."""
@@ -124,6 +135,9 @@ class EmmSetup(WorkerPlugin):
                 installed.append(framework)
         worker.metrics[METRIC] = worker_figures
         worker.emm_frameworks = installed
+        _make_device_buffers_spillable()
+        if self.spill:
+            emm.context(0).on_out_of_memory(lambda nbytes: _evict(worker, nbytes))
 
 
 def _install(framework):
@@ -145,6 +159,53 @@ def _install(framework):
 
         emm.cupy.install()
     return True
+
+
+_SPILLABLE = False
+
+
+def _make_device_buffers_spillable():
+    """Once per process: emm's ``DeviceBuffer`` pickles as its bytes and counts its device
+    bytes in ``dask.sizeof``, so that a worker's spill buffer can evict it."""
+    global _SPILLABLE
+    if _SPILLABLE:
+        return
+    from dask.sizeof import sizeof
+
+    copyreg.pickle(emm.DeviceBuffer, _reduce_device_buffer)
+    sizeof.register(emm.DeviceBuffer)(lambda buf: buf.size)
+    _SPILLABLE = True
+
+
+def _reduce_device_buffer(buf):
+    """Pickles a live ``DeviceBuffer`` as its device and bytes."""
+    return _restore_device_buffer, (buf.device, emm.context(buf.device).copy_to_host(buf))
+
+
+def _restore_device_buffer(device, data):
+    """A new ``DeviceBuffer`` on ``device`` holding ``data`` (unpickling)."""
+    ctx = emm.context(device)
+    buf = ctx.memalloc(max(len(data), 1))
+    ctx.copy_to_device(buf, data)
+    return buf
+
+
+def _evict(worker, nbytes):
+    """The out-of-memory callback of a spilling worker: evicts its oldest results until
+    ``nbytes`` of them went (by ``dask.sizeof``) or nothing more can go, then flushes emm's
+    deferred frees; whether anything went (the allocation is then tried again)."""
+    evict = getattr(worker.data, "evict", None)
+    if evict is None:
+        return False
+    went = 0
+    while went < nbytes:
+        weight = evict()
+        if weight < 0:
+            break
+        went += max(weight, 1)
+    if went:
+        emm.context(0).flush()
+    return went > 0
 
 
 def worker_figures(worker=None):
