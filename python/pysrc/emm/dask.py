@@ -57,20 +57,18 @@ Not yet here (issue 62): emm's figures in the dashboard's RMM panel, Ray.
 
 import copyreg
 import html
-import importlib.util
 import os
 import re
 
 from distributed import WorkerPlugin
 
 import emm
+from emm._worker import FRAMEWORKS, figures, install
 
 __all__ = ["EmmSetup", "MemoryReport", "dask_setup", "memory_report", "worker_figures"]
 
 #: The name of the worker metric emm's figures are reported under.
 METRIC = "emm"
-
-FRAMEWORKS = ("torch", "cupy", "numba")
 
 
 class EmmSetup(WorkerPlugin):
@@ -131,34 +129,13 @@ class EmmSetup(WorkerPlugin):
         )
         installed = []
         for framework in self.frameworks:
-            if _install(framework):
+            if install(framework):
                 installed.append(framework)
         worker.metrics[METRIC] = worker_figures
         worker.emm_frameworks = installed
         _make_device_buffers_spillable()
         if self.spill:
             emm.context(0).on_out_of_memory(lambda nbytes: _evict(worker, nbytes))
-
-
-def _install(framework):
-    """Installs emm for ``framework`` if this process can import it; whether it did."""
-    if framework == "numba":
-        if importlib.util.find_spec("numba") is None:
-            return False
-        # Numba reads its memory manager when its CUDA driver starts.
-        os.environ["NUMBA_CUDA_MEMORY_MANAGER"] = "emm.numba"
-        return True
-    if importlib.util.find_spec(framework) is None:
-        return False
-    if framework == "torch":
-        import emm.torch
-
-        emm.torch.install()
-    else:
-        import emm.cupy
-
-        emm.cupy.install()
-    return True
 
 
 _SPILLABLE = False
@@ -209,25 +186,9 @@ def _evict(worker, nbytes):
 
 
 def worker_figures(worker=None):
-    """emm's figures in this process (the ``emm`` worker metric): the manager, device memory
-    live, its peak, held, the most held, the largest free block, out-of-memory retries and
-    failures. Figures a configuration cannot give are ``None`` (live and peak need the
-    ``stats`` adaptor; held, the pools)."""
-    ctx = emm.context(0)
-    usage = ctx.usage()
-    device = usage["device"] if usage else None
-    pool = ctx.pool_stats()["device"]
-    events = ctx.allocation_events()
-    return {
-        "manager": ctx.manager,
-        "live_bytes": device["current_bytes"] if device else None,
-        "peak_live_bytes": device["peak_bytes"] if device else None,
-        "held_bytes": pool["held_bytes"] if pool else None,
-        "peak_held_bytes": pool["peak_held_bytes"] if pool else None,
-        "largest_free_bytes": pool["largest_free_bytes"] if pool else None,
-        "oom_retries": events["retries"],
-        "ooms": events["ooms"],
-    }
+    """emm's figures in this process, the ``emm`` worker metric (``worker`` is what the
+    worker passes a metric; unused): see ``emm._worker.figures``."""
+    return figures()
 
 
 def dask_setup(worker):
