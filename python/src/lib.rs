@@ -21,6 +21,7 @@ mod buffers;
 mod context;
 mod cupy;
 mod host_range;
+mod ledger;
 mod resources;
 mod runtime;
 mod snapshot;
@@ -99,6 +100,7 @@ fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch::torch_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(torch::torch_live, m)?)?;
     m.add_function(wrap_pyfunction!(torch::torch_record_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(ledger::ledger_publish, m)?)?;
     m.add_function(wrap_pyfunction!(torch::torch_counters, m)?)?;
     m.add_function(wrap_pyfunction!(cupy::cupy_c_functions, m)?)?;
     m.add_function(wrap_pyfunction!(cupy::cupy_usage, m)?)?;

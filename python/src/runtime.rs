@@ -131,6 +131,7 @@ pub(crate) fn runtime() -> PyResult<Arc<Runtime>> {
         sim_memory,
     };
     let runtime = Arc::new(build(&settings)?);
+    crate::ledger::start(&runtime);
     *slot = Some(Shared {
         runtime: Arc::clone(&runtime),
         settings,
@@ -171,6 +172,7 @@ pub(crate) fn configure(
         )));
     }
     let runtime = Arc::new(build(&settings)?);
+    crate::ledger::start(&runtime);
     *slot = Some(Shared { runtime, settings });
     Ok(())
 }

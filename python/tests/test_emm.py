@@ -4,6 +4,7 @@ import ctypes
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -1190,3 +1191,59 @@ def test_hostile_values_raise_typed_errors_and_the_interpreter_lives():
     assert out.returncode == 0 and last[0].startswith("ok "), (
         f"exit {out.returncode} at: {last[0]}\n{out.stderr[-3000:]}"
     )
+
+
+def test_device_report_lists_the_emm_processes_of_a_device(tmp_path, monkeypatch):
+    # Two processes hold 8 and 24 MiB; each writes its figures to the ledger every 0.1 s, and
+    # this process's report lists both, the larger first, and itself. A process that ended is
+    # dropped from the next report (its record removed). On the simulator each process has a
+    # device of its own with the same identity, which is what the ledger keys on.
+    monkeypatch.setenv("EMM_LEDGER_DIR", str(tmp_path))
+    holder = (
+        "import emm, sys\n"
+        "ctx = emm.context(0)\n"
+        "b = ctx.memalloc(int(sys.argv[1]))\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    env = {
+        **os.environ,
+        "EMM_PYTHON_DRIVER": DRIVER,
+        "EMM_MEMORY_MANAGER": "pool",
+        "EMM_MEMORY_ADAPTORS": "stats",
+        "EMM_LEDGER_SECONDS": "0.1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", holder, str(n << 20)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for n in (8, 24)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        pids = [p.pid for p in procs]
+        deadline = time.monotonic() + 20
+        while True:
+            rows = {r["pid"]: r for r in emm.device_report(0)}
+            if all(rows.get(pid, {}).get("live_bytes") == n << 20 for pid, n in zip(pids, (8, 24))):
+                break
+            assert time.monotonic() < deadline, rows
+            time.sleep(0.1)
+        order = [r["pid"] for r in emm.device_report(0)]
+        assert order.index(pids[1]) < order.index(pids[0]), "the larger holder first"
+        assert os.getpid() in rows, "this process reports itself"
+        assert rows[pids[0]]["manager"] == "stats(pool)", rows[pids[0]]
+        assert rows[pids[0]]["held_bytes"] >= 8 << 20, rows[pids[0]]
+        procs[0].stdin.close()
+        procs[0].wait(timeout=20)
+        assert pids[0] not in {r["pid"] for r in emm.device_report(0)}
+        assert not (tmp_path / os.listdir(tmp_path)[0] / f"{pids[0]}.json").exists()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

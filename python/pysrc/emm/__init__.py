@@ -36,6 +36,7 @@ from ._emm import (
 )
 
 from ._emm import flush_logs as _flush_logs
+from ._emm import ledger_publish as _ledger_publish
 
 # The process's runtime is never dropped: the log adaptor's buffered lines are written out at
 # exit.
@@ -55,6 +56,7 @@ __all__ = [
     "configure",
     "context",
     "device_count",
+    "device_report",
     "enable_capture_pools",
     "release_capture_pools",
     "settings",
@@ -104,3 +106,44 @@ class Runtime:
     def defer_cleanup(self, device=0):
         """A context manager deferring frees on ``device`` while it is active."""
         return context(device).defer_cleanup()
+
+
+def device_report(device=0):
+    """The emm processes that use device ``device`` (this one included), with what each holds,
+    the most held first: a list of dicts (``pid``, ``program``, ``device``, ``manager``,
+    ``live_bytes``, ``peak_live_bytes``, ``held_bytes``, ``peak_held_bytes``, ``ooms``,
+    ``updated``: the Unix time the process last wrote them). Each emm process writes its
+    figures to a ledger every ``EMM_LEDGER_SECONDS`` (default 2) in ``EMM_LEDGER_DIR``
+    (default ``/dev/shm/emm-ledger``); ``EMM_LEDGER=0`` leaves a process out. Figures a
+    configuration cannot give are ``None`` (live bytes need the ``stats`` adaptor, held bytes a
+    pool). Records of processes that have ended are removed as they are found."""
+    import json
+    import os
+
+    context(device)
+    directory = _ledger_publish(device)
+    rows = []
+    for name in os.listdir(directory):
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            pid = int(name[: -len(".json")])
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+            continue
+        except PermissionError:
+            pass  # another user's process: alive
+        try:
+            with open(path, encoding="utf-8") as f:
+                rows.append(json.load(f))
+        except (OSError, ValueError):
+            continue  # being replaced, or removed meanwhile
+    return sorted(rows, key=lambda r: (-(r["held_bytes"] or r["live_bytes"] or 0), r["pid"]))
+

@@ -602,6 +602,12 @@ def flush_logs() -> Any:
     ...
 
 
+def ledger_publish(device) -> Any:
+    """Writes this process's records now and returns the directory of `device`'s ledger, for
+    `emm.device_report()` to read (`emm.device_report` makes the context first)."""
+    ...
+
+
 def release_capture_pools() -> Any:
     """Lets go of the graph pools of captures that ended, on every context (their memory goes
     back to the manager once the graphs' tensors are freed): call it after deleting or
