@@ -3,6 +3,8 @@ emm's simulated GPU: the plugin sets every worker up, the metrics reach the sche
 memory report gathers every worker, a restarted worker is set up again, and a worker that dies
 mid-task leaves the rest of the cluster and its results alone."""
 
+import json
+import os
 import time
 
 import pytest
@@ -29,9 +31,8 @@ def local_cluster(workers, **more):
         n_workers=workers,
         processes=True,
         threads_per_worker=1,
-        dashboard_address=None,
         worker_dashboard_address=None,
-        **more,
+        **{"dashboard_address": None, **more},
     )
 
 
@@ -203,3 +204,50 @@ def test_results_past_the_device_spill_or_fail_with_emms_report(monkeypatch, tmp
         (f,) = figures.values()
         assert f["oom_retries"] > 0 and f["ooms"] == 0, f
 
+
+
+def test_the_dashboard_page_shows_every_workers_figures_in_a_browser(monkeypatch, tmp_path):
+    """The scheduler's ``/emm`` page, loaded in headless Chromium (a real browser, Debian's
+    package: ``.ci/run`` installs it), lists every worker with the figures its metrics sent,
+    the live bytes a task holds among them. Where Chromium is missing the test says so and
+    skips, unless ``EMM_REQUIRE_BROWSER=1`` (CI) makes that a failure."""
+    import shutil
+    import subprocess
+    import urllib.request
+
+    if DRIVER != "sim":
+        pytest.skip("the workers run on emm's simulated GPU here; the GPU job runs its own")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        if os.environ.get("EMM_REQUIRE_BROWSER") == "1":
+            pytest.fail("EMM_REQUIRE_BROWSER=1 and no chromium on PATH (apt-get install chromium)")
+        pytest.skip("no chromium on PATH: install Debian's chromium to run the dashboard's check")
+    monkeypatch.setenv("EMM_PYTHON_DRIVER", "sim")
+    emm.dask.enable_dashboard_page()
+    with local_cluster(2, dashboard_address="127.0.0.1:0") as c, distributed.Client(c) as client:
+        client.register_plugin(emm.dask.EmmSetup(manager="pool"))
+        workers = sorted(client.scheduler_info()["workers"])
+        client.submit(hold, 12 * MIB, workers=[workers[0]], pure=False).result()
+        wait_for(
+            lambda: (f := emm_metrics(client).get(workers[0])) and f["live_bytes"] == 12 * MIB,
+            "the worker's live bytes at the scheduler",
+        )
+        port = c.scheduler.http_server.port
+        url = f"http://127.0.0.1:{port}/emm"
+        figures = json.load(urllib.request.urlopen(url + "/figures.json"))
+        assert figures[workers[0]]["live_bytes"] == 12 * MIB, figures
+        page = subprocess.run(
+            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+             "--no-first-run", "--disable-background-networking", "--disable-component-update",
+             "--disable-sync", f"--user-data-dir={tmp_path / 'chromium'}", "--dump-dom", url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert page.returncode == 0, page.stderr[-2000:]
+        dom = page.stdout
+        assert "emm-workers" in dom, dom[:2000]
+        for w in workers:
+            assert w in dom, dom[:2000]
+        assert f"<td class=\"live_bytes\">{12 * MIB}</td>" in dom, dom[:3000]
+        assert "stats(pool)" in dom, dom[:2000]

@@ -52,7 +52,9 @@ device bytes in the worker's memory (``dask.sizeof``), so that the worker evicts
 result; a worker started with ``memory_limit=0`` keeps no spill buffer and spills nothing.
 Without spilling, the allocation fails with emm's out-of-memory error, which the task raises.
 
-Not yet here (issue 62): emm's figures in the dashboard's RMM panel, Ray.
+The dashboard: ``enable_dashboard_page()``, before the scheduler starts, adds a page
+``/emm`` to the scheduler's web server (beside ``/status``): a table of every worker's emm
+figures, renewed every two seconds, and ``/emm/figures.json`` with the same figures.
 """
 
 import copyreg
@@ -65,7 +67,14 @@ from distributed import WorkerPlugin
 import emm
 from emm._worker import FRAMEWORKS, figures, install
 
-__all__ = ["EmmSetup", "MemoryReport", "dask_setup", "memory_report", "worker_figures"]
+__all__ = [
+    "EmmSetup",
+    "MemoryReport",
+    "dask_setup",
+    "enable_dashboard_page",
+    "memory_report",
+    "worker_figures",
+]
 
 #: The name of the worker metric emm's figures are reported under.
 METRIC = "emm"
@@ -285,3 +294,71 @@ def memory_report(client):
     """Every worker's emm figures, segments and live memory by tag, as a :class:`MemoryReport`
     (a worker without emm set up raises ``emm.EmmError`` there, which this raises)."""
     return MemoryReport(client.run(_worker_report))
+
+
+# The scheduler's web server: a page of every worker's emm figures. distributed imports the
+# modules its config lists (``distributed.scheduler.http.routes``) and serves their ``routes``.
+
+_COLUMNS = ("manager", "live_bytes", "peak_live_bytes", "held_bytes", "peak_held_bytes",
+            "largest_free_bytes", "oom_retries", "ooms")
+
+
+def _scheduler_figures(scheduler):
+    """Every worker's ``emm`` metric as the scheduler last heard it, by address."""
+    return {
+        address: {"name": str(ws.name), **(ws.metrics.get(METRIC) or {})}
+        for address, ws in sorted(scheduler.workers.items())
+    }
+
+
+def _page_handlers():
+    from distributed.http.utils import RequestHandler
+
+    class EmmPage(RequestHandler):
+        """``/emm``: a table of every worker's emm figures, renewed every two seconds."""
+
+        def get(self):
+            figures = _scheduler_figures(self.server)
+            head = "".join(f"<th>{c}</th>" for c in ("worker", "name", *_COLUMNS))
+            rows = "".join(
+                "<tr>"
+                + f"<td>{html.escape(address)}</td><td>{html.escape(f['name'])}</td>"
+                + "".join(
+                    f"<td class='{c}'>{html.escape(str(f.get(c, '')))}</td>" for c in _COLUMNS
+                )
+                + "</tr>"
+                for address, f in figures.items()
+            )
+            self.set_header("Content-Type", "text/html; charset=utf-8")
+            self.write(
+                "<!doctype html><meta charset=utf-8><meta http-equiv=refresh content=2>"
+                "<title>emm: workers' memory</title><h1>emm: workers' memory</h1>"
+                f"<table id=emm-workers><tr>{head}</tr>{rows}</table>"
+            )
+
+    class EmmJson(RequestHandler):
+        """``/emm/figures.json``: the same figures."""
+
+        def get(self):
+            self.write(_scheduler_figures(self.server))
+
+    return [(r"emm", EmmPage, {}), (r"emm/figures.json", EmmJson, {})]
+
+
+def __getattr__(name):
+    # ``routes`` is made when distributed asks for it, so that importing emm.dask does not
+    # import tornado's handlers where no scheduler runs.
+    if name == "routes":
+        return _page_handlers()
+    raise AttributeError(name)
+
+
+def enable_dashboard_page():
+    """Adds the ``/emm`` page to the web server of schedulers started from now on in this
+    process (``LocalCluster``, or ``dask scheduler --preload`` of a module that calls it)."""
+    import dask
+
+    routes = list(dask.config.get("distributed.scheduler.http.routes"))
+    if __name__ not in routes:
+        dask.config.set({"distributed.scheduler.http.routes": [*routes, __name__]})
+
