@@ -12,15 +12,16 @@ import pytest
 import emm
 
 from conftest import DRIVER
-# The tasks the workers run: a module of their own, which the workers import (this one imports
-# conftest, which makes a runtime of the test process's settings).
-from dask_tasks import die, first_and_last, hold, make
 
 distributed = pytest.importorskip(
     "distributed",
     reason="emm.dask's tests need distributed (ci/test installs it into .venv-test)",
 )
 import emm.dask  # noqa: E402  (needs distributed)
+
+# The tasks the workers run: a module of their own, which the workers import (this one imports
+# conftest, which makes a runtime of the test process's settings). It needs distributed too.
+from dask_tasks import die, first_and_last, hold, make  # noqa: E402
 
 MIB = 1 << 20
 
