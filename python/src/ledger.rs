@@ -132,6 +132,19 @@ pub(crate) fn start(runtime: &Arc<Runtime>) {
     }
 }
 
+/// Removes this process's records from every device's ledger directory (at the interpreter's
+/// exit: a process that has ended is no longer listed, even before a report finds it gone).
+#[pyfunction]
+pub(crate) fn ledger_forget() {
+    let Ok(devices) = std::fs::read_dir(directory()) else {
+        return;
+    };
+    let name = format!("{}.json", std::process::id());
+    for device in devices.flatten() {
+        let _ = std::fs::remove_file(device.path().join(&name));
+    }
+}
+
 /// Writes this process's records now and returns the directory of `device`'s ledger, for
 /// `emm.device_report()` to read (`emm.device_report` makes the context first).
 #[pyfunction]

@@ -101,6 +101,7 @@ fn _emm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch::torch_live, m)?)?;
     m.add_function(wrap_pyfunction!(torch::torch_record_stream, m)?)?;
     m.add_function(wrap_pyfunction!(ledger::ledger_publish, m)?)?;
+    m.add_function(wrap_pyfunction!(ledger::ledger_forget, m)?)?;
     m.add_function(wrap_pyfunction!(torch::torch_counters, m)?)?;
     m.add_function(wrap_pyfunction!(cupy::cupy_c_functions, m)?)?;
     m.add_function(wrap_pyfunction!(cupy::cupy_usage, m)?)?;

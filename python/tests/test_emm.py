@@ -1241,8 +1241,16 @@ def test_device_report_lists_the_emm_processes_of_a_device(tmp_path, monkeypatch
         assert rows[pids[0]]["held_bytes"] >= 8 << 20, rows[pids[0]]
         procs[0].stdin.close()
         procs[0].wait(timeout=20)
+        device_dir = tmp_path / os.listdir(tmp_path)[0]
+        assert not (device_dir / f"{pids[0]}.json").exists(), "removed at its exit"
         assert pids[0] not in {r["pid"] for r in emm.device_report(0)}
-        assert not (tmp_path / os.listdir(tmp_path)[0] / f"{pids[0]}.json").exists()
+        # A process killed without its exit handlers leaves its record; the next report
+        # finds it ended and removes it.
+        procs[1].kill()
+        procs[1].wait(timeout=20)
+        assert (device_dir / f"{pids[1]}.json").exists()
+        assert pids[1] not in {r["pid"] for r in emm.device_report(0)}
+        assert not (device_dir / f"{pids[1]}.json").exists()
     finally:
         for p in procs:
             p.kill()

@@ -36,11 +36,14 @@ from ._emm import (
 )
 
 from ._emm import flush_logs as _flush_logs
+from ._emm import ledger_forget as _ledger_forget
 from ._emm import ledger_publish as _ledger_publish
 
 # The process's runtime is never dropped: the log adaptor's buffered lines are written out at
 # exit.
 _atexit.register(_flush_logs)
+# Nor does the device ledger's thread end before exit: this process's records go then.
+_atexit.register(_ledger_forget)
 
 __all__ = [
     "Context",

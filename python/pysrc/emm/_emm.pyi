@@ -602,6 +602,12 @@ def flush_logs() -> Any:
     ...
 
 
+def ledger_forget() -> Any:
+    """Removes this process's records from every device's ledger directory (at the interpreter's
+    exit: a process that has ended is no longer listed, even before a report finds it gone)."""
+    ...
+
+
 def ledger_publish(device) -> Any:
     """Writes this process's records now and returns the directory of `device`'s ledger, for
     `emm.device_report()` to read (`emm.device_report` makes the context first)."""
