@@ -17,8 +17,7 @@ use crate::host::allocations::{AllocationTable, Entry, unpin_now};
 use crate::host::driver_pool::{DriverHostPool, DriverHostRelease};
 use crate::host::pinned_pool::{Kind, PinnedBlock, PinnedPool, Taken};
 use crate::memory::host::{
-    ContextKeeper, HostAllocFlags, HostKeeper, HostMemory, HostOwner, ManagedMemory, MappedMemory,
-    PinnedMemory,
+    HostAllocFlags, HostKeeper, HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory,
 };
 use crate::memory::pending::{DeferCleanup, Free, PendingDeallocs};
 use crate::memory::pointer::{AllocationOwner, MemoryPointer, Release};
@@ -137,16 +136,6 @@ impl HostLayer {
     /// The context the layer serves.
     pub fn context(&self) -> &ManagerContext {
         self.table.context()
-    }
-
-    /// What keeps host memory that lives as long as this layer's context allocated during an
-    /// access ([`ContextKeeper`]).
-    fn context_keeper(&self) -> Arc<dyn HostKeeper> {
-        let cx = self.context();
-        Arc::new(ContextKeeper {
-            liveness: Arc::clone(&cx.liveness),
-            device: cx.device,
-        })
     }
 
     /// The deferred-deallocation queue.
@@ -617,6 +606,8 @@ impl HostLayer {
             return Ok(self.mapped_at(host, device_ptr, bytes, entry, None));
         }
         let queue = Arc::clone(self.deallocations());
+        // The queue keeps the memory during accesses: it knows the context's liveness.
+        let keeper = Arc::clone(&queue) as Arc<dyn HostKeeper>;
         // SAFETY: `host .. host + bytes` was just allocated by `cuMemHostAlloc` and is freed only
         // by this value's release, or with its context, which the keeper answers for.
         let pinned = unsafe {
@@ -624,7 +615,7 @@ impl HostLayer {
                 queue.push_from_drop(Free::Host { ptr, bytes: 0 });
             })
         };
-        Ok(HostMemory::Pinned(pinned.kept_by(self.context_keeper(), 0)))
+        Ok(HostMemory::Pinned(pinned.kept_by(keeper, 0)))
     }
 
     /// Numba's `mempin`: page-locks `ptr .. ptr + size` with `cuMemHostRegister` (`DEVICEMAP`

@@ -42,6 +42,7 @@ use crate::contract::info::{PinnedPoolConfig, PoolStats};
 use crate::error::EmmError;
 use crate::lines::Lines;
 use crate::memory::HostReleaseHook;
+use crate::memory::host::HostKeeper;
 use crate::memory::pending::{Free, PendingDeallocs};
 use crate::size_class;
 use crate::sync::{AtomicU64, Bias, Biased, BiasedGuard, Mutex, Ordering, lock};
@@ -677,15 +678,12 @@ impl HostReleaseHook for PinnedPool {
     /// its context's end frees it underneath: an access holds the context's liveness.
     fn keep_while(
         &self,
-        _host: HostPtr,
-        _tag: u64,
+        host: HostPtr,
+        tag: u64,
         what: &'static str,
         access: &mut dyn FnMut(),
     ) -> Result<(), EmmError> {
-        let keeper = self.queue.context_keeper();
-        let _live = keeper.liveness.enter().ok_or_else(|| keeper.gone(what))?;
-        access();
-        Ok(())
+        HostKeeper::keep_while(&*self.queue, host, tag, what, access)
     }
 
     /// As `release`, and the block's clone of the pool's `Arc` goes to the freeing thread's

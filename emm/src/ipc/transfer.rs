@@ -51,6 +51,14 @@ impl PeerPolicy {
     fn allows(&self, uid: u32, me: u32) -> bool {
         uid == me || matches!(self, PeerPolicy::Uids(list) if list.contains(&uid))
     }
+
+    /// The users the policy allows, for an error's text (`me`: this process's user).
+    fn users(&self, me: u32) -> String {
+        match self {
+            PeerPolicy::SameUser => format!("this process's user (uid {me})"),
+            PeerPolicy::Uids(list) => format!("uid {me} and {list:?}"),
+        }
+    }
 }
 
 /// What a refused peer receives instead of an export: this marker, its own uid and the
@@ -145,10 +153,7 @@ fn admit(
         format!(
             "the connecting process runs as uid {peer}, and this export goes to {} only; allow \
              it with {kind}::send_to(socket, &PeerPolicy::Uids(vec![{peer}]))",
-            match policy {
-                PeerPolicy::SameUser => format!("this process's user (uid {me})"),
-                PeerPolicy::Uids(list) => format!("uid {me} and {list:?}"),
-            }
+            policy.users(me)
         ),
     ))
 }
@@ -177,10 +182,7 @@ fn sender_allowed(peer: u32, me: u32, policy: &PeerPolicy, kind: &str) -> io::Re
             "the sending process runs as uid {peer}, and this process takes a {kind} from {} \
              only; take it with {kind}::receive_from(socket, &PeerPolicy::Uids(vec![{peer}])) \
              if that user is trusted",
-            match policy {
-                PeerPolicy::SameUser => format!("its own user (uid {me})"),
-                PeerPolicy::Uids(list) => format!("uid {me} and {list:?}"),
-            }
+            policy.users(me)
         ),
     ))
 }

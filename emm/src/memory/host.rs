@@ -6,10 +6,9 @@ use std::cell::UnsafeCell;
 use std::fmt;
 use std::sync::Arc;
 
-use driver_sys::{DeviceOrdinal, HostPtr};
+use driver_sys::HostPtr;
 
 use crate::error::EmmError;
-use crate::memory::liveness::ContextLiveness;
 use crate::memory::pointer::MemoryPointer;
 
 /// How `memhostalloc` allocates page-locked host memory, as named flags rather than Numba's
@@ -126,41 +125,6 @@ impl HostKeeper for PinnedMemory {
         access: &mut dyn FnMut(),
     ) -> Result<(), EmmError> {
         self.access(what, access)
-    }
-}
-
-/// Keeps host memory that lives as long as its context (`cuMemHostAlloc`): an access enters
-/// the context's liveness, so that the context's teardown waits for it, and is refused after.
-pub(crate) struct ContextKeeper {
-    /// The context's liveness.
-    pub(crate) liveness: Arc<ContextLiveness>,
-    /// Its device, for the error.
-    pub(crate) device: DeviceOrdinal,
-}
-
-impl ContextKeeper {
-    /// The error of an access to host memory whose context is gone.
-    pub(crate) fn gone(&self, what: &'static str) -> EmmError {
-        EmmError::Stale {
-            what,
-            device: self.device,
-            reason: "its context was torn down (its runtime dropped, or its device reset), and \
-                     the driver freed the page-locked memory with it",
-        }
-    }
-}
-
-impl HostKeeper for ContextKeeper {
-    fn keep_while(
-        &self,
-        _host: HostPtr,
-        _tag: u64,
-        what: &'static str,
-        access: &mut dyn FnMut(),
-    ) -> Result<(), EmmError> {
-        let _live = self.liveness.enter().ok_or_else(|| self.gone(what))?;
-        access();
-        Ok(())
     }
 }
 

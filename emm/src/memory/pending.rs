@@ -129,6 +129,28 @@ pub struct PendingDeallocs {
     inner: Mutex<Inner>,
 }
 
+/// Host memory that lives as long as the queue's context (`cuMemHostAlloc`'s, the pinned host
+/// pool's) is kept by the queue: an access enters the context's liveness, so that the
+/// context's teardown waits for it, and is refused once the context is gone.
+impl crate::memory::host::HostKeeper for PendingDeallocs {
+    fn keep_while(
+        &self,
+        _host: driver_sys::HostPtr,
+        _tag: u64,
+        what: &'static str,
+        access: &mut dyn FnMut(),
+    ) -> Result<(), EmmError> {
+        let _live = self.liveness.enter().ok_or(EmmError::Stale {
+            what,
+            device: self.device,
+            reason: "its context was torn down (its runtime dropped, or its device reset), and \
+                     the driver freed the page-locked memory with it",
+        })?;
+        access();
+        Ok(())
+    }
+}
+
 impl fmt::Debug for PendingDeallocs {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let inner = lock(&self.inner);
@@ -143,15 +165,6 @@ impl fmt::Debug for PendingDeallocs {
 }
 
 impl PendingDeallocs {
-    /// What keeps host memory of this queue's context allocated during an access: its
-    /// liveness ([`ContextKeeper`](crate::memory::host::ContextKeeper)).
-    pub(crate) fn context_keeper(&self) -> crate::memory::host::ContextKeeper {
-        crate::memory::host::ContextKeeper {
-            liveness: Arc::clone(&self.liveness),
-            device: self.device,
-        }
-    }
-
     /// An empty queue for the context `ctx` of `device`, capacity unset.
     pub fn new(
         driver: Arc<dyn Driver>,
