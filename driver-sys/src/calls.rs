@@ -69,6 +69,7 @@ macro_rules! driver_calls {
             IpcOpenMemHandle = "cuIpcOpenMemHandle",
             IpcCloseMemHandle = "cuIpcCloseMemHandle" release,
             StreamSynchronize = "cuStreamSynchronize",
+            CtxSynchronize = "cuCtxSynchronize",
             DeviceGetDefaultMemPool = "cuDeviceGetDefaultMemPool",
             MemPoolCreate = "cuMemPoolCreate",
             MemPoolDestroy = "cuMemPoolDestroy" release,
@@ -429,6 +430,9 @@ macro_rules! driver_calls {
 
             /// `cuStreamSynchronize`: waits for all work on `stream` (0 is the legacy default stream).
             fn stream_synchronize(ctx: [$crate::ContextHandle], stream: [$crate::StreamHandle]) -> [()] => StreamSynchronize;
+
+            /// `cuCtxSynchronize`: waits for all work of `ctx`, on every stream.
+            fn ctx_synchronize(ctx: [$crate::ContextHandle]) -> [()] => CtxSynchronize;
 
             /// `cuDeviceGetDefaultMemPool`: the device's default stream-ordered pool (the one
             /// `cuMemAllocAsync` uses). It lives as long as the device; never destroy it.

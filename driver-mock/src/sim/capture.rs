@@ -116,6 +116,7 @@ impl Op {
             Op::MemAlloc
                 | Op::StreamQuery
                 | Op::StreamSynchronize
+                | Op::CtxSynchronize
                 | Op::MemPoolGetAttribute
                 | Op::MemPoolSetAttribute
                 | Op::MemPoolTrimTo

@@ -307,6 +307,18 @@ impl World {
         }
     }
 
+    /// `cuCtxSynchronize`: [`Driver::ctx_synchronize`](driver_sys::Driver::ctx_synchronize) in
+    /// the model: every stream of the context's device is drained.
+    pub(super) fn ctx_synchronize(
+        &mut self,
+        pid: usize,
+        note: &mut Note,
+        ctx: ContextHandle,
+    ) -> Result<(), u32> {
+        let device = context(self, pid, ctx, note)?;
+        self.drain_all(pid, device)
+    }
+
     /// `cuStreamSynchronize`: [`Driver::stream_synchronize`](driver_sys::Driver::stream_synchronize) in the model.
     pub(super) fn stream_synchronize(
         &mut self,

@@ -515,6 +515,12 @@ impl World {
         self.wait_until(pid, |w| keys.iter().all(|&k| w.drained(pid, k)))
     }
 
+    /// Runs work until every stream of `device` is drained (`cuCtxSynchronize`'s wait);
+    /// `CUDA_ERROR_ILLEGAL_STATE` where that work waits on something nothing will provide.
+    pub(super) fn drain_all(&mut self, pid: usize, device: usize) -> Result<(), u32> {
+        self.drain_device(pid, device, false)
+    }
+
     /// Runs work until `stream` of `ctx` is drained (`cuStreamSynchronize`'s wait).
     pub(super) fn drain_stream(
         &mut self,

@@ -262,6 +262,14 @@ impl Calls<'_> {
         }))
     }
 
+    /// [cuCtxSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html)
+    pub(super) fn ctx_synchronize(&self, ctx: ContextHandle) -> Result<(), DriverError> {
+        let _scope = CtxScope::enter(ctx)?;
+        // SAFETY: `ctx` is current on this thread for the call (`_scope`); the call takes no
+        // pointer.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
     /// [cuStreamSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
     pub(super) fn stream_synchronize(
         &self,
