@@ -120,7 +120,7 @@ pub extern "C" fn emm_cupy_malloc(_param: *mut c_void, size: usize, device: c_in
         };
         with_device_context(device, |ctx| {
             crate::snapshot::with_python_stack(py, ctx, || {
-                let _tag = crate::snapshot::cupy_tag().scope();
+                let _tag = crate::snapshot::framework_scope(crate::snapshot::cupy_tag());
                 if ctx.stream_ordering() == StreamOrdering::Unsupported {
                     return ctx.memalloc(size);
                 }

@@ -21,6 +21,13 @@ pub(crate) fn cupy_tag() -> Tag {
     *TAG.get_or_init(|| Tag::named("cupy"))
 }
 
+/// Tags this thread's allocations with a framework's `tag` until the guard drops, unless a
+/// tag is current already (a user's `with emm.tag(...)` block names what allocates better than
+/// the framework does).
+pub(crate) fn framework_scope(tag: Tag) -> Option<emm::contract::TagScope> {
+    (Tag::current() == Tag::UNTAGGED).then(|| tag.scope())
+}
+
 /// The calling Python code's stack, innermost frame first, one line per frame in
 /// `traceback`'s form (`File "train.py", line 12, in step`), at most 64 frames; `None` where
 /// Python cannot give it.
@@ -64,18 +71,22 @@ pub(crate) fn with_python_stack<T>(py: Python<'_>, ctx: &emm::Context, f: impl F
 /// A tag for the allocations made in a `with` block on this thread: `with emm.tag("loader"):
 /// ...`. Snapshots, the out-of-memory report and `Snapshot.by_tag()` group live memory by tag
 /// when the runtime has the `history` adaptor (`EMM_MEMORY_ADAPTORS=history`). `emm.torch`,
-/// `emm.cupy` and `emm.numba` tag their allocations `torch`, `cupy` and `numba`.
+/// `emm.cupy` and `emm.numba` tag their allocations `torch`, `cupy` and `numba`, except inside
+/// such a block, whose tag they keep (`Context.sleep` chooses by it). With `if_untagged=True`
+/// the block tags only where no other block's tag is current.
 #[pyclass(module = "emm", name = "tag", unsendable)]
 #[derive(Debug)]
 pub struct TagBlock {
     tag: Tag,
+    if_untagged: bool,
     previous: Vec<Tag>,
 }
 
 #[pymethods]
 impl TagBlock {
     #[new]
-    fn new(name: &str) -> PyResult<TagBlock> {
+    #[pyo3(signature = (name, if_untagged=false))]
+    fn new(name: &str, if_untagged: bool) -> PyResult<TagBlock> {
         let tag = Tag::try_named(name).ok_or_else(|| {
             pyo3::exceptions::PyValueError::new_err(format!(
                 "emm.tag({name:?}): the process already has {} tag names, which it keeps for its \
@@ -85,12 +96,19 @@ impl TagBlock {
         })?;
         Ok(TagBlock {
             tag,
+            if_untagged,
             previous: Vec::new(),
         })
     }
 
     fn __enter__(mut slf: PyRefMut<'_, Self>) -> PyRefMut<'_, Self> {
-        let previous = Tag::set_current(slf.tag);
+        let current = Tag::current();
+        let tag = if slf.if_untagged && current != Tag::UNTAGGED {
+            current
+        } else {
+            slf.tag
+        };
+        let previous = Tag::set_current(tag);
         slf.previous.push(previous);
         slf
     }

@@ -111,7 +111,7 @@ pub(crate) fn torch_allocate(
         let device =
             u32::try_from(device).map_err(|_| (format!("a negative device ({device})"), false))?;
         let mem = with_device_context(device, |ctx| {
-            let _tag = crate::snapshot::torch_tag().scope();
+            let _tag = crate::snapshot::framework_scope(crate::snapshot::torch_tag());
             if ctx.stream_ordering() == StreamOrdering::Unsupported {
                 ctx.memalloc(size)
             } else {

@@ -27,8 +27,9 @@ from numba.cuda.cudadrv import driver as _drv
 from . import context as _emm_context
 from . import tag as _tag
 
-# Numba's allocations carry this tag in snapshots and out-of-memory reports.
-_NUMBA = _tag("numba")
+# Numba's allocations carry this tag in snapshots and out-of-memory reports, unless a user's
+# ``with emm.tag(...)`` block names them.
+_NUMBA = _tag("numba", if_untagged=True)
 
 try:
     from cuda.bindings import driver as _binding
