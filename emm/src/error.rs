@@ -339,6 +339,18 @@ pub enum EmmError {
         /// What was reset.
         reason: &'static str,
     },
+
+    /// The context's memory is asleep ([`Context::sleep`](crate::Context::sleep)), or a wake
+    /// found nothing asleep.
+    #[error("{what} on device {device}: {reason}")]
+    Sleep {
+        /// What was attempted.
+        what: &'static str,
+        /// The device.
+        device: DeviceOrdinal,
+        /// The state found, and what to do.
+        reason: &'static str,
+    },
 }
 
 impl EmmError {
@@ -379,6 +391,18 @@ impl EmmError {
             op,
             device,
             error: source,
+        }
+    }
+
+    /// `sleep` or `wake` asked of a manager that cannot keep its addresses while its memory
+    /// goes back to the driver.
+    pub(crate) fn no_sleep(operation: &'static str, manager: impl Into<String>) -> Self {
+        EmmError::NotSupported {
+            operation,
+            manager: manager.into(),
+            advice: "only 'vmm-pool' keeps every address while the physical memory behind it \
+                     goes back to the driver; select it (EMM_MEMORY_MANAGER=vmm-pool), or free \
+                     the memory and call trim",
         }
     }
 

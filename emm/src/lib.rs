@@ -25,6 +25,7 @@
 //! | [`PendingDeallocs`](plugin::PendingDeallocs) / [`DeferCleanup`](plugin::DeferCleanup) | deferred deallocation and its suspension |
 //! | [`IpcHandle`] | export, transport as bytes, open directly or staged, close |
 //! | [`PoolExport`](contract::PoolExport) | an IPC-enabled stream-ordered pool (`async-pool-ipc`) on its way to another process, which imports it with [`Runtime::import_pool`] |
+//! | [`SleepOptions`] / [`Context::sleep`] / [`Context::wake`] | `vmm-pool`'s physical memory given back while every address stays valid: each live allocation kept, offloaded to host memory, or discarded, by tag |
 //! | [`MappedExport`](contract::MappedExport) | an allocation of `vmm-pool` as file descriptors of its physical memory, on its way to another process, which maps it with [`Context::open_mapped`] |
 //!
 //! emm never names cudarc or the simulator: it talks to an `Arc<dyn Driver>`
@@ -96,7 +97,10 @@ pub use driver_sys;
 pub use error::{EmmError, LiveByTag, OutOfMemoryReport};
 
 pub use adaptors::Adaptor;
-pub use contract::{IpcHandle, MemoryInfo, MemorySnapshot, PinnedPoolConfig, PoolStats, Tag};
+pub use contract::{
+    IpcHandle, MemoryInfo, MemorySnapshot, PinnedPoolConfig, PoolStats, SleepChoice, SleepOptions,
+    Tag,
+};
 #[cfg(unix)]
 pub use ipc::{PeerPolicy, bind_owner_only};
 pub use managers::PoolConfig;

@@ -38,6 +38,7 @@ use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{HistoryRecord, MemoryManager, StreamOrdering};
 use crate::contract::mapped_export::MappedExport;
 use crate::contract::pool_export::PoolExport;
+use crate::contract::sleep::{SleepBlock, SleepReport, WakeReport};
 use crate::contract::snapshot::HeldSegment;
 use crate::error::EmmError;
 use crate::memory::host::{
@@ -516,6 +517,14 @@ impl MemoryManager for Adapted {
 
     fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
         self.inner.export_mapped(memory)
+    }
+
+    fn sleep(&self, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
+        self.inner.sleep(blocks)
+    }
+
+    fn wake(&self) -> Result<WakeReport, EmmError> {
+        self.inner.wake()
     }
 
     fn memalloc_shared(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {

@@ -256,6 +256,32 @@ impl ManagerContext {
                 reason: "the memory was freed by a reset of its manager",
             });
         }
+        if self
+            .liveness
+            .sleeps_in(memory.device_ptr().0, memory.size())
+        {
+            return Err(EmmError::Sleep {
+                what,
+                device: self.device,
+                reason: "the memory is asleep (Context::sleep offloaded or discarded it); call \
+                         Context::wake first",
+            });
+        }
+        Ok(())
+    }
+
+    /// [`ensure_alive`](Self::ensure_alive) for an allocation: refused too while the context's
+    /// memory is asleep.
+    pub fn ensure_awake(&self, what: &'static str) -> Result<(), EmmError> {
+        self.ensure_alive(what)?;
+        if self.liveness.is_asleep() {
+            return Err(EmmError::Sleep {
+                what,
+                device: self.device,
+                reason: "the context's memory is asleep (Context::sleep); call Context::wake \
+                         before allocating",
+            });
+        }
         Ok(())
     }
 

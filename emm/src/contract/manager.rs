@@ -11,6 +11,7 @@ use crate::contract::info::{FreeSpace, MemoryInfo, PoolReport, Usage};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::mapped_export::MappedExport;
 use crate::contract::pool_export::PoolExport;
+use crate::contract::sleep::{SleepBlock, SleepReport, WakeReport};
 use crate::contract::snapshot::{HeldSegment, HistoryEvent};
 use crate::error::EmmError;
 use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, ManagedMemory};
@@ -212,6 +213,27 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
     fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
         let _ = memory;
         Err(EmmError::no_mapped_export(std::any::type_name_of_val(self)))
+    }
+
+    /// Gives the physical memory behind the manager's device memory back to the driver while
+    /// every address it handed out stays reserved ([`Context::sleep`](crate::Context::sleep),
+    /// which calls it with the device idle, deallocations flushed, and allocations refused):
+    /// `blocks` are the live allocations, each with its choice; memory of those kept stays
+    /// mapped, those offloaded are copied to host memory first. Only a manager whose memory is
+    /// physical memory mapped into reserved addresses can (`vmm-pool`); the default refuses
+    /// with [`EmmError::NotSupported`].
+    fn sleep(&self, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
+        let _ = blocks;
+        Err(EmmError::no_sleep(
+            "sleep",
+            std::any::type_name_of_val(self),
+        ))
+    }
+
+    /// Maps physical memory again behind every address [`sleep`](Self::sleep) released and
+    /// copies the offloaded allocations back. The default refuses, as `sleep` does.
+    fn wake(&self) -> Result<WakeReport, EmmError> {
+        Err(EmmError::no_sleep("wake", std::any::type_name_of_val(self)))
     }
 }
 

@@ -11,6 +11,7 @@
 //! | `ipc` | [`IpcHandle`] (what `get_ipc_handle` returns), [`IpcMemory`], [`DeviceIdentity`] |
 //! | `mapped_export` | [`MappedExport`] (what `export_mapped` returns: `vmm-pool` memory as file descriptors) |
 //! | `pool_export` | [`PoolExport`] (what `export_pool` returns) and [`PoolId`] |
+//! | `sleep` | [`SleepOptions`] / [`SleepChoice`] (what `Context::sleep` is asked), [`SleepBlock`] (what `MemoryManager::sleep` gets), [`SleepReport`], [`WakeReport`] |
 //! | `snapshot` | [`HeldSegment`] (what `segments` returns), [`Tag`], [`MemorySnapshot`] and its exports |
 
 pub(crate) mod access;
@@ -20,6 +21,7 @@ pub(crate) mod ipc;
 pub(crate) mod manager;
 pub(crate) mod mapped_export;
 pub(crate) mod pool_export;
+pub(crate) mod sleep;
 pub(crate) mod snapshot;
 
 pub use access::RelaxedCapture;
@@ -34,6 +36,7 @@ pub use manager::{
 };
 pub use mapped_export::MappedExport;
 pub use pool_export::{POOL_DESCRIPTOR_LEN, PoolExport, PoolId};
+pub use sleep::{SleepBlock, SleepChoice, SleepOptions, SleepReport, WakeReport};
 pub use snapshot::{
     AllocationInfo, Block, BlockState, HeldBlock, HeldSegment, HistoryAction, HistoryEvent,
     MemorySnapshot, Segment, SegmentKind, Tag, TagScope, with_host_stack,

@@ -11,6 +11,7 @@ use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{HistoryRecord, INTERFACE_VERSION, MemoryManager, StreamOrdering};
 use crate::contract::mapped_export::MappedExport;
 use crate::contract::pool_export::PoolExport;
+use crate::contract::sleep::{SleepBlock, SleepReport, WakeReport};
 use crate::contract::snapshot::HeldSegment;
 use crate::error::EmmError;
 use crate::host::HostLayer;
@@ -189,6 +190,24 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
         Err(EmmError::no_mapped_export(std::any::type_name_of_val(self)))
     }
 
+    /// Releases the physical memory behind the allocator's memory, keeping its addresses
+    /// ([`MemoryManager::sleep`]); allocators whose memory is not mapped physical memory refuse
+    /// (the default).
+    fn sleep(&self, host: &HostLayer, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
+        let _ = (host, blocks);
+        Err(EmmError::no_sleep(
+            "sleep",
+            std::any::type_name_of_val(self),
+        ))
+    }
+
+    /// Maps the memory [`sleep`](Self::sleep) released again ([`MemoryManager::wake`]); the
+    /// default refuses.
+    fn wake(&self, host: &HostLayer) -> Result<WakeReport, EmmError> {
+        let _ = host;
+        Err(EmmError::no_sleep("wake", std::any::type_name_of_val(self)))
+    }
+
     /// Exports the allocator's IPC-enabled stream-ordered pool; allocators without one refuse
     /// (the default).
     fn export_pool(&self, host: &HostLayer) -> Result<PoolExport, EmmError> {
@@ -334,5 +353,13 @@ impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
 
     fn memalloc_shared(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
         self.device.memalloc_shared(&self.host, bytes)
+    }
+
+    fn sleep(&self, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
+        self.device.sleep(&self.host, blocks)
+    }
+
+    fn wake(&self) -> Result<WakeReport, EmmError> {
+        self.device.wake(&self.host)
     }
 }

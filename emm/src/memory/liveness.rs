@@ -18,7 +18,7 @@
 
 use std::cell::RefCell;
 
-use crate::sync::{AtomicUsize, Bias, Ordering, yield_now};
+use crate::sync::{AtomicBool, AtomicUsize, Bias, Ordering, RwLock, yield_now};
 use crate::thread_slots::{shard_count, thread_shard};
 
 std::thread_local! {
@@ -45,6 +45,12 @@ const DEAD: usize = 1 << (usize::BITS - 1);
 #[derive(Debug)]
 pub struct ContextLiveness {
     state: AtomicUsize,
+    /// The context's memory is asleep (`Context::sleep`): its allocations are refused.
+    asleep: AtomicBool,
+    /// While asleep, the ranges (start, end) of the allocations put to sleep (offloaded or
+    /// discarded), sorted and disjoint: copies through the context to or from them are
+    /// refused.
+    asleep_ranges: RwLock<Vec<(u64, u64)>>,
     /// How the owners' counts are ordered against `kill`.
     bias: Bias,
     /// One count per owned thread slot, each on its own lines, written only by the thread
@@ -75,6 +81,8 @@ impl ContextLiveness {
         let owners = if bias == Bias::None { 0 } else { shard_count() };
         ContextLiveness {
             state: AtomicUsize::new(0),
+            asleep: AtomicBool::new(false),
+            asleep_ranges: RwLock::new(Vec::new()),
             bias,
             owned: (0..owners)
                 .map(|_| OwnedCount(AtomicUsize::new(0)))
@@ -109,6 +117,48 @@ impl ContextLiveness {
     /// Whether the context is alive now.
     pub fn is_alive(&self) -> bool {
         self.state.load(Ordering::Acquire) & DEAD == 0
+    }
+
+    /// Whether the context's memory is asleep (`Context::sleep`).
+    #[inline]
+    pub fn is_asleep(&self) -> bool {
+        self.asleep.load(Ordering::Acquire)
+    }
+
+    /// Marks the context asleep, refusing its allocations from now on; `false` where it was
+    /// asleep already.
+    pub(crate) fn fall_asleep(&self) -> bool {
+        !self.asleep.swap(true, Ordering::AcqRel)
+    }
+
+    /// Records the ranges (start, end) of the allocations put to sleep, for the checks of
+    /// [`sleeps_in`](Self::sleeps_in).
+    pub(crate) fn set_asleep_ranges(&self, mut ranges: Vec<(u64, u64)>) {
+        ranges.sort_unstable();
+        *self
+            .asleep_ranges
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = ranges;
+    }
+
+    /// Marks the context awake: its memory is mapped again (or was given up by a reset).
+    pub(crate) fn wake(&self) {
+        self.asleep_ranges
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        self.asleep.store(false, Ordering::Release);
+    }
+
+    /// Whether `len` bytes at `start` overlap an allocation put to sleep.
+    pub(crate) fn sleeps_in(&self, start: u64, len: usize) -> bool {
+        if !self.is_asleep() {
+            return false;
+        }
+        let end = start.saturating_add(len.max(1) as u64);
+        let ranges = self.asleep_ranges.read().unwrap_or_else(|e| e.into_inner());
+        let i = ranges.partition_point(|&(_, e)| e <= start);
+        ranges.get(i).is_some_and(|&(s, _)| s < end)
     }
 
     /// Marks this thread, inside a call of this context, as running a user's callback (the

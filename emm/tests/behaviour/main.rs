@@ -21,6 +21,7 @@
 //! | `out_of_memory` | the out-of-memory callback's retries, bounded, and the report a failure carries, under every manager |
 //! | `graphs` | captures through graph pools, launches and ordinary memory on three streams never share a block, under every shipped manager (property test) |
 //! | `stream_reuse` | stream-ordered memory under every shipped manager against a model of stream work (property test) |
+//! | `sleep` | `vmm-pool`'s memory put to sleep and woken: each choice per tag, the refusals, resets and trims while asleep (property test) |
 //! | `snapshots` | what a snapshot reports, segment by segment, and the out-of-memory report's holders by tag |
 //! | `vmm_ipc` | `vmm-pool` memory exported as file descriptors and opened in another simulated process (Unix), with a property test |
 #![cfg(not(emm_loom))]
@@ -37,6 +38,7 @@ mod pending_policy;
 mod pool_ipc;
 mod pools;
 mod selection;
+mod sleep;
 mod snapshots;
 mod state_machine;
 mod stream_reuse;

@@ -97,6 +97,7 @@ use crate::contract::info::{FreeSpace, PoolStats};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{HistoryRecord, StreamOrdering};
 use crate::contract::mapped_export::MappedExport;
+use crate::contract::sleep::{SleepBlock, SleepReport, WakeReport};
 use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::error::EmmError;
 use crate::host::fences::Fences;
@@ -1404,6 +1405,25 @@ impl DeviceAllocator for PoolAllocator {
         Ok(mem)
     }
 
+    /// `vmm-pool`: unmaps and releases the pieces no kept allocation lies in, keeping the
+    /// reservation (`PoolShared::sleep`); `pool` refuses, its `cuMemAlloc` chunks cannot keep
+    /// their addresses without their memory.
+    fn sleep(&self, _host: &HostLayer, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
+        if self.shared.vmm.is_none() {
+            return Err(EmmError::no_sleep("sleep", POOL_MANAGER));
+        }
+        self.shared.sleep(blocks)
+    }
+
+    /// `vmm-pool`: maps memory again where the sleep released it and copies the offloaded
+    /// allocations back (`PoolShared::wake`); `pool` refuses.
+    fn wake(&self, _host: &HostLayer) -> Result<WakeReport, EmmError> {
+        if self.shared.vmm.is_none() {
+            return Err(EmmError::no_sleep("wake", POOL_MANAGER));
+        }
+        self.shared.wake()
+    }
+
     fn reset(&self, host: &HostLayer) -> Result<(), EmmError> {
         let pool = &*self.shared;
         let (mut parked, mut large) = (Vec::new(), Vec::new());
@@ -1451,6 +1471,8 @@ impl DeviceAllocator for PoolAllocator {
         }
         let queue = host.deallocations();
         pool.release_chunks(chunks, true);
+        // A sleep ends with the reset: what it offloaded belonged to the blocks given up.
+        pool.end_sleep();
         let flushed = queue.flush().map(|_| ());
         // The reservation after its mappings, which the flush gave back.
         pool.free_reservation();

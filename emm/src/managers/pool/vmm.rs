@@ -22,6 +22,15 @@
 //!   unmaps at once, guard or not). Its range is
 //!   free for a new mapping once unmapped; a range whose unmapping failed is not used again, and
 //!   leaves the reservation to the context's destruction.
+//! - **Sleep** ([`PoolShared::sleep`]) gives back the physical memory of every piece that no
+//!   kept allocation lies in, and keeps the reservation, so every address the pool handed out
+//!   stays valid: the pieces it unmapped are recorded (`VmmInner::asleep`) and the arena still
+//!   owns their ranges. Allocations to offload are copied first, into one page-locked host
+//!   buffer; a failure there leaves the pool as it was. The wake makes and maps a new piece at
+//!   each recorded address, grants access once per run of them, and copies the offloaded
+//!   allocations back. A piece that goes back while asleep (a trim, a reset) is only
+//!   forgotten: it is unmapped already. Allocations are refused while asleep (the context
+//!   refuses them before the pool is reached), so no block of an unmapped piece is handed out.
 //! - Memory to share with other processes (`memalloc_shared`) is not the pool's: each such
 //!   allocation is physical memory of its own (its size rounded up to the granularity, one
 //!   `cuMemCreate`), mapped in an address reservation of its own, and unmapped and released
@@ -36,12 +45,15 @@
 
 use std::collections::BTreeMap;
 
-use driver_sys::{DeviceAttribute, DeviceOrdinal, DevicePtr, DriverError, ErrorKind, PhysHandle};
+use driver_sys::{
+    DeviceAttribute, DeviceOrdinal, DevicePtr, DriverError, ErrorKind, HostPtr, PhysHandle,
+};
 
 use super::PoolShared;
 use super::arena::Chunk;
 use crate::contract::factory::ManagerContext;
 use crate::contract::mapped_export::MappedExport;
+use crate::contract::sleep::{SleepBlock, SleepChoice, SleepReport, WakeReport};
 use crate::error::EmmError;
 use crate::memory::pending::Free;
 use crate::sync::{Mutex, Ordering, lock};
@@ -63,6 +75,17 @@ pub(super) struct VmmSpace {
     /// own reservation: (size, physical handle) by base. Apart from `inner`, which a reset
     /// clears: they outlive resets.
     shared: Mutex<BTreeMap<u64, (usize, PhysHandle)>>,
+    /// While asleep, the offloaded allocations' contents. Taken after `inner`, never before.
+    stash: Mutex<Option<Stash>>,
+}
+
+/// The contents of the allocations a sleep offloaded: one page-locked host buffer, and where
+/// each allocation's bytes lie in it.
+struct Stash {
+    host: HostPtr,
+    bytes: usize,
+    /// (device address, bytes, offset in the buffer) of each allocation.
+    blocks: Vec<(u64, usize, usize)>,
 }
 
 #[derive(Default)]
@@ -84,6 +107,33 @@ struct VmmInner {
     /// needs memory instead of making new ones ([`PoolShared::release_spares`] releases what
     /// it leaves).
     spare: Vec<PhysHandle>,
+    /// The pool is asleep ([`PoolShared::sleep`]).
+    sleeping: bool,
+    /// Pieces a sleep unmapped and released, their ranges still the arena's: size by base.
+    /// The wake maps a new piece at each; one that goes back meanwhile is only forgotten.
+    asleep: BTreeMap<u64, usize>,
+}
+
+impl VmmInner {
+    /// Bytes of physical memory mapped in the reservation now.
+    fn mapped_bytes(&self) -> usize {
+        self.handles.values().map(|&(size, _)| size).sum::<usize>()
+            + self
+                .deferred
+                .iter()
+                .map(|&(_, size, _)| size)
+                .sum::<usize>()
+    }
+}
+
+/// Whether any of `ranges` (start, end), sorted by start and not overlapping each other,
+/// overlaps `start .. start + size`.
+fn overlaps_any(ranges: &[(u64, u64)], start: u64, size: usize) -> bool {
+    let end = start + size as u64;
+    // The first range that ends after `start`: ranges are disjoint and sorted, so their ends
+    // are sorted too.
+    let i = ranges.partition_point(|&(_, e)| e <= start);
+    ranges.get(i).is_some_and(|&(s, _)| s < end)
 }
 
 impl VmmSpace {
@@ -142,6 +192,7 @@ impl VmmSpace {
             reserve_bytes,
             inner: Mutex::new(VmmInner::default()),
             shared: Mutex::new(BTreeMap::new()),
+            stash: Mutex::new(None),
         })
     }
 
@@ -359,7 +410,8 @@ impl PoolShared {
     /// the range is free again unless a mapping could not be undone.
     fn map_placed(&self, vmm: &VmmSpace, at: u64, bytes: usize) -> Result<(), DriverError> {
         let mut pieces = Vec::with_capacity(bytes / vmm.granularity);
-        let mapped = self.map_pieces(vmm, at, bytes, &mut pieces);
+        let spare = || lock(&vmm.inner).spare.pop();
+        let mapped = self.map_pieces(vmm, at, bytes, &spare, &mut pieces);
         if mapped.is_ok() {
             let mut inner = lock(&vmm.inner);
             inner.growing -= 1;
@@ -383,21 +435,22 @@ impl PoolShared {
         mapped
     }
 
-    /// Makes and maps the pieces of `bytes` at `at` (a free range of the reservation), adding
-    /// each mapped one to `pieces`, then makes the whole range accessible to the device and
-    /// its peers with one call each. On failure the caller undoes `pieces`.
+    /// Makes and maps the pieces of `bytes` at `at` (a range of the reservation with nothing
+    /// mapped), each from `spare` where it gives one, adding each mapped one to `pieces`, then
+    /// makes the whole range accessible to the device and its peers with one call each. On
+    /// failure the caller undoes `pieces`.
     #[allow(unsafe_code)]
     fn map_pieces(
         &self,
         vmm: &VmmSpace,
         at: u64,
         bytes: usize,
+        spare: &dyn Fn() -> Option<PhysHandle>,
         pieces: &mut Vec<(u64, PhysHandle)>,
     ) -> Result<(), DriverError> {
         let cx = &self.cx;
         for base in (at..at + bytes as u64).step_by(vmm.granularity) {
-            let spare = lock(&vmm.inner).spare.pop();
-            let handle = match spare {
+            let handle = match spare() {
                 Some(handle) => handle,
                 None => {
                     let handle = cx.driver.mem_create(
@@ -470,6 +523,8 @@ impl PoolShared {
         for c in chunks {
             match inner.handles.remove(&c.base) {
                 Some((_, handle)) => inner.deferred.push((c.base, c.size, handle)),
+                // Unmapped and released by a sleep: its range is free again, with no call.
+                None if inner.asleep.remove(&c.base).is_some() => inner.give(c.base, c.size),
                 None => {
                     tracing::warn!(device = %self.cx.device, ptr = c.base, "a chunk of a reservation given up by a reset is not unmapped again")
                 }
@@ -617,6 +672,261 @@ impl PoolShared {
         let unmapped = self.unmap_only(base, size);
         self.release_piece(handle);
         unmapped
+    }
+
+    /// `vmm-pool`: [`MemoryManager::sleep`](crate::contract::MemoryManager::sleep). The caller (the
+    /// context) waited for the device and refuses allocations. The allocations to offload are
+    /// copied to one page-locked host buffer first (a failure leaves the pool as it was);
+    /// then every piece that no kept allocation lies in is unmapped and released, its range
+    /// left reserved and the arena's.
+    #[allow(unsafe_code)]
+    pub(super) fn sleep(&self, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
+        const WHAT: &str = "sleep";
+        let began = std::time::Instant::now();
+        let cx = &self.cx;
+        let Some(vmm) = &self.vmm else {
+            return Err(EmmError::no_sleep(WHAT, super::POOL_MANAGER));
+        };
+        let _live = cx.enter(WHAT)?;
+        // Chunks given back inside a defer_cleanup that has since ended go first.
+        self.release_chunks(Vec::new(), false);
+        if lock(&vmm.inner).sleeping {
+            return Err(EmmError::Sleep {
+                what: WHAT,
+                device: cx.device,
+                reason: "the pool is asleep already; call Context::wake first",
+            });
+        }
+        let mut report = SleepReport::default();
+        let mut kept = Vec::new();
+        let mut offload = Vec::new();
+        for b in blocks {
+            match b.choice {
+                SleepChoice::Keep => {
+                    report.kept_bytes += b.bytes;
+                    kept.push((b.address, b.address + b.bytes as u64));
+                }
+                SleepChoice::Offload => {
+                    report.offloaded_bytes += b.bytes;
+                    offload.push(*b);
+                }
+                SleepChoice::Discard => report.discarded_bytes += b.bytes,
+            }
+        }
+        kept.sort_unstable();
+        let (stash, copying) = self.offload(&offload)?;
+        report.offload_elapsed = copying;
+        let mut inner = lock(&vmm.inner);
+        report.held_before = inner.mapped_bytes();
+        let released: Vec<(u64, usize, PhysHandle)> = inner
+            .handles
+            .iter()
+            .filter(|&(&base, &(size, _))| !overlaps_any(&kept, base, size))
+            .map(|(&base, &(size, handle))| (base, size, handle))
+            .collect();
+        for (base, size, handle) in released {
+            // Unmapped first: a piece whose unmapping failed stays mapped, and held.
+            if self.unmap_only(base, size) {
+                inner.handles.remove(&base);
+                self.release_piece(handle);
+                inner.asleep.insert(base, size);
+            }
+        }
+        inner.sleeping = true;
+        report.held_asleep = inner.mapped_bytes();
+        drop(inner);
+        *lock(&vmm.stash) = stash;
+        report.elapsed = began.elapsed();
+        tracing::info!(device = %cx.device, held_before = report.held_before, held_asleep = report.held_asleep, kept = report.kept_bytes, offloaded = report.offloaded_bytes, discarded = report.discarded_bytes, elapsed_ms = report.elapsed.as_millis() as u64, "vmm-pool asleep");
+        Ok(report)
+    }
+
+    /// Copies `blocks` into one new page-locked host buffer (`None` for none), and how long
+    /// the copies took; on failure the buffer is freed and nothing else changed.
+    #[allow(unsafe_code)]
+    fn offload(
+        &self,
+        blocks: &[SleepBlock],
+    ) -> Result<(Option<Stash>, std::time::Duration), EmmError> {
+        const WHAT: &str = "sleep (offload)";
+        let cx = &self.cx;
+        let bytes: usize = blocks.iter().map(|b| b.bytes).sum();
+        if bytes == 0 {
+            return Ok((None, std::time::Duration::ZERO));
+        }
+        let host = cx
+            .driver
+            .mem_host_alloc(cx.context, bytes, 0)
+            .map_err(|e| cx.driver_error(WHAT, e))?;
+        let mut stash = Stash {
+            host,
+            bytes,
+            blocks: Vec::with_capacity(blocks.len()),
+        };
+        let mut at = 0;
+        let began = std::time::Instant::now();
+        for b in blocks {
+            // SAFETY: `host .. host + bytes` is page-locked memory allocated above and owned
+            // by `stash` alone; the blocks' sizes sum to `bytes`, so `at .. at + b.bytes` lies
+            // inside it, and no other slice over it lives.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(
+                    std::ptr::with_exposed_provenance_mut::<u8>(host.0 + at),
+                    b.bytes,
+                )
+            };
+            // SAFETY: `b` is a live allocation of this pool, in mapped pieces (the sleep has
+            // unmapped none yet); the device is idle and allocations are refused, so nothing
+            // writes it during the copy.
+            let copied = unsafe { cx.driver.memcpy_dtoh(cx.context, dst, DevicePtr(b.address)) };
+            if let Err(e) = copied {
+                self.free_stash(stash);
+                return Err(cx.driver_error(WHAT, e));
+            }
+            stash.blocks.push((b.address, b.bytes, at));
+            at += b.bytes;
+        }
+        Ok((Some(stash), began.elapsed()))
+    }
+
+    /// Frees a stash's host buffer (a failure is logged and recorded for the next flush to
+    /// return; once the context is gone, its destruction freed it).
+    #[allow(unsafe_code)]
+    fn free_stash(&self, stash: Stash) {
+        let cx = &self.cx;
+        let Some(_live) = cx.liveness.enter() else {
+            return;
+        };
+        // SAFETY: allocated by `offload` with cuMemHostAlloc and freed once, here (the stash
+        // is consumed); no slice over it outlives the copies.
+        if let Err(e) = unsafe { cx.driver.mem_free_host(cx.context, stash.host) } {
+            tracing::error!(device = %cx.device, error = %e, bytes = stash.bytes, "freeing the host memory of a sleep's offloaded allocations failed");
+            self.queue
+                .record_error(EmmError::driver("cuMemFreeHost", cx.device, e));
+        }
+    }
+
+    /// `vmm-pool`: [`MemoryManager::wake`](crate::contract::MemoryManager::wake). A new piece is made
+    /// and mapped at each address the sleep released (and not given back since), access is
+    /// granted once per run of them, and the offloaded allocations are copied back. On a
+    /// failure the pool stays asleep, with the pieces mapped so far kept: a later wake maps
+    /// the rest.
+    #[allow(unsafe_code)]
+    pub(super) fn wake(&self) -> Result<WakeReport, EmmError> {
+        const WHAT: &str = "wake";
+        let began = std::time::Instant::now();
+        let cx = &self.cx;
+        let Some(vmm) = &self.vmm else {
+            return Err(EmmError::no_sleep(WHAT, super::POOL_MANAGER));
+        };
+        let _live = cx.enter(WHAT)?;
+        let mut report = WakeReport::default();
+        let mut inner = lock(&vmm.inner);
+        if !inner.sleeping {
+            return Err(EmmError::Sleep {
+                what: WHAT,
+                device: cx.device,
+                reason: "the pool is not asleep; there is nothing to wake",
+            });
+        }
+        // Runs of pieces side by side: one access grant each.
+        let mut runs: Vec<(u64, usize)> = Vec::new();
+        for (&base, &size) in &inner.asleep {
+            match runs.last_mut() {
+                Some((start, len)) if *start + *len as u64 == base => *len += size,
+                _ => runs.push((base, size)),
+            }
+        }
+        for (start, len) in runs {
+            let mut pieces = Vec::with_capacity(len / vmm.granularity);
+            // New physical memory only (the spares are a growth's, and their lock is held).
+            let mapped = self.map_pieces(vmm, start, len, &|| None, &mut pieces);
+            for &(base, handle) in &pieces {
+                inner.asleep.remove(&base);
+                inner.handles.insert(base, (vmm.granularity, handle));
+            }
+            if let Err(e) = mapped {
+                // Mapped pieces of the run stay recorded; without their access grant the
+                // device cannot reach them yet, which the next wake's grant gives.
+                for &(base, _) in &pieces {
+                    if let Some((size, handle)) = inner.handles.remove(&base) {
+                        if self.unmap_only(base, size) {
+                            self.release_piece(handle);
+                            inner.asleep.insert(base, size);
+                        } else {
+                            inner.handles.insert(base, (size, handle));
+                        }
+                    }
+                }
+                return Err(cx.driver_error(WHAT, e));
+            }
+            report.mapped_bytes += len;
+        }
+        inner.sleeping = false;
+        report.held_after = inner.mapped_bytes();
+        let stash = lock(&vmm.stash).take();
+        // An allocation freed while asleep may have had its pieces given back (a trim): it
+        // is not copied back. One whose pieces are all mapped again is copied, live or not
+        // (free pool memory, which no allocation took while asleep).
+        let g = vmm.granularity as u64;
+        let restorable = |&(address, bytes, _): &(u64, usize, usize)| {
+            let first = address / g * g;
+            (first..address + bytes as u64)
+                .step_by(vmm.granularity)
+                .all(|piece| inner.handles.contains_key(&piece))
+        };
+        let stash = stash.map(|mut s| {
+            s.blocks.retain(restorable);
+            s
+        });
+        drop(inner);
+        if let Some(stash) = stash {
+            let copying = std::time::Instant::now();
+            let restored = self.restore(&stash);
+            report.restore_elapsed = copying.elapsed();
+            self.free_stash(stash);
+            report.restored_bytes = restored?;
+        }
+        report.elapsed = began.elapsed();
+        tracing::info!(device = %cx.device, mapped = report.mapped_bytes, restored = report.restored_bytes, held_after = report.held_after, elapsed_ms = report.elapsed.as_millis() as u64, "vmm-pool awake");
+        Ok(report)
+    }
+
+    /// Copies a stash's allocations back to their addresses; the bytes copied.
+    #[allow(unsafe_code)]
+    fn restore(&self, stash: &Stash) -> Result<usize, EmmError> {
+        const WHAT: &str = "wake (restore)";
+        let cx = &self.cx;
+        let mut restored = 0;
+        for &(address, bytes, at) in &stash.blocks {
+            // SAFETY: `at .. at + bytes` lies in the stash's page-locked buffer, which it owns
+            // and which nothing writes while this slice lives.
+            let src = unsafe {
+                std::slice::from_raw_parts(
+                    std::ptr::with_exposed_provenance::<u8>(stash.host.0 + at),
+                    bytes,
+                )
+            };
+            // SAFETY: `address .. address + bytes` was a live allocation of this pool at the
+            // sleep, in pieces the wake mapped again (the range stays the arena's while
+            // asleep); allocations were refused meanwhile, so it is that allocation's, or
+            // free pool memory if it was freed while asleep.
+            unsafe { cx.driver.memcpy_htod(cx.context, DevicePtr(address), src) }
+                .map_err(|e| cx.driver_error(WHAT, e))?;
+            restored += bytes;
+        }
+        Ok(restored)
+    }
+
+    /// A reset ends a sleep: the offloaded contents go (their allocations were given up).
+    pub(super) fn end_sleep(&self) {
+        let Some(vmm) = &self.vmm else {
+            return;
+        };
+        lock(&vmm.inner).sleeping = false;
+        if let Some(stash) = lock(&vmm.stash).take() {
+            self.free_stash(stash);
+        }
     }
 
     /// A reset, after its chunks were given back: the reservation is freed, once
