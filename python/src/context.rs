@@ -447,6 +447,87 @@ impl Context {
         py.detach(|| self.inner.trim()).map_err(py_err)
     }
 
+    /// Puts the context's device memory to sleep (`vmm-pool` only; other managers raise
+    /// `emm.EmmError`): the physical memory goes back to the driver while every address stays
+    /// valid for the wake. Each live allocation made under a tag listed in `offload` is copied
+    /// to page-locked host memory and back at the wake, one listed in `discard` loses its
+    /// contents, one listed in `keep` stays mapped; the rest get `default` (`"offload"`,
+    /// `"discard"` or `"keep"`). Choices by tag need the `history` adaptor
+    /// (`EMM_MEMORY_ADAPTORS=history`). Waits for the device's work first. Until `wake()`,
+    /// allocations and emm's copies of sleeping memory raise, and a kernel that touches it
+    /// faults. Returns `held_before_bytes`, `held_asleep_bytes`, `kept_bytes`,
+    /// `offloaded_bytes`, `discarded_bytes`, `seconds` and `offload_seconds` (the copies alone).
+    #[pyo3(signature = (offload=Vec::new(), discard=Vec::new(), keep=Vec::new(), default="offload"))]
+    fn sleep<'py>(
+        &self,
+        py: Python<'py>,
+        offload: Vec<String>,
+        discard: Vec<String>,
+        keep: Vec<String>,
+        default: &str,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        use emm::{SleepChoice, SleepOptions, Tag};
+        let choice = |name: &str| match name {
+            "offload" => Ok(SleepChoice::Offload),
+            "discard" => Ok(SleepChoice::Discard),
+            "keep" => Ok(SleepChoice::Keep),
+            other => Err(PyValueError::new_err(format!(
+                "sleep(default={other:?}): the choices are \"offload\", \"discard\" and \"keep\""
+            ))),
+        };
+        let mut options = SleepOptions::new(choice(default)?);
+        let mut seen = std::collections::HashMap::new();
+        for (names, c) in [
+            (&offload, SleepChoice::Offload),
+            (&discard, SleepChoice::Discard),
+            (&keep, SleepChoice::Keep),
+        ] {
+            for name in names {
+                if let Some(before) = seen.insert(name.clone(), c)
+                    && before != c
+                {
+                    return Err(PyValueError::new_err(format!(
+                        "sleep(): the tag {name:?} is listed under both {:?} and {:?}; give \
+                         each tag one choice",
+                        before.name(),
+                        c.name()
+                    )));
+                }
+                options = options.with_tag(Tag::named(name), c);
+            }
+        }
+        let report = py.detach(|| self.inner.sleep(&options)).map_err(py_err)?;
+        let d = PyDict::new(py);
+        d.set_item("held_before_bytes", report.held_before)?;
+        d.set_item("held_asleep_bytes", report.held_asleep)?;
+        d.set_item("kept_bytes", report.kept_bytes)?;
+        d.set_item("offloaded_bytes", report.offloaded_bytes)?;
+        d.set_item("discarded_bytes", report.discarded_bytes)?;
+        d.set_item("seconds", report.elapsed.as_secs_f64())?;
+        d.set_item("offload_seconds", report.offload_elapsed.as_secs_f64())?;
+        Ok(d)
+    }
+
+    /// Wakes the memory `sleep()` put to sleep: mapped again at the same addresses, the
+    /// offloaded allocations copied back. Returns `mapped_bytes`, `restored_bytes`,
+    /// `held_after_bytes`, `seconds` and `restore_seconds` (the copies alone).
+    fn wake<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let report = py.detach(|| self.inner.wake()).map_err(py_err)?;
+        let d = PyDict::new(py);
+        d.set_item("mapped_bytes", report.mapped_bytes)?;
+        d.set_item("restored_bytes", report.restored_bytes)?;
+        d.set_item("held_after_bytes", report.held_after)?;
+        d.set_item("seconds", report.elapsed.as_secs_f64())?;
+        d.set_item("restore_seconds", report.restore_elapsed.as_secs_f64())?;
+        Ok(d)
+    }
+
+    /// Whether the context's memory is asleep (`sleep()`).
+    #[getter]
+    fn is_asleep(&self) -> bool {
+        self.inner.is_asleep()
+    }
+
     /// Sets the out-of-memory callback (`None` removes it): `callback(nbytes)` is called when
     /// an allocation of `nbytes` fails after the manager's own retry; it may free memory and
     /// returns true to have the allocation tried again (at most three times an allocation).

@@ -677,6 +677,98 @@ def test_snapshot_with_history_on_the_simulator():
     run_with_cupy_stub(code)
 
 
+SLEEP_PROGRAM = """
+import emm
+c = emm.context(0)
+MIB = 1 << 20
+with emm.tag("weights"):
+    w = c.memalloc(24 * MIB)
+with emm.tag("kv-cache"):
+    kv = c.memalloc(16 * MIB)
+with emm.tag("state"):
+    keep = c.memalloc(3 * MIB)
+scratch = c.memalloc(5 * MIB)
+data = bytes(i % 251 for i in range(24 * MIB))
+c.copy_to_device(w, data)
+c.copy_to_device(keep, b"k" * (3 * MIB))
+free_before = c.get_memory_info()[0]
+r = c.sleep(offload=["weights"], discard=["kv-cache"], keep=["state"], default="discard")
+assert c.is_asleep
+assert r["offloaded_bytes"] == 24 * MIB and r["kept_bytes"] == 3 * MIB, r
+assert r["discarded_bytes"] == 21 * MIB, r
+assert r["held_asleep_bytes"] < r["held_before_bytes"], r
+assert c.get_memory_info()[0] - free_before >= r["held_before_bytes"] - r["held_asleep_bytes"], r
+for what, call in [
+    ("allocation", lambda: c.memalloc(MIB)),
+    ("copy", lambda: c.copy_to_host(w, n=16)),
+    ("second sleep", lambda: c.sleep()),
+]:
+    try:
+        call()
+        raise SystemExit(what + " was not refused while asleep")
+    except emm.EmmError as e:
+        assert "asleep" in str(e), (what, str(e))
+assert c.copy_to_host(keep, n=4) == b"kkkk", "kept memory stays usable"
+try:
+    c.sleep(offload=["weights"], discard=["weights"])
+    raise SystemExit("a tag under two choices was taken")
+except ValueError as e:
+    assert "one choice" in str(e), str(e)
+woke = emm.wake()
+assert not c.is_asleep
+assert woke["restored_bytes"] == 24 * MIB, woke
+assert woke["held_after_bytes"] == r["held_before_bytes"], (woke, r)
+assert c.copy_to_host(w) == data, "offloaded: bit for bit"
+c.copy_to_device(kv, b"x" * 16)
+assert c.copy_to_host(kv, n=16) == b"x" * 16
+c.memalloc(MIB)
+print("sleep ok", round(r["seconds"], 4), round(woke["seconds"], 4))
+"""
+
+
+def test_sleep_and_wake_by_tag():
+    """emm.sleep / emm.wake under vmm-pool with the history adaptor: each tag's choice, the
+    memory given back, the refusals while asleep, and the offloaded bytes back bit for bit.
+    Runs on the simulator and, in the GPU job, on the GPU."""
+    out = run_python(SLEEP_PROGRAM, EMM_MEMORY_MANAGER="vmm-pool", EMM_MEMORY_ADAPTORS="history")
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "sleep ok" in out.stdout
+
+
+def test_sleep_is_refused_outside_vmm_pool():
+    """Other managers refuse with advice and stay awake; choices by tag without the history
+    adaptor are refused before anything goes back."""
+    out = run_python(
+        "import emm\n"
+        "c = emm.context(0)\n"
+        "b = c.memalloc(1 << 20)\n"
+        "try:\n"
+        "    emm.sleep()\n"
+        "    raise SystemExit('pool slept')\n"
+        "except emm.EmmError as e:\n"
+        "    assert 'vmm-pool' in str(e), str(e)\n"
+        "assert not c.is_asleep\n"
+        "c.memalloc(1 << 20)\n"
+        "print('refused ok')",
+        EMM_MEMORY_MANAGER="pool",
+    )
+    assert "refused ok" in out.stdout, out.stderr
+    out = run_python(
+        "import emm\n"
+        "c = emm.context(0)\n"
+        "b = c.memalloc(1 << 20)\n"
+        "try:\n"
+        "    emm.sleep(offload=['weights'], default='discard')\n"
+        "    raise SystemExit('slept by tag without history')\n"
+        "except emm.EmmError as e:\n"
+        "    assert 'EMM_MEMORY_ADAPTORS=history' in str(e), str(e)\n"
+        "assert not c.is_asleep\n"
+        "print('history ok')",
+        EMM_MEMORY_MANAGER="vmm-pool",
+    )
+    assert "history ok" in out.stdout, out.stderr
+
+
 def test_snapshot_stacks_name_the_python_caller():
     """With history-stacks, a block's stack starts with the Python frames that allocated it
     (innermost first), and PyTorch's export gives them their file, line and name."""

@@ -735,3 +735,44 @@ def test_torch_compile_reduce_overhead_in_an_emm_mem_pool():
     print("ok")
     """
     )
+
+
+def test_torch_sleep_and_wake_keep_the_model():
+    """emm.torch.sleep under vmm-pool: the weights (tagged) are offloaded, the rest discarded,
+    the device's free memory grows by what went back, and after the wake the model gives the
+    same output at the same addresses."""
+    needs_gpu("PyTorch")
+    needs_module("torch")
+    out = run(
+        """
+    import torch, emm, emm.torch
+    emm.torch.install()
+    torch.manual_seed(0)
+    with emm.tag("weights"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, device="cuda") for _ in range(4)])
+    x = torch.randn(64, 2048, device="cuda")
+    scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    with torch.no_grad():
+        before = model(x).clone()
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    free_awake = torch.cuda.mem_get_info()[0]
+    r = emm.torch.sleep(offload=["weights"], default="discard")
+    freed = torch.cuda.mem_get_info()[0] - free_awake
+    assert r["offloaded_bytes"] >= 4 * 2048 * 2048 * 4, r
+    assert freed >= r["held_before_bytes"] - r["held_asleep_bytes"], (freed, r)
+    try:
+        torch.empty(1 << 20, device="cuda")
+        raise SystemExit("an allocation was served while asleep")
+    except RuntimeError as e:
+        assert "asleep" in str(e), e
+    w = emm.torch.wake()
+    assert w["restored_bytes"] == r["offloaded_bytes"], (w, r)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    print("torch sleep ok", r["offload_seconds"], w["restore_seconds"])
+    """,
+        EMM_MEMORY_MANAGER="vmm-pool",
+        EMM_MEMORY_ADAPTORS="history",
+    )
+    assert "torch sleep ok" in out

@@ -63,7 +63,9 @@ __all__ = [
     "enable_capture_pools",
     "release_capture_pools",
     "settings",
+    "sleep",
     "tag",
+    "wake",
 ]
 
 
@@ -109,6 +111,25 @@ class Runtime:
     def defer_cleanup(self, device=0):
         """A context manager deferring frees on ``device`` while it is active."""
         return context(device).defer_cleanup()
+
+
+def sleep(offload=(), discard=(), keep=(), default="offload", device=0):
+    """Puts device ``device``'s memory to sleep (``Context.sleep``; ``vmm-pool`` only): the
+    physical memory goes back to the driver, every address stays valid for :func:`wake`.
+    ``offload``, ``discard`` and ``keep`` list tags (``with emm.tag(name):``): an allocation
+    made under a tag in ``offload`` is copied to page-locked host memory and back at the wake,
+    one in ``discard`` loses its contents, one in ``keep`` stays mapped; the rest get
+    ``default``. Choices by tag need ``EMM_MEMORY_ADAPTORS=history``. Returns a dict of what
+    was held before and while asleep and the bytes each choice moved."""
+    return context(device).sleep(
+        offload=list(offload), discard=list(discard), keep=list(keep), default=default
+    )
+
+
+def wake(device=0):
+    """Wakes device ``device``'s memory (:func:`sleep`): mapped again at the same addresses, the
+    offloaded allocations copied back. Returns a dict of what was mapped and restored."""
+    return context(device).wake()
 
 
 def device_report(device=0):

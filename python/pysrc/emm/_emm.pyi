@@ -126,6 +126,11 @@ class Context:
         """`(free, total)` device memory in bytes, as the manager reports it."""
         ...
 
+    @property
+    def is_asleep(self) -> Any:
+        """Whether the context's memory is asleep (`sleep()`)."""
+        ...
+
     def managed_memory_resource(self, preferred_location_type=None, preferred_location=None) -> Any:
         """A managed memory resource (cuda.core's `ManagedMemoryResource`) for this device: a
         managed-memory pool; `preferred_location_type` "device" (with `preferred_location` a
@@ -199,6 +204,19 @@ class Context:
         """Frees everything the manager allocated in the context (buffers become unusable)."""
         ...
 
+    def sleep(self, offload=..., discard=..., keep=..., default="offload") -> Any:
+        """Puts the context's device memory to sleep (`vmm-pool` only; other managers raise
+        `emm.EmmError`): the physical memory goes back to the driver while every address stays
+        valid for the wake. Each live allocation made under a tag listed in `offload` is copied
+        to page-locked host memory and back at the wake, one listed in `discard` loses its
+        contents, one listed in `keep` stays mapped; the rest get `default` (`"offload"`,
+        `"discard"` or `"keep"`). Choices by tag need the `history` adaptor
+        (`EMM_MEMORY_ADAPTORS=history`). Waits for the device's work first. Until `wake()`,
+        allocations and emm's copies of sleeping memory raise, and a kernel that touches it
+        faults. Returns `held_before_bytes`, `held_asleep_bytes`, `kept_bytes`,
+        `offloaded_bytes`, `discarded_bytes` and `seconds`."""
+        ...
+
     def snapshot(self) -> Any:
         """Everything the manager holds, segment by segment and block by block (`emm.Snapshot`):
         export it with `dump_torch(path)` for PyTorch's memory_viz, or `save_html(path)`.
@@ -219,6 +237,12 @@ class Context:
         """What the `stats` adaptor counted, per kind (`None` without it): each kind a dict of
         `current_bytes`, `peak_bytes`, `total_bytes`, `current_count`, `peak_count`,
         `total_count`."""
+        ...
+
+    def wake(self) -> Any:
+        """Wakes the memory `sleep()` put to sleep: mapped again at the same addresses, the
+        offloaded allocations copied back. Returns `mapped_bytes`, `restored_bytes`,
+        `held_after_bytes` and `seconds`."""
         ...
 
 
@@ -631,7 +655,9 @@ class tag:
     """A tag for the allocations made in a `with` block on this thread: `with emm.tag("loader"):
     ...`. Snapshots, the out-of-memory report and `Snapshot.by_tag()` group live memory by tag
     when the runtime has the `history` adaptor (`EMM_MEMORY_ADAPTORS=history`). `emm.torch`,
-    `emm.cupy` and `emm.numba` tag their allocations `torch`, `cupy` and `numba`."""
+    `emm.cupy` and `emm.numba` tag their allocations `torch`, `cupy` and `numba`, except inside
+    such a block, whose tag they keep (`Context.sleep` chooses by it). With `if_untagged=True`
+    the block tags only where no other block's tag is current."""
 
     def __enter__(self) -> Any:
         ...

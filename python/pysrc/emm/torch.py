@@ -271,6 +271,29 @@ def empty_cache():
     return sum(emm.context(d).trim() for d in range(emm.device_count()))
 
 
+def sleep(offload=(), discard=(), keep=(), default="offload", device=None):
+    """Puts the device's memory to sleep under ``vmm-pool`` (``emm.sleep``, for PyTorch): waits
+    for PyTorch's work on the device, then gives the physical memory back while every tensor's
+    address stays valid. Tensors allocated inside ``with emm.tag(name):`` follow the choice
+    their tag is listed under (``offload``: copied to host memory and back at the wake;
+    ``discard``: contents lost; ``keep``: stays mapped); the rest get ``default``. Until
+    :func:`wake`, no tensor may be allocated or touched on the device, except those kept.
+    Returns what was held before and during, and what each choice moved."""
+    import emm
+
+    device = _device_index(device)
+    torch.cuda.synchronize(device)
+    return emm.sleep(offload=offload, discard=discard, keep=keep, default=default, device=device)
+
+
+def wake(device=None):
+    """Wakes the device's memory (:func:`sleep`): every tensor is usable again, the offloaded
+    ones with their contents."""
+    import emm
+
+    return emm.wake(device=_device_index(device))
+
+
 def memory_summary(device=None):
     """A few lines, as ``torch.cuda.memory_summary`` gives: PyTorch's allocations from emm on
     ``device`` (now, peak, in all, freed), what emm's manager holds, and the out-of-memory
