@@ -521,15 +521,24 @@ pub struct Graph {
     /// The device memory the captured work reads and writes (copies' and sets' operands):
     /// every launch uses it, so it is freed only after the graph (its pool's blocks are kept
     /// by `pool`). Declared last: dropped after the graph is destroyed.
-    _uses: Vec<MemoryPointer>,
+    uses: Vec<MemoryPointer>,
 }
 
 impl Graph {
-    /// Queues the graph's work on `stream`.
+    /// Queues the graph's work on `stream`. Refused while memory the captured work reads or
+    /// writes is asleep ([`Context::sleep`]): the launch would fault on the device.
     pub fn launch(&self, stream: &Stream) -> Result<(), EmmError> {
         check_same_context(&self.ctx.inner.cx, stream.context(), "Graph::launch")?;
         self.ctx.ensure_alive("Graph::launch")?;
         let cx = &self.ctx.inner.cx;
+        if (self.uses.iter()).any(|m| cx.liveness.sleeps_in(m.device_ptr().0, m.size())) {
+            return Err(EmmError::Sleep {
+                what: "Graph::launch",
+                device: cx.device,
+                reason: "the graph reads or writes memory that is asleep (Context::sleep \
+                         offloaded or discarded it); call Context::wake first",
+            });
+        }
         cx.driver
             .graph_launch(cx.context, self.exec, stream.handle())
             .map_err(|e| EmmError::driver("launching a graph", cx.device, e))
@@ -700,7 +709,7 @@ impl Context {
                 graph,
                 exec,
                 pool,
-                _uses: uses,
+                uses,
             },
             value,
         ))

@@ -242,6 +242,31 @@ fn a_failed_offload_leaves_the_context_awake() {
     assert_eq!(read(&ctx, &mem), vec![5; 4 << 20]);
 }
 
+/// A graph whose captured work sets an offloaded allocation is refused while it sleeps (the
+/// launch would fault on the device), and launches after the wake.
+#[test]
+fn a_graph_over_sleeping_memory_waits_for_the_wake() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = runtime_with(&sim, "vmm-pool");
+    let ctx = rt.context(0).unwrap();
+    let stream = ctx.create_stream().unwrap();
+    let m = tagged(&ctx, "w", 1 << 20, 4);
+    let (graph, ()) = ctx
+        .capture(&stream, emm::driver_sys::CaptureMode::Global, |s| {
+            ctx.memset_async(&m, 0xAB, s)?.wait()?;
+            Ok(())
+        })
+        .unwrap();
+    ctx.sleep(&SleepOptions::default()).unwrap();
+    let err = graph.launch(&stream).unwrap_err();
+    assert!(matches!(err, EmmError::Sleep { .. }), "{err}");
+    ctx.wake().unwrap();
+    assert_eq!(read(&ctx, &m), vec![4; 1 << 20], "nothing ran while asleep");
+    graph.launch(&stream).unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(read(&ctx, &m), vec![0xAB; 1 << 20]);
+}
+
 /// One step of a random program.
 #[derive(Clone, Debug)]
 enum Step {
