@@ -273,6 +273,14 @@ fn workload(
     }
     if ctx.memory_manager_name() == emm::plugin::VMM_POOL_MANAGER {
         mapped_round_trip(sim, &ctx, &b, others, other_faults)?;
+        // The pool's memory put to sleep, `b` offloaded, and woken with `b` back.
+        let mut want = vec![0u8; b.size()];
+        ctx.copy_to_host(&mut want, &b)?;
+        ctx.sleep(&emm::SleepOptions::default())?;
+        ctx.wake()?;
+        let mut got = vec![0u8; b.size()];
+        ctx.copy_to_host(&mut got, &b)?;
+        assert_eq!(got, want, "an offloaded allocation after the wake");
     }
     // A copy to the second device, a peer, which asks for peer access first (not of the
     // driver's stream-ordered pool memory, which a peer copy cannot reach).
@@ -580,6 +588,12 @@ fn run(manager: &str, faults: &[Fault], in_other: bool) -> Result<Outcome, Strin
                     queue.failed().len()
                 ));
             }
+        }
+        // A wake the fault stopped leaves the context asleep, as documented, with what it
+        // offloaded: the caller's retry wakes it.
+        if ctx.is_asleep() {
+            ctx.wake()
+                .map_err(|e| format!("a wake retried after the fault: {e}"))?;
         }
         let fresh = ctx
             .to_device(&[5u8; 32])

@@ -112,6 +112,9 @@ struct VmmInner {
     /// Pieces a sleep unmapped and released, their ranges still the arena's: size by base.
     /// The wake maps a new piece at each; one that goes back meanwhile is only forgotten.
     asleep: BTreeMap<u64, usize>,
+    /// Pieces a failed wake mapped and could not unmap again, without their access grant:
+    /// the next wake grants it.
+    ungranted: std::collections::BTreeSet<u64>,
 }
 
 impl VmmInner {
@@ -809,8 +812,8 @@ impl PoolShared {
     /// `vmm-pool`: [`MemoryManager::wake`](crate::contract::MemoryManager::wake). A new piece is made
     /// and mapped at each address the sleep released (and not given back since), access is
     /// granted once per run of them, and the offloaded allocations are copied back. On a
-    /// failure the pool stays asleep, with the pieces mapped so far kept: a later wake maps
-    /// the rest.
+    /// failure the pool stays asleep, with the pieces mapped so far kept and the offloaded
+    /// contents too: a later wake maps the rest and copies them.
     #[allow(unsafe_code)]
     pub(super) fn wake(&self) -> Result<WakeReport, EmmError> {
         const WHAT: &str = "wake";
@@ -829,6 +832,17 @@ impl PoolShared {
                 reason: "the pool is not asleep; there is nothing to wake",
             });
         }
+        // Pieces a failed wake left mapped without access get it first.
+        for base in std::mem::take(&mut inner.ungranted) {
+            let granted = vmm.access.iter().try_for_each(|&d| {
+                cx.driver
+                    .mem_set_access(cx.context, DevicePtr(base), vmm.granularity, d)
+            });
+            if let Err(e) = granted {
+                inner.ungranted.insert(base);
+                return Err(cx.driver_error(WHAT, e));
+            }
+        }
         // Runs of pieces side by side: one access grant each.
         let mut runs: Vec<(u64, usize)> = Vec::new();
         for (&base, &size) in &inner.asleep {
@@ -846,8 +860,8 @@ impl PoolShared {
                 inner.handles.insert(base, (vmm.granularity, handle));
             }
             if let Err(e) = mapped {
-                // Mapped pieces of the run stay recorded; without their access grant the
-                // device cannot reach them yet, which the next wake's grant gives.
+                // The run's mapped pieces go back to sleep; one that cannot be unmapped stays
+                // mapped, and the next wake grants its access.
                 for &(base, _) in &pieces {
                     if let Some((size, handle)) = inner.handles.remove(&base) {
                         if self.unmap_only(base, size) {
@@ -855,6 +869,7 @@ impl PoolShared {
                             inner.asleep.insert(base, size);
                         } else {
                             inner.handles.insert(base, (size, handle));
+                            inner.ungranted.insert(base);
                         }
                     }
                 }
@@ -862,7 +877,6 @@ impl PoolShared {
             }
             report.mapped_bytes += len;
         }
-        inner.sleeping = false;
         report.held_after = inner.mapped_bytes();
         let stash = lock(&vmm.stash).take();
         // An allocation freed while asleep may have had its pieces given back (a trim): it
@@ -882,11 +896,18 @@ impl PoolShared {
         drop(inner);
         if let Some(stash) = stash {
             let copying = std::time::Instant::now();
-            let restored = self.restore(&stash);
+            match self.restore(&stash) {
+                Ok(restored) => report.restored_bytes = restored,
+                Err(e) => {
+                    // Still asleep, every piece mapped: the next wake copies them again.
+                    *lock(&vmm.stash) = Some(stash);
+                    return Err(e);
+                }
+            }
             report.restore_elapsed = copying.elapsed();
             self.free_stash(stash);
-            report.restored_bytes = restored?;
         }
+        lock(&vmm.inner).sleeping = false;
         report.elapsed = began.elapsed();
         tracing::info!(device = %cx.device, mapped = report.mapped_bytes, restored = report.restored_bytes, held_after = report.held_after, elapsed_ms = report.elapsed.as_millis() as u64, "vmm-pool awake");
         Ok(report)
