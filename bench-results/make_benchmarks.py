@@ -22,6 +22,9 @@ With `--programs DIR`, the memory section comes from a run of the real programs 
 (`ci/gpu/run-programs.sh`: `run.txt`, `programs.jsonl`, and where the run logged programs,
 `programs-logged.jsonl` with `replay-sim.csv`, their logs replayed on the simulator) in place
 of the trace replays of the main run.
+
+With `--sleep DIR`, a section on `vmm-pool`'s sleep and wake comes from a run of
+`python/bench/sleep_handoff.py` (`run.txt`, `handoff.json`).
 """
 
 import csv
@@ -40,6 +43,11 @@ programs_run = None
 if "--programs" in args:
     k = args.index("--programs")
     programs_run = args[k + 1].rstrip("/")
+    del args[k:k + 2]
+sleep_run = None
+if "--sleep" in args:
+    k = args.index("--sleep")
+    sleep_run = args[k + 1].rstrip("/")
     del args[k:k + 2]
 run = args[0].rstrip("/")
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,6 +136,13 @@ if host_run:
     w(f"  blocks, the random workload's memory overhead): {hinfo['machine']}; {hinfo['date']},")
     w(f"  {hinfo['commit']}: {hinfo['call']}. Files: [`{rel_host}/`]({rel_host}/).")
     page_args += f" --host {rel_host}"
+if sleep_run:
+    rel_sleep = os.path.relpath(os.path.abspath(sleep_run), root)
+    sinfo = dict(line.rstrip("\n").split("=", 1) for line in open(os.path.join(sleep_run, "run.txt")))
+    w("- **Sleep and wake** (its section) comes from a run of its own:")
+    w(f"  {sinfo['machine']}; {sinfo['date']}, {sinfo['commit']}: {sinfo['call']}.")
+    w(f"  Files: [`{rel_sleep}/`]({rel_sleep}/).")
+    page_args += f" --sleep {rel_sleep}"
 w(f"- **Files:** [`{rel_run}/`]({rel_run}/); this page: `python3 bench-results/make_benchmarks.py {rel_run}{page_args}`.")
 w("- The earlier pages' run-by-run record is [`bench-results/HISTORY.md`](bench-results/HISTORY.md)")
 w("  and [`bench-results/runs.md`](bench-results/runs.md).")
@@ -667,6 +682,40 @@ if training and not programs_run:
         peak = max(x["held_bytes"] or 0 for x in rs)
         diff = max(x["loss_rel_diff"] for x in rs)
         w(f"| {names.get(label, label)} | {steps} | {train_fast[label] / train_fast['torch']:.3f} × | {peak / 2**20:.0f} | {peak / live:.3f} | {diff:.1e} |")
+    w("")
+
+# ---- sleep and wake (--sleep) ---------------------------------------------------------------
+if sleep_run:
+    h = json.load(open(os.path.join(sleep_run, "handoff.json")))
+    sl, wk, idle = h["sleep"], h["wake"], h["idle"]
+    pinned = h["pinned_rate_bytes_per_s"]
+    gb = lambda b: f"{b / 1e9:.1f} GB"
+    w("## Sleep and wake (`vmm-pool`)")
+    w("")
+    w("A trainer under `emm.torch` (an MLP of 8 layers of 8192 × 8192, fp32, Adam) sleeps with its")
+    w("weights and optimizer state offloaded and the rest discarded; a second process takes the")
+    w("device and frees it; the trainer wakes and trains on. Its losses beside an uninterrupted")
+    w("run's, and the copy rates beside PyTorch's own pinned copies of 4 GiB on the same machine")
+    w("(`python/bench/sleep_handoff.py`).")
+    w("")
+    w("| measure | this run | anchor | target | |")
+    w("| --- | ---: | ---: | --- | --- |")
+    same = "bit-identical" if h["losses_identical"] else "different"
+    w(f"| losses after the hand-off | {same} | the uninterrupted run's | bit-identical | {met(not not h['losses_identical'])} |")
+    w(f"| held before / while asleep | {gb(sl['held_before_bytes'])} / {gb(sl['held_asleep_bytes'])} | | what was asked to stay (nothing) | {met(not sl['held_asleep_bytes'] != 0)} |")
+    w(f"| the other process took | {gb(h['other']['took_bytes'])} | | | |")
+    off, res = h["offload_rate_bytes_per_s"], h["restore_rate_bytes_per_s"]
+    w(f"| offload, {gb(sl['offloaded_bytes'])} to pinned host memory | {off / 1e9:.1f} GB/s | {pinned['d2h'] / 1e9:.1f} GB/s | ≥ 80 % of the pinned rate | {met(not off < 0.8 * pinned['d2h'])} ({off / pinned['d2h']:.0%}) |")
+    w(f"| restore at the wake | {res / 1e9:.1f} GB/s | {pinned['h2d'] / 1e9:.1f} GB/s | ≥ 80 % of the pinned rate | {met(not res < 0.8 * pinned['h2d'])} ({res / pinned['h2d']:.0%}) |")
+    w(f"| sleep, all told (the wait, the host buffer's allocation, the copies, the unmapping) | {sl['seconds']:.2f} s | | | |")
+    w(f"| wake, all told (new pieces mapped, the copies back) | {wk['seconds']:.2f} s | | | |")
+    w(f"| sleep with nothing to offload, {gb(idle['held_bytes'])} held | {idle['sleep_seconds'] * 1e3:.0f} ms | | < 100 ms | {met(not idle['sleep_seconds'] >= 0.1)} |")
+    w(f"| its wake | {idle['wake_seconds'] * 1e3:.0f} ms | | | |")
+    w("")
+    w("The sleep with nothing to offload unmaps and releases each 2 MiB piece on its own (two driver")
+    w(f"calls a piece). The offloading sleep's copies took {sl['offload_seconds']:.2f} s of its {sl['seconds']:.2f} s;")
+    w("the rest is the wait for the device, the page-locked buffer's allocation and the unmapping,")
+    w("not timed apart.")
     w("")
 
 # ---- callgrind ----------------------------------------------------------------------------
