@@ -214,7 +214,7 @@ class Context:
         (`EMM_MEMORY_ADAPTORS=history`). Waits for the device's work first. Until `wake()`,
         allocations and emm's copies of sleeping memory raise, and a kernel that touches it
         faults. Returns `held_before_bytes`, `held_asleep_bytes`, `kept_bytes`,
-        `offloaded_bytes`, `discarded_bytes` and `seconds`."""
+        `offloaded_bytes`, `discarded_bytes`, `seconds` and `offload_seconds` (the copies alone)."""
         ...
 
     def snapshot(self) -> Any:
@@ -242,7 +242,7 @@ class Context:
     def wake(self) -> Any:
         """Wakes the memory `sleep()` put to sleep: mapped again at the same addresses, the
         offloaded allocations copied back. Returns `mapped_bytes`, `restored_bytes`,
-        `held_after_bytes` and `seconds`."""
+        `held_after_bytes`, `seconds` and `restore_seconds` (the copies alone)."""
         ...
 
 
