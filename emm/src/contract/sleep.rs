@@ -124,7 +124,8 @@ pub struct SleepReport {
     pub offloaded_bytes: usize,
     /// Bytes of live allocations released with no copy.
     pub discarded_bytes: usize,
-    /// How long the sleep took, the wait for the device's work included.
+    /// How long the sleep took, the wait for the device's work included (measured by
+    /// [`Context::sleep`](crate::Context::sleep); a manager leaves it zero).
     pub elapsed: Duration,
     /// How long the copies of the offloaded allocations took (the host buffer's allocation
     /// left out).
@@ -140,7 +141,8 @@ pub struct WakeReport {
     pub restored_bytes: usize,
     /// Bytes of device memory the manager holds after the wake.
     pub held_after: usize,
-    /// How long the wake took.
+    /// How long the wake took (measured by [`Context::wake`](crate::Context::wake); a manager
+    /// leaves it zero).
     pub elapsed: Duration,
     /// How long the copies back took.
     pub restore_elapsed: Duration,

@@ -157,8 +157,7 @@ impl ContextLiveness {
         }
         let end = start.saturating_add(len.max(1) as u64);
         let ranges = self.asleep_ranges.read().unwrap_or_else(|e| e.into_inner());
-        let i = ranges.partition_point(|&(_, e)| e <= start);
-        ranges.get(i).is_some_and(|&(s, _)| s < end)
+        super::overlaps_sorted(&ranges, start, end)
     }
 
     /// Marks this thread, inside a call of this context, as running a user's callback (the

@@ -33,3 +33,10 @@ pub(crate) type AddressSet = std::collections::HashSet<u64, foldhash::fast::Fixe
 
 /// A map keyed by address, hashed as [`AddressSet`].
 pub(crate) type AddressMap<V> = std::collections::HashMap<u64, V, foldhash::fast::FixedState>;
+
+/// Whether any of `ranges` (start, end), sorted by start and disjoint, overlaps
+/// `start .. end`: a binary search, since disjoint sorted ranges have sorted ends too.
+pub(crate) fn overlaps_sorted(ranges: &[(u64, u64)], start: u64, end: u64) -> bool {
+    let i = ranges.partition_point(|&(_, e)| e <= start);
+    ranges.get(i).is_some_and(|&(s, _)| s < end)
+}

@@ -526,6 +526,7 @@ impl Context {
         }
         let mut report = slept?;
         report.elapsed = began.elapsed();
+        tracing::info!(device = %cx.device, elapsed_ms = report.elapsed.as_millis() as u64, "context memory asleep");
         Ok(report)
     }
 
@@ -595,8 +596,11 @@ impl Context {
                 reason: "the context is not asleep; there is nothing to wake",
             });
         }
-        let report = self.inner.manager.wake()?;
+        let began = std::time::Instant::now();
+        let mut report = self.inner.manager.wake()?;
         cx.liveness.wake();
+        report.elapsed = began.elapsed();
+        tracing::info!(device = %cx.device, elapsed_ms = report.elapsed.as_millis() as u64, "context memory awake");
         Ok(report)
     }
 

@@ -121,9 +121,7 @@ def sleep(offload=(), discard=(), keep=(), default="offload", device=0):
     one in ``discard`` loses its contents, one in ``keep`` stays mapped; the rest get
     ``default``. Choices by tag need ``EMM_MEMORY_ADAPTORS=history``. Returns a dict of what
     was held before and while asleep and the bytes each choice moved."""
-    return context(device).sleep(
-        offload=list(offload), discard=list(discard), keep=list(keep), default=default
-    )
+    return context(device).sleep(offload=offload, discard=discard, keep=keep, default=default)
 
 
 def wake(device=0):

@@ -281,9 +281,10 @@ def sleep(offload=(), discard=(), keep=(), default="offload", device=None):
     Returns what was held before and during, and what each choice moved."""
     import emm
 
-    device = _device_index(device)
-    torch.cuda.synchronize(device)
-    return emm.sleep(offload=offload, discard=discard, keep=keep, default=default, device=device)
+    # The sleep waits for the device (cuCtxSynchronize), PyTorch's streams included.
+    return emm.sleep(
+        offload=offload, discard=discard, keep=keep, default=default, device=_device_index(device)
+    )
 
 
 def wake(device=None):

@@ -1409,18 +1409,12 @@ impl DeviceAllocator for PoolAllocator {
     /// reservation (`PoolShared::sleep`); `pool` refuses, its `cuMemAlloc` chunks cannot keep
     /// their addresses without their memory.
     fn sleep(&self, _host: &HostLayer, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
-        if self.shared.vmm.is_none() {
-            return Err(EmmError::no_sleep("sleep", POOL_MANAGER));
-        }
         self.shared.sleep(blocks)
     }
 
     /// `vmm-pool`: maps memory again where the sleep released it and copies the offloaded
     /// allocations back (`PoolShared::wake`); `pool` refuses.
     fn wake(&self, _host: &HostLayer) -> Result<WakeReport, EmmError> {
-        if self.shared.vmm.is_none() {
-            return Err(EmmError::no_sleep("wake", POOL_MANAGER));
-        }
         self.shared.wake()
     }
 

@@ -55,6 +55,7 @@ use crate::contract::factory::ManagerContext;
 use crate::contract::mapped_export::MappedExport;
 use crate::contract::sleep::{SleepBlock, SleepChoice, SleepReport, WakeReport};
 use crate::error::EmmError;
+use crate::memory::overlaps_sorted;
 use crate::memory::pending::Free;
 use crate::sync::{Mutex, Ordering, lock};
 
@@ -127,16 +128,6 @@ impl VmmInner {
                 .map(|&(_, size, _)| size)
                 .sum::<usize>()
     }
-}
-
-/// Whether any of `ranges` (start, end), sorted by start and not overlapping each other,
-/// overlaps `start .. start + size`.
-fn overlaps_any(ranges: &[(u64, u64)], start: u64, size: usize) -> bool {
-    let end = start + size as u64;
-    // The first range that ends after `start`: ranges are disjoint and sorted, so their ends
-    // are sorted too.
-    let i = ranges.partition_point(|&(_, e)| e <= start);
-    ranges.get(i).is_some_and(|&(s, _)| s < end)
 }
 
 impl VmmSpace {
@@ -685,7 +676,6 @@ impl PoolShared {
     #[allow(unsafe_code)]
     pub(super) fn sleep(&self, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
         const WHAT: &str = "sleep";
-        let began = std::time::Instant::now();
         let cx = &self.cx;
         let Some(vmm) = &self.vmm else {
             return Err(EmmError::no_sleep(WHAT, super::POOL_MANAGER));
@@ -724,7 +714,7 @@ impl PoolShared {
         let released: Vec<(u64, usize, PhysHandle)> = inner
             .handles
             .iter()
-            .filter(|&(&base, &(size, _))| !overlaps_any(&kept, base, size))
+            .filter(|&(&base, &(size, _))| !overlaps_sorted(&kept, base, base + size as u64))
             .map(|(&base, &(size, handle))| (base, size, handle))
             .collect();
         for (base, size, handle) in released {
@@ -739,8 +729,7 @@ impl PoolShared {
         report.held_asleep = inner.mapped_bytes();
         drop(inner);
         *lock(&vmm.stash) = stash;
-        report.elapsed = began.elapsed();
-        tracing::info!(device = %cx.device, held_before = report.held_before, held_asleep = report.held_asleep, kept = report.kept_bytes, offloaded = report.offloaded_bytes, discarded = report.discarded_bytes, elapsed_ms = report.elapsed.as_millis() as u64, "vmm-pool asleep");
+        tracing::info!(device = %cx.device, held_before = report.held_before, held_asleep = report.held_asleep, kept = report.kept_bytes, offloaded = report.offloaded_bytes, discarded = report.discarded_bytes, "vmm-pool asleep");
         Ok(report)
     }
 
@@ -817,7 +806,6 @@ impl PoolShared {
     #[allow(unsafe_code)]
     pub(super) fn wake(&self) -> Result<WakeReport, EmmError> {
         const WHAT: &str = "wake";
-        let began = std::time::Instant::now();
         let cx = &self.cx;
         let Some(vmm) = &self.vmm else {
             return Err(EmmError::no_sleep(WHAT, super::POOL_MANAGER));
@@ -908,8 +896,7 @@ impl PoolShared {
             self.free_stash(stash);
         }
         lock(&vmm.inner).sleeping = false;
-        report.elapsed = began.elapsed();
-        tracing::info!(device = %cx.device, mapped = report.mapped_bytes, restored = report.restored_bytes, held_after = report.held_after, elapsed_ms = report.elapsed.as_millis() as u64, "vmm-pool awake");
+        tracing::info!(device = %cx.device, mapped = report.mapped_bytes, restored = report.restored_bytes, held_after = report.held_after, "vmm-pool awake");
         Ok(report)
     }
 
