@@ -13,7 +13,9 @@ use std::sync::Arc;
 use driver_mock::{Fault, Op, SimConfig, SimDriver};
 use emm::contract::{SleepChoice, SleepOptions};
 use emm::driver_sys::ErrorKind;
-use emm::{Adaptor, Context, EmmError, MemoryPointer, Runtime, Tag};
+use emm::internals::config::vmm_piece_from_lookup;
+use emm::plugin::PoolAllocator;
+use emm::{Adaptor, Context, EmmError, MemoryPointer, PoolConfig, Runtime, Tag};
 use proptest::prelude::*;
 
 use crate::common::{cases, runtime_with, seed};
@@ -24,9 +26,18 @@ const PIECE: u64 = 2 << 20;
 /// A runtime over `sim` with `vmm-pool` under the `history` adaptor, which records every
 /// allocation's tag.
 fn vmm_with_history(sim: &Arc<SimDriver>) -> Runtime {
+    vmm_with_history_and_pieces(sim, PIECE as usize)
+}
+
+/// [`vmm_with_history`] with physical pieces of `piece` bytes.
+fn vmm_with_history_and_pieces(sim: &Arc<SimDriver>, piece: usize) -> Runtime {
+    let config = PoolConfig {
+        vmm_piece: Some(piece),
+        ..PoolConfig::vmm()
+    };
     Runtime::builder(sim.clone())
         .ignore_env()
-        .memory_manager_name("vmm-pool")
+        .memory_manager(PoolAllocator::vmm_factory_with(config))
         .adaptors(vec![Adaptor::History {
             events: 1000,
             stacks: false,
@@ -55,9 +66,9 @@ fn read(ctx: &Context, mem: &MemoryPointer) -> Vec<u8> {
     out
 }
 
-/// The pieces (by index) that `len` bytes at `at` lie in.
-fn pieces_of(at: u64, len: usize) -> std::ops::Range<u64> {
-    at / PIECE..(at + len as u64).div_ceil(PIECE)
+/// The pieces (by index) of `piece` bytes that `len` bytes at `at` lie in.
+fn pieces_of(at: u64, len: usize, piece: u64) -> std::ops::Range<u64> {
+    at / piece..(at + len as u64).div_ceil(piece)
 }
 
 /// One allocation of each choice: the offloaded one comes back whole, the kept one is usable
@@ -86,7 +97,7 @@ fn each_choice_does_what_it_says() {
         report.held_before, before,
         "the pool's pieces are the device's use"
     );
-    let kept: BTreeSet<u64> = pieces_of(keep.device_ptr().0, keep.size()).collect();
+    let kept: BTreeSet<u64> = pieces_of(keep.device_ptr().0, keep.size(), PIECE).collect();
     assert_eq!(report.held_asleep, kept.len() * PIECE as usize);
     assert_eq!(device_used(&ctx), report.held_asleep, "the rest went back");
     assert_eq!(
@@ -326,9 +337,9 @@ fn tag_name(i: usize) -> String {
     format!("sleep-prop-{i}")
 }
 
-fn run_program(steps: &[Step]) -> Result<(), TestCaseError> {
+fn run_program(steps: &[Step], piece: usize) -> Result<(), TestCaseError> {
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = vmm_with_history(&sim);
+    let rt = vmm_with_history_and_pieces(&sim, piece);
     let ctx = rt.context(0).unwrap();
     let mut live: Vec<Live> = Vec::new();
     let mut asleep: Option<Vec<SleepChoice>> = None;
@@ -401,9 +412,9 @@ fn run_program(steps: &[Step]) -> Result<(), TestCaseError> {
                     .iter()
                     .zip(&of)
                     .filter(|(_, c)| **c == SleepChoice::Keep)
-                    .flat_map(|(l, _)| pieces_of(l.mem.device_ptr().0, l.mem.size()))
+                    .flat_map(|(l, _)| pieces_of(l.mem.device_ptr().0, l.mem.size(), piece as u64))
                     .collect();
-                prop_assert_eq!(report.held_asleep, kept.len() * PIECE as usize);
+                prop_assert_eq!(report.held_asleep, kept.len() * piece);
                 prop_assert_eq!(device_used(&ctx), report.held_asleep);
                 let sum = |c: SleepChoice| -> usize {
                     live.iter()
@@ -474,9 +485,86 @@ proptest! {
     /// Random programs of allocations, writes, frees, sleeps (random choices per tag), trims
     /// and wakes: data kept or offloaded is never lost, discarded data is never read as kept,
     /// sleeping memory is refused, and the device holds only the kept allocations' pieces
-    /// while asleep.
+    /// while asleep; with pieces of 2, 8 or 32 MiB.
     #[test]
-    fn random_programs_keep_what_they_ask_for(steps in proptest::collection::vec(step(), 1..40)) {
-        run_program(&steps)?;
+    fn random_programs_keep_what_they_ask_for(
+        steps in proptest::collection::vec(step(), 1..40),
+        piece_mib in prop_oneof![Just(2usize), Just(8), Just(32)],
+    ) {
+        run_program(&steps, piece_mib << 20)?;
+    }
+}
+
+/// Larger pieces make a sleep and a wake take as many driver calls fewer: 256 MiB of 32 MiB
+/// pieces go back in 8 unmappings and come again in 8 mappings, where pieces of 2 MiB take
+/// 128 each, and offloaded contents come back whole either way.
+#[test]
+fn larger_pieces_sleep_and_wake_in_fewer_driver_calls() {
+    let mut calls = Vec::new();
+    for piece in [2usize << 20, 32 << 20] {
+        let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+        let rt = vmm_with_history_and_pieces(&sim, piece);
+        let ctx = rt.context(0).unwrap();
+        let blocks: Vec<MemoryPointer> = (0..16)
+            .map(|i| tagged(&ctx, "weights", 16 << 20, i as u8 + 1))
+            .collect();
+        for b in &blocks {
+            assert_eq!(b.device_ptr().0 % (2 << 20), 0);
+        }
+        assert_eq!(device_used(&ctx), 256 << 20);
+        let (unmaps, releases) = (sim.count(Op::MemUnmap), sim.count(Op::MemRelease));
+        let report = ctx.sleep(&SleepOptions::new(SleepChoice::Offload)).unwrap();
+        assert_eq!((report.held_asleep, device_used(&ctx)), (0, 0));
+        let slept = (
+            sim.count(Op::MemUnmap) - unmaps,
+            sim.count(Op::MemRelease) - releases,
+        );
+        let (creates, maps) = (sim.count(Op::MemCreate), sim.count(Op::MemMap));
+        ctx.wake().unwrap();
+        let woke = (
+            sim.count(Op::MemCreate) - creates,
+            sim.count(Op::MemMap) - maps,
+        );
+        for (i, b) in blocks.iter().enumerate() {
+            assert!(
+                read(&ctx, b).iter().all(|&x| x == i as u8 + 1),
+                "block {i} lost its data"
+            );
+        }
+        calls.push((slept, woke));
+    }
+    assert_eq!(calls, [((128, 128), (128, 128)), ((8, 8), (8, 8))]);
+}
+
+/// A piece size that is not a power of two, or below the device's granularity, refuses the
+/// context with the setting's name; `EMM_VMM_PIECE` takes byte sizes that are powers of two.
+#[test]
+fn piece_sizes_are_checked() {
+    for piece in [3usize << 20, 1 << 20] {
+        let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+        let rt = vmm_with_history_and_pieces(&sim, piece);
+        match rt.context(0) {
+            Err(e) => assert!(e.to_string().contains("PoolConfig::vmm_piece"), "{e}"),
+            Ok(_) => panic!("a piece of {piece} bytes was taken"),
+        }
+    }
+    let lookup = |v: &'static str| move |k: &str| (k == "EMM_VMM_PIECE").then(|| v.to_owned());
+    assert_eq!(vmm_piece_from_lookup(|_| None).unwrap(), None);
+    assert_eq!(
+        vmm_piece_from_lookup(lookup("32MiB")).unwrap(),
+        Some(32 << 20)
+    );
+    for bad in ["48MiB", "lots", ""] {
+        let e = vmm_piece_from_lookup(lookup(bad)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                EmmError::Config {
+                    variable: "EMM_VMM_PIECE",
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }

@@ -206,6 +206,13 @@ pub struct PoolConfig {
     /// larger than this freed on its thread, outside the bound; the pool takes those back
     /// before it grows. Default 32 MiB.
     pub cache_bytes_per_shard: usize,
+    /// Under `vmm-pool`, the bytes of each piece of physical memory the pool maps: a power of
+    /// two, at least the device's granularity (`None`: the granularity, 2 MiB). Every piece
+    /// is one `cuMemCreate` and one mapping, and goes back to the driver only when wholly
+    /// free: larger pieces make a sleep, a wake and a large growth take fewer driver calls
+    /// (each costs tens of microseconds, one at a time), and may hold more where live blocks
+    /// lie scattered. `EMM_VMM_PIECE` sets it for the registered `vmm-pool`.
+    pub vmm_piece: Option<usize>,
 }
 
 impl PoolConfig {
@@ -229,14 +236,39 @@ impl PoolConfig {
     }
 }
 
+/// `EMM_VMM_PIECE`: the registered `vmm-pool`'s [`PoolConfig::vmm_piece`], a byte size
+/// (`32MiB`).
+pub const ENV_VMM_PIECE: &str = "EMM_VMM_PIECE";
+
+/// Reads `EMM_VMM_PIECE` through `lookup`: `None` when unset; a value that is not a byte size
+/// or not a power of two is an error (whether it reaches the device's granularity is checked
+/// when a pool is made on the device).
+pub fn vmm_piece_from_lookup(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<Option<usize>, EmmError> {
+    let Some(value) = lookup(ENV_VMM_PIECE) else {
+        return Ok(None);
+    };
+    let refused = |reason: String| EmmError::Config {
+        variable: ENV_VMM_PIECE,
+        value: value.clone(),
+        reason,
+    };
+    let bytes = crate::units::parse_bytes(&value).map_err(refused)?;
+    if !bytes.is_power_of_two() {
+        return Err(refused(format!(
+            "{bytes} bytes is not a power of two; give the size of vmm-pool's pieces of \
+             physical memory as one, at least the device's granularity (2MiB, 32MiB, 64MiB)"
+        )));
+    }
+    Ok(Some(bytes))
+}
+
 /// Empty arenas for a pool of `config`: requests above its chunk size in chunks of their own,
 /// except under `vmm-pool` (`vmm`), whose chunks merge their free space and are recorded as
-/// pieces of the granularity.
+/// its pieces.
 fn empty_arenas(config: &PoolConfig, vmm: Option<&VmmSpace>) -> Arenas {
-    Arenas::new(
-        config.oversize_above(vmm.is_some()),
-        vmm.map(|v| v.granularity),
-    )
+    Arenas::new(config.oversize_above(vmm.is_some()), vmm.map(|v| v.piece))
 }
 
 impl Default for PoolConfig {
@@ -246,6 +278,7 @@ impl Default for PoolConfig {
             small_max: MAX_SMALL,
             cache_bytes_per_class: 4 << 20,
             cache_bytes_per_shard: 32 << 20,
+            vmm_piece: None,
         }
     }
 }
@@ -1071,7 +1104,7 @@ impl PoolAllocator {
         config: PoolConfig,
         manager: &str,
     ) -> Result<PoolAllocator, EmmError> {
-        let vmm = VmmSpace::new(host.context(), manager)?;
+        let vmm = VmmSpace::new(host.context(), manager, config.vmm_piece)?;
         Self::build(host, config, Some(vmm))
     }
 
@@ -1248,13 +1281,34 @@ impl PoolAllocator {
     /// The factory registered as `"vmm-pool"`: the pool over physical memory mapped into one
     /// address reservation per device ([`with_virtual_memory`](Self::with_virtual_memory)),
     /// with the default configuration.
+    ///
+    /// Each context it makes reads `EMM_VMM_PIECE` ([`PoolConfig::vmm_piece`]); a malformed
+    /// value refuses the context with [`EmmError::Config`].
     pub fn vmm_factory() -> FnFactory {
         FnFactory::new(VMM_POOL_MANAGER, move |cx: &ManagerContext| {
-            let host = HostLayer::new(cx);
-            let pool =
-                PoolAllocator::with_virtual_memory(&host, PoolConfig::vmm(), VMM_POOL_MANAGER)?;
-            Ok(Box::new(HostOnly::from_parts(host, pool)))
+            let config = PoolConfig {
+                vmm_piece: vmm_piece_from_lookup(|k| std::env::var(k).ok())?,
+                ..PoolConfig::vmm()
+            };
+            Self::vmm_manager(cx, config)
         })
+    }
+
+    /// A factory registered as `"vmm-pool"` whose pools are configured with `config`
+    /// ([`PoolConfig::vmm`] and changes to it); it reads no environment variable.
+    pub fn vmm_factory_with(config: PoolConfig) -> FnFactory {
+        FnFactory::new(VMM_POOL_MANAGER, move |cx: &ManagerContext| {
+            Self::vmm_manager(cx, config)
+        })
+    }
+
+    fn vmm_manager(
+        cx: &ManagerContext,
+        config: PoolConfig,
+    ) -> Result<Box<dyn crate::contract::MemoryManager>, EmmError> {
+        let host = HostLayer::new(cx);
+        let pool = PoolAllocator::with_virtual_memory(&host, config, VMM_POOL_MANAGER)?;
+        Ok(Box::new(HostOnly::from_parts(host, pool)))
     }
 
     /// A factory named `name` for pools configured with `config`.

@@ -4,9 +4,10 @@
 //! - The reservation is made at the first growth (four times the device's memory, so that
 //!   freed ranges leave room) and queued for `cuMemAddressFree` by a reset, after the frees of
 //!   its mappings; the next growth reserves anew.
-//! - A growth maps a multiple of the granularity as chunks of one granularity each (pieces:
-//!   a `cuMemCreate` and a `cuMemMap` each), then makes the whole range accessible to the
-//!   device and its peers with one `cuMemSetAccess` each. Chunks mapped next to each other
+//! - A growth maps a multiple of the piece size as chunks of one piece each (a `cuMemCreate`
+//!   and a `cuMemMap` each; a piece is the driver's granularity, 2 MiB, unless
+//!   `PoolConfig::vmm_piece` sets a larger power of two), then makes the whole range
+//!   accessible to the device and its peers with one `cuMemSetAccess` each. Chunks mapped next to each other
 //!   merge their free space in the arenas, which serve every size from one address range,
 //!   and a piece that the blocks around it leave wholly free can go back on its own, so that
 //!   holes between live blocks hold no memory once the pool sheds them. A growth maps just
@@ -65,7 +66,11 @@ const RESERVE_FACTOR: usize = 4;
 /// A pool's address reservation and what is mapped in it.
 pub(super) struct VmmSpace {
     /// The unit of every size and address (`cuMemGetAllocationGranularity`).
-    pub(super) granularity: usize,
+    granularity: usize,
+    /// The size of each piece of physical memory the pool maps, a power of two and a multiple
+    /// of the granularity ([`PoolConfig::vmm_piece`](super::PoolConfig::vmm_piece)); pieces
+    /// lie at multiples of it in the reservation.
+    pub(super) piece: usize,
     /// The devices granted access to every chunk: this one and its peers.
     access: Vec<DeviceOrdinal>,
     /// Chunks are made exportable as POSIX file descriptors.
@@ -133,7 +138,13 @@ impl VmmInner {
 impl VmmSpace {
     /// The space of a pool on `cx`'s device, refused with an error that names the managers
     /// that work where the device or its driver lacks virtual memory management.
-    pub(super) fn new(cx: &ManagerContext, manager: &str) -> Result<VmmSpace, EmmError> {
+    /// Pieces are of `piece` bytes (`None`: the granularity); one that is not a power of two
+    /// and a multiple of the granularity is refused.
+    pub(super) fn new(
+        cx: &ManagerContext,
+        manager: &str,
+        piece: Option<usize>,
+    ) -> Result<VmmSpace, EmmError> {
         let refused = |reason: String| EmmError::NoVirtualMemory {
             manager: manager.to_owned(),
             device: cx.device,
@@ -152,12 +163,23 @@ impl VmmSpace {
             .driver
             .mem_vmm_granularity(cx.device)
             .map_err(|e| refused(format!("reading its granularity failed: {e}")))?;
+        let piece = piece.unwrap_or(granularity);
+        if !piece.is_power_of_two() || !piece.is_multiple_of(granularity) {
+            return Err(EmmError::InvalidArgument {
+                what: "PoolConfig::vmm_piece",
+                reason: format!(
+                    "{piece} bytes is not a power of two that is a multiple of device {}'s \
+                     granularity ({granularity} bytes); give one (EMM_VMM_PIECE=32MiB) or \
+                     leave it unset for the granularity",
+                    cx.device
+                ),
+            });
+        }
         let total = cx
             .driver
             .device_total_mem(cx.device)
             .map_err(|e| EmmError::driver("cuDeviceTotalMem", cx.device, e))?;
-        let reserve_bytes =
-            (total.saturating_mul(RESERVE_FACTOR)).div_ceil(granularity) * granularity;
+        let reserve_bytes = (total.saturating_mul(RESERVE_FACTOR)).div_ceil(piece) * piece;
         let count = cx
             .driver
             .device_count()
@@ -181,6 +203,7 @@ impl VmmSpace {
                 == 1;
         Ok(VmmSpace {
             granularity,
+            piece,
             access,
             shareable,
             reserve_bytes,
@@ -191,8 +214,13 @@ impl VmmSpace {
     }
 
     /// `bytes` rounded up to the granularity.
-    pub(super) fn round(&self, bytes: usize) -> usize {
+    fn round(&self, bytes: usize) -> usize {
         bytes.div_ceil(self.granularity) * self.granularity
+    }
+
+    /// `bytes` rounded up to the piece.
+    fn round_to_piece(&self, bytes: usize) -> usize {
+        bytes.div_ceil(self.piece) * self.piece
     }
 }
 
@@ -250,7 +278,7 @@ impl VmmInner {
 impl PoolShared {
     /// A new chunk of at least `bytes` bytes from the pool's source, as (base, size):
     /// `cuMemAlloc`, or physical memory mapped into the pool's reservation (its size rounded
-    /// up to the granularity).
+    /// up to the piece).
     pub(super) fn allocate_chunk(&self, bytes: usize) -> Result<(u64, usize), DriverError> {
         let Some(vmm) = &self.vmm else {
             let base = self.cx.driver.mem_alloc(self.cx.context, bytes)?;
@@ -259,17 +287,22 @@ impl PoolShared {
                 .fetch_add(1, Ordering::Relaxed);
             return Ok((base.0, bytes));
         };
-        let (cx, bytes) = (&self.cx, vmm.round(bytes));
+        let (cx, bytes) = (&self.cx, vmm.round_to_piece(bytes));
         // Chunks given back inside a defer_cleanup that has since ended go first.
         self.release_chunks(Vec::new(), false);
         let at = {
             let mut inner = lock(&vmm.inner);
             if inner.reservation.is_none() {
-                let base = cx
-                    .driver
-                    .mem_address_reserve(cx.context, vmm.reserve_bytes)?;
-                inner.reservation = Some((base.0, vmm.reserve_bytes));
-                inner.free.insert(base.0, vmm.reserve_bytes);
+                // The driver aligns a reservation to the granularity: a piece less the
+                // granularity more leaves room to start the pool's range at a multiple of the
+                // piece.
+                let extra = vmm.piece - vmm.granularity;
+                let size = vmm.reserve_bytes + extra;
+                let base = cx.driver.mem_address_reserve(cx.context, size)?;
+                inner.reservation = Some((base.0, size));
+                inner
+                    .free
+                    .insert(base.0.next_multiple_of(vmm.piece as u64), vmm.reserve_bytes);
             }
             let at = inner.place(bytes).ok_or_else(|| {
                 DriverError::from_kind("cuMemAddressReserve", ErrorKind::OutOfMemory)
@@ -371,7 +404,7 @@ impl PoolShared {
         let Some(vmm) = &self.vmm else {
             return false;
         };
-        let bytes = vmm.round(bytes);
+        let bytes = vmm.round_to_piece(bytes);
         lock(&vmm.inner).free_range_holding(at, bytes).is_some()
     }
 
@@ -386,7 +419,7 @@ impl PoolShared {
         let Some(vmm) = &self.vmm else {
             return Ok(None);
         };
-        let bytes = vmm.round(bytes);
+        let bytes = vmm.round_to_piece(bytes);
         // Chunks given back inside a defer_cleanup that has since ended go first.
         self.release_chunks(Vec::new(), false);
         {
@@ -400,24 +433,24 @@ impl PoolShared {
     }
 
     /// Maps `bytes` at `at`, a range taken from the reservation's free ones by a growth
-    /// (counted in `growing`), as pieces of one granularity each, and records them; on failure
+    /// (counted in `growing`), as pieces of one piece size each, and records them; on failure
     /// the range is free again unless a mapping could not be undone.
     fn map_placed(&self, vmm: &VmmSpace, at: u64, bytes: usize) -> Result<(), DriverError> {
-        let mut pieces = Vec::with_capacity(bytes / vmm.granularity);
+        let mut pieces = Vec::with_capacity(bytes / vmm.piece);
         let spare = || lock(&vmm.inner).spare.pop();
         let mapped = self.map_pieces(vmm, at, bytes, &spare, &mut pieces);
         if mapped.is_ok() {
             let mut inner = lock(&vmm.inner);
             inner.growing -= 1;
             for (base, handle) in pieces {
-                inner.handles.insert(base, (vmm.granularity, handle));
+                inner.handles.insert(base, (vmm.piece, handle));
             }
             return Ok(());
         }
         // Undone piece by piece: a piece left mapped strands the range.
         let mut free_again = true;
         for (base, handle) in pieces {
-            free_again &= self.unmap_chunk(base, vmm.granularity, handle);
+            free_again &= self.unmap_chunk(base, vmm.piece, handle);
         }
         let mut inner = lock(&vmm.inner);
         inner.growing -= 1;
@@ -443,27 +476,24 @@ impl PoolShared {
         pieces: &mut Vec<(u64, PhysHandle)>,
     ) -> Result<(), DriverError> {
         let cx = &self.cx;
-        for base in (at..at + bytes as u64).step_by(vmm.granularity) {
+        for base in (at..at + bytes as u64).step_by(vmm.piece) {
             let handle = match spare() {
                 Some(handle) => handle,
                 None => {
-                    let handle = cx.driver.mem_create(
-                        cx.context,
-                        cx.device,
-                        vmm.granularity,
-                        vmm.shareable,
-                    )?;
+                    let handle =
+                        cx.driver
+                            .mem_create(cx.context, cx.device, vmm.piece, vmm.shareable)?;
                     self.totals
                         .driver_allocations
                         .fetch_add(1, Ordering::Relaxed);
                     handle
                 }
             };
-            // SAFETY: `base .. base + granularity` lies in a range taken from the
+            // SAFETY: `base .. base + piece` lies in a range taken from the
             // reservation's free ones, with nothing mapped there.
             let mapped = unsafe {
                 cx.driver
-                    .mem_map(cx.context, DevicePtr(base), vmm.granularity, handle)
+                    .mem_map(cx.context, DevicePtr(base), vmm.piece, handle)
             };
             if let Err(e) = mapped {
                 // SAFETY: made above and never mapped.
@@ -824,7 +854,7 @@ impl PoolShared {
         for base in std::mem::take(&mut inner.ungranted) {
             let granted = vmm.access.iter().try_for_each(|&d| {
                 cx.driver
-                    .mem_set_access(cx.context, DevicePtr(base), vmm.granularity, d)
+                    .mem_set_access(cx.context, DevicePtr(base), vmm.piece, d)
             });
             if let Err(e) = granted {
                 inner.ungranted.insert(base);
@@ -840,12 +870,12 @@ impl PoolShared {
             }
         }
         for (start, len) in runs {
-            let mut pieces = Vec::with_capacity(len / vmm.granularity);
+            let mut pieces = Vec::with_capacity(len / vmm.piece);
             // New physical memory only (the spares are a growth's, and their lock is held).
             let mapped = self.map_pieces(vmm, start, len, &|| None, &mut pieces);
             for &(base, handle) in &pieces {
                 inner.asleep.remove(&base);
-                inner.handles.insert(base, (vmm.granularity, handle));
+                inner.handles.insert(base, (vmm.piece, handle));
             }
             if let Err(e) = mapped {
                 // The run's mapped pieces go back to sleep; one that cannot be unmapped stays
@@ -870,11 +900,11 @@ impl PoolShared {
         // An allocation freed while asleep may have had its pieces given back (a trim): it
         // is not copied back. One whose pieces are all mapped again is copied, live or not
         // (free pool memory, which no allocation took while asleep).
-        let g = vmm.granularity as u64;
+        let g = vmm.piece as u64;
         let restorable = |&(address, bytes, _): &(u64, usize, usize)| {
             let first = address / g * g;
             (first..address + bytes as u64)
-                .step_by(vmm.granularity)
+                .step_by(vmm.piece)
                 .all(|piece| inner.handles.contains_key(&piece))
         };
         let stash = stash.map(|mut s| {
