@@ -4,7 +4,8 @@ A PyTorch trainer under ``emm.torch`` (``vmm-pool``, the ``history`` adaptor) tr
 few steps, sleeps (weights and optimizer state offloaded, everything else discarded), a second
 process allocates most of the device with PyTorch's own allocator and frees it, the trainer
 wakes and trains on. The same training runs uninterrupted in a third process; the losses must
-be bit-identical. Then a sleep with nothing to offload, of ``--idle-gib`` held, is timed, and
+be bit-identical. Then a sleep with nothing to offload, of ``--idle-gib`` held, is timed (with
+the default pieces of physical memory and with ``EMM_VMM_PIECE=32MiB``), and
 the pinned copy rate of this machine is measured with PyTorch for the offload's anchor.
 
 Prints one JSON line of figures (``--out`` writes it to a file too). Run on the GPU:
@@ -172,15 +173,20 @@ def main():
             raise SystemExit(f"{name} failed: {p.stderr[-3000:]}")
         with open(path) as f:
             runs[name] = json.load(f)
-    idle_env = {k: v for k, v in env.items() if k != "EMM_MEMORY_ADAPTORS"}
-    idle = subprocess.run(
-        [sys.executable, __file__, "--role", "idle", "--idle-gib", str(a.idle_gib)],
-        env=idle_env,
-        capture_output=True,
-        text=True,
-    )
-    if idle.returncode != 0:
-        raise SystemExit("idle sleep failed: " + idle.stderr[-3000:])
+    idle = {}
+    for piece in [None, "32MiB"]:
+        idle_env = {k: v for k, v in env.items() if k not in ("EMM_MEMORY_ADAPTORS", "EMM_VMM_PIECE")}
+        if piece:
+            idle_env["EMM_VMM_PIECE"] = piece
+        p = subprocess.run(
+            [sys.executable, __file__, "--role", "idle", "--idle-gib", str(a.idle_gib)],
+            env=idle_env,
+            capture_output=True,
+            text=True,
+        )
+        if p.returncode != 0:
+            raise SystemExit(f"idle sleep (pieces {piece or 'default'}) failed: " + p.stderr[-3000:])
+        idle[piece or "default"] = json.loads(p.stdout.strip().splitlines()[-1])
     handed = runs["handed_off"]
     offloaded = handed["sleep"]["offloaded_bytes"]
     out = {
@@ -195,7 +201,8 @@ def main():
         "restore_rate_bytes_per_s": handed["wake"]["restored_bytes"]
         / handed["wake"]["restore_seconds"],
         "pinned_rate_bytes_per_s": pinned_rate(4),
-        "idle": json.loads(idle.stdout.strip().splitlines()[-1]),
+        "idle": idle["default"],
+        "idle_32mib_pieces": idle["32MiB"],
     }
     line = json.dumps(out)
     print(line)
