@@ -9,7 +9,7 @@ use std::fmt;
 use std::sync::{Arc, Weak};
 
 use driver_sys::{
-    CaptureMode, CaptureStatus, DevicePtr, GraphExecHandle, GraphHandle, StreamHandle,
+    CaptureMode, CaptureStatus, DevicePtr, ErrorKind, GraphExecHandle, GraphHandle, StreamHandle,
 };
 
 use super::context::{Context, ContextInner};
@@ -472,8 +472,15 @@ impl GraphRoutes {
         for p in pools.iter_mut().filter(|p| !p.ended) {
             match cx.driver.stream_capture_status(cx.context, p.stream) {
                 Ok(s) if s.id() == Some(p.capture) => open += 1,
-                // Ended, or the stream is gone; a query that failed is asked again later.
+                // Ended, or the handle names another stream now (its capture is another).
                 Ok(_) => p.ended = true,
+                // The stream's owner destroyed it, which a capture under way forbids: the
+                // capture ended before.
+                Err(e) if e.kind() == ErrorKind::InvalidHandle => {
+                    tracing::debug!(device = %cx.device, stream = ?p.stream, "the stream of a capture pool is gone; its capture ended");
+                    p.ended = true;
+                }
+                // Asked again later.
                 Err(_) => open += 1,
             }
         }
@@ -720,7 +727,9 @@ impl Context {
     /// [`memalloc_on_raw`](Self::memalloc_on_raw) (a `cuStreamGetCaptureInfo` per call while
     /// on): PyTorch's and CuPy's allocators over emm, which are not told when a capture
     /// begins, turn it on. The pools keep their memory for the graphs until
-    /// [`release_capture_pools`](Self::release_capture_pools).
+    /// [`release_capture_pools`](Self::release_capture_pools). Whether a capture ended is
+    /// asked of its stream; a stream its owner destroyed since (the driver refuses the
+    /// handle) counts as ended.
     pub fn enable_capture_pools(&self) {
         self.inner.graph_routes.auto.store(true, Ordering::Relaxed);
     }

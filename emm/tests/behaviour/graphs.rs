@@ -307,3 +307,43 @@ fn a_graph_keeps_the_memory_its_captured_work_writes() {
         assert!(leaks.is_clean(), "{manager}: {leaks}");
     }
 }
+
+/// A capture pool whose stream its owner (another library) destroyed after the capture ended
+/// is let go: the driver no longer knows the handle, which can only mean the capture ended.
+/// Before, the refused query counted the pool open for ever, so every free went the slow way
+/// and `release_capture_pools` kept its memory.
+#[test]
+fn a_capture_pool_whose_stream_is_destroyed_is_let_go() {
+    use emm::driver_sys::Driver;
+    for manager in [
+        emm::plugin::POOL_MANAGER,
+        emm::plugin::VMM_POOL_MANAGER,
+        emm::plugin::ASYNC_POOL_MANAGER,
+    ] {
+        let sim = Arc::new(SimDriver::new(SimConfig::default()));
+        let rt = runtime_with(&sim, manager);
+        let ctx: Context = rt.context(0).unwrap();
+        ctx.enable_capture_pools();
+        let theirs = sim.stream_create(ctx.handle(), 1).unwrap();
+        sim.stream_begin_capture(ctx.handle(), theirs, CaptureMode::Relaxed)
+            .unwrap();
+        // SAFETY: the stream lives until the memory is dropped, below.
+        let mem = unsafe { ctx.memalloc_on_raw(4096, theirs) }.unwrap();
+        assert!(
+            ctx.capture_pools_open(),
+            "{manager}: the capture's pool is open"
+        );
+        let graph = sim.stream_end_capture(ctx.handle(), theirs).unwrap();
+        drop(mem);
+        ctx.trim().unwrap();
+        // SAFETY: made above; its memory is dropped and trimmed, nothing is queued on it.
+        unsafe { sim.stream_destroy(ctx.handle(), theirs) }.unwrap();
+        assert!(
+            !ctx.capture_pools_open(),
+            "{manager}: a pool of a destroyed stream counted open"
+        );
+        assert_eq!(ctx.release_capture_pools(), 1, "{manager}");
+        // SAFETY: the graph made above, destroyed once.
+        unsafe { sim.graph_destroy(ctx.handle(), graph) }.unwrap();
+    }
+}
