@@ -18,6 +18,13 @@ done
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
     "$wheels"/emm-*.whl || exit 1
 export PYTHONPATH=/tmp/np:/tmp/site
+# distributed, dask-cuda and their pure-Python dependencies (DIR/wheels/dask, which the GPU
+# workflow's bundle job downloads): test_dask_gpu.py fails under EMM_REQUIRE_GPU=1 without them.
+if compgen -G "$wheels/dask/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/dask \
+        "$wheels"/dask/*.whl || exit 1
+    export PYTHONPATH=$PYTHONPATH:/tmp/dask
+fi
 status=0
 (cd python && EMM_PYTHON_DRIVER=cuda EMM_REQUIRE_GPU=1 python3 -m pytest -q -rs \
     -p no:cacheprovider tests) || status=1

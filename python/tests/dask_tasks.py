@@ -38,3 +38,30 @@ def first_and_last(buf):
     was spilled)."""
     ctx = emm.context(0)
     return ctx.copy_to_host(buf, 1)[0], ctx.copy_to_host(buf, 1, buf.size - 1)[0]
+
+
+def cupy_filled(nbytes, value):
+    """A CuPy array of ``nbytes`` bytes holding ``value``, allocated wherever CuPy allocates in
+    this worker (through emm once the plugin installed it)."""
+    import cupy
+
+    return cupy.full(nbytes, value, dtype=cupy.uint8)
+
+
+def torch_filled(nbytes, value):
+    """A PyTorch CUDA tensor of ``nbytes`` bytes holding ``value`` (through emm once the plugin
+    installed it)."""
+    import torch
+
+    return torch.full((nbytes,), value, dtype=torch.uint8, device="cuda")
+
+
+def total(array):
+    """The sum of a CuPy array's or a PyTorch tensor's bytes, as a Python int."""
+    return int(array.sum())
+
+
+
+def installed_frameworks():
+    """The frameworks the plugin installed emm for in this worker."""
+    return list(getattr(distributed.get_worker(), "emm_frameworks", []))

@@ -44,9 +44,10 @@ dask-cuda (``LocalCUDACluster``)          emm (``EmmSetup``)
 ========================================  ==========================================================
 
 Spilling (``spill=True``): when an allocation runs out of device memory, emm's out-of-memory
-callback has the worker evict its oldest results (``worker.data.evict()``: distributed's spill
-buffer, which pickles them to disk, or dask-cuda's device-host file) until as many bytes went,
-then flushes emm's deferred frees, and the allocation is tried again. emm's ``DeviceBuffer``
+callback has the worker evict its oldest results until as many bytes went, then flushes emm's
+deferred frees, and the allocation is tried again: under dask-cuda's device-host file, device
+objects (CuPy arrays, tensors) move from its device LRU to host memory first; then (and under
+distributed's own spill buffer) ``worker.data.evict()`` pickles results to disk. emm's ``DeviceBuffer``
 pickles as its bytes (and comes back as a new buffer of the worker's device), and counts its
 device bytes in the worker's memory (``dask.sizeof``), so that the worker evicts it like any
 result; a worker started with ``memory_limit=0`` keeps no spill buffer and spills nothing.
@@ -176,16 +177,35 @@ def _restore_device_buffer(device, data):
     return buf
 
 
+def _evict_one(data):
+    """Evicts one result that holds device memory from a worker's ``data``: its weight, or -1
+    when none can go.
+
+    - dask-cuda's ``DeviceHostFile`` keeps device objects (CuPy arrays, tensors: anything with
+      ``__cuda_array_interface__``) in a device LRU of its own, whose eviction moves the oldest
+      to host memory. Its ``evict()`` moves host results to disk, which frees device memory
+      only for emm's ``DeviceBuffer`` (pickled as its bytes), so the device LRU goes first.
+    - distributed's ``SpillBuffer``: ``evict()`` pickles the oldest result to disk.
+    """
+    device = getattr(getattr(data, "device_buffer", None), "fast", None)
+    if device is not None and hasattr(device, "evict") and len(device) > 0:
+        try:
+            _, _, weight = device.evict()
+            return weight
+        except Exception:  # noqa: BLE001 - as zict's own LRU: a failed eviction evicts nothing
+            pass
+    evict = getattr(data, "evict", None)
+    return evict() if evict is not None else -1
+
+
 def _evict(worker, nbytes):
     """The out-of-memory callback of a spilling worker: evicts its oldest results until
-    ``nbytes`` of them went (by ``dask.sizeof``) or nothing more can go, then flushes emm's
-    deferred frees; whether anything went (the allocation is then tried again)."""
-    evict = getattr(worker.data, "evict", None)
-    if evict is None:
-        return False
+    ``nbytes`` of them went (by ``dask.sizeof``) or nothing more can go
+    (``_evict_one``), then flushes emm's deferred frees; whether anything went (the allocation
+    is then tried again)."""
     went = 0
     while went < nbytes:
-        weight = evict()
+        weight = _evict_one(worker.data)
         if weight < 0:
             break
         went += max(weight, 1)

@@ -1,0 +1,104 @@
+"""emm on a real Dask cluster on the GPU: dask-cuda's ``LocalCUDACluster`` (one worker process
+per GPU), set up by ``emm.dask.EmmSetup``, with CuPy and PyTorch tasks whose arrays come from
+emm, their figures at the scheduler, and spilling past a worker's maximum. ``test_dask.py``
+runs the same set-up on the simulator; these run where ``EMM_PYTHON_DRIVER=cuda`` and fail
+under ``EMM_REQUIRE_GPU=1`` when distributed or dask-cuda is missing (the GPU job carries
+their wheels)."""
+
+import pytest
+
+import emm
+
+from conftest import DRIVER, needs_gpu, needs_module
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def gpu_cluster(monkeypatch):
+    needs_gpu("runs a dask-cuda cluster on the GPU")
+    distributed = needs_module("distributed")
+    dask_cuda = needs_module("dask_cuda")
+    import dask
+
+    monkeypatch.setenv("EMM_PYTHON_DRIVER", DRIVER)
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        with dask_cuda.LocalCUDACluster(
+            n_workers=1,
+            threads_per_worker=1,
+            dashboard_address=None,
+            worker_dashboard_address=None,
+        ) as c, distributed.Client(c) as client:
+            yield distributed, client
+
+
+def test_cupy_and_torch_tasks_allocate_through_emm_on_a_dask_cuda_worker(gpu_cluster):
+    distributed, client = gpu_cluster
+    import emm.dask
+    from dask_tasks import cupy_filled, installed_frameworks, torch_filled, total
+    from test_dask import emm_metrics, wait_for
+
+    client.register_plugin(emm.dask.EmmSetup(manager="pool", frameworks=("torch", "cupy")))
+    (worker,) = client.scheduler_info()["workers"]
+    assert sorted(client.submit(installed_frameworks, pure=False).result()) == ["cupy", "torch"]
+    a = client.submit(cupy_filled, 48 * MIB, 3, pure=False)
+    t = client.submit(torch_filled, 16 * MIB, 5, pure=False)
+    assert client.submit(total, a).result() == 3 * 48 * MIB
+    assert client.submit(total, t).result() == 5 * 16 * MIB
+    # Both results live on the worker, in emm's pool: its figures say so at the scheduler.
+    seen = wait_for(
+        lambda: (f := emm_metrics(client).get(worker)) and f["live_bytes"] >= 64 * MIB and f,
+        "the worker's live bytes at the scheduler",
+    )
+    assert seen["manager"] == "stats(pool)", seen
+    assert seen["held_bytes"] >= 64 * MIB and seen["ooms"] == 0, seen
+    del a, t
+    wait_for(
+        lambda: (f := emm_metrics(client).get(worker)) and f["live_bytes"] < 64 * MIB,
+        "the worker's live bytes after the results went",
+    )
+
+
+def test_results_past_a_workers_maximum_spill_on_the_gpu(gpu_cluster, tmp_path):
+    """Twelve results of 64 MiB on a worker allowed 512 MiB of device memory: the out-of-memory
+    callback has the worker spill its oldest results, and every result comes back whole."""
+    distributed, client = gpu_cluster
+    import emm.dask
+    from dask_tasks import first_and_last, make
+    from test_dask import emm_metrics, wait_for
+
+    client.register_plugin(emm.dask.EmmSetup(manager="pool", maximum="512MiB", spill=True))
+    futures = [client.submit(make, 64 * MIB, k + 1, pure=False) for k in range(12)]
+    distributed.wait(futures)
+    back = [client.submit(first_and_last, f, pure=False).result() for f in futures]
+    assert back == [(k + 1, k + 1) for k in range(12)], back
+    figures = wait_for(
+        lambda: (m := emm_metrics(client)) and all(m.values()) and m,
+        "the worker's figures",
+    )
+    (f,) = figures.values()
+    assert f["oom_retries"] > 0 and f["ooms"] == 0, f
+    assert f["peak_live_bytes"] <= 512 * MIB, f
+
+
+def test_cupy_results_past_a_workers_maximum_move_to_host_memory(gpu_cluster):
+    """Under dask-cuda, CuPy results live in the device-host file's device LRU, whose own
+    ``evict()`` frees no device memory: the out-of-memory callback evicts from the device LRU,
+    so that twelve arrays of 64 MiB fit a worker allowed 512 MiB, and all come back whole."""
+    distributed, client = gpu_cluster
+    import emm.dask
+    from dask_tasks import cupy_filled, total
+    from test_dask import emm_metrics, wait_for
+
+    client.register_plugin(
+        emm.dask.EmmSetup(manager="pool", maximum="512MiB", spill=True, frameworks=("cupy",))
+    )
+    futures = [client.submit(cupy_filled, 64 * MIB, k + 1, pure=False) for k in range(12)]
+    distributed.wait(futures)
+    sums = [client.submit(total, f, pure=False).result() for f in futures]
+    assert sums == [(k + 1) * 64 * MIB for k in range(12)], sums
+    (f,) = wait_for(
+        lambda: (m := emm_metrics(client)) and all(m.values()) and m,
+        "the worker's figures",
+    ).values()
+    assert f["oom_retries"] > 0 and f["ooms"] == 0, f
