@@ -718,7 +718,7 @@ if sleep_run:
     w("")
     w("The sleep with nothing to offload unmaps and releases each piece of physical memory on its own")
     w("(two driver calls a piece, which the driver runs one at a time); `EMM_VMM_PIECE` sets the")
-    w("piece (README, sleep and wake).")
+    w("piece (docs/python.md, sleep and wake).")
     w(f"The offloading sleep's copies took {sl['offload_seconds']:.2f} s of its {sl['seconds']:.2f} s;")
     w("the rest is the wait for the device, the page-locked buffer's allocation and the unmapping,")
     w("not timed apart.")

@@ -120,7 +120,7 @@ if [ "$tests" = 0 ]; then
 fi
 # A soak, shorter than a manual one: every manager in turn, the stress workload and an IPC
 # round trip to a child process each round, device memory back to the byte every round, host
-# resident memory flat (EMM_GPU_SOAK_SECONDS, default 60; README says how to run longer).
+# resident memory flat (EMM_GPU_SOAK_SECONDS, default 60; docs/testing.md says how to run longer).
 # The soak and the examples are part of the bundle: one missing fails the job.
 if [ ! -x "$here/bin/soak" ]; then
     summary+=("$(printf '%-22s FAILED: bin/soak is not in the bundle (rebuild it)' soak)"); status=1

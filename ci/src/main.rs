@@ -8,9 +8,9 @@
 //!   bundle is self-contained: the tests that read the repository's files (the sources' layer
 //!   check, the trace corpus's replays on the simulator) are left out; `.ci/run` runs them.
 //!
-//! - `cargo run -p ci -- readme-figures [--check]` writes README's account of the fault sweep
-//!   (between its `<!-- figures: fault-sweep` markers) from the figures the sweep's last run
-//!   left in the target directory; with `--check` it changes nothing and fails when README
+//! - `cargo run -p ci -- doc-figures [--check]` writes docs/testing.md's account of the fault
+//!   sweep (between its `<!-- figures: fault-sweep` markers) from the figures the sweep's last run
+//!   left in the target directory; with `--check` it changes nothing and fails when the page
 //!   differs, which `.ci/run` does after the tests.
 //!
 //! The CPU job is `.ci/run` (fmt, clippy, tests, loom models).
@@ -24,12 +24,8 @@ fn main() -> ExitCode {
         Some("gpu-bundle") => {
             gpu_bundle(Path::new(args.get(1).map_or("gpu-bundle", String::as_str)))
         }
-        Some("readme-figures") => {
-            readme_figures(args.get(1).map(String::as_str) == Some("--check"))
-        }
-        _ => {
-            Err("usage: cargo run -p ci -- gpu-bundle [DIR] | readme-figures [--check]".to_owned())
-        }
+        Some("doc-figures") => doc_figures(args.get(1).map(String::as_str) == Some("--check")),
+        _ => Err("usage: cargo run -p ci -- gpu-bundle [DIR] | doc-figures [--check]".to_owned()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -148,13 +144,16 @@ fn gpu_bundle(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// Where README's generated account of the fault sweep begins and ends.
+/// The page that holds the generated account of the fault sweep.
+const FIGURES_PAGE: &str = "docs/testing.md";
+
+/// Where the page's generated account of the fault sweep begins and ends.
 const FIGURES_BEGIN: &str = "<!-- figures: fault-sweep";
 const FIGURES_END: &str = "<!-- /figures -->";
 
-/// README's fault-sweep account, from the figures the sweep's three tests wrote; written into
-/// README.md, or with `check` compared with it.
-fn readme_figures(check: bool) -> Result<(), String> {
+/// The fault-sweep account of [`FIGURES_PAGE`], from the figures the sweep's three tests
+/// wrote; written into the page, or with `check` compared with it.
+fn doc_figures(check: bool) -> Result<(), String> {
     let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
     let dir = Path::new(&target).join("tmp/fault_sweep_figures");
     let mut figures = std::collections::BTreeMap::new();
@@ -182,7 +181,7 @@ fn readme_figures(check: bool) -> Result<(), String> {
     let configurations = get("configurations")?;
     let count = configurations.split(", ").count();
     let body = format!(
-        "{FIGURES_BEGIN} (written by `cargo run -p ci -- readme-figures` from the sweep's last \
+        "{FIGURES_BEGIN} (written by `cargo run -p ci -- doc-figures` from the sweep's last \
          run; `.ci/run` checks it) -->\n  \
          The last run injected {} single faults ({} error kinds at every call) in {count} \
          configurations ({configurations}), {} runs with a second fault, and {} faulted \
@@ -194,32 +193,33 @@ fn readme_figures(check: bool) -> Result<(), String> {
         grouped(&get("teardown_runs")?),
         get("never_called")?,
     );
-    let readme =
-        std::fs::read_to_string("README.md").map_err(|e| format!("reading README.md: {e}"))?;
-    let (Some(start), Some(end)) = (readme.find(FIGURES_BEGIN), readme.find(FIGURES_END)) else {
+    let page = std::fs::read_to_string(FIGURES_PAGE)
+        .map_err(|e| format!("reading {FIGURES_PAGE}: {e}"))?;
+    let (Some(start), Some(end)) = (page.find(FIGURES_BEGIN), page.find(FIGURES_END)) else {
         return Err(format!(
-            "README.md has no {FIGURES_BEGIN} ... {FIGURES_END} section"
+            "{FIGURES_PAGE} has no {FIGURES_BEGIN} ... {FIGURES_END} section"
         ));
     };
-    let current = &readme[start..end + FIGURES_END.len()];
+    let current = &page[start..end + FIGURES_END.len()];
     if current == body {
         return Ok(());
     }
     if check {
         return Err(format!(
-            "README.md's fault-sweep figures differ from the sweep's run; run `cargo run -p ci -- \
-             readme-figures` and commit README.md.\nREADME says:\n{current}\nthe run says:\n{body}"
+            "{FIGURES_PAGE}'s fault-sweep figures differ from the sweep's run; run `cargo run -p \
+             ci -- doc-figures` and commit {FIGURES_PAGE}.\nthe page says:\n{current}\nthe run \
+             says:\n{body}"
         ));
     }
     let updated = format!(
         "{}{body}{}",
-        &readme[..start],
-        &readme[end + FIGURES_END.len()..]
+        &page[..start],
+        &page[end + FIGURES_END.len()..]
     );
-    std::fs::write("README.md", updated).map_err(|e| format!("writing README.md: {e}"))
+    std::fs::write(FIGURES_PAGE, updated).map_err(|e| format!("writing {FIGURES_PAGE}: {e}"))
 }
 
-/// `1234567` as `1 234 567`, as README writes numbers.
+/// `1234567` as `1 234 567`, as the docs write numbers.
 fn grouped(digits: &str) -> String {
     let n = digits.len();
     let mut out = String::with_capacity(n + n / 3);

@@ -155,3 +155,9 @@ pub mod internals {
     pub use crate::runtime::graphs::capture_pools_may_be_open;
     pub use crate::thread_slots::shards_without_locks;
 }
+
+/// README.md's Rust example, compiled by `cargo test` so that the front page cannot drift from
+/// the API.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeExample;

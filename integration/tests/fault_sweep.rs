@@ -300,11 +300,11 @@ fn workload(
     Ok(())
 }
 
-/// Writes one test's figures (`key=value` lines) where `cargo run -p ci -- readme-figures`
-/// reads them to check, or write, README's account of the sweep: figures come from this run,
-/// never by hand.
+/// Writes one test's figures (`key=value` lines) where `cargo run -p ci -- doc-figures` reads
+/// them to check, or write, docs/testing.md's account of the sweep: figures come from this
+/// run, never by hand.
 /// A binary run away from its build tree (the GPU bundle) has no target directory: it says so
-/// and writes nothing, since only `.ci/run` checks README.
+/// and writes nothing, since only `.ci/run` checks the page.
 fn record_figures(test: &str, figures: &[(&str, String)]) {
     let target = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
     if !target.is_dir() {

@@ -124,7 +124,7 @@ pub extern "C" fn emm_cupy_malloc(_param: *mut c_void, size: usize, device: c_in
                 if ctx.stream_ordering() == StreamOrdering::Unsupported {
                     return ctx.memalloc(size);
                 }
-                // SAFETY: CuPy's current stream of this device; emm.cupy's rule (the README's)
+                // SAFETY: CuPy's current stream of this device; emm.cupy's rule (docs/python.md's)
                 // is that a CuPy stream outlives the memory allocated on it.
                 unsafe { ctx.memalloc_on_raw(size, StreamHandle::from_raw(stream as u64)) }
             })

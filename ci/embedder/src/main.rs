@@ -1,4 +1,4 @@
-//! README's "Using it", as an embedder writes it: the real driver, device 0, eighty bytes to the
+//! README's first program, as an embedder outside the workspace writes it: the real driver, device 0, eighty bytes to the
 //! device and back, a deferred free flushed. Without a GPU it exits with the driver's message
 //! (status 1), never a panic.
 
