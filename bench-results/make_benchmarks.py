@@ -709,6 +709,10 @@ if sleep_run:
     w(f"| restore at the wake | {res / 1e9:.1f} GB/s | {pinned['h2d'] / 1e9:.1f} GB/s | ≥ 80 % of the pinned rate | {met(not res < 0.8 * pinned['h2d'])} ({res / pinned['h2d']:.0%}) |")
     w(f"| sleep, all told (the wait, the host buffer's allocation, the copies, the unmapping) | {sl['seconds']:.2f} s | | | |")
     w(f"| wake, all told (new pieces mapped, the copies back) | {wk['seconds']:.2f} s | | | |")
+    for k, r in enumerate(h.get("repeat", [])):
+        kept = "reused" if r["sleep"]["host_buffer_reused"] else "pinned anew"
+        what = "the same sleep with `keep_host_buffer=True`" if k == 0 else "again, the buffer kept"
+        w(f"| {what} ({kept}) / its wake | {r['sleep']['seconds']:.2f} s / {r['wake']['seconds']:.2f} s | | | |")
     w(f"| sleep with nothing to offload, {gb(idle['held_bytes'])} held, pieces of 2 MiB (the default) | {idle['sleep_seconds'] * 1e3:.0f} ms | | < 100 ms | {met(not idle['sleep_seconds'] >= 0.1)} |")
     w(f"| its wake | {idle['wake_seconds'] * 1e3:.0f} ms | | | |")
     big = h.get("idle_32mib_pieces")

@@ -455,9 +455,12 @@ impl Context {
     /// `"discard"` or `"keep"`). Choices by tag need the `history` adaptor
     /// (`EMM_MEMORY_ADAPTORS=history`). Waits for the device's work first. Until `wake()`,
     /// allocations and emm's copies of sleeping memory raise, and a kernel that touches it
-    /// faults. Returns `held_before_bytes`, `held_asleep_bytes`, `kept_bytes`,
-    /// `offloaded_bytes`, `discarded_bytes`, `seconds` and `offload_seconds` (the copies alone).
-    #[pyo3(signature = (offload=Vec::new(), discard=Vec::new(), keep=Vec::new(), default="offload"))]
+    /// faults. `keep_host_buffer=True` keeps the page-locked buffer of the offload after the
+    /// wake for the next sleep (pinned once for a process that sleeps often; `trim()` frees
+    /// it). Returns `held_before_bytes`, `held_asleep_bytes`, `kept_bytes`, `offloaded_bytes`,
+    /// `discarded_bytes`, `seconds`, `offload_seconds` (the copies alone) and
+    /// `host_buffer_reused`.
+    #[pyo3(signature = (offload=Vec::new(), discard=Vec::new(), keep=Vec::new(), default="offload", keep_host_buffer=false))]
     fn sleep<'py>(
         &self,
         py: Python<'py>,
@@ -465,6 +468,7 @@ impl Context {
         discard: Vec<String>,
         keep: Vec<String>,
         default: &str,
+        keep_host_buffer: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         use emm::{SleepChoice, SleepOptions, Tag};
         let choice = |name: &str| match name {
@@ -475,7 +479,8 @@ impl Context {
                 "sleep(default={other:?}): the choices are \"offload\", \"discard\" and \"keep\""
             ))),
         };
-        let mut options = SleepOptions::new(choice(default)?);
+        let mut options =
+            SleepOptions::new(choice(default)?).with_host_buffer_kept(keep_host_buffer);
         let mut seen = std::collections::HashMap::new();
         for (names, c) in [
             (&offload, SleepChoice::Offload),
@@ -504,6 +509,7 @@ impl Context {
         d.set_item("offloaded_bytes", report.offloaded_bytes)?;
         d.set_item("discarded_bytes", report.discarded_bytes)?;
         d.set_item("seconds", report.elapsed.as_secs_f64())?;
+        d.set_item("host_buffer_reused", report.host_buffer_reused)?;
         d.set_item("offload_seconds", report.offload_elapsed.as_secs_f64())?;
         Ok(d)
     }

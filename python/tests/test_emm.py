@@ -722,6 +722,15 @@ assert c.copy_to_host(w) == data, "offloaded: bit for bit"
 c.copy_to_device(kv, b"x" * 16)
 assert c.copy_to_host(kv, n=16) == b"x" * 16
 c.memalloc(MIB)
+# A kept host buffer serves the next sleep; the weights come back each time.
+first = emm.sleep(offload=["weights"], default="discard", keep_host_buffer=True)
+assert not first["host_buffer_reused"], first
+emm.wake()
+again = emm.sleep(offload=["weights"], default="discard", keep_host_buffer=True)
+assert again["host_buffer_reused"], again
+emm.wake()
+assert c.copy_to_host(w) == data, "offloaded twice through one buffer: bit for bit"
+c.trim()
 print("sleep ok", round(r["seconds"], 4), round(woke["seconds"], 4))
 """
 

@@ -38,7 +38,7 @@ use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{HistoryRecord, MemoryManager, StreamOrdering};
 use crate::contract::mapped_export::MappedExport;
 use crate::contract::pool_export::PoolExport;
-use crate::contract::sleep::{SleepBlock, SleepReport, WakeReport};
+use crate::contract::sleep::{SleepBlock, SleepOptions, SleepReport, WakeReport};
 use crate::contract::snapshot::HeldSegment;
 use crate::error::EmmError;
 use crate::memory::host::{
@@ -519,8 +519,12 @@ impl MemoryManager for Adapted {
         self.inner.export_mapped(memory)
     }
 
-    fn sleep(&self, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
-        self.inner.sleep(blocks)
+    fn sleep(
+        &self,
+        blocks: &[SleepBlock],
+        options: &SleepOptions,
+    ) -> Result<SleepReport, EmmError> {
+        self.inner.sleep(blocks, options)
     }
 
     fn wake(&self) -> Result<WakeReport, EmmError> {

@@ -11,7 +11,7 @@ use crate::contract::info::{FreeSpace, MemoryInfo, PoolReport, Usage};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::mapped_export::MappedExport;
 use crate::contract::pool_export::PoolExport;
-use crate::contract::sleep::{SleepBlock, SleepReport, WakeReport};
+use crate::contract::sleep::{SleepBlock, SleepOptions, SleepReport, WakeReport};
 use crate::contract::snapshot::{HeldSegment, HistoryEvent};
 use crate::error::EmmError;
 use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, ManagedMemory};
@@ -219,11 +219,16 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
     /// every address it handed out stays reserved ([`Context::sleep`](crate::Context::sleep),
     /// which calls it with the device idle, deallocations flushed, and allocations refused):
     /// `blocks` are the live allocations, each with its choice; memory of those kept stays
-    /// mapped, those offloaded are copied to host memory first. Only a manager whose memory is
-    /// physical memory mapped into reserved addresses can (`vmm-pool`); the default refuses
-    /// with [`EmmError::NotSupported`].
-    fn sleep(&self, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
-        let _ = blocks;
+    /// mapped, those offloaded are copied to host memory first; `options` are the caller's (the
+    /// choices are already in `blocks`; the host buffer's fate is not). Only a manager whose
+    /// memory is physical memory mapped into reserved addresses can (`vmm-pool`); the default
+    /// refuses with [`EmmError::NotSupported`].
+    fn sleep(
+        &self,
+        blocks: &[SleepBlock],
+        options: &SleepOptions,
+    ) -> Result<SleepReport, EmmError> {
+        let _ = (blocks, options);
         Err(EmmError::no_sleep(
             "sleep",
             std::any::type_name_of_val(self),

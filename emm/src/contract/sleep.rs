@@ -50,6 +50,7 @@ impl SleepChoice {
 pub struct SleepOptions {
     default: SleepChoice,
     by_tag: Vec<(Tag, SleepChoice)>,
+    keep_host_buffer: bool,
 }
 
 impl Default for SleepOptions {
@@ -64,6 +65,7 @@ impl SleepOptions {
         SleepOptions {
             default,
             by_tag: Vec::new(),
+            keep_host_buffer: false,
         }
     }
 
@@ -84,6 +86,23 @@ impl SleepOptions {
                 .map(|&(_, c)| c)
         })
         .unwrap_or(self.default)
+    }
+
+    /// Keeps the page-locked host buffer the offloaded allocations go to after the wake, for
+    /// the next sleep to copy into again: a process that sleeps often pins host memory once
+    /// (pinning costs far more than the copies). A later sleep that offloads more than the
+    /// buffer holds replaces it; a sleep without this option uses it too and frees it at its
+    /// wake (or at once, offloading nothing); [`Context::trim`](crate::Context::trim), a reset and the
+    /// context's end free it. Off by default: the buffer is host memory the process holds
+    /// while awake.
+    pub fn with_host_buffer_kept(mut self, keep: bool) -> SleepOptions {
+        self.keep_host_buffer = keep;
+        self
+    }
+
+    /// Whether the host buffer stays after the wake ([`with_host_buffer_kept`](Self::with_host_buffer_kept)).
+    pub fn keeps_host_buffer(&self) -> bool {
+        self.keep_host_buffer
     }
 
     /// The choice for allocations no tag names.
@@ -130,6 +149,9 @@ pub struct SleepReport {
     /// How long the copies of the offloaded allocations took (the host buffer's allocation
     /// left out).
     pub offload_elapsed: Duration,
+    /// The offloaded allocations went to a host buffer an earlier sleep kept
+    /// ([`SleepOptions::with_host_buffer_kept`]), with no new allocation of host memory.
+    pub host_buffer_reused: bool,
 }
 
 /// What a wake did ([`Context::wake`](crate::Context::wake)).

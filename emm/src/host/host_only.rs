@@ -11,7 +11,7 @@ use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{HistoryRecord, INTERFACE_VERSION, MemoryManager, StreamOrdering};
 use crate::contract::mapped_export::MappedExport;
 use crate::contract::pool_export::PoolExport;
-use crate::contract::sleep::{SleepBlock, SleepReport, WakeReport};
+use crate::contract::sleep::{SleepBlock, SleepOptions, SleepReport, WakeReport};
 use crate::contract::snapshot::HeldSegment;
 use crate::error::EmmError;
 use crate::host::HostLayer;
@@ -193,8 +193,13 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
     /// Releases the physical memory behind the allocator's memory, keeping its addresses
     /// ([`MemoryManager::sleep`]); allocators whose memory is not mapped physical memory refuse
     /// (the default).
-    fn sleep(&self, host: &HostLayer, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
-        let _ = (host, blocks);
+    fn sleep(
+        &self,
+        host: &HostLayer,
+        blocks: &[SleepBlock],
+        options: &SleepOptions,
+    ) -> Result<SleepReport, EmmError> {
+        let _ = (host, blocks, options);
         Err(EmmError::no_sleep(
             "sleep",
             std::any::type_name_of_val(self),
@@ -355,8 +360,12 @@ impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
         self.device.memalloc_shared(&self.host, bytes)
     }
 
-    fn sleep(&self, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
-        self.device.sleep(&self.host, blocks)
+    fn sleep(
+        &self,
+        blocks: &[SleepBlock],
+        options: &SleepOptions,
+    ) -> Result<SleepReport, EmmError> {
+        self.device.sleep(&self.host, blocks, options)
     }
 
     fn wake(&self) -> Result<WakeReport, EmmError> {

@@ -579,7 +579,7 @@ impl Context {
                 .map(|b| (b.address, b.address + b.bytes as u64))
                 .collect(),
         );
-        inner.manager.sleep(&blocks)
+        inner.manager.sleep(&blocks, options)
     }
 
     /// Wakes the context's memory ([`sleep`](Self::sleep)): physical memory is mapped again

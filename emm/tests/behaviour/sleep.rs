@@ -568,3 +568,65 @@ fn piece_sizes_are_checked() {
         );
     }
 }
+
+/// A host buffer kept at the wake serves the next sleep with no new page-locked allocation;
+/// a sleep that offloads more replaces it, `trim` frees it, a sleep that does not ask for it
+/// frees it at its wake, and offloaded contents come back whole every time.
+#[test]
+fn a_kept_host_buffer_serves_the_next_sleep() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = vmm_with_history(&sim);
+    let ctx = rt.context(0).unwrap();
+    let keep = SleepOptions::new(SleepChoice::Offload).with_host_buffer_kept(true);
+    let host_calls = || (sim.count(Op::MemHostAlloc), sim.count(Op::MemFreeHost));
+    let first = tagged(&ctx, "weights", 8 << 20, 0x21);
+    let cycle = |options: &SleepOptions, blocks: &[&MemoryPointer]| {
+        let before = host_calls();
+        let report = ctx.sleep(options).unwrap();
+        ctx.wake().unwrap();
+        for (i, b) in blocks.iter().enumerate() {
+            assert!(
+                read(&ctx, b).iter().all(|&x| x == 0x21 + i as u8),
+                "block {i} lost its data"
+            );
+        }
+        let after = host_calls();
+        (
+            report.host_buffer_reused,
+            after.0 - before.0,
+            after.1 - before.1,
+        )
+    };
+    // (reused, host allocations, host frees) of each sleep and wake.
+    assert_eq!(
+        cycle(&keep, &[&first]),
+        (false, 1, 0),
+        "the first pins a buffer and keeps it"
+    );
+    assert_eq!(
+        cycle(&keep, &[&first]),
+        (true, 0, 0),
+        "the second reuses it"
+    );
+    let second = tagged(&ctx, "weights", 8 << 20, 0x22);
+    assert_eq!(
+        cycle(&keep, &[&first, &second]),
+        (false, 1, 1),
+        "more to offload: the kept one is replaced"
+    );
+    let trims = host_calls();
+    ctx.trim().unwrap();
+    assert_eq!(host_calls().1 - trims.1, 1, "trim frees the kept buffer");
+    assert_eq!(cycle(&keep, &[&first, &second]), (false, 1, 0));
+    let plain = SleepOptions::new(SleepChoice::Offload);
+    assert_eq!(
+        cycle(&plain, &[&first, &second]),
+        (true, 0, 1),
+        "a sleep that does not keep it uses the kept one and frees it at the wake"
+    );
+    assert_eq!(cycle(&keep, &[&first, &second]), (false, 1, 0));
+    // A buffer kept at the context's end goes with the context.
+    drop((first, second, ctx));
+    drop(rt);
+    assert!(sim.leak_report().is_clean(), "{}", sim.leak_report());
+}

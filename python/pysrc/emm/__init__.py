@@ -113,15 +113,19 @@ class Runtime:
         return context(device).defer_cleanup()
 
 
-def sleep(offload=(), discard=(), keep=(), default="offload", device=0):
+def sleep(offload=(), discard=(), keep=(), default="offload", device=0, keep_host_buffer=False):
     """Puts device ``device``'s memory to sleep (``Context.sleep``; ``vmm-pool`` only): the
     physical memory goes back to the driver, every address stays valid for :func:`wake`.
     ``offload``, ``discard`` and ``keep`` list tags (``with emm.tag(name):``): an allocation
     made under a tag in ``offload`` is copied to page-locked host memory and back at the wake,
     one in ``discard`` loses its contents, one in ``keep`` stays mapped; the rest get
-    ``default``. Choices by tag need ``EMM_MEMORY_ADAPTORS=history``. Returns a dict of what
-    was held before and while asleep and the bytes each choice moved."""
-    return context(device).sleep(offload=offload, discard=discard, keep=keep, default=default)
+    ``default``. Choices by tag need ``EMM_MEMORY_ADAPTORS=history``. ``keep_host_buffer``
+    keeps the offload's page-locked buffer for the next sleep. Returns a dict of what was held
+    before and while asleep and the bytes each choice moved."""
+    return context(device).sleep(
+        offload=offload, discard=discard, keep=keep, default=default,
+        keep_host_buffer=keep_host_buffer,
+    )
 
 
 def wake(device=0):

@@ -204,7 +204,7 @@ class Context:
         """Frees everything the manager allocated in the context (buffers become unusable)."""
         ...
 
-    def sleep(self, offload=..., discard=..., keep=..., default="offload") -> Any:
+    def sleep(self, offload=..., discard=..., keep=..., default="offload", keep_host_buffer=False) -> Any:
         """Puts the context's device memory to sleep (`vmm-pool` only; other managers raise
         `emm.EmmError`): the physical memory goes back to the driver while every address stays
         valid for the wake. Each live allocation made under a tag listed in `offload` is copied
@@ -213,8 +213,11 @@ class Context:
         `"discard"` or `"keep"`). Choices by tag need the `history` adaptor
         (`EMM_MEMORY_ADAPTORS=history`). Waits for the device's work first. Until `wake()`,
         allocations and emm's copies of sleeping memory raise, and a kernel that touches it
-        faults. Returns `held_before_bytes`, `held_asleep_bytes`, `kept_bytes`,
-        `offloaded_bytes`, `discarded_bytes`, `seconds` and `offload_seconds` (the copies alone)."""
+        faults. `keep_host_buffer=True` keeps the page-locked buffer of the offload after the
+        wake for the next sleep (pinned once for a process that sleeps often; `trim()` frees
+        it). Returns `held_before_bytes`, `held_asleep_bytes`, `kept_bytes`, `offloaded_bytes`,
+        `discarded_bytes`, `seconds`, `offload_seconds` (the copies alone) and
+        `host_buffer_reused`."""
         ...
 
     def snapshot(self) -> Any:

@@ -271,19 +271,21 @@ def empty_cache():
     return sum(emm.context(d).trim() for d in range(emm.device_count()))
 
 
-def sleep(offload=(), discard=(), keep=(), default="offload", device=None):
+def sleep(offload=(), discard=(), keep=(), default="offload", device=None, keep_host_buffer=False):
     """Puts the device's memory to sleep under ``vmm-pool`` (``emm.sleep``, for PyTorch): waits
     for PyTorch's work on the device, then gives the physical memory back while every tensor's
     address stays valid. Tensors allocated inside ``with emm.tag(name):`` follow the choice
     their tag is listed under (``offload``: copied to host memory and back at the wake;
     ``discard``: contents lost; ``keep``: stays mapped); the rest get ``default``. Until
     :func:`wake`, no tensor may be allocated or touched on the device, except those kept.
-    Returns what was held before and during, and what each choice moved."""
+    ``keep_host_buffer`` keeps the offload's page-locked buffer for the next sleep. Returns
+    what was held before and during, and what each choice moved."""
     import emm
 
     # The sleep waits for the device (cuCtxSynchronize), PyTorch's streams included.
     return emm.sleep(
-        offload=offload, discard=discard, keep=keep, default=default, device=_device_index(device)
+        offload=offload, discard=discard, keep=keep, default=default,
+        device=_device_index(device), keep_host_buffer=keep_host_buffer,
     )
 
 

@@ -97,7 +97,7 @@ use crate::contract::info::{FreeSpace, PoolStats};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{HistoryRecord, StreamOrdering};
 use crate::contract::mapped_export::MappedExport;
-use crate::contract::sleep::{SleepBlock, SleepReport, WakeReport};
+use crate::contract::sleep::{SleepBlock, SleepOptions, SleepReport, WakeReport};
 use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::error::EmmError;
 use crate::host::fences::Fences;
@@ -1265,9 +1265,11 @@ impl PoolAllocator {
     }
 
     /// Frees every chunk with nothing in use, after returning cached blocks to the arena;
-    /// returns the bytes released. Inside `defer_cleanup` the frees stay queued until the
-    /// guard is gone.
+    /// returns the bytes of device memory released. Inside `defer_cleanup` the frees stay
+    /// queued until the guard is gone. Under `vmm-pool` the page-locked host buffer a sleep
+    /// kept for the next ([`SleepOptions::with_host_buffer_kept`]) is freed too.
     pub fn trim(&self) -> Result<usize, EmmError> {
+        self.shared.free_kept_buffer();
         let bytes = self.shared.trim_to_queue(false);
         self.shared.queue.flush()?;
         Ok(bytes)
@@ -1462,8 +1464,13 @@ impl DeviceAllocator for PoolAllocator {
     /// `vmm-pool`: unmaps and releases the pieces no kept allocation lies in, keeping the
     /// reservation (`PoolShared::sleep`); `pool` refuses, its `cuMemAlloc` chunks cannot keep
     /// their addresses without their memory.
-    fn sleep(&self, _host: &HostLayer, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
-        self.shared.sleep(blocks)
+    fn sleep(
+        &self,
+        _host: &HostLayer,
+        blocks: &[SleepBlock],
+        options: &SleepOptions,
+    ) -> Result<SleepReport, EmmError> {
+        self.shared.sleep(blocks, options.keeps_host_buffer())
     }
 
     /// `vmm-pool`: maps memory again where the sleep released it and copies the offloaded

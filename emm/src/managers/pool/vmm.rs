@@ -83,13 +83,20 @@ pub(super) struct VmmSpace {
     shared: Mutex<BTreeMap<u64, (usize, PhysHandle)>>,
     /// While asleep, the offloaded allocations' contents. Taken after `inner`, never before.
     stash: Mutex<Option<Stash>>,
+    /// A page-locked host buffer a wake kept for the next sleep's offload
+    /// ([`SleepOptions::with_host_buffer_kept`](crate::contract::SleepOptions::with_host_buffer_kept)):
+    /// (address, bytes). Taken after `stash`, never before.
+    kept_buffer: Mutex<Option<(HostPtr, usize)>>,
 }
 
 /// The contents of the allocations a sleep offloaded: one page-locked host buffer, and where
 /// each allocation's bytes lie in it.
 struct Stash {
     host: HostPtr,
+    /// The buffer's size: at least the offloaded bytes.
     bytes: usize,
+    /// The wake keeps the buffer for the next sleep instead of freeing it.
+    keep: bool,
     /// (device address, bytes, offset in the buffer) of each allocation.
     blocks: Vec<(u64, usize, usize)>,
 }
@@ -210,6 +217,7 @@ impl VmmSpace {
             inner: Mutex::new(VmmInner::default()),
             shared: Mutex::new(BTreeMap::new()),
             stash: Mutex::new(None),
+            kept_buffer: Mutex::new(None),
         })
     }
 
@@ -704,7 +712,11 @@ impl PoolShared {
     /// then every piece that no kept allocation lies in is unmapped and released, its range
     /// left reserved and the arena's.
     #[allow(unsafe_code)]
-    pub(super) fn sleep(&self, blocks: &[SleepBlock]) -> Result<SleepReport, EmmError> {
+    pub(super) fn sleep(
+        &self,
+        blocks: &[SleepBlock],
+        keep_buffer: bool,
+    ) -> Result<SleepReport, EmmError> {
         const WHAT: &str = "sleep";
         let cx = &self.cx;
         let Some(vmm) = &self.vmm else {
@@ -737,8 +749,9 @@ impl PoolShared {
             }
         }
         kept.sort_unstable();
-        let (stash, copying) = self.offload(&offload)?;
+        let (stash, copying, reused) = self.offload(vmm, &offload, keep_buffer)?;
         report.offload_elapsed = copying;
+        report.host_buffer_reused = reused;
         let mut inner = lock(&vmm.inner);
         report.held_before = inner.mapped_bytes();
         let released: Vec<(u64, usize, PhysHandle)> = inner
@@ -763,26 +776,51 @@ impl PoolShared {
         Ok(report)
     }
 
-    /// Copies `blocks` into one new page-locked host buffer (`None` for none), and how long
-    /// the copies took; on failure the buffer is freed and nothing else changed.
+    /// Copies `blocks` into one page-locked host buffer (`None` for none): the one an earlier
+    /// wake kept where it holds them, else a new one (a kept one too small is freed first;
+    /// with nothing to copy, a kept one stays only if `keep`). Returns the stash, how long the copies took and
+    /// whether the buffer was a kept one; on failure the buffer is freed and nothing else
+    /// changed.
     #[allow(unsafe_code)]
     fn offload(
         &self,
+        vmm: &VmmSpace,
         blocks: &[SleepBlock],
-    ) -> Result<(Option<Stash>, std::time::Duration), EmmError> {
+        keep: bool,
+    ) -> Result<(Option<Stash>, std::time::Duration, bool), EmmError> {
         const WHAT: &str = "sleep (offload)";
         let cx = &self.cx;
         let bytes: usize = blocks.iter().map(|b| b.bytes).sum();
+        let mut kept = lock(&vmm.kept_buffer);
         if bytes == 0 {
-            return Ok((None, std::time::Duration::ZERO));
+            // Nothing to copy: a kept buffer stays for a later sleep that asks for it.
+            if !keep && let Some((host, size)) = kept.take() {
+                drop(kept);
+                self.free_host_buffer(host, size);
+            }
+            return Ok((None, std::time::Duration::ZERO, false));
         }
-        let host = cx
-            .driver
-            .mem_host_alloc(cx.context, bytes, 0)
-            .map_err(|e| cx.driver_error(WHAT, e))?;
+        let kept = kept.take();
+        let reuse = kept.filter(|&(_, size)| size >= bytes);
+        if reuse.is_none()
+            && let Some((host, size)) = kept
+        {
+            self.free_host_buffer(host, size);
+        }
+        let (host, size) = match reuse {
+            Some(buffer) => buffer,
+            None => {
+                let host = cx
+                    .driver
+                    .mem_host_alloc(cx.context, bytes, 0)
+                    .map_err(|e| cx.driver_error(WHAT, e))?;
+                (host, bytes)
+            }
+        };
         let mut stash = Stash {
             host,
-            bytes,
+            bytes: size,
+            keep,
             blocks: Vec::with_capacity(blocks.len()),
         };
         let mut at = 0;
@@ -808,21 +846,49 @@ impl PoolShared {
             stash.blocks.push((b.address, b.bytes, at));
             at += b.bytes;
         }
-        Ok((Some(stash), began.elapsed()))
+        Ok((Some(stash), began.elapsed(), reuse.is_some()))
     }
 
-    /// Frees a stash's host buffer (a failure is logged and recorded for the next flush to
-    /// return; once the context is gone, its destruction freed it).
-    #[allow(unsafe_code)]
+    /// Frees a stash's host buffer ([`free_host_buffer`](Self::free_host_buffer)).
     fn free_stash(&self, stash: Stash) {
+        self.free_host_buffer(stash.host, stash.bytes);
+    }
+
+    /// After a wake's copies: the stash's buffer is kept for the next sleep where it asked,
+    /// else freed.
+    fn finish_stash(&self, vmm: &VmmSpace, stash: Stash) {
+        if stash.keep {
+            *lock(&vmm.kept_buffer) = Some((stash.host, stash.bytes));
+        } else {
+            self.free_stash(stash);
+        }
+    }
+
+    /// Frees the host buffer a wake kept, if any ([`Context::trim`](crate::Context::trim), a
+    /// reset); its bytes.
+    pub(super) fn free_kept_buffer(&self) -> usize {
+        let Some(vmm) = &self.vmm else {
+            return 0;
+        };
+        let Some((host, size)) = lock(&vmm.kept_buffer).take() else {
+            return 0;
+        };
+        self.free_host_buffer(host, size);
+        size
+    }
+
+    /// Frees a page-locked buffer of a sleep's (a failure is logged and recorded for the next
+    /// flush to return; once the context is gone, its destruction freed it).
+    #[allow(unsafe_code)]
+    fn free_host_buffer(&self, host: HostPtr, bytes: usize) {
         let cx = &self.cx;
         let Some(_live) = cx.liveness.enter() else {
             return;
         };
-        // SAFETY: allocated by `offload` with cuMemHostAlloc and freed once, here (the stash
-        // is consumed); no slice over it outlives the copies.
-        if let Err(e) = unsafe { cx.driver.mem_free_host(cx.context, stash.host) } {
-            tracing::error!(device = %cx.device, error = %e, bytes = stash.bytes, "freeing the host memory of a sleep's offloaded allocations failed");
+        // SAFETY: allocated by `offload` with cuMemHostAlloc and freed once, here (its owner,
+        // a stash or the kept buffer, was consumed); no slice over it outlives the copies.
+        if let Err(e) = unsafe { cx.driver.mem_free_host(cx.context, host) } {
+            tracing::error!(device = %cx.device, error = %e, bytes, "freeing the host memory of a sleep's offloaded allocations failed");
             self.queue
                 .record_error(EmmError::driver("cuMemFreeHost", cx.device, e));
         }
@@ -923,7 +989,7 @@ impl PoolShared {
                 }
             }
             report.restore_elapsed = copying.elapsed();
-            self.free_stash(stash);
+            self.finish_stash(vmm, stash);
         }
         lock(&vmm.inner).sleeping = false;
         tracing::info!(device = %cx.device, mapped = report.mapped_bytes, restored = report.restored_bytes, held_after = report.held_after, "vmm-pool awake");
@@ -965,6 +1031,7 @@ impl PoolShared {
         if let Some(stash) = lock(&vmm.stash).take() {
             self.free_stash(stash);
         }
+        self.free_kept_buffer();
     }
 
     /// A reset, after its chunks were given back: the reservation is freed, once
