@@ -26,8 +26,10 @@ use crate::sync::{Mutex, lock};
 
 pub mod config;
 pub mod context;
+mod copies;
 pub mod graphs;
 mod ipc;
+mod sleep;
 
 use config::{
     adaptors_from_lookup, host_memory_pool_from_lookup, manager_name_from_env,
