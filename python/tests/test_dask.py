@@ -172,25 +172,36 @@ def test_the_preload_sets_a_worker_up_from_its_environment(monkeypatch):
         assert figures["live_bytes"] == MIB, figures
 
 
+@pytest.mark.parametrize("bound", ["device", "maximum"])
 @pytest.mark.parametrize("spill", [True, False])
-def test_results_past_the_device_spill_or_fail_with_emms_report(monkeypatch, tmp_path, spill):
-    """Twelve results of 40 MiB on a 256 MiB device: with spilling, the out-of-memory callback
-    has the worker pickle its oldest results to disk, the computation completes and every
-    result comes back with its bytes; without, the task that finds no room fails with emm's
-    out-of-memory error (its report), and the worker goes on."""
+def test_results_past_the_device_spill_or_fail_with_emms_report(
+    monkeypatch, tmp_path, spill, bound
+):
+    """Twelve results of 40 MiB on a 256 MiB device, or under a worker maximum of 256 MiB on a
+    larger one: with spilling, the out-of-memory callback has the worker pickle its oldest
+    results to disk, the computation completes and every result comes back with its bytes;
+    without, the task that finds no room fails with emm's error (the out-of-memory report, or
+    the limit's), and the worker goes on."""
     if DRIVER != "sim":
         pytest.skip("the workers run on emm's simulated GPU here; the GPU job runs its own")
     monkeypatch.setenv("EMM_PYTHON_DRIVER", "sim")
-    monkeypatch.setenv("EMM_SIM_DEVICE_MEMORY", str(256 * MIB))
+    device = 256 * MIB if bound == "device" else 1024 * MIB
+    monkeypatch.setenv("EMM_SIM_DEVICE_MEMORY", str(device))
+    maximum = "256MiB" if bound == "maximum" else None
     import dask
 
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}), local_cluster(
         1, memory_limit="4GiB", local_directory=str(tmp_path)
     ) as c, distributed.Client(c) as client:
-        client.register_plugin(emm.dask.EmmSetup(manager="default", spill=spill))
+        client.register_plugin(emm.dask.EmmSetup(manager="default", maximum=maximum, spill=spill))
         futures = [client.submit(make, 40 * MIB, k + 1, pure=False) for k in range(12)]
         if not spill:
-            with pytest.raises(emm.OutOfMemoryError, match="out of memory on device 0"):
+            refused = (
+                pytest.raises(emm.OutOfMemoryError, match="out of memory on device 0")
+                if bound == "device"
+                else pytest.raises(emm.EmmError, match="over the limit")
+            )
+            with refused:
                 client.gather(futures)
             # The worker is alive and serves what fits.
             assert client.submit(first_and_last, futures[0]).result() == (1, 1)

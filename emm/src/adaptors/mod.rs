@@ -33,7 +33,9 @@ use driver_sys::{DevicePtr, HostPtr, StreamHandle};
 use driver_sys::DeviceOrdinal;
 
 use crate::contract::factory::{ManagerContext, ManagerFactory};
-use crate::contract::info::{FreeSpace, MemoryInfo, MemoryKind, PoolReport, Usage};
+use crate::contract::info::{
+    AllocationEvents, FreeSpace, MemoryInfo, MemoryKind, OUT_OF_MEMORY_RETRIES, PoolReport, Usage,
+};
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{HistoryRecord, MemoryManager, StreamOrdering};
 use crate::contract::mapped_export::MappedExport;
@@ -44,6 +46,7 @@ use crate::error::EmmError;
 use crate::memory::host::{
     HostAllocFlags, HostKeeper, HostMemory, HostOwner, ManagedMemory, MappedMemory, PinnedMemory,
 };
+use crate::memory::liveness::ContextLiveness;
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
 use crate::memory::pointer::{MemoryPointer, ReleaseHook};
 use crate::sync::{AtomicUsize, Mutex, lock};
@@ -207,6 +210,10 @@ pub struct Adapted {
     observer: Arc<dyn Observer>,
     hook: Arc<dyn ReleaseHook>,
     device: DeviceOrdinal,
+    /// The context's liveness: whether this thread is inside its out-of-memory callback.
+    liveness: Arc<ContextLiveness>,
+    /// The context's out-of-memory callback and counts.
+    events: Arc<AllocationEvents>,
 }
 
 impl fmt::Debug for Adapted {
@@ -291,6 +298,8 @@ impl Adapted {
             observer,
             hook,
             device,
+            liveness: Arc::clone(&cx.liveness),
+            events: Arc::clone(&cx.events),
         }
     }
 
@@ -304,7 +313,9 @@ impl Adapted {
         addr: impl Fn(&T) -> u64,
     ) -> Result<T, EmmError> {
         let _span = self.observer.span(op, self.device, bytes);
-        self.observer.admit(self.device, kind, bytes)?;
+        if let Err(refused) = self.observer.admit(self.device, kind, bytes) {
+            self.admit_after_callback(op, kind, bytes, refused)?;
+        }
         let timed = self.observer.timed();
         let start = timed.then(Instant::now);
         let result = call();
@@ -319,6 +330,47 @@ impl Adapted {
             end,
         });
         result
+    }
+
+    /// A limit's refusal of device memory (`refused`) is out of memory to the program, as the
+    /// driver's is: the context's out-of-memory callback runs (not from inside itself), and
+    /// where it says it freed memory (a Dask worker spilling, say) the allocation is admitted
+    /// again, at most [`OUT_OF_MEMORY_RETRIES`] times. Any other refusal stands.
+    #[cold]
+    #[inline(never)]
+    fn admit_after_callback(
+        &self,
+        op: &'static str,
+        kind: MemoryKind,
+        bytes: usize,
+        refused: EmmError,
+    ) -> Result<(), EmmError> {
+        if kind != MemoryKind::Device
+            || !matches!(refused, EmmError::OverLimit { .. })
+            || self.liveness.called_back_here()
+        {
+            return Err(refused);
+        }
+        let Some(callback) = self.events.callback() else {
+            return Err(refused);
+        };
+        let mut last = refused;
+        for retry in 1..=OUT_OF_MEMORY_RETRIES {
+            let freed = {
+                let _mark = self.liveness.calling_back();
+                callback(bytes)
+            };
+            if !freed {
+                break;
+            }
+            self.events.retried();
+            tracing::warn!(device = %self.device, op, bytes, retry, "over the limit; the out-of-memory callback asked for a retry");
+            match self.observer.admit(self.device, kind, bytes) {
+                Ok(()) => return Ok(()),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
     }
 
     fn wrap_device(&self, inner: MemoryPointer, kind: MemoryKind) -> MemoryPointer {

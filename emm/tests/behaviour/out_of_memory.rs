@@ -2,11 +2,11 @@
 //! allocation tried again, a bounded number of times; a failure that stays carries a report of
 //! what the manager holds, and both are counted.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use driver_mock::{SimConfig, SimDriver};
-use emm::EmmError;
+use emm::{EmmError, Runtime};
 use emm::contract::OUT_OF_MEMORY_RETRIES;
 
 use crate::common::runtime_with;
@@ -211,4 +211,49 @@ fn a_device_reset_from_inside_the_callback_is_refused_not_hung() {
     ctx.on_out_of_memory(None);
     drop(ctx);
     rt.reset_device(0).unwrap();
+}
+
+/// A limit adaptor's refusal is out of memory to the program: the context's callback runs,
+/// and where it frees memory (a spare dropped, as a Dask worker spills a result) the
+/// allocation is admitted on the retry, counted as one; a callback that frees nothing leaves
+/// the limit's error; and an allocation from inside the callback is not called back again.
+#[test]
+fn the_limit_adaptor_calls_the_out_of_memory_callback() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let rt = Runtime::builder(sim.clone())
+        .ignore_env()
+        .memory_manager_name("pool")
+        .adaptors(vec![emm::Adaptor::Limit(10 << 20)])
+        .build()
+        .unwrap();
+    let ctx = rt.context(0).unwrap();
+    let spare = Arc::new(Mutex::new(Some(ctx.memalloc(6 << 20).unwrap())));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (held, counted) = (Arc::clone(&spare), Arc::clone(&calls));
+    ctx.on_out_of_memory(Some(Arc::new(move |_bytes| {
+        counted.fetch_add(1, Ordering::Relaxed);
+        held.lock().unwrap().take().is_some()
+    })));
+    let retries = ctx.allocation_events().retries();
+    let big = ctx.memalloc(6 << 20).unwrap();
+    assert!(spare.lock().unwrap().is_none(), "the callback dropped the spare");
+    assert_eq!(calls.load(Ordering::Relaxed), 1);
+    assert_eq!(ctx.allocation_events().retries(), retries + 1);
+    // Nothing more to free: the limit's error stands, after one call.
+    let err = ctx.memalloc(6 << 20).unwrap_err();
+    assert!(matches!(err, EmmError::OverLimit { .. }), "{err:?}");
+    assert_eq!(calls.load(Ordering::Relaxed), 2);
+    // From inside the callback, an allocation over the limit is not called back again.
+    let inner_ctx = ctx.clone();
+    let inner = Arc::new(Mutex::new(None));
+    let seen = Arc::clone(&inner);
+    ctx.on_out_of_memory(Some(Arc::new(move |_bytes| {
+        *seen.lock().unwrap() = Some(inner_ctx.memalloc(8 << 20).map(drop));
+        false
+    })));
+    assert!(ctx.memalloc(8 << 20).is_err());
+    let from_inside = inner.lock().unwrap().take().expect("the callback ran");
+    assert!(matches!(from_inside, Err(EmmError::OverLimit { .. })), "{from_inside:?}");
+    ctx.on_out_of_memory(None);
+    drop(big);
 }
