@@ -86,7 +86,7 @@ def train(steps_before, steps_after, width, layers, sleep, result):
             )
             w = emm.torch.wake()
             figures["repeat"].append({"sleep": s, "wake": w})
-        emm.trim()
+        emm.context(0).trim()
     with open(result, "w") as f:
         json.dump({"losses": losses, **figures}, f)
 
