@@ -148,7 +148,8 @@ pub mod streams {
 /// configuration parsing (`config`), whether a capture pool may be open anywhere in the
 /// process, whether the pools' shards are entered without a lock, and two memory types of the
 /// host layer's internals. Not part of the API an embedder relies on: it changes with the
-/// implementation.
+/// implementation, and hidden from the documentation.
+#[doc(hidden)]
 pub mod internals {
     pub use crate::memory::{HostReleaseFn, LiveGuard};
     pub use crate::runtime::config;

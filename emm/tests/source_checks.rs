@@ -443,3 +443,90 @@ fn the_behaviour_binarys_table_lists_every_module() {
         "emm/tests/behaviour/main.rs's module table lacks {missing:?}: add a row saying what each proves"
     );
 }
+
+/// The std primitives loom cannot see: atomics and locks.
+const STD_SYNC: [&str; 4] = [
+    "std::sync::atomic",
+    "std::sync::Mutex",
+    "std::sync::RwLock",
+    "std::sync::Condvar",
+];
+
+/// The lines of `text` that name one of [`STD_SYNC`] in code (but for `Ordering` alone) without
+/// a reason that mentions loom on the line or in the five lines before (a static, which loom's
+/// types cannot be). Tests inside the file (after `#[cfg(...test...)]`) are left out.
+fn unshimmed_sync(text: &str) -> Vec<String> {
+    let code = code_only(text);
+    let (raw, code): (Vec<&str>, Vec<&str>) = (text.lines().collect(), code.lines().collect());
+    let mut found = Vec::new();
+    for (i, line) in code.iter().enumerate() {
+        if raw[i].trim_start().starts_with("#[cfg(") && raw[i].contains("test") {
+            break;
+        }
+        let grouped = line.contains("std::sync::{")
+            && ["Mutex", "RwLock", "Condvar", "atomic"]
+                .iter()
+                .any(|t| line.contains(t));
+        let named = STD_SYNC.iter().any(|p| {
+            line.match_indices(p)
+                .any(|(at, _)| !line[at..].starts_with("std::sync::atomic::Ordering"))
+        });
+        if !grouped && !named {
+            continue;
+        }
+        let reason = raw[i.saturating_sub(5)..=i]
+            .iter()
+            .any(|l| l.contains("//") && l.to_ascii_lowercase().contains("loom"));
+        if !reason {
+            found.push(format!("line {}: {}", i + 1, raw[i].trim()));
+        }
+    }
+    found
+}
+
+/// emm's atomics and locks come from the loom shim (`sync.rs`), so that the loom models see
+/// them; a std one outside it says why on its line or just above (a `static`, which loom's
+/// types cannot be).
+#[test]
+fn atomics_and_locks_stay_behind_the_loom_shim() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    if !src.join("lib.rs").is_file() {
+        // A copy of the test binary away from its sources (the GPU bundle): the layer test
+        // above says where to run it; this one has nothing to read.
+        return;
+    }
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    files.sort();
+    let mut violations = BTreeMap::new();
+    for file in &files {
+        let relative = file.strip_prefix(&src).expect("under src");
+        if matches!(relative.to_str(), Some("sync.rs" | "loom_models.rs")) {
+            continue;
+        }
+        let found = unshimmed_sync(&std::fs::read_to_string(file).expect("source is UTF-8"));
+        if !found.is_empty() {
+            violations.insert(relative.display().to_string(), found);
+        }
+    }
+    assert!(
+        violations.is_empty(),
+        "std atomics or locks outside the loom shim (use crate::sync's, or say on the line or \
+         just above why loom cannot have it):\n{violations:#?}"
+    );
+}
+
+#[test]
+fn the_sync_check_wants_a_reason() {
+    let bare = "use std::sync::atomic::AtomicU64;\n";
+    assert_eq!(unshimmed_sync(bare).len(), 1);
+    let grouped = "use std::sync::{Arc, Mutex};\n";
+    assert_eq!(unshimmed_sync(grouped).len(), 1);
+    let ordering = "fn f() { N.load(std::sync::atomic::Ordering::Relaxed); }\n";
+    assert!(unshimmed_sync(ordering).is_empty());
+    let reasoned = "// A static, so std's atomic (loom's cannot be one).\nstatic N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);\n";
+    assert!(unshimmed_sync(reasoned).is_empty());
+    let in_tests =
+        "fn f() {}\n#[cfg(all(test, not(emm_loom)))]\nmod tests {\n    use std::sync::Mutex;\n}\n";
+    assert!(unshimmed_sync(in_tests).is_empty());
+}

@@ -64,7 +64,8 @@ thread_local! {
 }
 
 /// Every log this process opened, so that [`flush_all`] reaches them: a process that ends
-/// without dropping its runtime (a Python interpreter's) would lose what they buffered.
+/// without dropping its runtime (a Python interpreter's) would lose what they buffered. A
+/// static, so std's lock (loom's cannot be one).
 static OPEN_LOGS: std::sync::Mutex<Vec<std::sync::Weak<Log>>> = std::sync::Mutex::new(Vec::new());
 
 /// Writes out what every open log buffered.

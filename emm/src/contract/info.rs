@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::error::OutOfMemoryReport;
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
 /// Free and total device memory in bytes (Numba's `MemoryInfo(free, total)`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -160,7 +160,7 @@ pub(crate) type Reporter = dyn Fn(usize, u32) -> OutOfMemoryReport + Send + Sync
 pub struct AllocationEvents {
     retries: AtomicU64,
     ooms: AtomicU64,
-    callback: std::sync::Mutex<Option<Arc<OutOfMemoryCallback>>>,
+    callback: Mutex<Option<Arc<OutOfMemoryCallback>>>,
     reporter: std::sync::OnceLock<Box<Reporter>>,
 }
 
@@ -197,15 +197,12 @@ impl AllocationEvents {
 
     /// Sets (or, with `None`, removes) the out-of-memory callback.
     pub fn set_callback(&self, callback: Option<Arc<OutOfMemoryCallback>>) {
-        *self.callback.lock().unwrap_or_else(|p| p.into_inner()) = callback;
+        *lock(&self.callback) = callback;
     }
 
     /// The out-of-memory callback, if one is set.
     pub fn callback(&self) -> Option<Arc<OutOfMemoryCallback>> {
-        self.callback
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.callback).clone()
     }
 
     /// Sets what makes the report of an out-of-memory error; the first call wins.

@@ -21,6 +21,7 @@
 use std::fmt;
 #[cfg(unix)]
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+// For `PoolId::fresh`'s static counter: loom's atomics cannot be statics.
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::contract::ipc::DeviceIdentity;

@@ -2,7 +2,10 @@
 //! last pointer drops ([`ReleaseFn`], [`ReleaseHook`], an allocation table).
 
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+// std's lock, not loom's: stream records are recycled through process-wide depots (statics,
+// `record.rs`), which would outlive a loom execution.
+use std::sync::Mutex;
 
 use super::record::{Parked, Record, forget_kept, recycle_per_thread};
 
@@ -285,6 +288,7 @@ pub(crate) fn into_stream_use(record: Mutex<StreamUse>) -> StreamUse {
 }
 
 /// Locks a stream-use record, ignoring poison (a record is plain data, always consistent).
+/// std's guard: the records' lock is std's (not loom's, see the import).
 fn lock_use(m: &Mutex<StreamUse>) -> std::sync::MutexGuard<'_, StreamUse> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }

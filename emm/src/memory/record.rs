@@ -44,7 +44,8 @@ const SPARES: usize = 64;
 /// 4 600 at its peak) makes no new box after its first run.
 const DEPOT_BATCHES: usize = 512;
 
-/// The process-wide batches of spare boxes of one [`Recycle`] type.
+/// The process-wide batches of spare boxes of one [`Recycle`] type. Held in statics, so std's
+/// lock (loom's cannot be one).
 pub(crate) type Depot<T> = std::sync::Mutex<Vec<Vec<Spare<T>>>>;
 
 /// The box: aligned to 128 bytes and sized a multiple of them (an `Allocation`'s is 128 bytes

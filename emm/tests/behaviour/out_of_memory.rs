@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use driver_mock::{SimConfig, SimDriver};
-use emm::{EmmError, Runtime};
 use emm::contract::OUT_OF_MEMORY_RETRIES;
+use emm::{EmmError, Runtime};
 
 use crate::common::runtime_with;
 
@@ -236,7 +236,10 @@ fn the_limit_adaptor_calls_the_out_of_memory_callback() {
     })));
     let retries = ctx.allocation_events().retries();
     let big = ctx.memalloc(6 << 20).unwrap();
-    assert!(spare.lock().unwrap().is_none(), "the callback dropped the spare");
+    assert!(
+        spare.lock().unwrap().is_none(),
+        "the callback dropped the spare"
+    );
     assert_eq!(calls.load(Ordering::Relaxed), 1);
     assert_eq!(ctx.allocation_events().retries(), retries + 1);
     // Nothing more to free: the limit's error stands, after one call.
@@ -253,7 +256,10 @@ fn the_limit_adaptor_calls_the_out_of_memory_callback() {
     })));
     assert!(ctx.memalloc(8 << 20).is_err());
     let from_inside = inner.lock().unwrap().take().expect("the callback ran");
-    assert!(matches!(from_inside, Err(EmmError::OverLimit { .. })), "{from_inside:?}");
+    assert!(
+        matches!(from_inside, Err(EmmError::OverLimit { .. })),
+        "{from_inside:?}"
+    );
     ctx.on_out_of_memory(None);
     drop(big);
 }
