@@ -209,12 +209,12 @@ def test_results_past_the_device_spill_or_fail_with_emms_report(
         distributed.wait(futures)
         back = [client.submit(first_and_last, f, pure=False).result() for f in futures]
         assert back == [(k + 1, k + 1) for k in range(12)], back
-        figures = wait_for(
-            lambda: (m := emm_metrics(client)) and all(m.values()) and m,
-            "the worker's figures",
-        )
-        (f,) = figures.values()
-        assert f["oom_retries"] > 0 and f["ooms"] == 0, f
+        # The scheduler hears the figures at the next heartbeat: wait for the retries to show.
+        (f,) = wait_for(
+            lambda: (m := emm_metrics(client)) and all(v and v["oom_retries"] > 0 for v in m.values()) and m,
+            "the worker's out-of-memory retries at the scheduler",
+        ).values()
+        assert f["ooms"] == 0, f
 
 
 
