@@ -15,6 +15,7 @@ pub(crate) mod pending;
 pub(crate) mod pointer;
 pub(crate) mod policy;
 pub(crate) mod record;
+pub(crate) mod stream_use;
 
 pub use host::{
     HostAllocFlags, HostMemory, HostOwner, HostReleaseFn, HostReleaseHook, ManagedMemory,
@@ -22,8 +23,9 @@ pub use host::{
 };
 pub use liveness::{ContextLiveness, LiveGuard};
 pub use pending::{DeferCleanup, Free, PendingDeallocs};
-pub use pointer::{MemoryPointer, OrderedOn, ReleaseFn, ReleaseHook, StreamUse};
+pub use pointer::{MemoryPointer, ReleaseFn, ReleaseHook};
 pub use policy::DeallocConfig;
+pub use stream_use::{OrderedOn, StreamUse};
 
 /// A set of device or host addresses, hashed with foldhash's fixed-seed hasher instead of
 /// SipHash: the keys are addresses the driver chose, not input an attacker picks, and the
