@@ -27,6 +27,7 @@ use driver_sys::{
     ContextHandle, DeviceOrdinal, DevicePtr, DriverError, ErrorKind, HostPtr, StreamHandle, code,
 };
 
+mod async_copies;
 mod capture;
 mod config;
 mod driver;
