@@ -862,3 +862,9 @@ fn invalid(what: &'static str, reason: &str) -> ArrayError {
         reason: reason.to_owned(),
     }
 }
+
+/// docs/rust.md's Rust examples that claim to run (blocks marked `ignore` are fragments),
+/// compiled by `cargo test` so that the guide cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/rust.md")]
+pub struct RustGuideExamples;
