@@ -2,7 +2,11 @@
 sleep and wake: cuMemCreate / cuMemMap / cuMemSetAccess / cuMemUnmap / cuMemRelease per piece,
 for several piece sizes, whether one cuMemUnmap may span several mappings, and what releasing
 each handle right after mapping it (so that the unmap frees the memory) saves. Prints one CSV
-line per measurement: what,piece_bytes,pieces,seconds,us_per_call."""
+line per measurement: what,piece_bytes,pieces,seconds,us_per_call, and the same calls from 1, 4
+and 8 threads last. `python/bench/vmm_costs.py` times each call over fewer pieces, for a
+growth's costs; this one times a whole 40 GiB sleep's.
+
+    timeout 300 python3 ci/gpu/vmm_cost_probe.py [TOTAL_BYTES]"""
 import sys
 import time
 
