@@ -70,6 +70,7 @@ impl<T: Pod> DeviceArray<T> {
         }
         if let Some(m) = self.memory() {
             check_context("cudarc_view", m.context().raw(), stream.context())?;
+            crate::refuse_sleeping("cudarc_view", m)?;
         }
         Ok(CudarcView {
             array: self,
@@ -112,16 +113,38 @@ impl<T: Pod> DevicePtrMut<T> for CudarcView<'_, T> {
 // outlives the launch builder `'a`; the kernel sees the first element's address, valid while
 // the array (and so its allocation) is borrowed.
 unsafe impl<'a, 'b: 'a, T: Pod> PushKernelArg<&'b DeviceArray<T>> for LaunchArgs<'a> {
+    /// Panics where the array's memory is asleep ([`emm::Context::sleep`]): the launch would
+    /// fault on the device, and the fault would end the context.
     #[inline(always)]
     fn arg(&mut self, arg: &'b DeviceArray<T>) -> &mut Self {
+        refuse_sleeping_argument(arg);
         self.arg(&arg.addr)
     }
+}
+
+/// Panics where `array`'s memory is asleep: a kernel given it would fault on the device.
+#[inline(always)]
+fn refuse_sleeping_argument<T: Pod>(array: &DeviceArray<T>) {
+    if array.memory().is_some_and(emm::MemoryPointer::is_asleep) {
+        sleeping_argument(array.addr);
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn sleeping_argument(addr: u64) -> ! {
+    panic!(
+        "a kernel argument (the array at {addr:#x}) is asleep (Context::sleep released its \
+         memory), and the launch would fault on the device; call Context::wake before \
+         launching work on it"
+    )
 }
 
 // SAFETY: as for `&DeviceArray<T>` above; the exclusive borrow changes nothing for the launch.
 unsafe impl<'a, 'b: 'a, T: Pod> PushKernelArg<&'b mut DeviceArray<T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b mut DeviceArray<T>) -> &mut Self {
+        refuse_sleeping_argument(arg);
         self.arg(&arg.addr)
     }
 }

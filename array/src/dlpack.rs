@@ -274,7 +274,10 @@ impl<T: Pod + DlpackElement> DeviceArray<T> {
     /// ```
     pub fn to_dlpack_as<M: ManagedTensorBase>(&self) -> Result<Managed<M>, ArrayError> {
         let device = match self.memory() {
-            Some(m) => m.device().0,
+            Some(m) => {
+                crate::refuse_sleeping("to_dlpack", m)?;
+                m.device().0
+            }
             None => 0,
         };
         export_memory(

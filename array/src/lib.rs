@@ -863,6 +863,22 @@ fn invalid(what: &'static str, reason: &str) -> ArrayError {
     }
 }
 
+/// Refuses memory that is asleep for `what` ([`emm::EmmError::Sleep`]): work that another
+/// library queues on it would fault on the device.
+pub(crate) fn refuse_sleeping(
+    what: &'static str,
+    memory: &emm::MemoryPointer,
+) -> Result<(), ArrayError> {
+    if !memory.is_asleep() {
+        return Ok(());
+    }
+    Err(ArrayError::Emm(emm::EmmError::Sleep {
+        what,
+        device: memory.device(),
+        reason: "the memory is asleep (Context::sleep released it); call Context::wake first",
+    }))
+}
+
 /// docs/rust.md's Rust examples that claim to run (blocks marked `ignore` are fragments),
 /// compiled by `cargo test` so that the guide cannot drift from the API.
 #[cfg(doctest)]

@@ -323,3 +323,29 @@ fn untyped_import_and_empty_tensors() {
     drop(rt);
     assert!(sim.leak_report().is_clean(), "{}", sim.leak_report());
 }
+
+/// An array whose memory is asleep (`Context::sleep` under `vmm-pool`) is not exported: a
+/// consumer's kernels would fault on it. After the wake it is, with its contents back.
+#[test]
+fn sleeping_arrays_are_not_exported() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(256 << 20)));
+    let rt = emm::Runtime::builder(sim)
+        .ignore_env()
+        .memory_manager_name("vmm-pool")
+        .build()
+        .unwrap();
+    let ctx = rt.context(0).unwrap();
+    let a = DeviceArray::to_device(&ctx, &[7u32; 64], &[64], Order::C).unwrap();
+    assert!(!a.memory().unwrap().is_asleep());
+    ctx.sleep(&emm::SleepOptions::new(emm::SleepChoice::Offload))
+        .unwrap();
+    assert!(a.memory().unwrap().is_asleep());
+    match a.to_dlpack() {
+        Err(ArrayError::Emm(emm::EmmError::Sleep { what, .. })) => assert_eq!(what, "to_dlpack"),
+        other => panic!("a sleeping array was exported: {:?}", other.err()),
+    }
+    ctx.wake().unwrap();
+    assert!(!a.memory().unwrap().is_asleep());
+    let b = DeviceArray::<u32>::from_dlpack(&ctx, a.to_dlpack().unwrap()).unwrap();
+    assert_eq!(b.copy_to_host_vec(&ctx).unwrap(), [7u32; 64]);
+}

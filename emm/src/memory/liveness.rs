@@ -263,3 +263,50 @@ mod tests {
         assert!(l.enter().is_none());
     }
 }
+
+/// The contexts whose memory is asleep, by context handle, for [`sleeping`]: each entry is
+/// added by `Context::sleep` and taken out by its wake or a reset. A static, so std's lock
+/// (loom's cannot be one); no loom model puts memory to sleep.
+static SLEEPERS: std::sync::Mutex<Vec<(u64, std::sync::Weak<ContextLiveness>)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// How many contexts are in [`SLEEPERS`]: [`sleeping`] costs one load while none is. A
+/// static, so std's atomic (loom's cannot be one).
+static ANY_ASLEEP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Records that `context`'s memory (whose liveness is `liveness`) is asleep now.
+pub(crate) fn note_asleep(context: u64, liveness: &std::sync::Arc<ContextLiveness>) {
+    let mut sleepers = SLEEPERS.lock().unwrap_or_else(|e| e.into_inner());
+    let this = std::sync::Arc::downgrade(liveness);
+    sleepers.retain(|(_, l)| !l.ptr_eq(&this) && l.strong_count() > 0);
+    sleepers.push((context, this));
+    ANY_ASLEEP.store(sleepers.len(), std::sync::atomic::Ordering::Release);
+}
+
+/// Records that the memory of the context whose liveness is `liveness` is awake (or was
+/// given up by a reset). By the liveness, not the handle: simulated machines in one process
+/// hand out the same handles.
+pub(crate) fn note_awake(liveness: &std::sync::Arc<ContextLiveness>) {
+    let mut sleepers = SLEEPERS.lock().unwrap_or_else(|e| e.into_inner());
+    let this = std::sync::Arc::downgrade(liveness);
+    sleepers.retain(|(_, l)| !l.ptr_eq(&this) && l.strong_count() > 0);
+    ANY_ASLEEP.store(sleepers.len(), std::sync::atomic::Ordering::Release);
+}
+
+/// Whether `len` bytes at `start` of `context`'s memory lie in an allocation its context put
+/// to sleep: one atomic load while no context of the process sleeps.
+#[inline]
+pub(crate) fn sleeping(context: u64, start: u64, len: usize) -> bool {
+    if ANY_ASLEEP.load(std::sync::atomic::Ordering::Acquire) == 0 {
+        return false;
+    }
+    let mut sleepers = SLEEPERS.lock().unwrap_or_else(|e| e.into_inner());
+    // Contexts dropped while asleep go, so that the count falls back to none.
+    sleepers.retain(|(_, l)| l.strong_count() > 0);
+    ANY_ASLEEP.store(sleepers.len(), std::sync::atomic::Ordering::Release);
+    sleepers
+        .iter()
+        .filter(|(c, _)| *c == context)
+        .filter_map(|(_, l)| l.upgrade())
+        .any(|l| l.sleeps_in(start, len))
+}

@@ -662,6 +662,16 @@ impl MemoryPointer {
         self.alloc.ctx
     }
 
+    /// Whether the memory is asleep: its context put it to sleep
+    /// ([`Context::sleep`](crate::Context::sleep)) and has not woken it, so that a kernel
+    /// that touched it now would fault on the device. Code that hands the address to work
+    /// emm does not see (a kernel launch) asks this first; one atomic load while no context
+    /// of the process sleeps.
+    #[inline]
+    pub fn is_asleep(&self) -> bool {
+        super::liveness::sleeping(self.alloc.ctx.raw(), self.device_ptr().0, self.size)
+    }
+
     /// How many pointers (clones and views) share the allocation (Numba's `refct`).
     pub fn refct(&self) -> usize {
         Record::count(&self.alloc)

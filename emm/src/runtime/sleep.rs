@@ -22,7 +22,10 @@ impl Context {
     /// - While asleep, allocations are refused ([`EmmError::Sleep`]), as are emm's own copies
     ///   to or from an allocation offloaded or discarded. Frees are taken. A kernel that reads
     ///   or writes sleeping memory faults on the device (its addresses are reserved with
-    ///   nothing mapped): emm cannot see a kernel's arguments.
+    ///   nothing mapped). emm sees a kernel's arguments only where they pass through it:
+    ///   `emm-array` refuses sleeping arrays as cudarc launch arguments (a panic), cudarc
+    ///   views and DLPack exports (an error); other code asks
+    ///   [`MemoryPointer::is_asleep`](crate::MemoryPointer::is_asleep).
     /// - Choices by tag need every live allocation's tag, which the `history` adaptor records
     ///   (`EMM_MEMORY_ADAPTORS=history`); without it, options whose choices differ by tag are
     ///   refused, and one choice for all memory works.
@@ -66,9 +69,11 @@ impl Context {
                 reason: "the context is asleep already; call Context::wake first",
             });
         }
+        crate::memory::liveness::note_asleep(cx.context.raw(), &cx.liveness);
         let slept = self.sleep_planned(options);
         if slept.is_err() {
             cx.liveness.wake();
+            crate::memory::liveness::note_awake(&cx.liveness);
         }
         let mut report = slept?;
         report.elapsed = began.elapsed();
@@ -145,6 +150,7 @@ impl Context {
         let began = std::time::Instant::now();
         let mut report = self.inner.manager.wake()?;
         cx.liveness.wake();
+        crate::memory::liveness::note_awake(&cx.liveness);
         report.elapsed = began.elapsed();
         tracing::info!(device = %cx.device, elapsed_ms = report.elapsed.as_millis() as u64, "context memory awake");
         Ok(report)
