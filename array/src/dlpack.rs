@@ -56,6 +56,9 @@ pub fn export_memory<M: ManagedTensorBase>(
     dtype: DLDataType,
     device: DLDevice,
 ) -> Result<Managed<M>, ArrayError> {
+    if let Some(m) = &mem {
+        crate::refuse_sleeping("DLPack export", m)?;
+    }
     let data = mem.as_ref().map_or(0, |m| m.device_ptr().0);
     finish_export(
         data,
@@ -274,10 +277,7 @@ impl<T: Pod + DlpackElement> DeviceArray<T> {
     /// ```
     pub fn to_dlpack_as<M: ManagedTensorBase>(&self) -> Result<Managed<M>, ArrayError> {
         let device = match self.memory() {
-            Some(m) => {
-                crate::refuse_sleeping("to_dlpack", m)?;
-                m.device().0
-            }
+            Some(m) => m.device().0,
             None => 0,
         };
         export_memory(

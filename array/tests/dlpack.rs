@@ -341,7 +341,9 @@ fn sleeping_arrays_are_not_exported() {
         .unwrap();
     assert!(a.memory().unwrap().is_asleep());
     match a.to_dlpack() {
-        Err(ArrayError::Emm(emm::EmmError::Sleep { what, .. })) => assert_eq!(what, "to_dlpack"),
+        Err(ArrayError::Emm(emm::EmmError::Sleep { what, .. })) => {
+            assert_eq!(what, "DLPack export")
+        }
         other => panic!("a sleeping array was exported: {:?}", other.err()),
     }
     ctx.wake().unwrap();
