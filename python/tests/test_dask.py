@@ -60,6 +60,16 @@ def emm_metrics(client):
     )
 
 
+def worker_after_retries(client):
+    """The figures of the cluster's one worker once its out-of-memory retries reached the
+    scheduler (it hears them at the worker's next heartbeat)."""
+    (figures,) = wait_for(
+        lambda: (m := emm_metrics(client)) and all(v and v["oom_retries"] > 0 for v in m.values()) and m,
+        "the worker's out-of-memory retries at the scheduler",
+    ).values()
+    return figures
+
+
 def wait_for(check, what, timeout=30):
     """Polls ``check()`` until it returns a true value; returns it."""
     end = time.monotonic() + timeout
@@ -209,11 +219,7 @@ def test_results_past_the_device_spill_or_fail_with_emms_report(
         distributed.wait(futures)
         back = [client.submit(first_and_last, f, pure=False).result() for f in futures]
         assert back == [(k + 1, k + 1) for k in range(12)], back
-        # The scheduler hears the figures at the next heartbeat: wait for the retries to show.
-        (f,) = wait_for(
-            lambda: (m := emm_metrics(client)) and all(v and v["oom_retries"] > 0 for v in m.values()) and m,
-            "the worker's out-of-memory retries at the scheduler",
-        ).values()
+        f = worker_after_retries(client)
         assert f["ooms"] == 0, f
 
 

@@ -67,18 +67,14 @@ def test_results_past_a_workers_maximum_spill_on_the_gpu(gpu_cluster, tmp_path):
     distributed, client = gpu_cluster
     import emm.dask
     from dask_tasks import first_and_last, make
-    from test_dask import emm_metrics, wait_for
+    from test_dask import worker_after_retries
 
     client.register_plugin(emm.dask.EmmSetup(manager="pool", maximum="512MiB", spill=True))
     futures = [client.submit(make, 64 * MIB, k + 1, pure=False) for k in range(12)]
     distributed.wait(futures)
     back = [client.submit(first_and_last, f, pure=False).result() for f in futures]
     assert back == [(k + 1, k + 1) for k in range(12)], back
-    # The scheduler hears the figures at the next heartbeat: wait for the retries to show.
-    (f,) = wait_for(
-        lambda: (m := emm_metrics(client)) and all(v and v["oom_retries"] > 0 for v in m.values()) and m,
-        "the worker's out-of-memory retries at the scheduler",
-    ).values()
+    f = worker_after_retries(client)
     assert f["ooms"] == 0, json.dumps(f)
     assert f["peak_live_bytes"] <= 512 * MIB, json.dumps(f)
 
@@ -90,7 +86,7 @@ def test_cupy_results_past_a_workers_maximum_move_to_host_memory(gpu_cluster):
     distributed, client = gpu_cluster
     import emm.dask
     from dask_tasks import cupy_filled, total
-    from test_dask import emm_metrics, wait_for
+    from test_dask import worker_after_retries
 
     client.register_plugin(
         emm.dask.EmmSetup(manager="pool", maximum="512MiB", spill=True, frameworks=("cupy",))
@@ -99,8 +95,5 @@ def test_cupy_results_past_a_workers_maximum_move_to_host_memory(gpu_cluster):
     distributed.wait(futures)
     sums = [client.submit(total, f, pure=False).result() for f in futures]
     assert sums == [(k + 1) * 64 * MIB for k in range(12)], sums
-    (f,) = wait_for(
-        lambda: (m := emm_metrics(client)) and all(v and v["oom_retries"] > 0 for v in m.values()) and m,
-        "the worker's out-of-memory retries at the scheduler",
-    ).values()
+    f = worker_after_retries(client)
     assert f["ooms"] == 0 and f["peak_live_bytes"] <= 512 * MIB, json.dumps(f)

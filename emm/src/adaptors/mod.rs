@@ -34,7 +34,7 @@ use driver_sys::DeviceOrdinal;
 
 use crate::contract::factory::{ManagerContext, ManagerFactory};
 use crate::contract::info::{
-    AllocationEvents, FreeSpace, MemoryInfo, MemoryKind, OUT_OF_MEMORY_RETRIES, PoolReport, Usage,
+    AllocationEvents, FreeSpace, MemoryInfo, MemoryKind, PoolReport, Usage,
 };
 use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{HistoryRecord, MemoryManager, StreamOrdering};
@@ -333,9 +333,9 @@ impl Adapted {
     }
 
     /// A limit's refusal of device memory (`refused`) is out of memory to the program, as the
-    /// driver's is: the context's out-of-memory callback runs (not from inside itself), and
-    /// where it says it freed memory (a Dask worker spilling, say) the allocation is admitted
-    /// again, at most [`OUT_OF_MEMORY_RETRIES`] times. Any other refusal stands.
+    /// driver's is: the context's out-of-memory callback runs
+    /// ([`AllocationEvents::call_back`]), and where it says it freed memory (a
+    /// Dask worker spilling, say) the allocation is admitted again. Any other refusal stands.
     #[cold]
     #[inline(never)]
     fn admit_after_callback(
@@ -345,32 +345,16 @@ impl Adapted {
         bytes: usize,
         refused: EmmError,
     ) -> Result<(), EmmError> {
-        if kind != MemoryKind::Device
-            || !matches!(refused, EmmError::OverLimit { .. })
-            || self.liveness.called_back_here()
-        {
+        if kind != MemoryKind::Device || !matches!(refused, EmmError::OverLimit { .. }) {
             return Err(refused);
         }
-        let Some(callback) = self.events.callback() else {
-            return Err(refused);
-        };
-        let mut last = refused;
-        for retry in 1..=OUT_OF_MEMORY_RETRIES {
-            let freed = {
-                let _mark = self.liveness.calling_back();
-                callback(bytes)
-            };
-            if !freed {
-                break;
-            }
-            self.events.retried();
-            tracing::warn!(device = %self.device, op, bytes, retry, "over the limit; the out-of-memory callback asked for a retry");
-            match self.observer.admit(self.device, kind, bytes) {
-                Ok(()) => return Ok(()),
-                Err(e) => last = e,
-            }
-        }
-        Err(last)
+        let mut last = Err(refused);
+        self.events
+            .call_back(&self.liveness, self.device, op, bytes, &mut || {
+                last = self.observer.admit(self.device, kind, bytes);
+                last.is_ok()
+            });
+        last
     }
 
     fn wrap_device(&self, inner: MemoryPointer, kind: MemoryKind) -> MemoryPointer {

@@ -4,7 +4,10 @@
 use std::fmt;
 use std::sync::Arc;
 
+use driver_sys::DeviceOrdinal;
+
 use crate::error::OutOfMemoryReport;
+use crate::memory::liveness::ContextLiveness;
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
 /// Free and total device memory in bytes (Numba's `MemoryInfo(free, total)`).
@@ -203,6 +206,46 @@ impl AllocationEvents {
     /// The out-of-memory callback, if one is set.
     pub fn callback(&self) -> Option<Arc<OutOfMemoryCallback>> {
         lock(&self.callback).clone()
+    }
+
+    /// Runs this callback for an allocation of `bytes` for `what` that ran out (of the
+    /// device's memory, or of a limit's), unless this thread is inside the callback already
+    /// in the context whose liveness is `liveness` (an allocation it makes would recurse):
+    /// while the callback says it freed memory, counts a retry and calls `retry`, which tries
+    /// the allocation again and says whether it is served now, at most
+    /// [`OUT_OF_MEMORY_RETRIES`] times. Returns how many retries the callback asked for. The
+    /// callback runs inside this call of the context
+    /// ([`ContextLiveness::calling_back`]): a reset of its device from there is refused,
+    /// where it would wait for this call.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn call_back(
+        &self,
+        liveness: &ContextLiveness,
+        device: DeviceOrdinal,
+        what: &'static str,
+        bytes: usize,
+        retry: &mut dyn FnMut() -> bool,
+    ) -> u32 {
+        if liveness.called_back_here() {
+            return 0;
+        }
+        let Some(callback) = self.callback() else {
+            return 0;
+        };
+        let mut asked = 0;
+        while asked < OUT_OF_MEMORY_RETRIES && {
+            let _mark = liveness.calling_back();
+            callback(bytes)
+        } {
+            asked += 1;
+            self.retried();
+            tracing::warn!(%device, what, bytes, retry = asked, "out of memory; the callback asked for a retry");
+            if retry() {
+                break;
+            }
+        }
+        asked
     }
 
     /// Sets what makes the report of an out-of-memory error; the first call wins.

@@ -9,7 +9,7 @@ use driver_sys::{
 };
 
 use crate::contract::factory::ManagerContext;
-use crate::contract::info::{OUT_OF_MEMORY_RETRIES, PoolStats};
+use crate::contract::info::PoolStats;
 use crate::contract::ipc::IpcHandle;
 use crate::contract::snapshot::{BlockState, HeldSegment, SegmentKind};
 use crate::error::EmmError;
@@ -232,23 +232,13 @@ impl HostLayer {
         // An allocation made from inside the callback (on this thread, in this context) does
         // not call it again: it would recurse with every allocation the callback makes.
         let inside = cx.liveness.called_back_here();
-        if kind == AllocationKind::Device
-            && out_of_memory(&made)
-            && !inside
-            && let Some(callback) = cx.events.callback()
-        {
-            // The callback runs inside this call of the context: a reset of its device from
-            // there is refused (`Runtime::reset_device`), where it would wait for this call.
-            let called_back = |bytes| {
-                let _mark = cx.liveness.calling_back();
-                callback(bytes)
-            };
-            while asked < OUT_OF_MEMORY_RETRIES && out_of_memory(&made) && called_back(bytes) {
-                asked += 1;
-                cx.events.retried();
-                tracing::warn!(device = %cx.device, what, bytes, retry = asked, "out of memory; the callback asked for a retry");
-                made = allocate();
-            }
+        if kind == AllocationKind::Device && out_of_memory(&made) {
+            asked = cx
+                .events
+                .call_back(&cx.liveness, cx.device, what, bytes, &mut || {
+                    made = allocate();
+                    !out_of_memory(&made)
+                });
         }
         match made {
             Ok(v) => Ok(v),
@@ -549,10 +539,12 @@ impl HostLayer {
         } else {
             mem_attach::HOST
         };
-        let ptr =
-            self.attempt_allocation("memallocmanaged", AllocationKind::Device, bytes, || {
-                cx.driver.mem_alloc_managed(cx.context, bytes, flags)
-            })?;
+        let ptr = self.attempt_allocation(
+            "memallocmanaged",
+            AllocationKind::Device,
+            bytes,
+            &mut || cx.driver.mem_alloc_managed(cx.context, bytes, flags),
+        )?;
         tracing::debug!(device = %cx.device, bytes, %ptr, attach_global, "managed memory allocated");
         let device = self.track_freed_by_mem_free(ptr, bytes);
         // SAFETY: `ptr` is the `cuMemAllocManaged` allocation of `bytes` made above, which
@@ -724,7 +716,7 @@ impl HostLayer {
         }
         // The pool's memory is mapped memory, whatever was asked: retried after out-of-memory.
         let (ptr, tag) =
-            self.attempt_allocation("memhostalloc", AllocationKind::Host, bytes, || {
+            self.attempt_allocation("memhostalloc", AllocationKind::Host, bytes, &mut || {
                 release.pool.allocate(bytes)
             })?;
         {

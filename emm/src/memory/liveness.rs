@@ -125,10 +125,14 @@ impl ContextLiveness {
         self.asleep.load(Ordering::Acquire)
     }
 
-    /// Marks the context asleep, refusing its allocations from now on; `false` where it was
-    /// asleep already.
-    pub(crate) fn fall_asleep(&self) -> bool {
-        !self.asleep.swap(true, Ordering::AcqRel)
+    /// Marks the context (`context`) asleep, refusing its allocations from now on, and lists
+    /// it among the process's sleepers for [`sleeping`]; `false` where it was asleep already.
+    pub(crate) fn fall_asleep(self: &std::sync::Arc<Self>, context: u64) -> bool {
+        if self.asleep.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        note_asleep(context, self);
+        true
     }
 
     /// Records the ranges (start, end) of the allocations put to sleep, for the checks of
@@ -142,12 +146,13 @@ impl ContextLiveness {
     }
 
     /// Marks the context awake: its memory is mapped again (or was given up by a reset).
-    pub(crate) fn wake(&self) {
+    pub(crate) fn wake(self: &std::sync::Arc<Self>) {
         self.asleep_ranges
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .clear();
         self.asleep.store(false, Ordering::Release);
+        note_awake(self);
     }
 
     /// Whether `len` bytes at `start` overlap an allocation put to sleep.
@@ -275,7 +280,7 @@ static SLEEPERS: std::sync::Mutex<Vec<(u64, std::sync::Weak<ContextLiveness>)>> 
 static ANY_ASLEEP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Records that `context`'s memory (whose liveness is `liveness`) is asleep now.
-pub(crate) fn note_asleep(context: u64, liveness: &std::sync::Arc<ContextLiveness>) {
+fn note_asleep(context: u64, liveness: &std::sync::Arc<ContextLiveness>) {
     let mut sleepers = SLEEPERS.lock().unwrap_or_else(|e| e.into_inner());
     let this = std::sync::Arc::downgrade(liveness);
     sleepers.retain(|(_, l)| !l.ptr_eq(&this) && l.strong_count() > 0);
@@ -286,7 +291,7 @@ pub(crate) fn note_asleep(context: u64, liveness: &std::sync::Arc<ContextLivenes
 /// Records that the memory of the context whose liveness is `liveness` is awake (or was
 /// given up by a reset). By the liveness, not the handle: simulated machines in one process
 /// hand out the same handles.
-pub(crate) fn note_awake(liveness: &std::sync::Arc<ContextLiveness>) {
+fn note_awake(liveness: &std::sync::Arc<ContextLiveness>) {
     let mut sleepers = SLEEPERS.lock().unwrap_or_else(|e| e.into_inner());
     let this = std::sync::Arc::downgrade(liveness);
     sleepers.retain(|(_, l)| !l.ptr_eq(&this) && l.strong_count() > 0);

@@ -453,7 +453,6 @@ impl Context {
         let manager = self.inner.manager.reset();
         // The memory a sleep released was given up with the rest.
         self.inner.cx.liveness.wake();
-        crate::memory::liveness::note_awake(&self.inner.cx.liveness);
         self.inner.modules.clear();
         let own = self.inner.own.flush().map(|_| ());
         manager.and(own)

@@ -62,18 +62,16 @@ impl Context {
         let inner = &*self.inner;
         let cx = &inner.cx;
         cx.ensure_alive(WHAT)?;
-        if !cx.liveness.fall_asleep() {
+        if !cx.liveness.fall_asleep(cx.context.raw()) {
             return Err(EmmError::Sleep {
                 what: WHAT,
                 device: cx.device,
                 reason: "the context is asleep already; call Context::wake first",
             });
         }
-        crate::memory::liveness::note_asleep(cx.context.raw(), &cx.liveness);
         let slept = self.sleep_planned(options);
         if slept.is_err() {
             cx.liveness.wake();
-            crate::memory::liveness::note_awake(&cx.liveness);
         }
         let mut report = slept?;
         report.elapsed = began.elapsed();
@@ -150,7 +148,6 @@ impl Context {
         let began = std::time::Instant::now();
         let mut report = self.inner.manager.wake()?;
         cx.liveness.wake();
-        crate::memory::liveness::note_awake(&cx.liveness);
         report.elapsed = began.elapsed();
         tracing::info!(device = %cx.device, elapsed_ms = report.elapsed.as_millis() as u64, "context memory awake");
         Ok(report)
