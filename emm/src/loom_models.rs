@@ -744,3 +744,32 @@ fn mapped_write_races_a_reset() {
         host_frees_exactly(&sim, 1);
     });
 }
+
+/// A synchronous copy to device memory on one thread races `Context::reset`, which frees the
+/// memory, on another. The copy either reaches the driver while the memory exists or is
+/// refused as stale; no copy reaches freed memory (where the simulator refuses the address,
+/// a real driver would write whatever was allocated there since). Checking the pointer and
+/// then copying, as copies did before, let the reset free the memory between the two.
+#[test]
+fn device_copy_races_a_reset() {
+    loom::model(|| {
+        let (sim, rt) = runtime(10);
+        let ctx = rt.context(0).unwrap();
+        let mem = ctx.memalloc(64).unwrap();
+        let copier = {
+            let ctx = ctx.clone();
+            thread::spawn(move || ctx.copy_to_device(&mem, &[0xAB; 64]))
+        };
+        ctx.reset().unwrap();
+        let copied = copier.join().unwrap();
+        assert!(
+            matches!(copied, Ok(()) | Err(emm::EmmError::Stale { .. })),
+            "{copied:?}"
+        );
+        let copies: Vec<_> = (sim.calls().into_iter())
+            .filter(|c| c.op == Op::MemcpyHtoD)
+            .collect();
+        assert!(copies.iter().all(|c| c.outcome.is_ok()), "{copies:?}");
+        exactly_once(&sim, 1);
+    });
+}

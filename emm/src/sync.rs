@@ -10,14 +10,14 @@
 #[cfg(emm_loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
 #[cfg(emm_loom)]
-pub(crate) use loom::sync::{Mutex, MutexGuard, RwLock};
+pub(crate) use loom::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 #[cfg(emm_loom)]
 pub(crate) use loom::thread::yield_now;
 
 #[cfg(not(emm_loom))]
 pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
 #[cfg(not(emm_loom))]
-pub(crate) use std::sync::{Mutex, MutexGuard, RwLock};
+pub(crate) use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 #[cfg(not(emm_loom))]
 pub(crate) use std::thread::yield_now;
 

@@ -14,7 +14,7 @@ use crate::contract::factory::ManagerContext;
 use crate::contract::ipc::{DeviceIdentity, IpcHandle, IpcMemory, identity_of};
 use crate::contract::pool_export::PoolId;
 use crate::error::EmmError;
-use crate::memory::liveness::LiveGuard;
+use crate::memory::liveness::{LiveGuard, MemoryInUse};
 use crate::memory::pointer::MemoryPointer;
 
 impl ManagerContext {
@@ -285,10 +285,19 @@ impl ManagerContext {
         Ok(())
     }
 
+    /// Holds the context's memory for one use of caller-given pointers
+    /// ([`ContextLiveness::use_memory`](crate::memory::liveness::ContextLiveness::use_memory)):
+    /// take it before checking the pointers, keep it until the driver call was issued.
+    pub(crate) fn use_memory(&self) -> MemoryInUse<'_> {
+        self.liveness.use_memory()
+    }
+
     /// Checks that a copy of `len` bytes at the start of `memory` is allowed, and enters the
-    /// context for it.
+    /// context for it. `_held` (this context's [`use_memory`](Self::use_memory)) keeps the
+    /// memory from being freed between the check and the caller's driver call.
     pub(crate) fn enter_copy(
         &self,
+        _held: &MemoryInUse<'_>,
         what: &'static str,
         memory: &MemoryPointer,
         len: usize,
@@ -306,9 +315,14 @@ impl ManagerContext {
     }
 
     /// Copies `src` to the start of `dst`, synchronously.
-    pub(crate) fn copy_to_device(&self, dst: &MemoryPointer, src: &[u8]) -> Result<(), EmmError> {
+    pub(crate) fn copy_to_device(
+        &self,
+        held: &MemoryInUse<'_>,
+        dst: &MemoryPointer,
+        src: &[u8],
+    ) -> Result<(), EmmError> {
         const WHAT: &str = "copy to device";
-        let _live = self.enter_copy(WHAT, dst, src.len())?;
+        let _live = self.enter_copy(held, WHAT, dst, src.len())?;
         // SAFETY:
         // - `enter_copy` checked that `dst` is a live pointer of this context whose first
         //   `src.len()` bytes lie inside its allocation; `dst` keeps the allocation alive while
@@ -319,9 +333,14 @@ impl ManagerContext {
     }
 
     /// Copies the first `dst.len()` bytes of `src` into `dst`, synchronously.
-    pub(crate) fn copy_to_host(&self, dst: &mut [u8], src: &MemoryPointer) -> Result<(), EmmError> {
+    pub(crate) fn copy_to_host(
+        &self,
+        held: &MemoryInUse<'_>,
+        dst: &mut [u8],
+        src: &MemoryPointer,
+    ) -> Result<(), EmmError> {
         const WHAT: &str = "copy to host";
-        let _live = self.enter_copy(WHAT, src, dst.len())?;
+        let _live = self.enter_copy(held, WHAT, src, dst.len())?;
         // SAFETY:
         // - `enter_copy` checked that `src` is a live pointer of this context whose first
         //   `dst.len()` bytes lie inside its allocation;
@@ -335,13 +354,14 @@ impl ManagerContext {
     /// mapping on another device) to `dst`, which lies at the start of `dst_mem`.
     pub(crate) fn copy_device_to_device(
         &self,
+        held: &MemoryInUse<'_>,
         dst: DevicePtr,
         src: DevicePtr,
         bytes: usize,
         dst_mem: &MemoryPointer,
     ) -> Result<(), EmmError> {
         const WHAT: &str = "device to device copy";
-        let _live = self.enter_copy(WHAT, dst_mem, bytes)?;
+        let _live = self.enter_copy(held, WHAT, dst_mem, bytes)?;
         // SAFETY:
         // - `enter_copy` checked that `dst_mem` (at `dst`) is live memory of this context with
         //   room for `bytes`;

@@ -38,6 +38,8 @@ struct Mapping {
 
 impl IpcMapping for Mapping {
     fn close(&self) -> Result<(), EmmError> {
+        // Copies that saw the mapping open finish first; later ones see it closed.
+        let _uses = self.cx.liveness.exclusive_memory();
         match &self.pool {
             None => self.cx.ipc_close(self.base),
             Some((id, imports)) => imports.free_pointer(*id, self.base),
@@ -161,12 +163,14 @@ pub(crate) fn open_staged(
                     mapping
                         .cx
                         .read_mapping(&mut chunk[..n], DevicePtr(src.0 + start as u64))?;
+                    let held = to.cx.use_memory();
                     to.cx
-                        .copy_to_device(&new.view(start, Some(start + n))?, &chunk[..n])?;
+                        .copy_to_device(&held, &new.view(start, Some(start + n))?, &chunk[..n])?;
                 }
             } else {
+                let held = to.cx.use_memory();
                 to.cx
-                    .copy_device_to_device(new.device_ptr(), src, size, &new)?;
+                    .copy_device_to_device(&held, new.device_ptr(), src, size, &new)?;
             }
             Ok(new)
         });

@@ -18,7 +18,9 @@
 
 use std::cell::RefCell;
 
-use crate::sync::{AtomicBool, AtomicUsize, Bias, Ordering, RwLock, yield_now};
+use crate::sync::{
+    AtomicBool, AtomicUsize, Bias, Ordering, RwLock, RwLockReadGuard, RwLockWriteGuard, yield_now,
+};
 use crate::thread_slots::{shard_count, thread_shard};
 
 std::thread_local! {
@@ -51,6 +53,12 @@ pub struct ContextLiveness {
     /// discarded), sorted and disjoint: copies through the context to or from them are
     /// refused.
     asleep_ranges: RwLock<Vec<(u64, u64)>>,
+    /// Held shared while emm checks caller-given memory of the context and issues driver work
+    /// on it (a copy, a set, an export, a graph's launch), and exclusively while memory is
+    /// freed or unmapped under pointers that still exist (a reset, a sleep, an IPC close):
+    /// memory never goes between a use's check and its driver call, and a use that comes after
+    /// sees the memory stale. Taken before any host-memory lock of the context's manager.
+    memory_use: RwLock<()>,
     /// How the owners' counts are ordered against `kill`.
     bias: Bias,
     /// One count per owned thread slot, each on its own lines, written only by the thread
@@ -83,6 +91,7 @@ impl ContextLiveness {
             state: AtomicUsize::new(0),
             asleep: AtomicBool::new(false),
             asleep_ranges: RwLock::new(Vec::new()),
+            memory_use: RwLock::new(()),
             bias,
             owned: (0..owners)
                 .map(|_| OwnedCount(AtomicUsize::new(0)))
@@ -165,6 +174,24 @@ impl ContextLiveness {
         super::overlaps_sorted(&ranges, start, end)
     }
 
+    /// Holds the context's memory for a use of caller-given pointers: reset, sleep and IPC
+    /// close wait until the returned guard drops. A thread takes it once per use, never
+    /// nested (a waiting reset would block the inner one while it waits for the outer), and
+    /// calls no user code while holding it.
+    pub(crate) fn use_memory(&self) -> MemoryInUse<'_> {
+        MemoryInUse {
+            _held: (self.memory_use.read()).unwrap_or_else(|poisoned| poisoned.into_inner()),
+        }
+    }
+
+    /// Waits until no use of the context's memory is in flight and holds off new ones until
+    /// the returned guard drops: taken by whatever frees or unmaps memory under live pointers.
+    pub(crate) fn exclusive_memory(&self) -> MemoryExclusive<'_> {
+        MemoryExclusive {
+            _held: (self.memory_use.write()).unwrap_or_else(|poisoned| poisoned.into_inner()),
+        }
+    }
+
     /// Marks this thread, inside a call of this context, as running a user's callback (the
     /// out-of-memory callback) until the returned guard drops: [`kill`](Self::kill) from the
     /// callback would wait for the call the callback runs in, forever, and whoever would kill
@@ -203,6 +230,19 @@ impl ContextLiveness {
             }
         }
     }
+}
+
+/// A use of the context's memory in flight ([`ContextLiveness::use_memory`]).
+#[must_use = "the memory is held while the guard lives"]
+pub(crate) struct MemoryInUse<'a> {
+    _held: RwLockReadGuard<'a, ()>,
+}
+
+/// Memory of the context being freed or unmapped under live pointers
+/// ([`ContextLiveness::exclusive_memory`]).
+#[must_use = "uses are held off while the guard lives"]
+pub(crate) struct MemoryExclusive<'a> {
+    _held: RwLockWriteGuard<'a, ()>,
 }
 
 /// This thread's mark of running a callback from inside a context's call

@@ -447,15 +447,45 @@ impl Context {
     /// allocated, the loaded modules are unloaded, the context's own queue is flushed. Every
     /// step runs; the first error is returned. Pointers and modules that outlive it become
     /// stale; dropping them frees nothing twice.
+    ///
+    /// Copies, sets, exports and graph launches of the context's memory that are under way on
+    /// other threads finish first; those that come after are refused as stale. Called from
+    /// inside the context's out-of-memory callback ([`on_out_of_memory`](Self::on_out_of_memory)),
+    /// whose allocation is still inside the manager, it refuses with
+    /// [`EmmError::InvalidArgument`] and changes nothing.
     pub fn reset(&self) -> Result<(), EmmError> {
+        self.refuse_inside_callback("Context::reset")?;
         tracing::info!(device = %self.inner.cx.device, modules = self.inner.modules.len(), "context reset");
-        self.inner.graph_routes.clear();
-        let manager = self.inner.manager.reset();
-        // The memory a sleep released was given up with the rest.
-        self.inner.cx.liveness.wake();
+        let manager = {
+            let _uses = self.inner.cx.liveness.exclusive_memory();
+            self.inner.graph_routes.clear();
+            let manager = self.inner.manager.reset();
+            // The memory a sleep released was given up with the rest.
+            self.inner.cx.liveness.wake();
+            manager
+        };
         self.inner.modules.clear();
         let own = self.inner.own.flush().map(|_| ());
         manager.and(own)
+    }
+
+    /// Refuses `what` (a reset or a sleep of this context) from inside the context's
+    /// out-of-memory callback: the allocation that called it is still inside the manager,
+    /// which `what` would free or unmap under it.
+    pub(super) fn refuse_inside_callback(&self, what: &'static str) -> Result<(), EmmError> {
+        if !self.inner.cx.liveness.called_back_here() {
+            return Ok(());
+        }
+        Err(EmmError::InvalidArgument {
+            what,
+            reason: format!(
+                "it was called from inside an out-of-memory callback of device {}'s context, \
+                 whose allocation is still under way inside the memory manager; free memory \
+                 from the callback and return true to retry (or false to let the allocation \
+                 fail), and call it after the allocation returns",
+                self.inner.cx.device
+            ),
+        })
     }
 
     /// Allocates page-locked host memory through the manager (Numba's `memhostalloc`); no
@@ -518,6 +548,9 @@ impl Context {
     /// An IPC handle for `memory` from the manager (Numba's `Context.get_ipc_handle`); IPC
     /// needs Linux.
     pub fn get_ipc_handle(&self, memory: &MemoryPointer) -> Result<IpcHandle, EmmError> {
+        // Held until the export is made: a reset meanwhile would let the address name other
+        // memory.
+        let _held = self.inner.cx.use_memory();
         self.check_usable("get_ipc_handle", memory)?;
         if !cfg!(target_os = "linux") {
             return Err(EmmError::NotSupported {
@@ -567,6 +600,7 @@ impl Context {
     /// memory holds other allocations too). The other process keeps what it opened for as long
     /// as it maps it, whatever this process frees meanwhile.
     pub fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
+        let _held = self.inner.cx.use_memory();
         self.check_usable("export_mapped", memory)?;
         if !cfg!(target_os = "linux") {
             return Err(EmmError::NotSupported {

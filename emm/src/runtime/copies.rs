@@ -34,12 +34,14 @@ impl Context {
                 size: src.size(),
             });
         }
+        // The device memory first, then the host memory (the order a reset takes them in).
+        let held = self.inner.cx.use_memory();
         src.access("copy from pinned memory", || {
             // SAFETY: `src` is page-locked memory of at least `bytes` bytes (checked above),
             // kept allocated during the access, to which emm hands out no references; the
             // slice lives only for this synchronous copy.
             let host = unsafe { std::slice::from_raw_parts(src.host_ptr().0 as *const u8, bytes) };
-            self.copy_to_device(dst, host)
+            self.inner.cx.copy_to_device(&held, dst, host)
         })?
     }
 
@@ -58,13 +60,15 @@ impl Context {
                 size: dst.size(),
             });
         }
+        // The device memory first, then the host memory (the order a reset takes them in).
+        let held = self.inner.cx.use_memory();
         dst.access("copy into pinned memory", || {
             // SAFETY: `dst` is page-locked memory of at least `bytes` bytes (checked above),
             // kept allocated during the access, to which emm hands out no references; the
             // slice lives only for this synchronous copy.
             let host =
                 unsafe { std::slice::from_raw_parts_mut(dst.host_ptr().0 as *mut u8, bytes) };
-            self.copy_to_host(host, src)
+            self.inner.cx.copy_to_host(&held, host, src)
         })?
     }
 
@@ -72,7 +76,8 @@ impl Context {
     /// `device_memset`). Works on device memory and on the device side of mapped memory.
     pub fn memset(&self, dst: &MemoryPointer, value: u8, bytes: usize) -> Result<(), EmmError> {
         const WHAT: &str = "memset";
-        let _live = self.inner.cx.enter_copy(WHAT, dst, bytes)?;
+        let held = self.inner.cx.use_memory();
+        let _live = self.inner.cx.enter_copy(&held, WHAT, dst, bytes)?;
         // SAFETY: `enter_copy` checked that `dst` is live memory of this context with room for
         // `bytes`; `_live` keeps the context alive; emm hands out no references to device or
         // mapped memory.
@@ -98,10 +103,11 @@ impl Context {
         if bytes > 0 && d < s + bytes as u64 && s < d + bytes as u64 {
             return Err(EmmError::OverlappingCopy { bytes });
         }
-        let _live = self.inner.cx.enter_copy(WHAT, src, bytes)?;
+        let held = self.inner.cx.use_memory();
+        let _live = self.inner.cx.enter_copy(&held, WHAT, src, bytes)?;
         self.inner
             .cx
-            .copy_device_to_device(dst.device_ptr(), src.device_ptr(), bytes, dst)
+            .copy_device_to_device(&held, dst.device_ptr(), src.device_ptr(), bytes, dst)
     }
 
     /// Copies the first `bytes` bytes of `src`, memory of `src_ctx` (another device's context,
@@ -121,15 +127,21 @@ impl Context {
         if src_ctx.inner.cx.context == self.inner.cx.context {
             return self.copy_device(dst, src, bytes);
         }
-        let _src_live = src_ctx
-            .inner
-            .cx
-            .enter_copy("peer copy (source)", src, bytes)?;
+        let (from, to) = (&src_ctx.inner.cx, &self.inner.cx);
+        // Both contexts' memory is held, taken in one order by every peer copy (the contexts'
+        // handles, ascending): two copies in opposite directions, each waiting behind a reset
+        // of the other's context, would otherwise wait for each other.
+        let (src_held, dst_held) = if from.context.raw() < to.context.raw() {
+            let src_held = from.use_memory();
+            (src_held, to.use_memory())
+        } else {
+            let dst_held = to.use_memory();
+            (from.use_memory(), dst_held)
+        };
+        let _src_live = from.enter_copy(&src_held, "peer copy (source)", src, bytes)?;
         tracing::trace!(from = %src_ctx.device(), to = %self.device(), bytes, "peer copy");
-        self.inner.cx.enable_peer_access_to(&src_ctx.inner.cx);
-        self.inner
-            .cx
-            .copy_device_to_device(dst.device_ptr(), src.device_ptr(), bytes, dst)
+        to.enable_peer_access_to(from);
+        to.copy_device_to_device(&dst_held, dst.device_ptr(), src.device_ptr(), bytes, dst)
     }
 
     /// Base and end address of the whole allocation that `memory` lies in, as the driver
@@ -138,6 +150,7 @@ impl Context {
         &self,
         memory: &MemoryPointer,
     ) -> Result<(DevicePtr, DevicePtr), EmmError> {
+        let _held = self.inner.cx.use_memory();
         self.check_usable("device_extents", memory)?;
         let _live = self.enter("device_extents")?;
         let (base, size) = self
@@ -158,12 +171,14 @@ impl Context {
 
     /// Copies `src` to the start of `dst`, synchronously. `src` may be shorter than `dst`.
     pub fn copy_to_device(&self, dst: &MemoryPointer, src: &[u8]) -> Result<(), EmmError> {
-        self.inner.cx.copy_to_device(dst, src)
+        let held = self.inner.cx.use_memory();
+        self.inner.cx.copy_to_device(&held, dst, src)
     }
 
     /// Copies the first `dst.len()` bytes of `src` into `dst`, synchronously.
     pub fn copy_to_host(&self, dst: &mut [u8], src: &MemoryPointer) -> Result<(), EmmError> {
-        self.inner.cx.copy_to_host(dst, src)
+        let held = self.inner.cx.use_memory();
+        self.inner.cx.copy_to_host(&held, dst, src)
     }
 
     /// Refuses memory of another context, or memory freed or asleep, for `what`.
@@ -239,7 +254,6 @@ impl Context {
     ) -> Result<InFlight<()>, EmmError> {
         const WHAT: &str = "copy device to device (async)";
         let len = src.size();
-        self.inner.cx.check_usable(WHAT, src)?;
         let keep = vec![dst.clone(), src.clone()];
         self.queue(WHAT, stream, (dst, len), ((), keep), |cx| {
             // SAFETY: both pointers are live memory of this context (checked), `len` bytes fit
@@ -333,9 +347,10 @@ impl Context {
         .wait()
     }
 
-    /// Queues one piece of stream work on `mem`'s first `len` bytes: checks the stream and
-    /// the memory, enters the context for `call` (the driver call), and marks the work's end
-    /// in an [`InFlight`] holding `held` (what it hands back, and the device memory it keeps).
+    /// Queues one piece of stream work on `mem`'s first `len` bytes: checks the stream, `mem`
+    /// and every other pointer in `keep` (the device memory the work uses), enters the context
+    /// for `call` (the driver call), and marks the work's end in an [`InFlight`] holding
+    /// `value` (what it hands back) and `keep`.
     fn queue<T>(
         &self,
         what: &'static str,
@@ -347,7 +362,11 @@ impl Context {
         check_same_context(&self.inner.cx, stream.context(), what)?;
         let cx = &self.inner.cx;
         let queued = {
-            let _live = cx.enter_copy(what, mem, len)?;
+            let held = cx.use_memory();
+            for other in &keep {
+                cx.check_usable(what, other)?;
+            }
+            let _live = cx.enter_copy(&held, what, mem, len)?;
             call(cx)
         };
         queued.map_err(|e| cx.driver_error(what, e))?;

@@ -538,6 +538,15 @@ impl Graph {
         check_same_context(&self.ctx.inner.cx, stream.context(), "Graph::launch")?;
         self.ctx.ensure_alive("Graph::launch")?;
         let cx = &self.ctx.inner.cx;
+        let _held = cx.use_memory();
+        if let Some(freed) = self.uses.iter().find(|m| !m.is_live()) {
+            return Err(EmmError::Stale {
+                what: "Graph::launch",
+                device: freed.device(),
+                reason: "memory the graph reads or writes was freed by a reset of its manager; \
+                         capture the graph again with new memory",
+            });
+        }
         if (self.uses.iter()).any(|m| cx.liveness.sleeps_in(m.device_ptr().0, m.size())) {
             return Err(EmmError::Sleep {
                 what: "Graph::launch",

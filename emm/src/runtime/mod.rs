@@ -543,8 +543,12 @@ impl Runtime {
     fn retire(&self, ctx: &Context) -> Result<(), EmmError> {
         let inner = &ctx.inner;
         let mut reset = ctx.reset();
-        // Pointers imported from other processes' pools go before the context does.
-        reset = reset.and(self.imports.release_device(inner.cx.device));
+        // Pointers imported from other processes' pools go before the context does, once the
+        // copies under way through them are done.
+        reset = reset.and({
+            let _uses = inner.cx.liveness.exclusive_memory();
+            self.imports.release_device(inner.cx.device)
+        });
         for queue in inner
             .manager
             .deallocations()

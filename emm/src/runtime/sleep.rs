@@ -62,6 +62,7 @@ impl Context {
         let inner = &*self.inner;
         let cx = &inner.cx;
         cx.ensure_alive(WHAT)?;
+        self.refuse_inside_callback("Context::sleep")?;
         if !cx.liveness.fall_asleep(cx.context.raw()) {
             return Err(EmmError::Sleep {
                 what: WHAT,
@@ -85,6 +86,9 @@ impl Context {
         const WHAT: &str = "sleep";
         let inner = &*self.inner;
         let cx = &inner.cx;
+        // Copies and launches already checked finish before the device is waited for; later
+        // ones see the ranges put to sleep.
+        let _uses = cx.liveness.exclusive_memory();
         {
             let _live = cx.enter(WHAT)?;
             cx.driver

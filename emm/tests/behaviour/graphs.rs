@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use driver_mock::{Op, SimConfig, SimDriver};
 use emm::driver_sys::{CaptureMode, StreamHandle};
-use emm::{Context, Graph, MemoryPointer, Stream};
+use emm::{Context, EmmError, Graph, MemoryPointer, Stream};
 use proptest::prelude::*;
 
 use crate::common::runtime_with;
@@ -305,6 +305,35 @@ fn a_graph_keeps_the_memory_its_captured_work_writes() {
         drop(rt);
         let leaks = sim.leak_report();
         assert!(leaks.is_clean(), "{manager}: {leaks}");
+    }
+}
+
+/// A graph whose memory a reset of its context freed is not launched: the launch would write
+/// freed addresses, which the manager hands to the next allocation. It is refused as stale,
+/// and no launch reaches the driver.
+#[test]
+fn a_graph_over_memory_a_reset_freed_is_refused() {
+    for manager in [emm::plugin::POOL_MANAGER, "default"] {
+        let sim = Arc::new(SimDriver::new(SimConfig::default()));
+        let rt = runtime_with(&sim, manager);
+        let ctx: Context = rt.context(0).unwrap();
+        let stream = ctx.create_stream().unwrap();
+        let m = ctx.memalloc(4096).unwrap();
+        let (graph, ()) = ctx
+            .capture(&stream, CaptureMode::Global, |s| {
+                ctx.memset_async(&m, 0xAB, s)?.wait()?;
+                Ok(())
+            })
+            .unwrap();
+        ctx.reset().unwrap();
+        let e = graph
+            .launch(&stream)
+            .expect_err("the graph's memory is gone");
+        assert!(matches!(e, EmmError::Stale { .. }), "{manager}: {e}");
+        let launches = (sim.calls().into_iter())
+            .filter(|c| c.op == Op::GraphLaunch)
+            .count();
+        assert_eq!(launches, 0, "{manager}");
     }
 }
 

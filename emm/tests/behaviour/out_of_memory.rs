@@ -213,6 +213,44 @@ fn a_device_reset_from_inside_the_callback_is_refused_not_hung() {
     rt.reset_device(0).unwrap();
 }
 
+/// A callback that resets or puts to sleep the context it is called for is refused, under
+/// every manager, with an error that says why: the allocation it runs in is still inside the
+/// manager, which the reset would free under it. Memory allocated before stays whole.
+#[test]
+fn a_context_reset_or_sleep_from_inside_the_callback_is_refused() {
+    for manager in MANAGERS {
+        let rt = runtime_with(&small_device(), manager);
+        let ctx = rt.context(0).unwrap();
+        let kept = ctx.to_device(&[0x5A; 4096]).unwrap();
+        type Seen = Arc<Mutex<Vec<Result<(), EmmError>>>>;
+        let seen: Seen = Arc::new(Mutex::new(Vec::new()));
+        let (inner, result) = (ctx.clone(), Arc::clone(&seen));
+        ctx.on_out_of_memory(Some(Arc::new(move |_bytes| {
+            let mut result = result.lock().unwrap();
+            result.push(inner.reset());
+            result.push(inner.sleep(&Default::default()).map(|_| ()));
+            false
+        })));
+        let too_big = ctx.memalloc(1 << 30).expect_err("the device is smaller");
+        assert!(too_big.is_out_of_memory(), "{manager}: {too_big}");
+        ctx.on_out_of_memory(None);
+        let seen = std::mem::take(&mut *seen.lock().unwrap());
+        assert_eq!(seen.len(), 2, "{manager}: the callback ran once");
+        for refused in seen {
+            let e = refused.expect_err("refused from inside the callback");
+            assert!(
+                matches!(e, EmmError::InvalidArgument { .. })
+                    && e.to_string().contains("out-of-memory callback"),
+                "{manager}: {e}"
+            );
+        }
+        let mut back = [0u8; 4096];
+        ctx.copy_to_host(&mut back, &kept).unwrap();
+        assert_eq!(back, [0x5A; 4096], "{manager}");
+        assert!(!ctx.is_asleep(), "{manager}");
+    }
+}
+
 /// A limit adaptor's refusal is out of memory to the program: the context's callback runs,
 /// and where it frees memory (a spare dropped, as a Dask worker spills a result) the
 /// allocation is admitted on the retry, counted as one; a callback that frees nothing leaves
