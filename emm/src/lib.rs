@@ -124,7 +124,10 @@ pub use runtime::{Runtime, RuntimeBuilder};
 /// queue; and the adaptors' wrapper.
 pub mod plugin {
     pub use crate::adaptors::{Adapted, LOG_HEADER};
-    pub use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
+    pub use crate::host::{
+        AllocationKind, DeviceAllocator, DeviceExports, DeviceHoldings, DeviceRecords,
+        DeviceSleeper, HostLayer, HostOnly,
+    };
     pub use crate::managers::{
         ASYNC_POOL_IPC_MANAGER, ASYNC_POOL_MANAGED_MANAGER, ASYNC_POOL_MANAGER, AsyncPoolAllocator,
         AsyncPoolManager, DEFAULT_MANAGER, DefaultManager, DriverAllocator, MAX_SMALL,

@@ -32,6 +32,7 @@ use driver_sys::{DevicePtr, HostPtr, StreamHandle};
 
 use driver_sys::DeviceOrdinal;
 
+use crate::contract::capabilities::{Exports, Holdings, Records, Sleeper};
 use crate::contract::factory::{ManagerContext, ManagerFactory};
 use crate::contract::info::{
     AllocationEvents, FreeSpace, MemoryInfo, MemoryKind, PoolReport, Usage,
@@ -40,7 +41,6 @@ use crate::contract::ipc::IpcHandle;
 use crate::contract::manager::{HistoryRecord, MemoryManager, StreamOrdering};
 use crate::contract::mapped_export::MappedExport;
 use crate::contract::pool_export::PoolExport;
-use crate::contract::sleep::{SleepBlock, SleepOptions, SleepReport, WakeReport};
 use crate::contract::snapshot::HeldSegment;
 use crate::error::EmmError;
 use crate::memory::host::{
@@ -518,65 +518,95 @@ impl MemoryManager for Adapted {
         self.inner.deallocations()
     }
 
+    fn holdings(&self) -> Option<&dyn Holdings> {
+        self.inner.holdings().map(|_| self as &dyn Holdings)
+    }
+
+    fn records(&self) -> Option<&dyn Records> {
+        // The adaptor's own records (a `stats` or `history` adaptor), else the inner manager's.
+        Some(self)
+    }
+
+    fn exports(&self) -> Option<&dyn Exports> {
+        self.inner.exports().map(|_| self as &dyn Exports)
+    }
+
+    fn sleeper(&self) -> Option<&dyn Sleeper> {
+        self.inner.sleeper()
+    }
+}
+
+/// The inner manager's, with `trim` in a span.
+impl Holdings for Adapted {
     fn trim(&self) -> Result<usize, EmmError> {
         let _span = self.observer.span("trim", self.device, 0);
-        self.inner.trim()
+        self.inner.holdings().map_or(Ok(0), |h| h.trim())
     }
 
     fn pool_stats(&self) -> PoolReport {
-        self.inner.pool_stats()
+        self.inner
+            .holdings()
+            .map(|h| h.pool_stats())
+            .unwrap_or_default()
     }
 
     fn free_space(&self) -> Option<FreeSpace> {
-        self.inner.free_space()
-    }
-
-    fn usage(&self) -> Option<Usage> {
-        self.observer.usage().or_else(|| self.inner.usage())
+        self.inner.holdings()?.free_space()
     }
 
     fn segments(&self) -> Option<Vec<HeldSegment>> {
-        self.inner.segments()
+        self.inner.holdings()?.segments()
     }
+}
 
+impl Records for Adapted {
     fn history(&self) -> Option<HistoryRecord> {
-        self.observer.history().or_else(|| self.inner.history())
+        (self.observer.history()).or_else(|| self.inner.records()?.history())
     }
 
     fn records_stacks(&self) -> bool {
-        self.observer.stacks() || self.inner.records_stacks()
+        self.observer.stacks() || self.inner.records().is_some_and(|r| r.records_stacks())
     }
 
+    fn usage(&self) -> Option<Usage> {
+        (self.observer.usage()).or_else(|| self.inner.records()?.usage())
+    }
+}
+
+/// The inner manager's, with shared memory observed and wrapped like every allocation.
+impl Exports for Adapted {
     fn export_pool(&self) -> Result<PoolExport, EmmError> {
-        self.inner.export_pool()
+        self.inner_exports()?.export_pool()
     }
 
     fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
-        self.inner.export_mapped(memory)
-    }
-
-    fn sleep(
-        &self,
-        blocks: &[SleepBlock],
-        options: &SleepOptions,
-    ) -> Result<SleepReport, EmmError> {
-        self.inner.sleep(blocks, options)
-    }
-
-    fn wake(&self) -> Result<WakeReport, EmmError> {
-        self.inner.wake()
+        self.inner_exports()?.export_mapped(memory)
     }
 
     fn memalloc_shared(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        let inner = self.inner_exports()?;
         let p = self.observe(
             "memalloc_shared",
             MemoryKind::Device,
             bytes,
             None,
-            || self.inner.memalloc_shared(bytes),
+            || inner.memalloc_shared(bytes),
             |p| p.device_ptr().0,
         )?;
         Ok(self.wrap_device(p, MemoryKind::Device))
+    }
+}
+
+impl Adapted {
+    /// The inner manager's exports ([`MemoryManager::exports`] hands out this adaptor's only
+    /// where the inner manager has them).
+    fn inner_exports(&self) -> Result<&dyn Exports, EmmError> {
+        self.inner.exports().ok_or_else(|| EmmError::NotSupported {
+            operation: "exports",
+            manager: format!("{}(...)", self.name),
+            advice: "the manager under the adaptor exports nothing; ask MemoryManager::exports \
+                     before using an adaptor's exports",
+        })
     }
 }
 

@@ -52,7 +52,7 @@ pub struct PoolStats {
 }
 
 /// The free space of a manager's device pool, block by block, at one moment: what the pool can
-/// hand out without asking the driver for more ([`MemoryManager::free_space`](crate::contract::MemoryManager::free_space)).
+/// hand out without asking the driver for more ([`Holdings::free_space`](crate::contract::Holdings::free_space)).
 /// Blocks cached for reuse by one size class (per-thread caches) are listed at their size; the
 /// pool merges them back with their neighbours before it grows.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

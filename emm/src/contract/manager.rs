@@ -7,12 +7,10 @@ use std::sync::Arc;
 
 use driver_sys::{HostPtr, StreamHandle};
 
-use crate::contract::info::{FreeSpace, MemoryInfo, PoolReport, Usage};
+use crate::contract::capabilities::{Exports, Holdings, Records, Sleeper};
+use crate::contract::info::MemoryInfo;
 use crate::contract::ipc::IpcHandle;
-use crate::contract::mapped_export::MappedExport;
-use crate::contract::pool_export::PoolExport;
-use crate::contract::sleep::{SleepBlock, SleepOptions, SleepReport, WakeReport};
-use crate::contract::snapshot::{HeldSegment, HistoryEvent};
+use crate::contract::snapshot::HistoryEvent;
 use crate::error::EmmError;
 use crate::memory::host::{HostAllocFlags, HostMemory, HostOwner, ManagedMemory};
 use crate::memory::pending::{DeferCleanup, PendingDeallocs};
@@ -44,6 +42,11 @@ pub enum StreamOrdering {
 }
 
 /// A memory manager: owns all memory of one context. Object safe; emm holds `Box<dyn _>`.
+///
+/// The methods are NBEP 7's, plus allocation on streams; what only some managers can do
+/// (pool figures and `trim`, a history, exports beyond IPC handles, sleep) is a capability
+/// reached through one accessor each ([`holdings`](Self::holdings), [`records`](Self::records),
+/// [`exports`](Self::exports), [`sleeper`](Self::sleeper)), `None` by default.
 ///
 /// # Life cycle
 ///
@@ -140,109 +143,30 @@ pub trait MemoryManager: Send + Sync + fmt::Debug {
         None
     }
 
-    /// Releases memory the manager holds back (pool chunks with nothing in use, cached pinned
-    /// host blocks) to the driver; returns the bytes released. Inside `defer_cleanup` the frees
-    /// are queued until the guard is gone. Managers that hold nothing back return 0.
-    fn trim(&self) -> Result<usize, EmmError> {
-        Ok(0)
-    }
-
-    /// What the manager's pools hold (nothing, for a manager without pools).
-    fn pool_stats(&self) -> PoolReport {
-        PoolReport::default()
-    }
-
-    /// The free space of the manager's device pool, block by block (`None` for a manager
-    /// without a pool, or whose pool cannot tell, as the driver's own pools).
-    fn free_space(&self) -> Option<FreeSpace> {
+    /// The manager's pool figures and `trim` ([`Holdings`]), if it holds memory back.
+    fn holdings(&self) -> Option<&dyn Holdings> {
         None
     }
 
-    /// Every segment the manager holds from the driver, with the blocks in it that are not in
-    /// use (free, cached, waiting to be freed; for a segment of one allocation, its in-use
-    /// block), for snapshots ([`Context::snapshot`](crate::Context::snapshot)). `None` for a
-    /// manager that cannot list them (the default).
-    fn segments(&self) -> Option<Vec<HeldSegment>> {
+    /// The manager's history and counts ([`Records`]), if it keeps any.
+    fn records(&self) -> Option<&dyn Records> {
         None
     }
 
-    /// The live allocations and last events the manager's history recorded: a `history`
-    /// adaptor's (every allocation), or a manager's own (`pool` and `vmm-pool`: the window
-    /// of each thread's last events). `None` for a manager that keeps none (the default).
-    fn history(&self) -> Option<HistoryRecord> {
+    /// Pool exports and memory shared as file descriptors ([`Exports`]), if the manager's
+    /// memory allows either.
+    fn exports(&self) -> Option<&dyn Exports> {
         None
     }
 
-    /// Whether the manager's history keeps each allocation's stack (a `history-stacks`
-    /// adaptor): a host runtime then passes its own language's stack
-    /// ([`with_host_stack`](crate::contract::with_host_stack)).
-    fn records_stacks(&self) -> bool {
-        false
-    }
-
-    /// What a `stats` adaptor around the manager counted (`None` without one).
-    fn usage(&self) -> Option<Usage> {
+    /// Sleep and wake ([`Sleeper`]), if the manager's memory is physical memory mapped into
+    /// reserved addresses (`vmm-pool`).
+    fn sleeper(&self) -> Option<&dyn Sleeper> {
         None
-    }
-
-    /// Exports the manager's stream-ordered pool to other processes (only a manager whose
-    /// memory comes from an IPC-enabled pool can; the others refuse with
-    /// [`EmmError::NotSupported`]).
-    fn export_pool(&self) -> Result<PoolExport, EmmError> {
-        Err(EmmError::no_pool_export(std::any::type_name_of_val(self)))
-    }
-
-    /// Allocates `bytes` of device memory to share with other processes as file descriptors
-    /// ([`export_mapped`](Self::export_mapped)): physical memory of its own, which no other
-    /// allocation shares and which is not handed out again after its free. Only a manager whose
-    /// memory is physical memory mapped into reserved addresses can (`vmm-pool`); the default
-    /// refuses with [`EmmError::NotSupported`] (share other managers' memory with
-    /// [`get_ipc_handle`](Self::get_ipc_handle)).
-    fn memalloc_shared(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
-        let _ = bytes;
-        Err(EmmError::no_shared_allocation(std::any::type_name_of_val(
-            self,
-        )))
-    }
-
-    /// Exports `memory` (an allocation of this manager) as the physical memory behind it, file
-    /// descriptors that another process maps ([`MappedExport`]): only a manager whose memory is
-    /// physical memory mapped into reserved addresses can (`vmm-pool`); the others refuse with
-    /// [`EmmError::NotSupported`], and their memory travels as
-    /// [`get_ipc_handle`](Self::get_ipc_handle)'s handles.
-    fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
-        let _ = memory;
-        Err(EmmError::no_mapped_export(std::any::type_name_of_val(self)))
-    }
-
-    /// Gives the physical memory behind the manager's device memory back to the driver while
-    /// every address it handed out stays reserved ([`Context::sleep`](crate::Context::sleep),
-    /// which calls it with the device idle, deallocations flushed, and allocations refused):
-    /// `blocks` are the live allocations, each with its choice; memory of those kept stays
-    /// mapped, those offloaded are copied to host memory first; `options` are the caller's (the
-    /// choices are already in `blocks`; the host buffer's fate is not). Only a manager whose
-    /// memory is physical memory mapped into reserved addresses can (`vmm-pool`); the default
-    /// refuses with [`EmmError::NotSupported`].
-    fn sleep(
-        &self,
-        blocks: &[SleepBlock],
-        options: &SleepOptions,
-    ) -> Result<SleepReport, EmmError> {
-        let _ = (blocks, options);
-        Err(EmmError::no_sleep(
-            "sleep",
-            std::any::type_name_of_val(self),
-        ))
-    }
-
-    /// Maps physical memory again behind every address [`sleep`](Self::sleep) released and
-    /// copies the offloaded allocations back. The default refuses, as `sleep` does.
-    fn wake(&self) -> Result<WakeReport, EmmError> {
-        Err(EmmError::no_sleep("wake", std::any::type_name_of_val(self)))
     }
 }
 
-/// What a `history` adaptor recorded ([`MemoryManager::history`]).
+/// What a manager's history recorded ([`Records::history`]).
 #[derive(Clone, Debug, Default)]
 pub struct HistoryRecord {
     /// Live allocations: address, and what history knows of each (its size among it).

@@ -5,16 +5,18 @@
 //! | file | holds |
 //! | --- | --- |
 //! | `manager` | [`MemoryManager`] (NBEP 7's `BaseCUDAMemoryManager`), [`INTERFACE_VERSION`], [`check_interface_version`] |
+//! | `capabilities` | what only some managers can do, one trait each: [`Holdings`], [`Records`], [`Exports`], [`Sleeper`] |
 //! | `factory` | [`ManagerContext`] (what a manager is built from), [`ManagerFactory`], [`FnFactory`] |
 //! | `access` | [`ManagerContext`]'s guarded driver calls: liveness, the stale-context error, copies, mappings |
 //! | `info` | [`MemoryInfo`], [`PoolStats`], [`PoolReport`], [`Usage`] / [`KindUsage`] / [`MemoryKind`], [`PinnedPoolConfig`] |
 //! | `ipc` | [`IpcHandle`] (what `get_ipc_handle` returns), [`IpcMemory`], [`DeviceIdentity`] |
 //! | `mapped_export` | [`MappedExport`] (what `export_mapped` returns: `vmm-pool` memory as file descriptors) |
 //! | `pool_export` | [`PoolExport`] (what `export_pool` returns) and [`PoolId`] |
-//! | `sleep` | [`SleepOptions`] / [`SleepChoice`] (what `Context::sleep` is asked), [`SleepBlock`] (what `MemoryManager::sleep` gets), [`SleepReport`], [`WakeReport`] |
+//! | `sleep` | [`SleepOptions`] / [`SleepChoice`] (what `Context::sleep` is asked), [`SleepBlock`] (what `Sleeper::sleep` gets), [`SleepReport`], [`WakeReport`] |
 //! | `snapshot` | [`HeldSegment`] (what `segments` returns), [`Tag`], [`MemorySnapshot`] and its exports |
 
 pub(crate) mod access;
+pub(crate) mod capabilities;
 pub(crate) mod factory;
 pub(crate) mod info;
 pub(crate) mod ipc;
@@ -25,6 +27,7 @@ pub(crate) mod sleep;
 pub(crate) mod snapshot;
 
 pub use access::RelaxedCapture;
+pub use capabilities::{Exports, Holdings, Records, Sleeper};
 pub use factory::{FnFactory, ManagerContext, ManagerFactory};
 pub use info::{
     AllocationEvents, FreeSpace, KindUsage, MemoryInfo, MemoryKind, OUT_OF_MEMORY_RETRIES,

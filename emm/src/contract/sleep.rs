@@ -118,7 +118,7 @@ impl SleepOptions {
 }
 
 /// One live allocation a sleep must handle, as the context hands it to the manager
-/// ([`MemoryManager::sleep`](crate::contract::MemoryManager::sleep)).
+/// ([`Sleeper::sleep`](crate::contract::Sleeper::sleep)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SleepBlock {
     /// Its device address.

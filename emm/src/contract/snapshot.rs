@@ -1,5 +1,5 @@
 //! What a memory snapshot is made of: the segments a manager holds and their blocks
-//! ([`MemoryManager::segments`](super::MemoryManager::segments)), the allocation tags, and the
+//! ([`Holdings::segments`](super::Holdings::segments)), the allocation tags, and the
 //! snapshot a context assembles from them ([`MemorySnapshot`]), with its exports (PyTorch's
 //! snapshot format, a self-contained HTML page).
 //!
@@ -9,7 +9,7 @@
 //! ([`Adaptor::History`](crate::Adaptor::History)) knows each live allocation (address, size,
 //! stream, tag, time, and a stack when asked for) and the last events; without it, `pool` and
 //! `vmm-pool` give their own history, each thread's last events
-//! ([`MemoryManager::history`](super::MemoryManager::history)). The context splits the in-use
+//! ([`Records::history`](super::Records::history)). The context splits the in-use
 //! space into the recorded allocations. Space in use that no recorded allocation covers
 //! (allocated before the history's window) stays one block per run, marked unrecorded.
 
@@ -395,7 +395,7 @@ pub struct MemorySnapshot {
     /// pool hides its own: `async-pool`) gives none, and each allocation history recorded is
     /// then a segment of its own ([`segments_known`](Self::segments_known) is false).
     pub segments: Vec<Segment>,
-    /// Whether the manager listed its segments ([`MemoryManager::segments`](super::MemoryManager::segments)).
+    /// Whether the manager listed its segments ([`Holdings::segments`](super::Holdings::segments)).
     pub segments_known: bool,
     /// Whether a `history` adaptor recorded allocations: without one, in-use blocks carry no
     /// allocation and the history is empty.

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use driver_sys::{HostPtr, StreamHandle};
 
+use crate::contract::capabilities::{Exports, Holdings, Records, Sleeper};
 use crate::contract::factory::ManagerContext;
 use crate::contract::info::{FreeSpace, MemoryInfo, PoolReport, PoolStats};
 use crate::contract::ipc::IpcHandle;
@@ -138,39 +139,69 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
         INTERFACE_VERSION
     }
 
-    /// Releases memory the allocator holds but does not use; returns the bytes released (or
-    /// queued for release, inside `defer_cleanup`). Allocators that hold nothing back return 0.
-    fn trim(&self, host: &HostLayer) -> Result<usize, EmmError> {
-        let _ = host;
-        Ok(0)
+    /// The allocator's pool figures and `trim` ([`DeviceHoldings`]), if it holds memory back.
+    fn holdings(&self) -> Option<&dyn DeviceHoldings> {
+        None
     }
 
-    /// What a pooling allocator holds, if it pools.
+    /// The allocator's own history ([`DeviceRecords`]), if it keeps one.
+    fn records(&self) -> Option<&dyn DeviceRecords> {
+        None
+    }
+
+    /// Pool exports and memory shared as file descriptors ([`DeviceExports`]), if the
+    /// allocator's memory allows either.
+    fn exports(&self) -> Option<&dyn DeviceExports> {
+        None
+    }
+
+    /// Sleep and wake ([`DeviceSleeper`]), if the allocator's memory is physical memory mapped
+    /// into reserved addresses.
+    fn sleeper(&self) -> Option<&dyn DeviceSleeper> {
+        None
+    }
+}
+
+/// [`Holdings`] for a [`DeviceAllocator`]: what it holds of device memory; the [`HostOnly`]
+/// manager adds the host layer's.
+pub trait DeviceHoldings: Send + Sync {
+    /// Releases device memory the allocator holds but does not use; returns the bytes released
+    /// (or queued for release, inside `defer_cleanup`).
+    fn trim(&self, host: &HostLayer) -> Result<usize, EmmError>;
+
+    /// What the allocator's pool holds.
     fn pool_stats(&self) -> Option<PoolStats> {
         None
     }
 
-    /// A pooling allocator's free space, block by block, if it can tell.
+    /// The pool's free space, block by block, if it can tell.
     fn free_space(&self) -> Option<FreeSpace> {
         None
     }
 
     /// The segments the allocator holds, with their blocks that are not in use
-    /// ([`MemoryManager::segments`]); `None` where it cannot tell (the default).
+    /// ([`Holdings::segments`]); `None` where it cannot tell (the default).
     fn segments(&self, host: &HostLayer) -> Option<Vec<HeldSegment>> {
         let _ = host;
         None
     }
+}
 
-    /// The allocator's own history of allocations and frees ([`MemoryManager::history`]), if
-    /// it keeps one (the default keeps none).
-    fn history(&self, host: &HostLayer) -> Option<HistoryRecord> {
+/// [`Records`] for a [`DeviceAllocator`]: its own history of allocations and frees.
+pub trait DeviceRecords: Send + Sync {
+    /// The history ([`Records::history`]).
+    fn history(&self, host: &HostLayer) -> Option<HistoryRecord>;
+}
+
+/// [`Exports`] for a [`DeviceAllocator`]. Each method refuses by default.
+pub trait DeviceExports: Send + Sync {
+    /// Exports the allocator's IPC-enabled stream-ordered pool ([`Exports::export_pool`]).
+    fn export_pool(&self, host: &HostLayer) -> Result<PoolExport, EmmError> {
         let _ = host;
-        None
+        Err(EmmError::no_pool_export(std::any::type_name_of_val(self)))
     }
 
-    /// Allocates memory to share with other processes ([`MemoryManager::memalloc_shared`]);
-    /// allocators whose memory is not mapped physical memory refuse (the default).
+    /// Allocates memory to share with other processes ([`Exports::memalloc_shared`]).
     fn memalloc_shared(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
         let _ = (host, bytes);
         Err(EmmError::no_shared_allocation(std::any::type_name_of_val(
@@ -178,9 +209,7 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
         )))
     }
 
-    /// Exports `memory` as the physical memory behind it
-    /// ([`MemoryManager::export_mapped`]); allocators whose memory is not mapped physical
-    /// memory refuse (the default).
+    /// Exports `memory` as the physical memory behind it ([`Exports::export_mapped`]).
     fn export_mapped(
         &self,
         host: &HostLayer,
@@ -189,36 +218,21 @@ pub trait DeviceAllocator: Send + Sync + fmt::Debug {
         let _ = (host, memory);
         Err(EmmError::no_mapped_export(std::any::type_name_of_val(self)))
     }
+}
 
+/// [`Sleeper`] for a [`DeviceAllocator`].
+pub trait DeviceSleeper: Send + Sync {
     /// Releases the physical memory behind the allocator's memory, keeping its addresses
-    /// ([`MemoryManager::sleep`]); allocators whose memory is not mapped physical memory refuse
-    /// (the default).
+    /// ([`Sleeper::sleep`]).
     fn sleep(
         &self,
         host: &HostLayer,
         blocks: &[SleepBlock],
         options: &SleepOptions,
-    ) -> Result<SleepReport, EmmError> {
-        let _ = (host, blocks, options);
-        Err(EmmError::no_sleep(
-            "sleep",
-            std::any::type_name_of_val(self),
-        ))
-    }
+    ) -> Result<SleepReport, EmmError>;
 
-    /// Maps the memory [`sleep`](Self::sleep) released again ([`MemoryManager::wake`]); the
-    /// default refuses.
-    fn wake(&self, host: &HostLayer) -> Result<WakeReport, EmmError> {
-        let _ = host;
-        Err(EmmError::no_sleep("wake", std::any::type_name_of_val(self)))
-    }
-
-    /// Exports the allocator's IPC-enabled stream-ordered pool; allocators without one refuse
-    /// (the default).
-    fn export_pool(&self, host: &HostLayer) -> Result<PoolExport, EmmError> {
-        let _ = host;
-        Err(EmmError::no_pool_export(std::any::type_name_of_val(self)))
-    }
+    /// Maps the memory [`sleep`](Self::sleep) released again ([`Sleeper::wake`]).
+    fn wake(&self, host: &HostLayer) -> Result<WakeReport, EmmError>;
 }
 
 /// A [`MemoryManager`] made of the [`HostLayer`] and a [`DeviceAllocator`] (Numba: a subclass of
@@ -322,53 +336,98 @@ impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
         Some(self.host.deallocations())
     }
 
+    fn holdings(&self) -> Option<&dyn Holdings> {
+        // The host layer holds pinned memory back whatever the allocator does.
+        Some(self)
+    }
+
+    fn records(&self) -> Option<&dyn Records> {
+        self.device.records().map(|_| self as &dyn Records)
+    }
+
+    fn exports(&self) -> Option<&dyn Exports> {
+        self.device.exports().map(|_| self as &dyn Exports)
+    }
+
+    fn sleeper(&self) -> Option<&dyn Sleeper> {
+        self.device.sleeper().map(|_| self as &dyn Sleeper)
+    }
+}
+
+impl<D: DeviceAllocator> Holdings for HostOnly<D> {
     fn trim(&self) -> Result<usize, EmmError> {
-        let device = self.device.trim(&self.host)?;
+        let device = match self.device.holdings() {
+            Some(device) => device.trim(&self.host)?,
+            None => 0,
+        };
         Ok(device + self.host.trim()?)
     }
 
     fn pool_stats(&self) -> PoolReport {
         PoolReport {
-            device: self.device.pool_stats(),
+            device: self.device.holdings().and_then(|d| d.pool_stats()),
             pinned_host: self.host.pinned_pool_stats(),
         }
     }
 
     fn free_space(&self) -> Option<FreeSpace> {
-        self.device.free_space()
-    }
-
-    fn history(&self) -> Option<HistoryRecord> {
-        self.device.history(&self.host)
+        self.device.holdings()?.free_space()
     }
 
     fn segments(&self) -> Option<Vec<HeldSegment>> {
-        let mut segments = self.device.segments(&self.host)?;
+        let mut segments = self.device.holdings()?.segments(&self.host)?;
         segments.extend(self.host.queued_device_segments());
         Some(segments)
     }
+}
 
-    fn export_pool(&self) -> Result<PoolExport, EmmError> {
-        self.device.export_pool(&self.host)
+impl<D: DeviceAllocator> Records for HostOnly<D> {
+    fn history(&self) -> Option<HistoryRecord> {
+        self.device.records()?.history(&self.host)
     }
+}
 
-    fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
-        self.device.export_mapped(&self.host, memory)
+/// Reached only where the allocator has the capability ([`MemoryManager::exports`]); the
+/// refusals cover a caller that kept the reference across a change of mind.
+impl<D: DeviceAllocator> Exports for HostOnly<D> {
+    fn export_pool(&self) -> Result<PoolExport, EmmError> {
+        match self.device.exports() {
+            Some(device) => device.export_pool(&self.host),
+            None => Err(EmmError::no_pool_export(std::any::type_name::<D>())),
+        }
     }
 
     fn memalloc_shared(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
-        self.device.memalloc_shared(&self.host, bytes)
+        match self.device.exports() {
+            Some(device) => device.memalloc_shared(&self.host, bytes),
+            None => Err(EmmError::no_shared_allocation(std::any::type_name::<D>())),
+        }
     }
 
+    fn export_mapped(&self, memory: &MemoryPointer) -> Result<MappedExport, EmmError> {
+        match self.device.exports() {
+            Some(device) => device.export_mapped(&self.host, memory),
+            None => Err(EmmError::no_mapped_export(std::any::type_name::<D>())),
+        }
+    }
+}
+
+impl<D: DeviceAllocator> Sleeper for HostOnly<D> {
     fn sleep(
         &self,
         blocks: &[SleepBlock],
         options: &SleepOptions,
     ) -> Result<SleepReport, EmmError> {
-        self.device.sleep(&self.host, blocks, options)
+        match self.device.sleeper() {
+            Some(device) => device.sleep(&self.host, blocks, options),
+            None => Err(EmmError::no_sleep("sleep", std::any::type_name::<D>())),
+        }
     }
 
     fn wake(&self) -> Result<WakeReport, EmmError> {
-        self.device.wake(&self.host)
+        match self.device.sleeper() {
+            Some(device) => device.wake(&self.host),
+            None => Err(EmmError::no_sleep("wake", std::any::type_name::<D>())),
+        }
     }
 }

@@ -28,7 +28,9 @@ pub(crate) mod fences;
 mod host_only;
 pub(crate) mod pinned_pool;
 
-pub use host_only::{DeviceAllocator, HostOnly};
+pub use host_only::{
+    DeviceAllocator, DeviceExports, DeviceHoldings, DeviceRecords, DeviceSleeper, HostOnly,
+};
 
 /// Which memory an allocation that ran out is of, for the error message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -22,7 +22,7 @@ use crate::contract::factory::{FnFactory, ManagerContext};
 use crate::contract::manager::StreamOrdering;
 use crate::contract::snapshot::HeldSegment;
 use crate::error::EmmError;
-use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
+use crate::host::{AllocationKind, DeviceAllocator, DeviceHoldings, HostLayer, HostOnly};
 use crate::memory::pointer::MemoryPointer;
 
 /// The name the default manager is registered under.
@@ -99,8 +99,8 @@ impl DeviceAllocator for DriverAllocator {
         StreamOrdering::Fenced
     }
 
-    fn segments(&self, host: &HostLayer) -> Option<Vec<HeldSegment>> {
-        Some(host.tracked_device_segments())
+    fn holdings(&self) -> Option<&dyn DeviceHoldings> {
+        Some(self)
     }
 
     fn initialize(&self, host: &HostLayer) -> Result<(), EmmError> {
@@ -112,5 +112,17 @@ impl DeviceAllocator for DriverAllocator {
             }
         }
         Ok(())
+    }
+}
+
+/// Nothing held back: each allocation is the driver's; the segments are the host layer's
+/// table of them.
+impl DeviceHoldings for DriverAllocator {
+    fn trim(&self, _host: &HostLayer) -> Result<usize, EmmError> {
+        Ok(0)
+    }
+
+    fn segments(&self, host: &HostLayer) -> Option<Vec<HeldSegment>> {
+        Some(host.tracked_device_segments())
     }
 }

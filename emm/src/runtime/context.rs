@@ -7,6 +7,7 @@ use std::sync::Arc;
 use driver_sys::{ContextHandle, DeviceOrdinal, HostPtr, StreamHandle, event_flags, stream_flags};
 
 use super::graphs::{GraphPoolSegment, GraphRoutes};
+use crate::contract::capabilities::{Exports, Sleeper};
 use crate::contract::factory::ManagerContext;
 use crate::contract::info::{
     AllocationEvents, FreeSpace, MemoryInfo, OutOfMemoryCallback, PoolReport, Usage,
@@ -42,6 +43,26 @@ pub(crate) struct ContextInner {
     /// Streams whose allocations a graph pool serves (`graphs.rs`). Boxed: the context's
     /// allocation path reads the fields above, which stay together in few cache lines.
     pub(crate) graph_routes: Box<GraphRoutes>,
+}
+
+impl ContextInner {
+    /// The manager's history, if it keeps one.
+    pub(crate) fn history(&self) -> Option<HistoryRecord> {
+        self.manager.records()?.history()
+    }
+
+    /// The manager's exports, or `refusal`'s error naming the manager.
+    pub(crate) fn exports(
+        &self,
+        refusal: fn(String) -> EmmError,
+    ) -> Result<&dyn Exports, EmmError> {
+        (self.manager.exports()).ok_or_else(|| refusal(self.manager_name.clone()))
+    }
+
+    /// The manager's sleep and wake, or the refusal of `operation` naming the manager.
+    pub(crate) fn sleeper(&self, operation: &'static str) -> Result<&dyn Sleeper, EmmError> {
+        (self.manager.sleeper()).ok_or_else(|| EmmError::no_sleep(operation, &*self.manager_name))
+    }
 }
 
 /// A device's context: its primary CUDA context plus the one memory manager that owns all its
@@ -163,8 +184,9 @@ impl Context {
         requested: usize,
         callback_retries: u32,
     ) -> OutOfMemoryReport {
-        let pool = inner.manager.pool_stats().device;
-        let space = inner.manager.free_space();
+        let holdings = inner.manager.holdings();
+        let pool = holdings.and_then(|h| h.pool_stats().device);
+        let space = holdings.and_then(|h| h.free_space());
         let unused = pool.map(|p| p.unused_bytes());
         let largest = pool.and_then(|p| p.largest_free_bytes);
         OutOfMemoryReport {
@@ -191,7 +213,7 @@ impl Context {
     /// recorded (every one with the `history` adaptor; the recent ones of `pool`'s own).
     fn live_by_tag(inner: &ContextInner) -> Vec<LiveByTag> {
         // Without a history no allocation is recorded: the snapshot's walk is not needed.
-        let Some(history) = inner.manager.history() else {
+        let Some(history) = inner.history() else {
             return Vec::new();
         };
         let mut tags = Self::snapshot_with(inner, Some(history)).by_tag();
@@ -326,19 +348,21 @@ impl Context {
     /// returns the bytes released. Inside `defer_cleanup` the frees wait for the guard.
     pub fn trim(&self) -> Result<usize, EmmError> {
         self.ensure_alive("trim")?;
-        self.inner.manager.trim()
+        self.inner.manager.holdings().map_or(Ok(0), |h| h.trim())
     }
 
     /// What the manager's pools hold now.
     pub fn pool_stats(&self) -> PoolReport {
-        self.inner.manager.pool_stats()
+        (self.inner.manager.holdings())
+            .map(|h| h.pool_stats())
+            .unwrap_or_default()
     }
 
     /// The free space of the manager's device pool, block by block: largest block, count,
     /// histogram, fragmentation, and what requests of a size cannot use ([`FreeSpace`];
     /// `None` for a manager without a pool, or whose pool cannot tell).
     pub fn free_space(&self) -> Option<FreeSpace> {
-        self.inner.manager.free_space()
+        self.inner.manager.holdings()?.free_space()
     }
 
     /// Everything the manager holds, segment by segment and block by block: in use, cached
@@ -355,7 +379,7 @@ impl Context {
     }
 
     fn snapshot_of(inner: &ContextInner) -> MemorySnapshot {
-        Self::snapshot_with(inner, inner.manager.history())
+        Self::snapshot_with(inner, inner.history())
     }
 
     /// The snapshot of `inner`'s manager, with `history` (its manager's, read once).
@@ -363,7 +387,7 @@ impl Context {
         inner: &ContextInner,
         history: Option<HistoryRecord>,
     ) -> MemorySnapshot {
-        let held = inner.manager.segments();
+        let held = inner.manager.holdings().and_then(|h| h.segments());
         let history_on = history.is_some();
         let HistoryRecord {
             live,
@@ -408,12 +432,12 @@ impl Context {
     /// Whether allocations keep their stacks (the `history-stacks` adaptor): worth passing
     /// the host language's stack then ([`with_host_stack`](crate::contract::with_host_stack)).
     pub fn records_stacks(&self) -> bool {
-        self.inner.manager.records_stacks()
+        (self.inner.manager.records()).is_some_and(|r| r.records_stacks())
     }
 
     /// What a `stats` adaptor counted, if the manager has one.
     pub fn usage(&self) -> Option<Usage> {
-        self.inner.manager.usage()
+        self.inner.manager.records()?.usage()
     }
 
     /// Free and total memory, as the manager reports them.
@@ -576,7 +600,7 @@ impl Context {
                 advice: "pools are exported as POSIX file descriptors, which needs Linux",
             });
         }
-        self.inner.manager.export_pool()
+        (self.inner.exports(EmmError::no_pool_export)?).export_pool()
     }
 
     /// Allocates `bytes` of device memory to share with other processes
@@ -588,7 +612,7 @@ impl Context {
     /// leaves it alone: another process may map it.
     pub fn memalloc_shared(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
         self.inner.cx.ensure_awake("memalloc_shared")?;
-        self.inner.manager.memalloc_shared(bytes)
+        (self.inner.exports(EmmError::no_shared_allocation)?).memalloc_shared(bytes)
     }
 
     /// Exports `memory` (an allocation of [`memalloc_shared`](Self::memalloc_shared), or a view
@@ -609,7 +633,7 @@ impl Context {
                 advice: "memory is exported as POSIX file descriptors, which needs Linux",
             });
         }
-        self.inner.manager.export_mapped(memory)
+        (self.inner.exports(EmmError::no_mapped_export)?).export_mapped(memory)
     }
 
     /// Maps memory another process exported with [`export_mapped`](Self::export_mapped) into

@@ -96,7 +96,7 @@ impl Context {
                 .map_err(|e| cx.driver_error(WHAT, e))?;
         }
         self.flush_deallocations()?;
-        let history = inner.manager.history();
+        let history = inner.history();
         let complete = history.as_ref().is_some_and(|h| h.complete);
         if options.depends_on_tags() && !complete {
             return Err(EmmError::InvalidArgument {
@@ -132,7 +132,7 @@ impl Context {
                 .map(|b| (b.address, b.address + b.bytes as u64))
                 .collect(),
         );
-        inner.manager.sleep(&blocks, options)
+        inner.sleeper("sleep")?.sleep(&blocks, options)
     }
 
     /// Wakes the context's memory ([`sleep`](Self::sleep)): physical memory is mapped again
@@ -150,7 +150,7 @@ impl Context {
             });
         }
         let began = std::time::Instant::now();
-        let mut report = self.inner.manager.wake()?;
+        let mut report = self.inner.sleeper("wake")?.wake()?;
         cx.liveness.wake();
         report.elapsed = began.elapsed();
         tracing::info!(device = %cx.device, elapsed_ms = report.elapsed.as_millis() as u64, "context memory awake");

@@ -143,3 +143,78 @@ fn a_device_that_does_not_exist_is_a_clear_error() {
         "device 3 does not exist: the driver reports 1 device(s); use an ordinal below 1"
     );
 }
+
+/// What each shipped manager can do beyond NBEP 7, as its capability accessors say: a plugin
+/// or adaptor asks the accessor, not the manager's name. Every manager built on the host layer
+/// holds pinned memory back (`holdings`); the pools keep a history; only `vmm-pool` sleeps and
+/// shares memory as file descriptors, and only `async-pool-ipc` exports its pool.
+#[test]
+fn each_shipped_manager_offers_the_capabilities_its_memory_allows() {
+    use emm::contract::{ManagerFactory, MemoryManager};
+    use emm::plugin::{AsyncPoolAllocator, PoolAllocator};
+    use std::sync::{Arc, Mutex};
+
+    type Seen = Arc<Mutex<Option<[bool; 4]>>>;
+    let cases: [(&str, Arc<dyn ManagerFactory>, [bool; 4]); 5] = [
+        (
+            "default",
+            Arc::new(FnFactory::new("default", |cx| {
+                Ok(Box::new(DefaultManager::default_manager(cx)))
+            })),
+            [true, false, false, false],
+        ),
+        (
+            "pool",
+            Arc::new(PoolAllocator::factory()),
+            [true, true, false, false],
+        ),
+        (
+            "vmm-pool",
+            Arc::new(PoolAllocator::vmm_factory()),
+            [true, true, true, true],
+        ),
+        (
+            "async-pool",
+            Arc::new(AsyncPoolAllocator::factory()),
+            [true, false, false, false],
+        ),
+        (
+            "async-pool-ipc",
+            Arc::new(AsyncPoolAllocator::ipc_factory()),
+            [true, false, true, false],
+        ),
+    ];
+    for (name, inner, expected) in cases {
+        let seen: Seen = Arc::new(Mutex::new(None));
+        let probe = {
+            let seen = Arc::clone(&seen);
+            FnFactory::new("probe", move |cx| {
+                let m: Box<dyn MemoryManager> = inner.create(cx)?;
+                *seen.lock().unwrap() = Some([
+                    m.holdings().is_some(),
+                    m.records().is_some(),
+                    m.exports().is_some(),
+                    m.sleeper().is_some(),
+                ]);
+                Ok(m)
+            })
+        };
+        let rt = Runtime::builder(sim())
+            .ignore_env()
+            .memory_manager(probe)
+            .build()
+            .unwrap();
+        let ctx = rt.context(0).unwrap();
+        assert_eq!(seen.lock().unwrap().take(), Some(expected), "{name}");
+        // Through the context: what a manager lacks is refused, naming it.
+        if !expected[3] {
+            let e = ctx.sleep(&Default::default()).unwrap_err();
+            assert!(matches!(e, EmmError::NotSupported { .. }), "{name}: {e}");
+        }
+        if !expected[2] {
+            let e = ctx.memalloc_shared(1 << 20).unwrap_err();
+            assert!(matches!(e, EmmError::NotSupported { .. }), "{name}: {e}");
+        }
+        assert_eq!(ctx.trim().unwrap(), 0, "{name}: nothing held yet");
+    }
+}

@@ -76,7 +76,9 @@ use crate::contract::manager::StreamOrdering;
 use crate::contract::pool_export::{PoolExport, PoolId};
 use crate::error::EmmError;
 use crate::host::fences::Fences;
-use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
+use crate::host::{
+    AllocationKind, DeviceAllocator, DeviceExports, DeviceHoldings, HostLayer, HostOnly,
+};
 use crate::managers::default::DriverAllocator;
 use crate::memory::pending::PendingDeallocs;
 use crate::memory::pointer::{
@@ -826,10 +828,6 @@ impl DeviceAllocator for AsyncPoolAllocator {
         self.export_allocation(memory)
     }
 
-    fn export_pool(&self, _host: &HostLayer) -> Result<PoolExport, EmmError> {
-        self.export()
-    }
-
     fn reset(&self, _host: &HostLayer) -> Result<(), EmmError> {
         let cx = &self.shared.cx;
         let (_gates, mut state) = self.shared.exclusive();
@@ -855,12 +853,30 @@ impl DeviceAllocator for AsyncPoolAllocator {
         done.map_err(self.err("reset"))
     }
 
+    fn holdings(&self) -> Option<&dyn DeviceHoldings> {
+        Some(self)
+    }
+
+    /// `async-pool-ipc` only: the other pools are not created for export.
+    fn exports(&self) -> Option<&dyn DeviceExports> {
+        self.shared.ipc.then_some(self as &dyn DeviceExports)
+    }
+}
+
+impl DeviceHoldings for AsyncPoolAllocator {
     fn trim(&self, _host: &HostLayer) -> Result<usize, EmmError> {
         AsyncPoolAllocator::trim(self)
     }
 
     fn pool_stats(&self) -> Option<PoolStats> {
         self.stats()
+    }
+}
+
+/// The pool's export (`async-pool-ipc`).
+impl DeviceExports for AsyncPoolAllocator {
+    fn export_pool(&self, _host: &HostLayer) -> Result<PoolExport, EmmError> {
+        self.export()
     }
 }
 

@@ -101,7 +101,10 @@ use crate::contract::sleep::{SleepBlock, SleepOptions, SleepReport, WakeReport};
 use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::error::EmmError;
 use crate::host::fences::Fences;
-use crate::host::{AllocationKind, DeviceAllocator, HostLayer, HostOnly};
+use crate::host::{
+    AllocationKind, DeviceAllocator, DeviceExports, DeviceHoldings, DeviceRecords, DeviceSleeper,
+    HostLayer, HostOnly,
+};
 use crate::lines::Lines;
 use crate::managers::default::DriverAllocator;
 use crate::memory::pending::PendingDeallocs;
@@ -632,65 +635,6 @@ impl DeviceAllocator for PoolAllocator {
         host.ipc_handle(memory)
     }
 
-    fn export_mapped(
-        &self,
-        _host: &HostLayer,
-        memory: &MemoryPointer,
-    ) -> Result<MappedExport, EmmError> {
-        self.shared
-            .export_mapped(memory.device_ptr().0, memory.size())
-    }
-
-    /// `vmm-pool`: physical memory of its own for the request, outside the pool
-    /// (`PoolShared::allocate_shared`), through the host layer's out-of-memory rule; its
-    /// pointer gives it back when the last clone drops.
-    fn memalloc_shared(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
-        if self.shared.vmm.is_none() {
-            return Err(EmmError::no_shared_allocation(POOL_MANAGER));
-        }
-        if bytes == 0 {
-            return Err(EmmError::ZeroSize {
-                what: "memalloc_shared",
-            });
-        }
-        let (base, _) =
-            host.attempt_allocation("memalloc_shared", AllocationKind::Device, bytes, || {
-                self.shared.allocate_shared(bytes)
-            })?;
-        let (cx, pool) = (&self.shared.cx, Arc::clone(&self.shared));
-        // SAFETY: `base .. base + bytes` lies in physical memory mapped for this allocation
-        // alone, which stays mapped until this pointer's release unmaps it.
-        #[allow(unsafe_code)]
-        let mem = unsafe {
-            MemoryPointer::with_release(
-                cx.device,
-                cx.context,
-                DevicePtr(base),
-                bytes,
-                move |p, _| pool.release_shared(p.0),
-            )
-        };
-        Ok(mem)
-    }
-
-    /// `vmm-pool`: unmaps and releases the pieces no kept allocation lies in, keeping the
-    /// reservation (`PoolShared::sleep`); `pool` refuses, its `cuMemAlloc` chunks cannot keep
-    /// their addresses without their memory.
-    fn sleep(
-        &self,
-        _host: &HostLayer,
-        blocks: &[SleepBlock],
-        options: &SleepOptions,
-    ) -> Result<SleepReport, EmmError> {
-        self.shared.sleep(blocks, options.keeps_host_buffer())
-    }
-
-    /// `vmm-pool`: maps memory again where the sleep released it and copies the offloaded
-    /// allocations back (`PoolShared::wake`); `pool` refuses.
-    fn wake(&self, _host: &HostLayer) -> Result<WakeReport, EmmError> {
-        self.shared.wake()
-    }
-
     fn reset(&self, host: &HostLayer) -> Result<(), EmmError> {
         let pool = &*self.shared;
         let (mut parked, mut large) = (Vec::new(), Vec::new());
@@ -746,6 +690,33 @@ impl DeviceAllocator for PoolAllocator {
         flushed
     }
 
+    fn holdings(&self) -> Option<&dyn DeviceHoldings> {
+        Some(self)
+    }
+
+    fn records(&self) -> Option<&dyn DeviceRecords> {
+        Some(self)
+    }
+
+    /// `vmm-pool` only: `pool`'s `cuMemAlloc` chunks are exported as IPC handles.
+    fn exports(&self) -> Option<&dyn DeviceExports> {
+        self.shared
+            .vmm
+            .is_some()
+            .then_some(self as &dyn DeviceExports)
+    }
+
+    /// `vmm-pool` only: `pool`'s `cuMemAlloc` chunks cannot keep their addresses without their
+    /// memory.
+    fn sleeper(&self) -> Option<&dyn DeviceSleeper> {
+        self.shared
+            .vmm
+            .is_some()
+            .then_some(self as &dyn DeviceSleeper)
+    }
+}
+
+impl DeviceHoldings for PoolAllocator {
     fn trim(&self, _host: &HostLayer) -> Result<usize, EmmError> {
         PoolAllocator::trim(self)
     }
@@ -761,7 +732,10 @@ impl DeviceAllocator for PoolAllocator {
     fn segments(&self, _host: &HostLayer) -> Option<Vec<HeldSegment>> {
         Some(self.shared.segments())
     }
+}
 
+/// Each thread's and stream's window of last events.
+impl DeviceRecords for PoolAllocator {
     fn history(&self, _host: &HostLayer) -> Option<HistoryRecord> {
         // Copied out one stream shard at a time (their locks come before the others').
         let streams: Vec<history::Ring> = (self.shared.streams.shards.iter())
@@ -773,6 +747,69 @@ impl DeviceAllocator for PoolAllocator {
                 .iter()
                 .chain(shards.iter().map(|lists| &lists.history)),
         ))
+    }
+}
+
+/// `vmm-pool`'s memory shared as file descriptors ([`DeviceAllocator::exports`] hands it out
+/// for `vmm-pool` alone).
+impl DeviceExports for PoolAllocator {
+    fn export_mapped(
+        &self,
+        _host: &HostLayer,
+        memory: &MemoryPointer,
+    ) -> Result<MappedExport, EmmError> {
+        self.shared
+            .export_mapped(memory.device_ptr().0, memory.size())
+    }
+
+    /// `vmm-pool`: physical memory of its own for the request, outside the pool
+    /// (`PoolShared::allocate_shared`), through the host layer's out-of-memory rule; its
+    /// pointer gives it back when the last clone drops.
+    fn memalloc_shared(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        if bytes == 0 {
+            return Err(EmmError::ZeroSize {
+                what: "memalloc_shared",
+            });
+        }
+        let (base, _) =
+            host.attempt_allocation("memalloc_shared", AllocationKind::Device, bytes, || {
+                self.shared.allocate_shared(bytes)
+            })?;
+        let (cx, pool) = (&self.shared.cx, Arc::clone(&self.shared));
+        // SAFETY: `base .. base + bytes` lies in physical memory mapped for this allocation
+        // alone, which stays mapped until this pointer's release unmaps it.
+        #[allow(unsafe_code)]
+        let mem = unsafe {
+            MemoryPointer::with_release(
+                cx.device,
+                cx.context,
+                DevicePtr(base),
+                bytes,
+                move |p, _| pool.release_shared(p.0),
+            )
+        };
+        Ok(mem)
+    }
+}
+
+/// `vmm-pool`'s sleep ([`DeviceAllocator::sleeper`] hands it out for `vmm-pool` alone).
+impl DeviceSleeper for PoolAllocator {
+    /// `vmm-pool`: unmaps and releases the pieces no kept allocation lies in, keeping the
+    /// reservation (`PoolShared::sleep`); `pool` refuses, its `cuMemAlloc` chunks cannot keep
+    /// their addresses without their memory.
+    fn sleep(
+        &self,
+        _host: &HostLayer,
+        blocks: &[SleepBlock],
+        options: &SleepOptions,
+    ) -> Result<SleepReport, EmmError> {
+        self.shared.sleep(blocks, options.keeps_host_buffer())
+    }
+
+    /// `vmm-pool`: maps memory again where the sleep released it and copies the offloaded
+    /// allocations back (`PoolShared::wake`); `pool` refuses.
+    fn wake(&self, _host: &HostLayer) -> Result<WakeReport, EmmError> {
+        self.shared.wake()
     }
 }
 

@@ -25,7 +25,7 @@ pub(super) struct Stash {
 }
 
 impl PoolShared {
-    /// `vmm-pool`: [`MemoryManager::sleep`](crate::contract::MemoryManager::sleep). The caller (the
+    /// `vmm-pool`: [`Sleeper::sleep`](crate::contract::Sleeper::sleep). The caller (the
     /// context) waited for the device and refuses allocations. The allocations to offload are
     /// copied to one page-locked host buffer first (a failure leaves the pool as it was);
     /// then every piece that no kept allocation lies in is unmapped and released, its range
@@ -213,7 +213,7 @@ impl PoolShared {
         }
     }
 
-    /// `vmm-pool`: [`MemoryManager::wake`](crate::contract::MemoryManager::wake). A new piece is made
+    /// `vmm-pool`: [`Sleeper::wake`](crate::contract::Sleeper::wake). A new piece is made
     /// and mapped at each address the sleep released (and not given back since), access is
     /// granted once per run of them, and the offloaded allocations are copied back. On a
     /// failure the pool stays asleep, with the pieces mapped so far kept and the offloaded
