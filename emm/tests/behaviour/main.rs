@@ -10,11 +10,14 @@
 //! | --- | --- |
 //! | `pending_policy` | the deferred-deallocation policy, one test per rule |
 //! | `host_and_ipc` | host-side rules and multi-device IPC that one GPU cannot show |
-//! | `selection` | choosing the manager in code, the interface-version check |
+//! | `selection` | choosing the manager in code, the interface-version check, each manager's capabilities |
 //! | `hostile_input` | garbled IPC handles, pool descriptors and configuration are refused |
 //! | `free_space` | the pool's free space, block by block, adds up to what it holds and does not lend (property test) |
 //! | `held_bound` | device memory held stays bounded by memory live, for random sequences (property test) |
-//! | `pools` | the pool, the pinned host pool and the adaptors, with a property test of the pool |
+//! | `pools` | the device pools and the adaptors, with a property test of the pool |
+//! | `pinned_pool` | the pinned host pool, with a property test of its accounting |
+//! | `replays` | allocation logs (emm's, RMM's) replayed through the managers |
+//! | `vmm_pool` | `vmm-pool`'s growth in place and unmapping |
 //! | `pool_ipc` | IPC of stream-ordered pools between simulated processes, with a property test |
 //! | `state_machine` | a context against a reference model (proptest state machine) |
 //! | `in_flight` | an asynchronous copy that cannot finish leaks its buffers rather than freeing them |
@@ -35,8 +38,10 @@ mod hostile_input;
 mod in_flight;
 mod out_of_memory;
 mod pending_policy;
+mod pinned_pool;
 mod pool_ipc;
 mod pools;
+mod replays;
 mod selection;
 mod sleep;
 mod snapshots;
@@ -44,3 +49,4 @@ mod state_machine;
 mod stream_reuse;
 #[cfg(unix)]
 mod vmm_ipc;
+mod vmm_pool;

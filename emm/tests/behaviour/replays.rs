@@ -1,0 +1,231 @@
+//! Replays of allocation logs (emm's own and RMM's) through the managers on the simulator,
+//! with and without the GPU's progress.
+
+use std::sync::Arc;
+
+use driver_mock::{SimConfig, SimDriver};
+use emm::contract::MemoryKind;
+use emm::{Adaptor, EmmError, Runtime, replay};
+
+use crate::common::runtime_with;
+
+use crate::pools::{MIB, on_a_gib};
+
+/// The log adaptor writes RMM's columns; the log replays on a fresh simulator under another
+/// manager, with the same allocations.
+#[test]
+fn a_logged_run_replays() {
+    let dir = std::env::temp_dir().join(format!("emm-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("run.csv");
+    {
+        let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+        let rt = Runtime::builder(sim.clone())
+            .ignore_env()
+            .adaptors(vec![Adaptor::Log(path.clone()), Adaptor::Stats])
+            .build()
+            .unwrap();
+        let ctx = rt.context(0).unwrap();
+        let a = ctx.memalloc(1000).unwrap();
+        let b = ctx.memalloc(5 << 20).unwrap();
+        let h = ctx.memhostalloc(4096, true, false, false).unwrap();
+        drop(a);
+        let c = ctx.memalloc(2000).unwrap();
+        drop((b, c, h));
+        let usage = ctx.usage().unwrap();
+        assert_eq!(usage.device.total_count, 3);
+        assert_eq!(usage.device.peak_count, 2);
+        assert_eq!(usage.of(MemoryKind::Mapped).total_count, 1);
+        assert_eq!(usage.device.current_bytes, 0);
+    }
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some(emm::plugin::LOG_HEADER));
+    assert_eq!(text.lines().count(), 1 + 8, "{text}");
+    let events = replay::parse_log(&text).unwrap();
+    assert_eq!(events.len(), 8);
+    let (_sim, rt) = on_a_gib("pool");
+    let report = replay::replay(&rt.context(0).unwrap(), &events).unwrap();
+    assert_eq!(
+        (report.allocations, report.frees, report.failures),
+        (4, 4, 0),
+        "{report:?}"
+    );
+    assert_eq!(report.peak_live, 3);
+    // RMM's own six columns replay too.
+    let rmm = "Thread,Time,Action,Pointer,Size,Stream\n1,0.1,allocate,0x10,256,0\n1,0.2,free,0x10,256,0\n";
+    let events = replay::parse_log(rmm).unwrap();
+    assert_eq!(events.len(), 2);
+    let bad = replay::parse_log("1,0.1,reserve,0x10,256,0").unwrap_err();
+    assert!(bad.to_string().contains("unknown action"), "{bad}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The log's `Reached` column says how far the GPU had got through a stream when an allocation
+/// came: the time of the latest marker it recorded there that has completed. On the
+/// simulator, whose streams run only when asked, it stays at the first marker's time until the
+/// streams run; memory without a stream says `-`. The replay reads it back with each event's
+/// time.
+#[test]
+fn the_log_says_how_far_the_gpu_had_got() {
+    let dir = std::env::temp_dir().join(format!("emm-reached-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("run.csv");
+    {
+        let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+        let rt = Runtime::builder(sim.clone())
+            .ignore_env()
+            .memory_manager_name("pool")
+            .adaptors(vec![Adaptor::Log(path.clone())])
+            .build()
+            .unwrap();
+        let ctx = rt.context(0).unwrap();
+        let stream = ctx.create_stream().unwrap();
+        let a = ctx.memalloc_on(1 << 20, &stream).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        let b = ctx.memalloc_on(1 << 20, &stream).unwrap();
+        // The streams run: the markers recorded so far complete.
+        sim.run_streams();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        let c = ctx.memalloc_on(1 << 20, &stream).unwrap();
+        let plain = ctx.memalloc(4096).unwrap();
+        drop((a, b, c, plain));
+        stream.synchronize().unwrap();
+    }
+    let text = std::fs::read_to_string(&path).unwrap();
+    let events = replay::parse_log(&text).unwrap();
+    let allocs: Vec<_> = events
+        .iter()
+        .filter(|e| e.action == replay::Action::Allocate)
+        .collect();
+    assert_eq!(allocs.len(), 4, "{text}");
+    let at = |k: usize| allocs[k].at.expect("every line has its time");
+    assert_eq!(allocs[0].reached, Some(0), "nothing had completed");
+    assert_eq!(
+        allocs[1].reached,
+        Some(0),
+        "the first marker is still queued"
+    );
+    assert_eq!(
+        allocs[2].reached,
+        Some(at(1)),
+        "after the streams ran, the second allocation's marker had completed"
+    );
+    assert_eq!(allocs[3].reached, None, "memory without a stream: {text}");
+    assert!(at(0) < at(1) && at(1) < at(2));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A replay with the recorded progress keeps a stream busy where the log says its work was
+/// still running: a pool that grows for it then waits for that work before it gives the
+/// stream's free chunk back (the simulator's stand-in work completes when a synchronisation
+/// waits for it), and holds no more than the program needed, where a pool that left the chunk
+/// behind a fence held both at once.
+#[test]
+fn a_replay_with_the_gpus_progress_keeps_streams_busy() {
+    // Two 100 MiB blocks in turn, then 150 MiB, on one stream whose work never caught up
+    // (progress 0): at the third, the stream's free chunk does not hold it.
+    let log = "Thread,Time,Action,Pointer,Size,Stream,Kind,Reached
+0,0.001,allocate,0x1000,104857600,0x0,device,0
+0,0.002,free,0x1000,104857600,0x0,device,0
+0,0.003,allocate,0x2000,157286400,0x0,device,0
+0,0.004,free,0x2000,157286400,0x0,device,0
+";
+    let events = replay::parse_log(log).unwrap();
+    assert_eq!(events[2].at, Some(3_000_000));
+    assert_eq!(events[2].reached, Some(0));
+    let r = integration_free_replay(&events);
+    assert_eq!(r.failures, 0);
+    assert_eq!(
+        r.peak_held_bytes,
+        150 * MIB,
+        "the stream's free chunk went back before the pool grew"
+    );
+}
+
+/// The simulator's stand-in work for a replay with progress, on the replay's own context.
+struct SimWork<'a> {
+    sim: &'a SimDriver,
+    ctx: emm::driver_sys::ContextHandle,
+}
+
+impl replay::RecordedWork for SimWork<'_> {
+    fn launched(&mut self, stream: emm::driver_sys::StreamHandle, at: u64) -> Result<(), EmmError> {
+        self.sim
+            .launch_recorded(self.ctx, stream, at)
+            .map_err(|e| EmmError::driver("launch_recorded", emm::driver_sys::DeviceOrdinal(0), e))
+    }
+
+    fn reached(&mut self, stream: emm::driver_sys::StreamHandle, at: u64) -> Result<(), EmmError> {
+        self.sim
+            .reach_recorded(self.ctx, stream, at)
+            .map_err(|e| EmmError::driver("reach_recorded", emm::driver_sys::DeviceOrdinal(0), e))
+    }
+}
+
+/// Replays `events` once under `pool` on a fresh simulated GiB with their progress.
+fn integration_free_replay(events: &[replay::ReplayEvent]) -> replay::ReplayReport {
+    let (sim, rt) = on_a_gib("pool");
+    let ctx = rt.context(0).unwrap();
+    let mut replayer = replay::Replayer::new(&ctx).unwrap();
+    let mut work = SimWork {
+        sim: &sim,
+        ctx: ctx.handle(),
+    };
+    replayer
+        .pass_recorded(events, &mut work, || {
+            sim.run_streams();
+        })
+        .unwrap()
+}
+
+/// A log in RMM's exact format (`logging_resource_adaptor`: pointers as bare hexadecimal,
+/// `%llx`, actions `allocate`, `free` and `allocate failure` with a null pointer) replays;
+/// so does one whose header puts the columns in another order, and one without a header
+/// (RMM's order). Pointers with letters in them name the same allocation at its free.
+#[test]
+fn an_rmm_log_replays() {
+    let rmm = "Thread,Time,Action,Pointer,Size,Stream
+140573312345856,10:42:07.101372,allocate,7f8a40000000,1024,7f8a38001020
+140573312345856,10:42:07.101390,allocate,7f8a40000400,2048,7f8a38001020
+140573312345856,10:42:07.101401,allocate failure,0,1099511627776,7f8a38001020
+140573312345856,10:42:07.101420,free,7f8a40000000,1024,7f8a38001020
+140573312345856,10:42:07.101431,free,7f8a40000400,2048,7f8a38001020
+";
+    let events = replay::parse_log(rmm).unwrap();
+    assert_eq!(events.len(), 4, "the failure is skipped: {events:?}");
+    assert_eq!(events[0].ptr, 0x7f8a_4000_0000);
+    assert_eq!(events[1].ptr, 0x7f8a_4000_0400);
+    assert_eq!(
+        events[3].ptr, events[1].ptr,
+        "the free names the allocation"
+    );
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime_with(&sim, "pool");
+    let report = replay::replay(&rt.context(0).unwrap(), &events).unwrap();
+    assert_eq!(
+        (report.allocations, report.frees, report.unmatched_frees),
+        (2, 2, 0),
+        "{report:?}"
+    );
+    // The same events with the columns in another order, and with no header at all.
+    let reordered = "Size,Pointer,Action,Stream\n1024,7f8a40000000,allocate,0\n1024,0x7f8a40000000,deallocate,0\n";
+    let events = replay::parse_log(reordered).unwrap();
+    assert_eq!(
+        events
+            .iter()
+            .map(|e| (e.action, e.ptr, e.size))
+            .collect::<Vec<_>>(),
+        [
+            (replay::Action::Allocate, 0x7f8a_4000_0000, 1024),
+            (replay::Action::Free, 0x7f8a_4000_0000, 1024),
+        ]
+    );
+    let bare = "1,0.1,allocate,abc0,256,0\n1,0.2,free,abc0,256,0\n";
+    assert_eq!(replay::parse_log(bare).unwrap().len(), 2);
+    // A header without a size column, and a pointer that is not hexadecimal, are refused.
+    let no_size = replay::parse_log("Thread,Time,Action,Pointer\n").unwrap_err();
+    assert!(no_size.to_string().contains("\"size\""), "{no_size}");
+    let not_hex = replay::parse_log("1,0.1,allocate,0xzz,256,0").unwrap_err();
+    assert!(not_hex.to_string().contains("hexadecimal"), "{not_hex}");
+}
