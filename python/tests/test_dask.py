@@ -100,6 +100,15 @@ def test_every_worker_is_set_up_reports_its_figures_and_is_in_the_report(cluster
         and m,
         "each worker's live bytes in the scheduler's metrics",
     )
+    # Dask's own GPU memory panel reads emm's figures under RMM's names.
+    panel = client.run_on_scheduler(
+        lambda dask_scheduler: {
+            a: ws.metrics.get("rmm") for a, ws in dask_scheduler.workers.items()
+        }
+    )
+    for w, n in sizes.items():
+        assert panel[w]["rmm-used"] == n, panel
+        assert panel[w]["rmm-total"] == seen[w]["held_bytes"] >= n, (panel, seen)
     for w, n in sizes.items():
         figures = seen[w]
         assert figures["manager"] == "log(limit(stats(pool)))", figures
@@ -269,3 +278,27 @@ def test_the_dashboard_page_shows_every_workers_figures_in_a_browser(monkeypatch
             assert w in dom, dom[:2000]
         assert f"<td class=\"live_bytes\">{12 * MIB}</td>" in dom, dom[:3000]
         assert "stats(pool)" in dom, dom[:2000]
+
+
+def test_the_rmm_panel_metric_adds_emm_to_rmms_figures_once():
+    """Where RMM's own ``rmm`` metric is there too (RMM installed on the worker), the panel gets
+    both memories added; setting the worker up again does not add emm's twice."""
+    import asyncio
+
+    ctx = emm.context(0)
+    held = ctx.memalloc(4 * MIB)
+    mine = emm.dask.rmm_panel_figures()
+    assert mine["rmm-used"] >= 4 * MIB or ctx.pool_stats()["device"] is None, mine
+    assert mine["rmm-total"] >= mine["rmm-used"], mine
+
+    async def rmm_own(worker):
+        return {"rmm-used": 100, "rmm-total": 1000}
+
+    once = emm.dask.rmm_panel_metric(rmm_own)
+    twice = emm.dask.rmm_panel_metric(once)
+    for metric in (once, twice):
+        got = asyncio.run(metric(None))
+        assert got == {"rmm-used": mine["rmm-used"] + 100, "rmm-total": mine["rmm-total"] + 1000}
+    alone = asyncio.run(emm.dask.rmm_panel_metric(None)(None))
+    assert alone == mine
+    del held

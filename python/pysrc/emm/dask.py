@@ -15,7 +15,9 @@ restarts), before the worker's first CUDA allocation must happen: it makes the p
 runtime with the manager and adaptors given, and installs emm for the frameworks the worker can
 import (PyTorch's allocator, CuPy's, Numba's memory manager). Each worker then reports emm's
 figures in its metrics (``worker.metrics["emm"]``), which reach the scheduler with every
-heartbeat. For ``dask worker`` and ``dask cuda worker``, ``--preload emm.dask`` does the same from
+heartbeat, and under the names Dask's dashboard draws its GPU memory panel from
+(``worker.metrics["rmm"]``: ``rmm-used`` is device memory in use through emm, ``rmm-total`` what
+emm holds from the driver; added to RMM's own figures where RMM is installed too). For ``dask worker`` and ``dask cuda worker``, ``--preload emm.dask`` does the same from
 the environment (``EMM_MEMORY_MANAGER``, ``EMM_MEMORY_ADAPTORS``, ``EMM_DASK_MAXIMUM``,
 ``EMM_DASK_LOG_DIRECTORY``, ``EMM_DASK_FRAMEWORKS``).
 
@@ -60,6 +62,7 @@ figures, renewed every two seconds, and ``/emm/figures.json`` with the same figu
 
 import copyreg
 import html
+import inspect
 import os
 import re
 
@@ -74,11 +77,16 @@ __all__ = [
     "dask_setup",
     "enable_dashboard_page",
     "memory_report",
+    "rmm_panel_figures",
+    "rmm_panel_metric",
     "worker_figures",
 ]
 
 #: The name of the worker metric emm's figures are reported under.
 METRIC = "emm"
+
+#: The worker metric Dask's dashboard draws its RMM / GPU memory panel from.
+RMM_PANEL_METRIC = "rmm"
 
 
 class EmmSetup(WorkerPlugin):
@@ -142,6 +150,7 @@ class EmmSetup(WorkerPlugin):
             if install(framework):
                 installed.append(framework)
         worker.metrics[METRIC] = worker_figures
+        worker.metrics[RMM_PANEL_METRIC] = rmm_panel_metric(worker.metrics.get(RMM_PANEL_METRIC))
         worker.emm_frameworks = installed
         _make_device_buffers_spillable()
         if self.spill:
@@ -218,6 +227,41 @@ def worker_figures(worker=None):
     """emm's figures in this process, the ``emm`` worker metric (``worker`` is what the
     worker passes a metric; unused): see ``emm._worker.figures``."""
     return figures()
+
+
+def rmm_panel_figures():
+    """emm's device figures under the names Dask's RMM panel reads: ``rmm-used``, device memory
+    in use through emm (live, with the ``stats`` adaptor; else the pool's in-use bytes), and
+    ``rmm-total``, what emm holds from the driver (the pool's held bytes; the memory in use for
+    a manager that holds nothing back)."""
+    ctx = emm.context(0)
+    usage = ctx.usage()
+    pool = ctx.pool_stats()["device"]
+    if usage:
+        used = usage["device"]["current_bytes"]
+    else:
+        used = pool["in_use_bytes"] if pool else 0
+    total = pool["held_bytes"] if pool else used
+    return {"rmm-used": used, "rmm-total": max(total, used)}
+
+
+def rmm_panel_metric(previous=None):
+    """The ``rmm`` worker metric: :func:`rmm_panel_figures`, added to ``previous`` (the worker's
+    ``rmm`` metric before: RMM's, where RMM is installed) figure by figure. Setting a worker up
+    again replaces emm's part rather than adding it twice."""
+    previous = getattr(previous, "emm_previous", previous)
+
+    async def metric(worker):
+        mine = rmm_panel_figures()
+        if previous is None:
+            return mine
+        theirs = previous(worker)
+        if inspect.isawaitable(theirs):
+            theirs = await theirs
+        return {k: (theirs.get(k) or 0) + v for k, v in mine.items()}
+
+    metric.emm_previous = previous
+    return metric
 
 
 def dask_setup(worker):
