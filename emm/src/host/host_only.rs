@@ -270,6 +270,9 @@ impl<D: DeviceAllocator> HostOnly<D> {
 }
 
 impl<D: DeviceAllocator> MemoryManager for HostOnly<D> {
+    // One hop every allocation of a host-layer manager crosses: kept inlinable into the
+    // context's call wherever the manager's code lands.
+    #[inline]
     fn memalloc(&self, bytes: usize) -> Result<MemoryPointer, EmmError> {
         self.device.memalloc(&self.host, bytes)
     }
