@@ -30,6 +30,19 @@ std::thread_local! {
     static CALLING_BACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
 }
 
+// The contexts (their liveness, by address) whose memory this thread holds exclusively
+// ([`ContextLiveness::exclusive_memory`]): a reset runs release hooks, user code, which may
+// use memory of the same context. Under loom, each model thread has its own (loom runs them on
+// one OS thread).
+#[cfg(not(emm_loom))]
+std::thread_local! {
+    static EXCLUSIVE_HERE: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+#[cfg(emm_loom)]
+loom::thread_local! {
+    static EXCLUSIVE_HERE: RefCell<Vec<usize>> = RefCell::new(Vec::new());
+}
+
 /// The high bit of the state word: the context is dead.
 const DEAD: usize = 1 << (usize::BITS - 1);
 
@@ -178,18 +191,42 @@ impl ContextLiveness {
     /// close wait until the returned guard drops. A thread takes it once per use, never
     /// nested (a waiting reset would block the inner one while it waits for the outer), and
     /// calls no user code while holding it.
+    ///
+    /// On the thread that holds the memory exclusively (a reset running a release hook, user
+    /// code, that uses memory of the same context), it holds nothing: the reset made every
+    /// pointer of the context stale before it frees, so the use is refused.
     pub(crate) fn use_memory(&self) -> MemoryInUse<'_> {
-        MemoryInUse {
-            _held: (self.memory_use.read()).unwrap_or_else(|poisoned| poisoned.into_inner()),
-        }
+        let held = match self.memory_use.try_read() {
+            Ok(held) => held,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                if self.exclusive_here() {
+                    return MemoryInUse { _held: None };
+                }
+                (self.memory_use.read()).unwrap_or_else(|poisoned| poisoned.into_inner())
+            }
+        };
+        MemoryInUse { _held: Some(held) }
     }
 
     /// Waits until no use of the context's memory is in flight and holds off new ones until
     /// the returned guard drops: taken by whatever frees or unmaps memory under live pointers.
-    pub(crate) fn exclusive_memory(&self) -> MemoryExclusive<'_> {
-        MemoryExclusive {
-            _held: (self.memory_use.write()).unwrap_or_else(|poisoned| poisoned.into_inner()),
+    /// `None` where this thread holds it already (a release hook run by a reset closes an IPC
+    /// handle, or asks for another reset): nothing else can be in flight then.
+    pub(crate) fn exclusive_memory(&self) -> Option<MemoryExclusive<'_>> {
+        if self.exclusive_here() {
+            return None;
         }
+        let held = (self.memory_use.write()).unwrap_or_else(|poisoned| poisoned.into_inner());
+        let at = self as *const ContextLiveness as usize;
+        EXCLUSIVE_HERE.with(|e| e.borrow_mut().push(at));
+        Some(MemoryExclusive { at, _held: held })
+    }
+
+    /// Whether this thread holds the context's memory exclusively.
+    fn exclusive_here(&self) -> bool {
+        let at = self as *const ContextLiveness as usize;
+        EXCLUSIVE_HERE.with(|e| e.borrow().contains(&at))
     }
 
     /// Marks this thread, inside a call of this context, as running a user's callback (the
@@ -235,14 +272,28 @@ impl ContextLiveness {
 /// A use of the context's memory in flight ([`ContextLiveness::use_memory`]).
 #[must_use = "the memory is held while the guard lives"]
 pub(crate) struct MemoryInUse<'a> {
-    _held: RwLockReadGuard<'a, ()>,
+    /// `None` on the thread that holds the memory exclusively.
+    _held: Option<RwLockReadGuard<'a, ()>>,
 }
 
 /// Memory of the context being freed or unmapped under live pointers
 /// ([`ContextLiveness::exclusive_memory`]).
 #[must_use = "uses are held off while the guard lives"]
 pub(crate) struct MemoryExclusive<'a> {
+    /// The liveness's address, this thread's mark.
+    at: usize,
     _held: RwLockWriteGuard<'a, ()>,
+}
+
+impl Drop for MemoryExclusive<'_> {
+    fn drop(&mut self) {
+        EXCLUSIVE_HERE.with(|e| {
+            let mut e = e.borrow_mut();
+            if let Some(k) = e.iter().rposition(|&at| at == self.at) {
+                e.remove(k);
+            }
+        });
+    }
 }
 
 /// This thread's mark of running a callback from inside a context's call

@@ -481,7 +481,9 @@ impl Context {
         self.refuse_inside_callback("Context::reset")?;
         tracing::info!(device = %self.inner.cx.device, modules = self.inner.modules.len(), "context reset");
         let manager = {
-            let _uses = self.inner.cx.liveness.exclusive_memory();
+            let Some(_uses) = self.inner.cx.liveness.exclusive_memory() else {
+                return Err(self.reset_inside_reset("Context::reset"));
+            };
             self.inner.graph_routes.clear();
             let manager = self.inner.manager.reset();
             // The memory a sleep released was given up with the rest.
@@ -491,6 +493,20 @@ impl Context {
         self.inner.modules.clear();
         let own = self.inner.own.flush().map(|_| ());
         manager.and(own)
+    }
+
+    /// The refusal of `what` (a reset or a sleep) on a thread that is resetting this context,
+    /// or putting its memory to sleep, already: user code those run (a release hook) asked.
+    pub(super) fn reset_inside_reset(&self, what: &'static str) -> EmmError {
+        EmmError::InvalidArgument {
+            what,
+            reason: format!(
+                "it was called while this thread resets device {}'s context (or puts its memory \
+                 to sleep), from code that runs inside (a release hook, or a destructor of \
+                 memory being freed); let the reset or sleep finish, and call it afterwards",
+                self.inner.cx.device
+            ),
+        }
     }
 
     /// Refuses `what` (a reset or a sleep of this context) from inside the context's

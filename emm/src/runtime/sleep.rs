@@ -88,7 +88,9 @@ impl Context {
         let cx = &inner.cx;
         // Copies and launches already checked finish before the device is waited for; later
         // ones see the ranges put to sleep.
-        let _uses = cx.liveness.exclusive_memory();
+        let Some(_uses) = cx.liveness.exclusive_memory() else {
+            return Err(self.reset_inside_reset("Context::sleep"));
+        };
         {
             let _live = cx.enter(WHAT)?;
             cx.driver

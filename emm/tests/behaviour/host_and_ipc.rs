@@ -553,3 +553,87 @@ fn host_pool_memory_is_refused_after_a_reset() {
     assert!(ctx.copy_pinned_to_device(&dst, &pinned, 8).is_err());
     assert!(ctx.copy_device_to_pinned(&pinned, &dst, 8).is_err());
 }
+
+/// A plugin's `reset` (user code, which a context's reset runs) may use the same context: a
+/// copy there is refused as stale (the host layer's reset, which runs first, made every pointer
+/// stale), and a reset or sleep from there is refused with an error that says why. Neither
+/// waits for the reset that runs it, which holds the context's memory until it ends.
+#[test]
+fn code_a_reset_runs_may_use_its_context_and_is_refused_not_hung() {
+    use std::sync::Mutex;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use emm::contract::FnFactory;
+    use emm::plugin::{DeviceAllocator, HostLayer, HostOnly};
+
+    type Seen = Arc<Mutex<Vec<Result<(), EmmError>>>>;
+    /// `cuMemAlloc` memory; at its reset, uses the context it was told of.
+    #[derive(Debug)]
+    struct Reentrant {
+        ctx: Arc<Mutex<Option<(emm::Context, emm::MemoryPointer)>>>,
+        seen: Seen,
+    }
+    impl DeviceAllocator for Reentrant {
+        fn memalloc(&self, host: &HostLayer, bytes: usize) -> Result<emm::MemoryPointer, EmmError> {
+            let cx = host.context();
+            let _live = cx.enter("memalloc")?;
+            let base = (cx.driver.mem_alloc(cx.context, bytes))
+                .map_err(|e| cx.driver_error("memalloc", e))?;
+            // SAFETY: `base` was just allocated by `cuMemAlloc` for `bytes` bytes.
+            Ok(unsafe { host.track_device_allocation(base, bytes) })
+        }
+        fn initialize(&self, _host: &HostLayer) -> Result<(), EmmError> {
+            Ok(())
+        }
+        fn reset(&self, _host: &HostLayer) -> Result<(), EmmError> {
+            // Taken out: the context holds this allocator, which must not hold it back.
+            if let Some((ctx, mem)) = self.ctx.lock().unwrap().take() {
+                let mut seen = self.seen.lock().unwrap();
+                seen.push(ctx.copy_to_device(&mem, &[1; 64]));
+                seen.push(ctx.reset());
+                seen.push(ctx.sleep(&Default::default()).map(|_| ()));
+            }
+            Ok(())
+        }
+    }
+
+    let (done, finished) = mpsc::channel();
+    let seen: Seen = Arc::new(Mutex::new(Vec::new()));
+    let told: Arc<Mutex<Option<(emm::Context, emm::MemoryPointer)>>> = Arc::default();
+    let (recorded, tell) = (Arc::clone(&seen), Arc::clone(&told));
+    std::thread::spawn(move || {
+        let plugin = FnFactory::new("reentrant", move |cx| {
+            let device = Reentrant {
+                ctx: Arc::clone(&tell),
+                seen: Arc::clone(&recorded),
+            };
+            Ok(Box::new(HostOnly::new(cx, device)))
+        });
+        let rt = Runtime::builder(sim())
+            .ignore_env()
+            .memory_manager(plugin)
+            .build()
+            .unwrap();
+        let ctx = rt.context(0).unwrap();
+        let mem = ctx.memalloc(64).unwrap();
+        *told.lock().unwrap() = Some((ctx.clone(), mem));
+        done.send(ctx.reset()).unwrap();
+    });
+    let reset = finished
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the reset returned (a use from code it runs waited for it before)");
+    reset.unwrap();
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
+    assert_eq!(seen.len(), 3, "the plugin's reset ran once: {seen:?}");
+    assert!(matches!(seen[0], Err(EmmError::Stale { .. })), "{seen:?}");
+    for refused in &seen[1..] {
+        let Err(e) = refused else {
+            panic!("refused inside the reset: {seen:?}");
+        };
+        assert!(
+            matches!(e, EmmError::InvalidArgument { .. }) && e.to_string().contains("resets"),
+            "{e}"
+        );
+    }
+}
