@@ -54,19 +54,17 @@ def test_cupy_and_torch_tasks_allocate_through_emm_on_a_dask_cuda_worker(gpu_clu
     )
     assert seen["manager"] == "stats(pool)", seen
     assert seen["held_bytes"] >= 64 * MIB and seen["ooms"] == 0, seen
-    # Dask's GPU memory panel draws each worker from its "rmm" metric beside NVML's "gpu"
-    # metric and startup information (it shows nothing for a worker missing one of them): all
-    # three are there, and the "RMM" bar is emm's memory.
+    # Dask's GPU memory panel draws its "RMM" bar from each worker's "rmm" metric: emm's
+    # memory. (Its other inputs, NVML's "gpu" metric and startup information, are distributed's
+    # own, present only where distributed initialised NVML before the worker started.)
     panel = client.run_on_scheduler(
         lambda dask_scheduler: {
-            key: (ws.metrics.get("rmm"), ws.metrics.get("gpu"), ws.extra.get("gpu"))
-            for key, ws in dask_scheduler.workers.items()
+            key: ws.metrics.get("rmm") for key, ws in dask_scheduler.workers.items()
         }
     )
-    rmm, gpu, gpu_info = panel[worker]
-    assert rmm["rmm-used"] >= 64 * MIB and rmm["rmm-total"] >= rmm["rmm-used"], rmm
-    assert gpu["memory-used"] >= rmm["rmm-total"], (gpu, rmm)
-    assert gpu_info["memory-total"] > gpu["memory-used"], gpu_info
+    rmm = panel[worker]
+    assert rmm["rmm-used"] >= 64 * MIB, rmm
+    assert rmm["rmm-total"] >= rmm["rmm-used"], rmm
     del a, t
     wait_for(
         lambda: (f := emm_metrics(client).get(worker)) and f["live_bytes"] < 64 * MIB,
