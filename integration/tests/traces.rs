@@ -14,8 +14,7 @@
 //!   first, beyond [`slack`], and the last pass's peak is no higher than an earlier pass's
 //!   (within [`settle_slack`]): held memory is bounded when live memory is, and has settled.
 //!   Not for the managers over the driver's pool: on the GPU the driver's own pool holds more
-//!   pass over pass (torch_cnn's five passes peak at 1.24, 1.39, 1.54, 1.64 and 1.68 x peak
-//!   live; `bench-results/h200-2026-11-28-driver-pool-passes-3158ea0.txt`);
+//!   pass over pass (`ci/hardware-runs.md`, the five-pass replay through it on an H200);
 //! - under `async-pool`, the simulator's model of the driver's pool holds at the first pass's
 //!   peak within 10 % of what the driver's pool held replaying the trace on the GPU
 //!   (`corpus.csv`): the model the other checks of those managers rest on;
