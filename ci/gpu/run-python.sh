@@ -25,6 +25,13 @@ if compgen -G "$wheels/dask/*.whl" >/dev/null; then
         "$wheels"/dask/*.whl || exit 1
     export PYTHONPATH=$PYTHONPATH:/tmp/dask
 fi
+# Ray and its dependencies (DIR/wheels/ray, from the same job): test_ray_gpu.py fails under
+# EMM_REQUIRE_GPU=1 without them.
+if compgen -G "$wheels/ray/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ray \
+        "$wheels"/ray/*.whl || exit 1
+    export PYTHONPATH=$PYTHONPATH:/tmp/ray
+fi
 status=0
 (cd python && EMM_PYTHON_DRIVER=cuda EMM_REQUIRE_GPU=1 python3 -m pytest -q -rs \
     -p no:cacheprovider tests) || status=1
