@@ -1,8 +1,8 @@
 """Writes BENCHMARKS.md (and the plot beside it) from one GPU run's files: the page is made
 here, never edited by hand.
 
-    python3 bench-results/make_benchmarks.py bench-results/run-2026-11-27-h100-8386f46 \
-        [--programs bench-results/run-2026-12-06-h100-bbf760e]
+    python3 bench-results/make_benchmarks.py bench-results/run-2026-11-29-h200-7e31f4d \
+        [--programs bench-results/run-2026-12-06-h100-e4b2a2e] [--host DIR] [--sleep DIR]
 
 The run directory holds `run.txt` (machine, date, commit, the calls made), `bench-full.csv`
 and `bench-quick.csv` (bench_gpu: section,subject,param,threads,value,unit), `peers.csv`
@@ -144,8 +144,8 @@ if sleep_run:
     w(f"  Files: [`{rel_sleep}/`]({rel_sleep}/).")
     page_args += f" --sleep {rel_sleep}"
 w(f"- **Files:** [`{rel_run}/`]({rel_run}/); this page: `python3 bench-results/make_benchmarks.py {rel_run}{page_args}`.")
-w("- The earlier pages' run-by-run record is [`bench-results/HISTORY.md`](bench-results/HISTORY.md)")
-w("  and [`bench-results/runs.md`](bench-results/runs.md).")
+w("- The earlier pages' run-by-run record (`HISTORY.md`, `runs.md`) and their runs' files are in")
+w("  [`bench-results/archive.tar.xz`](bench-results/archive.tar.xz) (`tar -xJf archive.tar.xz NAME`).")
 w("")
 
 # ---- targets summary -------------------------------------------------------------------
