@@ -766,6 +766,10 @@ impl DeviceExports for PoolAllocator {
     /// (`PoolShared::allocate_shared`), through the host layer's out-of-memory rule; its
     /// pointer gives it back when the last clone drops.
     fn memalloc_shared(&self, host: &HostLayer, bytes: usize) -> Result<MemoryPointer, EmmError> {
+        // `exports` hands this out for `vmm-pool` alone, but the impl is public.
+        if self.shared.vmm.is_none() {
+            return Err(EmmError::no_shared_allocation(POOL_MANAGER));
+        }
         if bytes == 0 {
             return Err(EmmError::ZeroSize {
                 what: "memalloc_shared",
