@@ -23,24 +23,27 @@ use crate::sync::{
 };
 use crate::thread_slots::{shard_count, thread_shard};
 
-std::thread_local! {
-    /// The contexts (their liveness, by address) whose calls this thread has left to run a
-    /// user's callback, innermost last: the call is still in flight, so the callback must not
-    /// kill its context ([`ContextLiveness::calling_back`]).
-    static CALLING_BACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+/// What a thread is doing inside a context that its other calls must know of
+/// ([`ThreadMark`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    /// Running a user's callback from inside a call of the context, which is still in flight:
+    /// the callback must not kill the context ([`ContextLiveness::calling_back`]).
+    CallingBack,
+    /// Holding the context's memory exclusively, while running user code (a reset's release
+    /// hooks) that may use the same context ([`ContextLiveness::exclusive_memory`]).
+    Exclusive,
 }
 
-// The contexts (their liveness, by address) whose memory this thread holds exclusively
-// ([`ContextLiveness::exclusive_memory`]): a reset runs release hooks, user code, which may
-// use memory of the same context. Under loom, each model thread has its own (loom runs them on
-// one OS thread).
+// This thread's marks: the contexts (their liveness, by address) and what it does in each,
+// innermost last. Under loom, each model thread has its own (loom runs them on one OS thread).
 #[cfg(not(emm_loom))]
 std::thread_local! {
-    static EXCLUSIVE_HERE: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+    static MARKS: RefCell<Vec<(usize, Role)>> = const { RefCell::new(Vec::new()) };
 }
 #[cfg(emm_loom)]
 loom::thread_local! {
-    static EXCLUSIVE_HERE: RefCell<Vec<usize>> = RefCell::new(Vec::new());
+    static MARKS: RefCell<Vec<(usize, Role)>> = RefCell::new(Vec::new());
 }
 
 /// The high bit of the state word: the context is dead.
@@ -218,32 +221,29 @@ impl ContextLiveness {
             return None;
         }
         let held = (self.memory_use.write()).unwrap_or_else(|poisoned| poisoned.into_inner());
-        let at = self as *const ContextLiveness as usize;
-        EXCLUSIVE_HERE.with(|e| e.borrow_mut().push(at));
-        Some(MemoryExclusive { at, _held: held })
+        Some(MemoryExclusive {
+            _mark: ThreadMark::new(self, Role::Exclusive),
+            _held: held,
+        })
     }
 
     /// Whether this thread holds the context's memory exclusively.
     fn exclusive_here(&self) -> bool {
-        let at = self as *const ContextLiveness as usize;
-        EXCLUSIVE_HERE.with(|e| e.borrow().contains(&at))
+        ThreadMark::is_set(self, Role::Exclusive)
     }
 
     /// Marks this thread, inside a call of this context, as running a user's callback (the
     /// out-of-memory callback) until the returned guard drops: [`kill`](Self::kill) from the
     /// callback would wait for the call the callback runs in, forever, and whoever would kill
     /// the context asks [`called_back_here`](Self::called_back_here) first.
-    pub(crate) fn calling_back(&self) -> CallingBack {
-        let at = self as *const ContextLiveness as usize;
-        CALLING_BACK.with(|c| c.borrow_mut().push(at));
-        CallingBack(at)
+    pub(crate) fn calling_back(&self) -> ThreadMark {
+        ThreadMark::new(self, Role::CallingBack)
     }
 
     /// Whether this thread runs a user's callback from inside a call of this context
     /// ([`calling_back`](Self::calling_back)): it must not kill the context.
     pub(crate) fn called_back_here(&self) -> bool {
-        let at = self as *const ContextLiveness as usize;
-        CALLING_BACK.with(|c| c.borrow().contains(&at))
+        ThreadMark::is_set(self, Role::CallingBack)
     }
 
     /// Marks the context dead and waits until no call entered before is still in flight.
@@ -280,33 +280,39 @@ pub(crate) struct MemoryInUse<'a> {
 /// ([`ContextLiveness::exclusive_memory`]).
 #[must_use = "uses are held off while the guard lives"]
 pub(crate) struct MemoryExclusive<'a> {
-    /// The liveness's address, this thread's mark.
-    at: usize,
+    /// This thread's mark ([`Role::Exclusive`]).
+    _mark: ThreadMark,
     _held: RwLockWriteGuard<'a, ()>,
 }
 
-impl Drop for MemoryExclusive<'_> {
-    fn drop(&mut self) {
-        EXCLUSIVE_HERE.with(|e| {
-            let mut e = e.borrow_mut();
-            if let Some(k) = e.iter().rposition(|&at| at == self.at) {
-                e.remove(k);
-            }
-        });
+/// This thread's mark of what it does inside a context ([`Role`]), taken off when dropped.
+#[must_use = "the mark lasts while the guard lives"]
+pub(crate) struct ThreadMark {
+    /// The liveness's address.
+    at: usize,
+    role: Role,
+}
+
+impl ThreadMark {
+    fn new(owner: &ContextLiveness, role: Role) -> ThreadMark {
+        let at = owner as *const ContextLiveness as usize;
+        MARKS.with(|m| m.borrow_mut().push((at, role)));
+        ThreadMark { at, role }
+    }
+
+    /// Whether this thread carries a mark of `role` for `owner`.
+    fn is_set(owner: &ContextLiveness, role: Role) -> bool {
+        let at = owner as *const ContextLiveness as usize;
+        MARKS.with(|m| m.borrow().contains(&(at, role)))
     }
 }
 
-/// This thread's mark of running a callback from inside a context's call
-/// ([`ContextLiveness::calling_back`]), taken off when dropped.
-#[must_use = "the mark lasts while the guard lives"]
-pub(crate) struct CallingBack(usize);
-
-impl Drop for CallingBack {
+impl Drop for ThreadMark {
     fn drop(&mut self) {
-        CALLING_BACK.with(|c| {
-            let mut c = c.borrow_mut();
-            if let Some(k) = c.iter().rposition(|&at| at == self.0) {
-                c.remove(k);
+        MARKS.with(|m| {
+            let mut m = m.borrow_mut();
+            if let Some(k) = m.iter().rposition(|&e| e == (self.at, self.role)) {
+                m.remove(k);
             }
         });
     }

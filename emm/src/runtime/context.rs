@@ -509,9 +509,10 @@ impl Context {
         }
     }
 
-    /// Refuses `what` (a reset or a sleep of this context) from inside the context's
-    /// out-of-memory callback: the allocation that called it is still inside the manager,
-    /// which `what` would free or unmap under it.
+    /// Refuses `what` (a reset of this context or its device, a sleep) from inside the
+    /// context's out-of-memory callback: the allocation that called it is still inside the
+    /// manager, which `what` would free or unmap under it (and a device reset would wait for
+    /// it).
     pub(super) fn refuse_inside_callback(&self, what: &'static str) -> Result<(), EmmError> {
         if !self.inner.cx.liveness.called_back_here() {
             return Ok(());

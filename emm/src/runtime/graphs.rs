@@ -532,28 +532,18 @@ pub struct Graph {
 }
 
 impl Graph {
-    /// Queues the graph's work on `stream`. Refused while memory the captured work reads or
-    /// writes is asleep ([`Context::sleep`]): the launch would fault on the device.
+    /// Queues the graph's work on `stream`. Refused where memory the captured work reads or
+    /// writes was freed by a reset, or is asleep ([`Context::sleep`]): the launch would write
+    /// another's memory, or fault on the device.
     pub fn launch(&self, stream: &Stream) -> Result<(), EmmError> {
         check_same_context(&self.ctx.inner.cx, stream.context(), "Graph::launch")?;
         self.ctx.ensure_alive("Graph::launch")?;
         let cx = &self.ctx.inner.cx;
         let _held = cx.use_memory();
-        if let Some(freed) = self.uses.iter().find(|m| !m.is_live()) {
-            return Err(EmmError::Stale {
-                what: "Graph::launch",
-                device: freed.device(),
-                reason: "memory the graph reads or writes was freed by a reset of its manager; \
-                         capture the graph again with new memory",
-            });
-        }
-        if (self.uses.iter()).any(|m| cx.liveness.sleeps_in(m.device_ptr().0, m.size())) {
-            return Err(EmmError::Sleep {
-                what: "Graph::launch",
-                device: cx.device,
-                reason: "the graph reads or writes memory that is asleep (Context::sleep \
-                         offloaded or discarded it); call Context::wake first",
-            });
+        // What the captured work reads and writes: refused once a reset freed it, or while
+        // asleep (the launch would fault on the device).
+        for used in &self.uses {
+            cx.check_usable("Graph::launch", used)?;
         }
         cx.driver
             .graph_launch(cx.context, self.exec, stream.handle())

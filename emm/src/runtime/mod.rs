@@ -511,18 +511,8 @@ impl Runtime {
     pub fn reset_device(&self, device: impl Into<DeviceOrdinal>) -> Result<(), EmmError> {
         let device = device.into();
         let mut state = lock(&self.state);
-        if let Some(ctx) = state.contexts.get(&device)
-            && ctx.inner.cx.liveness.called_back_here()
-        {
-            return Err(EmmError::InvalidArgument {
-                what: "Runtime::reset_device",
-                reason: format!(
-                    "it was called from inside an out-of-memory callback of device {device}'s \
-                     context, whose allocation is still under way and would wait for the reset \
-                     while the reset waits for it; return from the callback (false lets the \
-                     allocation fail) and reset the device after the allocation returns"
-                ),
-            });
+        if let Some(ctx) = state.contexts.get(&device) {
+            ctx.refuse_inside_callback("Runtime::reset_device")?;
         }
         tracing::info!(%device, "device reset");
         let before = match state.contexts.remove(&device) {
