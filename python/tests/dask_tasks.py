@@ -56,6 +56,15 @@ def torch_filled(nbytes, value):
     return torch.full((nbytes,), value, dtype=torch.uint8, device="cuda")
 
 
+def gpu_identity():
+    """The PCI address of the GPU this worker's CUDA device 0 is (dask-cuda gives each worker
+    its own GPU first in ``CUDA_VISIBLE_DEVICES``)."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    return "%04x:%02x:%02x" % (props["pciDomainID"], props["pciBusID"], props["pciDeviceID"])
+
+
 def total(array):
     """The sum of a CuPy array's or a PyTorch tensor's bytes, as a Python int."""
     return int(array.sum())

@@ -6,6 +6,7 @@ under ``EMM_REQUIRE_GPU=1`` when distributed or dask-cuda is missing (the GPU jo
 their wheels)."""
 
 import json
+import os
 
 import pytest
 
@@ -108,3 +109,45 @@ def test_cupy_results_past_a_workers_maximum_move_to_host_memory(gpu_cluster):
     assert sums == [(k + 1) * 64 * MIB for k in range(12)], sums
     f = worker_after_retries(client)
     assert f["ooms"] == 0 and f["peak_live_bytes"] <= 512 * MIB, json.dumps(f)
+
+
+def test_each_gpu_gets_a_worker_set_up_by_emm(monkeypatch):
+    """With two GPUs or more, dask-cuda starts a worker per GPU: the plugin sets each up, each
+    allocates on its own GPU through emm, and the scheduler hears every worker's figures. Runs
+    where the machine has two GPUs; ``EMM_REQUIRE_GPUS=2`` (the two-GPU job) makes it fail
+    rather than skip elsewhere."""
+    needs_gpu("runs a dask-cuda cluster over every GPU")
+    distributed = needs_module("distributed")
+    dask_cuda = needs_module("dask_cuda")
+    cupy = needs_module("cupy")
+    import emm.dask
+    from dask_tasks import cupy_filled, gpu_identity, total
+    from test_dask import emm_metrics, wait_for
+
+    gpus = cupy.cuda.runtime.getDeviceCount()
+    if gpus < 2:
+        if os.environ.get("EMM_REQUIRE_GPUS", "1") != "1":
+            pytest.fail("EMM_REQUIRE_GPUS=%s but this machine has %d GPU" % (os.environ["EMM_REQUIRE_GPUS"], gpus))
+        pytest.skip("needs two GPUs, this machine has %d (the two-GPU job runs it)" % gpus)
+    monkeypatch.setenv("EMM_PYTHON_DRIVER", DRIVER)
+    with dask_cuda.LocalCUDACluster(
+        threads_per_worker=1, dashboard_address=None, worker_dashboard_address=None
+    ) as c, distributed.Client(c) as client:
+        client.register_plugin(emm.dask.EmmSetup(manager="pool", frameworks=("cupy",)))
+        workers = sorted(client.scheduler_info()["workers"])
+        assert len(workers) == gpus, workers
+        where = {w: client.submit(gpu_identity, workers=[w], pure=False).result() for w in workers}
+        assert len(set(where.values())) == gpus, where
+        arrays = {
+            w: client.submit(cupy_filled, 32 * MIB, k + 1, workers=[w], pure=False)
+            for k, w in enumerate(workers)
+        }
+        for k, w in enumerate(workers):
+            assert client.submit(total, arrays[w], workers=[w]).result() == (k + 1) * 32 * MIB
+        seen = wait_for(
+            lambda: (m := emm_metrics(client))
+            and all(m.get(w) and m[w]["live_bytes"] >= 32 * MIB for w in workers)
+            and m,
+            "every worker's live bytes at the scheduler",
+        )
+        assert {seen[w]["manager"] for w in workers} == {"stats(pool)"}, seen
