@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use driver_mock::{Op, SimConfig, SimDriver};
-use emm::EmmError;
+use emm::plugin::PoolAllocator;
+use emm::{EmmError, PoolConfig, Runtime};
 
 use crate::common::runtime_with;
 
@@ -91,13 +92,22 @@ fn vmm_pool_unmaps_after_defer_cleanup() {
     assert!(leaks.is_clean(), "{leaks}");
 }
 
-/// `vmm-pool` maps memory in pieces of 2 MiB. A growth moves the pieces a hole between live
-/// blocks leaves free to where it needs memory (unmapped there, mapped again past the end),
-/// up to what it maps: it makes new physical memory only for the rest, and gives nothing back
-/// to the driver; a trim gives back every free piece.
+/// `vmm-pool`, its pieces set to 2 MiB (`PoolConfig::vmm_piece`). A growth moves the pieces
+/// a hole between live blocks leaves free to where it needs memory (unmapped there, mapped
+/// again past the end), up to what it maps: it makes new physical memory only for the rest,
+/// and gives nothing back to the driver; a trim gives back every free piece.
 #[test]
 fn vmm_pool_moves_the_pieces_a_hole_leaves_free_to_its_growth() {
-    let (sim, rt) = on_a_gib("vmm-pool");
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let config = PoolConfig {
+        vmm_piece: Some(2 * MIB),
+        ..PoolConfig::vmm()
+    };
+    let rt = Runtime::builder(sim.clone())
+        .ignore_env()
+        .memory_manager(PoolAllocator::vmm_factory_with(config))
+        .build()
+        .unwrap();
     let ctx = rt.context(0).unwrap();
     let held = || ctx.pool_stats().device.unwrap().held_bytes;
     // 64 MiB, then 3 MiB past it (a growth in place of 4 MiB): 34 pieces.
@@ -258,4 +268,56 @@ fn vmm_pool_grows_in_place_and_a_varying_loop_settles() {
     drop(rt);
     let leaks = sim.leak_report();
     assert!(leaks.is_clean(), "{leaks}");
+}
+
+/// By default a growth maps pieces of a sixteenth of it (a power of two, from 2 MiB up to
+/// 64 MiB): a small growth maps pieces of 2 MiB, each growth of a GiB sixteen pieces of
+/// 64 MiB, so that a sleep gives 4 GiB back in 64 unmappings, where pieces of 2 MiB would
+/// take 2 048 (the driver's cost is per piece, whatever its size). A piece moved by a later
+/// growth is mapped again at its own size.
+#[test]
+fn a_large_growth_maps_large_pieces_and_sleeps_in_few_calls() {
+    use emm::contract::{SleepChoice, SleepOptions};
+    let sim = Arc::new(SimDriver::new(SimConfig::single(8 << 30)));
+    let rt = runtime_with(&sim, "vmm-pool");
+    let ctx = rt.context(0).unwrap();
+    let small = ctx.memalloc(3 * MIB).unwrap();
+    let small_pieces = sim.count(Op::MemCreate);
+    assert_eq!(
+        small_pieces,
+        ctx.pool_stats().device.unwrap().held_bytes / (2 * MIB),
+        "a small growth maps pieces of 2 MiB"
+    );
+    let blocks: Vec<_> = (0..4).map(|_| ctx.memalloc(1 << 30).unwrap()).collect();
+    let held = ctx.pool_stats().device.unwrap().held_bytes;
+    assert!(held >= 4 << 30, "held {held}");
+    let pieces = sim.count(Op::MemCreate) - small_pieces;
+    assert!(
+        pieces <= 4 * 17,
+        "{pieces} pieces for 4 GiB in growths of a GiB and a little"
+    );
+    let unmapped = sim.count(Op::MemUnmap);
+    let report = ctx.sleep(&SleepOptions::new(SleepChoice::Discard)).unwrap();
+    assert_eq!(report.held_asleep, 0);
+    let slept = sim.count(Op::MemUnmap) - unmapped;
+    assert!(slept <= 4 * 17 + small_pieces, "{slept} unmappings");
+    let woke = ctx.wake().unwrap();
+    assert_eq!(
+        woke.held_after, report.held_before,
+        "every piece mapped again"
+    );
+    // A hole of a GiB serves a later growth whose pieces are smaller: the moved pieces keep
+    // their size.
+    drop(blocks);
+    let more = ctx.memalloc(5 << 30).unwrap();
+    let mut out = [0u8; 16];
+    ctx.copy_to_device(&more, &[7u8; 16]).unwrap();
+    ctx.copy_to_host(&mut out, &more).unwrap();
+    assert_eq!(out, [7u8; 16]);
+    drop((more, small));
+    ctx.trim().unwrap();
+    assert_eq!(ctx.pool_stats().device.unwrap().held_bytes, 0);
+    drop(ctx);
+    drop(rt);
+    assert!(sim.leak_report().is_clean(), "{}", sim.leak_report());
 }

@@ -102,8 +102,9 @@ pub(super) struct Arena {
     /// Free space merges across the bases of chunks (chunks mapped next to each other in one
     /// address reservation: `vmm-pool`); otherwise a chunk's base starts a chunk.
     merge_across: bool,
-    /// Where chunks merge, the size of each physical piece a growth maps: a chunk added is
-    /// recorded as its pieces, so that each goes back to the driver once wholly free.
+    /// Where chunks merge, the size of the smallest physical piece a growth maps (a chunk
+    /// added is recorded as its pieces, each of which goes back to the driver once wholly
+    /// free): no free block smaller than it covers a piece.
     piece: usize,
     /// Where chunks merge, the runs of chunks side by side: start -> end. Their ends are
     /// where memory mapped next extends the arena's free space ([`tail`](Self::tail)).
@@ -395,20 +396,25 @@ impl Arena {
     }
 
     /// Adds a chunk, wholly free: new from the driver, or one another arena gave up. Where
-    /// chunks merge, its free space runs on into free neighbours' (a chunk mapped just past a
-    /// free block extends it).
-    pub(super) fn add_chunk(&mut self, base: u64, size: usize) {
+    /// chunks merge, it is recorded as pieces of `piece` bytes side by side, the last one
+    /// shorter where `size` is not a multiple of it, and its free space runs on into free
+    /// neighbours' (a chunk mapped just past a free block extends it); elsewhere `piece` is
+    /// its size or more.
+    pub(super) fn add_chunk(&mut self, base: u64, size: usize, piece: usize) {
         let mut at = 0;
         while at < size {
-            let len = self.piece.min(size - at);
+            let len = piece.min(size - at);
             self.chunks.insert(base + at as u64, len);
             at += len;
         }
         self.held += size;
         if self.merge_across {
             debug_assert!(
-                base.is_multiple_of(self.piece as u64) && size.is_multiple_of(self.piece),
-                "a chunk that merges is whole pieces, at a multiple of their size"
+                base.is_multiple_of(self.piece as u64)
+                    && size.is_multiple_of(self.piece)
+                    && piece.is_multiple_of(self.piece),
+                "a chunk that merges is whole pieces of at least the smallest piece, at a \
+                 multiple of it"
             );
             self.add_run(base, base + size as u64);
             self.settle();
@@ -593,55 +599,59 @@ impl Arena {
     }
 
     /// Where chunks merge, the bytes of the wholly free pieces outside the free block `keep`.
-    /// Pieces lie at multiples of their size (mapped at the granularity): counted, not listed.
     #[cfg(test)]
     fn free_piece_bytes(&self, keep: (u64, u64)) -> usize {
-        let piece = self.piece as u64;
-        self.large_free_blocks()
-            .filter(|&(addr, _)| addr != keep.0)
-            .map(|(addr, size)| {
-                let (first, end) = (addr.next_multiple_of(piece), (addr + size as u64) / piece);
-                (end * piece).saturating_sub(first) as usize
-            })
+        self.free_chunks()
+            .into_iter()
+            .filter(|&(_, _, block)| block != keep.0)
+            .map(|(_, size, _)| size)
             .sum()
     }
 
     /// Removes the smallest wholly free chunk of at least `size` bytes, for another arena, as
-    /// (base, size). Where chunks merge, the shortest run of wholly free pieces in one free
-    /// block that holds `size` bytes, taken from the run that fits best (the other arena
-    /// records it as the same pieces).
-    pub(super) fn take_free_chunk(&mut self, size: usize, most: usize) -> Option<(u64, usize)> {
+    /// (base, size, piece): `piece` is the size of each of its pieces (the chunk's own size
+    /// where chunks do not merge). Where chunks merge, the shortest run of wholly free pieces
+    /// of one size that lie side by side in one free block and hold `size` bytes, taken from
+    /// the run that fits best (the other arena records it as the same pieces).
+    pub(super) fn take_free_chunk(
+        &mut self,
+        size: usize,
+        most: usize,
+    ) -> Option<(u64, usize, usize)> {
         self.settle();
-        let free = self.free_chunks();
+        let mut free = self.free_chunks();
         if !self.merge_across {
             let chunk = free
                 .into_iter()
                 .filter(|&(_, got, _)| got >= size && got <= most)
                 .min_by_key(|&(_, got, _)| got)?;
             self.remove_chunks(vec![chunk]);
-            return Some((chunk.0, chunk.1));
+            return Some((chunk.0, chunk.1, chunk.1));
         }
-        // The pieces inside one free block lie side by side: a block's run is all of them.
-        let mut runs: BTreeMap<u64, (u64, usize)> = BTreeMap::new();
-        for &(base, len, block) in &free {
-            let run = runs.entry(block).or_insert((base, 0));
-            run.0 = run.0.min(base);
-            run.1 += len;
+        // Runs: pieces of one size side by side in one free block, in address order.
+        free.sort_unstable_by_key(|c| (c.2, c.0));
+        let mut runs: Vec<(usize, usize)> = Vec::new(); // (first index, bytes)
+        for (k, &(base, len, block)) in free.iter().enumerate() {
+            match runs.last_mut() {
+                Some((first, got))
+                    if free[*first].2 == block
+                        && free[*first].1 == len
+                        && free[k - 1].0 + free[k - 1].1 as u64 == base =>
+                {
+                    *got += len;
+                }
+                _ => runs.push((k, len)),
+            }
         }
-        let (&block, &(start, _)) = runs
+        let &(first, _) = runs
             .iter()
-            .filter(|&(_, &(_, got))| got >= size)
-            .min_by_key(|&(_, &(_, got))| got)?;
-        let mut taken: Vec<_> = free.into_iter().filter(|c| c.2 == block).collect();
-        taken.sort_unstable_by_key(|c| c.0);
-        let mut got = 0;
-        taken.retain(|c| {
-            let keep = got < size;
-            got += if keep { c.1 } else { 0 };
-            keep
-        });
+            .filter(|&&(_, got)| got >= size)
+            .min_by_key(|&&(_, got)| got)?;
+        let (start, piece) = (free[first].0, free[first].1);
+        let count = size.div_ceil(piece);
+        let taken: Vec<_> = free[first..first + count].to_vec();
         self.remove_chunks(taken);
-        Some((start, got))
+        Some((start, count * piece, piece))
     }
 
     /// Whether the arena holds no chunk.

@@ -24,12 +24,14 @@ pub struct PoolConfig {
     /// larger than this freed on its thread, outside the bound; the pool takes those back
     /// before it grows. Default 32 MiB.
     pub cache_bytes_per_shard: usize,
-    /// Under `vmm-pool`, the bytes of each piece of physical memory the pool maps: a power of
-    /// two, at least the device's granularity (`None`: the granularity, 2 MiB). Every piece
-    /// is one `cuMemCreate` and one mapping, and goes back to the driver only when wholly
-    /// free: larger pieces make a sleep, a wake and a large growth take fewer driver calls
-    /// (each costs tens of microseconds, one at a time), and may hold more where live blocks
-    /// lie scattered. `EMM_VMM_PIECE` sets it for the registered `vmm-pool`.
+    /// Under `vmm-pool`, the bytes of every piece of physical memory the pool maps: a power
+    /// of two, at least the device's granularity. `None` (the default): each growth maps
+    /// pieces of the largest power of two up to a sixteenth of it, from the granularity
+    /// (2 MiB) up to 64 MiB. Every piece is one `cuMemCreate` and one mapping, and goes back
+    /// to the driver only when wholly free: larger pieces make a sleep, a wake and a large
+    /// growth take fewer driver calls (each costs tens of microseconds, one at a time,
+    /// whatever the piece's size), and may hold more where live blocks lie scattered.
+    /// `EMM_VMM_PIECE` sets it for the registered `vmm-pool`.
     pub vmm_piece: Option<usize>,
 }
 

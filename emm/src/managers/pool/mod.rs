@@ -15,8 +15,9 @@
 //!   [`PoolConfig::chunk_size`], by an eighth of what it holds (at least 2 MiB, at most the
 //!   chunk size, at least the request); a larger request gets a chunk of its own, which serves
 //!   only requests above the chunk size (`arena.rs`, `Arenas`). `vmm-pool` maps its chunks
-//!   side by side in one address range instead (`vmm.rs`), each growth as pieces of one
-//!   granularity (2 MiB) of physical memory: their free space merges, every size is served
+//!   side by side in one address range instead (`vmm.rs`), each growth as pieces of physical
+//!   memory (a sixteenth of the growth, from 2 MiB up to 64 MiB, or the size
+//!   [`PoolConfig::vmm_piece`] sets): their free space merges, every size is served
 //!   from it, a growth extends the free block at the end in place, and a piece that a hole
 //!   leaves wholly free can move to where a growth needs it. Every block is a multiple of 256 bytes and
 //!   256-byte aligned, as `cuMemAlloc`'s are.

@@ -432,15 +432,16 @@ impl PoolShared {
         self.growth(size.saturating_sub(free).max(1))
     }
 
-    /// A new chunk from the driver that holds `size` bytes, of [`growth`](Self::growth) bytes
-    /// (or `size` rounded up to 2 MiB, when the driver cannot give that). Out of memory, the
-    /// pool first gives back every chunk with nothing in use, the streams' after their work,
-    /// and tries once more.
-    pub(super) fn new_chunk(&self, size: usize) -> Result<Chunk, DriverError> {
+    /// New memory from the driver that holds `size` bytes, of [`growth`](Self::growth) bytes
+    /// (or `size` rounded up to 2 MiB, when the driver cannot give that), as chunks side by
+    /// side (one for `pool`; `vmm-pool`'s runs of pieces of one size). Out of memory, the pool
+    /// first gives back every chunk with nothing in use, the streams' after their work, and
+    /// tries once more.
+    pub(super) fn new_chunk(&self, size: usize) -> Result<Vec<Chunk>, DriverError> {
         let need = size.div_ceil(GROW_GRANULARITY) * GROW_GRANULARITY;
         let want = self.growth(size);
         let alloc = |bytes| self.allocate_chunk(bytes);
-        let (base, got) = match alloc(want) {
+        let runs = match alloc(want) {
             Ok(b) => b,
             Err(e) if e.kind() == ErrorKind::OutOfMemory => {
                 let fallback = if want > need { alloc(need) } else { Err(e) };
@@ -465,14 +466,26 @@ impl PoolShared {
             }
             Err(e) => return Err(e),
         };
-        self.totals.grew(got);
-        tracing::debug!(device = %self.cx.device, bytes = got, ptr = base, "pool grew");
-        Ok(Chunk {
-            base,
-            size: got,
-            oversize: size > self.config.oversize_above(self.vmm.is_some()),
-            lent: false,
-        })
+        let oversize = size > self.config.oversize_above(self.vmm.is_some());
+        let chunks = self.grown(runs, oversize);
+        tracing::debug!(device = %self.cx.device, bytes = chunks.iter().map(|c| c.size).sum::<usize>(), pieces = ?chunks.iter().map(|c| c.piece).collect::<Vec<_>>(), ptr = chunks[0].base, "pool grew");
+        Ok(chunks)
+    }
+
+    /// The runs of pieces a growth mapped (at least one), as chunks, counted as grown.
+    fn grown(&self, runs: super::vmm::Runs, oversize: bool) -> Vec<Chunk> {
+        let chunks: Vec<Chunk> = runs
+            .into_iter()
+            .map(|(base, size, piece)| Chunk {
+                base,
+                size,
+                piece,
+                oversize,
+                lent: false,
+            })
+            .collect();
+        self.totals.grew(chunks.iter().map(|c| c.size).sum());
+        chunks
     }
 
     /// `vmm-pool`: grows the largest free block that ends where mapped memory does, by mapping
@@ -497,29 +510,26 @@ impl PoolShared {
             (end, free, shed)
         };
         self.free_chunks(shed, "before growing in place");
-        let chunk = self.map_after(tail, free, size)?;
+        let chunks = self.map_after(tail, free, size)?;
         let mut arena = lock(&self.arena);
-        arena.add_chunk(chunk);
+        for chunk in chunks {
+            arena.add_chunk(chunk);
+        }
         // Another thread may have taken from the block meanwhile: a growth follows.
         arena.take_stamped(size)
     }
 
-    /// A chunk mapped at `tail`, the end of a free block of `free` bytes, with what a request
-    /// of `size` bytes lacks beyond that block (a growth step at least); `None` where that
-    /// range of the reservation is not free or the mapping failed (the caller's growth
-    /// reports it, and out of memory frees what it can and retries).
-    pub(super) fn map_after(&self, tail: u64, free: usize, size: usize) -> Option<Chunk> {
+    /// Chunks mapped at `tail`, the end of a free block of `free` bytes, side by side, with
+    /// what a request of `size` bytes lacks beyond that block (a growth step at least); `None`
+    /// where that range of the reservation is not free or the mapping failed (the caller's
+    /// growth reports it, and out of memory frees what it can and retries).
+    pub(super) fn map_after(&self, tail: u64, free: usize, size: usize) -> Option<Vec<Chunk>> {
         let want = self.growth_after(free, size);
         match self.allocate_chunk_at(tail, want) {
-            Ok(Some(got)) => {
-                self.totals.grew(got);
-                tracing::debug!(device = %self.cx.device, bytes = got, ptr = tail, extended = free, "pool grew in place");
-                Some(Chunk {
-                    base: tail,
-                    size: got,
-                    oversize: size > self.config.oversize_above(true),
-                    lent: false,
-                })
+            Ok(Some(runs)) => {
+                let chunks = self.grown(runs, size > self.config.oversize_above(true));
+                tracing::debug!(device = %self.cx.device, bytes = chunks.iter().map(|c| c.size).sum::<usize>(), pieces = ?chunks.iter().map(|c| c.piece).collect::<Vec<_>>(), ptr = tail, extended = free, "pool grew in place");
+                Some(chunks)
             }
             Ok(None) => None,
             Err(e) => {
@@ -545,9 +555,11 @@ impl PoolShared {
 
     /// Grows the pool by a chunk that holds `size` bytes and takes a block of `size` from it.
     pub(super) fn grow_and_take(&self, size: usize) -> Result<(u64, u64), DriverError> {
-        let chunk = self.new_chunk(size)?;
+        let chunks = self.new_chunk(size)?;
         let mut arena = lock(&self.arena);
-        arena.add_chunk(chunk);
+        for chunk in chunks {
+            arena.add_chunk(chunk);
+        }
         Ok(arena
             .take_stamped(size)
             .expect("a new chunk fits the request"))

@@ -445,9 +445,9 @@ impl PoolShared {
                     return Ok(found);
                 }
                 self.shed_free_chunks(Some(stream), size);
-                let chunk = self.new_chunk(size)?;
+                let chunks = self.new_chunk(size)?;
                 Ok(self
-                    .take_after_adopting(stream, size, Some(chunk))
+                    .take_after_adopting(stream, size, chunks)
                     .expect("a new chunk holds the request"))
             },
         );
@@ -669,8 +669,8 @@ impl PoolShared {
         let shared = lock(&self.arena).shed_free_pieces(most);
         self.free_chunks(shared, "before a stream grows in place");
         self.give_back_after(stream, shed);
-        let chunk = self.map_after(tail, free, size)?;
-        self.take_after_adopting(stream, size, Some(chunk))
+        let chunks = self.map_after(tail, free, size)?;
+        self.take_after_adopting(stream, size, chunks)
     }
 
     /// Frees `chunks` through the deferred-deallocation queue, at once (inside
@@ -690,14 +690,14 @@ impl PoolShared {
         }
     }
 
-    /// Takes a block of `size` bytes for `stream`: from its arena, after adding `chunk` (a new
-    /// one from the driver) or, with none, a chunk the shared arena gives up for it
-    /// ([`adopt`](Self::adopt)). `None` when it has none.
+    /// Takes a block of `size` bytes for `stream`: from its arena, after adding `chunks` (new
+    /// ones from the driver, or one another stream gave up) or, with none, a chunk the shared
+    /// arena gives up for it ([`adopt`](Self::adopt)). `None` when it has none.
     fn take_after_adopting(
         &self,
         stream: StreamHandle,
         size: usize,
-        chunk: Option<Chunk>,
+        chunks: impl IntoIterator<Item = Chunk>,
     ) -> Option<(u64, u64)> {
         let k = self.streams.index(stream);
         let mut lists = lock(&self.streams.shards[k].inner);
@@ -707,9 +707,9 @@ impl PoolShared {
             self.streams.mark(k, &lists);
         }
         let mine = lists.list(stream).expect("made above if it had no memory");
-        // A new chunk joins the arena even where another thread's free on this stream made
+        // New chunks join the arena even where another thread's free on this stream made
         // room since the miss.
-        if let Some(chunk) = chunk {
+        for chunk in chunks {
             mine.arena.add_chunk(chunk);
         }
         // A large wholly free chunk of the stream's is its last resort for a small request

@@ -4,10 +4,15 @@
 //! - The reservation is made at the first growth (four times the device's memory, so that
 //!   freed ranges leave room) and queued for `cuMemAddressFree` by a reset, after the frees of
 //!   its mappings; the next growth reserves anew.
-//! - A growth maps a multiple of the piece size as chunks of one piece each (a `cuMemCreate`
-//!   and a `cuMemMap` each; a piece is the driver's granularity, 2 MiB, unless
-//!   `PoolConfig::vmm_piece` sets a larger power of two), then makes the whole range
-//!   accessible to the device and its peers with one `cuMemSetAccess` each. Chunks mapped next to each other
+//! - A growth maps a multiple of the smallest piece as chunks of one piece each (a
+//!   `cuMemCreate` and a `cuMemMap` each), then makes the whole range accessible to the
+//!   device and its peers with one `cuMemSetAccess` each. Its new pieces are of the largest
+//!   power of two up to a sixteenth of it, between the driver's granularity (2 MiB) and
+//!   [`MAX_PIECE`] (the last one shorter where the growth is not a multiple), unless
+//!   `PoolConfig::vmm_piece` sets one size for every piece. The driver's cost of giving a
+//!   piece back (unmapping and releasing it) is per piece, whatever its size, so a large
+//!   growth in large pieces makes a sleep, a wake and a trim of it take few calls, while a
+//!   small growth keeps pieces small, so that holes between live blocks can go back. Chunks mapped next to each other
 //!   merge their free space in the arenas, which serve every size from one address range,
 //!   and a piece that the blocks around it leave wholly free can go back on its own, so that
 //!   holes between live blocks hold no memory once the pool sheds them. A growth maps just
@@ -65,14 +70,27 @@ use sleep::Stash;
 /// The reservation is this many times the device's memory.
 const RESERVE_FACTOR: usize = 4;
 
+/// Runs of mapped pieces of one size side by side, as (base, bytes, piece), in address order.
+pub(super) type Runs = Vec<(u64, usize, usize)>;
+
+/// The largest piece a growth maps (unless the smallest piece is larger).
+pub(super) const MAX_PIECE: usize = 64 << 20;
+
+/// A growth maps pieces of the largest power of two up to this fraction of it.
+const PIECES_PER_GROWTH: usize = 16;
+
 /// A pool's address reservation and what is mapped in it.
 pub(super) struct VmmSpace {
     /// The unit of every size and address (`cuMemGetAllocationGranularity`).
     granularity: usize,
-    /// The size of each piece of physical memory the pool maps, a power of two and a multiple
-    /// of the granularity ([`PoolConfig::vmm_piece`](super::PoolConfig::vmm_piece)); pieces
-    /// lie at multiples of it in the reservation.
+    /// The size of the smallest piece of physical memory the pool maps, a power of two and a
+    /// multiple of the granularity: the configured piece
+    /// ([`PoolConfig::vmm_piece`](super::PoolConfig::vmm_piece)), else the granularity. Every
+    /// piece is a multiple of it and lies at a multiple of it in the reservation.
     pub(super) piece: usize,
+    /// The largest piece a growth maps: the configured piece where one is set (every piece
+    /// is of that size), else [`MAX_PIECE`] (or the granularity if larger).
+    max_piece: usize,
     /// The devices granted access to every chunk: this one and its peers.
     access: Vec<DeviceOrdinal>,
     /// Chunks are made exportable as POSIX file descriptors.
@@ -106,10 +124,10 @@ struct VmmInner {
     /// Growths between taking a range and recording (or giving back) what they mapped there:
     /// a reset does not free the reservation under them.
     growing: usize,
-    /// Pieces of physical memory a growth's shedding unmapped, for the growth to map where it
-    /// needs memory instead of making new ones ([`PoolShared::release_spares`] releases what
-    /// it leaves).
-    spare: Vec<PhysHandle>,
+    /// Pieces of physical memory a growth's shedding unmapped, as (size, handle), for the
+    /// growth to map where it needs pieces of their size instead of making new ones
+    /// ([`PoolShared::release_spares`] releases what it leaves).
+    spare: Vec<(usize, PhysHandle)>,
     /// The pool is asleep ([`PoolShared::sleep`]).
     sleeping: bool,
     /// Pieces a sleep unmapped and released, their ranges still the arena's: size by base.
@@ -135,8 +153,9 @@ impl VmmInner {
 impl VmmSpace {
     /// The space of a pool on `cx`'s device, refused with an error that names the managers
     /// that work where the device or its driver lacks virtual memory management.
-    /// Pieces are of `piece` bytes (`None`: the granularity); one that is not a power of two
-    /// and a multiple of the granularity is refused.
+    /// Pieces are of `piece` bytes (`None`: chosen per growth, from the granularity up to
+    /// [`MAX_PIECE`]); one that is not a power of two and a multiple of the granularity is
+    /// refused.
     pub(super) fn new(
         cx: &ManagerContext,
         manager: &str,
@@ -160,6 +179,7 @@ impl VmmSpace {
             .driver
             .mem_vmm_granularity(cx.device)
             .map_err(|e| refused(format!("reading its granularity failed: {e}")))?;
+        let configured = piece.is_some();
         let piece = piece.unwrap_or(granularity);
         if !piece.is_power_of_two() || !piece.is_multiple_of(granularity) {
             return Err(EmmError::InvalidArgument {
@@ -201,6 +221,11 @@ impl VmmSpace {
         Ok(VmmSpace {
             granularity,
             piece,
+            max_piece: if configured {
+                piece
+            } else {
+                piece.max(MAX_PIECE)
+            },
             access,
             shareable,
             reserve_bytes,
@@ -216,9 +241,15 @@ impl VmmSpace {
         bytes.div_ceil(self.granularity) * self.granularity
     }
 
-    /// `bytes` rounded up to the piece.
+    /// `bytes` rounded up to the smallest piece.
     fn round_to_piece(&self, bytes: usize) -> usize {
         bytes.div_ceil(self.piece) * self.piece
+    }
+
+    /// The piece a growth of `bytes` (a multiple of the smallest piece) maps: the largest
+    /// power of two up to a sixteenth of it, between the smallest piece and the largest.
+    fn piece_for(&self, bytes: usize) -> usize {
+        growth_piece(bytes, self.piece, self.max_piece)
     }
 }
 
@@ -274,16 +305,17 @@ impl VmmInner {
 }
 
 impl PoolShared {
-    /// A new chunk of at least `bytes` bytes from the pool's source, as (base, size):
-    /// `cuMemAlloc`, or physical memory mapped into the pool's reservation (its size rounded
-    /// up to the piece).
-    pub(super) fn allocate_chunk(&self, bytes: usize) -> Result<(u64, usize), DriverError> {
+    /// New memory of at least `bytes` bytes from the pool's source, side by side, as runs of
+    /// pieces of one size, (base, bytes, piece) in address order: `cuMemAlloc` (one run of one
+    /// piece), or physical memory mapped into the pool's reservation (its size rounded up to
+    /// the smallest piece; [`map_placed`](Self::map_placed)).
+    pub(super) fn allocate_chunk(&self, bytes: usize) -> Result<Runs, DriverError> {
         let Some(vmm) = &self.vmm else {
             let base = self.cx.driver.mem_alloc(self.cx.context, bytes)?;
             self.totals
                 .driver_allocations
                 .fetch_add(1, Ordering::Relaxed);
-            return Ok((base.0, bytes));
+            return Ok(vec![(base.0, bytes, bytes)]);
         };
         let (cx, bytes) = (&self.cx, vmm.round_to_piece(bytes));
         // Chunks given back inside a defer_cleanup that has since ended go first.
@@ -293,7 +325,7 @@ impl PoolShared {
             if inner.reservation.is_none() {
                 // The driver aligns a reservation to the granularity: a piece less the
                 // granularity more leaves room to start the pool's range at a multiple of the
-                // piece.
+                // smallest piece.
                 let extra = vmm.piece - vmm.granularity;
                 let size = vmm.reserve_bytes + extra;
                 let base = cx.driver.mem_address_reserve(cx.context, size)?;
@@ -308,7 +340,7 @@ impl PoolShared {
             inner.growing += 1;
             at
         };
-        self.map_placed(vmm, at, bytes).map(|()| (at, bytes))
+        self.map_placed(vmm, at, bytes, vmm.piece_for(bytes))
     }
 
     /// `vmm-pool`: memory to share with other processes, of at least `bytes` bytes: physical
@@ -406,14 +438,14 @@ impl PoolShared {
         lock(&vmm.inner).free_range_holding(at, bytes).is_some()
     }
 
-    /// `vmm-pool`: a chunk of at least `bytes` bytes mapped at `at` exactly (just past a
-    /// chunk, so that free space runs on into it), as its size; `None` where that range of the
-    /// reservation is not free, or the pool has no reservation.
+    /// `vmm-pool`: at least `bytes` bytes mapped at `at` exactly (just past a chunk, so that
+    /// free space runs on into it), as runs of pieces of one size ([`map_placed`](Self::map_placed));
+    /// `None` where that range of the reservation is not free, or the pool has no reservation.
     pub(super) fn allocate_chunk_at(
         &self,
         at: u64,
         bytes: usize,
-    ) -> Result<Option<usize>, DriverError> {
+    ) -> Result<Option<Runs>, DriverError> {
         let Some(vmm) = &self.vmm else {
             return Ok(None);
         };
@@ -427,74 +459,90 @@ impl PoolShared {
             }
             inner.growing += 1;
         }
-        self.map_placed(vmm, at, bytes).map(|()| Some(bytes))
+        self.map_placed(vmm, at, bytes, vmm.piece_for(bytes))
+            .map(Some)
     }
 
     /// Maps `bytes` at `at`, a range taken from the reservation's free ones by a growth
-    /// (counted in `growing`), as pieces of one piece size each, and records them; on failure
-    /// the range is free again unless a mapping could not be undone.
-    fn map_placed(&self, vmm: &VmmSpace, at: u64, bytes: usize) -> Result<(), DriverError> {
-        let mut pieces = Vec::with_capacity(bytes / vmm.piece);
-        let spare = || lock(&vmm.inner).spare.pop();
-        let mapped = self.map_pieces(vmm, at, bytes, &spare, &mut pieces);
+    /// (counted in `growing`): the spares a shedding left first, then new pieces of `piece`
+    /// bytes ([`growth_layout`]); records them and returns them as runs of pieces of one size,
+    /// (base, bytes, piece) in address order. On failure the range is free again unless a
+    /// mapping could not be undone.
+    fn map_placed(
+        &self,
+        vmm: &VmmSpace,
+        at: u64,
+        bytes: usize,
+        piece: usize,
+    ) -> Result<Runs, DriverError> {
+        let layout = growth_layout(at, bytes, piece, &mut lock(&vmm.inner).spare);
+        let mut pieces = Vec::with_capacity(layout.len());
+        let mapped = self.map_pieces(vmm, &layout, &mut pieces);
         if mapped.is_ok() {
             let mut inner = lock(&vmm.inner);
             inner.growing -= 1;
-            for (base, handle) in pieces {
-                inner.handles.insert(base, (vmm.piece, handle));
+            for &(base, size, handle) in &pieces {
+                inner.handles.insert(base, (size, handle));
             }
-            return Ok(());
+            return Ok(runs_of(&pieces));
         }
-        // Undone piece by piece: a piece left mapped strands the range.
+        // Undone piece by piece: a piece left mapped strands the range. The spares past the
+        // piece that failed go back to the growth's spares (released when it ends).
         let mut free_again = true;
-        for (base, handle) in pieces {
-            free_again &= self.unmap_chunk(base, vmm.piece, handle);
+        for &(base, size, handle) in &pieces {
+            free_again &= self.unmap_chunk(base, size, handle);
         }
         let mut inner = lock(&vmm.inner);
+        inner.spare.extend(
+            layout[(pieces.len() + 1).min(layout.len())..]
+                .iter()
+                .filter_map(|&(_, size, spare)| Some((size, spare?))),
+        );
         inner.growing -= 1;
         if free_again {
             inner.give(at, bytes);
         } else {
             inner.stranded = true;
         }
-        mapped
+        mapped.map(|()| Vec::new())
     }
 
-    /// Makes and maps the pieces of `bytes` at `at` (a range of the reservation with nothing
-    /// mapped), each from `spare` where it gives one, adding each mapped one to `pieces`, then
-    /// makes the whole range accessible to the device and its peers with one call each. On
-    /// failure the caller undoes `pieces`.
+    /// Maps the pieces `layout`, (base, size, spare) side by side in a range of the
+    /// reservation with nothing mapped: each the spare given, or physical memory made for it,
+    /// adding each mapped one to `pieces` as (base, size, handle); then makes the whole range
+    /// accessible to the device and its peers with one call each. On failure the caller
+    /// undoes `pieces`; the piece that failed is released, the spares after it are the
+    /// caller's.
     #[allow(unsafe_code)]
     fn map_pieces(
         &self,
         vmm: &VmmSpace,
-        at: u64,
-        bytes: usize,
-        spare: &dyn Fn() -> Option<PhysHandle>,
-        pieces: &mut Vec<(u64, PhysHandle)>,
+        layout: &[(u64, usize, Option<PhysHandle>)],
+        pieces: &mut Vec<(u64, usize, PhysHandle)>,
     ) -> Result<(), DriverError> {
         let cx = &self.cx;
-        for base in (at..at + bytes as u64).step_by(vmm.piece) {
-            let handle = match spare() {
+        let (Some(&(at, _, _)), Some(&(last, last_size, _))) = (layout.first(), layout.last())
+        else {
+            return Ok(());
+        };
+        for &(base, size, spare) in layout {
+            let handle = match spare {
                 Some(handle) => handle,
                 None => {
                     let handle =
                         cx.driver
-                            .mem_create(cx.context, cx.device, vmm.piece, vmm.shareable)?;
+                            .mem_create(cx.context, cx.device, size, vmm.shareable)?;
                     self.totals
                         .driver_allocations
                         .fetch_add(1, Ordering::Relaxed);
                     handle
                 }
             };
-            // SAFETY: `base .. base + piece` lies in a range taken from the
+            // SAFETY: `base .. base + size` lies in a range taken from the
             // reservation's free ones, with nothing mapped there.
-            let mapped = unsafe {
-                cx.driver
-                    .mem_map(cx.context, DevicePtr(base), vmm.piece, handle)
-            };
+            let mapped = unsafe { cx.driver.mem_map(cx.context, DevicePtr(base), size, handle) };
             if let Err(e) = mapped {
-                // SAFETY: made above and never mapped.
+                // SAFETY: made above, or a spare its shedding unmapped; mapped nowhere.
                 if let Err(undo) = unsafe { cx.driver.mem_release(cx.context, handle) } {
                     tracing::error!(device = %cx.device, error = %undo, ptr = base, "cuMemRelease failed while undoing a growth of the pool");
                     self.queue
@@ -502,10 +550,11 @@ impl PoolShared {
                 }
                 return Err(e);
             }
-            pieces.push((base, handle));
+            pieces.push((base, size, handle));
         }
         // The device itself, and every device that can reach its memory as a peer (as it can
         // `cuMemAlloc` memory once peer access is on): one call covers every piece.
+        let bytes = (last - at) as usize + last_size;
         vmm.access.iter().try_for_each(|&d| {
             cx.driver
                 .mem_set_access(cx.context, DevicePtr(at), bytes, d)
@@ -561,7 +610,7 @@ impl PoolShared {
         for (base, size, handle) in std::mem::take(&mut inner.deferred) {
             let unmapped = if spare {
                 self.unmap_only(base, size)
-                    .then(|| inner.spare.push(handle))
+                    .then(|| inner.spare.push((size, handle)))
                     .is_some()
             } else {
                 self.unmap_chunk(base, size, handle)
@@ -590,7 +639,7 @@ impl PoolShared {
         };
         tracing::debug!(device = %self.cx.device, pieces = spare.len(), "pieces a growth moved and did not map went back to the driver");
         // Unmapped by the shedding that kept them, and mapped nowhere since.
-        for handle in spare {
+        for (_, handle) in spare {
             self.release_piece(handle);
         }
     }
@@ -746,9 +795,131 @@ impl PoolShared {
     }
 }
 
+/// The piece a growth of `bytes` maps: the largest power of two up to a sixteenth of it,
+/// between `smallest` and `largest` (both powers of two).
+fn growth_piece(bytes: usize, smallest: usize, largest: usize) -> usize {
+    match bytes / PIECES_PER_GROWTH {
+        0 => smallest,
+        share => (1 << share.ilog2()).clamp(smallest, largest),
+    }
+}
+
+/// The pieces a growth of `bytes` at `at` maps, as (base, size, spare) side by side: first
+/// spares taken from `spares` (the largest that fits what is left, while one does), then new
+/// pieces of `piece` bytes (the last one shorter where what is left is not a multiple).
+fn growth_layout<H: Copy>(
+    at: u64,
+    bytes: usize,
+    piece: usize,
+    spares: &mut Vec<(usize, H)>,
+) -> Vec<(u64, usize, Option<H>)> {
+    let mut layout = Vec::new();
+    let mut off = 0;
+    spares.sort_unstable_by_key(|&(size, _)| std::cmp::Reverse(size));
+    spares.retain(|&(size, handle)| {
+        let fits = size <= bytes - off;
+        if fits {
+            layout.push((at + off as u64, size, Some(handle)));
+            off += size;
+        }
+        !fits
+    });
+    while off < bytes {
+        let size = piece.min(bytes - off);
+        layout.push((at + off as u64, size, None));
+        off += size;
+    }
+    layout
+}
+
+/// Mapped pieces (base, size, handle), side by side in address order, as runs of pieces of
+/// one size, (base, bytes, piece).
+fn runs_of<H>(pieces: &[(u64, usize, H)]) -> Runs {
+    let mut runs: Runs = Vec::new();
+    for &(base, size, _) in pieces {
+        match runs.last_mut() {
+            Some((_, bytes, piece)) if *piece == size => *bytes += size,
+            _ => runs.push((base, size, size)),
+        }
+    }
+    runs
+}
+
 #[cfg(all(test, not(emm_loom)))]
 mod tests {
-    use super::VmmInner;
+    use super::{MAX_PIECE, VmmInner, growth_layout, growth_piece, runs_of};
+
+    #[test]
+    fn a_growth_maps_pieces_of_a_sixteenth_of_it_within_the_bounds() {
+        const MIB: usize = 1 << 20;
+        let piece = |bytes| growth_piece(bytes, 2 * MIB, MAX_PIECE);
+        assert_eq!(piece(2 * MIB), 2 * MIB, "the smallest piece below 32 MiB");
+        assert_eq!(piece(8 * MIB), 2 * MIB);
+        assert_eq!(piece(64 * MIB), 4 * MIB);
+        assert_eq!(piece(100 * MIB), 4 * MIB, "the power of two below 6.25 MiB");
+        assert_eq!(piece(1024 * MIB), 64 * MIB);
+        assert_eq!(piece(40 << 30), MAX_PIECE, "never above the largest");
+        assert_eq!(
+            growth_piece(64 * MIB, 32 * MIB, 32 * MIB),
+            32 * MIB,
+            "a configured piece"
+        );
+    }
+
+    #[test]
+    fn a_growth_maps_the_spares_that_fit_first_then_new_pieces_the_last_one_shorter() {
+        const MIB: usize = 1 << 20;
+        let h = |k: u32| k;
+        let mut spares = vec![
+            (2 * MIB, h(1)),
+            (8 * MIB, h(2)),
+            (4 * MIB, h(3)),
+            (16 * MIB, h(4)),
+        ];
+        assert_eq!(
+            growth_layout(0x1000_0000, 22 * MIB, 4 * MIB, &mut spares),
+            vec![
+                (0x1000_0000, 16 * MIB, Some(h(4))),
+                (0x1100_0000, 4 * MIB, Some(h(3))),
+                (0x1140_0000, 2 * MIB, Some(h(1))),
+            ],
+            "the largest spare that fits what is left, while one does"
+        );
+        assert_eq!(spares, vec![(8 * MIB, h(2))], "what did not fit stays");
+        let layout = growth_layout(0x1000_0000, 18 * MIB, 4 * MIB, &mut spares);
+        assert_eq!(
+            layout,
+            vec![
+                (0x1000_0000, 8 * MIB, Some(h(2))),
+                (0x1080_0000, 4 * MIB, None),
+                (0x10c0_0000, 4 * MIB, None),
+                (0x1100_0000, 2 * MIB, None),
+            ],
+            "new pieces for the rest, the last one shorter"
+        );
+        assert!(spares.is_empty());
+        let pieces: Vec<_> = layout.iter().map(|&(b, s, _)| (b, s, h(0))).collect();
+        assert_eq!(
+            runs_of(&pieces),
+            vec![
+                (0x1000_0000, 8 * MIB, 8 * MIB),
+                (0x1080_0000, 8 * MIB, 4 * MIB),
+                (0x1100_0000, 2 * MIB, 2 * MIB),
+            ],
+            "runs of pieces of one size"
+        );
+        let mut none: Vec<(usize, u32)> = Vec::new();
+        assert_eq!(
+            runs_of(
+                &growth_layout(0, 12 * MIB, 4 * MIB, &mut none)
+                    .iter()
+                    .map(|&(b, s, _)| (b, s, h(0)))
+                    .collect::<Vec<_>>()
+            ),
+            vec![(0, 12 * MIB, 4 * MIB)],
+            "new pieces of one size make one run"
+        );
+    }
 
     #[test]
     fn a_range_is_placed_at_an_address_only_where_all_of_it_is_free() {

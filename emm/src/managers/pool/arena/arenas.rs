@@ -70,6 +70,9 @@ pub(in crate::managers::pool) struct Chunk {
     pub(in crate::managers::pool) base: u64,
     /// Its bytes.
     pub(in crate::managers::pool) size: usize,
+    /// Where chunks merge, the bytes of each physical piece it is made of, side by side (the
+    /// last one shorter where `size` is not a multiple); elsewhere its size.
+    pub(in crate::managers::pool) piece: usize,
     /// Made for one request above the standard limit, and serving only such requests.
     pub(in crate::managers::pool) oversize: bool,
     /// Lent by the shared arena ([`Arenas::lend`]): it goes back there
@@ -87,6 +90,7 @@ impl Chunk {
             move |(base, size)| Chunk {
                 base,
                 size,
+                piece: size,
                 oversize,
                 lent: false,
             }
@@ -123,7 +127,7 @@ pub(in crate::managers::pool) struct Arenas {
 impl Arenas {
     /// Empty arenas that serve requests up to `limit` bytes from standard chunks; free space
     /// merges across chunks where they are mapped next to each other, in pieces of `pieces`
-    /// bytes each.
+    /// bytes or a multiple of it.
     pub(in crate::managers::pool) fn new(limit: usize, pieces: Option<usize>) -> Arenas {
         let arena = || Arena {
             merge_across: pieces.is_some(),
@@ -191,7 +195,7 @@ impl Arenas {
         } else {
             &mut self.standard
         };
-        arena.add_chunk(chunk.base, chunk.size);
+        arena.add_chunk(chunk.base, chunk.size, chunk.piece);
     }
 
     /// The free block of the arena that serves `size` that memory mapped just past it would
@@ -255,6 +259,7 @@ impl Arenas {
         Some(Chunk {
             base,
             size,
+            piece: size,
             oversize: false,
             lent: true,
         })
@@ -303,10 +308,11 @@ impl Arenas {
         most: usize,
     ) -> Option<Chunk> {
         let oversize = self.is_oversize(size);
-        let (base, size) = self.of(size).take_free_chunk(size, most)?;
+        let (base, size, piece) = self.of(size).take_free_chunk(size, most)?;
         let chunk = Chunk {
             base,
             size,
+            piece,
             oversize,
             lent: false,
         };

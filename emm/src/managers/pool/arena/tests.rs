@@ -27,27 +27,27 @@ fn a_sparing_take_leaves_large_free_chunks_whole() {
     const MIB: usize = 1 << 20;
     let (whole, used) = (1u64 << 30, 2u64 << 30);
     let mut arena = Arena::default();
-    arena.add_chunk(whole, 64 * MIB);
+    arena.add_chunk(whole, 64 * MIB, usize::MAX);
     // Only the large free chunk holds the request: spared, unless it is no larger than
     // what the pool would grow by.
     assert_eq!(arena.take_sparing(256, || 8 * MIB), None);
     assert_eq!(arena.take_sparing(256, || 64 * MIB), Some(whole));
     arena.give(whole, 256);
     // A chunk a live block keeps serves it instead.
-    arena.add_chunk(used, 8 * MIB);
+    arena.add_chunk(used, 8 * MIB, usize::MAX);
     assert_eq!(arena.take(8 * MIB - 4096), Some(used));
     let small = arena.take_sparing(256, || 8 * MIB).unwrap();
     assert!((used..used + 8 * MIB as u64).contains(&small), "{small:#x}");
     // A chunk of the smallest growth is never spared.
     let mut small_chunks = Arena::default();
-    small_chunks.add_chunk(whole, SPARED_ABOVE);
+    small_chunks.add_chunk(whole, SPARED_ABOVE, usize::MAX);
     assert_eq!(small_chunks.take_sparing(256, || 0), Some(whole));
 }
 
 #[test]
 fn a_request_fails_only_when_no_free_block_is_large_enough() {
     let mut arena = Arena::default();
-    arena.add_chunk(1 << 30, 64 << 20);
+    arena.add_chunk(1 << 30, 64 << 20, usize::MAX);
     // Blocks of one bin, but of sizes both sides of a request in it.
     let unit = 9 << 20;
     let (larger, request) = (unit + (256 << 10), unit + (128 << 10));
@@ -71,7 +71,7 @@ fn a_request_fails_only_when_no_free_block_is_large_enough() {
 #[test]
 fn a_fitting_block_behind_the_scanned_ones_is_found_before_the_pool_grows() {
     let mut arena = Arena::default();
-    arena.add_chunk(1 << 32, 4 << 20);
+    arena.add_chunk(1 << 32, 4 << 20, usize::MAX);
     // One bin, [16, 17) KiB: one block that fits the request, freed first, then more
     // than `SCAN` that do not; lent gaps keep them from merging.
     let (small, fits, request) = (64 << 8, 67 << 8, 66 << 8);
@@ -201,9 +201,9 @@ proptest::proptest! {
         steps in proptest::collection::vec(step(), 1..STEPS)
     ) {
         let mut arena = Arena::default();
-        arena.add_chunk(1 << 32, 4 << 20);
-        arena.add_chunk((1 << 32) + (4 << 20), 2 << 20);
-        arena.add_chunk(1 << 40, 8 << 20);
+        arena.add_chunk(1 << 32, 4 << 20, usize::MAX);
+        arena.add_chunk((1 << 32) + (4 << 20), 2 << 20, usize::MAX);
+        arena.add_chunk(1 << 40, 8 << 20, usize::MAX);
         let mut lent: Vec<(u64, usize)> = Vec::new();
         for step in steps {
             match step {
@@ -237,16 +237,16 @@ proptest::proptest! {
 /// The piece of the merging arenas below.
 const PIECE: usize = 2 << 20;
 
-/// Checks a merging arena against the blocks `lent`: its chunks are pieces at multiples of
-/// their size, its runs are the runs of chunks side by side, its held bytes theirs, and
-/// free and lent blocks tile each run with no two free blocks side by side.
+/// Checks a merging arena against the blocks `lent`: its chunks are pieces of a multiple
+/// of the smallest piece, at multiples of it, its runs are the runs of chunks side by side,
+/// its held bytes theirs, and free and lent blocks tile each run with no two free blocks side
+/// by side.
 fn check_merging(arena: &Arena, lent: &[(u64, usize)]) {
     let mut runs: Vec<(u64, u64)> = Vec::new();
     for (&base, &size) in &arena.chunks {
-        assert_eq!(size, PIECE, "a chunk is one piece");
         assert!(
-            base.is_multiple_of(PIECE as u64),
-            "a piece at a multiple of its size"
+            size.is_multiple_of(PIECE) && base.is_multiple_of(PIECE as u64),
+            "a piece is whole smallest pieces, at a multiple of the smallest"
         );
         match runs.last_mut() {
             Some((_, end)) if *end == base => *end += size as u64,
@@ -255,7 +255,7 @@ fn check_merging(arena: &Arena, lent: &[(u64, usize)]) {
     }
     let recorded: Vec<(u64, u64)> = arena.runs.iter().map(|(&a, &b)| (a, b)).collect();
     assert_eq!(recorded, runs, "the runs");
-    assert_eq!(arena.held, arena.chunks.len() * PIECE);
+    assert_eq!(arena.held, arena.chunks.values().sum::<usize>());
     let mut blocks: Vec<(u64, usize, bool)> = lent.iter().map(|&(a, s)| (a, s, false)).collect();
     blocks.extend(arena.free_blocks().map(|(a, s)| (a, s, true)));
     blocks.sort();
@@ -279,29 +279,36 @@ fn check_merging(arena: &Arena, lent: &[(u64, usize)]) {
     assert!(at.next().is_none(), "a block outside every run");
 }
 
-/// The wholly free pieces of a merging arena, counted block by block.
-fn free_pieces(arena: &Arena) -> usize {
+/// The wholly free pieces of a merging arena, as (base, size), found block by block.
+fn free_pieces(arena: &Arena) -> Vec<(u64, usize)> {
     let blocks: Vec<(u64, usize)> = arena.free_blocks().collect();
     arena
         .chunks
-        .keys()
-        .filter(|&&b| {
+        .iter()
+        .map(|(&b, &size)| (b, size))
+        .filter(|&(b, size)| {
             blocks
                 .iter()
-                .any(|&(a, s)| a <= b && b + PIECE as u64 <= a + s as u64)
+                .any(|&(a, s)| a <= b && b + size as u64 <= a + s as u64)
         })
-        .count()
+        .collect()
+}
+
+/// The bytes of `pieces`.
+fn bytes(pieces: &[(u64, usize)]) -> usize {
+    pieces.iter().map(|&(_, size)| size).sum()
 }
 
 #[derive(Clone, Debug)]
 enum MergingStep {
     Take(usize),
     Give(usize),
-    /// Maps this many pieces past the tail (or at a new place when there is none).
-    Grow(usize),
-    /// Sheds up to this many pieces, keeping the tail's free block or nothing.
+    /// Maps this many smallest pieces past the tail (or at a new place when there is none),
+    /// as pieces of the smallest shifted left by the second (the last one shorter).
+    Grow(usize, u32),
+    /// Sheds up to this many smallest pieces' bytes, keeping the tail's free block or nothing.
     Shed(bool, usize),
-    /// Sheds wholly free pieces, up to this many.
+    /// Sheds wholly free pieces, up to this many smallest pieces' bytes.
     ShedPieces(usize),
     /// Moves the pieces of a request of this size to another arena.
     Adopt(usize),
@@ -313,7 +320,7 @@ fn merging_step() -> impl proptest::strategy::Strategy<Value = MergingStep> {
         4 => (1usize..=64).prop_map(|u| MergingStep::Take(u << 16)),
         1 => (1usize..=12).prop_map(|u| MergingStep::Take(u << 20)),
         5 => any::<usize>().prop_map(MergingStep::Give),
-        1 => (1usize..=4).prop_map(MergingStep::Grow),
+        1 => (1usize..=8, 0u32..=2).prop_map(|(n, k)| MergingStep::Grow(n, k)),
         1 => (any::<bool>(), 1usize..=8).prop_map(|(k, n)| MergingStep::Shed(k, n)),
         1 => (1usize..=8).prop_map(MergingStep::ShedPieces),
         1 => (1usize..=6).prop_map(|u| MergingStep::Adopt(u << 20)),
@@ -323,11 +330,12 @@ fn merging_step() -> impl proptest::strategy::Strategy<Value = MergingStep> {
 proptest::proptest! {
     #![proptest_config(crate::test_config::proptest_config())]
 
-    /// Random takes, gives, growths, sheds and adoptions on an arena whose chunks merge
-    /// and are recorded as pieces: after every step it is consistent (`check_merging`), a
-    /// shed of up to n pieces gives back n wholly free pieces outside the kept block, or
-    /// all of them where there are fewer, and an adoption moves a run of
-    /// wholly free pieces that holds the request. 256 cases (`PROPTEST_CASES=N` for more).
+    /// Random takes, gives, growths (in pieces of mixed sizes), sheds and adoptions on an
+    /// arena whose chunks merge and are recorded as pieces: after every step it is
+    /// consistent (`check_merging`), a shed of up to n bytes gives back wholly free pieces
+    /// outside the kept block in address order until they come to n bytes, or all of them
+    /// where they come to less, and an adoption moves a run of wholly free pieces of one size
+    /// that holds the request. 256 cases (`PROPTEST_CASES=N` for more).
     #[test]
     #[cfg_attr(
         miri,
@@ -339,7 +347,7 @@ proptest::proptest! {
     ) {
         let new = || Arena { merge_across: true, piece: PIECE, ..Arena::default() };
         let (mut arena, mut other) = (new(), new());
-        arena.add_chunk(1 << 32, 4 * PIECE);
+        arena.add_chunk(1 << 32, 4 * PIECE, PIECE);
         let mut lent: Vec<(u64, usize)> = Vec::new();
         let mut elsewhere = 1u64 << 40;
         for step in steps {
@@ -354,7 +362,7 @@ proptest::proptest! {
                     arena.give(addr, size);
                 }
                 MergingStep::Give(_) => {}
-                MergingStep::Grow(n) => {
+                MergingStep::Grow(n, k) => {
                     // Past the tail where nothing is mapped there, as the reservation
                     // allows; else elsewhere.
                     let tail = arena.tail();
@@ -370,42 +378,41 @@ proptest::proptest! {
                             elsewhere
                         }
                     };
-                    arena.add_chunk(at, n * PIECE);
+                    arena.add_chunk(at, n * PIECE, PIECE << k);
                 }
                 MergingStep::Shed(keep_tail, most) => {
                     let keep = match arena.tail() {
                         Some((end, free)) if keep_tail => (end - free as u64, end),
                         _ => (0, 0),
                     };
-                    let kept = arena
-                        .chunks
-                        .keys()
-                        .filter(|&&b| b >= keep.0 && b + PIECE as u64 <= keep.1)
-                        .count();
-                    let wholly_free = free_pieces(&arena);
-                    let outside = wholly_free
-                        - if keep.1 > keep.0 { kept } else { 0 };
-                    let shed = arena.shed_free_chunks(keep, most * PIECE);
-                    proptest::prop_assert_eq!(shed.len(), outside.min(most));
-                    proptest::prop_assert!(
-                        shed.iter().all(|&(b, _)| b + PIECE as u64 <= keep.0 || b >= keep.1)
-                    );
+                    let outside: Vec<(u64, usize)> = free_pieces(&arena)
+                        .into_iter()
+                        .filter(|&(b, size)| b + size as u64 <= keep.0 || b >= keep.1)
+                        .collect();
+                    let most = most * PIECE;
+                    let shed = arena.shed_free_chunks(keep, most);
+                    // Wholly free pieces outside the kept block, taken until they come to
+                    // `most` bytes.
+                    proptest::prop_assert!(shed.iter().all(|p| outside.contains(p)));
+                    proptest::prop_assert!(bytes(&shed) >= most.min(bytes(&outside)));
+                    proptest::prop_assert!(bytes(&shed[..shed.len().saturating_sub(1)]) < most);
                 }
                 MergingStep::ShedPieces(n) => {
-                    let wholly_free = free_pieces(&arena);
+                    let wholly_free = bytes(&free_pieces(&arena));
                     let shed = arena.shed_free_pieces(n * PIECE);
-                    let due = wholly_free.min(n);
-                    proptest::prop_assert_eq!(shed.len(), due);
-                    proptest::prop_assert_eq!(free_pieces(&arena), wholly_free - due);
+                    proptest::prop_assert!(bytes(&shed) >= wholly_free.min(n * PIECE));
+                    proptest::prop_assert!(bytes(&shed[..shed.len().saturating_sub(1)]) < n * PIECE);
+                    proptest::prop_assert_eq!(bytes(&free_pieces(&arena)), wholly_free - bytes(&shed));
                 }
                 MergingStep::Adopt(size) => {
-                    if let Some((base, got)) = arena.take_free_chunk(size, usize::MAX) {
-                        proptest::prop_assert!(got >= size && got < size + PIECE);
+                    if let Some((base, got, piece)) = arena.take_free_chunk(size, usize::MAX) {
+                        proptest::prop_assert!(got >= size && got < size + piece);
+                        proptest::prop_assert!(got.is_multiple_of(piece));
                         proptest::prop_assert!(
                             lent.iter().all(|&(a, s)| a + s as u64 <= base || a >= base + got as u64),
                             "an adopted run holds no lent block"
                         );
-                        other.add_chunk(base, got);
+                        other.add_chunk(base, got, piece);
                         check_merging(&other, &[]);
                     }
                 }
@@ -413,7 +420,7 @@ proptest::proptest! {
             check_merging(&arena, &lent);
             // Counted over the settled blocks, as the sheds count them.
             if arena.recent.is_none() {
-                let brute = free_pieces(&arena) * PIECE;
+                let brute = bytes(&free_pieces(&arena));
                 proptest::prop_assert_eq!(arena.free_piece_bytes((0, 0)), brute);
             }
         }
@@ -424,6 +431,7 @@ fn chunk(base: u64, size: usize) -> Chunk {
     Chunk {
         base,
         size,
+        piece: size,
         oversize: false,
         lent: false,
     }
@@ -541,8 +549,8 @@ fn lent_blocks_are_cut_out_of_the_shared_segments() {
 fn freed_neighbours_merge_within_a_chunk_but_not_across_chunks() {
     let mut arena = Arena::default();
     // Two chunks that touch: the second starts where the first ends.
-    arena.add_chunk(0x1000_0000, 4 << 20);
-    arena.add_chunk(0x1000_0000 + (4 << 20), 4 << 20);
+    arena.add_chunk(0x1000_0000, 4 << 20, usize::MAX);
+    arena.add_chunk(0x1000_0000 + (4 << 20), 4 << 20, usize::MAX);
     let blocks: Vec<u64> = (0..8).map(|_| arena.take(1 << 20).unwrap()).collect();
     assert!(arena.free.is_empty());
     for &b in blocks.iter().rev() {
@@ -567,12 +575,12 @@ fn chunks_that_merge_extend_the_free_block_they_are_added_after() {
         ..Arena::default()
     };
     let base = 0x2000_0000u64;
-    arena.add_chunk(base, 4 << 20);
+    arena.add_chunk(base, 4 << 20, 2 << 20);
     let used = arena.take(3 << 20).unwrap();
     assert_eq!(used, base);
     // The free 1 MiB at the end is the tail; a chunk mapped just past it extends it.
     assert_eq!(arena.tail(), Some((base + (4 << 20), 1 << 20)));
-    arena.add_chunk(base + (4 << 20), 2 << 20);
+    arena.add_chunk(base + (4 << 20), 2 << 20, 2 << 20);
     let blocks: Vec<(u64, usize)> = arena.free_blocks().collect();
     assert_eq!(
         blocks,
@@ -589,8 +597,8 @@ fn chunks_that_merge_extend_the_free_block_they_are_added_after() {
     // Two chunks elsewhere, wholly free: the one outside the kept range goes, the one
     // inside it stays; so does the wholly free first piece of the block given back, and
     // the rest of that block stays free.
-    arena.add_chunk(base + (64 << 20), 2 << 20);
-    arena.add_chunk(base + (96 << 20), 2 << 20);
+    arena.add_chunk(base + (64 << 20), 2 << 20, 2 << 20);
+    arena.add_chunk(base + (96 << 20), 2 << 20, 2 << 20);
     let held = arena.held;
     let mut removed = arena.shed_free_chunks((base + (90 << 20), base + (100 << 20)), held);
     removed.sort();
@@ -616,6 +624,6 @@ fn chunks_that_merge_extend_the_free_block_they_are_added_after() {
 #[test]
 fn chunks_that_do_not_merge_have_no_tail() {
     let mut arena = Arena::default();
-    arena.add_chunk(0x3000_0000, 4 << 20);
+    arena.add_chunk(0x3000_0000, 4 << 20, usize::MAX);
     assert_eq!(arena.tail(), None);
 }

@@ -237,35 +237,43 @@ impl PoolShared {
         }
         // Pieces a failed wake left mapped without access get it first.
         for base in std::mem::take(&mut inner.ungranted) {
+            let Some(&(size, _)) = inner.handles.get(&base) else {
+                // Given back since (a trim or a reset unmapped it).
+                continue;
+            };
             let granted = vmm.access.iter().try_for_each(|&d| {
                 cx.driver
-                    .mem_set_access(cx.context, DevicePtr(base), vmm.piece, d)
+                    .mem_set_access(cx.context, DevicePtr(base), size, d)
             });
             if let Err(e) = granted {
                 inner.ungranted.insert(base);
                 return Err(cx.driver_error(WHAT, e));
             }
         }
-        // Runs of pieces side by side: one access grant each.
-        let mut runs: Vec<(u64, usize)> = Vec::new();
+        // Runs of pieces side by side, each piece made again at its size: one access grant
+        // per run.
+        let mut runs: Vec<Vec<(u64, usize)>> = Vec::new();
         for (&base, &size) in &inner.asleep {
             match runs.last_mut() {
-                Some((start, len)) if *start + *len as u64 == base => *len += size,
-                _ => runs.push((base, size)),
+                Some(run) if run.last().is_some_and(|&(b, s)| b + s as u64 == base) => {
+                    run.push((base, size));
+                }
+                _ => runs.push(vec![(base, size)]),
             }
         }
-        for (start, len) in runs {
-            let mut pieces = Vec::with_capacity(len / vmm.piece);
-            // New physical memory only (the spares are a growth's, and their lock is held).
-            let mapped = self.map_pieces(vmm, start, len, &|| None, &mut pieces);
-            for &(base, handle) in &pieces {
+        for run in runs {
+            let mut pieces = Vec::with_capacity(run.len());
+            // New physical memory only (the spares are a growth's).
+            let layout: Vec<_> = run.iter().map(|&(base, size)| (base, size, None)).collect();
+            let mapped = self.map_pieces(vmm, &layout, &mut pieces);
+            for &(base, size, handle) in &pieces {
                 inner.asleep.remove(&base);
-                inner.handles.insert(base, (vmm.piece, handle));
+                inner.handles.insert(base, (size, handle));
             }
             if let Err(e) = mapped {
                 // The run's mapped pieces go back to sleep; one that cannot be unmapped stays
                 // mapped, and the next wake grants its access.
-                for &(base, _) in &pieces {
+                for &(base, _, _) in &pieces {
                     if let Some((size, handle)) = inner.handles.remove(&base) {
                         if self.unmap_only(base, size) {
                             self.release_piece(handle);
@@ -278,19 +286,15 @@ impl PoolShared {
                 }
                 return Err(cx.driver_error(WHAT, e));
             }
-            report.mapped_bytes += len;
+            report.mapped_bytes += run.iter().map(|&(_, size)| size).sum::<usize>();
         }
         report.held_after = inner.mapped_bytes();
         let stash = lock(&vmm.stash).take();
         // An allocation freed while asleep may have had its pieces given back (a trim): it
         // is not copied back. One whose pieces are all mapped again is copied, live or not
         // (free pool memory, which no allocation took while asleep).
-        let g = vmm.piece as u64;
         let restorable = |&(address, bytes, _): &(u64, usize, usize)| {
-            let first = address / g * g;
-            (first..address + bytes as u64)
-                .step_by(vmm.piece)
-                .all(|piece| inner.handles.contains_key(&piece))
+            mapped_through(&inner.handles, address, address + bytes as u64)
         };
         let stash = stash.map(|mut s| {
             s.blocks.retain(restorable);
@@ -352,4 +356,20 @@ impl PoolShared {
         }
         self.free_kept_buffer();
     }
+}
+
+/// Whether the pieces of `handles` (size and handle by base) map every byte of `start .. end`.
+fn mapped_through(
+    handles: &std::collections::BTreeMap<u64, (usize, PhysHandle)>,
+    start: u64,
+    end: u64,
+) -> bool {
+    let mut at = start;
+    while at < end {
+        match handles.range(..=at).next_back() {
+            Some((&base, &(size, _))) if base + size as u64 > at => at = base + size as u64,
+            _ => return false,
+        }
+    }
+    true
 }
