@@ -713,7 +713,8 @@ if sleep_run:
         kept = "reused" if r["sleep"]["host_buffer_reused"] else "pinned anew"
         what = "the same sleep with `keep_host_buffer=True`" if k == 0 else "again, the buffer kept"
         w(f"| {what} ({kept}) / its wake | {r['sleep']['seconds']:.2f} s / {r['wake']['seconds']:.2f} s | | | |")
-    w(f"| sleep with nothing to offload, {gb(idle['held_bytes'])} held, pieces of 2 MiB (the default) | {idle['sleep_seconds'] * 1e3:.0f} ms | | < 100 ms | {met(not idle['sleep_seconds'] >= 0.1)} |")
+    pieces = sinfo.get("pieces", "of 2 MiB")
+    w(f"| sleep with nothing to offload, {gb(idle['held_bytes'])} held, pieces {pieces} (the default) | {idle['sleep_seconds'] * 1e3:.0f} ms | | < 100 ms | {met(not idle['sleep_seconds'] >= 0.1)} |")
     w(f"| its wake | {idle['wake_seconds'] * 1e3:.0f} ms | | | |")
     big = h.get("idle_32mib_pieces")
     if big:
@@ -721,12 +722,33 @@ if sleep_run:
         w(f"| its wake | {big['wake_seconds'] * 1e3:.0f} ms | | | |")
     w("")
     w("The sleep with nothing to offload unmaps and releases each piece of physical memory on its own")
-    w("(two driver calls a piece, which the driver runs one at a time); `EMM_VMM_PIECE` sets the")
-    w("piece (docs/python.md, sleep and wake).")
+    w("(two driver calls a piece, which the driver runs one at a time, at a cost per piece whatever")
+    w("its size); `EMM_VMM_PIECE` sets one piece size for all (docs/python.md, sleep and wake).")
     w(f"The offloading sleep's copies took {sl['offload_seconds']:.2f} s of its {sl['seconds']:.2f} s;")
     w("the rest is the wait for the device, the page-locked buffer's allocation and the unmapping,")
     w("not timed apart.")
     w("")
+    tms_path = os.path.join(sleep_run, "sleep-vs-tms.json")
+    if os.path.exists(tms_path):
+        t = json.load(open(tms_path))
+        w("### Beside torch_memory_saver")
+        w("")
+        w("The same tensors under emm (`emm.torch.sleep` / `wake`, `vmm-pool`) and under")
+        w(f"torch_memory_saver {sinfo.get('tms', '')} (its `torch` hook mode: `region`, `pause` / `resume`),")
+        w("each case a process of its own in the same call (`python/bench/sleep_vs_memory_saver.py`):")
+        w("1 GiB tensors, none kept (*idle*), or 8 GiB of them whose contents go to host memory and")
+        w("come back beside 32 GiB whose contents go (*offload*).")
+        w("")
+        w("| case | emm: sleep / wake | torch_memory_saver: pause / resume | weights intact (emm / tms) |")
+        w("| --- | ---: | ---: | --- |")
+        for case in ["idle", "offload"]:
+            e, m = t.get(f"{case}/emm", {}), t.get(f"{case}/tms", {})
+            cell = lambda r: (f"{r['sleep_seconds'] * 1e3:.0f} ms / {r['wake_seconds'] * 1e3:.0f} ms"
+                              if "sleep_seconds" in r else "not measured: " + r.get("not_measured", r.get("failed", "?"))[:120])
+            ok = lambda r: "yes" if r.get("weights_intact") else "no"
+            intact = "no weights" if case == "idle" else f"{ok(e)} / {ok(m)}"
+            w(f"| {case} | {cell(e)} | {cell(m)} | {intact} |")
+        w("")
 
 # ---- callgrind ----------------------------------------------------------------------------
 w("## Instruction counts (checked in CI)")
