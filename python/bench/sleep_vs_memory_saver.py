@@ -42,6 +42,7 @@ def intact(ts, value):
 
 
 def run_emm(case, weights_gib, scratch_gib):
+    """One case under emm: the tensors (still held) and the figures."""
     import torch
 
     import emm
@@ -62,8 +63,7 @@ def run_emm(case, weights_gib, scratch_gib):
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     ok = intact(weights, 3)
-    del weights, scratch
-    return {
+    return (weights, scratch), {
         "sleep_seconds": t1 - t0,
         "wake_seconds": t2 - t1,
         "held_before_bytes": slept["held_before_bytes"],
@@ -77,12 +77,13 @@ def run_emm(case, weights_gib, scratch_gib):
 
 
 def run_tms(case, weights_gib, scratch_gib):
+    """One case under torch_memory_saver: the tensors (still held) and the figures."""
     import torch
 
     try:
         from torch_memory_saver import torch_memory_saver as tms
     except Exception as e:  # noqa: BLE001 - any import failure means it cannot be measured
-        return {"not_measured": f"torch_memory_saver does not import here: {e}"}
+        return (), {"not_measured": f"torch_memory_saver does not import here: {e}"}
     tms.hook_mode = "torch"
     with tms.region(tag="weights", enable_cpu_backup=True):
         weights = tensors(weights_gib, 3)
@@ -99,8 +100,7 @@ def run_tms(case, weights_gib, scratch_gib):
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     ok = intact(weights, 3)
-    del weights, scratch
-    return {
+    return (weights, scratch), {
         "sleep_seconds": t1 - t0,
         "wake_seconds": t2 - t1,
         "given_back_bytes": free_asleep - free_before,
@@ -112,7 +112,11 @@ def child(args):
     runner = run_emm if args.allocator == "emm" else run_tms
     weights = 0 if args.case == "idle" else args.weights_gib
     scratch = args.idle_gib if args.case == "idle" else args.scratch_gib
-    print(json.dumps(runner(args.case, weights, scratch)))
+    # The figures are printed before the tensors go, so that a failure freeing them is told
+    # apart from one measuring.
+    held, row = runner(args.case, weights, scratch)
+    print(json.dumps(row), flush=True)
+    del held
 
 
 def main():
@@ -137,10 +141,15 @@ def main():
                  "--scratch-gib", str(args.scratch_gib)],
                 env=env, capture_output=True, text=True, timeout=300,
             )
-            if p.returncode != 0:
+            lines = p.stdout.strip().splitlines()
+            if not lines or not lines[-1].startswith("{"):
                 results[f"{case}/{allocator}"] = {"failed": p.stderr[-2000:]}
                 continue
-            row = json.loads(p.stdout.strip().splitlines()[-1])
+            row = json.loads(lines[-1])
+            if p.returncode != 0:
+                # Measured, then the process failed on its way out: said beside the figures.
+                row["exit_status"] = p.returncode
+                row["exit_error"] = p.stderr[-500:]
             if case == "offload" and "sleep_seconds" in row:
                 row["weights_rate_bytes_per_s"] = args.weights_gib * GIB / row["sleep_seconds"]
             results[f"{case}/{allocator}"] = row
