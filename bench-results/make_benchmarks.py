@@ -713,8 +713,8 @@ if sleep_run:
         kept = "reused" if r["sleep"]["host_buffer_reused"] else "pinned anew"
         what = "the same sleep with `keep_host_buffer=True`" if k == 0 else "again, the buffer kept"
         w(f"| {what} ({kept}) / its wake | {r['sleep']['seconds']:.2f} s / {r['wake']['seconds']:.2f} s | | | |")
-    pieces = sinfo.get("pieces", "of 2 MiB")
-    w(f"| sleep with nothing to offload, {gb(idle['held_bytes'])} held, pieces {pieces} (the default) | {idle['sleep_seconds'] * 1e3:.0f} ms | | < 100 ms | {met(not idle['sleep_seconds'] >= 0.1)} |")
+    pieces = sinfo.get("pieces", "of 2 MiB (the default)")
+    w(f"| sleep with nothing to offload, {gb(idle['held_bytes'])} held, pieces {pieces} | {idle['sleep_seconds'] * 1e3:.0f} ms | | < 100 ms | {met(not idle['sleep_seconds'] >= 0.1)} |")
     w(f"| its wake | {idle['wake_seconds'] * 1e3:.0f} ms | | | |")
     big = h.get("idle_32mib_pieces")
     if big:
@@ -734,7 +734,8 @@ if sleep_run:
         w("### Beside torch_memory_saver")
         w("")
         w("The same tensors under emm (`emm.torch.sleep` / `wake`, `vmm-pool`) and under")
-        w(f"torch_memory_saver {sinfo.get('tms', '')} (its `torch` hook mode: `region`, `pause` / `resume`),")
+        w(f"torch_memory_saver {sinfo.get('tms', '')} (its wheel from PyPI, in its `torch` hook mode: `region`,")
+        w("`pause` / `resume`),")
         w("each case a process of its own in the same call (`python/bench/sleep_vs_memory_saver.py`):")
         w("1 GiB tensors, none kept (*idle*), or 8 GiB of them whose contents go to host memory and")
         w("come back beside 32 GiB whose contents go (*offload*).")
@@ -749,6 +750,13 @@ if sleep_run:
             intact = "no weights" if case == "idle" else f"{ok(e)} / {ok(m)}"
             w(f"| {case} | {cell(e)} | {cell(m)} | {intact} |")
         w("")
+        exits = sorted({(k.split("/")[1], r["exit_status"], r["exit_error"].strip())
+                        for k, r in t.items() if "exit_status" in r})
+        for who, status, err in exits:
+            name = "torch_memory_saver" if who == "tms" else "emm"
+            w(f"{name}'s processes exited with status {status} after their figures were taken: `{err}`.")
+        if exits:
+            w("")
 
 # ---- callgrind ----------------------------------------------------------------------------
 w("## Instruction counts (checked in CI)")
