@@ -22,8 +22,8 @@
 //! pool held a median 1.30 - 1.37 times peak live, 1.56 - 1.66 at the 95th percentile and
 //! at most 2.01, per pass; a pool that kept every freed block on its stream filled the 16 GiB
 //! device. Large blocks freed at random and split by smaller ones leave holes between live
-//! blocks; `vmm-pool` maps its memory in 2 MiB pieces and gives back those that holes leave
-//! free, so its bound is the tighter. The trace corpus holds every manager to tighter bounds
+//! blocks; `vmm-pool` maps its memory in pieces (a sixteenth of each growth, at least 2 MiB)
+//! and gives back those that holes leave free, so its bound is the tighter. The trace corpus holds every manager to tighter bounds
 //! on real programs (`integration/tests/traces.rs`).
 
 use std::sync::Arc;

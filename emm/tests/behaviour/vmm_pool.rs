@@ -210,7 +210,7 @@ fn vmm_pool_grows_in_place_and_a_varying_loop_settles() {
     assert_eq!(
         sim.count(Op::MemCreate),
         20,
-        "40 MiB mapped in pieces of 2 MiB"
+        "growths of up to 32 MiB map pieces of 2 MiB"
     );
     assert_eq!(sim.count(Op::MemUnmap), 0);
     drop(b);
