@@ -4,15 +4,16 @@
 //! - The reservation is made at the first growth (four times the device's memory, so that
 //!   freed ranges leave room) and queued for `cuMemAddressFree` by a reset, after the frees of
 //!   its mappings; the next growth reserves anew.
-//! - A growth maps a multiple of the smallest piece as chunks of one piece each (a
-//!   `cuMemCreate` and a `cuMemMap` each), then makes the whole range accessible to the
+//! - A growth maps a multiple of the smallest piece as pieces of physical memory side by side
+//!   (a `cuMemCreate` and a `cuMemMap` each), then makes the whole range accessible to the
 //!   device and its peers with one `cuMemSetAccess` each. Its new pieces are of the largest
 //!   power of two up to a sixteenth of it, between the driver's granularity (2 MiB) and
 //!   [`MAX_PIECE`] (the last one shorter where the growth is not a multiple), unless
 //!   `PoolConfig::vmm_piece` sets one size for every piece. The driver's cost of giving a
 //!   piece back (unmapping and releasing it) is per piece, whatever its size, so a large
 //!   growth in large pieces makes a sleep, a wake and a trim of it take few calls, while a
-//!   small growth keeps pieces small, so that holes between live blocks can go back. Chunks mapped next to each other
+//!   small growth keeps pieces small, so that holes between live blocks can go back. The
+//!   arenas record each piece as a chunk of its own size. Chunks mapped next to each other
 //!   merge their free space in the arenas, which serve every size from one address range,
 //!   and a piece that the blocks around it leave wholly free can go back on its own, so that
 //!   holes between live blocks hold no memory once the pool sheds them. A growth maps just
@@ -20,8 +21,9 @@
 //!   place by what the request lacks (`grow_in_place`); where the range after it is taken,
 //!   the growth goes at the lowest free range of the reservation that holds it.
 //! - A growth that sheds free pieces keeps their physical memory: they are unmapped and mapped
-//!   again where the growth maps (`release_or_spare`), and only the rest is made new; what a
-//!   growth leaves of them is released when it ends (`release_spares`).
+//!   again, each at its own size, first in the range the growth maps (`release_or_spare`,
+//!   `growth_layout`), and only the rest is made new; what a growth leaves of them is released
+//!   when it ends (`release_spares`).
 //! - A chunk goes back by `cuMemUnmap` then `cuMemRelease`, made by the pool itself (the
 //!   deferred-deallocation queue holds `cuMemAlloc` memory's frees): at once, or inside
 //!   `defer_cleanup` (the queue suspended) at the first release or growth after it (a reset
