@@ -213,8 +213,48 @@ pub extern "C" fn emm_torch_free(ptr: *mut c_void, size: isize, device: i32, str
     drop_memory(mem);
 }
 
-/// PyTorch's `Tensor.record_stream` under `emm.torch.install()` (PyTorch does not pass it to
-/// a pluggable allocator; `install()` routes the method here): the allocation PyTorch got at
+/// PyTorch's record-stream hook of its pluggable allocator (`set_record_stream_fn`, which
+/// `emm.torch.install()` sets): `recordStream`, from `Tensor.record_stream` or from PyTorch's
+/// C++, tells the allocator that the allocation at `ptr` is used by work queued on `stream`
+/// too, so that its free is not reused before that work is done. A pointer emm did not hand
+/// PyTorch is not emm's to order (nothing is recorded); a failure is recorded for
+/// `emm.torch.last_error()` and printed, as a free's is (the hook cannot raise).
+#[unsafe(no_mangle)]
+pub extern "C" fn emm_torch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    if ptr.is_null() {
+        return;
+    }
+    let addr = ptr as usize as u64;
+    let mem = torch_state()
+        .as_ref()
+        .and_then(|s| s.live.get(&addr).cloned());
+    let Some(mem) = mem else {
+        return;
+    };
+    let raw = stream as usize as u64;
+    let recorded = with_device_context(mem.device().0, |ctx| {
+        // SAFETY: a stream PyTorch hands its allocator as a user of this memory, alive until
+        // that work is done, as PyTorch's own caching allocator requires of it (it records an
+        // event there at the free too); PyTorch's own streams live as long as the process.
+        let stream = unsafe { ctx.external_stream(StreamHandle::from_raw(raw)) };
+        mem.record_stream(&stream)
+    });
+    let failure = match recorded {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e.to_string()),
+        Err(e) => Some(e.to_string()),
+    };
+    if let Some(e) = failure {
+        torch_error(format!(
+            "record_stream of 0x{addr:x} on stream 0x{raw:x} was not recorded: {e}; synchronise \
+             that stream before the tensor is freed"
+        ));
+    }
+    drop_memory(mem);
+}
+
+/// PyTorch's `Tensor.record_stream` under `emm.torch.install()`, where PyTorch's pluggable
+/// allocator has no record-stream hook to set (`install()` routes the method here): the allocation PyTorch got at
 /// `ptr` is used by work queued on `stream` too, so that its free is not reused before that
 /// work is done. Returns false where `ptr` is not an allocation emm made for PyTorch (memory
 /// from elsewhere: nothing to record). Memory of a manager that does not allocate on streams

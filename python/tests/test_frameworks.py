@@ -294,15 +294,20 @@ def test_torch_memory_stats_under_install(manager):
 def test_torch_record_stream_keeps_memory_from_reuse(manager):
     """Under ``install()``, a tensor read on a side stream, ``record_stream``-ed and freed while
     that stream's work is still queued keeps its memory from the next allocation on the default
-    stream, whose write would land before the side stream's read. The same program without the
-    record is the control: its figures are printed (whether the block was reused, what the side
-    stream read), showing the hazard the record prevents on this GPU."""
+    stream, whose write would land before the side stream's read. The record is made through
+    PyTorch's C++ (``TensorBase.record_stream``, no Python wrapper in between), as PyTorch's
+    own C++ callers make it: it reaches emm through the allocator's record-stream hook. The
+    same program without the record is the control: its figures are printed (whether the
+    block was reused, what the side stream read), showing the hazard the record prevents on
+    this GPU."""
     needs_gpu("PyTorch")
     needs_module("torch")
     out = run(
         """
     import torch, emm, emm.torch
     emm.torch.install()
+    assert emm.torch.record_stream_hooked(), "this PyTorch has no record-stream hook"
+    cxx_record_stream = torch._C.TensorBase.record_stream
     n = 1 << 22
 
     def trial(record):
@@ -313,7 +318,7 @@ def test_torch_record_stream_keeps_memory_from_reuse(manager):
             torch.cuda._sleep(100_000_000)  # the read below waits behind this
             out = x * 1.0
         if record:
-            x.record_stream(side)
+            cxx_record_stream(x, side)
         addr = x.data_ptr()
         del x
         y = torch.full((n,), 7.0, device="cuda")  # the default stream, at once
@@ -324,6 +329,7 @@ def test_torch_record_stream_keeps_memory_from_reuse(manager):
 
     read = trial(True)
     assert read[:2] == (3.0, 3.0), read
+    assert emm.torch.last_error() is None, emm.torch.last_error()
     print("record ok", read, "control", trial(False))
     """,
         EMM_MEMORY_MANAGER=manager,

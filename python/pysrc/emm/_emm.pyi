@@ -691,8 +691,8 @@ def torch_live() -> Any:
 
 
 def torch_record_stream(ptr, stream) -> Any:
-    """PyTorch's `Tensor.record_stream` under `emm.torch.install()` (PyTorch does not pass it to
-    a pluggable allocator; `install()` routes the method here): the allocation PyTorch got at
+    """PyTorch's `Tensor.record_stream` under `emm.torch.install()`, where PyTorch's pluggable
+    allocator has no record-stream hook to set (`install()` routes the method here): the allocation PyTorch got at
     `ptr` is used by work queued on `stream` too, so that its free is not reused before that
     work is done. Returns false where `ptr` is not an allocation emm made for PyTorch (memory
     from elsewhere: nothing to record). Memory of a manager that does not allocate on streams

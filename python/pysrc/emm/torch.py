@@ -19,7 +19,9 @@ pluggable allocator cannot answer): ``use_mem_pool()`` is the route for it.
 """
 
 import contextlib
+import ctypes
 import os
+import warnings
 
 import torch
 
@@ -29,10 +31,38 @@ from . import _emm
 def allocator():
     """The pluggable allocator object of ``install()``: a failed allocation raises a
     ``RuntimeError`` with emm's message (PyTorch's pluggable allocator would otherwise take
-    a null pointer for memory)."""
-    return torch.cuda.memory.CUDAPluggableAllocator(
+    a null pointer for memory). Its record-stream hook is emm's where PyTorch has one to set
+    (:func:`record_stream_hooked`)."""
+    made = torch.cuda.memory.CUDAPluggableAllocator(
         _emm.__file__, "emm_torch_malloc", "emm_torch_free"
     )
+    _hook_record_stream(made)
+    return made
+
+
+_record_stream_hooked = False
+
+
+def _hook_record_stream(made):
+    """Sets the record-stream hook of the pluggable allocator ``made`` to emm's, so that every
+    ``recordStream`` PyTorch makes reaches emm, from ``Tensor.record_stream`` and from its C++
+    alike (PyTorch's Python class does not set it). Whether this PyTorch has the hook."""
+    global _record_stream_hooked
+    setter = getattr(made.allocator(), "set_record_stream_fn", None)
+    if setter is None:
+        return False
+    hook = ctypes.CDLL(_emm.__file__).emm_torch_record_stream
+    setter(ctypes.cast(hook, ctypes.c_void_p).value)
+    _record_stream_hooked = True
+    return True
+
+
+def record_stream_hooked():
+    """Whether ``recordStream`` reaches emm through PyTorch's pluggable allocator (its
+    record-stream hook, set by :func:`allocator`), from Python and C++ callers alike. Where
+    this PyTorch lacks the hook, ``install()`` wraps ``Tensor.record_stream`` instead, which
+    C++ callers do not pass through."""
+    return _record_stream_hooked
 
 
 def _pool_allocator():
@@ -55,15 +85,26 @@ def install():
     :func:`empty_cache`. Code that took a reference to the function before ``install()``
     (``from torch.cuda import empty_cache``) keeps PyTorch's alone.
 
-    ``Tensor.record_stream(stream)`` is honoured too (PyTorch does not pass it to a pluggable
-    allocator): ``install()`` wraps the method so that emm records the stream on the tensor's
-    allocation, whose free then waits for the work queued on that stream. Calls PyTorch makes
-    from C++ (not through the Python method) still do not reach emm."""
+    ``recordStream`` is honoured too: emm records the stream on the tensor's allocation,
+    whose free then waits for the work queued on that stream. The allocator's record-stream
+    hook is emm's (PyTorch's Python class leaves it unset), so ``Tensor.record_stream`` and the
+    calls PyTorch makes from C++ both reach emm. A PyTorch without the hook gets
+    ``Tensor.record_stream`` wrapped instead, with a warning that C++ callers do not reach
+    emm (:func:`record_stream_hooked` says which)."""
     if os.environ.get("EMM_CAPTURE_POOLS", "1") != "0":
         _emm.enable_capture_pools()
     torch.cuda.memory.change_current_allocator(allocator())
     _route_empty_cache()
-    _route_record_stream()
+    if not _record_stream_hooked:
+        warnings.warn(
+            "this PyTorch's pluggable allocator has no record-stream hook "
+            "(set_record_stream_fn): emm wraps Tensor.record_stream, but record_stream calls "
+            "PyTorch makes from C++ do not reach emm; synchronise a tensor's other streams "
+            "before it is freed, or use a PyTorch that has the hook",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        _route_record_stream()
 
 
 _framework_record_stream = None
