@@ -41,10 +41,23 @@ def intact(ts, value):
     return all(bool((t[:: 1 << 20] == (value + k) % 251).all()) for k, t in enumerate(ts))
 
 
-def run_emm(case, weights_gib, scratch_gib):
-    """One case under emm: the tensors (still held) and the figures."""
+def timed(sleep, wake):
+    """Runs ``sleep`` then ``wake`` once the device is idle, each waited for on the device:
+    their results and their times in seconds."""
     import torch
 
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    slept = sleep()
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    woke = wake()
+    torch.cuda.synchronize()
+    return slept, woke, t1 - t0, time.perf_counter() - t1
+
+
+def run_emm(case, weights_gib, scratch_gib):
+    """One case under emm: the tensors (still held) and the figures."""
     import emm
     import emm.torch
 
@@ -52,20 +65,14 @@ def run_emm(case, weights_gib, scratch_gib):
     with emm.tag("weights"):
         weights = tensors(weights_gib, 3)
     scratch = tensors(scratch_gib, 100)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    if case == "idle":
-        slept = emm.torch.sleep(default="discard")
-    else:
-        slept = emm.torch.sleep(offload=["weights"], default="discard")
-    t1 = time.perf_counter()
-    woke = emm.torch.wake()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
+    offload = [] if case == "idle" else ["weights"]
+    slept, woke, asleep, awake = timed(
+        lambda: emm.torch.sleep(offload=offload, default="discard"), emm.torch.wake
+    )
     ok = intact(weights, 3)
     return (weights, scratch), {
-        "sleep_seconds": t1 - t0,
-        "wake_seconds": t2 - t1,
+        "sleep_seconds": asleep,
+        "wake_seconds": awake,
         "held_before_bytes": slept["held_before_bytes"],
         "held_asleep_bytes": slept["held_asleep_bytes"],
         "offloaded_bytes": slept["offloaded_bytes"],
@@ -91,18 +98,17 @@ def run_tms(case, weights_gib, scratch_gib):
         scratch = tensors(scratch_gib, 100)
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
-    t0 = time.perf_counter()
-    tms.pause()
-    torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    free_asleep = torch.cuda.mem_get_info()[0]
-    tms.resume()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
+
+    def pause():
+        tms.pause()
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info()[0]
+
+    free_asleep, _, asleep, awake = timed(pause, tms.resume)
     ok = intact(weights, 3)
     return (weights, scratch), {
-        "sleep_seconds": t1 - t0,
-        "wake_seconds": t2 - t1,
+        "sleep_seconds": asleep,
+        "wake_seconds": awake,
         "given_back_bytes": free_asleep - free_before,
         "weights_intact": ok,
     }

@@ -213,6 +213,14 @@ pub extern "C" fn emm_torch_free(ptr: *mut c_void, size: isize, device: i32, str
     drop_memory(mem);
 }
 
+/// The allocation emm handed PyTorch at `addr`, still live (a pointer to it, which the caller
+/// gives to [`drop_memory`]); `None` for memory emm did not allocate for PyTorch.
+fn live_torch_allocation(addr: u64) -> Option<MemoryPointer> {
+    torch_state()
+        .as_ref()
+        .and_then(|s| s.live.get(&addr).cloned())
+}
+
 /// PyTorch's record-stream hook of its pluggable allocator (`set_record_stream_fn`, which
 /// `emm.torch.install()` sets): `recordStream`, from `Tensor.record_stream` or from PyTorch's
 /// C++, tells the allocator that the allocation at `ptr` is used by work queued on `stream`
@@ -225,10 +233,7 @@ pub extern "C" fn emm_torch_record_stream(ptr: *mut c_void, stream: *mut c_void)
         return;
     }
     let addr = ptr as usize as u64;
-    let mem = torch_state()
-        .as_ref()
-        .and_then(|s| s.live.get(&addr).cloned());
-    let Some(mem) = mem else {
+    let Some(mem) = live_torch_allocation(addr) else {
         return;
     };
     let raw = stream as usize as u64;
@@ -262,10 +267,7 @@ pub extern "C" fn emm_torch_record_stream(ptr: *mut c_void, stream: *mut c_void)
 /// tensor is freed.
 #[pyfunction]
 pub(crate) fn torch_record_stream(py: Python<'_>, ptr: u64, stream: StreamArg) -> PyResult<bool> {
-    let mem = torch_state()
-        .as_ref()
-        .and_then(|s| s.live.get(&ptr).cloned());
-    let Some(mem) = mem else {
+    let Some(mem) = live_torch_allocation(ptr) else {
         return Ok(false);
     };
     let recorded = with_device_context(mem.device().0, |ctx| {

@@ -14,11 +14,11 @@ use driver_mock::{Fault, Op, SimConfig, SimDriver};
 use emm::contract::{SleepChoice, SleepOptions};
 use emm::driver_sys::ErrorKind;
 use emm::internals::config::vmm_piece_from_lookup;
-use emm::plugin::PoolAllocator;
-use emm::{Adaptor, Context, EmmError, MemoryPointer, PoolConfig, Runtime, Tag};
+use emm::{Adaptor, Context, EmmError, MemoryPointer, Runtime, Tag};
 use proptest::prelude::*;
 
 use crate::common::{cases, runtime_with, seed};
+use crate::vmm_pool::vmm_runtime;
 
 /// The simulator's physical piece: every `vmm-pool` mapping is made of these.
 const PIECE: u64 = 2 << 20;
@@ -31,19 +31,11 @@ fn vmm_with_history(sim: &Arc<SimDriver>) -> Runtime {
 
 /// [`vmm_with_history`] with physical pieces of `piece` bytes (`None`: chosen per growth).
 fn vmm_with_history_and_pieces(sim: &Arc<SimDriver>, piece: Option<usize>) -> Runtime {
-    let config = PoolConfig {
-        vmm_piece: piece,
-        ..PoolConfig::vmm()
+    let history = Adaptor::History {
+        events: 1000,
+        stacks: false,
     };
-    Runtime::builder(sim.clone())
-        .ignore_env()
-        .memory_manager(PoolAllocator::vmm_factory_with(config))
-        .adaptors(vec![Adaptor::History {
-            events: 1000,
-            stacks: false,
-        }])
-        .build()
-        .unwrap()
+    vmm_runtime(sim, piece, vec![history])
 }
 
 /// Device memory in use on the simulated device: what the manager holds from the driver.

@@ -5,11 +5,30 @@ use std::sync::Arc;
 
 use driver_mock::{Op, SimConfig, SimDriver};
 use emm::plugin::PoolAllocator;
-use emm::{EmmError, PoolConfig, Runtime};
+use emm::{Adaptor, EmmError, PoolConfig, Runtime};
 
 use crate::common::runtime_with;
 
 use crate::pools::{MIB, on_a_gib};
+
+/// A runtime over `sim` with `vmm-pool` in pieces of `piece` bytes (`None`: chosen per
+/// growth) under `adaptors`, the environment ignored.
+pub(crate) fn vmm_runtime(
+    sim: &Arc<SimDriver>,
+    piece: Option<usize>,
+    adaptors: Vec<Adaptor>,
+) -> Runtime {
+    let config = PoolConfig {
+        vmm_piece: piece,
+        ..PoolConfig::vmm()
+    };
+    Runtime::builder(sim.clone())
+        .ignore_env()
+        .memory_manager(PoolAllocator::vmm_factory_with(config))
+        .adaptors(adaptors)
+        .build()
+        .unwrap()
+}
 
 /// Where the device or its driver lacks virtual memory management, `vmm-pool` is refused when
 /// its context is made, with an error that says so and names the managers that work.
@@ -99,15 +118,7 @@ fn vmm_pool_unmaps_after_defer_cleanup() {
 #[test]
 fn vmm_pool_moves_the_pieces_a_hole_leaves_free_to_its_growth() {
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let config = PoolConfig {
-        vmm_piece: Some(2 * MIB),
-        ..PoolConfig::vmm()
-    };
-    let rt = Runtime::builder(sim.clone())
-        .ignore_env()
-        .memory_manager(PoolAllocator::vmm_factory_with(config))
-        .build()
-        .unwrap();
+    let rt = vmm_runtime(&sim, Some(2 * MIB), Vec::new());
     let ctx = rt.context(0).unwrap();
     let held = || ctx.pool_stats().device.unwrap().held_bytes;
     // 64 MiB, then 3 MiB past it (a growth in place of 4 MiB): 34 pieces.

@@ -479,15 +479,14 @@ impl PoolShared {
     ) -> Result<Runs, DriverError> {
         let layout = growth_layout(at, bytes, piece, &mut lock(&vmm.inner).spare);
         let mut pieces = Vec::with_capacity(layout.len());
-        let mapped = self.map_pieces(vmm, &layout, &mut pieces);
-        if mapped.is_ok() {
+        let Err(failed) = self.map_pieces(vmm, &layout, &mut pieces) else {
             let mut inner = lock(&vmm.inner);
             inner.growing -= 1;
             for &(base, size, handle) in &pieces {
                 inner.handles.insert(base, (size, handle));
             }
             return Ok(runs_of(&pieces));
-        }
+        };
         // Undone piece by piece: a piece left mapped strands the range. The spares past the
         // piece that failed go back to the growth's spares (released when it ends).
         let mut free_again = true;
@@ -506,7 +505,7 @@ impl PoolShared {
         } else {
             inner.stranded = true;
         }
-        mapped.map(|()| Vec::new())
+        Err(failed)
     }
 
     /// Maps the pieces `layout`, (base, size, spare) side by side in a range of the
