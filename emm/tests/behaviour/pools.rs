@@ -672,6 +672,35 @@ fn pool_keeps_free_chunks_through_a_growth_within_an_eighth_of_its_most_in_use()
     assert!(leaks.is_clean(), "{leaks}");
 }
 
+/// Allocates `bytes` on `stream`, queues work there that writes it (as a kernel launched on
+/// the stream would; the simulator runs it only when asked), drops the allocation with that
+/// work still queued, and returns its address.
+fn freed_behind_queued_work(
+    sim: &SimDriver,
+    ctx: &emm::Context,
+    stream: &emm::Stream,
+    bytes: usize,
+) -> u64 {
+    let x = ctx.memalloc_on(bytes, stream).unwrap();
+    // SAFETY: x is live memory of this context of `bytes`; the pool keeps its chunk allocated
+    // until the pool's reset, so the set lands in the process's own memory whenever it runs.
+    unsafe {
+        sim.memset_d8_async(ctx.handle(), x.device_ptr(), 0xAA, bytes, stream.handle())
+            .unwrap()
+    };
+    x.device_ptr().0
+}
+
+/// Sets `mem` on `stream`, which was ordered after the work that last wrote it elsewhere,
+/// and checks that once the streams ran, `stream`'s bytes are the ones there.
+fn written_last(ctx: &emm::Context, mem: &emm::MemoryPointer, stream: &emm::Stream) {
+    ctx.memset_async(mem, 0x55, stream).unwrap().wait().unwrap();
+    let mut back = vec![0u8; 4096];
+    ctx.copy_to_host(&mut back, &mem.view(0, Some(4096)).unwrap())
+        .unwrap();
+    assert!(back.iter().all(|&v| v == 0x55));
+}
+
 /// A wholly free chunk of a stream whose work is still queued serves another stream's request
 /// without the pool growing: the other stream first waits, on the GPU, for the work queued on
 /// the first (`cuStreamWaitEvent`), so nothing it queues on the memory runs before that work.
@@ -680,17 +709,7 @@ fn a_busy_streams_free_chunk_serves_another_stream_behind_its_work() {
     let (sim, rt) = on_a_gib("pool");
     let ctx = rt.context(0).unwrap();
     let (a, b) = (ctx.create_stream().unwrap(), ctx.create_stream().unwrap());
-    let x = ctx.memalloc_on(64 * MIB, &a).unwrap();
-    let at = x.device_ptr().0;
-    // Work on A that uses x after its last pointer is gone, as a kernel launched on A would,
-    // left queued (the simulator runs it only when asked).
-    // SAFETY: x is live memory of this context of 64 MiB; the pool keeps its chunk allocated
-    // until the pool's reset, so the set lands in the process's own memory whenever it runs.
-    unsafe {
-        sim.memset_d8_async(ctx.handle(), x.device_ptr(), 0xAA, 64 * MIB, a.handle())
-            .unwrap()
-    };
-    drop(x);
+    let at = freed_behind_queued_work(&sim, &ctx, &a, 64 * MIB);
     let stats = || ctx.pool_stats().device.unwrap();
     let before = stats();
     let waits = sim.count(Op::StreamWaitEvent);
@@ -706,13 +725,91 @@ fn a_busy_streams_free_chunk_serves_another_stream_behind_its_work() {
         waits + 1,
         "B waits for A's work"
     );
-    // B's set queues behind A's: when the streams run, B's bytes are the last written.
-    ctx.memset_async(&y, 0x55, &b).unwrap().wait().unwrap();
-    let mut back = vec![0u8; 4096];
-    ctx.copy_to_host(&mut back, &y.view(0, Some(4096)).unwrap())
-        .unwrap();
-    assert!(back.iter().all(|&v| v == 0x55));
+    written_last(&ctx, &y, &b);
     drop((y, a, b, ctx));
+    drop(rt);
+    let leaks = sim.leak_report();
+    assert!(leaks.is_clean(), "{leaks}");
+}
+
+/// Free space of a chunk another stream still uses serves a stream's request without the pool
+/// growing: the lender's work is still queued, so the borrower first waits for it on the GPU.
+/// The lent block shows as the borrower's segment; it goes back to its lender, the lender's
+/// work waiting on the GPU for the borrower's (the host never waits: a stream's work may wait
+/// on the host), before the borrower grows; and a trim then gives the lender's chunk back
+/// whole.
+#[test]
+fn a_streams_free_space_is_lent_to_another_stream_behind_its_work() {
+    let (sim, rt) = on_a_gib("pool");
+    let ctx = rt.context(0).unwrap();
+    let stats = || ctx.pool_stats().device.unwrap();
+    let (a, b) = (ctx.create_stream().unwrap(), ctx.create_stream().unwrap());
+    // A's one 64 MiB chunk, a 1 MiB block kept live in it: 63 MiB free, not a free chunk.
+    let at = freed_behind_queued_work(&sim, &ctx, &a, 64 * MIB);
+    let pin = ctx.memalloc_on(MIB, &a).unwrap();
+    assert!((at..at + (64 * MIB) as u64).contains(&pin.device_ptr().0));
+    let before = stats();
+    let waits = sim.count(Op::StreamWaitEvent);
+    let y = ctx.memalloc_on(32 * MIB, &b).unwrap();
+    assert!(
+        (at..at + (64 * MIB) as u64).contains(&y.device_ptr().0),
+        "B borrowed A's space"
+    );
+    assert_eq!(
+        stats().driver_allocations,
+        before.driver_allocations,
+        "the pool did not grow"
+    );
+    assert_eq!(stats().held_bytes, 64 * MIB);
+    assert_eq!(
+        sim.count(Op::StreamWaitEvent),
+        waits + 1,
+        "B waits for A's work"
+    );
+    let snapshot = ctx.snapshot();
+    let total: usize = snapshot.segments.iter().map(|s| s.bytes).sum();
+    assert_eq!(total, 64 * MIB, "{:?}", snapshot.segments);
+    let of_b: Vec<_> = snapshot
+        .segments
+        .iter()
+        .filter(|s| s.stream == Some(b.handle().raw()))
+        .collect();
+    assert_eq!(of_b.len(), 1, "{:?}", snapshot.segments);
+    assert_eq!(of_b[0].bytes, 32 * MIB);
+    written_last(&ctx, &y, &b);
+    // B frees the block with work queued on it, then grows for a request the lent block does
+    // not hold: the block goes back to A first, A's work ordered after B's, no host wait.
+    // SAFETY: y is live memory of this context of 32 MiB, kept allocated as x was above.
+    unsafe {
+        sim.memset_d8_async(ctx.handle(), y.device_ptr(), 0x77, 32 * MIB, b.handle())
+            .unwrap()
+    };
+    drop(y);
+    let (syncs, waits) = (
+        sim.count(Op::EventSynchronize),
+        sim.count(Op::StreamWaitEvent),
+    );
+    let z = ctx.memalloc_on(40 * MIB, &b).unwrap();
+    assert!(!(at..at + (64 * MIB) as u64).contains(&z.device_ptr().0));
+    assert_eq!(
+        sim.count(Op::EventSynchronize),
+        syncs,
+        "nothing waited on the host"
+    );
+    assert_eq!(
+        sim.count(Op::StreamWaitEvent),
+        waits + 1,
+        "A waits for B's work"
+    );
+    // The returned space is A's again: a 60 MiB request on A fits beside the pin at once.
+    let again = ctx.memalloc_on(60 * MIB, &a).unwrap();
+    assert!((at..at + (64 * MIB) as u64).contains(&again.device_ptr().0));
+    drop((again, pin, z));
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    ctx.trim().unwrap();
+    assert_eq!(stats().held_bytes, 0, "every chunk back whole");
+    drop((a, b, ctx));
     drop(rt);
     let leaks = sim.leak_report();
     assert!(leaks.is_clean(), "{leaks}");

@@ -575,7 +575,9 @@ fn life_step() -> impl Strategy<Value = LifeStep> {
 /// Runs `steps` under `manager` and checks after each that exactly the streams whose user
 /// dropped them and whose memory is all gone were destroyed (the manager's queue and the
 /// context's own flushed, and `pool`'s free lists trimmed, first), then that every stream is
-/// destroyed once in the end.
+/// destroyed once in the end. Under `pool` a stream may live a while longer, never less: a
+/// block of its chunk lent to another stream keeps that chunk, and so the stream, until the
+/// borrower's allocation there is gone.
 fn run_lives(manager: &str, steps: &[LifeStep]) -> Result<(), TestCaseError> {
     use driver_mock::Op;
     let sim = sim();
@@ -607,14 +609,21 @@ fn run_lives(manager: &str, steps: &[LifeStep]) -> Result<(), TestCaseError> {
         let dead = (0..streams.len())
             .filter(|&s| streams[s].is_none() && !mems.iter().any(|(m, p)| *m == s && p.is_some()))
             .count();
-        prop_assert_eq!(
-            destroyed(),
-            dead,
-            "{}: after step {} ({:?})",
-            manager,
-            i,
-            step
-        );
+        let none_live = mems.iter().all(|(_, p)| p.is_none());
+        let now = destroyed();
+        if manager == "pool" && !none_live {
+            prop_assert!(
+                now <= dead,
+                "{}: after step {} ({:?}): {} destroyed, {} may be",
+                manager,
+                i,
+                step,
+                now,
+                dead
+            );
+        } else {
+            prop_assert_eq!(now, dead, "{}: after step {} ({:?})", manager, i, step);
+        }
     }
     let made = streams.len();
     drop(mems);

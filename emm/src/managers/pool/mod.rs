@@ -7,7 +7,8 @@
 //! dropped. Memory from `memalloc_on` is ([`StreamOrdering::PerStream`], `streams.rs`): each
 //! stream has an arena of its own chunks; a block freed on a stream goes back to it at once,
 //! merged with its free neighbours, for that stream's next allocations with no driver call,
-//! and a block other streams used waits for an event recorded on each of them first.
+//! and a block other streams used waits for an event recorded on each of them first. Before
+//! the pool grows for a stream, other streams' free space serves it, behind their work.
 //!
 //! # Design
 //!

@@ -19,15 +19,23 @@
 //!   it came from) and S tries again; failing that, S takes a wholly free chunk of a stream T
 //!   whose work is still running, after making S's work wait on the GPU for the work queued on
 //!   T so far (an event recorded on T, `cuStreamWaitEvent` on S), so that nothing S queues on
-//!   the memory runs before T's last use of it; failing that, the pool grows by a chunk for S.
-//!   A block moves from one stream's arena to another's only once the first stream's work is
-//!   done, or behind such a wait.
+//!   the memory runs before T's last use of it; failing that, a stream T lends S a block of
+//!   its free space (the request rounded up to 2 MiB), behind such a wait where T's work is
+//!   still running: each stream's peak comes at its own time, and the streams' free space
+//!   together serves them all where each stream's alone would make the pool grow; failing
+//!   that, the pool grows by a chunk for S. A block moves from one stream's arena to another's
+//!   only once the first stream's work is done, or behind such a wait.
+//! - A block a stream lent goes back to it once the borrower gives it up (before the borrower
+//!   grows, or once its work is done): T's work from then on waits on the GPU for the work
+//!   queued on S, so the host never waits for it. A block another stream lent is not lent on,
+//!   and a stream holds a chunk it lent from while the block is out, which keeps the chunk
+//!   (and an emm-made stream it belongs to) from going back until then.
 //! - A stream's wholly free chunk larger than the pool would grow by for a request (one a large
 //!   block left) serves that request last: a chunk of the shared arena's, or its free space
 //!   lent, serves it first (`Arena::take_sparing`). A small block placed there would keep the
 //!   chunk from going back to the driver before a larger request grows the pool.
 //! - A lent chunk never goes to the driver: where a stream gives it up (moved, shed, trimmed)
-//!   it returns to the shared arena, and a reset frees only the chunk it lies in.
+//!   it returns to its lender, and a reset frees only the chunk it lies in.
 //! - Before the pool grows for S, the wholly free chunks it does not keep
 //!   (`PoolShared::kept_through_growth`) go back to the driver, S's own once the pool has
 //!   waited for S's work (`give_back_after`): a `cuMemFree` waits for the device in any case,
@@ -39,7 +47,7 @@
 
 use driver_sys::{DevicePtr, StreamHandle};
 
-use super::arena::{Arenas, Chunk, place};
+use super::arena::{Arenas, Chunk, Lender, cut_out, place};
 use super::history::Ring;
 use super::{GROW_GRANULARITY, POOL_ALIGNMENT, PoolShared};
 use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
@@ -154,18 +162,21 @@ impl StreamLists {
     /// blocks and the blocks waiting for their fences.
     pub(super) fn held_segments(&self, kind: SegmentKind, out: &mut Vec<HeldSegment>) {
         for (stream, l) in &self.per_stream {
-            let first = out.len();
-            l.arena.held_segments(kind, Some(stream.raw()), out);
-            out[first..].sort_by_key(|s| s.address);
+            let mut mine = Vec::new();
+            l.arena.held_segments(kind, Some(stream.raw()), &mut mine);
+            mine.sort_by_key(|s| s.address);
+            // A block lent to another stream is a segment of that stream's.
+            cut_out(&mut mine, l.arena.lent_out());
             let waiting = self.waiting.iter().filter(|w| w.0 == *stream);
             place(
-                &mut out[first..],
+                &mut mine,
                 waiting.map(|&(_, address, bytes, _)| HeldBlock {
                     address,
                     bytes,
                     state: BlockState::PendingFree,
                 }),
             );
+            out.append(&mut mine);
         }
     }
 
@@ -423,6 +434,12 @@ impl PoolShared {
         {
             return Ok(found);
         }
+        // A free block of another stream's chunk, lent behind that stream's work.
+        if let Some(chunk) = self.borrow_from_stream(stream, size)
+            && let Some(found) = self.take_after_adopting(stream, size, Some(chunk))
+        {
+            return Ok(found);
+        }
         let grown = host.attempt_allocation(
             "memalloc_on",
             crate::host::AllocationKind::Device,
@@ -485,6 +502,51 @@ impl PoolShared {
                         return None;
                     }
                 }
+            }
+        }
+        None
+    }
+
+    /// A block of another stream T's free space that holds `size` bytes (the request rounded
+    /// up to the growth granularity where the block is that large), lent to `stream` as a
+    /// chunk of its own: the sum of what each stream holds at its own peak is more than the
+    /// streams hold together at theirs, and free space in a chunk T still uses would otherwise
+    /// serve T alone while the pool grows for `stream`. Where T has work pending, `stream`'s
+    /// work from now on waits on the GPU for the work queued on T so far, as for a whole
+    /// chunk ([`take_from_busy_stream`](Self::take_from_busy_stream)). The block goes back to
+    /// T once `stream` gives it up with its work on it done ([`return_lent`](Self::return_lent)).
+    /// `None` where no stream can lend such a block (`vmm-pool` moves whole pieces instead),
+    /// or the driver refused the query or the event (the block stays with T).
+    fn borrow_from_stream(&self, stream: StreamHandle, size: usize) -> Option<Chunk> {
+        let _live = self.cx.liveness.enter()?;
+        let most = self.growth(size);
+        let want = size.next_multiple_of(GROW_GRANULARITY);
+        for k in self.streams.occupied() {
+            let mut lists = lock(&self.streams.shards[k].inner);
+            for (other, mine) in lists.per_stream.iter_mut() {
+                if *other == stream || self.cx.stream_is_captured(*other).unwrap_or(true) {
+                    continue;
+                }
+                let lender = Lender::Stream(*other);
+                let Some(chunk) = mine.arena.lend(size, want, most, lender) else {
+                    continue;
+                };
+                let ordered = match self.cx.driver.stream_query(self.cx.context, *other) {
+                    Ok(true) => Ok(()),
+                    Ok(false) => self.fences.order_after([*other], stream),
+                    Err(e) => Err(e),
+                };
+                return match ordered {
+                    Ok(()) => {
+                        tracing::debug!(device = %self.cx.device, bytes = chunk.size, from = other.raw(), to = stream.raw(), "a stream's free block lent to another stream behind its work");
+                        Some(chunk)
+                    }
+                    Err(e) => {
+                        mine.arena.restore(chunk);
+                        tracing::warn!(device = %self.cx.device, error = %e, "ordering a stream after another's work failed; the pool grows instead");
+                        None
+                    }
+                };
             }
         }
         None
@@ -554,7 +616,7 @@ impl PoolShared {
         shed: &mut Vec<Chunk>,
     ) {
         let free: usize = (freed.iter().chain(shed.iter()))
-            .filter(|c| !c.lent)
+            .filter(|c| c.lent.is_none())
             .map(|c| c.size)
             .sum();
         // Every growth raises the mark of what is in use on streams, free chunks or not; with
@@ -573,7 +635,7 @@ impl PoolShared {
         all.sort_unstable_by_key(|(c, _)| std::cmp::Reverse(c.size));
         let (mut kept_freed, mut kept_shed) = (Vec::new(), Vec::new());
         for (chunk, own) in all {
-            let keep = !chunk.lent && chunk.size <= budget;
+            let keep = chunk.lent.is_none() && chunk.size <= budget;
             if keep {
                 budget -= chunk.size;
             }
@@ -591,37 +653,31 @@ impl PoolShared {
             }
         }
         if let Some(stream) = growing.filter(|_| !kept_shed.is_empty()) {
-            let k = self.streams.index(stream);
-            let mut lists = lock(&self.streams.shards[k].inner);
-            let mine = lists.list_or_new(stream, self.new_arenas());
-            for chunk in kept_shed {
-                mine.arena.add_chunk(chunk);
-            }
-            self.streams.mark(k, &lists);
+            self.keep_on(stream, kept_shed);
         }
     }
 
-    /// Gives back `shed`, wholly free chunks taken out of `stream`'s arena, once the work
-    /// queued on `stream` so far is done: the pool waits for it (an event recorded there now),
-    /// then frees its chunks and returns those the shared arena lent to it. A free on the
-    /// driver waits for the device's work in any case (`cuMemFree`, `cuMemUnmap`); waiting
-    /// first orders it after the stream's work by rule rather than by the driver's habit, and
-    /// frees the chunks before the pool grows instead of at a later growth. Where the wait
-    /// fails, the chunks go back to the stream, which may still use them. The caller holds
-    /// the context's liveness and no lock of the pool's.
+    /// Gives back `shed`, wholly free chunks taken out of `stream`'s arena. Blocks another
+    /// stream lent go back to it at once, its work from now on waiting on the GPU for the work
+    /// queued on `stream` so far ([`return_to_lenders`](Self::return_to_lenders)). The rest
+    /// go once that work is done: the pool waits for it (an event recorded there now), then
+    /// frees the driver's chunks and returns the shared arena's. A free on the driver waits
+    /// for the device's work in any case (`cuMemFree`, `cuMemUnmap`); waiting first orders it
+    /// after the stream's work by rule rather than by the driver's habit, and frees the chunks
+    /// before the pool grows instead of at a later growth. Where the wait fails, the chunks go
+    /// back to the stream, which may still use them. The caller holds the context's liveness
+    /// and no lock of the pool's.
     fn give_back_after(&self, stream: StreamHandle, shed: Vec<Chunk>) {
+        let (streams_lent, shed): (Vec<Chunk>, Vec<Chunk>) = shed
+            .into_iter()
+            .partition(|c| matches!(c.lent, Some(Lender::Stream(_))));
+        self.return_to_lenders(stream, streams_lent);
         if shed.is_empty() {
             return;
         }
         if let Err(e) = self.fences.wait_for_stream(stream) {
             tracing::warn!(device = %self.cx.device, error = %e, "waiting for a growing stream's work failed; its free chunks stay with it");
-            let mut lists = lock(self.streams.of(stream));
-            let k = self.streams.index(stream);
-            let mine = lists.list_or_new(stream, self.new_arenas());
-            for chunk in shed {
-                mine.arena.add_chunk(chunk);
-            }
-            self.streams.mark(k, &lists);
+            self.keep_on(stream, shed);
             self.queue.record_error(EmmError::driver(
                 "waiting for a stream's work before giving its free chunks back",
                 self.cx.device,
@@ -629,14 +685,51 @@ impl PoolShared {
             ));
             return;
         }
-        let (lent, freed): (Vec<Chunk>, Vec<Chunk>) = shed.into_iter().partition(|c| c.lent);
-        if !lent.is_empty() {
-            let mut arena = lock(&self.arena);
-            for chunk in lent {
-                arena.restore(chunk);
+        let (lent, freed): (Vec<Chunk>, Vec<Chunk>) =
+            shed.into_iter().partition(|c| c.lent.is_some());
+        self.return_lent(lent);
+        self.free_chunks(freed, "before a stream grows");
+    }
+
+    /// Puts wholly free chunks taken out of `stream`'s arena back there.
+    fn keep_on(&self, stream: StreamHandle, chunks: Vec<Chunk>) {
+        let k = self.streams.index(stream);
+        let mut lists = lock(&self.streams.shards[k].inner);
+        let mine = lists.list_or_new(stream, self.new_arenas());
+        for chunk in chunks {
+            mine.arena.add_chunk(chunk);
+        }
+        self.streams.mark(k, &lists);
+    }
+
+    /// Returns blocks other streams lent to `stream`, which gave them up with work perhaps
+    /// still queued on them: each lender's work from now on waits on the GPU for the work
+    /// queued on `stream` so far, so the host never waits (a stream's work may wait on the
+    /// host itself). A block whose lender is being captured (its work is not the GPU's yet),
+    /// or that the driver could not order, stays with `stream`. The caller holds the
+    /// context's liveness and no lock of the pool's.
+    fn return_to_lenders(&self, stream: StreamHandle, chunks: Vec<Chunk>) {
+        let mut kept = Vec::new();
+        for chunk in chunks {
+            let Some(Lender::Stream(lender)) = chunk.lent else {
+                kept.push(chunk);
+                continue;
+            };
+            if self.cx.stream_is_captured(lender).unwrap_or(true) {
+                kept.push(chunk);
+                continue;
+            }
+            match self.fences.order_after([stream], lender) {
+                Ok(()) => self.return_lent(vec![chunk]),
+                Err(e) => {
+                    tracing::warn!(device = %self.cx.device, error = %e, "ordering a stream after another's work failed; the block it lent stays with the borrower");
+                    kept.push(chunk);
+                }
             }
         }
-        self.free_chunks(freed, "before a stream grows");
+        if !kept.is_empty() {
+            self.keep_on(stream, kept);
+        }
     }
 
     /// `vmm-pool`: grows the largest free block of `stream`'s arena that ends where mapped
@@ -710,7 +803,13 @@ impl PoolShared {
         // New chunks join the arena even where another thread's free on this stream made
         // room since the miss.
         for chunk in chunks {
-            mine.arena.add_chunk(chunk);
+            // A block this stream lent, which came back inside a chunk another stream gave
+            // up, is free space of its own again.
+            if chunk.lent == Some(Lender::Stream(stream)) {
+                mine.arena.restore(chunk);
+            } else {
+                mine.arena.add_chunk(chunk);
+            }
         }
         // A large wholly free chunk of the stream's is its last resort for a small request
         // ([`Arenas::take_sparing`]): a chunk of the shared arena's serves it first.
@@ -748,7 +847,12 @@ impl PoolShared {
         if let Some(chunk) = arena.take_free_chunk(size, most) {
             return Some(chunk);
         }
-        arena.lend(size, size.next_multiple_of(GROW_GRANULARITY), most)
+        arena.lend(
+            size,
+            size.next_multiple_of(GROW_GRANULARITY),
+            most,
+            Lender::Shared,
+        )
     }
 
     pub(super) fn release_on_streams(
@@ -832,8 +936,18 @@ impl PoolShared {
             return Ok(0);
         };
         let mut bytes = 0;
-        for k in self.streams.occupied() {
-            bytes += self.release_shard(k, keep, wait)?;
+        // A block a stream returns to its lender may leave the lender's chunk wholly free,
+        // in a shard this pass has visited: another pass takes it.
+        loop {
+            let mut returned = false;
+            for k in self.streams.occupied() {
+                let (moved, lent_back) = self.release_shard(k, keep, wait)?;
+                bytes += moved;
+                returned |= lent_back;
+            }
+            if !returned {
+                break;
+            }
         }
         if bytes > 0 {
             tracing::debug!(device = %self.cx.device, bytes, wait, "streams' free chunks back in the shared pool");
@@ -846,10 +960,10 @@ impl PoolShared {
         k: usize,
         keep: Option<StreamHandle>,
         wait: bool,
-    ) -> Result<usize, EmmError> {
+    ) -> Result<(usize, bool), EmmError> {
         let mut lists = lock(&self.streams.shards[k].inner);
         if lists.per_stream.is_empty() {
-            return Ok(0);
+            return Ok((0, false));
         }
         self.settle_fences(&mut lists, wait)?;
         let err = |e| EmmError::driver("reclaiming stream-ordered blocks", self.cx.device, e);
@@ -898,12 +1012,46 @@ impl PoolShared {
         }
         lists.forget_empty();
         self.streams.mark(k, &lists);
+        // A block another stream lent goes back to that stream's arena, whose shard may come
+        // before this one in the lock order: after this shard's lock is let go.
+        let (lent, freed): (Vec<Chunk>, Vec<Chunk>) = freed
+            .into_iter()
+            .partition(|c| matches!(c.lent, Some(Lender::Stream(_))));
         let bytes = freed.iter().map(|c| c.size).sum();
-        let mut arena = lock(&self.arena);
-        for chunk in freed {
-            arena.restore(chunk);
+        {
+            let mut arena = lock(&self.arena);
+            for chunk in freed {
+                arena.restore(chunk);
+            }
         }
-        Ok(bytes)
+        drop(lists);
+        let lent_back = !lent.is_empty();
+        self.return_lent(lent);
+        Ok((bytes, lent_back))
+    }
+
+    /// Gives chunks lent to a stream's arena, which it no longer holds and whose work on them
+    /// is done, back to the arenas that lent them: the shared arena, or another stream's. The
+    /// caller holds the context's liveness (a reset forgets every lent block at once) and no
+    /// lock of the pool's.
+    fn return_lent(&self, chunks: Vec<Chunk>) {
+        for chunk in chunks {
+            match chunk.lent {
+                Some(Lender::Stream(lender)) => {
+                    let k = self.streams.index(lender);
+                    let mut lists = lock(&self.streams.shards[k].inner);
+                    match lists.list(lender) {
+                        Some(mine) => mine.arena.restore(chunk),
+                        None => debug_assert!(
+                            false,
+                            "stream {lender:?} lent {chunk:?} and holds no memory"
+                        ),
+                    }
+                }
+                Some(Lender::Shared) => lock(&self.arena).restore(chunk),
+                None => debug_assert!(false, "{chunk:?} was lent by nobody"),
+            }
+        }
     }
 
     /// The allocator's drop: lets every shard's spare records go, and keeps none from now on

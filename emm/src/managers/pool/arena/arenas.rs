@@ -62,8 +62,19 @@ pub(in crate::managers::pool) fn cut_out(
     }
 }
 
-/// A chunk: one driver allocation, wholly the pool's; or, `lent`, a block of a chunk of the
-/// shared arena that a stream's arena holds as a chunk of its own.
+/// Who lent a chunk that an arena holds as its own: the chunk goes back there, never to the
+/// driver, whose allocation is the chunk the block lies in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::managers::pool) enum Lender {
+    /// The shared arena.
+    Shared,
+    /// The arena of this stream, whose work the borrowing stream's work was ordered after.
+    Stream(StreamHandle),
+}
+
+/// A chunk: one driver allocation, wholly the pool's; or, `lent`, a block of another arena's
+/// chunk (the shared arena's or another stream's) that a stream's arena holds as a chunk of
+/// its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(in crate::managers::pool) struct Chunk {
     /// Its address.
@@ -75,9 +86,9 @@ pub(in crate::managers::pool) struct Chunk {
     pub(in crate::managers::pool) piece: usize,
     /// Made for one request above the standard limit, and serving only such requests.
     pub(in crate::managers::pool) oversize: bool,
-    /// Lent by the shared arena ([`Arenas::lend`]): it goes back there
-    /// ([`Arenas::restore`]), never to the driver, whose allocation is the chunk it lies in.
-    pub(in crate::managers::pool) lent: bool,
+    /// Lent by another arena ([`Arenas::lend`]): it goes back there ([`Arenas::restore`]),
+    /// never to the driver, whose allocation is the chunk it lies in.
+    pub(in crate::managers::pool) lent: Option<Lender>,
 }
 
 impl Chunk {
@@ -92,7 +103,7 @@ impl Chunk {
                 size,
                 piece: size,
                 oversize,
-                lent: false,
+                lent: None,
             }
         };
         standard
@@ -117,9 +128,9 @@ pub(in crate::managers::pool) struct Arenas {
     standard: Arena,
     oversize: Arena,
     /// The bases of the chunks these arenas hold that another arena lent them (a stream's
-    /// arenas: blocks of the shared arena's chunks).
-    pub(super) borrowed: BTreeSet<u64>,
-    /// The blocks these arenas lent to others (the shared arena's), start -> bytes: taken from
+    /// arenas: blocks of the shared arena's chunks or of another stream's), with their lender.
+    pub(super) borrowed: BTreeMap<u64, Lender>,
+    /// The blocks these arenas lent to others (a stream's arenas), start -> bytes: taken from
     /// the free space, and no chunk of the driver's, until they come back.
     lent_out: BTreeMap<u64, usize>,
 }
@@ -139,7 +150,7 @@ impl Arenas {
             limit,
             standard: arena(),
             oversize: arena(),
-            borrowed: BTreeSet::new(),
+            borrowed: BTreeMap::new(),
             lent_out: BTreeMap::new(),
         }
     }
@@ -187,8 +198,8 @@ impl Arenas {
 
     /// Adds a wholly free chunk to the arena of its kind.
     pub(in crate::managers::pool) fn add_chunk(&mut self, chunk: Chunk) {
-        if chunk.lent {
-            self.borrowed.insert(chunk.base);
+        if let Some(lender) = chunk.lent {
+            self.borrowed.insert(chunk.base, lender);
         }
         let arena = if chunk.oversize {
             &mut self.oversize
@@ -238,16 +249,19 @@ impl Arenas {
     }
 
     /// Lends another arena (a stream's) a block of `want` bytes, or failing that of `need`
-    /// (at most `want`), from the free space of the standard chunks, as a chunk of its own:
-    /// where a chunk is not wholly free, its free space still serves the streams. `None`
+    /// (at most `want`), from the free space of the standard chunks, as a chunk of its own
+    /// that says `lender` lent it: where a chunk is not wholly free, its free space still
+    /// serves the streams. `None`
     /// where chunks merge (their pieces move whole, [`take_free_chunk`](Self::take_free_chunk)),
-    /// for a request served from chunks of its own, or where no free block holds `need` but
-    /// wholly free chunks larger than `most` ([`Arena::take_sparing`]).
+    /// for a request served from chunks of its own, where no free block holds `need` but
+    /// wholly free chunks larger than `most` ([`Arena::take_sparing`]), or where the block
+    /// found lies in a chunk another stream lent.
     pub(in crate::managers::pool) fn lend(
         &mut self,
         need: usize,
         want: usize,
         most: usize,
+        lender: Lender,
     ) -> Option<Chunk> {
         if self.standard.merge_across || self.is_oversize(need) {
             return None;
@@ -255,20 +269,29 @@ impl Arenas {
         let (base, size) = [want, need]
             .into_iter()
             .find_map(|size| Some((self.standard.take_sparing(size, || most)?, size)))?;
+        // A block of a chunk another stream lent is not lent on: it could come back to that
+        // stream as a chunk inside one of its own.
+        let within = self.standard.chunks.range(..=base).next_back();
+        if let Some((chunk, _)) = within
+            && matches!(self.borrowed.get(chunk), Some(Lender::Stream(_)))
+        {
+            self.standard.give(base, size);
+            return None;
+        }
         self.lent_out.insert(base, size);
         Some(Chunk {
             base,
             size,
             piece: size,
             oversize: false,
-            lent: true,
+            lent: Some(lender),
         })
     }
 
     /// Takes back a chunk another arena gave up: a block these arenas lent goes back to their
     /// free space; any other chunk joins them ([`add_chunk`](Self::add_chunk)).
     pub(in crate::managers::pool) fn restore(&mut self, chunk: Chunk) {
-        if !chunk.lent {
+        if chunk.lent.is_none() {
             return self.add_chunk(chunk);
         }
         let lent = self.lent_out.remove(&chunk.base);
@@ -314,7 +337,7 @@ impl Arenas {
             size,
             piece,
             oversize,
-            lent: false,
+            lent: None,
         };
         self.marked(vec![chunk]).pop()
     }
@@ -324,9 +347,10 @@ impl Arenas {
         self.standard.is_empty() && self.oversize.is_empty()
     }
 
-    /// Bytes of their chunks.
+    /// Bytes of their chunks, less the blocks lent to other arenas (the borrower holds those).
     pub(in crate::managers::pool) fn held(&self) -> usize {
-        self.standard.held + self.oversize.held
+        let lent: usize = self.lent_out.values().sum();
+        self.standard.held + self.oversize.held - lent
     }
 
     /// How many of the driver's chunks they hold (not those another arena lent them).
@@ -392,7 +416,7 @@ impl Arenas {
         let standard = self.standard.clear();
         let mut chunks = Chunk::of_kinds(standard, self.oversize.clear());
         let borrowed = std::mem::take(&mut self.borrowed);
-        chunks.retain(|c| !borrowed.contains(&c.base));
+        chunks.retain(|c| !borrowed.contains_key(&c.base));
         self.lent_out.clear();
         chunks
     }

@@ -433,7 +433,7 @@ fn chunk(base: u64, size: usize) -> Chunk {
         size,
         piece: size,
         oversize: false,
-        lent: false,
+        lent: None,
     }
 }
 
@@ -448,21 +448,27 @@ fn a_lent_block_comes_back_to_the_free_space_it_left() {
     let pin = shared.take(MIB).unwrap();
     assert_eq!(shared.take_free_chunk(8 * MIB, usize::MAX), None);
     // Twice the request where the free space holds it; the request where only that fits.
-    let lent = shared.lend(8 * MIB, 16 * MIB, usize::MAX).unwrap();
-    assert!(lent.lent && lent.size == 16 * MIB && !lent.oversize);
+    let lent = shared
+        .lend(8 * MIB, 16 * MIB, usize::MAX, Lender::Shared)
+        .unwrap();
+    assert!(lent.lent == Some(Lender::Shared) && lent.size == 16 * MIB && !lent.oversize);
     assert_eq!(
         shared.lent_out().collect::<Vec<_>>(),
         [(lent.base, 16 * MIB)]
     );
     assert_eq!(
-        shared.lend(40 * MIB, 50 * MIB, usize::MAX).unwrap().size,
+        shared
+            .lend(40 * MIB, 50 * MIB, usize::MAX, Lender::Shared)
+            .unwrap()
+            .size,
         40 * MIB
     );
     assert_eq!(
-        shared.lend(8 * MIB, 16 * MIB, usize::MAX),
+        shared.lend(8 * MIB, 16 * MIB, usize::MAX, Lender::Shared),
         None,
         "7 MiB free"
     );
+    assert_eq!(shared.held(), 8 * MIB, "the lent blocks are the borrowers'");
     let mut stream = Arenas::new(128 * MIB, None);
     stream.add_chunk(lent);
     assert_eq!(stream.chunks(), 0, "a lent chunk is not the driver's");
@@ -482,12 +488,78 @@ fn a_lent_block_comes_back_to_the_free_space_it_left() {
     // The other lent block back, then the pinned one: the chunk is free, whole.
     let second = shared.lent_out().next().unwrap();
     shared.restore(Chunk {
-        lent: true,
+        lent: Some(Lender::Shared),
         ..chunk(second.0, second.1)
     });
     shared.give(pin, MIB);
     assert_eq!(shared.remove_free_chunks(), [chunk(1 << 32, 64 * MIB)]);
     assert_eq!(shared.held(), 0);
+}
+
+/// A stream's arena lends a block of a chunk it still uses to another stream's: the lender
+/// counts only what it kept, the block comes back marked with its lender, and the lender's
+/// chunk is whole again once it is back. A block of the shared arena's passes on to a second
+/// stream the same way; a block another stream lent is not lent on (it could come back to
+/// that stream as a chunk inside its own).
+#[test]
+fn a_block_a_stream_lent_comes_back_to_it_and_is_not_lent_on() {
+    const MIB: usize = 1 << 20;
+    let (t, s) = (StreamHandle::LEGACY, StreamHandle::PER_THREAD);
+    let mut lender = Arenas::new(128 * MIB, None);
+    lender.add_chunk(chunk(1 << 32, 64 * MIB));
+    let pin = lender.take(MIB).unwrap();
+    let lent = lender
+        .lend(10 * MIB, 16 * MIB, usize::MAX, Lender::Stream(t))
+        .unwrap();
+    assert_eq!((lent.size, lent.lent), (16 * MIB, Some(Lender::Stream(t))));
+    assert_eq!(lender.held(), 48 * MIB);
+    let mut borrower = Arenas::new(128 * MIB, None);
+    borrower.add_chunk(lent);
+    assert_eq!(
+        borrower.lend(3 * MIB, 4 * MIB, usize::MAX, Lender::Stream(s)),
+        None,
+        "not lent on"
+    );
+    assert_eq!((borrower.held(), borrower.chunks()), (16 * MIB, 0));
+    let a = borrower.take(3 * MIB).unwrap();
+    assert!(
+        borrower.remove_free_chunks().is_empty(),
+        "a block in use keeps it"
+    );
+    borrower.give(a, 3 * MIB);
+    let back = borrower.remove_free_chunks();
+    assert_eq!(back, [lent]);
+    assert!(borrower.is_empty() && borrower.borrowed.is_empty());
+    assert!(lender.remove_free_chunks().is_empty(), "the pin keeps it");
+    lender.restore(back[0]);
+    lender.give(pin, MIB);
+    assert_eq!(lender.remove_free_chunks(), [chunk(1 << 32, 64 * MIB)]);
+    assert_eq!(lender.held(), 0);
+    // The shared arena's block, lent on by the stream that borrowed it.
+    let mut shared = Arenas::new(128 * MIB, None);
+    shared.add_chunk(chunk(1 << 33, 64 * MIB));
+    let pin = shared.take(MIB).unwrap();
+    let first = shared
+        .lend(16 * MIB, 16 * MIB, usize::MAX, Lender::Shared)
+        .unwrap();
+    borrower.add_chunk(first);
+    let onward = borrower
+        .lend(3 * MIB, 4 * MIB, usize::MAX, Lender::Stream(s))
+        .unwrap();
+    assert_eq!(borrower.held(), 12 * MIB);
+    let mut last = Arenas::new(128 * MIB, None);
+    last.add_chunk(onward);
+    let back = last.remove_free_chunks();
+    assert_eq!(back, [onward]);
+    assert!(
+        borrower.remove_free_chunks().is_empty(),
+        "its lent block keeps it"
+    );
+    borrower.restore(back[0]);
+    assert_eq!(borrower.remove_free_chunks(), [first]);
+    shared.restore(first);
+    shared.give(pin, MIB);
+    assert_eq!(shared.remove_free_chunks(), [chunk(1 << 33, 64 * MIB)]);
 }
 
 /// A reset frees the lender's chunk, not the blocks lent out of it; merging arenas and
@@ -498,11 +570,13 @@ fn a_reset_frees_only_the_drivers_chunks_and_merging_arenas_lend_nothing() {
     let mut shared = Arenas::new(128 * MIB, None);
     shared.add_chunk(chunk(1 << 32, 64 * MIB));
     assert_eq!(
-        shared.lend(256 * MIB, 256 * MIB, usize::MAX),
+        shared.lend(256 * MIB, 256 * MIB, usize::MAX, Lender::Shared),
         None,
         "oversize"
     );
-    let lent = shared.lend(MIB, 2 * MIB, usize::MAX).unwrap();
+    let lent = shared
+        .lend(MIB, 2 * MIB, usize::MAX, Lender::Shared)
+        .unwrap();
     let mut stream = Arenas::new(128 * MIB, None);
     stream.add_chunk(lent);
     stream.add_chunk(chunk(1 << 40, 8 * MIB));
@@ -512,7 +586,7 @@ fn a_reset_frees_only_the_drivers_chunks_and_merging_arenas_lend_nothing() {
     assert_eq!(shared.lent_out().count(), 0);
     let mut merging = Arenas::new(usize::MAX, Some(2 * MIB));
     merging.add_chunk(chunk(1 << 32, 8 * MIB));
-    assert_eq!(merging.lend(MIB, 2 * MIB, usize::MAX), None);
+    assert_eq!(merging.lend(MIB, 2 * MIB, usize::MAX, Lender::Shared), None);
 }
 
 /// A stream's lent segment is cut out of the shared segment it lies in; the blocks on
