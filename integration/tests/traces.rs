@@ -222,6 +222,39 @@ const DRIVER_ALLOCATIONS_PER_100: f64 = 1.0;
 /// program it holds 3.4 times peak live while the GPU lags), and the `async-pool` family holds
 /// what the driver's pool decides; the corpus above holds them to PyTorch's figures.
 fn check_program(name: &str) {
+    check_program_within(name, &TARGETS);
+}
+
+/// What [`check_program_within`] holds a program's replay to.
+struct Limits {
+    /// The most `pool` may hold over peak live on any pass.
+    pool: f64,
+    /// The most `vmm-pool` may hold over peak live on any pass.
+    vmm_pool: f64,
+    /// Whether `vmm-pool`'s later passes must hold no more than its first and settle.
+    vmm_pool_settles: bool,
+}
+
+/// `performance.md`'s targets.
+const TARGETS: Limits = Limits {
+    pool: 1.25,
+    vmm_pool: 1.10,
+    vmm_pool_settles: true,
+};
+
+/// The four-stream server's log, held to what the pools do on it now rather than to the
+/// targets, which they miss there (issue 60): `pool` holds 1.60 x peak live (each stream's
+/// chunks fragmented by requests of 60 to 104 MiB; it held 2.02 before streams lent each other
+/// free space), and `vmm-pool` 1.11 at the first pass, rising to 1.23 by the fifth. A change
+/// that makes either worse fails here; one that meets the targets should move this to them.
+const SERVER_NOW: Limits = Limits {
+    pool: 1.65,
+    vmm_pool: 1.25,
+    vmm_pool_settles: false,
+};
+
+/// [`check_program`] with the bounds `limits`.
+fn check_program_within(name: &str, limits: &Limits) {
     let programs = traces::programs().expect("the program index");
     let (entry, path) = programs
         .iter()
@@ -237,7 +270,11 @@ fn check_program(name: &str) {
         let first = r.passes[0];
         for (k, p) in r.passes.iter().enumerate() {
             let ratio = p.peak_held_bytes as f64 / live as f64;
-            let most = if manager == "pool" { 1.25 } else { 1.10 };
+            let most = if manager == "pool" {
+                limits.pool
+            } else {
+                limits.vmm_pool
+            };
             if p.failures > 0 || ratio > most {
                 failures.push(format!(
                     "{manager}: pass {}: held {ratio:.3} x peak live (bound {most}), {} allocations refused",
@@ -245,10 +282,11 @@ fn check_program(name: &str) {
                     p.failures
                 ));
             }
+            let settles = manager == "pool" || limits.vmm_pool_settles;
             // Where a pass's large blocks land decides which chunks it keeps: `pool` peaks at
             // 6506, 6590 and then 6718 MiB on the phase-change program (5685 MiB live), within
             // a sixteenth of live of the first pass and settled; growth past that is not.
-            if p.peak_held_bytes > first.peak_held_bytes + live / 16 {
+            if settles && p.peak_held_bytes > first.peak_held_bytes + live / 16 {
                 failures.push(format!(
                     "{manager}: pass {} peaked at {} bytes, above the first pass's {} by more than a sixteenth of peak live: held memory grows while live memory does not",
                     k + 1,
@@ -257,7 +295,9 @@ fn check_program(name: &str) {
                 ));
             }
         }
-        failures.extend(unsettled(manager, live, &r));
+        if manager == "pool" || limits.vmm_pool_settles {
+            failures.extend(unsettled(manager, live, &r));
+        }
         let later: usize = r.pass_driver_allocations[1..].iter().sum();
         let allocations: usize = r.passes[1..].iter().map(|p| p.allocations).sum();
         let per_100 = 100.0 * later as f64 / allocations.max(1) as f64;
@@ -289,6 +329,11 @@ fn program_cnn() {
 #[test]
 fn program_phase() {
     check_program("program_phase");
+}
+
+#[test]
+fn program_server() {
+    check_program_within("program_server", &SERVER_NOW);
 }
 
 /// Every trace of the directory is in an index, and every trace of the indexes has a test above.
@@ -324,6 +369,7 @@ fn the_corpus_index_lists_every_trace() {
         "numba_pipeline",
         "program_cnn",
         "program_phase",
+        "program_server",
         "program_transformer",
         "rmm_random",
         "torch_cnn",
