@@ -514,7 +514,9 @@ impl PoolShared {
     /// serve T alone while the pool grows for `stream`. Where T has work pending, `stream`'s
     /// work from now on waits on the GPU for the work queued on T so far, as for a whole
     /// chunk ([`take_from_busy_stream`](Self::take_from_busy_stream)). The block goes back to
-    /// T once `stream` gives it up with its work on it done ([`return_lent`](Self::return_lent)).
+    /// T once `stream` gives it up: before `stream` grows, T's work then waiting on the GPU for
+    /// `stream`'s ([`return_to_lenders`](Self::return_to_lenders)), or once `stream`'s work is
+    /// done ([`return_lent`](Self::return_lent)).
     /// `None` where no stream can lend such a block (`vmm-pool` moves whole pieces instead),
     /// or the driver refused the query or the event (the block stays with T).
     fn borrow_from_stream(&self, stream: StreamHandle, size: usize) -> Option<Chunk> {
