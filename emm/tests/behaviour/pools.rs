@@ -516,6 +516,22 @@ pub(crate) fn on_a_gib(manager: &str) -> (Arc<SimDriver>, Runtime) {
     (sim, rt)
 }
 
+/// The one segment of `ctx`'s snapshot that serves `stream`, once the snapshot's segments
+/// are checked to add up to `held` bytes (a lent block is counted once: as the borrower's
+/// segment, cut out of the lender's).
+fn the_streams_one_segment(ctx: &Context, stream: &Stream, held: usize) -> emm::contract::Segment {
+    let snapshot = ctx.snapshot();
+    let total: usize = snapshot.segments.iter().map(|s| s.bytes).sum();
+    assert_eq!(total, held, "{:?}", snapshot.segments);
+    let mut mine: Vec<_> = snapshot
+        .segments
+        .into_iter()
+        .filter(|s| s.stream == Some(stream.handle().raw()))
+        .collect();
+    assert_eq!(mine.len(), 1, "{mine:?}");
+    mine.pop().expect("checked")
+}
+
 /// A stream whose arena has no room takes free space of a shared chunk that a live block
 /// keeps from going back whole: the pool does not grow for it. The lent block goes back to the
 /// shared arena once the stream is done with it, so that the chunk is freed whole once its
@@ -535,21 +551,8 @@ fn a_stream_borrows_free_space_of_a_chunk_a_live_block_keeps() {
     assert_eq!(sim.count(Op::MemAlloc), allocs, "served without a growth");
     assert_eq!(held(), 60 * MIB);
     // The snapshot shows the lent block as the stream's segment, cut out of the chunk's.
-    let snapshot = ctx.snapshot();
-    let total: usize = snapshot.segments.iter().map(|s| s.bytes).sum();
-    assert_eq!(total, 60 * MIB, "{:?}", snapshot.segments);
-    let mine: Vec<_> = snapshot
-        .segments
-        .iter()
-        .filter(|s| s.stream == Some(stream.handle().raw()))
-        .collect();
-    assert_eq!(mine.len(), 1, "{:?}", snapshot.segments);
-    assert!(
-        mine[0]
-            .blocks
-            .iter()
-            .any(|b| b.address == on.device_ptr().0)
-    );
+    let mine = the_streams_one_segment(&ctx, &stream, 60 * MIB);
+    assert!(mine.blocks.iter().any(|b| b.address == on.device_ptr().0));
     // Freed and its stream done, the block goes back before the shared arena grows: a 50 MiB
     // request fits the chunk's free space again.
     drop(on);
@@ -766,16 +769,7 @@ fn a_streams_free_space_is_lent_to_another_stream_behind_its_work() {
         waits + 1,
         "B waits for A's work"
     );
-    let snapshot = ctx.snapshot();
-    let total: usize = snapshot.segments.iter().map(|s| s.bytes).sum();
-    assert_eq!(total, 64 * MIB, "{:?}", snapshot.segments);
-    let of_b: Vec<_> = snapshot
-        .segments
-        .iter()
-        .filter(|s| s.stream == Some(b.handle().raw()))
-        .collect();
-    assert_eq!(of_b.len(), 1, "{:?}", snapshot.segments);
-    assert_eq!(of_b[0].bytes, 32 * MIB);
+    assert_eq!(the_streams_one_segment(&ctx, &b, 64 * MIB).bytes, 32 * MIB);
     written_last(&ctx, &y, &b);
     // B frees the block with work queued on it, then grows for a request the lent block does
     // not hold: the block goes back to A first, A's work ordered after B's, no host wait.

@@ -474,37 +474,18 @@ impl PoolShared {
 
     /// A wholly free chunk of another stream's arena that holds `size` bytes (no larger than
     /// the pool would grow by for the request), for `stream`, whose work from now on waits on
-    /// the GPU for the work queued so far on the stream that gave it up (an event recorded
-    /// there, waited for with `cuStreamWaitEvent`): a free chunk of a busy stream serves
-    /// another stream without the host waiting and without the pool growing. A stream that is
-    /// being captured gives nothing (its work is not the GPU's yet). `None` where no stream
-    /// has such a chunk, or the driver refused the event (the chunk stays where it was).
+    /// the GPU for the work queued so far on the stream that gave it up: a free chunk of a
+    /// busy stream serves another stream without the host waiting and without the pool
+    /// growing ([`take_from_another_stream`](Self::take_from_another_stream)).
     fn take_from_busy_stream(&self, stream: StreamHandle, size: usize) -> Option<Chunk> {
-        let _live = self.cx.liveness.enter()?;
         let most = self.growth(size);
-        for k in self.streams.occupied() {
-            let mut lists = lock(&self.streams.shards[k].inner);
-            for (other, mine) in lists.per_stream.iter_mut() {
-                if *other == stream || self.cx.stream_is_captured(*other).unwrap_or(true) {
-                    continue;
-                }
-                let Some(chunk) = mine.arena.take_free_chunk(size, most) else {
-                    continue;
-                };
-                match self.fences.order_after([*other], stream) {
-                    Ok(()) => {
-                        tracing::debug!(device = %self.cx.device, bytes = chunk.size, from = other.raw(), to = stream.raw(), "a busy stream's free chunk moved to another stream behind its work");
-                        return Some(chunk);
-                    }
-                    Err(e) => {
-                        mine.arena.add_chunk(chunk);
-                        tracing::warn!(device = %self.cx.device, error = %e, "ordering a stream after another's work failed; the pool grows instead");
-                        return None;
-                    }
-                }
-            }
-        }
-        None
+        self.take_from_another_stream(
+            stream,
+            |arena, _| arena.take_free_chunk(size, most),
+            Arenas::add_chunk,
+            false,
+            "a busy stream's free chunk moved to another stream behind its work",
+        )
     }
 
     /// A block of another stream T's free space that holds `size` bytes (the request rounded
@@ -516,35 +497,65 @@ impl PoolShared {
     /// chunk ([`take_from_busy_stream`](Self::take_from_busy_stream)). The block goes back to
     /// T once `stream` gives it up: before `stream` grows, T's work then waiting on the GPU for
     /// `stream`'s ([`return_to_lenders`](Self::return_to_lenders)), or once `stream`'s work is
-    /// done ([`return_lent`](Self::return_lent)).
-    /// `None` where no stream can lend such a block (`vmm-pool` moves whole pieces instead),
-    /// or the driver refused the query or the event (the block stays with T).
+    /// done ([`return_lent`](Self::return_lent)). `vmm-pool` lends nothing (it moves whole
+    /// pieces instead).
     fn borrow_from_stream(&self, stream: StreamHandle, size: usize) -> Option<Chunk> {
-        let _live = self.cx.liveness.enter()?;
         let most = self.growth(size);
         let want = size.next_multiple_of(GROW_GRANULARITY);
+        self.take_from_another_stream(
+            stream,
+            |arena, other| arena.lend(size, want, most, Lender::Stream(other)),
+            Arenas::restore,
+            true,
+            "a stream's free block lent to another stream behind its work",
+        )
+    }
+
+    /// Memory for `stream` that another stream's arena gives up (`take` on it, the first that
+    /// gives any), once `stream`'s work from now on waits on the GPU for the work queued on
+    /// that stream so far (an event recorded there, waited for with `cuStreamWaitEvent`); with
+    /// `if_busy`, only where that stream still has work pending. A stream that is being
+    /// captured gives nothing (its work is not the GPU's yet). `None` where no stream gives
+    /// anything, or the driver refused the query or the event: what was taken goes back
+    /// (`put_back`) and the pool grows instead.
+    fn take_from_another_stream(
+        &self,
+        stream: StreamHandle,
+        mut take: impl FnMut(&mut Arenas, StreamHandle) -> Option<Chunk>,
+        put_back: impl FnOnce(&mut Arenas, Chunk),
+        if_busy: bool,
+        moved: &'static str,
+    ) -> Option<Chunk> {
+        let _live = self.cx.liveness.enter()?;
         for k in self.streams.occupied() {
             let mut lists = lock(&self.streams.shards[k].inner);
             for (other, mine) in lists.per_stream.iter_mut() {
                 if *other == stream || self.cx.stream_is_captured(*other).unwrap_or(true) {
                     continue;
                 }
-                let lender = Lender::Stream(*other);
-                let Some(chunk) = mine.arena.lend(size, want, most, lender) else {
+                let Some(chunk) = take(&mut mine.arena, *other) else {
                     continue;
                 };
-                let ordered = match self.cx.driver.stream_query(self.cx.context, *other) {
-                    Ok(true) => Ok(()),
-                    Ok(false) => self.fences.order_after([*other], stream),
-                    Err(e) => Err(e),
+                let wait = if if_busy {
+                    let done = self.cx.driver.stream_query(self.cx.context, *other);
+                    done.map(|done| !done)
+                } else {
+                    Ok(true)
                 };
+                let ordered = wait.and_then(|wait| {
+                    if wait {
+                        self.fences.order_after([*other], stream)
+                    } else {
+                        Ok(())
+                    }
+                });
                 return match ordered {
                     Ok(()) => {
-                        tracing::debug!(device = %self.cx.device, bytes = chunk.size, from = other.raw(), to = stream.raw(), "a stream's free block lent to another stream behind its work");
+                        tracing::debug!(device = %self.cx.device, bytes = chunk.size, from = other.raw(), to = stream.raw(), "{moved}");
                         Some(chunk)
                     }
                     Err(e) => {
-                        mine.arena.restore(chunk);
+                        put_back(&mut mine.arena, chunk);
                         tracing::warn!(device = %self.cx.device, error = %e, "ordering a stream after another's work failed; the pool grows instead");
                         None
                     }
@@ -670,9 +681,8 @@ impl PoolShared {
     /// back to the stream, which may still use them. The caller holds the context's liveness
     /// and no lock of the pool's.
     fn give_back_after(&self, stream: StreamHandle, shed: Vec<Chunk>) {
-        let (streams_lent, shed): (Vec<Chunk>, Vec<Chunk>) = shed
-            .into_iter()
-            .partition(|c| matches!(c.lent, Some(Lender::Stream(_))));
+        let (streams_lent, shed): (Vec<Chunk>, Vec<Chunk>) =
+            shed.into_iter().partition(Chunk::lent_by_a_stream);
         self.return_to_lenders(stream, streams_lent);
         if shed.is_empty() {
             return;
@@ -711,7 +721,7 @@ impl PoolShared {
     /// or that the driver could not order, stays with `stream`. The caller holds the
     /// context's liveness and no lock of the pool's.
     fn return_to_lenders(&self, stream: StreamHandle, chunks: Vec<Chunk>) {
-        let mut kept = Vec::new();
+        let (mut back, mut kept) = (Vec::new(), Vec::new());
         for chunk in chunks {
             let Some(Lender::Stream(lender)) = chunk.lent else {
                 kept.push(chunk);
@@ -722,13 +732,14 @@ impl PoolShared {
                 continue;
             }
             match self.fences.order_after([stream], lender) {
-                Ok(()) => self.return_lent(vec![chunk]),
+                Ok(()) => back.push(chunk),
                 Err(e) => {
                     tracing::warn!(device = %self.cx.device, error = %e, "ordering a stream after another's work failed; the block it lent stays with the borrower");
                     kept.push(chunk);
                 }
             }
         }
+        self.return_lent(back);
         if !kept.is_empty() {
             self.keep_on(stream, kept);
         }
@@ -1016,9 +1027,8 @@ impl PoolShared {
         self.streams.mark(k, &lists);
         // A block another stream lent goes back to that stream's arena, whose shard may come
         // before this one in the lock order: after this shard's lock is let go.
-        let (lent, freed): (Vec<Chunk>, Vec<Chunk>) = freed
-            .into_iter()
-            .partition(|c| matches!(c.lent, Some(Lender::Stream(_))));
+        let (lent, freed): (Vec<Chunk>, Vec<Chunk>) =
+            freed.into_iter().partition(Chunk::lent_by_a_stream);
         let bytes = freed.iter().map(|c| c.size).sum();
         {
             let mut arena = lock(&self.arena);

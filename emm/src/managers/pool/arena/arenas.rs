@@ -92,6 +92,11 @@ pub(in crate::managers::pool) struct Chunk {
 }
 
 impl Chunk {
+    /// Whether another stream's arena lent it (it goes back there, behind the borrower's work).
+    pub(in crate::managers::pool) fn lent_by_a_stream(&self) -> bool {
+        matches!(self.lent, Some(Lender::Stream(_)))
+    }
+
     /// The standard chunks `standard` and the oversize ones `oversize`, as (base, size).
     fn of_kinds(
         standard: impl IntoIterator<Item = (u64, usize)>,
