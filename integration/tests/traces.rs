@@ -267,14 +267,14 @@ fn check_program_within(name: &str, limits: &Limits) {
     for manager in ["pool", "vmm-pool"] {
         let r = traces::replay_on_sim(manager, &events, traces::H100_MEMORY, PASSES)
             .unwrap_or_else(|e| panic!("{name} under {manager}: {e}"));
+        let (most, settles) = if manager == "pool" {
+            (limits.pool, true)
+        } else {
+            (limits.vmm_pool, limits.vmm_pool_settles)
+        };
         let first = r.passes[0];
         for (k, p) in r.passes.iter().enumerate() {
             let ratio = p.peak_held_bytes as f64 / live as f64;
-            let most = if manager == "pool" {
-                limits.pool
-            } else {
-                limits.vmm_pool
-            };
             if p.failures > 0 || ratio > most {
                 failures.push(format!(
                     "{manager}: pass {}: held {ratio:.3} x peak live (bound {most}), {} allocations refused",
@@ -282,7 +282,6 @@ fn check_program_within(name: &str, limits: &Limits) {
                     p.failures
                 ));
             }
-            let settles = manager == "pool" || limits.vmm_pool_settles;
             // Where a pass's large blocks land decides which chunks it keeps: `pool` peaks at
             // 6506, 6590 and then 6718 MiB on the phase-change program (5685 MiB live), within
             // a sixteenth of live of the first pass and settled; growth past that is not.
@@ -295,7 +294,7 @@ fn check_program_within(name: &str, limits: &Limits) {
                 ));
             }
         }
-        if manager == "pool" || limits.vmm_pool_settles {
+        if settles {
             failures.extend(unsettled(manager, live, &r));
         }
         let later: usize = r.pass_driver_allocations[1..].iter().sum();

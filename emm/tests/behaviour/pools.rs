@@ -675,9 +675,8 @@ fn pool_keeps_free_chunks_through_a_growth_within_an_eighth_of_its_most_in_use()
     assert!(leaks.is_clean(), "{leaks}");
 }
 
-/// Allocates `bytes` on `stream`, queues work there that writes it (as a kernel launched on
-/// the stream would; the simulator runs it only when asked), drops the allocation with that
-/// work still queued, and returns its address.
+/// Allocates `bytes` on `stream`, drops the allocation behind queued work that writes it
+/// ([`drop_behind_queued_work`]), and returns its address.
 fn freed_behind_queued_work(
     sim: &SimDriver,
     ctx: &emm::Context,
@@ -685,13 +684,33 @@ fn freed_behind_queued_work(
     bytes: usize,
 ) -> u64 {
     let x = ctx.memalloc_on(bytes, stream).unwrap();
-    // SAFETY: x is live memory of this context of `bytes`; the pool keeps its chunk allocated
-    // until the pool's reset, so the set lands in the process's own memory whenever it runs.
+    let at = x.device_ptr().0;
+    drop_behind_queued_work(sim, ctx, x, stream);
+    at
+}
+
+/// Queues work on `stream` that writes all of `mem` (as a kernel launched on the stream would;
+/// the simulator runs it only when asked), then drops `mem` with that work still queued.
+fn drop_behind_queued_work(
+    sim: &SimDriver,
+    ctx: &emm::Context,
+    mem: emm::MemoryPointer,
+    stream: &emm::Stream,
+) {
+    // SAFETY: mem is live memory of this context of `mem.size()` bytes; the pool keeps its
+    // chunk allocated until the pool's reset, so the set lands in the process's own memory
+    // whenever it runs.
     unsafe {
-        sim.memset_d8_async(ctx.handle(), x.device_ptr(), 0xAA, bytes, stream.handle())
-            .unwrap()
+        sim.memset_d8_async(
+            ctx.handle(),
+            mem.device_ptr(),
+            0xAA,
+            mem.size(),
+            stream.handle(),
+        )
+        .unwrap()
     };
-    x.device_ptr().0
+    drop(mem);
 }
 
 /// Sets `mem` on `stream`, which was ordered after the work that last wrote it elsewhere,
@@ -749,15 +768,14 @@ fn a_streams_free_space_is_lent_to_another_stream_behind_its_work() {
     let (a, b) = (ctx.create_stream().unwrap(), ctx.create_stream().unwrap());
     // A's one 64 MiB chunk, a 1 MiB block kept live in it: 63 MiB free, not a free chunk.
     let at = freed_behind_queued_work(&sim, &ctx, &a, 64 * MIB);
+    let in_as_chunk =
+        |mem: &emm::MemoryPointer| (at..at + (64 * MIB) as u64).contains(&mem.device_ptr().0);
     let pin = ctx.memalloc_on(MIB, &a).unwrap();
-    assert!((at..at + (64 * MIB) as u64).contains(&pin.device_ptr().0));
+    assert!(in_as_chunk(&pin));
     let before = stats();
     let waits = sim.count(Op::StreamWaitEvent);
     let y = ctx.memalloc_on(32 * MIB, &b).unwrap();
-    assert!(
-        (at..at + (64 * MIB) as u64).contains(&y.device_ptr().0),
-        "B borrowed A's space"
-    );
+    assert!(in_as_chunk(&y), "B borrowed A's space");
     assert_eq!(
         stats().driver_allocations,
         before.driver_allocations,
@@ -773,18 +791,13 @@ fn a_streams_free_space_is_lent_to_another_stream_behind_its_work() {
     written_last(&ctx, &y, &b);
     // B frees the block with work queued on it, then grows for a request the lent block does
     // not hold: the block goes back to A first, A's work ordered after B's, no host wait.
-    // SAFETY: y is live memory of this context of 32 MiB, kept allocated as x was above.
-    unsafe {
-        sim.memset_d8_async(ctx.handle(), y.device_ptr(), 0x77, 32 * MIB, b.handle())
-            .unwrap()
-    };
-    drop(y);
+    drop_behind_queued_work(&sim, &ctx, y, &b);
     let (syncs, waits) = (
         sim.count(Op::EventSynchronize),
         sim.count(Op::StreamWaitEvent),
     );
     let z = ctx.memalloc_on(40 * MIB, &b).unwrap();
-    assert!(!(at..at + (64 * MIB) as u64).contains(&z.device_ptr().0));
+    assert!(!in_as_chunk(&z));
     assert_eq!(
         sim.count(Op::EventSynchronize),
         syncs,
@@ -797,7 +810,7 @@ fn a_streams_free_space_is_lent_to_another_stream_behind_its_work() {
     );
     // The returned space is A's again: a 60 MiB request on A fits beside the pin at once.
     let again = ctx.memalloc_on(60 * MIB, &a).unwrap();
-    assert!((at..at + (64 * MIB) as u64).contains(&again.device_ptr().0));
+    assert!(in_as_chunk(&again));
     drop((again, pin, z));
     a.synchronize().unwrap();
     b.synchronize().unwrap();

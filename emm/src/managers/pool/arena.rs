@@ -33,8 +33,6 @@
 
 use std::collections::BTreeMap;
 
-use driver_sys::StreamHandle;
-
 use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::memory::AddressMap;
 use crate::slab::Slab;

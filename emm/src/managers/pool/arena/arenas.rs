@@ -1,6 +1,8 @@
 //! [`Arenas`]: the pool's standard arena and the one for requests of chunks of their own, the
 //! [`Chunk`]s they hold, and how their blocks are placed in a snapshot's segments.
 
+use driver_sys::StreamHandle;
+
 use super::*;
 
 /// Puts each of `blocks` in the segment of `segments` (sorted by address) that holds its

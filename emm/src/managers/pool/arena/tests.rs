@@ -1,3 +1,5 @@
+use driver_sys::StreamHandle;
+
 use super::*;
 
 #[test]
