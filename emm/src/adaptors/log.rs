@@ -23,8 +23,8 @@ use crate::sync::{Mutex, lock};
 /// the event, its start and end (nanoseconds since the log opened), its duration, the
 /// kind of memory, and `Reached`: how far the GPU had got through the stream's work when the
 /// event came, as the start time (nanoseconds since the log opened) of the latest logged
-/// event whose work on that stream had completed (`-` for memory without a stream, and while
-/// the stream is captured). A replay queues work on its streams with these times so that
+/// event whose work on that stream had completed, or the event's own start where the stream
+/// was idle then (`-` for memory without a stream, and while the stream is captured). A replay queues work on its streams with these times so that
 /// frees become reusable elsewhere when they did in the recorded run
 /// ([`Replayer`](crate::replay::Replayer)).
 pub const LOG_HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream,Device,Free,Total,Current allocations,Start,End,Elapsed,Kind,Reached";
@@ -260,7 +260,8 @@ impl Progress {
     }
 
     /// The log time of the latest marker on `stream` that completed, after recording a new
-    /// marker at `now` (log nanoseconds) where the last is older than [`MARKER_GAP_NS`].
+    /// marker at `now` (log nanoseconds) where the last is older than [`MARKER_GAP_NS`]; `now`
+    /// itself where the stream is idle (no marker is needed then).
     /// `None` where the stream is captured (a marker would join the graph), the context is
     /// gone, or the driver refused a call.
     fn reached(&self, stream: StreamHandle, now: u64) -> Option<u64> {
@@ -276,6 +277,13 @@ impl Progress {
             }
             let ProgressState { streams, spare, .. } = &mut *state;
             let marks = streams.entry(stream.raw()).or_default();
+            // An idle stream has done all the work launched there before `now`, however long
+            // ago its last marker was recorded (a thread that waited for its stream).
+            if driver.stream_query(ctx, stream)? {
+                spare.extend(marks.pending.drain(..).map(|(event, _)| event));
+                marks.reached = now;
+                return Ok(Some(now));
+            }
             poll(&**driver, ctx, marks, spare)?;
             let last = marks.pending.back().map_or(marks.reached, |&(_, at)| at);
             let due = marks.pending.is_empty() || now.saturating_sub(last) >= MARKER_GAP_NS;

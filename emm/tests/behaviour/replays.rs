@@ -62,10 +62,10 @@ fn a_logged_run_replays() {
 }
 
 /// The log's `Reached` column says how far the GPU had got through a stream when an allocation
-/// came: the time of the latest marker it recorded there that has completed. On the
-/// simulator, whose streams run only when asked, it stays at the first marker's time until the
-/// streams run; memory without a stream says `-`. The replay reads it back with each event's
-/// time.
+/// came: the time of the latest marker it recorded there that has completed, or the
+/// allocation's own time where the stream was idle. On the simulator, whose streams run only
+/// when asked, it stays at the first marker's time until the streams run; memory without a
+/// stream says `-`. The replay reads it back with each event's time.
 #[test]
 fn the_log_says_how_far_the_gpu_had_got() {
     let dir = std::env::temp_dir().join(format!("emm-reached-{}", std::process::id()));
@@ -82,14 +82,19 @@ fn the_log_says_how_far_the_gpu_had_got() {
         let ctx = rt.context(0).unwrap();
         let stream = ctx.create_stream().unwrap();
         let a = ctx.memalloc_on(1 << 20, &stream).unwrap();
+        // Work queued on the stream, which runs only when the streams are run.
+        let set = ctx.memset_async(&a, 0, &stream).unwrap();
         std::thread::sleep(std::time::Duration::from_millis(1));
         let b = ctx.memalloc_on(1 << 20, &stream).unwrap();
-        // The streams run: the markers recorded so far complete.
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        let b2 = ctx.memalloc_on(1 << 20, &stream).unwrap();
+        // The streams run: the work and the markers recorded so far complete.
         sim.run_streams();
+        set.wait().unwrap();
         std::thread::sleep(std::time::Duration::from_millis(1));
         let c = ctx.memalloc_on(1 << 20, &stream).unwrap();
         let plain = ctx.memalloc(4096).unwrap();
-        drop((a, b, c, plain));
+        drop((a, b, b2, c, plain));
         stream.synchronize().unwrap();
     }
     let text = std::fs::read_to_string(&path).unwrap();
@@ -98,21 +103,30 @@ fn the_log_says_how_far_the_gpu_had_got() {
         .iter()
         .filter(|e| e.action == replay::Action::Allocate)
         .collect();
-    assert_eq!(allocs.len(), 4, "{text}");
+    assert_eq!(allocs.len(), 5, "{text}");
     let at = |k: usize| allocs[k].at.expect("every line has its time");
-    assert_eq!(allocs[0].reached, Some(0), "nothing had completed");
+    assert_eq!(
+        allocs[0].reached,
+        Some(at(0)),
+        "a new stream is idle: nothing launched there before the first allocation is pending"
+    );
     assert_eq!(
         allocs[1].reached,
-        Some(0),
-        "the first marker is still queued"
+        Some(at(0)),
+        "the set is queued: the stream had got as far as the first allocation"
     );
     assert_eq!(
         allocs[2].reached,
-        Some(at(1)),
-        "after the streams ran, the second allocation's marker had completed"
+        Some(at(0)),
+        "the set and the marker recorded at the second allocation are still queued"
     );
-    assert_eq!(allocs[3].reached, None, "memory without a stream: {text}");
-    assert!(at(0) < at(1) && at(1) < at(2));
+    assert_eq!(
+        allocs[3].reached,
+        Some(at(3)),
+        "after the streams ran, the stream was idle: its work before this allocation was done"
+    );
+    assert_eq!(allocs[4].reached, None, "memory without a stream: {text}");
+    assert!(at(0) < at(1) && at(1) < at(2) && at(2) < at(3));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
