@@ -16,8 +16,10 @@
 //! replays with that progress where the driver can queue stand-in work
 //! ([`Replayer::pass_recorded`], with a [`RecordedWork`]): after each event on a stream, work
 //! launched up to the next event's time; before each, the stream's progress moved to the
-//! recorded figure. What a manager queues behind the stand-ins (its fences) then completes
-//! when it did in the recorded run, and its queries see the streams busy as they were.
+//! recorded figure; between a stream's own events, its progress runs on with the log's clock,
+//! as far behind as its last event found it, up to what its next event records. What a manager
+//! queues behind the stand-ins (its fences) then completes when it did in the recorded run,
+//! and its queries see the streams busy, or idle, as they were.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -31,6 +33,41 @@ use crate::memory::pointer::MemoryPointer;
 use crate::objects::Stream;
 use crate::runtime::context::Context;
 use driver_sys::StreamHandle;
+
+/// A stream's progress between two of its own events in a log with progress: from its last
+/// event's time `since`, when the GPU had reached `from`, the GPU runs the stream's work in step
+/// with the log's clock (as far behind as it was then), but never past `until`, what the
+/// stream's next event says it had reached (none: no later event says). Between its allocator
+/// calls a thread's stream is not stalled: its queued work runs on, and once the thread waits
+/// for its stream, the stream is idle well before the thread's next call.
+#[derive(Clone, Copy, Debug)]
+struct Between {
+    since: u64,
+    from: u64,
+    until: Option<u64>,
+}
+
+impl Between {
+    /// The progress at log time `at`, where it is past `from`.
+    fn at(&self, at: u64) -> Option<u64> {
+        let ran = self.from.saturating_add(at.saturating_sub(self.since));
+        let p = self.until.map_or(ran, |until| ran.min(until));
+        (p > self.from).then_some(p)
+    }
+}
+
+/// For each event, the progress the next event on its stream records (for events with a
+/// stream and progress; `None` otherwise, or where no later event on the stream records any).
+fn next_progress(events: &[ReplayEvent]) -> Vec<Option<u64>> {
+    let mut later: HashMap<u64, u64> = HashMap::new();
+    let mut next = vec![None; events.len()];
+    for (i, e) in events.iter().enumerate().rev() {
+        if let (Some(stream), Some(reached), true) = (e.stream, e.reached, is_device(e.kind)) {
+            next[i] = later.insert(stream, reached);
+        }
+    }
+    next
+}
 
 /// What one log line asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -341,6 +378,12 @@ impl<'c> Replayer<'c> {
         let last = events.iter().filter_map(|e| e.at).max().unwrap_or(0);
         // (stream, the latest time work was launched there) of the streams this pass used.
         let mut used: Vec<(StreamHandle, u64)> = Vec::new();
+        // The streams' progress between their own events (see `Between`).
+        let mut between_events: Vec<(StreamHandle, Between)> = Vec::new();
+        let next = match work {
+            Some(_) => next_progress(events),
+            None => Vec::new(),
+        };
         if work.is_some() {
             self.time_base = base.saturating_add(last).saturating_add(1);
         }
@@ -355,8 +398,29 @@ impl<'c> Replayer<'c> {
                 Some(_) => self.stream_of(e)?,
                 None => None,
             };
+            if let (Some(w), Some(at)) = (&mut work, e.at) {
+                // The other streams' GPU work went on since their last events.
+                for (other, b) in &between_events {
+                    if Some(*other) != recorded
+                        && let Some(p) = b.at(at)
+                    {
+                        w.reached(*other, base.saturating_add(p))?;
+                    }
+                }
+            }
             if let (Some(stream), Some(w), Some(reached)) = (recorded, &mut work, e.reached) {
                 w.reached(stream, base.saturating_add(reached))?;
+                if let Some(at) = e.at {
+                    let b = Between {
+                        since: at,
+                        from: reached,
+                        until: next[index],
+                    };
+                    match between_events.iter_mut().find(|(s, _)| *s == stream) {
+                        Some(slot) => slot.1 = b,
+                        None => between_events.push((stream, b)),
+                    }
+                }
             }
             match e.action {
                 Action::Allocate => {

@@ -233,6 +233,9 @@ struct Limits {
     vmm_pool: f64,
     /// Whether `vmm-pool`'s later passes must hold no more than its first and settle.
     vmm_pool_settles: bool,
+    /// How much more than its first pass a later pass may hold (a manager that must settle),
+    /// as a fraction of peak live.
+    over_first: f64,
 }
 
 /// `performance.md`'s targets.
@@ -240,17 +243,19 @@ const TARGETS: Limits = Limits {
     pool: 1.25,
     vmm_pool: 1.10,
     vmm_pool_settles: true,
+    over_first: 1.0 / 16.0,
 };
 
-/// The four-stream server's log, held to what the pools do on it now rather than to the
-/// targets, which they miss there (issue 60): `pool` holds 1.60 x peak live (each stream's
-/// chunks fragmented by requests of 60 to 104 MiB; it held 2.02 before streams lent each other
-/// free space), and `vmm-pool` 1.11 at the first pass, rising to 1.23 by the fifth. A change
-/// that makes either worse fails here; one that meets the targets should move this to them.
+/// The four-stream server's log, held to what `pool` does on it now rather than to its
+/// target, which it misses there (issue 60): 1.44 x peak live at the first pass, 1.53 from the
+/// fourth on (level over twelve passes), each stream's chunks fragmented by requests of 60 to
+/// 104 MiB. `vmm-pool` meets its target (1.03, then 1.05 and level). A change that makes
+/// either worse fails here; one that meets the target should move this to it.
 const SERVER_NOW: Limits = Limits {
-    pool: 1.65,
-    vmm_pool: 1.25,
-    vmm_pool_settles: false,
+    pool: 1.58,
+    vmm_pool: 1.10,
+    vmm_pool_settles: true,
+    over_first: 1.0 / 8.0,
 };
 
 /// [`check_program`] with the bounds `limits`.
@@ -282,15 +287,17 @@ fn check_program_within(name: &str, limits: &Limits) {
                     p.failures
                 ));
             }
-            // Where a pass's large blocks land decides which chunks it keeps: `pool` peaks at
-            // 6506, 6590 and then 6718 MiB on the phase-change program (5685 MiB live), within
-            // a sixteenth of live of the first pass and settled; growth past that is not.
-            if settles && p.peak_held_bytes > first.peak_held_bytes + live / 16 {
+            // Where a pass's large blocks land decides which chunks it keeps: a later pass may
+            // peak a little above the first and settle there; growth past `over_first` of
+            // peak live is not settling.
+            let over = (live as f64 * limits.over_first) as usize;
+            if settles && p.peak_held_bytes > first.peak_held_bytes + over {
                 failures.push(format!(
-                    "{manager}: pass {} peaked at {} bytes, above the first pass's {} by more than a sixteenth of peak live: held memory grows while live memory does not",
+                    "{manager}: pass {} peaked at {} bytes, above the first pass's {} by more than {} of peak live: held memory grows while live memory does not",
                     k + 1,
                     p.peak_held_bytes,
-                    first.peak_held_bytes
+                    first.peak_held_bytes,
+                    limits.over_first
                 ));
             }
         }

@@ -148,12 +148,46 @@ fn a_replay_with_the_gpus_progress_keeps_streams_busy() {
     let events = replay::parse_log(log).unwrap();
     assert_eq!(events[2].at, Some(3_000_000));
     assert_eq!(events[2].reached, Some(0));
-    let r = integration_free_replay(&events);
+    let (_, r) = replay_with_progress(&events);
     assert_eq!(r.failures, 0);
     assert_eq!(
         r.peak_held_bytes,
         150 * MIB,
         "the stream's free chunk went back before the pool grew"
+    );
+}
+
+/// Between a stream's own events, a replay with progress lets the stream's work run on with
+/// the log's clock: a thread that freed its block and waited for its stream leaves the stream
+/// idle by the time another stream grows, as on the GPU, so its free chunk moves to that
+/// stream with no wait on the GPU. Held as the stream's progress stood at its last event, the
+/// stream stayed busy until its next event and the chunk moved behind a `cuStreamWaitEvent`.
+#[test]
+fn a_replay_lets_a_stream_run_on_between_its_events() {
+    // Stream 0xa allocates 100 MiB and frees it (its work 1 ms behind), then its thread waits
+    // for it: its next line, at 10 ms, finds it idle. Stream 0xb asks for 100 MiB at 6 ms,
+    // after memory without a stream at 5 ms.
+    let log = "Thread,Time,Action,Pointer,Size,Stream,Kind,Reached
+0,0.001,allocate,0x1000,104857600,0xa,device,1000000
+0,0.002,free,0x1000,104857600,0xa,device,1000000
+1,0.005,allocate,0x9000,4096,-,device,-
+1,0.006,allocate,0x2000,104857600,0xb,device,6000000
+0,0.010,allocate,0x3000,1048576,0xa,device,10000000
+1,0.011,free,0x2000,104857600,0xb,device,6000000
+0,0.012,free,0x3000,1048576,0xa,device,10000000
+1,0.013,free,0x9000,4096,-,device,-
+";
+    let events = replay::parse_log(log).unwrap();
+    let (sim, r) = replay_with_progress(&events);
+    assert_eq!(r.failures, 0);
+    assert_eq!(
+        sim.count(driver_mock::Op::StreamWaitEvent),
+        0,
+        "stream 0xa was idle at 6 ms: its chunk moved with no wait on the GPU"
+    );
+    assert!(
+        r.peak_held_bytes < 2 * 100 * MIB,
+        "stream 0xb took 0xa's chunk instead of growing: {r:?}"
     );
 }
 
@@ -177,8 +211,9 @@ impl replay::RecordedWork for SimWork<'_> {
     }
 }
 
-/// Replays `events` once under `pool` on a fresh simulated GiB with their progress.
-fn integration_free_replay(events: &[replay::ReplayEvent]) -> replay::ReplayReport {
+/// Replays `events` once under `pool` on a fresh simulated GiB with their progress; returns
+/// the simulator with the report.
+fn replay_with_progress(events: &[replay::ReplayEvent]) -> (Arc<SimDriver>, replay::ReplayReport) {
     let (sim, rt) = on_a_gib("pool");
     let ctx = rt.context(0).unwrap();
     let mut replayer = replay::Replayer::new(&ctx).unwrap();
@@ -186,11 +221,13 @@ fn integration_free_replay(events: &[replay::ReplayEvent]) -> replay::ReplayRepo
         sim: &sim,
         ctx: ctx.handle(),
     };
-    replayer
+    let report = replayer
         .pass_recorded(events, &mut work, || {
             sim.run_streams();
         })
-        .unwrap()
+        .unwrap();
+    drop(replayer);
+    (sim, report)
 }
 
 /// A log in RMM's exact format (`logging_resource_adaptor`: pointers as bare hexadecimal,
