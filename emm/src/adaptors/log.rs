@@ -146,10 +146,11 @@ impl Log {
             ("free", _) => f.streams.remove(&key),
             (_, s) => s.map(|s| s.raw()),
         };
-        // An allocation's stream is live (its caller's promise for the call); a free's may be
-        // gone, so a free's line reads the markers already recorded there, with no new one.
+        // An allocation's line says what was read before the manager served it
+        // (`LogObserver::before_on_stream`); a free's stream may be gone, so a free's line
+        // reads the markers already recorded there, with no new one.
         let reached = match (stream, progress, e.stream) {
-            (Some(_), Some(p), Some(live)) if action == "allocate" => p.reached(live, start),
+            (Some(_), Some(_), Some(_)) if action == "allocate" => e.before,
             (Some(s), Some(p), _) => p.last_reached(s),
             _ => None,
         };
@@ -385,6 +386,15 @@ impl LogObserver {
 }
 
 impl Observer for LogObserver {
+    /// How far the GPU had got through `stream` when the allocation came: read before the
+    /// manager serves it, since a pool that grows may wait for the stream's work, and a
+    /// reading after that would find the stream idle where the pool found it busy. The
+    /// stream is live for the call (its caller's promise).
+    fn before_on_stream(&self, stream: StreamHandle, start: Option<Instant>) -> Option<u64> {
+        let now = start.map_or(0, |t| t.duration_since(self.log.opened).as_nanos() as u64);
+        self.progress.reached(stream, now)
+    }
+
     fn allocated(&self, e: &Event) {
         let (action, delta) = if e.addr.is_some() {
             ("allocate", 1)

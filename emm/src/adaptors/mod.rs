@@ -156,6 +156,13 @@ pub(crate) trait Observer: Send + Sync + fmt::Debug {
     ) -> Result<(), EmmError> {
         Ok(())
     }
+    /// Before the inner manager is asked for memory on `stream`, at `start` (where the
+    /// observer is [`timed`](Self::timed)): what the observer reads of the stream then, handed
+    /// back in the call's [`Event`]. The manager may wait for the stream's work while it
+    /// serves the call, so a reading after it would not say what the manager found.
+    fn before_on_stream(&self, _stream: StreamHandle, _start: Option<Instant>) -> Option<u64> {
+        None
+    }
     /// The inner manager answered (`addr` is `None` on failure).
     fn allocated(&self, _e: &Event) {}
     /// Memory was released (the last handle dropped).
@@ -201,6 +208,9 @@ pub(crate) struct Event {
     stream: Option<StreamHandle>,
     start: Option<Instant>,
     end: Option<Instant>,
+    /// What the observer read of `stream` before the inner manager was asked
+    /// ([`Observer::before_on_stream`]); `None` elsewhere.
+    before: Option<u64>,
 }
 
 /// A manager wrapped in one adaptor.
@@ -243,6 +253,7 @@ impl ReleaseHook for FreeHook {
             stream: None,
             start: now,
             end: now,
+            before: None,
         });
     }
 
@@ -318,6 +329,7 @@ impl Adapted {
         }
         let timed = self.observer.timed();
         let start = timed.then(Instant::now);
+        let before = stream.and_then(|s| self.observer.before_on_stream(s, start));
         let result = call();
         let end = timed.then(Instant::now);
         self.observer.allocated(&Event {
@@ -328,6 +340,7 @@ impl Adapted {
             stream,
             start,
             end,
+            before,
         });
         result
     }
@@ -392,6 +405,7 @@ impl Adapted {
                             stream: None,
                             start: now,
                             end: now,
+                            before: None,
                         });
                     })
                 };

@@ -691,7 +691,7 @@ fn freed_behind_queued_work(
 
 /// Queues work on `stream` that writes all of `mem` (as a kernel launched on the stream would;
 /// the simulator runs it only when asked), then drops `mem` with that work still queued.
-fn drop_behind_queued_work(
+pub(crate) fn drop_behind_queued_work(
     sim: &SimDriver,
     ctx: &emm::Context,
     mem: emm::MemoryPointer,

@@ -9,7 +9,7 @@ use emm::{Adaptor, EmmError, Runtime, replay};
 
 use crate::common::runtime_with;
 
-use crate::pools::{MIB, on_a_gib};
+use crate::pools::{MIB, drop_behind_queued_work, on_a_gib};
 
 /// The log adaptor writes RMM's columns; the log replays on a fresh simulator under another
 /// manager, with the same allocations.
@@ -68,18 +68,7 @@ fn a_logged_run_replays() {
 /// stream says `-`. The replay reads it back with each event's time.
 #[test]
 fn the_log_says_how_far_the_gpu_had_got() {
-    let dir = std::env::temp_dir().join(format!("emm-reached-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("run.csv");
-    {
-        let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-        let rt = Runtime::builder(sim.clone())
-            .ignore_env()
-            .memory_manager_name("pool")
-            .adaptors(vec![Adaptor::Log(path.clone())])
-            .build()
-            .unwrap();
-        let ctx = rt.context(0).unwrap();
+    let (text, allocs) = logged_allocations("reached", |sim, ctx| {
         let stream = ctx.create_stream().unwrap();
         let a = ctx.memalloc_on(1 << 20, &stream).unwrap();
         // Work queued on the stream, which runs only when the streams are run.
@@ -96,13 +85,7 @@ fn the_log_says_how_far_the_gpu_had_got() {
         let plain = ctx.memalloc(4096).unwrap();
         drop((a, b, b2, c, plain));
         stream.synchronize().unwrap();
-    }
-    let text = std::fs::read_to_string(&path).unwrap();
-    let events = replay::parse_log(&text).unwrap();
-    let allocs: Vec<_> = events
-        .iter()
-        .filter(|e| e.action == replay::Action::Allocate)
-        .collect();
+    });
     assert_eq!(allocs.len(), 5, "{text}");
     let at = |k: usize| allocs[k].at.expect("every line has its time");
     assert_eq!(
@@ -127,7 +110,67 @@ fn the_log_says_how_far_the_gpu_had_got() {
     );
     assert_eq!(allocs[4].reached, None, "memory without a stream: {text}");
     assert!(at(0) < at(1) && at(1) < at(2) && at(2) < at(3));
+}
+
+/// An allocation's `Reached` is read before the manager serves it: a pool that grows waits
+/// for the stream's work before it gives the stream's free chunk back, and a reading after
+/// that would say the stream was idle where the pool found it busy.
+#[test]
+fn the_log_reads_the_stream_before_the_pool_serves_the_allocation() {
+    let (text, allocs) = logged_allocations("before", |sim, ctx| {
+        let stream = ctx.create_stream().unwrap();
+        let a = ctx.memalloc_on(100 * MIB, &stream).unwrap();
+        // Freed behind a set still queued: the stream's 100 MiB chunk is wholly free, and
+        // the stream busy.
+        drop_behind_queued_work(sim, ctx, a, &stream);
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        // The chunk does not hold 150 MiB: the pool grows, and waits for the stream's work
+        // before it gives the chunk back.
+        let b = ctx.memalloc_on(150 * MIB, &stream).unwrap();
+        assert!(
+            stream.query().unwrap(),
+            "the pool waited for the stream while it grew"
+        );
+        drop(b);
+        stream.synchronize().unwrap();
+    });
+    assert_eq!(allocs.len(), 2, "{text}");
+    let first = allocs[0].at.expect("every line has its time");
+    assert_eq!(allocs[0].reached, Some(first), "a new stream is idle");
+    assert_eq!(
+        allocs[1].reached,
+        Some(first),
+        "the set was queued when the allocation came, whatever the pool waited for: {text}"
+    );
+}
+
+/// Runs `work` on a simulated GiB under `pool` with the `log` adaptor; returns the log's text
+/// and its allocations (a folder named after `name` holds the log meanwhile).
+fn logged_allocations(
+    name: &str,
+    work: impl FnOnce(&SimDriver, &emm::Context),
+) -> (String, Vec<replay::ReplayEvent>) {
+    let dir = std::env::temp_dir().join(format!("emm-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("run.csv");
+    {
+        let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+        let rt = Runtime::builder(sim.clone())
+            .ignore_env()
+            .memory_manager_name("pool")
+            .adaptors(vec![Adaptor::Log(path.clone())])
+            .build()
+            .unwrap();
+        work(&sim, &rt.context(0).unwrap());
+    }
+    let text = std::fs::read_to_string(&path).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
+    let allocs = replay::parse_log(&text)
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.action == replay::Action::Allocate)
+        .collect();
+    (text, allocs)
 }
 
 /// A replay with the recorded progress keeps a stream busy where the log says its work was
