@@ -60,7 +60,14 @@ if "--sleep" in args:
 run = args[0].rstrip("/")
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 rel_run = os.path.relpath(os.path.abspath(run), root)
-info = dict(line.rstrip("\n").split("=", 1) for line in open(os.path.join(run, "run.txt")))
+
+
+def run_info(folder):
+    """A run folder's `run.txt` (key=value lines) as a dict."""
+    return dict(line.rstrip("\n").split("=", 1) for line in open(os.path.join(folder, "run.txt")))
+
+
+info = run_info(run)
 
 
 def rows(name):
@@ -75,7 +82,7 @@ if host_run:
     all_pairs = list(csv.DictReader(open(os.path.join(host_run, "pairs.csv"))))
     host_pairs = [r for r in all_pairs if r["build"] == "head" and r["round"] == "1"]
     host_rows = list(csv.DictReader(open(os.path.join(host_run, "host.csv"))))
-    hinfo = dict(line.rstrip("\n").split("=", 1) for line in open(os.path.join(host_run, "run.txt")))
+    hinfo = run_info(host_run)
 pair_src = host_pairs or full
 pair_from = "host run" if host_run else "call 1"
 peers = list(csv.reader(open(os.path.join(run, "peers.csv"))))
@@ -131,7 +138,7 @@ if "call3" in info:
     w(f"- **Call 3:** {info['call3']}.")
 if programs_run:
     rel_programs = os.path.relpath(os.path.abspath(programs_run), root)
-    pinfo = dict(line.rstrip("\n").split("=", 1) for line in open(os.path.join(programs_run, "run.txt")))
+    pinfo = run_info(programs_run)
     w(f"- **Memory held by real programs** (its section and target rows) comes from a run of its own:")
     w(f"  {pinfo['machine']}; {pinfo['date']}, {pinfo['commit']}: {pinfo['call']}.")
     w(f"  Files: [`{rel_programs}/`]({rel_programs}/).")
@@ -140,7 +147,7 @@ else:
     page_args = ""
 if logged_run:
     rel_logged = os.path.relpath(os.path.abspath(logged_run), root)
-    linfo = dict(line.rstrip("\n").split("=", 1) for line in open(os.path.join(logged_run, "run.txt")))
+    linfo = run_info(logged_run)
     w("- **The logged programs replayed** (the memory section's last table) come from a run of its own:")
     w(f"  {linfo['machine']}; {linfo['date']}, {linfo['commit']}: {linfo['call']}. Replayed: {linfo['replay']}.")
     w(f"  Files: [`{rel_logged}/`]({rel_logged}/).")
@@ -153,7 +160,7 @@ if host_run:
     page_args += f" --host {rel_host}"
 if sleep_run:
     rel_sleep = os.path.relpath(os.path.abspath(sleep_run), root)
-    sinfo = dict(line.rstrip("\n").split("=", 1) for line in open(os.path.join(sleep_run, "run.txt")))
+    sinfo = run_info(sleep_run)
     w("- **Sleep and wake** (its section) comes from a run of its own:")
     w(f"  {sinfo['machine']}; {sinfo['date']}, {sinfo['commit']}: {sinfo['call']}.")
     w(f"  Files: [`{rel_sleep}/`]({rel_sleep}/).")

@@ -24,8 +24,9 @@ use crate::sync::{Mutex, lock};
 /// kind of memory, and `Reached`: how far the GPU had got through the stream's work when the
 /// event came, as the start time (nanoseconds since the log opened) of the latest logged
 /// event whose work on that stream had completed, or the event's own start where the stream
-/// was idle then (`-` for memory without a stream, and while the stream is captured). A replay queues work on its streams with these times so that
-/// frees become reusable elsewhere when they did in the recorded run
+/// was idle then (`-` for memory without a stream, and while the stream is captured). A replay
+/// queues work on its streams with these times so that frees become reusable elsewhere when
+/// they did in the recorded run
 /// ([`Replayer`](crate::replay::Replayer)).
 pub const LOG_HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream,Device,Free,Total,Current allocations,Start,End,Elapsed,Kind,Reached";
 
@@ -114,6 +115,11 @@ impl Log {
         })
     }
 
+    /// Nanoseconds from the log's opening to `t` (0 for none).
+    fn ns(&self, t: Option<Instant>) -> u64 {
+        t.map_or(0, |t| t.duration_since(self.opened).as_nanos() as u64)
+    }
+
     fn write(
         &self,
         action: &str,
@@ -122,9 +128,7 @@ impl Log {
         delta: isize,
         progress: Option<&Progress>,
     ) {
-        let ns =
-            |t: Option<Instant>| t.map_or(0, |t| t.duration_since(self.opened).as_nanos() as u64);
-        let (start, end) = (ns(e.start), ns(e.end));
+        let (start, end) = (self.ns(e.start), self.ns(e.end));
         let thread = LOG_THREAD.with(|t| *t);
         let mut f = lock(&self.file);
         let now = Instant::now();
@@ -149,9 +153,9 @@ impl Log {
         // An allocation's line says what was read before the manager served it
         // (`LogObserver::before_on_stream`); a free's stream may be gone, so a free's line
         // reads the markers already recorded there, with no new one.
-        let reached = match (stream, progress, e.stream) {
-            (Some(_), Some(_), Some(_)) if action == "allocate" => e.before,
-            (Some(s), Some(p), _) => p.last_reached(s),
+        let reached = match (stream, progress) {
+            _ if action == "allocate" => e.before,
+            (Some(s), Some(p)) => p.last_reached(s),
             _ => None,
         };
         let reached = Reached(reached);
@@ -391,8 +395,7 @@ impl Observer for LogObserver {
     /// reading after that would find the stream idle where the pool found it busy. The
     /// stream is live for the call (its caller's promise).
     fn before_on_stream(&self, stream: StreamHandle, start: Option<Instant>) -> Option<u64> {
-        let now = start.map_or(0, |t| t.duration_since(self.log.opened).as_nanos() as u64);
-        self.progress.reached(stream, now)
+        self.progress.reached(stream, self.log.ns(start))
     }
 
     fn allocated(&self, e: &Event) {
