@@ -327,6 +327,54 @@ proptest! {
     }
 }
 
+/// A configuration the pool cannot work with is refused when the context is made, naming the
+/// field and what to give: a chunk size under the pool's smallest growth (2 MiB), or
+/// `small_max` above the largest size class. The smallest chunk size serves allocations.
+#[test]
+fn pool_refuses_a_configuration_it_cannot_grow_by() {
+    let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+    let chunk = "PoolConfig::chunk_size";
+    let refused = [
+        (0, emm::plugin::MAX_SMALL, chunk, "give at least"),
+        (
+            (2 << 20) - 256,
+            emm::plugin::MAX_SMALL,
+            chunk,
+            "give at least",
+        ),
+        (
+            8 << 20,
+            emm::plugin::MAX_SMALL + 1,
+            "PoolConfig::small_max",
+            "lower it",
+        ),
+    ];
+    for (chunk_size, small_max, field, fix) in refused {
+        let config = PoolConfig {
+            chunk_size,
+            small_max,
+            ..PoolConfig::default()
+        };
+        match small_pool_runtime(&sim, config).context(0) {
+            Err(EmmError::InvalidArgument { what, reason }) => {
+                assert_eq!(what, field);
+                assert!(reason.contains(fix), "{reason}");
+            }
+            other => panic!("{config:?} gave {:?}", other.map(|_| "a context")),
+        }
+    }
+    let config = PoolConfig {
+        chunk_size: 2 << 20,
+        ..PoolConfig::default()
+    };
+    let rt = small_pool_runtime(&sim, config);
+    let ctx = rt.context(0).unwrap();
+    let blocks: Vec<_> = [1000, 3 << 20, 1 << 20]
+        .map(|b| ctx.memalloc(b).unwrap())
+        .into();
+    assert_eq!(blocks.len(), 3);
+}
+
 #[test]
 fn pool_reuses_blocks_without_driver_calls() {
     let (sim, rt) = on_a_gib("pool");

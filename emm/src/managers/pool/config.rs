@@ -9,7 +9,9 @@ pub struct PoolConfig {
     /// The most bytes the pool grows by at once for requests up to this size (it grows by an
     /// eighth of what it holds, at least 2 MiB and at most this); a larger request gets a
     /// chunk of its own, its size rounded up to 2 MiB, which serves only requests above this
-    /// size (under `vmm-pool`, whose chunks merge, it is served as any). Default 128 MiB.
+    /// size (under `vmm-pool`, whose chunks merge, it is served as any). At least 2 MiB (the
+    /// smallest growth); default 128 MiB. Smaller chunks hold less beside memory in use, and
+    /// take more driver calls: each growth is one, and a chunk freed whole goes back.
     pub chunk_size: usize,
     /// Requests up to this many bytes are served from size classes through per-thread
     /// shards; larger ones from the arena. At most [`MAX_SMALL`]; default 1 MiB.

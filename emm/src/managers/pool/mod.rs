@@ -339,10 +339,15 @@ impl PoolAllocator {
                 ),
             });
         }
-        if config.chunk_size == 0 {
+        if config.chunk_size < GROW_GRANULARITY {
             return Err(EmmError::InvalidArgument {
                 what: "PoolConfig::chunk_size",
-                reason: "0 bytes; give the pool a growth size (the default is 64 MiB)".into(),
+                reason: format!(
+                    "{} bytes is below the pool's smallest growth ({GROW_GRANULARITY} bytes); \
+                     give at least that (the default is {} bytes)",
+                    config.chunk_size,
+                    PoolConfig::default().chunk_size
+                ),
             });
         }
         // The history's stamps convert to times from here on.
