@@ -15,6 +15,8 @@
 //!   --lag MS              on the simulator, replay as if the GPU had run MS milliseconds
 //!                         behind the host (each stream-ordered event's progress is its time
 //!                         less MS), in place of what the log recorded
+//!   --pool-chunk SIZE     `pool`'s chunk size (`PoolConfig::chunk_size`: the most it grows by
+//!                         at once, default 128MiB), to weigh memory held against driver calls
 //! ```
 //!
 //! On the simulator, a log with the `log` adaptor's `Reached` column replays with the GPU's
@@ -32,6 +34,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use driver_sys::Driver;
+use emm::PoolConfig;
 use integration::traces::{self, ManagerReplay, TRACE_MANAGERS};
 
 struct Options {
@@ -42,10 +45,11 @@ struct Options {
     passes: usize,
     csv: Option<PathBuf>,
     lag_ns: Option<u64>,
+    pool_config: Option<PoolConfig>,
 }
 
 const USAGE: &str = "usage: replay [--corpus] [--manager M[,M...]] [--driver sim|cuda] \
-                     [--device-memory SIZE] [--passes N] [--csv FILE] [--lag MS] [LOG ...]";
+                     [--device-memory SIZE] [--passes N] [--csv FILE] [--lag MS] [--pool-chunk SIZE] [LOG ...]";
 
 fn parse_size(text: &str) -> Result<usize, String> {
     let t = text.trim();
@@ -80,6 +84,7 @@ fn options() -> Result<Options, String> {
         passes: 1,
         csv: None,
         lag_ns: None,
+        pool_config: None,
     };
     let mut args = std::env::args().skip(1);
     let value = |args: &mut dyn Iterator<Item = String>, flag: &str| {
@@ -122,6 +127,12 @@ fn options() -> Result<Options, String> {
                     .filter(|ms: &f64| ms.is_finite() && *ms >= 0.0)
                     .ok_or("--lag takes milliseconds, such as 5 or 0.5")?;
                 o.lag_ns = Some((ms * 1e6) as u64);
+            }
+            "--pool-chunk" => {
+                o.pool_config = Some(PoolConfig {
+                    chunk_size: parse_size(&value(&mut args, "--pool-chunk")?)?,
+                    ..PoolConfig::default()
+                })
             }
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -245,10 +256,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         );
         for manager in &o.managers {
             let r = match &cuda {
-                Some(driver) => {
-                    traces::replay_under(Arc::clone(driver), None, manager, &events, o.passes)?
-                }
-                None => traces::replay_on_sim(manager, &events, o.device_memory, o.passes)?,
+                Some(driver) => traces::replay_under(
+                    Arc::clone(driver),
+                    None,
+                    manager,
+                    o.pool_config,
+                    &events,
+                    o.passes,
+                )?,
+                None => traces::replay_on_sim(
+                    manager,
+                    o.pool_config,
+                    &events,
+                    o.device_memory,
+                    o.passes,
+                )?,
             };
             print_row(&name, &r);
             csv.push_str(&csv_row(&name, driver_name, events.len(), &r));

@@ -13,8 +13,9 @@ use std::sync::Arc;
 
 use driver_mock::{Op, SimConfig, SimDriver};
 use driver_sys::{ContextHandle, DeviceOrdinal, Driver, StreamHandle};
+use emm::plugin::{POOL_MANAGER, PoolAllocator};
 use emm::replay::{RecordedWork, ReplayEvent, ReplayReport, Replayer};
-use emm::{EmmError, Runtime};
+use emm::{EmmError, PoolConfig, Runtime};
 
 /// Where the corpus lives.
 pub const TRACE_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
@@ -243,16 +244,21 @@ pub fn has_progress(events: &[ReplayEvent]) -> bool {
 /// is the same driver, when it is the simulator, for its call counts). On the simulator, a log
 /// that says how far the GPU had got replays with that progress ([`Replayer::pass_recorded`]):
 /// streams are busy where they were, and the frees of fenced memory become reusable when they
-/// did; other logs replay with every stream's work done after each event.
+/// did; other logs replay with every stream's work done after each event. `pool_config`, when
+/// given, configures the `pool` manager in place of [`PoolConfig::default`].
 pub fn replay_under(
     driver: Arc<dyn Driver>,
     sim: Option<&SimDriver>,
     manager: &str,
+    pool_config: Option<PoolConfig>,
     events: &[ReplayEvent],
     passes: usize,
 ) -> Result<ManagerReplay, String> {
-    let runtime = Runtime::builder(driver)
-        .ignore_env()
+    let mut builder = Runtime::builder(driver).ignore_env();
+    if let Some(config) = pool_config {
+        builder = builder.register_manager(PoolAllocator::factory_with(POOL_MANAGER, config));
+    }
+    let runtime = builder
         .memory_manager_name(manager)
         .build()
         .map_err(|e| format!("{manager}: {e}"))?;
@@ -325,13 +331,22 @@ fn count(sim: &SimDriver, ops: &[Op]) -> usize {
     ops.iter().map(|&op| sim.count(op)).sum()
 }
 
-/// Replays `events` under `manager` on a fresh simulated device of `device_memory` bytes.
+/// Replays `events` under `manager` on a fresh simulated device of `device_memory` bytes
+/// (`pool_config` as in [`replay_under`]).
 pub fn replay_on_sim(
     manager: &str,
+    pool_config: Option<PoolConfig>,
     events: &[ReplayEvent],
     device_memory: usize,
     passes: usize,
 ) -> Result<ManagerReplay, String> {
     let sim = trace_sim(device_memory);
-    replay_under(sim.clone(), Some(&sim), manager, events, passes)
+    replay_under(
+        sim.clone(),
+        Some(&sim),
+        manager,
+        pool_config,
+        events,
+        passes,
+    )
 }

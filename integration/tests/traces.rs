@@ -107,7 +107,7 @@ fn check(name: &str) {
     let live = emm::replay::summarize(&events).peak_live_bytes;
     let mut failures = Vec::new();
     for manager in TRACE_MANAGERS {
-        let r = traces::replay_on_sim(manager, &events, traces::H100_MEMORY, PASSES)
+        let r = traces::replay_on_sim(manager, None, &events, traces::H100_MEMORY, PASSES)
             .unwrap_or_else(|e| panic!("{name} under {manager}: {e}"));
         let first = r.passes[0];
         assert_eq!(
@@ -270,7 +270,7 @@ fn check_program_within(name: &str, limits: &Limits) {
     let live = emm::replay::summarize(&events).peak_live_bytes;
     let mut failures = Vec::new();
     for manager in ["pool", "vmm-pool"] {
-        let r = traces::replay_on_sim(manager, &events, traces::H100_MEMORY, PASSES)
+        let r = traces::replay_on_sim(manager, None, &events, traces::H100_MEMORY, PASSES)
             .unwrap_or_else(|e| panic!("{name} under {manager}: {e}"));
         let (most, settles) = if manager == "pool" {
             (limits.pool, true)
