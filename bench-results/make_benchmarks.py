@@ -83,6 +83,7 @@ if host_run:
     host_pairs = [r for r in all_pairs if r["build"] == "head" and r["round"] == "1"]
     host_rows = list(csv.DictReader(open(os.path.join(host_run, "host.csv"))))
     hinfo = run_info(host_run)
+sinfo = run_info(sleep_run) if sleep_run else {}
 pair_src = host_pairs or full
 pair_from = "host run" if host_run else "call 1"
 peers = list(csv.reader(open(os.path.join(run, "peers.csv"))))
@@ -136,22 +137,28 @@ w(f"- **Call 1:** {info['call1']}.")
 w(f"- **Call 2:** {info['call2']}.")
 if "call3" in info:
     w(f"- **Call 3:** {info['call3']}.")
+
+
+def cite_run(folder, flag, lead, replayed=False):
+    """Writes the header's lines for the run of its own in `folder` (its `run.txt`), under
+    `lead`; with `replayed`, its `replay` line too. Returns the page command's argument."""
+    rel = os.path.relpath(os.path.abspath(folder), root)
+    i = run_info(folder)
+    replay = f" Replayed: {i['replay']}." if replayed else ""
+    w(f"- {lead} from a run of its own:")
+    w(f"  {i['machine']}; {i['date']}, {i['commit']}: {i['call']}.{replay}")
+    w(f"  Files: [`{rel}/`]({rel}/).")
+    return f" --{flag} {rel}"
+
+
+page_args = ""
 if programs_run:
-    rel_programs = os.path.relpath(os.path.abspath(programs_run), root)
-    pinfo = run_info(programs_run)
-    w(f"- **Memory held by real programs** (its section and target rows) comes from a run of its own:")
-    w(f"  {pinfo['machine']}; {pinfo['date']}, {pinfo['commit']}: {pinfo['call']}.")
-    w(f"  Files: [`{rel_programs}/`]({rel_programs}/).")
-    page_args = f" --programs {rel_programs}"
-else:
-    page_args = ""
+    page_args += cite_run(programs_run, "programs",
+                          "**Memory held by real programs** (its section and target rows) comes")
 if logged_run:
-    rel_logged = os.path.relpath(os.path.abspath(logged_run), root)
-    linfo = run_info(logged_run)
-    w("- **The logged programs replayed** (the memory section's last table) come from a run of its own:")
-    w(f"  {linfo['machine']}; {linfo['date']}, {linfo['commit']}: {linfo['call']}. Replayed: {linfo['replay']}.")
-    w(f"  Files: [`{rel_logged}/`]({rel_logged}/).")
-    page_args += f" --logged {rel_logged}"
+    page_args += cite_run(logged_run, "logged",
+                          "**The logged programs replayed** (the memory section's last table) come",
+                          replayed=True)
 if host_run:
     rel_host = os.path.relpath(os.path.abspath(host_run), root)
     w("- **Host run** (the pair table and its target, the history ring's cost, pairs beside live")
@@ -159,12 +166,7 @@ if host_run:
     w(f"  {hinfo['commit']}: {hinfo['call']}. Files: [`{rel_host}/`]({rel_host}/).")
     page_args += f" --host {rel_host}"
 if sleep_run:
-    rel_sleep = os.path.relpath(os.path.abspath(sleep_run), root)
-    sinfo = run_info(sleep_run)
-    w("- **Sleep and wake** (its section) comes from a run of its own:")
-    w(f"  {sinfo['machine']}; {sinfo['date']}, {sinfo['commit']}: {sinfo['call']}.")
-    w(f"  Files: [`{rel_sleep}/`]({rel_sleep}/).")
-    page_args += f" --sleep {rel_sleep}"
+    page_args += cite_run(sleep_run, "sleep", "**Sleep and wake** (its section) comes")
 w(f"- **Files:** [`{rel_run}/`]({rel_run}/); this page: `python3 bench-results/make_benchmarks.py {rel_run}{page_args}`.")
 w("- The earlier pages' run-by-run record (`HISTORY.md`, `runs.md`) and their runs' files are in")
 w("  [`bench-results/archive.tar.xz`](bench-results/archive.tar.xz) (`tar -xJf archive.tar.xz NAME`).")

@@ -153,12 +153,11 @@ impl Log {
         // An allocation's line says what was read before the manager served it
         // (`LogObserver::before_on_stream`); a free's stream may be gone, so a free's line
         // reads the markers already recorded there, with no new one.
-        let reached = match (stream, progress) {
-            _ if action == "allocate" => e.before,
-            (Some(s), Some(p)) => p.last_reached(s),
-            _ => None,
-        };
-        let reached = Reached(reached);
+        let reached = Reached(if action == "allocate" {
+            e.before
+        } else {
+            stream.zip(progress).and_then(|(s, p)| p.last_reached(s))
+        });
         let stream = Stream(stream);
         let line = format!(
             "{thread},{:.9},{action},{:#x},{},{stream},{},{},{},{live},{start},{end},{},{},{reached}\n",

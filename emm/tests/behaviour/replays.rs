@@ -15,17 +15,7 @@ use crate::pools::{MIB, drop_behind_queued_work, on_a_gib};
 /// manager, with the same allocations.
 #[test]
 fn a_logged_run_replays() {
-    let dir = std::env::temp_dir().join(format!("emm-log-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("run.csv");
-    {
-        let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-        let rt = Runtime::builder(sim.clone())
-            .ignore_env()
-            .adaptors(vec![Adaptor::Log(path.clone()), Adaptor::Stats])
-            .build()
-            .unwrap();
-        let ctx = rt.context(0).unwrap();
+    let text = logged_run("log", "default", vec![Adaptor::Stats], |_, ctx| {
         let a = ctx.memalloc(1000).unwrap();
         let b = ctx.memalloc(5 << 20).unwrap();
         let h = ctx.memhostalloc(4096, true, false, false).unwrap();
@@ -37,8 +27,7 @@ fn a_logged_run_replays() {
         assert_eq!(usage.device.peak_count, 2);
         assert_eq!(usage.of(MemoryKind::Mapped).total_count, 1);
         assert_eq!(usage.device.current_bytes, 0);
-    }
-    let text = std::fs::read_to_string(&path).unwrap();
+    });
     let mut lines = text.lines();
     assert_eq!(lines.next(), Some(emm::plugin::LOG_HEADER));
     assert_eq!(text.lines().count(), 1 + 8, "{text}");
@@ -58,7 +47,6 @@ fn a_logged_run_replays() {
     assert_eq!(events.len(), 2);
     let bad = replay::parse_log("1,0.1,reserve,0x10,256,0").unwrap_err();
     assert!(bad.to_string().contains("unknown action"), "{bad}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// The log's `Reached` column says how far the GPU had got through a stream when an allocation
@@ -144,27 +132,40 @@ fn the_log_reads_the_stream_before_the_pool_serves_the_allocation() {
     );
 }
 
-/// Runs `work` on a simulated GiB under `pool` with the `log` adaptor; returns the log's text
-/// and its allocations (a folder named after `name` holds the log meanwhile).
-fn logged_allocations(
+/// Runs `work` on a simulated GiB under `manager` with the `log` adaptor, then `also`;
+/// returns the log's text (a folder named after `name` holds the log meanwhile).
+fn logged_run(
     name: &str,
+    manager: &str,
+    also: Vec<Adaptor>,
     work: impl FnOnce(&SimDriver, &emm::Context),
-) -> (String, Vec<replay::ReplayEvent>) {
+) -> String {
     let dir = std::env::temp_dir().join(format!("emm-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("run.csv");
     {
         let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
+        let mut adaptors = vec![Adaptor::Log(path.clone())];
+        adaptors.extend(also);
         let rt = Runtime::builder(sim.clone())
             .ignore_env()
-            .memory_manager_name("pool")
-            .adaptors(vec![Adaptor::Log(path.clone())])
+            .memory_manager_name(manager)
+            .adaptors(adaptors)
             .build()
             .unwrap();
         work(&sim, &rt.context(0).unwrap());
     }
     let text = std::fs::read_to_string(&path).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
+    text
+}
+
+/// [`logged_run`] under `pool`: the log's text and its allocations.
+fn logged_allocations(
+    name: &str,
+    work: impl FnOnce(&SimDriver, &emm::Context),
+) -> (String, Vec<replay::ReplayEvent>) {
+    let text = logged_run(name, "pool", Vec::new(), work);
     let allocs = replay::parse_log(&text)
         .unwrap()
         .into_iter()
