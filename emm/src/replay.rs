@@ -17,9 +17,12 @@
 //! ([`Replayer::pass_recorded`], with a [`RecordedWork`]): after each event on a stream, work
 //! launched up to the next event's time; before each, the stream's progress moved to the
 //! recorded figure; between a stream's own events, its progress runs on with the log's clock,
-//! as far behind as its last event found it, up to what its next event records. What a manager
-//! queues behind the stand-ins (its fences) then completes when it did in the recorded run,
-//! and its queries see the streams busy, or idle, as they were.
+//! as far behind as its last event found it, up to what its next event records. The manager's
+//! call itself sees every stream's progress at the middle of the recorded call (the `Elapsed`
+//! column; its start where the log has none): the log reads `Reached` before the call, and
+//! the GPU runs on while a growing manager decides. What a manager queues behind the
+//! stand-ins (its fences) then completes when it did in the recorded run, and its queries see
+//! the streams busy, or idle, as they were.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -99,6 +102,9 @@ pub struct ReplayEvent {
     /// [`at`](Self::at)) up to which the work the program had launched there was complete,
     /// where the log says (the `log` adaptor's `Reached` column).
     pub reached: Option<u64>,
+    /// How long the manager's call took in the recorded run, in nanoseconds, where the log
+    /// says (the `log` adaptor's `Elapsed` column).
+    pub elapsed: Option<u64>,
 }
 
 /// Parses a log. A header line says where the columns stand (by name: `Action`, `Pointer`,
@@ -139,6 +145,7 @@ pub fn parse_log(text: &str) -> Result<Vec<ReplayEvent>, EmmError> {
             kind: parsed.kind,
             at: parsed.at,
             reached: parsed.reached,
+            elapsed: parsed.elapsed,
         });
     }
     Ok(events)
@@ -398,7 +405,10 @@ impl<'c> Replayer<'c> {
                 Some(_) => self.stream_of(e)?,
                 None => None,
             };
-            if let (Some(w), Some(at)) = (&mut work, e.at) {
+            // The manager decides somewhere inside its call, while the GPU runs on: the replay
+            // takes the call's middle.
+            let deciding = e.at.map(|at| at.saturating_add(e.elapsed.unwrap_or(0) / 2));
+            if let (Some(w), Some(at)) = (&mut work, deciding) {
                 // The other streams' GPU work went on since their last events.
                 for (other, b) in &between_events {
                     if Some(*other) != recorded
@@ -410,12 +420,16 @@ impl<'c> Replayer<'c> {
             }
             if let (Some(stream), Some(w), Some(reached)) = (recorded, &mut work, e.reached) {
                 w.reached(stream, base.saturating_add(reached))?;
-                if let Some(at) = e.at {
+                if let (Some(at), Some(deciding)) = (e.at, deciding) {
                     let b = Between {
                         since: at,
                         from: reached,
                         until: next[index],
                     };
+                    // Its own stream too, from where the log read it before the call.
+                    if let Some(p) = b.at(deciding) {
+                        w.reached(stream, base.saturating_add(p))?;
+                    }
                     match between_events.iter_mut().find(|(s, _)| *s == stream) {
                         Some(slot) => slot.1 = b,
                         None => between_events.push((stream, b)),

@@ -442,6 +442,8 @@ pub(crate) struct LogColumns {
     start: Option<usize>,
     /// `Reached`: how far the GPU had got through the event's stream (nanoseconds).
     reached: Option<usize>,
+    /// `Elapsed`: how long the manager's call took (nanoseconds).
+    elapsed: Option<usize>,
 }
 
 /// One data line of a log, parsed.
@@ -461,6 +463,8 @@ pub(crate) struct LogLine {
     pub(crate) at: Option<u64>,
     /// The `Reached` column: nanoseconds, or `None` for `-` or a log without it.
     pub(crate) reached: Option<u64>,
+    /// The `Elapsed` column: nanoseconds, or `None` for `-` or a log without it.
+    pub(crate) elapsed: Option<u64>,
 }
 
 impl LogColumns {
@@ -474,6 +478,7 @@ impl LogColumns {
         time: Some(1),
         start: None,
         reached: None,
+        elapsed: None,
     };
 
     /// The columns a header line names, or `None` when `line` is not a header (its first field
@@ -507,6 +512,7 @@ impl LogColumns {
                 time: find("time"),
                 start: find("start"),
                 reached: find("reached"),
+                elapsed: find("elapsed"),
             })
         })())
     }
@@ -582,6 +588,7 @@ pub(crate) fn parse_log_line(line: &str, cols: &LogColumns) -> Result<LogLine, S
         },
     };
     let reached = number(cols.reached, "Reached")?;
+    let elapsed = number(cols.elapsed, "Elapsed")?;
     Ok(LogLine {
         action,
         ptr,
@@ -590,5 +597,6 @@ pub(crate) fn parse_log_line(line: &str, cols: &LogColumns) -> Result<LogLine, S
         kind,
         at,
         reached,
+        elapsed,
     })
 }

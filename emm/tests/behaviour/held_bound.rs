@@ -87,6 +87,7 @@ fn events(steps: &[Step]) -> Vec<ReplayEvent> {
                     kind: MemoryKind::Device,
                     at: None,
                     reached: None,
+                    elapsed: None,
                 });
                 live.push((next, size, stream));
                 bytes += size;
@@ -103,6 +104,7 @@ fn events(steps: &[Step]) -> Vec<ReplayEvent> {
                     kind: MemoryKind::Device,
                     at: None,
                     reached: None,
+                    elapsed: None,
                 });
             }
             Step::Free(_) => {}

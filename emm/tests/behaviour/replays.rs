@@ -235,6 +235,50 @@ fn a_replay_lets_a_stream_run_on_between_its_events() {
     );
 }
 
+/// A manager decides inside its call, while the GPU runs on: a replay with progress takes the
+/// stream's progress at the middle of the recorded call (its `Elapsed`), from where the log
+/// read it before the call. A growth that took 4 ms on a stream 2 ms behind found the stream
+/// idle, and gave its free chunk back with no wait; read at the call's start, as a log without
+/// `Elapsed` replays, the stream is busy and the pool waits for it.
+#[test]
+fn a_replay_lets_the_gpu_run_on_during_a_recorded_call() {
+    // One stream: 100 MiB, freed behind work 1 ms behind; then 150 MiB at 3 ms, the stream
+    // still 2 ms behind when the log read it, in a call of 4 ms.
+    let log = "Thread,Time,Action,Pointer,Size,Stream,Kind,Reached,Elapsed
+0,0.001,allocate,0x1000,104857600,0xa,device,1000000,1000
+0,0.002,free,0x1000,104857600,0xa,device,1000000,0
+0,0.003,allocate,0x2000,157286400,0xa,device,1000000,4000000
+0,0.008,free,0x2000,157286400,0xa,device,8000000,0
+";
+    let waits = |sim: &SimDriver| {
+        sim.count(driver_mock::Op::EventSynchronize) + sim.count(driver_mock::Op::StreamSynchronize)
+    };
+    let events = replay::parse_log(log).unwrap();
+    assert_eq!(events[2].elapsed, Some(4_000_000));
+    let (sim, r) = replay_with_progress(&events);
+    assert_eq!(r.failures, 0);
+    assert_eq!(r.peak_held_bytes, 150 * MIB, "{r:?}");
+    assert_eq!(
+        waits(&sim),
+        0,
+        "by the middle of the 4 ms call the stream's work was done: no wait"
+    );
+    // The same log without the call's duration: the pool finds the stream busy, and waits.
+    let at_start: Vec<_> = events
+        .iter()
+        .map(|e| replay::ReplayEvent {
+            elapsed: None,
+            ..*e
+        })
+        .collect();
+    let (sim, r) = replay_with_progress(&at_start);
+    assert_eq!(r.peak_held_bytes, 150 * MIB, "{r:?}");
+    assert!(
+        waits(&sim) > 0,
+        "read at the call's start, the stream was busy"
+    );
+}
+
 /// The simulator's stand-in work for a replay with progress, on the replay's own context.
 struct SimWork<'a> {
     sim: &'a SimDriver,
