@@ -680,8 +680,9 @@ if programs_run:
         w("")
         w("Programs run again under the `log` adaptor (whose `Reached` column records how far the GPU")
         w("had got through each stream), each log replayed on the simulator under the manager it ran")
-        w("under, with that progress (`replay`; `run.txt` says how). The replay of a four-thread log")
-        w("orders the threads' events as the log's lock did." + (
+        w("under, with that progress, the GPU running on to the middle of each recorded call while the")
+        w("manager decides (`replay`; `run.txt` says how). The replay of a four-thread log orders the")
+        w("threads' events as the log's lock did." + (
             " These runs are a later call of their own (the files above), so their figures differ"
             " from the table above's." if logged_run else ""))
         w("")
