@@ -631,6 +631,70 @@ fn a_stream_borrows_free_space_of_a_chunk_a_live_block_keeps() {
     assert!(leaks.is_clean(), "{leaks}");
 }
 
+/// What a tracing subscriber wrote, for a test to read.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+
+    fn make_writer(&'a self) -> Captured {
+        self.clone()
+    }
+}
+
+/// A pool that grows for a stream says so at debug level, with the free space the streams'
+/// arenas hold: a request larger than each of their free blocks grows the pool though they
+/// hold more free bytes than it asks, which is what free space split across chunks costs.
+#[test]
+fn a_stream_growth_is_traced_with_the_streams_free_space() {
+    let (_sim, rt) = on_a_gib("pool");
+    let ctx = rt.context(0).unwrap();
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(captured.clone())
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .finish();
+    tracing::subscriber::with_default(subscriber, || {
+        // Stream a's 100 MiB chunk: 30 MiB free, 30 MiB live, 40 MiB free.
+        let a = ctx.create_stream().unwrap();
+        drop(ctx.memalloc_on(100 * MIB, &a).unwrap());
+        let first = ctx.memalloc_on(30 * MIB, &a).unwrap();
+        let live = ctx.memalloc_on(30 * MIB, &a).unwrap();
+        drop(first);
+        a.synchronize().unwrap();
+        // 50 MiB on stream b: no free block of a's holds it.
+        let b = ctx.create_stream().unwrap();
+        let grown = ctx.memalloc_on(50 * MIB, &b).unwrap();
+        drop((grown, live));
+    });
+    let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let line = text
+        .lines()
+        .rfind(|l| l.contains("pool grows for a stream"))
+        .unwrap_or_else(|| panic!("no growth traced:\n{text}"));
+    for field in [
+        format!("requested={}", 50 * MIB),
+        format!("streams_free={}", 70 * MIB),
+        "free_blocks=2".to_owned(),
+        format!("largest_free={}", 40 * MIB),
+    ] {
+        assert!(line.contains(&field), "{field} in {line}");
+    }
+}
+
 /// A shared chunk of 60 MiB with its first 30 MiB live (the pointer returned), and a stream
 /// whose arena holds a wholly free 100 MiB chunk (at the address returned), its work done.
 fn a_stream_with_a_large_free_chunk(ctx: &Context) -> (MemoryPointer, Stream, u64) {

@@ -461,6 +461,9 @@ impl PoolShared {
                 if let Some(found) = self.grow_stream_in_place(stream, size) {
                     return Ok(found);
                 }
+                if tracing::enabled!(tracing::Level::DEBUG) {
+                    self.trace_stream_growth(stream, size);
+                }
                 self.shed_free_chunks(Some(stream), size);
                 let chunks = self.new_chunk(size)?;
                 Ok(self
@@ -470,6 +473,26 @@ impl PoolShared {
         );
         self.release_spares();
         grown
+    }
+
+    /// Says, at debug level, that the pool grows for `size` bytes on `stream`, with the free
+    /// space the streams' arenas hold meanwhile: free space split into blocks too small for
+    /// the request (or too large to be lent) is what a growth adds to.
+    fn trace_stream_growth(&self, stream: StreamHandle, size: usize) {
+        let mut free = Vec::new();
+        for k in self.streams.occupied() {
+            lock(&self.streams.shards[k].inner).free_block_sizes(&mut free);
+        }
+        tracing::debug!(
+            device = %self.cx.device,
+            stream = stream.raw(),
+            requested = size,
+            held = self.totals.held.load(Ordering::Relaxed),
+            streams_free = free.iter().sum::<usize>(),
+            free_blocks = free.len(),
+            largest_free = free.iter().max().copied().unwrap_or(0),
+            "pool grows for a stream"
+        );
     }
 
     /// A wholly free chunk of another stream's arena that holds `size` bytes (no larger than
