@@ -142,15 +142,15 @@ if "call3" in info:
     w(f"- **Call 3:** {info['call3']}.")
 
 
-def cite_run(folder, flag, lead, replayed=False):
+def cite_run(folder, flag, lead, also=()):
     """Writes the header's lines for the run of its own in `folder` (its `run.txt`), under
-    `lead`; with `replayed`, its `replay` line too. Returns the page command's argument."""
+    `lead`, with the lines `also` names ((key, label) pairs) that the run has. Returns the
+    page command's argument."""
     rel = os.path.relpath(os.path.abspath(folder), root)
     i = run_info(folder)
-    replay = f" Replayed: {i['replay']}." if replayed else ""
+    extra = "".join(f" {label}: {i[key]}." for key, label in also if key in i)
     w(f"- {lead} from a run of its own:")
-    rounds = f" Step rounds: {i['step_rounds']}." if "step_rounds" in i else ""
-    w(f"  {i['machine']}; {i['date']}, {i['commit']}: {i['call']}.{replay}{rounds}")
+    w(f"  {i['machine']}; {i['date']}, {i['commit']}: {i['call']}.{extra}")
     w(f"  Files: [`{rel}/`]({rel}/).")
     return f" --{flag} {rel}"
 
@@ -158,11 +158,12 @@ def cite_run(folder, flag, lead, replayed=False):
 page_args = ""
 if programs_run:
     page_args += cite_run(programs_run, "programs",
-                          "**Memory held by real programs** (its section and target rows) comes")
+                          "**Memory held by real programs** (its section and target rows) comes",
+                          also=[("step_rounds", "Step rounds")])
 if logged_run:
     page_args += cite_run(logged_run, "logged",
                           "**The logged programs replayed** (the memory section's last table) come",
-                          replayed=True)
+                          also=[("replay", "Replayed")])
 if host_run:
     rel_host = os.path.relpath(os.path.abspath(host_run), root)
     w("- **Host run** (the pair table and its target, the history ring's cost, pairs beside live")

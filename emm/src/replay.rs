@@ -419,17 +419,18 @@ impl<'c> Replayer<'c> {
                 }
             }
             if let (Some(stream), Some(w), Some(reached)) = (recorded, &mut work, e.reached) {
-                w.reached(stream, base.saturating_add(reached))?;
-                if let (Some(at), Some(deciding)) = (e.at, deciding) {
-                    let b = Between {
-                        since: at,
-                        from: reached,
-                        until: next[index],
-                    };
-                    // Its own stream too, from where the log read it before the call.
-                    if let Some(p) = b.at(deciding) {
-                        w.reached(stream, base.saturating_add(p))?;
-                    }
+                let b = e.at.map(|at| Between {
+                    since: at,
+                    from: reached,
+                    until: next[index],
+                });
+                // Its own stream runs on too, from where the log read it before the call.
+                let now = b
+                    .zip(deciding)
+                    .and_then(|(b, d)| b.at(d))
+                    .unwrap_or(reached);
+                w.reached(stream, base.saturating_add(now))?;
+                if let Some(b) = b {
                     match between_events.iter_mut().find(|(s, _)| *s == stream) {
                         Some(slot) => slot.1 = b,
                         None => between_events.push((stream, b)),
