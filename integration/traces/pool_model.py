@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""What a pool of `cuMemAlloc` chunks could hold on a program's log: an idealised model.
+
+`pool` keeps each stream's memory in whole chunks of that stream's own (`docs/rust.md`), so
+free space in one stream's chunk never merges with free space beside it in another's. On the
+four-stream server it holds 1.4 to 1.6 x peak live where `vmm-pool` holds 1.03. This model asks
+whether that is the price of chunks that never merge or of chunks owned per stream. It replays
+a log (the `log` adaptor's CSV, with its `Kind` and `Reached` columns, as in `programs.csv`)
+through one free space for every stream:
+
+- the pool grows by chunks of `--chunk` bytes; a request above it gets a chunk of its own
+  (rounded up to 2 MiB) whose free space serves any request; chunks never merge;
+- a request takes the smallest free block that holds it and that its stream may use;
+- before a growth, every wholly free chunk goes back to the driver;
+- a free block remembers, per stream that freed part of it, when it was freed: the stream that
+  freed it reuses it at once (its work is ordered), another stream once the log says the
+  freeing stream's GPU work had reached that time (`Reached`); with `--same-stream-only`, never.
+
+The model makes no driver call and waits for nothing: it bounds what such a pool could do, it is
+not a manager. Its figures are peak held over peak live (over every pass) and driver
+allocations per pass; the replay of the same log under a real manager is
+`cargo run --release -p integration --example replay -- --manager pool --passes N LOG`.
+
+    python3 integration/traces/pool_model.py --passes 3 integration/traces/program_server.csv.gz
+"""
+
+import argparse
+import gzip
+import sys
+
+MIB = 1 << 20
+GRANULARITY = 2 * MIB
+ALIGNMENT = 512
+
+
+def load(path):
+    """The device events of a log: (action, pointer, bytes, stream, time ns, reached ns or None)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    events = []
+    with opener(path, "rt") as f:
+        header = f.readline().rstrip("\n").split(",")
+        col = {name: k for k, name in enumerate(header)}
+        for name in ("Action", "Pointer", "Size", "Stream", "Time", "Kind", "Reached"):
+            if name not in col:
+                sys.exit(f"{path}: no {name} column; the model needs a log with the GPU's progress")
+        for line in f:
+            x = line.rstrip("\n").split(",")
+            if x[col["Kind"]] != "device":
+                continue
+            reached = x[col["Reached"]]
+            events.append(
+                (
+                    x[col["Action"]],
+                    x[col["Pointer"]],
+                    int(x[col["Size"]]),
+                    x[col["Stream"]],
+                    int(round(float(x[col["Time"]]) * 1e9)),
+                    int(reached) if reached not in ("", "-") else None,
+                )
+            )
+    return events
+
+
+class Chunk:
+    """One `cuMemAlloc` allocation: its size and free blocks, [start, size, {stream: freed at}]."""
+
+    def __init__(self, size):
+        self.size = size
+        self.free = [[0, size, {}]]
+
+    def wholly_free(self):
+        return len(self.free) == 1 and self.free[0][1] == self.size
+
+    def give(self, start, size, stream=None, at=0):
+        """Returns a block freed on `stream` at `at`, merged with its free neighbours (their
+        streams' times kept); with no stream, a block every stream may use."""
+        self.free.append([start, size, {stream: at} if stream is not None else {}])
+        self.free.sort(key=lambda b: b[0])
+        merged = []
+        for b in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == b[0]:
+                last = merged[-1]
+                last[1] += b[1]
+                for s, t in b[2].items():
+                    last[2][s] = max(last[2].get(s, 0), t)
+            else:
+                merged.append(b)
+        self.free = merged
+
+
+def model(events, chunk, passes=1, same_stream_only=False):
+    """(peak held / peak live, driver allocations per pass) of the idealised pool on `events`."""
+    chunks = []
+    where = {}
+    reached = {}
+    held = live = peak_held = peak_live = 0
+    per_pass = []
+    span = (events[-1][4] + 1) if events else 0
+
+    def usable(freed_by, stream):
+        return all(
+            s == stream or (not same_stream_only and reached.get(s, -1) >= at)
+            for s, at in freed_by.items()
+        )
+
+    for p in range(passes):
+        grown = 0
+        base = p * span
+        for action, ptr, nbytes, stream, time, progress in events:
+            key = (p, ptr)
+            now = base + time
+            if progress is not None:
+                reached[stream] = max(reached.get(stream, -1), base + progress)
+            if action == "allocate":
+                size = -(-nbytes // ALIGNMENT) * ALIGNMENT
+                best = None
+                for c in chunks:
+                    for k, (start, free, freed_by) in enumerate(c.free):
+                        if free >= size and (best is None or free < best[2]) and usable(freed_by, stream):
+                            best = (c, k, free)
+                if best is None:
+                    for c in [c for c in chunks if c.wholly_free()]:
+                        chunks.remove(c)
+                        held -= c.size
+                    grow = -(-size // GRANULARITY) * GRANULARITY if size > chunk else chunk
+                    c = Chunk(grow)
+                    chunks.append(c)
+                    held += grow
+                    grown += 1
+                    best = (c, 0, grow)
+                c, k, free = best
+                start = c.free[k][0]
+                if free > size:
+                    c.free[k][0] += size
+                    c.free[k][1] -= size
+                else:
+                    del c.free[k]
+                where[key] = (c, start, size, nbytes)
+                live += nbytes
+                peak_live = max(peak_live, live)
+                peak_held = max(peak_held, held)
+            elif key in where:
+                c, start, size, nbytes = where.pop(key)
+                live -= nbytes
+                c.give(start, size, stream, now)
+        # What the pass left live goes before the next pass (the program again, its work done).
+        for key in [k for k in where if k[0] == p]:
+            c, start, size, nbytes = where.pop(key)
+            live -= nbytes
+            c.give(start, size)
+        for s in reached:
+            reached[s] = base + span
+        per_pass.append(grown)
+    return (peak_held / peak_live if peak_live else 0.0), per_pass
+
+
+def parse_size(text):
+    units = {"KiB": 1 << 10, "MiB": MIB, "GiB": 1 << 30}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            return int(text[: -len(unit)]) * scale
+    return int(text)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("logs", nargs="+")
+    ap.add_argument("--chunk", default="128MiB", help="growth and chunk size (default 128MiB, pool's)")
+    ap.add_argument("--passes", type=int, default=1)
+    ap.add_argument("--same-stream-only", action="store_true",
+                    help="a block another stream freed never serves a stream")
+    args = ap.parse_args()
+    chunk = parse_size(args.chunk)
+    for path in args.logs:
+        ratio, per_pass = model(load(path), chunk, args.passes, args.same_stream_only)
+        name = path.rsplit("/", 1)[-1].split(".")[0]
+        print(f"{name}: chunk {chunk // MIB} MiB, held/live {ratio:.3f}, driver allocations per pass {per_pass}")
+
+
+if __name__ == "__main__":
+    main()
