@@ -14,7 +14,10 @@ through one free space for every stream:
 - before a growth, every wholly free chunk goes back to the driver;
 - a free block remembers, per stream that freed part of it, when it was freed: the stream that
   freed it reuses it at once (its work is ordered), another stream once the log says the
-  freeing stream's GPU work had reached that time (`Reached`); with `--same-stream-only`, never.
+  freeing stream's GPU work had reached that time (`Reached`); with `--same-stream-only`, never;
+  with `--marker-interval MS`, only once a marker (an event) recorded on the freeing stream at
+  or after the free is done, the pool recording at most one per stream per MS at its frees, as a
+  pool that asks the driver would know.
 
 The model makes no driver call and waits for nothing: it bounds what such a pool could do, it is
 not a manager. Its figures are peak held over peak live (over every pass) and driver
@@ -88,18 +91,34 @@ class Chunk:
         self.free = merged
 
 
-def model(events, chunk, passes=1, same_stream_only=False):
-    """(peak held / peak live, driver allocations per pass) of the idealised pool on `events`."""
+def model(events, chunk, passes=1, same_stream_only=False, marker_interval=None, stats=None):
+    """(peak held / peak live, driver allocations per pass) of the idealised pool on `events`.
+
+    With `marker_interval` (ns), the pool knows another stream's progress only as a driver
+    would tell it: through markers (events) it records on a stream at a free, at most one per
+    stream per interval, each known done once the trace's progress passed it; `stats`, a dict,
+    then gets the count of markers recorded ("markers").
+    """
     chunks = []
     where = {}
     reached = {}
     held = live = peak_held = peak_live = 0
     per_pass = []
     span = (events[-1][4] + 1) if events else 0
+    # Per stream: the markers recorded and not yet known done, and the latest known done.
+    pending = {}
+    known = {}
+    last_marker = {}
+    markers = 0
+
+    def progress_of(s):
+        if marker_interval is None:
+            return reached.get(s, -1)
+        return known.get(s, -1)
 
     def usable(freed_by, stream):
         return all(
-            s == stream or (not same_stream_only and reached.get(s, -1) >= at)
+            s == stream or (not same_stream_only and progress_of(s) >= at)
             for s, at in freed_by.items()
         )
 
@@ -111,6 +130,11 @@ def model(events, chunk, passes=1, same_stream_only=False):
             now = base + time
             if progress is not None:
                 reached[stream] = max(reached.get(stream, -1), base + progress)
+            if marker_interval is not None and pending.get(stream):
+                done = [m for m in pending[stream] if m <= reached.get(stream, -1)]
+                if done:
+                    known[stream] = max(known.get(stream, -1), max(done))
+                    pending[stream] = [m for m in pending[stream] if m > reached[stream]]
             if action == "allocate":
                 size = -(-nbytes // ALIGNMENT) * ALIGNMENT
                 best = None
@@ -143,6 +167,10 @@ def model(events, chunk, passes=1, same_stream_only=False):
                 c, start, size, nbytes = where.pop(key)
                 live -= nbytes
                 c.give(start, size, stream, now)
+                if marker_interval is not None and now - last_marker.get(stream, -marker_interval) >= marker_interval:
+                    pending.setdefault(stream, []).append(now)
+                    last_marker[stream] = now
+                    markers += 1
         # What the pass left live goes before the next pass (the program again, its work done).
         for key in [k for k in where if k[0] == p]:
             c, start, size, nbytes = where.pop(key)
@@ -150,7 +178,11 @@ def model(events, chunk, passes=1, same_stream_only=False):
             c.give(start, size)
         for s in reached:
             reached[s] = base + span
+            known[s] = base + span
+            pending[s] = []
         per_pass.append(grown)
+    if stats is not None:
+        stats["markers"] = markers
     return (peak_held / peak_live if peak_live else 0.0), per_pass
 
 
@@ -169,12 +201,18 @@ def main():
     ap.add_argument("--passes", type=int, default=1)
     ap.add_argument("--same-stream-only", action="store_true",
                     help="a block another stream freed never serves a stream")
+    ap.add_argument("--marker-interval", type=float, metavar="MS",
+                    help="know other streams' progress only through markers recorded at frees, "
+                    "at most one per stream per MS milliseconds")
     args = ap.parse_args()
     chunk = parse_size(args.chunk)
+    interval = None if args.marker_interval is None else int(args.marker_interval * 1e6)
     for path in args.logs:
-        ratio, per_pass = model(load(path), chunk, args.passes, args.same_stream_only)
+        stats = {}
+        ratio, per_pass = model(load(path), chunk, args.passes, args.same_stream_only, interval, stats)
         name = path.rsplit("/", 1)[-1].split(".")[0]
-        print(f"{name}: chunk {chunk // MIB} MiB, held/live {ratio:.3f}, driver allocations per pass {per_pass}")
+        markers = f", markers recorded {stats['markers']}" if interval is not None else ""
+        print(f"{name}: chunk {chunk // MIB} MiB, held/live {ratio:.3f}, driver allocations per pass {per_pass}{markers}")
 
 
 if __name__ == "__main__":

@@ -84,3 +84,27 @@ def test_a_second_pass_reuses_the_first_ones_chunks():
         free("b", 8 * MIB, "t", 3, 2),
     ]
     assert pool_model.model(events, 64 * MIB, passes=3)[1] == [1, 0, 0]
+
+
+def test_with_markers_a_free_serves_another_stream_once_a_marker_after_it_is_done():
+    events = [
+        alloc("a", 48 * MIB, "s", 0, 0),
+        free("a", 48 * MIB, "s", 10, 0),  # a marker at 10 on s
+        alloc("c", 1, "s", 15, 10),  # s's progress passes it
+        alloc("b", 48 * MIB, "t", 20, 0),
+    ]
+    stats = {}
+    assert pool_model.model(events, 64 * MIB, marker_interval=0, stats=stats)[1] == [1]
+    assert stats["markers"] == 1
+    # Two frees on s within the interval: the second gets no marker of its own, so t cannot
+    # know that s got past it, though the trace says so.
+    events = [
+        alloc("a", 24 * MIB, "s", 0, 0),
+        alloc("d", 24 * MIB, "s", 1, 0),
+        free("a", 24 * MIB, "s", 10, 0),
+        free("d", 24 * MIB, "s", 12, 0),
+        alloc("c", 1, "s", 15, 12),
+        alloc("b", 48 * MIB, "t", 20, 0),
+    ]
+    assert pool_model.model(events, 64 * MIB, marker_interval=0)[1] == [1]
+    assert pool_model.model(events, 64 * MIB, marker_interval=5)[1] == [2]
