@@ -68,10 +68,12 @@ class Chunk:
     """One `cuMemAlloc` allocation: its size and free blocks, [start, size, {stream: freed at}]."""
 
     def __init__(self, size):
+        """A new chunk of `size` bytes, wholly free."""
         self.size = size
         self.free = [[0, size, {}]]
 
     def wholly_free(self):
+        """Whether one free block covers the whole chunk."""
         return len(self.free) == 1 and self.free[0][1] == self.size
 
     def give(self, start, size, stream=None, at=0):
@@ -112,11 +114,13 @@ def model(events, chunk, passes=1, same_stream_only=False, marker_interval=None,
     markers = 0
 
     def progress_of(s):
+        """How far stream `s`'s work is known to have got (trace time, ns)."""
         if marker_interval is None:
             return reached.get(s, -1)
         return known.get(s, -1)
 
     def usable(freed_by, stream):
+        """Whether a free block that `freed_by` freed may serve `stream` now."""
         return all(
             s == stream or (not same_stream_only and progress_of(s) >= at)
             for s, at in freed_by.items()
@@ -187,6 +191,7 @@ def model(events, chunk, passes=1, same_stream_only=False, marker_interval=None,
 
 
 def parse_size(text):
+    """Bytes of a size given as `128MiB`, `2GiB`, `512KiB` or a plain count."""
     units = {"KiB": 1 << 10, "MiB": MIB, "GiB": 1 << 30}
     for unit, scale in units.items():
         if text.endswith(unit):
@@ -195,6 +200,7 @@ def parse_size(text):
 
 
 def main():
+    """Prints the model's figures for each log named on the command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("logs", nargs="+")
     ap.add_argument("--chunk", default="128MiB", help="growth and chunk size (default 128MiB, pool's)")

@@ -14,10 +14,12 @@ _spec.loader.exec_module(pool_model)
 
 
 def alloc(ptr, size, stream, time, reached=None):
+    """An allocation event as `pool_model.load` makes them."""
     return ("allocate", ptr, size, stream, time, reached)
 
 
 def free(ptr, size, stream, time, reached=None):
+    """A free event as `pool_model.load` makes them."""
     return ("free", ptr, size, stream, time, reached)
 
 
