@@ -107,7 +107,8 @@ def model(events, chunk, passes=1, same_stream_only=False, marker_interval=None,
     held = live = peak_held = peak_live = 0
     per_pass = []
     span = (events[-1][4] + 1) if events else 0
-    # Per stream: the markers recorded and not yet known done, and the latest known done.
+    # Per stream: the markers recorded and not yet known done (oldest first), the latest known
+    # done, and when the last was recorded.
     pending = {}
     known = {}
     last_marker = {}
@@ -134,11 +135,10 @@ def model(events, chunk, passes=1, same_stream_only=False, marker_interval=None,
             now = base + time
             if progress is not None:
                 reached[stream] = max(reached.get(stream, -1), base + progress)
-            if marker_interval is not None and pending.get(stream):
-                done = [m for m in pending[stream] if m <= reached.get(stream, -1)]
-                if done:
-                    known[stream] = max(known.get(stream, -1), max(done))
-                    pending[stream] = [m for m in pending[stream] if m > reached[stream]]
+            # A stream's markers are recorded in time order: those its progress passed lead.
+            queued = pending.get(stream)
+            while queued and queued[0] <= reached.get(stream, -1):
+                known[stream] = queued.pop(0)
             if action == "allocate":
                 size = -(-nbytes // ALIGNMENT) * ALIGNMENT
                 best = None
