@@ -17,7 +17,11 @@ through one free space for every stream:
   freeing stream's GPU work had reached that time (`Reached`); with `--same-stream-only`, never;
   with `--marker-interval MS`, only once a marker (an event) recorded on the freeing stream at
   or after the free is done, the pool recording at most one per stream per MS at its frees, as a
-  pool that asks the driver would know.
+  pool that asks the driver would know;
+- with `--wait-fallback`, a request no block serves takes, before the pool grows, the smallest
+  free block large enough behind a wait (the stream's work made to wait on the GPU for the
+  work queued so far on the streams that freed it, `cuStreamWaitEvent`): from then on what
+  those streams freed before the wait serves it too.
 
 The model makes no driver call and waits for nothing: it bounds what such a pool could do, it is
 not a manager. Its figures are peak held over peak live (over every pass) and driver
@@ -93,13 +97,16 @@ class Chunk:
         self.free = merged
 
 
-def model(events, chunk, passes=1, same_stream_only=False, marker_interval=None, stats=None):
+def model(events, chunk, passes=1, same_stream_only=False, marker_interval=None, stats=None,
+          wait_fallback=False):
     """(peak held / peak live, driver allocations per pass) of the idealised pool on `events`.
 
     With `marker_interval` (ns), the pool knows another stream's progress only as a driver
     would tell it: through markers (events) it records on a stream at a free, at most one per
     stream per interval, each known done once the trace's progress passed it; `stats`, a dict,
-    then gets the count of markers recorded ("markers").
+    then gets the count of markers recorded ("markers"). With `wait_fallback`, a request no
+    usable block serves takes the smallest block large enough behind a wait for the streams
+    that freed it, before a growth; `stats` gets the count of such waits ("waits").
     """
     chunks = []
     where = {}
@@ -113,6 +120,10 @@ def model(events, chunk, passes=1, same_stream_only=False, marker_interval=None,
     known = {}
     last_marker = {}
     markers = 0
+    # (waiting stream, stream waited for) -> the time up to which the first was made to wait
+    # for the second's work.
+    ordered = {}
+    waits = 0
 
     def progress_of(s):
         """How far stream `s`'s work is known to have got (trace time, ns)."""
@@ -123,9 +134,20 @@ def model(events, chunk, passes=1, same_stream_only=False, marker_interval=None,
     def usable(freed_by, stream):
         """Whether a free block that `freed_by` freed may serve `stream` now."""
         return all(
-            s == stream or (not same_stream_only and progress_of(s) >= at)
+            s == stream
+            or (not same_stream_only and (progress_of(s) >= at or ordered.get((stream, s), -1) >= at))
             for s, at in freed_by.items()
         )
+
+    def smallest(size, accept):
+        """(chunk, index, size) of the smallest free block of at least `size` bytes whose
+        freeing streams `accept` takes, or None."""
+        best = None
+        for c in chunks:
+            for k, (start, free, freed_by) in enumerate(c.free):
+                if free >= size and (best is None or free < best[2]) and accept(freed_by):
+                    best = (c, k, free)
+        return best
 
     for p in range(passes):
         grown = 0
@@ -141,11 +163,14 @@ def model(events, chunk, passes=1, same_stream_only=False, marker_interval=None,
                 known[stream] = queued.pop(0)
             if action == "allocate":
                 size = -(-nbytes // ALIGNMENT) * ALIGNMENT
-                best = None
-                for c in chunks:
-                    for k, (start, free, freed_by) in enumerate(c.free):
-                        if free >= size and (best is None or free < best[2]) and usable(freed_by, stream):
-                            best = (c, k, free)
+                best = smallest(size, lambda freed_by: usable(freed_by, stream))
+                if best is None and wait_fallback:
+                    best = smallest(size, lambda freed_by: True)
+                    if best is not None:
+                        waits += 1
+                        for s in best[0].free[best[1]][2]:
+                            if s != stream:
+                                ordered[(stream, s)] = now
                 if best is None:
                     for c in [c for c in chunks if c.wholly_free()]:
                         chunks.remove(c)
@@ -187,6 +212,7 @@ def model(events, chunk, passes=1, same_stream_only=False, marker_interval=None,
         per_pass.append(grown)
     if stats is not None:
         stats["markers"] = markers
+        stats["waits"] = waits
     return (peak_held / peak_live if peak_live else 0.0), per_pass
 
 
@@ -210,14 +236,20 @@ def main():
     ap.add_argument("--marker-interval", type=float, metavar="MS",
                     help="know other streams' progress only through markers recorded at frees, "
                     "at most one per stream per MS milliseconds")
+    ap.add_argument("--wait-fallback", action="store_true",
+                    help="before a growth, take the smallest block large enough behind a wait "
+                    "for the streams that freed it")
     args = ap.parse_args()
     chunk = parse_size(args.chunk)
     interval = None if args.marker_interval is None else int(args.marker_interval * 1e6)
     for path in args.logs:
         stats = {}
-        ratio, per_pass = model(load(path), chunk, args.passes, args.same_stream_only, interval, stats)
+        ratio, per_pass = model(load(path), chunk, args.passes, args.same_stream_only, interval, stats,
+                                args.wait_fallback)
         name = path.rsplit("/", 1)[-1].split(".")[0]
         markers = f", markers recorded {stats['markers']}" if interval is not None else ""
+        if args.wait_fallback:
+            markers += f", waits {stats['waits']}"
         print(f"{name}: chunk {chunk // MIB} MiB, held/live {ratio:.3f}, driver allocations per pass {per_pass}{markers}")
 
 

@@ -110,3 +110,27 @@ def test_with_markers_a_free_serves_another_stream_once_a_marker_after_it_is_don
     ]
     assert pool_model.model(events, 64 * MIB, marker_interval=0)[1] == [1]
     assert pool_model.model(events, 64 * MIB, marker_interval=5)[1] == [2]
+
+
+def test_a_wait_lets_another_stream_take_a_block_before_a_growth():
+    # As `early` above: no stream's work reaches a free in this log, so every request that
+    # would take a block another stream freed waits for that stream instead.
+    events = [
+        alloc("a", 48 * MIB, "s", 0, 0),
+        free("a", 48 * MIB, "s", 10, 0),
+        alloc("b", 48 * MIB, "t", 20, 0),
+        free("b", 48 * MIB, "t", 30, 0),
+        alloc("c", 8 * MIB, "s", 35, 0),
+        free("c", 8 * MIB, "s", 36, 0),
+        # s freed c after t's first wait: t waits for s again rather than grow.
+        alloc("d", 60 * MIB, "t", 40, 0),
+    ]
+    stats = {}
+    ratio, grown = pool_model.model(events, 64 * MIB, stats=stats, wait_fallback=True)
+    assert grown == [1]
+    # t for s (b), s for t (c: the chunk's one free block holds what t freed), t for s (d).
+    assert stats["waits"] == 3
+    assert ratio == 64 / 60
+    # Without the fallback every request grows the pool, the wholly free chunk before it going
+    # back to the driver first.
+    assert pool_model.model(events, 64 * MIB)[1] == [4]
