@@ -135,7 +135,7 @@ def model(events, chunk, passes=1, same_stream_only=False, marker_interval=None,
         """Whether a free block that `freed_by` freed may serve `stream` now."""
         return all(
             s == stream
-            or (not same_stream_only and (progress_of(s) >= at or ordered.get((stream, s), -1) >= at))
+            or (not same_stream_only and max(progress_of(s), ordered.get((stream, s), -1)) >= at)
             for s, at in freed_by.items()
         )
 
@@ -164,11 +164,14 @@ def model(events, chunk, passes=1, same_stream_only=False, marker_interval=None,
             if action == "allocate":
                 size = -(-nbytes // ALIGNMENT) * ALIGNMENT
                 best = smallest(size, lambda freed_by: usable(freed_by, stream))
-                if best is None and wait_fallback:
+                # `--same-stream-only` rules out waiting for another stream as much as reading
+                # its progress.
+                if best is None and wait_fallback and not same_stream_only:
                     best = smallest(size, lambda freed_by: True)
                     if best is not None:
+                        c, k, _ = best
                         waits += 1
-                        for s in best[0].free[best[1]][2]:
+                        for s in c.free[k][2]:
                             if s != stream:
                                 ordered[(stream, s)] = now
                 if best is None:

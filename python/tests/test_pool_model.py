@@ -134,3 +134,5 @@ def test_a_wait_lets_another_stream_take_a_block_before_a_growth():
     # Without the fallback every request grows the pool, the wholly free chunk before it going
     # back to the driver first.
     assert pool_model.model(events, 64 * MIB)[1] == [4]
+    # Nor does a stream wait for another where no stream may reuse another's frees.
+    assert pool_model.model(events, 64 * MIB, same_stream_only=True, wait_fallback=True)[1] == [4]
