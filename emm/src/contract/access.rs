@@ -28,8 +28,13 @@ impl ManagerContext {
     }
 
     /// Whether `stream` is being captured into a graph (an invalidated capture counts),
-    /// from `cuStreamGetCaptureInfo`, which every capture allows.
+    /// from `cuStreamGetCaptureInfo`, which every capture allows. The legacy default stream
+    /// (the null handle or `CU_STREAM_LEGACY`) is never captured, as the driver refuses to
+    /// capture it: no call asks.
     pub fn stream_is_captured(&self, stream: StreamHandle) -> Result<bool, DriverError> {
+        if stream == StreamHandle::NULL || stream == StreamHandle::LEGACY {
+            return Ok(false);
+        }
         self.driver
             .stream_capture_status(self.context, stream)
             .map(|s| s != driver_sys::CaptureStatus::None)

@@ -262,6 +262,36 @@ fn the_legacy_stream_is_not_asked_about_captures() {
 /// and dropped after the capture is not handed to the next allocation while the graph lives,
 /// so a launch writes the graph's block, not the next owner's (under `pool` the freed block
 /// came back at once, and a launch overwrote it). Once the graph is dropped, the block goes.
+/// Work queued on the legacy default stream asks the driver nothing about captures either
+/// (a queued copy asks whether its stream records into a graph before it marks the copy's end
+/// with an event): the driver never captures that stream.
+#[test]
+fn work_on_the_legacy_stream_is_not_asked_about_captures() {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()));
+    let rt = runtime_with(&sim, emm::plugin::DEFAULT_MANAGER);
+    let ctx: Context = rt.context(0).unwrap();
+    let (a, b) = (ctx.memalloc(4096).unwrap(), ctx.memalloc(4096).unwrap());
+    let created = ctx.create_stream().unwrap();
+    for (stream, asked) in [
+        (ctx.legacy_default_stream(), 0),
+        (ctx.default_stream(), 0),
+        (created, 1),
+    ] {
+        sim.clear_calls();
+        ctx.copy_device_async(&a, &b, &stream)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(sim.count(Op::MemcpyDtoDAsync) == 1, "the copy was queued");
+        assert_eq!(
+            sim.count(Op::StreamGetCaptureInfo),
+            asked,
+            "a copy on {:#x} asked about captures",
+            stream.handle().raw()
+        );
+    }
+}
+
 #[test]
 fn a_graph_keeps_the_memory_its_captured_work_writes() {
     for manager in [
