@@ -32,8 +32,10 @@ pub enum StreamOrdering {
     /// caller's streams, the free made to wait for events of the recorded streams. The driver
     /// orders reuse (it may hand a block to another stream with a dependency on the free).
     Driver,
-    /// The manager's own free lists per stream: a block freed on a stream is reused at once by
-    /// that stream, and by other streams only after an event recorded at the free completed.
+    /// The manager's own free space, its reuse ordered per stream: a block freed on a stream
+    /// is reused at once by that stream, and by another stream once the freeing stream's work
+    /// is found done, or behind a wait on the GPU for that work (`cuStreamWaitEvent`); a block
+    /// several streams used, once events recorded at the free on all of them completed.
     PerStream,
     /// Each allocation is the driver's (`cuMemAlloc`, usable on every stream at once); its
     /// `cuMemFree` waits until events recorded at the free on the streams that used it

@@ -564,17 +564,17 @@ pub(crate) fn on_a_gib(manager: &str) -> (Arc<SimDriver>, Runtime) {
     (sim, rt)
 }
 
-/// The one segment of `ctx`'s snapshot that serves `stream`, once the snapshot's segments
-/// are checked to add up to `held` bytes (a lent block is counted once: as the borrower's
-/// segment, cut out of the lender's).
-fn the_streams_one_segment(ctx: &Context, stream: &Stream, held: usize) -> emm::contract::Segment {
+/// The segment of `ctx`'s snapshot that holds `address`, once the snapshot's segments are
+/// checked to add up to `held` bytes (a lent block is counted once: as the stream arena's
+/// segment, cut out of the shared arena's).
+fn the_segment_at(ctx: &Context, address: u64, held: usize) -> emm::contract::Segment {
     let snapshot = ctx.snapshot();
     let total: usize = snapshot.segments.iter().map(|s| s.bytes).sum();
     assert_eq!(total, held, "{:?}", snapshot.segments);
     let mut mine: Vec<_> = snapshot
         .segments
         .into_iter()
-        .filter(|s| s.stream == Some(stream.handle().raw()))
+        .filter(|s| (s.address..s.address + s.bytes as u64).contains(&address))
         .collect();
     assert_eq!(mine.len(), 1, "{mine:?}");
     mine.pop().expect("checked")
@@ -598,9 +598,10 @@ fn a_stream_borrows_free_space_of_a_chunk_a_live_block_keeps() {
     let on = ctx.memalloc_on(32 * MIB, &stream).unwrap();
     assert_eq!(sim.count(Op::MemAlloc), allocs, "served without a growth");
     assert_eq!(held(), 60 * MIB);
-    // The snapshot shows the lent block as the stream's segment, cut out of the chunk's.
-    let mine = the_streams_one_segment(&ctx, &stream, 60 * MIB);
-    assert!(mine.blocks.iter().any(|b| b.address == on.device_ptr().0));
+    // The snapshot shows the lent block as a segment of the stream arena's, cut out of the
+    // chunk's.
+    let mine = the_segment_at(&ctx, on.device_ptr().0, 60 * MIB);
+    assert_eq!((mine.bytes, mine.stream), (32 * MIB, None));
     // Freed and its stream done, the block goes back before the shared arena grows: a 50 MiB
     // request fits the chunk's free space again.
     drop(on);
@@ -866,28 +867,29 @@ fn a_busy_streams_free_chunk_serves_another_stream_behind_its_work() {
     assert!(leaks.is_clean(), "{leaks}");
 }
 
-/// Free space of a chunk another stream still uses serves a stream's request without the pool
-/// growing: the lender's work is still queued, so the borrower first waits for it on the GPU.
-/// The lent block shows as the borrower's segment; it goes back to its lender, the lender's
-/// work waiting on the GPU for the borrower's (the host never waits: a stream's work may wait
-/// on the host), before the borrower grows; and a trim then gives the lender's chunk back
-/// whole.
+/// In the arena every stream shares, free space beside a block stream A still uses, freed by A
+/// with work queued on it, serves stream B's request without the pool growing: B's work first
+/// waits for A's on the GPU (one `cuStreamWaitEvent`; the host never waits, as a stream's work
+/// may wait on the host). Ordered after A so far, B takes that space again with no other
+/// wait; A takes back what B freed at once once B's work is done; and a trim gives the chunk
+/// back whole.
 #[test]
-fn a_streams_free_space_is_lent_to_another_stream_behind_its_work() {
+fn a_block_another_stream_freed_serves_a_stream_behind_its_work() {
     let (sim, rt) = on_a_gib("pool");
     let ctx = rt.context(0).unwrap();
     let stats = || ctx.pool_stats().device.unwrap();
     let (a, b) = (ctx.create_stream().unwrap(), ctx.create_stream().unwrap());
-    // A's one 64 MiB chunk, a 1 MiB block kept live in it: 63 MiB free, not a free chunk.
+    // A's one 64 MiB chunk, a 1 MiB block kept live in it: 63 MiB free, freed on A behind
+    // work still queued there.
     let at = freed_behind_queued_work(&sim, &ctx, &a, 64 * MIB);
-    let in_as_chunk =
+    let in_the_chunk =
         |mem: &emm::MemoryPointer| (at..at + (64 * MIB) as u64).contains(&mem.device_ptr().0);
     let pin = ctx.memalloc_on(MIB, &a).unwrap();
-    assert!(in_as_chunk(&pin));
+    assert!(in_the_chunk(&pin));
     let before = stats();
     let waits = sim.count(Op::StreamWaitEvent);
     let y = ctx.memalloc_on(32 * MIB, &b).unwrap();
-    assert!(in_as_chunk(&y), "B borrowed A's space");
+    assert!(in_the_chunk(&y), "B took space A freed");
     assert_eq!(
         stats().driver_allocations,
         before.driver_allocations,
@@ -899,33 +901,30 @@ fn a_streams_free_space_is_lent_to_another_stream_behind_its_work() {
         waits + 1,
         "B waits for A's work"
     );
-    assert_eq!(the_streams_one_segment(&ctx, &b, 64 * MIB).bytes, 32 * MIB);
     written_last(&ctx, &y, &b);
-    // B frees the block with work queued on it, then grows for a request the lent block does
-    // not hold: the block goes back to A first, A's work ordered after B's, no host wait.
-    drop_behind_queued_work(&sim, &ctx, y, &b);
-    let (syncs, waits) = (
-        sim.count(Op::EventSynchronize),
-        sim.count(Op::StreamWaitEvent),
-    );
-    let z = ctx.memalloc_on(40 * MIB, &b).unwrap();
-    assert!(!in_as_chunk(&z));
+    let syncs = sim.count(Op::EventSynchronize);
+    // Freed on B and taken again by B: its own free, and A's before the wait, need no wait.
+    drop(y);
+    let y = ctx.memalloc_on(32 * MIB, &b).unwrap();
+    assert!(in_the_chunk(&y));
+    assert_eq!(sim.count(Op::StreamWaitEvent), waits + 1, "no second wait");
+    // B's work done, A takes the whole free space beside its pin with no wait at all.
+    drop(y);
     assert_eq!(
         sim.count(Op::EventSynchronize),
         syncs,
-        "nothing waited on the host"
+        "the pool waited on the host for nothing"
     );
+    b.synchronize().unwrap();
+    let again = ctx.memalloc_on(60 * MIB, &a).unwrap();
+    assert!(in_the_chunk(&again));
     assert_eq!(
         sim.count(Op::StreamWaitEvent),
         waits + 1,
-        "A waits for B's work"
+        "B was idle: no wait"
     );
-    // The returned space is A's again: a 60 MiB request on A fits beside the pin at once.
-    let again = ctx.memalloc_on(60 * MIB, &a).unwrap();
-    assert!(in_as_chunk(&again));
-    drop((again, pin, z));
+    drop((again, pin));
     a.synchronize().unwrap();
-    b.synchronize().unwrap();
     ctx.trim().unwrap();
     assert_eq!(stats().held_bytes, 0, "every chunk back whole");
     drop((a, b, ctx));

@@ -117,6 +117,7 @@ use crate::thread_slots::{self, Shard, thread_shard};
 
 mod arena;
 mod config;
+mod freed;
 mod history;
 mod shards;
 mod shared;

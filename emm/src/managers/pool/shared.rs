@@ -360,7 +360,7 @@ impl PoolShared {
     /// its work); returns the bytes queued. The caller flushes.
     pub(super) fn trim_to_queue(&self, wait: bool) -> usize {
         self.totals.in_use_mark.store(0, Ordering::Relaxed);
-        if let Err(e) = self.release_idle_stream_chunks(None, wait) {
+        if let Err(e) = self.release_idle_stream_chunks(wait) {
             tracing::warn!(device = %self.cx.device, error = %e, "returning the streams' free chunks to the pool failed; the trim leaves them out");
             self.queue.record_error(e);
         }
@@ -588,7 +588,7 @@ impl PoolShared {
                 return Ok(found);
             }
             // Or it may be free in a stream's arena, on a stream whose work is done.
-            match self.release_idle_stream_chunks(None, false) {
+            match self.release_idle_stream_chunks(false) {
                 Ok(0) => {}
                 Ok(_) => {
                     if let Some(found) = lock(&self.arena).take_stamped(size) {

@@ -1,8 +1,6 @@
 //! [`Arenas`]: the pool's standard arena and the one for requests of chunks of their own, the
 //! [`Chunk`]s they hold, and how their blocks are placed in a snapshot's segments.
 
-use driver_sys::StreamHandle;
-
 use super::*;
 
 /// Puts each of `blocks` in the segment of `segments` (sorted by address) that holds its
@@ -68,10 +66,8 @@ pub(in crate::managers::pool) fn cut_out(
 /// driver, whose allocation is the chunk the block lies in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(in crate::managers::pool) enum Lender {
-    /// The shared arena.
+    /// The shared arena, to the stream arena.
     Shared,
-    /// The arena of this stream, whose work the borrowing stream's work was ordered after.
-    Stream(StreamHandle),
 }
 
 /// A chunk: one driver allocation, wholly the pool's; or, `lent`, a block of another arena's
@@ -94,11 +90,6 @@ pub(in crate::managers::pool) struct Chunk {
 }
 
 impl Chunk {
-    /// Whether another stream's arena lent it (it goes back there, behind the borrower's work).
-    pub(in crate::managers::pool) fn lent_by_a_stream(&self) -> bool {
-        matches!(self.lent, Some(Lender::Stream(_)))
-    }
-
     /// The standard chunks `standard` and the oversize ones `oversize`, as (base, size).
     fn of_kinds(
         standard: impl IntoIterator<Item = (u64, usize)>,
@@ -276,15 +267,6 @@ impl Arenas {
         let (base, size) = [want, need]
             .into_iter()
             .find_map(|size| Some((self.standard.take_sparing(size, || most)?, size)))?;
-        // A block of a chunk another stream lent is not lent on: it could come back to that
-        // stream as a chunk inside one of its own.
-        let within = self.standard.chunks.range(..=base).next_back();
-        if let Some((chunk, _)) = within
-            && matches!(self.borrowed.get(chunk), Some(Lender::Stream(_)))
-        {
-            self.standard.give(base, size);
-            return None;
-        }
         self.lent_out.insert(base, size);
         Some(Chunk {
             base,

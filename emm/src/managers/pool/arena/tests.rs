@@ -1,5 +1,3 @@
-use driver_sys::StreamHandle;
-
 use super::*;
 
 #[test]
@@ -496,72 +494,6 @@ fn a_lent_block_comes_back_to_the_free_space_it_left() {
     shared.give(pin, MIB);
     assert_eq!(shared.remove_free_chunks(), [chunk(1 << 32, 64 * MIB)]);
     assert_eq!(shared.held(), 0);
-}
-
-/// A stream's arena lends a block of a chunk it still uses to another stream's: the lender
-/// counts only what it kept, the block comes back marked with its lender, and the lender's
-/// chunk is whole again once it is back. A block of the shared arena's passes on to a second
-/// stream the same way; a block another stream lent is not lent on (it could come back to
-/// that stream as a chunk inside its own).
-#[test]
-fn a_block_a_stream_lent_comes_back_to_it_and_is_not_lent_on() {
-    const MIB: usize = 1 << 20;
-    let (t, s) = (StreamHandle::LEGACY, StreamHandle::PER_THREAD);
-    let mut lender = Arenas::new(128 * MIB, None);
-    lender.add_chunk(chunk(1 << 32, 64 * MIB));
-    let pin = lender.take(MIB).unwrap();
-    let lent = lender
-        .lend(10 * MIB, 16 * MIB, usize::MAX, Lender::Stream(t))
-        .unwrap();
-    assert_eq!((lent.size, lent.lent), (16 * MIB, Some(Lender::Stream(t))));
-    assert_eq!(lender.held(), 48 * MIB);
-    let mut borrower = Arenas::new(128 * MIB, None);
-    borrower.add_chunk(lent);
-    assert_eq!(
-        borrower.lend(3 * MIB, 4 * MIB, usize::MAX, Lender::Stream(s)),
-        None,
-        "not lent on"
-    );
-    assert_eq!((borrower.held(), borrower.chunks()), (16 * MIB, 0));
-    let a = borrower.take(3 * MIB).unwrap();
-    assert!(
-        borrower.remove_free_chunks().is_empty(),
-        "a block in use keeps it"
-    );
-    borrower.give(a, 3 * MIB);
-    let back = borrower.remove_free_chunks();
-    assert_eq!(back, [lent]);
-    assert!(borrower.is_empty() && borrower.borrowed.is_empty());
-    assert!(lender.remove_free_chunks().is_empty(), "the pin keeps it");
-    lender.restore(back[0]);
-    lender.give(pin, MIB);
-    assert_eq!(lender.remove_free_chunks(), [chunk(1 << 32, 64 * MIB)]);
-    assert_eq!(lender.held(), 0);
-    // The shared arena's block, lent on by the stream that borrowed it.
-    let mut shared = Arenas::new(128 * MIB, None);
-    shared.add_chunk(chunk(1 << 33, 64 * MIB));
-    let pin = shared.take(MIB).unwrap();
-    let first = shared
-        .lend(16 * MIB, 16 * MIB, usize::MAX, Lender::Shared)
-        .unwrap();
-    borrower.add_chunk(first);
-    let onward = borrower
-        .lend(3 * MIB, 4 * MIB, usize::MAX, Lender::Stream(s))
-        .unwrap();
-    assert_eq!(borrower.held(), 12 * MIB);
-    let mut last = Arenas::new(128 * MIB, None);
-    last.add_chunk(onward);
-    let back = last.remove_free_chunks();
-    assert_eq!(back, [onward]);
-    assert!(
-        borrower.remove_free_chunks().is_empty(),
-        "its lent block keeps it"
-    );
-    borrower.restore(back[0]);
-    assert_eq!(borrower.remove_free_chunks(), [first]);
-    shared.restore(first);
-    shared.give(pin, MIB);
-    assert_eq!(shared.remove_free_chunks(), [chunk(1 << 33, 64 * MIB)]);
 }
 
 /// A reset frees the lender's chunk, not the blocks lent out of it; merging arenas and
