@@ -220,7 +220,7 @@ struct PoolShared {
     streams: StreamCache,
     /// Events for the fences of stream-ordered frees.
     fences: Fences,
-    /// What the pool holds from the driver, over the shared arena and the streams' arenas.
+    /// What the pool holds from the driver, over the shared arena and the stream arena.
     totals: Totals,
     /// `vmm-pool`'s address reservation, where its chunks are mapped (`vmm.rs`); `None` for a
     /// pool of `cuMemAlloc` chunks. Its lock is taken after every other.
@@ -278,9 +278,9 @@ pub struct PoolAllocator {
     /// The release hook of every block from the shards and the arena (one for the pool: a
     /// block goes back to the dropping thread's shard, whichever shard it came from).
     hook: Arc<dyn PoolHook>,
-    /// The release hook of stream-ordered blocks, one per stream shard; a pointer's record
-    /// keeps its clone when recycled, as `hook`'s.
-    stream_hooks: Box<[Arc<dyn PoolHook>]>,
+    /// The release hook of stream-ordered blocks; a pointer's record keeps its clone when
+    /// recycled, as `hook`'s.
+    stream_hook: Arc<dyn PoolHook>,
 }
 
 impl Drop for PoolAllocator {
@@ -291,7 +291,7 @@ impl Drop for PoolAllocator {
         self.shared.drain_shards(true);
         self.shared.close_stream_spares();
         // The depot's spare boxes hold clones of the hooks too.
-        forget_hooks(std::iter::once(&self.hook).chain(self.stream_hooks.iter()));
+        forget_hooks([&self.hook, &self.stream_hook]);
     }
 }
 
@@ -367,20 +367,16 @@ impl PoolAllocator {
             totals: Totals::default(),
             vmm,
         });
-        let stream_hooks = (0..shared.streams.len())
-            .map(|_| {
-                Arc::new(StreamHook {
-                    pool: Arc::clone(&shared),
-                }) as Arc<dyn PoolHook>
-            })
-            .collect();
+        let stream_hook = Arc::new(StreamHook {
+            pool: Arc::clone(&shared),
+        }) as Arc<dyn PoolHook>;
         let hook = Arc::new(ShardHook {
             pool: Arc::clone(&shared),
         }) as Arc<dyn PoolHook>;
         Ok(PoolAllocator {
             shared,
             hook,
-            stream_hooks,
+            stream_hook,
         })
     }
 
@@ -571,7 +567,7 @@ impl PoolAllocator {
             cx.context,
             DevicePtr(addr),
             bytes,
-            &self.stream_hooks[pool.streams.index(stream)],
+            &self.stream_hook,
             (generation, stamp),
             stream,
             true,
@@ -647,10 +643,8 @@ impl DeviceAllocator for PoolAllocator {
         let pool = &*self.shared;
         let (mut parked, mut large) = (Vec::new(), Vec::new());
         let (chunks, spares) = {
-            let mut streams: Vec<_> = pool.streams.shards.iter().map(|s| lock(&s.inner)).collect();
-            for lists in &mut streams {
-                lists.history.clear();
-            }
+            let mut streams = lock(pool.streams.lists());
+            streams.history.clear();
             let mut arena = lock(&pool.arena);
             let mut shards = thread_slots::lock_all(&pool.shards);
             let mut depot = lock(&pool.depot);
@@ -673,7 +667,7 @@ impl DeviceAllocator for PoolAllocator {
                 lists.in_use_blocks = 0;
                 lists.in_use_bytes = 0;
             }
-            let (mut chunks, spares) = pool.clear_stream_shards(&mut streams);
+            let (mut chunks, spares) = pool.clear_stream_lists(&mut streams);
             chunks.extend(arena.clear());
             (chunks, spares)
         };
@@ -745,15 +739,11 @@ impl DeviceHoldings for PoolAllocator {
 /// Each thread's and stream's window of last events.
 impl DeviceRecords for PoolAllocator {
     fn history(&self, _host: &HostLayer) -> Option<HistoryRecord> {
-        // Copied out one stream shard at a time (their locks come before the others').
-        let streams: Vec<history::Ring> = (self.shared.streams.shards.iter())
-            .map(|s| lock(&s.inner).history.clone())
-            .collect();
+        // The stream lists' copied out first (their lock comes before the shards').
+        let streams = lock(self.shared.streams.lists()).history.clone();
         let shards = thread_slots::lock_all(&self.shared.shards);
         Some(history::merge(
-            streams
-                .iter()
-                .chain(shards.iter().map(|lists| &lists.history)),
+            std::iter::once(&streams).chain(shards.iter().map(|lists| &lists.history)),
         ))
     }
 }

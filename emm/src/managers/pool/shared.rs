@@ -396,15 +396,15 @@ impl PoolShared {
         bound.saturating_sub(least).min(free)
     }
 
-    /// The bytes of stream-ordered blocks in use (a lock of each stream shard that holds
+    /// The bytes of stream-ordered blocks in use (a lock of the stream lists where they hold
     /// memory). The blocks of `memalloc` are left out: counting them takes every thread's
     /// shard at once, which a growth does not do, so a pool used through `memalloc` alone keeps
     /// no free chunk through a growth ([`kept_through_growth`](Self::kept_through_growth)).
     pub(super) fn stream_in_use_bytes(&self) -> usize {
-        let streams: i64 = (self.streams.occupied())
-            .map(|k| lock(&self.streams.shards[k].inner).in_use_bytes)
-            .sum();
-        streams.max(0) as usize
+        if !self.streams.occupied() {
+            return 0;
+        }
+        lock(self.streams.lists()).in_use_bytes.max(0) as usize
     }
 
     /// The bytes the pool grows by for a request of `size` bytes: `size` rounded up to 2 MiB
@@ -587,7 +587,7 @@ impl PoolShared {
             {
                 return Ok(found);
             }
-            // Or it may be free in a stream's arena, on a stream whose work is done.
+            // Or it may be free in the stream arena, freed on streams whose work is done.
             match self.release_idle_stream_chunks(false) {
                 Ok(0) => {}
                 Ok(_) => {
@@ -617,13 +617,11 @@ impl PoolShared {
         grown
     }
 
-    /// The free space, block by block: the streams' arenas, the shards' and the depot's cached
+    /// The free space, block by block: the stream arena, the shards' and the depot's cached
     /// blocks, and the shared arena (locks in the order `stats` takes them).
     pub(super) fn free_space(&self) -> FreeSpace {
         let mut blocks = Vec::new();
-        for shard in self.streams.shards.iter() {
-            lock(&shard.inner).free_block_sizes(&mut blocks);
-        }
+        lock(self.streams.lists()).free_block_sizes(&mut blocks);
         for lists in thread_slots::lock_all(&self.shards) {
             lists.cached_block_sizes(&mut blocks);
         }
@@ -647,9 +645,7 @@ impl PoolShared {
             SegmentKind::Chunk
         };
         let mut streams = Vec::new();
-        for shard in self.streams.shards.iter() {
-            lock(&shard.inner).held_segments(kind, &mut streams);
-        }
+        lock(self.streams.lists()).held_segments(kind, &mut streams);
         let mut cached = Vec::new();
         for lists in thread_slots::lock_all(&self.shards) {
             lists.cached_blocks(&mut cached);
@@ -682,8 +678,8 @@ impl PoolShared {
 
     pub(super) fn stats(&self) -> PoolStats {
         let (mut blocks, mut bytes, mut cached, mut chunks, mut largest) = (0i64, 0i64, 0, 0, 0);
-        for shard in self.streams.shards.iter() {
-            let s = lock(&shard.inner);
+        {
+            let s = lock(self.streams.lists());
             blocks += s.in_use_blocks;
             bytes += s.in_use_bytes;
             cached += s.cached_bytes();

@@ -43,7 +43,7 @@ use crate::host::HostLayer;
 use crate::host::fences::Fence;
 use crate::memory::host::HostOwner;
 use crate::memory::pointer::{ParkedPointer, PoolHook, ReleaseHook, StreamUse};
-use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering, lock};
+use crate::sync::{AtomicBool, Mutex, MutexGuard, Ordering, lock};
 
 /// The block size a stream-ordered request of `bytes` gets: a multiple of 256 bytes (the
 /// stream arena splits blocks to measure, so no size class rounds it further).
@@ -214,62 +214,43 @@ impl StreamLists {
     }
 }
 
-/// The stream lists, on their own cache lines.
+/// The pool's stream-ordered state: the stream lists, on their own cache lines, locked before
+/// the shared arena.
 #[repr(align(128))]
-#[derive(Default)]
-pub(super) struct StreamShard {
-    pub(super) inner: Mutex<StreamLists>,
-}
-
-/// The pool's stream-ordered state: one set of lists, locked before the shared arena.
 pub(super) struct StreamCache {
-    /// One shard, whose lists every stream shares.
-    pub(super) shards: Box<[StreamShard]>,
-    /// Bit 0 set while the lists hold a chunk (written under their lock): a growth or a trim
-    /// visits them only then.
-    occupied: AtomicU64,
+    lists: Mutex<StreamLists>,
+    /// Set while the lists hold a chunk (written under their lock): a growth or a trim visits
+    /// them only then.
+    occupied: AtomicBool,
 }
 
 impl StreamCache {
     pub(super) fn new() -> StreamCache {
         StreamCache {
-            shards: vec![StreamShard::default()].into_boxed_slice(),
-            occupied: AtomicU64::new(0),
+            lists: Mutex::new(StreamLists::default()),
+            occupied: AtomicBool::new(false),
         }
     }
 
-    /// The index of `stream`'s shard: every stream shares the one.
-    pub(super) fn index(&self, _stream: StreamHandle) -> usize {
-        0
-    }
-
-    fn lists(&self) -> &Mutex<StreamLists> {
-        &self.shards[0].inner
+    /// The stream lists.
+    pub(super) fn lists(&self) -> &Mutex<StreamLists> {
+        &self.lists
     }
 
     /// Records, under the lists' lock, whether they hold a chunk.
     fn mark(&self, lists: &StreamLists) {
-        if lists.arena.as_ref().is_none_or(Arenas::is_empty) {
-            self.occupied.store(0, Ordering::Release);
-        } else {
-            self.occupied.store(1, Ordering::Release);
-        }
+        let holds = lists.arena.as_ref().is_some_and(|a| !a.is_empty());
+        self.occupied.store(holds, Ordering::Release);
     }
 
-    /// The shards that held a chunk when last marked.
-    pub(super) fn occupied(&self) -> impl Iterator<Item = usize> + '_ {
-        let bits = self.occupied.load(Ordering::Acquire);
-        (0..self.shards.len()).filter(move |k| bits & (1 << k) != 0)
-    }
-
-    /// How many shards there are.
-    pub(super) fn len(&self) -> usize {
-        self.shards.len()
+    /// Whether the lists held a chunk when last marked.
+    pub(super) fn occupied(&self) -> bool {
+        self.occupied.load(Ordering::Acquire)
     }
 }
 
-/// The release hook of stream-ordered pool pointers, one per shard (so that threads on
-/// different streams do not share the hook's reference count), aligned like the shards.
+/// The release hook of stream-ordered pool pointers (one for the pool, apart from the
+/// shards' hook), on its own cache lines.
 #[repr(align(128))]
 pub(super) struct StreamHook {
     pub(super) pool: std::sync::Arc<PoolShared>,
@@ -294,7 +275,7 @@ impl ReleaseHook for StreamHook {
     }
 }
 
-// SAFETY: `PoolShared::park_on_stream` keeps the record in a stream shard or returns it; it
+// SAFETY: `PoolShared::park_on_stream` keeps the record in the stream lists or returns it; it
 // drops none.
 #[allow(unsafe_code)]
 unsafe impl PoolHook for StreamHook {
@@ -690,7 +671,7 @@ impl PoolShared {
             .sum();
         // Every growth raises the mark of what is in use on streams, free chunks or not; with
         // neither free chunks nor stream-ordered memory, there is nothing to keep or count.
-        if free == 0 && self.streams.occupied().next().is_none() {
+        if free == 0 && !self.streams.occupied() {
             return;
         }
         let mut budget = self.kept_through_growth(size, free);
@@ -1169,28 +1150,25 @@ impl PoolShared {
         let_go(spares);
     }
 
-    /// Empties the stream lists (a reset, with `shards` their locked shard), returning the
-    /// chunks the arena held and the spare records (the caller lets them go with no lock held:
+    /// Empties the stream lists (a reset, with `lists` their guard), returning the chunks the
+    /// arena held and the spare records (the caller lets them go with no lock held:
     /// [`let_go`]).
-    pub(super) fn clear_stream_shards(
+    pub(super) fn clear_stream_lists(
         &self,
-        shards: &mut [MutexGuard<'_, StreamLists>],
+        lists: &mut MutexGuard<'_, StreamLists>,
     ) -> (Vec<Chunk>, Vec<ParkedPointer>) {
         let mut chunks = Vec::new();
-        let mut spares = Vec::new();
-        for lists in shards.iter_mut() {
-            for (_, _, fence) in std::mem::take(&mut lists.waiting) {
-                self.fences.recycle(fence);
-            }
-            if let Some(arena) = lists.arena.as_mut() {
-                chunks.extend(arena.clear());
-            }
-            spares.append(&mut lists.spares);
-            let closed = lists.closed;
-            **lists = StreamLists::default();
-            lists.closed = closed;
+        for (_, _, fence) in std::mem::take(&mut lists.waiting) {
+            self.fences.recycle(fence);
         }
-        self.streams.occupied.store(0, Ordering::Release);
+        if let Some(arena) = lists.arena.as_mut() {
+            chunks.extend(arena.clear());
+        }
+        let spares = std::mem::take(&mut lists.spares);
+        let closed = lists.closed;
+        **lists = StreamLists::default();
+        lists.closed = closed;
+        self.streams.occupied.store(false, Ordering::Release);
         (chunks, spares)
     }
 }

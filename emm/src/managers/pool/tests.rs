@@ -62,13 +62,9 @@ fn a_stream_pointers_use_record_is_reused_by_the_next_one() {
     drop(decoy);
 }
 
-/// Spare records kept in every stream shard.
+/// Spare records the stream lists keep.
 fn spares(pool: &PoolShared) -> usize {
-    pool.streams
-        .shards
-        .iter()
-        .map(|s| lock(&s.inner).spare_records())
-        .sum()
+    lock(pool.streams.lists()).spare_records()
 }
 
 #[test]
@@ -86,9 +82,9 @@ fn a_stream_pointers_record_is_kept_as_a_spare_for_the_next_allocation() {
     let stats = pool.stats();
     assert_eq!(
         stats.in_use_blocks, 0,
-        "the block is back in its stream's arena"
+        "the block is back in the stream arena"
     );
-    // The next allocation on a stream of the shard: a block from the arena, as ever, and
+    // The next stream-ordered allocation: a block from the arena, as ever, and
     // the spare record revived for it.
     let b = alloc.memalloc_on(&host, 200, stream).unwrap();
     assert_eq!(

@@ -70,9 +70,8 @@ pub(in crate::managers::pool) enum Lender {
     Shared,
 }
 
-/// A chunk: one driver allocation, wholly the pool's; or, `lent`, a block of another arena's
-/// chunk (the shared arena's or another stream's) that a stream's arena holds as a chunk of
-/// its own.
+/// A chunk: one driver allocation, wholly the pool's; or, `lent`, a block of the shared
+/// arena's chunk that the stream arena holds as a chunk of its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(in crate::managers::pool) struct Chunk {
     /// Its address.
@@ -125,11 +124,12 @@ pub(in crate::managers::pool) struct Arenas {
     limit: usize,
     standard: Arena,
     oversize: Arena,
-    /// The bases of the chunks these arenas hold that another arena lent them (a stream's
-    /// arenas: blocks of the shared arena's chunks or of another stream's), with their lender.
+    /// The bases of the chunks these arenas hold that another arena lent them (the stream
+    /// arena: blocks of the shared arena's chunks), with their lender.
     pub(super) borrowed: BTreeMap<u64, Lender>,
-    /// The blocks these arenas lent to others (a stream's arenas), start -> bytes: taken from
-    /// the free space, and no chunk of the driver's, until they come back.
+    /// The blocks these arenas lent to another (the shared arena's, to the stream arena),
+    /// start -> bytes: taken from the free space, and no chunk of the driver's, until they
+    /// come back.
     lent_out: BTreeMap<u64, usize>,
 }
 
