@@ -503,6 +503,48 @@ fn a_stream_whose_memory_was_freed_is_destroyed_when_dropped() {
     });
 }
 
+/// A stream the pool keeps alive for what it freed (a block another stream may take behind
+/// its work) is let go by a context reset, which frees every chunk: it is destroyed once, at
+/// the next flush of the context's own queue, and a stream made after the reset starts anew.
+#[test]
+fn a_stream_the_pool_keeps_is_let_go_by_a_reset() {
+    for manager in ["pool", "vmm-pool"] {
+        let sim = sim();
+        let rt = emm::Runtime::builder(sim.clone())
+            .ignore_env()
+            .memory_manager_name(manager)
+            .build()
+            .unwrap();
+        let ctx = rt.context(0).unwrap();
+        let destroyed = || {
+            ctx.own_deallocations().flush().unwrap();
+            sim.count(driver_mock::Op::StreamDestroy)
+        };
+        let a = ctx.create_stream().unwrap();
+        drop(ctx.memalloc_on(4096, &a).unwrap());
+        drop(a);
+        assert_eq!(
+            destroyed(),
+            0,
+            "{manager}: the pool keeps the stream its free names"
+        );
+        ctx.reset().unwrap();
+        assert_eq!(destroyed(), 1, "{manager}: the reset let the stream go");
+        let b = ctx.create_stream().unwrap();
+        drop(ctx.memalloc_on(4096, &b).unwrap());
+        drop(b);
+        ctx.reset().unwrap();
+        assert_eq!(destroyed(), 2, "{manager}: once each");
+        drop(ctx);
+        drop(rt);
+        assert!(
+            sim.leak_report().is_clean(),
+            "{manager}: {}",
+            sim.leak_report()
+        );
+    }
+}
+
 /// Runs `body` under every manager that allocates on streams, bare and behind the `stats` and
 /// `limit` adaptors (whose pointers wrap the manager's), each on a fresh simulated GPU, with
 /// the subject's name; then checks, once the runtime is gone, that nothing was left behind and

@@ -642,7 +642,7 @@ impl DeviceAllocator for PoolAllocator {
     fn reset(&self, host: &HostLayer) -> Result<(), EmmError> {
         let pool = &*self.shared;
         let (mut parked, mut large) = (Vec::new(), Vec::new());
-        let (chunks, spares) = {
+        let (chunks, spares, owners) = {
             let mut streams = lock(pool.streams.lists());
             streams.history.clear();
             let mut arena = lock(&pool.arena);
@@ -667,12 +667,13 @@ impl DeviceAllocator for PoolAllocator {
                 lists.in_use_blocks = 0;
                 lists.in_use_bytes = 0;
             }
-            let (mut chunks, spares) = pool.clear_stream_lists(&mut streams);
+            let (mut chunks, spares, owners) = pool.clear_stream_lists(&mut streams);
             chunks.extend(arena.clear());
-            (chunks, spares)
+            (chunks, spares, owners)
         };
         // Let go with no shard entered; their blocks were in the chunks just released.
         streams::let_go(spares);
+        drop(owners);
         parked.into_iter().flat_map(unparked).for_each(drop);
         large.into_iter().map(Large::into_block).for_each(drop);
         let bytes = chunks.iter().map(|c| c.size).sum::<usize>();

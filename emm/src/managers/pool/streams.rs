@@ -1151,12 +1151,12 @@ impl PoolShared {
     }
 
     /// Empties the stream lists (a reset, with `lists` their guard), returning the chunks the
-    /// arena held and the spare records (the caller lets them go with no lock held:
-    /// [`let_go`]).
+    /// arena held, the spare records and what kept the known streams alive (the caller lets
+    /// them go with no lock held: [`let_go`]; a stream's destruction may run anything).
     pub(super) fn clear_stream_lists(
         &self,
         lists: &mut MutexGuard<'_, StreamLists>,
-    ) -> (Vec<Chunk>, Vec<ParkedPointer>) {
+    ) -> (Vec<Chunk>, Vec<ParkedPointer>, Vec<HostOwner>) {
         let mut chunks = Vec::new();
         for (_, _, fence) in std::mem::take(&mut lists.waiting) {
             self.fences.recycle(fence);
@@ -1165,11 +1165,14 @@ impl PoolShared {
             chunks.extend(arena.clear());
         }
         let spares = std::mem::take(&mut lists.spares);
+        let owners = (std::mem::take(&mut lists.owners).into_iter())
+            .filter_map(|(_, owner)| owner)
+            .collect();
         let closed = lists.closed;
         **lists = StreamLists::default();
         lists.closed = closed;
         self.streams.occupied.store(false, Ordering::Release);
-        (chunks, spares)
+        (chunks, spares, owners)
     }
 }
 
