@@ -510,11 +510,7 @@ fn a_stream_whose_memory_was_freed_is_destroyed_when_dropped() {
 fn a_stream_the_pool_keeps_is_let_go_by_a_reset() {
     for manager in ["pool", "vmm-pool"] {
         let sim = sim();
-        let rt = emm::Runtime::builder(sim.clone())
-            .ignore_env()
-            .memory_manager_name(manager)
-            .build()
-            .unwrap();
+        let rt = runtime_with(&sim, manager);
         let ctx = rt.context(0).unwrap();
         let destroyed = || {
             ctx.own_deallocations().flush().unwrap();

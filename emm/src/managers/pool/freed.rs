@@ -9,9 +9,9 @@
 //!   S must find T idle ([`FreedRanges::idle`]) or make its own work wait on the GPU for the
 //!   work queued on T so far ([`FreedRanges::ordered`]). S needs nothing for its own frees:
 //!   its work is ordered.
-//! - Once S holds the block, [`FreedRanges::taken`] forgets the ranges inside it (the parts of
-//!   a range outside the block stay recorded). So does [`FreedRanges::forget_within`] for a
-//!   chunk that goes back to the driver.
+//! - Once S holds the block, [`FreedRanges::forget_within`] forgets the ranges inside it (the
+//!   parts of a range outside the block stay recorded), as it does for a chunk that goes back
+//!   to the driver.
 //! - A stream is known from its first free until a sweep ([`FreedRanges::sweep`]) finds it
 //!   with no range left and no order on a stream that has one: it is then forgotten with its
 //!   count and its orders, so that a stream made later with the same handle starts anew, and
@@ -75,16 +75,20 @@ impl FreedRanges {
             .map(|(_, k)| k)
     }
 
-    /// `stream`'s record, made if it is not known.
-    fn known_mut(&mut self, stream: StreamHandle) -> &mut Known {
-        let k = match self.streams.iter().position(|(s, _)| *s == stream) {
-            Some(k) => k,
+    /// `stream`'s record, made if it is not known; whether it was made.
+    fn entry(&mut self, stream: StreamHandle) -> (bool, &mut Known) {
+        match self.streams.iter().position(|(s, _)| *s == stream) {
+            Some(k) => (false, &mut self.streams[k].1),
             None => {
                 self.streams.push((stream, Known::default()));
-                self.streams.len() - 1
+                (true, &mut self.streams.last_mut().expect("just pushed").1)
             }
-        };
-        &mut self.streams[k].1
+        }
+    }
+
+    /// `stream`'s record, made if it is not known.
+    fn known_mut(&mut self, stream: StreamHandle) -> &mut Known {
+        self.entry(stream).1
     }
 
     /// The order of `stream` after `after`, if recorded.
@@ -125,14 +129,7 @@ impl FreedRanges {
     /// (the block was in use); whether `stream` was not known before.
     pub(super) fn freed(&mut self, stream: StreamHandle, addr: u64, size: usize) -> bool {
         self.settle_recent();
-        let (new, known) = match self.streams.iter_mut().find(|(s, _)| *s == stream) {
-            Some((_, known)) => (false, known),
-            None => {
-                self.streams.push((stream, Known::default()));
-                let last = self.streams.len() - 1;
-                (true, &mut self.streams[last].1)
-            }
-        };
+        let (new, known) = self.entry(stream);
         known.count += 1;
         let range = Range {
             end: addr + size as u64,
@@ -146,7 +143,7 @@ impl FreedRanges {
     /// Forgets the range freed last if it is `size` bytes at `addr` freed on `stream`, which
     /// takes it back whole: no other range reaches into it and `stream` waits for nothing
     /// there. Whether it was; if not, [`waits_for`](Self::waits_for) and
-    /// [`taken`](Self::taken) decide.
+    /// [`forget_within`](Self::forget_within) decide.
     #[inline]
     pub(super) fn take_own_recent(&mut self, stream: StreamHandle, addr: u64, size: usize) -> bool {
         match self.recent {
@@ -253,11 +250,6 @@ impl FreedRanges {
         self.ranges.retain(|_, r| r.stream != stream);
     }
 
-    /// Forgets the recorded ranges inside `size` bytes at `addr` (a block a stream now holds).
-    pub(super) fn taken(&mut self, addr: u64, size: usize) {
-        self.forget_within(addr, size);
-    }
-
     /// Forgets the streams with no range left and no order on a stream that has one (and the
     /// orders after a stream with no range); returns them.
     pub(super) fn sweep(&mut self) -> Vec<StreamHandle> {
@@ -273,8 +265,8 @@ impl FreedRanges {
         gone
     }
 
-    /// Forgets the recorded ranges inside `size` bytes at `addr`, keeping the parts of each
-    /// outside it.
+    /// Forgets the recorded ranges inside `size` bytes at `addr` (a block a stream now holds,
+    /// or a chunk that leaves the arena), keeping the parts of each outside it.
     pub(super) fn forget_within(&mut self, addr: u64, size: usize) {
         let end = addr + size as u64;
         // The block freed last, taken back whole: no map operation.

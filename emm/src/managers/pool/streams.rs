@@ -113,16 +113,31 @@ impl StreamLists {
         self.arena.get_or_insert_with(empty)
     }
 
-    /// Records that `stream`, which `owner` keeps alive, freed `size` bytes at `addr`.
-    fn note_free(
+    /// Gives `size` bytes at `addr`, freed on `stream` (which `owner` keeps alive) and used by
+    /// no other stream, back to the arena at once, their range recorded with `stream`.
+    fn give_back(
         &mut self,
         stream: StreamHandle,
         owner: Option<&HostOwner>,
         addr: u64,
         size: usize,
     ) {
+        if let Some(arena) = self.arena.as_mut() {
+            arena.give(addr, size);
+        }
         if self.freed.freed(stream, addr, size) {
             self.owners.push((stream, owner.cloned()));
+        }
+    }
+
+    /// Records that `stream`'s work from now on waits for the work queued so far on each of
+    /// `after`, where `stream` is kept alive meanwhile (one the lists know: an order about a
+    /// stream since destroyed would be about whichever stream gets its handle next).
+    fn ordered(&mut self, stream: StreamHandle, after: Vec<StreamHandle>) {
+        if self.freed.knows(stream) {
+            for other in after {
+                self.freed.ordered(stream, other);
+            }
         }
     }
 
@@ -402,7 +417,7 @@ impl PoolShared {
         if !others.is_empty() && !self.order_after_frees(lists, stream, others) {
             return false;
         }
-        lists.freed.taken(addr, size);
+        lists.freed.forget_within(addr, size);
         true
     }
 
@@ -421,17 +436,12 @@ impl PoolShared {
         // Queries and events are slow-path calls: a capture elsewhere on this thread must not
         // refuse them (a captured stream itself is never named in one).
         let _relaxed = self.cx.relax_capture();
-        let captured = |s: StreamHandle| self.cx.stream_is_captured(s).unwrap_or(true);
         let mut busy = Vec::new();
         for other in others {
-            if captured(other) {
-                return false;
-            }
-            match self.cx.driver.stream_query(self.cx.context, other) {
-                Ok(true) => {
-                    lists.freed.idle(other);
-                }
-                Ok(false) => busy.push(other),
+            match self.freeing_stream_idle(lists, other, false) {
+                Ok(Some(true)) => {}
+                Ok(Some(false)) => busy.push(other),
+                Ok(None) => return false,
                 Err(e) => {
                     self.queue.record_error(EmmError::driver(
                         "asking whether the stream that freed a block is done",
@@ -446,7 +456,7 @@ impl PoolShared {
         if busy.is_empty() {
             return true;
         }
-        if captured(stream) {
+        if self.cx.stream_is_captured(stream).unwrap_or(true) {
             return false;
         }
         if let Err(e) = self.fences.order_after(busy.iter().copied(), stream) {
@@ -459,12 +469,7 @@ impl PoolShared {
             return false;
         }
         tracing::trace!(device = %self.cx.device, stream = stream.raw(), streams = busy.len(), "a stream waits on the GPU for the streams that freed its block");
-        // An order is kept only for a stream kept alive meanwhile: one the lists know.
-        if lists.freed.knows(stream) {
-            for other in busy {
-                lists.freed.ordered(stream, other);
-            }
-        }
+        lists.ordered(stream, busy);
         true
     }
 
@@ -498,10 +503,7 @@ impl PoolShared {
                 return Some(record);
             };
             let addr = record.base();
-            if let Some(arena) = lists.arena.as_mut() {
-                arena.give(addr, size);
-            }
-            lists.note_free(stream, streams.owner_of(stream), addr, size);
+            lists.give_back(stream, streams.owner_of(stream), addr, size);
             lists.gave(size);
             lists.history.free(addr, record.stamp());
             lists.spares.push(record);
@@ -801,28 +803,19 @@ impl PoolShared {
                 own = true;
                 continue;
             }
-            if self.cx.stream_is_captured(s).unwrap_or(true) {
-                return None;
-            }
-            let done = self
-                .cx
-                .driver
-                .stream_query(self.cx.context, s)
-                .map_err(|e| {
-                    self.queue.record_error(EmmError::driver(
-                        "asking whether a stream that freed into a chunk is done",
-                        self.cx.device,
-                        e,
-                    ))
-                });
-            if !done.ok()? {
+            let idle = self.freeing_stream_idle(lists, s, false).map_err(|e| {
+                self.queue.record_error(EmmError::driver(
+                    "asking whether a stream that freed into a chunk is done",
+                    self.cx.device,
+                    e,
+                ))
+            });
+            if !idle.ok()?? {
                 if self.vmm.is_none() || self.cx.stream_is_captured(growing).unwrap_or(true) {
                     return None;
                 }
                 busy.push(s);
-                continue;
             }
-            lists.freed.idle(s);
         }
         if !busy.is_empty() {
             // `vmm-pool`: the growing stream's work waits on the GPU for theirs, and the pool
@@ -835,11 +828,7 @@ impl PoolShared {
                 ));
                 return None;
             }
-            for s in busy {
-                if lists.freed.knows(growing) {
-                    lists.freed.ordered(growing, s);
-                }
-            }
+            lists.ordered(growing, busy);
             own = true;
         }
         Some(own)
@@ -993,16 +982,15 @@ impl PoolShared {
         }
         lists.gave(size);
         lists.history.free(addr, stamp);
-        let Some(arena) = lists.arena.as_mut() else {
+        if lists.arena.is_none() {
             // The arena holds the chunk of every block it handed out until the block comes
             // back; a block with no arena was not handed out here.
             tracing::error!(device = %self.cx.device, ptr = addr, stream = streams.stream.raw(), "a stream-ordered block came back to a pool whose streams hold no memory; it is left out of use");
             return;
-        };
+        }
         if streams.other_streams().next().is_none() {
-            arena.give(addr, size);
             let on = streams.free_on;
-            lists.note_free(on, streams.owner_of(on), addr, size);
+            lists.give_back(on, streams.owner_of(on), addr, size);
             return;
         }
         let Some(_live) = self.cx.liveness.enter() else {
@@ -1123,20 +1111,35 @@ impl PoolShared {
         wait: bool,
     ) -> Result<bool, driver_sys::DriverError> {
         for s in lists.freed.streams_within(chunk.base, chunk.size) {
-            if self.cx.stream_is_captured(s).unwrap_or(true) {
+            if self.freeing_stream_idle(lists, s, wait)? != Some(true) {
                 return Ok(false);
             }
-            let done = if wait {
-                self.fences.wait_for_stream(s).map(|()| true)?
-            } else {
-                self.cx.driver.stream_query(self.cx.context, s)?
-            };
-            if !done {
-                return Ok(false);
-            }
-            lists.freed.idle(s);
         }
         Ok(true)
+    }
+
+    /// Whether `s`, a stream whose frees the lists record, has no work pending (with `wait`,
+    /// after waiting for it): `Some(true)` with its ranges forgotten, every stream's now;
+    /// `Some(false)` where its work still runs; `None` where it is being captured (its work is
+    /// not the GPU's yet: it is neither asked nor waited for) or cannot be asked.
+    fn freeing_stream_idle(
+        &self,
+        lists: &mut StreamLists,
+        s: StreamHandle,
+        wait: bool,
+    ) -> Result<Option<bool>, driver_sys::DriverError> {
+        if self.cx.stream_is_captured(s).unwrap_or(true) {
+            return Ok(None);
+        }
+        let idle = if wait {
+            self.fences.wait_for_stream(s).map(|()| true)?
+        } else {
+            self.cx.driver.stream_query(self.cx.context, s)?
+        };
+        if idle {
+            lists.freed.idle(s);
+        }
+        Ok(Some(idle))
     }
 
     /// The allocator's drop: lets the spare records go, and keeps none from now on (each holds
@@ -1171,7 +1174,7 @@ impl PoolShared {
         let closed = lists.closed;
         **lists = StreamLists::default();
         lists.closed = closed;
-        self.streams.occupied.store(false, Ordering::Release);
+        self.streams.mark(lists);
         (chunks, spares, owners)
     }
 }

@@ -39,12 +39,12 @@ fn a_taken_block_keeps_the_rest_of_a_range() {
     let (s, t) = (stream(0), stream(1));
     let mut f = FreedRanges::default();
     f.freed(t, BASE, 4096);
-    f.taken(BASE + 1024, 1024);
+    f.forget_within(BASE + 1024, 1024);
     assert_eq!(f.len(), 2);
     assert!(f.waits_for(s, BASE + 1024, 1024).is_empty());
     assert_eq!(f.waits_for(s, BASE, 1025), vec![t]);
     assert_eq!(f.waits_for(s, BASE + 2047, 2), vec![t]);
-    f.taken(BASE, 4096);
+    f.forget_within(BASE, 4096);
     assert!(f.knows(t), "known until a sweep");
     assert_eq!(f.sweep(), vec![t], "t has no range left");
     assert!(!f.knows(t));
@@ -168,7 +168,7 @@ proptest! {
                     }
                 }
                 Op::Take { at, units } => {
-                    f.taken(addr(at), (units * UNIT) as usize);
+                    f.forget_within(addr(at), (units * UNIT) as usize);
                     for u in &mut m.units[at as usize..(at + units) as usize] {
                         *u = None;
                     }
