@@ -31,7 +31,7 @@
 //! merged with its neighbours as any freed block, so fits and merges are those of a block
 //! given at once.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::contract::snapshot::{BlockState, HeldBlock, HeldSegment, SegmentKind};
 use crate::memory::AddressMap;
@@ -722,7 +722,7 @@ impl Arena {
 
 mod arenas;
 
-pub(super) use arenas::{Arenas, Chunk, Lender, cut_out, place};
+pub(super) use arenas::{Arenas, Chunk, cut_out, place};
 
 #[cfg(test)]
 mod tests;

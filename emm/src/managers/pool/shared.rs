@@ -481,7 +481,7 @@ impl PoolShared {
                 size,
                 piece,
                 oversize,
-                lent: None,
+                lent: false,
             })
             .collect();
         self.totals.grew(chunks.iter().map(|c| c.size).sum());

@@ -33,7 +33,7 @@
 
 use driver_sys::{DevicePtr, StreamHandle};
 
-use super::arena::{Arenas, Chunk, Lender, cut_out, place};
+use super::arena::{Arenas, Chunk, cut_out, place};
 use super::freed::FreedRanges;
 use super::history::Ring;
 use super::{GROW_GRANULARITY, POOL_ALIGNMENT, PoolShared};
@@ -668,7 +668,7 @@ impl PoolShared {
     /// chunk the shared arena lent goes back to it in any case, at no driver call.
     fn keep_some(&self, size: usize, freed: &mut Vec<Chunk>, shed: &mut Vec<Chunk>) {
         let free: usize = (freed.iter().chain(shed.iter()))
-            .filter(|c| c.lent.is_none())
+            .filter(|c| !c.lent)
             .map(|c| c.size)
             .sum();
         // Every growth raises the mark of what is in use on streams, free chunks or not; with
@@ -687,7 +687,7 @@ impl PoolShared {
         all.sort_unstable_by_key(|(c, _)| std::cmp::Reverse(c.size));
         let (mut kept_freed, mut kept_shed) = (Vec::new(), Vec::new());
         for (chunk, streams) in all {
-            let keep = chunk.lent.is_none() && chunk.size <= budget;
+            let keep = !chunk.lent && chunk.size <= budget;
             if keep {
                 budget -= chunk.size;
             }
@@ -763,8 +763,7 @@ impl PoolShared {
             }
             lists.left(&going);
         }
-        let (lent, freed): (Vec<Chunk>, Vec<Chunk>) =
-            going.into_iter().partition(|c| c.lent.is_some());
+        let (lent, freed): (Vec<Chunk>, Vec<Chunk>) = going.into_iter().partition(|c| c.lent);
         if !lent.is_empty() {
             let mut arena = lock(&self.arena);
             for chunk in lent {
@@ -956,12 +955,7 @@ impl PoolShared {
         if let Some(chunk) = arena.take_free_chunk(size, most) {
             return Some(chunk);
         }
-        arena.lend(
-            size,
-            size.next_multiple_of(GROW_GRANULARITY),
-            most,
-            Lender::Shared,
-        )
+        arena.lend(size, size.next_multiple_of(GROW_GRANULARITY), most)
     }
 
     /// The free of a stream-ordered block that [`park_on_stream`](Self::park_on_stream) did

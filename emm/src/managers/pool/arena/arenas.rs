@@ -62,16 +62,9 @@ pub(in crate::managers::pool) fn cut_out(
     }
 }
 
-/// Who lent a chunk that an arena holds as its own: the chunk goes back there, never to the
-/// driver, whose allocation is the chunk the block lies in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(in crate::managers::pool) enum Lender {
-    /// The shared arena, to the stream arena.
-    Shared,
-}
-
 /// A chunk: one driver allocation, wholly the pool's; or, `lent`, a block of the shared
-/// arena's chunk that the stream arena holds as a chunk of its own.
+/// arena's chunk that the stream arena holds as a chunk of its own: it goes back to the shared
+/// arena, never to the driver, whose allocation is the chunk the block lies in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(in crate::managers::pool) struct Chunk {
     /// Its address.
@@ -83,9 +76,9 @@ pub(in crate::managers::pool) struct Chunk {
     pub(in crate::managers::pool) piece: usize,
     /// Made for one request above the standard limit, and serving only such requests.
     pub(in crate::managers::pool) oversize: bool,
-    /// Lent by another arena ([`Arenas::lend`]): it goes back there ([`Arenas::restore`]),
-    /// never to the driver, whose allocation is the chunk it lies in.
-    pub(in crate::managers::pool) lent: Option<Lender>,
+    /// Lent by the shared arena ([`Arenas::lend`]): it goes back there
+    /// ([`Arenas::restore`]), never to the driver, whose allocation is the chunk it lies in.
+    pub(in crate::managers::pool) lent: bool,
 }
 
 impl Chunk {
@@ -100,7 +93,7 @@ impl Chunk {
                 size,
                 piece: size,
                 oversize,
-                lent: None,
+                lent: false,
             }
         };
         standard
@@ -125,8 +118,8 @@ pub(in crate::managers::pool) struct Arenas {
     standard: Arena,
     oversize: Arena,
     /// The bases of the chunks these arenas hold that another arena lent them (the stream
-    /// arena: blocks of the shared arena's chunks), with their lender.
-    pub(super) borrowed: BTreeMap<u64, Lender>,
+    /// arena: blocks of the shared arena's chunks).
+    pub(super) borrowed: BTreeSet<u64>,
     /// The blocks these arenas lent to another (the shared arena's, to the stream arena),
     /// start -> bytes: taken from the free space, and no chunk of the driver's, until they
     /// come back.
@@ -148,7 +141,7 @@ impl Arenas {
             limit,
             standard: arena(),
             oversize: arena(),
-            borrowed: BTreeMap::new(),
+            borrowed: BTreeSet::new(),
             lent_out: BTreeMap::new(),
         }
     }
@@ -196,8 +189,8 @@ impl Arenas {
 
     /// Adds a wholly free chunk to the arena of its kind.
     pub(in crate::managers::pool) fn add_chunk(&mut self, chunk: Chunk) {
-        if let Some(lender) = chunk.lent {
-            self.borrowed.insert(chunk.base, lender);
+        if chunk.lent {
+            self.borrowed.insert(chunk.base);
         }
         let arena = if chunk.oversize {
             &mut self.oversize
@@ -246,20 +239,18 @@ impl Arenas {
         self.marked(Chunk::of_kinds(standard, []))
     }
 
-    /// Lends another arena (a stream's) a block of `want` bytes, or failing that of `need`
-    /// (at most `want`), from the free space of the standard chunks, as a chunk of its own
-    /// that says `lender` lent it: where a chunk is not wholly free, its free space still
-    /// serves the streams. `None`
-    /// where chunks merge (their pieces move whole, [`take_free_chunk`](Self::take_free_chunk)),
-    /// for a request served from chunks of its own, where no free block holds `need` but
-    /// wholly free chunks larger than `most` ([`Arena::take_sparing`]), or where the block
-    /// found lies in a chunk another stream lent.
+    /// Lends the stream arena a block of `want` bytes, or failing that of `need` (at most
+    /// `want`), from the free space of the standard chunks, as a chunk of its own marked
+    /// `lent`: where a chunk is not wholly free, its free space still serves the streams.
+    /// `None` where chunks merge (their pieces move whole,
+    /// [`take_free_chunk`](Self::take_free_chunk)), for a request served from chunks of its
+    /// own, or where no free block holds `need` but wholly free chunks larger than `most`
+    /// ([`Arena::take_sparing`]).
     pub(in crate::managers::pool) fn lend(
         &mut self,
         need: usize,
         want: usize,
         most: usize,
-        lender: Lender,
     ) -> Option<Chunk> {
         if self.standard.merge_across || self.is_oversize(need) {
             return None;
@@ -273,14 +264,14 @@ impl Arenas {
             size,
             piece: size,
             oversize: false,
-            lent: Some(lender),
+            lent: true,
         })
     }
 
     /// Takes back a chunk another arena gave up: a block these arenas lent goes back to their
     /// free space; any other chunk joins them ([`add_chunk`](Self::add_chunk)).
     pub(in crate::managers::pool) fn restore(&mut self, chunk: Chunk) {
-        if chunk.lent.is_none() {
+        if !chunk.lent {
             return self.add_chunk(chunk);
         }
         let lent = self.lent_out.remove(&chunk.base);
@@ -326,7 +317,7 @@ impl Arenas {
             size,
             piece,
             oversize,
-            lent: None,
+            lent: false,
         };
         self.marked(vec![chunk]).pop()
     }
@@ -405,7 +396,7 @@ impl Arenas {
         let standard = self.standard.clear();
         let mut chunks = Chunk::of_kinds(standard, self.oversize.clear());
         let borrowed = std::mem::take(&mut self.borrowed);
-        chunks.retain(|c| !borrowed.contains_key(&c.base));
+        chunks.retain(|c| !borrowed.contains(&c.base));
         self.lent_out.clear();
         chunks
     }

@@ -433,7 +433,7 @@ fn chunk(base: u64, size: usize) -> Chunk {
         size,
         piece: size,
         oversize: false,
-        lent: None,
+        lent: false,
     }
 }
 
@@ -448,23 +448,18 @@ fn a_lent_block_comes_back_to_the_free_space_it_left() {
     let pin = shared.take(MIB).unwrap();
     assert_eq!(shared.take_free_chunk(8 * MIB, usize::MAX), None);
     // Twice the request where the free space holds it; the request where only that fits.
-    let lent = shared
-        .lend(8 * MIB, 16 * MIB, usize::MAX, Lender::Shared)
-        .unwrap();
-    assert!(lent.lent == Some(Lender::Shared) && lent.size == 16 * MIB && !lent.oversize);
+    let lent = shared.lend(8 * MIB, 16 * MIB, usize::MAX).unwrap();
+    assert!(lent.lent && lent.size == 16 * MIB && !lent.oversize);
     assert_eq!(
         shared.lent_out().collect::<Vec<_>>(),
         [(lent.base, 16 * MIB)]
     );
     assert_eq!(
-        shared
-            .lend(40 * MIB, 50 * MIB, usize::MAX, Lender::Shared)
-            .unwrap()
-            .size,
+        shared.lend(40 * MIB, 50 * MIB, usize::MAX).unwrap().size,
         40 * MIB
     );
     assert_eq!(
-        shared.lend(8 * MIB, 16 * MIB, usize::MAX, Lender::Shared),
+        shared.lend(8 * MIB, 16 * MIB, usize::MAX),
         None,
         "7 MiB free"
     );
@@ -488,7 +483,7 @@ fn a_lent_block_comes_back_to_the_free_space_it_left() {
     // The other lent block back, then the pinned one: the chunk is free, whole.
     let second = shared.lent_out().next().unwrap();
     shared.restore(Chunk {
-        lent: Some(Lender::Shared),
+        lent: true,
         ..chunk(second.0, second.1)
     });
     shared.give(pin, MIB);
@@ -504,13 +499,11 @@ fn a_reset_frees_only_the_drivers_chunks_and_merging_arenas_lend_nothing() {
     let mut shared = Arenas::new(128 * MIB, None);
     shared.add_chunk(chunk(1 << 32, 64 * MIB));
     assert_eq!(
-        shared.lend(256 * MIB, 256 * MIB, usize::MAX, Lender::Shared),
+        shared.lend(256 * MIB, 256 * MIB, usize::MAX),
         None,
         "oversize"
     );
-    let lent = shared
-        .lend(MIB, 2 * MIB, usize::MAX, Lender::Shared)
-        .unwrap();
+    let lent = shared.lend(MIB, 2 * MIB, usize::MAX).unwrap();
     let mut stream = Arenas::new(128 * MIB, None);
     stream.add_chunk(lent);
     stream.add_chunk(chunk(1 << 40, 8 * MIB));
@@ -520,7 +513,7 @@ fn a_reset_frees_only_the_drivers_chunks_and_merging_arenas_lend_nothing() {
     assert_eq!(shared.lent_out().count(), 0);
     let mut merging = Arenas::new(usize::MAX, Some(2 * MIB));
     merging.add_chunk(chunk(1 << 32, 8 * MIB));
-    assert_eq!(merging.lend(MIB, 2 * MIB, usize::MAX, Lender::Shared), None);
+    assert_eq!(merging.lend(MIB, 2 * MIB, usize::MAX), None);
 }
 
 /// A stream's lent segment is cut out of the shared segment it lies in; the blocks on
