@@ -964,14 +964,22 @@ fn shard_owners_race_trims_and_counts_from_another_thread() {
             std::process::abort();
         }
     });
+    // Trims done so far: every worker waits halfway for the first, so that at least one trim
+    // and count meets every worker with blocks in use, however the threads are scheduled.
+    let trims = std::sync::atomic::AtomicU32::new(0);
     let reclaims = std::thread::scope(|s| {
         for t in 0..workers {
-            let (ctx, done) = (ctx.clone(), &done);
+            let (ctx, done, trims) = (ctx.clone(), &done, &trims);
             s.spawn(move || {
                 let tag = t as u8;
                 let mut mine = Vec::new();
                 let mut pinned = Vec::new();
                 for i in 0..400usize {
+                    if i == 200 {
+                        while trims.load(std::sync::atomic::Ordering::Acquire) == 0 {
+                            std::thread::yield_now();
+                        }
+                    }
                     let mem = ctx.memalloc(256 + (i * 97 + t * 13) % 6000).unwrap();
                     ctx.memset(&mem, tag, mem.size()).unwrap();
                     mine.push(mem);
@@ -998,14 +1006,13 @@ fn shard_owners_race_trims_and_counts_from_another_thread() {
             });
         }
         let reclaimer = s.spawn(|| {
-            let mut rounds = 0u32;
             while done.load(std::sync::atomic::Ordering::Acquire) < workers {
                 ctx.trim().unwrap();
                 let stats = ctx.pool_stats();
                 assert!(stats.device.unwrap().in_use_blocks <= workers * 400);
-                rounds += 1;
+                trims.fetch_add(1, std::sync::atomic::Ordering::Release);
             }
-            rounds
+            trims.load(std::sync::atomic::Ordering::Relaxed)
         });
         reclaimer.join().unwrap()
     });
