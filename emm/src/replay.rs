@@ -17,7 +17,9 @@
 //! ([`Replayer::pass_recorded`], with a [`RecordedWork`]): after each event on a stream, work
 //! launched up to the next event's time; before each, the stream's progress moved to the
 //! recorded figure; between a stream's own events, its progress runs on with the log's clock,
-//! as far behind as its last event found it, up to what its next event records. The manager's
+//! as far behind as its last event found it, up to what its next allocation records. An
+//! allocation's figure is the stream's own answer (the log asks the stream), a free's only the
+//! last marker found complete: a free moves the progress up to its figure, never back. The manager's
 //! call itself sees every stream's progress at the middle of the recorded call (the `Elapsed`
 //! column; its start where the log has none): the log reads `Reached` before the call, and
 //! the GPU runs on while a growing manager decides. What a manager queues behind the
@@ -40,9 +42,9 @@ use driver_sys::StreamHandle;
 /// A stream's progress between two of its own events in a log with progress: from its last
 /// event's time `since`, when the GPU had reached `from`, the GPU runs the stream's work in step
 /// with the log's clock (as far behind as it was then), but never past `until`, what the
-/// stream's next event says it had reached (none: no later event says). Between its allocator
-/// calls a thread's stream is not stalled: its queued work runs on, and once the thread waits
-/// for its stream, the stream is idle well before the thread's next call.
+/// stream's next allocation says it had reached (none: no later allocation says). Between
+/// its allocator calls a thread's stream is not stalled: its queued work runs on, and once the
+/// thread waits for its stream, the stream is idle well before the thread's next call.
 #[derive(Clone, Copy, Debug)]
 struct Between {
     since: u64,
@@ -59,14 +61,20 @@ impl Between {
     }
 }
 
-/// For each event, the progress the next event on its stream records (for events with a
-/// stream and progress; `None` otherwise, or where no later event on the stream records any).
+/// For each event, the progress the next allocation on its stream records (for events with a
+/// stream and progress; `None` otherwise, or where no later allocation on the stream records
+/// any). Only an allocation's figure bounds the progress before it: the log asks the stream
+/// itself there (its own time where the stream was idle), while a free's figure is the last
+/// marker found complete, which the GPU may have passed long before.
 fn next_progress(events: &[ReplayEvent]) -> Vec<Option<u64>> {
     let mut later: HashMap<u64, u64> = HashMap::new();
     let mut next = vec![None; events.len()];
     for (i, e) in events.iter().enumerate().rev() {
         if let (Some(stream), Some(reached), true) = (e.stream, e.reached, is_device(e.kind)) {
-            next[i] = later.insert(stream, reached);
+            next[i] = later.get(&stream).copied();
+            if e.action == Action::Allocate {
+                later.insert(stream, reached);
+            }
         }
     }
     next
@@ -419,6 +427,15 @@ impl<'c> Replayer<'c> {
                 }
             }
             if let (Some(stream), Some(w), Some(reached)) = (recorded, &mut work, e.reached) {
+                let slot = between_events.iter().position(|(s, _)| *s == stream);
+                // A free's figure is a floor: the stream has got at least as far as it had.
+                let reached = match (e.action, slot, e.at) {
+                    (Action::Free, Some(k), Some(at)) => {
+                        let b = between_events[k].1;
+                        reached.max(b.at(at).unwrap_or(b.from))
+                    }
+                    _ => reached,
+                };
                 let b = e.at.map(|at| Between {
                     since: at,
                     from: reached,
@@ -431,8 +448,8 @@ impl<'c> Replayer<'c> {
                     .unwrap_or(reached);
                 w.reached(stream, base.saturating_add(now))?;
                 if let Some(b) = b {
-                    match between_events.iter_mut().find(|(s, _)| *s == stream) {
-                        Some(slot) => slot.1 = b,
+                    match slot {
+                        Some(k) => between_events[k].1 = b,
                         None => between_events.push((stream, b)),
                     }
                 }
