@@ -247,11 +247,12 @@ const TARGETS: Limits = Limits {
 };
 
 /// The four-stream server's log, held to what `pool` does on it now rather than to its
-/// target, which it misses there on the replay (issue 60): 1.275 x peak live at every pass of
+/// target, which it misses there on the replay (issue 60): 1.253 x peak live at every pass of
 /// twelve, with no driver allocation after the first pass. Its requests of 60 to 104 MiB
 /// leave the free space of chunks that never merge in pieces too small for the next; on the
-/// GPU the same code held 1.248 to 1.301 (`bench-results/run-2026-12-07-h100-dcc6ce5`).
-/// `vmm-pool` meets its target (1.04). A change that makes either worse fails here; one that
+/// GPU the same code held 1.161 to 1.301 of the whole program's peak live
+/// (`bench-results/run-2026-12-07-h100-dcc6ce5`, `run-2026-12-07-h100-087f447`).
+/// `vmm-pool` meets its target (1.053). A change that makes either worse fails here; one that
 /// meets the target should move this to it.
 const SERVER_NOW: Limits = Limits {
     pool: 1.30,
