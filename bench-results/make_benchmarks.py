@@ -689,11 +689,13 @@ if programs_run:
         w("")
         w("| program | manager | held / live, GPU | replay | driver allocations, GPU | replay | within 10 % |")
         w("| --- | --- | ---: | ---: | ---: | ---: | --- |")
+        replayed = set()
         for r in csv.DictReader(open(sim_path)):
             p, m = r["trace"].rsplit(".", 1)[0], r["manager"]
             g = logged.get((p, m))
             if g is None:
                 continue
+            replayed.add((p, m))
             held_off = float(r["held_over_live"]) / g["held_over_live"] - 1
             allocs_off = int(r["driver_allocations"]) / max(g["driver_allocations"], 1) - 1
             off = [f"{what} {d:+.1%}" for what, d in (("held", held_off), ("driver allocations", allocs_off))
@@ -701,6 +703,11 @@ if programs_run:
             verdict = "**met**" if not off else "**missed** (" + ", ".join(off).replace("%", " %") + ")"
             w(f"| {p} | `{m}` | {g['held_over_live']:.3f} | {float(r['held_over_live']):.3f} | "
               f"{g['driver_allocations']} | {r['driver_allocations']} | {verdict} |")
+        unreplayed = [f"{p} under `{m}`" for p, m in logged if (p, m) not in replayed]
+        if unreplayed:
+            w("")
+            w("Logged in the same call but not replayed here (`run.txt` says why): "
+              + ", ".join(unreplayed) + ".")
     w("")
 
 # ---- corpus -------------------------------------------------------------------------------
