@@ -401,11 +401,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// Whether `cuMemFree` (and `cuMemAlloc`, `cuMemFreeAsync`, `cuEventRecord` + `cuEventQuery`)
-/// return while another stream of the context waits on a flag the host has not written (and
-/// has a set of memory queued behind the wait): each
-/// runs on a thread, and the probe waits up to 3 s for it before it writes the flag. The
-/// default manager's stream-ordered frees must not block a thread on such a stream.
+/// Whether `cuMemFree` (and `cuMemAlloc`, `cuMemFreeAsync`, `cuEventRecord` + `cuEventQuery`,
+/// `cuMemFreeAsync` of `cuMemAlloc` memory, and `vmm-pool`'s calls: `cuMemCreate` +
+/// `cuMemMap` + `cuMemSetAccess`, `cuMemUnmap` + `cuMemRelease`) return while another stream
+/// of the context waits on a flag the host has not written (and has a set of memory queued
+/// behind the wait): each runs on a thread, and the probe waits up to 3 s for it before it
+/// writes the flag. The calls that may not block come first, so that a call blocked before
+/// them does not hold them up. The default manager's stream-ordered frees must not block a
+/// thread on such a stream; a pool's growth or give-back that blocks stalls every stream's
+/// thread that makes one.
 fn frees_while_a_stream_waits(
     d: &std::sync::Arc<dyn Driver>,
     ctx: ContextHandle,
@@ -420,6 +424,21 @@ fn frees_while_a_stream_waits(
     unsafe { word.write_volatile(0) };
     let s = d.stream_create(ctx, stream_flags::NON_BLOCKING)?;
     let other = d.stream_create(ctx, stream_flags::NON_BLOCKING)?;
+    // Made before the wait: memory for `cuMemFreeAsync`, and a reservation of two granules,
+    // the first mapped (for the unmap) and the second free (for the map).
+    let plain = d.mem_alloc(ctx, 4096)?;
+    let granule = d.mem_vmm_granularity(DeviceOrdinal(0))?;
+    let reserved = d.mem_address_reserve(ctx, 2 * granule)?;
+    let mapped = d.mem_create(ctx, DeviceOrdinal(0), granule, false)?;
+    // SAFETY: the reservation's first granule, nothing mapped there.
+    unsafe { d.mem_map(ctx, reserved, granule, mapped)? };
+    d.mem_set_access(ctx, reserved, granule, DeviceOrdinal(0))?;
+    let second = DevicePtr(reserved.0 + granule as u64);
+    // What the calls below did, for the clean-up to undo the rest: `plain` freed, the first
+    // granule unmapped, the second mapped.
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let done = std::sync::Arc::new([(); 3].map(|()| AtomicBool::new(false)));
+    let (freed_async, unmapped, mapped_second) = (done.clone(), done.clone(), done.clone());
     d.stream_wait_value32(ctx, s, at, 1, wait_value::EQ)?;
     let held = d.mem_alloc(ctx, 1 << 20)?;
     // SAFETY: `held` is live memory of this context until its free below (after the flag).
@@ -427,6 +446,41 @@ fn frees_while_a_stream_waits(
     let pool = d.device_default_mem_pool(DeviceOrdinal(0))?;
     type Call = Box<dyn FnOnce(&dyn Driver) -> Result<(), DriverError> + Send>;
     let calls: Vec<(&str, Call)> = vec![
+        (
+            "cuMemFreeAsync of cuMemAlloc memory on another stream",
+            Box::new(move |d: &dyn Driver| {
+                // SAFETY: allocated before the wait, unused by any work, freed once.
+                unsafe { d.mem_free_async(ctx, plain, other) }?;
+                freed_async[0].store(true, SeqCst);
+                Ok(())
+            }),
+        ),
+        (
+            "cuMemCreate + cuMemMap + cuMemSetAccess (one granule)",
+            Box::new(move |d: &dyn Driver| {
+                let h = d.mem_create(ctx, DeviceOrdinal(0), granule, false)?;
+                // SAFETY: the reservation's second granule, nothing mapped there.
+                let map = unsafe { d.mem_map(ctx, second, granule, h) };
+                if map.is_ok() {
+                    mapped_second[2].store(true, SeqCst);
+                }
+                let access =
+                    map.and_then(|()| d.mem_set_access(ctx, second, granule, DeviceOrdinal(0)));
+                // SAFETY: created above and released once; a mapping keeps the memory.
+                let release = unsafe { d.mem_release(ctx, h) };
+                access.and(release)
+            }),
+        ),
+        (
+            "cuMemUnmap + cuMemRelease (a granule no stream uses)",
+            Box::new(move |d: &dyn Driver| {
+                // SAFETY: mapped before the wait, used by no work; unmapped once.
+                unsafe { d.mem_unmap(ctx, reserved, granule) }?;
+                unmapped[1].store(true, SeqCst);
+                // SAFETY: created before the wait, released once, its mapping gone.
+                unsafe { d.mem_release(ctx, mapped) }
+            }),
+        ),
         (
             "cuMemAlloc",
             Box::new(move |d: &dyn Driver| d.mem_alloc(ctx, 4096).map(|p| drop(free(d, ctx, p)))),
@@ -501,6 +555,21 @@ fn frees_while_a_stream_waits(
     d.stream_synchronize(ctx, s)?;
     d.stream_synchronize(ctx, other)?;
     free(&**d, ctx, held)?;
+    if !done[0].load(SeqCst) {
+        free(&**d, ctx, plain)?;
+    }
+    // SAFETY: each granule still mapped is unused and unmapped once (the first's handle then
+    // released, if its call did not); the reservation, with nothing mapped, is given back once.
+    unsafe {
+        if !done[1].load(SeqCst) {
+            d.mem_unmap(ctx, reserved, granule)?;
+            d.mem_release(ctx, mapped)?;
+        }
+        if done[2].load(SeqCst) {
+            d.mem_unmap(ctx, second, granule)?;
+        }
+        d.mem_address_free(ctx, reserved, 2 * granule)?;
+    }
     destroy_stream(&**d, ctx, s)?;
     destroy_stream(&**d, ctx, other)?;
     free_host(&**d, ctx, flag)?;
