@@ -19,10 +19,10 @@
 //! recorded figure; between a stream's own events, its progress runs on with the log's clock,
 //! as far behind as its last event found it, up to what its next allocation records. An
 //! allocation's figure is the stream's own answer (the log asks the stream), a free's only the
-//! last marker found complete: a free moves the progress up to its figure, never back. The manager's
-//! call itself sees every stream's progress at the middle of the recorded call (the `Elapsed`
-//! column; its start where the log has none): the log reads `Reached` before the call, and
-//! the GPU runs on while a growing manager decides. What a manager queues behind the
+//! last marker found complete: a free moves the progress up to its figure, never back. The
+//! manager's call itself sees every stream's progress at the middle of the recorded call (the
+//! `Elapsed` column; its start where the log has none): the log reads `Reached` before the
+//! call, and the GPU runs on while a growing manager decides. What a manager queues behind the
 //! stand-ins (its fences) then completes when it did in the recorded run, and its queries see
 //! the streams busy, or idle, as they were.
 
