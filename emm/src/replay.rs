@@ -59,6 +59,11 @@ impl Between {
         let p = self.until.map_or(ran, |until| ran.min(until));
         (p > self.from).then_some(p)
     }
+
+    /// The progress at log time `at`: [`at`](Self::at), or `from` where it is not past it.
+    fn progress(&self, at: u64) -> u64 {
+        self.at(at).unwrap_or(self.from)
+    }
 }
 
 /// For each event, the progress the next allocation on its stream records (for events with a
@@ -431,8 +436,7 @@ impl<'c> Replayer<'c> {
                 // A free's figure is a floor: the stream has got at least as far as it had.
                 let reached = match (e.action, slot, e.at) {
                     (Action::Free, Some(k), Some(at)) => {
-                        let b = between_events[k].1;
-                        reached.max(b.at(at).unwrap_or(b.from))
+                        reached.max(between_events[k].1.progress(at))
                     }
                     _ => reached,
                 };
@@ -442,10 +446,7 @@ impl<'c> Replayer<'c> {
                     until: next[index],
                 });
                 // Its own stream runs on too, from where the log read it before the call.
-                let now = b
-                    .zip(deciding)
-                    .and_then(|(b, d)| b.at(d))
-                    .unwrap_or(reached);
+                let now = b.zip(deciding).map_or(reached, |(b, d)| b.progress(d));
                 w.reached(stream, base.saturating_add(now))?;
                 if let Some(b) = b {
                     match slot {

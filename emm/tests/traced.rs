@@ -8,7 +8,11 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use driver_mock::{SimConfig, SimDriver};
-use emm::Runtime;
+
+// The behaviour suite's helpers; this binary uses some of them.
+#[allow(dead_code)]
+#[path = "behaviour/common.rs"]
+mod common;
 
 const MIB: usize = 1 << 20;
 
@@ -56,11 +60,7 @@ fn captured() -> &'static Captured {
 fn a_stream_growth_is_traced_with_the_streams_free_space() {
     let captured = captured();
     let sim = Arc::new(SimDriver::new(SimConfig::single(1 << 30)));
-    let rt = Runtime::builder(sim.clone())
-        .ignore_env()
-        .memory_manager_name("pool")
-        .build()
-        .unwrap();
+    let rt = common::runtime_with(&sim, "pool");
     let ctx = rt.context(0).unwrap();
     // Stream a's 100 MiB chunk: 30 MiB free, 30 MiB live, 40 MiB free.
     let a = ctx.create_stream().unwrap();

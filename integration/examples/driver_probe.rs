@@ -437,8 +437,10 @@ fn frees_while_a_stream_waits(
     // What the calls below did, for the clean-up to undo the rest: `plain` freed, the first
     // granule unmapped, the second mapped.
     use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
-    let done = std::sync::Arc::new([(); 3].map(|()| AtomicBool::new(false)));
-    let (freed_async, unmapped, mapped_second) = (done.clone(), done.clone(), done.clone());
+    let flag_off = || std::sync::Arc::new(AtomicBool::new(false));
+    let (freed_async, unmapped, mapped_second) = (flag_off(), flag_off(), flag_off());
+    let (freed_async_set, unmapped_set, mapped_second_set) =
+        (freed_async.clone(), unmapped.clone(), mapped_second.clone());
     d.stream_wait_value32(ctx, s, at, 1, wait_value::EQ)?;
     let held = d.mem_alloc(ctx, 1 << 20)?;
     // SAFETY: `held` is live memory of this context until its free below (after the flag).
@@ -451,7 +453,7 @@ fn frees_while_a_stream_waits(
             Box::new(move |d: &dyn Driver| {
                 // SAFETY: allocated before the wait, unused by any work, freed once.
                 unsafe { d.mem_free_async(ctx, plain, other) }?;
-                freed_async[0].store(true, SeqCst);
+                freed_async_set.store(true, SeqCst);
                 Ok(())
             }),
         ),
@@ -462,7 +464,7 @@ fn frees_while_a_stream_waits(
                 // SAFETY: the reservation's second granule, nothing mapped there.
                 let map = unsafe { d.mem_map(ctx, second, granule, h) };
                 if map.is_ok() {
-                    mapped_second[2].store(true, SeqCst);
+                    mapped_second_set.store(true, SeqCst);
                 }
                 let access =
                     map.and_then(|()| d.mem_set_access(ctx, second, granule, DeviceOrdinal(0)));
@@ -476,7 +478,7 @@ fn frees_while_a_stream_waits(
             Box::new(move |d: &dyn Driver| {
                 // SAFETY: mapped before the wait, used by no work; unmapped once.
                 unsafe { d.mem_unmap(ctx, reserved, granule) }?;
-                unmapped[1].store(true, SeqCst);
+                unmapped_set.store(true, SeqCst);
                 // SAFETY: created before the wait, released once, its mapping gone.
                 unsafe { d.mem_release(ctx, mapped) }
             }),
@@ -555,17 +557,17 @@ fn frees_while_a_stream_waits(
     d.stream_synchronize(ctx, s)?;
     d.stream_synchronize(ctx, other)?;
     free(&**d, ctx, held)?;
-    if !done[0].load(SeqCst) {
+    if !freed_async.load(SeqCst) {
         free(&**d, ctx, plain)?;
     }
     // SAFETY: each granule still mapped is unused and unmapped once (the first's handle then
     // released, if its call did not); the reservation, with nothing mapped, is given back once.
     unsafe {
-        if !done[1].load(SeqCst) {
+        if !unmapped.load(SeqCst) {
             d.mem_unmap(ctx, reserved, granule)?;
             d.mem_release(ctx, mapped)?;
         }
-        if done[2].load(SeqCst) {
+        if mapped_second.load(SeqCst) {
             d.mem_unmap(ctx, second, granule)?;
         }
         d.mem_address_free(ctx, reserved, 2 * granule)?;
