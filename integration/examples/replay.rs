@@ -25,9 +25,11 @@
 //! Each row: the trace, the manager, its peak live bytes (from the replay), the peak device
 //! memory the driver counted as used (`total - free`, read after every allocation) and its
 //! ratio to peak live, the most the manager's pool said it held, the driver's allocations and
-//! frees (simulator only), allocations and frees per second (time in the manager's calls
-//! alone), the largest free block the pool reported at the held peak, and, with `--passes`,
-//! every pass's peak held and what was held after the last one.
+//! frees (simulator only), the waits the pool counted (on the GPU for another stream's work, on
+//! the host for a stream's: `PoolStats::stream_waits`, `host_waits`), allocations and frees
+//! per second (time in the manager's calls alone), the largest free block the pool reported at
+//! the held peak, and, with `--passes`, every pass's peak held and what was held after the
+//! last one.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -152,7 +154,7 @@ fn options() -> Result<Options, String> {
 
 const MIB: f64 = (1 << 20) as f64;
 
-const HEADER: &str = "trace,manager,driver,events,peak_live_bytes,peak_held_bytes,held_over_live,pool_peak_held_bytes,driver_allocations,driver_frees,ops_per_second,largest_free_at_peak_bytes,held_after_bytes,pass_peak_held_bytes";
+const HEADER: &str = "trace,manager,driver,events,peak_live_bytes,peak_held_bytes,held_over_live,pool_peak_held_bytes,driver_allocations,driver_frees,ops_per_second,largest_free_at_peak_bytes,held_after_bytes,pass_peak_held_bytes,stream_waits,host_waits";
 
 fn csv_row(trace: &str, driver: &str, events: usize, r: &ManagerReplay) -> String {
     let first = &r.passes[0];
@@ -162,8 +164,9 @@ fn csv_row(trace: &str, driver: &str, events: usize, r: &ManagerReplay) -> Strin
         .map(|p| p.peak_held_bytes.to_string())
         .collect();
     let opt = |v: Option<usize>| v.map_or_else(String::new, |v| v.to_string());
+    let opt64 = |v: Option<u64>| v.map_or_else(String::new, |v| v.to_string());
     format!(
-        "{trace},{},{driver},{events},{},{},{:.4},{},{},{},{:.0},{},{},{}",
+        "{trace},{},{driver},{events},{},{},{:.4},{},{},{},{:.0},{},{},{},{},{}",
         r.manager,
         first.peak_live_bytes,
         r.peak_held(),
@@ -175,6 +178,8 @@ fn csv_row(trace: &str, driver: &str, events: usize, r: &ManagerReplay) -> Strin
         opt(first.largest_free_at_peak),
         r.passes.last().map_or(0, |p| p.held_after_bytes),
         passes.join(" "),
+        opt64(r.pool_waits.map(|w| w.0)),
+        opt64(r.pool_waits.map(|w| w.1)),
     )
 }
 
@@ -192,6 +197,9 @@ fn print_row(trace: &str, r: &ManagerReplay) {
     }
     if let Some((a, f)) = r.driver_calls {
         let _ = write!(line, "  driver {a} allocs {f} frees");
+    }
+    if let Some((gpu, host)) = r.pool_waits {
+        let _ = write!(line, "  waits {gpu} GPU {host} host");
     }
     let _ = write!(line, "  {:>10.0} ops/s", first.ops_per_second());
     if let Some(l) = first.largest_free_at_peak {

@@ -181,6 +181,10 @@ pub struct ManagerReplay {
     pub pass_driver_allocations: Vec<usize>,
     /// The most the manager's device pool said it held, where it has one.
     pub pool_peak_held: Option<usize>,
+    /// The waits the manager's device pool counted over all passes, on the GPU for another
+    /// stream's work and on the host (`PoolStats::stream_waits`, `host_waits`), where it has a
+    /// pool.
+    pub pool_waits: Option<(u64, u64)>,
 }
 
 /// The simulated machine a trace replays on: one device of `device_memory` bytes.
@@ -298,7 +302,9 @@ pub fn replay_under(
     let driver_calls = sim
         .zip(before)
         .map(|(s, (_, a, f))| (count(s, &ALLOCATING) - a, count(s, &FREEING) - f));
-    let pool_peak_held = ctx.pool_stats().device.map(|s| s.peak_held_bytes);
+    let pool = ctx.pool_stats().device;
+    let pool_peak_held = pool.map(|s| s.peak_held_bytes);
+    let pool_waits = pool.map(|s| (s.stream_waits, s.host_waits));
     drop(replayer);
     ctx.trim().map_err(|e| format!("{manager}: trim: {e}"))?;
     Ok(ManagerReplay {
@@ -307,6 +313,7 @@ pub fn replay_under(
         driver_calls,
         pass_driver_allocations,
         pool_peak_held,
+        pool_waits,
     })
 }
 

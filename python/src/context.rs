@@ -638,8 +638,9 @@ impl Context {
 
     /// What the manager's pools hold: `device` and `pinned_host`, each `None` or a dict of
     /// `held_bytes`, `in_use_bytes`, `in_use_blocks`, `cached_bytes`, `peak_held_bytes`,
-    /// `chunks`, `grows`, `driver_allocations`, `driver_frees`, `trimmed_bytes` and
-    /// `largest_free_bytes` (`None` where the pool cannot tell).
+    /// `chunks`, `grows`, `driver_allocations`, `driver_frees`, `stream_waits` (waits on the
+    /// GPU for another stream's work), `host_waits` (waits on the host for a stream's work),
+    /// `trimmed_bytes` and `largest_free_bytes` (`None` where the pool cannot tell).
     fn pool_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let report = self.inner.pool_stats();
         let out = PyDict::new(py);
@@ -659,6 +660,8 @@ impl Context {
                     d.set_item("grows", s.grows)?;
                     d.set_item("driver_allocations", s.driver_allocations)?;
                     d.set_item("driver_frees", s.driver_frees)?;
+                    d.set_item("stream_waits", s.stream_waits)?;
+                    d.set_item("host_waits", s.host_waits)?;
                     d.set_item("trimmed_bytes", s.trimmed_bytes)?;
                     d.set_item("largest_free_bytes", s.largest_free_bytes)?;
                     out.set_item(name, d)?;

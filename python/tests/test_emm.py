@@ -386,6 +386,30 @@ def test_pool_stats_and_trim(ctx):
     assert set(stats) == {"device", "pinned_host"}
 
 
+def test_pool_stats_name_every_figure():
+    """Under `pool` (a fresh interpreter), the device pool's dict has every documented figure;
+    a stream that takes back what it freed itself waits for nothing (the waits' counting is the
+    Rust suite's: a busy stream's work is not made from here)."""
+    code = (
+        "import emm; emm.configure(manager='pool', driver='sim'); c = emm.context(0)\n"
+        "x = c.memalloc_on(64 << 20, 2)\n"
+        "del x\n"
+        "y = c.memalloc_on(64 << 20, 2)\n"
+        "d = c.pool_stats()['device']\n"
+        "print(' '.join(sorted(d)))\n"
+        "print(d['stream_waits'], d['host_waits'])"
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    names, waits = out.stdout.splitlines()
+    assert names.split() == sorted([
+        "held_bytes", "in_use_bytes", "in_use_blocks", "cached_bytes", "peak_held_bytes",
+        "chunks", "grows", "driver_allocations", "driver_frees", "stream_waits", "host_waits",
+        "trimmed_bytes", "largest_free_bytes",
+    ])
+    assert waits.split() == ["0", "0"], out.stdout
+
+
 @pytest.mark.parametrize("manager", ["default", "pool"])
 def test_trim_gives_back_exactly_what_the_pool_held(manager):
     """A fresh interpreter each: under `pool`, trim returns the bytes the pool held with

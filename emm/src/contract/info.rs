@@ -43,6 +43,18 @@ pub struct PoolStats {
     /// Driver frees the pool made: `cuMemFree` calls, or `cuMemRelease` calls under
     /// `vmm-pool`. Each one waits for the device's work to finish.
     pub driver_frees: u64,
+    /// Waits on the GPU the pool queued so that a stream's work runs after another stream's
+    /// (`cuStreamWaitEvent`, one per stream waited for) before the first used memory the
+    /// second had freed, and still had work queued behind. Each one holds the waiting stream's
+    /// next work until the other stream's work queued so far is done: a program whose streams
+    /// should overlap loses that overlap there. Zero where the pool does not count them (the
+    /// driver's own pools, the pinned host pool).
+    pub stream_waits: u64,
+    /// Waits on the host the pool made for a stream's work to finish (`cuEventSynchronize`),
+    /// before it gave back or moved memory that work may still use, or reclaimed blocks
+    /// behind events out of memory. The allocating thread stops there until the GPU catches up.
+    /// Zero where the pool does not count them.
+    pub host_waits: u64,
     /// Bytes released to the driver by trims, out-of-memory retries and, in a pool that sheds
     /// its unused chunks before it grows, by growths (not by resets).
     pub trimmed_bytes: u64,

@@ -659,6 +659,9 @@ impl PinnedPool {
             grows: totals.grows,
             driver_allocations: totals.grows,
             driver_frees: totals.frees,
+            // Host memory: no stream waits for another to use it.
+            stream_waits: 0,
+            host_waits: 0,
             trimmed_bytes: totals.trimmed,
             // Size-class lists: no block is split or merged, so no one figure says it.
             largest_free_bytes: None,

@@ -772,6 +772,43 @@ fn written_last(ctx: &emm::Context, mem: &emm::MemoryPointer, stream: &emm::Stre
     assert!(back.iter().all(|&v| v == 0x55));
 }
 
+/// A stream that grows gives back the wholly free chunk it freed into behind its own queued
+/// work only after the pool has waited, on the host, for that work: `pool_stats` counts the
+/// wait (`host_waits`), one `cuEventSynchronize`, and no wait on the GPU.
+#[test]
+fn a_growing_streams_busy_chunk_goes_back_after_a_counted_host_wait() {
+    let (sim, rt) = on_a_gib("pool");
+    let ctx = rt.context(0).unwrap();
+    let stats = || ctx.pool_stats().device.unwrap();
+    let a = ctx.create_stream().unwrap();
+    freed_behind_queued_work(&sim, &ctx, &a, 64 * MIB);
+    let before = stats();
+    let syncs = sim.count(Op::EventSynchronize);
+    // Beyond what the pool keeps through a growth (an eighth over the most in use): the free
+    // chunk goes back.
+    let y = ctx.memalloc_on(300 * MIB, &a).unwrap();
+    let after = stats();
+    assert_eq!(
+        after.driver_frees,
+        before.driver_frees + 1,
+        "the chunk went back"
+    );
+    assert_eq!(
+        after.host_waits,
+        before.host_waits + 1,
+        "after one counted wait"
+    );
+    assert_eq!(sim.count(Op::EventSynchronize), syncs + 1);
+    assert_eq!(
+        after.stream_waits, before.stream_waits,
+        "no wait on the GPU"
+    );
+    drop((y, a, ctx));
+    drop(rt);
+    let leaks = sim.leak_report();
+    assert!(leaks.is_clean(), "{leaks}");
+}
+
 /// A wholly free chunk of a stream whose work is still queued serves another stream's request
 /// without the pool growing: the other stream first waits, on the GPU, for the work queued on
 /// the first (`cuStreamWaitEvent`), so nothing it queues on the memory runs before that work.
@@ -795,6 +832,12 @@ fn a_busy_streams_free_chunk_serves_another_stream_behind_its_work() {
         sim.count(Op::StreamWaitEvent),
         waits + 1,
         "B waits for A's work"
+    );
+    assert_eq!(stats().stream_waits, before.stream_waits + 1, "counted");
+    assert_eq!(
+        stats().host_waits,
+        before.host_waits,
+        "the host never waits"
     );
     written_last(&ctx, &y, &b);
     drop((y, a, b, ctx));
@@ -837,6 +880,7 @@ fn a_block_another_stream_freed_serves_a_stream_behind_its_work() {
         waits + 1,
         "B waits for A's work"
     );
+    assert_eq!(stats().stream_waits, before.stream_waits + 1, "counted");
     written_last(&ctx, &y, &b);
     let syncs = sim.count(Op::EventSynchronize);
     // Freed on B and taken again by B: its own free, and A's before the wait, need no wait.
@@ -859,6 +903,8 @@ fn a_block_another_stream_freed_serves_a_stream_behind_its_work() {
         waits + 1,
         "B was idle: no wait"
     );
+    assert_eq!(stats().stream_waits, before.stream_waits + 1);
+    assert_eq!(stats().host_waits, 0, "the host never waited");
     drop((again, pin));
     a.synchronize().unwrap();
     ctx.trim().unwrap();

@@ -140,7 +140,8 @@ def torch_figures(torch, args, use=None):
 def counters(torch, args):
     """What the allocator did so far, under PyTorch's allocator or emm's: allocations served,
     live bytes now and at their peak, bytes held from the driver now and at their peak, driver
-    allocations and frees, and the bytes given back to the driver (``{}`` on the CPU)."""
+    allocations and frees, the bytes given back to the driver, and under emm the waits its pool
+    made, on the GPU for another stream's work and on the host (``{}`` on the CPU)."""
     if args.device != "cuda":
         return {}
     if args.allocator == "native":
@@ -169,6 +170,8 @@ def counters(torch, args):
         "driver_allocations": pool.get("driver_allocations", 0),
         "driver_frees": pool.get("driver_frees", 0),
         "given_back_bytes": pool.get("trimmed_bytes", 0),
+        "stream_waits": pool.get("stream_waits", 0),
+        "host_waits": pool.get("host_waits", 0),
     }
 
 

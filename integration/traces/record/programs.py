@@ -2,7 +2,8 @@
 PyTorch's caching allocator (default, and with expandable segments) and under emm's `pool`
 and `vmm-pool` (``emm.torch.install()``), one process each, and the figures a user sees side
 by side: peak memory held over peak live, driver allocations and frees (and per 100
-allocations after warm-up), bytes given back to the driver, and time per step.
+allocations after warm-up), bytes given back to the driver, emm's waits (``waits``: on the GPU
+for another stream's work / on the host for a stream's), and time per step.
 
     python3 programs.py [--programs transformer,cnn,...] [--allocators torch,...]
                         [--rounds N] [--log-dir DIR] [--out results.jsonl]
@@ -93,6 +94,8 @@ def figures(r):
         "driver_frees": c.get("driver_frees"),
         "per_100_after_warmup": 100 * driver / allocs if allocs > 0 else None,
         "given_back": c.get("given_back_bytes"),
+        "stream_waits": c.get("stream_waits"),
+        "host_waits": c.get("host_waits"),
         "step_ms": r.get("step_ms_median"),
     }
 
@@ -129,7 +132,7 @@ def table(results):
         by.setdefault((r["program"], r["allocator"]), []).append(r)
     gib = 2**30
     print(f"{'program':<12} {'allocator':<17} {'live MiB':>9} {'held MiB':>9} {'held/live':>9} "
-          f"{'drv alloc':>9} {'drv free':>8} {'/100 warm':>9} {'back GB':>8} {'step ms':>8} "
+          f"{'drv alloc':>9} {'drv free':>8} {'/100 warm':>9} {'back GB':>8} {'waits':>9} {'step ms':>8} "
           f"{'vs torch':>8}  checks")
     programs = [p for p in PROGRAMS if any(k[0] == p for k in by)]
     for program in programs:
@@ -176,12 +179,16 @@ def table(results):
             def num(v, fmt):
                 return format(v, fmt) if v is not None else "-"
 
+            # emm's waits: on the GPU for another stream's work / on the host.
+            waits = (f"{f['stream_waits']}/{f['host_waits']}" if f["stream_waits"] is not None
+                     else "-")
+
             print(f"{program:<12} {allocator:<17} {num(f['live'] and f['live'] / 2**20, '9.0f')} "
                   f"{num(f['held'] and f['held'] / 2**20, '9.0f')} {num(f['held_over_live'], '9.3f')} "
                   f"{num(f['driver_allocations'], '9d')} {num(f['driver_frees'], '8d')} "
                   f"{num(f['per_100_after_warmup'], '9.2f')} "
                   f"{num(f['given_back'] is not None and f['given_back'] / 1e9, '8.1f')} "
-                  f"{num(step, '8.2f')} {num(vs, '8.3f')}  {'; '.join(checks)}")
+                  f"{waits:>9} {num(step, '8.2f')} {num(vs, '8.3f')}  {'; '.join(checks)}")
     return ok
 
 

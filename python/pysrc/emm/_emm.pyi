@@ -196,8 +196,9 @@ class Context:
     def pool_stats(self) -> Any:
         """What the manager's pools hold: `device` and `pinned_host`, each `None` or a dict of
         `held_bytes`, `in_use_bytes`, `in_use_blocks`, `cached_bytes`, `peak_held_bytes`,
-        `chunks`, `grows`, `driver_allocations`, `driver_frees`, `trimmed_bytes` and
-        `largest_free_bytes` (`None` where the pool cannot tell)."""
+        `chunks`, `grows`, `driver_allocations`, `driver_frees`, `stream_waits` (waits on the
+        GPU for another stream's work), `host_waits` (waits on the host for a stream's work),
+        `trimmed_bytes` and `largest_free_bytes` (`None` where the pool cannot tell)."""
         ...
 
     def reset(self) -> Any:

@@ -239,6 +239,10 @@ struct Totals {
     /// or `cuMemRelease` per piece) made for the pool's memory.
     driver_allocations: AtomicU64,
     driver_frees: AtomicU64,
+    /// GPU waits (`cuStreamWaitEvent`) and host waits (`cuEventSynchronize`) made for the
+    /// pool's stream-ordered memory ([`PoolStats::stream_waits`], [`PoolStats::host_waits`]).
+    stream_waits: AtomicU64,
+    host_waits: AtomicU64,
     /// The most bytes in use with a request seen at a growth since the last trim or reset
     /// ([`PoolShared::kept_through_growth`]).
     in_use_mark: AtomicUsize,

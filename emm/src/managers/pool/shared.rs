@@ -710,6 +710,8 @@ impl PoolShared {
             grows: self.totals.grows.load(Ordering::Relaxed),
             driver_allocations: self.totals.driver_allocations.load(Ordering::Relaxed),
             driver_frees: self.totals.driver_frees.load(Ordering::Relaxed),
+            stream_waits: self.totals.stream_waits.load(Ordering::Relaxed),
+            host_waits: self.totals.host_waits.load(Ordering::Relaxed),
             trimmed_bytes: self.totals.trimmed.load(Ordering::Relaxed),
             largest_free_bytes: Some(largest.max(arena.largest_free())),
         }

@@ -459,7 +459,7 @@ impl PoolShared {
         if self.cx.stream_is_captured(stream).unwrap_or(true) {
             return false;
         }
-        if let Err(e) = self.fences.order_after(busy.iter().copied(), stream) {
+        if let Err(e) = self.order_on_gpu(&busy, stream) {
             tracing::warn!(device = %self.cx.device, error = %e, "ordering a stream after another's work failed; the block another stream freed is not used");
             self.queue.record_error(EmmError::driver(
                 "ordering a stream after the streams that freed its block",
@@ -746,7 +746,7 @@ impl PoolShared {
                 self.cx.driver.stream_query(self.cx.context, growing),
                 Ok(true)
             );
-        if wait && let Err(e) = self.fences.wait_for_stream(growing) {
+        if wait && let Err(e) = self.wait_on_host(growing) {
             tracing::warn!(device = %self.cx.device, error = %e, "waiting for a growing stream's work failed; the free chunks it freed into stay with the pool");
             self.keep_on_streams(going);
             self.queue.record_error(EmmError::driver(
@@ -819,7 +819,7 @@ impl PoolShared {
         if !busy.is_empty() {
             // `vmm-pool`: the growing stream's work waits on the GPU for theirs, and the pool
             // for the growing stream's.
-            if let Err(e) = self.fences.order_after(busy.iter().copied(), growing) {
+            if let Err(e) = self.order_on_gpu(&busy, growing) {
                 self.queue.record_error(EmmError::driver(
                     "ordering a growing stream after the streams that freed its pieces",
                     self.cx.device,
@@ -1009,6 +1009,9 @@ impl PoolShared {
         let err = |e| EmmError::driver("reclaiming stream-ordered blocks", self.cx.device, e);
         let mut k = 0;
         while k < lists.waiting.len() {
+            if wait {
+                self.totals.host_waits.fetch_add(1, Ordering::Relaxed);
+            }
             if !self
                 .fences
                 .finished(&mut lists.waiting[k].2, wait)
@@ -1112,6 +1115,25 @@ impl PoolShared {
         Ok(true)
     }
 
+    /// Makes `stream`'s work from now on wait on the GPU for the work queued so far on `busy`,
+    /// counted in [`PoolStats::stream_waits`](crate::contract::info::PoolStats::stream_waits).
+    fn order_on_gpu(
+        &self,
+        busy: &[StreamHandle],
+        stream: StreamHandle,
+    ) -> Result<(), driver_sys::DriverError> {
+        self.fences.order_after(busy.iter().copied(), stream)?;
+        (self.totals.stream_waits).fetch_add(busy.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Waits on the host until the work queued so far on `stream` is done, counted in
+    /// [`PoolStats::host_waits`](crate::contract::info::PoolStats::host_waits).
+    fn wait_on_host(&self, stream: StreamHandle) -> Result<(), driver_sys::DriverError> {
+        self.totals.host_waits.fetch_add(1, Ordering::Relaxed);
+        self.fences.wait_for_stream(stream)
+    }
+
     /// Whether `s`, a stream whose frees the lists record, has no work pending (with `wait`,
     /// after waiting for it): `Some(true)` with its ranges forgotten, every stream's now;
     /// `Some(false)` where its work still runs; `None` where it is being captured (its work is
@@ -1126,7 +1148,7 @@ impl PoolShared {
             return Ok(None);
         }
         let idle = if wait {
-            self.fences.wait_for_stream(s).map(|()| true)?
+            self.wait_on_host(s).map(|()| true)?
         } else {
             self.cx.driver.stream_query(self.cx.context, s)?
         };
