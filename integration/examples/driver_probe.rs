@@ -406,7 +406,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// `cuMemMap` + `cuMemSetAccess`, `cuMemUnmap` + `cuMemRelease`) return while another stream
 /// of the context waits on a flag the host has not written (and has a set of memory queued
 /// behind the wait): each runs on a thread, and the probe waits up to 3 s for it before it
-/// writes the flag. The calls that may not block come first, so that a call blocked before
+/// writes the flag. `cuMemFreeAsync` of 64 MiB of `cuMemAlloc` memory on the waiting stream
+/// itself prints the device's free bytes before and after the call and once the stream has run
+/// past it: whether the memory comes back at the call or at the stream's free. The calls that
+/// may not block come first, so that a call blocked before
 /// them does not hold them up. The default manager's stream-ordered frees must not block a
 /// thread on such a stream; a pool's growth or give-back that blocks stalls every stream's
 /// thread that makes one.
@@ -427,6 +430,10 @@ fn frees_while_a_stream_waits(
     // Made before the wait: memory for `cuMemFreeAsync`, and a reservation of two granules,
     // the first mapped (for the unmap) and the second free (for the map).
     let plain = d.mem_alloc(ctx, 4096)?;
+    // Freed on the waiting stream itself: whether the driver gives its 64 MiB back at the call
+    // or when the stream reaches the free shows in the device's free bytes before and after.
+    const BIG: usize = 64 << 20;
+    let big = d.mem_alloc(ctx, BIG)?;
     let granule = d.mem_vmm_granularity(DeviceOrdinal(0))?;
     let reserved = d.mem_address_reserve(ctx, 2 * granule)?;
     let mapped = d.mem_create(ctx, DeviceOrdinal(0), granule, false)?;
@@ -441,13 +448,32 @@ fn frees_while_a_stream_waits(
     let (freed_async, unmapped, mapped_second) = (flag_off(), flag_off(), flag_off());
     let (freed_async_set, unmapped_set, mapped_second_set) =
         (freed_async.clone(), unmapped.clone(), mapped_second.clone());
+    let big_freed = flag_off();
+    let big_freed_set = big_freed.clone();
     d.stream_wait_value32(ctx, s, at, 1, wait_value::EQ)?;
     let held = d.mem_alloc(ctx, 1 << 20)?;
     // SAFETY: `held` is live memory of this context until its free below (after the flag).
     unsafe { d.memset_d8_async(ctx, held, 7, 1 << 20, s)? };
     let pool = d.device_default_mem_pool(DeviceOrdinal(0))?;
     type Call = Box<dyn FnOnce(&dyn Driver) -> Result<(), DriverError> + Send>;
+    let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
     let calls: Vec<(&str, Call)> = vec![
+        (
+            "cuMemFreeAsync of 64 MiB of cuMemAlloc memory on the waiting stream",
+            Box::new(move |d: &dyn Driver| {
+                let before = d.mem_get_info(ctx)?.free;
+                // SAFETY: allocated before the wait, unused by any work, freed once.
+                unsafe { d.mem_free_async(ctx, big, s) }?;
+                big_freed_set.store(true, SeqCst);
+                let after = d.mem_get_info(ctx)?.free;
+                println!(
+                    "   (device free before the call {:.1} MiB, after it {:.1} MiB)",
+                    mib(before),
+                    mib(after)
+                );
+                Ok(())
+            }),
+        ),
         (
             "cuMemFreeAsync of cuMemAlloc memory on another stream",
             Box::new(move |d: &dyn Driver| {
@@ -556,6 +582,14 @@ fn frees_while_a_stream_waits(
     }
     d.stream_synchronize(ctx, s)?;
     d.stream_synchronize(ctx, other)?;
+    if big_freed.load(SeqCst) {
+        println!(
+            "device free once the waiting stream ran past its cuMemFreeAsync: {:.1} MiB",
+            mib(d.mem_get_info(ctx)?.free)
+        );
+    } else {
+        free(&**d, ctx, big)?;
+    }
     free(&**d, ctx, held)?;
     if !freed_async.load(SeqCst) {
         free(&**d, ctx, plain)?;
