@@ -41,14 +41,14 @@ pub struct PoolStats {
     /// (the driver's own pools).
     pub driver_allocations: u64,
     /// Driver frees the pool made: `cuMemFree` calls, or `cuMemRelease` calls under
-    /// `vmm-pool`. Each one waits for the device's work to finish.
+    /// `vmm-pool`. A `cuMemFree` returns only once every stream's work queued so far is done;
+    /// `cuMemUnmap` and `cuMemRelease` do not wait for it.
     pub driver_frees: u64,
-    /// Waits on the GPU the pool queued so that a stream's work runs after another stream's
-    /// (`cuStreamWaitEvent`, one per stream waited for) before the first used memory the
-    /// second had freed, and still had work queued behind. Each one holds the waiting stream's
-    /// next work until the other stream's work queued so far is done: a program whose streams
-    /// should overlap loses that overlap there. Zero where the pool does not count them (the
-    /// driver's own pools, the pinned host pool).
+    /// Waits the pool queued on the GPU (`cuStreamWaitEvent`, one per stream waited for): a
+    /// stream about to use memory that another stream freed, while that stream still had work
+    /// queued, first waits for that work. The waiting stream's next work starts only once the
+    /// other's work queued so far is done, so streams that could have overlapped did not. Zero
+    /// where the pool does not count them (the driver's own pools, the pinned host pool).
     pub stream_waits: u64,
     /// Waits on the host the pool made for a stream's work to finish (`cuEventSynchronize`),
     /// before it gave back or moved memory that work may still use, or reclaimed blocks

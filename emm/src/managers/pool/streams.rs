@@ -712,12 +712,12 @@ impl PoolShared {
     /// work may wait on the host itself: the pool never waits for another stream's work);
     /// one into which only idle streams and `growing` freed goes once `growing`'s work is
     /// done: the pool waits for it (an event recorded there now), then frees the driver's
-    /// chunks and returns the shared arena's. A free on the driver waits for the device's work
-    /// in any case (`cuMemFree`, `cuMemUnmap`); waiting first orders it after the stream's
-    /// work by rule rather than by the driver's habit, and frees the chunks before the pool
-    /// grows instead of at a later growth. Where the wait fails, the chunks go back to the
-    /// arena, which may still use them. The caller holds the context's liveness and no lock of
-    /// the pool's.
+    /// chunks and returns the shared arena's. A `cuMemFree` waits for the device's work in any
+    /// case, but `cuMemUnmap` does not: the wait is what orders `vmm-pool`'s unmap after the
+    /// stream's work, and under `pool` it orders the free by rule rather than by the driver's
+    /// habit and frees the chunks before the pool grows instead of at a later growth. Where the
+    /// wait fails, the chunks go back to the arena, which may still use them. The caller holds
+    /// the context's liveness and no lock of the pool's.
     fn give_back_after(&self, growing: StreamHandle, shed: Vec<Chunk>) {
         if shed.is_empty() {
             return;
