@@ -156,6 +156,11 @@ const MIB: f64 = (1 << 20) as f64;
 
 const HEADER: &str = "trace,manager,driver,events,peak_live_bytes,peak_held_bytes,held_over_live,pool_peak_held_bytes,driver_allocations,driver_frees,ops_per_second,largest_free_at_peak_bytes,held_after_bytes,pass_peak_held_bytes,stream_waits,host_waits";
 
+/// A figure for the CSV, empty where there is none.
+fn opt<T: ToString>(v: Option<T>) -> String {
+    v.map_or_else(String::new, |v| v.to_string())
+}
+
 fn csv_row(trace: &str, driver: &str, events: usize, r: &ManagerReplay) -> String {
     let first = &r.passes[0];
     let passes: Vec<String> = r
@@ -163,8 +168,6 @@ fn csv_row(trace: &str, driver: &str, events: usize, r: &ManagerReplay) -> Strin
         .iter()
         .map(|p| p.peak_held_bytes.to_string())
         .collect();
-    let opt = |v: Option<usize>| v.map_or_else(String::new, |v| v.to_string());
-    let opt64 = |v: Option<u64>| v.map_or_else(String::new, |v| v.to_string());
     format!(
         "{trace},{},{driver},{events},{},{},{:.4},{},{},{},{:.0},{},{},{},{},{}",
         r.manager,
@@ -178,8 +181,8 @@ fn csv_row(trace: &str, driver: &str, events: usize, r: &ManagerReplay) -> Strin
         opt(first.largest_free_at_peak),
         r.passes.last().map_or(0, |p| p.held_after_bytes),
         passes.join(" "),
-        opt64(r.pool_waits.map(|w| w.0)),
-        opt64(r.pool_waits.map(|w| w.1)),
+        opt(r.pool_waits.map(|w| w.0)),
+        opt(r.pool_waits.map(|w| w.1)),
     )
 }
 

@@ -224,9 +224,9 @@ const HOST_WAITS_PER_100: f64 = 0.25;
 /// A program's log recorded on the GPU with its progress (`programs.csv`), replayed five times
 /// with that progress under `pool` and `vmm-pool`: peak held within the manager's bound on
 /// every pass, passes that hold little more than the first and settle, and, once a pass has
-/// been replayed,
-/// at most [`DRIVER_ALLOCATIONS_PER_100`] driver allocations per 100 allocations, and over all
-/// passes at most [`STREAM_WAITS_PER_100`] and [`HOST_WAITS_PER_100`] waits. Replayed
+/// been replayed, at most [`DRIVER_ALLOCATIONS_PER_100`] driver allocations per 100
+/// allocations, and over all passes at most [`STREAM_WAITS_PER_100`] and
+/// [`HOST_WAITS_PER_100`] waits. Replayed
 /// without the progress, these programs' logs showed none of what `pool` did on the GPU (1.7
 /// to 2.6 times peak live, a driver allocation and free per dozen allocations): the progress
 /// is what makes the stream busy when the pool decides. The other managers are not held to
@@ -272,6 +272,11 @@ const SERVER_NOW: Limits = Limits {
     vmm_pool_settles: true,
     over_first: 1.0 / 16.0,
 };
+
+/// `n` per 100 of `all`.
+fn per_hundred(n: usize, all: usize) -> f64 {
+    100.0 * n as f64 / all.max(1) as f64
+}
 
 /// [`check_program`] with the bounds `limits`.
 fn check_program_within(name: &str, limits: &Limits) {
@@ -321,7 +326,7 @@ fn check_program_within(name: &str, limits: &Limits) {
         }
         let later: usize = r.pass_driver_allocations[1..].iter().sum();
         let allocations: usize = r.passes[1..].iter().map(|p| p.allocations).sum();
-        let per_100 = 100.0 * later as f64 / allocations.max(1) as f64;
+        let per_100 = per_hundred(later, allocations);
         if per_100 > DRIVER_ALLOCATIONS_PER_100 {
             failures.push(format!(
                 "{manager}: {later} driver allocations for {allocations} allocations after the first pass, {per_100:.2} per 100 (at most {})",
@@ -334,7 +339,7 @@ fn check_program_within(name: &str, limits: &Limits) {
             ("on the GPU", gpu, STREAM_WAITS_PER_100),
             ("on the host", host, HOST_WAITS_PER_100),
         ] {
-            let per_100 = 100.0 * waits as f64 / all.max(1) as f64;
+            let per_100 = per_hundred(waits as usize, all);
             if per_100 > most {
                 failures.push(format!(
                     "{manager}: {waits} waits {what} for {all} allocations, {per_100:.2} per 100 (at most {most})"

@@ -1130,8 +1130,9 @@ impl PoolShared {
     /// Waits on the host until the work queued so far on `stream` is done, counted in
     /// [`PoolStats::host_waits`](crate::contract::info::PoolStats::host_waits).
     fn wait_on_host(&self, stream: StreamHandle) -> Result<(), driver_sys::DriverError> {
+        self.fences.wait_for_stream(stream)?;
         self.totals.host_waits.fetch_add(1, Ordering::Relaxed);
-        self.fences.wait_for_stream(stream)
+        Ok(())
     }
 
     /// Whether `s`, a stream whose frees the lists record, has no work pending (with `wait`,
