@@ -24,7 +24,8 @@ With `--programs DIR`, the memory section comes from a run of the real programs 
 of the trace replays of the main run. Its `step-rounds.jsonl`, where present, holds a later
 call's rounds of some programs under PyTorch and emm's pools in turn (`programs.py --rounds N`,
 described by `run.txt`'s `step_rounds` line): those programs' steps are the fastest round's,
-over PyTorch's fastest from the same call, and the table marks them.
+compared with PyTorch's by the median of each round's ratio to PyTorch's in the same round, and
+the table marks them.
 
 With `--logged DIR`, the replay of logged programs against their GPU runs comes from a later
 run of its own (`run.txt`, `programs-logged.jsonl`, `replay-sim.csv`) instead of `--programs`'s.
@@ -37,6 +38,7 @@ import csv
 import json
 import math
 import os
+import statistics
 import sys
 
 args = sys.argv[1:]
@@ -299,6 +301,9 @@ if programs_run:
         if (p, "torch") in step_rounds and (p, a) in prog_fig:
             prog_fig[(p, a)]["step_ms"] = min(r["step_ms_median"] for r in rs if r.get("step_ms_median"))
             prog_fig[(p, a)]["step_rounds"] = len(rs)
+            same_round = programs_module.round_ratios(rs, step_rounds[(p, "torch")])
+            if same_round:
+                prog_fig[(p, a)]["vs_rounds"] = statistics.median(same_round)
     programs_present = [p for p in PROGRAM_ORDER if (p, "torch") in prog_fig]
 
 
@@ -309,8 +314,11 @@ def prog_span(allocator, key):
 
 
 def vs_torch(p, allocator):
-    """A step over PyTorch's from the same call: the rounds' where the step came from them."""
+    """A step over PyTorch's from the same call: where the step came from rounds, the median of
+    each round's ratio to PyTorch's in the same round (as programs.py's table compares)."""
     f, base = prog_fig[(p, allocator)], prog_fig[(p, "torch")]
+    if "vs_rounds" in f:
+        return f["vs_rounds"]
     return f["step_ms"] / (base["step_ms"] if "step_rounds" in f else base["run_step_ms"])
 
 
