@@ -783,3 +783,39 @@ fn recorded_work_holds_its_stream_until_it_is_reached() {
     let stranger = unsafe { driver_sys::StreamHandle::from_raw(0xdead_0000) };
     assert!(sim.launch_recorded(ctx, stranger, 1).is_err());
 }
+
+#[test]
+fn cu_mem_alloc_memory_freed_on_a_stream_goes_when_the_stream_gets_there() {
+    let (sim, ctx) = started(SimConfig::single(1 << 30));
+    let stream = sim.stream_create(ctx, 0).unwrap();
+    let p = sim.mem_alloc(ctx, 8 << 20).unwrap();
+    let before = sim.mem_get_info(ctx).unwrap().free;
+    sim.launch_recorded(ctx, stream, 100).unwrap();
+    let free_async = || {
+        // SAFETY: the simulator's memory is simulated; misuse is answered with errors.
+        unsafe { sim.mem_free_async(ctx, p, stream) }
+    };
+    free_async().unwrap();
+    assert_eq!(
+        sim.mem_get_info(ctx).unwrap().free,
+        before,
+        "in use until the stream reaches the free"
+    );
+    // Freed once: another free of it, either kind, is a double free.
+    assert_eq!(
+        free(&sim, ctx, p).unwrap_err().kind(),
+        ErrorKind::InvalidValue
+    );
+    assert_eq!(free_async().unwrap_err().kind(), ErrorKind::InvalidValue);
+    sim.reach_recorded(ctx, stream, 100).unwrap();
+    assert_eq!(sim.mem_get_info(ctx).unwrap().free, before + (8 << 20));
+    assert_eq!(
+        free(&sim, ctx, p).unwrap_err().kind(),
+        ErrorKind::InvalidValue
+    );
+    assert!(
+        sim.leak_report().no_memory_leaked(),
+        "{}",
+        sim.leak_report()
+    );
+}

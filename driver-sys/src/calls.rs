@@ -477,12 +477,15 @@ macro_rules! driver_calls {
             /// `cuMemAllocFromPoolAsync`: `bytes` from `pool`, ordered on `stream`.
             fn mem_alloc_from_pool_async(ctx: [$crate::ContextHandle], pool: [$crate::MemPoolHandle], bytes: [usize], stream: [$crate::StreamHandle]) -> [$crate::DevicePtr] => MemAllocFromPoolAsync [custom];
 
-            /// `cuMemFreeAsync`: returns `ptr` to its pool, ordered on `stream`.
+            /// `cuMemFreeAsync`: returns `ptr` to its pool, ordered on `stream`. Memory from
+            /// [`mem_alloc`](Self::mem_alloc) is accepted too: the call returns without waiting
+            /// for `stream`, and the memory stays in use until `stream` has run past the free.
             ///
             /// # Safety
             ///
-            /// - `ptr` came from [`mem_alloc_from_pool_async`](Self::mem_alloc_from_pool_async) and
-            ///   is freed once; no work ordered after the free on other streams uses it.
+            /// - `ptr` came from [`mem_alloc_from_pool_async`](Self::mem_alloc_from_pool_async) or
+            ///   [`mem_alloc`](Self::mem_alloc) and is freed once; no work ordered after the free
+            ///   on other streams uses it.
             [unsafe] fn mem_free_async(ctx: [$crate::ContextHandle], ptr: [$crate::DevicePtr], stream: [$crate::StreamHandle]) -> [()] => MemFreeAsync [custom];
 
             /// `cuMemPoolExportToShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)`: a new file

@@ -173,6 +173,7 @@ fn replay(w: &Work) -> Option<Work> {
         Work::WaitEvent { .. }
         | Work::WaitStream { .. }
         | Work::PoolFreed { .. }
+        | Work::AllocFreed { .. }
         | Work::Recorded { .. } => return None,
         // Refused in a capture (see the module's rules).
         Work::Host(_) => return None,

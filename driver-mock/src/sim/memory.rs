@@ -24,6 +24,10 @@ pub(super) struct SimAlloc {
     /// A block of a stream-ordered pool: it lies in the device's pool space, whose pages its
     /// pool holds ([`PoolSpace`]).
     pub(super) pooled: bool,
+    /// Freed by `cuMemFreeAsync` on a stream that has not yet reached the free: its memory
+    /// stays in use until then ([`Work::AllocFreed`](super::streams::Work::AllocFreed)), and
+    /// any other free of it is refused as a double free.
+    pub(super) free_queued: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -273,6 +277,7 @@ impl World {
                 store,
                 owner: pid,
                 pooled: false,
+                free_queued: false,
             },
         );
         Ok(addr)
@@ -281,15 +286,12 @@ impl World {
     /// Frees process `pid`'s allocation at `ptr` on any device; returns its size.
     pub(super) fn free_device(&mut self, pid: usize, ptr: u64) -> Result<usize, u32> {
         // Unified addressing: the allocation may be on any device of this process.
-        let i = (0..self.devices.len()).find(|&i| {
-            self.devices[i]
-                .allocs
-                .get(&ptr)
-                .is_some_and(|a| a.owner == pid)
-        });
-        let Some(i) = i else {
+        let Some(i) = self.device_of(pid, ptr) else {
             return self.free_managed(pid, ptr).ok_or(code::INVALID_VALUE);
         };
+        if self.devices[i].allocs[&ptr].free_queued {
+            return Err(code::INVALID_VALUE);
+        }
         if self.devices[i].allocs[&ptr].pooled {
             return self.free_pool_allocation(pid, ptr);
         }
@@ -297,6 +299,46 @@ impl World {
         self.note_if_imported(a.store);
         self.drop_store(a.store);
         Ok(a.size)
+    }
+
+    /// The device whose allocations hold process `pid`'s allocation at `ptr` (unified
+    /// addressing: any device of the process).
+    fn device_of(&self, pid: usize, ptr: u64) -> Option<usize> {
+        (0..self.devices.len()).find(|&i| {
+            self.devices[i]
+                .allocs
+                .get(&ptr)
+                .is_some_and(|a| a.owner == pid)
+        })
+    }
+
+    /// `cuMemFreeAsync` of `cuMemAlloc` memory: process `pid`'s plain device allocation at
+    /// `ptr` is marked as freed and its size returned; the caller queues the free on the
+    /// stream, and the memory goes when the stream reaches it (measured on an H100: the call
+    /// returns without waiting for the stream, and the device's free bytes rise only once the
+    /// stream has run past it). `None` when `ptr` is no such allocation, or is already freed.
+    pub(super) fn queue_device_free(&mut self, pid: usize, ptr: u64) -> Option<usize> {
+        let i = self.device_of(pid, ptr)?;
+        let a = self.devices[i].allocs.get_mut(&ptr).expect("found above");
+        if a.pooled || a.free_queued {
+            return None;
+        }
+        a.free_queued = true;
+        Some(a.size)
+    }
+
+    /// The free of [`queue_device_free`](Self::queue_device_free), reached in stream order:
+    /// the allocation goes, if it is still there (a context reset may have taken it first).
+    pub(super) fn run_queued_device_free(&mut self, pid: usize, ptr: u64) {
+        let Some(i) = self.device_of(pid, ptr) else {
+            return;
+        };
+        if !self.devices[i].allocs[&ptr].free_queued {
+            return;
+        }
+        let a = self.devices[i].remove(i, ptr).expect("found above");
+        self.note_if_imported(a.store);
+        self.drop_store(a.store);
     }
 
     /// The owner gives up the allocation backed by `store`: if another process still maps it

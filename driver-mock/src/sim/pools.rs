@@ -256,6 +256,7 @@ impl World {
                 store,
                 owner: pid,
                 pooled: true,
+                free_queued: false,
             },
         );
         self.note_pool_pages(pid, h, i);
@@ -651,6 +652,11 @@ impl World {
         if let Some(size) = self.free_imported_host(pid, ptr.0) {
             note.bytes = Some(size);
             return Ok(());
+        }
+        // `cuMemAlloc` memory: freed in stream order, once the stream reaches the free.
+        if let Some(size) = self.queue_device_free(pid, ptr.0) {
+            note.bytes = Some(size);
+            return self.enqueue_alloc_free(pid, i, stream, ptr.0);
         }
         let (h, device) = self.processes[pid]
             .pools

@@ -105,6 +105,11 @@ pub(super) enum Work {
     PoolFreed {
         id: u64,
     },
+    /// A `cuMemFreeAsync` of `cuMemAlloc` memory reached in stream order: the allocation at
+    /// `ptr` goes, and its memory is free for every allocation.
+    AllocFreed {
+        ptr: u64,
+    },
 }
 
 /// One stream's queue.
@@ -281,6 +286,18 @@ impl World {
         self.enqueue(pid, device, stream, Work::PoolFreed { id })
     }
 
+    /// Queues the free of the `cuMemAlloc` allocation at `ptr` on `stream`
+    /// ([`Work::AllocFreed`]).
+    pub(super) fn enqueue_alloc_free(
+        &mut self,
+        pid: usize,
+        device: usize,
+        stream: StreamHandle,
+        ptr: u64,
+    ) -> Result<(), u32> {
+        self.enqueue(pid, device, stream, Work::AllocFreed { ptr })
+    }
+
     /// Queues `work` on `stream` with the legacy stream's implicit waits.
     pub(super) fn enqueue(
         &mut self,
@@ -436,6 +453,7 @@ impl World {
                     }
                 }
             }
+            Work::AllocFreed { ptr } => self.run_queued_device_free(pid, ptr),
             Work::WaitEvent { .. }
             | Work::WaitStream { .. }
             | Work::WaitValue { .. }

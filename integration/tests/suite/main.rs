@@ -163,6 +163,7 @@ const TESTS: &[SuiteTest] = suite_tests![
     driver_conformance::pool_export_conformance,
     driver_conformance::context_destruction_reclaims_all_its_memory[ProvokesFailedReleases],
     driver_conformance::stream_ordered_pool_conformance,
+    driver_conformance::free_async_of_device_memory,
     driver_conformance::virtual_memory_conformance[ProvokesFailedReleases],
     driver_conformance::shareable_physical_memory_conformance,
     driver_conformance::pool_limits_and_host_pools_conformance,

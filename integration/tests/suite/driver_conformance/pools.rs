@@ -422,3 +422,91 @@ pub fn virtual_memory_conformance(target: Target) -> Result<(), Failed> {
     ensure_eq!(d.mem_get_info(ctx)?.free, free0, "everything came back");
     Ok(())
 }
+
+/// `cuMemFreeAsync` of `cuMemAlloc` memory (not a pool's), as the driver probe measured it on
+/// an H100: the call returns at once although its stream is held (by `cuStreamWaitValue32` on
+/// a flag in mapped pinned memory), and the memory stays in use, the device's free bytes
+/// unchanged, until the stream has run past the free. A watchdog writes the flag after 20 s,
+/// so that a driver whose call waited for the stream fails the test instead of hanging it.
+pub fn free_async_of_device_memory(target: Target) -> Result<(), Failed> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    use std::time::Duration;
+
+    use driver_sys::{host_alloc, stream_flags, wait_value};
+    const BYTES: usize = 64 << 20;
+    let raw = Raw::new(target)?;
+    let (d, ctx) = (&raw.driver, raw.ctx);
+    let flag_host = d.mem_host_alloc(ctx, 4096, host_alloc::DEVICEMAP)?;
+    let flag_dev = d.mem_host_get_device_pointer(ctx, flag_host)?;
+    // SAFETY: the flag word is the test's own mapped pinned memory, live until the end, and
+    // aligned for a u32; the device only reads it.
+    let word = unsafe { &*(flag_host.0 as *const AtomicU32) };
+    word.store(0, Ordering::SeqCst);
+    let stream = d.stream_create(ctx, stream_flags::NON_BLOCKING)?;
+    let buf = d.mem_alloc(ctx, BYTES)?;
+    let before = d.mem_get_info(ctx)?.free;
+    let released = Arc::new(AtomicBool::new(false));
+    let by_watchdog = Arc::new(AtomicBool::new(false));
+    let flag_addr = flag_host.0;
+    let watchdog = {
+        let (released, by_watchdog) = (Arc::clone(&released), Arc::clone(&by_watchdog));
+        std::thread::spawn(move || {
+            for _ in 0..200 {
+                if released.load(Ordering::SeqCst) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            by_watchdog.store(true, Ordering::SeqCst);
+            // SAFETY: the flag word outlives this thread (joined before it is freed).
+            unsafe { &*(flag_addr as *const AtomicU32) }.store(1, Ordering::SeqCst);
+        })
+    };
+    let freed = std::cell::Cell::new(false);
+    let checks = (|| -> Result<(), Failed> {
+        d.stream_wait_value32(ctx, stream, flag_dev, 1, wait_value::EQ)?;
+        // SAFETY: `buf` is this test's allocation, freed once, here; no work uses it.
+        unsafe { d.mem_free_async(ctx, buf, stream)? };
+        freed.set(true);
+        ensure!(
+            !by_watchdog.load(Ordering::SeqCst),
+            "cuMemFreeAsync of cuMemAlloc memory returned only once its stream was released"
+        );
+        let at_call = d.mem_get_info(ctx)?.free;
+        ensure!(
+            at_call < before + BYTES / 2,
+            "the memory came back before the stream reached the free: free {before} -> {at_call}"
+        );
+        ensure!(
+            !d.stream_query(ctx, stream)?,
+            "the held stream has work pending"
+        );
+        word.store(1, Ordering::SeqCst);
+        d.stream_synchronize(ctx, stream)?;
+        let after = d.mem_get_info(ctx)?.free;
+        ensure!(
+            after >= before + BYTES / 2,
+            "the memory is back once the stream ran past the free: free {before} -> {after}"
+        );
+        Ok(())
+    })();
+    // Whatever happened: release the held stream before anything waits on it.
+    word.store(1, Ordering::SeqCst);
+    released.store(true, Ordering::SeqCst);
+    let settled = d.stream_synchronize(ctx, stream);
+    watchdog
+        .join()
+        .map_err(|_| Failed::from("the watchdog thread panicked"))?;
+    // SAFETY: the stream is drained and the watchdog joined; each is released once.
+    unsafe {
+        d.stream_destroy(ctx, stream)?;
+        d.mem_free_host(ctx, flag_host)?;
+    }
+    if !freed.get() {
+        raw.free(buf)?;
+    }
+    checks?;
+    settled?;
+    Ok(())
+}
