@@ -57,3 +57,24 @@ def test_one_round_keeps_the_plain_checks(capsys):
     line = line_of(capsys, "pool")
     assert "held met (<= 1.25); driver met; step met" in line, line
     assert "rounds" not in line, line
+
+
+def test_each_round_starts_one_allocator_further_on(monkeypatch, tmp_path, capsys):
+    # No allocator always runs first in a round, where the machine's state after the previous
+    # runs would favour or burden it in every round alike.
+    order = []
+
+    def fake_run(program, allocator, log_dir, timeout):
+        order.append((program, allocator))
+        return result(allocator, None, 100.0, 1.1) | {"program": program}
+
+    monkeypatch.setattr(programs, "run", fake_run)
+    monkeypatch.setattr("sys.argv", ["programs.py", "--programs", "server,cnn", "--allocators",
+                                     "torch,pool,vmm-pool", "--rounds", "3",
+                                     "--out", str(tmp_path / "out.jsonl")])
+    assert programs.main() == 0
+    capsys.readouterr()
+    firsts = [order[i][1] for i in range(0, len(order), 3)]
+    assert firsts == ["torch", "torch", "pool", "pool", "vmm-pool", "vmm-pool"], order
+    every = [(p, a) for p in ("server", "cnn") for a in ("torch", "pool", "vmm-pool")]
+    assert sorted(order) == sorted(every * 3), order

@@ -11,11 +11,11 @@ for another stream's work / on the host for a stream's), and time per step.
 
 ``--log-dir`` records each emm run's allocations with the ``log`` adaptor (its ``Reached``
 column says how far the GPU had got), gzipped, for ``replay --progress``. ``--rounds`` runs
-every program and allocator that many times in turn; the table shows each one's fastest round
-for time and its first for memory, compares time by the median of each round's ratio to
-PyTorch's in the same round (a round's neighbours share its machine's state), and checks held
-memory in every round (it moves with thread timing). Exits 1 when a run fails or its results
-differ from PyTorch's beyond rounding.
+every program and allocator that many times in turn, each round starting one allocator further
+on; the table shows each one's fastest round for time and its first for memory, compares time
+by the median of each round's ratio to PyTorch's in the same round (a round's neighbours share
+its machine's state), and checks held memory in every round (it moves with thread timing).
+Exits 1 when a run fails or its results differ from PyTorch's beyond rounding.
 """
 
 import argparse
@@ -238,8 +238,11 @@ def main():
         os.makedirs(args.log_dir, exist_ok=True)
     results = []
     for round_ in range(args.rounds):
+        # Each round starts one allocator further on, so that none always runs first (after
+        # the previous program's runs) or last.
+        shift = round_ % len(allocators)
         for program in programs:
-            for allocator in allocators:
+            for allocator in allocators[shift:] + allocators[:shift]:
                 try:
                     r = run(program, allocator, args.log_dir if round_ == 0 else None, args.timeout)
                 except subprocess.TimeoutExpired:
