@@ -2,7 +2,7 @@
 here, never edited by hand.
 
     python3 bench-results/make_benchmarks.py bench-results/run-2026-11-29-h200-7e31f4d \
-        [--programs bench-results/run-2026-12-07-h100-4494775] [--host DIR] [--sleep DIR]
+        [--programs DIR] [--rounds DIR] [--logged DIR] [--host DIR] [--sleep DIR]
 
 The run directory holds `run.txt` (machine, date, commit, the calls made), `bench-full.csv`
 and `bench-quick.csv` (bench_gpu: section,subject,param,threads,value,unit), `peers.csv`
@@ -27,8 +27,13 @@ described by `run.txt`'s `step_rounds` line): those programs' steps are the fast
 compared with PyTorch's by the median of each round's ratio to PyTorch's in the same round, and
 the table marks them.
 
-With `--logged DIR`, the replay of logged programs against their GPU runs comes from a later
-run of its own (`run.txt`, `programs-logged.jsonl`, `replay-sim.csv`) instead of `--programs`'s.
+With `--rounds DIR`, those rounds come from a run folder of their own (its `step-rounds.jsonl`
+and `run.txt`) instead of `--programs`'s; the table's note gives each ratio's spread over the
+rounds and the held memory the rounds saw.
+
+With `--logged DIR` (once or more), the replay of logged programs against their GPU runs comes
+from later runs of their own (`run.txt`, `programs-logged.jsonl`, `replay-sim.csv`) instead of
+`--programs`'s; with several, each row names its run's commit.
 
 With `--sleep DIR`, a section on `vmm-pool`'s sleep and wake comes from a run of
 `python/bench/sleep_handoff.py` (`run.txt`, `handoff.json`).
@@ -52,10 +57,15 @@ if "--programs" in args:
     k = args.index("--programs")
     programs_run = args[k + 1].rstrip("/")
     del args[k:k + 2]
-logged_run = None
-if "--logged" in args:
+logged_runs = []
+while "--logged" in args:
     k = args.index("--logged")
-    logged_run = args[k + 1].rstrip("/")
+    logged_runs.append(args[k + 1].rstrip("/"))
+    del args[k:k + 2]
+rounds_run = None
+if "--rounds" in args:
+    k = args.index("--rounds")
+    rounds_run = args[k + 1].rstrip("/")
     del args[k:k + 2]
 sleep_run = None
 if "--sleep" in args:
@@ -162,10 +172,19 @@ if programs_run:
     page_args += cite_run(programs_run, "programs",
                           "**Memory held by real programs** (its section and target rows) comes",
                           also=[("step_rounds", "Step rounds")])
-if logged_run:
-    page_args += cite_run(logged_run, "logged",
-                          "**The logged programs replayed** (the memory section's last table) come",
-                          also=[("replay", "Replayed")])
+if rounds_run:
+    page_args += cite_run(rounds_run, "rounds",
+                          "**The step rounds** (the memory table's steps marked †) come",
+                          also=[("step_rounds", "Step rounds")])
+for logged_run in logged_runs:
+    lead = (f"**The logged programs replayed** (the memory section's last table, its rows of "
+            f"{run_info(logged_run)['commit'].split()[0]}) come")
+    if logged_run == rounds_run:
+        rel = os.path.relpath(os.path.abspath(logged_run), root)
+        w(f"- {lead} from the step rounds' run. Replayed: {run_info(logged_run)['replay']}.")
+        page_args += f" --logged {rel}"
+    else:
+        page_args += cite_run(logged_run, "logged", lead, also=[("replay", "Replayed")])
 if host_run:
     rel_host = os.path.relpath(os.path.abspath(host_run), root)
     w("- **Host run** (the pair table and its target, the history ring's cost, pairs beside live")
@@ -288,11 +307,11 @@ if programs_run:
         f["step_ms"] = min(r["step_ms_median"] for r in rs if r.get("step_ms_median"))
         f["run_step_ms"] = f["step_ms"]
         prog_fig[key] = f
-    # A run folder's step-rounds.jsonl holds a later call's rounds of some programs under
-    # PyTorch and emm's pools in turn: their steps (the fastest round) replace the one run's,
-    # each compared with PyTorch's from the same call.
+    # A run folder's step-rounds.jsonl (--rounds's, else the programs run's own) holds rounds
+    # of some programs under PyTorch and emm's pools in turn: their steps (the fastest round)
+    # replace the one run's, compared with PyTorch's by the median of the same-round ratios.
     step_rounds = {}
-    rounds_path = os.path.join(programs_run, "step-rounds.jsonl")
+    rounds_path = os.path.join(rounds_run or programs_run, "step-rounds.jsonl")
     if os.path.exists(rounds_path):
         for line in open(rounds_path):
             r = json.loads(line)
@@ -304,6 +323,10 @@ if programs_run:
             same_round = programs_module.round_ratios(rs, step_rounds[(p, "torch")])
             if same_round:
                 prog_fig[(p, a)]["vs_rounds"] = statistics.median(same_round)
+                prog_fig[(p, a)]["vs_spread"] = (min(same_round), max(same_round))
+            helds = [h for h in (programs_module.figures(r)["held_over_live"] for r in rs) if h]
+            if helds:
+                prog_fig[(p, a)]["rounds_held"] = (min(helds), max(helds))
     programs_present = [p for p in PROGRAM_ORDER if (p, "torch") in prog_fig]
 
 
@@ -667,23 +690,31 @@ if programs_run:
         counts = sorted({prog_fig[k]["step_rounds"] for k in from_rounds})
         one_run = "; ".join(f"{p} {names[a]} {prog_fig[(p, a)]['run_step_ms'] / prog_fig[(p, 'torch')]['run_step_ms']:.3f}"
                             for p, a in from_rounds if a != "torch")
+        spread = "; ".join(f"{p} {names[a]} {prog_fig[(p, a)]['vs_spread'][0]:.3f} – {prog_fig[(p, a)]['vs_spread'][1]:.3f}"
+                           for p, a in from_rounds if a != "torch" and "vs_spread" in prog_fig[(p, a)])
+        held = "; ".join(f"{p} {names[a]} {prog_fig[(p, a)]['rounds_held'][0]:.3f} – {prog_fig[(p, a)]['rounds_held'][1]:.3f}"
+                         for p, a in from_rounds if a in ("pool", "vmm-pool") and "rounds_held" in prog_fig[(p, a)])
         w("")
-        w(f"† The fastest of {' or '.join(map(str, counts))} rounds in a later call (`step-rounds.jsonl`: PyTorch and emm's "
-          "pools in turn, one process each), over PyTorch's fastest there; these programs' step varies "
-          f"by more than the target from run to run. The one run's ratios were: {one_run}.")
+        w(f"† The fastest of {' or '.join(map(str, counts))} rounds in {'a call of its own' if rounds_run else 'a later call'} "
+          "(`step-rounds.jsonl`: PyTorch and emm's pools in turn, one process each); the ratio is the median "
+          "of each round's ratio to PyTorch's in the same round (" + spread + "); these programs' step varies "
+          f"by more than the target from run to run. The one run's ratios were: {one_run}. Held over peak "
+          f"live in those rounds: {held}.")
     phase = prog.get(("phase", "pool"), [{}])[0]
     if "held_after_empty_cache" in phase:
         after = {a: prog[("phase", a)][0]["held_after_empty_cache"] / 2**20 for a in ALLOCATOR_ORDER if ("phase", a) in prog}
         w("")
         w("After the phase change's `torch.cuda.empty_cache()`, held: "
           + ", ".join(f"{names[a]} {v:.0f} MiB" for a, v in after.items()) + ".")
-    sim_path = os.path.join(logged_run or programs_run, "replay-sim.csv")
-    logged_path = os.path.join(logged_run or programs_run, "programs-logged.jsonl")
-    if os.path.exists(sim_path) and os.path.exists(logged_path):
-        logged = {}
-        for line in open(logged_path):
-            r = json.loads(line)
-            logged[(r["program"], r["allocator"])] = programs_module.figures(r)
+    # Each run with logged programs and their replay: --logged's, else the programs run's own.
+    replays = []
+    for folder in logged_runs or [programs_run]:
+        sim_path = os.path.join(folder, "replay-sim.csv")
+        logged_path = os.path.join(folder, "programs-logged.jsonl")
+        if os.path.exists(sim_path) and os.path.exists(logged_path):
+            replays.append((folder, sim_path, logged_path))
+    if replays:
+        several = len(replays) > 1
         w("")
         w("### The same runs replayed on the simulator")
         w("")
@@ -692,26 +723,35 @@ if programs_run:
         w("under, with that progress, the GPU running on to the middle of each recorded call while the")
         w("manager decides (`replay`; `run.txt` says how). The replay of a four-thread log orders the")
         w("threads' events as the log's lock did." + (
-            " These runs are a later call of their own (the files above), so their figures differ"
-            " from the table above's." if logged_run else ""))
+            " These runs are later calls of their own (the files above), so their figures differ"
+            " from the table above's." if logged_runs else ""))
         w("")
-        w("| program | manager | held / live, GPU | replay | driver allocations, GPU | replay | within 10 % |")
-        w("| --- | --- | ---: | ---: | ---: | ---: | --- |")
-        replayed = set()
-        for r in csv.DictReader(open(sim_path)):
-            p, m = r["trace"].rsplit(".", 1)[0], r["manager"]
-            g = logged.get((p, m))
-            if g is None:
-                continue
-            replayed.add((p, m))
-            held_off = float(r["held_over_live"]) / g["held_over_live"] - 1
-            allocs_off = int(r["driver_allocations"]) / max(g["driver_allocations"], 1) - 1
-            off = [f"{what} {d:+.1%}" for what, d in (("held", held_off), ("driver allocations", allocs_off))
-                   if abs(d) > 0.10]
-            verdict = "**met**" if not off else "**missed** (" + ", ".join(off).replace("%", " %") + ")"
-            w(f"| {p} | `{m}` | {g['held_over_live']:.3f} | {float(r['held_over_live']):.3f} | "
-              f"{g['driver_allocations']} | {r['driver_allocations']} | {verdict} |")
-        unreplayed = [f"{p} under `{m}`" for p, m in logged if (p, m) not in replayed]
+        w(("| run " if several else "") + "| program | manager | held / live, GPU | replay | "
+          "driver allocations, GPU | replay | within 10 % |")
+        w(("| --- " if several else "") + "| --- | --- | ---: | ---: | ---: | ---: | --- |")
+        unreplayed = []
+        for folder, sim_path, logged_path in replays:
+            commit = run_info(folder)["commit"].split()[0]
+            logged = {}
+            for line in open(logged_path):
+                r = json.loads(line)
+                logged[(r["program"], r["allocator"])] = programs_module.figures(r)
+            replayed = set()
+            for r in csv.DictReader(open(sim_path)):
+                p, m = r["trace"].rsplit(".", 1)[0], r["manager"]
+                g = logged.get((p, m))
+                if g is None:
+                    continue
+                replayed.add((p, m))
+                held_off = float(r["held_over_live"]) / g["held_over_live"] - 1
+                allocs_off = int(r["driver_allocations"]) / max(g["driver_allocations"], 1) - 1
+                off = [f"{what} {d:+.1%}" for what, d in (("held", held_off), ("driver allocations", allocs_off))
+                       if abs(d) > 0.10]
+                verdict = "**met**" if not off else "**missed** (" + ", ".join(off).replace("%", " %") + ")"
+                w((f"| {commit} " if several else "") + f"| {p} | `{m}` | {g['held_over_live']:.3f} | "
+                  f"{float(r['held_over_live']):.3f} | {g['driver_allocations']} | {r['driver_allocations']} | {verdict} |")
+            unreplayed += [f"{p} under `{m}`" + (f" ({commit})" if several else "")
+                           for p, m in logged if (p, m) not in replayed]
         if unreplayed:
             w("")
             w("Logged in the same call but not replayed here (`run.txt` says why): "
