@@ -289,10 +289,11 @@ impl World {
         let Some(i) = self.device_of(pid, ptr) else {
             return self.free_managed(pid, ptr).ok_or(code::INVALID_VALUE);
         };
-        if self.devices[i].allocs[&ptr].free_queued {
+        let a = &self.devices[i].allocs[&ptr];
+        if a.free_queued {
             return Err(code::INVALID_VALUE);
         }
-        if self.devices[i].allocs[&ptr].pooled {
+        if a.pooled {
             return self.free_pool_allocation(pid, ptr);
         }
         let a = self.devices[i].remove(i, ptr).expect("found above");

@@ -653,17 +653,19 @@ impl World {
             note.bytes = Some(size);
             return Ok(());
         }
-        // `cuMemAlloc` memory: freed in stream order, once the stream reaches the free.
-        if let Some(size) = self.queue_device_free(pid, ptr.0) {
-            note.bytes = Some(size);
-            return self.enqueue_alloc_free(pid, i, stream, ptr.0);
-        }
-        let (h, device) = self.processes[pid]
+        let Some((h, device)) = self.processes[pid]
             .pools
             .iter()
             .find(|(_, p)| p.live.contains_key(&ptr.0))
             .map(|(&h, p)| (h, p.device))
-            .ok_or(code::INVALID_VALUE)?;
+        else {
+            // `cuMemAlloc` memory: freed in stream order, once the stream reaches the free.
+            let size = self
+                .queue_device_free(pid, ptr.0)
+                .ok_or(code::INVALID_VALUE)?;
+            note.bytes = Some(size);
+            return self.enqueue_alloc_free(pid, i, stream, ptr.0);
+        };
         if let Some(a) = self.devices[device].allocs.get(&ptr.0) {
             self.note_if_imported(a.store);
         }
