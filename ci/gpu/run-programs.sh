@@ -14,6 +14,11 @@
 #                                   15 MB parts, for `replay` on the simulator; their figures
 #                                   in programs-logged.txt
 #
+# PROGRAMS_ROUNDS (3 unless set) runs every program under every allocator that many times, the
+# order rotating from round to round: step times move by more than the 3 % target from one
+# process to the next, so the table compares them by the median of the rounds' ratios to
+# PyTorch's in the same round, and checks held memory in every round.
+#
 # Fails when a run fails or its results differ from PyTorch's; a missed target is stated in
 # the table, not a failure. PROGRAMS_TIMEOUT and LOGS_TIMEOUT bound the two halves (seconds).
 set -u
@@ -21,8 +26,8 @@ out=${OUT:?set OUT to a folder for the results}
 record=integration/traces/record
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$out/programs-gpu.txt" 2>&1
 status=0
-timeout "${PROGRAMS_TIMEOUT:-900}" python3 "$record/programs.py" --out "$out/programs.jsonl" \
-    >"$out/programs.txt" 2>&1 || status=1
+timeout "${PROGRAMS_TIMEOUT:-2400}" python3 "$record/programs.py" --out "$out/programs.jsonl" \
+    --rounds "${PROGRAMS_ROUNDS:-3}" >"$out/programs.txt" 2>&1 || status=1
 grep -v '^#' "$out/programs.txt"
 if [ -n "${PROGRAMS_LOGS:-}" ]; then
     logs=$(mktemp -d)
