@@ -307,6 +307,16 @@ if programs_run:
         f["step_ms"] = min(r["step_ms_median"] for r in rs if r.get("step_ms_median"))
         f["run_step_ms"] = f["step_ms"]
         prog_fig[key] = f
+    # A programs run of several rounds (programs.py --rounds): steps compared by the median of
+    # the same-round ratios, held memory checked in every round (its worst round).
+    for (p, a), rs in prog.items():
+        if len(rs) > 1 and (p, "torch") in prog:
+            same_round = programs_module.round_ratios(rs, prog[(p, "torch")])
+            if same_round:
+                prog_fig[(p, a)]["vs_rounds"] = statistics.median(same_round)
+            helds = [h for h in (programs_module.figures(r)["held_over_live"] for r in rs) if h]
+            if len(helds) > 1:
+                prog_fig[(p, a)]["held_worst"] = max(helds)
     # A run folder's step-rounds.jsonl (--rounds's, else the programs run's own) holds rounds
     # of some programs under PyTorch and emm's pools in turn: their steps (the fastest round)
     # replace the one run's, compared with PyTorch's by the median of the same-round ratios.
@@ -373,7 +383,10 @@ if programs_run:
 
     rows_out = []
     for allocator, limit in (("pool", 1.25), ("vmm-pool", 1.10)):
-        text, missed = described(prog_span(allocator, "held_over_live"), ".3f", limit)
+        vals = [(p, prog_fig[(p, allocator)].get("held_worst", v)) for p, v in prog_span(allocator, "held_over_live")]
+        text, missed = described(vals, ".3f", limit)
+        if any("held_worst" in prog_fig[(p, allocator)] for p, _ in vals):
+            text += " (each program's worst round)"
         rows_out.append((f"`{allocator}` ≤ {limit:.2f}", text, verdict(missed), allocator))
     w("| memory held over peak live, real programs on the GPU | " + "; ".join(r[0] for r in rows_out)
       + " | " + "; ".join(f"`{r[3]}` {r[1]}" for r in rows_out) + " | "
