@@ -78,3 +78,32 @@ def test_each_round_starts_one_allocator_further_on(monkeypatch, tmp_path, capsy
     assert firsts == ["torch", "torch", "pool", "pool", "vmm-pool", "vmm-pool"], order
     every = [(p, a) for p in ("server", "cnn") for a in ("torch", "pool", "vmm-pool")]
     assert sorted(order) == sorted(every * 3), order
+
+
+def test_the_interface_floor_runs_only_when_named_and_shows_no_memory(capsys):
+    assert "torch-floor" not in programs.ALLOCATORS and "torch-async" not in programs.ALLOCATORS
+    assert programs.KNOWN["torch-floor"] == ("floor", {})
+    floor = result("torch-floor", 1, 104.0, 1.0) | {"counters": {}}
+    assert programs.table([result("torch", 1, 100.0, 3.0), floor])
+    line = line_of(capsys, "torch-floor")
+    cols = line.split()
+    assert cols[2:5] == ["-", "-", "-"], line  # live, held, held/live: PyTorch keeps none
+    assert cols[-1] == "1.040", line  # vs torch, with no targets to check
+
+
+def test_the_floor_library_builds_and_exports_its_two_functions(tmp_path):
+    import ctypes
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        import pytest
+
+        pytest.skip("no C compiler here to build python/bench/torch_floor.c")
+    src = pathlib.Path(__file__).resolve().parents[1] / "bench" / "torch_floor.c"
+    lib = tmp_path / "libtorch_floor.so"
+    subprocess.run([cc, "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", str(lib), str(src),
+                    "-ldl"], check=True)
+    loaded = ctypes.CDLL(str(lib))
+    assert loaded.floor_malloc and loaded.floor_free

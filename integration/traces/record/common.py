@@ -6,8 +6,13 @@ Each script runs one workload. With ``--allocator emm`` its framework allocates 
 With ``--allocator native`` the framework's own allocator runs the same workload, so its memory
 figures and results can be compared. With ``--allocator emm-mempool`` (PyTorch only) PyTorch's
 own caching allocator runs in front of emm: every thread allocates in ``emm.torch.mem_pool()``
-(``emm.torch.use_mem_pool()``), whose segments come from emm. Each script prints one JSON line last, prefixed
-``RESULT``: the workload's result (losses, checksums), step times, and memory figures.
+(``emm.torch.use_mem_pool()``), whose segments come from emm. With ``--allocator floor`` (PyTorch
+only) a pluggable allocator of two C functions that call the driver's stream-ordered pool and
+nothing else (``python/bench/torch_floor.c``, built as a shared library named by
+``EMM_TORCH_FLOOR``) runs it: what PyTorch's pluggable interface costs by itself, with no
+memory figures (PyTorch keeps none for a pluggable allocator). Each script prints one JSON line
+last, prefixed ``RESULT``: the workload's result (losses, checksums), step times, and memory
+figures.
 """
 
 import argparse
@@ -22,7 +27,7 @@ def parser(description, steps):
     """An argument parser with the options every script takes."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--steps", type=int, default=steps, help="steps (default %(default)s)")
-    p.add_argument("--allocator", choices=["emm", "emm-mempool", "native"], default="emm")
+    p.add_argument("--allocator", choices=["emm", "emm-mempool", "native", "floor"], default="emm")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of shapes")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -62,6 +67,18 @@ def install(framework, args):
     """Makes emm the framework's allocator (``torch`` or ``cupy``) when ``--allocator emm`` runs
     on the GPU."""
     if args.allocator == "native" or args.device != "cuda":
+        return
+    if args.allocator == "floor":
+        import os
+
+        path = os.environ.get("EMM_TORCH_FLOOR")
+        if framework != "torch" or not path:
+            fail("--allocator floor is PyTorch's, and needs EMM_TORCH_FLOOR: the path of "
+                 "python/bench/torch_floor.c built as a shared library (the command is in it)")
+        import torch
+
+        torch.cuda.memory.change_current_allocator(
+            torch.cuda.memory.CUDAPluggableAllocator(path, "floor_malloc", "floor_free"))
         return
     if args.allocator == "emm-mempool":
         if framework != "torch":
@@ -117,7 +134,9 @@ def torch_figures(torch, args, use=None):
     if args.device != "cuda":
         return {}
     torch.cuda.synchronize()
-    if args.allocator == "native":
+    if args.allocator == "floor":
+        out = {}
+    elif args.allocator == "native":
         out = {
             "max_allocated": torch.cuda.max_memory_allocated(),
             "max_reserved": torch.cuda.max_memory_reserved(),
@@ -141,8 +160,9 @@ def counters(torch, args):
     """What the allocator did so far, under PyTorch's allocator or emm's: allocations served,
     live bytes now and at their peak, bytes held from the driver now and at their peak, driver
     allocations and frees, the bytes given back to the driver, and under emm the waits its pool
-    made, on the GPU for another stream's work and on the host (``{}`` on the CPU)."""
-    if args.device != "cuda":
+    made, on the GPU for another stream's work and on the host (``{}`` on the CPU, and under
+    the floor allocator, of which PyTorch counts nothing)."""
+    if args.device != "cuda" or args.allocator == "floor":
         return {}
     if args.allocator == "native":
         st = torch.cuda.memory_stats()

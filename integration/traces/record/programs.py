@@ -5,6 +5,11 @@ by side: peak memory held over peak live, driver allocations and frees (and per 
 allocations after warm-up), bytes given back to the driver, emm's waits (``waits``: on the GPU
 for another stream's work / on the host for a stream's), and time per step.
 
+``--allocators`` may also name ``torch-async`` (PyTorch's native interface over the driver's
+stream-ordered pool) and ``torch-floor`` (its pluggable interface over the same pool and nothing
+else), which run only when named: their difference is what the pluggable interface emm uses
+costs by itself.
+
     python3 programs.py [--programs transformer,cnn,...] [--allocators torch,...]
                         [--rounds N] [--log-dir DIR] [--out results.jsonl]
     python3 programs.py --table results.jsonl      # the table of an earlier run
@@ -47,6 +52,16 @@ ALLOCATORS = {
     "vmm-pool": ("emm", {"EMM_MEMORY_MANAGER": "vmm-pool"}),
 }
 
+# Run only when named (--allocators): PyTorch over the driver's stream-ordered pool, through its
+# native interface (`torch-async`) and through the pluggable one that emm uses, with nothing
+# else around the driver's calls (`torch-floor`, python/bench/torch_floor.c built as a shared
+# library named by EMM_TORCH_FLOOR): their difference is the pluggable interface's own cost.
+EXTRA_ALLOCATORS = {
+    "torch-async": ("native", {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
+    "torch-floor": ("floor", {}),
+}
+KNOWN = {**ALLOCATORS, **EXTRA_ALLOCATORS}
+
 # The targets of performance.md for a program run on the GPU.
 HELD_TARGET = {"pool": 1.25, "vmm-pool": 1.10}
 DRIVER_PER_100 = 1.0
@@ -55,7 +70,7 @@ STEP_TARGET = 1.03
 
 def run(program, allocator, log_dir, timeout):
     script, extra = PROGRAMS[program]
-    flag, env = ALLOCATORS[allocator]
+    flag, env = KNOWN[allocator]
     env = dict(os.environ, **env)
     log = None
     if log_dir and flag == "emm":
@@ -152,7 +167,7 @@ def table(results):
                         default=None)
         expandable = by.get((program, "torch-expandable"))
         exp_ratio = figures(expandable[0])["held_over_live"] if expandable else None
-        for allocator in ALLOCATORS:
+        for allocator in KNOWN:
             runs = by.get((program, allocator))
             if not runs:
                 continue
@@ -232,8 +247,8 @@ def main():
         if name not in PROGRAMS:
             p.error(f"unknown program {name!r}; the programs are {', '.join(PROGRAMS)}")
     for name in allocators:
-        if name not in ALLOCATORS:
-            p.error(f"unknown allocator {name!r}; the allocators are {', '.join(ALLOCATORS)}")
+        if name not in KNOWN:
+            p.error(f"unknown allocator {name!r}; the allocators are {', '.join(KNOWN)}")
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
     results = []
