@@ -2,9 +2,12 @@
  * monotonic clock: what the two functions cost without CuPy or ctypes around each call.
  * Called through ctypes.PyDLL, so the GIL stays held, as CuPy holds it.
  *
+ * cloop_torch_pairs does the same for a PyTorch pluggable allocator's two functions.
+ *
  *     cc -O2 -shared -fPIC -o libcloop.so cloop.c
  */
 #include <stddef.h>
+#include <sys/types.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -41,5 +44,27 @@ double cloop_calls(uintptr_t f, long n) {
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     (void)sink;
+    return ((double)(t1.tv_sec - t0.tv_sec) * 1e9 + (double)(t1.tv_nsec - t0.tv_nsec)) / (double)n;
+}
+
+typedef void *(*torch_malloc_fn)(ssize_t size, int device, void *stream);
+typedef void (*torch_free_fn)(void *ptr, ssize_t size, int device, void *stream);
+
+/* Nanoseconds per pair over `n` pairs of `size` bytes on device 0 and `stream`, through a
+ * PyTorch pluggable allocator's malloc and free (emm_torch_malloc and emm_torch_free, or
+ * torch_floor.c's); -1 if a malloc returned null. */
+double cloop_torch_pairs(uintptr_t m, uintptr_t f, size_t size, long n, uintptr_t stream) {
+    torch_malloc_fn do_malloc = (torch_malloc_fn)m;
+    torch_free_fn do_free = (torch_free_fn)f;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (long i = 0; i < n; i++) {
+        void *p = do_malloc((ssize_t)size, 0, (void *)stream);
+        if (p == NULL) {
+            return -1.0;
+        }
+        do_free(p, (ssize_t)size, 0, (void *)stream);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
     return ((double)(t1.tv_sec - t0.tv_sec) * 1e9 + (double)(t1.tv_nsec - t0.tv_nsec)) / (double)n;
 }
