@@ -708,7 +708,7 @@ if programs_run:
         held = "; ".join(f"{p} {names[a]} {prog_fig[(p, a)]['rounds_held'][0]:.3f} – {prog_fig[(p, a)]['rounds_held'][1]:.3f}"
                          for p, a in from_rounds if a in ("pool", "vmm-pool") and "rounds_held" in prog_fig[(p, a)])
         w("")
-        w(f"† The fastest of {' or '.join(map(str, counts))} rounds in {'a call of its own' if rounds_run else 'a later call'} "
+        w(f"† The fastest of {' or '.join(map(str, counts))} rounds in {'a run of its own' if rounds_run else 'a later call'} "
           "(`step-rounds.jsonl`: PyTorch and emm's pools in turn, one process each); the ratio is the median "
           "of each round's ratio to PyTorch's in the same round (" + spread + "); these programs' step varies "
           f"by more than the target from run to run. The one run's ratios were: {one_run}. Held over peak "
