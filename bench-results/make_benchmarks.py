@@ -314,7 +314,7 @@ if programs_run:
             same_round = programs_module.round_ratios(rs, prog[(p, "torch")])
             if same_round:
                 prog_fig[(p, a)]["vs_rounds"] = statistics.median(same_round)
-            helds = [h for h in (programs_module.figures(r)["held_over_live"] for r in rs) if h]
+            helds = programs_module.round_helds(rs)
             if len(helds) > 1:
                 prog_fig[(p, a)]["held_worst"] = max(helds)
     # A run folder's step-rounds.jsonl (--rounds's, else the programs run's own) holds rounds
@@ -334,7 +334,7 @@ if programs_run:
             if same_round:
                 prog_fig[(p, a)]["vs_rounds"] = statistics.median(same_round)
                 prog_fig[(p, a)]["vs_spread"] = (min(same_round), max(same_round))
-            helds = [h for h in (programs_module.figures(r)["held_over_live"] for r in rs) if h]
+            helds = programs_module.round_helds(rs)
             if helds:
                 prog_fig[(p, a)]["rounds_held"] = (min(helds), max(helds))
     programs_present = [p for p in PROGRAM_ORDER if (p, "torch") in prog_fig]

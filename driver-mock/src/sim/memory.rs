@@ -296,10 +296,16 @@ impl World {
         if a.pooled {
             return self.free_pool_allocation(pid, ptr);
         }
-        let a = self.devices[i].remove(i, ptr).expect("found above");
+        Ok(self.drop_device_alloc(i, ptr))
+    }
+
+    /// Removes the plain allocation at `ptr` from device `i`'s allocations and gives up its
+    /// store; returns its size.
+    fn drop_device_alloc(&mut self, i: usize, ptr: u64) -> usize {
+        let a = self.devices[i].remove(i, ptr).expect("a live allocation");
         self.note_if_imported(a.store);
         self.drop_store(a.store);
-        Ok(a.size)
+        a.size
     }
 
     /// The device whose allocations hold process `pid`'s allocation at `ptr` (unified
@@ -334,12 +340,9 @@ impl World {
         let Some(i) = self.device_of(pid, ptr) else {
             return;
         };
-        if !self.devices[i].allocs[&ptr].free_queued {
-            return;
+        if self.devices[i].allocs[&ptr].free_queued {
+            self.drop_device_alloc(i, ptr);
         }
-        let a = self.devices[i].remove(i, ptr).expect("found above");
-        self.note_if_imported(a.store);
-        self.drop_store(a.store);
     }
 
     /// The owner gives up the allocation backed by `store`: if another process still maps it

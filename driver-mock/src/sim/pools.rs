@@ -23,6 +23,7 @@ fn p_host(w: &World, pid: usize, h: u64) -> (bool, bool) {
 use super::Note;
 use super::config::PAGE_SIZE;
 use super::memory::SimAlloc;
+use super::streams::Work;
 use super::world::{Object, World, context, device_index};
 
 /// A block freed to a stream-ordered pool: reusable at once on the stream it was freed on,
@@ -664,7 +665,7 @@ impl World {
                 .queue_device_free(pid, ptr.0)
                 .ok_or(code::INVALID_VALUE)?;
             note.bytes = Some(size);
-            return self.enqueue_alloc_free(pid, i, stream, ptr.0);
+            return self.enqueue(pid, i, stream, Work::AllocFreed { ptr: ptr.0 });
         };
         if let Some(a) = self.devices[device].allocs.get(&ptr.0) {
             self.note_if_imported(a.store);
@@ -692,7 +693,7 @@ impl World {
             ready: false,
             id,
         });
-        self.enqueue_pool_free(pid, i, stream, id)
+        self.enqueue(pid, i, stream, Work::PoolFreed { id })
     }
 
     /// `cuMemPoolExportToShareableHandle`: [`Driver::mem_pool_export_fd`](driver_sys::Driver::mem_pool_export_fd) in the model.

@@ -274,30 +274,6 @@ impl World {
         self.drop_graphs_of(pid, device);
     }
 
-    /// Queues the point where the pool block of free `id` on `stream` becomes reusable
-    /// elsewhere.
-    pub(super) fn enqueue_pool_free(
-        &mut self,
-        pid: usize,
-        device: usize,
-        stream: StreamHandle,
-        id: u64,
-    ) -> Result<(), u32> {
-        self.enqueue(pid, device, stream, Work::PoolFreed { id })
-    }
-
-    /// Queues the free of the `cuMemAlloc` allocation at `ptr` on `stream`
-    /// ([`Work::AllocFreed`]).
-    pub(super) fn enqueue_alloc_free(
-        &mut self,
-        pid: usize,
-        device: usize,
-        stream: StreamHandle,
-        ptr: u64,
-    ) -> Result<(), u32> {
-        self.enqueue(pid, device, stream, Work::AllocFreed { ptr })
-    }
-
     /// Queues `work` on `stream` with the legacy stream's implicit waits.
     pub(super) fn enqueue(
         &mut self,

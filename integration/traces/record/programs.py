@@ -105,6 +105,11 @@ def round_ratios(runs, base_runs):
             if r.get("step_ms_median") and base.get(r.get("round"))]
 
 
+def round_helds(runs):
+    """Each round's peak held over peak live, for the rounds that say."""
+    return [h for h in (figures(r)["held_over_live"] for r in runs) if h is not None]
+
+
 def figures(r):
     """The table's figures of one result line."""
     c, w = r.get("counters") or {}, r.get("counters_warm") or {}
@@ -185,7 +190,7 @@ def table(results):
             same_round = round_ratios(runs, base_runs)
             if len(same_round) > 1:
                 vs = statistics.median(same_round)
-            helds = [h for h in (figures(r)["held_over_live"] for r in runs) if h is not None]
+            helds = round_helds(runs)
             checks = []
             if base is not None and allocator != "torch" and not agree(runs[0], base):
                 checks.append("RESULTS DIFFER")

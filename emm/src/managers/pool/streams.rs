@@ -1009,9 +1009,6 @@ impl PoolShared {
         let err = |e| EmmError::driver("reclaiming stream-ordered blocks", self.cx.device, e);
         let mut k = 0;
         while k < lists.waiting.len() {
-            if wait {
-                self.totals.host_waits.fetch_add(1, Ordering::Relaxed);
-            }
             if !self
                 .fences
                 .finished(&mut lists.waiting[k].2, wait)
@@ -1019,6 +1016,10 @@ impl PoolShared {
             {
                 k += 1;
                 continue;
+            }
+            if wait {
+                // Counted once the wait succeeded, as `wait_on_host` counts.
+                self.totals.host_waits.fetch_add(1, Ordering::Relaxed);
             }
             let (addr, size, fence) = lists.waiting.swap_remove(k);
             self.fences.recycle(fence);
