@@ -27,9 +27,13 @@ described by `run.txt`'s `step_rounds` line): those programs' steps are the fast
 compared with PyTorch's by the median of each round's ratio to PyTorch's in the same round, and
 the table marks them.
 
-With `--rounds DIR`, those rounds come from a run folder of their own (its `step-rounds.jsonl`
-and `run.txt`) instead of `--programs`'s; the table's note gives each ratio's spread over the
-rounds and the held memory the rounds saw.
+With `--rounds DIR` (once or more), those rounds come from run folders of their own (each its
+`step-rounds.jsonl` and `run.txt`) instead of `--programs`'s, their rounds pooled: a ratio is
+always taken within one round of one folder. The table's note gives each ratio's spread over
+the rounds, a 90 % bootstrap interval of its median, and the held memory the rounds saw; where
+the rounds also ran PyTorch over the driver's stream-ordered pool (`torch-async`, `torch-floor`)
+the note gives their ratios, and a folder's `torch-c-loop.jsonl` (python/bench/torch_c_loop.py)
+the cost of a pair of emm.torch's C functions and of the floor's.
 
 With `--logged DIR` (once or more), the replay of logged programs against their GPU runs comes
 from later runs of their own (`run.txt`, `programs-logged.jsonl`, `replay-sim.csv`) instead of
@@ -43,6 +47,7 @@ import csv
 import json
 import math
 import os
+import random
 import statistics
 import sys
 
@@ -62,10 +67,10 @@ while "--logged" in args:
     k = args.index("--logged")
     logged_runs.append(args[k + 1].rstrip("/"))
     del args[k:k + 2]
-rounds_run = None
-if "--rounds" in args:
+rounds_runs = []
+while "--rounds" in args:
     k = args.index("--rounds")
-    rounds_run = args[k + 1].rstrip("/")
+    rounds_runs.append(args[k + 1].rstrip("/"))
     del args[k:k + 2]
 sleep_run = None
 if "--sleep" in args:
@@ -75,6 +80,14 @@ if "--sleep" in args:
 run = args[0].rstrip("/")
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 rel_run = os.path.relpath(os.path.abspath(run), root)
+
+
+def median_interval(values, draws=4000):
+    """A 90 % bootstrap interval of the median of `values` (resampled with a fixed seed, so
+    that the page is the same from one generation to the next)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[draws // 20], medians[draws - 1 - draws // 20]
 
 
 def run_info(folder):
@@ -172,14 +185,15 @@ if programs_run:
     page_args += cite_run(programs_run, "programs",
                           "**Memory held by real programs** (its section and target rows) comes",
                           also=[("step_rounds", "Step rounds")])
-if rounds_run:
+for rounds_run in rounds_runs:
     page_args += cite_run(rounds_run, "rounds",
-                          "**The step rounds** (the memory table's steps marked †) come",
+                          "**The step rounds** (the memory table's steps marked †, pooled with "
+                          "those of any other such run) come",
                           also=[("step_rounds", "Step rounds")])
 for logged_run in logged_runs:
     lead = (f"**The logged programs replayed** (the memory section's last table, its rows of "
             f"{run_info(logged_run)['commit'].split()[0]}) come")
-    if logged_run == rounds_run:
+    if logged_run in rounds_runs:
         rel = os.path.relpath(os.path.abspath(logged_run), root)
         w(f"- {lead} from the step rounds' run. Replayed: {run_info(logged_run)['replay']}.")
         page_args += f" --logged {rel}"
@@ -317,15 +331,22 @@ if programs_run:
             helds = programs_module.round_helds(rs)
             if len(helds) > 1:
                 prog_fig[(p, a)]["held_worst"] = max(helds)
-    # A run folder's step-rounds.jsonl (--rounds's, else the programs run's own) holds rounds
-    # of some programs under PyTorch and emm's pools in turn: their steps (the fastest round)
+    # Run folders' step-rounds.jsonl (--rounds's, else the programs run's own) hold rounds of
+    # some programs under PyTorch and emm's pools in turn: their steps (the fastest round)
     # replace the one run's, compared with PyTorch's by the median of the same-round ratios.
+    # A round is named by its folder too, so that rounds of several folders pool.
     step_rounds = {}
-    rounds_path = os.path.join(rounds_run or programs_run, "step-rounds.jsonl")
-    if os.path.exists(rounds_path):
-        for line in open(rounds_path):
-            r = json.loads(line)
-            step_rounds.setdefault((r["program"], r["allocator"]), []).append(r)
+    c_loops = []
+    for i, folder in enumerate(rounds_runs or [programs_run]):
+        rounds_path = os.path.join(folder, "step-rounds.jsonl")
+        if os.path.exists(rounds_path):
+            for line in open(rounds_path):
+                r = json.loads(line)
+                r["round"] = (i, r.get("round"))
+                step_rounds.setdefault((r["program"], r["allocator"]), []).append(r)
+        c_loop_path = os.path.join(folder, "torch-c-loop.jsonl")
+        if os.path.exists(c_loop_path):
+            c_loops += [json.loads(line) for line in open(c_loop_path) if line.strip()]
     for (p, a), rs in step_rounds.items():
         if (p, "torch") in step_rounds and (p, a) in prog_fig:
             prog_fig[(p, a)]["step_ms"] = min(r["step_ms_median"] for r in rs if r.get("step_ms_median"))
@@ -334,6 +355,7 @@ if programs_run:
             if same_round:
                 prog_fig[(p, a)]["vs_rounds"] = statistics.median(same_round)
                 prog_fig[(p, a)]["vs_spread"] = (min(same_round), max(same_round))
+                prog_fig[(p, a)]["vs_interval"] = median_interval(same_round)
             helds = programs_module.round_helds(rs)
             if helds:
                 prog_fig[(p, a)]["rounds_held"] = (min(helds), max(helds))
@@ -704,15 +726,40 @@ if programs_run:
         one_run = "; ".join(f"{p} {names[a]} {prog_fig[(p, a)]['run_step_ms'] / prog_fig[(p, 'torch')]['run_step_ms']:.3f}"
                             for p, a in from_rounds if a != "torch")
         spread = "; ".join(f"{p} {names[a]} {prog_fig[(p, a)]['vs_spread'][0]:.3f} – {prog_fig[(p, a)]['vs_spread'][1]:.3f}"
+                           f" (median's interval {prog_fig[(p, a)]['vs_interval'][0]:.3f} – {prog_fig[(p, a)]['vs_interval'][1]:.3f})"
                            for p, a in from_rounds if a != "torch" and "vs_spread" in prog_fig[(p, a)])
         held = "; ".join(f"{p} {names[a]} {prog_fig[(p, a)]['rounds_held'][0]:.3f} – {prog_fig[(p, a)]['rounds_held'][1]:.3f}"
                          for p, a in from_rounds if a in ("pool", "vmm-pool") and "rounds_held" in prog_fig[(p, a)])
         w("")
-        w(f"† The fastest of {' or '.join(map(str, counts))} rounds in {'a run of its own' if rounds_run else 'a later call'} "
+        where = ("runs of their own" if len(rounds_runs) > 1 else "a run of its own") if rounds_runs else "a later call"
+        w(f"† The fastest of {' or '.join(map(str, counts))} rounds in {where} "
           "(`step-rounds.jsonl`: PyTorch and emm's pools in turn, one process each); the ratio is the median "
-          "of each round's ratio to PyTorch's in the same round (" + spread + "); these programs' step varies "
+          "of each round's ratio to PyTorch's in the same round (its range over the rounds, and a 90 % "
+          "bootstrap interval of the median: " + spread + "); these programs' step varies "
           f"by more than the target from run to run. The one run's ratios were: {one_run}. Held over peak "
           f"live in those rounds: {held}.")
+        floors = []
+        for p in programs_present:
+            for a, what in (("torch-async", "through its native interface (`torch-async`)"),
+                            ("torch-floor", "through the pluggable interface emm uses, with nothing else (`torch-floor`)")):
+                same_round = programs_module.round_ratios(step_rounds.get((p, a), []), step_rounds.get((p, "torch"), []))
+                if same_round:
+                    lo, hi = median_interval(same_round)
+                    floors.append(f"{p} {what} {statistics.median(same_round):.3f} ({len(same_round)} rounds, "
+                                  f"{min(same_round):.3f} – {max(same_round):.3f}; median's interval {lo:.3f} – {hi:.3f})")
+        if floors:
+            w("")
+            w("PyTorch over the driver's stream-ordered pool in the same rounds, over PyTorch's own step: "
+              + "; ".join(floors) + ".")
+        if c_loops:
+            def pair_range(key):
+                vals = [r[k] for r in c_loops for k in r if k.startswith(key + "_")]
+                return f"{min(vals):.0f} – {max(vals):.0f} ns"
+            managers = ", ".join(sorted({f"`{r['manager']}`" for r in c_loops}))
+            w("")
+            w(f"A pair of emm.torch's C functions from a C loop on the GPU (`python/bench/torch_c_loop.py`, "
+              f"256 B and 1 MiB, under {managers}): {pair_range('emm')}; the floor's pair (`cuMemAllocAsync` "
+              f"and `cuMemFreeAsync`): {pair_range('floor')}.")
     phase = prog.get(("phase", "pool"), [{}])[0]
     if "held_after_empty_cache" in phase:
         after = {a: prog[("phase", a)][0]["held_after_empty_cache"] / 2**20 for a in ALLOCATOR_ORDER if ("phase", a) in prog}
