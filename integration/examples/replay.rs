@@ -25,7 +25,8 @@
 //! Each row: the trace, the manager, its peak live bytes (from the replay), the peak device
 //! memory the driver counted as used (`total - free`, read after every allocation) and its
 //! ratio to peak live, the most the manager's pool said it held, the driver's allocations and
-//! frees (simulator only), the waits the pool counted (on the GPU for another stream's work, on
+//! frees and, where there were any, its mappings made and taken down (`cuMemMap`, `cuMemUnmap`:
+//! `vmm-pool` moving pieces; simulator only), the waits the pool counted (on the GPU for another stream's work, on
 //! the host for a stream's: `PoolStats::stream_waits`, `host_waits`), allocations and frees
 //! per second (time in the manager's calls alone), the largest free block the pool reported at
 //! the held peak, and, with `--passes`, every pass's peak held and what was held after the
@@ -154,7 +155,7 @@ fn options() -> Result<Options, String> {
 
 const MIB: f64 = (1 << 20) as f64;
 
-const HEADER: &str = "trace,manager,driver,events,peak_live_bytes,peak_held_bytes,held_over_live,pool_peak_held_bytes,driver_allocations,driver_frees,ops_per_second,largest_free_at_peak_bytes,held_after_bytes,pass_peak_held_bytes,stream_waits,host_waits";
+const HEADER: &str = "trace,manager,driver,events,peak_live_bytes,peak_held_bytes,held_over_live,pool_peak_held_bytes,driver_allocations,driver_frees,ops_per_second,largest_free_at_peak_bytes,held_after_bytes,pass_peak_held_bytes,stream_waits,host_waits,driver_maps,driver_unmaps";
 
 /// A figure for the CSV, empty where there is none.
 fn opt<T: ToString>(v: Option<T>) -> String {
@@ -169,7 +170,7 @@ fn csv_row(trace: &str, driver: &str, events: usize, r: &ManagerReplay) -> Strin
         .map(|p| p.peak_held_bytes.to_string())
         .collect();
     format!(
-        "{trace},{},{driver},{events},{},{},{:.4},{},{},{},{:.0},{},{},{},{},{}",
+        "{trace},{},{driver},{events},{},{},{:.4},{},{},{},{:.0},{},{},{},{},{},{},{}",
         r.manager,
         first.peak_live_bytes,
         r.peak_held(),
@@ -183,6 +184,8 @@ fn csv_row(trace: &str, driver: &str, events: usize, r: &ManagerReplay) -> Strin
         passes.join(" "),
         opt(r.pool_waits.map(|w| w.0)),
         opt(r.pool_waits.map(|w| w.1)),
+        opt(r.mappings.map(|m| m.0)),
+        opt(r.mappings.map(|m| m.1)),
     )
 }
 
@@ -200,6 +203,9 @@ fn print_row(trace: &str, r: &ManagerReplay) {
     }
     if let Some((a, f)) = r.driver_calls {
         let _ = write!(line, "  driver {a} allocs {f} frees");
+    }
+    if let Some((maps, unmaps)) = r.mappings.filter(|&(m, u)| m + u > 0) {
+        let _ = write!(line, " {maps} maps {unmaps} unmaps");
     }
     if let Some((gpu, host)) = r.pool_waits {
         let _ = write!(line, "  waits {gpu} GPU {host} host");

@@ -179,6 +179,13 @@ pub struct ManagerReplay {
     pub driver_calls: Option<(usize, usize)>,
     /// The driver allocations of each pass, in order, where the driver counts them.
     pub pass_driver_allocations: Vec<usize>,
+    /// Mappings made and taken down over all passes (`cuMemMap`, `cuMemUnmap`: `vmm-pool`
+    /// maps each new piece, and unmaps a piece to move it where a growth needs it or to give
+    /// it back), where the driver counts them. Each is a driver call on the allocating
+    /// thread, as costly as an allocation, though neither gives the process memory.
+    pub mappings: Option<(usize, usize)>,
+    /// The `cuMemUnmap` calls of each pass, in order, where the driver counts them.
+    pub pass_unmaps: Vec<usize>,
     /// The most the manager's device pool said it held, where it has one.
     pub pool_peak_held: Option<usize>,
     /// The waits the manager's device pool counted over all passes, on the GPU for another
@@ -269,13 +276,15 @@ pub fn replay_under(
     let ctx = runtime
         .context(DeviceOrdinal(0))
         .map_err(|e| format!("{manager}: {e}"))?;
-    let before = sim.map(|s| (s.total_calls(), count(s, &ALLOCATING), count(s, &FREEING)));
+    let before = sim.map(|s| (count(s, &ALLOCATING), count(s, &FREEING)));
+    let mapped_before = sim.map(|s| (s.count(Op::MemMap), s.count(Op::MemUnmap)));
     let mut replayer = Replayer::new(&ctx).map_err(|e| format!("{manager}: {e}"))?;
     let mut reports = Vec::with_capacity(passes);
     let progress = has_progress(events);
     let mut pass_driver_allocations = Vec::with_capacity(passes);
+    let mut pass_unmaps = Vec::with_capacity(passes);
     for _ in 0..passes {
-        let allocated = sim.map(|s| count(s, &ALLOCATING));
+        let allocated = sim.map(|s| (count(s, &ALLOCATING), s.count(Op::MemUnmap)));
         // The simulator runs streams' queued work when asked: after every event, as a GPU
         // keeps up with a program that gives it no work of its own (or, with the log's
         // progress, as far as the stand-ins of the program's work let it).
@@ -295,13 +304,17 @@ pub fn replay_under(
             None => replayer.pass_with(events, run),
         };
         reports.push(report.map_err(|e| format!("{manager}: {e}"))?);
-        if let (Some(s), Some(before)) = (sim, allocated) {
-            pass_driver_allocations.push(count(s, &ALLOCATING) - before);
+        if let (Some(s), Some((allocations, unmaps))) = (sim, allocated) {
+            pass_driver_allocations.push(count(s, &ALLOCATING) - allocations);
+            pass_unmaps.push(s.count(Op::MemUnmap) - unmaps);
         }
     }
     let driver_calls = sim
         .zip(before)
-        .map(|(s, (_, a, f))| (count(s, &ALLOCATING) - a, count(s, &FREEING) - f));
+        .map(|(s, (a, f))| (count(s, &ALLOCATING) - a, count(s, &FREEING) - f));
+    let mappings = sim
+        .zip(mapped_before)
+        .map(|(s, (m, u))| (s.count(Op::MemMap) - m, s.count(Op::MemUnmap) - u));
     let pool = ctx.pool_stats().device;
     let pool_peak_held = pool.map(|s| s.peak_held_bytes);
     let pool_waits = pool.map(|s| (s.stream_waits, s.host_waits));
@@ -312,6 +325,8 @@ pub fn replay_under(
         passes: reports,
         driver_calls,
         pass_driver_allocations,
+        mappings,
+        pass_unmaps,
         pool_peak_held,
         pool_waits,
     })
