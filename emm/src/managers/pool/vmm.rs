@@ -189,7 +189,7 @@ impl VmmSpace {
                 reason: format!(
                     "{piece} bytes is not a power of two that is a multiple of device {}'s \
                      granularity ({granularity} bytes); give one (EMM_VMM_PIECE=32MiB) or \
-                     leave it unset for the granularity",
+                     leave it unset for pieces sized to each growth",
                     cx.device
                 ),
             });
