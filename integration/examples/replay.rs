@@ -17,6 +17,9 @@
 //!                         less MS), in place of what the log recorded
 //!   --pool-chunk SIZE     `pool`'s chunk size (`PoolConfig::chunk_size`: the most it grows by
 //!                         at once, default 128MiB), to weigh memory held against driver calls
+//!   --vmm-piece SIZE      the size of every piece `vmm-pool` maps (`PoolConfig::vmm_piece`, a
+//!                         power of two from 2MiB; by default a sixteenth of each growth), to
+//!                         weigh memory held against the pieces it maps and moves
 //! ```
 //!
 //! On the simulator, a log with the `log` adaptor's `Reached` column replays with the GPU's
@@ -52,7 +55,7 @@ struct Options {
 }
 
 const USAGE: &str = "usage: replay [--corpus] [--manager M[,M...]] [--driver sim|cuda] \
-                     [--device-memory SIZE] [--passes N] [--csv FILE] [--lag MS] [--pool-chunk SIZE] [LOG ...]";
+                     [--device-memory SIZE] [--passes N] [--csv FILE] [--lag MS] [--pool-chunk SIZE] [--vmm-piece SIZE] [LOG ...]";
 
 fn parse_size(text: &str) -> Result<usize, String> {
     let t = text.trim();
@@ -134,7 +137,13 @@ fn options() -> Result<Options, String> {
             "--pool-chunk" => {
                 o.pool_config = Some(PoolConfig {
                     chunk_size: parse_size(&value(&mut args, "--pool-chunk")?)?,
-                    ..PoolConfig::default()
+                    ..o.pool_config.unwrap_or_default()
+                })
+            }
+            "--vmm-piece" => {
+                o.pool_config = Some(PoolConfig {
+                    vmm_piece: Some(parse_size(&value(&mut args, "--vmm-piece")?)?),
+                    ..o.pool_config.unwrap_or_default()
                 })
             }
             "-h" | "--help" => {

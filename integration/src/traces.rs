@@ -256,7 +256,8 @@ pub fn has_progress(events: &[ReplayEvent]) -> bool {
 /// that says how far the GPU had got replays with that progress ([`Replayer::pass_recorded`]):
 /// streams are busy where they were, and the frees of fenced memory become reusable when they
 /// did; other logs replay with every stream's work done after each event. `pool_config`, when
-/// given, configures the `pool` manager in place of [`PoolConfig::default`].
+/// given, configures the `pool` manager in place of [`PoolConfig::default`], and where it sets
+/// [`PoolConfig::vmm_piece`], `vmm-pool`'s pieces too (its other fields [`PoolConfig::vmm`]'s).
 pub fn replay_under(
     driver: Arc<dyn Driver>,
     sim: Option<&SimDriver>,
@@ -268,6 +269,12 @@ pub fn replay_under(
     let mut builder = Runtime::builder(driver).ignore_env();
     if let Some(config) = pool_config {
         builder = builder.register_manager(PoolAllocator::factory_with(POOL_MANAGER, config));
+        if config.vmm_piece.is_some() {
+            builder = builder.register_manager(PoolAllocator::vmm_factory_with(PoolConfig {
+                vmm_piece: config.vmm_piece,
+                ..PoolConfig::vmm()
+            }));
+        }
     }
     let runtime = builder
         .memory_manager_name(manager)
