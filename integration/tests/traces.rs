@@ -235,11 +235,11 @@ const UNMAPS_PER_100: f64 = 10.0;
 /// with that progress under `pool` and `vmm-pool`: peak held within the manager's bound on
 /// every pass, passes that hold little more than the first and settle, and, once a pass has
 /// been replayed, at most [`DRIVER_ALLOCATIONS_PER_100`] driver allocations and
-/// [`UNMAPS_PER_100`] mappings taken down per 100 allocations, and over all passes at most [`STREAM_WAITS_PER_100`] and
-/// [`HOST_WAITS_PER_100`] waits. Replayed
-/// without the progress, these programs' logs showed none of what `pool` did on the GPU (1.7
-/// to 2.6 times peak live, a driver allocation and free per dozen allocations): the progress
-/// is what makes the stream busy when the pool decides. The other managers are not held to
+/// [`UNMAPS_PER_100`] mappings taken down per 100 allocations, and over all passes at most
+/// [`STREAM_WAITS_PER_100`] and [`HOST_WAITS_PER_100`] waits. Replayed without the progress,
+/// these programs' logs showed none of what `pool` did on the GPU (1.7 to 2.6 times peak
+/// live, a driver allocation and free per dozen allocations): the progress is what makes the
+/// stream busy when the pool decides. The other managers are not held to
 /// these bounds: `default` frees each block once the GPU has passed it (on the phase-change
 /// program it holds 3.4 times peak live while the GPU lags), and the `async-pool` family holds
 /// what the driver's pool decides; the corpus above holds them to PyTorch's figures.
