@@ -28,12 +28,12 @@
 //! Each row: the trace, the manager, its peak live bytes (from the replay), the peak device
 //! memory the driver counted as used (`total - free`, read after every allocation) and its
 //! ratio to peak live, the most the manager's pool said it held, the driver's allocations and
-//! frees and, where there were any, its mappings made and taken down (`cuMemMap`, `cuMemUnmap`:
-//! `vmm-pool` moving pieces; simulator only), the waits the pool counted (on the GPU for another stream's work, on
-//! the host for a stream's: `PoolStats::stream_waits`, `host_waits`), allocations and frees
-//! per second (time in the manager's calls alone), the largest free block the pool reported at
-//! the held peak, and, with `--passes`, every pass's peak held and what was held after the
-//! last one.
+//! frees and, where there were any, its mappings made and taken down (`cuMemMap`,
+//! `cuMemUnmap`: `vmm-pool` moving pieces; simulator only), the waits the pool counted (on the
+//! GPU for another stream's work, on the host for a stream's: `PoolStats::stream_waits`,
+//! `host_waits`), allocations and frees per second (time in the manager's calls alone), the
+//! largest free block the pool reported at the held peak, and, with `--passes`, every pass's
+//! peak held and what was held after the last one.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;

@@ -208,6 +208,38 @@ const ALLOCATING: [Op; 4] = [
 ];
 const FREEING: [Op; 3] = [Op::MemFree, Op::MemFreeAsync, Op::MemRelease];
 
+/// The simulator's counts of the calls a replay reports, at one moment: those that give
+/// device memory and take it back ([`ALLOCATING`], [`FREEING`]), and mappings made and taken
+/// down (`cuMemMap`, `cuMemUnmap`).
+#[derive(Clone, Copy)]
+struct CallCounts {
+    allocating: usize,
+    freeing: usize,
+    maps: usize,
+    unmaps: usize,
+}
+
+impl CallCounts {
+    fn now(sim: &SimDriver) -> CallCounts {
+        CallCounts {
+            allocating: count(sim, &ALLOCATING),
+            freeing: count(sim, &FREEING),
+            maps: sim.count(Op::MemMap),
+            unmaps: sim.count(Op::MemUnmap),
+        }
+    }
+
+    /// The calls made since `earlier`.
+    fn since(self, earlier: CallCounts) -> CallCounts {
+        CallCounts {
+            allocating: self.allocating - earlier.allocating,
+            freeing: self.freeing - earlier.freeing,
+            maps: self.maps - earlier.maps,
+            unmaps: self.unmaps - earlier.unmaps,
+        }
+    }
+}
+
 /// The simulator's stand-in work for a replay that reproduces the GPU's progress
 /// ([`RecordedWork`]): `launch_recorded` and `reach_recorded` on the replay's context.
 struct SimRecordedWork<'s> {
@@ -283,15 +315,14 @@ pub fn replay_under(
     let ctx = runtime
         .context(DeviceOrdinal(0))
         .map_err(|e| format!("{manager}: {e}"))?;
-    let before = sim.map(|s| (count(s, &ALLOCATING), count(s, &FREEING)));
-    let mapped_before = sim.map(|s| (s.count(Op::MemMap), s.count(Op::MemUnmap)));
+    let before = sim.map(CallCounts::now);
     let mut replayer = Replayer::new(&ctx).map_err(|e| format!("{manager}: {e}"))?;
     let mut reports = Vec::with_capacity(passes);
     let progress = has_progress(events);
     let mut pass_driver_allocations = Vec::with_capacity(passes);
     let mut pass_unmaps = Vec::with_capacity(passes);
     for _ in 0..passes {
-        let allocated = sim.map(|s| (count(s, &ALLOCATING), s.count(Op::MemUnmap)));
+        let pass_start = sim.map(CallCounts::now);
         // The simulator runs streams' queued work when asked: after every event, as a GPU
         // keeps up with a program that gives it no work of its own (or, with the log's
         // progress, as far as the stand-ins of the program's work let it).
@@ -311,17 +342,15 @@ pub fn replay_under(
             None => replayer.pass_with(events, run),
         };
         reports.push(report.map_err(|e| format!("{manager}: {e}"))?);
-        if let (Some(s), Some((allocations, unmaps))) = (sim, allocated) {
-            pass_driver_allocations.push(count(s, &ALLOCATING) - allocations);
-            pass_unmaps.push(s.count(Op::MemUnmap) - unmaps);
+        if let (Some(s), Some(start)) = (sim, pass_start) {
+            let pass = CallCounts::now(s).since(start);
+            pass_driver_allocations.push(pass.allocating);
+            pass_unmaps.push(pass.unmaps);
         }
     }
-    let driver_calls = sim
-        .zip(before)
-        .map(|(s, (a, f))| (count(s, &ALLOCATING) - a, count(s, &FREEING) - f));
-    let mappings = sim
-        .zip(mapped_before)
-        .map(|(s, (m, u))| (s.count(Op::MemMap) - m, s.count(Op::MemUnmap) - u));
+    let all = sim.zip(before).map(|(s, b)| CallCounts::now(s).since(b));
+    let driver_calls = all.map(|c| (c.allocating, c.freeing));
+    let mappings = all.map(|c| (c.maps, c.unmaps));
     let pool = ctx.pool_stats().device;
     let pool_peak_held = pool.map(|s| s.peak_held_bytes);
     let pool_waits = pool.map(|s| (s.stream_waits, s.host_waits));
